@@ -1,0 +1,183 @@
+"""Typed schemas behind every config group, registered in Hydra's ConfigStore.
+
+Each YAML file in ``conf/<group>/`` starts its defaults list with its schema, stored by
+:func:`register_schemas` as ``<group>/<kind>_schema``, so a typo in a key or a value of
+the wrong type fails when Hydra composes the config, before any rank is started.  Checks that a type cannot express (``world_size >= 1``, a GPU that exists)
+live in :func:`validate`, which the launcher runs once in the parent process.
+
+Every field is documented right under it; the same names appear in ``result.json``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+class ConfigError(ValueError):
+    """A config value that composes but cannot run; the message names value and choices."""
+
+
+# -------------------------------------------------------------------------- precision
+@dataclass
+class PrecisionConfig:
+    name: str = "32"
+    """32: no autocast. 16: float16 autocast + dynamic loss scaling. bf16: bfloat16 autocast."""
+    init_scale: float = 2.0**16
+    """Initial loss scale for precision=16 (torch default 2**16)."""
+    growth_interval: int = 2000
+    """Steps without inf/nan before the loss scale is doubled (torch default 2000)."""
+    backoff_factor: float = 0.5
+    """Factor applied to the loss scale when an inf/nan gradient is found (torch default)."""
+
+
+# -------------------------------------------------------------------------- optimizer
+@dataclass
+class OptimizerConfig:
+    name: str = MISSING
+    """adam, adamw or sgd (torch.optim classes)."""
+    lr: float = 1e-3
+    """Learning rate of the weight group (2-D weights)."""
+    weight_decay: float = 0.0
+    """Weight decay, applied to the weight group only (biases, norms, embeddings' none)."""
+    no_decay_lr_scale: float = 1.0
+    """Learning rate of the second group (biases and norm gains) as a multiple of lr."""
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    """Adam/AdamW moment decay rates."""
+    eps: float = 1e-8
+    """Adam/AdamW denominator epsilon."""
+    momentum: float = 0.0
+    """SGD momentum (buffers count as optimizer state)."""
+
+
+# ---------------------------------------------------------------------------- trainer
+class Accelerator(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    gpu = "gpu"
+
+
+@dataclass
+class TrainerConfig:
+    world_size: int = 2
+    """Ranks to start (ignored when launched by torchrun/SLURM, which set the ranks)."""
+    accelerator: Accelerator = Accelerator.auto
+    """auto (GPU if CUDA is available), cpu (gloo) or gpu (NCCL, one GPU per rank)."""
+    steps: int = 30
+    """Optimizer steps to run."""
+    warmup_steps: int = 5
+    """First steps excluded from timing (allocator warm-up, lazy init)."""
+    batch_size: int = 32
+    """Samples per rank per micro-batch; the global batch is batch_size*grad_accum*world_size."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step (gradient sync only on the last one)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient L2 norm to this value; 0 turns clipping off."""
+    seed: int = 0
+    """Seed of model initialisation and batch sampling."""
+    log_interval: int = 10
+    """Steps between synced metric logs (loss, accuracy/perplexity)."""
+    progress_bar: bool = True
+    """tqdm progress bar on rank 0."""
+    timeout_s: float = 300.0
+    """Collective timeout: a rank that does not arrive within it ends the job."""
+    save_final_state: bool = False
+    """Write the full (unsharded) final model state to model_final.pt on rank 0."""
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "none"
+    """none or wandb."""
+
+
+# ------------------------------------------------------------------------------- root
+@dataclass
+class Config:
+    strategy: Any = MISSING
+    precision: PrecisionConfig = MISSING
+    model: Any = MISSING
+    optimizer: OptimizerConfig = MISSING
+    data: Any = MISSING
+    trainer: TrainerConfig = MISSING
+    logger: Any = MISSING
+    experiment: Optional[str] = None
+    """Name of the experiment preset, if one was chosen (set by the preset)."""
+
+
+def register_schemas() -> None:
+    """Store every schema in Hydra's ConfigStore as ``<group>/<kind>_schema``.
+
+    The fixed groups' schemas live in this module; strategies, models and data tasks bring
+    their own next to their builders (one module + one YAML file adds one), so they are
+    read from the registries here.
+    """
+    from sharded_exp.data import TASKS
+    from sharded_exp.models import MODELS
+    from sharded_exp.strategies import STRATEGIES
+
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+    cs.store(group="precision", name="precision_schema", node=PrecisionConfig)
+    cs.store(group="optimizer", name="optimizer_schema", node=OptimizerConfig)
+    cs.store(group="trainer", name="trainer_schema", node=TrainerConfig)
+    cs.store(group="logger", name="logger_schema", node=LoggerConfig)
+    for group, registry in (("strategy", STRATEGIES), ("model", MODELS), ("data", TASKS)):
+        for name in registry.names():
+            cs.store(group=group, name=f"{name}_schema", node=registry.config_class(name))
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(cfg) -> int:
+    """Checks a schema cannot express, run once in the parent before any rank starts.
+
+    Builds the model on the meta device (no memory) to catch shape errors and to count
+    parameters, which it returns.
+    """
+    import torch
+
+    from sharded_exp.data import TASKS
+    from sharded_exp.models import MODELS, build_model
+    from sharded_exp.optim import OPTIMIZERS
+    from sharded_exp.precision import PRECISIONS
+    from sharded_exp.strategies import STRATEGIES
+
+    t = cfg.trainer
+    STRATEGIES.builder(cfg.strategy.name)  # raises, naming the registered ones
+    MODELS.builder(cfg.model.name)
+    TASKS.builder(cfg.data.name)
+    _require(cfg.precision.name in PRECISIONS,
+             f"precision={cfg.precision.name!r} is not one of {', '.join(PRECISIONS)}")
+    _require(cfg.optimizer.name in OPTIMIZERS,
+             f"optimizer.name={cfg.optimizer.name!r} is not one of {', '.join(OPTIMIZERS)}")
+    for key in ("world_size", "steps", "batch_size", "grad_accum", "log_interval"):
+        _require(t[key] >= 1, f"trainer.{key}={t[key]} must be >= 1")
+    _require(0 <= t.warmup_steps < t.steps,
+             f"trainer.warmup_steps={t.warmup_steps} must be >= 0 and < trainer.steps={t.steps} "
+             "(steps after warm-up are the timed ones)")
+    _require(t.grad_clip >= 0, f"trainer.grad_clip={t.grad_clip} must be >= 0 (0 turns clipping off)")
+    _require(t.timeout_s > 0, f"trainer.timeout_s={t.timeout_s} must be > 0")
+    _require(cfg.optimizer.lr > 0, f"optimizer.lr={cfg.optimizer.lr} must be > 0")
+    accelerator = str(t.accelerator.value if isinstance(t.accelerator, Enum) else t.accelerator)
+    if accelerator == "gpu":
+        _require(torch.cuda.is_available(),
+                 "trainer.accelerator=gpu but CUDA is not available here; use trainer.accelerator=cpu or auto")
+        gpus = torch.cuda.device_count()
+        _require(t.world_size <= gpus,
+                 f"trainer.world_size={t.world_size} is more than the {gpus} GPU(s) present "
+                 "(one rank per GPU); lower it or use trainer.accelerator=cpu")
+    uses_cuda = accelerator == "gpu" or (accelerator == "auto" and torch.cuda.is_available())
+    if uses_cuda and cfg.precision.name == "bf16":
+        _require(torch.cuda.is_bf16_supported(), "precision=bf16 is not supported by this GPU; use 16 or 32")
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    TASKS.builder(cfg.data.name)(cfg.data, cfg.model, t.batch_size)  # checks model/data match
+    return sum(p.numel() for p in model.parameters())

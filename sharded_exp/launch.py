@@ -1,0 +1,158 @@
+"""Start the ranks of one job and collect its result.
+
+The Hydra job is the parent process. It validates the config once, then either
+
+- spawns ``trainer.world_size`` rank processes that rendezvous through a TCPStore the
+  parent itself holds on a free port (so two jobs on one machine never collide), or
+- when started by torchrun (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set), runs as that one
+  rank and joins the ``env://`` rendezvous torchrun prepared.
+
+Ranks receive the resolved config as plain data: spawned children have no HydraConfig.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import traceback
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from omegaconf import DictConfig, OmegaConf
+
+from sharded_exp.trainer import train
+
+
+def torchrun_env() -> Optional[Dict[str, int]]:
+    """Rank layout set by an external launcher (torchrun), or None if we must spawn."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return {
+            "rank": int(os.environ["RANK"]),
+            "world_size": int(os.environ["WORLD_SIZE"]),
+            "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+            "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])),
+        }
+    return None
+
+
+def resolve_device(accelerator: str) -> str:
+    """'cuda' or 'cpu' for trainer.accelerator (validated before this is called)."""
+    if accelerator == "gpu" or (accelerator == "auto" and torch.cuda.is_available()):
+        return "cuda"
+    return "cpu"
+
+
+def _run_rank(
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    local_world_size: int,
+    cfg_data: Dict[str, Any],
+    output_dir: str,
+    store: Optional[Dict[str, Any]],
+    results: Any,
+) -> Optional[Dict[str, Any]]:
+    cfg = OmegaConf.create(cfg_data)
+    device_type = resolve_device(cfg.trainer.accelerator)
+    if device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        # Ranks share the cores: without this each would start one thread per core.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+    timeout = datetime.timedelta(seconds=cfg.trainer.timeout_s)
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if store is not None:
+        tcp = dist.TCPStore(store["host"], store["port"], is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=tcp, rank=rank, world_size=world_size, timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
+    try:
+        payload = train(cfg, device, output_dir)
+    finally:
+        dist.destroy_process_group()
+    if results is not None and payload is not None:
+        results.put(payload)
+    return payload
+
+
+def spawn(cfg_data: Dict[str, Any], world_size: int, output_dir: str) -> Dict[str, Any]:
+    """Run ``world_size`` ranks as child processes; return rank 0's payload or raise."""
+    device_type = resolve_device(cfg_data["trainer"]["accelerator"])
+    # fork is fast on CPU (the parent already imported torch); CUDA requires spawn.
+    start_method = "spawn" if device_type == "cuda" else "fork"
+    ctx = mp.get_context(start_method)
+    results = ctx.SimpleQueue()
+    timeout = datetime.timedelta(seconds=cfg_data["trainer"]["timeout_s"])
+    # The parent holds the rendezvous store on a port the OS picks: no collisions.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    store_addr = {"host": "127.0.0.1", "port": store.port}
+    mp.start_processes(
+        _spawned_entry,
+        args=(world_size, cfg_data, output_dir, store_addr, results),
+        nprocs=world_size,
+        start_method=start_method,
+        join=True,
+    )
+    return results.get()
+
+
+def _spawned_entry(rank, world_size, cfg_data, output_dir, store, results):
+    # start_processes passes the process index first; on one machine it is the local rank.
+    _run_rank(rank, world_size, rank, world_size, cfg_data, output_dir, store, results)
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line naming the failing rank and its exception."""
+    if isinstance(exc, mp.ProcessRaisedException):
+        last = [line for line in exc.msg.strip().splitlines() if line.strip()][-1]
+        return f"rank {exc.error_index}: {last.strip()}"
+    if isinstance(exc, mp.ProcessExitedException):
+        return f"rank {exc.error_index}: process exited with code {exc.exit_code}"
+    return "".join(traceback.format_exception_only(type(exc), exc)).strip()
+
+
+def run_job(cfg: DictConfig, output_dir: str) -> Dict[str, Any]:
+    """Run one job (all its ranks) and return rank 0's payload; raises if a rank failed."""
+    cfg_data = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    env = torchrun_env()
+    if env is None:
+        return spawn(cfg_data, cfg.trainer.world_size, output_dir)
+    return _run_rank(
+        env["rank"], env["world_size"], env["local_rank"], env["local_world_size"], cfg_data, output_dir, None, None
+    )
+
+
+def launch(cfg: DictConfig, output_dir: str) -> Dict[str, Any]:
+    """Validate, run every rank, write ``result.json`` and print the summary table.
+
+    Returns the result; its ``status`` is "ok" or "failed" (with ``error`` naming the rank).
+    Under torchrun only rank 0 writes and prints.
+    """
+    from sharded_exp.config import validate
+    from sharded_exp.results import base_result, summary_table, write_json
+
+    params = validate(cfg)  # raises ConfigError before any rank starts
+    cfg_data = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    env = torchrun_env()
+    if env is not None:
+        cfg_data["trainer"]["world_size"] = env["world_size"]
+    is_writer = env is None or env["rank"] == 0
+    result = base_result(cfg_data, params, output_dir)
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, "result.json")
+    try:
+        payload = run_job(cfg, output_dir)
+        if payload is not None:
+            result.update(payload, status="ok")
+    except Exception as exc:  # a rank failed: record it, then let the caller exit non-zero
+        result.update(status="failed", error=describe_failure(exc))
+        if isinstance(exc, mp.ProcessRaisedException):
+            result["traceback"] = exc.msg
+    if is_writer:
+        write_json(path, result)
+        print(summary_table(result), flush=True)
+    return result

@@ -1,0 +1,44 @@
+"""Optimizer spec: class, parameter groups and defaults, built by each strategy.
+
+Strategies need the pieces rather than a constructed optimizer: fairscale OSS and
+ZeroRedundancyOptimizer take the optimizer *class* and build one per shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Type
+
+import torch
+from torch import nn
+
+OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+
+
+@dataclass
+class OptimizerSpec:
+    cls: Type[torch.optim.Optimizer]
+    param_groups: List[Dict[str, Any]]
+    defaults: Dict[str, Any]
+
+    def build(self) -> torch.optim.Optimizer:
+        return self.cls(self.param_groups, **self.defaults)
+
+
+def optimizer_spec(cfg, module: nn.Module) -> OptimizerSpec:
+    """Two parameter groups, as nanoGPT does: 2-D weights decay, biases and norms don't.
+
+    The second group's learning rate is ``lr * no_decay_lr_scale``.
+    """
+    decay = [p for p in module.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in module.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0, "lr": cfg.lr * cfg.no_decay_lr_scale},
+    ]
+    defaults: Dict[str, Any] = {"lr": cfg.lr}
+    if cfg.name in ("adam", "adamw"):
+        defaults.update(betas=tuple(cfg.betas), eps=cfg.eps)
+    elif cfg.name == "sgd":
+        defaults.update(momentum=cfg.momentum)
+    return OptimizerSpec(OPTIMIZERS[cfg.name], [g for g in groups if g["params"]], defaults)

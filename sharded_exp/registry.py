@@ -1,0 +1,38 @@
+"""One plain registry per kind of part: a name maps to a builder and its config schema."""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Tuple, Type
+
+
+class Registry:
+    """Name -> (builder, config dataclass). Registering a name twice is an error."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._entries: Dict[str, Tuple[Callable, Type]] = {}
+
+    def register(self, name: str, config: Type) -> Callable[[Callable], Callable]:
+        def decorator(builder: Callable) -> Callable:
+            if name in self._entries:
+                raise KeyError(f"{self.kind} {name!r} is registered twice")
+            self._entries[name] = (builder, config)
+            return builder
+
+        return decorator
+
+    def names(self) -> List[str]:
+        return sorted(self._entries)
+
+    def _entry(self, name: str) -> Tuple[Callable, Type]:
+        if name not in self._entries:
+            from sharded_exp.config import ConfigError
+
+            raise ConfigError(f"unknown {self.kind} {name!r}; registered: {', '.join(self.names())}")
+        return self._entries[name]
+
+    def builder(self, name: str) -> Callable:
+        return self._entry(name)[0]
+
+    def config_class(self, name: str) -> Type:
+        return self._entry(name)[1]

@@ -1,0 +1,58 @@
+"""``result.json``: one file per job, the single source for tables, reports and W&B."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, List
+
+
+def write_json(path: str, data: Dict[str, Any]) -> None:
+    """Write atomically: a reader sees the old file or the new one, never half of one."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=False)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def base_result(cfg_data: Dict[str, Any], params: int, output_dir: str) -> Dict[str, Any]:
+    t = cfg_data["trainer"]
+    return {
+        "status": "running",
+        "error": None,
+        "strategy": cfg_data["strategy"]["name"],
+        "precision": str(cfg_data["precision"]["name"]),
+        "model": cfg_data["model"]["name"],
+        "optimizer": cfg_data["optimizer"]["name"],
+        "world_size": t["world_size"],
+        "accelerator": t["accelerator"],
+        "params": params,
+        "steps": t["steps"],
+        "output_dir": output_dir,
+        "config": cfg_data,
+    }
+
+
+def format_table(rows: List[List[str]], header: List[str]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    line = lambda cells: "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def summary_table(result: Dict[str, Any]) -> str:
+    """The short end-of-run table printed by the parent."""
+    tp = result.get("throughput") or {}
+    header = ["strategy", "precision", "world_size", "model", "params", "final_loss", "samples/s", "step_ms", "status"]
+    row = [
+        result["strategy"],
+        result["precision"],
+        result["world_size"],
+        result["model"],
+        f"{result['params']:,}",
+        f"{result['final_loss']:.4f}" if result.get("final_loss") is not None else "-",
+        f"{tp['samples_per_s']:.1f}" if tp else "-",
+        f"{1000 * tp['step_time_s_median']:.1f}" if tp else "-",
+        result["status"],
+    ]
+    return format_table([row], header)

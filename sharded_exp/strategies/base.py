@@ -1,0 +1,63 @@
+"""The one interface between the trainer and a strategy.
+
+The trainer never asks which strategy it runs: everything that differs between them
+(wrapping, optimizer, grad scaler, clipping, zeroing, gradient sync, full state) sits
+behind :class:`Strategy`. The defaults here are plain DDP's behaviour.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Dict, List
+
+import torch
+from torch import nn
+
+
+@dataclass
+class StrategyConfig:
+    name: str = "ddp"
+    """Key in the strategy registry."""
+
+
+class Strategy:
+    """A wrapped model with its optimizer and grad scaler.
+
+    Args:
+        model: the wrapped module the trainer calls (DDP, ShardedDataParallel, ...).
+        module: the bare model inside it (for state dicts and parameter walks).
+        optimizer: the optimizer the trainer steps (possibly sharded).
+        scaler: a GradScaler; disabled (pass-through) unless precision=16.
+    """
+
+    def __init__(self, model: nn.Module, module: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any):
+        self.model = model
+        self.module = module
+        self.optimizer = optimizer
+        self.scaler = scaler
+
+    def zero_grad(self) -> None:
+        # set_to_none frees gradient memory between steps; safe for torch DDP.
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Context for micro-batches that accumulate gradients without communicating."""
+        return self.model.no_sync()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm; returns the norm before clipping."""
+        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+
+    def optimizer_step(self) -> None:
+        """Step through the scaler (skipped on inf/nan at precision=16) and update the scale."""
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+    def local_shard(self) -> List[nn.Parameter]:
+        """Parameters whose optimizer state this rank holds (all of them without sharding)."""
+        return list(self.module.parameters())
+
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """The full, unsharded model state. Collective: call on every rank."""
+        return {k: v.detach() for k, v in self.module.state_dict().items()}

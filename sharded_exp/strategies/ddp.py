@@ -1,0 +1,46 @@
+"""ddp: torch DistributedDataParallel. Nothing sharded; the baseline of every comparison.
+
+Every rank holds parameters, gradients and optimizer state in full; gradients are
+all-reduced in buckets during backward.
+"""
+
+from dataclasses import dataclass
+
+from torch.nn.parallel import DistributedDataParallel
+
+from sharded_exp import precision
+from sharded_exp.strategies import STRATEGIES
+from sharded_exp.strategies.base import Strategy, StrategyConfig
+
+
+@dataclass
+class DDPConfig(StrategyConfig):
+    name: str = "ddp"
+    bucket_cap_mb: float = 25.0
+    """Gradient all-reduce bucket size in MB (torch default 25)."""
+    gradient_as_bucket_view: bool = False
+    """Gradients alias the bucket memory, saving one gradient-sized copy (torch default off)."""
+    broadcast_buffers: bool = True
+    """Broadcast module buffers from rank 0 at every forward (torch default on)."""
+
+
+def wrap_ddp(cfg: DDPConfig, module, device) -> DistributedDataParallel:
+    kwargs = {}
+    if not cfg.broadcast_buffers:
+        # Passed only when changed: torch >= 2.13 warns that the name is deprecated.
+        kwargs["broadcast_buffers"] = False
+    return DistributedDataParallel(
+        module,
+        device_ids=[device] if device.type == "cuda" else None,
+        bucket_cap_mb=cfg.bucket_cap_mb,
+        gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+        **kwargs,
+    )
+
+
+@STRATEGIES.register("ddp", config=DDPConfig)
+def build(cfg: DDPConfig, module, optim_spec, precision_cfg, device) -> Strategy:
+    model = wrap_ddp(cfg, module, device)
+    # Gradients are identical on every rank after the all-reduce: a plain scaler agrees.
+    scaler = precision.grad_scaler(precision_cfg, device.type, sharded_grads=False)
+    return Strategy(model, module, optim_spec.build(), scaler)

@@ -1,0 +1,56 @@
+"""sharded_ddp: fairscale OSS + ShardedDataParallel (ZeRO stage 2: optimizer state and
+gradients sharded).
+
+Each gradient is reduced (not all-reduced) to the rank that owns its optimizer shard;
+the other ranks drop it. After the step, OSS broadcasts the updated parameters.
+
+Warning:
+    With reduce buckets on (fairscale's default ``reduce_buffer_size=2**23``), clearing
+    gradients with ``set_to_none=True`` -- what ``optimizer.zero_grad()`` does by default
+    since torch 2.0 -- makes ShardedDataParallel compute wrong gradients from the second
+    step on, silently. This strategy therefore zeroes gradients in place through
+    ``ShardedDataParallel.zero_grad``, which also clears its buckets; the parity test
+    against DDP (tests/test_parity.py) fails if that is changed.
+
+Warning:
+    fairscale is unmaintained (last release 0.4.13, Dec 2022).
+"""
+
+from dataclasses import dataclass
+
+from fairscale.nn.data_parallel import ShardedDataParallel
+
+from sharded_exp import precision
+from sharded_exp.strategies import STRATEGIES
+from sharded_exp.strategies.base import StrategyConfig
+from sharded_exp.strategies.oss import OSSStrategy, make_oss
+
+
+@dataclass
+class ShardedDDPConfig(StrategyConfig):
+    name: str = "sharded_ddp"
+    reduce_buffer_size: int = 2**23
+    """Elements per gradient reduce bucket; 0 turns buckets off (fairscale default 2**23)."""
+    broadcast_buffers: bool = True
+    """Broadcast module buffers from rank 0 at every forward (fairscale default on)."""
+    broadcast_fp16: bool = False
+    """Send parameters as fp16 in OSS's post-step broadcast (fairscale default off; lossy)."""
+
+
+class ShardedDDPStrategy(OSSStrategy):
+    def zero_grad(self) -> None:
+        # Never set_to_none here: see the module's warning.
+        self.model.zero_grad(set_to_none=False)
+
+
+@STRATEGIES.register("sharded_ddp", config=ShardedDDPConfig)
+def build(cfg: ShardedDDPConfig, module, optim_spec, precision_cfg, device) -> ShardedDDPStrategy:
+    optimizer = make_oss(optim_spec, cfg.broadcast_fp16)
+    model = ShardedDataParallel(
+        module,
+        optimizer,
+        reduce_buffer_size=cfg.reduce_buffer_size,
+        broadcast_buffers=cfg.broadcast_buffers,
+    )
+    scaler = precision.grad_scaler(precision_cfg, device.type, sharded_grads=True)
+    return ShardedDDPStrategy(model, module, optimizer, scaler)

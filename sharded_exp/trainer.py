@@ -1,0 +1,179 @@
+"""The training loop that runs on every rank, read top to bottom.
+
+:func:`train` is called once per rank with the process group already initialised (by
+:mod:`sharded_exp.launch`). It builds model, strategy and data from the plain resolved
+config, runs ``trainer.steps`` optimizer steps and returns, on rank 0, the payload that
+becomes ``result.json``. The step itself is :func:`train_step`; the trainer never asks
+which strategy it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import statistics
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics.text import Perplexity
+from tqdm import tqdm
+
+from sharded_exp import faults, precision
+from sharded_exp.data import build_task
+from sharded_exp.models import build_model
+from sharded_exp.optim import optimizer_spec
+from sharded_exp.strategies import build_strategy
+from sharded_exp.strategies.base import Strategy
+
+
+def train_step(strategy: Strategy, batches: List[Dict[str, torch.Tensor]], autocast, grad_clip: float):
+    """One optimizer step over ``len(batches)`` micro-batches; returns (loss, last output)."""
+    strategy.zero_grad()
+    total = 0.0
+    for i, batch in enumerate(batches):
+        last = i == len(batches) - 1
+        # Gradients are communicated on the last micro-batch only.
+        with contextlib.nullcontext() if last else strategy.no_sync():
+            with autocast:
+                out = strategy.model(**batch)
+                loss = out.loss / len(batches)
+            strategy.scaler.scale(loss).backward()
+        total += loss.detach()
+    if grad_clip > 0:
+        strategy.scaler.unscale_(strategy.optimizer)  # clip the true gradients, not scaled ones
+        strategy.clip_grad_norm_(grad_clip)
+    strategy.optimizer_step()
+    return total, out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _quality_metric(logits: torch.Tensor, device: torch.device):
+    # Classifier logits are (batch, classes); language-model logits (batch, time, vocab).
+    if logits.dim() == 2:
+        return "accuracy", MulticlassAccuracy(num_classes=logits.shape[-1]).to(device)
+    return "perplexity", Perplexity().to(device)
+
+
+def _inject_inf(strategy: Strategy):
+    """Make one parameter of this rank's shard receive an inf gradient (fault inf_grad)."""
+    param = strategy.local_shard()[0]
+    return param.register_hook(lambda g: torch.full_like(g, float("inf")))
+
+
+def param_digest(state: Dict[str, torch.Tensor]) -> Dict[str, float]:
+    """float64 sum and L2 norm over the full state, the same walk for every strategy."""
+    total, sq = 0.0, 0.0
+    for tensor in state.values():
+        t = tensor.detach().to("cpu", torch.float64)
+        total += t.sum().item()
+        sq += t.pow(2).sum().item()
+    return {"sum": total, "l2": math.sqrt(sq)}
+
+
+def train(cfg: DictConfig, device: torch.device, output_dir: str) -> Optional[Dict[str, Any]]:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    tc = cfg.trainer
+    fault = faults.from_env()
+    fault = fault if fault is not None and fault.rank == rank else None
+
+    torch.manual_seed(tc.seed)  # identical initial weights on every rank
+    module = build_model(cfg.model).to(device)
+    strategy = build_strategy(cfg.strategy, module, optimizer_spec(cfg.optimizer, module), cfg.precision, device)
+    next_batch = build_task(cfg.data, cfg.model, tc.batch_size)
+    autocast = precision.autocast(cfg.precision, device.type)
+
+    loss_metric = MeanMetric().to(device)
+    quality_name, quality = None, None
+    history: List[Dict[str, float]] = []
+    step_times: List[float] = []
+    skipped_steps = 0
+    samples_per_step = tc.batch_size * tc.grad_accum * world_size
+    tokens_per_step = 0
+
+    bar = tqdm(total=tc.steps, desc=f"{cfg.strategy.name} x{world_size}", disable=rank != 0 or not tc.progress_bar)
+    for step in range(tc.steps):
+        batches = [
+            {k: v.to(device) for k, v in next_batch(step, micro, rank).items()} for micro in range(tc.grad_accum)
+        ]
+        if "input_ids" in batches[0]:
+            tokens_per_step = batches[0]["input_ids"].numel() * tc.grad_accum * world_size
+        hook = None
+        if fault is not None and fault.step == step:
+            if fault.kind == "raise":
+                raise RuntimeError(f"injected fault on rank {rank} at step {step}")
+            if fault.kind == "exit":
+                os._exit(3)
+            hook = _inject_inf(strategy)
+
+        scale_before = strategy.scaler.get_scale()
+        _sync(device)
+        t0 = time.perf_counter()
+        loss, out = train_step(strategy, batches, autocast, tc.grad_clip)
+        _sync(device)
+        if step >= tc.warmup_steps:
+            step_times.append(time.perf_counter() - t0)
+        if hook is not None:
+            hook.remove()
+        # The scaler lowers its scale exactly when it skipped the step (found inf/nan).
+        skipped_steps += int(strategy.scaler.get_scale() < scale_before)
+
+        loss_metric.update(loss)
+        if quality is None:
+            quality_name, quality = _quality_metric(out.logits, device)
+        quality.update(out.logits.detach().float(), batches[-1]["targets"])
+        bar.update(1)
+        if (step + 1) % tc.log_interval == 0 or step + 1 == tc.steps:
+            # compute() syncs over all ranks: every rank must call it.
+            record = {"step": step + 1, "loss": loss_metric.compute().item(), quality_name: quality.compute().item()}
+            loss_metric.reset()
+            quality.reset()
+            history.append(record)
+            bar.set_postfix(loss=f"{record['loss']:.4f}")
+    bar.close()
+
+    final_loss = loss.detach().float().clone()
+    dist.all_reduce(final_loss)
+    state = strategy.full_state_dict()  # collective for strategies that shard parameters
+    local = {
+        "rank": rank,
+        "loss_scale": float(strategy.scaler.get_scale()),
+        "skipped_steps": skipped_steps,
+        "nonfinite_params": sum(int((~torch.isfinite(p)).sum()) for p in module.parameters()),
+        "local_param_digest": param_digest({n: p for n, p in module.named_parameters()}),
+    }
+    per_rank: List[Any] = [None] * world_size
+    dist.all_gather_object(per_rank, local)
+    if rank != 0:
+        return None
+
+    if tc.save_final_state:
+        torch.save({k: v.cpu() for k, v in state.items()}, os.path.join(output_dir, "model_final.pt"))
+    median = statistics.median(step_times)
+    q = statistics.quantiles(step_times, n=4) if len(step_times) > 1 else [median, median, median]
+    throughput = {
+        "samples_per_s": samples_per_step / median,
+        "step_time_s_median": median,
+        "step_time_s_iqr": q[2] - q[0],
+        "timed_steps": len(step_times),
+    }
+    if tokens_per_step:
+        throughput["tokens_per_s"] = tokens_per_step / median
+    return {
+        "params": sum(p.numel() for p in module.parameters()),
+        "final_loss": final_loss.item() / world_size,
+        "final_metrics": history[-1],
+        "param_digest": param_digest(state),
+        "throughput": throughput,
+        "history": history,
+        "per_rank": per_rank,
+    }
