@@ -15,7 +15,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from sharded_exp.config import register_schemas
+from sharded_exp.config import quote_numeric_choices, register_schemas
 from sharded_exp.launch import launch
 
 register_schemas()
@@ -33,4 +33,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.argv[1:] = quote_numeric_choices(sys.argv[1:])
+    main()

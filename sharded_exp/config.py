@@ -10,6 +10,9 @@ Every field is documented right under it; the same names appear in ``result.json
 
 from __future__ import annotations
 
+import os
+import re
+
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, List, Optional
@@ -181,3 +184,22 @@ def validate(cfg) -> int:
         model = build_model(cfg.model)
     TASKS.builder(cfg.data.name)(cfg.data, cfg.model, t.batch_size)  # checks model/data match
     return sum(p.numel() for p in model.parameters())
+
+
+CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "conf")
+
+
+def quote_numeric_choices(args: List[str], conf_dir: str = CONF_DIR) -> List[str]:
+    """Let ``precision=16`` (and sweeps like ``precision=32,16``) name a config group option.
+
+    Hydra parses an unquoted ``16`` as an int and refuses it as a group choice, so a user
+    would have to type ``precision="'16'"``. Numeric choices of config groups are quoted
+    here before Hydra parses the command line; everything else passes through unchanged.
+    """
+    out = []
+    for arg in args:
+        m = re.fullmatch(r"([+~]{0,2}[\w/]+)=([0-9.]+(?:,[0-9.]+)*)", arg)
+        if m and os.path.isdir(os.path.join(conf_dir, m.group(1).lstrip("+~"))):
+            arg = m.group(1) + "=" + ",".join(f"'{v}'" for v in m.group(2).split(","))
+        out.append(arg)
+    return out

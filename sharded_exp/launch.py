@@ -81,10 +81,12 @@ def _run_rank(
 
 def spawn(cfg_data: Dict[str, Any], world_size: int, output_dir: str) -> Dict[str, Any]:
     """Run ``world_size`` ranks as child processes; return rank 0's payload or raise."""
-    device_type = resolve_device(cfg_data["trainer"]["accelerator"])
-    # fork is fast on CPU (the parent already imported torch); CUDA requires spawn.
-    start_method = "spawn" if device_type == "cuda" else "fork"
+    # forkserver: children fork from a clean server process that imported torch once, so a
+    # sweep pays the import once; plain fork would inherit the parent's OpenMP pool (and
+    # deadlock), and CUDA cannot be forked after initialisation.
+    start_method = "forkserver"
     ctx = mp.get_context(start_method)
+    ctx.set_forkserver_preload(["sharded_exp.trainer", "sharded_exp.strategies"])
     results = ctx.SimpleQueue()
     timeout = datetime.timedelta(seconds=cfg_data["trainer"]["timeout_s"])
     # The parent holds the rendezvous store on a port the OS picks: no collisions.
