@@ -13,6 +13,7 @@ Ranks receive the resolved config as plain data: spawned children have no HydraC
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import traceback
 from typing import Any, Dict, Optional
@@ -37,6 +38,23 @@ def torchrun_env() -> Optional[Dict[str, int]]:
     return None
 
 
+PLUGINS_ENV = "SHARDED_EXP_PLUGINS"
+
+
+def _job_env() -> Dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith("SHARDED_EXP_")}
+
+
+def import_plugins() -> None:
+    """Import the modules named in SHARDED_EXP_PLUGINS (comma-separated).
+
+    Out-of-tree strategies, models or data tasks register themselves on import; every
+    rank and the validating parent must import them.
+    """
+    for name in filter(None, (n.strip() for n in os.environ.get(PLUGINS_ENV, "").split(","))):
+        importlib.import_module(name)
+
+
 def resolve_device(accelerator: str) -> str:
     """'cuda' or 'cpu' for trainer.accelerator (validated before this is called)."""
     if accelerator == "gpu" or (accelerator == "auto" and torch.cuda.is_available()):
@@ -53,7 +71,12 @@ def _run_rank(
     output_dir: str,
     store: Optional[Dict[str, Any]],
     results: Any,
+    env: Optional[Dict[str, str]] = None,
 ) -> Optional[Dict[str, Any]]:
+    # Forked from the forkserver, a rank inherits the server's environment, not the job's:
+    # the job's SHARDED_EXP_* variables are passed explicitly.
+    os.environ.update(env or {})
+    import_plugins()
     cfg = OmegaConf.create(cfg_data)
     device_type = resolve_device(cfg.trainer.accelerator)
     if device_type == "cuda":
@@ -94,7 +117,7 @@ def spawn(cfg_data: Dict[str, Any], world_size: int, output_dir: str) -> Dict[st
     store_addr = {"host": "127.0.0.1", "port": store.port}
     mp.start_processes(
         _spawned_entry,
-        args=(world_size, cfg_data, output_dir, store_addr, results),
+        args=(world_size, cfg_data, output_dir, store_addr, results, _job_env()),
         nprocs=world_size,
         start_method=start_method,
         join=True,
@@ -102,9 +125,9 @@ def spawn(cfg_data: Dict[str, Any], world_size: int, output_dir: str) -> Dict[st
     return results.get()
 
 
-def _spawned_entry(rank, world_size, cfg_data, output_dir, store, results):
+def _spawned_entry(rank, world_size, cfg_data, output_dir, store, results, env):
     # start_processes passes the process index first; on one machine it is the local rank.
-    _run_rank(rank, world_size, rank, world_size, cfg_data, output_dir, store, results)
+    _run_rank(rank, world_size, rank, world_size, cfg_data, output_dir, store, results, env)
 
 
 def describe_failure(exc: BaseException) -> str:
@@ -137,6 +160,7 @@ def launch(cfg: DictConfig, output_dir: str) -> Dict[str, Any]:
     from sharded_exp.config import validate
     from sharded_exp.results import base_result, summary_table, write_json
 
+    import_plugins()
     params = validate(cfg)  # raises ConfigError before any rank starts
     cfg_data = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     env = torchrun_env()

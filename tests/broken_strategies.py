@@ -1,0 +1,42 @@
+"""Deliberately broken strategies, loaded with SHARDED_EXP_PLUGINS=tests.broken_strategies.
+
+They show that the tests can fail: each is a real strategy with one known mistake.
+"""
+
+from dataclasses import dataclass
+
+from sharded_exp import precision
+from sharded_exp.strategies import STRATEGIES
+from sharded_exp.strategies.sharded_ddp import ShardedDDPConfig, ShardedDDPStrategy
+from sharded_exp.strategies.sharded_ddp import build as build_sharded_ddp
+
+
+class SetToNoneShardedDDP(ShardedDDPStrategy):
+    def zero_grad(self) -> None:
+        # torch's default since 2.0 (set_to_none=True): silently wrong under ShardedDDP.
+        self.optimizer.zero_grad()
+
+
+@dataclass
+class SetToNoneConfig(ShardedDDPConfig):
+    name: str = "sharded_ddp_set_to_none"
+
+
+@STRATEGIES.register("sharded_ddp_set_to_none", config=SetToNoneConfig)
+def build_set_to_none(cfg, module, optim_spec, precision_cfg, device):
+    strategy = build_sharded_ddp(cfg, module, optim_spec, precision_cfg, device)
+    strategy.__class__ = SetToNoneShardedDDP
+    return strategy
+
+
+@dataclass
+class PlainScalerConfig(ShardedDDPConfig):
+    name: str = "sharded_ddp_plain_scaler"
+
+
+@STRATEGIES.register("sharded_ddp_plain_scaler", config=PlainScalerConfig)
+def build_plain_scaler(cfg, module, optim_spec, precision_cfg, device):
+    strategy = build_sharded_ddp(cfg, module, optim_spec, precision_cfg, device)
+    # A per-rank found-inf decision: ranks can disagree on whether to skip the step.
+    strategy.scaler = precision.grad_scaler(precision_cfg, device.type, sharded_grads=False)
+    return strategy

@@ -1,0 +1,95 @@
+"""Shared helpers: compose the real config tree, run real jobs (real ranks, real gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from sharded_exp.config import CONF_DIR, quote_numeric_choices, register_schemas
+
+ROOT = Path(__file__).resolve().parents[1]
+register_schemas()
+
+# Small and fast on 2 cores; tests shrink further where they can.
+TINY = [
+    "trainer.steps=6",
+    "trainer.warmup_steps=1",
+    "trainer.batch_size=8",
+    "trainer.log_interval=2",
+    "trainer.progress_bar=false",
+    "trainer.timeout_s=60",
+    "model.hidden=32",
+    "model.depth=2",
+]
+TINY_GPT = [
+    "model=gpt",
+    "model.d_model=32",
+    "model.n_layers=2",
+    "model.n_heads=2",
+    "model.seq_len=16",
+    "model.vocab_size=64",
+]
+
+
+def compose_cfg(overrides: List[str]):
+    with initialize_config_dir(config_dir=os.path.abspath(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=quote_numeric_choices(overrides))
+
+
+def tiny(overrides: List[str]) -> List[str]:
+    """TINY defaults, with model.* keys dropped for the GPT (it has other fields)."""
+    if "model=gpt" in overrides:
+        base = [o for o in TINY if not o.startswith("model.")] + TINY_GPT
+        overrides = [o for o in overrides if o != "model=gpt"]
+    else:
+        base = TINY
+    return base + overrides
+
+
+def run_job(overrides: List[str], out: Path, env: Optional[Dict[str, str]] = None) -> dict:
+    """Compose and launch in this process (ranks are real child processes)."""
+    from sharded_exp.launch import launch
+
+    old = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        return launch(compose_cfg(tiny(overrides)), str(out))
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_cli(args: List[str], cwd: Path, env: Optional[Dict[str, str]] = None, timeout: float = 180):
+    """``python -m sharded_exp ARGS`` in a subprocess, as a user types it."""
+    full_env = {**os.environ, **(env or {})}
+    full_env.pop("RANK", None)
+    full_env.pop("WORLD_SIZE", None)
+    return subprocess.run(
+        [sys.executable, "-m", "sharded_exp", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def read_result(path: Path) -> dict:
+    return json.loads((path / "result.json").read_text())
+
+
+@pytest.fixture(autouse=True)
+def _no_torchrun_env(monkeypatch):
+    # A test run under torchrun must not make in-process launches join its rendezvous.
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SHARDED_EXP_FAULT"):
+        monkeypatch.delenv(key, raising=False)
