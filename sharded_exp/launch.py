@@ -74,8 +74,11 @@ def _run_rank(
     env: Optional[Dict[str, str]] = None,
 ) -> Optional[Dict[str, Any]]:
     # Forked from the forkserver, a rank inherits the server's environment, not the job's:
-    # the job's SHARDED_EXP_* variables are passed explicitly.
-    os.environ.update(env or {})
+    # the job's SHARDED_EXP_* variables are passed explicitly and replace the server's.
+    if env is not None:
+        for key in [k for k in os.environ if k.startswith("SHARDED_EXP_")]:
+            del os.environ[key]
+        os.environ.update(env)
     import_plugins()
     cfg = OmegaConf.create(cfg_data)
     device_type = resolve_device(cfg.trainer.accelerator)
