@@ -15,21 +15,22 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from sharded_exp.config import quote_numeric_choices, register_schemas
+from sharded_exp.config import ConfigError, quote_numeric_choices, register_schemas
 from sharded_exp.launch import launch
 
 register_schemas()
 
 
-class RunFailed(RuntimeError):
-    """A rank failed; result.json holds the details."""
-
-
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    result = launch(cfg, HydraConfig.get().runtime.output_dir)
+    try:
+        result = launch(cfg, HydraConfig.get().runtime.output_dir)
+    except ConfigError as exc:  # raised before any rank starts
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
     if result["status"] != "ok":
-        raise RunFailed(f"{result['error']} (see {result['output_dir']}/result.json)")
+        print(f"error: {result['error']} (details in {result['output_dir']}/result.json)", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

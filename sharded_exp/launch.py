@@ -174,9 +174,8 @@ def launch(cfg: DictConfig, output_dir: str) -> Dict[str, Any]:
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, "result.json")
     try:
-        payload = run_job(cfg, output_dir)
-        if payload is not None:
-            result.update(payload, status="ok")
+        payload = run_job(cfg, output_dir)  # None on ranks other than 0 under torchrun
+        result.update(payload or {}, status="ok")
     except Exception as exc:  # a rank failed: record it, then let the caller exit non-zero
         result.update(status="failed", error=describe_failure(exc))
         if isinstance(exc, mp.ProcessRaisedException):

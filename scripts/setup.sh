@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Set up .venv on a fresh machine: torch first (CPU build unless an NVIDIA GPU is present),
+# then this package with its test tools. Safe to re-run.
+#   scripts/setup.sh && .venv/bin/python -m sharded_exp
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
+PYTHON="${PYTHON:-python3}"
+
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+pip() { .venv/bin/python -m pip "$@"; }
+
+if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    pip install -q "torch==$TORCH_VERSION"                      # PyPI's CUDA build
+  elif pip install -q --no-index "torch==$TORCH_VERSION" 2>/dev/null; then
+    :                                                           # a local CPU wheel (find-links)
+  else
+    # A bare `torch` from PyPI is a multi-GB CUDA build on Linux: take PyTorch's CPU index.
+    pip install -q "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
+  fi
+fi
+pip install -q -e ".[dev]"
+.venv/bin/python -c "import torch, fairscale, hydra; print('torch', torch.__version__, '| cuda', torch.cuda.is_available())"

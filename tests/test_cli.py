@@ -1,0 +1,72 @@
+"""``python -m sharded_exp`` as a user runs it: subprocesses, real Hydra, real ranks."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import TINY, ROOT, read_result, run_cli
+
+RESULT_KEYS = {
+    "status", "error", "strategy", "precision", "model", "optimizer", "world_size", "accelerator",
+    "params", "steps", "final_loss", "param_digest", "throughput",
+}
+
+
+def test_default_job_prints_table_and_writes_result(tmp_path):
+    proc = run_cli([f"hydra.run.dir={tmp_path}"], cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "strategy  precision  world_size" in proc.stdout
+    result = read_result(tmp_path)
+    assert RESULT_KEYS <= result.keys()
+    assert (result["status"], result["strategy"], result["precision"], result["world_size"]) == ("ok", "ddp", "32", 2)
+    assert result["accelerator"] == "auto" and result["model"] == "mlp"
+    assert set(result["param_digest"]) == {"sum", "l2"}
+    assert result["throughput"]["samples_per_s"] > 0
+    assert result["throughput"]["timed_steps"] == result["steps"] - 5
+    assert result["history"][-1]["loss"] < result["history"][0]["loss"]
+
+
+def test_sharded_ddp_at_precision_16(tmp_path):
+    proc = run_cli(["strategy=sharded_ddp", "precision=16", *TINY, f"hydra.run.dir={tmp_path}"], cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = read_result(tmp_path)
+    assert (result["status"], result["strategy"], result["precision"]) == ("ok", "sharded_ddp", "16")
+
+
+def test_failing_rank_fails_the_job_and_names_the_rank(tmp_path):
+    env = {"SHARDED_EXP_FAULT": "rank=1,step=2,kind=raise"}
+    proc = run_cli([*TINY, f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env)
+    assert proc.returncode == 1
+    result = read_result(tmp_path)
+    assert result["status"] == "failed"
+    assert result["error"] == "rank 1: RuntimeError: injected fault on rank 1 at step 2"
+    assert "rank 1" in proc.stderr
+
+
+def test_exiting_rank_fails_the_job(tmp_path):
+    env = {"SHARDED_EXP_FAULT": "rank=0,step=1,kind=exit"}
+    proc = run_cli([*TINY, f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env)
+    assert proc.returncode == 1
+    assert read_result(tmp_path)["error"] == "rank 0: process exited with code 3"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("torchrun") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchrun")), reason="torchrun not installed")
+def test_torchrun_provides_the_ranks(tmp_path):
+    """Under torchrun the ranks come from its environment and nothing is spawned."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "-m", "sharded_exp", "strategy=oss", "trainer.world_size=1", *TINY, f"hydra.run.dir={tmp_path}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = read_result(tmp_path)
+    assert result["status"] == "ok"
+    assert result["world_size"] == 2  # from torchrun, not from trainer.world_size=1
+    assert len(result["per_rank"]) == 2

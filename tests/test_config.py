@@ -1,0 +1,123 @@
+"""The real config tree: every group option composes; bad input fails early and clearly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hydra.errors import ConfigCompositionException
+
+from sharded_exp.config import ConfigError, quote_numeric_choices, validate
+from sharded_exp.registry import Registry
+from tests.conftest import compose_cfg, run_cli, tiny
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [f"strategy={s}", f"precision={p}", f"model={m}", f"optimizer={o}"]
+        for s in ("ddp", "oss", "sharded_ddp")
+        for p in ("32", "16", "bf16")
+        for m in ("mlp", "gpt")
+        for o in ("adam", "adamw", "sgd")
+    ][::7],  # a spread of the 54 combinations; each group option appears
+)
+def test_group_options_compose_and_validate(overrides):
+    cfg = compose_cfg(overrides)
+    assert validate(cfg) > 0
+    assert cfg.data.name == {"mlp": "teacher", "gpt": "markov"}[cfg.model.name]
+
+
+def test_every_option_of_every_group_composes():
+    for group, options in {
+        "strategy": ["ddp", "oss", "sharded_ddp"],
+        "precision": ["32", "16", "bf16"],
+        "model": ["mlp", "gpt"],
+        "optimizer": ["adam", "adamw", "sgd"],
+        "data": ["teacher", "markov"],
+    }.items():
+        for option in options:
+            cfg = compose_cfg([f"{group}={option}"])
+            assert str(cfg[group].name) == option
+
+
+def test_precision_16_is_a_group_choice():
+    assert quote_numeric_choices(["precision=16", "trainer.steps=3", "precision=32,16"]) == [
+        "precision='16'",
+        "trainer.steps=3",
+        "precision='32','16'",
+    ]
+    assert compose_cfg(["precision=16"]).precision.name == "16"
+
+
+@pytest.mark.parametrize(
+    "override, error",
+    [
+        ("trainer.stepz=3", ConfigCompositionException),  # typo in a key
+        ("trainer.world_size=abc", ConfigCompositionException),  # wrong type
+        ("trainer.accelerator=tpu", ConfigCompositionException),  # not an allowed value
+        ("strategy.bucket_cap_mb=big", ConfigCompositionException),
+        ("strategy=nope", ConfigCompositionException),  # unknown group option
+        ("model=resnet", ConfigCompositionException),
+    ],
+)
+def test_composition_rejects(override, error):
+    with pytest.raises(error):
+        compose_cfg([override])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trainer.world_size=0"], "trainer.world_size=0 must be >= 1"),
+        (["trainer.batch_size=0"], "trainer.batch_size=0 must be >= 1"),
+        (["trainer.steps=0"], "trainer.steps=0 must be >= 1"),
+        (["trainer.steps=5", "trainer.warmup_steps=5"], "trainer.warmup_steps=5"),
+        (["trainer.grad_clip=-1"], "trainer.grad_clip=-1.0 must be >= 0"),
+        (["optimizer.lr=0"], "optimizer.lr=0.0 must be > 0"),
+        (["model=gpt", "model.n_heads=3"], "model.d_model=128 is not divisible by model.n_heads=3"),
+        (["model=gpt", "data=teacher"], "data=teacher feeds classifiers"),
+        (["strategy.name=zero9"], "unknown strategy 'zero9'; registered: ddp, oss, sharded_ddp"),
+        (["precision.name=8"], "precision='8' is not one of 32, 16, bf16"),
+    ],
+)
+def test_validate_rejects(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        validate(compose_cfg(overrides))
+
+
+def test_gpu_requested_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="trainer.accelerator=gpu but CUDA is not available"):
+        validate(compose_cfg(["trainer.accelerator=gpu"]))
+
+
+def test_more_ranks_than_gpus(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"trainer.world_size=2 is more than the 1 GPU\(s\) present"):
+        validate(compose_cfg(["trainer.accelerator=gpu", "trainer.world_size=2"]))
+
+
+def test_registry_rejects_duplicates_and_names_choices():
+    reg = Registry("widget")
+    reg.register("a", config=dict)(lambda: None)
+    with pytest.raises(KeyError, match="registered twice"):
+        reg.register("a", config=dict)(lambda: None)
+    with pytest.raises(ConfigError, match="unknown widget 'b'; registered: a"):
+        reg.builder("b")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["trainer.world_size=0"], "trainer.world_size=0 must be >= 1"),
+        (["trainer.accelerator=gpu"], "CUDA is not available"),
+        (["strategy=nope"], "Could not find 'strategy/nope'"),
+        (["precision=8"], "Could not find 'precision/8'"),
+    ],
+)
+def test_cli_bad_input_exits_nonzero_before_ranks_start(args, message, tmp_path):
+    proc = run_cli([*args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert proc.returncode != 0
+    assert message in proc.stderr + proc.stdout
+    assert not (tmp_path / "run" / "result.json").exists()  # no rank ever ran
