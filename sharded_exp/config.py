@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import os
 import re
-
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, List, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -49,7 +48,7 @@ class OptimizerConfig:
     """Weight decay, applied to the weight group only (biases, norms, embeddings' none)."""
     no_decay_lr_scale: float = 1.0
     """Learning rate of the second group (biases and norm gains) as a multiple of lr."""
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """Adam/AdamW moment decay rates."""
     eps: float = 1e-8
     """Adam/AdamW denominator epsilon."""
@@ -108,7 +107,7 @@ class Config:
     data: Any = MISSING
     trainer: TrainerConfig = MISSING
     logger: Any = MISSING
-    experiment: Optional[str] = None
+    experiment: str | None = None
     """Name of the experiment preset, if one was chosen (set by the preset)."""
 
 
@@ -157,26 +156,34 @@ def validate(cfg) -> int:
     STRATEGIES.builder(cfg.strategy.name)  # raises, naming the registered ones
     MODELS.builder(cfg.model.name)
     TASKS.builder(cfg.data.name)
-    _require(cfg.precision.name in PRECISIONS,
-             f"precision={cfg.precision.name!r} is not one of {', '.join(PRECISIONS)}")
-    _require(cfg.optimizer.name in OPTIMIZERS,
-             f"optimizer.name={cfg.optimizer.name!r} is not one of {', '.join(OPTIMIZERS)}")
+    _require(
+        cfg.precision.name in PRECISIONS, f"precision={cfg.precision.name!r} is not one of {', '.join(PRECISIONS)}"
+    )
+    _require(
+        cfg.optimizer.name in OPTIMIZERS, f"optimizer.name={cfg.optimizer.name!r} is not one of {', '.join(OPTIMIZERS)}"
+    )
     for key in ("world_size", "steps", "batch_size", "grad_accum", "log_interval"):
         _require(t[key] >= 1, f"trainer.{key}={t[key]} must be >= 1")
-    _require(0 <= t.warmup_steps < t.steps,
-             f"trainer.warmup_steps={t.warmup_steps} must be >= 0 and < trainer.steps={t.steps} "
-             "(steps after warm-up are the timed ones)")
+    _require(
+        0 <= t.warmup_steps < t.steps,
+        f"trainer.warmup_steps={t.warmup_steps} must be >= 0 and < trainer.steps={t.steps} "
+        "(steps after warm-up are the timed ones)",
+    )
     _require(t.grad_clip >= 0, f"trainer.grad_clip={t.grad_clip} must be >= 0 (0 turns clipping off)")
     _require(t.timeout_s > 0, f"trainer.timeout_s={t.timeout_s} must be > 0")
     _require(cfg.optimizer.lr > 0, f"optimizer.lr={cfg.optimizer.lr} must be > 0")
     accelerator = str(t.accelerator.value if isinstance(t.accelerator, Enum) else t.accelerator)
     if accelerator == "gpu":
-        _require(torch.cuda.is_available(),
-                 "trainer.accelerator=gpu but CUDA is not available here; use trainer.accelerator=cpu or auto")
+        _require(
+            torch.cuda.is_available(),
+            "trainer.accelerator=gpu but CUDA is not available here; use trainer.accelerator=cpu or auto",
+        )
         gpus = torch.cuda.device_count()
-        _require(t.world_size <= gpus,
-                 f"trainer.world_size={t.world_size} is more than the {gpus} GPU(s) present "
-                 "(one rank per GPU); lower it or use trainer.accelerator=cpu")
+        _require(
+            t.world_size <= gpus,
+            f"trainer.world_size={t.world_size} is more than the {gpus} GPU(s) present "
+            "(one rank per GPU); lower it or use trainer.accelerator=cpu",
+        )
     uses_cuda = accelerator == "gpu" or (accelerator == "auto" and torch.cuda.is_available())
     if uses_cuda and cfg.precision.name == "bf16":
         _require(torch.cuda.is_bf16_supported(), "precision=bf16 is not supported by this GPU; use 16 or 32")
@@ -189,7 +196,7 @@ def validate(cfg) -> int:
 CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "conf")
 
 
-def quote_numeric_choices(args: List[str], conf_dir: str = CONF_DIR) -> List[str]:
+def quote_numeric_choices(args: list[str], conf_dir: str = CONF_DIR) -> list[str]:
     """Let ``precision=16`` (and sweeps like ``precision=32,16``) name a config group option.
 
     Hydra parses an unquoted ``16`` as an int and refuses it as a group choice, so a user

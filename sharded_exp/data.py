@@ -8,8 +8,8 @@ callable ``batch(step, micro, rank) -> dict`` of keyword arguments for the model
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Dict
 
 import torch
 
@@ -17,7 +17,7 @@ from sharded_exp.registry import Registry
 
 TASKS = Registry("data")
 
-Batch = Dict[str, torch.Tensor]
+Batch = dict[str, torch.Tensor]
 
 
 def _generator(seed: int, *keys: int) -> torch.Generator:

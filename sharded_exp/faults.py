@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
 
 KINDS = ("raise", "exit", "inf_grad")
 ENV = "SHARDED_EXP_FAULT"
@@ -37,6 +36,6 @@ def parse(text: str) -> Fault:
     return fault
 
 
-def from_env() -> Optional[Fault]:
+def from_env() -> Fault | None:
     text = os.environ.get(ENV, "").strip()
     return parse(text) if text else None

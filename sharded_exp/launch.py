@@ -16,7 +16,7 @@ import datetime
 import importlib
 import os
 import traceback
-from typing import Any, Dict, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,13 +26,13 @@ from omegaconf import DictConfig, OmegaConf
 from sharded_exp.trainer import train
 
 
-def torchrun_env() -> Optional[Dict[str, int]]:
+def torchrun_env() -> dict[str, int] | None:
     """Rank layout set by an external launcher (torchrun), or None if we must spawn."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return {
             "rank": int(os.environ["RANK"]),
             "world_size": int(os.environ["WORLD_SIZE"]),
-            "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+            "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
             "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])),
         }
     return None
@@ -41,7 +41,7 @@ def torchrun_env() -> Optional[Dict[str, int]]:
 PLUGINS_ENV = "SHARDED_EXP_PLUGINS"
 
 
-def _job_env() -> Dict[str, str]:
+def _job_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith("SHARDED_EXP_")}
 
 
@@ -67,12 +67,12 @@ def _run_rank(
     world_size: int,
     local_rank: int,
     local_world_size: int,
-    cfg_data: Dict[str, Any],
+    cfg_data: dict[str, Any],
     output_dir: str,
-    store: Optional[Dict[str, Any]],
+    store: dict[str, Any] | None,
     results: Any,
-    env: Optional[Dict[str, str]] = None,
-) -> Optional[Dict[str, Any]]:
+    env: dict[str, str] | None = None,
+) -> dict[str, Any] | None:
     # Forked from the forkserver, a rank inherits the server's environment, not the job's:
     # the job's SHARDED_EXP_* variables are passed explicitly and replace the server's.
     if env is not None:
@@ -105,7 +105,7 @@ def _run_rank(
     return payload
 
 
-def spawn(cfg_data: Dict[str, Any], world_size: int, output_dir: str) -> Dict[str, Any]:
+def spawn(cfg_data: dict[str, Any], world_size: int, output_dir: str) -> dict[str, Any]:
     """Run ``world_size`` ranks as child processes; return rank 0's payload or raise."""
     # forkserver: children fork from a clean server process that imported torch once, so a
     # sweep pays the import once; plain fork would inherit the parent's OpenMP pool (and
@@ -143,7 +143,7 @@ def describe_failure(exc: BaseException) -> str:
     return "".join(traceback.format_exception_only(type(exc), exc)).strip()
 
 
-def run_job(cfg: DictConfig, output_dir: str) -> Dict[str, Any]:
+def run_job(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
     """Run one job (all its ranks) and return rank 0's payload; raises if a rank failed."""
     cfg_data = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     env = torchrun_env()
@@ -154,7 +154,7 @@ def run_job(cfg: DictConfig, output_dir: str) -> Dict[str, Any]:
     )
 
 
-def launch(cfg: DictConfig, output_dir: str) -> Dict[str, Any]:
+def launch(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
     """Validate, run every rank, write ``result.json`` and print the summary table.
 
     Returns the result; its ``status`` is "ok" or "failed" (with ``error`` naming the rank).
@@ -176,7 +176,7 @@ def launch(cfg: DictConfig, output_dir: str) -> Dict[str, Any]:
     try:
         payload = run_job(cfg, output_dir)  # None on ranks other than 0 under torchrun
         result.update(payload or {}, status="ok")
-    except Exception as exc:  # a rank failed: record it, then let the caller exit non-zero
+    except Exception as exc:  # noqa: BLE001 -- a rank failed: record it, then let the caller exit non-zero
         result.update(status="failed", error=describe_failure(exc))
         if isinstance(exc, mp.ProcessRaisedException):
             result["traceback"] = exc.msg

@@ -7,7 +7,7 @@ ZeroRedundancyOptimizer take the optimizer *class* and build one per shard.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Type
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,9 +17,9 @@ OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch
 
 @dataclass
 class OptimizerSpec:
-    cls: Type[torch.optim.Optimizer]
-    param_groups: List[Dict[str, Any]]
-    defaults: Dict[str, Any]
+    cls: type[torch.optim.Optimizer]
+    param_groups: list[dict[str, Any]]
+    defaults: dict[str, Any]
 
     def build(self) -> torch.optim.Optimizer:
         return self.cls(self.param_groups, **self.defaults)
@@ -36,7 +36,7 @@ def optimizer_spec(cfg, module: nn.Module) -> OptimizerSpec:
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0, "lr": cfg.lr * cfg.no_decay_lr_scale},
     ]
-    defaults: Dict[str, Any] = {"lr": cfg.lr}
+    defaults: dict[str, Any] = {"lr": cfg.lr}
     if cfg.name in ("adam", "adamw"):
         defaults.update(betas=tuple(cfg.betas), eps=cfg.eps)
     elif cfg.name == "sgd":

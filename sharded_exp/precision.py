@@ -32,12 +32,12 @@ def grad_scaler(cfg, device_type: str, sharded_grads: bool):
         which all-reduces the found-inf flag so every rank makes the same decision.
         fairscale's own ShardedGradScaler is not used: it disables itself without CUDA.
     """
-    kwargs = dict(
-        init_scale=cfg.init_scale,
-        backoff_factor=cfg.backoff_factor,
-        growth_interval=cfg.growth_interval,
-        enabled=cfg.name == "16",
-    )
+    kwargs = {
+        "init_scale": cfg.init_scale,
+        "backoff_factor": cfg.backoff_factor,
+        "growth_interval": cfg.growth_interval,
+        "enabled": cfg.name == "16",
+    }
     if sharded_grads and kwargs["enabled"]:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Tuple, Type
+from collections.abc import Callable
 
 
 class Registry:
@@ -10,9 +10,9 @@ class Registry:
 
     def __init__(self, kind: str):
         self.kind = kind
-        self._entries: Dict[str, Tuple[Callable, Type]] = {}
+        self._entries: dict[str, tuple[Callable, type]] = {}
 
-    def register(self, name: str, config: Type) -> Callable[[Callable], Callable]:
+    def register(self, name: str, config: type) -> Callable[[Callable], Callable]:
         def decorator(builder: Callable) -> Callable:
             if name in self._entries:
                 raise KeyError(f"{self.kind} {name!r} is registered twice")
@@ -21,10 +21,10 @@ class Registry:
 
         return decorator
 
-    def names(self) -> List[str]:
+    def names(self) -> list[str]:
         return sorted(self._entries)
 
-    def _entry(self, name: str) -> Tuple[Callable, Type]:
+    def _entry(self, name: str) -> tuple[Callable, type]:
         if name not in self._entries:
             from sharded_exp.config import ConfigError
 
@@ -34,5 +34,5 @@ class Registry:
     def builder(self, name: str) -> Callable:
         return self._entry(name)[0]
 
-    def config_class(self, name: str) -> Type:
+    def config_class(self, name: str) -> type:
         return self._entry(name)[1]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, List
+from typing import Any
 
 
-def write_json(path: str, data: Dict[str, Any]) -> None:
+def write_json(path: str, data: dict[str, Any]) -> None:
     """Write atomically: a reader sees the old file or the new one, never half of one."""
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:
@@ -16,7 +16,7 @@ def write_json(path: str, data: Dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def base_result(cfg_data: Dict[str, Any], params: int, output_dir: str) -> Dict[str, Any]:
+def base_result(cfg_data: dict[str, Any], params: int, output_dir: str) -> dict[str, Any]:
     t = cfg_data["trainer"]
     return {
         "status": "running",
@@ -34,13 +34,13 @@ def base_result(cfg_data: Dict[str, Any], params: int, output_dir: str) -> Dict[
     }
 
 
-def format_table(rows: List[List[str]], header: List[str]) -> str:
+def format_table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    line = lambda cells: "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    line = lambda cells: "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))
     return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
-def summary_table(result: Dict[str, Any]) -> str:
+def summary_table(result: dict[str, Any]) -> str:
     """The short end-of-run table printed by the parent."""
     tp = result.get("throughput") or {}
     header = ["strategy", "precision", "world_size", "model", "params", "final_loss", "samples/s", "step_ms", "status"]

@@ -14,7 +14,7 @@ import math
 import os
 import statistics
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ from sharded_exp.strategies import build_strategy
 from sharded_exp.strategies.base import Strategy
 
 
-def train_step(strategy: Strategy, batches: List[Dict[str, torch.Tensor]], autocast, grad_clip: float):
+def train_step(strategy: Strategy, batches: list[dict[str, torch.Tensor]], autocast, grad_clip: float):
     """One optimizer step over ``len(batches)`` micro-batches; returns (loss, last output)."""
     strategy.zero_grad()
     total = 0.0
@@ -70,7 +70,7 @@ def _inject_inf(strategy: Strategy):
     return param.register_hook(lambda g: torch.full_like(g, float("inf")))
 
 
-def param_digest(state: Dict[str, torch.Tensor]) -> Dict[str, float]:
+def param_digest(state: dict[str, torch.Tensor]) -> dict[str, float]:
     """float64 sum and L2 norm over the full state, the same walk for every strategy."""
     total, sq = 0.0, 0.0
     for tensor in state.values():
@@ -80,7 +80,7 @@ def param_digest(state: Dict[str, torch.Tensor]) -> Dict[str, float]:
     return {"sum": total, "l2": math.sqrt(sq)}
 
 
-def train(cfg: DictConfig, device: torch.device, output_dir: str) -> Optional[Dict[str, Any]]:
+def train(cfg: DictConfig, device: torch.device, output_dir: str) -> dict[str, Any] | None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     tc = cfg.trainer
     fault = faults.from_env()
@@ -94,8 +94,8 @@ def train(cfg: DictConfig, device: torch.device, output_dir: str) -> Optional[Di
 
     loss_metric = MeanMetric().to(device)
     quality_name, quality = None, None
-    history: List[Dict[str, float]] = []
-    step_times: List[float] = []
+    history: list[dict[str, float]] = []
+    step_times: list[float] = []
     skipped_steps = 0
     samples_per_step = tc.batch_size * tc.grad_accum * world_size
     tokens_per_step = 0
@@ -151,7 +151,7 @@ def train(cfg: DictConfig, device: torch.device, output_dir: str) -> Optional[Di
         "nonfinite_params": sum(int((~torch.isfinite(p)).sum()) for p in module.parameters()),
         "local_param_digest": param_digest({n: p for n, p in module.named_parameters()}),
     }
-    per_rank: List[Any] = [None] * world_size
+    per_rank: list[Any] = [None] * world_size
     dist.all_gather_object(per_rank, local)
     if rank != 0:
         return None

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -38,12 +37,12 @@ TINY_GPT = [
 ]
 
 
-def compose_cfg(overrides: List[str]):
+def compose_cfg(overrides: list[str]):
     with initialize_config_dir(config_dir=os.path.abspath(CONF_DIR), version_base="1.3"):
         return compose("config", overrides=quote_numeric_choices(overrides))
 
 
-def tiny(overrides: List[str]) -> List[str]:
+def tiny(overrides: list[str]) -> list[str]:
     """TINY defaults, with model.* keys dropped for the GPT (it has other fields)."""
     if "model=gpt" in overrides:
         base = [o for o in TINY if not o.startswith("model.")] + TINY_GPT
@@ -53,7 +52,7 @@ def tiny(overrides: List[str]) -> List[str]:
     return base + overrides
 
 
-def run_job(overrides: List[str], out: Path, env: Optional[Dict[str, str]] = None) -> dict:
+def run_job(overrides: list[str], out: Path, env: dict[str, str] | None = None) -> dict:
     """Compose and launch in this process (ranks are real child processes)."""
     from sharded_exp.launch import launch
 
@@ -69,7 +68,7 @@ def run_job(overrides: List[str], out: Path, env: Optional[Dict[str, str]] = Non
                 os.environ[k] = v
 
 
-def run_cli(args: List[str], cwd: Path, env: Optional[Dict[str, str]] = None, timeout: float = 180):
+def run_cli(args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 180):
     """``python -m sharded_exp ARGS`` in a subprocess, as a user types it."""
     full_env = {**os.environ, **(env or {})}
     full_env.pop("RANK", None)
@@ -81,6 +80,7 @@ def run_cli(args: List[str], cwd: Path, env: Optional[Dict[str, str]] = None, ti
         capture_output=True,
         text=True,
         timeout=timeout,
+        check=False,
     )
 
 

@@ -8,7 +8,7 @@ from hydra.errors import ConfigCompositionException
 
 from sharded_exp.config import ConfigError, quote_numeric_choices, validate
 from sharded_exp.registry import Registry
-from tests.conftest import compose_cfg, run_cli, tiny
+from tests.conftest import compose_cfg, run_cli
 
 
 @pytest.mark.parametrize(

@@ -58,7 +58,9 @@ def test_plain_scaler_under_sharded_gradients_desyncs(tmp_path):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("precision", ["16", "bf16"])
 def test_half_precision_trains(strategy, precision, tmp_path):
-    result = run_job([f"strategy={strategy}", f"precision={precision}", "trainer.steps=12", "trainer.log_interval=4"], tmp_path)
+    result = run_job(
+        [f"strategy={strategy}", f"precision={precision}", "trainer.steps=12", "trainer.log_interval=4"], tmp_path
+    )
     assert result["status"] == "ok", result.get("error")
     assert result["precision"] == precision
     assert all(r["nonfinite_params"] == 0 for r in result["per_rank"])

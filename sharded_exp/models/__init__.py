@@ -5,7 +5,7 @@ when ``targets=`` is given), the way Hugging Face models do; strategies must pas
 arguments through their wrappers unchanged.
 """
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -16,11 +16,11 @@ MODELS = Registry("model")
 
 class ModelOutput(NamedTuple):
     logits: torch.Tensor
-    loss: Optional[torch.Tensor]
+    loss: torch.Tensor | None
 
 
 def build_model(cfg) -> torch.nn.Module:
     return MODELS.builder(cfg.name)(cfg)
 
 
-from sharded_exp.models import gpt, mlp  # noqa: E402,F401  (registers the models)
+from sharded_exp.models import gpt, mlp  # noqa: F401  (registers the models)

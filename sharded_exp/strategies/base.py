@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Dict, List
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,10 +54,10 @@ class Strategy:
         self.scaler.step(self.optimizer)
         self.scaler.update()
 
-    def local_shard(self) -> List[nn.Parameter]:
+    def local_shard(self) -> list[nn.Parameter]:
         """Parameters whose optimizer state this rank holds (all of them without sharding)."""
         return list(self.module.parameters())
 
-    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full, unsharded model state. Collective: call on every rank."""
         return {k: v.detach() for k, v in self.module.state_dict().items()}

@@ -10,7 +10,6 @@ Warning:
 """
 
 from dataclasses import dataclass
-from typing import List
 
 from fairscale.optim import OSS
 
@@ -32,7 +31,7 @@ class OSSStrategy(Strategy):
         # OSS computes the norm over its shard and all-reduces it: the global norm.
         return self.optimizer.clip_grad_norm(max_norm)
 
-    def local_shard(self) -> List:
+    def local_shard(self) -> list:
         return [p for group in self.optimizer.partition_parameters()[self.optimizer.rank] for p in group["params"]]
 
 
