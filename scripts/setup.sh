@@ -13,8 +13,8 @@ pip() { .venv/bin/python -m pip "$@"; }
 if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     pip install -q "torch==$TORCH_VERSION"                      # PyPI's CUDA build
-  elif pip install -q --no-index "torch==$TORCH_VERSION" 2>/dev/null; then
-    :                                                           # a local CPU wheel (find-links)
+  elif wheel_dir=$(mktemp -d) && pip download -q --no-deps --no-index -d "$wheel_dir" "torch==$TORCH_VERSION" 2>/dev/null; then
+    pip install -q "$wheel_dir"/torch-*.whl                     # a CPU wheel on local disk (find-links)
   else
     # A bare `torch` from PyPI is a multi-GB CUDA build on Linux: take PyTorch's CPU index.
     pip install -q "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
