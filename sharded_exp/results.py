@@ -43,7 +43,22 @@ def format_table(rows: list[list[str]], header: list[str]) -> str:
 def summary_table(result: dict[str, Any]) -> str:
     """The short end-of-run table printed by the parent."""
     tp = result.get("throughput") or {}
-    header = ["strategy", "precision", "world_size", "model", "params", "final_loss", "samples/s", "step_ms", "status"]
+    mem = result.get("memory") or {}
+    mib = lambda key: f"{mem[key]:.2f}" if mem.get(key) is not None else "-"  # noqa: E731
+    header = [
+        "strategy",
+        "precision",
+        "world_size",
+        "model",
+        "params",
+        "final_loss",
+        "samples/s",
+        "step_ms",
+        "peak_MiB",
+        "states_MiB",
+        "predicted_MiB",
+        "status",
+    ]
     row = [
         result["strategy"],
         result["precision"],
@@ -53,6 +68,9 @@ def summary_table(result: dict[str, Any]) -> str:
         f"{result['final_loss']:.4f}" if result.get("final_loss") is not None else "-",
         f"{tp['samples_per_s']:.1f}" if tp else "-",
         f"{1000 * tp['step_time_s_median']:.1f}" if tp else "-",
+        mib("peak_allocated_mib_max"),
+        mib("model_states_mib_max"),
+        mib("predicted_model_states_mib_max"),
         result["status"],
     ]
     return format_table([row], header)

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from sharded_exp import faults, precision
 from sharded_exp.data import build_task
+from sharded_exp.memory import MemoryMeter, model_state_mib
 from sharded_exp.models import build_model
 from sharded_exp.optim import optimizer_spec
 from sharded_exp.strategies import build_strategy
@@ -88,7 +89,17 @@ def train(cfg: DictConfig, device: torch.device, output_dir: str) -> dict[str, A
 
     torch.manual_seed(tc.seed)  # identical initial weights on every rank
     module = build_model(cfg.model).to(device)
+    meter = MemoryMeter(device)
+    if device.type == "cpu":
+        # On CPU only tensors the tracker sees are counted: start it before the strategy
+        # allocates its communication buffers, as the CUDA allocator would count them.
+        meter.start(module)
     strategy = build_strategy(cfg.strategy, module, optimizer_spec(cfg.optimizer, module), cfg.precision, device)
+    if device.type == "cuda":
+        meter.start()  # peak counters reset once model and optimizer are built
+    # The CPU tracker slows every op: it runs over the warm-up steps, which are not timed.
+    memory_steps = tc.warmup_steps if device.type == "cpu" else tc.steps
+    memory: Dict[str, Any] = {}
     next_batch = build_task(cfg.data, cfg.model, tc.batch_size)
     autocast = precision.autocast(cfg.precision, device.type)
 
@@ -126,6 +137,9 @@ def train(cfg: DictConfig, device: torch.device, output_dir: str) -> dict[str, A
             hook.remove()
         # The scaler lowers its scale exactly when it skipped the step (found inf/nan).
         skipped_steps += int(strategy.scaler.get_scale() < scale_before)
+        meter.step_end()
+        if step + 1 == memory_steps:
+            memory = meter.stop()
 
         loss_metric.update(loss)
         if quality is None:
@@ -146,6 +160,9 @@ def train(cfg: DictConfig, device: torch.device, output_dir: str) -> dict[str, A
     state = strategy.full_state_dict()  # collective for strategies that shard parameters
     local = {
         "rank": rank,
+        **memory,
+        "model_states_mib": model_state_mib(module, strategy.local_optimizers()),
+        "optimizer_shard_numel": sum(p.numel() for p in strategy.local_shard()),
         "loss_scale": float(strategy.scaler.get_scale()),
         "skipped_steps": skipped_steps,
         "nonfinite_params": sum(int((~torch.isfinite(p)).sum()) for p in module.parameters()),

@@ -20,6 +20,16 @@ class StrategyConfig:
     name: str = "ddp"
     """Key in the strategy registry."""
 
+    @staticmethod
+    def resident_numel(cfg, numels, owners, rank: int, world_size: int) -> dict:
+        """Elements of each model state that ``rank`` holds (for the memory model).
+
+        ``numels``: every parameter tensor's size; ``owners``: its optimizer-shard rank.
+        Returns ``params`` and ``grads`` element counts and ``optimizer``, the sizes of the
+        parameter tensors whose optimizer state the rank keeps. Unsharded by default.
+        """
+        return {"params": sum(numels), "grads": sum(numels), "optimizer": list(numels)}
+
 
 class Strategy:
     """A wrapped model with its optimizer and grad scaler.
@@ -57,6 +67,10 @@ class Strategy:
     def local_shard(self) -> list[nn.Parameter]:
         """Parameters whose optimizer state this rank holds (all of them without sharding)."""
         return list(self.module.parameters())
+
+    def local_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The plain torch optimizers on this rank, whose state is this rank's share."""
+        return [self.optimizer]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full, unsharded model state. Collective: call on every rank."""

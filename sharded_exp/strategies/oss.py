@@ -25,11 +25,23 @@ class OSSConfig(DDPConfig):
     broadcast_fp16: bool = False
     """Send parameters as fp16 in OSS's post-step broadcast (fairscale default off; lossy)."""
 
+    @staticmethod
+    def resident_numel(cfg, numels, owners, rank, world_size):
+        # ZeRO-1: only the optimizer state of the rank's own shard
+        return {"params": sum(numels), "grads": sum(numels), "optimizer": owned(numels, owners, rank)}
+
+
+def owned(numels, owners, rank):
+    return [n for n, o in zip(numels, owners) if o == rank]
+
 
 class OSSStrategy(Strategy):
     def clip_grad_norm_(self, max_norm: float):
         # OSS computes the norm over its shard and all-reduces it: the global norm.
         return self.optimizer.clip_grad_norm(max_norm)
+
+    def local_optimizers(self) -> list:
+        return [self.optimizer.optim]  # OSS wraps one optimizer built over this rank's shard
 
     def local_shard(self) -> list:
         return [p for group in self.optimizer.partition_parameters()[self.optimizer.rank] for p in group["params"]]

@@ -23,7 +23,7 @@ from fairscale.nn.data_parallel import ShardedDataParallel
 from sharded_exp import precision
 from sharded_exp.strategies import STRATEGIES
 from sharded_exp.strategies.base import StrategyConfig
-from sharded_exp.strategies.oss import OSSStrategy, make_oss
+from sharded_exp.strategies.oss import OSSStrategy, make_oss, owned
 
 
 @dataclass
@@ -35,6 +35,39 @@ class ShardedDDPConfig(StrategyConfig):
     """Broadcast module buffers from rank 0 at every forward (fairscale default on)."""
     broadcast_fp16: bool = False
     """Send parameters as fp16 in OSS's post-step broadcast (fairscale default off; lossy)."""
+
+    @staticmethod
+    def resident_numel(cfg, numels, owners, rank, world_size):
+        return {
+            "params": sum(numels),
+            "grads": resident_grad_numel(cfg.reduce_buffer_size, numels, owners, rank, world_size),
+            "optimizer": owned(numels, owners, rank),
+        }
+
+
+def resident_grad_numel(reduce_buffer_size, numels, owners, rank, world_size) -> int:
+    """Gradient elements a rank keeps under ShardedDataParallel, following its bucketing.
+
+    Gradients of parameters that fit in a reduce bucket live in that bucket, and every
+    rank keeps every destination's bucket; only the others are truly sharded (dropped by
+    non-owners after the reduce). So with the default 2**23-element buckets, models below
+    about 8M parameters per rank get no gradient saving at all.
+    """
+    if world_size == 1:
+        return sum(numels)
+    capacity = min(reduce_buffer_size, sum(numels))
+    # fairscale orders parameters by owner, then (stable) by size, before filling buckets
+    order = sorted((i for r in range(world_size) for i, o in enumerate(owners) if o == r), key=lambda i: numels[i])
+    fill = [0] * world_size
+    held = 0
+    for i in order:
+        dst = owners[i]
+        if capacity > 0 and fill[dst] + numels[i] < capacity:
+            fill[dst] += numels[i]
+            held += numels[i]  # bucketed: resident on every rank
+        elif dst == rank:
+            held += numels[i]  # unbucketed: kept by its owner only
+    return held
 
 
 class ShardedDDPStrategy(OSSStrategy):

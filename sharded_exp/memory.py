@@ -1,0 +1,108 @@
+"""Per-rank memory, measured: peak allocated over the training steps, and model states.
+
+Two sources, one meaning of ``peak_allocated_mib`` (bytes of live tensors at the peak):
+
+- CUDA: the caching allocator's own counters (``torch.cuda.memory_stats``), reset once the
+  model and optimizer are built; also reserved bytes, allocation retries and OOMs.
+- CPU has no allocator counters, so live tensors are tracked with torch's ``MemTracker``
+  (a TorchDispatchMode that follows every storage from allocation to free and files it as
+  parameter, gradient, optimizer state, activation or temporary). It slows every op, so
+  on CPU memory is tracked over the warm-up steps only, which are never timed.
+
+Process RSS is not reported: on CPU it is dominated by the torch runtime itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, Optional
+
+import torch
+from torch import nn
+
+MIB = 2**20
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set) -> int:
+    """Bytes of the distinct storages behind ``tensors``; a storage is counted once."""
+    total = 0
+    for t in tensors:
+        if t is None or t.device.type == "meta":
+            continue
+        st = t.untyped_storage()
+        key = (st.device, st.data_ptr())
+        if key not in seen and st.nbytes() > 0:
+            seen.add(key)
+            total += st.nbytes()
+    return total
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer):
+    for state in optimizer.state.values():
+        for value in state.values():
+            if torch.is_tensor(value):
+                yield value
+
+
+def model_state_mib(module: nn.Module, local_optimizers: Iterable[torch.optim.Optimizer]) -> Dict[str, float]:
+    """Parameters, gradients and optimizer state this rank holds, from the real tensors.
+
+    Storage is deduplicated across the three (a gradient that is a view into a reduce
+    bucket counts the whole bucket, once).
+    """
+    seen: set = set()
+    params = _storage_bytes((p for p in module.parameters()), seen)
+    grads = _storage_bytes((p.grad for p in module.parameters() if p.grad is not None), seen)
+    optim = sum(_storage_bytes(_state_tensors(o), seen) for o in local_optimizers)
+    return {"params": params / MIB, "grads": grads / MIB, "optimizer": optim / MIB}
+
+
+class MemoryMeter:
+    """Peak memory of one rank over a region (``start`` ... ``stop``)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.source = "cuda_allocator" if device.type == "cuda" else "torch_mem_tracker"
+        self._tracker: Optional[Any] = None
+
+    def start(self, *external: Any) -> None:
+        """Begin the region. ``external``: modules/optimizers built before it, to be counted."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        from torch.distributed._tools.mem_tracker import MemTracker  # private API, see FINDINGS
+
+        self._tracker = MemTracker()
+        self._tracker.track_external(*external)
+        self._tracker.__enter__()
+
+    def step_end(self) -> None:
+        if self._tracker is not None:
+            # MemTracker keeps per-module stats that raise on a second iteration otherwise.
+            self._tracker.reset_mod_stats()
+
+    def stop(self) -> Dict[str, Any]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            stats = torch.cuda.memory_stats(self.device)
+            return {
+                "peak_allocated_mib": stats["allocated_bytes.all.peak"] / MIB,
+                "peak_reserved_mib": stats["reserved_bytes.all.peak"] / MIB,
+                "alloc_retries": stats.get("num_alloc_retries", 0),
+                "ooms": stats.get("num_ooms", 0),
+                "peak_breakdown_mib": None,
+            }
+        tracker, self._tracker = self._tracker, None
+        if tracker is None:
+            return {"peak_allocated_mib": None, "peak_reserved_mib": None, "peak_breakdown_mib": None}
+        tracker.__exit__(None, None, None)
+        snap = tracker.get_tracker_snapshot("peak").get(self.device, {})
+        breakdown = {str(getattr(k, "value", k)): v / MIB for k, v in snap.items()}
+        total = breakdown.pop("Total", sum(breakdown.values()))
+        return {
+            "peak_allocated_mib": total,
+            "peak_reserved_mib": None,  # no caching allocator on CPU
+            "alloc_retries": None,
+            "ooms": None,
+            "peak_breakdown_mib": breakdown,
+        }
