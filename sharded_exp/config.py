@@ -14,7 +14,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -95,6 +95,22 @@ class TrainerConfig:
 class LoggerConfig:
     name: str = "none"
     """none or wandb."""
+    mode: Optional[str] = None
+    """W&B mode: offline, online or disabled; null means $WANDB_MODE if set, else offline."""
+    project: str = "sharded_exp"
+    """W&B project."""
+    entity: Optional[str] = None
+    """W&B entity (team or user); null uses the default of the logged-in account."""
+    group: Optional[str] = None
+    """W&B group; null means the sweep id (multirun) or run id, filled in by the job."""
+    job_type: Optional[str] = None
+    """W&B job type; null means the strategy name."""
+    run_name: Optional[str] = None
+    """W&B run name; null means the job's overrides."""
+    tags: List[str] = field(default_factory=list)
+    """W&B tags."""
+    init_timeout_s: float = 15.0
+    """Seconds W&B may take to start before the job gives up on it and trains on."""
 
 
 # ------------------------------------------------------------------------------- root

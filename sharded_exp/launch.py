@@ -154,36 +154,6 @@ def run_job(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
     )
 
 
-def memory_section(cfg: DictConfig, per_rank: list, world_size: int) -> Dict[str, Any]:
-    """Measured memory per rank next to the analytic prediction (result.json's ``memory``)."""
-    from sharded_exp.memory_model import predict_model_states_mib, relative_error
-    from sharded_exp.models import build_model
-    from sharded_exp.optim import optimizer_spec
-    from sharded_exp.strategies import STRATEGIES
-
-    with torch.device("meta"):
-        module = build_model(cfg.model)
-    groups = [[p.numel() for p in g["params"]] for g in optimizer_spec(cfg.optimizer, module).param_groups]
-    strategy_cls = STRATEGIES.config_class(cfg.strategy.name)
-    predicted = predict_model_states_mib(strategy_cls, cfg.strategy, cfg.optimizer, groups, world_size)
-    for entry, pred in zip(per_rank, predicted):
-        entry["predicted_model_states_mib"] = pred
-        entry["model_states_rel_error"] = relative_error(pred, entry["model_states_mib"])
-
-    def largest(key):
-        values = [r[key] for r in per_rank if r.get(key) is not None]
-        return max(values) if values else None
-
-    return {
-        "source": "cuda_allocator" if resolve_device(cfg.trainer.accelerator) == "cuda" else "torch_mem_tracker",
-        "per_rank": per_rank,
-        "peak_allocated_mib_max": largest("peak_allocated_mib"),
-        "model_states_mib_max": max(sum(r["model_states_mib"].values()) for r in per_rank),
-        "predicted_model_states_mib_max": max(sum(p.values()) for p in predicted),
-        "model_states_rel_error_max": largest("model_states_rel_error"),
-    }
-
-
 def launch(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
     """Validate, run every rank, write ``result.json`` and print the summary table.
 
@@ -206,8 +176,6 @@ def launch(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
     try:
         payload = run_job(cfg, output_dir)  # None on ranks other than 0 under torchrun
         result.update(payload or {}, status="ok")
-        if payload is not None:
-            result["memory"] = memory_section(cfg, payload.pop("per_rank"), cfg_data["trainer"]["world_size"])
     except Exception as exc:  # noqa: BLE001 -- a rank failed: record it, then let the caller exit non-zero
         result.update(status="failed", error=describe_failure(exc))
         if isinstance(exc, mp.ProcessRaisedException):

@@ -14,7 +14,8 @@ Process RSS is not reported: on CPU it is dominated by the torch runtime itself.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,7 +44,7 @@ def _state_tensors(optimizer: torch.optim.Optimizer):
                 yield value
 
 
-def model_state_mib(module: nn.Module, local_optimizers: Iterable[torch.optim.Optimizer]) -> Dict[str, float]:
+def model_state_mib(module: nn.Module, local_optimizers: Iterable[torch.optim.Optimizer]) -> dict[str, float]:
     """Parameters, gradients and optimizer state this rank holds, from the real tensors.
 
     Storage is deduplicated across the three (a gradient that is a view into a reduce
@@ -62,7 +63,7 @@ class MemoryMeter:
     def __init__(self, device: torch.device):
         self.device = device
         self.source = "cuda_allocator" if device.type == "cuda" else "torch_mem_tracker"
-        self._tracker: Optional[Any] = None
+        self._tracker: Any | None = None
 
     def start(self, *external: Any) -> None:
         """Begin the region. ``external``: modules/optimizers built before it, to be counted."""
@@ -81,7 +82,7 @@ class MemoryMeter:
             # MemTracker keeps per-module stats that raise on a second iteration otherwise.
             self._tracker.reset_mod_stats()
 
-    def stop(self) -> Dict[str, Any]:
+    def stop(self) -> dict[str, Any]:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             stats = torch.cuda.memory_stats(self.device)

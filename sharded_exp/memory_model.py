@@ -17,13 +17,13 @@ bytes. Two details make the prediction match the real tensors rather than the pa
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from collections.abc import Sequence
 
 MIB = 2**20
 FP32 = 4
 
 
-def greedy_partition(group_numels: Sequence[Sequence[int]], world_size: int) -> List[int]:
+def greedy_partition(group_numels: Sequence[Sequence[int]], world_size: int) -> list[int]:
     """Owner rank of every parameter (flattened in group order), as fairscale OSS assigns it."""
     sizes = [0] * world_size
     owners = []
@@ -48,7 +48,7 @@ def optimizer_state_bytes(optimizer_cfg, numels: Sequence[int]) -> int:
 
 def predict_model_states_mib(
     strategy_cls, strategy_cfg, optimizer_cfg, group_numels: Sequence[Sequence[int]], world_size: int
-) -> List[Dict[str, float]]:
+) -> list[dict[str, float]]:
     """Predicted ``{"params", "grads", "optimizer"}`` MiB for every rank."""
     numels = [n for group in group_numels for n in group]
     owners = greedy_partition(group_numels, world_size)
@@ -80,7 +80,7 @@ def zero_paper_bytes_per_param(stage: int, world_size: int, k: int = 12) -> floa
     }[stage]
 
 
-def relative_error(predicted: Dict[str, float], measured: Dict[str, float]) -> float:
+def relative_error(predicted: dict[str, float], measured: dict[str, float]) -> float:
     """|predicted - measured| / measured over the three model states together."""
     p, m = sum(predicted.values()), sum(measured.values())
     return abs(p - m) / m if m else 0.0

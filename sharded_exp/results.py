@@ -44,7 +44,7 @@ def summary_table(result: dict[str, Any]) -> str:
     """The short end-of-run table printed by the parent."""
     tp = result.get("throughput") or {}
     mem = result.get("memory") or {}
-    mib = lambda key: f"{mem[key]:.2f}" if mem.get(key) is not None else "-"  # noqa: E731
+    mib = lambda key: f"{mem[key]:.2f}" if mem.get(key) is not None else "-"
     header = [
         "strategy",
         "precision",

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.text import Perplexity
@@ -26,10 +26,12 @@ from tqdm import tqdm
 
 from sharded_exp import faults, precision
 from sharded_exp.data import build_task
+from sharded_exp.loggers import build_logger, memory_values, summary_values
 from sharded_exp.memory import MemoryMeter, model_state_mib
+from sharded_exp.memory_model import predict_model_states_mib, relative_error
 from sharded_exp.models import build_model
 from sharded_exp.optim import optimizer_spec
-from sharded_exp.strategies import build_strategy
+from sharded_exp.strategies import STRATEGIES, build_strategy
 from sharded_exp.strategies.base import Strategy
 
 
@@ -71,6 +73,31 @@ def _inject_inf(strategy: Strategy):
     return param.register_hook(lambda g: torch.full_like(g, float("inf")))
 
 
+def memory_section(cfg: DictConfig, per_rank: list, world_size: int, source: str) -> dict[str, Any]:
+    """Measured memory per rank next to the analytic prediction (result.json's ``memory``)."""
+    with torch.device("meta"):
+        module = build_model(cfg.model)
+    groups = [[p.numel() for p in g["params"]] for g in optimizer_spec(cfg.optimizer, module).param_groups]
+    strategy_cls = STRATEGIES.config_class(cfg.strategy.name)
+    predicted = predict_model_states_mib(strategy_cls, cfg.strategy, cfg.optimizer, groups, world_size)
+    for entry, pred in zip(per_rank, predicted):
+        entry["predicted_model_states_mib"] = pred
+        entry["model_states_rel_error"] = relative_error(pred, entry["model_states_mib"])
+
+    def largest(key):
+        values = [r[key] for r in per_rank if r.get(key) is not None]
+        return max(values) if values else None
+
+    return {
+        "source": source,
+        "per_rank": per_rank,
+        "peak_allocated_mib_max": largest("peak_allocated_mib"),
+        "model_states_mib_max": max(sum(r["model_states_mib"].values()) for r in per_rank),
+        "predicted_model_states_mib_max": max(sum(p.values()) for p in predicted),
+        "model_states_rel_error_max": largest("model_states_rel_error"),
+    }
+
+
 def param_digest(state: dict[str, torch.Tensor]) -> dict[str, float]:
     """float64 sum and L2 norm over the full state, the same walk for every strategy."""
     total, sq = 0.0, 0.0
@@ -84,9 +111,6 @@ def param_digest(state: dict[str, torch.Tensor]) -> dict[str, float]:
 def train(cfg: DictConfig, device: torch.device, output_dir: str) -> dict[str, Any] | None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     tc = cfg.trainer
-    fault = faults.from_env()
-    fault = fault if fault is not None and fault.rank == rank else None
-
     torch.manual_seed(tc.seed)  # identical initial weights on every rank
     module = build_model(cfg.model).to(device)
     meter = MemoryMeter(device)
@@ -99,10 +123,28 @@ def train(cfg: DictConfig, device: torch.device, output_dir: str) -> dict[str, A
         meter.start()  # peak counters reset once model and optimizer are built
     # The CPU tracker slows every op: it runs over the warm-up steps, which are not timed.
     memory_steps = tc.warmup_steps if device.type == "cpu" else tc.steps
-    memory: Dict[str, Any] = {}
+
+    logger = build_logger(cfg.logger, OmegaConf.to_container(cfg, resolve=True), output_dir, rank)
+    try:
+        payload = _loop(cfg, rank, world_size, device, output_dir, module, strategy, meter, memory_steps, logger)
+    except BaseException:
+        logger.finish(exit_code=1)
+        raise
+    if payload is not None:
+        logger.log(memory_values(payload["memory"]), step=tc.steps)
+        logger.summary(summary_values(payload))
+    logger.finish(exit_code=0)
+    return payload
+
+
+def _loop(cfg, rank, world_size, device, output_dir, module, strategy, meter, memory_steps, logger):
+    """The steps themselves, then the gather of per-rank results onto rank 0."""
+    tc = cfg.trainer
+    fault = faults.from_env()
+    fault = fault if fault is not None and fault.rank == rank else None
     next_batch = build_task(cfg.data, cfg.model, tc.batch_size)
     autocast = precision.autocast(cfg.precision, device.type)
-
+    memory: dict[str, Any] = {}
     loss_metric = MeanMetric().to(device)
     quality_name, quality = None, None
     history: list[dict[str, float]] = []
@@ -131,8 +173,12 @@ def train(cfg: DictConfig, device: torch.device, output_dir: str) -> dict[str, A
         t0 = time.perf_counter()
         loss, out = train_step(strategy, batches, autocast, tc.grad_clip)
         _sync(device)
+        step_time = time.perf_counter() - t0
         if step >= tc.warmup_steps:
-            step_times.append(time.perf_counter() - t0)
+            step_times.append(step_time)
+            logger.log(
+                {"train/step_time_s": step_time, "train/samples_per_s": samples_per_step / step_time}, step=step + 1
+            )
         if hook is not None:
             hook.remove()
         # The scaler lowers its scale exactly when it skipped the step (found inf/nan).
@@ -152,6 +198,7 @@ def train(cfg: DictConfig, device: torch.device, output_dir: str) -> dict[str, A
             loss_metric.reset()
             quality.reset()
             history.append(record)
+            logger.log({f"train/{k}": v for k, v in record.items() if k != "step"}, step=step + 1)
             bar.set_postfix(loss=f"{record['loss']:.4f}")
     bar.close()
 
@@ -192,5 +239,5 @@ def train(cfg: DictConfig, device: torch.device, output_dir: str) -> dict[str, A
         "param_digest": param_digest(state),
         "throughput": throughput,
         "history": history,
-        "per_rank": per_rank,
+        "memory": memory_section(cfg, per_rank, world_size, meter.source),
     }

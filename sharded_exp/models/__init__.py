@@ -23,4 +23,4 @@ def build_model(cfg) -> torch.nn.Module:
     return MODELS.builder(cfg.name)(cfg)
 
 
-from sharded_exp.models import gpt, mlp  # noqa: F401  (registers the models)
+from sharded_exp.models import gpt, mlp  # noqa: E402,F401  (registers the models)

@@ -1,0 +1,115 @@
+"""Experiment tracking: one Weights & Biases run per job, owned by rank 0.
+
+W&B is an observer: if it cannot start (no network, bad key, unreachable server) or
+fails later, a warning is printed and training goes on; result.json is always written.
+Offline runs land in ``<output_dir>/wandb/offline-run-*``; upload them later with
+``wandb sync <output_dir>/wandb/offline-run-*``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+
+class NullLogger:
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def summary(self, values: dict[str, Any]) -> None:
+        pass
+
+    def finish(self, exit_code: int = 0) -> None:
+        pass
+
+
+class WandbLogger(NullLogger):
+    def __init__(self, cfg, run_config: dict[str, Any], output_dir: str):
+        self.run = None
+        try:
+            import wandb
+
+            self.run = wandb.init(
+                project=cfg.project,
+                entity=cfg.entity,
+                group=cfg.group,
+                job_type=cfg.job_type,
+                name=cfg.run_name,
+                tags=list(cfg.tags),
+                config=run_config,
+                dir=output_dir,
+                # An explicit mode overrides WANDB_MODE, so the environment is read here.
+                mode=cfg.mode or os.environ.get("WANDB_MODE") or "offline",
+                # Never hand back a run left open by an earlier job in this process.
+                reinit="finish_previous",
+                settings=wandb.Settings(init_timeout=cfg.init_timeout_s, console="off", silent=True),
+            )
+            self.run.define_metric("train/loss", summary="min")
+            self.run.define_metric("train/samples_per_s", summary="mean")
+            self.run.define_metric("train/step_time_s", summary="mean")
+            self.run.define_metric("mem/*", summary="max")
+        except Exception as exc:  # noqa: BLE001 -- tracking must never stop training
+            self._give_up("start", exc)
+
+    def _give_up(self, what: str, exc: BaseException) -> None:
+        warnings.warn(f"W&B could not {what} ({type(exc).__name__}: {exc}); training goes on without it", stacklevel=3)
+        self.run = None
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if self.run is not None:
+            try:
+                self.run.log(metrics, step=step)
+            except Exception as exc:  # noqa: BLE001
+                self._give_up("log", exc)
+
+    def summary(self, values: dict[str, Any]) -> None:
+        if self.run is not None:
+            try:
+                self.run.summary.update(values)
+            except Exception as exc:  # noqa: BLE001
+                self._give_up("write the summary", exc)
+
+    def finish(self, exit_code: int = 0) -> None:
+        if self.run is not None:
+            run, self.run = self.run, None
+            try:
+                run.finish(exit_code=exit_code)
+            except Exception as exc:  # noqa: BLE001
+                self._give_up("finish", exc)
+
+
+def build_logger(cfg, run_config: dict[str, Any], output_dir: str, rank: int) -> NullLogger:
+    """The job's logger on rank 0; a no-op everywhere else and for logger=none."""
+    if rank != 0 or cfg.name == "none":
+        return NullLogger()
+    return WandbLogger(cfg, run_config, output_dir)
+
+
+def summary_values(result: dict[str, Any]) -> dict[str, Any]:
+    """The flat W&B summary of a job, read from the same payload as result.json."""
+    out: dict[str, float | None] = {
+        "params": result["params"],
+        "final_loss": result["final_loss"],
+        "param_digest/sum": result["param_digest"]["sum"],
+        "param_digest/l2": result["param_digest"]["l2"],
+    }
+    for key, value in result["throughput"].items():
+        out[f"throughput/{key}"] = value
+    return out
+
+
+def memory_values(memory: dict[str, Any]) -> dict[str, float]:
+    """Per-rank and max-over-ranks memory, as ``mem/...`` keys."""
+    out = {}
+    for entry in memory["per_rank"]:
+        prefix = f"mem/rank{entry['rank']}"
+        for key in ("peak_allocated_mib", "peak_reserved_mib"):
+            if entry.get(key) is not None:
+                out[f"{prefix}/{key}"] = entry[key]
+        out[f"{prefix}/model_states_mib"] = sum(entry["model_states_mib"].values())
+        out[f"{prefix}/predicted_model_states_mib"] = sum(entry["predicted_model_states_mib"].values())
+    for key in ("peak_allocated_mib_max", "model_states_mib_max", "predicted_model_states_mib_max"):
+        if memory.get(key) is not None:
+            out[f"mem/{key}"] = memory[key]
+    return out
