@@ -9,10 +9,12 @@ The Hydra job is the parent: it validates the config and starts the ranks
 (:mod:`sharded_exp.launch`). Output goes to the Hydra run directory (``outputs/...``).
 """
 
+import os
 import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from sharded_exp.config import ConfigError, quote_numeric_choices, register_schemas
@@ -21,8 +23,25 @@ from sharded_exp.launch import launch
 register_schemas()
 
 
+def name_the_run(cfg: DictConfig) -> None:
+    """Fill the tracker's group, job type and run name from Hydra, in the parent.
+
+    Ranks have no HydraConfig, so these are resolved here: group = the sweep directory's
+    name under -m (one group per sweep), else the run directory's; name = the overrides.
+    """
+    hc = HydraConfig.get()
+    multirun = hc.mode == RunMode.MULTIRUN
+    if cfg.logger.get("group", "missing") is None:
+        cfg.logger.group = os.path.basename(hc.sweep.dir if multirun else hc.run.dir)
+    if cfg.logger.get("job_type", "missing") is None:
+        cfg.logger.job_type = cfg.strategy.name
+    if cfg.logger.get("run_name", "missing") is None:
+        cfg.logger.run_name = hc.job.override_dirname or "defaults"
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    name_the_run(cfg)
     try:
         result = launch(cfg, HydraConfig.get().runtime.output_dir)
     except ConfigError as exc:  # raised before any rank starts

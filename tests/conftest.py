@@ -24,6 +24,7 @@ TINY = [
     "trainer.log_interval=2",
     "trainer.progress_bar=false",
     "trainer.timeout_s=60",
+    "logger=none",  # W&B has its own tests (test_wandb.py)
     "model.hidden=32",
     "model.depth=2",
 ]
