@@ -99,4 +99,4 @@ def test_torchrun_provides_the_ranks(tmp_path):
     result = read_result(tmp_path)
     assert result["status"] == "ok"
     assert result["world_size"] == 2  # from torchrun, not from trainer.world_size=1
-    assert len(result["per_rank"]) == 2
+    assert len(result["memory"]["per_rank"]) == 2

@@ -25,7 +25,7 @@ def test_one_rank_inf_skips_the_step_on_every_rank(strategy, tmp_path):
     overrides = [f"strategy={strategy.split()[0]}", *strategy.split()[1:], "precision=16", "trainer.steps=4"]
     result = run_job(overrides, tmp_path, env=INF_AT)
     assert result["status"] == "ok", result.get("error")
-    ranks = result["per_rank"]
+    ranks = result["memory"]["per_rank"]
     assert len(ranks) == 2
     for r in ranks:
         assert r["skipped_steps"] == 1, r
@@ -51,7 +51,7 @@ def test_plain_scaler_under_sharded_gradients_desyncs(tmp_path):
     ]
     env = {**INF_AT, "SHARDED_EXP_PLUGINS": "tests.broken_strategies"}
     result = run_job(overrides, tmp_path, env=env)
-    ranks = result.get("per_rank") or []
+    ranks = (result.get("memory") or {}).get("per_rank") or []
     assert result["status"] == "failed" or ranks[0]["skipped_steps"] != ranks[1]["skipped_steps"]
 
 
@@ -63,5 +63,5 @@ def test_half_precision_trains(strategy, precision, tmp_path):
     )
     assert result["status"] == "ok", result.get("error")
     assert result["precision"] == precision
-    assert all(r["nonfinite_params"] == 0 for r in result["per_rank"])
+    assert all(r["nonfinite_params"] == 0 for r in result["memory"]["per_rank"])
     assert result["history"][-1]["loss"] < result["history"][0]["loss"]
