@@ -121,8 +121,9 @@ def train(cfg: DictConfig, device: torch.device, output_dir: str) -> dict[str, A
     strategy = build_strategy(cfg.strategy, module, optimizer_spec(cfg.optimizer, module), cfg.precision, device)
     if device.type == "cuda":
         meter.start()  # peak counters reset once model and optimizer are built
-    # The CPU tracker slows every op: it runs over the warm-up steps, which are not timed.
-    memory_steps = tc.warmup_steps if device.type == "cpu" else tc.steps
+    # The CPU tracker slows every op: it runs over the warm-up steps, which are not timed
+    # (over the first step when there is no warm-up; that step is then timed with it).
+    memory_steps = max(tc.warmup_steps, 1) if device.type == "cpu" else tc.steps
 
     logger = build_logger(cfg.logger, OmegaConf.to_container(cfg, resolve=True), output_dir, rank)
     try:
