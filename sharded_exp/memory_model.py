@@ -17,6 +17,7 @@ bytes. Two details make the prediction match the real tensors rather than the pa
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 MIB = 2**20
@@ -47,14 +48,17 @@ def optimizer_state_bytes(optimizer_cfg, numels: Sequence[int]) -> int:
 
 
 def predict_model_states_mib(
-    strategy_cls, strategy_cfg, optimizer_cfg, group_numels: Sequence[Sequence[int]], world_size: int
+    strategy_cls, strategy_cfg, optimizer_cfg, group_shapes: Sequence[Sequence[tuple]], world_size: int
 ) -> list[dict[str, float]]:
-    """Predicted ``{"params", "grads", "optimizer"}`` MiB for every rank."""
-    numels = [n for group in group_numels for n in group]
-    owners = greedy_partition(group_numels, world_size)
+    """Predicted ``{"params", "grads", "optimizer"}`` MiB for every rank.
+
+    ``group_shapes``: the parameter shapes of each optimizer parameter group, in order.
+    """
+    shapes = [s for group in group_shapes for s in group]
+    owners = strategy_cls.partition([[math.prod(s) for s in g] for g in group_shapes], world_size)
     out = []
     for rank in range(world_size):
-        held = strategy_cls.resident_numel(strategy_cfg, numels, owners, rank, world_size)
+        held = strategy_cls.resident_numel(strategy_cfg, shapes, owners, rank, world_size)
         out.append(
             {
                 "params": FP32 * held["params"] / MIB,

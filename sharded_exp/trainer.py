@@ -77,7 +77,7 @@ def memory_section(cfg: DictConfig, per_rank: list, world_size: int, source: str
     """Measured memory per rank next to the analytic prediction (result.json's ``memory``)."""
     with torch.device("meta"):
         module = build_model(cfg.model)
-    groups = [[p.numel() for p in g["params"]] for g in optimizer_spec(cfg.optimizer, module).param_groups]
+    groups = [[tuple(p.shape) for p in g["params"]] for g in optimizer_spec(cfg.optimizer, module).param_groups]
     strategy_cls = STRATEGIES.config_class(cfg.strategy.name)
     predicted = predict_model_states_mib(strategy_cls, cfg.strategy, cfg.optimizer, groups, world_size)
     for entry, pred in zip(per_rank, predicted):

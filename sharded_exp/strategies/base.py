@@ -8,11 +8,14 @@ behind :class:`Strategy`. The defaults here are plain DDP's behaviour.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from sharded_exp.memory_model import greedy_partition
 
 
 @dataclass
@@ -21,14 +24,20 @@ class StrategyConfig:
     """Key in the strategy registry."""
 
     @staticmethod
-    def resident_numel(cfg, numels, owners, rank: int, world_size: int) -> dict:
+    def partition(group_numels, world_size: int) -> list:
+        """Owner rank of each parameter's optimizer state (fairscale OSS's greedy rule)."""
+        return greedy_partition(group_numels, world_size)
+
+    @staticmethod
+    def resident_numel(cfg, shapes, owners, rank: int, world_size: int) -> dict:
         """Elements of each model state that ``rank`` holds (for the memory model).
 
-        ``numels``: every parameter tensor's size; ``owners``: its optimizer-shard rank.
+        ``shapes``: every parameter's shape; ``owners``: its optimizer-shard rank.
         Returns ``params`` and ``grads`` element counts and ``optimizer``, the sizes of the
-        parameter tensors whose optimizer state the rank keeps. Unsharded by default.
+        tensors whose optimizer state the rank keeps. Unsharded by default.
         """
-        return {"params": sum(numels), "grads": sum(numels), "optimizer": list(numels)}
+        numels = [math.prod(s) for s in shapes]
+        return {"params": sum(numels), "grads": sum(numels), "optimizer": numels}
 
 
 class Strategy:

@@ -9,6 +9,7 @@ Warning:
     against DDP on torch 2.x (tests/test_parity.py); re-run that test after upgrading torch.
 """
 
+import math
 from dataclasses import dataclass
 
 from fairscale.optim import OSS
@@ -26,8 +27,9 @@ class OSSConfig(DDPConfig):
     """Send parameters as fp16 in OSS's post-step broadcast (fairscale default off; lossy)."""
 
     @staticmethod
-    def resident_numel(cfg, numels, owners, rank, world_size):
+    def resident_numel(cfg, shapes, owners, rank, world_size):
         # ZeRO-1: only the optimizer state of the rank's own shard
+        numels = [math.prod(s) for s in shapes]
         return {"params": sum(numels), "grads": sum(numels), "optimizer": owned(numels, owners, rank)}
 
 

@@ -16,6 +16,7 @@ Warning:
     fairscale is unmaintained (last release 0.4.13, Dec 2022).
 """
 
+import math
 from dataclasses import dataclass
 
 from fairscale.nn.data_parallel import ShardedDataParallel
@@ -37,7 +38,8 @@ class ShardedDDPConfig(StrategyConfig):
     """Send parameters as fp16 in OSS's post-step broadcast (fairscale default off; lossy)."""
 
     @staticmethod
-    def resident_numel(cfg, numels, owners, rank, world_size):
+    def resident_numel(cfg, shapes, owners, rank, world_size):
+        numels = [math.prod(s) for s in shapes]
         return {
             "params": sum(numels),
             "grads": resident_grad_numel(cfg.reduce_buffer_size, numels, owners, rank, world_size),
