@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 MIB = 2**20
 
@@ -29,6 +30,8 @@ def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set) -> int:
     for t in tensors:
         if t is None or t.device.type == "meta":
             continue
+        if isinstance(t, DTensor):
+            t = t.to_local()  # this rank's shard
         st = t.untyped_storage()
         key = (st.device, st.data_ptr())
         if key not in seen and st.nbytes() > 0:

@@ -20,12 +20,17 @@ class OptimizerSpec:
     cls: type[torch.optim.Optimizer]
     param_groups: list[dict[str, Any]]
     defaults: dict[str, Any]
+    cfg: Any
 
     def build(self) -> torch.optim.Optimizer:
         return self.cls(self.param_groups, **self.defaults)
 
+    def regroup(self, module: nn.Module) -> "OptimizerSpec":
+        """The same spec over ``module``'s current parameters (FSDP replaces them)."""
+        return optimizer_spec(self.cfg, module)
 
-def optimizer_spec(cfg, module: nn.Module) -> OptimizerSpec:
+
+def param_groups(cfg, module: nn.Module) -> list[dict[str, Any]]:
     """Two parameter groups, as nanoGPT does: 2-D weights decay, biases and norms don't.
 
     The second group's learning rate is ``lr * no_decay_lr_scale``.
@@ -36,9 +41,13 @@ def optimizer_spec(cfg, module: nn.Module) -> OptimizerSpec:
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0, "lr": cfg.lr * cfg.no_decay_lr_scale},
     ]
+    return [g for g in groups if g["params"]]
+
+
+def optimizer_spec(cfg, module: nn.Module) -> OptimizerSpec:
     defaults: dict[str, Any] = {"lr": cfg.lr}
     if cfg.name in ("adam", "adamw"):
         defaults.update(betas=tuple(cfg.betas), eps=cfg.eps)
     elif cfg.name == "sgd":
         defaults.update(momentum=cfg.momentum)
-    return OptimizerSpec(OPTIMIZERS[cfg.name], [g for g in groups if g["params"]], defaults)
+    return OptimizerSpec(OPTIMIZERS[cfg.name], param_groups(cfg, module), defaults, cfg)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.tensor import DTensor
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.text import Perplexity
@@ -67,12 +68,6 @@ def _quality_metric(logits: torch.Tensor, device: torch.device):
     return "perplexity", Perplexity().to(device)
 
 
-def _inject_inf(strategy: Strategy):
-    """Make one parameter of this rank's shard receive an inf gradient (fault inf_grad)."""
-    param = strategy.local_shard()[0]
-    return param.register_hook(lambda g: torch.full_like(g, float("inf")))
-
-
 def memory_section(cfg: DictConfig, per_rank: list, world_size: int, source: str) -> dict[str, Any]:
     """Measured memory per rank next to the analytic prediction (result.json's ``memory``)."""
     with torch.device("meta"):
@@ -96,6 +91,11 @@ def memory_section(cfg: DictConfig, per_rank: list, world_size: int, source: str
         "predicted_model_states_mib_max": max(sum(p.values()) for p in predicted),
         "model_states_rel_error_max": largest("model_states_rel_error"),
     }
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of a DTensor, else the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def param_digest(state: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -167,7 +167,7 @@ def _loop(cfg, rank, world_size, device, output_dir, module, strategy, meter, me
                 raise RuntimeError(f"injected fault on rank {rank} at step {step}")
             if fault.kind == "exit":
                 os._exit(3)
-            hook = _inject_inf(strategy)
+            hook = strategy.inject_inf_grad()
 
         scale_before = strategy.scaler.get_scale()
         _sync(device)
@@ -213,8 +213,8 @@ def _loop(cfg, rank, world_size, device, output_dir, module, strategy, meter, me
         "optimizer_shard_numel": sum(p.numel() for p in strategy.local_shard()),
         "loss_scale": float(strategy.scaler.get_scale()),
         "skipped_steps": skipped_steps,
-        "nonfinite_params": sum(int((~torch.isfinite(p)).sum()) for p in module.parameters()),
-        "local_param_digest": param_digest({n: p for n, p in module.named_parameters()}),
+        "nonfinite_params": sum(int((~torch.isfinite(_local(p))).sum()) for p in module.parameters()),
+        "local_param_digest": param_digest({n: _local(p) for n, p in module.named_parameters()}),
     }
     per_rank: list[Any] = [None] * world_size
     dist.all_gather_object(per_rank, local)

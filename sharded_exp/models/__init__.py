@@ -1,6 +1,6 @@
 """Model registry. A model module registers ``build(cfg) -> nn.Module`` with its schema.
 
-Every model takes keyword arguments and returns :class:`ModelOutput` (logits and the loss
+Every model has ``blocks()``, its repeated units (FSDP wraps each one), and takes keyword arguments and returns :class:`ModelOutput` (logits and the loss
 when ``targets=`` is given), the way Hugging Face models do; strategies must pass keyword
 arguments through their wrappers unchanged.
 """

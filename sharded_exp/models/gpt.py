@@ -68,14 +68,18 @@ class GPT(nn.Module):
         super().__init__()
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks_ = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def blocks(self) -> list:
+        """The transformer blocks (units that FSDP shards and gathers one at a time)."""
+        return list(self.blocks_)
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor = None) -> ModelOutput:
         pos = torch.arange(input_ids.shape[1], device=input_ids.device)
         x = self.tok_emb(input_ids) + self.pos_emb(pos)
-        for block in self.blocks:
+        for block in self.blocks_:
             x = block(x)
         logits = self.head(self.ln_f(x))
         loss = None

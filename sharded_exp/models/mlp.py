@@ -27,10 +27,14 @@ class MLP(nn.Module):
         super().__init__()
         layers, width = [], cfg.in_features
         for _ in range(cfg.depth):
-            layers += [nn.Linear(width, cfg.hidden), nn.GELU(), nn.LayerNorm(cfg.hidden)]
+            layers.append(nn.Sequential(nn.Linear(width, cfg.hidden), nn.GELU(), nn.LayerNorm(cfg.hidden)))
             width = cfg.hidden
         self.body = nn.Sequential(*layers)
         self.head = nn.Linear(width, cfg.num_classes)
+
+    def blocks(self) -> list:
+        """The repeated layer groups (units that FSDP shards and gathers one at a time)."""
+        return list(self.body)
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor = None) -> ModelOutput:
         logits = self.head(self.body(inputs))

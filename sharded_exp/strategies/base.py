@@ -77,6 +77,12 @@ class Strategy:
         """Parameters whose optimizer state this rank holds (all of them without sharding)."""
         return list(self.module.parameters())
 
+    def inject_inf_grad(self) -> Any:
+        """Testing aid (fault ``inf_grad``): make one gradient element of this rank's own
+        shard inf, before any communication. Returns a handle with ``remove()``."""
+        param = self.local_shard()[0]
+        return param.register_hook(lambda g: torch.full_like(g, float("inf")))
+
     def local_optimizers(self) -> list[torch.optim.Optimizer]:
         """The plain torch optimizers on this rank, whose state is this rank's share."""
         return [self.optimizer]

@@ -1,0 +1,118 @@
+"""fsdp: PyTorch FSDP2 ``fully_shard`` (ZeRO stage 3: parameters, gradients and optimizer
+state sharded), and fsdp_grad_op: the same without resharding after forward (ZeRO-2-like:
+parameters stay gathered from forward to backward).
+
+Each of the model's ``blocks()`` is one FSDP unit, and the root holds the rest. Every
+parameter is a DTensor sharded on dim 0 across ranks; a unit's parameters are all-gathered
+just before use and its gradients reduce-scattered after backward. Precision 16/bf16 runs
+through FSDP's MixedPrecisionPolicy: parameters and compute in half, gradient reduction
+and the sharded master weights in fp32.
+"""
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from sharded_exp import precision
+from sharded_exp.strategies import STRATEGIES
+from sharded_exp.strategies.base import Strategy, StrategyConfig
+
+
+def _shard_rows(dim0: int, rank: int, world_size: int) -> int:
+    """Rows of a dim-0 shard, as torch.chunk splits them (the last ranks may get fewer)."""
+    chunk = math.ceil(dim0 / world_size)
+    return max(0, min(chunk, dim0 - rank * chunk))
+
+
+@dataclass
+class FSDPConfig(StrategyConfig):
+    name: str = "fsdp"
+    reshard_after_forward: bool = True
+    """Free gathered parameters after forward and gather again in backward (ZeRO-3)."""
+
+    @staticmethod
+    def partition(group_numels, world_size):
+        return [-1 for group in group_numels for _ in group]  # every rank owns a slice of each
+
+    @staticmethod
+    def resident_numel(cfg, shapes, owners, rank, world_size):
+        rows = [_shard_rows(s[0], rank, world_size) * math.prod(s[1:]) for s in shapes]
+        # Sharded parameters live in storage padded to equal chunks on every rank.
+        padded = sum(math.ceil(s[0] / world_size) * math.prod(s[1:]) for s in shapes)
+        return {"params": padded, "grads": sum(rows), "optimizer": rows}
+
+
+@dataclass
+class FSDPGradOpConfig(FSDPConfig):
+    name: str = "fsdp_grad_op"
+    reshard_after_forward: bool = False
+    """Keep gathered parameters from forward to backward (ZeRO-2-like)."""
+
+
+class FSDPStrategy(Strategy):
+    def no_sync(self):
+        @contextlib.contextmanager
+        def skip_reduce():
+            self.model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                self.model.set_requires_gradient_sync(True)
+
+        return skip_reduce()
+
+    def local_shard(self) -> list:
+        return list(self.module.parameters())  # every rank holds a slice of every parameter
+
+    def inject_inf_grad(self):
+        # Sharded parameters never see autograd: hook the gathered weight of the first layer
+        # during its forward, and poison only the rows of this rank's own dim-0 shard.
+        layer = next(m for m in self.module.modules() if getattr(m, "weight", None) is not None and m.weight.dim() == 2)
+        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+        def poison(grad):
+            chunk = math.ceil(grad.shape[0] / world_size)
+            grad = grad.clone()
+            grad[rank * chunk : (rank + 1) * chunk] = float("inf")
+            return grad
+
+        handles = []
+
+        def pre_forward(mod, args):
+            handles.append(mod.weight.register_hook(poison))
+
+        handles.append(layer.register_forward_pre_hook(pre_forward))
+
+        class Handle:
+            def remove(self):
+                for h in handles:
+                    h.remove()
+
+        return Handle()
+
+    def full_state_dict(self):
+        # Collective: every rank gathers every DTensor.
+        return {
+            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in self.module.state_dict().items()
+        }
+
+
+def _build(cfg: FSDPConfig, module, optim_spec, precision_cfg, device) -> FSDPStrategy:
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    half = precision.PRECISIONS[precision_cfg.name]
+    policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32) if half else MixedPrecisionPolicy()
+    for block in module.blocks():
+        fully_shard(block, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy)
+    fully_shard(module, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy)
+    # fully_shard replaced the parameters by DTensors: group and build the optimizer now.
+    scaler = precision.grad_scaler(precision_cfg, device.type, sharded_grads=True)
+    return FSDPStrategy(module, module, optim_spec.regroup(module).build(), scaler)
+
+
+STRATEGIES.register("fsdp", config=FSDPConfig)(_build)
+STRATEGIES.register("fsdp_grad_op", config=FSDPGradOpConfig)(_build)
