@@ -15,7 +15,7 @@ from tests.conftest import compose_cfg, run_cli
     "overrides",
     [
         [f"strategy={s}", f"precision={p}", f"model={m}", f"optimizer={o}"]
-        for s in ("ddp", "oss", "sharded_ddp")
+        for s in ("ddp", "oss", "sharded_ddp", "zero1", "fsdp", "fsdp_grad_op")
         for p in ("32", "16", "bf16")
         for m in ("mlp", "gpt")
         for o in ("adam", "adamw", "sgd")
@@ -29,7 +29,7 @@ def test_group_options_compose_and_validate(overrides):
 
 def test_every_option_of_every_group_composes():
     for group, options in {
-        "strategy": ["ddp", "oss", "sharded_ddp"],
+        "strategy": ["ddp", "oss", "sharded_ddp", "zero1", "fsdp", "fsdp_grad_op"],
         "precision": ["32", "16", "bf16"],
         "model": ["mlp", "gpt"],
         "optimizer": ["adam", "adamw", "sgd"],
@@ -76,7 +76,10 @@ def test_composition_rejects(override, error):
         (["optimizer.lr=0"], "optimizer.lr=0.0 must be > 0"),
         (["model=gpt", "model.n_heads=3"], "model.d_model=128 is not divisible by model.n_heads=3"),
         (["model=gpt", "data=teacher"], "data=teacher feeds classifiers"),
-        (["strategy.name=zero9"], "unknown strategy 'zero9'; registered: ddp, oss, sharded_ddp"),
+        (
+            ["strategy.name=zero9"],
+            "unknown strategy 'zero9'; registered: ddp, fsdp, fsdp_grad_op, oss, sharded_ddp, zero1",
+        ),
         (["precision.name=8"], "precision='8' is not one of 32, 16, bf16"),
     ],
 )

@@ -44,7 +44,7 @@ def ddp_reference(tmp_path_factory):
 
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
 @pytest.mark.parametrize("model", ["mlp", "gpt"])
-@pytest.mark.parametrize("strategy", ["oss", "sharded_ddp"])
+@pytest.mark.parametrize("strategy", ["oss", "sharded_ddp", "zero1", "fsdp", "fsdp_grad_op"])
 def test_strategy_matches_ddp(strategy, model, optimizer, ddp_reference, tmp_path):
     ref_dir, ref = ddp_reference(model, optimizer)
     result = run_job([f"model={model}", f"optimizer={optimizer}", f"strategy={strategy}", *COMMON], tmp_path)

@@ -11,7 +11,8 @@ import pytest
 
 from tests.conftest import run_job
 
-STRATEGIES = ["ddp", "oss", "sharded_ddp"]
+STRATEGIES = ["ddp", "oss", "sharded_ddp", "zero1", "fsdp", "fsdp_grad_op"]
+SHARDS_PARAMS = ("fsdp", "fsdp_grad_op")
 INF_AT = {"SHARDED_EXP_FAULT": "rank=1,step=2,kind=inf_grad"}
 
 
@@ -31,8 +32,9 @@ def test_one_rank_inf_skips_the_step_on_every_rank(strategy, tmp_path):
         assert r["skipped_steps"] == 1, r
         assert r["loss_scale"] == 65536.0 * 0.5, r  # backoff applied exactly once
         assert r["nonfinite_params"] == 0, r
-    # Same parameters on both ranks afterwards: nobody stepped alone.
-    assert ranks[0]["local_param_digest"] == ranks[1]["local_param_digest"]
+    if overrides[0].split("=")[1] not in SHARDS_PARAMS:
+        # Same parameters on both ranks afterwards: nobody stepped alone.
+        assert ranks[0]["local_param_digest"] == ranks[1]["local_param_digest"]
 
 
 def test_plain_scaler_under_sharded_gradients_desyncs(tmp_path):

@@ -42,9 +42,10 @@ class FSDPConfig(StrategyConfig):
     @staticmethod
     def resident_numel(cfg, shapes, owners, rank, world_size):
         rows = [_shard_rows(s[0], rank, world_size) * math.prod(s[1:]) for s in shapes]
-        # Sharded parameters live in storage padded to equal chunks on every rank.
+        # Sharded parameters and gradients live in storage padded to equal dim-0 chunks on
+        # every rank; optimizer state is allocated like the unpadded local shard.
         padded = sum(math.ceil(s[0] / world_size) * math.prod(s[1:]) for s in shapes)
-        return {"params": padded, "grads": sum(rows), "optimizer": rows}
+        return {"params": padded, "grads": padded, "optimizer": rows}
 
 
 @dataclass
