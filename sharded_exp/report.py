@@ -68,7 +68,7 @@ def _fmt(value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
-        return f"{value:.2f}" if abs(value) >= 0.01 else f"{value:.2e}"
+        return f"{value:.2f}" if value == 0 or abs(value) >= 0.01 else f"{value:.2e}"
     if isinstance(value, int) and value > 9999:
         return f"{value:,}"
     return str(value)

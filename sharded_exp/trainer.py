@@ -83,6 +83,17 @@ def memory_section(cfg: DictConfig, per_rank: list, world_size: int, source: str
         values = [r[key] for r in per_rank if r.get(key) is not None]
         return max(values) if values else None
 
+    # Gathered (unsharded) parameters on top of the resident ones, e.g. FSDP's units.
+    blocks = [sum(p.numel() for p in block.parameters()) for block in module.blocks()]
+    root = sum(p.numel() for p in module.parameters()) - sum(blocks)
+    param_bytes = 2 if cfg.precision.name in ("16", "bf16") else 4  # gathered in compute dtype
+    transient = strategy_cls.transient_param_numel(cfg.strategy, blocks, root, world_size) * param_bytes / 2**20
+    measured_transient = [
+        r["peak_breakdown_mib"]["Parameter"] - r["model_states_mib"]["params"]
+        for r in per_rank
+        if r.get("peak_breakdown_mib")
+    ]
+
     return {
         "source": source,
         "per_rank": per_rank,
@@ -90,6 +101,8 @@ def memory_section(cfg: DictConfig, per_rank: list, world_size: int, source: str
         "model_states_mib_max": max(sum(r["model_states_mib"].values()) for r in per_rank),
         "predicted_model_states_mib_max": max(sum(p.values()) for p in predicted),
         "model_states_rel_error_max": largest("model_states_rel_error"),
+        "predicted_transient_params_mib": transient,
+        "transient_params_mib_max": max(measured_transient) if measured_transient else None,
     }
 
 

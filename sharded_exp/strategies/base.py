@@ -29,6 +29,14 @@ class StrategyConfig:
         return greedy_partition(group_numels, world_size)
 
     @staticmethod
+    def transient_param_numel(cfg, block_numels, root_numel: int, world_size: int) -> int:
+        """Parameter elements gathered on top of the resident ones at the peak (none here).
+
+        ``block_numels``: the model's ``blocks()`` sizes; ``root_numel``: everything else.
+        """
+        return 0
+
+    @staticmethod
     def resident_numel(cfg, shapes, owners, rank: int, world_size: int) -> dict:
         """Elements of each model state that ``rank`` holds (for the memory model).
 

@@ -40,6 +40,15 @@ class FSDPConfig(StrategyConfig):
         return [-1 for group in group_numels for _ in group]  # every rank owns a slice of each
 
     @staticmethod
+    def transient_param_numel(cfg, block_numels, root_numel, world_size):
+        # The root unit stays gathered from forward to backward (FSDP2 does not reshard the
+        # root). With resharding, one block is gathered on top at a time (measured peak on
+        # CPU; prefetching can add the next block); without it, every block stays gathered.
+        if cfg.reshard_after_forward:
+            return root_numel + max(block_numels, default=0)
+        return root_numel + sum(block_numels)
+
+    @staticmethod
     def resident_numel(cfg, shapes, owners, rank, world_size):
         rows = [_shard_rows(s[0], rank, world_size) * math.prod(s[1:]) for s in shapes]
         # Sharded parameters and gradients live in storage padded to equal dim-0 chunks on
