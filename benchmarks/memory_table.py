@@ -29,7 +29,9 @@ JOB = [
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--strategies", nargs="+", default=["ddp", "oss", "sharded_ddp", "zero1", "fsdp_grad_op", "fsdp"])
+    parser.add_argument(
+        "--strategies", nargs="+", default=["ddp", "oss", "sharded_ddp", "zero1", "fsdp_grad_op", "fsdp"]
+    )
     parser.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4])
     args = parser.parse_args()
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import datetime
 import importlib
+import json
 import os
+import time
 import traceback
 from typing import Any
 
@@ -98,6 +100,9 @@ def _run_rank(
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
     try:
         payload = train(cfg, device, output_dir)
+    except BaseException as exc:
+        record_rank_failure(output_dir, rank, exc)
+        raise
     finally:
         dist.destroy_process_group()
     if results is not None and payload is not None:
@@ -118,14 +123,30 @@ def spawn(cfg_data: dict[str, Any], world_size: int, output_dir: str) -> dict[st
     # The parent holds the rendezvous store on a port the OS picks: no collisions.
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
     store_addr = {"host": "127.0.0.1", "port": store.port}
-    mp.start_processes(
+    context = mp.start_processes(
         _spawned_entry,
         args=(world_size, cfg_data, output_dir, store_addr, results, _job_env()),
         nprocs=world_size,
         start_method=start_method,
-        join=True,
+        join=False,
     )
+    try:
+        while not context.join():
+            pass
+    except Exception:
+        # A rank that exited non-zero without leaving a record died without raising
+        # (os._exit, killed): it, not the peers that then lost their connection, failed first.
+        for rank, proc in enumerate(context.processes):
+            record = os.path.join(output_dir, f"rank{rank}_error.json")
+            if (proc.exitcode or 0) > 0 and not os.path.exists(record):
+                raise RankDied(rank, proc.exitcode) from None
+        raise
     return results.get()
+
+
+class RankDied(RuntimeError):
+    def __init__(self, rank: int, exit_code: int):
+        super().__init__(f"rank {rank}: process exited with code {exit_code}")
 
 
 def _spawned_entry(rank, world_size, cfg_data, output_dir, store, results, env):
@@ -133,8 +154,39 @@ def _spawned_entry(rank, world_size, cfg_data, output_dir, store, results, env):
     _run_rank(rank, world_size, rank, world_size, cfg_data, output_dir, store, results, env)
 
 
+def record_rank_failure(output_dir: str, rank: int, exc: BaseException) -> None:
+    """Keep a failing rank's traceback, with the time it failed, in the output directory.
+
+    When one rank fails its peers fail next ("connection reset by peer"), and which one the
+    launcher reports first is a race; the earliest record names the rank that started it.
+    """
+    from sharded_exp.results import write_json
+
+    write_json(
+        os.path.join(output_dir, f"rank{rank}_error.json"),
+        {
+            "rank": rank,
+            "time": time.time(),
+            "error": f"rank {rank}: " + "".join(traceback.format_exception_only(type(exc), exc)).strip(),
+            "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        },
+    )
+
+
+def first_rank_failure(output_dir: str) -> dict[str, Any] | None:
+    """The earliest rank failure recorded in ``output_dir``, if any."""
+    records = []
+    for name in os.listdir(output_dir):
+        if name.startswith("rank") and name.endswith("_error.json"):
+            with open(os.path.join(output_dir, name)) as f:
+                records.append(json.load(f))
+    return min(records, key=lambda r: r["time"]) if records else None
+
+
 def describe_failure(exc: BaseException) -> str:
     """One line naming the failing rank and its exception."""
+    if isinstance(exc, RankDied):
+        return str(exc)
     if isinstance(exc, mp.ProcessRaisedException):
         last = [line for line in exc.msg.strip().splitlines() if line.strip()][-1]
         return f"rank {exc.error_index}: {last.strip()}"
@@ -177,9 +229,11 @@ def launch(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
         payload = run_job(cfg, output_dir)  # None on ranks other than 0 under torchrun
         result.update(payload or {}, status="ok")
     except Exception as exc:  # noqa: BLE001 -- a rank failed: record it, then let the caller exit non-zero
-        result.update(status="failed", error=describe_failure(exc))
-        if isinstance(exc, mp.ProcessRaisedException):
-            result["traceback"] = exc.msg
+        first = None if isinstance(exc, RankDied) else first_rank_failure(output_dir)
+        if first is not None:
+            result.update(status="failed", error=first["error"], traceback=first["traceback"])
+        else:
+            result.update(status="failed", error=describe_failure(exc))
     if is_writer:
         write_json(path, result)
         print(summary_table(result), flush=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -56,7 +57,11 @@ def test_failing_rank_fails_the_job_and_names_the_rank(tmp_path):
     result = read_result(tmp_path)
     assert result["status"] == "failed"
     assert result["error"] == "rank 1: RuntimeError: injected fault on rank 1 at step 2"
+    assert "injected fault" in result["traceback"]
     assert "rank 1" in proc.stderr
+    # every failing rank keeps its traceback; the peer's is the lost connection, later
+    first = json.loads((tmp_path / "rank1_error.json").read_text())
+    assert "Traceback" in first["traceback"]
 
 
 def test_exiting_rank_fails_the_job(tmp_path):
