@@ -87,6 +87,9 @@ class TrainerConfig:
     """tqdm progress bar on rank 0."""
     timeout_s: float = 300.0
     """Collective timeout: a rank that does not arrive within it ends the job."""
+    memory_limit_mib: Optional[float] = None
+    """Per-rank memory budget: on CUDA a cap on the caching allocator, on CPU an
+    out-of-memory error when tracked live tensors exceed it. null = no budget."""
     save_final_state: bool = False
     """Write the full (unsharded) final model state to model_final.pt on rank 0."""
 
@@ -187,6 +190,10 @@ def validate(cfg) -> int:
     )
     _require(t.grad_clip >= 0, f"trainer.grad_clip={t.grad_clip} must be >= 0 (0 turns clipping off)")
     _require(t.timeout_s > 0, f"trainer.timeout_s={t.timeout_s} must be > 0")
+    _require(
+        t.memory_limit_mib is None or t.memory_limit_mib > 0,
+        f"trainer.memory_limit_mib={t.memory_limit_mib} must be > 0 (or null for no budget)",
+    )
     _require(cfg.optimizer.lr > 0, f"optimizer.lr={cfg.optimizer.lr} must be > 0")
     accelerator = str(t.accelerator.value if isinstance(t.accelerator, Enum) else t.accelerator)
     if accelerator == "gpu":
@@ -221,8 +228,9 @@ def quote_numeric_choices(args: list[str], conf_dir: str = CONF_DIR) -> list[str
     """
     out = []
     for arg in args:
-        m = re.fullmatch(r"([+~]{0,2}[\w/]+)=([0-9.]+(?:,[0-9.]+)*)", arg)
+        m = re.fullmatch(r"([+~]{0,2}[\w/]+)=([\w.,]+)", arg)
         if m and os.path.isdir(os.path.join(conf_dir, m.group(1).lstrip("+~"))):
-            arg = m.group(1) + "=" + ",".join(f"'{v}'" for v in m.group(2).split(","))
+            items = m.group(2).split(",")
+            arg = m.group(1) + "=" + ",".join(f"'{v}'" if re.fullmatch(r"[0-9.]+", v) else v for v in items)
         out.append(arg)
     return out

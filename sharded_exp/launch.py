@@ -234,6 +234,8 @@ def launch(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
             result.update(status="failed", error=first["error"], traceback=first["traceback"])
         else:
             result.update(status="failed", error=describe_failure(exc))
+        if "OutOfMemoryError" in result["error"]:
+            result["status"] = "oom"  # a result, not a crash: this point does not fit
     if is_writer:
         write_json(path, result)
         print(summary_table(result), flush=True)

@@ -63,14 +63,19 @@ def model_state_mib(module: nn.Module, local_optimizers: Iterable[torch.optim.Op
 class MemoryMeter:
     """Peak memory of one rank over a region (``start`` ... ``stop``)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, limit_mib: float | None = None):
         self.device = device
+        self.limit_mib = limit_mib
         self.source = "cuda_allocator" if device.type == "cuda" else "torch_mem_tracker"
         self._tracker: Any | None = None
 
     def start(self, *external: Any) -> None:
         """Begin the region. ``external``: modules/optimizers built before it, to be counted."""
         if self.device.type == "cuda":
+            if self.limit_mib:
+                # The caching allocator then raises torch.OutOfMemoryError past the budget.
+                total = torch.cuda.get_device_properties(self.device).total_memory
+                torch.cuda.set_per_process_memory_fraction(min(1.0, self.limit_mib * MIB / total), self.device)
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             return
@@ -81,9 +86,20 @@ class MemoryMeter:
         self._tracker.__enter__()
 
     def step_end(self) -> None:
-        if self._tracker is not None:
-            # MemTracker keeps per-module stats that raise on a second iteration otherwise.
-            self._tracker.reset_mod_stats()
+        if self._tracker is None:
+            return
+        # MemTracker keeps per-module stats that raise on a second iteration otherwise.
+        self._tracker.reset_mod_stats()
+        if self.limit_mib:
+            peak = self._tracker.get_tracker_snapshot("peak").get(self.device, {}).get("Total", 0) / MIB
+            if peak > self.limit_mib:
+                # The CPU stand-in for the CUDA allocator's budget (trainer.memory_limit_mib),
+                # checked against the tracked peak at the end of each tracked step.
+                self._tracker.__exit__(None, None, None)
+                self._tracker = None
+                raise torch.OutOfMemoryError(
+                    f"live tensors peaked at {peak:.2f} MiB, over trainer.memory_limit_mib={self.limit_mib}"
+                )
 
     def stop(self) -> dict[str, Any]:
         if self.device.type == "cuda":

@@ -126,7 +126,7 @@ def train(cfg: DictConfig, device: torch.device, output_dir: str) -> dict[str, A
     tc = cfg.trainer
     torch.manual_seed(tc.seed)  # identical initial weights on every rank
     module = build_model(cfg.model).to(device)
-    meter = MemoryMeter(device)
+    meter = MemoryMeter(device, tc.memory_limit_mib)
     if device.type == "cpu":
         # On CPU only tensors the tracker sees are counted: start it before the strategy
         # allocates its communication buffers, as the CUDA allocator would count them.

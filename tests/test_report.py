@@ -1,4 +1,4 @@
-"""A real multirun in a subprocess, then the comparison report built from its result.json files."""
+"""Sweeps: real multiruns in a subprocess, the report built from the points' result.json files."""
 
 from __future__ import annotations
 
@@ -10,26 +10,70 @@ import sys
 from tests.conftest import ROOT, TINY, run_cli
 
 
-def test_sweep_report_from_result_files(tmp_path):
-    sweep = tmp_path / "sweep"
-    proc = run_cli(["-m", "strategy=ddp,fsdp", *TINY, f"hydra.sweep.dir={sweep}"], cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    points = {json.loads(p.read_text())["strategy"]: json.loads(p.read_text()) for p in sweep.rglob("result.json")}
-    assert set(points) == {"ddp", "fsdp"}
+def _points(sweep):
+    return [json.loads(p.read_text()) for p in sweep.rglob("result.json")]
 
-    report = subprocess.run(
+
+def test_sweep_ends_in_a_report(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = run_cli(
+        ["-m", "strategy=ddp,fsdp", "precision=32,bf16", *TINY, f"hydra.sweep.dir={sweep}"], cwd=ROOT, timeout=400
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    points = {(p["strategy"], p["precision"]): p for p in _points(sweep)}
+    assert set(points) == {("ddp", "32"), ("ddp", "bf16"), ("fsdp", "32"), ("fsdp", "bf16")}
+    for name in ("report.md", "report.csv", "memory.png", "throughput.png"):
+        assert (sweep / name).stat().st_size > 0, name
+
+    rows = {(r["strategy"], r["precision"]): r for r in csv.DictReader(open(sweep / "report.csv"))}
+    assert set(rows) == set(points)
+    for precision in ("32", "bf16"):
+        ddp = points[("ddp", precision)]
+        fsdp = points[("fsdp", precision)]
+        saving = 100 * (1 - fsdp["memory"]["model_states_mib_max"] / ddp["memory"]["model_states_mib_max"])
+        assert float(rows[("fsdp", precision)]["states_saving_vs_ddp_pct"]) == saving
+        assert float(rows[("ddp", precision)]["states_saving_vs_ddp_pct"]) == 0.0
+        speed = fsdp["throughput"]["samples_per_s"] / ddp["throughput"]["samples_per_s"]
+        assert float(rows[("fsdp", precision)]["speed_vs_ddp"]) == speed
+    assert float(rows[("fsdp", "32")]["parity_vs_ddp"]) < 1e-6  # same training as DDP
+    md = (sweep / "report.md").read_text()
+    assert md.count("| fsdp |") == 2 and md.count("| ddp |") == 2
+
+    # rebuilt from the files alone, the same report
+    before = (sweep / "report.csv").read_text()
+    rebuilt = subprocess.run(
         [sys.executable, "-m", "sharded_exp.report", str(sweep)], capture_output=True, text=True, check=False
     )
-    assert report.returncode == 0, report.stderr
-    rows = {r["strategy"]: r for r in csv.DictReader(open(sweep / "report.csv"))}
-    assert set(rows) == {"ddp", "fsdp"}
-    ddp, fsdp = points["ddp"]["memory"], points["fsdp"]["memory"]
-    expected = 100 * (1 - fsdp["model_states_mib_max"] / ddp["model_states_mib_max"])
-    assert float(rows["fsdp"]["states_saving_vs_ddp_pct"]) == expected
-    assert float(rows["ddp"]["states_saving_vs_ddp_pct"]) == 0.0
-    speed = points["fsdp"]["throughput"]["samples_per_s"] / points["ddp"]["throughput"]["samples_per_s"]
-    assert float(rows["fsdp"]["speed_vs_ddp"]) == speed
-    assert "| fsdp |" in (sweep / "report.md").read_text()
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    assert (sweep / "report.csv").read_text() == before
+
+
+def test_oom_and_crashed_points_are_data(tmp_path):
+    """OOM is a result; a crash fails the command, but only after every point ran."""
+    sweep = tmp_path / "sweep"
+    proc = run_cli(
+        ["-m", *TINY, "trainer.memory_limit_mib=0.01,null", "trainer.steps=4,8", f"hydra.sweep.dir={sweep}"],
+        cwd=ROOT,
+        env={"SHARDED_EXP_FAULT": "rank=1,step=6,kind=raise"},  # only the 8-step points reach step 6
+        timeout=400,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    status = {(p["config"]["trainer"]["memory_limit_mib"], p["steps"]): p["status"] for p in _points(sweep)}
+    assert status == {(0.01, 4): "oom", (0.01, 8): "oom", (None, 4): "ok", (None, 8): "failed"}
+    rows = list(csv.DictReader(open(sweep / "report.csv")))
+    assert sorted(r["status"] for r in rows) == ["failed", "ok", "oom", "oom"]
+    failed = next(r for r in rows if r["status"] == "failed")
+    assert "rank 1: RuntimeError: injected fault" in failed["error"]
+
+
+def test_oom_alone_does_not_fail_the_sweep(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = run_cli(
+        ["-m", "trainer.memory_limit_mib=0.01,null", *TINY, f"hydra.sweep.dir={sweep}"], cwd=ROOT, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p["status"] for p in _points(sweep)) == ["ok", "oom"]
+    assert (sweep / "report.md").exists()
 
 
 def test_report_rejects_a_missing_directory(tmp_path):
