@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 
 from sharded_exp.config import ConfigError, quote_numeric_choices, register_schemas
 from sharded_exp.launch import launch
+from sharded_exp.report import ReportCallback
 
 register_schemas()
 
@@ -39,10 +40,6 @@ def name_the_run(cfg: DictConfig) -> None:
         cfg.logger.run_name = hc.job.override_dirname or "defaults"
 
 
-# Sweep directories of multiruns run in this process, for the report at the end.
-SWEEPS: set = set()
-
-
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
@@ -56,9 +53,9 @@ def main(cfg: DictConfig) -> None:
             sys.exit(2)
         result = record_config_error(cfg, output_dir, exc)
     if hc.mode == RunMode.MULTIRUN:
-        # A failed point is data: record it and let the sweep go on (Hydra's basic sweeper
-        # would stop at the first exception and never call on_multirun_end).
-        SWEEPS.add(hc.sweep.dir)
+        # A failed point is data: it is recorded and the sweep goes on (Hydra's basic
+        # sweeper would stop at the first exception and never call on_multirun_end, where
+        # sharded_exp.report.ReportCallback writes the report).
         return
     if result["status"] != "ok":
         print(f"error: {result['error']} (details in {result['output_dir']}/result.json)", file=sys.stderr)
@@ -76,21 +73,8 @@ def record_config_error(cfg: DictConfig, output_dir: str, exc: Exception) -> dic
     return result
 
 
-def finish_sweeps() -> int:
-    """Write each sweep's report; exit status 1 if a point failed for a reason other than OOM."""
-    from sharded_exp.report import write_report
-
-    failed = 0
-    for sweep_dir in sorted(SWEEPS):
-        rows = write_report(sweep_dir)
-        failed += sum(row["status"] == "failed" for row in rows)
-        print(f"report: {os.path.join(sweep_dir, 'report.md')}", flush=True)
-    if failed:
-        print(f"error: {failed} sweep point(s) failed (status 'failed' in the report)", file=sys.stderr)
-    return 1 if failed else 0
-
-
 if __name__ == "__main__":
     sys.argv[1:] = quote_numeric_choices(sys.argv[1:])
     main()
-    sys.exit(finish_sweeps())
+    # Non-zero when a sweep point failed for a reason other than running out of memory.
+    sys.exit(1 if ReportCallback.failed_points else 0)

@@ -16,6 +16,7 @@ import datetime
 import importlib
 import json
 import os
+import re
 import time
 import traceback
 from typing import Any
@@ -29,15 +30,46 @@ from sharded_exp.trainer import train
 
 
 def torchrun_env() -> dict[str, int] | None:
-    """Rank layout set by an external launcher (torchrun), or None if we must spawn."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    """Rank layout set by an external launcher (torchrun or SLURM), or None if we must spawn."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
         return {
-            "rank": int(os.environ["RANK"]),
-            "world_size": int(os.environ["WORLD_SIZE"]),
-            "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
-            "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])),
+            "rank": int(env["RANK"]),
+            "world_size": int(env["WORLD_SIZE"]),
+            "local_rank": int(env.get("LOCAL_RANK", "0")),
+            "local_world_size": int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
         }
-    return None
+    return slurm_layout(env)
+
+
+def slurm_layout(env) -> dict[str, int] | None:
+    """Rank layout of a SLURM job step (srun, or hydra/launcher=submitit_slurm): tasks are ranks.
+
+    Used only inside a job step with several tasks; a lone ``python -m sharded_exp`` in an
+    allocation still spawns its own ranks. The rendezvous is the step's first node, on a
+    port derived from the job id; the variables are exported for ``env://``.
+    """
+    if "SLURM_STEP_ID" not in env or int(env.get("SLURM_NTASKS", "1")) < 2:
+        return None
+    world_size = int(env["SLURM_NTASKS"])
+    nodes = int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1")))
+    os.environ.setdefault("MASTER_ADDR", first_host(env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", ""))))
+    os.environ.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+    return {
+        "rank": int(env["SLURM_PROCID"]),
+        "world_size": world_size,
+        "local_rank": int(env.get("SLURM_LOCALID", "0")),
+        "local_world_size": max(1, world_size // nodes),
+    }
+
+
+def first_host(nodelist: str) -> str:
+    """First host of a SLURM node list: 'gpu[03-05,09],cpu1' -> 'gpu03'."""
+    head = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if head is None:
+        return "127.0.0.1"
+    prefix, ranges = head.group(1), head.group(2)
+    return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
 
 
 PLUGINS_ENV = "SHARDED_EXP_PLUGINS"

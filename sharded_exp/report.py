@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hydra.experimental.callback import Callback
+
 COLUMNS = [
     "strategy", "world_size", "precision", "model", "params", "peak_allocated_mib", "model_states_mib",
     "predicted_model_states_mib", "peak_saving_vs_ddp_pct", "states_saving_vs_ddp_pct", "samples_per_s",
@@ -175,6 +177,25 @@ def write_report(sweep_dir: Path) -> list[dict[str, Any]]:
         charts = write_charts(rows, sweep_dir)
         log_to_wandb(rows, points, charts, sweep_dir)
     return rows
+
+
+class ReportCallback(Callback):
+    """Hydra callback: at the end of a multirun, write the sweep's report.
+
+    Runs in the process that launched the sweep, with any launcher (local or SLURM), since
+    sweep points record their failures in result.json instead of raising.
+    """
+
+    failed_points = 0
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        rows = write_report(sweep_dir)
+        failed = sum(row["status"] == "failed" for row in rows)
+        ReportCallback.failed_points += failed
+        print(f"report: {sweep_dir / 'report.md'} ({len(rows)} points)", flush=True)
+        if failed:
+            print(f"error: {failed} sweep point(s) failed (status 'failed' in the report)", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
