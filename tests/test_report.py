@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from tests.conftest import ROOT, TINY, run_cli
+from tests.wandb_file import read_run
 
 
 def _points(sweep):
@@ -66,14 +67,20 @@ def test_oom_and_crashed_points_are_data(tmp_path):
     assert "rank 1: RuntimeError: injected fault" in failed["error"]
 
 
-def test_oom_alone_does_not_fail_the_sweep(tmp_path):
+def test_oom_alone_does_not_fail_the_sweep_and_wandb_gets_the_report(tmp_path):
     sweep = tmp_path / "sweep"
-    proc = run_cli(
-        ["-m", "trainer.memory_limit_mib=0.01,null", *TINY, f"hydra.sweep.dir={sweep}"], cwd=ROOT, timeout=300
-    )
+    args = ["-m", *TINY, "logger=wandb", "trainer.memory_limit_mib=0.01,null", f"hydra.sweep.dir={sweep}"]
+    proc = run_cli(args, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p["status"] for p in _points(sweep)) == ["ok", "oom"]
     assert (sweep / "report.md").exists()
+    # one W&B group for the sweep: each point's run plus a "report" run with table and charts
+    runs = [read_run(f) for f in sweep.rglob("run-*.wandb")]
+    assert {r["group"] for r in runs} == {"sweep"}
+    report = [r for r in runs if r["job_type"] == "report"]
+    assert len(report) == 1 and len(runs) == 3
+    logged = report[0]["history"][0]
+    assert logged["report/table/nrows"] == 2 and logged["report/memory/_type"] == "image-file"
 
 
 def test_report_rejects_a_missing_directory(tmp_path):
