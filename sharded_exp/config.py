@@ -116,6 +116,20 @@ class LoggerConfig:
     """Seconds W&B may take to start before the job gives up on it and trains on."""
 
 
+@dataclass
+class PlanConfig:
+    params: Optional[float] = None
+    """Plan for a raw parameter count (e.g. 7.5e9) instead of the configured model."""
+    world_sizes: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 64])
+    """World sizes to plan for."""
+    device_memory_gib: float = 80.0
+    """Memory per device; rows that fit are marked."""
+    largest_world_size: int = 8
+    """World size for the "largest model that fits" search (by depth at the model's width)."""
+    format: str = "table"
+    """table or json."""
+
+
 # ------------------------------------------------------------------------------- root
 @dataclass
 class Config:
@@ -126,7 +140,9 @@ class Config:
     data: Any = MISSING
     trainer: TrainerConfig = MISSING
     logger: Any = MISSING
-    experiment: str | None = None
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    """Settings of ``python -m sharded_exp.plan`` (unused by training)."""
+    experiment: Optional[str] = None
     """Name of the experiment preset, if one was chosen (set by the preset)."""
 
 

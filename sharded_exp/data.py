@@ -77,19 +77,22 @@ def markov_task(cfg: MarkovConfig, model_cfg, batch_size: int) -> Callable[..., 
         raise ConfigError(f"data=markov feeds language models (model=gpt), not model={model_cfg.name}")
     g = _generator(cfg.seed)
     vocab = model_cfg.vocab_size
-    # Each token gets `branching` random successors with random weights plus a little
-    # mass everywhere, so the chain is learnable but not trivial.
-    probs = torch.full((vocab, vocab), 0.01 / vocab)
-    successors = torch.rand(vocab, vocab, generator=g).argsort(dim=1)[:, : cfg.branching]
-    probs.scatter_(1, successors, torch.rand(vocab, cfg.branching, generator=g) + 0.1)
-    probs /= probs.sum(dim=1, keepdim=True)
+    # Each token gets `branching` random successors with random weights; 1% of the time
+    # the next token is uniform instead, so the chain is learnable but not trivial. Kept
+    # as (vocab, branching) tables, not a vocab x vocab matrix: GPT-2-sized vocabularies fit.
+    successors = torch.randint(vocab, (vocab, cfg.branching), generator=g)
+    weights = torch.rand(vocab, cfg.branching, generator=g) + 0.1
 
     def batch(step: int, micro: int, rank: int) -> Batch:
         gb = _generator(cfg.seed, step, micro, rank)
         tokens = torch.empty(batch_size, model_cfg.seq_len + 1, dtype=torch.long)
         tokens[:, 0] = torch.randint(vocab, (batch_size,), generator=gb)
         for t in range(model_cfg.seq_len):
-            tokens[:, t + 1] = torch.multinomial(probs[tokens[:, t]], 1, generator=gb).squeeze(1)
+            prev = tokens[:, t]
+            pick = torch.multinomial(weights[prev], 1, generator=gb).squeeze(1)
+            nxt = successors[prev, pick]
+            uniform = torch.rand(batch_size, generator=gb) < 0.01
+            tokens[:, t + 1] = torch.where(uniform, torch.randint(vocab, (batch_size,), generator=gb), nxt)
         return {"input_ids": tokens[:, :-1], "targets": tokens[:, 1:]}
 
     return batch
