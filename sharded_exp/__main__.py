@@ -15,7 +15,7 @@ import sys
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from sharded_exp.config import ConfigError, quote_numeric_choices, register_schemas
 from sharded_exp.launch import launch
@@ -45,13 +45,24 @@ def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     output_dir = hc.runtime.output_dir
     name_the_run(cfg)
+    # Hydra's own .hydra/ writing is off (conf/config.yaml): the launcher writes these
+    # files once the config is known good, after moving an earlier attempt's aside.
+    job_files = {
+        "config.yaml": cfg,
+        "hydra.yaml": OmegaConf.create({"hydra": hc}),
+        "overrides.yaml": OmegaConf.create(list(hc.overrides.task)),
+    }
     try:
-        result = launch(cfg, output_dir)
+        result = launch(cfg, output_dir, job_files)
     except ConfigError as exc:  # raised before any rank starts
         print(f"error: {exc}", file=sys.stderr)
         if hc.mode != RunMode.MULTIRUN:
             sys.exit(2)
         result = record_config_error(cfg, output_dir, exc)
+    if result["status"] == "stopped":
+        # SIGTERM/SIGINT: exit like a terminated process (143 / 130); a sweep stops here.
+        print(f"stopped by signal {result['signal']} after step {result.get('steps_done')}", file=sys.stderr)
+        sys.exit(128 + result["signal"])
     if hc.mode == RunMode.MULTIRUN:
         # A failed point is data: it is recorded and the sweep goes on (Hydra's basic
         # sweeper would stop at the first exception and never call on_multirun_end, where
@@ -63,10 +74,11 @@ def main(cfg: DictConfig) -> None:
 
 
 def record_config_error(cfg: DictConfig, output_dir: str, exc: Exception) -> dict:
-    from omegaconf import OmegaConf
-
+    from sharded_exp.launch import archive_previous_attempt
     from sharded_exp.results import base_result, write_json
 
+    archive_previous_attempt(output_dir)
+    os.makedirs(output_dir, exist_ok=True)
     data = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     result = {**base_result(data, None, output_dir), "status": "failed", "error": f"config: {exc}"}
     write_json(os.path.join(output_dir, "result.json"), result)

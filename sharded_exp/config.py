@@ -92,6 +92,19 @@ class TrainerConfig:
     out-of-memory error when tracked live tensors exceed it. null = no budget."""
     save_final_state: bool = False
     """Write the full (unsharded) final model state to model_final.pt on rank 0."""
+    checkpoint_every: int = 0
+    """Write a checkpoint every this many steps and at the end (and on SIGTERM/SIGINT);
+    0 = no checkpoints."""
+    checkpoint_dir: Optional[str] = None
+    """Where checkpoints go and where resume=auto looks; null = <output dir>/checkpoints."""
+    keep_checkpoints: int = 0
+    """Keep only the newest this many checkpoints; 0 = keep all."""
+    resume: Optional[str] = None
+    """null: start fresh. auto: from the newest complete checkpoint in checkpoint_dir, if
+    there is one. A path: from that checkpoint directory (e.g. .../checkpoints/step_00000020)."""
+    stop_grace_s: float = 60.0
+    """After SIGTERM/SIGINT, seconds the ranks get to stop together and save a checkpoint
+    before they are killed (SLURM waits KillWait, 30 s by default, before SIGKILL)."""
 
 
 @dataclass
@@ -206,6 +219,9 @@ def validate(cfg) -> int:
     )
     _require(t.grad_clip >= 0, f"trainer.grad_clip={t.grad_clip} must be >= 0 (0 turns clipping off)")
     _require(t.timeout_s > 0, f"trainer.timeout_s={t.timeout_s} must be > 0")
+    _require(t.checkpoint_every >= 0, f"trainer.checkpoint_every={t.checkpoint_every} must be >= 0 (0 = off)")
+    _require(t.keep_checkpoints >= 0, f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 0 (0 = keep all)")
+    _require(t.stop_grace_s > 0, f"trainer.stop_grace_s={t.stop_grace_s} must be > 0")
     _require(
         t.memory_limit_mib is None or t.memory_limit_mib > 0,
         f"trainer.memory_limit_mib={t.memory_limit_mib} must be > 0 (or null for no budget)",
@@ -230,6 +246,31 @@ def validate(cfg) -> int:
         model = build_model(cfg.model)
     TASKS.builder(cfg.data.name)(cfg.data, cfg.model, t.batch_size)  # checks model/data match
     return sum(p.numel() for p in model.parameters())
+
+
+def resolve_checkpoints(cfg, output_dir: str) -> None:
+    """Fill in ``trainer.checkpoint_dir`` and turn ``trainer.resume`` into a checkpoint path
+    (or null), checking that the checkpoint is complete, readable and fits this job.
+
+    Runs in the parent before any rank starts; raises ConfigError naming the file.
+    """
+    import torch
+
+    from sharded_exp import checkpoint
+    from sharded_exp.models import build_model
+
+    t = cfg.trainer
+    t.checkpoint_dir = os.path.abspath(t.checkpoint_dir or os.path.join(output_dir, "checkpoints"))
+    try:
+        t.resume = checkpoint.resolve_resume(t.resume, t.checkpoint_dir)
+        if t.resume is None:
+            return
+        meta = checkpoint.read_meta(t.resume)
+        with torch.device("meta"):
+            shapes = {k: tuple(v.shape) for k, v in build_model(cfg.model).state_dict().items()}
+        checkpoint.check_compatible(t.resume, meta, shapes, cfg.optimizer.name, t.steps)
+    except checkpoint.CheckpointError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "conf")

@@ -4,6 +4,12 @@ A testing aid, documented in the README; never set it in real runs. Kinds:
 
 - ``raise``: the rank raises ``RuntimeError`` at the start of that step.
 - ``exit``: the rank's process exits with code 3 at the start of that step.
+- ``hang``: the rank stops at the start of that step and never comes back (its peers
+  wait in the step's first collective until ``trainer.timeout_s``).
+- ``oom``: the rank runs out of memory at the start of that step: a real allocation
+  failure on CUDA, ``torch.OutOfMemoryError`` raised on CPU.
+- ``exit_in_save``: the rank (rank 0, the writer) exits in the middle of writing the
+  checkpoint of that step, after its first file: a kill during a save.
 - ``inf_grad``: the rank's backward writes inf into the gradient of one parameter of its
   own optimizer shard, before any gradient communication, so that (for sharded
   strategies) the inf exists in that rank's shard only.
@@ -12,9 +18,12 @@ A testing aid, documented in the README; never set it in real runs. Kinds:
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
-KINDS = ("raise", "exit", "inf_grad")
+import torch
+
+KINDS = ("raise", "exit", "hang", "oom", "exit_in_save", "inf_grad")
 ENV = "SHARDED_EXP_FAULT"
 
 
@@ -39,3 +48,29 @@ def parse(text: str) -> Fault:
 def from_env() -> Fault | None:
     text = os.environ.get(ENV, "").strip()
     return parse(text) if text else None
+
+
+def trigger(fault: Fault, rank: int, device: torch.device) -> None:
+    """Act out ``raise``, ``exit``, ``hang`` or ``oom`` at the start of a step
+    (``inf_grad`` is the strategy's, ``exit_in_save`` the checkpoint writer's)."""
+    if fault.kind == "exit_in_save":
+        return
+    if fault.kind == "raise":
+        raise RuntimeError(f"injected fault on rank {rank} at step {fault.step}")
+    if fault.kind == "exit":
+        os._exit(3)
+    if fault.kind == "hang":
+        while True:  # signals set flags only: this rank ends when it is killed
+            time.sleep(3600)
+    if fault.kind == "oom":
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.empty(2 * total, dtype=torch.uint8, device=device)  # cannot fit
+        raise torch.OutOfMemoryError(f"injected out-of-memory on rank {rank} at step {fault.step}")
+
+
+def in_save(rank: int, step: int) -> None:
+    """Called by the checkpoint writer between files: acts out ``exit_in_save``."""
+    fault = from_env()
+    if fault is not None and fault.kind == "exit_in_save" and (fault.rank, fault.step) == (rank, step):
+        os._exit(3)

@@ -12,11 +12,13 @@ Ranks receive the resolved config as plain data: spawned children have no HydraC
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import json
 import os
 import re
+import signal
 import time
 import traceback
 from typing import Any
@@ -26,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 
+from sharded_exp import liveness
 from sharded_exp.trainer import train
 
 
@@ -133,7 +136,13 @@ def _run_rank(
     try:
         payload = train(cfg, device, output_dir)
     except BaseException as exc:
-        record_rank_failure(output_dir, rank, exc)
+        message = None
+        if liveness.is_timeout(exc):
+            try:  # name the rank that never arrived, not just "timed out"
+                message = liveness.describe_timeout(exc, cfg.trainer.timeout_s)
+            except Exception:  # noqa: BLE001 -- the plain error is still recorded
+                pass
+        record_rank_failure(output_dir, rank, exc, message)
         raise
     finally:
         dist.destroy_process_group()
@@ -162,10 +171,16 @@ def spawn(cfg_data: dict[str, Any], world_size: int, output_dir: str) -> dict[st
         start_method=start_method,
         join=False,
     )
+    stop = ParentStop(context.processes, cfg_data["trainer"]["stop_grace_s"])
     try:
-        while not context.join():
-            pass
+        with stop.handling_signals():
+            # When a rank fails, its peers get 2 s to exit by themselves, then SIGTERM,
+            # 2 s more, then SIGKILL (torch's default would wait 30 s).
+            while not context.join(timeout=0.5, grace_period=2.0):
+                stop.enforce_deadline()
     except Exception:
+        if stop.killed:
+            raise Stopped(stop.signum, killed=True) from None
         # A rank that exited non-zero without leaving a record died without raising
         # (os._exit, killed): it, not the peers that then lost their connection, failed first.
         for rank, proc in enumerate(context.processes):
@@ -174,6 +189,57 @@ def spawn(cfg_data: dict[str, Any], world_size: int, output_dir: str) -> dict[st
                 raise RankDied(rank, proc.exitcode) from None
         raise
     return results.get()
+
+
+class Stopped(RuntimeError):
+    """The job was stopped by a signal and its ranks had to be killed."""
+
+    def __init__(self, signum: int, killed: bool):
+        self.signum = signum
+        what = "ranks were killed after trainer.stop_grace_s" if killed else "ranks stopped"
+        super().__init__(f"stopped by {signal.Signals(signum).name}: {what}")
+
+
+class ParentStop:
+    """The parent's side of stopping: SIGTERM/SIGINT are passed on to the ranks as SIGTERM
+    (they finish the step, agree, save, exit); ranks still alive after ``grace_s``, or at
+    a second signal, are killed, so no process outlives the job."""
+
+    def __init__(self, processes, grace_s: float):
+        self.processes = processes
+        self.grace_s = grace_s
+        self.signum: int | None = None
+        self.deadline: float | None = None
+        self.killed = False
+
+    @contextlib.contextmanager
+    def handling_signals(self):
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in liveness.STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+            self.deadline = time.monotonic() + self.grace_s
+            for proc in self.processes:
+                if proc.is_alive():
+                    os.kill(proc.pid, signal.SIGTERM)
+        else:
+            self._kill()
+
+    def enforce_deadline(self) -> None:
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            self._kill()
+
+    def _kill(self) -> None:
+        self.killed = True
+        for proc in self.processes:
+            if proc.is_alive():
+                proc.kill()
 
 
 class RankDied(RuntimeError):
@@ -186,7 +252,7 @@ def _spawned_entry(rank, world_size, cfg_data, output_dir, store, results, env):
     _run_rank(rank, world_size, rank, world_size, cfg_data, output_dir, store, results, env)
 
 
-def record_rank_failure(output_dir: str, rank: int, exc: BaseException) -> None:
+def record_rank_failure(output_dir: str, rank: int, exc: BaseException, message: str | None = None) -> None:
     """Keep a failing rank's traceback, with the time it failed, in the output directory.
 
     When one rank fails its peers fail next ("connection reset by peer"), and which one the
@@ -199,7 +265,8 @@ def record_rank_failure(output_dir: str, rank: int, exc: BaseException) -> None:
         {
             "rank": rank,
             "time": time.time(),
-            "error": f"rank {rank}: " + "".join(traceback.format_exception_only(type(exc), exc)).strip(),
+            "error": f"rank {rank}: "
+            + (message or "".join(traceback.format_exception_only(type(exc), exc)).strip()),
             "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
         },
     )
@@ -217,7 +284,7 @@ def first_rank_failure(output_dir: str) -> dict[str, Any] | None:
 
 def describe_failure(exc: BaseException) -> str:
     """One line naming the failing rank and its exception."""
-    if isinstance(exc, RankDied):
+    if isinstance(exc, (RankDied, Stopped)):
         return str(exc)
     if isinstance(exc, mp.ProcessRaisedException):
         last = [line for line in exc.msg.strip().splitlines() if line.strip()][-1]
@@ -225,6 +292,13 @@ def describe_failure(exc: BaseException) -> str:
     if isinstance(exc, mp.ProcessExitedException):
         return f"rank {exc.error_index}: process exited with code {exc.exit_code}"
     return "".join(traceback.format_exception_only(type(exc), exc)).strip()
+
+
+def write_job_files(output_dir: str, files: dict[str, Any]) -> None:
+    """The composed config, Hydra's config and the overrides, as Hydra would write them."""
+    for name, content in files.items():
+        os.makedirs(os.path.join(output_dir, ".hydra"), exist_ok=True)
+        OmegaConf.save(content, os.path.join(output_dir, ".hydra", name))
 
 
 def run_job(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
@@ -238,34 +312,63 @@ def run_job(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
     )
 
 
-def launch(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
+def archive_previous_attempt(output_dir: str, extra: tuple[str, ...] = ()) -> str | None:
+    """Move an earlier attempt's records (result.json, rank errors, ``extra``) in a reused
+    output directory to ``attempts/<n>/``: a new run deletes and overwrites nothing.
+    Checkpoints stay where they are (a resumed run reads them)."""
+    if not os.path.isdir(output_dir):
+        return None
+    names = [
+        n
+        for n in os.listdir(output_dir)
+        if n == "result.json" or (n.startswith("rank") and n.endswith("_error.json")) or n in extra
+    ]
+    if not names:
+        return None
+    attempts = os.path.join(output_dir, "attempts")
+    os.makedirs(attempts, exist_ok=True)
+    target = os.path.join(attempts, str(len(os.listdir(attempts)) + 1))
+    os.makedirs(target)
+    for name in names:
+        os.rename(os.path.join(output_dir, name), os.path.join(target, name))
+    return target
+
+
+def launch(cfg: DictConfig, output_dir: str, job_files: dict[str, Any] | None = None) -> dict[str, Any]:
     """Validate, run every rank, write ``result.json`` and print the summary table.
 
-    Returns the result; its ``status`` is "ok" or "failed" (with ``error`` naming the rank).
-    Under torchrun only rank 0 writes and prints.
+    Returns the result; its ``status`` is "ok", "stopped" (by a signal), "oom" or
+    "failed" (with ``error`` naming the rank). Under torchrun only rank 0 writes and
+    prints. ``job_files``: ``.hydra/`` files to write once the config is known good.
     """
-    from sharded_exp.config import validate
+    from sharded_exp.config import resolve_checkpoints, validate
     from sharded_exp.results import base_result, summary_table, write_json
 
     import_plugins()
     params = validate(cfg)  # raises ConfigError before any rank starts
+    resolve_checkpoints(cfg, output_dir)  # likewise, naming a bad checkpoint file
     cfg_data = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     env = torchrun_env()
     if env is not None:
         cfg_data["trainer"]["world_size"] = env["world_size"]
     is_writer = env is None or env["rank"] == 0
     result = base_result(cfg_data, params, output_dir)
+    if is_writer:
+        archive_previous_attempt(output_dir, extra=(".hydra",) if job_files else ())
+        write_job_files(output_dir, job_files or {})
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, "result.json")
     try:
-        payload = run_job(cfg, output_dir)  # None on ranks other than 0 under torchrun
-        result.update(payload or {}, status="ok")
+        # rank 0's payload carries status "ok" or "stopped"; other torchrun ranks get None
+        result.update(run_job(cfg, output_dir) or {"status": "ok"})
     except Exception as exc:  # noqa: BLE001 -- a rank failed: record it, then let the caller exit non-zero
-        first = None if isinstance(exc, RankDied) else first_rank_failure(output_dir)
+        first = None if isinstance(exc, (RankDied, Stopped)) else first_rank_failure(output_dir)
         if first is not None:
             result.update(status="failed", error=first["error"], traceback=first["traceback"])
         else:
             result.update(status="failed", error=describe_failure(exc))
+        if isinstance(exc, Stopped):
+            result.update(status="stopped", signal=exc.signum)
         if "OutOfMemoryError" in result["error"]:
             result["status"] = "oom"  # a result, not a crash: this point does not fit
     if is_writer:

@@ -25,7 +25,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.text import Perplexity
 from tqdm import tqdm
 
-from sharded_exp import faults, precision
+from sharded_exp import checkpoint, faults, liveness, precision
 from sharded_exp.data import build_task
 from sharded_exp.loggers import build_logger, memory_values, summary_values
 from sharded_exp.memory import MemoryMeter, model_state_mib
@@ -122,6 +122,18 @@ def param_digest(state: dict[str, torch.Tensor]) -> dict[str, float]:
 
 
 def train(cfg: DictConfig, device: torch.device, output_dir: str) -> dict[str, Any] | None:
+    # From here on SIGTERM/SIGINT only ask for a stop, which the ranks agree on.
+    stopper = liveness.StopAgreement()
+    try:
+        payload = _train(cfg, device, output_dir, stopper)
+    except BaseException:
+        stopper.close(wait=False)  # a peer may be gone: do not wait on the stop flag
+        raise
+    stopper.close(wait=True)
+    return payload
+
+
+def _train(cfg: DictConfig, device: torch.device, output_dir: str, stopper) -> dict[str, Any] | None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     tc = cfg.trainer
     torch.manual_seed(tc.seed)  # identical initial weights on every rank
@@ -132,28 +144,33 @@ def train(cfg: DictConfig, device: torch.device, output_dir: str) -> dict[str, A
         # allocates its communication buffers, as the CUDA allocator would count them.
         meter.start(module)
     strategy = build_strategy(cfg.strategy, module, optimizer_spec(cfg.optimizer, module), cfg.precision, device)
+    start = 0
+    if tc.resume:  # resolved to a checkpoint directory (or null) by the launcher
+        start = checkpoint.load(strategy, tc.resume, device)["step"]
     if device.type == "cuda":
         meter.start()  # peak counters reset once model and optimizer are built
-    # The CPU tracker slows every op: it runs over the warm-up steps, which are not timed
-    # (over the first step when there is no warm-up; that step is then timed with it).
-    memory_steps = max(tc.warmup_steps, 1) if device.type == "cpu" else tc.steps
-
     logger = build_logger(cfg.logger, OmegaConf.to_container(cfg, resolve=True), output_dir, rank)
     try:
-        payload = _loop(cfg, rank, world_size, device, output_dir, module, strategy, meter, memory_steps, logger)
+        payload = _loop(cfg, rank, world_size, device, output_dir, module, strategy, meter, logger, start, stopper)
     except BaseException:
         logger.finish(exit_code=1)
         raise
     if payload is not None:
-        logger.log(memory_values(payload["memory"]), step=tc.steps)
+        logger.log(memory_values(payload["memory"]), step=payload["steps_done"])
         logger.summary(summary_values(payload))
     logger.finish(exit_code=0)
     return payload
 
 
-def _loop(cfg, rank, world_size, device, output_dir, module, strategy, meter, memory_steps, logger):
-    """The steps themselves, then the gather of per-rank results onto rank 0."""
+def _loop(cfg, rank, world_size, device, output_dir, module, strategy, meter, logger, start, stopper):
+    """Steps ``start`` to ``trainer.steps``, then the gather of per-rank results onto rank 0."""
     tc = cfg.trainer
+    # A (re)started process warms up again: the first steps after ``start`` are not timed,
+    # but at least one step is. The CPU memory tracker slows every op: it runs over the
+    # warm-up steps (over the first step when there is none; that step is then timed with it).
+    warmup = min(tc.warmup_steps, tc.steps - start - 1)
+    memory_end = start + (max(warmup, 1) if device.type == "cpu" else tc.steps - start)
+    saved_step, checkpoint_path = None, None
     fault = faults.from_env()
     fault = fault if fault is not None and fault.rank == rank else None
     next_batch = build_task(cfg.data, cfg.model, tc.batch_size)
@@ -168,7 +185,11 @@ def _loop(cfg, rank, world_size, device, output_dir, module, strategy, meter, me
     tokens_per_step = 0
 
     bar = tqdm(total=tc.steps, desc=f"{cfg.strategy.name} x{world_size}", disable=rank != 0 or not tc.progress_bar)
-    for step in range(tc.steps):
+    steps_done = start
+    for step in range(start, tc.steps):
+        if stopper.should_stop():  # a signal reached some rank: all stop here, together
+            break
+        liveness.mark_entered(step)
         batches = [
             {k: v.to(device) for k, v in next_batch(step, micro, rank).items()} for micro in range(tc.grad_accum)
         ]
@@ -176,11 +197,10 @@ def _loop(cfg, rank, world_size, device, output_dir, module, strategy, meter, me
             tokens_per_step = batches[0]["input_ids"].numel() * tc.grad_accum * world_size
         hook = None
         if fault is not None and fault.step == step:
-            if fault.kind == "raise":
-                raise RuntimeError(f"injected fault on rank {rank} at step {step}")
-            if fault.kind == "exit":
-                os._exit(3)
-            hook = strategy.inject_inf_grad()
+            if fault.kind == "inf_grad":
+                hook = strategy.inject_inf_grad()
+            else:
+                faults.trigger(fault, rank, device)
 
         scale_before = strategy.scaler.get_scale()
         _sync(device)
@@ -188,7 +208,7 @@ def _loop(cfg, rank, world_size, device, output_dir, module, strategy, meter, me
         loss, out = train_step(strategy, batches, autocast, tc.grad_clip)
         _sync(device)
         step_time = time.perf_counter() - t0
-        if step >= tc.warmup_steps:
+        if step >= start + warmup:
             step_times.append(step_time)
             logger.log(
                 {"train/step_time_s": step_time, "train/samples_per_s": samples_per_step / step_time}, step=step + 1
@@ -198,7 +218,7 @@ def _loop(cfg, rank, world_size, device, output_dir, module, strategy, meter, me
         # The scaler lowers its scale exactly when it skipped the step (found inf/nan).
         skipped_steps += int(strategy.scaler.get_scale() < scale_before)
         meter.step_end()
-        if step + 1 == memory_steps:
+        if step + 1 == memory_end:
             memory = meter.stop()
 
         loss_metric.update(loss)
@@ -214,7 +234,17 @@ def _loop(cfg, rank, world_size, device, output_dir, module, strategy, meter, me
             history.append(record)
             logger.log({f"train/{k}": v for k, v in record.items() if k != "step"}, step=step + 1)
             bar.set_postfix(loss=f"{record['loss']:.4f}")
+        steps_done = step + 1
+        if tc.checkpoint_every and (steps_done % tc.checkpoint_every == 0 or steps_done == tc.steps):
+            checkpoint_path = checkpoint.save(strategy, cfg, steps_done, tc.checkpoint_dir, device, tc.keep_checkpoints)
+            saved_step = steps_done
     bar.close()
+    stopped = steps_done < tc.steps
+    if stopped and tc.checkpoint_every and saved_step != steps_done:
+        # Preempted: the state at the stop is worth more than the last periodic checkpoint.
+        checkpoint_path = checkpoint.save(strategy, cfg, steps_done, tc.checkpoint_dir, device, tc.keep_checkpoints)
+    if not memory:
+        memory = meter.stop()
 
     final_loss = loss.detach().float().clone()
     dist.all_reduce(final_loss)
@@ -234,19 +264,27 @@ def _loop(cfg, rank, world_size, device, output_dir, module, strategy, meter, me
     if rank != 0:
         return None
 
-    if tc.save_final_state:
+    if tc.save_final_state and not stopped:
         torch.save({k: v.cpu() for k, v in state.items()}, os.path.join(output_dir, "model_final.pt"))
-    median = statistics.median(step_times)
-    q = statistics.quantiles(step_times, n=4) if len(step_times) > 1 else [median, median, median]
-    throughput = {
-        "samples_per_s": samples_per_step / median,
-        "step_time_s_median": median,
-        "step_time_s_iqr": q[2] - q[0],
-        "timed_steps": len(step_times),
-    }
-    if tokens_per_step:
-        throughput["tokens_per_s"] = tokens_per_step / median
+    throughput = {}
+    if step_times:  # none when stopped by a signal during the warm-up
+        median = statistics.median(step_times)
+        q = statistics.quantiles(step_times, n=4) if len(step_times) > 1 else [median, median, median]
+        throughput = {
+            "samples_per_s": samples_per_step / median,
+            "step_time_s_median": median,
+            "step_time_s_iqr": q[2] - q[0],
+            "timed_steps": len(step_times),
+        }
+        if tokens_per_step:
+            throughput["tokens_per_s"] = tokens_per_step / median
     return {
+        "status": "stopped" if stopped else "ok",
+        "signal": stopper.signum if stopped else None,
+        "start_step": start,
+        "steps_done": steps_done,
+        "resumed_from": tc.resume,
+        "checkpoint": checkpoint_path,
         "params": sum(p.numel() for p in module.parameters()),
         "final_loss": final_loss.item() / world_size,
         "final_metrics": history[-1],

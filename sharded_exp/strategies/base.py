@@ -58,6 +58,10 @@ class Strategy:
         scaler: a GradScaler; disabled (pass-through) unless precision=16.
     """
 
+    optimizer_state_sharded = False
+    """True when each rank's local optimizers hold the state of its own parameters only
+    (OSS, ZeRO-1): checkpoints gather the shards. FSDP2's DTensor state is gathered as such."""
+
     def __init__(self, model: nn.Module, module: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any):
         self.model = model
         self.module = module

@@ -38,6 +38,8 @@ def owned(numels, owners, rank):
 
 
 class OSSStrategy(Strategy):
+    optimizer_state_sharded = True
+
     def clip_grad_norm_(self, max_norm: float):
         # OSS computes the norm over its shard and all-reduces it: the global norm.
         return self.optimizer.clip_grad_norm(max_norm)

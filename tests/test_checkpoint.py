@@ -1,0 +1,216 @@
+"""Checkpoints and resume with real ranks: bit-identical resume for every strategy,
+cross-strategy and cross-world-size loading, atomic writes, and what a bad checkpoint
+gets you (an error naming the file, before any rank starts)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from sharded_exp import checkpoint
+from sharded_exp.config import ConfigError
+from sharded_exp.strategies import STRATEGIES
+from tests.conftest import ROOT, TINY, compose_cfg, read_result, run_cli, run_job, tiny
+
+STRATEGY_NAMES = ["ddp", "oss", "sharded_ddp", "zero1", "fsdp_grad_op", "fsdp"]
+
+
+def final_state(out) -> dict[str, torch.Tensor]:
+    return torch.load(out / "model_final.pt", weights_only=True)
+
+
+def assert_bit_identical(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name} differs after resume"
+
+
+def test_every_strategy_is_registered_here():
+    # A new strategy must join the resume-parity test below.
+    assert sorted(STRATEGIES.names()) == sorted(STRATEGY_NAMES)
+
+
+@pytest.mark.parametrize("model", ["mlp", "gpt"])
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, strategy, model):
+    common = [f"strategy={strategy}", "trainer.steps=6", "trainer.save_final_state=true"]
+    if model == "gpt":
+        common.append("model=gpt")
+    straight = run_job(common, tmp_path / "straight")
+    assert straight["status"] == "ok", straight["error"]
+
+    # Stopped at step 3 (a shorter run that checkpoints), then resumed to step 6.
+    run = tmp_path / "interrupted"
+    first = run_job([*common, "trainer.steps=3", "trainer.checkpoint_every=3"], run)
+    assert first["status"] == "ok", first["error"]
+    assert first["checkpoint"] == str(run / "checkpoints" / "step_00000003")
+    second = run_job([*common, "trainer.resume=auto"], run)
+    assert second["status"] == "ok", second["error"]
+    assert (second["start_step"], second["steps_done"]) == (3, 6)
+    assert second["resumed_from"] == first["checkpoint"]
+    assert_bit_identical(final_state(tmp_path / "straight"), final_state(run))
+
+
+def test_checkpoint_from_sharded_ddp_resumes_under_ddp(tmp_path):
+    # Same world size: parity within the strategies' own tolerance (they are not bitwise).
+    common = ["trainer.steps=6", "trainer.save_final_state=true"]
+    run_job(["strategy=sharded_ddp", *common], tmp_path / "straight")
+    run_job(["strategy=sharded_ddp", *common, "trainer.steps=3", "trainer.checkpoint_every=3"], tmp_path / "a")
+    resumed = run_job(
+        ["strategy=ddp", *common, f"trainer.resume={tmp_path / 'a' / 'checkpoints' / 'step_00000003'}"], tmp_path / "b"
+    )
+    assert resumed["status"] == "ok", resumed["error"]
+    assert resumed["start_step"] == 3
+    ref, got = final_state(tmp_path / "straight"), final_state(tmp_path / "b")
+    for name in ref:
+        assert torch.allclose(got[name], ref[name], rtol=1e-5, atol=1e-7), name
+
+
+def test_checkpoint_from_fsdp_at_two_ranks_loads_into_zero1_at_three(tmp_path):
+    first = run_job(["strategy=fsdp", "model=gpt", "trainer.steps=3", "trainer.checkpoint_every=3"], tmp_path / "a")
+    assert first["status"] == "ok", first["error"]
+    resumed = run_job(
+        [
+            "strategy=zero1",
+            "model=gpt",
+            "trainer.world_size=3",
+            "trainer.steps=4",
+            "trainer.checkpoint_every=4",
+            f"trainer.resume={first['checkpoint']}",
+        ],
+        tmp_path / "b",
+    )
+    assert resumed["status"] == "ok", resumed["error"]
+    # The loaded optimizer state continued: Adam's step count is 4 for every tensor (a
+    # fresh optimizer would be at 1), and the moments kept their full shapes.
+    saved = torch.load(os.path.join(resumed["checkpoint"], "optim.pt"), weights_only=True)
+    shapes = json.loads(open(os.path.join(resumed["checkpoint"], "meta.json")).read())["param_shapes"]
+    assert set(saved["state"]) == set(shapes)
+    for name, state in saved["state"].items():
+        assert float(state["step"]) == 4.0, name
+        assert list(state["exp_avg"].shape) == shapes[name]
+    meta = checkpoint.read_meta(resumed["checkpoint"])
+    assert (meta["strategy"], meta["world_size"], meta["step"]) == ("zero1", 3, 4)
+
+
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    args = ["trainer.steps=6", "trainer.checkpoint_every=2", "trainer.save_final_state=true"]
+    # Rank 0 dies after writing model.pt of the step-4 checkpoint.
+    killed = run_job(args, run, env={"SHARDED_EXP_FAULT": "rank=0,step=4,kind=exit_in_save"})
+    assert killed["status"] == "failed"
+    ckpts = run / "checkpoints"
+    assert [s for s, _ in checkpoint.complete_checkpoints(str(ckpts))] == [2]
+    assert (ckpts / ".step_00000004.tmp" / "model.pt").exists()  # the half-written one
+    checkpoint.read_meta(str(ckpts / "step_00000002"))  # complete and readable
+
+    resumed = run_job([*args, "trainer.resume=auto"], run)
+    assert resumed["status"] == "ok", resumed["error"]
+    assert resumed["start_step"] == 2
+    assert [s for s, _ in checkpoint.complete_checkpoints(str(ckpts))] == [2, 4, 6]
+    straight = run_job(args[:1] + ["trainer.save_final_state=true"], tmp_path / "straight")
+    assert straight["status"] == "ok"
+    assert_bit_identical(final_state(tmp_path / "straight"), final_state(run))
+
+
+def test_keep_checkpoints_prunes_the_oldest(tmp_path):
+    result = run_job(["trainer.steps=6", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=2"], tmp_path)
+    assert result["status"] == "ok", result["error"]
+    assert [s for s, _ in checkpoint.complete_checkpoints(str(tmp_path / "checkpoints"))] == [5, 6]
+
+
+def test_resume_auto_without_checkpoints_starts_fresh(tmp_path):
+    result = run_job(["trainer.steps=3", "trainer.resume=auto"], tmp_path)
+    assert result["status"] == "ok", result["error"]
+    assert (result["start_step"], result["resumed_from"]) == (0, None)
+
+
+# --------------------------------------------------------------------- bad checkpoints
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """One real checkpoint at step 3 (MLP, Adam), shared by the bad-input tests."""
+    out = tmp_path_factory.mktemp("saved")
+    result = run_job(["trainer.steps=3", "trainer.checkpoint_every=3"], out)
+    assert result["status"] == "ok", result["error"]
+    return out / "checkpoints" / "step_00000003"
+
+
+def start(overrides, out):
+    from sharded_exp.launch import launch
+
+    return launch(compose_cfg(tiny(overrides)), str(out))
+
+
+def test_missing_checkpoint_is_named(tmp_path):
+    missing = tmp_path / "nope" / "step_00000003"
+    with pytest.raises(ConfigError, match=f"trainer.resume={missing}: no such checkpoint directory"):
+        start([f"trainer.resume={missing}"], tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # nothing started, nothing written
+
+
+def test_corrupt_checkpoint_file_is_named(tmp_path, saved):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for name in checkpoint.FILES:
+        (bad / name).write_bytes((saved / name).read_bytes())
+    (bad / "optim.pt").write_bytes((saved / "optim.pt").read_bytes()[:1000])  # truncated
+    with pytest.raises(ConfigError, match=f"checkpoint file {bad / 'optim.pt'} is corrupt"):
+        start([f"trainer.resume={bad}"], tmp_path / "out")
+    (bad / "meta.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=f"checkpoint file {bad / 'meta.json'} is corrupt"):
+        start([f"trainer.resume={bad}"], tmp_path / "out")
+    (bad / "train.pt").unlink()
+    with pytest.raises(ConfigError, match=f"checkpoint {bad} is incomplete: train.pt is missing"):
+        start([f"trainer.resume={bad}"], tmp_path / "out")
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path, saved):
+    with pytest.raises(ConfigError, match=r"is from a different model \(model=mlp.*body\.0\.0\.weight is \[32, 64\] there"):
+        start([f"trainer.resume={saved}", "model.hidden=48"], tmp_path / "out")
+    with pytest.raises(ConfigError, match="is from a different model"):
+        start([f"trainer.resume={saved}", "model=gpt"], tmp_path / "out")
+
+
+def test_checkpoint_of_another_optimizer_is_refused(tmp_path, saved):
+    with pytest.raises(ConfigError, match="holds adam state; optimizer=sgd cannot load it"):
+        start([f"trainer.resume={saved}", "optimizer=sgd"], tmp_path / "out")
+
+
+def test_checkpoint_past_the_last_step_is_refused(tmp_path, saved):
+    with pytest.raises(ConfigError, match=r"is at step 3, not before trainer.steps=3"):
+        start([f"trainer.resume={saved}", "trainer.steps=3"], tmp_path / "out")
+
+
+def test_cli_bad_checkpoint_exits_2_and_keeps_the_directory(tmp_path, saved):
+    # A good run, then a bad start in the same directory: nothing of the first is touched.
+    run = tmp_path / "run"
+    ok = run_cli([*TINY, "trainer.steps=3", "trainer.checkpoint_every=3", f"hydra.run.dir={run}"], cwd=ROOT)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.suffix != ".log"}
+    bad = run_cli([*TINY, "model.hidden=48", "trainer.resume=auto", f"hydra.run.dir={run}"], cwd=ROOT)
+    assert bad.returncode == 2
+    assert "is from a different model" in bad.stderr and "step_00000003/meta.json" in bad.stderr
+    after = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.suffix != ".log"}
+    assert after == before
+
+
+def test_a_failed_run_in_a_reused_directory_moves_the_earlier_records_aside(tmp_path):
+    run = tmp_path / "run"
+    ok = run_cli([*TINY, "trainer.steps=3", "trainer.checkpoint_every=3", f"hydra.run.dir={run}"], cwd=ROOT)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    result_before = (run / "result.json").read_bytes()
+    config_before = (run / ".hydra" / "config.yaml").read_bytes()
+    ckpt_before = (run / "checkpoints" / "step_00000003" / "model.pt").read_bytes()
+    failed = run_cli(
+        [*TINY, "trainer.resume=auto", f"hydra.run.dir={run}"],
+        cwd=ROOT,
+        env={"SHARDED_EXP_FAULT": "rank=1,step=4,kind=raise"},
+    )
+    assert failed.returncode == 1
+    assert read_result(run)["status"] == "failed"
+    assert (run / "attempts" / "1" / "result.json").read_bytes() == result_before
+    assert (run / "attempts" / "1" / ".hydra" / "config.yaml").read_bytes() == config_before
+    assert (run / "checkpoints" / "step_00000003" / "model.pt").read_bytes() == ckpt_before
