@@ -265,8 +265,7 @@ def record_rank_failure(output_dir: str, rank: int, exc: BaseException, message:
         {
             "rank": rank,
             "time": time.time(),
-            "error": f"rank {rank}: "
-            + (message or "".join(traceback.format_exception_only(type(exc), exc)).strip()),
+            "error": f"rank {rank}: " + (message or "".join(traceback.format_exception_only(type(exc), exc)).strip()),
             "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
         },
     )

@@ -168,7 +168,9 @@ def test_corrupt_checkpoint_file_is_named(tmp_path, saved):
 
 
 def test_checkpoint_of_another_model_is_refused(tmp_path, saved):
-    with pytest.raises(ConfigError, match=r"is from a different model \(model=mlp.*body\.0\.0\.weight is \[32, 64\] there"):
+    with pytest.raises(
+        ConfigError, match=r"is from a different model \(model=mlp.*body\.0\.0\.weight is \[32, 64\] there"
+    ):
         start([f"trainer.resume={saved}", "model.hidden=48"], tmp_path / "out")
     with pytest.raises(ConfigError, match="is from a different model"):
         start([f"trainer.resume={saved}", "model=gpt"], tmp_path / "out")
