@@ -18,6 +18,7 @@ A testing aid, documented in the README; never set it in real runs. Kinds:
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -55,6 +56,10 @@ def trigger(fault: Fault, rank: int, device: torch.device) -> None:
     (``inf_grad`` is the strategy's, ``exit_in_save`` the checkpoint writer's)."""
     if fault.kind == "exit_in_save":
         return
+    # When it happened, for measuring fault-to-exit times (tests, README figures).
+    print(
+        f"{ENV}: {fault.kind} on rank {rank} at step {fault.step}, time {time.time():.3f}", file=sys.stderr, flush=True
+    )
     if fault.kind == "raise":
         raise RuntimeError(f"injected fault on rank {rank} at step {fault.step}")
     if fault.kind == "exit":

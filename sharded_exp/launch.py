@@ -112,6 +112,7 @@ def _run_rank(
 ) -> dict[str, Any] | None:
     # Forked from the forkserver, a rank inherits the server's environment, not the job's:
     # the job's SHARDED_EXP_* variables are passed explicitly and replace the server's.
+    liveness.catch_stop_signals()  # before anything slow: a signal now means "stop soon"
     if env is not None:
         for key in [k for k in os.environ if k.startswith("SHARDED_EXP_")]:
             del os.environ[key]
@@ -164,23 +165,24 @@ def spawn(cfg_data: dict[str, Any], world_size: int, output_dir: str) -> dict[st
     # The parent holds the rendezvous store on a port the OS picks: no collisions.
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
     store_addr = {"host": "127.0.0.1", "port": store.port}
-    context = mp.start_processes(
-        _spawned_entry,
-        args=(world_size, cfg_data, output_dir, store_addr, results, _job_env()),
-        nprocs=world_size,
-        start_method=start_method,
-        join=False,
-    )
-    stop = ParentStop(context.processes, cfg_data["trainer"]["stop_grace_s"])
+    stop = ParentStop(cfg_data["trainer"]["stop_grace_s"])
     try:
-        with stop.handling_signals():
+        with stop.handling_signals():  # before the ranks exist: no signal leaves orphans
+            context = mp.start_processes(
+                _spawned_entry,
+                args=(world_size, cfg_data, output_dir, store_addr, results, _job_env()),
+                nprocs=world_size,
+                start_method=start_method,
+                join=False,
+            )
+            stop.watch(context.processes)
             # When a rank fails, its peers get 2 s to exit by themselves, then SIGTERM,
             # 2 s more, then SIGKILL (torch's default would wait 30 s).
             while not context.join(timeout=0.5, grace_period=2.0):
                 stop.enforce_deadline()
     except Exception:
-        if stop.killed:
-            raise Stopped(stop.signum, killed=True) from None
+        if stop.signum is not None:  # ranks that died of the signal, or were killed
+            raise Stopped(stop.signum, killed=stop.killed) from None
         # A rank that exited non-zero without leaving a record died without raising
         # (os._exit, killed): it, not the peers that then lost their connection, failed first.
         for rank, proc in enumerate(context.processes):
@@ -188,7 +190,10 @@ def spawn(cfg_data: dict[str, Any], world_size: int, output_dir: str) -> dict[st
             if (proc.exitcode or 0) > 0 and not os.path.exists(record):
                 raise RankDied(rank, proc.exitcode) from None
         raise
-    return results.get()
+    payload = results.get()
+    if payload.get("status") == "stopped" and stop.signum is not None:
+        payload["signal"] = stop.signum  # the job's signal (ranks may also see Ctrl-C's SIGINT)
+    return payload
 
 
 class Stopped(RuntimeError):
@@ -205,8 +210,8 @@ class ParentStop:
     (they finish the step, agree, save, exit); ranks still alive after ``grace_s``, or at
     a second signal, are killed, so no process outlives the job."""
 
-    def __init__(self, processes, grace_s: float):
-        self.processes = processes
+    def __init__(self, grace_s: float):
+        self.processes: list = []
         self.grace_s = grace_s
         self.signum: int | None = None
         self.deadline: float | None = None
@@ -221,15 +226,24 @@ class ParentStop:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
+    def watch(self, processes) -> None:
+        """The ranks, once started; a signal that came while they started is passed on."""
+        self.processes = processes
+        if self.signum is not None:
+            self._terminate()
+
     def _on_signal(self, signum, frame) -> None:
         if self.signum is None:
             self.signum = signum
             self.deadline = time.monotonic() + self.grace_s
-            for proc in self.processes:
-                if proc.is_alive():
-                    os.kill(proc.pid, signal.SIGTERM)
+            self._terminate()
         else:
             self._kill()
+
+    def _terminate(self) -> None:
+        for proc in self.processes:
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGTERM)
 
     def enforce_deadline(self) -> None:
         if self.deadline is not None and time.monotonic() > self.deadline:

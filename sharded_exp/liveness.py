@@ -23,20 +23,36 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _KEY = "sharded_exp/entered/{}"
 
 
+_requested: list[int] = []  # signals received by this rank, first one first
+
+
+def _on_signal(signum, frame) -> None:
+    # Only a flag: the step in progress finishes, collectives stay matched.
+    _requested.append(signum)
+
+
+def catch_stop_signals() -> None:
+    """First thing a rank does: from now on SIGTERM/SIGINT only request a stop."""
+    _requested.clear()
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _on_signal)
+
+
+def requested_signal() -> int | None:
+    return _requested[0] if _requested else None
+
+
 class StopAgreement:
     """Collective stop decision, checked once per step at the same point on every rank."""
 
     def __init__(self):
-        self.signum: int | None = None
         self._group = dist.new_group(backend="gloo")  # CPU flag: works beside NCCL too
         self._flag = torch.zeros(1)
         self._work = None
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, self._on_signal)
 
-    def _on_signal(self, signum, frame) -> None:
-        # Only a flag: the step in progress finishes, collectives stay matched.
-        self.signum = self.signum or signum
+    @property
+    def signum(self) -> int | None:
+        return requested_signal()
 
     def should_stop(self) -> bool:
         stop = False
@@ -45,18 +61,16 @@ class StopAgreement:
             stop = bool(self._flag.item() > 0)
         self._work = None
         if not stop:
-            self._flag.fill_(float(self.signum is not None))
+            self._flag.fill_(float(requested_signal() is not None))
             self._work = dist.all_reduce(self._flag, group=self._group, async_op=True)
         return stop
 
     def close(self, wait: bool) -> None:
-        """Restore the default handlers; ``wait``: finish the last flag all-reduce (every
-        rank issued it, so it completes -- unless a peer failed, then pass False)."""
+        """``wait``: finish the last flag all-reduce (every rank issued it, so it
+        completes -- unless a peer failed, then pass False)."""
         if wait and self._work is not None:
             self._work.wait()
         self._work = None
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, signal.SIG_DFL)
 
 
 def mark_entered(step: int) -> None:

@@ -189,7 +189,6 @@ def _loop(cfg, rank, world_size, device, output_dir, module, strategy, meter, lo
     for step in range(start, tc.steps):
         if stopper.should_stop():  # a signal reached some rank: all stop here, together
             break
-        liveness.mark_entered(step)
         batches = [
             {k: v.to(device) for k, v in next_batch(step, micro, rank).items()} for micro in range(tc.grad_accum)
         ]
@@ -202,6 +201,7 @@ def _loop(cfg, rank, world_size, device, output_dir, module, strategy, meter, lo
             else:
                 faults.trigger(fault, rank, device)
 
+        liveness.mark_entered(step)  # about to join the step's collectives
         scale_before = strategy.scaler.get_scale()
         _sync(device)
         t0 = time.perf_counter()

@@ -1,0 +1,194 @@
+"""Rank failures and signals, as a user meets them: ``python -m sharded_exp`` in a
+subprocess, faults injected with SHARDED_EXP_FAULT, real signals, real process trees."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, TINY, read_result, run_cli
+
+LONG = [o for o in TINY if not o.startswith("trainer.steps")] + ["trainer.steps=100000"]
+
+
+def fault_time(stderr: str) -> float:
+    return float(re.search(r"SHARDED_EXP_FAULT: \w+ on rank \d+ at step \d+, time ([\d.]+)", stderr).group(1))
+
+
+def run_with_fault(tmp_path, fault: str, *extra: str):
+    proc = run_cli(
+        [*LONG, *extra, f"hydra.run.dir={tmp_path}"], cwd=ROOT, env={"SHARDED_EXP_FAULT": fault}, timeout=240
+    )
+    exit_time = time.time()
+    return proc, read_result(tmp_path), exit_time - fault_time(proc.stderr)
+
+
+def test_a_raising_rank_ends_the_job_within_30_s_naming_it(tmp_path):
+    proc, result, seconds = run_with_fault(tmp_path, "rank=1,step=3,kind=raise")
+    assert proc.returncode == 1
+    assert seconds < 30, f"fault to exit took {seconds:.1f} s"
+    assert result["error"] == "rank 1: RuntimeError: injected fault on rank 1 at step 3"
+    assert "rank 1: RuntimeError" in proc.stderr
+    # Each rank's traceback is kept: the raiser's, and its peer's lost connection.
+    first = json.loads((tmp_path / "rank1_error.json").read_text())
+    assert "injected fault" in first["traceback"] and "Traceback" in first["traceback"]
+    peer = json.loads((tmp_path / "rank0_error.json").read_text())
+    assert peer["time"] >= first["time"] and "Traceback" in peer["traceback"]
+
+
+def test_a_hanging_rank_is_named_when_the_collective_times_out(tmp_path):
+    proc, result, seconds = run_with_fault(tmp_path, "rank=1,step=3,kind=hang", "trainer.timeout_s=5")
+    assert proc.returncode == 1
+    assert 5 <= seconds < 5 + 20, f"fault to exit took {seconds:.1f} s"
+    assert result["status"] == "failed"
+    assert re.search(r"collective timed out after 5 s .* in step 3: rank 1 did not arrive", result["error"])
+    assert result["error"].startswith("rank 0: ")
+
+
+def test_an_out_of_memory_rank_fails_the_point_as_oom_not_a_hang(tmp_path):
+    proc, result, seconds = run_with_fault(tmp_path, "rank=1,step=3,kind=oom")
+    assert proc.returncode == 1
+    assert seconds < 30
+    assert result["status"] == "oom"
+    assert result["error"] == "rank 1: torch.OutOfMemoryError: injected out-of-memory on rank 1 at step 3"
+
+
+# ------------------------------------------------------------------------------ signals
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (ranks, the forkserver)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def survivors(tree: set[int], within: float = 10.0) -> list[str]:
+    """Processes of ``tree`` still alive after ``within`` seconds (the forkserver and
+    multiprocessing's resource tracker leave once they see the job's pipes close)."""
+    end = time.time() + within
+    while time.time() < end and any(alive(p) for p in tree):
+        time.sleep(0.2)
+    out = []
+    for pid in tree:
+        if alive(pid):
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(bytes(1), b" ").decode()
+            out.append(f"{pid}: {cmdline[:200]}")
+    return out
+
+
+def start_job(args, log, env=None):
+    """The job in the background, its output in ``log``, in a process group of its own
+    (like a job in a terminal)."""
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "sharded_exp", *args],
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def wait_until(ready, proc, log, timeout=120):
+    end = time.time() + timeout
+    while not ready():
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.time() < end, "the job never got there: " + log.read_text()[-3000:]
+        time.sleep(0.1)
+
+
+def finish(proc, log, timeout=60) -> str:
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return log.read_text()
+
+
+@pytest.mark.parametrize("how", ["sigterm", "ctrl_c"])
+def test_a_signal_stops_the_ranks_saves_and_leaves_no_process(tmp_path, how):
+    run = tmp_path / "run"
+    log = tmp_path / "job.log"
+    proc = start_job([*LONG, "trainer.checkpoint_every=5", f"hydra.run.dir={run}"], log)
+    wait_until((run / "checkpoints" / "step_00000005").exists, proc, log)
+    tree = descendants(proc.pid)
+    assert len(tree) >= 3  # two ranks and the forkserver
+    if how == "sigterm":
+        proc.send_signal(signal.SIGTERM)  # as SLURM or kill does: the job's process only
+    else:
+        os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C does: the whole foreground group
+    output = finish(proc, log)
+    assert proc.returncode == 128 + (signal.SIGTERM if how == "sigterm" else signal.SIGINT), output[-3000:]
+    assert not survivors(tree), "processes outlived the job"
+    result = read_result(run)
+    assert result["status"] == "stopped"
+    assert 5 <= result["steps_done"] < 100000
+    # The state at the stop was saved, and it is complete.
+    assert result["checkpoint"] == str(run / "checkpoints" / f"step_{result['steps_done']:08d}")
+    assert (run / "checkpoints" / f"step_{result['steps_done']:08d}" / "meta.json").exists()
+    if how == "ctrl_c":
+        return
+
+    # Resuming from the stop ends bit-identical to a run that was never stopped.
+    n = result["steps_done"] + 2
+    short = [o for o in LONG if not o.startswith("trainer.steps")] + [
+        f"trainer.steps={n}",
+        "trainer.save_final_state=true",
+    ]
+    resumed = run_cli([*short, "trainer.resume=auto", f"hydra.run.dir={run}"], cwd=ROOT)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    straight = run_cli([*short, f"hydra.run.dir={tmp_path / 'straight'}"], cwd=ROOT)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    a = torch.load(run / "model_final.pt", weights_only=True)
+    b = torch.load(tmp_path / "straight" / "model_final.pt", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_rank_that_ignores_the_stop_is_killed_after_the_grace_period(tmp_path):
+    run = tmp_path / "run"
+    log = tmp_path / "job.log"
+    fault = {"SHARDED_EXP_FAULT": "rank=1,step=3,kind=hang"}
+    proc = start_job([*LONG, "trainer.stop_grace_s=3", f"hydra.run.dir={run}"], log, env=fault)
+    wait_until(lambda: "SHARDED_EXP_FAULT: hang" in log.read_text(), proc, log)
+    time.sleep(1)  # rank 1 hangs in step 3; rank 0 waits in a collective (timeout 60 s)
+    tree = descendants(proc.pid)
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    output = finish(proc, log)
+    seconds = time.time() - t0
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert seconds < 3 + 10
+    assert not survivors(tree), "processes outlived the job"
+    result = read_result(run)
+    assert result["status"] == "stopped"
+    assert "ranks were killed after trainer.stop_grace_s" in result["error"]
