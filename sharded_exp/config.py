@@ -200,7 +200,13 @@ def validate(cfg) -> int:
     from sharded_exp.precision import PRECISIONS
     from sharded_exp.strategies import STRATEGIES
 
+    from sharded_exp import faults
+
     t = cfg.trainer
+    try:
+        faults.from_env()  # a malformed testing aid fails here, not in every rank
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     STRATEGIES.builder(cfg.strategy.name)  # raises, naming the registered ones
     MODELS.builder(cfg.model.name)
     TASKS.builder(cfg.data.name)

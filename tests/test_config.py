@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hydra.errors import ConfigCompositionException
@@ -81,10 +83,15 @@ def test_composition_rejects(override, error):
             "unknown strategy 'zero9'; registered: ddp, fsdp, fsdp_grad_op, oss, sharded_ddp, zero1",
         ),
         (["precision.name=8"], "precision='8' is not one of 32, 16, bf16"),
+        (["trainer.checkpoint_every=-1"], "trainer.checkpoint_every=-1 must be >= 0 (0 = off)"),
+        (["trainer.keep_checkpoints=-2"], "trainer.keep_checkpoints=-2 must be >= 0 (0 = keep all)"),
+        (["trainer.stop_grace_s=0"], "trainer.stop_grace_s=0.0 must be > 0"),
+        (["trainer.timeout_s=0"], "trainer.timeout_s=0.0 must be > 0"),
+        (["trainer.memory_limit_mib=-5"], "trainer.memory_limit_mib=-5.0 must be > 0"),
     ],
 )
 def test_validate_rejects(overrides, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         validate(compose_cfg(overrides))
 
 
@@ -124,3 +131,16 @@ def test_cli_bad_input_exits_nonzero_before_ranks_start(args, message, tmp_path)
     assert proc.returncode != 0
     assert message in proc.stderr + proc.stdout
     assert not (tmp_path / "run" / "result.json").exists()  # no rank ever ran
+
+
+@pytest.mark.parametrize(
+    "fault, message",
+    [
+        ("rank=1,step=3,kind=explode", "SHARDED_EXP_FAULT kind='explode' is not one of raise, exit, hang, oom"),
+        ("rank=1,kind=raise", "SHARDED_EXP_FAULT='rank=1,kind=raise' is not of the form rank=R,step=S,kind=K"),
+    ],
+)
+def test_malformed_fault_is_rejected_before_ranks_start(monkeypatch, fault, message):
+    monkeypatch.setenv("SHARDED_EXP_FAULT", fault)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(compose_cfg([]))
