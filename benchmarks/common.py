@@ -38,3 +38,45 @@ def save(name: str, data: Any) -> Path:
     path = OUT / f"{name}.json"
     path.write_text(json.dumps(data, indent=2))
     return path
+
+
+def compose_cfg(overrides: List[str]):
+    with initialize_config_dir(config_dir=os.path.abspath(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=quote_numeric_choices(overrides))
+
+
+def spawn_ranks(fn, world_size: int, *args) -> Any:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks, as a hand-written
+    script would (forkserver processes, a TCP rendezvous, one thread share per rank, like
+    the launcher); returns rank 0's return value."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    mp.start_processes(
+        _rank_entry, args=(world_size, port, fn, args, queue), nprocs=world_size, start_method="forkserver"
+    )
+    return queue.get()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_entry(rank, world_size, port, fn, args, queue):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        out = fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        queue.put(out)

@@ -194,13 +194,12 @@ def validate(cfg) -> int:
     """
     import torch
 
+    from sharded_exp import faults
     from sharded_exp.data import TASKS
     from sharded_exp.models import MODELS, build_model
     from sharded_exp.optim import OPTIMIZERS
     from sharded_exp.precision import PRECISIONS
     from sharded_exp.strategies import STRATEGIES
-
-    from sharded_exp import faults
 
     t = cfg.trainer
     try:

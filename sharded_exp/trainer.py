@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import resource
 import statistics
 import time
 from typing import Any
@@ -98,6 +99,7 @@ def memory_section(cfg: DictConfig, per_rank: list, world_size: int, source: str
         "source": source,
         "per_rank": per_rank,
         "peak_allocated_mib_max": largest("peak_allocated_mib"),
+        "peak_rss_mib_max": largest("peak_rss_mib"),
         "model_states_mib_max": max(sum(r["model_states_mib"].values()) for r in per_rank),
         "predicted_model_states_mib_max": max(sum(p.values()) for p in predicted),
         "model_states_rel_error_max": largest("model_states_rel_error"),
@@ -186,7 +188,13 @@ def _loop(cfg, rank, world_size, device, output_dir, module, strategy, meter, lo
 
     bar = tqdm(total=tc.steps, desc=f"{cfg.strategy.name} x{world_size}", disable=rank != 0 or not tc.progress_bar)
     steps_done = start
+    first_step_unix, loop_start, loop_end = time.time(), None, None
     for step in range(start, tc.steps):
+        if step == start + warmup:
+            # Wall time of whole loop iterations (data, checks, metrics, logging included):
+            # what the harness costs on top of train_step, see benchmarks/overhead.py.
+            _sync(device)
+            loop_start = time.perf_counter()
         if stopper.should_stop():  # a signal reached some rank: all stop here, together
             break
         batches = [
@@ -238,6 +246,8 @@ def _loop(cfg, rank, world_size, device, output_dir, module, strategy, meter, lo
         if tc.checkpoint_every and (steps_done % tc.checkpoint_every == 0 or steps_done == tc.steps):
             checkpoint_path = checkpoint.save(strategy, cfg, steps_done, tc.checkpoint_dir, device, tc.keep_checkpoints)
             saved_step = steps_done
+    _sync(device)
+    loop_end = time.perf_counter()
     bar.close()
     stopped = steps_done < tc.steps
     if stopped and tc.checkpoint_every and saved_step != steps_done:
@@ -258,6 +268,8 @@ def _loop(cfg, rank, world_size, device, output_dir, module, strategy, meter, lo
         "skipped_steps": skipped_steps,
         "nonfinite_params": sum(int((~torch.isfinite(_local(p))).sum()) for p in module.parameters()),
         "local_param_digest": param_digest({n: _local(p) for n, p in module.named_parameters()}),
+        # Peak resident set of the rank's process (host memory, any framework compares).
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
     per_rank: list[Any] = [None] * world_size
     dist.all_gather_object(per_rank, local)
@@ -278,7 +290,10 @@ def _loop(cfg, rank, world_size, device, output_dir, module, strategy, meter, lo
         }
         if tokens_per_step:
             throughput["tokens_per_s"] = tokens_per_step / median
+        if loop_start is not None and steps_done > start + warmup:
+            throughput["loop_time_s_per_step"] = (loop_end - loop_start) / (steps_done - start - warmup)
     return {
+        "first_step_unix": first_step_unix,
         "status": "stopped" if stopped else "ok",
         "signal": stopper.signum if stopped else None,
         "start_step": start,

@@ -1,0 +1,135 @@
+"""What the harness costs: the trainer's loop against a minimal hand-written loop.
+
+    python -m benchmarks.overhead                          # every strategy, MLP, fp32, 2 ranks
+    python -m benchmarks.overhead --strategies ddp --logger wandb --pairs 3
+    python -m benchmarks.overhead --smoke                  # CI: one strategy, one short pair
+
+Both sides use the same model, data, strategy objects (built by the same registry), the
+same precision and the same thread count per rank; the hand-written loop is what a user
+would type: batch, zero_grad, autocast forward, scaled backward, unscale, clip, step,
+update. Both are timed the same way: wall time of whole loop iterations after the
+warm-up, divided by the timed steps (for the trainer that includes its per-step stop
+check, progress record, metrics, logging and step timing). Runs alternate A/B, B/A; each
+pair gives one ratio, and the table shows the median ratio with its range.
+Prints a Markdown table and writes outputs/benchmarks/overhead.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from omegaconf import OmegaConf
+
+from benchmarks.common import compose_cfg, markdown, run, save, spawn_ranks
+
+STRATEGY_NAMES = ["ddp", "oss", "sharded_ddp", "zero1", "fsdp_grad_op", "fsdp"]
+
+
+def hand_loop(rank: int, world_size: int, cfg_data: dict, steps: int, warmup: int) -> float:
+    """A minimal training loop over the harness's own building blocks; seconds per step."""
+    from sharded_exp import precision
+    from sharded_exp.data import build_task
+    from sharded_exp.models import build_model
+    from sharded_exp.optim import optimizer_spec
+    from sharded_exp.strategies import build_strategy
+
+    cfg = OmegaConf.create(cfg_data)
+    device = torch.device("cpu")
+    torch.manual_seed(cfg.trainer.seed)
+    module = build_model(cfg.model)
+    strategy = build_strategy(cfg.strategy, module, optimizer_spec(cfg.optimizer, module), cfg.precision, device)
+    next_batch = build_task(cfg.data, cfg.model, cfg.trainer.batch_size)
+    autocast = precision.autocast(cfg.precision, device.type)
+    model, optimizer, scaler = strategy.model, strategy.optimizer, strategy.scaler
+    for step in range(steps):
+        if step == warmup:
+            start = time.perf_counter()
+        batch = next_batch(step, 0, rank)
+        strategy.zero_grad()
+        with autocast:
+            loss = model(**batch).loss
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        strategy.clip_grad_norm_(cfg.trainer.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+    return (time.perf_counter() - start) / (steps - warmup)
+
+
+def job(strategy: str, args) -> list[str]:
+    return [
+        f"strategy={strategy}",
+        f"model={args.model}",
+        f"precision={args.precision}",
+        f"logger={args.logger}",
+        f"trainer.world_size={args.world_size}",
+        f"trainer.steps={args.steps}",
+        f"trainer.warmup_steps={args.warmup}",
+        "trainer.progress_bar=false",
+        *args.overrides,
+    ]
+
+
+def measure(strategy: str, args) -> dict:
+    overrides = job(strategy, args)
+    cfg_data = OmegaConf.to_container(compose_cfg(overrides), resolve=True, enum_to_str=True)
+    pairs = []
+    for i in range(args.pairs):
+        times = {}
+        for side in ("trainer", "hand") if i % 2 == 0 else ("hand", "trainer"):
+            if side == "trainer":
+                result = run(overrides, f"overhead/{strategy}_{i}")
+                times[side] = result["throughput"]["loop_time_s_per_step"]
+            else:
+                times[side] = spawn_ranks(hand_loop, args.world_size, cfg_data, args.steps, args.warmup)
+        pairs.append({**times, "ratio": times["trainer"] / times["hand"]})
+    ratios = [p["ratio"] for p in pairs]
+    return {"strategy": strategy, "pairs": pairs, "median_ratio": statistics.median(ratios)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--strategies", nargs="+", default=STRATEGY_NAMES)
+    parser.add_argument("--model", default="mlp")
+    parser.add_argument("--precision", default="32")
+    parser.add_argument("--logger", default="none")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--target", type=float, default=1.03, help="trainer/hand ratio to meet")
+    parser.add_argument("--smoke", action="store_true", help="one strategy, one short pair (CI)")
+    parser.add_argument("overrides", nargs="*", help="extra config overrides for both sides")
+    args = parser.parse_args()
+    if args.smoke:
+        args.strategies, args.steps, args.warmup, args.pairs = args.strategies[:1], 6, 2, 1
+
+    rows, data = [], []
+    for strategy in args.strategies:
+        m = measure(strategy, args)
+        data.append(m)
+        ratios = [p["ratio"] for p in m["pairs"]]
+        rows.append(
+            [
+                strategy,
+                f"{statistics.median(p['hand'] for p in m['pairs']) * 1e3:.2f}",
+                f"{statistics.median(p['trainer'] for p in m['pairs']) * 1e3:.2f}",
+                f"{m['median_ratio']:.3f}",
+                f"{min(ratios):.3f}-{max(ratios):.3f}",
+                "yes" if m["median_ratio"] <= args.target else "no",
+            ]
+        )
+    print(
+        f"model={args.model} precision={args.precision} logger={args.logger} world_size={args.world_size}, "
+        f"{args.steps - args.warmup} timed steps per run, {args.pairs} interleaved pairs"
+    )
+    header = ["strategy", "hand ms/step", "trainer ms/step", "ratio (median)", "ratio range", f"<= {args.target}"]
+    print(markdown(header, rows))
+    print(f"wrote {save('overhead', {'args': vars(args), 'results': data})}")
+
+
+if __name__ == "__main__":
+    main()
