@@ -1,48 +1,38 @@
 """What the harness costs: the trainer's loop against a minimal hand-written loop.
 
     python -m benchmarks.overhead                          # every strategy, MLP, fp32, 2 ranks
-    python -m benchmarks.overhead --strategies ddp --logger wandb --pairs 3
-    python -m benchmarks.overhead --smoke                  # CI: one strategy, one short pair
+    python -m benchmarks.overhead --strategies ddp --logger wandb
+    python -m benchmarks.overhead --smoke                  # CI: one strategy, one short round
 
-Both sides use the same model, data, strategy objects (built by the same registry), the
-same precision and the same thread count per rank; the hand-written loop is what a user
-would type: batch, zero_grad, autocast forward, scaled backward, unscale, clip, step,
-update. Both are timed the same way: wall time of whole loop iterations after the
-warm-up, divided by the timed steps (for the trainer that includes its per-step stop
-check, progress record, metrics, logging and step timing). Runs alternate A/B, B/A; each
-pair gives one ratio, and the table shows the median ratio with its range.
-Prints a Markdown table and writes outputs/benchmarks/overhead.json.
+Both loops run in the same rank processes, on the same model, data, strategy objects
+(built once by the registry), precision and thread count, alternately: round r runs the
+trainer's real loop (``sharded_exp.trainer._loop``, with its stop checks, metrics,
+logging, step timing) then the hand-written loop, or the other way round. The
+hand-written loop is what a user would type: batch, zero_grad, autocast forward, scaled
+backward, unscale, clip, step, update. Both are timed the same way: wall time of whole
+loop iterations after the warm-up, divided by the timed steps. Each round gives one
+ratio trainer/hand; the table shows the median ratio and its range. (Separate jobs
+were tried first: run-to-run noise on a shared 2-core machine was +-10%, larger than
+the effect measured.) Prints a Markdown table, writes outputs/benchmarks/overhead.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
 import torch
 from omegaconf import OmegaConf
 
-from benchmarks.common import compose_cfg, markdown, run, save, spawn_ranks
+from benchmarks.common import OUT, compose_cfg, markdown, save, spawn_ranks
 
 STRATEGY_NAMES = ["ddp", "oss", "sharded_ddp", "zero1", "fsdp_grad_op", "fsdp"]
 
 
-def hand_loop(rank: int, world_size: int, cfg_data: dict, steps: int, warmup: int) -> float:
-    """A minimal training loop over the harness's own building blocks; seconds per step."""
-    from sharded_exp import precision
-    from sharded_exp.data import build_task
-    from sharded_exp.models import build_model
-    from sharded_exp.optim import optimizer_spec
-    from sharded_exp.strategies import build_strategy
-
-    cfg = OmegaConf.create(cfg_data)
-    device = torch.device("cpu")
-    torch.manual_seed(cfg.trainer.seed)
-    module = build_model(cfg.model)
-    strategy = build_strategy(cfg.strategy, module, optimizer_spec(cfg.optimizer, module), cfg.precision, device)
-    next_batch = build_task(cfg.data, cfg.model, cfg.trainer.batch_size)
-    autocast = precision.autocast(cfg.precision, device.type)
+def hand_loop(strategy, next_batch, autocast, grad_clip: float, rank: int, steps: int, warmup: int) -> float:
+    """A minimal training loop over the same objects; seconds per timed step."""
     model, optimizer, scaler = strategy.model, strategy.optimizer, strategy.scaler
     for step in range(steps):
         if step == warmup:
@@ -53,10 +43,48 @@ def hand_loop(rank: int, world_size: int, cfg_data: dict, steps: int, warmup: in
             loss = model(**batch).loss
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)
-        strategy.clip_grad_norm_(cfg.trainer.grad_clip)
+        strategy.clip_grad_norm_(grad_clip)
         scaler.step(optimizer)
         scaler.update()
     return (time.perf_counter() - start) / (steps - warmup)
+
+
+def rounds(rank: int, world_size: int, cfg_data: dict, rounds: int, out_dir: str) -> list[dict]:
+    """On every rank: build once, then alternate the trainer's loop and the hand loop."""
+    from sharded_exp import liveness, precision, trainer
+    from sharded_exp.data import build_task
+    from sharded_exp.loggers import build_logger
+    from sharded_exp.memory import MemoryMeter
+    from sharded_exp.models import build_model
+    from sharded_exp.optim import optimizer_spec
+    from sharded_exp.strategies import build_strategy
+
+    cfg = OmegaConf.create(cfg_data)
+    tc = cfg.trainer
+    device = torch.device("cpu")
+    torch.manual_seed(tc.seed)
+    module = build_model(cfg.model)
+    strategy = build_strategy(cfg.strategy, module, optimizer_spec(cfg.optimizer, module), cfg.precision, device)
+    next_batch = build_task(cfg.data, cfg.model, tc.batch_size)
+    autocast = precision.autocast(cfg.precision, device.type)
+    logger = build_logger(cfg.logger, cfg_data, out_dir, rank)
+    liveness.catch_stop_signals()
+    results = []
+    for r in range(rounds):
+        times = {}
+        for side in ("trainer", "hand") if r % 2 == 0 else ("hand", "trainer"):
+            if side == "hand":
+                times[side] = hand_loop(strategy, next_batch, autocast, tc.grad_clip, rank, tc.steps, tc.warmup_steps)
+            else:
+                meter = MemoryMeter(device, None)  # not started: the trainer measures memory in warm-up only
+                stopper = liveness.StopAgreement()
+                payload = trainer._loop(
+                    cfg, rank, world_size, device, out_dir, module, strategy, meter, logger, 0, stopper
+                )
+                times[side] = payload["throughput"]["loop_time_s_per_step"] if rank == 0 else None
+        results.append({**times, "ratio": times["trainer"] / times["hand"] if rank == 0 else None})
+    logger.finish(exit_code=0)
+    return results
 
 
 def job(strategy: str, args) -> list[str]:
@@ -76,16 +104,9 @@ def job(strategy: str, args) -> list[str]:
 def measure(strategy: str, args) -> dict:
     overrides = job(strategy, args)
     cfg_data = OmegaConf.to_container(compose_cfg(overrides), resolve=True, enum_to_str=True)
-    pairs = []
-    for i in range(args.pairs):
-        times = {}
-        for side in ("trainer", "hand") if i % 2 == 0 else ("hand", "trainer"):
-            if side == "trainer":
-                result = run(overrides, f"overhead/{strategy}_{i}")
-                times[side] = result["throughput"]["loop_time_s_per_step"]
-            else:
-                times[side] = spawn_ranks(hand_loop, args.world_size, cfg_data, args.steps, args.warmup)
-        pairs.append({**times, "ratio": times["trainer"] / times["hand"]})
+    out_dir = str(OUT / "overhead" / strategy)
+    os.makedirs(out_dir, exist_ok=True)
+    pairs = spawn_ranks(rounds, args.world_size, cfg_data, args.pairs, out_dir)
     ratios = [p["ratio"] for p in pairs]
     return {"strategy": strategy, "pairs": pairs, "median_ratio": statistics.median(ratios)}
 
@@ -99,13 +120,13 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--pairs", type=int, default=10, help="rounds, each one trainer run and one hand run")
     parser.add_argument("--target", type=float, default=1.03, help="trainer/hand ratio to meet")
-    parser.add_argument("--smoke", action="store_true", help="one strategy, one short pair (CI)")
+    parser.add_argument("--smoke", action="store_true", help="one strategy, two short rounds (CI)")
     parser.add_argument("overrides", nargs="*", help="extra config overrides for both sides")
     args = parser.parse_args()
     if args.smoke:
-        args.strategies, args.steps, args.warmup, args.pairs = args.strategies[:1], 6, 2, 1
+        args.strategies, args.steps, args.warmup, args.pairs = args.strategies[:1], 6, 2, 2
 
     rows, data = [], []
     for strategy in args.strategies:
@@ -124,7 +145,7 @@ def main() -> None:
         )
     print(
         f"model={args.model} precision={args.precision} logger={args.logger} world_size={args.world_size}, "
-        f"{args.steps - args.warmup} timed steps per run, {args.pairs} interleaved pairs"
+        f"{args.steps - args.warmup} timed steps per loop, {args.pairs} alternating rounds in the same ranks"
     )
     header = ["strategy", "hand ms/step", "trainer ms/step", "ratio (median)", "ratio range", f"<= {args.target}"]
     print(markdown(header, rows))

@@ -51,8 +51,10 @@ def teacher_task(cfg: TeacherConfig, model_cfg, batch_size: int) -> Callable[...
     w1 = torch.randn(model_cfg.in_features, cfg.teacher_hidden, generator=g)
     w2 = torch.randn(cfg.teacher_hidden, model_cfg.num_classes, generator=g)
 
+    seed, in_features = cfg.seed, model_cfg.in_features  # plain ints: config lookups are slow
+
     def batch(step: int, micro: int, rank: int) -> Batch:
-        x = torch.randn(batch_size, model_cfg.in_features, generator=_generator(cfg.seed, step, micro, rank))
+        x = torch.randn(batch_size, in_features, generator=_generator(seed, step, micro, rank))
         y = (torch.tanh(x @ w1) @ w2).argmax(dim=1)
         return {"inputs": x, "targets": y}
 
@@ -83,11 +85,13 @@ def markov_task(cfg: MarkovConfig, model_cfg, batch_size: int) -> Callable[..., 
     successors = torch.randint(vocab, (vocab, cfg.branching), generator=g)
     weights = torch.rand(vocab, cfg.branching, generator=g) + 0.1
 
+    seed, seq_len = cfg.seed, model_cfg.seq_len  # plain ints: config lookups are slow
+
     def batch(step: int, micro: int, rank: int) -> Batch:
-        gb = _generator(cfg.seed, step, micro, rank)
-        tokens = torch.empty(batch_size, model_cfg.seq_len + 1, dtype=torch.long)
+        gb = _generator(seed, step, micro, rank)
+        tokens = torch.empty(batch_size, seq_len + 1, dtype=torch.long)
         tokens[:, 0] = torch.randint(vocab, (batch_size,), generator=gb)
-        for t in range(model_cfg.seq_len):
+        for t in range(seq_len):
             prev = tokens[:, t]
             pick = torch.multinomial(weights[prev], 1, generator=gb).squeeze(1)
             nxt = successors[prev, pick]

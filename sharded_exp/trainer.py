@@ -15,15 +15,13 @@ import os
 import resource
 import statistics
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
-from torchmetrics import MeanMetric
-from torchmetrics.classification import MulticlassAccuracy
-from torchmetrics.text import Perplexity
 from tqdm import tqdm
 
 from sharded_exp import checkpoint, faults, liveness, precision
@@ -62,11 +60,55 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _quality_metric(logits: torch.Tensor, device: torch.device):
-    # Classifier logits are (batch, classes); language-model logits (batch, time, vocab).
-    if logits.dim() == 2:
-        return "accuracy", MulticlassAccuracy(num_classes=logits.shape[-1]).to(device)
-    return "perplexity", Perplexity().to(device)
+class IntervalMetrics:
+    """Loss and accuracy (classifier) or perplexity (language model) per log interval.
+
+    Summed on the device every step (a few tensor ops, no sync). At the end of an interval
+    the sums (one 4-element tensor) are all-reduced *asynchronously*, and the record is
+    read at the end of the next interval, when the reduction finished long ago: a blocking
+    collective every interval made ranks wait for each other's scheduling noise and cost
+    6-10% of a 12 ms step on 2 CPU cores (benchmarks/overhead.py). Perplexity is exp of
+    the mean token loss over the interval (every step has the same number of tokens).
+    """
+
+    def __init__(self, device: torch.device):
+        self.sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, steps, correct, predictions
+        self.name: str | None = None
+        self.updates = 0
+        self._in_flight: tuple[int, torch.Tensor, Any] | None = None
+
+    def update(self, loss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> None:
+        self.sums[0] += loss.detach().double()
+        self.sums[1] += 1
+        if logits.dim() == 2:  # classifier logits (batch, classes); LM logits are (batch, time, vocab)
+            self.sums[2] += (logits.detach().argmax(-1) == targets).sum()
+            self.sums[3] += targets.numel()
+        self.name = "accuracy" if logits.dim() == 2 else "perplexity"
+        self.updates += 1
+
+    def end_interval(self, step: int) -> dict[str, float] | None:
+        """Collective (every rank, same step): start reducing this interval; returns the
+        previous interval's record, if there is one."""
+        previous = self.flush()
+        sums, self.sums = self.sums, torch.zeros_like(self.sums)
+        self._in_flight = (step, sums, dist.all_reduce(sums, async_op=True))
+        self.updates = 0
+        return previous
+
+    def flush(self) -> dict[str, float] | None:
+        """The record of the interval in flight (waiting for it), if any."""
+        if self._in_flight is None:
+            return None
+        step, sums, work = self._in_flight
+        self._in_flight = None
+        work.wait()
+        loss_sum, steps, correct, predictions = sums.tolist()
+        loss = loss_sum / steps
+        return {
+            "step": step,
+            "loss": loss,
+            self.name: correct / predictions if self.name == "accuracy" else math.exp(loss),
+        }
 
 
 def memory_section(cfg: DictConfig, per_rank: list, world_size: int, source: str) -> dict[str, Any]:
@@ -125,14 +167,7 @@ def param_digest(state: dict[str, torch.Tensor]) -> dict[str, float]:
 
 def train(cfg: DictConfig, device: torch.device, output_dir: str) -> dict[str, Any] | None:
     # From here on SIGTERM/SIGINT only ask for a stop, which the ranks agree on.
-    stopper = liveness.StopAgreement()
-    try:
-        payload = _train(cfg, device, output_dir, stopper)
-    except BaseException:
-        stopper.close(wait=False)  # a peer may be gone: do not wait on the stop flag
-        raise
-    stopper.close(wait=True)
-    return payload
+    return _train(cfg, device, output_dir, liveness.StopAgreement())
 
 
 def _train(cfg: DictConfig, device: torch.device, output_dir: str, stopper) -> dict[str, Any] | None:
@@ -166,7 +201,8 @@ def _train(cfg: DictConfig, device: torch.device, output_dir: str, stopper) -> d
 
 def _loop(cfg, rank, world_size, device, output_dir, module, strategy, meter, logger, start, stopper):
     """Steps ``start`` to ``trainer.steps``, then the gather of per-rank results onto rank 0."""
-    tc = cfg.trainer
+    # Plain attributes: an OmegaConf lookup costs tens of microseconds, several per step.
+    tc = SimpleNamespace(**OmegaConf.to_container(cfg.trainer, resolve=True))
     # A (re)started process warms up again: the first steps after ``start`` are not timed,
     # but at least one step is. The CPU memory tracker slows every op: it runs over the
     # warm-up steps (over the first step when there is none; that step is then timed with it).
@@ -178,8 +214,21 @@ def _loop(cfg, rank, world_size, device, output_dir, module, strategy, meter, lo
     next_batch = build_task(cfg.data, cfg.model, tc.batch_size)
     autocast = precision.autocast(cfg.precision, device.type)
     memory: dict[str, Any] = {}
-    loss_metric = MeanMetric().to(device)
-    quality_name, quality = None, None
+    metrics = IntervalMetrics(device)
+    pending_logs: list[tuple[int, dict[str, float]]] = []  # sent once their interval's record is in
+
+    def publish(record: dict[str, float] | None) -> None:
+        """A finished interval: into the history, and to the tracker in step order."""
+        if record is None:
+            return
+        history.append(record)
+        pending_logs.append((record["step"], {f"train/{k}": v for k, v in record.items() if k != "step"}))
+        ready = sorted((e for e in pending_logs if e[0] <= record["step"]), key=lambda e: e[0])
+        pending_logs[:] = [e for e in pending_logs if e[0] > record["step"]]
+        for log_step, values in ready:
+            logger.log(values, step=log_step)
+        bar.set_postfix(loss=f"{record['loss']:.4f}")
+
     history: list[dict[str, float]] = []
     step_times: list[float] = []
     skipped_steps = 0
@@ -195,8 +244,9 @@ def _loop(cfg, rank, world_size, device, output_dir, module, strategy, meter, lo
             # what the harness costs on top of train_step, see benchmarks/overhead.py.
             _sync(device)
             loop_start = time.perf_counter()
-        if stopper.should_stop():  # a signal reached some rank: all stop here, together
+        if stopper.should_stop(step):  # a signal reached some rank: all stop here, together
             break
+        liveness.current_step = step
         batches = [
             {k: v.to(device) for k, v in next_batch(step, micro, rank).items()} for micro in range(tc.grad_accum)
         ]
@@ -209,7 +259,6 @@ def _loop(cfg, rank, world_size, device, output_dir, module, strategy, meter, lo
             else:
                 faults.trigger(fault, rank, device)
 
-        liveness.mark_entered(step)  # about to join the step's collectives
         scale_before = strategy.scaler.get_scale()
         _sync(device)
         t0 = time.perf_counter()
@@ -218,8 +267,8 @@ def _loop(cfg, rank, world_size, device, output_dir, module, strategy, meter, lo
         step_time = time.perf_counter() - t0
         if step >= start + warmup:
             step_times.append(step_time)
-            logger.log(
-                {"train/step_time_s": step_time, "train/samples_per_s": samples_per_step / step_time}, step=step + 1
+            pending_logs.append(
+                (step + 1, {"train/step_time_s": step_time, "train/samples_per_s": samples_per_step / step_time})
             )
         if hook is not None:
             hook.remove()
@@ -229,25 +278,20 @@ def _loop(cfg, rank, world_size, device, output_dir, module, strategy, meter, lo
         if step + 1 == memory_end:
             memory = meter.stop()
 
-        loss_metric.update(loss)
-        if quality is None:
-            quality_name, quality = _quality_metric(out.logits, device)
-        quality.update(out.logits.detach().float(), batches[-1]["targets"])
+        metrics.update(loss, out.logits, batches[-1]["targets"])
         bar.update(1)
         if (step + 1) % tc.log_interval == 0 or step + 1 == tc.steps:
-            # compute() syncs over all ranks: every rank must call it.
-            record = {"step": step + 1, "loss": loss_metric.compute().item(), quality_name: quality.compute().item()}
-            loss_metric.reset()
-            quality.reset()
-            history.append(record)
-            logger.log({f"train/{k}": v for k, v in record.items() if k != "step"}, step=step + 1)
-            bar.set_postfix(loss=f"{record['loss']:.4f}")
+            publish(metrics.end_interval(step + 1))
         steps_done = step + 1
         if tc.checkpoint_every and (steps_done % tc.checkpoint_every == 0 or steps_done == tc.steps):
             checkpoint_path = checkpoint.save(strategy, cfg, steps_done, tc.checkpoint_dir, device, tc.keep_checkpoints)
             saved_step = steps_done
     _sync(device)
     loop_end = time.perf_counter()
+    stopper.finish()
+    if metrics.updates:  # stopped in the middle of an interval
+        publish(metrics.end_interval(steps_done))
+    publish(metrics.flush())
     bar.close()
     stopped = steps_done < tc.steps
     if stopped and tc.checkpoint_every and saved_step != steps_done:
