@@ -9,6 +9,15 @@ The Hydra job is the parent: it validates the config and starts the ranks
 (:mod:`sharded_exp.launch`). Output goes to the Hydra run directory (``outputs/...``).
 """
 
+import time
+
+STARTED = time.time()  # before the heavy imports: for the startup timeline in result.json
+
+if __name__ == "__main__":
+    from sharded_exp import forkserver
+
+    forkserver.start_early()  # the rank server imports torch while this process does too
+
 import os
 import sys
 
@@ -22,6 +31,7 @@ from sharded_exp.launch import launch
 from sharded_exp.report import ReportCallback
 
 register_schemas()
+IMPORTED = time.time()
 
 
 def name_the_run(cfg: DictConfig) -> None:
@@ -53,7 +63,7 @@ def main(cfg: DictConfig) -> None:
         "overrides.yaml": OmegaConf.create(list(hc.overrides.task)),
     }
     try:
-        result = launch(cfg, output_dir, job_files)
+        result = launch(cfg, output_dir, job_files, started=(STARTED, IMPORTED))
     except ConfigError as exc:  # raised before any rank starts
         print(f"error: {exc}", file=sys.stderr)
         if hc.mode != RunMode.MULTIRUN:

@@ -28,8 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 
-from sharded_exp import liveness
-from sharded_exp.trainer import train
+from sharded_exp import forkserver, liveness
 
 
 def torchrun_env() -> dict[str, int] | None:
@@ -113,6 +112,7 @@ def _run_rank(
     # Forked from the forkserver, a rank inherits the server's environment, not the job's:
     # the job's SHARDED_EXP_* variables are passed explicitly and replace the server's.
     liveness.catch_stop_signals()  # before anything slow: a signal now means "stop soon"
+    timeline = {"rank_start": time.time()}
     if env is not None:
         for key in [k for k in os.environ if k.startswith("SHARDED_EXP_")]:
             del os.environ[key]
@@ -135,7 +135,10 @@ def _run_rank(
     else:
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
     try:
-        payload = train(cfg, device, output_dir)
+        timeline["process_group_ready"] = time.time()
+        from sharded_exp.trainer import train  # here, not at the top: the parent never trains
+
+        payload = train(cfg, device, output_dir, timeline)
     except BaseException as exc:
         message = None
         if liveness.is_timeout(exc):
@@ -158,8 +161,7 @@ def spawn(cfg_data: dict[str, Any], world_size: int, output_dir: str) -> dict[st
     # sweep pays the import once; plain fork would inherit the parent's OpenMP pool (and
     # deadlock), and CUDA cannot be forked after initialisation.
     start_method = "forkserver"
-    ctx = mp.get_context(start_method)
-    ctx.set_forkserver_preload(["sharded_exp.trainer", "sharded_exp.strategies"])
+    ctx = forkserver.context()  # usually running already: started by __main__ before its imports
     results = ctx.SimpleQueue()
     timeout = datetime.timedelta(seconds=cfg_data["trainer"]["timeout_s"])
     # The parent holds the rendezvous store on a port the OS picks: no collisions.
@@ -347,7 +349,12 @@ def archive_previous_attempt(output_dir: str, extra: tuple[str, ...] = ()) -> st
     return target
 
 
-def launch(cfg: DictConfig, output_dir: str, job_files: dict[str, Any] | None = None) -> dict[str, Any]:
+def launch(
+    cfg: DictConfig,
+    output_dir: str,
+    job_files: dict[str, Any] | None = None,
+    started: tuple[float, float] | None = None,
+) -> dict[str, Any]:
     """Validate, run every rank, write ``result.json`` and print the summary table.
 
     Returns the result; its ``status`` is "ok", "stopped" (by a signal), "oom" or
@@ -358,6 +365,7 @@ def launch(cfg: DictConfig, output_dir: str, job_files: dict[str, Any] | None = 
     from sharded_exp.results import base_result, summary_table, write_json
 
     import_plugins()
+    launched = time.time()
     params = validate(cfg)  # raises ConfigError before any rank starts
     resolve_checkpoints(cfg, output_dir)  # likewise, naming a bad checkpoint file
     cfg_data = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
@@ -373,7 +381,17 @@ def launch(cfg: DictConfig, output_dir: str, job_files: dict[str, Any] | None = 
     path = os.path.join(output_dir, "result.json")
     try:
         # rank 0's payload carries status "ok" or "stopped"; other torchrun ranks get None
+        validated = time.time()
         result.update(run_job(cfg, output_dir) or {"status": "ok"})
+        # Unix times: parent launch -> validated -> rank start -> process group -> built -> logger -> first step
+        main, imported = started or (None, None)
+        result["timeline"] = {
+            "main": main,
+            "imported": imported,
+            "launch": launched,
+            "validated": validated,
+            **result.get("timeline", {}),
+        }
     except Exception as exc:  # noqa: BLE001 -- a rank failed: record it, then let the caller exit non-zero
         first = None if isinstance(exc, (RankDied, Stopped)) else first_rank_failure(output_dir)
         if first is not None:

@@ -63,8 +63,9 @@ def _sync(device: torch.device) -> None:
 class IntervalMetrics:
     """Loss and accuracy (classifier) or perplexity (language model) per log interval.
 
-    Summed on the device every step (a few tensor ops, no sync). At the end of an interval
-    the sums (one 4-element tensor) are all-reduced *asynchronously*, and the record is
+    Kept on the device every step (the detached loss; for classifiers the count of correct
+    predictions), summed at the end of the interval into one 4-element tensor that is
+    all-reduced *asynchronously*, and the record is
     read at the end of the next interval, when the reduction finished long ago: a blocking
     collective every interval made ranks wait for each other's scheduling noise and cost
     6-10% of a 12 ms step on 2 CPU cores (benchmarks/overhead.py). Perplexity is exp of
@@ -72,27 +73,39 @@ class IntervalMetrics:
     """
 
     def __init__(self, device: torch.device):
-        self.sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, steps, correct, predictions
+        self.device = device
         self.name: str | None = None
-        self.updates = 0
+        self.losses: list[torch.Tensor] = []  # detached, one per step: no op on the hot path
+        self.correct: list[torch.Tensor] = []
+        self.predictions = 0
         self._in_flight: tuple[int, torch.Tensor, Any] | None = None
 
+    @property
+    def updates(self) -> int:
+        return len(self.losses)
+
     def update(self, loss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> None:
-        self.sums[0] += loss.detach().double()
-        self.sums[1] += 1
+        self.losses.append(loss.detach())
         if logits.dim() == 2:  # classifier logits (batch, classes); LM logits are (batch, time, vocab)
-            self.sums[2] += (logits.detach().argmax(-1) == targets).sum()
-            self.sums[3] += targets.numel()
+            self.correct.append((logits.detach().argmax(-1) == targets).sum())
+            self.predictions += targets.numel()
         self.name = "accuracy" if logits.dim() == 2 else "perplexity"
-        self.updates += 1
 
     def end_interval(self, step: int) -> dict[str, float] | None:
         """Collective (every rank, same step): start reducing this interval; returns the
         previous interval's record, if there is one."""
         previous = self.flush()
-        sums, self.sums = self.sums, torch.zeros_like(self.sums)
+        correct = torch.stack(self.correct).sum() if self.correct else torch.zeros((), device=self.device)
+        sums = torch.stack(
+            [
+                torch.stack(self.losses).sum().double(),
+                torch.tensor(float(len(self.losses)), dtype=torch.float64, device=self.device),
+                correct.double(),
+                torch.tensor(float(self.predictions), dtype=torch.float64, device=self.device),
+            ]
+        )
         self._in_flight = (step, sums, dist.all_reduce(sums, async_op=True))
-        self.updates = 0
+        self.losses, self.correct, self.predictions = [], [], 0
         return previous
 
     def flush(self) -> dict[str, float] | None:
@@ -165,12 +178,15 @@ def param_digest(state: dict[str, torch.Tensor]) -> dict[str, float]:
     return {"sum": total, "l2": math.sqrt(sq)}
 
 
-def train(cfg: DictConfig, device: torch.device, output_dir: str) -> dict[str, Any] | None:
+def train(
+    cfg: DictConfig, device: torch.device, output_dir: str, timeline: dict[str, float] | None = None
+) -> dict[str, Any] | None:
     # From here on SIGTERM/SIGINT only ask for a stop, which the ranks agree on.
-    return _train(cfg, device, output_dir, liveness.StopAgreement())
+    timeline = timeline if timeline is not None else {}
+    return _train(cfg, device, output_dir, liveness.StopAgreement(), timeline)
 
 
-def _train(cfg: DictConfig, device: torch.device, output_dir: str, stopper) -> dict[str, Any] | None:
+def _train(cfg: DictConfig, device: torch.device, output_dir: str, stopper, timeline) -> dict[str, Any] | None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     tc = cfg.trainer
     torch.manual_seed(tc.seed)  # identical initial weights on every rank
@@ -186,13 +202,16 @@ def _train(cfg: DictConfig, device: torch.device, output_dir: str, stopper) -> d
         start = checkpoint.load(strategy, tc.resume, device)["step"]
     if device.type == "cuda":
         meter.start()  # peak counters reset once model and optimizer are built
+    timeline["built"] = time.time()
     logger = build_logger(cfg.logger, OmegaConf.to_container(cfg, resolve=True), output_dir, rank)
+    timeline["logger_ready"] = time.time()
     try:
         payload = _loop(cfg, rank, world_size, device, output_dir, module, strategy, meter, logger, start, stopper)
     except BaseException:
         logger.finish(exit_code=1)
         raise
     if payload is not None:
+        payload["timeline"] = {**timeline, "first_step": payload["first_step_unix"]}
         logger.log(memory_values(payload["memory"]), step=payload["steps_done"])
         logger.summary(summary_values(payload))
     logger.finish(exit_code=0)
@@ -330,6 +349,7 @@ def _loop(cfg, rank, world_size, device, output_dir, module, strategy, meter, lo
             "samples_per_s": samples_per_step / median,
             "step_time_s_median": median,
             "step_time_s_iqr": q[2] - q[0],
+            "step_time_s_mean": statistics.fmean(step_times),
             "timed_steps": len(step_times),
         }
         if tokens_per_step:

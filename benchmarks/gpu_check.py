@@ -1,0 +1,108 @@
+"""The CUDA path on a GPU machine: every strategy and precision at world size 1.
+
+    python -m benchmarks.gpu_check                         # on a machine with CUDA (NCCL, 1 GPU)
+    python -m benchmarks.gpu_check --accelerator cpu --steps 3 --strategies ddp fsdp   # dry run
+
+One job per (strategy, precision), each through the real launcher: CUDA allocator
+statistics (peak allocated and reserved MiB, allocation retries, OOMs), model states
+measured by walking the real tensors next to the memory model's prediction, and the
+peak next to predicted states + activations (``sharded_exp.plan``'s formula) +
+gathered parameters. Prints one Markdown table; writes outputs/benchmarks/gpu_check.json.
+Exit code 1 if any job failed or a model-state prediction is off by more than 2%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from benchmarks.common import markdown, run, save
+from sharded_exp.plan import activation_bytes
+
+STRATEGY_NAMES = ["ddp", "oss", "sharded_ddp", "zero1", "fsdp_grad_op", "fsdp"]
+PRECISIONS = ["32", "16", "bf16"]
+MODEL = ["model=gpt", "model.d_model=512", "model.n_layers=8", "model.n_heads=8", "model.seq_len=256"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--accelerator", default="gpu", choices=["gpu", "cpu"])
+    parser.add_argument("--strategies", nargs="+", default=STRATEGY_NAMES)
+    parser.add_argument("--precisions", nargs="+", default=PRECISIONS)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=8)
+    args = parser.parse_args()
+    if args.accelerator == "gpu" and not torch.cuda.is_available():
+        print("error: no CUDA device here; run on a GPU machine, or --accelerator cpu for a dry run", file=sys.stderr)
+        return 2
+    device = torch.cuda.get_device_name(0) if args.accelerator == "gpu" else "cpu"
+
+    rows, data, bad = [], [], 0
+    for strategy in args.strategies:
+        for prec in args.precisions:
+            overrides = [
+                *MODEL,
+                f"strategy={strategy}",
+                f"precision={prec}",
+                f"trainer.accelerator={args.accelerator}",
+                "trainer.world_size=1",
+                f"trainer.steps={args.steps}",
+                "trainer.warmup_steps=2",
+                f"trainer.batch_size={args.batch_size}",
+                "trainer.progress_bar=false",
+                "logger=none",
+            ]
+            try:
+                result = run(overrides, f"gpu_check/{strategy}_{prec}")
+            except RuntimeError as exc:
+                bad += 1
+                rows.append([strategy, prec, "failed", str(exc)[:80], "", "", "", "", "", ""])
+                continue
+            mem = result["memory"]
+            rank = mem["per_rank"][0]
+            from omegaconf import OmegaConf
+
+            cfg = OmegaConf.create(result["config"])
+            acts = (activation_bytes(cfg.model, args.batch_size, prec) or 0) / 2**20
+            predicted_peak = mem["predicted_model_states_mib_max"] + acts + (mem["predicted_transient_params_mib"] or 0)
+            error = mem["model_states_rel_error_max"]
+            bad += int(error is None or error > 0.02)
+            data.append(
+                {"strategy": strategy, "precision": prec, "result": result, "predicted_peak_mib": predicted_peak}
+            )
+            rows.append(
+                [
+                    strategy,
+                    prec,
+                    f"{rank['peak_allocated_mib']:.1f}",
+                    f"{rank['peak_reserved_mib']:.1f}" if rank.get("peak_reserved_mib") is not None else "-",
+                    rank.get("alloc_retries", "-"),
+                    f"{mem['model_states_mib_max']:.1f}",
+                    f"{mem['predicted_model_states_mib_max']:.1f}",
+                    f"{error:.2%}",
+                    f"{predicted_peak:.1f}",
+                    f"{result['throughput']['tokens_per_s']:.0f}",
+                ]
+            )
+    print(f"{device}; world size 1; {' '.join(MODEL)} batch {args.batch_size}; {args.steps} steps")
+    header = [
+        "strategy",
+        "precision",
+        "peak alloc MiB",
+        "peak reserved MiB",
+        "alloc retries",
+        "states MiB",
+        "predicted states MiB",
+        "states error",
+        "predicted peak MiB",
+        "tokens/s",
+    ]
+    print(markdown(header, rows))
+    print(f"wrote {save('gpu_check', {'device': device, 'args': vars(args), 'results': data})}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

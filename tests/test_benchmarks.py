@@ -1,0 +1,80 @@
+"""Smoke runs of every benchmark (one small config each, no thresholds): the scripts run,
+print their table and write JSON with the fields the closing tables are read from.
+The targets themselves live in the benchmarks, never in tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+def bench(name: str, *args: str, cwd, timeout: float = 300) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("SHARDED_EXP_FAULT", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{name}", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "|---|" in proc.stdout  # the Markdown table
+    return json.loads((cwd / "outputs" / "benchmarks" / f"{name}.json").read_text())
+
+
+def test_overhead_smoke(tmp_path):
+    data = bench("overhead", "--smoke", cwd=tmp_path)
+    [result] = data["results"]
+    assert result["strategy"] == "ddp" and len(result["pairs"]) == 2
+    for pair in result["pairs"]:
+        assert pair["trainer"] > 0 and pair["hand"] > 0
+        assert pair["ratio"] == pytest.approx(pair["trainer"] / pair["hand"])
+
+
+def test_communication_smoke(tmp_path):
+    data = bench("communication", "--smoke", cwd=tmp_path)
+    [result] = data["results"]
+    # DDP all-reduces every gradient once per step: at least Psi of payload, on both ranks.
+    for rank in result["per_rank"]:
+        assert rank["all_reduce/payload"] >= result["psi_bytes"]
+    assert result["volume"] / result["psi_bytes"] == pytest.approx(2.0, rel=0.05)
+
+
+def test_startup_smoke(tmp_path):
+    data = bench("startup", "--repeats", "1", "logger=none", "trainer.steps=6", "trainer.warmup_steps=1", cwd=tmp_path)
+    [run] = data["runs"]
+    order = ["command", "main", "launch", "validated", "rank_start", "process_group_ready", "built", "logger_ready"]
+    times = [run[k] for k in order] + [run["first_step"], run["exit"]]
+    assert times == sorted(times)
+
+
+def test_faults_smoke(tmp_path):
+    data = bench("faults", "--kinds", "raise", "--repeats", "1", cwd=tmp_path)
+    [kind] = data
+    [run] = kind["runs"]
+    assert run["exit_code"] == 1 and run["status"] == "failed" and 0 < run["seconds"] < 30
+
+
+def test_gpu_check_dry_run_on_cpu(tmp_path):
+    args = ["--accelerator", "cpu", "--strategies", "ddp", "--precisions", "32", "--steps", "3", "--batch-size", "2"]
+    data = bench("gpu_check", *args, cwd=tmp_path)
+    [result] = data["results"]
+    assert result["result"]["memory"]["model_states_rel_error_max"] <= 0.02
+
+
+def test_lightning_smoke(tmp_path):
+    pytest.importorskip("pytorch_lightning")
+    data = bench("lightning_vs", "--smoke", cwd=tmp_path)
+    for name in ("sharded_exp", "lightning"):
+        [run] = data["runs"][name]
+        assert run["step_time_s_median"] > 0 and run["to_first_step_s"] < run["to_exit_s"]
+        assert run["peak_rss_mib_max"] > 0
