@@ -298,6 +298,9 @@ def _loop(cfg, rank, world_size, device, output_dir, module, strategy, meter, lo
             memory = meter.stop()
 
         metrics.update(loss, out.logits, batches[-1]["targets"])
+        # Let go of this step's output and batch now: otherwise the logits (batch x time x
+        # vocab for a language model) stay alive through the next step's peak.
+        del out, batches
         bar.update(1)
         if (step + 1) % tc.log_interval == 0 or step + 1 == tc.steps:
             publish(metrics.end_interval(step + 1))
