@@ -69,13 +69,15 @@ def run_job(overrides: list[str], out: Path, env: dict[str, str] | None = None) 
                 os.environ[k] = v
 
 
-def run_cli(args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 180):
-    """``python -m sharded_exp ARGS`` in a subprocess, as a user types it."""
+def run_cli(
+    args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 180, module: str = "sharded_exp"
+):
+    """``python -m MODULE ARGS`` (sharded_exp by default) in a subprocess, as a user types it."""
     full_env = {**os.environ, **(env or {})}
     full_env.pop("RANK", None)
     full_env.pop("WORLD_SIZE", None)
     return subprocess.run(
-        [sys.executable, "-m", "sharded_exp", *args],
+        [sys.executable, "-m", module, *args],
         cwd=cwd,
         env=full_env,
         capture_output=True,

@@ -5,27 +5,15 @@ The targets themselves live in the benchmarks, never in tests."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_cli
 
 
 def bench(name: str, *args: str, cwd, timeout: float = 300) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("SHARDED_EXP_FAULT", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", f"benchmarks.{name}", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    # Run from an empty directory: outputs/ lands there; the repository is on the path.
+    proc = run_cli(list(args), cwd, env={"PYTHONPATH": str(ROOT)}, timeout=timeout, module=f"benchmarks.{name}")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "|---|" in proc.stdout  # the Markdown table
     return json.loads((cwd / "outputs" / "benchmarks" / f"{name}.json").read_text())
