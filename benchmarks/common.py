@@ -7,18 +7,14 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List
 
-from hydra import compose, initialize_config_dir
+from sharded_exp.compose import compose
+from sharded_exp.launch.parent import launch
 
-from sharded_exp.config import CONF_DIR, quote_numeric_choices, register_schemas
-from sharded_exp.launch import launch
-
-register_schemas()
 OUT = Path("outputs/benchmarks")
 
 
 def run(overrides: List[str], name: str) -> Dict[str, Any]:
-    with initialize_config_dir(config_dir=os.path.abspath(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=quote_numeric_choices(overrides))
+    cfg = compose(overrides)
     out = OUT / name
     out.mkdir(parents=True, exist_ok=True)
     result = launch(cfg, str(out))
@@ -41,8 +37,7 @@ def save(name: str, data: Any) -> Path:
 
 
 def compose_cfg(overrides: List[str]):
-    with initialize_config_dir(config_dir=os.path.abspath(CONF_DIR), version_base="1.3"):
-        return compose("config", overrides=quote_numeric_choices(overrides))
+    return compose(overrides)
 
 
 def spawn_ranks(fn, world_size: int, *args) -> Any:

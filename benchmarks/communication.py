@@ -91,7 +91,7 @@ def profile_rank(rank: int, world_size: int, cfg_data: dict, warmup: int, steps:
     from sharded_exp.models import build_model
     from sharded_exp.optim import optimizer_spec
     from sharded_exp.strategies import build_strategy
-    from sharded_exp.trainer import train_step
+    from sharded_exp.train.trainer import train_step
 
     cfg = OmegaConf.create(cfg_data)
     device = torch.device("cpu")

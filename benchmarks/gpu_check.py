@@ -19,7 +19,7 @@ import sys
 import torch
 
 from benchmarks.common import markdown, run, save
-from sharded_exp.plan import activation_bytes
+from sharded_exp.measure.prediction import activation_bytes
 
 STRATEGY_NAMES = ["ddp", "oss", "sharded_ddp", "zero1", "fsdp_grad_op", "fsdp"]
 PRECISIONS = ["32", "16", "bf16"]

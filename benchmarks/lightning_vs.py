@@ -51,7 +51,7 @@ def run_ours(overrides: list[str], out: str) -> dict:
     return {
         "step_time_s_median": result["throughput"]["step_time_s_median"],
         "loop_time_s_per_step": result["throughput"]["loop_time_s_per_step"],
-        "to_first_step_s": result["first_step_unix"] - t0,
+        "to_first_step_s": result["timeline"]["first_step"] - t0,
         "to_exit_s": wall,
         "peak_rss_mib_max": result["memory"]["peak_rss_mib_max"],
     }

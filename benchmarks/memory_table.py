@@ -71,7 +71,7 @@ def main() -> None:
         "pred_error",
         "optimizer_MiB",
         "states_saving_vs_ddp",
-        "peak_allocated_MiB",
+        "peak_MiB",
         "peak_saving_vs_ddp",
     ]
     print(markdown(header, rows))

@@ -6,7 +6,7 @@
 
 Both loops run in the same rank processes, on the same model, data, strategy objects
 (built once by the registry), precision and thread count, alternately: round r runs the
-trainer's real loop (``sharded_exp.trainer._loop``, with its stop checks, metrics,
+trainer's real loop (``sharded_exp.train.trainer.run_loop``, with its stop checks, metrics,
 logging, step timing) then the hand-written loop, or the other way round. The
 hand-written loop is what a user would type: batch, zero_grad, autocast forward, scaled
 backward, unscale, clip, step, update. Both are timed the same way: wall time of whole
@@ -61,13 +61,15 @@ def hand_loop(strategy, next_batch, autocast, grad_clip: float, rank: int, steps
 
 def rounds(rank: int, world_size: int, cfg_data: dict, rounds: int, out_dir: str) -> list[dict]:
     """On every rank: build once, then alternate the trainer's loop and the hand loop."""
-    from sharded_exp import liveness, precision, trainer
+    from sharded_exp import precision
     from sharded_exp.data import build_task
-    from sharded_exp.loggers import build_logger
-    from sharded_exp.memory import MemoryMeter
+    from sharded_exp.launch import liveness
+    from sharded_exp.measure.tracker import MemoryMeter
     from sharded_exp.models import build_model
     from sharded_exp.optim import optimizer_spec
+    from sharded_exp.output.loggers import build_logger
     from sharded_exp.strategies import build_strategy
+    from sharded_exp.train.trainer import LoopSettings, run_loop
 
     cfg = OmegaConf.create(cfg_data)
     tc = cfg.trainer
@@ -88,14 +90,17 @@ def rounds(rank: int, world_size: int, cfg_data: dict, rounds: int, out_dir: str
                     strategy, next_batch, autocast, tc.grad_clip, rank, tc.steps, tc.warmup_steps
                 )
             else:
-                meter = MemoryMeter(device, None)  # not started: the trainer measures memory in warm-up only
-                stopper = liveness.StopAgreement()
-                payload = trainer._loop(
-                    cfg, rank, world_size, device, out_dir, module, strategy, meter, logger, 0, stopper
+                out = run_loop(
+                    strategy,
+                    next_batch,
+                    autocast,
+                    LoopSettings.from_config(tc),
+                    meter=MemoryMeter(device, None),  # not started: the trainer measures memory in warm-up only
+                    stopper=liveness.StopAgreement(),
+                    logger=logger,
                 )
-                if rank == 0:
-                    times["trainer"] = payload["throughput"]["loop_time_s_per_step"]
-                    times["trainer_step"] = payload["throughput"]["step_time_s_mean"]
+                times["trainer"] = out.throughput["loop_time_s_per_step"]
+                times["trainer_step"] = out.throughput["step_time_s_mean"]
         if rank == 0:
             # Outside the step (batch, bookkeeping): the trainer's minus the hand loop's,
             # each measured within the same iterations, so free of run-to-run noise.

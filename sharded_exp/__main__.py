@@ -5,8 +5,8 @@
     python -m sharded_exp model=gpt strategy=oss trainer.world_size=4
     torchrun --nproc-per-node=2 -m sharded_exp strategy=oss  # ranks from torchrun, no spawning
 
-The Hydra job is the parent: it validates the config and starts the ranks
-(:mod:`sharded_exp.launch`). Output goes to the Hydra run directory (``outputs/...``).
+The Hydra job is the parent: it checks the config and starts the ranks
+(:mod:`sharded_exp.launch.parent`). Output goes to the Hydra run directory (``outputs/...``).
 """
 
 import time
@@ -14,7 +14,7 @@ import time
 STARTED = time.time()  # before the heavy imports: for the startup timeline in result.json
 
 if __name__ == "__main__":
-    from sharded_exp import forkserver
+    from sharded_exp.launch import forkserver
 
     forkserver.start_early()  # the rank server imports torch while this process does too
 
@@ -26,8 +26,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from sharded_exp.config import ConfigError, quote_numeric_choices, register_schemas
-from sharded_exp.launch import launch
+from sharded_exp.compose import quote_numeric_choices, register_schemas
+from sharded_exp.errors import ConfigError
+from sharded_exp.launch.parent import launch, record_config_error
 from sharded_exp.report import ReportCallback
 
 register_schemas()
@@ -81,18 +82,6 @@ def main(cfg: DictConfig) -> None:
     if result["status"] != "ok":
         print(f"error: {result['error']} (details in {result['output_dir']}/result.json)", file=sys.stderr)
         sys.exit(1)
-
-
-def record_config_error(cfg: DictConfig, output_dir: str, exc: Exception) -> dict:
-    from sharded_exp.launch import archive_previous_attempt
-    from sharded_exp.results import base_result, write_json
-
-    archive_previous_attempt(output_dir)
-    os.makedirs(output_dir, exist_ok=True)
-    data = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    result = {**base_result(data, None, output_dir), "status": "failed", "error": f"config: {exc}"}
-    write_json(os.path.join(output_dir, "result.json"), result)
-    return result
 
 
 if __name__ == "__main__":

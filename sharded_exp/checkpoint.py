@@ -28,13 +28,14 @@ import os
 import re
 import shutil
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from sharded_exp import faults
+from sharded_exp.train import faults
 
 FORMAT = 1
 FILES = ("model.pt", "optim.pt", "train.pt", "meta.json")
@@ -231,29 +232,57 @@ def _save_file(obj: Any, file: str) -> None:
         os.fsync(f.fileno())
 
 
-def save(strategy, cfg, step: int, directory: str, device: torch.device, keep: int = 0) -> str | None:
-    """Write the checkpoint after ``step`` completed steps; collective, rank 0 writes.
+@dataclass
+class Checkpointer:
+    """When and where the loop writes checkpoints, and what they record about the job."""
 
-    Returns the checkpoint path on rank 0. An existing checkpoint of the same step (from
-    an earlier attempt in the same directory) is kept, not overwritten.
-    """
-    model = strategy.full_state_dict()  # collective (FSDP gathers)
-    optim = gather_optimizer_state(strategy)  # collective
-    rng: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(_rng_state(device), rng, dst=0)
-    path = None
-    if dist.get_rank() == 0:
-        path = os.path.join(directory, step_name(step))
-        if os.path.exists(path):
-            print(f"checkpoint {path} exists already: kept, not overwritten", flush=True)
-        else:
-            _write(path, strategy, cfg, step, model, optim, rng)
-            _prune(directory, keep)
-    dist.barrier()  # nobody runs ahead (or exits) before the checkpoint is on disk
-    return path
+    directory: str
+    """trainer.checkpoint_dir (resolved by the parent)."""
+    every: int
+    """trainer.checkpoint_every: steps between checkpoints; 0 = none."""
+    keep: int
+    """trainer.keep_checkpoints: newest kept; 0 = all."""
+    job: dict[str, Any]
+    """strategy, precision, optimizer and model config, for meta.json."""
+
+    @classmethod
+    def from_config(cls, cfg) -> "Checkpointer":
+        job = {
+            "strategy": cfg.strategy.name,
+            "precision": str(cfg.precision.name),
+            "optimizer": cfg.optimizer.name,
+            "model": dict(cfg.model),
+        }
+        t = cfg.trainer
+        return cls(directory=t.checkpoint_dir, every=t.checkpoint_every, keep=t.keep_checkpoints, job=job)
+
+    def due(self, steps_done: int, steps: int) -> bool:
+        """A checkpoint belongs after ``steps_done`` steps (periodic, or the last step)."""
+        return bool(self.every) and (steps_done % self.every == 0 or steps_done == steps)
+
+    def save(self, strategy, step: int, device: torch.device) -> str | None:
+        """Write the checkpoint after ``step`` completed steps; collective, rank 0 writes.
+
+        Returns the checkpoint path on rank 0. An existing checkpoint of the same step (from
+        an earlier attempt in the same directory) is kept, not overwritten.
+        """
+        model = strategy.full_state_dict()  # collective (FSDP gathers)
+        optim = gather_optimizer_state(strategy)  # collective
+        rng: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(_rng_state(device), rng, dst=0)
+        path = None
+        if dist.get_rank() == 0:
+            path = os.path.join(self.directory, step_name(step))
+            if os.path.exists(path):
+                print(f"checkpoint {path} exists already: kept, not overwritten", flush=True)
+            else:
+                _write(path, strategy, self.job, step, model, optim, rng)
+                _prune(self.directory, self.keep)
+        dist.barrier()  # nobody runs ahead (or exits) before the checkpoint is on disk
+        return path
 
 
-def _write(path, strategy, cfg, step, model, optim, rng) -> None:
+def _write(path, strategy, job, step, model, optim, rng) -> None:
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, "." + os.path.basename(path) + ".tmp")
@@ -267,11 +296,11 @@ def _write(path, strategy, cfg, step, model, optim, rng) -> None:
         "format": FORMAT,
         "step": step,
         "time": time.time(),
-        "strategy": cfg.strategy.name,
+        "strategy": job["strategy"],
         "world_size": dist.get_world_size(),
-        "precision": str(cfg.precision.name),
-        "optimizer": cfg.optimizer.name,
-        "model": dict(cfg.model),
+        "precision": job["precision"],
+        "optimizer": job["optimizer"],
+        "model": job["model"],
         "param_shapes": {k: list(v.shape) for k, v in model.items()},
         "torch": torch.__version__,
     }

@@ -1,27 +1,21 @@
-"""Typed schemas behind every config group, registered in Hydra's ConfigStore.
+"""Typed schemas behind every config group: dataclasses, nothing else.
 
-Each YAML file in ``conf/<group>/`` starts its defaults list with its schema, stored by
-:func:`register_schemas` as ``<group>/<kind>_schema``, so a typo in a key or a value of
-the wrong type fails when Hydra composes the config, before any rank is started.  Checks that a type cannot express (``world_size >= 1``, a GPU that exists)
-live in :func:`validate`, which the launcher runs once in the parent process.
+Each YAML file in ``conf/<group>/`` starts its defaults list with its schema (stored in
+Hydra's ConfigStore by :func:`sharded_exp.compose.register_schemas`), so a typo in a key
+or a value of the wrong type fails when Hydra composes the config. A default lives here,
+in its dataclass, and nowhere else: a YAML file names its option and sets only what
+differs. Strategies, models and tasks keep their schemas beside their builders.
 
 Every field is documented right under it; the same names appear in ``result.json``.
 """
 
 from __future__ import annotations
 
-import os
-import re
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, List, Optional
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
-
-
-class ConfigError(ValueError):
-    """A config value that composes but cannot run; the message names value and choices."""
 
 
 # -------------------------------------------------------------------------- precision
@@ -107,6 +101,7 @@ class TrainerConfig:
     before they are killed (SLURM waits KillWait, 30 s by default, before SIGKILL)."""
 
 
+# ----------------------------------------------------------------------------- logger
 @dataclass
 class LoggerConfig:
     name: str = "none"
@@ -129,8 +124,25 @@ class LoggerConfig:
     """Seconds W&B may take to start before the job gives up on it and trains on."""
 
 
+# ------------------------------------------------------------------ root: training job
 @dataclass
-class PlanConfig:
+class Config:
+    """``conf/config.yaml``: ``python -m sharded_exp``."""
+
+    strategy: Any = MISSING
+    precision: PrecisionConfig = MISSING
+    model: Any = MISSING
+    optimizer: OptimizerConfig = MISSING
+    data: Any = MISSING
+    trainer: TrainerConfig = MISSING
+    logger: Any = MISSING
+    experiment: Optional[str] = None
+    """Name of the experiment preset, if one was chosen (set by the preset)."""
+
+
+# ------------------------------------------------------------------- root: the planner
+@dataclass
+class PlanSettings:
     params: Optional[float] = None
     """Plan for a raw parameter count (e.g. 7.5e9) instead of the configured model."""
     world_sizes: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 64])
@@ -143,156 +155,15 @@ class PlanConfig:
     """table or json."""
 
 
-# ------------------------------------------------------------------------------- root
 @dataclass
-class Config:
+class PlanConfig:
+    """``conf/plan.yaml``: ``python -m sharded_exp.plan``. The same groups as training
+    (the model, precision, optimizer and per-rank batch are planned for) plus ``plan``."""
+
     strategy: Any = MISSING
     precision: PrecisionConfig = MISSING
     model: Any = MISSING
     optimizer: OptimizerConfig = MISSING
     data: Any = MISSING
     trainer: TrainerConfig = MISSING
-    logger: Any = MISSING
-    plan: PlanConfig = field(default_factory=PlanConfig)
-    """Settings of ``python -m sharded_exp.plan`` (unused by training)."""
-    experiment: Optional[str] = None
-    """Name of the experiment preset, if one was chosen (set by the preset)."""
-
-
-def register_schemas() -> None:
-    """Store every schema in Hydra's ConfigStore as ``<group>/<kind>_schema``.
-
-    The fixed groups' schemas live in this module; strategies, models and data tasks bring
-    their own next to their builders (one module + one YAML file adds one), so they are
-    read from the registries here.
-    """
-    from sharded_exp.data import TASKS
-    from sharded_exp.models import MODELS
-    from sharded_exp.strategies import STRATEGIES
-
-    cs = ConfigStore.instance()
-    cs.store(name="config_schema", node=Config)
-    cs.store(group="precision", name="precision_schema", node=PrecisionConfig)
-    cs.store(group="optimizer", name="optimizer_schema", node=OptimizerConfig)
-    cs.store(group="trainer", name="trainer_schema", node=TrainerConfig)
-    cs.store(group="logger", name="logger_schema", node=LoggerConfig)
-    for group, registry in (("strategy", STRATEGIES), ("model", MODELS), ("data", TASKS)):
-        for name in registry.names():
-            cs.store(group=group, name=f"{name}_schema", node=registry.config_class(name))
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
-def validate(cfg) -> int:
-    """Checks a schema cannot express, run once in the parent before any rank starts.
-
-    Builds the model on the meta device (no memory) to catch shape errors and to count
-    parameters, which it returns.
-    """
-    import torch
-
-    from sharded_exp import faults
-    from sharded_exp.data import TASKS
-    from sharded_exp.models import MODELS, build_model
-    from sharded_exp.optim import OPTIMIZERS
-    from sharded_exp.precision import PRECISIONS
-    from sharded_exp.strategies import STRATEGIES
-
-    t = cfg.trainer
-    try:
-        faults.from_env()  # a malformed testing aid fails here, not in every rank
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    STRATEGIES.builder(cfg.strategy.name)  # raises, naming the registered ones
-    MODELS.builder(cfg.model.name)
-    TASKS.builder(cfg.data.name)
-    _require(
-        cfg.precision.name in PRECISIONS, f"precision={cfg.precision.name!r} is not one of {', '.join(PRECISIONS)}"
-    )
-    _require(
-        cfg.optimizer.name in OPTIMIZERS, f"optimizer.name={cfg.optimizer.name!r} is not one of {', '.join(OPTIMIZERS)}"
-    )
-    for key in ("world_size", "steps", "batch_size", "grad_accum", "log_interval"):
-        _require(t[key] >= 1, f"trainer.{key}={t[key]} must be >= 1")
-    _require(
-        0 <= t.warmup_steps < t.steps,
-        f"trainer.warmup_steps={t.warmup_steps} must be >= 0 and < trainer.steps={t.steps} "
-        "(steps after warm-up are the timed ones)",
-    )
-    _require(t.grad_clip >= 0, f"trainer.grad_clip={t.grad_clip} must be >= 0 (0 turns clipping off)")
-    _require(t.timeout_s > 0, f"trainer.timeout_s={t.timeout_s} must be > 0")
-    _require(t.checkpoint_every >= 0, f"trainer.checkpoint_every={t.checkpoint_every} must be >= 0 (0 = off)")
-    _require(t.keep_checkpoints >= 0, f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 0 (0 = keep all)")
-    _require(t.stop_grace_s > 0, f"trainer.stop_grace_s={t.stop_grace_s} must be > 0")
-    _require(
-        t.memory_limit_mib is None or t.memory_limit_mib > 0,
-        f"trainer.memory_limit_mib={t.memory_limit_mib} must be > 0 (or null for no budget)",
-    )
-    _require(cfg.optimizer.lr > 0, f"optimizer.lr={cfg.optimizer.lr} must be > 0")
-    accelerator = str(t.accelerator.value if isinstance(t.accelerator, Enum) else t.accelerator)
-    if accelerator == "gpu":
-        _require(
-            torch.cuda.is_available(),
-            "trainer.accelerator=gpu but CUDA is not available here; use trainer.accelerator=cpu or auto",
-        )
-        gpus = torch.cuda.device_count()
-        _require(
-            t.world_size <= gpus,
-            f"trainer.world_size={t.world_size} is more than the {gpus} GPU(s) present "
-            "(one rank per GPU); lower it or use trainer.accelerator=cpu",
-        )
-    uses_cuda = accelerator == "gpu" or (accelerator == "auto" and torch.cuda.is_available())
-    if uses_cuda and cfg.precision.name == "bf16":
-        _require(torch.cuda.is_bf16_supported(), "precision=bf16 is not supported by this GPU; use 16 or 32")
-    with torch.device("meta"):
-        model = build_model(cfg.model)
-    TASKS.builder(cfg.data.name)(cfg.data, cfg.model, t.batch_size)  # checks model/data match
-    return sum(p.numel() for p in model.parameters())
-
-
-def resolve_checkpoints(cfg, output_dir: str) -> None:
-    """Fill in ``trainer.checkpoint_dir`` and turn ``trainer.resume`` into a checkpoint path
-    (or null), checking that the checkpoint is complete, readable and fits this job.
-
-    Runs in the parent before any rank starts; raises ConfigError naming the file.
-    """
-    import torch
-
-    from sharded_exp import checkpoint
-    from sharded_exp.models import build_model
-
-    t = cfg.trainer
-    t.checkpoint_dir = os.path.abspath(t.checkpoint_dir or os.path.join(output_dir, "checkpoints"))
-    try:
-        t.resume = checkpoint.resolve_resume(t.resume, t.checkpoint_dir)
-        if t.resume is None:
-            return
-        meta = checkpoint.read_meta(t.resume)
-        with torch.device("meta"):
-            shapes = {k: tuple(v.shape) for k, v in build_model(cfg.model).state_dict().items()}
-        checkpoint.check_compatible(t.resume, meta, shapes, cfg.optimizer.name, t.steps)
-    except checkpoint.CheckpointError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "conf")
-
-
-def quote_numeric_choices(args: list[str], conf_dir: str = CONF_DIR) -> list[str]:
-    """Let ``precision=16`` (and sweeps like ``precision=32,16``) name a config group option.
-
-    Hydra parses an unquoted ``16`` as an int and refuses it as a group choice, so a user
-    would have to type ``precision="'16'"``. Numeric choices of config groups are quoted
-    here before Hydra parses the command line; everything else passes through unchanged.
-    """
-    out = []
-    for arg in args:
-        m = re.fullmatch(r"([+~]{0,2}[\w/]+)=([\w.,]+)", arg)
-        if m and os.path.isdir(os.path.join(conf_dir, m.group(1).lstrip("+~"))):
-            items = m.group(2).split(",")
-            arg = m.group(1) + "=" + ",".join(f"'{v}'" if re.fullmatch(r"[0-9.]+", v) else v for v in items)
-        out.append(arg)
-    return out
+    plan: PlanSettings = field(default_factory=PlanSettings)

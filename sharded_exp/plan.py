@@ -4,80 +4,46 @@
     python -m sharded_exp.plan plan.params=7.5e9 plan.format=json
     python -m sharded_exp.plan model=gpt2_xl trainer.batch_size=4 precision=bf16
 
-Same config tree and overrides as training. The model is built on the meta device (no
-memory: a 7B model plans in seconds). Model states come from the very model that fills the
-``predicted_*`` columns of every real run (``memory_model`` + each strategy's
-``resident_numel``), so every run checks the planner. Activations are estimated for the
-transformer from its shape, per-rank batch and precision (``activation_bytes``).
+Same config groups and overrides as training (its own primary config, ``conf/plan.yaml``,
+adds the ``plan`` settings). The model is built on the meta device (no memory: a 7B model
+plans in seconds). Model states come from the very function that makes every run's
+prediction in the parent (:mod:`sharded_exp.measure.prediction`), so every run checks the
+planner. Activations are estimated for the transformer from its shape, per-rank batch and
+precision (``activation_bytes``).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from typing import Any
 
 import torch
-from hydra import compose, initialize_config_dir
 
-from sharded_exp.config import CONF_DIR, quote_numeric_choices, register_schemas
-from sharded_exp.memory_model import predict_model_states_mib
+from sharded_exp.compose import compose
+from sharded_exp.measure.prediction import ModelShapes, activation_bytes, model_shapes, predict
 from sharded_exp.models import build_model
-from sharded_exp.optim import optimizer_spec
 from sharded_exp.strategies import STRATEGIES
 
 GIB = 2**30
 MIB = 2**20
 
 
-def activation_bytes(model_cfg, batch_size: int, precision: str) -> int | None:
-    """Peak activation bytes per rank of one forward + backward (no checkpointing).
-
-    GPT, per block, about 16 values per (sample, token, channel) stay saved for backward
-    (LayerNorm inputs/outputs, q/k/v, attention output and its copy, the two residual
-    streams, 4x-wide MLP input of GELU and its output), plus 2 for the embeddings and final
-    norm, plus 4 per (sample, token, vocabulary entry) for logits, log-softmax and their
-    gradients. Fitted on CPU with torch's MemTracker and checked in tests (within 20%).
-    """
-    if model_cfg.name != "gpt":
-        return None
-    half = precision in ("16", "bf16")
-    b, s, d, v = batch_size, model_cfg.seq_len, model_cfg.d_model, model_cfg.vocab_size
-    per_value = 2 if half else 4
-    # the loss is computed from fp32 logits (logits.float()) at every precision
-    vocab_bytes = (2 + 3 * 4) if half else 4 * 4
-    return per_value * b * s * d * (16 * model_cfg.n_layers + 2) + vocab_bytes * b * s * v
-
-
-def model_shapes(cfg) -> tuple[list[list[tuple]], list[int], int]:
-    """Parameter shapes per optimizer group, block sizes and root size, from the meta device."""
-    with torch.device("meta"):
-        module = build_model(cfg.model)
-    groups = [[tuple(p.shape) for p in g["params"]] for g in optimizer_spec(cfg.optimizer, module).param_groups]
-    blocks = [sum(p.numel() for p in block.parameters()) for block in module.blocks()]
-    return groups, blocks, sum(p.numel() for p in module.parameters()) - sum(blocks)
-
-
-def plan_rows(cfg, groups, blocks, root, world_sizes) -> list[dict[str, Any]]:
-    act = activation_bytes(cfg.model, cfg.trainer.batch_size, cfg.precision.name) if cfg.plan.params is None else None
-    param_bytes = 2 if cfg.precision.name in ("16", "bf16") else 4
+def plan_rows(cfg, shapes: ModelShapes, world_sizes) -> list[dict[str, Any]]:
+    precision = str(cfg.precision.name)
+    act = activation_bytes(cfg.model, cfg.trainer.batch_size, precision) if cfg.plan.params is None else None
     rows = []
     for name in STRATEGIES.names():
-        cls = STRATEGIES.config_class(name)
-        strategy_cfg = cls()
+        strategy_cfg = STRATEGIES.config_class(name)()
         for ws in world_sizes:
-            states = max(
-                predict_model_states_mib(cls, strategy_cfg, cfg.optimizer, groups, ws),
-                key=lambda p: sum(p.values()),
-            )
-            gathered = cls.transient_param_numel(strategy_cfg, blocks, root, ws) * param_bytes if blocks else 0
+            prediction = predict(strategy_cfg, cfg.optimizer, precision, shapes, ws)
+            states = max(prediction["model_states_mib"], key=lambda p: sum(p.values()))
             parts = {
                 "params_gib": states["params"] * MIB / GIB,
                 "grads_gib": states["grads"] * MIB / GIB,
                 "optimizer_gib": states["optimizer"] * MIB / GIB,
-                "gathered_params_gib": gathered / GIB,
+                "gathered_params_gib": prediction["transient_params_mib"] * MIB / GIB,
                 "activations_gib": None if act is None else act / GIB,
             }
             total = sum(v for v in parts.values() if v is not None)
@@ -118,7 +84,7 @@ def largest_depth(cfg, max_layers: int = 512) -> dict[str, int]:
         shapes = root + block * depth
         groups = [[s for s in shapes if len(s) >= 2], [s for s in shapes if len(s) < 2]]
         deeper.model.n_layers = depth
-        rows = plan_rows(deeper, groups, [block_numel] * depth, root_numel, [ws])
+        rows = plan_rows(deeper, ModelShapes(groups, [block_numel] * depth, root_numel, {}), [ws])
         return {r["strategy"] for r in rows if r["fits"]}
 
     out = {}
@@ -159,16 +125,14 @@ def format_table(rows, depth, cfg, params) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    register_schemas()
-    with initialize_config_dir(config_dir=os.path.abspath(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=quote_numeric_choices(argv))
+    cfg = compose(argv, config_name="plan")
     if cfg.plan.params is not None:
         n = int(cfg.plan.params)
-        groups, blocks, root = [[(n,)]], [], n
+        shapes = ModelShapes([[(n,)]], [], n, {})
     else:
-        groups, blocks, root = model_shapes(cfg)
-    params = sum(math.prod(s) for g in groups for s in g)
-    rows = plan_rows(cfg, groups, blocks, root, list(cfg.plan.world_sizes))
+        shapes = model_shapes(cfg.model, cfg.optimizer)
+    params = sum(math.prod(s) for g in shapes.groups for s in g)
+    rows = plan_rows(cfg, shapes, list(cfg.plan.world_sizes))
     depth = largest_depth(cfg)
     if cfg.plan.format == "json":
         print(json.dumps({"params": params, "rows": rows, "largest_depth": depth}, indent=2))

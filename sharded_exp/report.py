@@ -1,182 +1,22 @@
 """Compare the points of a sweep: ``python -m sharded_exp.report SWEEP_DIR``.
 
-Reads every ``result.json`` under SWEEP_DIR (a finished or interrupted multirun) and
-writes ``report.md``, ``report.csv``, ``memory.png`` and ``throughput.png`` there (and, when
-the sweep logged to W&B, a "report" run in its group with the table and charts): one row per point, with the saving and
-the speed relative to the DDP point of the same (model, precision, world size).
-
-    python -m sharded_exp -m strategy=ddp,oss,sharded_ddp,zero1,fsdp,fsdp_grad_op \\
+    python -m sharded_exp -m strategy=ddp,oss,sharded_ddp,zero1,fsdp,fsdp_grad_op \
         trainer.world_size=2,4 model=gpt logger=none hydra.sweep.dir=outputs/six
     python -m sharded_exp.report outputs/six
+
+Reads every ``result.json`` under SWEEP_DIR (a finished or interrupted multirun) and
+writes ``report.md``, ``report.csv`` and the charts there (:mod:`sharded_exp.output.report`).
+A multirun writes its report itself, through :class:`ReportCallback` (conf/config.yaml).
 """
 
 from __future__ import annotations
 
-import csv
-import json
 import sys
 from pathlib import Path
-from typing import Any
 
 from hydra.experimental.callback import Callback
 
-COLUMNS = [
-    "strategy", "world_size", "precision", "model", "params", "peak_allocated_mib", "model_states_mib",
-    "predicted_model_states_mib", "peak_saving_vs_ddp_pct", "states_saving_vs_ddp_pct", "samples_per_s",
-    "speed_vs_ddp", "final_loss", "parity_vs_ddp", "status", "error",
-]  # fmt: skip
-
-
-def load_points(sweep_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted(Path(sweep_dir).rglob("result.json"))]
-
-
-def _row(r: dict[str, Any]) -> dict[str, Any]:
-    mem = r.get("memory") or {}
-    return {
-        "strategy": r["strategy"],
-        "world_size": r["world_size"],
-        "precision": r["precision"],
-        "model": r["model"],
-        "params": r["params"],
-        "peak_allocated_mib": mem.get("peak_allocated_mib_max"),
-        "model_states_mib": mem.get("model_states_mib_max"),
-        "predicted_model_states_mib": mem.get("predicted_model_states_mib_max"),
-        "samples_per_s": (r.get("throughput") or {}).get("samples_per_s"),
-        "final_loss": r.get("final_loss"),
-        "param_l2": (r.get("param_digest") or {}).get("l2"),
-        "status": r["status"],
-        "error": r.get("error"),
-    }
-
-
-def build_rows(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    rows = [_row(r) for r in points]
-    key = lambda row: (row["model"], row["precision"], row["world_size"])  # noqa: E731
-    ddp = {key(row): row for row in rows if row["strategy"] == "ddp" and row["status"] == "ok"}
-    for row in rows:
-        base = ddp.get(key(row))
-        for col, metric in (
-            ("peak_saving_vs_ddp_pct", "peak_allocated_mib"),
-            ("states_saving_vs_ddp_pct", "model_states_mib"),
-        ):
-            ok = base and row[metric] is not None and base[metric]
-            row[col] = 100 * (1 - row[metric] / base[metric]) if ok else None
-        ok = base and row["samples_per_s"] and base["samples_per_s"]
-        row["speed_vs_ddp"] = row["samples_per_s"] / base["samples_per_s"] if ok else None
-        # relative difference of the parameters' L2 norm from DDP's (same steps, same data)
-        ok = base and row["param_l2"] is not None and base["param_l2"]
-        row["parity_vs_ddp"] = abs(row["param_l2"] - base["param_l2"]) / base["param_l2"] if ok else None
-    order = ["ddp", "oss", "sharded_ddp", "zero1", "fsdp_grad_op", "fsdp"]
-    rank = lambda s: order.index(s) if s in order else len(order)  # noqa: E731
-    return sorted(rows, key=lambda r: (r["model"], r["precision"], r["world_size"], rank(r["strategy"])))
-
-
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.2f}" if value == 0 or abs(value) >= 0.01 else f"{value:.2e}"
-    if isinstance(value, int) and value > 9999:
-        return f"{value:,}"
-    return str(value)
-
-
-def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_fmt(row[c]) for c in COLUMNS) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def write_charts(rows: list[dict[str, Any]], sweep_dir: Path) -> list[Path]:
-    """memory.png and throughput.png: one bar per strategy, grouped by world size."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = []
-    charts = (
-        ("memory.png", "peak_allocated_mib", "Peak allocated memory per rank (MiB, max over ranks)"),
-        ("throughput.png", "samples_per_s", "Throughput (samples/s, all ranks)"),
-    )
-    for filename, metric, title in charts:
-        strategies = list(dict.fromkeys(r["strategy"] for r in rows))
-        groups = list(dict.fromkeys((r["model"], r["precision"], r["world_size"]) for r in rows))
-        fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(strategies) * max(1, len(groups)) / 2), 4.5))
-        width = 0.8 / max(1, len(groups))
-        for g, group in enumerate(groups):
-            values = [
-                next(
-                    (
-                        r[metric] or 0
-                        for r in rows
-                        if r["strategy"] == s and (r["model"], r["precision"], r["world_size"]) == group
-                    ),
-                    0,
-                )
-                for s in strategies
-            ]
-            xs = [i + (g - (len(groups) - 1) / 2) * width for i in range(len(strategies))]
-            bars = ax.bar(xs, values, width, label=f"{group[0]}, precision {group[1]}, {group[2]} ranks")
-            ax.bar_label(bars, fmt="%.0f", fontsize=7)
-        ax.set_xticks(range(len(strategies)), strategies)
-        ax.set_ylabel(title.split(" (")[1].rstrip(")") if "(" in title else metric)
-        ax.set_title(title)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = Path(sweep_dir) / filename
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        paths.append(path)
-    return paths
-
-
-def log_to_wandb(rows: list[dict[str, Any]], points: list[dict[str, Any]], charts: list[Path], sweep_dir: Path) -> None:
-    """The table and charts in one summary run of the sweep's W&B group, if it used W&B."""
-    loggers = [p.get("config", {}).get("logger", {}) for p in points]
-    cfg = next((lg for lg in loggers if lg.get("name") == "wandb"), None)
-    if cfg is None:
-        return
-    try:
-        import os
-
-        import wandb
-
-        run = wandb.init(
-            project=cfg.get("project"),
-            entity=cfg.get("entity"),
-            group=cfg.get("group"),
-            job_type="report",
-            name=f"report {Path(sweep_dir).name}",
-            dir=str(sweep_dir),
-            mode=cfg.get("mode") or os.environ.get("WANDB_MODE") or "offline",
-            reinit="finish_previous",
-            settings=wandb.Settings(init_timeout=cfg.get("init_timeout_s", 15), console="off", silent=True),
-        )
-        table = wandb.Table(columns=COLUMNS, data=[[row[c] for c in COLUMNS] for row in rows])
-        run.log({"report/table": table, **{f"report/{p.stem}": wandb.Image(str(p)) for p in charts}})
-        run.finish()
-    except Exception as exc:  # noqa: BLE001 -- the report files are written regardless
-        print(f"warning: W&B summary run not written ({type(exc).__name__}: {exc})", file=sys.stderr)
-
-
-def write_report(sweep_dir: Path) -> list[dict[str, Any]]:
-    sweep_dir = Path(sweep_dir)
-    points = load_points(sweep_dir)
-    rows = build_rows(points)
-    (sweep_dir / "report.md").write_text(
-        f"# Sweep report: {sweep_dir.name}\n\nMemory in MiB, max over ranks; savings and speed relative to the DDP point "
-        "of the same model, precision and world size.\n\n" + markdown(rows) + "\n"
-    )
-    with open(sweep_dir / "report.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    if rows:
-        charts = write_charts(rows, sweep_dir)
-        log_to_wandb(rows, points, charts, sweep_dir)
-    return rows
+from sharded_exp.output.report import markdown, write_report
 
 
 class ReportCallback(Callback):

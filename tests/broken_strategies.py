@@ -7,14 +7,7 @@ from dataclasses import dataclass
 
 from sharded_exp import precision
 from sharded_exp.strategies import STRATEGIES
-from sharded_exp.strategies.sharded_ddp import ShardedDDPConfig, ShardedDDPStrategy
-from sharded_exp.strategies.sharded_ddp import build as build_sharded_ddp
-
-
-class SetToNoneShardedDDP(ShardedDDPStrategy):
-    def zero_grad(self) -> None:
-        # torch's default since 2.0 (set_to_none=True): silently wrong under ShardedDDP.
-        self.optimizer.zero_grad()
+from sharded_exp.strategies.sharded_ddp import ShardedDDP, ShardedDDPConfig
 
 
 @dataclass
@@ -22,11 +15,13 @@ class SetToNoneConfig(ShardedDDPConfig):
     name: str = "sharded_ddp_set_to_none"
 
 
-@STRATEGIES.register("sharded_ddp_set_to_none", config=SetToNoneConfig)
-def build_set_to_none(cfg, module, optim_spec, precision_cfg, device):
-    strategy = build_sharded_ddp(cfg, module, optim_spec, precision_cfg, device)
-    strategy.__class__ = SetToNoneShardedDDP
-    return strategy
+@STRATEGIES.register("sharded_ddp_set_to_none")
+class SetToNoneShardedDDP(ShardedDDP):
+    Config = SetToNoneConfig
+
+    def zero_grad(self) -> None:
+        # torch's default since 2.0 (set_to_none=True): silently wrong under ShardedDDP.
+        self.optimizer.zero_grad()
 
 
 @dataclass
@@ -34,9 +29,11 @@ class PlainScalerConfig(ShardedDDPConfig):
     name: str = "sharded_ddp_plain_scaler"
 
 
-@STRATEGIES.register("sharded_ddp_plain_scaler", config=PlainScalerConfig)
-def build_plain_scaler(cfg, module, optim_spec, precision_cfg, device):
-    strategy = build_sharded_ddp(cfg, module, optim_spec, precision_cfg, device)
-    # A per-rank found-inf decision: ranks can disagree on whether to skip the step.
-    strategy.scaler = precision.grad_scaler(precision_cfg, device.type, sharded_grads=False)
-    return strategy
+@STRATEGIES.register("sharded_ddp_plain_scaler")
+class PlainScalerShardedDDP(ShardedDDP):
+    Config = PlainScalerConfig
+
+    def __init__(self, model, module, optimizer, precision_cfg, device):
+        super().__init__(model, module, optimizer, precision_cfg, device)
+        # A per-rank found-inf decision: ranks can disagree on whether to skip the step.
+        self.scaler = precision.grad_scaler(precision_cfg, device.type, sharded_grads=False)

@@ -11,11 +11,9 @@ import pytest
 import torch
 
 from sharded_exp import checkpoint
-from sharded_exp.config import ConfigError
+from sharded_exp.errors import ConfigError
 from sharded_exp.strategies import STRATEGIES
-from tests.conftest import ROOT, TINY, compose_cfg, read_result, run_cli, run_job, tiny
-
-STRATEGY_NAMES = ["ddp", "oss", "sharded_ddp", "zero1", "fsdp_grad_op", "fsdp"]
+from tests.conftest import ROOT, STRATEGY_NAMES, TINY, compose_cfg, read_result, run_cli, run_job, tiny
 
 
 def final_state(out) -> dict[str, torch.Tensor]:
@@ -28,9 +26,11 @@ def assert_bit_identical(a: dict, b: dict) -> None:
         assert torch.equal(a[name], b[name]), f"{name} differs after resume"
 
 
-def test_every_strategy_is_registered_here():
-    # A new strategy must join the resume-parity test below.
-    assert sorted(STRATEGIES.names()) == sorted(STRATEGY_NAMES)
+def test_every_strategy_has_its_yaml_and_every_yaml_its_strategy():
+    # The tests parametrize over STRATEGY_NAMES: a strategy without a YAML would be skipped.
+    yamls = sorted(p.stem for p in (ROOT / "conf" / "strategy").glob("*.yaml"))
+    assert sorted(STRATEGY_NAMES) == yamls == sorted(STRATEGIES.names())
+    assert {"ddp", "oss", "sharded_ddp", "zero1", "fsdp_grad_op", "fsdp"} <= set(STRATEGY_NAMES)
 
 
 @pytest.mark.parametrize("model", ["mlp", "gpt"])
@@ -139,7 +139,7 @@ def saved(tmp_path_factory):
 
 
 def start(overrides, out):
-    from sharded_exp.launch import launch
+    from sharded_exp.launch.parent import launch
 
     return launch(compose_cfg(tiny(overrides)), str(out))
 

@@ -8,16 +8,23 @@ import pytest
 import torch
 from hydra.errors import ConfigCompositionException
 
-from sharded_exp.config import ConfigError, quote_numeric_choices, validate
+from sharded_exp import preflight
+from sharded_exp.compose import quote_numeric_choices
+from sharded_exp.errors import ConfigError
 from sharded_exp.registry import Registry
-from tests.conftest import compose_cfg, run_cli
+from tests.conftest import STRATEGY_NAMES, compose_cfg, run_cli
+
+
+def validate(cfg, tmp_path="/nonexistent-output-dir") -> int:
+    """The parent's pre-flight on a composed config; the parameter count it found."""
+    return preflight.check(cfg, str(tmp_path)).params
 
 
 @pytest.mark.parametrize(
     "overrides",
     [
         [f"strategy={s}", f"precision={p}", f"model={m}", f"optimizer={o}"]
-        for s in ("ddp", "oss", "sharded_ddp", "zero1", "fsdp", "fsdp_grad_op")
+        for s in STRATEGY_NAMES
         for p in ("32", "16", "bf16")
         for m in ("mlp", "gpt")
         for o in ("adam", "adamw", "sgd")
@@ -31,7 +38,7 @@ def test_group_options_compose_and_validate(overrides):
 
 def test_every_option_of_every_group_composes():
     for group, options in {
-        "strategy": ["ddp", "oss", "sharded_ddp", "zero1", "fsdp", "fsdp_grad_op"],
+        "strategy": STRATEGY_NAMES,
         "precision": ["32", "16", "bf16"],
         "model": ["mlp", "gpt"],
         "optimizer": ["adam", "adamw", "sgd"],
@@ -106,6 +113,18 @@ def test_more_ranks_than_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ConfigError, match=r"trainer.world_size=2 is more than the 1 GPU\(s\) present"):
         validate(compose_cfg(["trainer.accelerator=gpu", "trainer.world_size=2"]))
+
+
+def test_auto_accelerator_with_more_ranks_than_gpus_fails_before_spawn(monkeypatch):
+    # trainer.accelerator=auto (the default) picks the GPUs when CUDA is there: the same check.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"trainer.world_size=2 is more than the 1 GPU\(s\) present"):
+        validate(compose_cfg(["trainer.world_size=2"]))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    assert preflight.check(compose_cfg(["trainer.world_size=2"]), "/nonexistent").device_type == "cuda"
+    assert preflight.check(compose_cfg(["trainer.accelerator=cpu"]), "/nonexistent").device_type == "cpu"
 
 
 def test_registry_rejects_duplicates_and_names_choices():

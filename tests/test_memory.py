@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sharded_exp.memory_model import greedy_partition, zero_paper_bytes_per_param
+from sharded_exp.measure.memory_model import greedy_partition, zero_paper_bytes_per_param
 from sharded_exp.models import build_model
 from sharded_exp.optim import optimizer_spec
 from sharded_exp.strategies import STRATEGIES
@@ -85,7 +85,7 @@ def test_real_partition_is_the_predicted_one(strategy, model, tmp_path):
         module = build_model(cfg.model)
     groups = [[p.numel() for p in g["params"]] for g in optimizer_spec(cfg.optimizer, module).param_groups]
     numels = [n for g in groups for n in g]
-    owners = STRATEGIES.config_class(strategy).partition(groups, 3)
+    owners = STRATEGIES.builder(strategy).partition(groups, 3)
     predicted = [sum(n for n, o in zip(numels, owners) if o == r) for r in range(3)]
     assert [e["optimizer_shard_numel"] for e in result["memory"]["per_rank"]] == predicted
 

@@ -8,11 +8,10 @@ import sys
 import time
 
 import pytest
-import torch
-from torch.distributed._tools.mem_tracker import MemTracker
 
-from sharded_exp.models.gpt import GPT, GPTConfig
-from sharded_exp.plan import activation_bytes
+from sharded_exp.measure.prediction import activation_bytes
+from sharded_exp.measure.tracker import gpt_activation_mib
+from sharded_exp.models.gpt import GPTConfig
 from tests.conftest import ROOT, run_job
 
 GIB, MIB = 2**30, 2**20
@@ -42,7 +41,9 @@ def test_7b_plan_is_fast_and_allocates_nothing():
     seconds, max_rss_kib = proc.stderr.strip().splitlines()[-1].split()
     plan = json.loads(proc.stdout)
     assert plan["params"] > 6.5e9
-    assert wall < 10, wall  # whole command, interpreter start and imports included
+    # A guard against a hang or an accidental real build, not a speed target (those live in
+    # benchmarks/: a timed unit test on a shared 2-core machine is noise). About 9 s here.
+    assert wall < 60, wall  # whole command, interpreter start and imports included
     assert int(max_rss_kib) < 1024 * 1024  # peak RSS under 1 GiB: the model was never allocated
     ddp = next(r for r in plan["rows"] if r["strategy"] == "ddp" and r["world_size"] == 8)
     fsdp = next(r for r in plan["rows"] if r["strategy"] == "fsdp" and r["world_size"] == 8)
@@ -79,16 +80,6 @@ def test_plan_equals_the_runs_prediction(strategy, tmp_path):
 )
 def test_activation_prediction_vs_cpu_measurement(b, s, d, layers, heads, vocab):
     cfg = GPTConfig(vocab_size=vocab, seq_len=s, d_model=d, n_layers=layers, n_heads=heads)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    ids, targets = torch.randint(vocab, (b, s)), torch.randint(vocab, (b, s))
-    tracker = MemTracker()
-    tracker.track_external(model)
-    with tracker:
-        model(input_ids=ids, targets=targets).loss.backward()
-    peak = {
-        str(getattr(k, "value", k)): v for k, v in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()
-    }
-    measured = peak["Activation"] + peak["Temp"]
-    predicted = activation_bytes(cfg, b, "32")
-    assert abs(predicted - measured) <= 0.20 * measured, (predicted / MIB, measured / MIB)
+    measured = gpt_activation_mib(cfg, b)
+    predicted = activation_bytes(cfg, b, "32") / MIB
+    assert abs(predicted - measured) <= 0.20 * measured, (predicted, measured)

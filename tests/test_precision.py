@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import run_job
+from tests.conftest import STRATEGY_NAMES, run_job
 
-STRATEGIES = ["ddp", "oss", "sharded_ddp", "zero1", "fsdp", "fsdp_grad_op"]
 SHARDS_PARAMS = ("fsdp", "fsdp_grad_op")
 INF_AT = {"SHARDED_EXP_FAULT": "rank=1,step=2,kind=inf_grad"}
 
@@ -20,7 +19,7 @@ INF_AT = {"SHARDED_EXP_FAULT": "rank=1,step=2,kind=inf_grad"}
     "strategy",
     # Without reduce buckets ShardedDDP frees the gradients a rank does not own, so the
     # inf is truly in rank 1's shard only (with buckets, gloo leaves partial sums behind).
-    [*STRATEGIES, "sharded_ddp strategy.reduce_buffer_size=0"],
+    [*STRATEGY_NAMES, "sharded_ddp strategy.reduce_buffer_size=0"],
 )
 def test_one_rank_inf_skips_the_step_on_every_rank(strategy, tmp_path):
     overrides = [f"strategy={strategy.split()[0]}", *strategy.split()[1:], "precision=16", "trainer.steps=4"]
@@ -57,7 +56,7 @@ def test_plain_scaler_under_sharded_gradients_desyncs(tmp_path):
     assert result["status"] == "failed" or ranks[0]["skipped_steps"] != ranks[1]["skipped_steps"]
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
 @pytest.mark.parametrize("precision", ["16", "bf16"])
 def test_half_precision_trains(strategy, precision, tmp_path):
     result = run_job(

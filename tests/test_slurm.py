@@ -7,7 +7,9 @@ import random
 import subprocess
 import sys
 
-from sharded_exp.launch import first_host, slurm_layout
+import pytest
+
+from sharded_exp.launch.layout import Layout, expand_nodelist, first_host, rendezvous_env, slurm_layout
 from tests.conftest import ROOT, TINY, read_result, run_cli
 
 
@@ -33,12 +35,34 @@ def test_rank_layout_from_slurm_environment(monkeypatch):
         "SLURM_STEP_ID": "0", "SLURM_NTASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1",
         "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "123456",
     }  # fmt: skip
-    assert slurm_layout(env) == {"rank": 5, "world_size": 8, "local_rank": 1, "local_world_size": 4}
-    assert os.environ["MASTER_ADDR"] == "gpu07" and os.environ["MASTER_PORT"] == str(20000 + 123456 % 20000)
+    layout = slurm_layout(env)
+    assert isinstance(layout, Layout) and layout.launcher == "slurm"
+    assert (layout.rank, layout.world_size, layout.local_rank, layout.local_world_size) == (5, 8, 1, 4)
+    assert rendezvous_env(layout) == {"MASTER_ADDR": "gpu07", "MASTER_PORT": str(20000 + 123456 % 20000)}
+    assert "MASTER_ADDR" not in os.environ  # a query: reading the layout exports nothing
     # a lone process in an allocation (no job step, or one task) spawns its own ranks
     assert slurm_layout({"SLURM_NTASKS": "8", "SLURM_PROCID": "0"}) is None
     assert slurm_layout({**env, "SLURM_NTASKS": "1"}) is None
     assert first_host("cpu[1,3-4],gpu2") == "cpu1"
+
+
+@pytest.mark.parametrize(
+    "nodelist, hosts",
+    [
+        ("localhost", ["localhost"]),
+        ("a1,b2", ["a1", "b2"]),
+        ("gpu[03-05,09],cpu1", ["gpu03", "gpu04", "gpu05", "gpu09", "cpu1"]),
+        ("cpu[1,3-4],gpu2", ["cpu1", "cpu3", "cpu4", "gpu2"]),
+        ("n[8-11]", ["n8", "n9", "n10", "n11"]),  # no padding: widths grow
+        ("n[008-010]", ["n008", "n009", "n010"]),  # padding kept
+        ("rack[1-2]-node[01-02]", ["rack1-node01", "rack1-node02", "rack2-node01", "rack2-node02"]),
+        ("node-[1-3]a", ["node-1a", "node-2a", "node-3a"]),
+        ("x[1-2]y[3],z", ["x1y3", "x2y3", "z"]),
+    ],
+)
+def test_every_form_of_slurm_node_list(nodelist, hosts):
+    assert expand_nodelist(nodelist) == hosts
+    assert first_host(nodelist) == hosts[0]
 
 
 def test_two_slurm_tasks_train_as_two_ranks(tmp_path):

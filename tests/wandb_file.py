@@ -1,6 +1,6 @@
 """Read an offline W&B run file (``run-<id>.wandb``) back, for tests.
 
-wandb 0.31 writes offline runs as one binary file and nothing else (FINDINGS.md): a
+wandb 0.31 writes offline runs as one binary file and nothing else: a
 LevelDB-style log of ``wandb_internal_pb2.Record`` messages. Layout: a 7-byte file header
 (``:W&B``, magic 0xBEE1, version), then 32 KiB blocks of records, each with a 7-byte
 header (CRC32, little-endian length, type: 1 full, 2 first, 3 middle, 4 last); a block's

@@ -1,10 +1,17 @@
 """Model registry. A model module registers ``build(cfg) -> nn.Module`` with its schema.
 
-Every model has ``blocks()``, its repeated units (FSDP wraps each one), and takes keyword arguments and returns :class:`ModelOutput` (logits and the loss
-when ``targets=`` is given), the way Hugging Face models do; strategies must pass keyword
-arguments through their wrappers unchanged.
+Adding a model is one module in this package (a config dataclass and a builder registered
+with ``@MODELS.register``; every module here is imported automatically) plus one YAML file
+in ``conf/model/`` whose defaults list names the data task that feeds it.
+
+Every model has ``blocks()``, its repeated units (FSDP wraps each one), and takes keyword
+arguments and returns :class:`ModelOutput` (logits and the loss when ``targets=`` is
+given), the way Hugging Face models do; strategies must pass keyword arguments through
+their wrappers unchanged.
 """
 
+import importlib
+import pkgutil
 from typing import NamedTuple
 
 import torch
@@ -23,4 +30,5 @@ def build_model(cfg) -> torch.nn.Module:
     return MODELS.builder(cfg.name)(cfg)
 
 
-from sharded_exp.models import gpt, mlp  # noqa: E402,F401  (registers the models)
+for _info in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_info.name}")

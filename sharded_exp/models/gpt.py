@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sharded_exp.errors import ConfigError
 from sharded_exp.models import MODELS, ModelOutput
 
 
@@ -92,7 +93,5 @@ class GPT(nn.Module):
 @MODELS.register("gpt", config=GPTConfig)
 def build(cfg: GPTConfig) -> nn.Module:
     if cfg.d_model % cfg.n_heads:
-        from sharded_exp.config import ConfigError
-
         raise ConfigError(f"model.d_model={cfg.d_model} is not divisible by model.n_heads={cfg.n_heads}")
     return GPT(cfg)

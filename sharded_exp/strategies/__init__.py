@@ -1,10 +1,10 @@
 """Strategy registry: how a model and its optimizer are wrapped for data-parallel training.
 
-Adding a strategy is one module in this package (a config dataclass and a builder
-registered with ``@STRATEGIES.register``) plus one YAML file in ``conf/strategy/``; every
-module here is imported automatically. A builder receives its own config, the bare model
-on its device, the optimizer spec and the precision config, and returns a
-:class:`~sharded_exp.strategies.base.Strategy`.
+Adding a strategy is one module in this package (a :class:`~.base.Strategy` subclass with
+its ``Config`` dataclass, registered with ``@STRATEGIES.register``) plus one YAML file in
+``conf/strategy/``; every module here is imported automatically. A strategy that needs a
+package we do not depend on names it in ``requires`` and imports it inside ``build``, so
+the others run without it (checked before any rank starts).
 """
 
 import importlib
@@ -16,7 +16,7 @@ STRATEGIES = Registry("strategy")
 
 
 def build_strategy(cfg, module, optim_spec, precision_cfg, device):
-    return STRATEGIES.builder(cfg.name)(cfg, module, optim_spec, precision_cfg, device)
+    return STRATEGIES.builder(cfg.name).build(cfg, module, optim_spec, precision_cfg, device)
 
 
 for _info in pkgutil.iter_modules(__path__):

@@ -1,8 +1,10 @@
-"""The one interface between the trainer and a strategy.
+"""The one interface between the trainer and a strategy, and its memory model.
 
-The trainer never asks which strategy it runs: everything that differs between them
-(wrapping, optimizer, grad scaler, clipping, zeroing, gradient sync, full state) sits
-behind :class:`Strategy`. The defaults here are plain DDP's behaviour.
+A strategy is one class: its config schema (``Config``), how it builds the wrapped model,
+optimizer and grad scaler (``build``), what it does at run time (zeroing, no-sync,
+clipping, stepping, state), and which model states each rank holds (the memory-model
+class methods, read by :mod:`sharded_exp.measure.prediction` without building anything).
+The trainer never asks which strategy it runs. The defaults here are plain DDP's.
 """
 
 from __future__ import annotations
@@ -15,37 +17,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from sharded_exp.memory_model import greedy_partition
+from sharded_exp import precision
+from sharded_exp.measure.memory_model import greedy_partition
 
 
 @dataclass
 class StrategyConfig:
     name: str = "ddp"
     """Key in the strategy registry."""
-
-    @staticmethod
-    def partition(group_numels, world_size: int) -> list:
-        """Owner rank of each parameter's optimizer state (fairscale OSS's greedy rule)."""
-        return greedy_partition(group_numels, world_size)
-
-    @staticmethod
-    def transient_param_numel(cfg, block_numels, root_numel: int, world_size: int) -> int:
-        """Parameter elements gathered on top of the resident ones at the peak (none here).
-
-        ``block_numels``: the model's ``blocks()`` sizes; ``root_numel``: everything else.
-        """
-        return 0
-
-    @staticmethod
-    def resident_numel(cfg, shapes, owners, rank: int, world_size: int) -> dict:
-        """Elements of each model state that ``rank`` holds (for the memory model).
-
-        ``shapes``: every parameter's shape; ``owners``: its optimizer-shard rank.
-        Returns ``params`` and ``grads`` element counts and ``optimizer``, the sizes of the
-        tensors whose optimizer state the rank keeps. Unsharded by default.
-        """
-        numels = [math.prod(s) for s in shapes]
-        return {"params": sum(numels), "grads": sum(numels), "optimizer": numels}
 
 
 class Strategy:
@@ -55,19 +34,33 @@ class Strategy:
         model: the wrapped module the trainer calls (DDP, ShardedDataParallel, ...).
         module: the bare model inside it (for state dicts and parameter walks).
         optimizer: the optimizer the trainer steps (possibly sharded).
-        scaler: a GradScaler; disabled (pass-through) unless precision=16.
+        precision_cfg, device: choose the grad scaler (see ``grads_differ_across_ranks``).
     """
 
+    Config = StrategyConfig
+    """The schema of this strategy's config group option (a dataclass)."""
+    requires: tuple[str, ...] = ()
+    """Packages beyond our core dependencies that this strategy imports (checked before spawn)."""
     optimizer_state_sharded = False
     """True when each rank's local optimizers hold the state of its own parameters only
-    (OSS, ZeRO-1): checkpoints gather the shards. FSDP2's DTensor state is gathered as such."""
+    (OSS, ZeRO-1): checkpoints gather the shards, the memory model counts the owned ones.
+    FSDP2's DTensor state is sharded as tensors instead."""
+    grads_differ_across_ranks = False
+    """True when ranks check different gradients for inf/nan (sharded gradients or sharded
+    optimizer steps): the grad scaler must then agree on the found-inf flag across ranks."""
 
-    def __init__(self, model: nn.Module, module: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any):
+    def __init__(self, model: nn.Module, module: nn.Module, optimizer: torch.optim.Optimizer, precision_cfg, device):
         self.model = model
         self.module = module
         self.optimizer = optimizer
-        self.scaler = scaler
+        self.scaler = precision.grad_scaler(precision_cfg, device.type, sharded_grads=self.grads_differ_across_ranks)
 
+    @classmethod
+    def build(cls, cfg, module: nn.Module, optim_spec, precision_cfg, device: torch.device) -> "Strategy":
+        """Wrap ``module`` (on ``device``) and build the optimizer from ``optim_spec``."""
+        raise NotImplementedError
+
+    # --------------------------------------------------------------------- run time
     def zero_grad(self) -> None:
         # set_to_none frees gradient memory between steps; safe for torch DDP.
         self.optimizer.zero_grad(set_to_none=True)
@@ -102,3 +95,35 @@ class Strategy:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full, unsharded model state. Collective: call on every rank."""
         return {k: v.detach() for k, v in self.module.state_dict().items()}
+
+    # ----------------------------------------------------------------- memory model
+    @staticmethod
+    def partition(group_numels, world_size: int) -> list[int]:
+        """Owner rank of each parameter's optimizer state (fairscale OSS's greedy rule)."""
+        return greedy_partition(group_numels, world_size)
+
+    @staticmethod
+    def owned(numels, owners, rank: int) -> list[int]:
+        """The sizes of the tensors whose optimizer state ``rank`` owns (the ZeRO-1 rule)."""
+        return [n for n, o in zip(numels, owners) if o == rank]
+
+    @classmethod
+    def transient_param_numel(cls, cfg, block_numels, root_numel: int, world_size: int) -> int:
+        """Parameter elements gathered on top of the resident ones at the peak (none here).
+
+        ``block_numels``: the model's ``blocks()`` sizes; ``root_numel``: everything else.
+        """
+        return 0
+
+    @classmethod
+    def resident_numel(cls, cfg, shapes, owners, rank: int, world_size: int) -> dict:
+        """Elements of each model state that ``rank`` holds (for the memory model).
+
+        ``shapes``: every parameter's shape; ``owners``: its optimizer-shard rank.
+        Returns ``params`` and ``grads`` element counts and ``optimizer``, the sizes of the
+        tensors whose optimizer state the rank keeps: all of them, or its own shard's when
+        ``optimizer_state_sharded``.
+        """
+        numels = [math.prod(s) for s in shapes]
+        optimizer = cls.owned(numels, owners, rank) if cls.optimizer_state_sharded else numels
+        return {"params": sum(numels), "grads": sum(numels), "optimizer": optimizer}

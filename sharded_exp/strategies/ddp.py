@@ -8,23 +8,13 @@ from dataclasses import dataclass
 
 from torch.nn.parallel import DistributedDataParallel
 
-from sharded_exp import precision
 from sharded_exp.strategies import STRATEGIES
 from sharded_exp.strategies.base import Strategy, StrategyConfig
 
 
-@dataclass
-class DDPConfig(StrategyConfig):
-    name: str = "ddp"
-    bucket_cap_mb: float = 25.0
-    """Gradient all-reduce bucket size in MB (torch default 25)."""
-    gradient_as_bucket_view: bool = False
-    """Gradients alias the bucket memory, saving one gradient-sized copy (torch default off)."""
-    broadcast_buffers: bool = True
-    """Broadcast module buffers from rank 0 at every forward (torch default on)."""
-
-
-def wrap_ddp(cfg: DDPConfig, module, device) -> DistributedDataParallel:
+def wrap_ddp(cfg, module, device) -> DistributedDataParallel:
+    """``module`` under torch DDP with the knobs of :class:`DDPConfig` (also used by the
+    ZeRO-1 strategies, which run under DDP)."""
     kwargs = {}
     if not cfg.broadcast_buffers:
         # Passed only when changed: torch >= 2.13 warns that the name is deprecated.
@@ -38,9 +28,23 @@ def wrap_ddp(cfg: DDPConfig, module, device) -> DistributedDataParallel:
     )
 
 
-@STRATEGIES.register("ddp", config=DDPConfig)
-def build(cfg: DDPConfig, module, optim_spec, precision_cfg, device) -> Strategy:
-    model = wrap_ddp(cfg, module, device)
+@dataclass
+class DDPConfig(StrategyConfig):
+    name: str = "ddp"
+    bucket_cap_mb: float = 25.0
+    """Gradient all-reduce bucket size in MB (torch default 25)."""
+    gradient_as_bucket_view: bool = False
+    """Gradients alias the bucket memory, saving one gradient-sized copy (torch default off)."""
+    broadcast_buffers: bool = True
+    """Broadcast module buffers from rank 0 at every forward (torch default on)."""
+
+
+@STRATEGIES.register("ddp")
+class DDP(Strategy):
+    Config = DDPConfig
     # Gradients are identical on every rank after the all-reduce: a plain scaler agrees.
-    scaler = precision.grad_scaler(precision_cfg, device.type, sharded_grads=False)
-    return Strategy(model, module, optim_spec.build(), scaler)
+    grads_differ_across_ranks = False
+
+    @classmethod
+    def build(cls, cfg, module, optim_spec, precision_cfg, device):
+        return cls(wrap_ddp(cfg, module, device), module, optim_spec.build(), precision_cfg, device)

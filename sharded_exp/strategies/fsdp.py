@@ -35,27 +35,6 @@ class FSDPConfig(StrategyConfig):
     reshard_after_forward: bool = True
     """Free gathered parameters after forward and gather again in backward (ZeRO-3)."""
 
-    @staticmethod
-    def partition(group_numels, world_size):
-        return [-1 for group in group_numels for _ in group]  # every rank owns a slice of each
-
-    @staticmethod
-    def transient_param_numel(cfg, block_numels, root_numel, world_size):
-        # The root unit stays gathered from forward to backward (FSDP2 does not reshard the
-        # root). With resharding, one block is gathered on top at a time (measured peak on
-        # CPU; prefetching can add the next block); without it, every block stays gathered.
-        if cfg.reshard_after_forward:
-            return root_numel + max(block_numels, default=0)
-        return root_numel + sum(block_numels)
-
-    @staticmethod
-    def resident_numel(cfg, shapes, owners, rank, world_size):
-        rows = [_shard_rows(s[0], rank, world_size) * math.prod(s[1:]) for s in shapes]
-        # Sharded parameters and gradients live in storage padded to equal dim-0 chunks on
-        # every rank; optimizer state is allocated like the unpadded local shard.
-        padded = sum(math.ceil(s[0] / world_size) * math.prod(s[1:]) for s in shapes)
-        return {"params": padded, "grads": padded, "optimizer": rows}
-
 
 @dataclass
 class FSDPGradOpConfig(FSDPConfig):
@@ -64,7 +43,22 @@ class FSDPGradOpConfig(FSDPConfig):
     """Keep gathered parameters from forward to backward (ZeRO-2-like)."""
 
 
-class FSDPStrategy(Strategy):
+@STRATEGIES.register("fsdp")
+class FSDP(Strategy):
+    Config = FSDPConfig
+    grads_differ_across_ranks = True  # sharded gradients: the scaler agrees on inf/nan
+
+    @classmethod
+    def build(cls, cfg, module, optim_spec, precision_cfg, device):
+        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+        half = precision.compute_dtype(precision_cfg.name)
+        policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32) if half else MixedPrecisionPolicy()
+        for block in module.blocks():
+            fully_shard(block, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy)
+        fully_shard(module, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy)
+        # fully_shard replaced the parameters by DTensors: group and build the optimizer now.
+        return cls(module, module, optim_spec.regroup(module).build(), precision_cfg, device)
+
     def no_sync(self):
         @contextlib.contextmanager
         def skip_reduce():
@@ -111,18 +105,29 @@ class FSDPStrategy(Strategy):
             k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in self.module.state_dict().items()
         }
 
+    # ----------------------------------------------------------------- memory model
+    @staticmethod
+    def partition(group_numels, world_size):
+        return [-1 for group in group_numels for _ in group]  # every rank owns a slice of each
 
-def _build(cfg: FSDPConfig, module, optim_spec, precision_cfg, device) -> FSDPStrategy:
-    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
-    half = precision.PRECISIONS[precision_cfg.name]
-    policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32) if half else MixedPrecisionPolicy()
-    for block in module.blocks():
-        fully_shard(block, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy)
-    fully_shard(module, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy)
-    # fully_shard replaced the parameters by DTensors: group and build the optimizer now.
-    scaler = precision.grad_scaler(precision_cfg, device.type, sharded_grads=True)
-    return FSDPStrategy(module, module, optim_spec.regroup(module).build(), scaler)
+    @classmethod
+    def transient_param_numel(cls, cfg, block_numels, root_numel, world_size):
+        # The root unit stays gathered from forward to backward (FSDP2 does not reshard the
+        # root). With resharding, one block is gathered on top at a time (measured peak on
+        # CPU; prefetching can add the next block); without it, every block stays gathered.
+        if cfg.reshard_after_forward:
+            return root_numel + max(block_numels, default=0)
+        return root_numel + sum(block_numels)
+
+    @classmethod
+    def resident_numel(cls, cfg, shapes, owners, rank, world_size):
+        rows = [_shard_rows(s[0], rank, world_size) * math.prod(s[1:]) for s in shapes]
+        # Sharded parameters and gradients live in storage padded to equal dim-0 chunks on
+        # every rank; optimizer state is allocated like the unpadded local shard.
+        padded = sum(math.ceil(s[0] / world_size) * math.prod(s[1:]) for s in shapes)
+        return {"params": padded, "grads": padded, "optimizer": rows}
 
 
-STRATEGIES.register("fsdp", config=FSDPConfig)(_build)
-STRATEGIES.register("fsdp_grad_op", config=FSDPGradOpConfig)(_build)
+@STRATEGIES.register("fsdp_grad_op")
+class FSDPGradOp(FSDP):
+    Config = FSDPGradOpConfig

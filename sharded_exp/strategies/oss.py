@@ -7,17 +7,14 @@ and broadcasts the updated parameters to the others.
 Warning:
     fairscale is unmaintained (last release 0.4.13, Dec 2022). OSS + DDP has been checked
     against DDP on torch 2.x (tests/test_parity.py); re-run that test after upgrading torch.
+    fairscale is imported only when the strategy is built: the other strategies run
+    without it installed.
 """
 
-import math
 from dataclasses import dataclass
 
-from fairscale.optim import OSS
-
-from sharded_exp import precision
 from sharded_exp.strategies import STRATEGIES
-from sharded_exp.strategies.base import Strategy
-from sharded_exp.strategies.ddp import DDPConfig, wrap_ddp
+from sharded_exp.strategies.ddp import DDP, DDPConfig, wrap_ddp
 
 
 @dataclass
@@ -26,19 +23,26 @@ class OSSConfig(DDPConfig):
     broadcast_fp16: bool = False
     """Send parameters as fp16 in OSS's post-step broadcast (fairscale default off; lossy)."""
 
-    @staticmethod
-    def resident_numel(cfg, shapes, owners, rank, world_size):
-        # ZeRO-1: only the optimizer state of the rank's own shard
-        numels = [math.prod(s) for s in shapes]
-        return {"params": sum(numels), "grads": sum(numels), "optimizer": owned(numels, owners, rank)}
+
+def make_oss(spec, broadcast_fp16: bool):
+    from fairscale.optim import OSS
+
+    return OSS(spec.param_groups, optim=spec.cls, broadcast_fp16=broadcast_fp16, **spec.defaults)
 
 
-def owned(numels, owners, rank):
-    return [n for n, o in zip(numels, owners) if o == rank]
-
-
-class OSSStrategy(Strategy):
+@STRATEGIES.register("oss")
+class OSS(DDP):
+    Config = OSSConfig
+    requires = ("fairscale",)
     optimizer_state_sharded = True
+    # Only the shard's gradients are unscaled and checked on each rank: the found-inf
+    # flag must be agreed across ranks.
+    grads_differ_across_ranks = True
+
+    @classmethod
+    def build(cls, cfg, module, optim_spec, precision_cfg, device):
+        model = wrap_ddp(cfg, module, device)
+        return cls(model, module, make_oss(optim_spec, cfg.broadcast_fp16), precision_cfg, device)
 
     def clip_grad_norm_(self, max_norm: float):
         # OSS computes the norm over its shard and all-reduces it: the global norm.
@@ -49,17 +53,3 @@ class OSSStrategy(Strategy):
 
     def local_shard(self) -> list:
         return [p for group in self.optimizer.partition_parameters()[self.optimizer.rank] for p in group["params"]]
-
-
-def make_oss(spec, broadcast_fp16: bool) -> OSS:
-    return OSS(spec.param_groups, optim=spec.cls, broadcast_fp16=broadcast_fp16, **spec.defaults)
-
-
-@STRATEGIES.register("oss", config=OSSConfig)
-def build(cfg: OSSConfig, module, optim_spec, precision_cfg, device) -> Strategy:
-    model = wrap_ddp(cfg, module, device)
-    optimizer = make_oss(optim_spec, cfg.broadcast_fp16)
-    # Only the shard's gradients are unscaled and checked on each rank: the found-inf
-    # flag must be agreed across ranks.
-    scaler = precision.grad_scaler(precision_cfg, device.type, sharded_grads=True)
-    return OSSStrategy(model, module, optimizer, scaler)

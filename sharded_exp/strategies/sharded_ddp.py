@@ -19,12 +19,9 @@ Warning:
 import math
 from dataclasses import dataclass
 
-from fairscale.nn.data_parallel import ShardedDataParallel
-
-from sharded_exp import precision
 from sharded_exp.strategies import STRATEGIES
 from sharded_exp.strategies.base import StrategyConfig
-from sharded_exp.strategies.oss import OSSStrategy, make_oss, owned
+from sharded_exp.strategies.oss import OSS, make_oss
 
 
 @dataclass
@@ -36,15 +33,6 @@ class ShardedDDPConfig(StrategyConfig):
     """Broadcast module buffers from rank 0 at every forward (fairscale default on)."""
     broadcast_fp16: bool = False
     """Send parameters as fp16 in OSS's post-step broadcast (fairscale default off; lossy)."""
-
-    @staticmethod
-    def resident_numel(cfg, shapes, owners, rank, world_size):
-        numels = [math.prod(s) for s in shapes]
-        return {
-            "params": sum(numels),
-            "grads": resident_grad_numel(cfg.reduce_buffer_size, numels, owners, rank, world_size),
-            "optimizer": owned(numels, owners, rank),
-        }
 
 
 def resident_grad_numel(reduce_buffer_size, numels, owners, rank, world_size) -> int:
@@ -72,20 +60,26 @@ def resident_grad_numel(reduce_buffer_size, numels, owners, rank, world_size) ->
     return held
 
 
-class ShardedDDPStrategy(OSSStrategy):
+@STRATEGIES.register("sharded_ddp")
+class ShardedDDP(OSS):
+    Config = ShardedDDPConfig
+
+    @classmethod
+    def build(cls, cfg, module, optim_spec, precision_cfg, device):
+        from fairscale.nn.data_parallel import ShardedDataParallel
+
+        optimizer = make_oss(optim_spec, cfg.broadcast_fp16)
+        model = ShardedDataParallel(
+            module, optimizer, reduce_buffer_size=cfg.reduce_buffer_size, broadcast_buffers=cfg.broadcast_buffers
+        )
+        return cls(model, module, optimizer, precision_cfg, device)
+
     def zero_grad(self) -> None:
         # Never set_to_none here: see the module's warning.
         self.model.zero_grad(set_to_none=False)
 
-
-@STRATEGIES.register("sharded_ddp", config=ShardedDDPConfig)
-def build(cfg: ShardedDDPConfig, module, optim_spec, precision_cfg, device) -> ShardedDDPStrategy:
-    optimizer = make_oss(optim_spec, cfg.broadcast_fp16)
-    model = ShardedDataParallel(
-        module,
-        optimizer,
-        reduce_buffer_size=cfg.reduce_buffer_size,
-        broadcast_buffers=cfg.broadcast_buffers,
-    )
-    scaler = precision.grad_scaler(precision_cfg, device.type, sharded_grads=True)
-    return ShardedDDPStrategy(model, module, optimizer, scaler)
+    @classmethod
+    def resident_numel(cls, cfg, shapes, owners, rank, world_size):
+        held = super().resident_numel(cfg, shapes, owners, rank, world_size)
+        numels = [math.prod(s) for s in shapes]
+        return {**held, "grads": resident_grad_numel(cfg.reduce_buffer_size, numels, owners, rank, world_size)}

@@ -1,8 +1,9 @@
 """zero1: torch ZeroRedundancyOptimizer under DDP (ZeRO stage 1: optimizer state sharded).
 
-PyTorch's native counterpart of fairscale OSS. Gradients are all-reduced in full by DDP;
-each rank steps the parameters of its shard and broadcasts them. Its partition is greedy
-too, but it visits each parameter group's tensors largest first.
+PyTorch's native counterpart of fairscale OSS, and needs no fairscale. Gradients are
+all-reduced in full by DDP; each rank steps the parameters of its shard and broadcasts
+them. Its partition is greedy too, but it visits each parameter group's tensors largest
+first.
 """
 
 from dataclasses import dataclass
@@ -10,10 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from sharded_exp import precision
 from sharded_exp.strategies import STRATEGIES
-from sharded_exp.strategies.ddp import DDPConfig, wrap_ddp
-from sharded_exp.strategies.oss import OSSConfig, OSSStrategy
+from sharded_exp.strategies.ddp import DDP, DDPConfig, wrap_ddp
 
 
 @dataclass
@@ -21,6 +20,34 @@ class ZeRO1Config(DDPConfig):
     name: str = "zero1"
     parameters_as_bucket_view: bool = False
     """Pack each rank's parameters into one flat buffer for the broadcast (torch default off)."""
+
+
+@STRATEGIES.register("zero1")
+class ZeRO1(DDP):
+    Config = ZeRO1Config
+    optimizer_state_sharded = True
+    grads_differ_across_ranks = True  # each rank unscales and checks its own shard only
+
+    @classmethod
+    def build(cls, cfg, module, optim_spec, precision_cfg, device):
+        model = wrap_ddp(cfg, module, device)
+        optimizer = ZeroRedundancyOptimizer(
+            optim_spec.param_groups,
+            optimizer_class=optim_spec.cls,
+            parameters_as_bucket_view=cfg.parameters_as_bucket_view,
+            **optim_spec.defaults,
+        )
+        return cls(model, module, optimizer, precision_cfg, device)
+
+    def clip_grad_norm_(self, max_norm: float):
+        # Gradients are complete on every rank after DDP's all-reduce: the plain global norm.
+        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+
+    def local_optimizers(self) -> list:
+        return [self.optimizer.optim]
+
+    def local_shard(self) -> list:
+        return [p for group in self.optimizer._partition_parameters()[self.optimizer.rank] for p in group["params"]]
 
     @staticmethod
     def partition(group_numels, world_size):
@@ -35,30 +62,3 @@ class ZeRO1Config(DDPConfig):
                 sizes[rank] += group[i]
             owners += group_owners
         return owners
-
-    resident_numel = OSSConfig.resident_numel
-
-
-class ZeRO1Strategy(OSSStrategy):
-    def clip_grad_norm_(self, max_norm: float):
-        # Gradients are complete on every rank after DDP's all-reduce: the plain global norm.
-        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
-
-    def local_optimizers(self) -> list:
-        return [self.optimizer.optim]
-
-    def local_shard(self) -> list:
-        return [p for group in self.optimizer._partition_parameters()[self.optimizer.rank] for p in group["params"]]
-
-
-@STRATEGIES.register("zero1", config=ZeRO1Config)
-def build(cfg: ZeRO1Config, module, optim_spec, precision_cfg, device) -> ZeRO1Strategy:
-    model = wrap_ddp(cfg, module, device)
-    optimizer = ZeroRedundancyOptimizer(
-        optim_spec.param_groups,
-        optimizer_class=optim_spec.cls,
-        parameters_as_bucket_view=cfg.parameters_as_bucket_view,
-        **optim_spec.defaults,
-    )
-    scaler = precision.grad_scaler(precision_cfg, device.type, sharded_grads=True)
-    return ZeRO1Strategy(model, module, optimizer, scaler)

@@ -2,7 +2,7 @@
 
 Model states are parameters, gradients and optimizer state (Rajbhandari et al. 2020).
 Which of them a rank holds in full and which only for its shard is each strategy's to
-say (``resident_numel`` on its config class); this module turns element counts into
+say (``resident_numel`` on its class); this module turns element counts into
 bytes. Two details make the prediction match the real tensors rather than the paper:
 
 - The shard is the real partition: fairscale OSS assigns each parameter, group by group,
@@ -21,7 +21,7 @@ import math
 from collections.abc import Sequence
 
 MIB = 2**20
-FP32 = 4
+FP32 = 4  # parameters, gradients and optimizer state at every precision (precision.STATE_BYTES)
 
 
 def greedy_partition(group_numels: Sequence[Sequence[int]], world_size: int) -> list[int]:
@@ -48,17 +48,18 @@ def optimizer_state_bytes(optimizer_cfg, numels: Sequence[int]) -> int:
 
 
 def predict_model_states_mib(
-    strategy_cls, strategy_cfg, optimizer_cfg, group_shapes: Sequence[Sequence[tuple]], world_size: int
+    strategy, strategy_cfg, optimizer_cfg, group_shapes: Sequence[Sequence[tuple]], world_size: int
 ) -> list[dict[str, float]]:
     """Predicted ``{"params", "grads", "optimizer"}`` MiB for every rank.
 
-    ``group_shapes``: the parameter shapes of each optimizer parameter group, in order.
+    ``strategy``: the Strategy class; ``group_shapes``: the parameter shapes of each
+    optimizer parameter group, in order.
     """
     shapes = [s for group in group_shapes for s in group]
-    owners = strategy_cls.partition([[math.prod(s) for s in g] for g in group_shapes], world_size)
+    owners = strategy.partition([[math.prod(s) for s in g] for g in group_shapes], world_size)
     out = []
     for rank in range(world_size):
-        held = strategy_cls.resident_numel(strategy_cfg, shapes, owners, rank, world_size)
+        held = strategy.resident_numel(strategy_cfg, shapes, owners, rank, world_size)
         out.append(
             {
                 "params": FP32 * held["params"] / MIB,

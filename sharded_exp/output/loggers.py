@@ -24,30 +24,38 @@ class NullLogger:
         pass
 
 
+def init_wandb_run(cfg, *, job_type: str | None, name: str | None, config: dict | None, directory: str):
+    """Start a W&B run from a logger config: the one place sharded_exp calls ``wandb.init``
+    (each job's run, and the sweep report's run)."""
+    import wandb
+
+    return wandb.init(
+        project=cfg.get("project"),
+        entity=cfg.get("entity"),
+        group=cfg.get("group"),
+        job_type=job_type,
+        name=name,
+        tags=list(cfg.get("tags") or []),
+        config=config,
+        dir=directory,
+        # An explicit mode overrides WANDB_MODE, so the environment is read here.
+        mode=cfg.get("mode") or os.environ.get("WANDB_MODE") or "offline",
+        # Never hand back a run left open by an earlier job in this process.
+        reinit="finish_previous",
+        settings=wandb.Settings(init_timeout=cfg.get("init_timeout_s", 15.0), console="off", silent=True),
+    )
+
+
 class WandbLogger(NullLogger):
     def __init__(self, cfg, run_config: dict[str, Any], output_dir: str):
         self.run = None
         try:
-            import wandb
-
-            self.run = wandb.init(
-                project=cfg.project,
-                entity=cfg.entity,
-                group=cfg.group,
-                job_type=cfg.job_type,
-                name=cfg.run_name,
-                tags=list(cfg.tags),
-                config=run_config,
-                dir=output_dir,
-                # An explicit mode overrides WANDB_MODE, so the environment is read here.
-                mode=cfg.mode or os.environ.get("WANDB_MODE") or "offline",
-                # Never hand back a run left open by an earlier job in this process.
-                reinit="finish_previous",
-                settings=wandb.Settings(init_timeout=cfg.init_timeout_s, console="off", silent=True),
+            self.run = init_wandb_run(
+                cfg, job_type=cfg.job_type, name=cfg.run_name, config=run_config, directory=output_dir
             )
             self.run.define_metric("train/loss", summary="min")
-            self.run.define_metric("train/samples_per_s", summary="mean")
-            self.run.define_metric("train/step_time_s", summary="mean")
+            # Per-step points; the summary holds result.json's figures (median, mean) instead.
+            self.run.define_metric("throughput/*", summary="none")
             self.run.define_metric("mem/*", summary="max")
         except Exception as exc:  # noqa: BLE001 -- tracking must never stop training
             self._give_up("start", exc)

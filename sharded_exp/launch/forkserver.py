@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.forkserver
-import os
 
-PRELOAD = ["sharded_exp.trainer", "sharded_exp.strategies", "torch._dynamo"]
+from sharded_exp.launch.layout import will_spawn
+
+PRELOAD = ["sharded_exp.train.trainer", "sharded_exp.strategies", "torch._dynamo"]
 """Imported once by the server: the trainer, every strategy, and torch._dynamo, which
 DistributedDataParallel would otherwise import in every rank (about a second each)."""
 
@@ -22,13 +23,6 @@ def context() -> multiprocessing.context.BaseContext:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
-
-
-def will_spawn(env=os.environ) -> bool:
-    """False under torchrun or inside a multi-task SLURM step: those start the ranks."""
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return False
-    return not ("SLURM_STEP_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1)
 
 
 def start_early() -> None:

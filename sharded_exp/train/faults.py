@@ -74,6 +74,30 @@ def trigger(fault: Fault, rank: int, device: torch.device) -> None:
         raise torch.OutOfMemoryError(f"injected out-of-memory on rank {rank} at step {fault.step}")
 
 
+class Injector:
+    """This rank's fault, acted out by the loop's per-step hooks (a no-op without one)."""
+
+    def __init__(self, rank: int, device: torch.device):
+        fault = from_env()
+        self.fault = fault if fault is not None and fault.rank == rank else None
+        self.rank, self.device = rank, device
+        self._hook = None
+
+    def before_step(self, step: int, strategy) -> None:
+        """At the start of ``step``: raise, exit, hang, run out of memory, or poison a gradient."""
+        if self.fault is None or self.fault.step != step:
+            return
+        if self.fault.kind == "inf_grad":
+            self._hook = strategy.inject_inf_grad()
+        else:
+            trigger(self.fault, self.rank, self.device)
+
+    def after_step(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+
 def in_save(rank: int, step: int) -> None:
     """Called by the checkpoint writer between files: acts out ``exit_in_save``."""
     fault = from_env()

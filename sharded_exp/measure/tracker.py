@@ -9,12 +9,14 @@ Two sources, one meaning of ``peak_allocated_mib`` (bytes of live tensors at the
   parameter, gradient, optimizer state, activation or temporary). It slows every op, so
   on CPU memory is tracked over the warm-up steps only, which are never timed.
 
-Process RSS is not reported: on CPU it is dominated by the torch runtime itself.
+The peak resident set of each rank's process is reported beside it (``peak_rss_mib``,
+host memory that any framework can compare), but never as the headline: on CPU it is
+dominated by the torch runtime itself (about 400 MiB).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -60,6 +62,37 @@ def model_state_mib(module: nn.Module, local_optimizers: Iterable[torch.optim.Op
     return {"params": params / MIB, "grads": grads / MIB, "optimizer": optim / MIB}
 
 
+def _breakdown_mib(tracker, device: torch.device) -> dict[str, float]:
+    """The tracker's peak snapshot as {category: MiB}, ``Total`` included."""
+    snap = tracker.get_tracker_snapshot("peak").get(device, {})
+    return {str(getattr(k, "value", k)): v / MIB for k, v in snap.items()}
+
+
+def peak_breakdown_mib(fn: Callable[[], Any], *external: Any, device=torch.device("cpu")) -> dict[str, float]:
+    """Run ``fn`` under torch's MemTracker; the peak MiB by category (Parameter, Gradient,
+    Optstate, Activation, Temp, Total). ``external``: modules/optimizers built before."""
+    from torch.distributed._tools.mem_tracker import MemTracker  # private torch API: re-check on torch upgrades
+
+    tracker = MemTracker()
+    tracker.track_external(*external)
+    with tracker:
+        fn()
+    return _breakdown_mib(tracker, device)
+
+
+def gpt_activation_mib(model_cfg, batch_size: int, seed: int = 0) -> float:
+    """Measured peak activations + temporaries (MiB) of one fp32 forward + backward of our
+    GPT, in this process: what ``prediction.activation_bytes`` is fitted to and checked by."""
+    from sharded_exp.models.gpt import GPT
+
+    torch.manual_seed(seed)
+    model = GPT(model_cfg)
+    ids = torch.randint(model_cfg.vocab_size, (batch_size, model_cfg.seq_len))
+    targets = torch.randint(model_cfg.vocab_size, (batch_size, model_cfg.seq_len))
+    peak = peak_breakdown_mib(lambda: model(input_ids=ids, targets=targets).loss.backward(), model)
+    return peak["Activation"] + peak["Temp"]
+
+
 class MemoryMeter:
     """Peak memory of one rank over a region (``start`` ... ``stop``)."""
 
@@ -79,7 +112,7 @@ class MemoryMeter:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             return
-        from torch.distributed._tools.mem_tracker import MemTracker  # private API, see FINDINGS
+        from torch.distributed._tools.mem_tracker import MemTracker  # private torch API: re-check on torch upgrades
 
         self._tracker = MemTracker()
         self._tracker.track_external(*external)
@@ -116,8 +149,7 @@ class MemoryMeter:
         if tracker is None:
             return {"peak_allocated_mib": None, "peak_reserved_mib": None, "peak_breakdown_mib": None}
         tracker.__exit__(None, None, None)
-        snap = tracker.get_tracker_snapshot("peak").get(self.device, {})
-        breakdown = {str(getattr(k, "value", k)): v / MIB for k, v in snap.items()}
+        breakdown = _breakdown_mib(tracker, self.device)
         total = breakdown.pop("Total", sum(breakdown.values()))
         return {
             "peak_allocated_mib": total,

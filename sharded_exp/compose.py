@@ -1,0 +1,62 @@
+"""Composing the config tree: schemas into Hydra's ConfigStore, numeric group choices, and
+``compose()`` for code that is not a Hydra app (the planner, tests, benchmarks)."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.config_store import ConfigStore
+
+from sharded_exp import config
+
+CONF_DIR = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "conf"))
+
+
+def register_schemas() -> None:
+    """Store every schema in Hydra's ConfigStore as ``<group>/<kind>_schema``.
+
+    The fixed groups' schemas live in :mod:`sharded_exp.config`; strategies, models and
+    data tasks bring their own next to their builders (one module + one YAML file adds
+    one), so they are read from the registries here.
+    """
+    from sharded_exp.data import TASKS
+    from sharded_exp.models import MODELS
+    from sharded_exp.strategies import STRATEGIES
+
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=config.Config)
+    cs.store(name="plan_schema", node=config.PlanConfig)
+    cs.store(group="precision", name="precision_schema", node=config.PrecisionConfig)
+    cs.store(group="optimizer", name="optimizer_schema", node=config.OptimizerConfig)
+    cs.store(group="trainer", name="trainer_schema", node=config.TrainerConfig)
+    cs.store(group="logger", name="logger_schema", node=config.LoggerConfig)
+    for group, registry in (("strategy", STRATEGIES), ("model", MODELS), ("data", TASKS)):
+        for name in registry.names():
+            cs.store(group=group, name=f"{name}_schema", node=registry.config_class(name))
+
+
+def quote_numeric_choices(args: list[str], conf_dir: str = CONF_DIR) -> list[str]:
+    """Let ``precision=16`` (and sweeps like ``precision=32,16``) name a config group option.
+
+    Hydra parses an unquoted ``16`` as an int and refuses it as a group choice, so a user
+    would have to type ``precision="'16'"``. Numeric choices of config groups are quoted
+    here before Hydra parses the command line; everything else passes through unchanged.
+    """
+    out = []
+    for arg in args:
+        m = re.fullmatch(r"([+~]{0,2}[\w/]+)=([\w.,]+)", arg)
+        if m and os.path.isdir(os.path.join(conf_dir, m.group(1).lstrip("+~"))):
+            items = m.group(2).split(",")
+            arg = m.group(1) + "=" + ",".join(f"'{v}'" if re.fullmatch(r"[0-9.]+", v) else v for v in items)
+        out.append(arg)
+    return out
+
+
+def compose(overrides: list[str], config_name: str = "config"):
+    """The composed config of ``conf/<config_name>.yaml`` with command-line style overrides."""
+    register_schemas()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return hydra_compose(config_name, overrides=quote_numeric_choices(overrides))

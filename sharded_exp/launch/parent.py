@@ -1,0 +1,280 @@
+"""The parent: the Hydra job's side of a job, from pre-flight to ``result.json``.
+
+It checks the config once (:mod:`sharded_exp.preflight`), then either
+
+- spawns ``trainer.world_size`` rank processes that rendezvous through a TCPStore the
+  parent itself holds on a free port (so two jobs on one machine never collide), and
+  supervises them: the first failure, SIGTERM/SIGINT passed on, no orphans; or
+- when started by torchrun or srun (:mod:`.layout`), runs as that one rank.
+
+``result.json`` is written here and nowhere else (:func:`write_result`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import signal
+import time
+import traceback
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from omegaconf import DictConfig, OmegaConf
+
+from sharded_exp import preflight
+from sharded_exp.launch import forkserver, liveness
+from sharded_exp.launch.layout import Layout, external_layout, rendezvous_env
+from sharded_exp.launch.rank import Job, run_rank, spawned_entry
+from sharded_exp.output.results import base_result, summary_table, write_json
+from sharded_exp.registry import import_plugins
+
+
+def launch(
+    cfg: DictConfig,
+    output_dir: str,
+    job_files: dict[str, Any] | None = None,
+    started: tuple[float, float] | None = None,
+) -> dict[str, Any]:
+    """Check, run every rank, write ``result.json`` and print the summary table.
+
+    Returns the result; its ``status`` is "ok", "stopped" (by a signal), "oom" or
+    "failed" (with ``error`` naming the rank). Raises ConfigError before any rank starts.
+    Under torchrun only rank 0 writes and prints. ``job_files``: ``.hydra/`` files to
+    write once the config is known good.
+    """
+    import_plugins()
+    launched = time.time()
+    layout = external_layout()
+    checked = preflight.check(cfg, output_dir, layout)  # raises ConfigError before any rank starts
+    cfg_data = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    cfg_data["trainer"]["world_size"] = checked.world_size
+    is_writer = layout is None or layout.rank == 0
+    result = base_result(cfg_data, checked.params, output_dir)
+    if is_writer:
+        archive_previous_attempt(output_dir, extra=(".hydra",) if job_files else ())
+        write_job_files(output_dir, job_files or {})
+    os.makedirs(output_dir, exist_ok=True)
+    job = Job(cfg_data, output_dir, checked.device_type, checked.prediction, _job_env())
+    try:
+        validated = time.time()
+        # rank 0's payload carries status "ok" or "stopped"; other torchrun ranks get None
+        result.update(run_job(job, layout, checked.world_size) or {"status": "ok"})
+        # Unix times: parent launch -> validated -> rank start -> process group -> built -> logger -> first step
+        main, imported = started or (None, None)
+        result["timeline"] = {
+            "main": main,
+            "imported": imported,
+            "launch": launched,
+            "validated": validated,
+            **result.get("timeline", {}),
+        }
+    except Exception as exc:  # noqa: BLE001 -- a rank failed: record it, then let the caller exit non-zero
+        result.update(failure_of(exc, output_dir))
+    if is_writer:
+        write_result(output_dir, result)
+        print(summary_table(result), flush=True)
+    return result
+
+
+def record_config_error(cfg: DictConfig, output_dir: str, exc: Exception) -> dict[str, Any]:
+    """A sweep point whose config was refused: recorded as a failed point, nothing started."""
+    archive_previous_attempt(output_dir)
+    data = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    result = {**base_result(data, None, output_dir), "status": "failed", "error": f"config: {exc}"}
+    write_result(output_dir, result)
+    return result
+
+
+def write_result(output_dir: str, result: dict[str, Any]) -> None:
+    """``<output_dir>/result.json``, atomically: the one place a job's result is written."""
+    os.makedirs(output_dir, exist_ok=True)
+    write_json(os.path.join(output_dir, "result.json"), result)
+
+
+def run_job(job: Job, layout: Layout | None, world_size: int) -> dict[str, Any] | None:
+    """Run the job's ranks: spawn them, or be the one rank an external launcher started."""
+    if layout is None:
+        return spawn(job, world_size)
+    for key, value in rendezvous_env(layout).items():
+        os.environ.setdefault(key, value)
+    return run_rank(job, layout.rank, layout.world_size, layout.local_rank, layout.local_world_size)
+
+
+def _job_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith("SHARDED_EXP_")}
+
+
+def spawn(job: Job, world_size: int) -> dict[str, Any]:
+    """Run ``world_size`` ranks as child processes; return rank 0's payload or raise."""
+    # forkserver: children fork from a clean server process that imported torch once, so a
+    # sweep pays the import once; plain fork would inherit the parent's OpenMP pool (and
+    # deadlock), and CUDA cannot be forked after initialisation.
+    ctx = forkserver.context()  # usually running already: started by __main__ before its imports
+    results = ctx.SimpleQueue()
+    timeout = datetime.timedelta(seconds=job.cfg["trainer"]["timeout_s"])
+    # The parent holds the rendezvous store on a port the OS picks: no collisions.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    store_addr = {"host": "127.0.0.1", "port": store.port}
+    stop = ParentStop(job.cfg["trainer"]["stop_grace_s"])
+    try:
+        with stop.handling_signals():  # before the ranks exist: no signal leaves orphans
+            context = mp.start_processes(
+                spawned_entry,
+                args=(world_size, job, store_addr, results),
+                nprocs=world_size,
+                start_method="forkserver",
+                join=False,
+            )
+            stop.watch(context.processes)
+            # When a rank fails, its peers get 2 s to exit by themselves, then SIGTERM,
+            # 2 s more, then SIGKILL (torch's default would wait 30 s).
+            while not context.join(timeout=0.5, grace_period=2.0):
+                stop.enforce_deadline()
+    except Exception:
+        if stop.signum is not None:  # ranks that died of the signal, or were killed
+            raise Stopped(stop.signum, killed=stop.killed) from None
+        # A rank that exited non-zero without leaving a record died without raising
+        # (os._exit, killed): it, not the peers that then lost their connection, failed first.
+        for rank, proc in enumerate(context.processes):
+            record = os.path.join(job.output_dir, f"rank{rank}_error.json")
+            if (proc.exitcode or 0) > 0 and not os.path.exists(record):
+                raise RankDied(rank, proc.exitcode) from None
+        raise
+    payload = results.get()
+    if payload.get("status") == "stopped" and stop.signum is not None:
+        payload["signal"] = stop.signum  # the job's signal (ranks may also see Ctrl-C's SIGINT)
+    return payload
+
+
+class Stopped(RuntimeError):
+    """The job was stopped by a signal and its ranks had to be killed."""
+
+    def __init__(self, signum: int, killed: bool):
+        self.signum = signum
+        what = "ranks were killed after trainer.stop_grace_s" if killed else "ranks stopped"
+        super().__init__(f"stopped by {signal.Signals(signum).name}: {what}")
+
+
+class ParentStop:
+    """The parent's side of stopping: SIGTERM/SIGINT are passed on to the ranks as SIGTERM
+    (they finish the step, agree, save, exit); ranks still alive after ``grace_s``, or at
+    a second signal, are killed, so no process outlives the job."""
+
+    def __init__(self, grace_s: float):
+        self.processes: list = []
+        self.grace_s = grace_s
+        self.signum: int | None = None
+        self.deadline: float | None = None
+        self.killed = False
+
+    @contextlib.contextmanager
+    def handling_signals(self):
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in liveness.STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def watch(self, processes) -> None:
+        """The ranks, once started; a signal that came while they started is passed on."""
+        self.processes = processes
+        if self.signum is not None:
+            self._terminate()
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+            self.deadline = time.monotonic() + self.grace_s
+            self._terminate()
+        else:
+            self._kill()
+
+    def _terminate(self) -> None:
+        for proc in self.processes:
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGTERM)
+
+    def enforce_deadline(self) -> None:
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            self._kill()
+
+    def _kill(self) -> None:
+        self.killed = True
+        for proc in self.processes:
+            if proc.is_alive():
+                proc.kill()
+
+
+class RankDied(RuntimeError):
+    def __init__(self, rank: int, exit_code: int):
+        super().__init__(f"rank {rank}: process exited with code {exit_code}")
+
+
+def failure_of(exc: BaseException, output_dir: str) -> dict[str, Any]:
+    """result.json's status and error for a job whose ranks failed or were stopped."""
+    first = None if isinstance(exc, (RankDied, Stopped)) else first_rank_failure(output_dir)
+    if first is not None:
+        out = {"status": "failed", "error": first["error"], "traceback": first["traceback"]}
+    else:
+        out = {"status": "failed", "error": describe_failure(exc)}
+    if isinstance(exc, Stopped):
+        out.update(status="stopped", signal=exc.signum)
+    if "OutOfMemoryError" in out["error"]:
+        out["status"] = "oom"  # a result, not a crash: this point does not fit
+    return out
+
+
+def first_rank_failure(output_dir: str) -> dict[str, Any] | None:
+    """The earliest rank failure recorded in ``output_dir``, if any."""
+    records = []
+    for name in os.listdir(output_dir):
+        if name.startswith("rank") and name.endswith("_error.json"):
+            with open(os.path.join(output_dir, name)) as f:
+                records.append(json.load(f))
+    return min(records, key=lambda r: r["time"]) if records else None
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line naming the failing rank and its exception."""
+    if isinstance(exc, (RankDied, Stopped)):
+        return str(exc)
+    if isinstance(exc, mp.ProcessRaisedException):
+        last = [line for line in exc.msg.strip().splitlines() if line.strip()][-1]
+        return f"rank {exc.error_index}: {last.strip()}"
+    if isinstance(exc, mp.ProcessExitedException):
+        return f"rank {exc.error_index}: process exited with code {exc.exit_code}"
+    return "".join(traceback.format_exception_only(type(exc), exc)).strip()
+
+
+def write_job_files(output_dir: str, files: dict[str, Any]) -> None:
+    """The composed config, Hydra's config and the overrides, as Hydra would write them."""
+    for name, content in files.items():
+        os.makedirs(os.path.join(output_dir, ".hydra"), exist_ok=True)
+        OmegaConf.save(content, os.path.join(output_dir, ".hydra", name))
+
+
+def archive_previous_attempt(output_dir: str, extra: tuple[str, ...] = ()) -> str | None:
+    """Move an earlier attempt's records (result.json, rank errors, ``extra``) in a reused
+    output directory to ``attempts/<n>/``: a new run deletes and overwrites nothing.
+    Checkpoints stay where they are (a resumed run reads them)."""
+    if not os.path.isdir(output_dir):
+        return None
+    names = [
+        n
+        for n in os.listdir(output_dir)
+        if n == "result.json" or (n.startswith("rank") and n.endswith("_error.json")) or n in extra
+    ]
+    if not names:
+        return None
+    attempts = os.path.join(output_dir, "attempts")
+    os.makedirs(attempts, exist_ok=True)
+    target = os.path.join(attempts, str(len(os.listdir(attempts)) + 1))
+    os.makedirs(target)
+    for name in names:
+        os.rename(os.path.join(output_dir, name), os.path.join(target, name))
+    return target

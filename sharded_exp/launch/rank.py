@@ -1,0 +1,109 @@
+"""A rank's entry: the job's environment, the device, the process group, then the trainer.
+
+Runs in a process of its own, forked from the forkserver by the parent or started by
+torchrun / srun. It receives the job as plain data (:class:`Job`): spawned children have
+no HydraConfig, and everything the parent decided (device type, memory prediction,
+resolved checkpoint paths) travels with it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from sharded_exp.launch import liveness
+from sharded_exp.output.results import write_json
+from sharded_exp.registry import import_plugins
+
+
+@dataclass
+class Job:
+    """One job as the parent hands it to its ranks (picklable, plain data)."""
+
+    cfg: dict[str, Any]
+    """The resolved config."""
+    output_dir: str
+    device_type: str
+    """cuda or cpu: decided once, by the parent's pre-flight."""
+    prediction: dict[str, Any]
+    """The parent's memory prediction (sharded_exp.measure.prediction.predict)."""
+    env: dict[str, str]
+    """The job's SHARDED_EXP_* variables (a forked rank inherits the server's environment)."""
+
+
+def run_rank(
+    job: Job, rank: int, world_size: int, local_rank: int, local_world_size: int, store: dict | None = None
+) -> dict[str, Any] | None:
+    """Set up this rank, train, and return rank 0's payload (None on other ranks).
+
+    ``store``: the parent's rendezvous (host, port) for spawned ranks; None for ``env://``.
+    """
+    liveness.catch_stop_signals()  # before anything slow: a signal now means "stop soon"
+    timeline = {"rank_start": time.time()}
+    for key in [k for k in os.environ if k.startswith("SHARDED_EXP_")]:
+        del os.environ[key]
+    os.environ.update(job.env)
+    import_plugins()
+    cfg = OmegaConf.create(job.cfg)
+    if job.device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        # Ranks share the cores: without this each would start one thread per core.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+    timeout = datetime.timedelta(seconds=cfg.trainer.timeout_s)
+    backend = "nccl" if job.device_type == "cuda" else "gloo"
+    if store is not None:
+        tcp = dist.TCPStore(store["host"], store["port"], is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=tcp, rank=rank, world_size=world_size, timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
+    try:
+        timeline["process_group_ready"] = time.time()
+        from sharded_exp.train.trainer import train  # here, not at the top: the parent never trains
+
+        return train(cfg, device, job.output_dir, job.prediction, timeline)
+    except BaseException as exc:
+        message = None
+        if liveness.is_timeout(exc):
+            try:  # name the rank that never arrived, not just "timed out"
+                message = liveness.describe_timeout(exc, cfg.trainer.timeout_s)
+            except Exception:  # noqa: BLE001 -- the plain error is still recorded
+                pass
+        record_rank_failure(job.output_dir, rank, exc, message)
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def spawned_entry(index: int, world_size: int, job: Job, store: dict, results) -> None:
+    """Entry of a rank spawned by the parent; ``index`` is the rank (one machine)."""
+    payload = run_rank(job, index, world_size, index, world_size, store)
+    if payload is not None:
+        results.put(payload)
+
+
+def record_rank_failure(output_dir: str, rank: int, exc: BaseException, message: str | None = None) -> None:
+    """Keep a failing rank's traceback, with the time it failed, in the output directory.
+
+    When one rank fails its peers fail next ("connection reset by peer"), and which one the
+    launcher reports first is a race; the earliest record names the rank that started it.
+    """
+    write_json(
+        os.path.join(output_dir, f"rank{rank}_error.json"),
+        {
+            "rank": rank,
+            "time": time.time(),
+            "error": f"rank {rank}: " + (message or "".join(traceback.format_exception_only(type(exc), exc)).strip()),
+            "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        },
+    )

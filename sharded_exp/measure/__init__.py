@@ -1,0 +1,1 @@
+"""Measurement and prediction of memory: what a rank holds, measured and predicted."""

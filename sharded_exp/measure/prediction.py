@@ -1,0 +1,118 @@
+"""The prediction of a job's memory, made once in the parent before any rank starts.
+
+The same functions fill every run's ``predicted_*`` figures and the planner's table
+(:mod:`sharded_exp.plan`), so every run checks the planner. The model is built on the
+meta device: shapes only, no memory, a 7B model in seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sharded_exp import precision
+from sharded_exp.measure.memory_model import predict_model_states_mib, relative_error
+from sharded_exp.models import build_model
+from sharded_exp.optim import optimizer_spec
+from sharded_exp.strategies import STRATEGIES
+
+MIB = 2**20
+
+
+@dataclass
+class ModelShapes:
+    """What the memory model needs to know of a model, read from a meta-device build."""
+
+    groups: list[list[tuple]]
+    """Parameter shapes per optimizer parameter group, in order."""
+    blocks: list[int]
+    """Elements of each of the model's ``blocks()`` (FSDP's units)."""
+    root: int
+    """Elements outside the blocks."""
+    state_shapes: dict[str, tuple]
+    """Every state-dict entry's shape by name (checkpoints are checked against it)."""
+
+    @property
+    def params(self) -> int:
+        return sum(self.blocks) + self.root
+
+
+def model_shapes(model_cfg, optimizer_cfg) -> ModelShapes:
+    """Shapes of the configured model and its optimizer groups, from the meta device."""
+    with torch.device("meta"):
+        module = build_model(model_cfg)
+    groups = [[tuple(p.shape) for p in g["params"]] for g in optimizer_spec(optimizer_cfg, module).param_groups]
+    blocks = [sum(p.numel() for p in block.parameters()) for block in module.blocks()]
+    return ModelShapes(
+        groups=groups,
+        blocks=blocks,
+        root=sum(p.numel() for p in module.parameters()) - sum(blocks),
+        state_shapes={k: tuple(v.shape) for k, v in module.state_dict().items()},
+    )
+
+
+def activation_bytes(model_cfg, batch_size: int, precision_name: str) -> int | None:
+    """Peak activation bytes per rank of one forward + backward (no checkpointing).
+
+    GPT, per block, about 16 values per (sample, token, channel) stay saved for backward
+    (LayerNorm inputs/outputs, q/k/v, attention output and its copy, the two residual
+    streams, 4x-wide MLP input of GELU and its output), plus 2 for the embeddings and final
+    norm, plus 4 per (sample, token, vocabulary entry) for logits, log-softmax and their
+    gradients. Fitted on CPU with torch's MemTracker and checked in tests (within 20%).
+    None for other models.
+    """
+    if model_cfg.name != "gpt":
+        return None
+    half = precision.compute_dtype(precision_name) is not None
+    b, s, d, v = batch_size, model_cfg.seq_len, model_cfg.d_model, model_cfg.vocab_size
+    # the loss is computed from fp32 logits (logits.float()) at every precision
+    vocab_bytes = (2 + 3 * 4) if half else 4 * 4
+    return precision.compute_bytes(precision_name) * b * s * d * (16 * model_cfg.n_layers + 2) + vocab_bytes * b * s * v
+
+
+def predict(strategy_cfg, optimizer_cfg, precision_name: str, shapes: ModelShapes, world_size: int) -> dict[str, Any]:
+    """Predicted model states of every rank and the parameters gathered on top at the peak.
+
+    ``{"model_states_mib": [{"params", "grads", "optimizer"} per rank], "transient_params_mib": x}``
+    """
+    strategy = STRATEGIES.builder(strategy_cfg.name)
+    states = predict_model_states_mib(strategy, strategy_cfg, optimizer_cfg, shapes.groups, world_size)
+    gathered = (
+        strategy.transient_param_numel(strategy_cfg, shapes.blocks, shapes.root, world_size) if shapes.blocks else 0
+    )
+    return {
+        "model_states_mib": states,
+        "transient_params_mib": gathered * precision.compute_bytes(precision_name) / MIB,
+    }
+
+
+def memory_section(prediction: dict[str, Any], per_rank: list[dict[str, Any]], source: str) -> dict[str, Any]:
+    """Measured memory per rank beside the prediction: result.json's ``memory``."""
+    predicted = prediction["model_states_mib"]
+    for entry, pred in zip(per_rank, predicted):
+        entry["predicted_model_states_mib"] = pred
+        entry["model_states_rel_error"] = relative_error(pred, entry["model_states_mib"])
+
+    def largest(key):
+        values = [r[key] for r in per_rank if r.get(key) is not None]
+        return max(values) if values else None
+
+    # Gathered (unsharded) parameters on top of the resident ones, e.g. FSDP's units.
+    measured_transient = [
+        r["peak_breakdown_mib"]["Parameter"] - r["model_states_mib"]["params"]
+        for r in per_rank
+        if r.get("peak_breakdown_mib")
+    ]
+    return {
+        "source": source,
+        "per_rank": per_rank,
+        "peak_allocated_mib_max": largest("peak_allocated_mib"),
+        "peak_rss_mib_max": largest("peak_rss_mib"),
+        "model_states_mib_max": max(sum(r["model_states_mib"].values()) for r in per_rank),
+        "predicted_model_states_mib_max": max(sum(p.values()) for p in predicted),
+        "model_states_rel_error_max": largest("model_states_rel_error"),
+        "predicted_transient_params_mib": prediction["transient_params_mib"],
+        "transient_params_mib_max": max(measured_transient) if measured_transient else None,
+    }

@@ -1,0 +1,150 @@
+"""Pre-flight: everything the parent checks and decides once, before any rank starts.
+
+:func:`check` runs in the parent (the Hydra job) on the composed config. It refuses what a
+schema cannot express (ranges, a GPU that is not there, a package that is not installed,
+a model and task that do not fit, a checkpoint that cannot start this job) with a
+:class:`~sharded_exp.errors.ConfigError` that names the bad value and what is allowed,
+and decides what the ranks then take as given: the device type, the world size, the
+resolved checkpoint paths, and the memory prediction (made here, once, by the function
+the planner uses).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+
+from sharded_exp import checkpoint
+from sharded_exp.data import TASKS
+from sharded_exp.errors import ConfigError, missing_packages
+from sharded_exp.launch.layout import Layout
+from sharded_exp.measure.prediction import ModelShapes, model_shapes, predict
+from sharded_exp.models import MODELS
+from sharded_exp.optim import OPTIMIZERS
+from sharded_exp.precision import PRECISIONS
+from sharded_exp.strategies import STRATEGIES
+from sharded_exp.train import faults
+
+
+@dataclass
+class Checked:
+    """What the pre-flight decided; the ranks take it as given."""
+
+    device_type: str
+    """cuda or cpu."""
+    world_size: int
+    """Ranks of the job: trainer.world_size, or what torchrun / SLURM started."""
+    params: int
+    """Parameters of the model (counted on the meta device)."""
+    prediction: dict[str, Any]
+    """Predicted memory per rank (sharded_exp.measure.prediction.predict)."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def check(cfg, output_dir: str, layout: Layout | None = None) -> Checked:
+    """Check ``cfg`` and decide the job's device, world size, checkpoints and prediction.
+
+    Fills in ``trainer.checkpoint_dir`` and resolves ``trainer.resume`` in ``cfg``. Raises
+    ConfigError, naming the value and the choices, before anything is started or written.
+    """
+    check_values(cfg)
+    world_size = layout.world_size if layout is not None else cfg.trainer.world_size
+    local_ranks = layout.local_world_size if layout is not None else world_size
+    device_type = decide_device(_accelerator(cfg.trainer.accelerator), local_ranks, str(cfg.precision.name))
+    shapes = model_shapes(cfg.model, cfg.optimizer)  # meta device; raises for shapes a model refuses
+    TASKS.builder(cfg.data.name)(cfg.data, cfg.model, cfg.trainer.batch_size)  # does the task fit the model?
+    resolve_checkpoints(cfg, output_dir, shapes)
+    prediction = predict(cfg.strategy, cfg.optimizer, str(cfg.precision.name), shapes, world_size)
+    return Checked(device_type, world_size, shapes.params, prediction)
+
+
+def check_values(cfg) -> None:
+    """Names that must be registered, packages that must be there, values in range."""
+    t = cfg.trainer
+    try:
+        faults.from_env()  # a malformed testing aid fails here, not in every rank
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    strategy = STRATEGIES.builder(cfg.strategy.name)  # raises, naming the registered ones
+    missing = missing_packages(strategy.requires)
+    _require(
+        not missing,
+        f"strategy={cfg.strategy.name} needs the package(s) {', '.join(missing)}, which are not installed here "
+        f"(pip install -e . installs them; strategies without extra packages: "
+        f"{', '.join(n for n in STRATEGIES.names() if not STRATEGIES.builder(n).requires)})",
+    )
+    MODELS.builder(cfg.model.name)
+    TASKS.builder(cfg.data.name)
+    name = str(cfg.precision.name)
+    _require(name in PRECISIONS, f"precision={name!r} is not one of {', '.join(PRECISIONS)}")
+    _require(
+        cfg.optimizer.name in OPTIMIZERS, f"optimizer.name={cfg.optimizer.name!r} is not one of {', '.join(OPTIMIZERS)}"
+    )
+    for key in ("world_size", "steps", "batch_size", "grad_accum", "log_interval"):
+        _require(t[key] >= 1, f"trainer.{key}={t[key]} must be >= 1")
+    _require(
+        0 <= t.warmup_steps < t.steps,
+        f"trainer.warmup_steps={t.warmup_steps} must be >= 0 and < trainer.steps={t.steps} "
+        "(steps after warm-up are the timed ones)",
+    )
+    _require(t.grad_clip >= 0, f"trainer.grad_clip={t.grad_clip} must be >= 0 (0 turns clipping off)")
+    _require(t.timeout_s > 0, f"trainer.timeout_s={t.timeout_s} must be > 0")
+    _require(t.checkpoint_every >= 0, f"trainer.checkpoint_every={t.checkpoint_every} must be >= 0 (0 = off)")
+    _require(t.keep_checkpoints >= 0, f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 0 (0 = keep all)")
+    _require(t.stop_grace_s > 0, f"trainer.stop_grace_s={t.stop_grace_s} must be > 0")
+    _require(
+        t.memory_limit_mib is None or t.memory_limit_mib > 0,
+        f"trainer.memory_limit_mib={t.memory_limit_mib} must be > 0 (or null for no budget)",
+    )
+    _require(cfg.optimizer.lr > 0, f"optimizer.lr={cfg.optimizer.lr} must be > 0")
+
+
+def _accelerator(value) -> str:
+    return str(value.value if isinstance(value, Enum) else value)
+
+
+def decide_device(accelerator: str, local_ranks: int, precision_name: str) -> str:
+    """'cuda' or 'cpu' for ``trainer.accelerator``, decided once for the whole job.
+
+    ``auto`` means the GPUs when CUDA is available; either way on CUDA each of the
+    ``local_ranks`` ranks on this machine needs a GPU of its own.
+    """
+    if accelerator == "gpu":
+        _require(
+            torch.cuda.is_available(),
+            "trainer.accelerator=gpu but CUDA is not available here; use trainer.accelerator=cpu or auto",
+        )
+    if accelerator == "cpu" or not torch.cuda.is_available():
+        return "cpu"
+    gpus = torch.cuda.device_count()
+    _require(
+        local_ranks <= gpus,
+        f"trainer.world_size={local_ranks} is more than the {gpus} GPU(s) present (one rank per GPU, "
+        f"trainer.accelerator={accelerator}); lower it or use trainer.accelerator=cpu",
+    )
+    if precision_name == "bf16":
+        _require(torch.cuda.is_bf16_supported(), "precision=bf16 is not supported by this GPU; use 16 or 32")
+    return "cuda"
+
+
+def resolve_checkpoints(cfg, output_dir: str, shapes: ModelShapes) -> None:
+    """Fill in ``trainer.checkpoint_dir`` and turn ``trainer.resume`` into a checkpoint path
+    (or null), checking that the checkpoint is complete, readable and fits this job."""
+    t = cfg.trainer
+    t.checkpoint_dir = os.path.abspath(t.checkpoint_dir or os.path.join(output_dir, "checkpoints"))
+    try:
+        t.resume = checkpoint.resolve_resume(t.resume, t.checkpoint_dir)
+        if t.resume is None:
+            return
+        meta = checkpoint.read_meta(t.resume)
+        checkpoint.check_compatible(t.resume, meta, shapes.state_shapes, cfg.optimizer.name, t.steps)
+    except checkpoint.CheckpointError as exc:
+        raise ConfigError(str(exc)) from None

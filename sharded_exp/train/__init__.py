@@ -1,0 +1,1 @@
+"""The rank side's work: the training loop, its metrics, and fault injection for tests."""

@@ -1,0 +1,339 @@
+"""The training loop that runs on every rank, read top to bottom.
+
+:func:`train` is called once per rank with the process group already initialised (by
+:mod:`sharded_exp.launch.rank`). It builds model, strategy and data from the plain
+resolved config, runs the loop (:func:`run_loop`, public: ``benchmarks/overhead.py``
+times it against a hand-written loop) and returns, on rank 0, the payload that becomes
+``result.json``. The step itself is :func:`train_step`; the trainer never asks which
+strategy it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.tensor import DTensor
+from tqdm import tqdm
+
+from sharded_exp import checkpoint, precision
+from sharded_exp.data import build_task
+from sharded_exp.launch import liveness
+from sharded_exp.measure.prediction import memory_section
+from sharded_exp.measure.tracker import MemoryMeter, model_state_mib
+from sharded_exp.models import build_model
+from sharded_exp.optim import optimizer_spec
+from sharded_exp.output.loggers import NullLogger, build_logger, memory_values, summary_values
+from sharded_exp.strategies import build_strategy
+from sharded_exp.strategies.base import Strategy
+from sharded_exp.train.faults import Injector
+from sharded_exp.train.metrics import IntervalMetrics, throughput_stats
+
+
+def train_step(strategy: Strategy, batches: list[dict[str, torch.Tensor]], autocast, grad_clip: float):
+    """One optimizer step over ``len(batches)`` micro-batches; returns (loss, last output)."""
+    strategy.zero_grad()
+    total = 0.0
+    for i, batch in enumerate(batches):
+        last = i == len(batches) - 1
+        # Gradients are communicated on the last micro-batch only.
+        with contextlib.nullcontext() if last else strategy.no_sync():
+            with autocast:
+                out = strategy.model(**batch)
+                loss = out.loss / len(batches)
+            strategy.scaler.scale(loss).backward()
+        total += loss.detach()
+    if grad_clip > 0:
+        strategy.scaler.unscale_(strategy.optimizer)  # clip the true gradients, not scaled ones
+        strategy.clip_grad_norm_(grad_clip)
+    strategy.optimizer_step()
+    return total, out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class LoopSettings:
+    """The trainer config's values the loop reads, as plain attributes (an OmegaConf
+    lookup costs tens of microseconds, several per step)."""
+
+    steps: int
+    warmup_steps: int
+    batch_size: int
+    grad_accum: int
+    grad_clip: float
+    log_interval: int
+    progress_bar: bool = False
+    label: str = ""
+
+    @classmethod
+    def from_config(cls, trainer_cfg, label: str = "") -> "LoopSettings":
+        t = trainer_cfg
+        return cls(
+            t.steps, t.warmup_steps, t.batch_size, t.grad_accum, t.grad_clip, t.log_interval, t.progress_bar, label
+        )
+
+
+@dataclass
+class LoopOutcome:
+    """What one run of the loop did, on every rank."""
+
+    steps_done: int
+    loss: torch.Tensor
+    """The last step's loss on this rank (not yet reduced)."""
+    history: list[dict[str, float]]
+    throughput: dict[str, float]
+    memory: dict[str, Any]
+    skipped_steps: int
+    first_step_unix: float
+    checkpoint: str | None = None
+    stopped: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def run_loop(
+    strategy: Strategy,
+    next_batch,
+    autocast,
+    loop: LoopSettings,
+    *,
+    start: int = 0,
+    meter: MemoryMeter,
+    stopper: liveness.StopAgreement,
+    logger=NullLogger(),
+    faults: Injector | None = None,
+    checkpoints: checkpoint.Checkpointer | None = None,
+) -> LoopOutcome:
+    """Train steps ``start`` to ``loop.steps`` on this rank (a collective: every rank calls it).
+
+    Memory is measured by ``meter`` (on CPU over the warm-up steps only), a stop requested
+    by a signal is agreed through ``stopper``, metrics go to ``logger`` one interval late,
+    ``faults`` acts out a testing aid and ``checkpoints`` writes the checkpoints that are due.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = meter.device
+    # A (re)started process warms up again: the first steps after ``start`` are not timed,
+    # but at least one step is. The CPU memory tracker slows every op: it runs over the
+    # warm-up steps (over the first step when there is none; that step is then timed with it).
+    warmup = min(loop.warmup_steps, loop.steps - start - 1)
+    memory_end = start + (max(warmup, 1) if device.type == "cpu" else loop.steps - start)
+    samples_per_step = loop.batch_size * loop.grad_accum * world_size
+    metrics, log = IntervalMetrics(device), _IntervalLog(logger)
+    bar = tqdm(total=loop.steps, desc=loop.label, disable=rank != 0 or not loop.progress_bar)
+    memory, step_times, skipped, tokens_per_step, saved = {}, [], 0, 0, None
+    out = LoopOutcome(start, torch.zeros(()), log.history, {}, {}, 0, time.time())
+    loop_start = None
+    for step in range(start, loop.steps):
+        if step == start + warmup:
+            # Wall time of whole loop iterations (data, checks, metrics, logging included):
+            # what the harness costs on top of train_step, see benchmarks/overhead.py.
+            _sync(device)
+            loop_start = time.perf_counter()
+        if stopper.should_stop(step):  # a signal reached some rank: all stop here, together
+            break
+        liveness.current_step = step
+        batches = [{k: v.to(device) for k, v in next_batch(step, m, rank).items()} for m in range(loop.grad_accum)]
+        if "input_ids" in batches[0]:
+            tokens_per_step = batches[0]["input_ids"].numel() * loop.grad_accum * world_size
+        if faults is not None:
+            faults.before_step(step, strategy)
+
+        scale_before = strategy.scaler.get_scale()
+        _sync(device)
+        t0 = time.perf_counter()
+        loss, output = train_step(strategy, batches, autocast, loop.grad_clip)
+        _sync(device)
+        step_time = time.perf_counter() - t0
+        if step >= start + warmup:
+            step_times.append(step_time)
+            log.add(
+                step + 1,
+                {"throughput/step_time_s": step_time, "throughput/samples_per_s": samples_per_step / step_time},
+            )
+        if faults is not None:
+            faults.after_step()
+        # The scaler lowers its scale exactly when it skipped the step (found inf/nan).
+        skipped += int(strategy.scaler.get_scale() < scale_before)
+        meter.step_end()
+        if step + 1 == memory_end:
+            memory = meter.stop()
+
+        metrics.update(loss, output.logits, batches[-1]["targets"])
+        # Let go of this step's output and batch now: otherwise the logits (batch x time x
+        # vocab for a language model) stay alive through the next step's peak.
+        del output, batches
+        bar.update(1)
+        if (step + 1) % loop.log_interval == 0 or step + 1 == loop.steps:
+            log.publish(metrics.end_interval(step + 1), bar)
+        out.steps_done, out.loss = step + 1, loss
+        if checkpoints is not None and checkpoints.due(out.steps_done, loop.steps):
+            out.checkpoint, saved = checkpoints.save(strategy, out.steps_done, device), out.steps_done
+    _sync(device)
+    loop_end = time.perf_counter()
+    stopper.finish()
+    if metrics.updates:  # stopped in the middle of an interval
+        log.publish(metrics.end_interval(out.steps_done), bar)
+    log.publish(metrics.flush(), bar)
+    bar.close()
+    out.stopped = out.steps_done < loop.steps
+    if out.stopped and checkpoints is not None and checkpoints.every and saved != out.steps_done:
+        # Preempted: the state at the stop is worth more than the last periodic checkpoint.
+        out.checkpoint = checkpoints.save(strategy, out.steps_done, device)
+    timed = out.steps_done - start - warmup
+    loop_time = (loop_end - loop_start) / timed if loop_start is not None and timed > 0 else None
+    out.throughput = throughput_stats(step_times, samples_per_step, tokens_per_step, loop_time)
+    out.memory, out.skipped_steps = memory or meter.stop(), skipped
+    return out
+
+
+class _IntervalLog:
+    """The history of interval records, sent to the logger in step order (a record arrives
+    one interval late, after the per-step throughput points of its interval)."""
+
+    def __init__(self, logger):
+        self.logger = logger
+        self.history: list[dict[str, float]] = []
+        self._pending: list[tuple[int, dict[str, float]]] = []
+
+    def add(self, step: int, values: dict[str, float]) -> None:
+        self._pending.append((step, values))
+
+    def publish(self, record: dict[str, float] | None, bar) -> None:
+        """A finished interval: into the history, and everything up to its step to the logger."""
+        if record is None:
+            return
+        self.history.append(record)
+        self._pending.append((record["step"], {f"train/{k}": v for k, v in record.items() if k != "step"}))
+        ready = sorted((e for e in self._pending if e[0] <= record["step"]), key=lambda e: e[0])
+        self._pending = [e for e in self._pending if e[0] > record["step"]]
+        for log_step, values in ready:
+            self.logger.log(values, step=log_step)
+        bar.set_postfix(loss=f"{record['loss']:.4f}")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of a DTensor, else the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def param_digest(state: dict[str, torch.Tensor]) -> dict[str, float]:
+    """float64 sum and L2 norm over the full state, the same walk for every strategy."""
+    total, sq = 0.0, 0.0
+    for tensor in state.values():
+        t = tensor.detach().to("cpu", torch.float64)
+        total += t.sum().item()
+        sq += t.pow(2).sum().item()
+    return {"sum": total, "l2": math.sqrt(sq)}
+
+
+def gather_results(strategy: Strategy, out: LoopOutcome) -> tuple[list[dict[str, Any]] | None, dict[str, Any], float]:
+    """After the loop, on every rank (collective): each rank's figures gathered to rank 0.
+
+    Returns (per-rank entries on rank 0, else None; the full model state; the final loss
+    averaged over ranks).
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    module = strategy.module
+    final_loss = out.loss.detach().float().clone()
+    dist.all_reduce(final_loss)
+    state = strategy.full_state_dict()  # collective for strategies that shard parameters
+    local = {
+        "rank": rank,
+        **out.memory,
+        "model_states_mib": model_state_mib(module, strategy.local_optimizers()),
+        "optimizer_shard_numel": sum(p.numel() for p in strategy.local_shard()),
+        "loss_scale": float(strategy.scaler.get_scale()),
+        "skipped_steps": out.skipped_steps,
+        "nonfinite_params": sum(int((~torch.isfinite(_local(p))).sum()) for p in module.parameters()),
+        "local_param_digest": param_digest({n: _local(p) for n, p in module.named_parameters()}),
+        # Peak resident set of the rank's process (host memory, any framework compares).
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+    per_rank: list[Any] = [None] * world_size
+    dist.all_gather_object(per_rank, local)
+    return (per_rank if rank == 0 else None), state, final_loss.item() / world_size
+
+
+def train(
+    cfg: DictConfig,
+    device: torch.device,
+    output_dir: str,
+    prediction: dict[str, Any],
+    timeline: dict[str, float] | None = None,
+) -> dict[str, Any] | None:
+    """Build, train and measure on this rank; rank 0 returns the result payload.
+
+    ``prediction``: the parent's memory prediction (:func:`~sharded_exp.measure.prediction.predict`),
+    set beside the measurement in the payload's ``memory``.
+    """
+    timeline = timeline if timeline is not None else {}
+    stopper = liveness.StopAgreement()  # SIGTERM/SIGINT now ask for a stop, which ranks agree on
+    rank = dist.get_rank()
+    tc = cfg.trainer
+    torch.manual_seed(tc.seed)  # identical initial weights on every rank
+    module = build_model(cfg.model).to(device)
+    meter = MemoryMeter(device, tc.memory_limit_mib)
+    if device.type == "cpu":
+        # On CPU only tensors the tracker sees are counted: start it before the strategy
+        # allocates its communication buffers, as the CUDA allocator would count them.
+        meter.start(module)
+    strategy = build_strategy(cfg.strategy, module, optimizer_spec(cfg.optimizer, module), cfg.precision, device)
+    start = checkpoint.load(strategy, tc.resume, device)["step"] if tc.resume else 0  # resolved by the parent
+    if device.type == "cuda":
+        meter.start()  # peak counters reset once model and optimizer are built
+    timeline["built"] = time.time()
+    logger = build_logger(cfg.logger, OmegaConf.to_container(cfg, resolve=True), output_dir, rank)
+    timeline["logger_ready"] = time.time()
+    loop = LoopSettings.from_config(tc, label=f"{cfg.strategy.name} x{dist.get_world_size()}")
+    try:
+        out = run_loop(
+            strategy,
+            build_task(cfg.data, cfg.model, tc.batch_size),
+            precision.autocast(cfg.precision, device.type),
+            loop,
+            start=start,
+            meter=meter,
+            stopper=stopper,
+            logger=logger,
+            faults=Injector(rank, device),
+            checkpoints=checkpoint.Checkpointer.from_config(cfg),
+        )
+        per_rank, state, final_loss = gather_results(strategy, out)
+    except BaseException:
+        logger.finish(exit_code=1)
+        raise
+    payload = None
+    if per_rank is not None:
+        if tc.save_final_state and not out.stopped:
+            torch.save({k: v.cpu() for k, v in state.items()}, os.path.join(output_dir, "model_final.pt"))
+        payload = {
+            "status": "stopped" if out.stopped else "ok",
+            "signal": stopper.signum if out.stopped else None,
+            "start_step": start,
+            "steps_done": out.steps_done,
+            "resumed_from": tc.resume,
+            "checkpoint": out.checkpoint,
+            "params": sum(p.numel() for p in module.parameters()),
+            "final_loss": final_loss,
+            "final_metrics": out.history[-1],
+            "param_digest": param_digest(state),
+            "throughput": out.throughput,
+            "history": out.history,
+            "memory": memory_section(prediction, per_rank, meter.source),
+            "timeline": {**timeline, "first_step": out.first_step_unix},
+        }
+        logger.log(memory_values(payload["memory"]), step=payload["steps_done"])
+        logger.summary(summary_values(payload))
+    logger.finish(exit_code=0)
+    return payload
