@@ -112,3 +112,28 @@ def test_zero_paper_figure_1():
     psi, n = 7.5e9, 64
     gb = [zero_paper_bytes_per_param(stage, n) * psi / 1e9 for stage in range(4)]
     assert [round(x, 1) for x in gb] == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_prediction_is_on_disk_before_any_rank_starts(tmp_path, monkeypatch, measured):
+    """The parent predicts once and writes it (status "running") before it starts the ranks;
+    the run's final figures carry the same prediction."""
+    import json
+
+    from sharded_exp.launch import parent
+
+    seen = {}
+
+    def instead_of_the_ranks(job, layout, world_size):
+        seen.update(json.loads((tmp_path / "result.json").read_text()))
+        raise RuntimeError("no ranks in this test")
+
+    monkeypatch.setattr(parent, "run_job", instead_of_the_ranks)
+    result = parent.launch(compose_cfg(tiny(["strategy=fsdp", "model=gpt", *ADAM_FP32])), str(tmp_path))
+    assert result["status"] == "failed" and "no ranks in this test" in result["error"]
+    assert seen["status"] == "running"
+    final = measured("fsdp")["memory"]  # the same job, run for real
+    assert seen["memory"]["predicted_model_states_mib_max"] == final["predicted_model_states_mib_max"]
+    assert seen["memory"]["predicted_transient_params_mib"] == final["predicted_transient_params_mib"]
+    assert [e["predicted_model_states_mib"] for e in seen["memory"]["per_rank"]] == [
+        e["predicted_model_states_mib"] for e in final["per_rank"]
+    ]

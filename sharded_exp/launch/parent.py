@@ -29,6 +29,7 @@ from sharded_exp import preflight
 from sharded_exp.launch import forkserver, liveness
 from sharded_exp.launch.layout import Layout, external_layout, rendezvous_env
 from sharded_exp.launch.rank import Job, run_rank, spawned_entry
+from sharded_exp.measure.prediction import predicted_section
 from sharded_exp.output.results import base_result, summary_table, write_json
 from sharded_exp.registry import import_plugins
 
@@ -54,10 +55,12 @@ def launch(
     cfg_data["trainer"]["world_size"] = checked.world_size
     is_writer = layout is None or layout.rank == 0
     result = base_result(cfg_data, checked.params, output_dir)
+    os.makedirs(output_dir, exist_ok=True)
     if is_writer:
         archive_previous_attempt(output_dir, extra=(".hydra",) if job_files else ())
         write_job_files(output_dir, job_files or {})
-    os.makedirs(output_dir, exist_ok=True)
+        # Status "running" with the prediction: what to expect is on disk before any rank starts.
+        write_result(output_dir, {**result, "memory": predicted_section(checked.prediction)})
     job = Job(cfg_data, output_dir, checked.device_type, checked.prediction, _job_env())
     try:
         validated = time.time()

@@ -88,6 +88,17 @@ def predict(strategy_cfg, optimizer_cfg, precision_name: str, shapes: ModelShape
     }
 
 
+def predicted_section(prediction: dict[str, Any]) -> dict[str, Any]:
+    """result.json's ``memory`` before the ranks start: the prediction alone, same names."""
+    return {
+        "per_rank": [
+            {"rank": r, "predicted_model_states_mib": p} for r, p in enumerate(prediction["model_states_mib"])
+        ],
+        "predicted_model_states_mib_max": max(sum(p.values()) for p in prediction["model_states_mib"]),
+        "predicted_transient_params_mib": prediction["transient_params_mib"],
+    }
+
+
 def memory_section(prediction: dict[str, Any], per_rank: list[dict[str, Any]], source: str) -> dict[str, Any]:
     """Measured memory per rank beside the prediction: result.json's ``memory``."""
     predicted = prediction["model_states_mib"]

@@ -74,6 +74,31 @@ class IntervalMetrics:
         }
 
 
+class IntervalLog:
+    """The history of interval records, sent to the logger in step order (a record arrives
+    one interval late, after the per-step throughput points of its interval)."""
+
+    def __init__(self, logger):
+        self.logger = logger
+        self.history: list[dict[str, float]] = []
+        self._pending: list[tuple[int, dict[str, float]]] = []
+
+    def add(self, step: int, values: dict[str, float]) -> None:
+        self._pending.append((step, values))
+
+    def publish(self, record: dict[str, float] | None, bar) -> None:
+        """A finished interval: into the history, and everything up to its step to the logger."""
+        if record is None:
+            return
+        self.history.append(record)
+        self._pending.append((record["step"], {f"train/{k}": v for k, v in record.items() if k != "step"}))
+        ready = sorted((e for e in self._pending if e[0] <= record["step"]), key=lambda e: e[0])
+        self._pending = [e for e in self._pending if e[0] > record["step"]]
+        for log_step, values in ready:
+            self.logger.log(values, step=log_step)
+        bar.set_postfix(loss=f"{record['loss']:.4f}")
+
+
 def throughput_stats(
     step_times: list[float], samples_per_step: int, tokens_per_step: int, loop_time_s_per_step: float | None
 ) -> dict[str, float]:

@@ -35,7 +35,7 @@ from sharded_exp.output.loggers import NullLogger, build_logger, memory_values, 
 from sharded_exp.strategies import build_strategy
 from sharded_exp.strategies.base import Strategy
 from sharded_exp.train.faults import Injector
-from sharded_exp.train.metrics import IntervalMetrics, throughput_stats
+from sharded_exp.train.metrics import IntervalLog, IntervalMetrics, throughput_stats
 
 
 def train_step(strategy: Strategy, batches: list[dict[str, torch.Tensor]], autocast, grad_clip: float):
@@ -129,7 +129,7 @@ def run_loop(
     warmup = min(loop.warmup_steps, loop.steps - start - 1)
     memory_end = start + (max(warmup, 1) if device.type == "cpu" else loop.steps - start)
     samples_per_step = loop.batch_size * loop.grad_accum * world_size
-    metrics, log = IntervalMetrics(device), _IntervalLog(logger)
+    metrics, log = IntervalMetrics(device), IntervalLog(logger)
     bar = tqdm(total=loop.steps, desc=loop.label, disable=rank != 0 or not loop.progress_bar)
     memory, step_times, skipped, tokens_per_step, saved = {}, [], 0, 0, None
     out = LoopOutcome(start, torch.zeros(()), log.history, {}, {}, 0, time.time())
@@ -195,31 +195,6 @@ def run_loop(
     out.throughput = throughput_stats(step_times, samples_per_step, tokens_per_step, loop_time)
     out.memory, out.skipped_steps = memory or meter.stop(), skipped
     return out
-
-
-class _IntervalLog:
-    """The history of interval records, sent to the logger in step order (a record arrives
-    one interval late, after the per-step throughput points of its interval)."""
-
-    def __init__(self, logger):
-        self.logger = logger
-        self.history: list[dict[str, float]] = []
-        self._pending: list[tuple[int, dict[str, float]]] = []
-
-    def add(self, step: int, values: dict[str, float]) -> None:
-        self._pending.append((step, values))
-
-    def publish(self, record: dict[str, float] | None, bar) -> None:
-        """A finished interval: into the history, and everything up to its step to the logger."""
-        if record is None:
-            return
-        self.history.append(record)
-        self._pending.append((record["step"], {f"train/{k}": v for k, v in record.items() if k != "step"}))
-        ready = sorted((e for e in self._pending if e[0] <= record["step"]), key=lambda e: e[0])
-        self._pending = [e for e in self._pending if e[0] > record["step"]]
-        for log_step, values in ready:
-            self.logger.log(values, step=log_step)
-        bar.set_postfix(loss=f"{record['loss']:.4f}")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
