@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from sharded_exp.compose import quote_numeric_choices, register_schemas
 from sharded_exp.errors import ConfigError
+from sharded_exp.launch.layout import with_shared_run_dir
 from sharded_exp.launch.parent import launch, record_config_error
 from sharded_exp.report import ReportCallback
 
@@ -85,7 +86,8 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    sys.argv[1:] = quote_numeric_choices(sys.argv[1:])
+    # Under torchrun / srun every rank runs this: one job, one run directory (layout.py).
+    sys.argv[1:] = with_shared_run_dir(quote_numeric_choices(sys.argv[1:]))
     main()
     # Non-zero when a sweep point failed for a reason other than running out of memory.
     sys.exit(1 if ReportCallback.failed_points else 0)

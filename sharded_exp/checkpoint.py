@@ -1,24 +1,32 @@
-"""Checkpoints: one consolidated format that every strategy writes and reads.
+"""Checkpoints in two formats that every strategy writes and reads, keyed by name.
 
-A checkpoint is a directory ``<checkpoint_dir>/step_00000010/`` holding
+    python -m sharded_exp.checkpoint export SRC DST    # a dcp checkpoint -> consolidated
 
-- ``model.pt``: the full (unsharded) model state dict, keyed by parameter name;
-- ``optim.pt``: the full optimizer state keyed by parameter name (``{"state": {name:
-  {...}}, "param_groups": [{"params": [names], **hyperparameters}]}``), gathered from the
-  shards of OSS / ZeRO-1 / ShardedDDP and from the DTensors of FSDP2;
-- ``train.pt``: grad scaler state and every rank's RNG states;
-- ``meta.json``: step, strategy, world size, precision, optimizer, model config and every
-  parameter's shape (read by the parent to reject a wrong checkpoint before ranks start).
+A checkpoint is a directory ``<checkpoint_dir>/step_00000010/``. Its ``meta.json`` (step,
+format, strategy, world size, precision, optimizer, model config, every parameter's
+shape; read by the parent to reject a wrong checkpoint before any rank starts) and
+``train.pt`` (grad scaler state, every rank's RNG state, the optimizer's parameter groups
+by name) are the same in both formats. The tensors are either
 
-Being consolidated and keyed by name, a checkpoint written under one strategy and world
-size loads under any other (the data position is the step: batches are a pure function
-of step, micro-batch and rank). The price is that rank 0 holds the full state while
-saving; torch.distributed.checkpoint's sharded format would avoid that for very large
-FSDP models and is not used here.
+- ``dcp`` (``trainer.checkpoint_format=dcp``, the default for every strategy that shards
+  something): torch.distributed.checkpoint files. Each rank writes and reads only its own
+  shards: the model state (FSDP2's DTensors, or one copy of replicated tensors), and the
+  optimizer state of the parameters its local optimizers hold, under parameter names
+  (``optim.state.<name>.<key>``). Loading reshards to any world size and strategy: a rank
+  asks for the parameters it holds, in its own layout. With
+  ``trainer.checkpoint_async=true`` the files are written by a background thread while
+  training goes on; or
+- ``consolidated`` (the default for ddp, and for exchange): ``model.pt`` and ``optim.pt``
+  with the full state, written by rank 0. They are gathered one tensor at a time to rank
+  0's CPU: no rank other than rank 0 ever holds more than one tensor of it.
 
-Writes are atomic: rank 0 writes into ``.step_00000010.tmp/``, fsyncs, then renames it to
-``step_00000010``. A directory named ``step_*`` is complete by construction; a kill at any
-moment leaves at most a ``.tmp`` directory that readers ignore.
+The data position is the step (batches are a pure function of step, micro-batch and
+rank), so a checkpoint written under one strategy and world size resumes under any other.
+
+Writes are atomic: the files go into ``.step_00000010.tmp.<job>/`` (unique per job),
+``meta.json`` last, fsynced, then rank 0 renames the directory to ``step_00000010``. A
+directory named ``step_*`` is complete by construction; a kill at any moment leaves at
+most a ``.tmp.*`` directory that readers ignore.
 """
 
 from __future__ import annotations
@@ -26,9 +34,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import shutil
+import sys
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,7 +49,13 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from sharded_exp.train import faults
 
 FORMAT = 1
-FILES = ("model.pt", "optim.pt", "train.pt", "meta.json")
+"""Version of meta.json's layout."""
+FORMATS = ("dcp", "consolidated")
+FILES = {
+    "consolidated": ("model.pt", "optim.pt", "train.pt", "meta.json"),
+    "dcp": (".metadata", "train.pt", "meta.json"),
+}
+META_KEYS = ("step", "strategy", "world_size", "optimizer", "model", "param_shapes")
 _NAME = re.compile(r"step_(\d+)")
 
 
@@ -76,22 +93,63 @@ def resolve_resume(resume: str | None, directory: str) -> str | None:
     return path
 
 
+def checkpoint_format(meta: dict[str, Any]) -> str:
+    return meta.get("checkpoint_format", "consolidated")  # written before dcp existed
+
+
 def read_meta(path: str) -> dict[str, Any]:
-    """meta.json of a checkpoint, after checking that every file is there and readable."""
-    for name in FILES:
+    """meta.json of a checkpoint, after checking that every file is there and readable
+    (tensor files memory-mapped or, for dcp, checked against its metadata: no tensor is read)."""
+    meta_path = os.path.join(path, "meta.json")
+    for name in ("meta.json", "train.pt"):  # in both formats
         if not os.path.isfile(os.path.join(path, name)):
             raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
-    meta_path = os.path.join(path, "meta.json")
     try:
         with open(meta_path) as f:
             meta = json.load(f)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint file {meta_path} is corrupt: {exc}") from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {meta_path} has format {meta.get('format')!r}; this version reads {FORMAT}")
-    for name in ("model.pt", "optim.pt", "train.pt"):
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointError(f"checkpoint {meta_path} has format {found!r}; this version reads {FORMAT}")
+    missing = [k for k in META_KEYS if k not in meta]
+    fmt = checkpoint_format(meta)
+    if missing or fmt not in FORMATS or not isinstance(meta["param_shapes"], dict) or not isinstance(meta["step"], int):
+        raise CheckpointError(f"checkpoint file {meta_path} is corrupt: keys missing or of the wrong type ({missing})")
+    for name in FILES[fmt]:
+        if not os.path.isfile(os.path.join(path, name)):
+            raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
+    tensor_files = ("model.pt", "optim.pt", "train.pt") if fmt == "consolidated" else ("train.pt",)
+    for name in tensor_files:
         _load(os.path.join(path, name))  # memory-mapped: cheap, and catches truncation
+    if fmt == "dcp":
+        _check_dcp_files(path, meta)
     return meta
+
+
+def _check_dcp_files(path: str, meta: dict[str, Any]) -> None:
+    """The dcp metadata is readable, names the shapes meta.json names, and every byte range
+    it points at exists on disk (catches truncated and missing shard files)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as exc:  # noqa: BLE001 -- any failure to read is a corrupt file
+        raise CheckpointError(
+            f"checkpoint file {os.path.join(path, '.metadata')} is corrupt or unreadable: {exc}"
+        ) from None
+    shapes = {
+        k[len("model.") :]: list(v.size) for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")
+    }
+    if shapes != {k: list(v) for k, v in meta["param_shapes"].items()}:
+        raise CheckpointError(f"checkpoint {path}: .metadata and meta.json disagree on the model's shapes")
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in ends.items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file) or os.path.getsize(file) < end:
+            raise CheckpointError(f"checkpoint file {file} is missing or truncated (dcp metadata expects {end} bytes)")
 
 
 def _load(file: str) -> Any:
@@ -114,9 +172,9 @@ def check_compatible(path: str, meta: dict[str, Any], shapes: dict[str, tuple], 
             if differ
             else f"missing there: {missing[:3]}, not in this model: {extra[:3]}"
         )
+        model_name = meta["model"].get("name") if isinstance(meta["model"], dict) else meta["model"]
         raise CheckpointError(
-            f"checkpoint {where} is from a different model (model={meta['model'].get('name')}, "
-            f"{len(saved)} tensors): {detail}"
+            f"checkpoint {where} is from a different model (model={model_name}, {len(saved)} tensors): {detail}"
         )
     if meta["optimizer"] != optimizer:
         raise CheckpointError(
@@ -130,52 +188,96 @@ def check_compatible(path: str, meta: dict[str, Any], shapes: dict[str, tuple], 
         )
 
 
-# ----------------------------------------------------------------- full optimizer state
-def _full(t: torch.Tensor) -> torch.Tensor:
-    t = t.full_tensor() if isinstance(t, DTensor) else t  # collective for DTensors
-    return t.detach().to("cpu", copy=True)
+# ------------------------------------------------------------------ state, by name
+def _names(strategy) -> dict[int, str]:
+    return {id(p): n for n, p in strategy.module.named_parameters()}
 
 
-def gather_optimizer_state(strategy) -> dict[str, Any] | None:
-    """The full optimizer state keyed by parameter name, on rank 0 (None elsewhere).
-
-    Collective. Each rank reads the state of the parameters its local optimizers hold;
-    for DTensors (FSDP2) that is a gather of every shard, for OSS-style sharding each rank
-    contributes the parameters it owns.
-    """
-    names = {id(p): n for n, p in strategy.module.named_parameters()}
+def local_optimizer_state(strategy) -> dict[str, dict[str, torch.Tensor]]:
+    """This rank's optimizer state by parameter name: its own shard under OSS / ZeRO-1,
+    DTensor shards under FSDP2, everything under DDP. No copy, no communication."""
+    names = _names(strategy)
     local: dict[str, dict[str, torch.Tensor]] = {}
     for opt in strategy.local_optimizers():
         for group in opt.param_groups:
             for p in group["params"]:
                 if p in opt.state:
-                    local[names[id(p)]] = {k: _full(v) for k, v in opt.state[p].items()}
-    if strategy.optimizer_state_sharded:
-        parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(local, parts, dst=0)
-        if dist.get_rank() != 0:
-            return None
-        local = {k: v for part in parts for k, v in part.items()}
-    elif dist.get_rank() != 0:
-        return None
-    groups = [
+                    local[names[id(p)]] = dict(opt.state[p])
+    return local
+
+
+def named_param_groups(strategy) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups with parameter names instead of tensors."""
+    names = _names(strategy)
+    return [
         {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
         for g in strategy.optimizer.param_groups
     ]
-    return {"state": local, "param_groups": groups}
+
+
+def gather_model_state(strategy) -> dict[str, torch.Tensor] | None:
+    """The full model state on rank 0's CPU (None elsewhere), one tensor at a time.
+
+    Collective for DTensors: each is all-gathered alone and dropped at once on the other
+    ranks, so no rank but rank 0 ever holds more than one full tensor.
+    """
+    rank0 = dist.get_rank() == 0
+    out: dict[str, torch.Tensor] | None = {} if rank0 else None
+    for name, value in strategy.module.state_dict().items():
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        if rank0:
+            out[name] = full.detach().to("cpu", copy=True)
+        del full
+    return out
+
+
+def gather_optimizer_state(strategy) -> dict[str, Any] | None:
+    """The full optimizer state keyed by parameter name on rank 0's CPU (None elsewhere).
+
+    Collective, one parameter's state at a time: DTensor state (FSDP2) is all-gathered
+    tensor by tensor; a shard owned by another rank (OSS, ZeRO-1) is sent to rank 0 by its
+    owner, parameter by parameter.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    local = local_optimizer_state(strategy)
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    if strategy.optimizer_state_sharded and world_size > 1:
+        held: list[Any] = [None] * world_size
+        dist.all_gather_object(held, sorted(local))
+        owner = {name: r for r, names in enumerate(held) for name in names}
+        for name, _ in strategy.module.named_parameters():
+            if name not in owner:
+                continue
+            if owner[name] == rank == 0:
+                out[name] = {k: v.detach().to("cpu", copy=True) for k, v in local[name].items()}
+            elif owner[name] == rank:
+                dist.send_object_list([{k: v.detach().cpu() for k, v in local[name].items()}], dst=0)
+            elif rank == 0:
+                box: list[Any] = [None]
+                dist.recv_object_list(box, src=owner[name])
+                out[name] = box[0]
+    else:
+        for name, state in local.items():
+            for key, value in state.items():
+                full = value.full_tensor() if isinstance(value, DTensor) else value  # collective for DTensors
+                if rank == 0:
+                    out.setdefault(name, {})[key] = full.detach().to("cpu", copy=True)
+                del full
+    return {"state": out, "param_groups": named_param_groups(strategy)} if rank == 0 else None
 
 
 def _like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """``value`` (a full tensor) in the layout of ``param``: sharded if it is a DTensor."""
-    if isinstance(param, DTensor) and value.dim() > 0:
+    if isinstance(param, DTensor) and not isinstance(value, DTensor) and value.dim() > 0:
         # Every rank has the full value: each keeps its own shard, no communication.
         return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
     return value
 
 
 def load_optimizer_state(strategy, saved: dict[str, Any]) -> None:
-    """Install a full, name-keyed optimizer state into this rank's (possibly sharded) optimizer."""
-    names = {id(p): n for n, p in strategy.module.named_parameters()}
+    """Install a name-keyed optimizer state (full, or this rank's part of it) into this
+    rank's (possibly sharded) optimizers."""
+    names = _names(strategy)
     groups = saved["param_groups"]
     if len(groups) != len(strategy.optimizer.param_groups):
         raise CheckpointError(
@@ -185,7 +287,7 @@ def load_optimizer_state(strategy, saved: dict[str, Any]) -> None:
     hyper = lambda g: {k: v for k, v in g.items() if k != "params"}
     for group, saved_group in zip(strategy.optimizer.param_groups, groups):
         group.update(hyper(saved_group))  # OSS / ZeRO copy these into their local optimizer
-    params = {n: p for n, p in strategy.module.named_parameters()}
+    params = dict(strategy.module.named_parameters())
     for opt in strategy.local_optimizers():
         state, param_groups, index = {}, [], 0
         for group in opt.param_groups:
@@ -206,7 +308,7 @@ def load_model_state(strategy, saved: dict[str, torch.Tensor]) -> None:
     strategy.module.load_state_dict({k: _like(v, current[k]) if k in current else v for k, v in saved.items()})
 
 
-# ----------------------------------------------------------------------- save / load
+# ----------------------------------------------------------------------- save
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     state = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
@@ -232,9 +334,28 @@ def _save_file(obj: Any, file: str) -> None:
         os.fsync(f.fileno())
 
 
+def _max_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@dataclass
+class _Pending:
+    """A dcp save whose files a background thread is still writing."""
+
+    future: Any
+    tmp: str
+    path: str
+    small: dict[str, Any] | None
+    meta: dict[str, Any] | None
+
+
 @dataclass
 class Checkpointer:
-    """When and where the loop writes checkpoints, and what they record about the job."""
+    """When, where and how the loop writes checkpoints, and what they record about the job.
+
+    Collective: every rank creates it (it makes a process group of its own for dcp, so an
+    asynchronous save never shares a group with training) and calls :meth:`save`.
+    """
 
     directory: str
     """trainer.checkpoint_dir (resolved by the parent)."""
@@ -244,6 +365,15 @@ class Checkpointer:
     """trainer.keep_checkpoints: newest kept; 0 = all."""
     job: dict[str, Any]
     """strategy, precision, optimizer and model config, for meta.json."""
+    format: str = "consolidated"
+    """dcp or consolidated (trainer.checkpoint_format, resolved by the parent)."""
+    asynchronous: bool = False
+    """trainer.checkpoint_async: dcp files written in the background."""
+    rss_growth_mib: float = 0.0
+    """Largest growth of this rank's peak RSS during a save (host memory a save costs)."""
+    _token: str = ""
+    _group: Any = None
+    _pending: _Pending | None = field(default=None, repr=False)
 
     @classmethod
     def from_config(cls, cfg) -> "Checkpointer":
@@ -254,77 +384,128 @@ class Checkpointer:
             "model": dict(cfg.model),
         }
         t = cfg.trainer
-        return cls(directory=t.checkpoint_dir, every=t.checkpoint_every, keep=t.keep_checkpoints, job=job)
+        fmt = str(getattr(t.checkpoint_format, "value", t.checkpoint_format))
+        self = cls(t.checkpoint_dir, t.checkpoint_every, t.keep_checkpoints, job, fmt, bool(t.checkpoint_async))
+        if self.every:
+            # Temporary directories unique to this job: two jobs never share (or remove) one.
+            token = [f"{os.getpid()}-{time.time_ns()}"]
+            dist.broadcast_object_list(token, src=0)
+            self._token = token[0]
+            if self.format == "dcp":
+                self._group = dist.new_group(backend="gloo")
+        return self
 
     def due(self, steps_done: int, steps: int) -> bool:
         """A checkpoint belongs after ``steps_done`` steps (periodic, or the last step)."""
         return bool(self.every) and (steps_done % self.every == 0 or steps_done == steps)
 
     def save(self, strategy, step: int, device: torch.device) -> str | None:
-        """Write the checkpoint after ``step`` completed steps; collective, rank 0 writes.
+        """Write the checkpoint after ``step`` completed steps. Returns its path on rank 0.
 
-        Returns the checkpoint path on rank 0. An existing checkpoint of the same step (from
-        an earlier attempt in the same directory) is kept, not overwritten.
+        An existing checkpoint of the same step (from an earlier attempt in the same
+        directory) is kept, not overwritten.
         """
-        model = strategy.full_state_dict()  # collective (FSDP gathers)
-        optim = gather_optimizer_state(strategy)  # collective
-        rng: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(_rng_state(device), rng, dst=0)
-        path = None
-        if dist.get_rank() == 0:
-            path = os.path.join(self.directory, step_name(step))
-            if os.path.exists(path):
+        self.finish()
+        rss_before = _max_rss_mib()
+        rank = dist.get_rank()
+        path = os.path.join(self.directory, step_name(step))
+        exists = [os.path.exists(path)] if rank == 0 else [None]
+        dist.broadcast_object_list(exists, src=0)
+        if exists[0]:
+            if rank == 0:
                 print(f"checkpoint {path} exists already: kept, not overwritten", flush=True)
-            else:
-                _write(path, strategy, self.job, step, model, optim, rng)
-                _prune(self.directory, self.keep)
-        dist.barrier()  # nobody runs ahead (or exits) before the checkpoint is on disk
-        return path
+            return path if rank == 0 else None
+        tmp = os.path.join(self.directory, f".{step_name(step)}.tmp.{self._token}")
+        rng: list[Any] = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(_rng_state(device), rng, dst=0)
+        small = {"scaler": strategy.scaler.state_dict(), "rng": rng, "param_groups": named_param_groups(strategy)}
+        meta = self._meta(strategy, step)
+        if self.format == "dcp":
+            self._save_dcp(strategy, step, tmp, path, small if rank == 0 else None, meta if rank == 0 else None)
+        else:
+            model, optim = gather_model_state(strategy), gather_optimizer_state(strategy)
+            if rank == 0:
+                self._write_consolidated(tmp, path, step, model, optim, small, meta)
+            dist.barrier()  # nobody runs ahead (or exits) before the checkpoint is on disk
+        self.rss_growth_mib = max(self.rss_growth_mib, _max_rss_mib() - rss_before)
+        return path if rank == 0 else None
+
+    def _meta(self, strategy, step: int) -> dict[str, Any]:
+        shapes = {}
+        for k, v in strategy.module.state_dict().items():
+            shapes[k] = list(v.shape)  # a DTensor's shape is the full one
+        return {
+            "format": FORMAT,
+            "checkpoint_format": self.format,
+            "step": step,
+            "time": time.time(),
+            **self.job,
+            "world_size": dist.get_world_size(),
+            "param_shapes": shapes,
+            "torch": torch.__version__,
+        }
+
+    def _save_dcp(self, strategy, step, tmp, path, small, meta) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        state = {"model": strategy.module.state_dict(), "optim": {"state": local_optimizer_state(strategy)}}
+        writer = dcp.FileSystemWriter(tmp, sync_files=True)
+        if self.asynchronous:
+            future = dcp.async_save(state, storage_writer=writer, process_group=self._group)
+            self._pending = _Pending(future, tmp, path, small, meta)
+        else:
+            dcp.save(state, storage_writer=writer, process_group=self._group)
+            self._pending = _Pending(None, tmp, path, small, meta)
+            self.finish()
+
+    def finish(self) -> None:
+        """Complete the dcp save in flight (every rank): wait for its files, then rank 0
+        writes train.pt and meta.json and publishes the directory."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if pending.future is not None:
+            pending.future.result()
+        dist.barrier(group=self._group)  # every rank's files are written
+        if dist.get_rank() == 0:
+            faults.in_save(0, pending.meta["step"])  # testing aid: a kill in the middle of a save
+            _save_file(pending.small, os.path.join(pending.tmp, "train.pt"))
+            self._publish(pending.tmp, pending.path, pending.meta)
+        dist.barrier(group=self._group)
+
+    def _write_consolidated(self, tmp, path, step, model, optim, small, meta) -> None:
+        os.makedirs(tmp)
+        _save_file(model, os.path.join(tmp, "model.pt"))
+        faults.in_save(dist.get_rank(), step)  # testing aid: a kill in the middle of a save
+        _save_file(optim, os.path.join(tmp, "optim.pt"))
+        _save_file(small, os.path.join(tmp, "train.pt"))
+        self._publish(tmp, path, meta)
+
+    def _publish(self, tmp: str, path: str, meta: dict[str, Any]) -> None:
+        """meta.json last (its presence marks completeness), fsync, then the atomic rename."""
+        _save_file(meta, os.path.join(tmp, "meta.json"))
+        _fsync_dir(tmp)
+        os.rename(tmp, path)  # atomic: the checkpoint appears complete or not at all
+        _fsync_dir(self.directory)
+        if self.keep > 0:
+            for _, old in complete_checkpoints(self.directory)[: -self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
 
 
-def _write(path, strategy, job, step, model, optim, rng) -> None:
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, "." + os.path.basename(path) + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a write that was killed
-    os.makedirs(tmp)
-    _save_file({k: v.detach().cpu() for k, v in model.items()}, os.path.join(tmp, "model.pt"))
-    faults.in_save(dist.get_rank(), step)  # testing aid: a kill in the middle of a save
-    _save_file(optim, os.path.join(tmp, "optim.pt"))
-    _save_file({"scaler": strategy.scaler.state_dict(), "rng": rng}, os.path.join(tmp, "train.pt"))
-    meta = {
-        "format": FORMAT,
-        "step": step,
-        "time": time.time(),
-        "strategy": job["strategy"],
-        "world_size": dist.get_world_size(),
-        "precision": job["precision"],
-        "optimizer": job["optimizer"],
-        "model": job["model"],
-        "param_shapes": {k: list(v.shape) for k, v in model.items()},
-        "torch": torch.__version__,
-    }
-    _save_file(meta, os.path.join(tmp, "meta.json"))  # last: its presence marks completeness
-    _fsync_dir(tmp)
-    os.rename(tmp, path)  # atomic: the checkpoint appears complete or not at all
-    _fsync_dir(directory)
-
-
-def _prune(directory: str, keep: int) -> None:
-    if keep > 0:
-        for _, old in complete_checkpoints(directory)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-
-
+# ----------------------------------------------------------------------- load
 def load(strategy, path: str, device: torch.device) -> dict[str, Any]:
     """Restore model, optimizer, scaler and (at the same world size) RNG on every rank.
 
-    Every rank reads the full files (memory-mapped) and keeps its own share.
+    consolidated: every rank maps the full files and keeps its own share. dcp: every rank
+    reads only the shards it holds, in its own layout (any world size, any strategy).
     """
     meta = read_meta(path)
-    load_model_state(strategy, _load(os.path.join(path, "model.pt")))
-    load_optimizer_state(strategy, _load(os.path.join(path, "optim.pt")))
     train = _load(os.path.join(path, "train.pt"))
+    if checkpoint_format(meta) == "dcp":
+        _load_dcp(strategy, path, train["param_groups"])
+    else:
+        load_model_state(strategy, _load(os.path.join(path, "model.pt")))
+        load_optimizer_state(strategy, _load(os.path.join(path, "optim.pt")))
     if train["scaler"] and strategy.scaler.is_enabled():
         strategy.scaler.load_state_dict(train["scaler"])
     rank = dist.get_rank()
@@ -333,3 +514,82 @@ def load(strategy, path: str, device: torch.device) -> dict[str, Any]:
         if device.type == "cuda" and "cuda" in train["rng"][rank]:
             torch.cuda.set_rng_state(train["rng"][rank]["cuda"], device)
     return meta
+
+
+def _load_dcp(strategy, path: str, param_groups: list[dict[str, Any]]) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    model = strategy.module.state_dict()
+    # Optimizer state this rank will hold, allocated in its own layout (a DTensor shard
+    # under FSDP2) from the checkpoint's metadata: dcp fills in just those bytes.
+    entries = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    params = dict(strategy.module.named_parameters())
+    held = {
+        _names(strategy)[id(p)] for opt in strategy.local_optimizers() for g in opt.param_groups for p in g["params"]
+    }
+    optim: dict[str, dict[str, torch.Tensor]] = {}
+    for key, entry in entries.items():
+        if not key.startswith("optim.state."):
+            continue
+        name, _, sub = key[len("optim.state.") :].rpartition(".")
+        if name not in held:
+            continue
+        param, dtype = params[name], entry.properties.dtype
+        if tuple(entry.size) == tuple(param.shape):
+            optim.setdefault(name, {})[sub] = torch.zeros_like(param, dtype=dtype)
+        else:  # e.g. Adam's 0-dim step
+            optim.setdefault(name, {})[sub] = torch.zeros(entry.size, dtype=dtype)
+    dcp.load({"model": model, "optim": {"state": optim}}, checkpoint_id=path)
+    strategy.module.load_state_dict(model)
+    load_optimizer_state(strategy, {"state": optim, "param_groups": param_groups})
+
+
+# ----------------------------------------------------------------------- export
+def export(src: str, dst: str) -> None:
+    """Convert a dcp checkpoint directory into a consolidated one (one process, no ranks)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    meta = read_meta(src)
+    if checkpoint_format(meta) != "dcp":
+        raise CheckpointError(f"checkpoint {src} is {checkpoint_format(meta)} already; nothing to export")
+    if os.path.exists(dst):
+        raise CheckpointError(f"export destination {dst} exists; choose a new directory")
+    parent = os.path.dirname(os.path.abspath(dst))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.tmp.", dir=parent)
+    flat = os.path.join(tmp, "all.pt")
+    dcp_to_torch_save(src, flat)
+    state = torch.load(flat, weights_only=False)
+    os.remove(flat)
+    train = _load(os.path.join(src, "train.pt"))
+    _save_file({k: v.contiguous() for k, v in state["model"].items()}, os.path.join(tmp, "model.pt"))
+    optim = {"state": state.get("optim", {}).get("state", {}), "param_groups": train["param_groups"]}
+    _save_file(optim, os.path.join(tmp, "optim.pt"))
+    shutil.copyfile(os.path.join(src, "train.pt"), os.path.join(tmp, "train.pt"))
+    _save_file(
+        {**meta, "checkpoint_format": "consolidated", "exported_from": os.path.abspath(src)},
+        os.path.join(tmp, "meta.json"),
+    )
+    _fsync_dir(tmp)
+    os.rename(tmp, dst)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 3 or argv[0] != "export":
+        print(
+            "usage: python -m sharded_exp.checkpoint export SRC DST   (a dcp checkpoint -> consolidated)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        export(argv[1], argv[2])
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"exported {argv[1]} -> {argv[2]} (consolidated)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -57,6 +57,12 @@ class Accelerator(str, Enum):
     gpu = "gpu"
 
 
+class CheckpointFormat(str, Enum):
+    auto = "auto"
+    dcp = "dcp"
+    consolidated = "consolidated"
+
+
 @dataclass
 class TrainerConfig:
     world_size: int = 2
@@ -93,6 +99,12 @@ class TrainerConfig:
     """Where checkpoints go and where resume=auto looks; null = <output dir>/checkpoints."""
     keep_checkpoints: int = 0
     """Keep only the newest this many checkpoints; 0 = keep all."""
+    checkpoint_format: CheckpointFormat = CheckpointFormat.auto
+    """dcp: torch.distributed.checkpoint, each rank writes and reads only its own shards.
+    consolidated: full model.pt / optim.pt written by rank 0 (for exchange). auto: dcp for
+    every strategy that shards something, consolidated for ddp."""
+    checkpoint_async: bool = False
+    """dcp only: write the checkpoint files in the background while training goes on."""
     resume: Optional[str] = None
     """null: start fresh. auto: from the newest complete checkpoint in checkpoint_dir, if
     there is one. A path: from that checkpoint directory (e.g. .../checkpoints/step_00000020)."""

@@ -57,6 +57,8 @@ def check(cfg, output_dir: str, layout: Layout | None = None) -> Checked:
     """
     check_values(cfg)
     world_size = layout.world_size if layout is not None else cfg.trainer.world_size
+    # The config the ranks, .hydra/ and W&B see holds the real world size (torchrun, SLURM).
+    cfg.trainer.world_size = world_size
     local_ranks = layout.local_world_size if layout is not None else world_size
     device_type = decide_device(_accelerator(cfg.trainer.accelerator), local_ranks, str(cfg.precision.name))
     shapes = model_shapes(cfg.model, cfg.optimizer)  # meta device; raises for shapes a model refuses
@@ -136,9 +138,20 @@ def decide_device(accelerator: str, local_ranks: int, precision_name: str) -> st
 
 
 def resolve_checkpoints(cfg, output_dir: str, shapes: ModelShapes) -> None:
-    """Fill in ``trainer.checkpoint_dir`` and turn ``trainer.resume`` into a checkpoint path
-    (or null), checking that the checkpoint is complete, readable and fits this job."""
+    """Fill in ``trainer.checkpoint_dir`` and ``trainer.checkpoint_format`` and turn
+    ``trainer.resume`` into a checkpoint path (or null), checking that the checkpoint is
+    complete, readable and fits this job."""
     t = cfg.trainer
+    fmt = str(getattr(t.checkpoint_format, "value", t.checkpoint_format))
+    if fmt == "auto":
+        # Sharded wherever the product cannot know that one rank could hold everything.
+        strategy = STRATEGIES.builder(cfg.strategy.name)
+        fmt = "dcp" if strategy.shards_parameters or strategy.optimizer_state_sharded else "consolidated"
+    t.checkpoint_format = fmt
+    _require(
+        not t.checkpoint_async or fmt == "dcp",
+        f"trainer.checkpoint_async=true needs trainer.checkpoint_format=dcp (it is {fmt})",
+    )
     t.checkpoint_dir = os.path.abspath(t.checkpoint_dir or os.path.join(output_dir, "checkpoints"))
     try:
         t.resume = checkpoint.resolve_resume(t.resume, t.checkpoint_dir)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -14,6 +15,16 @@ from sharded_exp import checkpoint
 from sharded_exp.errors import ConfigError
 from sharded_exp.strategies import STRATEGIES
 from tests.conftest import ROOT, STRATEGY_NAMES, TINY, compose_cfg, read_result, run_cli, run_job, tiny
+
+
+def consolidated_optimizer_state(path, scratch) -> tuple[dict, dict]:
+    """(optim.pt's full state, meta.json's shapes) of a checkpoint in either format."""
+    if checkpoint.read_meta(path)["checkpoint_format"] == "dcp":
+        proc = run_cli(["export", str(path), str(scratch)], cwd=ROOT, module="sharded_exp.checkpoint")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        path = scratch
+    saved = torch.load(os.path.join(path, "optim.pt"), weights_only=True)
+    return saved, json.loads(open(os.path.join(path, "meta.json")).read())["param_shapes"]
 
 
 def final_state(out) -> dict[str, torch.Tensor]:
@@ -85,9 +96,10 @@ def test_checkpoint_from_fsdp_at_two_ranks_loads_into_zero1_at_three(tmp_path):
     )
     assert resumed["status"] == "ok", resumed["error"]
     # The loaded optimizer state continued: Adam's step count is 4 for every tensor (a
-    # fresh optimizer would be at 1), and the moments kept their full shapes.
-    saved = torch.load(os.path.join(resumed["checkpoint"], "optim.pt"), weights_only=True)
-    shapes = json.loads(open(os.path.join(resumed["checkpoint"], "meta.json")).read())["param_shapes"]
+    # fresh optimizer would be at 1), and the moments kept their full shapes. zero1 writes
+    # dcp by default: read it through the export command's consolidated files.
+    assert checkpoint.read_meta(first["checkpoint"])["checkpoint_format"] == "dcp"
+    saved, shapes = consolidated_optimizer_state(resumed["checkpoint"], tmp_path / "exported")
     assert set(saved["state"]) == set(shapes)
     for name, state in saved["state"].items():
         assert float(state["step"]) == 4.0, name
@@ -96,15 +108,23 @@ def test_checkpoint_from_fsdp_at_two_ranks_loads_into_zero1_at_three(tmp_path):
     assert (meta["strategy"], meta["world_size"], meta["step"]) == ("zero1", 3, 4)
 
 
-def test_a_kill_during_a_save_leaves_the_previous_checkpoint(tmp_path):
+@pytest.mark.parametrize("fmt, written", [("consolidated", "model.pt"), ("dcp", ".metadata")])
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint(tmp_path, fmt, written):
     run = tmp_path / "run"
-    args = ["trainer.steps=6", "trainer.checkpoint_every=2", "trainer.save_final_state=true"]
-    # Rank 0 dies after writing model.pt of the step-4 checkpoint.
+    args = [
+        "trainer.steps=6",
+        "trainer.checkpoint_every=2",
+        "trainer.save_final_state=true",
+        f"trainer.checkpoint_format={fmt}",
+    ]
+    # Rank 0 dies in the middle of the step-4 checkpoint: consolidated after model.pt,
+    # dcp after every rank's shard files, before train.pt and meta.json.
     killed = run_job(args, run, env={"SHARDED_EXP_FAULT": "rank=0,step=4,kind=exit_in_save"})
     assert killed["status"] == "failed"
     ckpts = run / "checkpoints"
     assert [s for s, _ in checkpoint.complete_checkpoints(str(ckpts))] == [2]
-    assert (ckpts / ".step_00000004.tmp" / "model.pt").exists()  # the half-written one
+    (half,) = ckpts.glob(".step_00000004.tmp.*")  # the half-written one, named for its job
+    assert (half / written).exists() and not (half / "meta.json").exists()
     checkpoint.read_meta(str(ckpts / "step_00000002"))  # complete and readable
 
     resumed = run_job([*args, "trainer.resume=auto"], run)
@@ -154,7 +174,7 @@ def test_missing_checkpoint_is_named(tmp_path):
 def test_corrupt_checkpoint_file_is_named(tmp_path, saved):
     bad = tmp_path / "bad"
     bad.mkdir()
-    for name in checkpoint.FILES:
+    for name in checkpoint.FILES["consolidated"]:
         (bad / name).write_bytes((saved / name).read_bytes())
     (bad / "optim.pt").write_bytes((saved / "optim.pt").read_bytes()[:1000])  # truncated
     with pytest.raises(ConfigError, match=f"checkpoint file {bad / 'optim.pt'} is corrupt"):
@@ -165,6 +185,25 @@ def test_corrupt_checkpoint_file_is_named(tmp_path, saved):
     (bad / "train.pt").unlink()
     with pytest.raises(ConfigError, match=f"checkpoint {bad} is incomplete: train.pt is missing"):
         start([f"trainer.resume={bad}"], tmp_path / "out")
+
+
+def test_corrupt_dcp_checkpoint_is_named_without_reading_tensors(tmp_path):
+    first = run_job(["strategy=fsdp", "trainer.steps=3", "trainer.checkpoint_every=3"], tmp_path / "a")
+    assert first["status"] == "ok", first["error"]
+    good = first["checkpoint"]
+    assert checkpoint.read_meta(good)["checkpoint_format"] == "dcp"
+    bad = tmp_path / "bad"
+    shutil.copytree(good, bad)
+    shard = sorted(bad.glob("*.distcp"))[-1]
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated shard file
+    with pytest.raises(ConfigError, match=f"checkpoint file {shard} is missing or truncated"):
+        start(["strategy=fsdp", f"trainer.resume={bad}"], tmp_path / "out")
+    (bad / ".metadata").write_bytes(b"garbage")
+    with pytest.raises(ConfigError, match=f"checkpoint file {bad / '.metadata'} is corrupt or unreadable"):
+        start(["strategy=fsdp", f"trainer.resume={bad}"], tmp_path / "out")
+    (bad / ".metadata").unlink()
+    with pytest.raises(ConfigError, match=f"checkpoint {bad} is incomplete: .metadata is missing"):
+        start(["strategy=fsdp", f"trainer.resume={bad}"], tmp_path / "out")
 
 
 def test_checkpoint_of_another_model_is_refused(tmp_path, saved):

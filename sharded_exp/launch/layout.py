@@ -70,6 +70,33 @@ def slurm_layout(env) -> Layout | None:
     )
 
 
+def shared_run_dir(env=os.environ) -> str | None:
+    """The run directory every rank of an externally launched job agrees on, or None.
+
+    Hydra would give each rank its own ``outputs/runs/<time>`` (the times differ by
+    microseconds), and a torchrun restart yet another. The launcher's job id names one
+    directory instead: ``TORCHELASTIC_RUN_ID`` (torchrun's ``--rdzv-id``, a fresh id per
+    ``--standalone`` invocation, the same across its restarts) or the SLURM job and step.
+    """
+    layout = external_layout(env)
+    if layout is None:
+        return None
+    if layout.launcher == "torchrun" and env.get("TORCHELASTIC_RUN_ID"):
+        return os.path.join("outputs", "runs", f"torchrun-{env['TORCHELASTIC_RUN_ID']}")
+    if layout.launcher == "slurm":
+        return os.path.join("outputs", "runs", f"slurm-{env.get('SLURM_JOB_ID', '0')}.{env.get('SLURM_STEP_ID', '0')}")
+    return None
+
+
+def with_shared_run_dir(args: list[str], env=os.environ) -> list[str]:
+    """Command-line overrides plus ``hydra.run.dir=<shared_run_dir>`` for an externally
+    launched single run that did not choose its directory itself."""
+    chosen = any(a.startswith(("hydra.run.dir=", "hydra/run")) for a in args)
+    multirun = any(a in ("-m", "--multirun") for a in args)
+    run_dir = shared_run_dir(env)
+    return args if chosen or multirun or run_dir is None else [*args, f"hydra.run.dir={run_dir}"]
+
+
 def rendezvous_env(layout: Layout) -> dict[str, str]:
     """The ``MASTER_ADDR``/``MASTER_PORT`` that ``env://`` needs and the launcher did not set."""
     out = {}
@@ -80,10 +107,54 @@ def rendezvous_env(layout: Layout) -> dict[str, str]:
     return out
 
 
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Every host of a SLURM node list, in order, as ``scontrol show hostnames`` prints them.
+
+    Handles the forms SLURM writes: comma lists (``a1,b2``), a prefix with a bracketed
+    list of numbers and ranges (``gpu[03-05,09]``, zero padding kept), several bracket
+    groups (``rack[1-2]-node[01-02]``: every combination, the last varying fastest) and
+    suffixes (``node-[1-3]a``).
+    """
+    hosts: list[str] = []
+    for item in _split_top_level(nodelist.strip()):
+        combos = [""]
+        for literal, group in re.findall(r"([^\[]*)(?:\[([^\]]*)\])?", item):
+            if not literal and not group:
+                continue
+            options = [literal + value for value in _expand_group(group)] if group else [literal]
+            combos = [c + o for c in combos for o in options]
+        hosts.extend(combos)
+    return hosts
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split at commas outside brackets: 'a[1,2],b' -> ['a[1,2]', 'b']."""
+    items, depth, current = [], 0, ""
+    for ch in text:
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            items.append(current)
+            current = ""
+        else:
+            current += ch
+    if current:
+        items.append(current)
+    return [i for i in items if i]
+
+
+def _expand_group(group: str) -> list[str]:
+    """'01-03,7' -> ['01', '02', '03', '7'] (the width of a range's first number is kept)."""
+    out = []
+    for part in group.split(","):
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            out.extend(str(n).zfill(len(lo)) for n in range(int(lo), int(hi) + 1))
+        else:
+            out.append(part)
+    return out
+
+
 def first_host(nodelist: str) -> str:
     """First host of a SLURM node list: 'gpu[03-05,09],cpu1' -> 'gpu03'."""
-    head = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if head is None:
-        return "127.0.0.1"
-    prefix, ranges = head.group(1), head.group(2)
-    return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
+    hosts = expand_nodelist(nodelist)
+    return hosts[0] if hosts else "127.0.0.1"

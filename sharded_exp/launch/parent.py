@@ -54,7 +54,7 @@ def launch(
     cfg_data = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     cfg_data["trainer"]["world_size"] = checked.world_size
     is_writer = layout is None or layout.rank == 0
-    result = base_result(cfg_data, checked.params, output_dir)
+    result = {**base_result(cfg_data, checked.params, output_dir), "launcher": layout.launcher if layout else "spawn"}
     os.makedirs(output_dir, exist_ok=True)
     if is_writer:
         archive_previous_attempt(output_dir, extra=(".hydra",) if job_files else ())
@@ -104,7 +104,13 @@ def run_job(job: Job, layout: Layout | None, world_size: int) -> dict[str, Any] 
         return spawn(job, world_size)
     for key, value in rendezvous_env(layout).items():
         os.environ.setdefault(key, value)
-    return run_rank(job, layout.rank, layout.world_size, layout.local_rank, layout.local_world_size)
+    entry = run_rank
+    if layout.launcher == "torchrun":
+        # torchrun's own error file: its summary then names this rank's exception as the root cause.
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        entry = record(run_rank)
+    return entry(job, layout.rank, layout.world_size, layout.local_rank, layout.local_world_size)
 
 
 def _job_env() -> dict[str, str]:

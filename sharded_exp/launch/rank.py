@@ -62,11 +62,19 @@ def run_rank(
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
     timeout = datetime.timedelta(seconds=cfg.trainer.timeout_s)
     backend = "nccl" if job.device_type == "cuda" else "gloo"
+    if backend == "nccl":
+        for key, value in nccl_diagnosis_env(job.output_dir).items():
+            os.environ.setdefault(key, value)  # the user's own settings win
     if store is not None:
         tcp = dist.TCPStore(store["host"], store["port"], is_master=False, timeout=timeout)
         dist.init_process_group(backend, store=tcp, rank=rank, world_size=world_size, timeout=timeout)
     else:
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
+        # torchrun / srun: their rendezvous, with keys of their own per torchrun restart, so a
+        # restarted rank never reads an address its predecessor left in a reused store.
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"sharded_exp/attempt_{attempt}/", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
         timeline["process_group_ready"] = time.time()
         from sharded_exp.train.trainer import train  # here, not at the top: the parent never trains
@@ -83,6 +91,26 @@ def run_rank(
         raise
     finally:
         dist.destroy_process_group()
+
+
+def nccl_diagnosis_env(output_dir: str) -> dict[str, str]:
+    """NCCL settings that let a hang be diagnosed, set unless the user set them.
+
+    - ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``: on a collective timeout the communicator is
+      aborted but the process is not torn down (torch's default, 3, kills it), so the
+      timeout reaches this rank's ``except`` and the rank that did not arrive is named, as
+      on gloo.
+    - The flight recorder: the last collectives of every rank, dumped on a timeout into
+      the run directory as ``nccl_trace_rank_<r>``; read them with ``torchfrtrace``.
+    """
+    prefix = os.path.join(output_dir, "nccl_trace_rank_")
+    return {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": prefix,
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,  # the name older torch versions read
+    }
 
 
 def spawned_entry(index: int, world_size: int, job: Job, store: dict, results) -> None:

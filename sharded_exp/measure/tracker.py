@@ -16,6 +16,7 @@ dominated by the torch runtime itself (about 400 MiB).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -117,6 +118,33 @@ class MemoryMeter:
         self._tracker = MemTracker()
         self._tracker.track_external(*external)
         self._tracker.__enter__()
+
+    @contextlib.contextmanager
+    def guard(self, strategy):
+        """Hold ``trainer.memory_limit_mib`` over an untimed phase (a checkpoint save, the
+        end-of-run figures), which the timed window does not cover.
+
+        On CUDA the allocator cap holds everywhere already. On CPU, when a budget is set and
+        the timed window's tracker is not running, the phase runs under a MemTracker: the
+        model states this rank holds plus the phase's own tensors must fit.
+        """
+        if self.device.type == "cuda" or not self.limit_mib or self._tracker is not None:
+            yield
+            return
+        from torch.distributed._tools.mem_tracker import MemTracker  # private torch API: re-check on torch upgrades
+
+        # The states this rank holds are known to the tracker from the start: a view or a
+        # detached alias of one (a checkpoint writer makes many) is then not counted as new.
+        tracker = MemTracker()
+        tracker.track_external(strategy.module, *strategy.local_optimizers())
+        with tracker:
+            yield
+        peak = _breakdown_mib(tracker, self.device).get("Total", 0.0)
+        if peak > self.limit_mib:
+            raise torch.OutOfMemoryError(
+                f"live tensors peaked at {peak:.2f} MiB after training (model states included), "
+                f"over trainer.memory_limit_mib={self.limit_mib}"
+            )
 
     def step_end(self) -> None:
         if self._tracker is None:

@@ -25,7 +25,10 @@ COLUMNS = [
 
 
 def load_points(sweep_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted(Path(sweep_dir).rglob("result.json"))]
+    """One result.json per point: earlier attempts archived in ``attempts/`` are not points."""
+    sweep_dir = Path(sweep_dir)
+    paths = [p for p in sorted(sweep_dir.rglob("result.json")) if "attempts" not in p.relative_to(sweep_dir).parts]
+    return [json.loads(p.read_text()) for p in paths]
 
 
 def _row(r: dict[str, Any]) -> dict[str, Any]:

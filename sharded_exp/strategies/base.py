@@ -45,6 +45,9 @@ class Strategy:
     """True when each rank's local optimizers hold the state of its own parameters only
     (OSS, ZeRO-1): checkpoints gather the shards, the memory model counts the owned ones.
     FSDP2's DTensor state is sharded as tensors instead."""
+    shards_parameters = False
+    """True when no rank holds the whole model (FSDP2): nothing may gather it onto one rank
+    unasked, and checkpoints default to the sharded format."""
     grads_differ_across_ranks = False
     """True when ranks check different gradients for inf/nan (sharded gradients or sharded
     optimizer steps): the grad scaler must then agree on the found-inf flag across ranks."""
@@ -91,10 +94,6 @@ class Strategy:
     def local_optimizers(self) -> list[torch.optim.Optimizer]:
         """The plain torch optimizers on this rank, whose state is this rank's share."""
         return [self.optimizer]
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full, unsharded model state. Collective: call on every rank."""
-        return {k: v.detach() for k, v in self.module.state_dict().items()}
 
     # ----------------------------------------------------------------- memory model
     @staticmethod

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from sharded_exp import precision
 from sharded_exp.strategies import STRATEGIES
@@ -46,6 +45,7 @@ class FSDPGradOpConfig(FSDPConfig):
 @STRATEGIES.register("fsdp")
 class FSDP(Strategy):
     Config = FSDPConfig
+    shards_parameters = True
     grads_differ_across_ranks = True  # sharded gradients: the scaler agrees on inf/nan
 
     @classmethod
@@ -98,12 +98,6 @@ class FSDP(Strategy):
                     h.remove()
 
         return Handle()
-
-    def full_state_dict(self):
-        # Collective: every rank gathers every DTensor.
-        return {
-            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in self.module.state_dict().items()
-        }
 
     # ----------------------------------------------------------------- memory model
     @staticmethod

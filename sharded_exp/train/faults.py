@@ -47,8 +47,11 @@ def parse(text: str) -> Fault:
 
 
 def from_env() -> Fault | None:
+    """The fault to act out, if any; only in a job's first attempt, so that a restart by
+    torchrun (``--max-restarts``) can be tested: the restarted ranks run clean."""
     text = os.environ.get(ENV, "").strip()
-    return parse(text) if text else None
+    fault = parse(text) if text else None
+    return fault if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0 else None
 
 
 def trigger(fault: Fault, rank: int, device: torch.device) -> None:

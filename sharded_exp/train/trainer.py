@@ -178,7 +178,8 @@ def run_loop(
             log.publish(metrics.end_interval(step + 1), bar)
         out.steps_done, out.loss = step + 1, loss
         if checkpoints is not None and checkpoints.due(out.steps_done, loop.steps):
-            out.checkpoint, saved = checkpoints.save(strategy, out.steps_done, device), out.steps_done
+            with meter.guard(strategy):  # untimed: the memory budget still holds
+                out.checkpoint, saved = checkpoints.save(strategy, out.steps_done, device), out.steps_done
     _sync(device)
     loop_end = time.perf_counter()
     stopper.finish()
@@ -189,7 +190,11 @@ def run_loop(
     out.stopped = out.steps_done < loop.steps
     if out.stopped and checkpoints is not None and checkpoints.every and saved != out.steps_done:
         # Preempted: the state at the stop is worth more than the last periodic checkpoint.
-        out.checkpoint = checkpoints.save(strategy, out.steps_done, device)
+        with meter.guard(strategy):
+            out.checkpoint = checkpoints.save(strategy, out.steps_done, device)
+    if checkpoints is not None:
+        checkpoints.finish()  # an asynchronous save still in flight is completed and published
+        out.extra["checkpoint_rss_growth_mib"] = checkpoints.rss_growth_mib
     timed = out.steps_done - start - warmup
     loop_time = (loop_end - loop_start) / timed if loop_start is not None and timed > 0 else None
     out.throughput = throughput_stats(step_times, samples_per_step, tokens_per_step, loop_time)
@@ -202,27 +207,43 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def param_digest(state: dict[str, torch.Tensor]) -> dict[str, float]:
-    """float64 sum and L2 norm over the full state, the same walk for every strategy."""
+def _sums(tensors) -> tuple[float, float]:
     total, sq = 0.0, 0.0
-    for tensor in state.values():
+    for tensor in tensors:
         t = tensor.detach().to("cpu", torch.float64)
         total += t.sum().item()
         sq += t.pow(2).sum().item()
+    return total, sq
+
+
+def param_digest(module: torch.nn.Module, device: torch.device) -> dict[str, float]:
+    """float64 sum and L2 norm over the full model state, the same for every strategy,
+    without gathering it: sums over disjoint shards add up, so each rank sums the shards it
+    holds (DTensor shards) and rank 0 alone counts what every rank holds whole. Collective:
+    one all-reduce of two numbers."""
+    mine = []
+    for tensor in module.state_dict().values():
+        sharded = isinstance(tensor, DTensor) and any(p.is_shard() for p in tensor.placements)
+        if sharded or dist.get_rank() == 0:
+            mine.append(_local(tensor))
+    sums = torch.tensor(_sums(mine), dtype=torch.float64, device=device)
+    dist.all_reduce(sums)
+    total, sq = sums.tolist()
     return {"sum": total, "l2": math.sqrt(sq)}
 
 
-def gather_results(strategy: Strategy, out: LoopOutcome) -> tuple[list[dict[str, Any]] | None, dict[str, Any], float]:
+def gather_results(strategy: Strategy, out: LoopOutcome, device: torch.device) -> tuple[list | None, dict, float]:
     """After the loop, on every rank (collective): each rank's figures gathered to rank 0.
 
-    Returns (per-rank entries on rank 0, else None; the full model state; the final loss
-    averaged over ranks).
+    Returns (per-rank entries on rank 0, else None; the parameter digest; the final loss
+    averaged over ranks). Nothing here gathers the model.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     module = strategy.module
     final_loss = out.loss.detach().float().clone()
     dist.all_reduce(final_loss)
-    state = strategy.full_state_dict()  # collective for strategies that shard parameters
+    digest = param_digest(module, device)
+    total, sq = _sums(_local(p) for p in module.parameters())
     local = {
         "rank": rank,
         **out.memory,
@@ -231,13 +252,14 @@ def gather_results(strategy: Strategy, out: LoopOutcome) -> tuple[list[dict[str,
         "loss_scale": float(strategy.scaler.get_scale()),
         "skipped_steps": out.skipped_steps,
         "nonfinite_params": sum(int((~torch.isfinite(_local(p))).sum()) for p in module.parameters()),
-        "local_param_digest": param_digest({n: _local(p) for n, p in module.named_parameters()}),
+        "local_param_digest": {"sum": total, "l2": math.sqrt(sq)},
+        **out.extra,
         # Peak resident set of the rank's process (host memory, any framework compares).
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
     per_rank: list[Any] = [None] * world_size
     dist.all_gather_object(per_rank, local)
-    return (per_rank if rank == 0 else None), state, final_loss.item() / world_size
+    return (per_rank if rank == 0 else None), digest, final_loss.item() / world_size
 
 
 def train(
@@ -284,14 +306,17 @@ def train(
             faults=Injector(rank, device),
             checkpoints=checkpoint.Checkpointer.from_config(cfg),
         )
-        per_rank, state, final_loss = gather_results(strategy, out)
+        with meter.guard(strategy):  # untimed: the memory budget still holds
+            per_rank, digest, final_loss = gather_results(strategy, out, device)
+            # Only when asked: the full model, gathered one tensor at a time to rank 0.
+            final_state = checkpoint.gather_model_state(strategy) if tc.save_final_state and not out.stopped else None
     except BaseException:
         logger.finish(exit_code=1)
         raise
     payload = None
     if per_rank is not None:
-        if tc.save_final_state and not out.stopped:
-            torch.save({k: v.cpu() for k, v in state.items()}, os.path.join(output_dir, "model_final.pt"))
+        if final_state is not None:
+            torch.save(final_state, os.path.join(output_dir, "model_final.pt"))
         payload = {
             "status": "stopped" if out.stopped else "ok",
             "signal": stopper.signum if out.stopped else None,
@@ -302,7 +327,7 @@ def train(
             "params": sum(p.numel() for p in module.parameters()),
             "final_loss": final_loss,
             "final_metrics": out.history[-1],
-            "param_digest": param_digest(state),
+            "param_digest": digest,
             "throughput": out.throughput,
             "history": out.history,
             "memory": memory_section(prediction, per_rank, meter.source),
