@@ -9,16 +9,26 @@ measured by walking the real tensors next to the memory model's prediction, and 
 peak next to predicted states + activations (``sharded_exp.plan``'s formula) +
 gathered parameters. Prints one Markdown table; writes outputs/benchmarks/gpu_check.json.
 Exit code 1 if any job failed or a model-state prediction is off by more than 2%.
+
+    python -m benchmarks.gpu_check --hang                  # NCCL hang diagnosis on one GPU
+
+``--hang`` runs one job whose rank stalls its GPU at step 3 (fault ``stall``: the step's
+collectives wait behind a sleeping kernel past ``trainer.timeout_s``), and reports how
+long the job took to end, its error, and whether torch's flight recorder dumped
+``nccl_trace_rank_0`` into the run directory (read it with ``torchfrtrace``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
+import time
 
 import torch
 
-from benchmarks.common import markdown, run, save
+from benchmarks.common import OUT, markdown, run, save
 from sharded_exp.measure.prediction import activation_bytes
 
 STRATEGY_NAMES = ["ddp", "oss", "sharded_ddp", "zero1", "fsdp_grad_op", "fsdp"]
@@ -33,10 +43,14 @@ def main() -> int:
     parser.add_argument("--precisions", nargs="+", default=PRECISIONS)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--hang", action="store_true", help="only the NCCL hang case")
+    parser.add_argument("--timeout-s", type=float, default=20.0, help="trainer.timeout_s of the hang case")
     args = parser.parse_args()
     if args.accelerator == "gpu" and not torch.cuda.is_available():
         print("error: no CUDA device here; run on a GPU machine, or --accelerator cpu for a dry run", file=sys.stderr)
         return 2
+    if args.hang:
+        return hang_case(args)
     device = torch.cuda.get_device_name(0) if args.accelerator == "gpu" else "cpu"
 
     rows, data, bad = [], [], 0
@@ -102,6 +116,43 @@ def main() -> int:
     print(markdown(header, rows))
     print(f"wrote {save('gpu_check', {'device': device, 'args': vars(args), 'results': data})}")
     return 1 if bad else 0
+
+
+def hang_case(args) -> int:
+    """One rank, a device stall at step 3 that outlasts trainer.timeout_s."""
+    out = OUT / "gpu_check" / "hang"
+    env = {
+        **os.environ,
+        "SHARDED_EXP_FAULT": "rank=0,step=3,kind=stall",
+        "SHARDED_EXP_STALL_S": str(3 * args.timeout_s),
+    }
+    cmd = [sys.executable, "-m", "sharded_exp", *MODEL, "strategy=ddp", f"trainer.accelerator={args.accelerator}",
+           "trainer.world_size=1", "trainer.steps=10", "trainer.warmup_steps=1", f"trainer.timeout_s={args.timeout_s}",
+           "trainer.progress_bar=false", "logger=none", f"hydra.run.dir={out}"]  # fmt: skip
+    t0 = time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=10 * args.timeout_s + 120)
+    seconds = time.time() - t0
+    traces = sorted(p.name for p in out.glob("nccl_trace_rank_*"))
+    print(
+        f"hang case: exit {proc.returncode} after {seconds:.1f} s (timeout_s={args.timeout_s:g}); flight recorder dumps: {traces or 'none'}"
+    )
+    print(
+        markdown(
+            ["exit", "seconds", "dumps", "error"],
+            [
+                [
+                    proc.returncode,
+                    f"{seconds:.1f}",
+                    len(traces),
+                    proc.stderr.strip().splitlines()[-1][:160] if proc.stderr.strip() else "",
+                ]
+            ],
+        )
+    )
+    save(
+        "gpu_check_hang", {"exit": proc.returncode, "seconds": seconds, "traces": traces, "stderr": proc.stderr[-4000:]}
+    )
+    return 0 if proc.returncode != 0 and (traces or args.accelerator == "cpu") else 1
 
 
 if __name__ == "__main__":

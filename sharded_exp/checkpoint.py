@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import resource
 import shutil
 import sys
 import tempfile
@@ -46,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from sharded_exp.measure.tracker import host_peak
 from sharded_exp.train import faults
 
 FORMAT = 1
@@ -334,10 +334,6 @@ def _save_file(obj: Any, file: str) -> None:
         os.fsync(f.fileno())
 
 
-def _max_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 @dataclass
 class _Pending:
     """A dcp save whose files a background thread is still writing."""
@@ -370,7 +366,7 @@ class Checkpointer:
     asynchronous: bool = False
     """trainer.checkpoint_async: dcp files written in the background."""
     rss_growth_mib: float = 0.0
-    """Largest growth of this rank's peak RSS during a save (host memory a save costs)."""
+    """Host memory a save added at its peak on this rank, largest over the saves (MiB)."""
     _token: str = ""
     _group: Any = None
     _pending: _Pending | None = field(default=None, repr=False)
@@ -406,7 +402,12 @@ class Checkpointer:
         directory) is kept, not overwritten.
         """
         self.finish()
-        rss_before = _max_rss_mib()
+        with host_peak(grown := {}):
+            path = self._save(strategy, step, device)
+        self.rss_growth_mib = max(self.rss_growth_mib, grown["mib"])
+        return path
+
+    def _save(self, strategy, step: int, device: torch.device) -> str | None:
         rank = dist.get_rank()
         path = os.path.join(self.directory, step_name(step))
         exists = [os.path.exists(path)] if rank == 0 else [None]
@@ -427,7 +428,6 @@ class Checkpointer:
             if rank == 0:
                 self._write_consolidated(tmp, path, step, model, optim, small, meta)
             dist.barrier()  # nobody runs ahead (or exits) before the checkpoint is on disk
-        self.rss_growth_mib = max(self.rss_growth_mib, _max_rss_mib() - rss_before)
         return path if rank == 0 else None
 
     def _meta(self, strategy, step: int) -> dict[str, Any]:

@@ -66,3 +66,15 @@ def test_lightning_smoke(tmp_path):
         [run] = data["runs"][name]
         assert run["step_time_s_median"] > 0 and run["to_first_step_s"] < run["to_exit_s"]
         assert run["peak_rss_mib_max"] > 0
+
+
+def test_checkpoint_memory_smoke(tmp_path):
+    [point] = bench("checkpoint_memory", "--smoke", cwd=tmp_path)
+    assert (point["strategy"], point["format"]) == ("oss", "consolidated")
+    assert len(point["save_rss_mib"]) == 2 and all(m >= 0 for m in point["save_rss_mib"])
+    assert point["optimizer_state_mib"] > 0
+
+
+def test_digests_runs(tmp_path):
+    data = bench("digests", "--smoke", cwd=tmp_path)
+    assert set(data) == {"mlp/ddp"} and data["mlp/ddp"]["l2"] > 0

@@ -91,3 +91,16 @@ def test_report_rejects_a_missing_directory(tmp_path):
         check=False,
     )
     assert proc.returncode == 2 and "usage" in proc.stderr
+
+
+def test_a_rerun_sweep_reports_one_row_per_point(tmp_path):
+    """Running a sweep again in its directory archives each point's earlier result.json in
+    attempts/<k>/; the report reads the current one only."""
+    sweep = tmp_path / "sweep"
+    args = ["-m", "strategy=ddp,zero1", *TINY, "trainer.steps=3", f"hydra.sweep.dir={sweep}"]
+    for _ in range(2):
+        proc = run_cli(args, cwd=ROOT, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(list(sweep.rglob("attempts/1/result.json"))) == 2  # the first run's, archived
+    rows = list(csv.DictReader(open(sweep / "report.csv")))
+    assert sorted(r["strategy"] for r in rows) == ["ddp", "zero1"]

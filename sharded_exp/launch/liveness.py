@@ -103,8 +103,10 @@ class StopAgreement:
 
 
 def is_timeout(exc: BaseException) -> bool:
+    """A collective that timed out: gloo's error, or NCCL's once its watchdog aborted the
+    communicator (TORCH_NCCL_ASYNC_ERROR_HANDLING=2, set by launch.rank)."""
     text = str(exc).lower()
-    return "timed out" in text or "timeout" in text
+    return any(s in text for s in ("timed out", "timeout", "communicator was aborted", "watchdog"))
 
 
 def describe_timeout(exc: BaseException, timeout_s: float) -> str:

@@ -17,6 +17,7 @@ dominated by the torch runtime itself (about 400 MiB).
 from __future__ import annotations
 
 import contextlib
+import resource
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -92,6 +93,47 @@ def gpt_activation_mib(model_cfg, batch_size: int, seed: int = 0) -> float:
     targets = torch.randint(model_cfg.vocab_size, (batch_size, model_cfg.seq_len))
     peak = peak_breakdown_mib(lambda: model(input_ids=ids, targets=targets).loss.backward(), model)
     return peak["Activation"] + peak["Temp"]
+
+
+_peak_rss_floor_mib = 0.0  # the process's peak before any reset of the kernel's high-water mark
+
+
+def _status_mib(field: str) -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return None
+
+
+def process_peak_rss_mib() -> float:
+    """Peak resident set of this process so far (MiB), also across :func:`host_peak` resets."""
+    return max(_peak_rss_floor_mib, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+
+@contextlib.contextmanager
+def host_peak(result: dict):
+    """Measure the host memory a region of this process adds at its peak: ``result["mib"]``.
+
+    Linux: the kernel's high-water mark is reset (``/proc/self/clear_refs``) and read back
+    (``VmHWM``) against the resident set at the start; the process's own peak is kept
+    (:func:`process_peak_rss_mib`). Elsewhere: growth of the process peak (a lower bound).
+    """
+    global _peak_rss_floor_mib
+    _peak_rss_floor_mib = process_peak_rss_mib()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        base = _status_mib("VmRSS")
+    except OSError:
+        base = None
+    before = process_peak_rss_mib()
+    yield
+    peak = _status_mib("VmHWM") if base is not None else None
+    result["mib"] = max(0.0, peak - base) if peak is not None else process_peak_rss_mib() - before
 
 
 class MemoryMeter:

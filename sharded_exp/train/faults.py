@@ -10,6 +10,10 @@ A testing aid, documented in the README; never set it in real runs. Kinds:
   failure on CUDA, ``torch.OutOfMemoryError`` raised on CPU.
 - ``exit_in_save``: the rank (rank 0, the writer) exits in the middle of writing the
   checkpoint of that step, after its first file: a kill during a save.
+- ``stall``: the rank's device stalls for ``SHARDED_EXP_STALL_S`` seconds (default 60) at
+  the start of that step: on CUDA a kernel that sleeps on the compute stream, so the
+  step's collectives wait behind it and time out (the NCCL hang check of
+  ``benchmarks/gpu_check.py --hang``); on CPU the process sleeps.
 - ``inf_grad``: the rank's backward writes inf into the gradient of one parameter of its
   own optimizer shard, before any gradient communication, so that (for sharded
   strategies) the inf exists in that rank's shard only.
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-KINDS = ("raise", "exit", "hang", "oom", "exit_in_save", "inf_grad")
+KINDS = ("raise", "exit", "hang", "oom", "exit_in_save", "inf_grad", "stall")
 ENV = "SHARDED_EXP_FAULT"
 
 
@@ -70,6 +74,13 @@ def trigger(fault: Fault, rank: int, device: torch.device) -> None:
     if fault.kind == "hang":
         while True:  # signals set flags only: this rank ends when it is killed
             time.sleep(3600)
+    if fault.kind == "stall":
+        seconds = float(os.environ.get("SHARDED_EXP_STALL_S", "60"))
+        if device.type == "cuda":
+            torch.cuda._sleep(int(seconds * 2e9))  # about 2 GHz: cycles for ``seconds``
+        else:
+            time.sleep(seconds)
+        return
     if fault.kind == "oom":
         if device.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import resource
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +27,7 @@ from sharded_exp import checkpoint, precision
 from sharded_exp.data import build_task
 from sharded_exp.launch import liveness
 from sharded_exp.measure.prediction import memory_section
-from sharded_exp.measure.tracker import MemoryMeter, model_state_mib
+from sharded_exp.measure.tracker import MemoryMeter, model_state_mib, process_peak_rss_mib
 from sharded_exp.models import build_model
 from sharded_exp.optim import optimizer_spec
 from sharded_exp.output.loggers import NullLogger, build_logger, memory_values, summary_values
@@ -192,7 +191,7 @@ def run_loop(
         # Preempted: the state at the stop is worth more than the last periodic checkpoint.
         with meter.guard(strategy):
             out.checkpoint = checkpoints.save(strategy, out.steps_done, device)
-    if checkpoints is not None:
+    if checkpoints is not None and checkpoints.every:
         checkpoints.finish()  # an asynchronous save still in flight is completed and published
         out.extra["checkpoint_rss_growth_mib"] = checkpoints.rss_growth_mib
     timed = out.steps_done - start - warmup
@@ -255,7 +254,7 @@ def gather_results(strategy: Strategy, out: LoopOutcome, device: torch.device) -
         "local_param_digest": {"sum": total, "l2": math.sqrt(sq)},
         **out.extra,
         # Peak resident set of the rank's process (host memory, any framework compares).
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mib": process_peak_rss_mib(),
     }
     per_rank: list[Any] = [None] * world_size
     dist.all_gather_object(per_rank, local)
