@@ -17,7 +17,9 @@ import argparse
 
 from benchmarks.common import markdown, run, save
 
-SIZES = {"small": ["model.hidden=256", "model.depth=2"], "large": ["model.hidden=2048", "model.depth=4"]}
+# Same widths (the same largest tensor), 4x the layers: 4x the optimizer state.
+SIZES = {"2 layers": ["model.hidden=2048", "model.depth=2"], "8 layers": ["model.hidden=2048", "model.depth=8"]}
+SMOKE = {"small": ["model.hidden=256", "model.depth=2"]}
 
 
 def main() -> None:
@@ -26,7 +28,7 @@ def main() -> None:
     parser.add_argument("--formats", nargs="+", default=["consolidated", "dcp"])
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
-    sizes = {"small": SIZES["small"]} if args.smoke else SIZES
+    sizes = SMOKE if args.smoke else SIZES
     if args.smoke:
         args.strategies, args.formats = args.strategies[:1], args.formats[:1]
     rows, data = [], []

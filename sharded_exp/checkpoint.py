@@ -234,14 +234,15 @@ def gather_model_state(strategy) -> dict[str, torch.Tensor] | None:
 def gather_optimizer_state(strategy) -> dict[str, Any] | None:
     """The full optimizer state keyed by parameter name on rank 0's CPU (None elsewhere).
 
-    Collective, one parameter's state at a time: DTensor state (FSDP2) is all-gathered
-    tensor by tensor; a shard owned by another rank (OSS, ZeRO-1) is sent to rank 0 by its
-    owner, parameter by parameter.
+    Collective, one tensor at a time: DTensor state (FSDP2) is all-gathered tensor by
+    tensor; a shard owned by another rank (OSS, ZeRO-1) is sent to rank 0 by its owner,
+    tensor by tensor, from the device it lives on (no host copy on the owner).
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     local = local_optimizer_state(strategy)
     out: dict[str, dict[str, torch.Tensor]] = {}
     if strategy.optimizer_state_sharded and world_size > 1:
+        device = next(strategy.module.parameters()).device  # NCCL sends device tensors only
         held: list[Any] = [None] * world_size
         dist.all_gather_object(held, sorted(local))
         owner = {name: r for r, names in enumerate(held) for name in names}
@@ -251,11 +252,18 @@ def gather_optimizer_state(strategy) -> dict[str, Any] | None:
             if owner[name] == rank == 0:
                 out[name] = {k: v.detach().to("cpu", copy=True) for k, v in local[name].items()}
             elif owner[name] == rank:
-                dist.send_object_list([{k: v.detach().cpu() for k, v in local[name].items()}], dst=0)
+                state = local[name]
+                dist.send_object_list([{k: (tuple(v.shape), v.dtype) for k, v in state.items()}], dst=0)
+                for value in state.values():
+                    dist.send(value.detach().to(device).contiguous(), dst=0)
             elif rank == 0:
                 box: list[Any] = [None]
                 dist.recv_object_list(box, src=owner[name])
-                out[name] = box[0]
+                out[name] = {}
+                for key, (shape, dtype) in box[0].items():
+                    buffer = torch.empty(shape, dtype=dtype, device=device)
+                    dist.recv(buffer, src=owner[name])
+                    out[name][key] = buffer.cpu()
     else:
         for name, state in local.items():
             for key, value in state.items():

@@ -44,10 +44,16 @@ def test_every_strategy_has_its_yaml_and_every_yaml_its_strategy():
     assert {"ddp", "oss", "sharded_ddp", "zero1", "fsdp_grad_op", "fsdp"} <= set(STRATEGY_NAMES)
 
 
+@pytest.mark.parametrize("fmt", ["dcp", "consolidated"])
 @pytest.mark.parametrize("model", ["mlp", "gpt"])
 @pytest.mark.parametrize("strategy", STRATEGY_NAMES)
-def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, strategy, model):
-    common = [f"strategy={strategy}", "trainer.steps=6", "trainer.save_final_state=true"]
+def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, strategy, model, fmt):
+    common = [
+        f"strategy={strategy}",
+        "trainer.steps=6",
+        "trainer.save_final_state=true",
+        f"trainer.checkpoint_format={fmt}",
+    ]
     if model == "gpt":
         common.append("model=gpt")
     straight = run_job(common, tmp_path / "straight")
