@@ -83,6 +83,11 @@ class TrainerConfig:
     """Seed of model initialisation and batch sampling."""
     log_interval: int = 10
     """Steps between synced metric logs (loss, accuracy/perplexity)."""
+    eval_every: int = 0
+    """Steps between evaluation passes (torchmetrics, held-out batches, untimed); 0 = only
+    at the end. Inside the CPU memory tracker's window (the warm-up steps) none runs."""
+    eval_batches: int = 4
+    """Held-out batches per rank in each evaluation pass; 0 turns evaluation off."""
     progress_bar: bool = True
     """tqdm progress bar on rank 0."""
     timeout_s: float = 300.0

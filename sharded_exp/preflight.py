@@ -22,8 +22,9 @@ from sharded_exp import checkpoint
 from sharded_exp.data import TASKS
 from sharded_exp.errors import ConfigError, missing_packages
 from sharded_exp.launch.layout import Layout
-from sharded_exp.measure.prediction import ModelShapes, model_shapes, predict
+from sharded_exp.measure.prediction import ModelShapes, meta_model, model_shapes, predict
 from sharded_exp.models import MODELS
+from sharded_exp.models.target import check_accepts, is_target_model
 from sharded_exp.optim import OPTIMIZERS
 from sharded_exp.precision import PRECISIONS
 from sharded_exp.strategies import STRATEGIES
@@ -61,8 +62,10 @@ def check(cfg, output_dir: str, layout: Layout | None = None) -> Checked:
     cfg.trainer.world_size = world_size
     local_ranks = layout.local_world_size if layout is not None else world_size
     device_type = decide_device(_accelerator(cfg.trainer.accelerator), local_ranks, str(cfg.precision.name))
-    shapes = model_shapes(cfg.model, cfg.optimizer)  # meta device; raises for shapes a model refuses
-    TASKS.builder(cfg.data.name)(cfg.data, cfg.model, cfg.trainer.batch_size)  # does the task fit the model?
+    module = meta_model(cfg.model)  # raises for shapes a model refuses, or a _target_ that cannot be built
+    shapes = model_shapes(cfg.model, cfg.optimizer, module)
+    task = TASKS.builder(cfg.data.name)(cfg.data, cfg.model, cfg.trainer.batch_size)  # does the task fit?
+    check_accepts(module, list(task(0, 0, 0)), cfg.model.name, cfg.data.name)  # keyword batch in
     resolve_checkpoints(cfg, output_dir, shapes)
     prediction = predict(cfg.strategy, cfg.optimizer, str(cfg.precision.name), shapes, world_size)
     return Checked(device_type, world_size, shapes.params, prediction)
@@ -83,7 +86,8 @@ def check_values(cfg) -> None:
         f"(pip install -e . installs them; strategies without extra packages: "
         f"{', '.join(n for n in STRATEGIES.names() if not STRATEGIES.builder(n).requires)})",
     )
-    MODELS.builder(cfg.model.name)
+    if not is_target_model(cfg.model):
+        MODELS.builder(cfg.model.name)
     TASKS.builder(cfg.data.name)
     name = str(cfg.precision.name)
     _require(name in PRECISIONS, f"precision={name!r} is not one of {', '.join(PRECISIONS)}")

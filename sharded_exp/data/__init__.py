@@ -6,9 +6,11 @@ for the same (step, micro-batch, rank), which is what makes parity against DDP m
 Adding a task is one module in this package (a config dataclass and a builder registered
 with ``@TASKS.register``; every module here is imported automatically) plus one YAML file
 in ``conf/data/``. A builder receives its own config, the model config it must feed and
-the per-rank batch size; it returns a callable ``batch(step, micro, rank) -> dict`` of
-keyword arguments for the model. A task says which model fields it reads
-(:func:`require_model_fields`), never which model names it accepts.
+the per-rank batch size; it returns a :class:`Task`: ``batch(step, micro, rank) -> dict``
+of keyword arguments for the model, and what the model's output is scored by (the
+training and evaluation metrics come from the task, not from a tensor's shape). A task
+says which model fields it reads (:func:`require_model_fields`), never which model names
+it accepts.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -49,7 +52,53 @@ def require_model_fields(task: str, feeds: str, model_cfg, fields: tuple[str, ..
         )
 
 
-def build_task(cfg, model_cfg, batch_size: int) -> Callable[..., Batch]:
+@dataclass
+class Task:
+    """A data task as the trainer uses it: batches, and what the model's output is scored by.
+
+    Calling it is calling ``batch(step, micro, rank)``: the model's keyword arguments.
+    """
+
+    batch: Callable[[int, int, int], Batch]
+    metric: str
+    """accuracy (classification), token_accuracy (token classification) or perplexity (LM)."""
+    labels: str = "targets"
+    """The batch key holding the labels (``targets`` for our models, ``labels`` for Hugging Face's)."""
+    num_classes: int = 0
+    """Classes of a classification task (its metrics need them)."""
+    shift_labels: bool = False
+    """Causal LM in Hugging Face's form: the model predicts labels[:, 1:] from logits[:, :-1]."""
+
+    def __call__(self, step: int, micro: int, rank: int) -> Batch:
+        return self.batch(step, micro, rank)
+
+    @staticmethod
+    def loss_of(output) -> torch.Tensor:
+        """The loss of a model's output: an object or a dict with ``loss`` (the contract)."""
+        loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+        if loss is None:
+            raise ContractError(
+                f"the model returned {type(output).__name__} without a loss: it must return an object or a dict "
+                "with `loss` (and `logits` for the metrics), computed from the batch's labels"
+            )
+        return loss
+
+    def predictions(self, output, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, labels), aligned for the metrics."""
+        logits = output.get("logits") if isinstance(output, dict) else getattr(output, "logits", None)
+        if logits is None:
+            raise ContractError("the model returned no `logits`: the training metrics need them")
+        labels = batch[self.labels]
+        if self.shift_labels:
+            return logits[:, :-1], labels[:, 1:]
+        return logits, labels
+
+
+class ContractError(RuntimeError):
+    """A model that breaks the contract (keyword batch in; ``loss`` and ``logits`` out)."""
+
+
+def build_task(cfg, model_cfg, batch_size: int) -> Task:
     return TASKS.builder(cfg.name)(cfg, model_cfg, batch_size)
 
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from sharded_exp.data import TASKS, Batch, generator, require_model_fields
+from sharded_exp.data import TASKS, Batch, Task, generator, require_model_fields
 
 
 @dataclass
@@ -20,7 +19,7 @@ class TeacherConfig:
 
 
 @TASKS.register("teacher", config=TeacherConfig)
-def teacher_task(cfg: TeacherConfig, model_cfg, batch_size: int) -> Callable[..., Batch]:
+def teacher_task(cfg: TeacherConfig, model_cfg, batch_size: int) -> Task:
     """Gaussian inputs labelled by the argmax of a fixed random 2-layer teacher network."""
     require_model_fields("teacher", "classifiers (model=mlp)", model_cfg, ("in_features", "num_classes"))
     g = generator(cfg.seed)
@@ -34,4 +33,4 @@ def teacher_task(cfg: TeacherConfig, model_cfg, batch_size: int) -> Callable[...
         y = (torch.tanh(x @ w1) @ w2).argmax(dim=1)
         return {"inputs": x, "targets": y}
 
-    return batch
+    return Task(batch, metric="accuracy", labels="targets", num_classes=model_cfg.num_classes)

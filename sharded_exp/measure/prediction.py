@@ -14,7 +14,7 @@ import torch
 
 from sharded_exp import precision
 from sharded_exp.measure.memory_model import predict_model_states_mib, relative_error
-from sharded_exp.models import build_model
+from sharded_exp.models import build_model, units
 from sharded_exp.optim import optimizer_spec
 from sharded_exp.strategies import STRATEGIES
 
@@ -39,12 +39,18 @@ class ModelShapes:
         return sum(self.blocks) + self.root
 
 
-def model_shapes(model_cfg, optimizer_cfg) -> ModelShapes:
-    """Shapes of the configured model and its optimizer groups, from the meta device."""
+def meta_model(model_cfg) -> torch.nn.Module:
+    """The configured model on the meta device: shapes only, no memory."""
     with torch.device("meta"):
-        module = build_model(model_cfg)
+        return build_model(model_cfg)
+
+
+def model_shapes(model_cfg, optimizer_cfg, module: torch.nn.Module | None = None) -> ModelShapes:
+    """Shapes of the configured model (or of ``module``, its meta-device build) and its
+    optimizer groups. A parameter shared by two modules (a tied LM head) counts once."""
+    module = meta_model(model_cfg) if module is None else module
     groups = [[tuple(p.shape) for p in g["params"]] for g in optimizer_spec(optimizer_cfg, module).param_groups]
-    blocks = [sum(p.numel() for p in block.parameters()) for block in module.blocks()]
+    blocks = [sum(p.numel() for p in block.parameters()) for block in units(module)]
     return ModelShapes(
         groups=groups,
         blocks=blocks,

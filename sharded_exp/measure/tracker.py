@@ -144,6 +144,28 @@ class MemoryMeter:
         self.limit_mib = limit_mib
         self.source = "cuda_allocator" if device.type == "cuda" else "torch_mem_tracker"
         self._tracker: Any | None = None
+        self._cuda_peaks = {"allocated_bytes.all.peak": 0, "reserved_bytes.all.peak": 0}  # before pauses
+
+    @property
+    def tracking(self) -> bool:
+        """True while the CPU tracker runs (its window: the warm-up steps)."""
+        return self._tracker is not None
+
+    @contextlib.contextmanager
+    def paused(self):
+        """An untimed phase whose memory is not the training's (the evaluation pass).
+
+        CUDA: the peak so far is kept and the allocator's peak counters are reset after the
+        phase. CPU: call it outside the tracker's window only (see :attr:`tracking`)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            stats = torch.cuda.memory_stats(self.device)
+            for key in self._cuda_peaks:
+                self._cuda_peaks[key] = max(self._cuda_peaks[key], stats.get(key, 0))
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def start(self, *external: Any) -> None:
         """Begin the region. ``external``: modules/optimizers built before it, to be counted."""
@@ -208,9 +230,10 @@ class MemoryMeter:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             stats = torch.cuda.memory_stats(self.device)
+            peak = {k: max(v, stats.get(k, 0)) for k, v in self._cuda_peaks.items()}
             return {
-                "peak_allocated_mib": stats["allocated_bytes.all.peak"] / MIB,
-                "peak_reserved_mib": stats["reserved_bytes.all.peak"] / MIB,
+                "peak_allocated_mib": peak["allocated_bytes.all.peak"] / MIB,
+                "peak_reserved_mib": peak["reserved_bytes.all.peak"] / MIB,
                 "alloc_retries": stats.get("num_alloc_retries", 0),
                 "ooms": stats.get("num_ooms", 0),
                 "peak_breakdown_mib": None,

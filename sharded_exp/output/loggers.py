@@ -104,6 +104,8 @@ def summary_values(result: dict[str, Any]) -> dict[str, Any]:
     }
     for key, value in result["throughput"].items():
         out[f"throughput/{key}"] = value
+    for key, value in ((result.get("eval") or {}).get("final") or {}).items():
+        out[key] = value  # eval/accuracy, eval/f1, eval/perplexity, eval/loss: the final pass
     return out
 
 

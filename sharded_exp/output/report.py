@@ -20,7 +20,7 @@ from sharded_exp.output.loggers import init_wandb_run
 COLUMNS = [
     "strategy", "world_size", "precision", "model", "params", "peak_allocated_mib_max", "model_states_mib_max",
     "predicted_model_states_mib_max", "peak_saving_vs_ddp_pct", "states_saving_vs_ddp_pct", "samples_per_s",
-    "speed_vs_ddp", "final_loss", "parity_vs_ddp", "status", "error",
+    "speed_vs_ddp", "final_loss", "eval/accuracy", "eval/f1", "eval/perplexity", "parity_vs_ddp", "status", "error",
 ]  # fmt: skip
 
 
@@ -44,6 +44,10 @@ def _row(r: dict[str, Any]) -> dict[str, Any]:
         "predicted_model_states_mib_max": mem.get("predicted_model_states_mib_max"),
         "samples_per_s": (r.get("throughput") or {}).get("samples_per_s"),
         "final_loss": r.get("final_loss"),
+        **{
+            k: ((r.get("eval") or {}).get("final") or {}).get(k)
+            for k in ("eval/accuracy", "eval/f1", "eval/perplexity")
+        },
         "param_l2": (r.get("param_digest") or {}).get("l2"),
         "status": r["status"],
         "error": r.get("error"),

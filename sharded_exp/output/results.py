@@ -40,6 +40,14 @@ def format_table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
+def _eval_cell(result: dict[str, Any]) -> str:
+    """The final evaluation in short: ``acc 0.91 f1 0.88`` or ``ppl 12.3``."""
+    final = (result.get("eval") or {}).get("final") or {}
+    short = {"eval/accuracy": "acc", "eval/f1": "f1", "eval/perplexity": "ppl"}
+    cells = [f"{name} {final[key]:.3g}" for key, name in short.items() if key in final]
+    return " ".join(cells) or "-"
+
+
 def summary_table(result: dict[str, Any]) -> str:
     """The short end-of-run table printed by the parent."""
     tp = result.get("throughput") or {}
@@ -57,6 +65,7 @@ def summary_table(result: dict[str, Any]) -> str:
         "peak_MiB",
         "states_MiB",
         "predicted_MiB",
+        "eval",
         "status",
     ]
     row = [
@@ -71,6 +80,7 @@ def summary_table(result: dict[str, Any]) -> str:
         mib("peak_allocated_mib_max"),
         mib("model_states_mib_max"),
         mib("predicted_model_states_mib_max"),
+        _eval_cell(result),
         result["status"],
     ]
     return format_table([row], header)

@@ -2,7 +2,9 @@
 state sharded), and fsdp_grad_op: the same without resharding after forward (ZeRO-2-like:
 parameters stay gathered from forward to backward).
 
-Each of the model's ``blocks()`` is one FSDP unit, and the root holds the rest. Every
+Each of the model's units (``blocks()``, else Hugging Face's ``_no_split_modules``, else its
+repeated children: :func:`sharded_exp.models.units`) is one FSDP unit, and the root holds
+the rest (a tied embedding and LM head stay together there). Every
 parameter is a DTensor sharded on dim 0 across ranks; a unit's parameters are all-gathered
 just before use and its gradients reduce-scattered after backward. Precision 16/bf16 runs
 through FSDP's MixedPrecisionPolicy: parameters and compute in half, gradient reduction
@@ -18,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from sharded_exp import precision
+from sharded_exp.models import units
 from sharded_exp.strategies import STRATEGIES
 from sharded_exp.strategies.base import Strategy, StrategyConfig
 
@@ -53,7 +56,7 @@ class FSDP(Strategy):
         mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
         half = precision.compute_dtype(precision_cfg.name)
         policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32) if half else MixedPrecisionPolicy()
-        for block in module.blocks():
+        for block in units(module):
             fully_shard(block, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy)
         fully_shard(module, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy)
         # fully_shard replaced the parameters by DTensors: group and build the optimizer now.

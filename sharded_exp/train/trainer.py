@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from sharded_exp import checkpoint, precision
-from sharded_exp.data import build_task
+from sharded_exp.data import Task, build_task
 from sharded_exp.launch import liveness
 from sharded_exp.measure.prediction import memory_section
 from sharded_exp.measure.tracker import MemoryMeter, model_state_mib, process_peak_rss_mib
@@ -33,6 +33,7 @@ from sharded_exp.optim import optimizer_spec
 from sharded_exp.output.loggers import NullLogger, build_logger, memory_values, summary_values
 from sharded_exp.strategies import build_strategy
 from sharded_exp.strategies.base import Strategy
+from sharded_exp.train import evaluate as evaluation
 from sharded_exp.train.faults import Injector
 from sharded_exp.train.metrics import IntervalLog, IntervalMetrics, throughput_stats
 
@@ -47,7 +48,7 @@ def train_step(strategy: Strategy, batches: list[dict[str, torch.Tensor]], autoc
         with contextlib.nullcontext() if last else strategy.no_sync():
             with autocast:
                 out = strategy.model(**batch)
-                loss = out.loss / len(batches)
+                loss = Task.loss_of(out) / len(batches)
             strategy.scaler.scale(loss).backward()
         total += loss.detach()
     if grad_clip > 0:
@@ -98,12 +99,14 @@ class LoopOutcome:
     first_step_unix: float
     checkpoint: str | None = None
     stopped: bool = False
+    evals: list[dict[str, float]] = field(default_factory=list)
+    """Evaluation records (``step`` and ``eval/*`` values)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 def run_loop(
     strategy: Strategy,
-    next_batch,
+    task: Task,
     autocast,
     loop: LoopSettings,
     *,
@@ -113,12 +116,16 @@ def run_loop(
     logger=NullLogger(),
     faults: Injector | None = None,
     checkpoints: checkpoint.Checkpointer | None = None,
+    evaluate=None,
+    eval_every: int = 0,
 ) -> LoopOutcome:
     """Train steps ``start`` to ``loop.steps`` on this rank (a collective: every rank calls it).
 
     Memory is measured by ``meter`` (on CPU over the warm-up steps only), a stop requested
     by a signal is agreed through ``stopper``, metrics go to ``logger`` one interval late,
-    ``faults`` acts out a testing aid and ``checkpoints`` writes the checkpoints that are due.
+    ``faults`` acts out a testing aid, ``checkpoints`` writes the checkpoints that are due,
+    and ``evaluate(step) -> {"eval/...": value}`` runs every ``eval_every`` steps (outside
+    the memory window) and at the end.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = meter.device
@@ -128,7 +135,7 @@ def run_loop(
     warmup = min(loop.warmup_steps, loop.steps - start - 1)
     memory_end = start + (max(warmup, 1) if device.type == "cpu" else loop.steps - start)
     samples_per_step = loop.batch_size * loop.grad_accum * world_size
-    metrics, log = IntervalMetrics(device), IntervalLog(logger)
+    metrics, log = IntervalMetrics(device, task), IntervalLog(logger)
     bar = tqdm(total=loop.steps, desc=loop.label, disable=rank != 0 or not loop.progress_bar)
     memory, step_times, skipped, tokens_per_step, saved = {}, [], 0, 0, None
     out = LoopOutcome(start, torch.zeros(()), log.history, {}, {}, 0, time.time())
@@ -142,7 +149,7 @@ def run_loop(
         if stopper.should_stop(step):  # a signal reached some rank: all stop here, together
             break
         liveness.current_step = step
-        batches = [{k: v.to(device) for k, v in next_batch(step, m, rank).items()} for m in range(loop.grad_accum)]
+        batches = [{k: v.to(device) for k, v in task(step, m, rank).items()} for m in range(loop.grad_accum)]
         if "input_ids" in batches[0]:
             tokens_per_step = batches[0]["input_ids"].numel() * loop.grad_accum * world_size
         if faults is not None:
@@ -168,7 +175,7 @@ def run_loop(
         if step + 1 == memory_end:
             memory = meter.stop()
 
-        metrics.update(loss, output.logits, batches[-1]["targets"])
+        metrics.update(loss, output, batches[-1])
         # Let go of this step's output and batch now: otherwise the logits (batch x time x
         # vocab for a language model) stay alive through the next step's peak.
         del output, batches
@@ -179,6 +186,10 @@ def run_loop(
         if checkpoints is not None and checkpoints.due(out.steps_done, loop.steps):
             with meter.guard(strategy):  # untimed: the memory budget still holds
                 out.checkpoint, saved = checkpoints.save(strategy, out.steps_done, device), out.steps_done
+        if evaluate is not None and eval_every and out.steps_done % eval_every == 0 and not meter.tracking:
+            if out.steps_done < loop.steps:  # the last step's pass is the final one, below
+                with meter.paused():
+                    out.evals.append(_evaluated(evaluate, out.steps_done, log))
     _sync(device)
     loop_end = time.perf_counter()
     stopper.finish()
@@ -194,11 +205,21 @@ def run_loop(
     if checkpoints is not None and checkpoints.every:
         checkpoints.finish()  # an asynchronous save still in flight is completed and published
         out.extra["checkpoint_rss_growth_mib"] = checkpoints.rss_growth_mib
+    out.memory = memory or meter.stop()
+    if evaluate is not None and not out.stopped:
+        out.evals.append(_evaluated(evaluate, out.steps_done, log))
+    log.flush()
     timed = out.steps_done - start - warmup
     loop_time = (loop_end - loop_start) / timed if loop_start is not None and timed > 0 else None
     out.throughput = throughput_stats(step_times, samples_per_step, tokens_per_step, loop_time)
-    out.memory, out.skipped_steps = memory or meter.stop(), skipped
+    out.skipped_steps = skipped
     return out
+
+
+def _evaluated(evaluate, step: int, log) -> dict[str, float]:
+    record = {"step": step, **evaluate(step)}
+    log.add(step, {k: v for k, v in record.items() if k != "step"})
+    return record
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -292,11 +313,18 @@ def train(
     logger = build_logger(cfg.logger, OmegaConf.to_container(cfg, resolve=True), output_dir, rank)
     timeline["logger_ready"] = time.time()
     loop = LoopSettings.from_config(tc, label=f"{cfg.strategy.name} x{dist.get_world_size()}")
+    task = build_task(cfg.data, cfg.model, tc.batch_size)
+    autocast = precision.autocast(cfg.precision, device.type)
+    batches = tc.eval_batches
+
+    def evaluate(step: int) -> dict[str, float]:
+        return evaluation.evaluate(strategy, task, autocast, device, batches, rank)
+
     try:
         out = run_loop(
             strategy,
-            build_task(cfg.data, cfg.model, tc.batch_size),
-            precision.autocast(cfg.precision, device.type),
+            task,
+            autocast,
             loop,
             start=start,
             meter=meter,
@@ -304,6 +332,8 @@ def train(
             logger=logger,
             faults=Injector(rank, device),
             checkpoints=checkpoint.Checkpointer.from_config(cfg),
+            evaluate=evaluate if batches > 0 else None,
+            eval_every=tc.eval_every,
         )
         with meter.guard(strategy):  # untimed: the memory budget still holds
             per_rank, digest, final_loss = gather_results(strategy, out, device)
@@ -329,6 +359,9 @@ def train(
             "param_digest": digest,
             "throughput": out.throughput,
             "history": out.history,
+            "eval": {"final": {k: v for k, v in out.evals[-1].items() if k != "step"}, "history": out.evals}
+            if out.evals
+            else None,
             "memory": memory_section(prediction, per_rank, meter.source),
             "timeline": {**timeline, "first_step": out.first_step_unix},
         }

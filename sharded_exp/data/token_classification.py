@@ -1,0 +1,55 @@
+"""token_classification: labels a fixed function of each token and its left neighbour,
+variable lengths with padding, an attention mask, and label -100 on padding (ignored by
+the loss and the metrics), as in a named-entity-recognition data set (CoNLL-2003 has 9
+labels)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sharded_exp.data import TASKS, Task, generator, require_model_fields
+
+IGNORE = -100
+
+
+@dataclass
+class TokenClassificationConfig:
+    name: str = "token_classification"
+    seed: int = 1234
+    """Seed of the task (the labelling rule), not of the batches."""
+    min_len: float = 0.5
+    """Shortest sequence as a share of model.seq_len; lengths are uniform up to seq_len."""
+
+
+@TASKS.register("token_classification", config=TokenClassificationConfig)
+def token_classification_task(cfg: TokenClassificationConfig, model_cfg, batch_size: int) -> Task:
+    """input_ids, attention_mask and labels (-100 on padding) for a token classifier."""
+    require_model_fields(
+        "token_classification", "token classifiers (model=hf_bert)", model_cfg, ("vocab_size", "seq_len", "num_labels")
+    )
+    vocab, seq_len, labels = model_cfg.vocab_size, model_cfg.seq_len, model_cfg.num_labels
+    g = generator(cfg.seed)
+    # label(token, left neighbour): a fixed random table, learnable from two embeddings
+    table = torch.randint(labels, (vocab, vocab), generator=g) if vocab <= 4096 else None
+    mix = torch.randint(1, labels, (2,), generator=g).tolist() if labels > 1 else [0, 0]
+    shortest = max(1, int(cfg.min_len * seq_len))
+    seed = cfg.seed
+
+    def label_of(tokens: torch.Tensor) -> torch.Tensor:
+        prev = torch.cat([torch.zeros_like(tokens[:, :1]), tokens[:, :-1]], dim=1)
+        if table is not None:
+            return table[tokens, prev]
+        return (mix[0] * tokens + mix[1] * prev) % labels
+
+    def batch(step: int, micro: int, rank: int):
+        gb = generator(seed, step, micro, rank)
+        tokens = torch.randint(1, vocab, (batch_size, seq_len), generator=gb)  # 0 is padding
+        lengths = torch.randint(shortest, seq_len + 1, (batch_size,), generator=gb)
+        mask = torch.arange(seq_len)[None, :] < lengths[:, None]
+        input_ids = torch.where(mask, tokens, torch.zeros_like(tokens))
+        y = torch.where(mask, label_of(tokens), torch.full_like(tokens, IGNORE))
+        return {"input_ids": input_ids, "attention_mask": mask.long(), "labels": y}
+
+    return Task(batch, metric="token_accuracy", labels="labels", num_classes=labels)
