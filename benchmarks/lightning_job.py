@@ -110,7 +110,7 @@ def main() -> None:
                     "step_time_s": steps,
                     "loop_time_s_per_step": (clock.ends[-1] - clock.starts[warm]) / (len(clock.ends) - warm),
                     "peak_rss_mib": rss,
-                    "lightning": pl.__version__,
+                    "version": pl.__version__,
                 },
                 f,
             )

@@ -45,10 +45,12 @@ def compose_cfg(overrides: list[str], config_name: str = "config"):
 
 
 def tiny(overrides: list[str]) -> list[str]:
-    """TINY defaults, with model.* keys dropped for the GPT (it has other fields)."""
+    """TINY defaults; the MLP's model.* keys are dropped for other models (they have other fields)."""
     if "model=gpt" in overrides:
         base = [o for o in TINY if not o.startswith("model.")] + TINY_GPT
         overrides = [o for o in overrides if o != "model=gpt"]
+    elif any(o.startswith("model=") and o != "model=mlp" for o in overrides):
+        base = [o for o in TINY if not o.startswith("model.")]  # another model: its own shapes
     else:
         base = TINY
     return base + overrides

@@ -78,3 +78,13 @@ def test_checkpoint_memory_smoke(tmp_path):
 def test_digests_runs(tmp_path):
     data = bench("digests", "--smoke", cwd=tmp_path)
     assert set(data) == {"mlp/ddp"} and data["mlp/ddp"]["l2"] > 0
+
+
+def test_hf_trainer_smoke(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    data = bench("hf_trainer_vs", "--smoke", cwd=tmp_path, timeout=600)
+    for name in ("sharded_exp", "hf_trainer"):
+        [run] = data["runs"][name]
+        assert run["step_time_s_median"] > 0 and run["to_first_step_s"] < run["to_exit_s"]
+        assert run["peak_rss_mib_max"] > 0

@@ -29,7 +29,7 @@ from sharded_exp.errors import ConfigError, missing_packages
 
 
 def is_target_model(cfg) -> bool:
-    return "_target_" in cfg
+    return "_target_" in cfg.keys()  # keys(): also when the value is still missing (???)
 
 
 def _plain(cfg) -> dict:

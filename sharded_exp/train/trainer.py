@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from sharded_exp import checkpoint, precision
-from sharded_exp.data import Task, build_task
+from sharded_exp.data import ContractError, Task, build_task
 from sharded_exp.launch import liveness
 from sharded_exp.measure.prediction import memory_section
 from sharded_exp.measure.tracker import MemoryMeter, model_state_mib, process_peak_rss_mib
@@ -48,7 +48,10 @@ def train_step(strategy: Strategy, batches: list[dict[str, torch.Tensor]], autoc
         with contextlib.nullcontext() if last else strategy.no_sync():
             with autocast:
                 out = strategy.model(**batch)
-                loss = Task.loss_of(out) / len(batches)
+                try:
+                    loss = Task.loss_of(out) / len(batches)
+                except ContractError as exc:  # say what it was called with
+                    raise ContractError(f"{exc}; it was called with the batch keys {', '.join(batch)}") from None
             strategy.scaler.scale(loss).backward()
         total += loss.detach()
     if grad_clip > 0:
