@@ -14,9 +14,11 @@ import time
 STARTED = time.time()  # before the heavy imports: for the startup timeline in result.json
 
 if __name__ == "__main__":
+    import sys as _sys
+
     from sharded_exp.launch import forkserver
 
-    forkserver.start_early()  # the rank server imports torch while this process does too
+    forkserver.start_early(_sys.argv[1:])  # the rank server imports torch while this process does too
 
 import os
 import sys

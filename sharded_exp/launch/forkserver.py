@@ -19,14 +19,32 @@ PRELOAD = ["sharded_exp.train.trainer", "sharded_exp.strategies", "torch._dynamo
 DistributedDataParallel would otherwise import in every rank (about a second each)."""
 
 
-def context() -> multiprocessing.context.BaseContext:
+HF_MODELING = {
+    "hf_bert": "transformers.models.bert.modeling_bert",
+    "hf_gpt2": "transformers.models.gpt2.modeling_gpt2",
+    "hf_llama": "transformers.models.llama.modeling_llama",
+}
+"""Hugging Face modeling modules by model option prefix: several seconds of imports that the
+server does while the parent composes and checks the config, not every rank after it."""
+
+
+def extra_preload(args: list[str]) -> list[str]:
+    """Modules the chosen model needs, read from the command line (``model=hf_bert...``)."""
+    for arg in args:
+        if arg.startswith("model="):
+            name = arg.split("=", 1)[1]
+            return [module for prefix, module in HF_MODELING.items() if name.startswith(prefix)]
+    return []
+
+
+def context(extra: list[str] | None = None) -> multiprocessing.context.BaseContext:
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx.set_forkserver_preload(PRELOAD + list(extra or []))  # a module that fails to import is skipped
     return ctx
 
 
-def start_early() -> None:
+def start_early(args: list[str] | None = None) -> None:
     """Start the server now (it imports in the background) if this job will spawn ranks."""
     if will_spawn():
-        context()
+        context(extra_preload(args or []))
         multiprocessing.forkserver.ensure_running()
