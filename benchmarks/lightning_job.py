@@ -13,33 +13,16 @@ time of the first step and every rank's peak RSS to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
-import resource
-import time
 
 import pytorch_lightning as pl
 import torch
-import torch.distributed as dist
 from omegaconf import OmegaConf
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
 from benchmarks.common import compose_cfg
-from sharded_exp.data import build_task
+from benchmarks.peer import Clock, batches, write_peer_result
 from sharded_exp.models import build_model
 from sharded_exp.optim import optimizer_spec
-
-
-class Batches(IterableDataset):
-    """The harness's deterministic batches for (step, micro-batch 0, this rank)."""
-
-    def __init__(self, cfg, steps: int):
-        self.cfg, self.steps = cfg, steps
-
-    def __iter__(self):
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        next_batch = build_task(self.cfg.data, self.cfg.model, self.cfg.trainer.batch_size)
-        for step in range(self.steps):
-            yield next_batch(step, 0, rank)
 
 
 class Module(pl.LightningModule):
@@ -56,21 +39,15 @@ class Module(pl.LightningModule):
         return optimizer_spec(self.cfg.optimizer, self.model).build()
 
 
-class Clock(pl.Callback):
-    """Wall time at the start of every batch and at the end of the last one."""
-
-    def __init__(self):
-        self.starts: list[float] = []
-        self.ends: list[float] = []
-        self.first_step_unix: float | None = None
+class Timing(pl.Callback):
+    def __init__(self, clock: Clock):
+        self.clock = clock
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
-        if self.first_step_unix is None:
-            self.first_step_unix = time.time()
-        self.starts.append(time.perf_counter())
+        self.clock.step_begins()
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        self.ends.append(time.perf_counter())
+        self.clock.step_ends()
 
 
 def main() -> None:
@@ -93,27 +70,10 @@ def main() -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[clock],
+        callbacks=[Timing(clock)],
     )
-    loader = DataLoader(Batches(cfg, tc.steps), batch_size=None)
-    trainer.fit(Module(cfg), loader)
-
-    rss = [None] * trainer.world_size
-    dist.all_gather_object(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    if trainer.global_rank == 0:
-        warm = tc.warmup_steps
-        steps = [end - start for start, end in zip(clock.starts, clock.ends)][warm:]
-        with open(args.out, "w") as f:
-            json.dump(
-                {
-                    "first_step_unix": clock.first_step_unix,
-                    "step_time_s": steps,
-                    "loop_time_s_per_step": (clock.ends[-1] - clock.starts[warm]) / (len(clock.ends) - warm),
-                    "peak_rss_mib": rss,
-                    "version": pl.__version__,
-                },
-                f,
-            )
+    trainer.fit(Module(cfg), DataLoader(batches(cfg, tc.steps), batch_size=None))
+    write_peer_result(args.out, clock, tc.warmup_steps, pl.__version__)
 
 
 if __name__ == "__main__":

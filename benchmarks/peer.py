@@ -98,3 +98,58 @@ def compare(
         f"shorter command to first step: {'yes' if start_ok else 'no'}"
     )
     print(f"wrote {save(name, {'args': vars(args), 'runs': runs, 'medians': med})}")
+
+
+# ------------------------------------------------------------ inside a peer's rank
+class Clock:
+    """Wall time at the start and end of every step, and the first step's Unix time."""
+
+    def __init__(self):
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+        self.first_step_unix: float | None = None
+
+    def step_begins(self) -> None:
+        if self.first_step_unix is None:
+            self.first_step_unix = time.time()
+        self.starts.append(time.perf_counter())
+
+    def step_ends(self) -> None:
+        self.ends.append(time.perf_counter())
+
+
+def batches(cfg, steps: int):
+    """The harness's deterministic batches for (step, micro-batch 0, this rank), as a torch dataset."""
+    import torch.distributed as dist
+    from torch.utils.data import IterableDataset
+
+    from sharded_exp.data import build_task
+
+    class Batches(IterableDataset):
+        def __iter__(self):
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            task = build_task(cfg.data, cfg.model, cfg.trainer.batch_size)
+            for step in range(steps):
+                yield task(step, 0, rank)
+
+    return Batches()
+
+
+def write_peer_result(path: str, clock: Clock, warmup: int, version: str) -> None:
+    """Collective: every rank's peak RSS to rank 0, which writes what :func:`run_peer` reads."""
+    import resource
+
+    import torch.distributed as dist
+
+    rss = [None] * dist.get_world_size()
+    dist.all_gather_object(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    if dist.get_rank() != 0:
+        return
+    steps = [end - start for start, end in zip(clock.starts, clock.ends)][warmup:]
+    loop = (clock.ends[-1] - clock.starts[warmup]) / (len(clock.ends) - warmup)
+    with open(path, "w") as f:
+        json.dump(
+            {"first_step_unix": clock.first_step_unix, "step_time_s": steps, "loop_time_s_per_step": loop,
+             "peak_rss_mib": rss, "version": version},
+            f,
+        )  # fmt: skip

@@ -141,10 +141,10 @@ class LoggerConfig:
     """Seconds W&B may take to start before the job gives up on it and trains on."""
 
 
-# ------------------------------------------------------------------ root: training job
+# ------------------------------------------------------------------------- the roots
 @dataclass
-class Config:
-    """``conf/config.yaml``: ``python -m sharded_exp``."""
+class JobGroups:
+    """The config groups a job is made of, shared by training and the planner."""
 
     strategy: Any = MISSING
     precision: PrecisionConfig = MISSING
@@ -152,6 +152,12 @@ class Config:
     optimizer: OptimizerConfig = MISSING
     data: Any = MISSING
     trainer: TrainerConfig = MISSING
+
+
+@dataclass
+class Config(JobGroups):
+    """``conf/config.yaml``: ``python -m sharded_exp``."""
+
     logger: Any = MISSING
     experiment: Optional[str] = None
     """Name of the experiment preset, if one was chosen (set by the preset)."""
@@ -173,14 +179,8 @@ class PlanSettings:
 
 
 @dataclass
-class PlanConfig:
+class PlanConfig(JobGroups):
     """``conf/plan.yaml``: ``python -m sharded_exp.plan``. The same groups as training
     (the model, precision, optimizer and per-rank batch are planned for) plus ``plan``."""
 
-    strategy: Any = MISSING
-    precision: PrecisionConfig = MISSING
-    model: Any = MISSING
-    optimizer: OptimizerConfig = MISSING
-    data: Any = MISSING
-    trainer: TrainerConfig = MISSING
     plan: PlanSettings = field(default_factory=PlanSettings)

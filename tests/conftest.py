@@ -90,6 +90,28 @@ def run_cli(
     )
 
 
+BLOCKER = """
+import sys
+
+class _Blocked:
+    def find_spec(self, name, path=None, target=None):
+        if name == {package!r} or name.startswith({package!r} + "."):
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+
+sys.meta_path.insert(0, _Blocked())
+"""
+
+
+def without_package(tmp_path: Path, package: str) -> dict[str, str]:
+    """Environment in which ``package`` cannot be imported by any process of a job (the parent,
+    the forkserver, the ranks), as if uninstalled: a sitecustomize on PYTHONPATH refuses it."""
+    site = tmp_path / f"without_{package}"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BLOCKER.format(package=package))
+    return {"PYTHONPATH": os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
 def read_result(path: Path) -> dict:
     return json.loads((path / "result.json").read_text())
 

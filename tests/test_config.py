@@ -40,9 +40,20 @@ def test_every_option_of_every_group_composes():
     for group, options in {
         "strategy": STRATEGY_NAMES,
         "precision": ["32", "16", "bf16"],
-        "model": ["mlp", "gpt"],
+        "model": [
+            "mlp",
+            "gpt",
+            "hf_bert",
+            "hf_bert_base",
+            "hf_gpt2",
+            "hf_gpt2_small",
+            "hf_gpt2_xl",
+            "hf_llama",
+            "hf_llama_7b",
+            "custom",
+        ],
         "optimizer": ["adam", "adamw", "sgd"],
-        "data": ["teacher", "markov"],
+        "data": ["teacher", "markov", "token_classification", "causal_lm"],
     }.items():
         for option in options:
             cfg = compose_cfg([f"{group}={option}"])

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from tests.conftest import ROOT, STRATEGY_NAMES, TINY, read_result, run_cli, run_job
+from tests.conftest import ROOT, STRATEGY_NAMES, TINY, read_result, run_cli, run_job, without_package
 
 HF_SMALL = ["model.seq_len=32", "trainer.batch_size=4", "trainer.steps=6"]
 # SGD with momentum (sharded as optimizer state like Adam's moments). With Adam, BERT's
@@ -221,24 +221,8 @@ def test_custom_without_a_target_is_refused(tmp_path):
     assert "model._target_" in proc.stderr
 
 
-BLOCK_TRANSFORMERS = """
-import sys
-
-class _NoTransformers:
-    def find_spec(self, name, path=None, target=None):
-        if name == "transformers" or name.startswith("transformers."):
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return None
-
-sys.meta_path.insert(0, _NoTransformers())
-"""
-
-
 def test_hf_model_without_transformers_names_the_extra(tmp_path):
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(BLOCK_TRANSFORMERS)
-    env = {"PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
+    env = without_package(tmp_path, "transformers")
     proc = run_cli(["model=hf_bert", *TINY_RUN, f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, env=env)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert (

@@ -1,9 +1,8 @@
 """Without fairscale installed: the native strategies run, the fairscale ones are refused
 before any rank starts, with an error naming the missing package.
 
-fairscale is made unimportable in every process of the job (the parent, the forkserver,
-the ranks) by a ``sitecustomize`` on PYTHONPATH that refuses to import it, as if it had
-been uninstalled.
+fairscale is made unimportable in every process of the job, as if it had been
+uninstalled (``conftest.without_package``).
 """
 
 from __future__ import annotations
@@ -12,30 +11,11 @@ import os
 import subprocess
 import sys
 
-from tests.conftest import ROOT, TINY, read_result, run_cli
-
-BLOCKER = """
-import sys
-
-class _NoFairscale:
-    def find_spec(self, name, path=None, target=None):
-        if name == "fairscale" or name.startswith("fairscale."):
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return None
-
-sys.meta_path.insert(0, _NoFairscale())
-"""
-
-
-def _env(tmp_path):
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(BLOCKER)
-    return {"PYTHONPATH": os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+from tests.conftest import ROOT, TINY, read_result, run_cli, without_package
 
 
 def test_zero1_runs_and_oss_is_refused_without_fairscale(tmp_path):
-    env = _env(tmp_path)
+    env = without_package(tmp_path, "fairscale")
     blocked = subprocess.run(
         [sys.executable, "-c", "import fairscale"], env={**os.environ, **env}, capture_output=True, text=True
     )
