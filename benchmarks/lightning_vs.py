@@ -15,26 +15,16 @@ outputs/benchmarks/lightning_vs.json.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
-from benchmarks.peer import compare, run_ours, run_peer
+from benchmarks.peer import compare, parse, run_ours, run_peer
 
 JOB = ["strategy=ddp", "model=mlp", "precision=32", "trainer.world_size=2"]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--smoke", action="store_true", help="a few steps, one run each (CI)")
-    parser.add_argument("overrides", nargs="*", help="extra config overrides for both")
-    args = parser.parse_args()
-    if args.smoke:
-        args.steps, args.warmup, args.repeats = 6, 2, 1
-    overrides = [*JOB, f"trainer.steps={args.steps}", f"trainer.warmup_steps={args.warmup}", *args.overrides]
+    args, overrides = parse(__doc__.splitlines()[0], JOB, steps=200)
 
     def lightning(out: str) -> dict:
         path = os.path.join(out, "lightning.json")

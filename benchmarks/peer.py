@@ -27,7 +27,25 @@ KEYS = [
 ]
 
 
+def parse(description: str, job: list[str], steps: int) -> tuple:
+    """The command line both comparisons share: (args, the job's overrides)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="a few steps, one run each (CI)")
+    parser.add_argument("overrides", nargs="*", help="extra config overrides for both")
+    args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.warmup, args.repeats = 6, 2, 1
+    return args, [*job, f"trainer.steps={args.steps}", f"trainer.warmup_steps={args.warmup}", *args.overrides]
+
+
 def run_ours(overrides: list[str], out: str) -> dict:
+    """``python -m sharded_exp``, without the evaluation pass (the peers run none)."""
+    overrides = [*overrides, "trainer.eval_batches=0"]
     t0 = time.time()
     cmd = [
         sys.executable,
