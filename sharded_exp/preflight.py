@@ -22,7 +22,7 @@ from sharded_exp import checkpoint
 from sharded_exp.data import TASKS
 from sharded_exp.errors import ConfigError, missing_packages
 from sharded_exp.launch.layout import Layout
-from sharded_exp.measure.prediction import ModelShapes, meta_model, model_shapes, predict
+from sharded_exp.measure.prediction import ModelShapes, meta_model, model_shapes, predict, predict_peak
 from sharded_exp.models import MODELS
 from sharded_exp.models.target import check_accepts, is_target_model
 from sharded_exp.optim import OPTIMIZERS
@@ -50,8 +50,11 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def check(cfg, output_dir: str, layout: Layout | None = None) -> Checked:
+def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True) -> Checked:
     """Check ``cfg`` and decide the job's device, world size, checkpoints and prediction.
+
+    ``peak``: also predict every rank's peak with a fake training step (a few seconds;
+    under torchrun only the rank that writes result.json needs it).
 
     Fills in ``trainer.checkpoint_dir`` and resolves ``trainer.resume`` in ``cfg``. Raises
     ConfigError, naming the value and the choices, before anything is started or written.
@@ -68,6 +71,8 @@ def check(cfg, output_dir: str, layout: Layout | None = None) -> Checked:
     check_accepts(module, list(task(0, 0, 0)), cfg.model.name, cfg.data.name)  # keyword batch in
     resolve_checkpoints(cfg, output_dir, shapes)
     prediction = predict(cfg.strategy, cfg.optimizer, str(cfg.precision.name), shapes, world_size)
+    if peak:
+        prediction["peak"] = predict_peak(cfg, world_size, device_type, prediction, shapes)
     return Checked(device_type, world_size, shapes.params, prediction)
 
 

@@ -50,10 +50,10 @@ def launch(
     import_plugins()
     launched = time.time()
     layout = external_layout()
-    checked = preflight.check(cfg, output_dir, layout)  # raises ConfigError before any rank starts
+    is_writer = layout is None or layout.rank == 0
+    checked = preflight.check(cfg, output_dir, layout, peak=is_writer)  # raises ConfigError before any rank starts
     cfg_data = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     cfg_data["trainer"]["world_size"] = checked.world_size
-    is_writer = layout is None or layout.rank == 0
     result = {**base_result(cfg_data, checked.params, output_dir), "launcher": layout.launcher if layout else "spawn"}
     os.makedirs(output_dir, exist_ok=True)
     if is_writer:

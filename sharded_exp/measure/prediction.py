@@ -94,23 +94,76 @@ def predict(strategy_cfg, optimizer_cfg, precision_name: str, shapes: ModelShape
     }
 
 
+def predict_peak(
+    cfg, world_size: int, device_type: str, prediction: dict[str, Any], shapes: ModelShapes
+) -> dict[str, Any]:
+    """The peak of every rank from one fake step (:mod:`sharded_exp.measure.fake_step`).
+
+    The rank with the most model states is faked; the others differ from it by their
+    model states (e.g. OSS's uneven shards). Returns ``{"per_rank_mib": [...] or None,
+    "rank", "breakdown_mib", "flops_per_step" (one rank), "method", "note", "seconds",
+    "error"}``; ``error`` says why there is no prediction (the model cannot run fake).
+    """
+    from sharded_exp.measure.fake_step import fake_step
+
+    states = [sum(p.values()) for p in prediction["model_states_mib"]]
+    rank = states.index(max(states))
+    precision_name = str(cfg.precision.name)
+
+    def states_of(name: str) -> dict[str, float]:  # for a strategy that cannot run fake
+        other = predict(STRATEGIES.config_class(name)(), cfg.optimizer, precision_name, shapes, world_size)
+        return {**other["model_states_mib"][rank], "gathered": other["transient_params_mib"]}
+
+    try:
+        est = fake_step(cfg, world_size, rank, device_type, states_of)
+    except Exception as exc:  # noqa: BLE001 -- recorded: the run goes on without a peak prediction
+        reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        return {"per_rank_mib": None, "error": f"the model cannot run under FakeTensorMode: {type(exc).__name__}: {reason}"}
+    return {
+        "per_rank_mib": [est.peak_mib + s - states[rank] for s in states],
+        "rank": rank,
+        "breakdown_mib": est.breakdown_mib,
+        "flops_per_step": est.flops_per_step,
+        "method": est.method,
+        "note": est.note,
+        "seconds": est.seconds,
+        "error": None,
+    }
+
+
+def _peak_summary(peak: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not peak:
+        return None
+    return {k: peak.get(k) for k in ("method", "note", "rank", "breakdown_mib", "seconds", "error")}
+
+
 def predicted_section(prediction: dict[str, Any]) -> dict[str, Any]:
     """result.json's ``memory`` before the ranks start: the prediction alone, same names."""
+    peaks = (prediction.get("peak") or {}).get("per_rank_mib")
+    per_rank = [{"rank": r, "predicted_model_states_mib": p} for r, p in enumerate(prediction["model_states_mib"])]
+    if peaks:
+        for entry, peak in zip(per_rank, peaks):
+            entry["predicted_peak_mib"] = peak
     return {
-        "per_rank": [
-            {"rank": r, "predicted_model_states_mib": p} for r, p in enumerate(prediction["model_states_mib"])
-        ],
+        "per_rank": per_rank,
         "predicted_model_states_mib_max": max(sum(p.values()) for p in prediction["model_states_mib"]),
         "predicted_transient_params_mib": prediction["transient_params_mib"],
+        "predicted_peak_mib_max": max(peaks) if peaks else None,
+        "peak_prediction": _peak_summary(prediction.get("peak")),
     }
 
 
 def memory_section(prediction: dict[str, Any], per_rank: list[dict[str, Any]], source: str) -> dict[str, Any]:
     """Measured memory per rank beside the prediction: result.json's ``memory``."""
     predicted = prediction["model_states_mib"]
-    for entry, pred in zip(per_rank, predicted):
+    peaks = (prediction.get("peak") or {}).get("per_rank_mib") or [None] * len(per_rank)
+    for entry, pred, peak in zip(per_rank, predicted, peaks):
         entry["predicted_model_states_mib"] = pred
         entry["model_states_rel_error"] = relative_error(pred, entry["model_states_mib"])
+        measured = entry.get("peak_allocated_mib")
+        entry["predicted_peak_mib"] = peak
+        # signed: below zero the prediction was too low (the dangerous direction)
+        entry["peak_rel_error"] = (peak - measured) / measured if peak is not None and measured else None
 
     def largest(key):
         values = [r[key] for r in per_rank if r.get(key) is not None]
@@ -132,4 +185,7 @@ def memory_section(prediction: dict[str, Any], per_rank: list[dict[str, Any]], s
         "model_states_rel_error_max": largest("model_states_rel_error"),
         "predicted_transient_params_mib": prediction["transient_params_mib"],
         "transient_params_mib_max": max(measured_transient) if measured_transient else None,
+        "predicted_peak_mib_max": max(p for p in peaks) if all(p is not None for p in peaks) else None,
+        "peak_rel_error_max": max((r["peak_rel_error"] for r in per_rank if r["peak_rel_error"] is not None), key=abs, default=None),
+        "peak_prediction": _peak_summary(prediction.get("peak")),
     }

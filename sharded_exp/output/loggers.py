@@ -119,7 +119,11 @@ def memory_values(memory: dict[str, Any]) -> dict[str, float]:
                 out[f"{prefix}/{key}"] = entry[key]
         out[f"{prefix}/model_states_mib"] = sum(entry["model_states_mib"].values())
         out[f"{prefix}/predicted_model_states_mib"] = sum(entry["predicted_model_states_mib"].values())
-    for key in ("peak_allocated_mib_max", "model_states_mib_max", "predicted_model_states_mib_max"):
+        for key in ("predicted_peak_mib", "peak_rel_error"):
+            if entry.get(key) is not None:
+                out[f"{prefix}/{key}"] = entry[key]
+    keys = ("peak_allocated_mib_max", "model_states_mib_max", "predicted_model_states_mib_max")
+    for key in keys + ("predicted_peak_mib_max", "peak_rel_error_max"):
         if memory.get(key) is not None:
             out[f"mem/{key}"] = memory[key]
     return out

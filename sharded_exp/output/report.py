@@ -18,9 +18,9 @@ from typing import Any
 from sharded_exp.output.loggers import init_wandb_run
 
 COLUMNS = [
-    "strategy", "world_size", "precision", "model", "params", "peak_allocated_mib_max", "model_states_mib_max",
-    "predicted_model_states_mib_max", "peak_saving_vs_ddp_pct", "states_saving_vs_ddp_pct", "samples_per_s",
-    "speed_vs_ddp", "final_loss", "eval/accuracy", "eval/f1", "eval/perplexity", "parity_vs_ddp", "status", "error",
+    "strategy", "world_size", "precision", "model", "params", "peak_allocated_mib_max", "predicted_peak_mib_max",
+    "peak_rel_error_max", "model_states_mib_max", "predicted_model_states_mib_max", "peak_saving_vs_ddp_pct",
+    "states_saving_vs_ddp_pct", "samples_per_s", "speed_vs_ddp", "mfu", "final_loss", "eval/accuracy", "eval/f1", "eval/perplexity", "parity_vs_ddp", "status", "error",
 ]  # fmt: skip
 
 
@@ -42,7 +42,10 @@ def _row(r: dict[str, Any]) -> dict[str, Any]:
         "peak_allocated_mib_max": mem.get("peak_allocated_mib_max"),
         "model_states_mib_max": mem.get("model_states_mib_max"),
         "predicted_model_states_mib_max": mem.get("predicted_model_states_mib_max"),
+        "predicted_peak_mib_max": mem.get("predicted_peak_mib_max"),
+        "peak_rel_error_max": mem.get("peak_rel_error_max"),
         "samples_per_s": (r.get("throughput") or {}).get("samples_per_s"),
+        "mfu": (r.get("throughput") or {}).get("mfu"),
         "final_loss": r.get("final_loss"),
         **{
             k: ((r.get("eval") or {}).get("final") or {}).get(k)

@@ -63,8 +63,10 @@ def summary_table(result: dict[str, Any]) -> str:
         "samples/s",
         "step_ms",
         "peak_MiB",
+        "pred_peak_MiB",
         "states_MiB",
-        "predicted_MiB",
+        "pred_states_MiB",
+        "mfu",
         "eval",
         "status",
     ]
@@ -78,8 +80,10 @@ def summary_table(result: dict[str, Any]) -> str:
         f"{tp['samples_per_s']:.1f}" if tp else "-",
         f"{1000 * tp['step_time_s_median']:.1f}" if tp else "-",
         mib("peak_allocated_mib_max"),
+        mib("predicted_peak_mib_max"),
         mib("model_states_mib_max"),
         mib("predicted_model_states_mib_max"),
+        f"{tp['mfu']:.1%}" if tp.get("mfu") is not None else "-",
         _eval_cell(result),
         result["status"],
     ]

@@ -6,6 +6,8 @@ all-reduced in buckets during backward.
 
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from sharded_exp.strategies import STRATEGIES
@@ -19,13 +21,45 @@ def wrap_ddp(cfg, module, device) -> DistributedDataParallel:
     if not cfg.broadcast_buffers:
         # Passed only when changed: torch >= 2.13 warns that the name is deprecated.
         kwargs["broadcast_buffers"] = False
-    return DistributedDataParallel(
+    fake = dist.get_backend() == "fake"  # the planner's fake step (sharded_exp.measure.fake_step)
+    model = DistributedDataParallel(
         module,
         device_ids=[device] if device.type == "cuda" else None,
         bucket_cap_mb=cfg.bucket_cap_mb,
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+        init_sync=not fake,  # its checks read tensor values, which fake tensors do not have
         **kwargs,
     )
+    if fake:
+        _for_fake_step(model)
+    return model
+
+
+class _NoBucketRebuild:
+    """DDP's reducer, except that it keeps its first bucket order (the rebuild agrees on a
+    new one by exchanging values, which a fake process group cannot; same bucket sizes)."""
+
+    def __init__(self, reducer):
+        self._reducer = reducer
+
+    def __getattr__(self, name):
+        return getattr(self._reducer, name)
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+
+def _for_fake_step(model: DistributedDataParallel) -> None:
+    """Under a fake process group, the gradient all-reduce becomes the identity on each
+    bucket (in place, as the real one) and buckets are not rebuilt."""
+
+    def identity(state, bucket):
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
+    model.register_comm_hook(None, identity)
+    model.reducer = _NoBucketRebuild(model.reducer)
 
 
 @dataclass

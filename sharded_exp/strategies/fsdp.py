@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -53,7 +54,8 @@ class FSDP(Strategy):
 
     @classmethod
     def build(cls, cfg, module, optim_spec, precision_cfg, device):
-        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+        with unset_fake_temporarily():  # a mesh is bookkeeping: real even in a fake step
+            mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
         half = precision.compute_dtype(precision_cfg.name)
         policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32) if half else MixedPrecisionPolicy()
         for block in units(module):

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from sharded_exp import checkpoint, precision
 from sharded_exp.data import ContractError, Task, build_task
 from sharded_exp.launch import liveness
+from sharded_exp.measure.flops import utilisation
 from sharded_exp.measure.prediction import memory_section
 from sharded_exp.measure.tracker import MemoryMeter, model_state_mib, process_peak_rss_mib
 from sharded_exp.models import build_model
@@ -347,6 +348,11 @@ def train(
         raise
     payload = None
     if per_rank is not None:
+        flops = (prediction.get("peak") or {}).get("flops_per_step")
+        if out.throughput:  # model FLOPs from the parent's fake step over this run's step time
+            world_size = dist.get_world_size()
+            out.throughput["model_flops_per_step"] = flops * world_size if flops else None
+            out.throughput.update(utilisation(flops, out.throughput["step_time_s_median"], device, cfg.precision.name))
         if final_state is not None:
             torch.save(final_state, os.path.join(output_dir, "model_final.pt"))
         payload = {

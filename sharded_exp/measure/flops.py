@@ -1,0 +1,103 @@
+"""Model FLOPs utilisation: the fake step's FLOPs per step over the device's peak.
+
+GPU peaks are the vendors' dense (no sparsity) figures by device name. A CPU has no
+published peak for our purpose: its matmul throughput is measured once on this machine,
+with the threads one rank gets, cached, and labelled as measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+
+import torch
+
+TERA = 1e12
+
+# Dense tensor-core peaks (FLOP/s); fp32 is the plain (non-TF32) figure, torch's default
+# matmul precision. From NVIDIA's data sheets (A100 SXM, H100 SXM/PCIe, H200 SXM).
+GPU_PEAKS = {
+    "H200": {"bf16": 989 * TERA, "16": 989 * TERA, "32": 67 * TERA},
+    "H100 PCIe": {"bf16": 756 * TERA, "16": 756 * TERA, "32": 51 * TERA},
+    "H100": {"bf16": 989 * TERA, "16": 989 * TERA, "32": 67 * TERA},
+    "A100": {"bf16": 312 * TERA, "16": 312 * TERA, "32": 19.5 * TERA},
+}
+
+
+def gpu_peak(name: str, precision_name: str) -> float | None:
+    """The table's peak for a CUDA device name (``NVIDIA H100 80GB HBM3``), else None."""
+    for key, peaks in GPU_PEAKS.items():  # the more specific names come first
+        if all(part in name for part in key.split()):
+            return peaks[str(precision_name)]
+    return None
+
+
+def _cache_path() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "sharded_exp", "cpu_matmul_peak.json")
+
+
+def measure_cpu_matmul(dtype: torch.dtype, n: int = 1024, seconds: float = 0.5) -> float:
+    """FLOP/s of an n x n matmul in ``dtype`` on this CPU with the current torch threads."""
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    torch.mm(a, b)  # warm-up
+    count, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        torch.mm(a, b)
+        count += 1
+    return 2 * n**3 * count / (time.perf_counter() - t0)
+
+
+def cpu_peak(precision_name: str) -> float:
+    """This CPU's measured matmul peak at the precision's compute dtype, cached per CPU
+    model, thread count and dtype (the first call measures for about half a second)."""
+    from sharded_exp.precision import compute_dtype
+
+    dtype = compute_dtype(precision_name) or torch.float32
+    key = f"{platform.processor() or platform.machine()}|{os.cpu_count()}|threads={torch.get_num_threads()}|{dtype}"
+    path = _cache_path()
+    try:
+        with open(path) as f:
+            cache = json.load(f)
+    except (OSError, ValueError):
+        cache = {}
+    if not isinstance(cache, dict) or not isinstance(cache.get(key), (int, float)):
+        cache = cache if isinstance(cache, dict) else {}
+        cache[key] = measure_cpu_matmul(dtype)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump(cache, f, indent=1)
+            os.replace(tmp, path)
+        except OSError:
+            pass  # not cached: measured again next time
+    return float(cache[key])
+
+
+def device_peak(device: torch.device, precision_name: str) -> tuple[float | None, str]:
+    """(peak FLOP/s of one rank's device, where the figure comes from)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = gpu_peak(name, precision_name)
+        return peak, f"table: {name}, dense {precision_name}" if peak else f"unknown device {name!r}: no peak"
+    threads = torch.get_num_threads()
+    return cpu_peak(precision_name), f"measured: matmul on this CPU, {threads} thread(s) per rank"
+
+
+def utilisation(flops_per_step: int | None, step_time_s: float | None, device: torch.device, precision_name: str):
+    """``throughput`` fields: model FLOPs per step, achieved FLOP/s and MFU of one rank."""
+    if not flops_per_step or not step_time_s:
+        return {"model_flops_per_step_per_rank": flops_per_step, "achieved_flops_per_s": None, "mfu": None}
+    achieved = flops_per_step / step_time_s
+    peak, source = device_peak(device, precision_name)
+    return {
+        "model_flops_per_step_per_rank": flops_per_step,
+        "achieved_flops_per_s": achieved,
+        "peak_flops_per_s": peak,
+        "peak_flops_source": source,
+        "mfu": achieved / peak if peak else None,
+    }
