@@ -164,17 +164,32 @@ class Config(JobGroups):
 
 
 # ------------------------------------------------------------------- root: the planner
+class PlanFind(str, Enum):
+    batch_size = "batch_size"
+    depth = "depth"
+
+
+class PlanFormat(str, Enum):
+    table = "table"
+    json = "json"
+
+
 @dataclass
 class PlanSettings:
     params: Optional[float] = None
     """Plan for a raw parameter count (e.g. 7.5e9) instead of the configured model."""
+    units: int = 32
+    """Blocks a raw parameter count is split into (FSDP gathers one at a time)."""
     world_sizes: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 64])
     """World sizes to plan for."""
+    strategies: Optional[List[str]] = None
+    """Strategies to plan for (null: every registered one)."""
     device_memory_gib: float = 80.0
     """Memory per device; rows that fit are marked."""
-    largest_world_size: int = 8
-    """World size for the "largest model that fits" search (by depth at the model's width)."""
-    format: str = "table"
+    find: Optional[PlanFind] = None
+    """Also find the largest ``batch_size`` (per rank) or GPT ``depth`` that fits, per
+    strategy and world size."""
+    format: PlanFormat = PlanFormat.table
     """table or json."""
 
 

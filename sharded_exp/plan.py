@@ -1,15 +1,20 @@
-"""Plan before you run: predicted memory per rank for every strategy and world size.
+"""Plan before you run: every rank's peak memory for each strategy and world size.
 
-    python -m sharded_exp.plan model=gpt_7b plan.world_sizes=[8,64] plan.device_memory_gib=80
-    python -m sharded_exp.plan plan.params=7.5e9 plan.format=json
-    python -m sharded_exp.plan model=gpt2_xl trainer.batch_size=4 precision=bf16
+    python -m sharded_exp.plan model=gpt_7b trainer.batch_size=1 plan.world_sizes=[8,64]
+    python -m sharded_exp.plan model=hf_llama plan.find=batch_size plan.device_memory_gib=0.5
+    python -m sharded_exp.plan plan.params=7.5e9 plan.world_sizes=[64] precision=16
+    python -m sharded_exp.plan model=gpt2_xl precision=bf16 plan.strategies=[ddp,fsdp]
 
 Same config groups and overrides as training (its own primary config, ``conf/plan.yaml``,
-adds the ``plan`` settings). The model is built on the meta device (no memory: a 7B model
-plans in seconds). Model states come from the very function that makes every run's
-prediction in the parent (:mod:`sharded_exp.measure.prediction`), so every run checks the
-planner. Activations are estimated for the transformer from its shape, per-rank batch and
-precision (``activation_bytes``).
+adds the ``plan`` settings). For a configured model, each (strategy, world size) point is
+one fake training step (:mod:`sharded_exp.measure.fake_step`): the very prediction every run
+makes in its parent, so every run checks the planner. For a raw parameter count
+(``plan.params``) there is no model to run: the count is an ideally divisible model
+(``plan.units`` equal blocks, each split into one equal tensor per rank: the ZeRO paper's
+assumption) under each strategy's analytic memory model, without activations.
+
+``plan.find=batch_size`` adds the largest per-rank batch that fits
+``plan.device_memory_gib``; ``plan.find=depth`` the deepest GPT at the configured width.
 """
 
 from __future__ import annotations
@@ -19,125 +24,193 @@ import math
 import sys
 from typing import Any
 
-import torch
-
 from sharded_exp.compose import compose
-from sharded_exp.measure.prediction import ModelShapes, activation_bytes, model_shapes, predict
-from sharded_exp.models import build_model
+from sharded_exp.measure.prediction import ModelShapes, model_shapes, predict, predict_peak
 from sharded_exp.strategies import STRATEGIES
 
 GIB = 2**30
 MIB = 2**20
+PARTS = ("params", "grads", "optimizer", "gathered", "activations", "temporaries", "communication", "other")
 
 
-def plan_rows(cfg, shapes: ModelShapes, world_sizes) -> list[dict[str, Any]]:
-    precision = str(cfg.precision.name)
-    act = activation_bytes(cfg.model, cfg.trainer.batch_size, precision) if cfg.plan.params is None else None
-    rows = []
-    for name in STRATEGIES.names():
-        strategy_cfg = STRATEGIES.config_class(name)()
-        for ws in world_sizes:
-            prediction = predict(strategy_cfg, cfg.optimizer, precision, shapes, ws)
-            states = max(prediction["model_states_mib"], key=lambda p: sum(p.values()))
-            parts = {
-                "params_gib": states["params"] * MIB / GIB,
-                "grads_gib": states["grads"] * MIB / GIB,
-                "optimizer_gib": states["optimizer"] * MIB / GIB,
-                "gathered_params_gib": prediction["transient_params_mib"] * MIB / GIB,
-                "activations_gib": None if act is None else act / GIB,
-            }
-            total = sum(v for v in parts.values() if v is not None)
-            rows.append(
-                {
-                    "strategy": name,
-                    "world_size": ws,
-                    **parts,
-                    "total_gib": total,
-                    "fits": total <= cfg.plan.device_memory_gib,
-                }  # fmt: skip
-            )
-    return rows
+def _value(option) -> str | None:
+    return None if option is None else str(getattr(option, "value", option))
 
 
-def largest_depth(cfg, max_layers: int = 512) -> dict[str, int]:
-    """Deepest GPT at the configured width that each strategy fits (plan.largest_world_size).
+def strategy_names(cfg) -> list[str]:
+    return list(cfg.plan.strategies) if cfg.plan.strategies else STRATEGIES.names()
 
-    Analytic: a depth-L model is the 1-layer model's root plus L copies of its block
-    (parameter order within groups is approximated: root first, then the blocks).
-    The search stops at ``max_layers``: a strategy reported at 512 fits at least that deep.
-    """
-    if cfg.model.name != "gpt" or cfg.plan.params is not None:
-        return {}
-    one = cfg.copy()
-    one.model.n_layers = 1
-    with torch.device("meta"):
-        module = build_model(one.model)
-    in_block = {id(p) for block in module.blocks() for p in block.parameters()}
-    root = [tuple(p.shape) for p in module.parameters() if id(p) not in in_block]
-    block = [tuple(p.shape) for p in module.parameters() if id(p) in in_block]
-    block_numel = sum(math.prod(s) for s in block)
-    root_numel = sum(math.prod(s) for s in root)
-    ws = cfg.plan.largest_world_size
-    deeper = cfg.copy()
 
-    def fitting(depth: int) -> set:
-        shapes = root + block * depth
-        groups = [[s for s in shapes if len(s) >= 2], [s for s in shapes if len(s) < 2]]
-        deeper.model.n_layers = depth
-        rows = plan_rows(deeper, ModelShapes(groups, [block_numel] * depth, root_numel, {}), [ws])
-        return {r["strategy"] for r in rows if r["fits"]}
-
-    out = {}
-    for name in STRATEGIES.names():
-        # Memory grows with depth: double until it no longer fits, then bisect.
-        lo, hi = 0, 1
-        while hi <= max_layers and name in fitting(hi):
-            lo, hi = hi, hi * 2
-        hi = min(hi, max_layers + 1)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if name in fitting(mid) else (lo, mid)
-        out[name] = lo
+def with_strategy(cfg, name: str):
+    out = cfg.copy()
+    out.strategy = STRATEGIES.config_class(name)()
     return out
 
 
-def format_table(rows, depth, cfg, params) -> str:
-    head = ["strategy", "world_size", "params", "grads", "optimizer", "gathered", "activations", "total", "fits"]
+def raw_shapes(params: int, units: int, world_size: int) -> ModelShapes:
+    """``params`` as an ideally divisible model: ``units`` equal blocks of ``world_size``
+    equal 1-D tensors (every rank's shard, owner and bucket share come out equal)."""
+    pieces = units * world_size
+    size = math.ceil(params / pieces)
+    return ModelShapes([[(size,)] * pieces], [size * world_size] * units, 0, {})
+
+
+def raw_row(cfg, name: str, world_size: int) -> dict[str, Any]:
+    params, units = int(cfg.plan.params), int(cfg.plan.units)
+    cfg_s = with_strategy(cfg, name)
+    shapes = raw_shapes(params, units, world_size)
+    prediction = predict(cfg_s.strategy, cfg.optimizer, str(cfg.precision.name), shapes, world_size)
+    states = max(prediction["model_states_mib"], key=lambda p: sum(p.values()))
+    parts = {k: 0.0 for k in PARTS} | {k: states[k] * MIB / GIB for k in ("params", "grads", "optimizer")}
+    parts["gathered"] = prediction["transient_params_mib"] * MIB / GIB
+    parts["activations"] = None
+    return _row(cfg, name, world_size, parts, "raw parameter count (analytic, no activations)", "")
+
+
+def model_row(cfg, name: str, world_size: int, shapes: ModelShapes, device_type: str) -> dict[str, Any]:
+    cfg_s = with_strategy(cfg, name)
+    prediction = predict(cfg_s.strategy, cfg.optimizer, str(cfg.precision.name), shapes, world_size)
+    peak = predict_peak(cfg_s, world_size, device_type, prediction, shapes, flops=False)
+    states = max(sum(p.values()) for p in prediction["model_states_mib"])
+    if peak["per_rank_mib"] is None:
+        parts = {k: None for k in PARTS}
+        row = _row(cfg, name, world_size, parts, "none", peak["error"])
+        row["total_gib"], row["fits"] = None, None
+    else:
+        parts = {k: v * MIB / GIB for k, v in peak["breakdown_mib"].items()}
+        row = _row(cfg, name, world_size, parts, peak["method"], peak["note"])
+        row["total_gib"] = max(peak["per_rank_mib"]) * MIB / GIB  # the peak itself
+        row["fits"] = row["total_gib"] <= cfg.plan.device_memory_gib
+        row["seconds"] = peak["seconds"]
+    row["model_states_gib"] = states * MIB / GIB  # analytic: what every run predicts and checks
+    return row
+
+
+def _row(cfg, name, world_size, parts, method, note) -> dict[str, Any]:
+    total = sum(v for v in parts.values() if v is not None)
+    return {
+        "strategy": name,
+        "world_size": world_size,
+        **{f"{k}_gib": v for k, v in parts.items()},
+        "total_gib": total,
+        "fits": total <= cfg.plan.device_memory_gib,
+        "method": method,
+        "note": note,
+    }
+
+
+def plan_rows(cfg, world_sizes, device_type: str = "cpu") -> list[dict[str, Any]]:
+    shapes = None if cfg.plan.params is not None else model_shapes(cfg.model, cfg.optimizer)
+    rows = []
+    for name in strategy_names(cfg):
+        for ws in world_sizes:
+            if shapes is None:
+                rows.append(raw_row(cfg, name, ws))
+            else:
+                rows.append(model_row(cfg, name, ws, shapes, device_type))
+    return rows
+
+
+def _peak_gib(cfg, world_size: int, device_type: str) -> float | None:
+    shapes = model_shapes(cfg.model, cfg.optimizer)
+    prediction = predict(cfg.strategy, cfg.optimizer, str(cfg.precision.name), shapes, world_size)
+    peak = predict_peak(cfg, world_size, device_type, prediction, shapes, flops=False)
+    return None if peak["per_rank_mib"] is None else max(peak["per_rank_mib"]) * MIB / GIB
+
+
+def largest(cfg, name: str, world_size: int, knob: str, device_type: str, limit: int = 1 << 20) -> dict[str, Any]:
+    """The largest value of ``knob`` (``trainer.batch_size`` or ``model.n_layers``) at which
+    ``name`` fits ``plan.device_memory_gib`` on ``world_size`` ranks.
+
+    The peak grows linearly in either (activations per sample; states and activations per
+    layer): fake steps at 1 and 2 give the line, and the value it predicts is then checked
+    by fake steps at the answer (must fit) and one above (must not), moving down or up
+    until both hold.
+    """
+    budget = cfg.plan.device_memory_gib
+    section, key = knob.split(".")
+    probes: dict[int, float | None] = {}
+
+    def peak(value: int) -> float | None:
+        if value not in probes:
+            c = with_strategy(cfg, name)
+            c[section][key] = value
+            probes[value] = _peak_gib(c, world_size, device_type)
+        return probes[value]
+
+    one, two = peak(1), peak(2)
+    if one is None or two is None:
+        return {"value": None, "probes": probes, "note": "the model cannot run under FakeTensorMode"}
+    if one > budget:
+        return {"value": 0, "probes": probes, "note": f"{knob}=1 does not fit"}
+    slope = max(two - one, 1e-12)
+    guess = max(1, min(limit, int((budget - one) / slope) + 1))
+    while guess > 1 and (peak(guess) is None or peak(guess) > budget):
+        guess -= 1
+    while guess < limit and peak(guess + 1) is not None and peak(guess + 1) <= budget:
+        guess += 1
+    return {"value": guess, "probes": probes, "note": f"checked by fake steps at {guess} and {guess + 1}"}
+
+
+def find_rows(cfg, world_sizes, device_type: str) -> list[dict[str, Any]]:
+    find = _value(cfg.plan.find)
+    knob = {"batch_size": "trainer.batch_size", "depth": "model.n_layers"}[find]
+    out = []
+    for name in strategy_names(cfg):
+        for ws in world_sizes:
+            found = largest(cfg, name, ws, knob, device_type)
+            out.append({"strategy": name, "world_size": ws, "find": find, **found})
+            out[-1]["probes"] = {str(k): v for k, v in found["probes"].items()}
+    return out
+
+
+def format_table(rows, found, cfg, params) -> str:
+    head = ["strategy", "world_size", *PARTS, "peak", "fits", "method"]
+    what = "raw parameter count" if cfg.plan.params is not None else f"model: {cfg.model.name}"
+    big = max((r["total_gib"] or 0 for r in rows), default=0) >= 1
+    unit, scale = ("GiB", 1) if big else ("MiB", GIB / MIB)
     lines = [
-        f"model: {cfg.model.name} ({params:,} params), precision {cfg.precision.name}, optimizer {cfg.optimizer.name}, "
-        f"batch {cfg.trainer.batch_size}/rank; GiB per rank; device {cfg.plan.device_memory_gib:g} GiB",
+        f"{what} ({params:,} params), precision {cfg.precision.name}, optimizer {cfg.optimizer.name}, "
+        f"batch {cfg.trainer.batch_size}/rank; {unit} per rank at the peak; device {cfg.plan.device_memory_gib:g} GiB",
         " | ".join(head),
         " | ".join("---" for _ in head),
     ]
     for r in rows:
         cells = [r["strategy"], r["world_size"]] + [
-            "-" if r[k] is None else f"{r[k]:.2f}"
-            for k in ("params_gib", "grads_gib", "optimizer_gib", "gathered_params_gib", "activations_gib", "total_gib")
+            "-" if r[f"{k}_gib"] is None else f"{r[f'{k}_gib'] * scale:.2f}" for k in (*PARTS, "total")
         ]
-        lines.append(" | ".join(str(c) for c in cells + ["yes" if r["fits"] else "no"]))
-    if depth:
-        lines.append(
-            f"\nlargest depth at d_model={cfg.model.d_model} that fits {cfg.plan.device_memory_gib:g} GiB on "
-            f"{cfg.plan.largest_world_size} ranks: " + ", ".join(f"{k} {v}" for k, v in depth.items())
-        )
+        fits = "-" if r["fits"] is None else ("yes" if r["fits"] else "no")
+        lines.append(" | ".join(str(c) for c in cells + [fits, r["method"]]))
+    notes = sorted({f"{r['strategy']}: {r['note']}" for r in rows if r["note"]})
+    lines += [f"note: {n}" for n in notes]
+    if found:
+        label = {
+            "batch_size": "largest batch per rank",
+            "depth": f"largest depth at d_model={cfg.model.get('d_model')}",
+        }
+        lines.append(f"\n{label[_value(cfg.plan.find)]} that fits {cfg.plan.device_memory_gib:g} GiB:")
+        lines += [f"  {f['strategy']} x{f['world_size']}: {f['value']} ({f['note']})" for f in found]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cfg = compose(argv, config_name="plan")
+    import torch
+
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if cfg.plan.params is not None:
-        n = int(cfg.plan.params)
-        shapes = ModelShapes([[(n,)]], [], n, {})
+        params = int(cfg.plan.params)
     else:
         shapes = model_shapes(cfg.model, cfg.optimizer)
-    params = sum(math.prod(s) for g in shapes.groups for s in g)
-    rows = plan_rows(cfg, shapes, list(cfg.plan.world_sizes))
-    depth = largest_depth(cfg)
-    if cfg.plan.format == "json":
-        print(json.dumps({"params": params, "rows": rows, "largest_depth": depth}, indent=2))
+        params = sum(math.prod(s) for g in shapes.groups for s in g)
+    world_sizes = list(cfg.plan.world_sizes)
+    rows = plan_rows(cfg, world_sizes, device_type)
+    found = find_rows(cfg, world_sizes, device_type) if cfg.plan.find else []
+    if _value(cfg.plan.format) == "json":
+        print(json.dumps({"params": params, "device": device_type, "rows": rows, "found": found}, indent=2))
     else:
-        print(format_table(rows, depth, cfg, params))
+        print(format_table(rows, found, cfg, params))
     return 0
 
 

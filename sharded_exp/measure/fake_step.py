@@ -5,8 +5,10 @@ devices but no storage: a 7B model costs nothing), wrapped by the configured str
 own ``build`` inside a fake process group of the planned world size, and trained for two
 steps with the real :func:`~sharded_exp.train.trainer.train_step` (the optimizer state
 appears at the first step, so the second is the steady one). torch's ``MemTracker``
-(``FSDPMemTracker`` for FSDP2, which also names gathered parameters and communication
-buffers) follows every tensor as the CPU measurement of a real run does, and
+follows every tensor as the CPU measurement of a real run does (started before the
+strategy wraps the model; under FSDP2 too: ``FSDPMemTracker`` finds the same peak, more
+slowly, and the gathered parameters are the tracked parameters beyond the resident
+shards), and
 ``FlopCounterMode`` counts the FLOPs of the second step. Any model works: ours, Hugging
 Face's, a user's ``_target_``.
 
@@ -39,7 +41,7 @@ from sharded_exp.strategies import STRATEGIES, build_strategy
 
 MIB = 2**20
 
-# torch's tracker categories (MemTracker, FSDPMemTracker) -> ours
+# torch's tracker categories (MemTracker; FSDPMemTracker's too) -> ours
 CATEGORIES = {
     "Parameter": "params",
     "Sharded Param": "params",
@@ -122,7 +124,7 @@ def _breakdown(tracker, device: torch.device) -> tuple[float, dict[str, float]]:
     return total, out
 
 
-def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float) -> tuple[float, dict, int]:
+def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, flops: bool) -> tuple[float, dict, int]:
     """Two fake steps of ``cfg`` on ``rank``: (peak MiB, breakdown, FLOPs of one step)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
@@ -135,42 +137,35 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float) ->
     task = build_task(cfg.data, cfg.model, tc.batch_size)
     # Real batches (small integer tensors), made outside the fake mode, then faked.
     real = [[task(step, m, rank) for m in range(tc.grad_accum)] for step in range(2)]
-    strategy_cls = STRATEGIES.builder(cfg.strategy.name)
-    fsdp = strategy_cls.shards_parameters
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_process_group(world_size, rank), mode:
         torch.manual_seed(tc.seed)
         with device:
             module = build_model(cfg.model)
-        tracker = None
-        if not fsdp:  # as a CPU run measures: from before the strategy allocates its buffers
-            tracker = peak_tracker()
-            tracker.track_external(module)
-            tracker.__enter__()
+        # As a CPU run measures: from before the strategy allocates its buffers.
+        tracker = peak_tracker()
+        tracker.track_external(module)
+        tracker.__enter__()
         try:
-            strategy = build_strategy(cfg.strategy, module, optimizer_spec(cfg.optimizer, module), cfg.precision, device)
+            strategy = build_strategy(
+                cfg.strategy, module, optimizer_spec(cfg.optimizer, module), cfg.precision, device
+            )
             strategy.scaler = torch.amp.GradScaler(device_type, enabled=False)
-            if fsdp:
-                from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-                tracker = FSDPMemTracker(strategy.model, strategy.optimizer)
-                tracker.__enter__()
             autocast = precision.autocast(cfg.precision, device_type)
-            flops = 0
+            count = 0
             for step in range(2):
                 batches = [{k: mode.from_tensor(v).to(device) for k, v in b.items()} for b in real[step]]
-                counter = FlopCounterMode(display=False) if step == 1 else contextlib.nullcontext()
-                with counter:
+                counter = FlopCounterMode(display=False) if step == 1 and flops else None
+                with counter or contextlib.nullcontext():
                     train_step(strategy, batches, autocast, grad_clip)
-                if step == 1:
-                    flops = counter.get_total_flops()
+                if counter is not None:
+                    count = counter.get_total_flops()
                 tracker.reset_mod_stats()
                 del batches
         finally:
-            if tracker is not None:
-                tracker.__exit__(None, None, None)
+            tracker.__exit__(None, None, None)
     peak, parts = _breakdown(tracker, device)
-    return peak, parts, int(flops)
+    return peak, parts, int(count)
 
 
 def _data_dependent(exc: BaseException) -> bool:
@@ -184,23 +179,26 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:200]}"
 
 
-def fake_step(cfg, world_size: int, rank: int = 0, device_type: str = "cpu", states_mib=None) -> StepEstimate:
+def fake_step(
+    cfg, world_size: int, rank: int = 0, device_type: str = "cpu", states_mib=None, flops: bool = True
+) -> StepEstimate:
     """The peak of ``rank`` in a job of ``world_size`` ranks, from two fake steps.
 
     ``states_mib(strategy_name) -> MiB``: the analytic model states of ``rank`` under a
     strategy, used only by the fallback for a strategy that cannot run fake. Raises when
-    the model itself cannot run fake (the caller records why).
+    the model itself cannot run fake (the caller records why). ``flops``: also count the
+    FLOPs (about a third of the time on a large model; the planner needs none).
     """
     t0 = time.perf_counter()
     clip = float(cfg.trainer.grad_clip)
     try:
-        peak, parts, flops = _run(cfg, world_size, rank, device_type, clip)
+        peak, parts, flops = _run(cfg, world_size, rank, device_type, clip, flops)
         return StepEstimate(rank, peak, parts, flops, "fake step", seconds=time.perf_counter() - t0)
     except Exception as exc:  # noqa: BLE001 -- decide below what a failure means
         first = exc
     if clip > 0 and _data_dependent(first):
         try:
-            peak, parts, flops = _run(cfg, world_size, rank, device_type, 0.0)
+            peak, parts, flops = _run(cfg, world_size, rank, device_type, 0.0, flops)
             note = f"{cfg.strategy.name}'s clipping branches on a value ({_short(first)}): step faked without it"
             return StepEstimate(
                 rank, peak, parts, flops, "fake step without clipping", note, time.perf_counter() - t0
@@ -212,7 +210,7 @@ def fake_step(cfg, world_size: int, rank: int = 0, device_type: str = "cpu", sta
     # The strategy cannot run fake: its own (analytic) model states, DDP's activations.
     ddp_cfg = cfg.copy()
     ddp_cfg.strategy = STRATEGIES.config_class("ddp")()
-    base = fake_step(ddp_cfg, world_size, rank, device_type)
+    base = fake_step(ddp_cfg, world_size, rank, device_type, flops=flops)
     own, ddp = states_mib(cfg.strategy.name), states_mib("ddp")
     note = f"{cfg.strategy.name} cannot run under FakeTensorMode ({_short(first)})"
     parts = {**base.breakdown_mib, **own}

@@ -95,7 +95,7 @@ def predict(strategy_cfg, optimizer_cfg, precision_name: str, shapes: ModelShape
 
 
 def predict_peak(
-    cfg, world_size: int, device_type: str, prediction: dict[str, Any], shapes: ModelShapes
+    cfg, world_size: int, device_type: str, prediction: dict[str, Any], shapes: ModelShapes, flops: bool = True
 ) -> dict[str, Any]:
     """The peak of every rank from one fake step (:mod:`sharded_exp.measure.fake_step`).
 
@@ -115,14 +115,23 @@ def predict_peak(
         return {**other["model_states_mib"][rank], "gathered": other["transient_params_mib"]}
 
     try:
-        est = fake_step(cfg, world_size, rank, device_type, states_of)
+        est = fake_step(cfg, world_size, rank, device_type, states_of, flops=flops)
     except Exception as exc:  # noqa: BLE001 -- recorded: the run goes on without a peak prediction
         reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
-        return {"per_rank_mib": None, "error": f"the model cannot run under FakeTensorMode: {type(exc).__name__}: {reason}"}
+        return {
+            "per_rank_mib": None,
+            "error": f"the model cannot run under FakeTensorMode: {type(exc).__name__}: {reason}",
+        }
+    parts = dict(est.breakdown_mib)
+    # Parameters tracked beyond the resident ones are gathered (unsharded) copies: FSDP's units.
+    resident = prediction["model_states_mib"][rank]["params"]
+    if parts["params"] > resident:
+        parts["gathered"] += parts["params"] - resident
+        parts["params"] = resident
     return {
         "per_rank_mib": [est.peak_mib + s - states[rank] for s in states],
         "rank": rank,
-        "breakdown_mib": est.breakdown_mib,
+        "breakdown_mib": parts,
         "flops_per_step": est.flops_per_step,
         "method": est.method,
         "note": est.note,
@@ -186,6 +195,8 @@ def memory_section(prediction: dict[str, Any], per_rank: list[dict[str, Any]], s
         "predicted_transient_params_mib": prediction["transient_params_mib"],
         "transient_params_mib_max": max(measured_transient) if measured_transient else None,
         "predicted_peak_mib_max": max(p for p in peaks) if all(p is not None for p in peaks) else None,
-        "peak_rel_error_max": max((r["peak_rel_error"] for r in per_rank if r["peak_rel_error"] is not None), key=abs, default=None),
+        "peak_rel_error_max": max(
+            (r["peak_rel_error"] for r in per_rank if r["peak_rel_error"] is not None), key=abs, default=None
+        ),
         "peak_prediction": _peak_summary(prediction.get("peak")),
     }
