@@ -110,6 +110,25 @@ def peak_tracker():
     return PeakTracker()
 
 
+@contextlib.contextmanager
+def _separate_propagation_mode():
+    """DTensor computes each op's output shape by running it once more on fake tensors, in
+    the active fake mode if there is one, else in a fresh one. Real runs get the fresh one,
+    which MemTracker ignores; in a fake step that would be ours, and each such run would be
+    counted as memory (optimizer steps over FSDP's DTensors: +50% of optimizer state). So it
+    gets a fake mode of its own here too."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor import _sharding_prop  # private torch API: re-check on torch upgrades
+
+    own = FakeTensorMode()
+    detect = _sharding_prop.detect_fake_mode
+    _sharding_prop.detect_fake_mode = lambda *args: own
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = detect
+
+
 def _breakdown(tracker, device: torch.device) -> tuple[float, dict[str, float]]:
     snap = tracker.get_tracker_snapshot("peak")
     values = next(iter(snap.values()), {}) if device.index is None else snap.get(device, {})
@@ -138,7 +157,7 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
     # Real batches (small integer tensors), made outside the fake mode, then faked.
     real = [[task(step, m, rank) for m in range(tc.grad_accum)] for step in range(2)]
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_process_group(world_size, rank), mode:
+    with fake_process_group(world_size, rank), _separate_propagation_mode(), mode:
         torch.manual_seed(tc.seed)
         with device:
             module = build_model(cfg.model)

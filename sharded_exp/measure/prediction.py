@@ -99,8 +99,8 @@ def predict_peak(
 ) -> dict[str, Any]:
     """The peak of every rank from one fake step (:mod:`sharded_exp.measure.fake_step`).
 
-    The rank with the most model states is faked; the others differ from it by their
-    model states (e.g. OSS's uneven shards). Returns ``{"per_rank_mib": [...] or None,
+    The rank with the most model states is faked; another rank's peak is lower by its
+    smaller model states (e.g. OSS's uneven shards), where the faked peak holds them. Returns ``{"per_rank_mib": [...] or None,
     "rank", "breakdown_mib", "flops_per_step" (one rank), "method", "note", "seconds",
     "error"}``; ``error`` says why there is no prediction (the model cannot run fake).
     """
@@ -123,13 +123,17 @@ def predict_peak(
             "error": f"the model cannot run under FakeTensorMode: {type(exc).__name__}: {reason}",
         }
     parts = dict(est.breakdown_mib)
+    mine = prediction["model_states_mib"][rank]
     # Parameters tracked beyond the resident ones are gathered (unsharded) copies: FSDP's units.
-    resident = prediction["model_states_mib"][rank]["params"]
-    if parts["params"] > resident:
-        parts["gathered"] += parts["params"] - resident
-        parts["params"] = resident
+    if parts["params"] > mine["params"]:
+        parts["gathered"] += parts["params"] - mine["params"]
+        parts["params"] = mine["params"]
+    # Another rank's peak is lower by its smaller states (OSS's uneven shards), where the
+    # peak holds them: a state seen in full at the faked rank's peak.
+    held = [k for k in ("params", "grads", "optimizer") if parts[k] >= 0.99 * mine[k]]
+    per_rank = [est.peak_mib - sum(mine[k] - other[k] for k in held) for other in prediction["model_states_mib"]]
     return {
-        "per_rank_mib": [est.peak_mib + s - states[rank] for s in states],
+        "per_rank_mib": per_rank,
         "rank": rank,
         "breakdown_mib": parts,
         "flops_per_step": est.flops_per_step,
