@@ -5,10 +5,11 @@
 
 One job per (strategy, precision), each through the real launcher: CUDA allocator
 statistics (peak allocated and reserved MiB, allocation retries, OOMs), model states
-measured by walking the real tensors next to the memory model's prediction, and the
-peak next to predicted states + activations (``sharded_exp.plan``'s formula) +
-gathered parameters. Prints one Markdown table; writes outputs/benchmarks/gpu_check.json.
-Exit code 1 if any job failed or a model-state prediction is off by more than 2%.
+measured by walking the real tensors next to the memory model's prediction, the CUDA
+peak next to the peak the parent predicted with a fake step on the CUDA device (signed
+error: below zero the prediction was too low), and MFU against the device's table peak.
+Prints one Markdown table; writes outputs/benchmarks/gpu_check.json. Exit code 1 if any
+job failed or a model-state prediction is off by more than 2%.
 
     python -m benchmarks.gpu_check --hang                  # NCCL hang diagnosis on one GPU
 
@@ -29,7 +30,6 @@ import time
 import torch
 
 from benchmarks.common import OUT, markdown, run, save
-from sharded_exp.measure.prediction import activation_bytes
 
 STRATEGY_NAMES = ["ddp", "oss", "sharded_ddp", "zero1", "fsdp_grad_op", "fsdp"]
 PRECISIONS = ["32", "16", "bf16"]
@@ -72,15 +72,13 @@ def main() -> int:
                 result = run(overrides, f"gpu_check/{strategy}_{prec}")
             except RuntimeError as exc:
                 bad += 1
-                rows.append([strategy, prec, "failed", str(exc)[:80], "", "", "", "", "", ""])
+                rows.append([strategy, prec, "failed", str(exc)[:80], "", "", "", "", "", "", "", ""])
                 continue
             mem = result["memory"]
             rank = mem["per_rank"][0]
-            from omegaconf import OmegaConf
-
-            cfg = OmegaConf.create(result["config"])
-            acts = (activation_bytes(cfg.model, args.batch_size, prec) or 0) / 2**20
-            predicted_peak = mem["predicted_model_states_mib_max"] + acts + (mem["predicted_transient_params_mib"] or 0)
+            predicted_peak = rank.get("predicted_peak_mib")
+            peak_error = rank.get("peak_rel_error")
+            mfu = result["throughput"].get("mfu")
             error = mem["model_states_rel_error_max"]
             bad += int(error is None or error > 0.02)
             data.append(
@@ -96,8 +94,10 @@ def main() -> int:
                     f"{mem['model_states_mib_max']:.1f}",
                     f"{mem['predicted_model_states_mib_max']:.1f}",
                     f"{error:.2%}",
-                    f"{predicted_peak:.1f}",
+                    "-" if predicted_peak is None else f"{predicted_peak:.1f}",
+                    "-" if peak_error is None else f"{peak_error:+.1%}",
                     f"{result['throughput']['tokens_per_s']:.0f}",
+                    "-" if mfu is None else f"{mfu:.1%}",
                 ]
             )
     print(f"{device}; world size 1; {' '.join(MODEL)} batch {args.batch_size}; {args.steps} steps")
@@ -111,7 +111,9 @@ def main() -> int:
         "predicted states MiB",
         "states error",
         "predicted peak MiB",
+        "peak error",
         "tokens/s",
+        "MFU",
     ]
     print(markdown(header, rows))
     print(f"wrote {save('gpu_check', {'device': device, 'args': vars(args), 'results': data})}")

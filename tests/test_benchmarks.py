@@ -88,3 +88,12 @@ def test_hf_trainer_smoke(tmp_path):
         [run] = data["runs"][name]
         assert run["step_time_s_median"] > 0 and run["to_first_step_s"] < run["to_exit_s"]
         assert run["peak_rss_mib_max"] > 0
+
+
+def test_prediction_smoke(tmp_path):
+    data = bench("prediction", "--models", "mlp", "--strategies", "ddp", "--world-sizes", "2",
+                 "--precisions", "32", cwd=tmp_path)  # fmt: skip
+    [point] = data["points"]
+    assert point["model"] == "mlp" and point["method"] == "fake step"
+    assert point["error"] == pytest.approx((point["predicted_mib"] - point["measured_mib"]) / point["measured_mib"])
+    assert data["summary"]["points"] == 1 and data["summary"]["median_abs_error"] == pytest.approx(abs(point["error"]))

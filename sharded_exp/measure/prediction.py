@@ -59,25 +59,6 @@ def model_shapes(model_cfg, optimizer_cfg, module: torch.nn.Module | None = None
     )
 
 
-def activation_bytes(model_cfg, batch_size: int, precision_name: str) -> int | None:
-    """Peak activation bytes per rank of one forward + backward (no checkpointing).
-
-    GPT, per block, about 16 values per (sample, token, channel) stay saved for backward
-    (LayerNorm inputs/outputs, q/k/v, attention output and its copy, the two residual
-    streams, 4x-wide MLP input of GELU and its output), plus 2 for the embeddings and final
-    norm, plus 4 per (sample, token, vocabulary entry) for logits, log-softmax and their
-    gradients. Fitted on CPU with torch's MemTracker and checked in tests (within 20%).
-    None for other models.
-    """
-    if model_cfg.name != "gpt":
-        return None
-    half = precision.compute_dtype(precision_name) is not None
-    b, s, d, v = batch_size, model_cfg.seq_len, model_cfg.d_model, model_cfg.vocab_size
-    # the loss is computed from fp32 logits (logits.float()) at every precision
-    vocab_bytes = (2 + 3 * 4) if half else 4 * 4
-    return precision.compute_bytes(precision_name) * b * s * d * (16 * model_cfg.n_layers + 2) + vocab_bytes * b * s * v
-
-
 def predict(strategy_cfg, optimizer_cfg, precision_name: str, shapes: ModelShapes, world_size: int) -> dict[str, Any]:
     """Predicted model states of every rank and the parameters gathered on top at the peak.
 

@@ -82,19 +82,6 @@ def peak_breakdown_mib(fn: Callable[[], Any], *external: Any, device=torch.devic
     return _breakdown_mib(tracker, device)
 
 
-def gpt_activation_mib(model_cfg, batch_size: int, seed: int = 0) -> float:
-    """Measured peak activations + temporaries (MiB) of one fp32 forward + backward of our
-    GPT, in this process: what ``prediction.activation_bytes`` is fitted to and checked by."""
-    from sharded_exp.models.gpt import GPT
-
-    torch.manual_seed(seed)
-    model = GPT(model_cfg)
-    ids = torch.randint(model_cfg.vocab_size, (batch_size, model_cfg.seq_len))
-    targets = torch.randint(model_cfg.vocab_size, (batch_size, model_cfg.seq_len))
-    peak = peak_breakdown_mib(lambda: model(input_ids=ids, targets=targets).loss.backward(), model)
-    return peak["Activation"] + peak["Temp"]
-
-
 _peak_rss_floor_mib = 0.0  # the process's peak before any reset of the kernel's high-water mark
 
 

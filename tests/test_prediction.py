@@ -1,0 +1,125 @@
+"""The peak predicted by one fake step before a run starts, against the peak its ranks
+measure; FLOPs and utilisation; the planner built on the same step."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+
+import pytest
+
+from sharded_exp.compose import compose
+from sharded_exp.measure.fake_step import fake_step
+from tests.conftest import ROOT, STRATEGY_NAMES, read_result, run_cli, run_job, tiny
+from tests.test_models import CUSTOM
+
+# The CPU tracker measures over the warm-up steps: two, like the fake step.
+TWO_STEPS = ["trainer.steps=3", "trainer.warmup_steps=2", "trainer.eval_batches=0"]
+HF_GPT2 = ["model=hf_gpt2", "model.seq_len=32", "model.config.n_embd=64", "model.config.n_layer=2"]
+
+
+def check_peaks(result: dict) -> None:
+    assert result["status"] == "ok", result.get("error")
+    mem = result["memory"]
+    assert mem["peak_prediction"]["error"] is None
+    assert mem["peak_prediction"]["method"].startswith("fake step"), mem["peak_prediction"]
+    for entry in mem["per_rank"]:
+        predicted, measured = entry["predicted_peak_mib"], entry["peak_allocated_mib"]
+        assert abs(predicted - measured) <= 0.10 * measured, (entry["rank"], predicted, measured)
+        assert entry["peak_rel_error"] == pytest.approx((predicted - measured) / measured)
+    assert mem["predicted_peak_mib_max"] == max(e["predicted_peak_mib"] for e in mem["per_rank"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+@pytest.mark.parametrize("family", ["ours", "hugging_face"])
+def test_predicted_peak_within_10_percent(family, strategy, world_size, tmp_path):
+    model = ["model=gpt"] if family == "ours" else HF_GPT2
+    overrides = [*model, f"strategy={strategy}", f"trainer.world_size={world_size}", *TWO_STEPS]
+    check_peaks(run_job(overrides, tmp_path))
+
+
+@pytest.fixture
+def user_module(tmp_path):
+    pkg = tmp_path / "user_code"
+    pkg.mkdir()
+    (pkg / "my_models.py").write_text(textwrap.dedent(CUSTOM))
+    return {"PYTHONPATH": os.pathsep.join([str(pkg), str(ROOT)])}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+def test_predicted_peak_of_your_model_within_10_percent(strategy, world_size, user_module, tmp_path):
+    out = tmp_path / "run"
+    args = ["model=custom", "model._target_=my_models.build", "+model.hidden=64", f"strategy={strategy}",
+            f"trainer.world_size={world_size}", *tiny(TWO_STEPS), f"hydra.run.dir={out}"]  # fmt: skip
+    args = [a for a in args if not a.startswith(("model.hidden", "model.depth"))]
+    proc = run_cli(args, cwd=ROOT, env=user_module)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check_peaks(read_result(out))
+
+
+def test_flops_and_utilisation_are_reported(tmp_path):
+    """An MLP's FLOPs are known exactly: 2 per multiply-add forward, twice that backward
+    (except for the first layer's input, whose gradient nobody needs)."""
+    result = run_job(["model.in_features=64", "model.hidden=32", "model.depth=2", *TWO_STEPS], tmp_path)
+    tp = result["throughput"]
+    b, layers = 8, [(64, 32), (32, 32), (32, 10)]  # body: depth 2, then the head
+    macs = sum(i * o for i, o in layers)
+    expected = b * (2 * macs + 4 * macs - 2 * 64 * 32)
+    assert tp["model_flops_per_step_per_rank"] == expected
+    assert tp["model_flops_per_step"] == expected * result["world_size"]
+    assert tp["achieved_flops_per_s"] == pytest.approx(expected / tp["step_time_s_median"])
+    assert 0 < tp["mfu"] < 1 and tp["peak_flops_source"].startswith("measured: matmul on this CPU")
+    assert tp["mfu"] == pytest.approx(tp["achieved_flops_per_s"] / tp["peak_flops_per_s"])
+
+
+def test_a_model_that_cannot_run_fake_says_why(tmp_path, monkeypatch):
+    """No silent number: the run goes on, its result names why there is no prediction."""
+    from sharded_exp.measure import fake_step as module
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("data-dependent branch in forward")
+
+    monkeypatch.setattr(module, "_run", refuse)
+    result = run_job(["trainer.steps=2"], tmp_path)
+    mem = result["memory"]
+    assert result["status"] == "ok"
+    assert mem["predicted_peak_mib_max"] is None and all(e["predicted_peak_mib"] is None for e in mem["per_rank"])
+    assert "cannot run under FakeTensorMode" in mem["peak_prediction"]["error"]
+    assert "data-dependent branch in forward" in mem["peak_prediction"]["error"]
+
+
+def test_a_strategy_that_cannot_run_fake_falls_back_and_says_so(monkeypatch):
+    """The fallback is the strategy's analytic states plus DDP's fake-step activations."""
+    from sharded_exp.measure import fake_step as module
+
+    real = module._run
+
+    def only_ddp(cfg, *args):
+        if cfg.strategy.name != "ddp":
+            raise TypeError("this wrapper cannot take fake tensors")
+        return real(cfg, *args)
+
+    monkeypatch.setattr(module, "_run", only_ddp)
+    cfg = compose(tiny(["model=gpt", "strategy=zero1"]))
+    ddp = real(compose(tiny(["model=gpt"])), 2, 0, "cpu", 1.0, False)
+    states = {
+        "ddp": {"params": 1.0, "grads": 1.0, "optimizer": 2.0},
+        "zero1": {"params": 1.0, "grads": 1.0, "optimizer": 1.0},
+    }
+    est = fake_step(cfg, 2, 0, "cpu", states_mib=states.__getitem__, flops=False)
+    assert est.method == "ddp fake step + analytic states"
+    assert "zero1 cannot run under FakeTensorMode (TypeError: this wrapper cannot take fake tensors)" in est.note
+    assert est.peak_mib == pytest.approx(ddp[0] - 1.0)
+
+
+def test_fairscale_clipping_is_faked_without_its_branch_and_says_so():
+    cfg = compose(tiny(["model=gpt", "strategy=oss", "trainer.grad_clip=1.0"]))
+    est = fake_step(cfg, 2, 0, flops=False)
+    assert est.method == "fake step without clipping"
+    assert "clipping branches on a value" in est.note
+    no_clip = fake_step(compose(tiny(["model=gpt", "strategy=oss", "trainer.grad_clip=0"])), 2, 0, flops=False)
+    assert no_clip.method == "fake step" and no_clip.peak_mib == pytest.approx(est.peak_mib)
