@@ -173,7 +173,8 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
             autocast = precision.autocast(cfg.precision, device_type)
             count = 0
             for step in range(2):
-                batches = [{k: mode.from_tensor(v).to(device) for k, v in b.items()} for b in real[step]]
+                # The batch is made inside the window, as in a run (cloned: counted like it).
+                batches = [{k: mode.from_tensor(v).to(device).clone() for k, v in b.items()} for b in real[step]]
                 counter = FlopCounterMode(display=False) if step == 1 and flops else None
                 with counter or contextlib.nullcontext():
                     train_step(strategy, batches, autocast, grad_clip)

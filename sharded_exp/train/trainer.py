@@ -304,6 +304,9 @@ def train(
     tc = cfg.trainer
     torch.manual_seed(tc.seed)  # identical initial weights on every rank
     module = build_model(cfg.model).to(device)
+    # The task's own tensors (a teacher network, a transition table) are the data source's,
+    # on the host: built before the CPU tracker starts, as they are never on a GPU.
+    task = build_task(cfg.data, cfg.model, tc.batch_size)
     meter = MemoryMeter(device, tc.memory_limit_mib)
     if device.type == "cpu":
         # On CPU only tensors the tracker sees are counted: start it before the strategy
@@ -317,7 +320,6 @@ def train(
     logger = build_logger(cfg.logger, OmegaConf.to_container(cfg, resolve=True), output_dir, rank)
     timeline["logger_ready"] = time.time()
     loop = LoopSettings.from_config(tc, label=f"{cfg.strategy.name} x{dist.get_world_size()}")
-    task = build_task(cfg.data, cfg.model, tc.batch_size)
     autocast = precision.autocast(cfg.precision, device.type)
     batches = tc.eval_batches
 
