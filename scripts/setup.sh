@@ -21,4 +21,4 @@ if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+
   fi
 fi
 pip install -q -e ".[dev]"
-.venv/bin/python -c "import torch, fairscale, hydra, torchmetrics, transformers; print('torch', torch.__version__, '| cuda', torch.cuda.is_available())"
+.venv/bin/python -c "import torch, fairscale, hydra, torchmetrics, transformers, wandb_workspaces; print('torch', torch.__version__, '| cuda', torch.cuda.is_available())"

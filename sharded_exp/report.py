@@ -3,6 +3,7 @@
     python -m sharded_exp -m strategy=ddp,oss,sharded_ddp,zero1,fsdp,fsdp_grad_op \
         trainer.world_size=2,4 model=gpt logger=none hydra.sweep.dir=outputs/six
     python -m sharded_exp.report outputs/six
+    python -m sharded_exp.report outputs/six --wandb-workspace    # + the W&B workspace view
 
 Reads every ``result.json`` under SWEEP_DIR (a finished or interrupted multirun) and
 writes ``report.md``, ``report.csv`` and the charts there (:mod:`sharded_exp.output.report`).
@@ -11,12 +12,14 @@ A multirun writes its report itself, through :class:`ReportCallback` (conf/confi
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
-from sharded_exp.output.report import markdown, write_report
+from sharded_exp.output import workspace
+from sharded_exp.output.report import load_points, markdown, write_report
 
 
 class ReportCallback(Callback):
@@ -38,16 +41,37 @@ class ReportCallback(Callback):
             print(f"error: {failed} sweep point(s) failed (status 'failed' in the report)", file=sys.stderr)
 
 
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m sharded_exp.report", description=__doc__.splitlines()[0])
+    parser.add_argument("sweep_dir", type=Path)
+    parser.add_argument(
+        "--wandb-workspace", action="store_true",
+        help="also build the sweep's W&B workspace view (offline: its JSON specification beside the report)",
+    )  # fmt: skip
+    parser.add_argument("--online", action="store_true", help="save the workspace in W&B (needs the runs synced)")
+    parser.add_argument("--entity", help="W&B entity of the workspace (default: the logger's, or your default)")
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1 or not Path(argv[0]).is_dir():
-        print(f"usage: python -m sharded_exp.report SWEEP_DIR  (got {argv!r})", file=sys.stderr)
+    args = parse(sys.argv[1:] if argv is None else argv)
+    if not args.sweep_dir.is_dir():
+        print(
+            f"usage: python -m sharded_exp.report SWEEP_DIR [--wandb-workspace] ({args.sweep_dir} is not a directory)",
+            file=sys.stderr,
+        )
         return 2
-    rows = write_report(Path(argv[0]))
+    rows = write_report(args.sweep_dir)
     if not rows:
-        print(f"error: no result.json under {argv[0]}", file=sys.stderr)
+        print(f"error: no result.json under {args.sweep_dir}", file=sys.stderr)
         return 1
     print(markdown(rows))
+    if args.wandb_workspace:
+        try:
+            print(workspace.write_or_save(args.sweep_dir, load_points(args.sweep_dir), args.entity, args.online))
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     return 0
 
 

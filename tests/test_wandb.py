@@ -85,3 +85,71 @@ def test_unreachable_server_does_not_fail_training(tmp_path):
     assert read_result(tmp_path)["status"] == "ok"
     assert "W&B could not start" in proc.stderr
     assert elapsed < 120
+
+
+def test_memory_over_time_for_every_rank_at_every_interval(offline_job):
+    """Each rank's memory rides in the interval's asynchronous reduction to rank 0 and is
+    logged as mem/rank{r}/...: the same values as result.json's history."""
+    result, run, _ = offline_job
+    intervals = [h["step"] for h in result["history"]]
+    assert intervals == list(range(2, result["steps"] + 1, 2))
+    for r in range(result["world_size"]):
+        for name in ("allocated_mib", "peak_allocated_mib"):
+            key = f"mem/rank{r}/{name}"
+            logged = {h["_step"]: h[key] for h in run["history"] if key in h and "train/loss" in h}
+            assert logged == {h["step"]: h[key] for h in result["history"]}, key
+            assert sorted(logged) == intervals
+        allocated = [h[f"mem/rank{r}/allocated_mib"] for h in result["history"]]
+        peaks = [h[f"mem/rank{r}/peak_allocated_mib"] for h in result["history"]]
+        states = sum(result["memory"]["per_rank"][r]["model_states_mib"].values())
+        # between steps a rank holds at least its model states; the peak so far only grows
+        assert all(a >= 0.99 * states for a in allocated) and peaks == sorted(peaks)
+        assert peaks[-1] == result["memory"]["per_rank"][r]["peak_allocated_mib"]
+
+
+def test_runs_are_tagged_for_grouping(offline_job):
+    result, run, _ = offline_job
+    assert run["tags"] == [f"strategy:{result['strategy']}", f"precision:{result['precision']}",
+                           f"model:{result['model']}", f"world_size:{result['world_size']}"]  # fmt: skip
+    assert run["config"]["trainer"]["world_size"] == result["world_size"] == run["summary"]["world_size"]
+
+
+def test_sweep_report_run_and_saved_workspace(tmp_path):
+    """A 2-point sweep with W&B: the report run holds W&B tables and W&B's own charts; the
+    workspace view (offline: its specification) names only keys the sweep's runs logged,
+    groups by the config and is filtered to the sweep's group."""
+    import json
+
+    from sharded_exp.output.workspace import CONFIG_AXES
+
+    sweep = tmp_path / "sweep"
+    proc = run_cli(["-m", "strategy=ddp,zero1", *WANDB_TINY, f"hydra.sweep.dir={sweep}"], cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = [read_run(f) for f in sorted(sweep.rglob("run-*.wandb"))]
+    points = [r for r in runs if r["job_type"] != "report"]
+    (report,) = [r for r in runs if r["job_type"] == "report"]
+    logged = report["history"][0]
+    assert logged["report/table/nrows"] == 2 and logged["report/per_rank/nrows"] == 4  # 2 points x 2 ranks
+    for chart in ("peak_per_rank", "model_states_per_rank", "predicted_vs_measured", "samples_per_s"):
+        assert f"_wandb/visualize/report/{chart}" in report["config"], chart  # a W&B chart, not an image
+        assert logged[f"report/{chart}_table/_type"] == "table-file"
+    assert logged["report/memory/_type"] == "image-file"  # the PNGs stay
+
+    proc = run_cli([str(sweep), "--wandb-workspace"], cwd=ROOT, module="sharded_exp.report")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "wandb sync" in proc.stdout and "--wandb-workspace --online" in proc.stdout
+    spec = json.loads((sweep / "wandb_workspace.json").read_text())
+    assert spec["group"] == "sweep" == points[0]["group"] == points[1]["group"]
+    for run in points:
+        present = set(run["summary"]) | {k for h in run["history"] for k in h}
+        for section, keys in spec["panel_keys"].items():
+            missing = [k for k in keys if k not in present]
+            assert not missing, (section, missing)
+        flat = {k.replace("/", "."): v for k, v in run["config"].items()}
+        assert all(any(f.startswith(axis.split(".")[0]) for f in flat) for axis in CONFIG_AXES)
+        assert run["config"]["strategy"]["name"] in ("ddp", "zero1")
+    text = json.dumps(spec["spec"])
+    assert '{"key": {"section": "run", "name": "group"}, "op": "=", "value": "sweep"' in text
+    assert '"grouping": [{"section": "config", "name": "strategy.value.name"}]' in text
+    for keys in spec["panel_keys"].values():
+        assert all(k in text for k in keys if k != "world_size")

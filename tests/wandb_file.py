@@ -57,6 +57,7 @@ def read_run(path: Path) -> Dict[str, Any]:
         kind = rec.WhichOneof("record_type")
         if kind == "run":
             run.update(group=rec.run.run_group, job_type=rec.run.job_type, name=rec.run.display_name)
+            run["tags"] = list(rec.run.tags)
             for item in rec.run.config.update:
                 run["config"][_key(item)] = json.loads(item.value_json)
         elif kind == "config":

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from sharded_exp import precision
+from sharded_exp.measure.tracker import peak_tracker
 from sharded_exp.models import build_model
 from sharded_exp.optim import optimizer_spec
 from sharded_exp.strategies import STRATEGIES, build_strategy
@@ -93,21 +94,6 @@ def fake_process_group(world_size: int, rank: int):
         yield
     finally:
         dist.destroy_process_group()
-
-
-def peak_tracker():
-    """torch's MemTracker, keeping the overall peak only (its per-module peaks walk every
-    module at every op: 7x slower on a 32-layer model, and nothing here reads them)."""
-    from torch.distributed._tools import mem_tracker  # private torch API: re-check on torch upgrades
-
-    class PeakTracker(mem_tracker.MemTracker):
-        def _update_peak_stats(self, peak_state) -> None:
-            for dev, snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(dev, 0) < snap[mem_tracker._TOTAL_KEY]:
-                    self._peak_mem[dev] = snap[mem_tracker._TOTAL_KEY]
-                    self._peak_mem_snap[dev] = dict(snap)
-
-    return PeakTracker()
 
 
 @contextlib.contextmanager

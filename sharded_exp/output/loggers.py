@@ -24,9 +24,21 @@ class NullLogger:
         pass
 
 
-def init_wandb_run(cfg, *, job_type: str | None, name: str | None, config: dict | None, directory: str):
+def run_tags(run_config: dict[str, Any]) -> list[str]:
+    """Tags that group and filter runs in the W&B UI: strategy, precision, model, world size."""
+    return [
+        f"strategy:{run_config['strategy']['name']}",
+        f"precision:{run_config['precision']['name']}",
+        f"model:{run_config['model']['name']}",
+        f"world_size:{run_config['trainer']['world_size']}",
+    ]
+
+
+def init_wandb_run(
+    cfg, *, job_type: str | None, name: str | None, config: dict | None, directory: str, tags: list[str] = ()
+):
     """Start a W&B run from a logger config: the one place sharded_exp calls ``wandb.init``
-    (each job's run, and the sweep report's run)."""
+    (each job's run, and the sweep report's run). ``tags`` join ``logger.tags``."""
     import wandb
 
     return wandb.init(
@@ -35,7 +47,7 @@ def init_wandb_run(cfg, *, job_type: str | None, name: str | None, config: dict 
         group=cfg.get("group"),
         job_type=job_type,
         name=name,
-        tags=list(cfg.get("tags") or []),
+        tags=list(cfg.get("tags") or []) + list(tags),
         config=config,
         dir=directory,
         # An explicit mode overrides WANDB_MODE, so the environment is read here.
@@ -51,7 +63,12 @@ class WandbLogger(NullLogger):
         self.run = None
         try:
             self.run = init_wandb_run(
-                cfg, job_type=cfg.job_type, name=cfg.run_name, config=run_config, directory=output_dir
+                cfg,
+                job_type=cfg.job_type,
+                name=cfg.run_name,
+                config=run_config,
+                directory=output_dir,
+                tags=run_tags(run_config),
             )
             self.run.define_metric("train/loss", summary="min")
             # Per-step points; the summary holds result.json's figures (median, mean) instead.
@@ -97,6 +114,7 @@ def build_logger(cfg, run_config: dict[str, Any], output_dir: str, rank: int) ->
 def summary_values(result: dict[str, Any]) -> dict[str, Any]:
     """The flat W&B summary of a job, read from the same payload as result.json."""
     out: dict[str, float | None] = {
+        "world_size": result["world_size"],  # a number panels can plot against (throughput vs ranks)
         "params": result["params"],
         "final_loss": result["final_loss"],
         "param_digest/sum": result["param_digest"]["sum"],

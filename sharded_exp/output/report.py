@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from sharded_exp.output.loggers import init_wandb_run
+from sharded_exp.output.workspace import sweep_logger
 
 COLUMNS = [
     "strategy", "world_size", "precision", "model", "params", "peak_allocated_mib_max", "predicted_peak_mib_max",
@@ -139,10 +140,49 @@ def write_charts(rows: list[dict[str, Any]], sweep_dir: Path) -> list[Path]:
     return paths
 
 
+def _label(row: dict[str, Any]) -> str:
+    return f"{row['strategy']} | {row['world_size']} ranks | precision {row['precision']} | {row['model']}"
+
+
+def native_charts(rows: list[dict[str, Any]], points: list[dict[str, Any]]) -> dict[str, Any]:
+    """The comparison as W&B tables and W&B's own charts built from them (filterable and
+    regroupable in the UI): bars of per-rank peak and model states by strategy, labelled
+    and ordered by world size and precision; predicted vs measured peak; samples/s."""
+    import wandb
+
+    columns = ["label", *COLUMNS]
+    table = wandb.Table(columns=columns, data=[[_label(row), *(row[c] for c in COLUMNS)] for row in rows])
+    per_rank = wandb.Table(
+        columns=["label", "strategy", "world_size", "precision", "model", "rank", "peak_allocated_mib",
+                 "predicted_peak_mib", "model_states_mib"],
+        data=[
+            [f"{_label(_row(p))} | rank {e['rank']}", p["strategy"], p["world_size"], p["precision"], p["model"],
+             e["rank"], e.get("peak_allocated_mib"), e.get("predicted_peak_mib"),
+             sum(e["model_states_mib"].values()) if e.get("model_states_mib") else None]
+            for p in points if p.get("status") == "ok" for e in (p.get("memory") or {}).get("per_rank", [])
+        ],
+    )  # fmt: skip
+    plot = wandb.plot
+    return {
+        "report/table": table,
+        "report/per_rank": per_rank,
+        "report/peak_per_rank": plot.bar(
+            per_rank, "label", "peak_allocated_mib", title="Peak allocated per rank (MiB)"
+        ),
+        "report/model_states_per_rank": plot.bar(
+            per_rank, "label", "model_states_mib", title="Model states per rank (MiB)"
+        ),
+        "report/predicted_vs_measured": plot.scatter(
+            per_rank, "predicted_peak_mib", "peak_allocated_mib", title="Peak per rank: predicted vs measured (MiB)"
+        ),
+        "report/samples_per_s": plot.bar(table, "label", "samples_per_s", title="Throughput (samples/s, all ranks)"),
+    }
+
+
 def log_to_wandb(rows: list[dict[str, Any]], points: list[dict[str, Any]], charts: list[Path], sweep_dir: Path) -> None:
-    """The table and charts in one summary run of the sweep's W&B group, if it used W&B."""
-    loggers = [p.get("config", {}).get("logger", {}) for p in points]
-    cfg = next((lg for lg in loggers if lg.get("name") == "wandb"), None)
+    """The tables, W&B's own charts and the PNGs in one "report" run of the sweep's W&B
+    group, if the sweep used W&B."""
+    cfg = sweep_logger(points)
     if cfg is None:
         return
     try:
@@ -151,8 +191,7 @@ def log_to_wandb(rows: list[dict[str, Any]], points: list[dict[str, Any]], chart
         run = init_wandb_run(
             cfg, job_type="report", name=f"report {Path(sweep_dir).name}", config=None, directory=str(sweep_dir)
         )
-        table = wandb.Table(columns=COLUMNS, data=[[row[c] for c in COLUMNS] for row in rows])
-        run.log({"report/table": table, **{f"report/{p.stem}": wandb.Image(str(p)) for p in charts}})
+        run.log({**native_charts(rows, points), **{f"report/{p.stem}": wandb.Image(str(p)) for p in charts}})
         run.finish()
     except Exception as exc:  # noqa: BLE001 -- the report files are written regardless
         print(f"warning: W&B summary run not written ({type(exc).__name__}: {exc})", file=sys.stderr)

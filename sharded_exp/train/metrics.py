@@ -21,11 +21,18 @@ class IntervalMetrics:
     wait for each other's scheduling noise and cost 6-10% of a 12 ms step on 2 CPU cores
     (benchmarks/overhead.py). Perplexity is exp of the mean token loss over the interval
     (every step has the same number of tokens).
+
+    Each rank's memory at the end of the interval rides along in the same reduction (its
+    own three slots of a per-rank vector, zeros elsewhere: a sum is then a gather), so
+    rank 0 logs every rank's ``mem/rank{r}/allocated_mib``, ``peak_allocated_mib`` and
+    (CUDA) ``reserved_mib`` without a collective of its own. ``probe() -> (allocated,
+    peak, reserved or -1)`` in MiB reads this rank's memory (``MemoryMeter.now``).
     """
 
-    def __init__(self, device: torch.device, task):
+    def __init__(self, device: torch.device, task, probe=None):
         self.device = device
         self.task = task
+        self.probe = probe
         self.name = "perplexity" if task.metric == "perplexity" else "accuracy"
         self.losses: list[torch.Tensor] = []  # detached, one per step: no op on the hot path
         self.correct: list[torch.Tensor] = []
@@ -62,6 +69,11 @@ class IntervalMetrics:
                 torch.as_tensor(self.predictions, device=self.device).double(),
             ]
         )
+        if self.probe is not None:
+            rank, world_size = dist.get_rank(), dist.get_world_size()
+            memory = torch.zeros(3 * world_size, dtype=torch.float64)
+            memory[3 * rank : 3 * rank + 3] = torch.tensor(self.probe(), dtype=torch.float64)
+            sums = torch.cat([sums, memory.to(self.device)])
         self._in_flight = (step, sums, dist.all_reduce(sums, async_op=True))
         self.losses, self.correct, self.predictions = [], [], 0
         return previous
@@ -73,13 +85,21 @@ class IntervalMetrics:
         step, sums, work = self._in_flight
         self._in_flight = None
         work.wait()
-        loss_sum, steps, correct, predictions = sums.tolist()
+        values = sums.tolist()
+        loss_sum, steps, correct, predictions = values[:4]
         loss = loss_sum / steps
-        return {
+        record = {
             "step": step,
             "loss": loss,
             self.name: correct / predictions if self.name == "accuracy" else math.exp(loss),
         }
+        for r in range((len(values) - 4) // 3):
+            allocated, peak, reserved = values[4 + 3 * r : 7 + 3 * r]
+            record[f"mem/rank{r}/allocated_mib"] = allocated
+            record[f"mem/rank{r}/peak_allocated_mib"] = peak
+            if reserved >= 0:
+                record[f"mem/rank{r}/reserved_mib"] = reserved
+        return record
 
 
 class IntervalLog:
@@ -105,7 +125,9 @@ class IntervalLog:
         if record is None:
             return
         self.history.append(record)
-        self._pending.append((record["step"], {f"train/{k}": v for k, v in record.items() if k != "step"}))
+        # mem/... keys keep their name; loss and accuracy/perplexity are train/...
+        values = {k if k.startswith("mem/") else f"train/{k}": v for k, v in record.items() if k != "step"}
+        self._pending.append((record["step"], values))
         ready = sorted((e for e in self._pending if e[0] <= record["step"]), key=lambda e: e[0])
         self._pending = [e for e in self._pending if e[0] > record["step"]]
         for log_step, values in ready:

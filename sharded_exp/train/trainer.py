@@ -139,7 +139,7 @@ def run_loop(
     warmup = min(loop.warmup_steps, loop.steps - start - 1)
     memory_end = start + (max(warmup, 1) if device.type == "cpu" else loop.steps - start)
     samples_per_step = loop.batch_size * loop.grad_accum * world_size
-    metrics, log = IntervalMetrics(device, task), IntervalLog(logger)
+    metrics, log = IntervalMetrics(device, task, probe=lambda: meter.now(strategy)), IntervalLog(logger)
     bar = tqdm(total=loop.steps, desc=loop.label, disable=rank != 0 or not loop.progress_bar)
     memory, step_times, skipped, tokens_per_step, saved = {}, [], 0, 0, None
     out = LoopOutcome(start, torch.zeros(()), log.history, {}, {}, 0, time.time())
@@ -362,6 +362,7 @@ def train(
             "signal": stopper.signum if out.stopped else None,
             "start_step": start,
             "steps_done": out.steps_done,
+            "world_size": dist.get_world_size(),
             "resumed_from": tc.resume,
             "checkpoint": out.checkpoint,
             "params": sum(p.numel() for p in module.parameters()),
