@@ -282,19 +282,41 @@ def _like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def load_optimizer_state(strategy, saved: dict[str, Any]) -> None:
+def _plain(value: Any) -> Any:
+    """A hyperparameter as plain data, for comparison (tuples as lists, 0-dim tensors as floats)."""
+    if torch.is_tensor(value):
+        return value.item() if value.dim() == 0 else value.tolist()
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def hyperparameter_changes(current_groups: list[dict], saved_groups: list[dict]) -> list[dict[str, Any]]:
+    """Every hyperparameter the config sets differently from the checkpoint, per group."""
+    changes = []
+    for i, (now, saved) in enumerate(zip(current_groups, saved_groups)):
+        for key in sorted(set(now) & set(saved) - {"params"}):
+            if _plain(now[key]) != _plain(saved[key]):
+                changes.append({"group": i, "key": key, "checkpoint": _plain(saved[key]), "config": _plain(now[key])})
+    return changes
+
+
+def load_optimizer_state(strategy, saved: dict[str, Any]) -> list[dict[str, Any]]:
     """Install a name-keyed optimizer state (full, or this rank's part of it) into this
-    rank's (possibly sharded) optimizers."""
+    rank's (possibly sharded) optimizers.
+
+    State (moments, step counts) comes from the checkpoint; hyperparameters (lr, betas,
+    weight decay, momentum, ...) stay as configured. Returns the hyperparameters that
+    differ from the checkpoint's (``resume_changes`` in result.json).
+    """
     names = _names(strategy)
     groups = saved["param_groups"]
     if len(groups) != len(strategy.optimizer.param_groups):
         raise CheckpointError(
             f"checkpoint has {len(groups)} optimizer parameter groups, this optimizer {len(strategy.optimizer.param_groups)}"
         )
-    group_of = {n: i for i, g in enumerate(groups) for n in g["params"]}
+    changes = hyperparameter_changes(strategy.optimizer.param_groups, groups)
     hyper = lambda g: {k: v for k, v in g.items() if k != "params"}
-    for group, saved_group in zip(strategy.optimizer.param_groups, groups):
-        group.update(hyper(saved_group))  # OSS / ZeRO copy these into their local optimizer
     params = dict(strategy.module.named_parameters())
     for opt in strategy.local_optimizers():
         state, param_groups, index = {}, [], 0
@@ -306,9 +328,9 @@ def load_optimizer_state(strategy, saved: dict[str, Any]) -> None:
                     state[index] = {k: _like(v, params[name]) for k, v in saved["state"][name].items()}
                 ids.append(index)
                 index += 1
-            source = groups[group_of[names[id(group["params"][0])]]] if group["params"] else {}
-            param_groups.append({**hyper(group), **hyper(source), "params": ids})
+            param_groups.append({**hyper(group), "params": ids})  # this optimizer's own (configured) values
         opt.load_state_dict({"state": state, "param_groups": param_groups})
+    return changes
 
 
 def load_model_state(strategy, saved: dict[str, torch.Tensor]) -> None:
@@ -502,7 +524,8 @@ class Checkpointer:
 
 # ----------------------------------------------------------------------- load
 def load(strategy, path: str, device: torch.device) -> dict[str, Any]:
-    """Restore model, optimizer, scaler and (at the same world size) RNG on every rank.
+    """Restore model, optimizer, scaler and (at the same world size) RNG on every rank;
+    returns meta.json plus ``resume_changes`` (hyperparameters configured differently).
 
     consolidated: every rank maps the full files and keeps its own share. dcp: every rank
     reads only the shards it holds, in its own layout (any world size, any strategy).
@@ -510,10 +533,10 @@ def load(strategy, path: str, device: torch.device) -> dict[str, Any]:
     meta = read_meta(path)
     train = _load(os.path.join(path, "train.pt"))
     if checkpoint_format(meta) == "dcp":
-        _load_dcp(strategy, path, train["param_groups"])
+        changes = _load_dcp(strategy, path, train["param_groups"])
     else:
         load_model_state(strategy, _load(os.path.join(path, "model.pt")))
-        load_optimizer_state(strategy, _load(os.path.join(path, "optim.pt")))
+        changes = load_optimizer_state(strategy, _load(os.path.join(path, "optim.pt")))
     if train["scaler"] and strategy.scaler.is_enabled():
         strategy.scaler.load_state_dict(train["scaler"])
     rank = dist.get_rank()
@@ -521,10 +544,10 @@ def load(strategy, path: str, device: torch.device) -> dict[str, Any]:
         torch.set_rng_state(train["rng"][rank]["cpu"])
         if device.type == "cuda" and "cuda" in train["rng"][rank]:
             torch.cuda.set_rng_state(train["rng"][rank]["cuda"], device)
-    return meta
+    return {**meta, "resume_changes": changes}
 
 
-def _load_dcp(strategy, path: str, param_groups: list[dict[str, Any]]) -> None:
+def _load_dcp(strategy, path: str, param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     import torch.distributed.checkpoint as dcp
 
     model = strategy.module.state_dict()
@@ -549,7 +572,7 @@ def _load_dcp(strategy, path: str, param_groups: list[dict[str, Any]]) -> None:
             optim.setdefault(name, {})[sub] = torch.zeros(entry.size, dtype=dtype)
     dcp.load({"model": model, "optim": {"state": optim}}, checkpoint_id=path)
     strategy.module.load_state_dict(model)
-    load_optimizer_state(strategy, {"state": optim, "param_groups": param_groups})
+    return load_optimizer_state(strategy, {"state": optim, "param_groups": param_groups})
 
 
 # ----------------------------------------------------------------------- export

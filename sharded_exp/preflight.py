@@ -67,7 +67,7 @@ def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True)
     device_type = decide_device(_accelerator(cfg.trainer.accelerator), local_ranks, str(cfg.precision.name))
     module = meta_model(cfg.model)  # raises for shapes a model refuses, or a _target_ that cannot be built
     shapes = model_shapes(cfg.model, cfg.optimizer, module)
-    task = TASKS.builder(cfg.data.name)(cfg.data, cfg.model, cfg.trainer.batch_size)  # does the task fit?
+    task = TASKS.builder(cfg.data.name)(cfg.data, cfg.model, 1)  # does the task fit? (one sample: keys, not memory)
     check_accepts(module, list(task(0, 0, 0)), cfg.model.name, cfg.data.name)  # keyword batch in
     resolve_checkpoints(cfg, output_dir, shapes)
     prediction = predict(cfg.strategy, cfg.optimizer, str(cfg.precision.name), shapes, world_size)

@@ -34,11 +34,11 @@ class ReportCallback(Callback):
     def on_multirun_end(self, config, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         rows = write_report(sweep_dir)
-        failed = sum(row["status"] == "failed" for row in rows)
+        failed = sum(row["status"] in ("failed", "diverged") for row in rows)
         ReportCallback.failed_points += failed
         print(f"report: {sweep_dir / 'report.md'} ({len(rows)} points)", flush=True)
         if failed:
-            print(f"error: {failed} sweep point(s) failed (status 'failed' in the report)", file=sys.stderr)
+            print(f"error: {failed} sweep point(s) failed or diverged (their status in the report)", file=sys.stderr)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -17,6 +17,7 @@ import datetime
 import json
 import os
 import signal
+import sys
 import time
 import traceback
 from typing import Any
@@ -77,6 +78,7 @@ def launch(
         }
     except Exception as exc:  # noqa: BLE001 -- a rank failed: record it, then let the caller exit non-zero
         result.update(failure_of(exc, output_dir))
+        result.setdefault("memory", predicted_section(checked.prediction))  # what was expected, still
     if is_writer:
         write_result(output_dir, result)
         print(summary_table(result), flush=True)
@@ -146,11 +148,16 @@ def spawn(job: Job, world_size: int) -> dict[str, Any]:
     except Exception:
         if stop.signum is not None:  # ranks that died of the signal, or were killed
             raise Stopped(stop.signum, killed=stop.killed) from None
-        # A rank that exited non-zero without leaving a record died without raising
-        # (os._exit, killed): it, not the peers that then lost their connection, failed first.
+        # A rank that died without leaving a record (os._exit, or a signal: kill -9, the
+        # kernel's OOM killer) failed first; its peers then lose their connection and
+        # record that instead. A signal death torch noticed first is the first failure.
+        exc = sys.exc_info()[1]
+        if isinstance(exc, mp.ProcessExitedException) and (exc.exit_code or 0) < 0:
+            raise RankDied(exc.error_index, exc.exit_code) from None
         for rank, proc in enumerate(context.processes):
             record = os.path.join(job.output_dir, f"rank{rank}_error.json")
-            if (proc.exitcode or 0) > 0 and not os.path.exists(record):
+            died = (proc.exitcode or 0) > 0 or (proc.exitcode or 0) < 0 and _lost_peer(exc)
+            if died and not os.path.exists(record):
                 raise RankDied(rank, proc.exitcode) from None
         raise
     payload = results.get()
@@ -219,9 +226,29 @@ class ParentStop:
                 proc.kill()
 
 
+def _lost_peer(exc: BaseException) -> bool:
+    """Is this rank failure the loss of a peer (its connection reset or closed)?"""
+    text = str(getattr(exc, "msg", "") or exc)
+    return any(s in text for s in ("Connection reset", "Connection closed", "connection closed", "Broken pipe"))
+
+
 class RankDied(RuntimeError):
     def __init__(self, rank: int, exit_code: int):
-        super().__init__(f"rank {rank}: process exited with code {exit_code}")
+        if exit_code is not None and exit_code < 0:
+            name = signal.Signals(-exit_code).name if -exit_code in signal.valid_signals() else "?"
+            hint = (
+                "; if nobody sent it, the kernel's OOM killer may have (see dmesg or journalctl -k)"
+                if -exit_code == signal.SIGKILL
+                else ""
+            )
+            message = f"rank {rank}: killed by signal {-exit_code} ({name}){hint}"
+        else:
+            message = f"rank {rank}: process exited with code {exit_code}"
+        super().__init__(message)
+
+
+OOM_SIGNS = ("OutOfMemoryError", "can't allocate memory", "not enough memory")
+"""What an allocation failure says: torch's CUDA OOM, or the CPU allocator's (DefaultCPUAllocator)."""
 
 
 def failure_of(exc: BaseException, output_dir: str) -> dict[str, Any]:
@@ -233,7 +260,7 @@ def failure_of(exc: BaseException, output_dir: str) -> dict[str, Any]:
         out = {"status": "failed", "error": describe_failure(exc)}
     if isinstance(exc, Stopped):
         out.update(status="stopped", signal=exc.signum)
-    if "OutOfMemoryError" in out["error"]:
+    if any(sign in out["error"] for sign in OOM_SIGNS):
         out["status"] = "oom"  # a result, not a crash: this point does not fit
     return out
 

@@ -139,9 +139,9 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
 
     device = torch.device(device_type, 0) if device_type == "cuda" else torch.device(device_type)
     tc = cfg.trainer
-    task = build_task(cfg.data, cfg.model, tc.batch_size)
-    # Real batches (small integer tensors), made outside the fake mode, then faked.
-    real = [[task(step, m, rank) for m in range(tc.grad_accum)] for step in range(2)]
+    # One real sample says each batch tensor's dtype and per-sample shape; the batches
+    # themselves are made fake (a batch too large for this machine is planned, not made).
+    sample = build_task(cfg.data, cfg.model, 1)(0, 0, rank)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_process_group(world_size, rank), _separate_propagation_mode(), mode:
         torch.manual_seed(tc.seed)
@@ -159,8 +159,11 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
             autocast = precision.autocast(cfg.precision, device_type)
             count = 0
             for step in range(2):
-                # The batch is made inside the window, as in a run (cloned: counted like it).
-                batches = [{k: mode.from_tensor(v).to(device).clone() for k, v in b.items()} for b in real[step]]
+                # Made inside the window, as in a run, so counted like it.
+                batches = [
+                    {k: torch.zeros((tc.batch_size, *v.shape[1:]), dtype=v.dtype, device=device) for k, v in sample.items()}
+                    for _ in range(tc.grad_accum)
+                ]
                 counter = FlopCounterMode(display=False) if step == 1 and flops else None
                 with counter or contextlib.nullcontext():
                     train_step(strategy, batches, autocast, grad_clip)

@@ -21,7 +21,7 @@ from sharded_exp.output.workspace import sweep_logger
 COLUMNS = [
     "strategy", "world_size", "precision", "model", "params", "peak_allocated_mib_max", "predicted_peak_mib_max",
     "peak_rel_error_max", "model_states_mib_max", "predicted_model_states_mib_max", "peak_saving_vs_ddp_pct",
-    "states_saving_vs_ddp_pct", "samples_per_s", "speed_vs_ddp", "mfu", "final_loss", "eval/accuracy", "eval/f1", "eval/perplexity", "parity_vs_ddp", "status", "error",
+    "states_saving_vs_ddp_pct", "samples_per_s", "speed_vs_ddp", "mfu", "final_loss", "eval/accuracy", "eval/f1", "eval/perplexity", "parity_vs_ddp", "status", "first_nonfinite_step", "error",
 ]  # fmt: skip
 
 
@@ -54,6 +54,7 @@ def _row(r: dict[str, Any]) -> dict[str, Any]:
         },
         "param_l2": (r.get("param_digest") or {}).get("l2"),
         "status": r["status"],
+        "first_nonfinite_step": r.get("first_nonfinite_step"),
         "error": r.get("error"),
     }
 
@@ -63,7 +64,8 @@ def build_rows(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
     key = lambda row: (row["model"], row["precision"], row["world_size"])  # noqa: E731
     ddp = {key(row): row for row in rows if row["strategy"] == "ddp" and row["status"] == "ok"}
     for row in rows:
-        base = ddp.get(key(row))
+        # Savings, speed and parity only between points that trained to a finite end.
+        base = ddp.get(key(row)) if row["status"] == "ok" else None
         for col, metric in (
             ("peak_saving_vs_ddp_pct", "peak_allocated_mib_max"),
             ("states_saving_vs_ddp_pct", "model_states_mib_max"),

@@ -38,13 +38,17 @@ class IntervalMetrics:
         self.correct: list[torch.Tensor] = []
         self.predictions = 0
         self._in_flight: tuple[int, torch.Tensor, Any] | None = None
+        # The first step whose loss was not finite (-1: none yet), kept on the device: no sync.
+        self.first_nonfinite = torch.full((), -1, dtype=torch.long, device=device)
 
     @property
     def updates(self) -> int:
         return len(self.losses)
 
-    def update(self, loss: torch.Tensor, output, batch) -> None:
+    def update(self, loss: torch.Tensor, output, batch, step: int = 0) -> None:
         self.losses.append(loss.detach())
+        bad = ~torch.isfinite(loss.detach()) & (self.first_nonfinite < 0)
+        self.first_nonfinite = torch.where(bad, step + 1, self.first_nonfinite)  # steps count from 1
         if self.name == "accuracy":
             logits, labels = self.task.predictions(output, batch)
             right = logits.detach().argmax(-1) == labels

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -179,7 +180,7 @@ def run_loop(
         if step + 1 == memory_end:
             memory = meter.stop()
 
-        metrics.update(loss, output, batches[-1])
+        metrics.update(loss, output, batches[-1], step)
         # Let go of this step's output and batch now: otherwise the logits (batch x time x
         # vocab for a language model) stay alive through the next step's peak.
         del output, batches
@@ -217,7 +218,16 @@ def run_loop(
     loop_time = (loop_end - loop_start) / timed if loop_start is not None and timed > 0 else None
     out.throughput = throughput_stats(step_times, samples_per_step, tokens_per_step, loop_time)
     out.skipped_steps = skipped
+    out.extra["first_nonfinite_step"] = int(metrics.first_nonfinite)
     return out
+
+
+def _divergence(final_loss: float, per_rank: list[dict[str, Any]], nonfinite: list[int]) -> str:
+    """One line saying how a run diverged (result.json's error for status "diverged")."""
+    bad = [e["rank"] for e in per_rank if e["nonfinite_params"]]
+    where = f"loss first non-finite at step {min(nonfinite)}" if nonfinite else "loss finite at every step"
+    params = f"non-finite parameters on rank(s) {', '.join(map(str, bad))}" if bad else "parameters finite"
+    return f"diverged: final loss {final_loss}, {where}, {params}"
 
 
 def _evaluated(evaluate, step: int, log) -> dict[str, float]:
@@ -313,7 +323,12 @@ def train(
         # allocates its communication buffers, as the CUDA allocator would count them.
         meter.start(module)
     strategy = build_strategy(cfg.strategy, module, optimizer_spec(cfg.optimizer, module), cfg.precision, device)
-    start = checkpoint.load(strategy, tc.resume, device)["step"] if tc.resume else 0  # resolved by the parent
+    loaded = checkpoint.load(strategy, tc.resume, device) if tc.resume else {"step": 0, "resume_changes": []}
+    start, resume_changes = loaded["step"], loaded["resume_changes"]  # the parent resolved the path
+    if rank == 0:
+        for c in resume_changes:
+            print(f"warning: resuming with optimizer group {c['group']} {c['key']}={c['config']} from the config "
+                  f"(the checkpoint has {c['checkpoint']})", file=sys.stderr, flush=True)  # fmt: skip
     if device.type == "cuda":
         meter.start()  # peak counters reset once model and optimizer are built
     timeline["built"] = time.time()
@@ -357,13 +372,18 @@ def train(
             out.throughput.update(utilisation(flops, out.throughput["step_time_s_median"], device, cfg.precision.name))
         if final_state is not None:
             torch.save(final_state, os.path.join(output_dir, "model_final.pt"))
+        nonfinite = [e.get("first_nonfinite_step", -1) for e in per_rank if e.get("first_nonfinite_step", -1) >= 0]
+        diverged = not math.isfinite(final_loss) or any(e["nonfinite_params"] for e in per_rank)
         payload = {
-            "status": "stopped" if out.stopped else "ok",
+            "status": "stopped" if out.stopped else ("diverged" if diverged else "ok"),
+            "error": _divergence(final_loss, per_rank, nonfinite) if diverged else None,
+            "first_nonfinite_step": min(nonfinite) if nonfinite else None,
             "signal": stopper.signum if out.stopped else None,
             "start_step": start,
             "steps_done": out.steps_done,
             "world_size": dist.get_world_size(),
             "resumed_from": tc.resume,
+            "resume_changes": resume_changes,
             "checkpoint": out.checkpoint,
             "params": sum(p.numel() for p in module.parameters()),
             "final_loss": final_loss,
@@ -379,5 +399,5 @@ def train(
         }
         logger.log(memory_values(payload["memory"]), step=payload["steps_done"])
         logger.summary(summary_values(payload))
-    logger.finish(exit_code=0)
+    logger.finish(exit_code=1 if payload is not None and payload["status"] == "diverged" else 0)
     return payload
