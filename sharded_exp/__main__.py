@@ -21,7 +21,9 @@ if __name__ == "__main__":
     forkserver.start_early(_sys.argv[1:])  # the rank server imports torch while this process does too
 
 import os
+import signal
 import sys
+import tempfile
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -29,7 +31,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from sharded_exp.compose import quote_numeric_choices, register_schemas
-from sharded_exp.errors import ConfigError
+from sharded_exp.errors import ConfigError, RunDirInUse
 from sharded_exp.launch.layout import with_shared_run_dir
 from sharded_exp.launch.parent import launch, record_config_error
 from sharded_exp.report import ReportCallback
@@ -54,6 +56,39 @@ def name_the_run(cfg: DictConfig) -> None:
         cfg.logger.run_name = hc.job.override_dirname or "defaults"
 
 
+def remove_if_unused(output_dir: str) -> None:
+    """After a config error: the run directory Hydra just made, if it holds nothing but
+    Hydra's empty log and our lock file, goes (an earlier run's directory is never touched)."""
+    try:
+        names = os.listdir(output_dir)
+        unused = lambda n: n == ".lock" or n.endswith(".log") and os.path.getsize(os.path.join(output_dir, n)) == 0
+        if all(unused(n) for n in names):
+            for n in names:
+                os.remove(os.path.join(output_dir, n))
+            os.rmdir(output_dir)
+    except OSError:
+        pass
+
+
+def check_output_dirs(argv: list[str]) -> None:
+    """A run or sweep directory given on the command line must be a directory this user
+    can write to; said now, before Hydra makes it (Hydra would answer with a traceback)."""
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key not in ("hydra.run.dir", "hydra.sweep.dir") or not value or "${" in value:
+            continue
+        if os.path.exists(value) and not os.path.isdir(value):
+            print(f"error: {key}={value} is a file, not a directory; choose another {key}", file=sys.stderr)
+            sys.exit(2)
+        try:
+            os.makedirs(value, exist_ok=True)
+            with tempfile.TemporaryFile(dir=value):
+                pass
+        except OSError as exc:
+            print(f"error: {key}={value} cannot be written ({exc.strerror}); choose another {key}", file=sys.stderr)
+            sys.exit(2)
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
@@ -66,17 +101,27 @@ def main(cfg: DictConfig) -> None:
         "hydra.yaml": OmegaConf.create({"hydra": hc}),
         "overrides.yaml": OmegaConf.create(list(hc.overrides.task)),
     }
+    multirun = hc.mode == RunMode.MULTIRUN
     try:
         result = launch(cfg, output_dir, job_files, started=(STARTED, IMPORTED))
     except ConfigError as exc:  # raised before any rank starts
         print(f"error: {exc}", file=sys.stderr)
-        if hc.mode != RunMode.MULTIRUN:
+        if not multirun:
+            remove_if_unused(output_dir)
             sys.exit(2)
+        if isinstance(exc, RunDirInUse):
+            return  # the directory is another job's: nothing is written there
         result = record_config_error(cfg, output_dir, exc)
+    except OSError as exc:  # the run directory's filesystem: full, read-only, gone
+        print(f"error: {exc.strerror or exc} ({type(exc).__name__}); the job did not run", file=sys.stderr)
+        if not multirun:
+            sys.exit(1)
+        return
     if result["status"] == "stopped":
         # SIGTERM/SIGINT: exit like a terminated process (143 / 130); a sweep stops here.
-        print(f"stopped by signal {result['signal']} after step {result.get('steps_done')}", file=sys.stderr)
-        sys.exit(128 + result["signal"])
+        signum = result.get("signal") or signal.SIGTERM
+        print(f"stopped by signal {signum} after step {result.get('steps_done')}", file=sys.stderr)
+        sys.exit(128 + signum)
     if hc.mode == RunMode.MULTIRUN:
         # A failed point is data: it is recorded and the sweep goes on (Hydra's basic
         # sweeper would stop at the first exception and never call on_multirun_end, where
@@ -90,6 +135,7 @@ def main(cfg: DictConfig) -> None:
 if __name__ == "__main__":
     # Under torchrun / srun every rank runs this: one job, one run directory (layout.py).
     sys.argv[1:] = with_shared_run_dir(quote_numeric_choices(sys.argv[1:]))
+    check_output_dirs(sys.argv[1:])
     main()
     # Non-zero when a sweep point failed for a reason other than running out of memory.
     sys.exit(1 if ReportCallback.failed_points else 0)

@@ -31,6 +31,7 @@ most a ``.tmp.*`` directory that readers ignore.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -45,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from sharded_exp.errors import is_no_space, no_space
 from sharded_exp.measure.tracker import host_peak
 from sharded_exp.train import faults
 
@@ -355,13 +357,29 @@ def _fsync_dir(path: str) -> None:
 
 
 def _save_file(obj: Any, file: str) -> None:
-    with open(file, "wb") as f:
-        if file.endswith(".json"):
-            f.write(json.dumps(obj, indent=2).encode())
-        else:
-            torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(file, "wb") as f:
+            if file.endswith(".json"):
+                f.write(json.dumps(obj, indent=2).encode())
+            else:
+                torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as exc:
+        if is_no_space(exc, file):
+            raise no_space(file) from None
+        raise
+
+
+@contextlib.contextmanager
+def _removed_on_failure(tmp: str):
+    """A checkpoint's temporary directory goes if writing it fails (a full disk): the
+    previous checkpoints stay as they were."""
+    try:
+        yield
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 @dataclass
@@ -484,7 +502,13 @@ class Checkpointer:
             future = dcp.async_save(state, storage_writer=writer, process_group=self._group)
             self._pending = _Pending(future, tmp, path, small, meta)
         else:
-            dcp.save(state, storage_writer=writer, process_group=self._group)
+            try:
+                dcp.save(state, storage_writer=writer, process_group=self._group)
+            except Exception as exc:
+                shutil.rmtree(tmp, ignore_errors=True)
+                if is_no_space(exc, os.path.join(tmp, "__0_0.distcp")):
+                    raise no_space(tmp) from None
+                raise
             self._pending = _Pending(None, tmp, path, small, meta)
             self.finish()
 
@@ -498,18 +522,20 @@ class Checkpointer:
             pending.future.result()
         dist.barrier(group=self._group)  # every rank's files are written
         if dist.get_rank() == 0:
-            faults.in_save(0, pending.meta["step"])  # testing aid: a kill in the middle of a save
-            _save_file(pending.small, os.path.join(pending.tmp, "train.pt"))
-            self._publish(pending.tmp, pending.path, pending.meta)
+            with _removed_on_failure(pending.tmp):
+                faults.in_save(0, pending.meta["step"])  # testing aid: a kill in the middle of a save
+                _save_file(pending.small, os.path.join(pending.tmp, "train.pt"))
+                self._publish(pending.tmp, pending.path, pending.meta)
         dist.barrier(group=self._group)
 
     def _write_consolidated(self, tmp, path, step, model, optim, small, meta) -> None:
         os.makedirs(tmp)
-        _save_file(model, os.path.join(tmp, "model.pt"))
-        faults.in_save(dist.get_rank(), step)  # testing aid: a kill in the middle of a save
-        _save_file(optim, os.path.join(tmp, "optim.pt"))
-        _save_file(small, os.path.join(tmp, "train.pt"))
-        self._publish(tmp, path, meta)
+        with _removed_on_failure(tmp):
+            _save_file(model, os.path.join(tmp, "model.pt"))
+            faults.in_save(dist.get_rank(), step)  # testing aid: a kill in the middle of a save
+            _save_file(optim, os.path.join(tmp, "optim.pt"))
+            _save_file(small, os.path.join(tmp, "train.pt"))
+            self._publish(tmp, path, meta)
 
     def _publish(self, tmp: str, path: str, meta: dict[str, Any]) -> None:
         """meta.json last (its presence marks completeness), fsync, then the atomic rename."""

@@ -25,3 +25,29 @@ def missing_packages(packages) -> list[str]:
         if not found:
             missing.append(name)
     return missing
+
+
+class RunDirInUse(ConfigError):
+    """Another live job holds this run directory (its pid is named)."""
+
+
+def no_space(file: str) -> OSError:
+    """The error a full filesystem gives, naming the file being written."""
+    import errno
+
+    return OSError(errno.ENOSPC, f"no space left on device while writing {file}")
+
+
+def is_no_space(exc: BaseException, file: str) -> bool:
+    """Did writing ``file`` fail because its filesystem is full? (torch.save reports a full
+    disk as a zip writer error, "unexpected pos ...", so the free space is asked too.)"""
+    import errno
+    import os
+    import shutil
+
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return True
+    try:
+        return shutil.disk_usage(os.path.dirname(os.path.abspath(file))).free < 2**20
+    except OSError:
+        return False

@@ -18,7 +18,13 @@ def import_plugins() -> None:
     rank and the validating parent must import them.
     """
     for name in filter(None, (n.strip() for n in os.environ.get(PLUGINS_ENV, "").split(","))):
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ConfigError(
+                f"{PLUGINS_ENV} names the module {name!r}, which cannot be imported ({exc}); "
+                "check the name and that its directory is on PYTHONPATH"
+            ) from None
 
 
 class Registry:

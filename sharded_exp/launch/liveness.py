@@ -68,10 +68,12 @@ class StopAgreement:
         self._last: tuple[int, float] | None = None
         self._buf = torch.zeros(2, dtype=torch.float64)
         self._work = None
+        self._agreed: int | None = None
 
     @property
     def signum(self) -> int | None:
-        return requested_signal()
+        """The signal that stopped the job: this rank's, else the one a peer received."""
+        return requested_signal() or self._agreed
 
     def should_stop(self, step: int) -> bool:
         if step < self._next_check:
@@ -80,6 +82,7 @@ class StopAgreement:
         if self._work is not None:
             self._work.wait()  # issued a period ago by every rank: long complete
             if self._buf[0].item() > 0:
+                self._agreed = int(self._buf[0].item())  # the signal number some rank received
                 return True
             interval = int(-self._buf[1].item())
         # Propose the steps until the check after next, so checks come CHECK_PERIOD_S apart.
@@ -89,8 +92,8 @@ class StopAgreement:
             per_step = (now - self._last[1]) / (step - self._last[0])
             proposal = max(1, min(10_000, int(CHECK_PERIOD_S / max(per_step, 1e-6))))
         self._last = (step, now)
-        # MAX of (flag, -proposal): anyone's stop request, and the shortest interval.
-        self._buf = torch.tensor([float(requested_signal() is not None), -float(proposal)], dtype=torch.float64)
+        # MAX of (signal number or 0, -proposal): anyone's stop request, and the shortest interval.
+        self._buf = torch.tensor([float(requested_signal() or 0), -float(proposal)], dtype=torch.float64)
         self._work = dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         self._next_check = step + interval
         return False

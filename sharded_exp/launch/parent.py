@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 
 from sharded_exp import preflight
+from sharded_exp.errors import RunDirInUse
 from sharded_exp.launch import forkserver, liveness
 from sharded_exp.launch.layout import Layout, external_layout, rendezvous_env
 from sharded_exp.launch.rank import Job, run_rank, spawned_entry
@@ -52,6 +53,41 @@ def launch(
     launched = time.time()
     layout = external_layout()
     is_writer = layout is None or layout.rank == 0
+    if is_writer:
+        os.makedirs(output_dir, exist_ok=True)
+    lock = hold_run_dir(output_dir) if is_writer else None  # raises RunDirInUse: nothing written
+    try:
+        return _launch(cfg, output_dir, job_files, started, layout, is_writer, launched)
+    finally:
+        if lock is not None:
+            lock.close()  # releases the lock
+
+
+def hold_run_dir(output_dir: str):
+    """Hold ``output_dir`` for this job (an exclusive lock on ``<output_dir>/.lock``, which
+    names our pid; released when this process ends, however it ends). A second live job
+    there is refused at once, before it moves or writes anything."""
+    import fcntl
+
+    f = open(os.path.join(output_dir, ".lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        owner = f.read().strip() or "unknown"
+        f.close()
+        raise RunDirInUse(
+            f"run directory {output_dir} is in use by a running job (pid {owner}); wait for it to end "
+            "or choose another hydra.run.dir"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def _launch(cfg, output_dir, job_files, started, layout, is_writer, launched) -> dict[str, Any]:
     checked = preflight.check(cfg, output_dir, layout, peak=is_writer)  # raises ConfigError before any rank starts
     cfg_data = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     cfg_data["trainer"]["world_size"] = checked.world_size
@@ -62,7 +98,7 @@ def launch(
         write_job_files(output_dir, job_files or {})
         # Status "running" with the prediction: what to expect is on disk before any rank starts.
         write_result(output_dir, {**result, "memory": predicted_section(checked.prediction)})
-    job = Job(cfg_data, output_dir, checked.device_type, checked.prediction, _job_env())
+    job = Job(cfg_data, output_dir, checked.device_type, checked.prediction, _job_env(), parent_pid=os.getpid())
     try:
         validated = time.time()
         # rank 0's payload carries status "ok" or "stopped"; other torchrun ranks get None
@@ -309,7 +345,9 @@ def archive_previous_attempt(output_dir: str, extra: tuple[str, ...] = ()) -> st
         return None
     attempts = os.path.join(output_dir, "attempts")
     os.makedirs(attempts, exist_ok=True)
-    target = os.path.join(attempts, str(len(os.listdir(attempts)) + 1))
+    # The next number after the highest: one deleted by hand leaves a gap, not a clash.
+    taken = [int(n) for n in os.listdir(attempts) if n.isdigit()]
+    target = os.path.join(attempts, str(max(taken, default=0) + 1))
     os.makedirs(target)
     for name in names:
         os.rename(os.path.join(output_dir, name), os.path.join(target, name))

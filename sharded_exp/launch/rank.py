@@ -37,6 +37,8 @@ class Job:
     """The parent's memory prediction (sharded_exp.measure.prediction.predict)."""
     env: dict[str, str]
     """The job's SHARDED_EXP_* variables (a forked rank inherits the server's environment)."""
+    parent_pid: int | None = None
+    """The launching process: spawned ranks exit when it is gone (see :func:`watch_parent`)."""
 
 
 def run_rank(
@@ -113,8 +115,41 @@ def nccl_diagnosis_env(output_dir: str) -> dict[str, str]:
     }
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is gone too
+    except OSError:
+        return True
+
+
+def watch_parent(pid: int, rank: int, period_s: float = 1.0) -> None:
+    """Exit this rank within ``period_s`` of the launching process's death (a SIGKILL the
+    parent cannot pass on): nobody waits for the job any more, so it must not train on and
+    write checkpoints. A daemon thread; the rank's parent process is the forkserver, so
+    the kernel's parent-death signal would not see the launcher go."""
+    import sys
+    import threading
+
+    def watch() -> None:
+        while _alive(pid):
+            time.sleep(period_s)
+        print(f"rank {rank}: the job's parent process (pid {pid}) is gone; exiting", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="watch-parent", daemon=True).start()
+
+
 def spawned_entry(index: int, world_size: int, job: Job, store: dict, results) -> None:
     """Entry of a rank spawned by the parent; ``index`` is the rank (one machine)."""
+    if job.parent_pid is not None:
+        watch_parent(job.parent_pid, index)
     payload = run_rank(job, index, world_size, index, world_size, store)
     if payload is not None:
         results.put(payload)

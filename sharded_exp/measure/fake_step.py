@@ -161,7 +161,10 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
             for step in range(2):
                 # Made inside the window, as in a run, so counted like it.
                 batches = [
-                    {k: torch.zeros((tc.batch_size, *v.shape[1:]), dtype=v.dtype, device=device) for k, v in sample.items()}
+                    {
+                        k: torch.zeros((tc.batch_size, *v.shape[1:]), dtype=v.dtype, device=device)
+                        for k, v in sample.items()
+                    }
                     for _ in range(tc.grad_accum)
                 ]
                 counter = FlopCounterMode(display=False) if step == 1 and flops else None
