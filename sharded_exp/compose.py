@@ -16,7 +16,9 @@ CONF_DIR = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__
 
 
 def register_schemas() -> None:
-    """Store every schema in Hydra's ConfigStore as ``<group>/<kind>_schema``.
+    """Store every schema in Hydra's ConfigStore as ``schema/<group>/<kind>``, outside the
+    groups themselves, so that Hydra never lists a schema as an option of its group. A
+    group's YAML files start from theirs: ``- /schema/<group>/<kind>@_here_``.
 
     The fixed groups' schemas live in :mod:`sharded_exp.config`; strategies, models and
     data tasks bring their own next to their builders (one module + one YAML file adds
@@ -29,13 +31,13 @@ def register_schemas() -> None:
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=config.Config)
     cs.store(name="plan_schema", node=config.PlanConfig)
-    cs.store(group="precision", name="precision_schema", node=config.PrecisionConfig)
-    cs.store(group="optimizer", name="optimizer_schema", node=config.OptimizerConfig)
-    cs.store(group="trainer", name="trainer_schema", node=config.TrainerConfig)
-    cs.store(group="logger", name="logger_schema", node=config.LoggerConfig)
+    cs.store(group="schema/precision", name="precision", node=config.PrecisionConfig)
+    cs.store(group="schema/optimizer", name="optimizer", node=config.OptimizerConfig)
+    cs.store(group="schema/trainer", name="trainer", node=config.TrainerConfig)
+    cs.store(group="schema/logger", name="logger", node=config.LoggerConfig)
     for group, registry in (("strategy", STRATEGIES), ("model", MODELS), ("data", TASKS)):
         for name in registry.names():
-            cs.store(group=group, name=f"{name}_schema", node=registry.config_class(name))
+            cs.store(group=f"schema/{group}", name=name, node=registry.config_class(name))
 
 
 def quote_numeric_choices(args: list[str], conf_dir: str = CONF_DIR) -> list[str]:
