@@ -31,7 +31,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from sharded_exp.compose import quote_numeric_choices, register_schemas
-from sharded_exp.errors import ConfigError, RunDirInUse
+from sharded_exp.errors import ConfigError, NothingToDo, RunDirInUse
 from sharded_exp.launch.layout import with_shared_run_dir
 from sharded_exp.launch.parent import launch, record_config_error
 from sharded_exp.report import ReportCallback
@@ -104,6 +104,9 @@ def main(cfg: DictConfig) -> None:
     multirun = hc.mode == RunMode.MULTIRUN
     try:
         result = launch(cfg, output_dir, job_files, started=(STARTED, IMPORTED))
+    except NothingToDo as exc:  # a requeued job that had finished: result.json stays as it is
+        print(str(exc), file=sys.stderr)
+        return
     except ConfigError as exc:  # raised before any rank starts
         print(f"error: {exc}", file=sys.stderr)
         if not multirun:
@@ -120,7 +123,9 @@ def main(cfg: DictConfig) -> None:
     if result["status"] == "stopped":
         # SIGTERM/SIGINT: exit like a terminated process (143 / 130); a sweep stops here.
         signum = result.get("signal") or signal.SIGTERM
-        print(f"stopped by signal {signum} after step {result.get('steps_done')}", file=sys.stderr)
+        done = result.get("steps_done")
+        where = f" after step {done}" if done is not None else f": {result.get('error')}"
+        print(f"stopped by signal {signum}{where}", file=sys.stderr)
         sys.exit(128 + signum)
     if hc.mode == RunMode.MULTIRUN:
         # A failed point is data: it is recorded and the sweep goes on (Hydra's basic

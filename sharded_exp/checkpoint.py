@@ -116,17 +116,61 @@ def read_meta(path: str) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {meta_path} has format {found!r}; this version reads {FORMAT}")
     missing = [k for k in META_KEYS if k not in meta]
     fmt = checkpoint_format(meta)
-    if missing or fmt not in FORMATS or not isinstance(meta["param_shapes"], dict) or not isinstance(meta["step"], int):
-        raise CheckpointError(f"checkpoint file {meta_path} is corrupt: keys missing or of the wrong type ({missing})")
+    wrong = [k for k, ok in _meta_types(meta).items() if not ok]
+    if missing or wrong or fmt not in FORMATS:
+        raise CheckpointError(
+            f"checkpoint file {meta_path} is corrupt: "
+            + (f"keys missing: {', '.join(missing)}" if missing else f"wrong type or value: {', '.join(wrong)}")
+        )
     for name in FILES[fmt]:
         if not os.path.isfile(os.path.join(path, name)):
             raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
     tensor_files = ("model.pt", "optim.pt", "train.pt") if fmt == "consolidated" else ("train.pt",)
     for name in tensor_files:
-        _load(os.path.join(path, name))  # memory-mapped: cheap, and catches truncation
+        content = _load(os.path.join(path, name))  # memory-mapped: cheap, and catches truncation
+        what = _holds(name, content, meta)
+        if what:
+            raise CheckpointError(f"checkpoint file {os.path.join(path, name)} is corrupt: {what}")
     if fmt == "dcp":
         _check_dcp_files(path, meta)
     return meta
+
+
+def _meta_types(meta: dict[str, Any]) -> dict[str, bool]:
+    """Each meta.json key that is there: is its value of the right kind?"""
+    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+    checks = {
+        "step": lambda v: is_int(v) and v >= 0,
+        "world_size": lambda v: is_int(v) and v >= 1,
+        "strategy": lambda v: isinstance(v, str),
+        "optimizer": lambda v: isinstance(v, str),
+        "model": lambda v: isinstance(v, (dict, str)),
+        "param_shapes": lambda v: (
+            isinstance(v, dict)
+            and all(isinstance(s, list) and all(is_int(d) and d >= 0 for d in s) for s in v.values())
+        ),
+    }
+    return {k: check(meta[k]) for k, check in checks.items() if k in meta}
+
+
+def _holds(name: str, content: Any, meta: dict[str, Any]) -> str | None:
+    """Why a checkpoint file does not hold what its name says (e.g. two files swapped), or None."""
+    if name == "model.pt":
+        if not isinstance(content, dict) or not all(torch.is_tensor(v) for v in content.values()):
+            return "it does not hold a model state dict (tensors by name)"
+        if set(content) != set(meta["param_shapes"]):
+            return "its tensors are not the ones meta.json names (files swapped or from another checkpoint?)"
+    elif name == "optim.pt":
+        if (
+            not isinstance(content, dict)
+            or not isinstance(content.get("state"), dict)
+            or not isinstance(content.get("param_groups"), list)
+        ):
+            return "it does not hold an optimizer state (state and param_groups)"
+    elif name == "train.pt":
+        if not isinstance(content, dict) or not {"scaler", "rng", "param_groups"} <= set(content):
+            return "it does not hold the training state (scaler, rng, param_groups)"
+    return None
 
 
 def _check_dcp_files(path: str, meta: dict[str, Any]) -> None:

@@ -27,6 +27,11 @@ def missing_packages(packages) -> list[str]:
     return missing
 
 
+class NothingToDo(ConfigError):
+    """``trainer.resume=auto`` found a checkpoint at (or past) ``trainer.steps``: the job is
+    done (a requeued job that finished before it was requeued). Not an error: exit 0."""
+
+
 class RunDirInUse(ConfigError):
     """Another live job holds this run directory (its pid is named)."""
 

@@ -25,6 +25,7 @@ import sys
 from typing import Any
 
 from sharded_exp.compose import compose
+from sharded_exp.errors import ConfigError
 from sharded_exp.measure.prediction import ModelShapes, model_shapes, predict, predict_peak
 from sharded_exp.strategies import STRATEGIES
 
@@ -193,9 +194,37 @@ def format_table(rows, found, cfg, params) -> str:
     return "\n".join(lines)
 
 
+def check_plan(cfg) -> None:
+    """The planner's inputs, by the training entry point's rules (ConfigError names them)."""
+    from sharded_exp.preflight import check_values
+
+    check_values(cfg)  # strategy, model, precision, optimizer, trainer values
+    p = cfg.plan
+    if p.params is not None and not (math.isfinite(p.params) and p.params >= 1):
+        raise ConfigError(f"plan.params={p.params} must be a finite number >= 1 (a parameter count, e.g. 7.5e9)")
+    if not p.world_sizes or any(ws < 1 for ws in p.world_sizes):
+        raise ConfigError(f"plan.world_sizes={list(p.world_sizes)} must be a non-empty list of integers >= 1")
+    if not (math.isfinite(p.device_memory_gib) and p.device_memory_gib > 0):
+        raise ConfigError(f"plan.device_memory_gib={p.device_memory_gib} must be a finite number > 0")
+    if p.units < 1:
+        raise ConfigError(f"plan.units={p.units} must be >= 1")
+    for name in p.strategies or []:
+        STRATEGIES.builder(name)  # raises, naming the registered ones
+    if _value(p.find) == "depth" and (p.params is not None or "n_layers" not in cfg.model):
+        raise ConfigError("plan.find=depth needs a model with model.n_layers (e.g. model=gpt), not a raw count")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    cfg = compose(argv, config_name="plan")
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        cfg = compose(argv, config_name="plan")
+        check_plan(cfg)
+    except (ConfigError, HydraException, OmegaConfBaseException) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     import torch
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"

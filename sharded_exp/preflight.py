@@ -11,6 +11,7 @@ the planner uses).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from enum import Enum
@@ -20,7 +21,7 @@ import torch
 
 from sharded_exp import checkpoint
 from sharded_exp.data import TASKS
-from sharded_exp.errors import ConfigError, missing_packages
+from sharded_exp.errors import ConfigError, NothingToDo, missing_packages
 from sharded_exp.launch.layout import Layout
 from sharded_exp.measure.prediction import ModelShapes, meta_model, model_shapes, predict, predict_peak
 from sharded_exp.models import MODELS
@@ -65,7 +66,14 @@ def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True)
     cfg.trainer.world_size = world_size
     local_ranks = layout.local_world_size if layout is not None else world_size
     device_type = decide_device(_accelerator(cfg.trainer.accelerator), local_ranks, str(cfg.precision.name))
-    module = meta_model(cfg.model)  # raises for shapes a model refuses, or a _target_ that cannot be built
+    try:
+        module = meta_model(cfg.model)  # shapes a model refuses, or a _target_ that cannot be built
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 -- the model's own complaint, named
+        raise ConfigError(
+            f"model={cfg.model.name} cannot be built with this config: {type(exc).__name__}: {exc}"
+        ) from None
     shapes = model_shapes(cfg.model, cfg.optimizer, module)
     task = TASKS.builder(cfg.data.name)(cfg.data, cfg.model, 1)  # does the task fit? (one sample: keys, not memory)
     check_accepts(module, list(task(0, 0, 0)), cfg.model.name, cfg.data.name)  # keyword batch in
@@ -115,7 +123,40 @@ def check_values(cfg) -> None:
         t.memory_limit_mib is None or t.memory_limit_mib > 0,
         f"trainer.memory_limit_mib={t.memory_limit_mib} must be > 0 (or null for no budget)",
     )
-    _require(cfg.optimizer.lr > 0, f"optimizer.lr={cfg.optimizer.lr} must be > 0")
+    check_numbers(cfg)
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def check_numbers(cfg) -> None:
+    """Every number in range and finite (inf and nan pass a plain comparison)."""
+    t, o, p = cfg.trainer, cfg.optimizer, cfg.precision
+    for key in ("grad_clip", "timeout_s", "stop_grace_s", "memory_limit_mib"):
+        value = t[key]
+        _require(value is None or _finite(value), f"trainer.{key}={value} must be a finite number")
+    _require(_finite(o.lr) and o.lr > 0, f"optimizer.lr={o.lr} must be a finite number > 0")
+    for key in ("weight_decay", "no_decay_lr_scale"):
+        _require(_finite(o[key]) and o[key] >= 0, f"optimizer.{key}={o[key]} must be a finite number >= 0")
+    _require(_finite(o.eps) and o.eps > 0, f"optimizer.eps={o.eps} must be a finite number > 0")
+    _require(_finite(o.momentum) and 0 <= o.momentum < 1, f"optimizer.momentum={o.momentum} must be in [0, 1)")
+    betas = list(o.betas)
+    _require(
+        len(betas) == 2 and all(_finite(b) and 0 <= b < 1 for b in betas),
+        f"optimizer.betas={betas} must be two numbers in [0, 1) (e.g. [0.9, 0.999])",
+    )
+    _require(_finite(p.init_scale) and p.init_scale > 0, f"precision.init_scale={p.init_scale} must be > 0")
+    _require(
+        _finite(p.backoff_factor) and 0 < p.backoff_factor < 1,
+        f"precision.backoff_factor={p.backoff_factor} must be in (0, 1)",
+    )
+    _require(p.growth_interval >= 1, f"precision.growth_interval={p.growth_interval} must be >= 1")
+    # A model's sizes (widths, depths, heads, classes, sequence length, vocabulary) are
+    # counts: zero or negative ones build broken models or crash deep inside a rank.
+    for key, value in cfg.model.items():
+        if isinstance(value, int) and not isinstance(value, bool):
+            _require(value >= 1, f"model.{key}={value} must be >= 1 (model={cfg.model.name})")
 
 
 def _accelerator(value) -> str:
@@ -163,10 +204,16 @@ def resolve_checkpoints(cfg, output_dir: str, shapes: ModelShapes) -> None:
     )
     t.checkpoint_dir = os.path.abspath(t.checkpoint_dir or os.path.join(output_dir, "checkpoints"))
     try:
+        auto = t.resume == "auto"
         t.resume = checkpoint.resolve_resume(t.resume, t.checkpoint_dir)
         if t.resume is None:
             return
         meta = checkpoint.read_meta(t.resume)
+        if auto and meta["step"] >= t.steps:
+            raise NothingToDo(
+                f"trainer.resume=auto: the newest checkpoint, {t.resume}, is at step {meta['step']} of "
+                f"trainer.steps={t.steps}: this job is done, nothing to do"
+            )
         checkpoint.check_compatible(t.resume, meta, shapes.state_shapes, cfg.optimizer.name, t.steps)
     except checkpoint.CheckpointError as exc:
         raise ConfigError(str(exc)) from None

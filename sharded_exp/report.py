@@ -34,7 +34,10 @@ class ReportCallback(Callback):
     def on_multirun_end(self, config, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         rows = write_report(sweep_dir)
-        failed = sum(row["status"] in ("failed", "diverged") for row in rows)
+        if not rows:
+            print(f"report: no result.json under {sweep_dir}; no report written", file=sys.stderr)
+            return
+        failed = sum(row["status"] not in ("ok", "oom", "stopped") for row in rows)
         ReportCallback.failed_points += failed
         print(f"report: {sweep_dir / 'report.md'} ({len(rows)} points)", flush=True)
         if failed:

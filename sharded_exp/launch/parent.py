@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 
-from sharded_exp import preflight
+from sharded_exp import checkpoint, preflight
 from sharded_exp.errors import RunDirInUse
 from sharded_exp.launch import forkserver, liveness
 from sharded_exp.launch.layout import Layout, external_layout, rendezvous_env
@@ -115,6 +115,9 @@ def _launch(cfg, output_dir, job_files, started, layout, is_writer, launched) ->
     except Exception as exc:  # noqa: BLE001 -- a rank failed: record it, then let the caller exit non-zero
         result.update(failure_of(exc, output_dir))
         result.setdefault("memory", predicted_section(checked.prediction))  # what was expected, still
+        if isinstance(exc, Stopped):  # killed mid-way: the newest complete checkpoint is the one to resume
+            found = checkpoint.complete_checkpoints(cfg.trainer.checkpoint_dir)
+            result["checkpoint"] = found[-1][1] if found else None
     if is_writer:
         write_result(output_dir, result)
         print(summary_table(result), flush=True)
@@ -205,9 +208,9 @@ def spawn(job: Job, world_size: int) -> dict[str, Any]:
 class Stopped(RuntimeError):
     """The job was stopped by a signal and its ranks had to be killed."""
 
-    def __init__(self, signum: int, killed: bool):
+    def __init__(self, signum: int, killed: str | None):
         self.signum = signum
-        what = "ranks were killed after trainer.stop_grace_s" if killed else "ranks stopped"
+        what = f"ranks were killed ({killed})" if killed else "ranks stopped"
         super().__init__(f"stopped by {signal.Signals(signum).name}: {what}")
 
 
@@ -221,7 +224,8 @@ class ParentStop:
         self.grace_s = grace_s
         self.signum: int | None = None
         self.deadline: float | None = None
-        self.killed = False
+        self.killed: str | None = None
+        """Why the ranks were killed, if they were."""
 
     @contextlib.contextmanager
     def handling_signals(self):
@@ -244,7 +248,7 @@ class ParentStop:
             self.deadline = time.monotonic() + self.grace_s
             self._terminate()
         else:
-            self._kill()
+            self._kill(f"at a second signal, {signal.Signals(signum).name}")
 
     def _terminate(self) -> None:
         for proc in self.processes:
@@ -253,10 +257,10 @@ class ParentStop:
 
     def enforce_deadline(self) -> None:
         if self.deadline is not None and time.monotonic() > self.deadline:
-            self._kill()
+            self._kill(f"still running trainer.stop_grace_s={self.grace_s:g} s after the signal")
 
-    def _kill(self) -> None:
-        self.killed = True
+    def _kill(self, why: str) -> None:
+        self.killed = self.killed or why
         for proc in self.processes:
             if proc.is_alive():
                 proc.kill()

@@ -29,17 +29,42 @@ def load_points(sweep_dir: Path) -> list[dict[str, Any]]:
     """One result.json per point: earlier attempts archived in ``attempts/`` are not points."""
     sweep_dir = Path(sweep_dir)
     paths = [p for p in sorted(sweep_dir.rglob("result.json")) if "attempts" not in p.relative_to(sweep_dir).parts]
-    return [json.loads(p.read_text()) for p in paths]
+    return [_read_point(p) for p in paths]
+
+
+REQUIRED = ("status", "strategy", "world_size", "precision", "model")
+
+
+def _read_point(path: Path) -> dict[str, Any]:
+    """A point's result.json; one that cannot be read, or lacks what a row needs, becomes a
+    point that says why (the report is written either way)."""
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON {type(data).__name__}, not an object")
+    except (OSError, ValueError) as exc:
+        return {"status": "unreadable", "error": f"{path}: {exc}", "output_dir": str(path.parent)}
+    missing = [k for k in REQUIRED if k not in data]
+    if missing:
+        status = data.get("status") if isinstance(data.get("status"), str) else "incomplete"
+        why = "still running or killed before it finished" if status == "running" else "incomplete"
+        return {
+            **data,
+            "status": status,
+            "error": f"{path}: {why} (no {', '.join(missing)})",
+            "output_dir": str(path.parent),
+        }
+    return data
 
 
 def _row(r: dict[str, Any]) -> dict[str, Any]:
     mem = r.get("memory") or {}
     return {
-        "strategy": r["strategy"],
-        "world_size": r["world_size"],
-        "precision": r["precision"],
-        "model": r["model"],
-        "params": r["params"],
+        "strategy": r.get("strategy", "?"),
+        "world_size": r.get("world_size", 0),
+        "precision": str(r.get("precision", "?")),
+        "model": r.get("model", "?"),
+        "params": r.get("params"),
         "peak_allocated_mib_max": mem.get("peak_allocated_mib_max"),
         "model_states_mib_max": mem.get("model_states_mib_max"),
         "predicted_model_states_mib_max": mem.get("predicted_model_states_mib_max"),
@@ -53,7 +78,7 @@ def _row(r: dict[str, Any]) -> dict[str, Any]:
             for k in ("eval/accuracy", "eval/f1", "eval/perplexity")
         },
         "param_l2": (r.get("param_digest") or {}).get("l2"),
-        "status": r["status"],
+        "status": r.get("status", "?"),
         "first_nonfinite_step": r.get("first_nonfinite_step"),
         "error": r.get("error"),
     }
@@ -200,8 +225,12 @@ def log_to_wandb(rows: list[dict[str, Any]], points: list[dict[str, Any]], chart
 
 
 def write_report(sweep_dir: Path) -> list[dict[str, Any]]:
+    """report.md, report.csv, the charts and the W&B report run; nothing when the
+    directory holds no result.json (returns the rows, empty then)."""
     sweep_dir = Path(sweep_dir)
     points = load_points(sweep_dir)
+    if not points:
+        return []
     rows = build_rows(points)
     (sweep_dir / "report.md").write_text(
         f"# Sweep report: {sweep_dir.name}\n\nMemory in MiB, max over ranks; savings and speed relative to the DDP point "
@@ -211,7 +240,6 @@ def write_report(sweep_dir: Path) -> list[dict[str, Any]]:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
-    if rows:
-        charts = write_charts(rows, sweep_dir)
-        log_to_wandb(rows, points, charts, sweep_dir)
+    charts = write_charts(rows, sweep_dir)
+    log_to_wandb(rows, points, charts, sweep_dir)
     return rows
