@@ -116,12 +116,17 @@ def main(cfg: DictConfig) -> None:
             return  # the directory is another job's: nothing is written there
         result = record_config_error(cfg, output_dir, exc)
     except OSError as exc:  # the run directory's filesystem: full, read-only, gone
-        print(f"error: {exc.strerror or exc} ({type(exc).__name__}); the job did not run", file=sys.stderr)
+        print(f"error: {exc.strerror or exc}; the job did not run", file=sys.stderr)
         if not multirun:
             sys.exit(1)
         return
     if result["status"] == "stopped":
-        # SIGTERM/SIGINT: exit like a terminated process (143 / 130); a sweep stops here.
+        # SIGTERM/SIGINT: exit like a terminated process (143 / 130); a sweep stops here,
+        # with the report of its points so far.
+        if multirun:
+            from sharded_exp.output.report import write_report
+
+            write_report(hc.sweep.dir)
         signum = result.get("signal") or signal.SIGTERM
         done = result.get("steps_done")
         where = f" after step {done}" if done is not None else f": {result.get('error')}"

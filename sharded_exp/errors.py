@@ -56,3 +56,19 @@ def is_no_space(exc: BaseException, file: str) -> bool:
         return shutil.disk_usage(os.path.dirname(os.path.abspath(file))).free < 2**20
     except OSError:
         return False
+
+
+class writing:  # noqa: N801 -- used as ``with writing(path):``
+    """Name the file when writing it fails for lack of space: ``no space left on device
+    while writing <file>`` instead of a bare ENOSPC (or torch's "unexpected pos")."""
+
+    def __init__(self, file: str):
+        self.file = file
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if exc is not None and isinstance(exc, (OSError, RuntimeError)) and is_no_space(exc, self.file):
+            raise no_space(self.file) from None
+        return False

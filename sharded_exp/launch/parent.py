@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 
 from sharded_exp import checkpoint, preflight
-from sharded_exp.errors import RunDirInUse
+from sharded_exp.errors import RunDirInUse, writing
 from sharded_exp.launch import forkserver, liveness
 from sharded_exp.launch.layout import Layout, external_layout, rendezvous_env
 from sharded_exp.launch.rank import Job, run_rank, spawned_entry
@@ -80,10 +80,11 @@ def hold_run_dir(output_dir: str):
             f"run directory {output_dir} is in use by a running job (pid {owner}); wait for it to end "
             "or choose another hydra.run.dir"
         ) from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()}\n")
-    f.flush()
+    with writing(f.name):
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
     return f
 
 
@@ -331,7 +332,8 @@ def write_job_files(output_dir: str, files: dict[str, Any]) -> None:
     """The composed config, Hydra's config and the overrides, as Hydra would write them."""
     for name, content in files.items():
         os.makedirs(os.path.join(output_dir, ".hydra"), exist_ok=True)
-        OmegaConf.save(content, os.path.join(output_dir, ".hydra", name))
+        with writing(os.path.join(output_dir, ".hydra", name)):
+            OmegaConf.save(content, os.path.join(output_dir, ".hydra", name))
 
 
 def archive_previous_attempt(output_dir: str, extra: tuple[str, ...] = ()) -> str | None:

@@ -14,6 +14,10 @@ A testing aid, documented in the README; never set it in real runs. Kinds:
   the start of that step: on CUDA a kernel that sleeps on the compute stream, so the
   step's collectives wait behind it and time out (the NCCL hang check of
   ``benchmarks/gpu_check.py --hang``); on CPU the process sleeps.
+- ``kill``: the rank's process sends itself SIGKILL at the start of that step (as
+  ``kill -9`` or the kernel's OOM killer would: no exception, no record).
+- ``sigterm``: the rank's process sends itself SIGTERM at the start of that step (a
+  signal that reaches one rank only, not the parent).
 - ``inf_grad``: the rank's backward writes inf into the gradient of one parameter of its
   own optimizer shard, before any gradient communication, so that (for sharded
   strategies) the inf exists in that rank's shard only.
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-KINDS = ("raise", "exit", "hang", "oom", "exit_in_save", "inf_grad", "stall")
+KINDS = ("raise", "exit", "hang", "oom", "exit_in_save", "inf_grad", "stall", "kill", "sigterm")
 ENV = "SHARDED_EXP_FAULT"
 
 
@@ -71,6 +75,13 @@ def trigger(fault: Fault, rank: int, device: torch.device) -> None:
         raise RuntimeError(f"injected fault on rank {rank} at step {fault.step}")
     if fault.kind == "exit":
         os._exit(3)
+    if fault.kind in ("kill", "sigterm"):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL if fault.kind == "kill" else signal.SIGTERM)
+        if fault.kind == "kill":
+            time.sleep(60)  # SIGKILL is delivered before this returns
+        return
     if fault.kind == "hang":
         while True:  # signals set flags only: this rank ends when it is killed
             time.sleep(3600)
