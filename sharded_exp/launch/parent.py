@@ -182,8 +182,13 @@ def spawn(job: Job, world_size: int) -> dict[str, Any]:
             )
             stop.watch(context.processes)
             # When a rank fails, its peers get 2 s to exit by themselves, then SIGTERM,
-            # 2 s more, then SIGKILL (torch's default would wait 30 s).
+            # 2 s more, then SIGKILL (torch's default would wait 30 s). Rank 0's payload is
+            # read as soon as it is sent: a payload larger than the pipe's buffer (a long
+            # history) blocks rank 0 in put() until read, and it would never exit.
+            payload = None
             while not context.join(timeout=0.5, grace_period=2.0):
+                if payload is None and not results.empty():
+                    payload = results.get()
                 stop.enforce_deadline()
     except Exception:
         if stop.signum is not None:  # ranks that died of the signal, or were killed
@@ -200,7 +205,8 @@ def spawn(job: Job, world_size: int) -> dict[str, Any]:
             if died and not os.path.exists(record):
                 raise RankDied(rank, proc.exitcode) from None
         raise
-    payload = results.get()
+    if payload is None:
+        payload = results.get()
     if payload.get("status") == "stopped" and stop.signum is not None:
         payload["signal"] = stop.signum  # the job's signal (ranks may also see Ctrl-C's SIGINT)
     return payload

@@ -1,0 +1,376 @@
+"""What a hostile pass found (issue 17), one test per item: nothing silent, nothing
+orphaned, nothing half-written. Real processes, real signals, real files."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from sharded_exp import checkpoint
+from sharded_exp.errors import ConfigError
+from tests.conftest import ROOT, TINY, compose_cfg, read_result, run_cli, run_job, tiny
+from tests.test_failures import LONG, descendants, finish, start_job, survivors, wait_until
+
+
+def cli(args, tmp_path, env=None, timeout=240):
+    return run_cli([*args, f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env, timeout=timeout)
+
+
+def launch(overrides, out):
+    from sharded_exp.launch.parent import launch as parent_launch
+
+    return parent_launch(compose_cfg(tiny(overrides)), str(out))
+
+
+# ------------------------------------------------------------- 1. resume hyperparameters
+def test_1_resume_takes_hyperparameters_from_the_config_and_records_the_changes(tmp_path):
+    first = run_job(["trainer.steps=3", "trainer.checkpoint_every=3", "optimizer.lr=0.001"], tmp_path / "a")
+    ckpt = first["checkpoint"]
+    runs = {}
+    for lr in ("0.1", "0.001"):
+        out = tmp_path / f"lr{lr}"
+        proc = cli(["trainer.steps=6", "trainer.checkpoint_every=3", f"optimizer.lr={lr}",
+                    f"trainer.resume={ckpt}", *TINY], out)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[lr] = (read_result(out), proc.stderr)
+    changed, stderr = runs["0.1"]
+    # both parameter groups (decayed and not) had lr 0.001 in the checkpoint
+    assert [c for c in changed["resume_changes"] if c["key"] == "lr"] == [
+        {"group": 0, "key": "lr", "checkpoint": 0.001, "config": 0.1},
+        {"group": 1, "key": "lr", "checkpoint": 0.001, "config": 0.1},
+    ]
+    assert "warning: resuming with optimizer group 0 lr=0.1 from the config (the checkpoint has 0.001)" in stderr
+    assert runs["0.001"][0]["resume_changes"] == []
+    # a sweep of learning rates from one checkpoint gives different points
+    assert changed["param_digest"] != runs["0.001"][0]["param_digest"]
+    # and the next checkpoint holds the configured value
+    saved = torch.load(os.path.join(changed["checkpoint"], "optim.pt"), weights_only=True)
+    assert {g["lr"] for g in saved["param_groups"]} == {0.1}
+
+
+# ------------------------------------------------------------- 2. diverged runs
+def test_2_a_diverged_run_is_not_ok_and_gets_no_saving(tmp_path):
+    proc = cli([*TINY, "trainer.steps=4"], tmp_path / "inf", env={"SHARDED_EXP_FAULT": "rank=1,step=1,kind=inf_grad"})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    result = read_result(tmp_path / "inf")
+    assert result["status"] == "diverged" and result["first_nonfinite_step"] == 3
+    assert "diverged: final loss nan, loss first non-finite at step 3" in result["error"]
+    assert "diverged" in proc.stderr
+
+    sweep = tmp_path / "sweep"
+    args = [
+        "-m",
+        *TINY,
+        "trainer.steps=4",
+        "trainer.grad_clip=0",
+        "optimizer.lr=0.001,1e30",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    proc = run_cli(args, cwd=ROOT, timeout=300)
+    assert proc.returncode == 1 and "failed or diverged" in proc.stderr, proc.stderr[-3000:]
+    rows = {r["status"]: r for r in csv.DictReader(open(sweep / "report.csv"))}
+    assert set(rows) == {"ok", "diverged"}
+    bad = rows["diverged"]
+    assert bad["first_nonfinite_step"] and bad["speed_vs_ddp"] == bad["peak_saving_vs_ddp_pct"] == ""
+    assert bad["parity_vs_ddp"] == ""
+
+
+# ------------------------------------------------------------- 3. signal deaths named
+def test_3_a_rank_killed_by_a_signal_is_named_not_its_peer(tmp_path):
+    proc = cli(LONG, tmp_path, env={"SHARDED_EXP_FAULT": "rank=1,step=3,kind=kill"})
+    assert proc.returncode == 1
+    error = read_result(tmp_path)["error"]
+    assert error.startswith("rank 1: killed by signal 9 (SIGKILL)"), error
+    assert "OOM killer" in error
+
+
+# ------------------------------------------------------------- 4. CPU allocation failure
+def test_4_a_cpu_allocation_failure_is_oom_and_does_not_fail_the_sweep(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = run_cli(["-m", *TINY, "trainer.steps=3", "trainer.batch_size=8,1000000000000", f"hydra.sweep.dir={sweep}"],
+                   cwd=ROOT, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    points = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/result.json"))]
+    status = {p["config"]["trainer"]["batch_size"]: p for p in points}
+    assert status[8]["status"] == "ok"
+    assert status[10**12]["status"] == "oom" and "can't allocate memory" in status[10**12]["error"]
+
+
+# ------------------------------------------------------------- 5. parent SIGKILL
+def test_5_ranks_exit_when_the_parent_is_killed(tmp_path):
+    run, log = tmp_path / "run", tmp_path / "job.log"
+    proc = start_job([*LONG, "trainer.checkpoint_every=5", f"hydra.run.dir={run}"], log)
+    wait_until((run / "checkpoints" / "step_00000005").exists, proc, log)
+    tree = descendants(proc.pid)
+    assert len(tree) >= 3  # two ranks and the forkserver
+    proc.kill()  # SIGKILL: the parent cannot pass anything on
+    proc.wait()
+    end = time.time() + 10
+    while survivors(tree) and time.time() < end:
+        time.sleep(0.2)
+    assert not survivors(tree), survivors(tree)
+    found = checkpoint.complete_checkpoints(str(run / "checkpoints"))
+    time.sleep(1)
+    assert checkpoint.complete_checkpoints(str(run / "checkpoints")) == found  # nobody trains on
+
+
+# ------------------------------------------------------------- 6. one job per run directory
+def test_6_a_second_job_in_a_live_run_directory_is_refused(tmp_path):
+    run, log = tmp_path / "run", tmp_path / "job.log"
+    proc = start_job([*LONG, f"hydra.run.dir={run}"], log)
+    try:
+        wait_until(lambda: (run / "result.json").exists(), proc, log)
+        before = (run / "result.json").read_bytes()
+        second = run_cli([*TINY, f"hydra.run.dir={run}"], cwd=ROOT)
+        assert second.returncode == 2
+        assert f"run directory {run} is in use by a running job (pid {proc.pid})" in second.stderr
+        assert (run / "result.json").read_bytes() == before and not (run / "attempts").exists()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        finish(proc, log)
+
+
+# ------------------------------------------------------------- 7. full disks
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real filesystem of 1 MiB (tmpfs), unmounted afterwards."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def fill(directory, leave_bytes: int) -> None:
+    with open(directory / "filler", "wb") as f:
+        free = shutil.disk_usage(directory).free
+        f.write(bytes(max(0, free - leave_bytes)))
+
+
+def test_7_run_directory_on_a_full_disk(small_fs, tmp_path):
+    fill(small_fs, 0)
+    run = small_fs / "run"
+    proc = run_cli([*TINY, f"hydra.run.dir={run}"], cwd=ROOT)
+    assert proc.returncode in (1, 2), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "no space left on device" in proc.stderr.lower(), proc.stderr[-2000:]
+    leftovers = [p.name for p in run.rglob("*") if ".tmp" in p.name] if run.exists() else []
+    assert leftovers == []
+
+
+def test_7_checkpoint_directory_fills_up_mid_run(small_fs, tmp_path):
+    run_job(["trainer.steps=2", "trainer.checkpoint_every=2", "trainer.checkpoint_format=consolidated"],
+                    tmp_path / "probe")  # fmt: skip
+    size = sum(p.stat().st_size for p in (tmp_path / "probe" / "checkpoints").rglob("*") if p.is_file())
+    fill(small_fs, int(1.5 * size) + 8192)  # room for one checkpoint, not two
+    run = tmp_path / "run"
+    proc = cli([*TINY, "trainer.steps=6", "trainer.checkpoint_every=2", "trainer.checkpoint_format=consolidated",
+                f"trainer.checkpoint_dir={small_fs / 'ckpt'}"], run)  # fmt: skip
+    assert proc.returncode == 1
+    result = read_result(run)
+    assert result["status"] == "failed"
+    assert "no space left on device while writing " + str(small_fs / "ckpt") in result["error"], result["error"]
+    assert [p.name for p in (small_fs / "ckpt").iterdir()] == ["step_00000002"]  # no temporary left
+    checkpoint.read_meta(str(small_fs / "ckpt" / "step_00000002"))  # the previous one is intact
+
+
+# ------------------------------------------------------------- 8. attempts numbering
+def test_8_a_gap_in_attempts_takes_the_next_free_number(tmp_path):
+    run_job(["trainer.steps=2"], tmp_path)
+    (tmp_path / "attempts" / "2").mkdir(parents=True)  # 1 was deleted by hand
+    result = run_job(["trainer.steps=2"], tmp_path)
+    assert result["status"] == "ok"
+    assert (tmp_path / "attempts" / "3" / "result.json").exists()
+
+
+# ------------------------------------------------------------- 9. a signal at one rank only
+def test_9_sigterm_at_a_non_zero_rank_stops_the_job_with_its_signal(tmp_path):
+    proc = cli(
+        [*LONG, "trainer.checkpoint_every=1000"], tmp_path, env={"SHARDED_EXP_FAULT": "rank=1,step=3,kind=sigterm"}
+    )
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+    assert "stopped by signal 15 after step" in proc.stderr and "None" not in proc.stderr
+    result = read_result(tmp_path)
+    assert result["status"] == "stopped" and result["signal"] == signal.SIGTERM
+    assert result["checkpoint"] == str(tmp_path / "checkpoints" / f"step_{result['steps_done']:08d}")
+
+
+# ------------------------------------------------------------- 10. malformed checkpoints
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    out = tmp_path_factory.mktemp("saved")
+    run_job(["trainer.steps=3", "trainer.checkpoint_every=3"], out)
+    return out / "checkpoints" / "step_00000003"
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda m: m.pop("param_shapes"), "keys missing: param_shapes"),
+        (lambda m: m.update(step="3"), "wrong type or value: step"),
+        (lambda m: m.update(param_shapes=[[3, 4]]), "wrong type or value: param_shapes"),
+        ("list", "has format 'list'"),
+        ("swap", "model.pt is corrupt: it does not hold a model state dict"),
+    ],
+)
+def test_10_malformed_checkpoints_are_named_corrupt(saved, tmp_path, damage, message):
+    bad = tmp_path / "bad"
+    shutil.copytree(saved, bad)
+    meta = json.loads((bad / "meta.json").read_text())
+    if damage == "list":
+        (bad / "meta.json").write_text(json.dumps([meta]))
+    elif damage == "swap":
+        (bad / "model.pt").rename(bad / "tmp")
+        (bad / "optim.pt").rename(bad / "model.pt")
+        (bad / "tmp").rename(bad / "optim.pt")
+    else:
+        damage(meta)
+        (bad / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match="checkpoint") as err:
+        launch(["trainer.steps=6", f"trainer.resume={bad}"], tmp_path / "out")
+    assert message in str(err.value)
+
+
+# ------------------------------------------------------------- 11. model and optimizer values
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.hidden=-5"], "model.hidden=-5 must be >= 1"),
+        (["model=gpt", "model.n_heads=0"], "model.n_heads=0 must be >= 1"),
+        (["model.num_classes=0"], "model.num_classes=0 must be >= 1"),
+        (["model=gpt", "model.seq_len=0"], "model.seq_len=0 must be >= 1"),
+        (["optimizer.betas=[2,3]"], "optimizer.betas=[2.0, 3.0] must be two numbers in [0, 1)"),
+        (["trainer.timeout_s=inf"], "trainer.timeout_s=inf must be a finite number"),
+        (["precision=16", "precision.init_scale=0"], "precision.init_scale=0.0 must be > 0"),
+    ],
+)
+def test_11_bad_model_and_optimizer_values_are_refused_before_spawn(overrides, message, tmp_path):
+    with pytest.raises(ConfigError) as err:
+        launch(overrides, tmp_path / "out")
+    assert message in str(err.value)
+
+
+def test_11_cli_exit_2_without_a_traceback(tmp_path):
+    proc = run_cli([*TINY, "model=gpt", "model.n_heads=0", f"hydra.run.dir={tmp_path / 'x'}"], cwd=ROOT)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert not (tmp_path / "x").exists()  # 15: no empty directory left behind
+
+
+# ------------------------------------------------------------- 12. planner input
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("plan.params=-1", "plan.params=-1.0 must be a finite number >= 1"),
+        ("plan.params=nan", "plan.params=nan must be a finite number >= 1"),
+        ("plan.world_sizes=[0]", "plan.world_sizes=[0] must be a non-empty list of integers >= 1"),
+        ("plan.worldsizes=[2]", "Could not override 'plan.worldsizes'"),
+        ("strategy=zero9", "Could not find 'strategy/zero9'"),
+        ("plan.strategies=[zero9]", "unknown strategy 'zero9'"),
+        ("plan.format=xml", "plan.format=xml"),
+    ],
+)
+def test_12_the_planner_refuses_bad_input_with_exit_2(override, message):
+    proc = run_cli([override], cwd=ROOT, module="sharded_exp.plan")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and message in proc.stderr, proc.stderr[-2000:]
+
+
+# ------------------------------------------------------------- 13. bad points in a report
+def test_13_a_bad_result_json_is_a_row_that_says_why(tmp_path):
+    from sharded_exp.output.report import write_report
+
+    sweep = tmp_path / "sweep"
+    good = run_job(["trainer.steps=2"], sweep / "0_good")
+    assert good["status"] == "ok"
+    (sweep / "1_truncated").mkdir()
+    (sweep / "1_truncated" / "result.json").write_text('{"status": "ok", "strat')
+    (sweep / "2_running").mkdir()
+    (sweep / "2_running" / "result.json").write_text('{"status": "running"}')
+    rows = write_report(sweep)
+    assert (sweep / "report.md").exists() and len(rows) == 3
+    by_status = {r["status"]: r for r in rows}
+    assert "1_truncated/result.json" in by_status["unreadable"]["error"]
+    assert "still running or killed before it finished" in by_status["running"]["error"]
+    assert by_status["ok"]["peak_allocated_mib_max"] > 0
+
+
+# ------------------------------------------------------------- 14. requeue of a finished job
+def test_14_resume_auto_on_a_finished_job_exits_0_and_changes_nothing(tmp_path):
+    args = [*TINY, "trainer.steps=3", "trainer.checkpoint_every=3"]
+    assert cli(args, tmp_path).returncode == 0
+    before = (tmp_path / "result.json").read_bytes()
+    proc = cli([*args, "trainer.resume=auto"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "this job is done, nothing to do" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert (tmp_path / "result.json").read_bytes() == before and not (tmp_path / "attempts").exists()
+
+
+# ------------------------------------------------------------- 15. the small ones
+def test_15_run_directory_that_is_a_file_or_read_only(tmp_path, small_fs):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    proc = run_cli([*TINY, f"hydra.run.dir={afile}"], cwd=ROOT)
+    assert proc.returncode == 2 and "is a file, not a directory" in proc.stderr and "Traceback" not in proc.stderr
+    subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
+    proc = run_cli([*TINY, f"hydra.run.dir={small_fs / 'run'}"], cwd=ROOT)
+    assert proc.returncode == 2 and "cannot be written (Read-only file system)" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_15_unknown_plugin_module(tmp_path):
+    proc = run_cli([*TINY, f"hydra.run.dir={tmp_path}"], cwd=ROOT, env={"SHARDED_EXP_PLUGINS": "no_such_module"})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "SHARDED_EXP_PLUGINS names the module 'no_such_module', which cannot be imported" in proc.stderr
+
+
+def test_15_a_second_signal_kills_and_says_so_and_names_the_checkpoint(tmp_path):
+    run, log = tmp_path / "run", tmp_path / "job.log"
+    proc = start_job([*LONG, "trainer.checkpoint_every=5", "trainer.stop_grace_s=30", f"hydra.run.dir={run}"], log,
+                     env={"SHARDED_EXP_FAULT": "rank=1,step=8,kind=hang"})  # fmt: skip
+    wait_until(lambda: "SHARDED_EXP_FAULT: hang" in log.read_text(), proc, log)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    output = finish(proc, log)
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    result = read_result(run)
+    assert "ranks were killed (at a second signal, SIGTERM)" in result["error"]
+    assert "after step None" not in output and "stopped by signal 15: " in output
+    assert result["checkpoint"] == str(run / "checkpoints" / "step_00000005")
+
+
+def test_15_report_of_an_empty_directory_writes_nothing(tmp_path):
+    proc = run_cli([str(tmp_path)], cwd=ROOT, module="sharded_exp.report")
+    assert proc.returncode == 1 and "no result.json" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_15_schemas_are_not_listed_as_options(tmp_path):
+    proc = run_cli(["precision=8", f"hydra.run.dir={tmp_path}"], cwd=ROOT)
+    assert proc.returncode != 0 and "Available options in 'precision'" in proc.stderr
+    assert "_schema" not in proc.stderr and "bf16" in proc.stderr
+
+
+def test_15_readme_places_per_rank_under_memory():
+    readme = (ROOT / "README.md").read_text()
+    assert "`memory.per_rank`" in readme
+    assert "result.json`: `per_rank`" not in readme and "top-level `per_rank`" not in readme
+
+
+def test_a_long_history_does_not_deadlock_the_parent(tmp_path):
+    """Found on this pass: rank 0's payload (the history, with every rank's memory per
+    interval) larger than a pipe's buffer blocked rank 0 in put() while the parent waited
+    for it to exit; the parent now reads the payload while it waits."""
+    result = run_job(["trainer.steps=1200", "trainer.log_interval=1"], tmp_path)
+    assert result["status"] == "ok" and len(result["history"]) == 1200
+    assert len(json.dumps(result["history"])) > 2**16  # more than a pipe holds
