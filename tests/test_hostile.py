@@ -261,7 +261,7 @@ def test_11_bad_model_and_optimizer_values_are_refused_before_spawn(overrides, m
 
 
 def test_11_cli_exit_2_without_a_traceback(tmp_path):
-    proc = run_cli([*TINY, "model=gpt", "model.n_heads=0", f"hydra.run.dir={tmp_path / 'x'}"], cwd=ROOT)
+    proc = run_cli([*tiny(["model=gpt", "model.n_heads=0"]), f"hydra.run.dir={tmp_path / 'x'}"], cwd=ROOT)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert not (tmp_path / "x").exists()  # 15: no empty directory left behind
 
