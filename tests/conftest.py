@@ -121,3 +121,17 @@ def _no_torchrun_env(monkeypatch):
     # A test run under torchrun must not make in-process launches join its rendezvous.
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SHARDED_EXP_FAULT"):
         monkeypatch.delenv(key, raising=False)
+
+
+@pytest.fixture
+def user_module(tmp_path):
+    """A user's own model module (``tests/test_models.py``'s CUSTOM) importable as
+    ``my_models`` by a job started with this environment."""
+    import textwrap
+
+    from tests.test_models import CUSTOM
+
+    pkg = tmp_path / "user_code"
+    pkg.mkdir()
+    (pkg / "my_models.py").write_text(textwrap.dedent(CUSTOM))
+    return {"PYTHONPATH": os.pathsep.join([str(pkg), str(ROOT)])}

@@ -3,9 +3,6 @@ and any nn.Module given by ``_target_``, under every strategy, held against DDP.
 
 from __future__ import annotations
 
-import os
-import textwrap
-
 import pytest
 import torch
 
@@ -168,14 +165,6 @@ def build_no_loss(in_features, num_classes):
 def build_only_x(in_features, num_classes):
     return OnlyX(in_features, num_classes, 16)
 """
-
-
-@pytest.fixture
-def user_module(tmp_path):
-    pkg = tmp_path / "user_code"
-    pkg.mkdir()
-    (pkg / "my_models.py").write_text(textwrap.dedent(CUSTOM))
-    return {"PYTHONPATH": os.pathsep.join([str(pkg), str(ROOT)])}
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

@@ -3,15 +3,11 @@ measure; FLOPs and utilisation; the planner built on the same step."""
 
 from __future__ import annotations
 
-import os
-import textwrap
-
 import pytest
 
 from sharded_exp.compose import compose
 from sharded_exp.measure.fake_step import fake_step
 from tests.conftest import ROOT, STRATEGY_NAMES, read_result, run_cli, run_job, tiny
-from tests.test_models import CUSTOM
 
 # The CPU tracker measures over the warm-up steps: two, like the fake step.
 TWO_STEPS = ["trainer.steps=3", "trainer.warmup_steps=2", "trainer.eval_batches=0"]
@@ -38,14 +34,6 @@ def test_predicted_peak_within_10_percent(family, strategy, world_size, tmp_path
     model = ["model=gpt"] if family == "ours" else HF_GPT2
     overrides = [*model, f"strategy={strategy}", f"trainer.world_size={world_size}", *TWO_STEPS]
     check_peaks(run_job(overrides, tmp_path))
-
-
-@pytest.fixture
-def user_module(tmp_path):
-    pkg = tmp_path / "user_code"
-    pkg.mkdir()
-    (pkg / "my_models.py").write_text(textwrap.dedent(CUSTOM))
-    return {"PYTHONPATH": os.pathsep.join([str(pkg), str(ROOT)])}
 
 
 @pytest.mark.slow
