@@ -203,20 +203,22 @@ def fake_step(
     """
     t0 = time.perf_counter()
     clip = float(cfg.trainer.grad_clip)
-    try:
-        peak, parts, flops = _run(cfg, world_size, rank, device_type, clip, flops)
-        return StepEstimate(rank, peak, parts, flops, "fake step", seconds=time.perf_counter() - t0)
-    except Exception as exc:  # noqa: BLE001 -- decide below what a failure means
-        first = exc
-    if clip > 0 and _data_dependent(first):
+    known = clip > 0 and STRATEGIES.builder(cfg.strategy.name).clip_reads_values
+    first: Exception | None = None
+    if not known:
         try:
-            peak, parts, flops = _run(cfg, world_size, rank, device_type, 0.0, flops)
-            note = f"{cfg.strategy.name}'s clipping branches on a value ({_short(first)}): step faked without it"
-            return StepEstimate(
-                rank, peak, parts, flops, "fake step without clipping", note, time.perf_counter() - t0
-            )  # fmt: skip
-        except Exception:  # noqa: BLE001
-            pass
+            peak, parts, count = _run(cfg, world_size, rank, device_type, clip, flops)
+            return StepEstimate(rank, peak, parts, count, "fake step", seconds=time.perf_counter() - t0)
+        except Exception as exc:  # noqa: BLE001 -- decide below what a failure means
+            first = exc
+    if clip > 0 and (known or _data_dependent(first)):
+        try:
+            peak, parts, count = _run(cfg, world_size, rank, device_type, 0.0, flops)
+            why = "on the norm's value" if known else f"on a value ({_short(first)})"
+            note = f"{cfg.strategy.name}'s clipping branches {why}: step faked without it"
+            return StepEstimate(rank, peak, parts, count, "fake step without clipping", note, time.perf_counter() - t0)
+        except Exception as exc:  # noqa: BLE001
+            first = first or exc
     if cfg.strategy.name == "ddp" or states_mib is None:
         raise first
     # The strategy cannot run fake: its own (analytic) model states, DDP's activations.

@@ -48,6 +48,9 @@ class Strategy:
     shards_parameters = False
     """True when no rank holds the whole model (FSDP2): nothing may gather it onto one rank
     unasked, and checkpoints default to the sharded format."""
+    clip_reads_values = False
+    """True when clipping branches on the norm's value (fairscale OSS): a fake step, which
+    has no values, then runs without clipping (it scales in place: no memory)."""
     grads_differ_across_ranks = False
     """True when ranks check different gradients for inf/nan (sharded gradients or sharded
     optimizer steps): the grad scaler must then agree on the found-inf flag across ranks."""

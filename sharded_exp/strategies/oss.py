@@ -35,6 +35,7 @@ class OSS(DDP):
     Config = OSSConfig
     requires = ("fairscale",)
     optimizer_state_sharded = True
+    clip_reads_values = True  # OSS.clip_grad_norm: ``if clip_coef < 1``
     # Only the shard's gradients are unscaled and checked on each rank: the found-inf
     # flag must be agreed across ranks.
     grads_differ_across_ranks = True
