@@ -136,7 +136,8 @@ def check_numbers(cfg) -> None:
     for key in ("grad_clip", "timeout_s", "stop_grace_s", "memory_limit_mib"):
         value = t[key]
         _require(value is None or _finite(value), f"trainer.{key}={value} must be a finite number")
-    _require(_finite(o.lr) and o.lr > 0, f"optimizer.lr={o.lr} must be a finite number > 0")
+    _require(_finite(o.lr), f"optimizer.lr={o.lr} must be a finite number")
+    _require(o.lr > 0, f"optimizer.lr={o.lr} must be > 0")
     for key in ("weight_decay", "no_decay_lr_scale"):
         _require(_finite(o[key]) and o[key] >= 0, f"optimizer.{key}={o[key]} must be a finite number >= 0")
     _require(_finite(o.eps) and o.eps > 0, f"optimizer.eps={o.eps} must be a finite number > 0")

@@ -251,6 +251,7 @@ def test_10_malformed_checkpoints_are_named_corrupt(saved, tmp_path, damage, mes
         (["model=gpt", "model.seq_len=0"], "model.seq_len=0 must be >= 1"),
         (["optimizer.betas=[2,3]"], "optimizer.betas=[2.0, 3.0] must be two numbers in [0, 1)"),
         (["trainer.timeout_s=inf"], "trainer.timeout_s=inf must be a finite number"),
+        (["optimizer.lr=nan"], "optimizer.lr=nan must be a finite number"),
         (["precision=16", "precision.init_scale=0"], "precision.init_scale=0.0 must be > 0"),
     ],
 )
