@@ -53,14 +53,27 @@ def launch(
     launched = time.time()
     layout = external_layout()
     is_writer = layout is None or layout.rank == 0
-    if is_writer:
-        os.makedirs(output_dir, exist_ok=True)
-    lock = hold_run_dir(output_dir) if is_writer else None  # raises RunDirInUse: nothing written
+    # A directory that exists may be another live job's: refused at once, before anything
+    # is checked or written. A new one is made (and held) once the config is known good.
+    lock = hold_run_dir(output_dir) if is_writer and os.path.isdir(output_dir) else None
     try:
-        return _launch(cfg, output_dir, job_files, started, layout, is_writer, launched)
+        return _launch(cfg, output_dir, job_files, started, layout, is_writer, launched, lock)
     finally:
-        if lock is not None:
-            lock.close()  # releases the lock
+        release_run_dir(lock)
+
+
+launch_locks: list = []
+
+
+def release_run_dir(lock) -> None:
+    """Let the run directory go: the lock file is removed, then the lock released."""
+    for held in [lock, *launch_locks]:
+        if held is None or held.closed:
+            continue
+        with contextlib.suppress(OSError):
+            os.remove(held.name)
+        held.close()
+    launch_locks.clear()
 
 
 def hold_run_dir(output_dir: str):
@@ -88,12 +101,15 @@ def hold_run_dir(output_dir: str):
     return f
 
 
-def _launch(cfg, output_dir, job_files, started, layout, is_writer, launched) -> dict[str, Any]:
+def _launch(cfg, output_dir, job_files, started, layout, is_writer, launched, lock) -> dict[str, Any]:
     checked = preflight.check(cfg, output_dir, layout, peak=is_writer)  # raises ConfigError before any rank starts
     cfg_data = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     cfg_data["trainer"]["world_size"] = checked.world_size
     result = {**base_result(cfg_data, checked.params, output_dir), "launcher": layout.launcher if layout else "spawn"}
     os.makedirs(output_dir, exist_ok=True)
+    if is_writer and lock is None:
+        lock = hold_run_dir(output_dir)
+        launch_locks.append(lock)  # released by launch()
     if is_writer:
         archive_previous_attempt(output_dir, extra=(".hydra",) if job_files else ())
         write_job_files(output_dir, job_files or {})
