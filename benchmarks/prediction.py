@@ -8,9 +8,9 @@ Each point is one real run: its parent predicts every rank's peak with a fake st
 the ranks start (sharded_exp.measure.fake_step), and the ranks measure it (CPU: torch's
 MemTracker over the warm-up steps; on a GPU: the CUDA allocator's peak, the same script).
 Prints per point the predicted and measured peak of the rank with the largest measured
-peak and the signed error; then the median absolute error and the share of points where
-the prediction is too low (the dangerous direction), overall and by more than 5%. Writes
-outputs/benchmarks/prediction.json.
+peak, the signed error, and the largest error of any rank; then the median absolute error
+and the share of points where the prediction is too low (the dangerous direction), overall
+and by more than 5%. Writes outputs/benchmarks/prediction.json.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ def point(model: str, strategy: str, ws: int, prec: str, accelerator: str) -> di
     overrides = [*MODELS[model], f"strategy={strategy}", f"trainer.world_size={ws}", f"precision={prec}", *JOB]
     r = run([*overrides, f"trainer.accelerator={accelerator}"], f"prediction_{model}_{strategy}_ws{ws}_{prec}")
     worst = max(r["memory"]["per_rank"], key=lambda e: e["peak_allocated_mib"])
+    # every rank is predicted: the one missed by most (OSS's uneven shards differ per rank)
+    errors = [e["peak_rel_error"] for e in r["memory"]["per_rank"] if e["peak_rel_error"] is not None]
     pred = r["memory"]["peak_prediction"] or {}
     return {
         "model": model,
@@ -54,6 +56,7 @@ def point(model: str, strategy: str, ws: int, prec: str, accelerator: str) -> di
         "predicted_mib": worst["predicted_peak_mib"],
         "measured_mib": worst["peak_allocated_mib"],
         "error": worst["peak_rel_error"],
+        "any_rank_error": max(errors, key=abs) if errors else None,
         "method": pred.get("method"),
         "predict_s": pred.get("seconds"),
         "mfu": r["throughput"].get("mfu"),
@@ -80,10 +83,12 @@ def main() -> None:
                           flush=True)  # fmt: skip
     rows = [
         [p["model"], p["strategy"], p["world_size"], p["precision"], f"{p['predicted_mib']:.2f}",
-         f"{p['measured_mib']:.2f}", f"{100 * p['error']:+.2f}%", p["method"], f"{p['predict_s']:.1f}"]
+         f"{p['measured_mib']:.2f}", f"{100 * p['error']:+.2f}%", f"{100 * p['any_rank_error']:+.2f}%", p["method"],
+         f"{p['predict_s']:.1f}"]
         for p in points if p["error"] is not None
     ]  # fmt: skip
-    header = ["model", "strategy", "ws", "precision", "predicted MiB", "measured MiB", "error", "method", "predict s"]
+    header = ["model", "strategy", "ws", "precision", "predicted MiB", "measured MiB", "error", "worst rank",
+              "method", "predict s"]  # fmt: skip
     print(markdown(header, rows))
     errors = [p["error"] for p in points if p["error"] is not None]
     missing = [p for p in points if p["error"] is None]
@@ -92,6 +97,9 @@ def main() -> None:
         "without_prediction": len(missing),
         "median_abs_error": statistics.median(abs(e) for e in errors) if errors else None,
         "max_abs_error": max((abs(e) for e in errors), default=None),
+        "max_abs_error_any_rank": max(
+            (abs(p["any_rank_error"]) for p in points if p["error"] is not None), default=None
+        ),
         "share_too_low": sum(e < 0 for e in errors) / len(errors) if errors else None,
         "share_too_low_by_more_than_5pct": sum(e < -0.05 for e in errors) / len(errors) if errors else None,
         "source": sorted({p["source"] for p in points}),

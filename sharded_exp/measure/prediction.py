@@ -80,8 +80,8 @@ def predict_peak(
 ) -> dict[str, Any]:
     """The peak of every rank from one fake step (:mod:`sharded_exp.measure.fake_step`).
 
-    The rank with the most model states is faked; another rank's peak is lower by its
-    smaller model states (e.g. OSS's uneven shards), where the faked peak holds them. Returns ``{"per_rank_mib": [...] or None,
+    The rank with the most model states is faked; another rank's peak is lower in
+    proportion to its smaller model states (e.g. OSS's uneven shards). Returns ``{"per_rank_mib": [...] or None,
     "rank", "breakdown_mib", "flops_per_step" (one rank), "method", "note", "seconds",
     "error"}``; ``error`` says why there is no prediction (the model cannot run fake).
     """
@@ -109,10 +109,14 @@ def predict_peak(
     if parts["params"] > mine["params"]:
         parts["gathered"] += parts["params"] - mine["params"]
         parts["params"] = mine["params"]
-    # Another rank's peak is lower by its smaller states (OSS's uneven shards), where the
-    # peak holds them: a state seen in full at the faked rank's peak.
-    held = [k for k in ("params", "grads", "optimizer") if parts[k] >= 0.99 * mine[k]]
-    per_rank = [est.peak_mib - sum(mine[k] - other[k] for k in held) for other in prediction["model_states_mib"]]
+    # Another rank's peak is lower by its smaller states (OSS's uneven shards), in the
+    # proportion the faked peak holds them: inside an optimizer step the step's own
+    # temporaries are as large as the states (Adam's sqrt of exp_avg_sq), so there a
+    # smaller shard is worth twice its states; mid-backward only the grads made so far count.
+    per_rank = [
+        est.peak_mib - sum(parts[k] * (1 - other[k] / mine[k]) for k in ("params", "grads", "optimizer") if mine[k])
+        for other in prediction["model_states_mib"]
+    ]
     return {
         "per_rank_mib": per_rank,
         "rank": rank,
