@@ -83,9 +83,14 @@ class Task:
             )
         return loss
 
+    @staticmethod
+    def logits_of(output) -> torch.Tensor | None:
+        """The logits of a model's output (an object or a dict), if it has them."""
+        return output.get("logits") if isinstance(output, dict) else getattr(output, "logits", None)
+
     def predictions(self, output, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, labels), aligned for the metrics."""
-        logits = output.get("logits") if isinstance(output, dict) else getattr(output, "logits", None)
+        logits = self.logits_of(output)
         if logits is None:
             raise ContractError("the model returned no `logits`: the training metrics need them")
         labels = batch[self.labels]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,13 +13,15 @@ class IntervalMetrics:
     """Loss and accuracy (classifiers, token classifiers) or perplexity (language models)
     per log interval; which one is the task's to say (``Task.metric``), not a tensor shape's.
 
-    Kept on the device every step (the detached loss; for classifiers the count of correct
-    predictions, padding excluded), summed at the end of the interval into one 4-element tensor that is
-    all-reduced *asynchronously*, and the record is read at the end of the next interval,
+    Kept on the device every step: the detached loss and, for classifiers, the count of
+    correct predictions (padding excluded). Nothing else: on a small model each tiny op
+    costs a visible share of the step (benchmarks/overhead.py), so everything else happens
+    once per interval. At its end one vector -- every step's loss and count, then host
+    numbers -- is all-reduced *asynchronously* and read at the end of the next interval,
     when the reduction finished long ago: a blocking collective every interval made ranks
-    wait for each other's scheduling noise and cost 6-10% of a 12 ms step on 2 CPU cores
-    (benchmarks/overhead.py). Perplexity is exp of the mean token loss over the interval
-    (every step has the same number of tokens).
+    wait for each other's scheduling noise and cost 6-10% of a 12 ms step on 2 CPU cores.
+    Perplexity is exp of the mean token loss over the interval (every step has the same
+    number of tokens).
 
     Each rank's memory at the end of the interval rides along in the same reduction (its
     own three slots of a per-rank vector, zeros elsewhere: a sum is then a gather), so
@@ -36,19 +37,17 @@ class IntervalMetrics:
         self.name = "perplexity" if task.metric == "perplexity" else "accuracy"
         self.losses: list[torch.Tensor] = []  # detached, one per step: no op on the hot path
         self.correct: list[torch.Tensor] = []
-        self.predictions = 0
-        self._in_flight: tuple[int, torch.Tensor, Any] | None = None
-        # The first step whose loss was not finite (-1: none yet), kept on the device: no sync.
-        self.first_nonfinite = torch.full((), -1, dtype=torch.long, device=device)
+        self.predictions: int | torch.Tensor = 0
+        self._in_flight: tuple | None = None
+        self.first_nonfinite = -1
+        """The first step (counted from 1) whose loss was not finite on this rank; -1: none."""
 
     @property
     def updates(self) -> int:
         return len(self.losses)
 
-    def update(self, loss: torch.Tensor, output, batch, step: int = 0) -> None:
+    def update(self, loss: torch.Tensor, output, batch) -> None:
         self.losses.append(loss.detach())
-        bad = ~torch.isfinite(loss.detach()) & (self.first_nonfinite < 0)
-        self.first_nonfinite = torch.where(bad, step + 1, self.first_nonfinite)  # steps count from 1
         if self.name == "accuracy":
             logits, labels = self.task.predictions(output, batch)
             right = logits.detach().argmax(-1) == labels
@@ -62,23 +61,28 @@ class IntervalMetrics:
 
     def end_interval(self, step: int) -> dict[str, float] | None:
         """Collective (every rank, same step): start reducing this interval; returns the
-        previous interval's record, if there is one."""
+        previous interval's record, if there is one.
+
+        The reduced vector: the interval's n losses, then (classifiers) n correct counts
+        and the number of predictions, then this rank's memory slots."""
         previous = self.flush()
-        correct = torch.stack(self.correct).sum() if self.correct else torch.zeros((), device=self.device)
-        sums = torch.stack(
-            [
-                torch.stack(self.losses).sum().double(),
-                torch.tensor(float(len(self.losses)), dtype=torch.float64, device=self.device),
-                correct.double(),
-                torch.as_tensor(self.predictions, device=self.device).double(),
-            ]
-        )
+        n = len(self.losses)
+        own = torch.stack(self.losses)  # this rank's losses: its first non-finite one, below
+        parts, host = [own], []
+        if self.name == "accuracy":
+            parts.append(torch.stack(self.correct))
+            if torch.is_tensor(self.predictions):
+                parts.append(self.predictions.reshape(1))
+            else:
+                host.append(float(self.predictions))
         if self.probe is not None:
             rank, world_size = dist.get_rank(), dist.get_world_size()
-            memory = torch.zeros(3 * world_size, dtype=torch.float64)
-            memory[3 * rank : 3 * rank + 3] = torch.tensor(self.probe(), dtype=torch.float64)
-            sums = torch.cat([sums, memory.to(self.device)])
-        self._in_flight = (step, sums, dist.all_reduce(sums, async_op=True))
+            memory = [0.0] * (3 * world_size)
+            memory[3 * rank : 3 * rank + 3] = self.probe()
+            host += memory
+        # One op makes the vector (cat promotes every part to the host part's float64).
+        sums = torch.cat([*parts, torch.tensor(host, dtype=torch.float64, device=self.device)])
+        self._in_flight = (step, n, own, sums, dist.all_reduce(sums, async_op=True))
         self.losses, self.correct, self.predictions = [], [], 0
         return previous
 
@@ -86,19 +90,24 @@ class IntervalMetrics:
         """The record of the interval in flight (waiting for it), if any."""
         if self._in_flight is None:
             return None
-        step, sums, work = self._in_flight
+        step, n, own, sums, work = self._in_flight
         self._in_flight = None
+        if self.first_nonfinite < 0:
+            bad = [i for i, v in enumerate(own.tolist()) if not math.isfinite(v)]
+            if bad:
+                self.first_nonfinite = step - n + 1 + bad[0]  # the interval's steps are consecutive
         work.wait()
         values = sums.tolist()
-        loss_sum, steps, correct, predictions = values[:4]
-        loss = loss_sum / steps
-        record = {
-            "step": step,
-            "loss": loss,
-            self.name: correct / predictions if self.name == "accuracy" else math.exp(loss),
-        }
-        for r in range((len(values) - 4) // 3):
-            allocated, peak, reserved = values[4 + 3 * r : 7 + 3 * r]
+        loss = sum(values[:n]) / (n * dist.get_world_size())
+        record = {"step": step, "loss": loss}
+        if self.name == "accuracy":
+            record["accuracy"] = sum(values[n : 2 * n]) / values[2 * n] if values[2 * n] else math.nan
+            values = values[2 * n + 1 :]
+        else:
+            record["perplexity"] = math.exp(loss) if loss < 700 else math.inf  # exp overflows a float
+            values = values[n:]
+        for r in range(len(values) // 3):
+            allocated, peak, reserved = values[3 * r : 3 * r + 3]
             record[f"mem/rank{r}/allocated_mib"] = allocated
             record[f"mem/rank{r}/peak_allocated_mib"] = peak
             if reserved >= 0:

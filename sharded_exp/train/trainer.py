@@ -41,21 +41,27 @@ from sharded_exp.train.metrics import IntervalLog, IntervalMetrics, throughput_s
 
 
 def train_step(strategy: Strategy, batches: list[dict[str, torch.Tensor]], autocast, grad_clip: float):
-    """One optimizer step over ``len(batches)`` micro-batches; returns (loss, last output)."""
+    """One optimizer step over ``len(batches)`` micro-batches; returns (loss, ``{"logits":
+    the last micro-batch's logits, detached}``)."""
     strategy.zero_grad()
-    total = 0.0
+    n, total = len(batches), None
     for i, batch in enumerate(batches):
-        last = i == len(batches) - 1
         # Gradients are communicated on the last micro-batch only.
-        with contextlib.nullcontext() if last else strategy.no_sync():
+        with contextlib.nullcontext() if i == n - 1 else strategy.no_sync():
             with autocast:
                 out = strategy.model(**batch)
                 try:
-                    loss = Task.loss_of(out) / len(batches)
+                    loss = Task.loss_of(out)
                 except ContractError as exc:  # say what it was called with
                     raise ContractError(f"{exc}; it was called with the batch keys {', '.join(batch)}") from None
+                if n > 1:  # no op for nothing: a small model's step has no time to spare
+                    loss = loss / n
             strategy.scaler.scale(loss).backward()
-        total += loss.detach()
+        total = loss.detach() if total is None else total + loss.detach()
+    # What the metrics need of the output, detached: the autograd graph goes here, in the
+    # step (as in any loop), not later wherever the last reference happens to die.
+    logits = Task.logits_of(out)
+    out = {"logits": None if logits is None else logits.detach()}
     if grad_clip > 0:
         strategy.scaler.unscale_(strategy.optimizer)  # clip the true gradients, not scaled ones
         strategy.clip_grad_norm_(grad_clip)
@@ -180,7 +186,7 @@ def run_loop(
         if step + 1 == memory_end:
             memory = meter.stop()
 
-        metrics.update(loss, output, batches[-1], step)
+        metrics.update(loss, output, batches[-1])
         # Let go of this step's output and batch now: otherwise the logits (batch x time x
         # vocab for a language model) stay alive through the next step's peak.
         del output, batches
