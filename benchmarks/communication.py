@@ -86,21 +86,14 @@ def collective_bytes(trace: dict, world_size: int) -> dict[str, float]:
 def profile_rank(rank: int, world_size: int, cfg_data: dict, warmup: int, steps: int) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
-    from sharded_exp import precision
-    from sharded_exp.data import build_task
-    from sharded_exp.models import build_model
-    from sharded_exp.optim import optimizer_spec
-    from sharded_exp.strategies import build_strategy
-    from sharded_exp.train.trainer import train_step
+    from sharded_exp.train.build import build_run
+    from sharded_exp.train.step import train_step
 
     cfg = OmegaConf.create(cfg_data)
     device = torch.device("cpu")
-    torch.manual_seed(cfg.trainer.seed)
-    module = build_model(cfg.model)
-    params = sum(p.numel() for p in module.parameters())
-    strategy = build_strategy(cfg.strategy, module, optimizer_spec(cfg.optimizer, module), cfg.precision, device)
-    next_batch = build_task(cfg.data, cfg.model, cfg.trainer.batch_size)
-    autocast = precision.autocast(cfg.precision, device.type)
+    run = build_run(cfg, device)
+    params = sum(p.numel() for p in run.module.parameters())
+    strategy, next_batch, autocast = run.strategy, run.task, run.autocast
     for step in range(warmup):
         train_step(strategy, [next_batch(step, 0, rank)], autocast, cfg.trainer.grad_clip)
     dist.barrier()

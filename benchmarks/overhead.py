@@ -61,24 +61,17 @@ def hand_loop(strategy, next_batch, autocast, grad_clip: float, rank: int, steps
 
 def rounds(rank: int, world_size: int, cfg_data: dict, rounds: int, out_dir: str) -> list[dict]:
     """On every rank: build once, then alternate the trainer's loop and the hand loop."""
-    from sharded_exp import precision
-    from sharded_exp.data import build_task
     from sharded_exp.launch import liveness
     from sharded_exp.measure.tracker import MemoryMeter
-    from sharded_exp.models import build_model
-    from sharded_exp.optim import optimizer_spec
     from sharded_exp.output.loggers import build_logger
-    from sharded_exp.strategies import build_strategy
+    from sharded_exp.train.build import build_run
     from sharded_exp.train.trainer import LoopSettings, run_loop
 
     cfg = OmegaConf.create(cfg_data)
     tc = cfg.trainer
     device = torch.device("cpu")
-    torch.manual_seed(tc.seed)
-    module = build_model(cfg.model)
-    strategy = build_strategy(cfg.strategy, module, optimizer_spec(cfg.optimizer, module), cfg.precision, device)
-    next_batch = build_task(cfg.data, cfg.model, tc.batch_size)
-    autocast = precision.autocast(cfg.precision, device.type)
+    run = build_run(cfg, device)
+    strategy, next_batch, autocast = run.strategy, run.task, run.autocast
     logger = build_logger(cfg.logger, cfg_data, out_dir, rank)
     liveness.catch_stop_signals()
     results = []

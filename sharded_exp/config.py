@@ -116,6 +116,11 @@ class TrainerConfig:
     stop_grace_s: float = 60.0
     """After SIGTERM/SIGINT, seconds the ranks get to stop together and save a checkpoint
     before they are killed (SLURM waits KillWait, 30 s by default, before SIGKILL)."""
+    freeze: List[str] = field(default_factory=list)
+    """Parameters not trained, as in fine-tuning: names (``model.named_parameters()``)
+    matching one of these shell patterns, e.g. ``[embed.*]`` or ``["transformer.wte.*"]``,
+    get ``requires_grad=False``, hence no gradient and no optimizer state. A pattern
+    that matches nothing is an error."""
 
 
 # ----------------------------------------------------------------------------- logger

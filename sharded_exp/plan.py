@@ -101,7 +101,7 @@ def _row(cfg, name, world_size, parts, method, note) -> dict[str, Any]:
 
 
 def plan_rows(cfg, world_sizes, device_type: str = "cpu") -> list[dict[str, Any]]:
-    shapes = None if cfg.plan.params is not None else model_shapes(cfg.model, cfg.optimizer)
+    shapes = None if cfg.plan.params is not None else model_shapes(cfg.model, cfg.optimizer, freeze=cfg.trainer.freeze)
     rows = []
     for name in strategy_names(cfg):
         for ws in world_sizes:
@@ -112,11 +112,15 @@ def plan_rows(cfg, world_sizes, device_type: str = "cpu") -> list[dict[str, Any]
     return rows
 
 
-def _peak_gib(cfg, world_size: int, device_type: str) -> float | None:
-    shapes = model_shapes(cfg.model, cfg.optimizer)
+def _peak_gib(cfg, world_size: int, device_type: str, errors: list[str]) -> float | None:
+    """The largest rank's predicted peak in GiB, or None (why is appended to ``errors``)."""
+    shapes = model_shapes(cfg.model, cfg.optimizer, freeze=cfg.trainer.freeze)
     prediction = predict(cfg.strategy, cfg.optimizer, str(cfg.precision.name), shapes, world_size)
     peak = predict_peak(cfg, world_size, device_type, prediction, shapes, flops=False)
-    return None if peak["per_rank_mib"] is None else max(peak["per_rank_mib"]) * MIB / GIB
+    if peak["per_rank_mib"] is None:
+        errors.append(peak["error"])
+        return None
+    return max(peak["per_rank_mib"]) * MIB / GIB
 
 
 def largest(cfg, name: str, world_size: int, knob: str, device_type: str, limit: int = 1 << 20) -> dict[str, Any]:
@@ -131,17 +135,18 @@ def largest(cfg, name: str, world_size: int, knob: str, device_type: str, limit:
     budget = cfg.plan.device_memory_gib
     section, key = knob.split(".")
     probes: dict[int, float | None] = {}
+    errors: list[str] = []
 
     def peak(value: int) -> float | None:
         if value not in probes:
             c = with_strategy(cfg, name)
             c[section][key] = value
-            probes[value] = _peak_gib(c, world_size, device_type)
+            probes[value] = _peak_gib(c, world_size, device_type, errors)
         return probes[value]
 
     one, two = peak(1), peak(2)
     if one is None or two is None:
-        return {"value": None, "probes": probes, "note": "the model cannot run under FakeTensorMode"}
+        return {"value": None, "probes": probes, "note": f"no fake step: {errors[0]}"}
     if one > budget:
         return {"value": 0, "probes": probes, "note": f"{knob}=1 does not fit"}
     slope = max(two - one, 1e-12)
@@ -231,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.plan.params is not None:
         params = int(cfg.plan.params)
     else:
-        shapes = model_shapes(cfg.model, cfg.optimizer)
+        shapes = model_shapes(cfg.model, cfg.optimizer, freeze=cfg.trainer.freeze)
         params = sum(math.prod(s) for g in shapes.groups for s in g)
     world_sizes = list(cfg.plan.world_sizes)
     rows = plan_rows(cfg, world_sizes, device_type)

@@ -67,7 +67,7 @@ def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True)
     local_ranks = layout.local_world_size if layout is not None else world_size
     device_type = decide_device(_accelerator(cfg.trainer.accelerator), local_ranks, str(cfg.precision.name))
     try:
-        module = meta_model(cfg.model)  # shapes a model refuses, or a _target_ that cannot be built
+        module = meta_model(cfg.model, cfg.trainer.freeze)  # shapes a model refuses, or a _target_ that cannot be built
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 -- the model's own complaint, named

@@ -72,6 +72,27 @@ def run_job(overrides: list[str], out: Path, env: dict[str, str] | None = None) 
                 os.environ[k] = v
 
 
+class SharedRuns:
+    """Jobs run once per test session and shared by every test that asks for the same
+    overrides (and environment): one run serves parity, states, peak and digest checks."""
+
+    def __init__(self, factory):
+        self._factory = factory
+        self._cache: dict = {}
+
+    def __call__(self, *overrides: str, env: dict[str, str] | None = None) -> tuple[Path, dict]:
+        key = (overrides, tuple(sorted((env or {}).items())))
+        if key not in self._cache:
+            out = self._factory.mktemp("shared")
+            self._cache[key] = (out, run_job(list(overrides), out, env=env))
+        return self._cache[key]
+
+
+@pytest.fixture(scope="session")
+def shared_runs(tmp_path_factory) -> SharedRuns:
+    return SharedRuns(tmp_path_factory)
+
+
 def run_cli(
     args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 180, module: str = "sharded_exp"
 ):

@@ -14,9 +14,16 @@ import multiprocessing.forkserver
 
 from sharded_exp.launch.layout import will_spawn
 
-PRELOAD = ["sharded_exp.train.trainer", "sharded_exp.strategies", "torch._dynamo"]
-"""Imported once by the server: the trainer, every strategy, and torch._dynamo, which
-DistributedDataParallel would otherwise import in every rank (about a second each)."""
+PRELOAD = [
+    "sharded_exp.train.trainer",
+    "sharded_exp.strategies",
+    "torch._dynamo",
+    "torchmetrics.classification",
+    "torchmetrics.text",
+]
+"""Imported once by the server: the trainer, every strategy, torch._dynamo, which
+DistributedDataParallel would otherwise import in every rank (about a second each), and
+the torchmetrics modules of the evaluation pass (several seconds in every rank)."""
 
 
 HF_MODELING = {

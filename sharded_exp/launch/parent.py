@@ -31,8 +31,7 @@ from sharded_exp.errors import RunDirInUse, writing
 from sharded_exp.launch import forkserver, liveness
 from sharded_exp.launch.layout import Layout, external_layout, rendezvous_env
 from sharded_exp.launch.rank import Job, run_rank, spawned_entry
-from sharded_exp.measure.prediction import predicted_section
-from sharded_exp.output.results import base_result, summary_table, write_json
+from sharded_exp.output.results import base_result, predicted_section, summary_table, write_json
 from sharded_exp.registry import import_plugins
 
 

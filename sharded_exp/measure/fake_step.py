@@ -34,11 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sharded_exp import precision
 from sharded_exp.measure.tracker import peak_tracker
-from sharded_exp.models import build_model
-from sharded_exp.optim import optimizer_spec
-from sharded_exp.strategies import STRATEGIES, build_strategy
+from sharded_exp.strategies import STRATEGIES
 
 MIB = 2**20
 
@@ -129,13 +126,48 @@ def _breakdown(tracker, device: torch.device) -> tuple[float, dict[str, float]]:
     return total, out
 
 
+class FakeStepError(RuntimeError):
+    """A fake step failed; the message says which part failed: building the model, the
+    strategy wrapping it, the model's or the strategy's step, or the memory tracker."""
+
+    def __init__(self, part: str, exc: BaseException):
+        self.part = part
+        self.cause = exc
+        super().__init__(f"{part}: {_short(exc)}")
+
+
+def _blame(exc: BaseException, module) -> str:
+    """Who raised ``exc`` inside a fake training step: the model's own code (the deepest
+    frame outside torch lies in the model's module file), the strategy, or the step."""
+    import inspect
+    import traceback
+
+    model_files = set()
+    for cls in type(module).__mro__ if module is not None else ():
+        try:
+            model_files.add(inspect.getsourcefile(cls))
+        except TypeError:
+            pass
+    torch_dir = torch.__file__.rsplit("/", 1)[0]
+    frames = [f.filename for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(torch_dir)]
+    last = frames[-1] if frames else ""
+    if last in model_files:
+        return "the model cannot run under FakeTensorMode"
+    if "/strategies/" in last or "fairscale" in last:
+        return f"strategy={'{}'} cannot run its step under FakeTensorMode"
+    return "the training step cannot run under FakeTensorMode"
+
+
 def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, flops: bool) -> tuple[float, dict, int]:
-    """Two fake steps of ``cfg`` on ``rank``: (peak MiB, breakdown, FLOPs of one step)."""
+    """Two fake steps of ``cfg`` on ``rank``: (peak MiB, breakdown, FLOPs of one step).
+
+    Raises :class:`FakeStepError` naming the part that failed."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
     from sharded_exp.data import build_task
-    from sharded_exp.train.trainer import train_step
+    from sharded_exp.train.build import build_run
+    from sharded_exp.train.step import train_step
 
     device = torch.device(device_type, 0) if device_type == "cuda" else torch.device(device_type)
     tc = cfg.trainer
@@ -143,20 +175,36 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
     # themselves are made fake (a batch too large for this machine is planned, not made).
     sample = build_task(cfg.data, cfg.model, 1)(0, 0, rank)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    name = cfg.strategy.name
     with fake_process_group(world_size, rank), _separate_propagation_mode(), mode:
         torch.manual_seed(tc.seed)
-        with device:
-            module = build_model(cfg.model)
         # As a CPU run measures: from before the strategy allocates its buffers.
-        tracker = peak_tracker()
-        tracker.track_external(module)
-        tracker.__enter__()
+        tracker, built, tracking = peak_tracker(), [], []
+
+        def start_tracker(module):
+            built.append(module)
+            try:
+                tracker.track_external(module)
+                tracker.__enter__()
+            except Exception as exc:  # noqa: BLE001
+                raise FakeStepError("the memory tracker (torch MemTracker) could not start", exc) from exc
+            tracking.append(True)
+
         try:
-            strategy = build_strategy(
-                cfg.strategy, module, optimizer_spec(cfg.optimizer, module), cfg.precision, device
-            )
+            try:
+                with device:  # built on the (fake) device, as a real run's model ends up
+                    run = build_run(cfg, device, with_task=False, before_wrap=start_tracker)
+            except FakeStepError:
+                raise
+            except Exception as exc:  # noqa: BLE001 -- which part failed is named
+                part = (
+                    f"strategy={name} cannot wrap the model under FakeTensorMode"
+                    if built
+                    else "the model cannot be built under FakeTensorMode"
+                )
+                raise FakeStepError(part, exc) from exc
+            module, strategy, autocast = run.module, run.strategy, run.autocast
             strategy.scaler = torch.amp.GradScaler(device_type, enabled=False)
-            autocast = precision.autocast(cfg.precision, device_type)
             count = 0
             for step in range(2):
                 # Made inside the window, as in a run, so counted like it.
@@ -168,14 +216,20 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
                     for _ in range(tc.grad_accum)
                 ]
                 counter = FlopCounterMode(display=False) if step == 1 and flops else None
-                with counter or contextlib.nullcontext():
-                    train_step(strategy, batches, autocast, grad_clip)
+                try:
+                    with counter or contextlib.nullcontext():
+                        train_step(strategy, batches, autocast, grad_clip)
+                except Exception as exc:  # noqa: BLE001
+                    raise FakeStepError(_blame(exc, module).format(name), exc) from exc
                 if counter is not None:
                     count = counter.get_total_flops()
                 tracker.reset_mod_stats()
                 del batches
         finally:
-            tracker.__exit__(None, None, None)
+            if tracking:
+                tracker.__exit__(None, None, None)
+    if tracker.failure is not None:
+        raise FakeStepError("the memory tracker (torch MemTracker) failed", RuntimeError(tracker.failure))
     peak, parts = _breakdown(tracker, device)
     return peak, parts, int(count)
 
@@ -183,10 +237,13 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
 def _data_dependent(exc: BaseException) -> bool:
     from torch._subclasses.fake_tensor import DataDependentOutputException
 
+    exc = getattr(exc, "cause", exc)
     return isinstance(exc, DataDependentOutputException) or "data-dependent" in str(exc).lower()
 
 
 def _short(exc: BaseException) -> str:
+    if isinstance(exc, FakeStepError):
+        return str(exc)
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"{type(exc).__name__}: {text[:200]}"
 

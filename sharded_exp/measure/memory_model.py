@@ -48,21 +48,28 @@ def optimizer_state_bytes(optimizer_cfg, numels: Sequence[int]) -> int:
 
 
 def predict_model_states_mib(
-    strategy, strategy_cfg, optimizer_cfg, group_shapes: Sequence[Sequence[tuple]], world_size: int
+    strategy,
+    strategy_cfg,
+    optimizer_cfg,
+    group_shapes: Sequence[Sequence[tuple]],
+    world_size: int,
+    frozen: Sequence[tuple] = (),
 ) -> list[dict[str, float]]:
     """Predicted ``{"params", "grads", "optimizer"}`` MiB for every rank.
 
     ``strategy``: the Strategy class; ``group_shapes``: the parameter shapes of each
-    optimizer parameter group, in order.
+    optimizer parameter group, in order; ``frozen``: the frozen parameters' shapes (held
+    like the others, with no gradient and no optimizer state).
     """
     shapes = [s for group in group_shapes for s in group]
     owners = strategy.partition([[math.prod(s) for s in g] for g in group_shapes], world_size)
     out = []
     for rank in range(world_size):
         held = strategy.resident_numel(strategy_cfg, shapes, owners, rank, world_size)
+        frozen_held = strategy.resident_numel(strategy_cfg, frozen, [], rank, world_size)["params"] if frozen else 0
         out.append(
             {
-                "params": FP32 * held["params"] / MIB,
+                "params": FP32 * (held["params"] + frozen_held) / MIB,
                 "grads": FP32 * held["grads"] / MIB,
                 "optimizer": optimizer_state_bytes(optimizer_cfg, held["optimizer"]) / MIB,
             }

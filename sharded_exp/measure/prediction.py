@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from sharded_exp import precision
-from sharded_exp.measure.memory_model import predict_model_states_mib, relative_error
+from sharded_exp.measure.memory_model import predict_model_states_mib
 from sharded_exp.models import build_model, units
 from sharded_exp.optim import optimizer_spec
 from sharded_exp.strategies import STRATEGIES
@@ -33,22 +33,26 @@ class ModelShapes:
     """Elements outside the blocks."""
     state_shapes: dict[str, tuple]
     """Every state-dict entry's shape by name (checkpoints are checked against it)."""
+    frozen: list[tuple] = ()
+    """Shapes of the frozen parameters (``trainer.freeze``): held, never given a gradient
+    or optimizer state."""
 
     @property
     def params(self) -> int:
         return sum(self.blocks) + self.root
 
 
-def meta_model(model_cfg) -> torch.nn.Module:
+def meta_model(model_cfg, freeze=()) -> torch.nn.Module:
     """The configured model on the meta device: shapes only, no memory."""
     with torch.device("meta"):
-        return build_model(model_cfg)
+        return build_model(model_cfg, freeze)
 
 
-def model_shapes(model_cfg, optimizer_cfg, module: torch.nn.Module | None = None) -> ModelShapes:
-    """Shapes of the configured model (or of ``module``, its meta-device build) and its
-    optimizer groups. A parameter shared by two modules (a tied LM head) counts once."""
-    module = meta_model(model_cfg) if module is None else module
+def model_shapes(model_cfg, optimizer_cfg, module: torch.nn.Module | None = None, freeze=()) -> ModelShapes:
+    """Shapes of the configured model (or of ``module``, its meta-device build, frozen as
+    configured) and its optimizer groups. A parameter shared by two modules (a tied LM
+    head) counts once."""
+    module = meta_model(model_cfg, freeze) if module is None else module
     groups = [[tuple(p.shape) for p in g["params"]] for g in optimizer_spec(optimizer_cfg, module).param_groups]
     blocks = [sum(p.numel() for p in block.parameters()) for block in units(module)]
     return ModelShapes(
@@ -56,6 +60,7 @@ def model_shapes(model_cfg, optimizer_cfg, module: torch.nn.Module | None = None
         blocks=blocks,
         root=sum(p.numel() for p in module.parameters()) - sum(blocks),
         state_shapes={k: tuple(v.shape) for k, v in module.state_dict().items()},
+        frozen=[tuple(p.shape) for p in module.parameters() if not p.requires_grad],
     )
 
 
@@ -65,7 +70,7 @@ def predict(strategy_cfg, optimizer_cfg, precision_name: str, shapes: ModelShape
     ``{"model_states_mib": [{"params", "grads", "optimizer"} per rank], "transient_params_mib": x}``
     """
     strategy = STRATEGIES.builder(strategy_cfg.name)
-    states = predict_model_states_mib(strategy, strategy_cfg, optimizer_cfg, shapes.groups, world_size)
+    states = predict_model_states_mib(strategy, strategy_cfg, optimizer_cfg, shapes.groups, world_size, shapes.frozen)
     gathered = (
         strategy.transient_param_numel(strategy_cfg, shapes.blocks, shapes.root, world_size) if shapes.blocks else 0
     )
@@ -98,11 +103,12 @@ def predict_peak(
     try:
         est = fake_step(cfg, world_size, rank, device_type, states_of, flops=flops)
     except Exception as exc:  # noqa: BLE001 -- recorded: the run goes on without a peak prediction
+        from sharded_exp.measure.fake_step import FakeStepError
+
         reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
-        return {
-            "per_rank_mib": None,
-            "error": f"the model cannot run under FakeTensorMode: {type(exc).__name__}: {reason}",
-        }
+        if not isinstance(exc, FakeStepError):  # not inside the step: the prediction's own code
+            reason = f"the fake step failed: {type(exc).__name__}: {reason}"
+        return {"per_rank_mib": None, "error": reason}
     parts = dict(est.breakdown_mib)
     mine = prediction["model_states_mib"][rank]
     # Parameters tracked beyond the resident ones are gathered (unsharded) copies: FSDP's units.
@@ -126,66 +132,4 @@ def predict_peak(
         "note": est.note,
         "seconds": est.seconds,
         "error": None,
-    }
-
-
-def _peak_summary(peak: dict[str, Any] | None) -> dict[str, Any] | None:
-    if not peak:
-        return None
-    return {k: peak.get(k) for k in ("method", "note", "rank", "breakdown_mib", "seconds", "error")}
-
-
-def predicted_section(prediction: dict[str, Any]) -> dict[str, Any]:
-    """result.json's ``memory`` before the ranks start: the prediction alone, same names."""
-    peaks = (prediction.get("peak") or {}).get("per_rank_mib")
-    per_rank = [{"rank": r, "predicted_model_states_mib": p} for r, p in enumerate(prediction["model_states_mib"])]
-    if peaks:
-        for entry, peak in zip(per_rank, peaks):
-            entry["predicted_peak_mib"] = peak
-    return {
-        "per_rank": per_rank,
-        "predicted_model_states_mib_max": max(sum(p.values()) for p in prediction["model_states_mib"]),
-        "predicted_transient_params_mib": prediction["transient_params_mib"],
-        "predicted_peak_mib_max": max(peaks) if peaks else None,
-        "peak_prediction": _peak_summary(prediction.get("peak")),
-    }
-
-
-def memory_section(prediction: dict[str, Any], per_rank: list[dict[str, Any]], source: str) -> dict[str, Any]:
-    """Measured memory per rank beside the prediction: result.json's ``memory``."""
-    predicted = prediction["model_states_mib"]
-    peaks = (prediction.get("peak") or {}).get("per_rank_mib") or [None] * len(per_rank)
-    for entry, pred, peak in zip(per_rank, predicted, peaks):
-        entry["predicted_model_states_mib"] = pred
-        entry["model_states_rel_error"] = relative_error(pred, entry["model_states_mib"])
-        measured = entry.get("peak_allocated_mib")
-        entry["predicted_peak_mib"] = peak
-        # signed: below zero the prediction was too low (the dangerous direction)
-        entry["peak_rel_error"] = (peak - measured) / measured if peak is not None and measured else None
-
-    def largest(key):
-        values = [r[key] for r in per_rank if r.get(key) is not None]
-        return max(values) if values else None
-
-    # Gathered (unsharded) parameters on top of the resident ones, e.g. FSDP's units.
-    measured_transient = [
-        r["peak_breakdown_mib"]["Parameter"] - r["model_states_mib"]["params"]
-        for r in per_rank
-        if r.get("peak_breakdown_mib")
-    ]
-    return {
-        "source": source,
-        "per_rank": per_rank,
-        "peak_allocated_mib_max": largest("peak_allocated_mib"),
-        "peak_rss_mib_max": largest("peak_rss_mib"),
-        "model_states_mib_max": max(sum(r["model_states_mib"].values()) for r in per_rank),
-        "predicted_model_states_mib_max": max(sum(p.values()) for p in predicted),
-        "model_states_rel_error_max": largest("model_states_rel_error"),
-        "predicted_transient_params_mib": prediction["transient_params_mib"],
-        "transient_params_mib_max": max(measured_transient) if measured_transient else None,
-        "predicted_peak_mib_max": max(p for p in peaks) if all(p is not None for p in peaks) else None,
-        "peak_rel_error_max": max(
-            (r["peak_rel_error"] for r in per_rank if r["peak_rel_error"] is not None), key=abs, default=None
-        ),
-        "peak_prediction": _peak_summary(prediction.get("peak")),
     }

@@ -64,17 +64,89 @@ def model_state_mib(module: nn.Module, local_optimizers: Iterable[torch.optim.Op
     return {"params": params / MIB, "grads": grads / MIB, "optimizer": optim / MIB}
 
 
+_GUARDED = (
+    "_pre_fw_hook",
+    "_post_fw_hook",
+    "_pre_bw_hook",
+    "_post_bw_hook",
+    "_track",
+    "_update_peak_stats",
+    "_track_optimizer_states",
+)
+"""MemTracker's methods that run inside the training step (module hooks, the dispatch
+mode's bookkeeping, the optimizer hooks): a failure in one of them is the tracker's."""
+
+
 def peak_tracker():
-    """torch's MemTracker, keeping the overall peak only: its per-module peaks walk every
-    module at every op (7x slower on a 32-layer model), and nothing here reads them."""
+    """torch's MemTracker, keeping the overall peak only, and made safe to train under.
+
+    - Its per-module peaks walk every module at every op (7x slower on a 32-layer model)
+      and nothing here reads them: only the overall peak is kept.
+    - Gradient accumulation calls the root module again before the step ends, which torch
+      refuses ("multiple iterative calls"): the per-module stats are dropped instead.
+    - A frozen parameter (``requires_grad=False``) cannot take the gradient hook torch puts
+      on every parameter: only trainable ones are hooked (a frozen one has no gradient).
+    - Measuring never breaks training: a failure inside any of its hooks switches the
+      tracker off for the rest of the region and is kept in :attr:`failure`; the training
+      step goes on untouched. The op itself (the real work) is never run twice.
+    """
     from torch.distributed._tools import mem_tracker  # private torch API: re-check on torch upgrades
 
     class PeakTracker(mem_tracker.MemTracker):
+        def __init__(self) -> None:
+            super().__init__()
+            self.failure: str | None = None
+            """Why the tracker stopped measuring (``Type: message``), or None."""
+            for name in _GUARDED:
+                setattr(self, name, self._guarded(getattr(self, name)))
+
+        def _guarded(self, method):
+            def call(*args, **kwargs):
+                if self.failure is not None:
+                    return None
+                try:
+                    return method(*args, **kwargs)
+                except Exception as exc:  # noqa: BLE001 -- the measurement fails, not the step
+                    first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+                    self.failure = f"{type(exc).__name__}: {first}"
+                    return None
+
+            return call
+
         def _update_peak_stats(self, peak_state) -> None:
             for dev, snap in self._curr_mem_snap.items():
                 if self._peak_mem.get(dev, 0) < snap[mem_tracker._TOTAL_KEY]:
                     self._peak_mem[dev] = snap[mem_tracker._TOTAL_KEY]
                     self._peak_mem_snap[dev] = dict(snap)
+
+        def _pre_fw_hook(self, module, inputs) -> None:
+            # The root module called again in forward: the next micro-batch of the same step
+            # (gradient accumulation). Its per-module stats are not read: start them afresh.
+            if module in self.memory_tracking and not self._mod_tracker.is_bw:
+                name = self._mod_tracker.get_known_fqn(module)
+                if set(self._mod_tracker.parents) - {name} == {"Global"}:
+                    self.reset_mod_stats()
+            super()._pre_fw_hook(module, inputs)
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+            # torch would hook every parameter, and a frozen one refuses a hook: hook only
+            # the trainable ones, the way torch does (the gradient made, then accumulated).
+            found = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+            if install_grad_hooks:
+                for param in module.parameters():
+                    if param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                        self._param_to_grad_hook_handles[param] = (
+                            param.register_hook(self._grad_seen),
+                            param.register_post_accumulate_grad_hook(lambda p: self._grad_seen(p.grad)),
+                        )
+            return found
+
+        def _grad_seen(self, grad: torch.Tensor) -> None:
+            if self.failure is None:
+                try:
+                    self._update_and_maybe_create_winfos(grad, mem_tracker._MemRefType.GRAD)
+                except Exception as exc:  # noqa: BLE001 -- as in _guarded
+                    self.failure = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
 
     return PeakTracker()
 
@@ -147,6 +219,8 @@ class MemoryMeter:
         self._cuda_peaks = {"allocated_bytes.all.peak": 0, "reserved_bytes.all.peak": 0}  # before pauses
         self._cpu_peak_mib: float | None = None  # the tracked window's, once it has ended
         self._live_states_mib: float | None = None  # between steps, after the window
+        self.failure: str | None = None
+        """Why this rank's peak could not be measured (the figure is then null), or None."""
 
     @property
     def tracking(self) -> bool:
@@ -179,9 +253,14 @@ class MemoryMeter:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             return
-        self._tracker = peak_tracker()
-        self._tracker.track_external(*external)
-        self._tracker.__enter__()
+        tracker = peak_tracker()
+        try:
+            tracker.track_external(*external)
+            tracker.__enter__()
+        except Exception as exc:  # noqa: BLE001 -- measuring never breaks training
+            self.failure = f"the CPU memory tracker could not start: {type(exc).__name__}: {exc}"[:400]
+            return
+        self._tracker = tracker
 
     @contextlib.contextmanager
     def guard(self, strategy):
@@ -202,7 +281,7 @@ class MemoryMeter:
         with tracker:
             yield
         peak = _breakdown_mib(tracker, self.device).get("Total", 0.0)
-        if peak > self.limit_mib:
+        if tracker.failure is None and peak > self.limit_mib:
             raise torch.OutOfMemoryError(
                 f"live tensors peaked at {peak:.2f} MiB after training (model states included), "
                 f"over trainer.memory_limit_mib={self.limit_mib}"
@@ -222,7 +301,7 @@ class MemoryMeter:
                 peak / MIB,
                 torch.cuda.memory_reserved(self.device) / MIB,
             )
-        if self._tracker is not None:
+        if self._tracker is not None and self._tracker.failure is None:
             current = self._tracker.get_tracker_snapshot("current").get(self.device, {}).get("Total", 0) / MIB
             return current, self._tracker.get_tracker_snapshot("peak").get(self.device, {}).get("Total", 0) / MIB, -1.0
         if self._live_states_mib is None:
@@ -237,7 +316,7 @@ class MemoryMeter:
             return
         # MemTracker keeps per-module stats that raise on a second iteration otherwise.
         self._tracker.reset_mod_stats()
-        if self.limit_mib:
+        if self.limit_mib and self._tracker.failure is None:
             peak = self._tracker.get_tracker_snapshot("peak").get(self.device, {}).get("Total", 0) / MIB
             if peak > self.limit_mib:
                 # The CPU stand-in for the CUDA allocator's budget (trainer.memory_limit_mib),
@@ -259,11 +338,16 @@ class MemoryMeter:
                 "alloc_retries": stats.get("num_alloc_retries", 0),
                 "ooms": stats.get("num_ooms", 0),
                 "peak_breakdown_mib": None,
+                "peak_error": None,
             }
         tracker, self._tracker = self._tracker, None
+        none = {"peak_allocated_mib": None, "peak_reserved_mib": None, "peak_breakdown_mib": None}
         if tracker is None:
-            return {"peak_allocated_mib": None, "peak_reserved_mib": None, "peak_breakdown_mib": None}
+            return {**none, "peak_error": self.failure}
         tracker.__exit__(None, None, None)
+        if tracker.failure is not None:
+            self.failure = f"the CPU memory tracker failed: {tracker.failure}"
+            return {**none, "peak_error": self.failure}
         breakdown = _breakdown_mib(tracker, self.device)
         total = breakdown.pop("Total", sum(breakdown.values()))
         self._cpu_peak_mib = total
@@ -273,4 +357,5 @@ class MemoryMeter:
             "alloc_retries": None,
             "ooms": None,
             "peak_breakdown_mib": breakdown,
+            "peak_error": None,
         }

@@ -26,14 +26,38 @@ class ModelOutput(NamedTuple):
     loss: torch.Tensor | None
 
 
-def build_model(cfg) -> torch.nn.Module:
+def build_model(cfg, freeze=()) -> torch.nn.Module:
     """The configured model: a registered builder, or a ``_target_`` (Hugging Face class or a
-    user's factory, :mod:`sharded_exp.models.target`)."""
+    user's factory, :mod:`sharded_exp.models.target`); parameters named by the ``freeze``
+    patterns are frozen (:func:`freeze_parameters`)."""
     from sharded_exp.models.target import build_target_model, is_target_model
 
-    if is_target_model(cfg):
-        return build_target_model(cfg)
-    return MODELS.builder(cfg.name)(cfg)
+    module = build_target_model(cfg) if is_target_model(cfg) else MODELS.builder(cfg.name)(cfg)
+    if freeze:
+        freeze_parameters(module, freeze)
+    return module
+
+
+def freeze_parameters(module: torch.nn.Module, patterns) -> list[str]:
+    """Set ``requires_grad=False`` on the parameters whose names match one of the shell
+    ``patterns`` (fnmatch); returns their names. Raises ConfigError, naming the parameters
+    there are, when a pattern matches none (a typo would otherwise train everything)."""
+    import fnmatch
+
+    from sharded_exp.errors import ConfigError
+
+    names = [n for n, _ in module.named_parameters()]
+    frozen = []
+    for pattern in patterns:
+        hits = fnmatch.filter(names, pattern)
+        if not hits:
+            shown = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
+            raise ConfigError(f"trainer.freeze pattern {pattern!r} matches no parameter; the model's are: {shown}")
+        frozen.extend(h for h in hits if h not in frozen)
+    for name, param in module.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
+    return frozen
 
 
 def units(module: torch.nn.Module) -> list[torch.nn.Module]:

@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from sharded_exp.errors import is_no_space, no_space
+from sharded_exp.measure.memory_model import relative_error
 
 
 def write_json(path: str, data: dict[str, Any]) -> None:
@@ -99,3 +100,68 @@ def summary_table(result: dict[str, Any]) -> str:
         result["status"],
     ]
     return format_table([row], header)
+
+
+# ------------------------------------------------ result.json's memory section
+def _peak_summary(peak: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not peak:
+        return None
+    return {k: peak.get(k) for k in ("method", "note", "rank", "breakdown_mib", "seconds", "error")}
+
+
+def predicted_section(prediction: dict[str, Any]) -> dict[str, Any]:
+    """result.json's ``memory`` before the ranks start: the prediction alone, same names."""
+    peaks = (prediction.get("peak") or {}).get("per_rank_mib")
+    per_rank = [{"rank": r, "predicted_model_states_mib": p} for r, p in enumerate(prediction["model_states_mib"])]
+    if peaks:
+        for entry, peak in zip(per_rank, peaks):
+            entry["predicted_peak_mib"] = peak
+    return {
+        "per_rank": per_rank,
+        "predicted_model_states_mib_max": max(sum(p.values()) for p in prediction["model_states_mib"]),
+        "predicted_transient_params_mib": prediction["transient_params_mib"],
+        "predicted_peak_mib_max": max(peaks) if peaks else None,
+        "peak_prediction": _peak_summary(prediction.get("peak")),
+    }
+
+
+def memory_section(prediction: dict[str, Any], per_rank: list[dict[str, Any]], source: str) -> dict[str, Any]:
+    """Measured memory per rank beside the prediction: result.json's ``memory``."""
+    predicted = prediction["model_states_mib"]
+    peaks = (prediction.get("peak") or {}).get("per_rank_mib") or [None] * len(per_rank)
+    for entry, pred, peak in zip(per_rank, predicted, peaks):
+        entry["predicted_model_states_mib"] = pred
+        entry["model_states_rel_error"] = relative_error(pred, entry["model_states_mib"])
+        measured = entry.get("peak_allocated_mib")
+        entry["predicted_peak_mib"] = peak
+        # signed: below zero the prediction was too low (the dangerous direction)
+        entry["peak_rel_error"] = (peak - measured) / measured if peak is not None and measured else None
+
+    def largest(key):
+        values = [r[key] for r in per_rank if r.get(key) is not None]
+        return max(values) if values else None
+
+    # Gathered (unsharded) parameters on top of the resident ones, e.g. FSDP's units.
+    measured_transient = [
+        r["peak_breakdown_mib"]["Parameter"] - r["model_states_mib"]["params"]
+        for r in per_rank
+        if r.get("peak_breakdown_mib")
+    ]
+    return {
+        "source": source,
+        "per_rank": per_rank,
+        "peak_allocated_mib_max": largest("peak_allocated_mib"),
+        # Why a rank's peak is null: its tracker could not measure (the run went on).
+        "peak_error": next((f"rank {r['rank']}: {r['peak_error']}" for r in per_rank if r.get("peak_error")), None),
+        "peak_rss_mib_max": largest("peak_rss_mib"),
+        "model_states_mib_max": max(sum(r["model_states_mib"].values()) for r in per_rank),
+        "predicted_model_states_mib_max": max(sum(p.values()) for p in predicted),
+        "model_states_rel_error_max": largest("model_states_rel_error"),
+        "predicted_transient_params_mib": prediction["transient_params_mib"],
+        "transient_params_mib_max": max(measured_transient) if measured_transient else None,
+        "predicted_peak_mib_max": max(p for p in peaks) if all(p is not None for p in peaks) else None,
+        "peak_rel_error_max": max(
+            (r["peak_rel_error"] for r in per_rank if r["peak_rel_error"] is not None), key=abs, default=None
+        ),
+        "peak_prediction": _peak_summary(prediction.get("peak")),
+    }

@@ -21,6 +21,9 @@ A testing aid, documented in the README; never set it in real runs. Kinds:
 - ``inf_grad``: the rank's backward writes inf into the gradient of one parameter of its
   own optimizer shard, before any gradient communication, so that (for sharded
   strategies) the inf exists in that rank's shard only.
+- ``tracker_error``: from that step on, torch's MemTracker raises inside its forward
+  hooks on that rank (as it does on a model it cannot follow): the CPU peak of that rank
+  is then null with the reason, and the run goes on (measuring never breaks training).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-KINDS = ("raise", "exit", "hang", "oom", "exit_in_save", "inf_grad", "stall", "kill", "sigterm")
+KINDS = ("raise", "exit", "hang", "oom", "exit_in_save", "inf_grad", "stall", "kill", "sigterm", "tracker_error")
 ENV = "SHARDED_EXP_FAULT"
 
 
@@ -66,6 +69,14 @@ def trigger(fault: Fault, rank: int, device: torch.device) -> None:
     """Act out ``raise``, ``exit``, ``hang`` or ``oom`` at the start of a step
     (``inf_grad`` is the strategy's, ``exit_in_save`` the checkpoint writer's)."""
     if fault.kind == "exit_in_save":
+        return
+    if fault.kind == "tracker_error":
+        from torch.distributed._tools import mem_tracker
+
+        def broken(self, args):
+            raise RuntimeError(f"injected tracker failure on rank {rank} at step {fault.step}")
+
+        mem_tracker.MemTracker._track_inputs_or_outputs = broken  # this rank's process only
         return
     # When it happened, for measuring fault-to-exit times (tests, README figures).
     print(

@@ -10,7 +10,6 @@ strategy it runs.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import sys
@@ -24,49 +23,19 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
-from sharded_exp import checkpoint, precision
-from sharded_exp.data import ContractError, Task, build_task
+from sharded_exp import checkpoint
+from sharded_exp.data import Task
 from sharded_exp.launch import liveness
 from sharded_exp.measure.flops import utilisation
-from sharded_exp.measure.prediction import memory_section
 from sharded_exp.measure.tracker import MemoryMeter, model_state_mib, process_peak_rss_mib
-from sharded_exp.models import build_model
-from sharded_exp.optim import optimizer_spec
 from sharded_exp.output.loggers import NullLogger, build_logger, memory_values, summary_values
-from sharded_exp.strategies import build_strategy
+from sharded_exp.output.results import memory_section
 from sharded_exp.strategies.base import Strategy
 from sharded_exp.train import evaluate as evaluation
+from sharded_exp.train.build import build_run
 from sharded_exp.train.faults import Injector
 from sharded_exp.train.metrics import IntervalLog, IntervalMetrics, throughput_stats
-
-
-def train_step(strategy: Strategy, batches: list[dict[str, torch.Tensor]], autocast, grad_clip: float):
-    """One optimizer step over ``len(batches)`` micro-batches; returns (loss, ``{"logits":
-    the last micro-batch's logits, detached}``)."""
-    strategy.zero_grad()
-    n, total = len(batches), None
-    for i, batch in enumerate(batches):
-        # Gradients are communicated on the last micro-batch only.
-        with contextlib.nullcontext() if i == n - 1 else strategy.no_sync():
-            with autocast:
-                out = strategy.model(**batch)
-                try:
-                    loss = Task.loss_of(out)
-                except ContractError as exc:  # say what it was called with
-                    raise ContractError(f"{exc}; it was called with the batch keys {', '.join(batch)}") from None
-                if n > 1:  # no op for nothing: a small model's step has no time to spare
-                    loss = loss / n
-            strategy.scaler.scale(loss).backward()
-        total = loss.detach() if total is None else total + loss.detach()
-    # What the metrics need of the output, detached: the autograd graph goes here, in the
-    # step (as in any loop), not later wherever the last reference happens to die.
-    logits = Task.logits_of(out)
-    out = {"logits": None if logits is None else logits.detach()}
-    if grad_clip > 0:
-        strategy.scaler.unscale_(strategy.optimizer)  # clip the true gradients, not scaled ones
-        strategy.clip_grad_norm_(grad_clip)
-    strategy.optimizer_step()
-    return total, out
+from sharded_exp.train.step import train_step
 
 
 def _sync(device: torch.device) -> None:
@@ -142,9 +111,14 @@ def run_loop(
     device = meter.device
     # A (re)started process warms up again: the first steps after ``start`` are not timed,
     # but at least one step is. The CPU memory tracker slows every op: it runs over the
-    # warm-up steps (over the first step when there is none; that step is then timed with it).
+    # warm-up steps, and over two at least, as the first step's forward and backward run
+    # before the optimizer's state exists and the second is the steady one. Tracked steps
+    # are not timed, unless a run is too short to time any other.
     warmup = min(loop.warmup_steps, loop.steps - start - 1)
-    memory_end = start + (max(warmup, 1) if device.type == "cpu" else loop.steps - start)
+    memory_end = loop.steps
+    if device.type == "cpu":
+        memory_end = start + min(max(warmup, 2), loop.steps - start)
+        warmup = min(memory_end - start, loop.steps - start - 1)
     samples_per_step = loop.batch_size * loop.grad_accum * world_size
     metrics, log = IntervalMetrics(device, task, probe=lambda: meter.now(strategy)), IntervalLog(logger)
     bar = tqdm(total=loop.steps, desc=loop.label, disable=rank != 0 or not loop.progress_bar)
@@ -318,17 +292,11 @@ def train(
     stopper = liveness.StopAgreement()  # SIGTERM/SIGINT now ask for a stop, which ranks agree on
     rank = dist.get_rank()
     tc = cfg.trainer
-    torch.manual_seed(tc.seed)  # identical initial weights on every rank
-    module = build_model(cfg.model).to(device)
-    # The task's own tensors (a teacher network, a transition table) are the data source's,
-    # on the host: built before the CPU tracker starts, as they are never on a GPU.
-    task = build_task(cfg.data, cfg.model, tc.batch_size)
     meter = MemoryMeter(device, tc.memory_limit_mib)
-    if device.type == "cpu":
-        # On CPU only tensors the tracker sees are counted: start it before the strategy
-        # allocates its communication buffers, as the CUDA allocator would count them.
-        meter.start(module)
-    strategy = build_strategy(cfg.strategy, module, optimizer_spec(cfg.optimizer, module), cfg.precision, device)
+    # On CPU only tensors the tracker sees are counted: it starts before the strategy
+    # allocates its communication buffers, as the CUDA allocator would count them.
+    run = build_run(cfg, device, before_wrap=meter.start if device.type == "cpu" else None)
+    module, strategy, task = run.module, run.strategy, run.task
     loaded = checkpoint.load(strategy, tc.resume, device) if tc.resume else {"step": 0, "resume_changes": []}
     start, resume_changes = loaded["step"], loaded["resume_changes"]  # the parent resolved the path
     if rank == 0:
@@ -341,7 +309,7 @@ def train(
     logger = build_logger(cfg.logger, OmegaConf.to_container(cfg, resolve=True), output_dir, rank)
     timeline["logger_ready"] = time.time()
     loop = LoopSettings.from_config(tc, label=f"{cfg.strategy.name} x{dist.get_world_size()}")
-    autocast = precision.autocast(cfg.precision, device.type)
+    autocast = run.autocast
     batches = tc.eval_batches
 
     def evaluate(step: int) -> dict[str, float]:

@@ -1,0 +1,63 @@
+"""One place wires a run from a config: the model (frozen as configured), the strategy
+wrapping it with its optimizer and grad scaler, the data task and the autocast context.
+
+The trainer, the fake step, the benchmarks and the tests all build through
+:func:`build_run`, so what they train or measure is the same thing.
+
+    run = build_run(cfg, torch.device("cpu"))
+    loss, _ = train_step(run.strategy, [run.task(0, 0, rank)], run.autocast, cfg.trainer.grad_clip)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from sharded_exp import precision
+from sharded_exp.data import Task, build_task
+from sharded_exp.models import build_model
+from sharded_exp.optim import optimizer_spec
+from sharded_exp.strategies import build_strategy
+from sharded_exp.strategies.base import Strategy
+
+
+@dataclass
+class Run:
+    module: nn.Module
+    """The bare model (parameters, state dicts)."""
+    strategy: Strategy
+    """The wrapped model, its optimizer and grad scaler."""
+    task: Task | None
+    """``task(step, micro, rank) -> batch``; None when not asked for."""
+    autocast: Any
+    """The precision's autocast context (a no-op at 32)."""
+
+
+def build_run(
+    cfg,
+    device: torch.device,
+    *,
+    with_task: bool = True,
+    before_wrap: Callable[[nn.Module], None] | None = None,
+) -> Run:
+    """Build the configured run on ``device`` (needs a process group: the strategy's).
+
+    ``before_wrap(module)`` is called once the model is on its device and the task's own
+    tensors exist, before the strategy wraps the model: a CPU memory tracker starts there,
+    so it counts the strategy's buffers as the CUDA allocator would, and not the task's
+    (a teacher network is the data source's, never on a GPU).
+    """
+    tc = cfg.trainer
+    torch.manual_seed(tc.seed)  # identical initial weights on every rank
+    module = build_model(cfg.model, tc.freeze)
+    if any(t.device != device for t in (*module.parameters(), *module.buffers())):
+        module = module.to(device)  # (a fake step builds on its fake device already)
+    task = build_task(cfg.data, cfg.model, tc.batch_size) if with_task else None
+    if before_wrap is not None:
+        before_wrap(module)
+    strategy = build_strategy(cfg.strategy, module, optimizer_spec(cfg.optimizer, module), cfg.precision, device)
+    return Run(module, strategy, task, precision.autocast(cfg.precision, device.type))
