@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from sharded_exp.errors import is_no_space, no_space
@@ -469,7 +470,10 @@ class Checkpointer:
             "strategy": cfg.strategy.name,
             "precision": str(cfg.precision.name),
             "optimizer": cfg.optimizer.name,
-            "model": dict(cfg.model),
+            # plain data, nested parts included (a Hugging Face model's ``config``)
+            "model": OmegaConf.to_container(cfg.model, resolve=True)
+            if OmegaConf.is_config(cfg.model)
+            else dict(cfg.model),
         }
         t = cfg.trainer
         fmt = str(getattr(t.checkpoint_format, "value", t.checkpoint_format))

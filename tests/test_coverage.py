@@ -37,6 +37,8 @@ WANDB = ["logger=wandb", "logger.mode=offline", "logger.project=coverage", "logg
          "logger.group=covering", "logger.job_type=check", "logger.run_name=covering-ddp", "logger.tags=[a,b]",
          "logger.init_timeout_s=30"]  # fmt: skip
 
+ENV = {"ddp": {"SHARDED_EXP_FAULT": "rank=1,step=1,kind=inf_grad"}}
+"""The environment of a covering run (a testing aid)."""
 RUNS = {
     # DDP's knobs, AdamW's, float16's loss scaling, and the trainer's odds and ends. The inf
     # at step 1 (rank 1's gradient) is skipped and backs the scale off by 0.25; three clean
@@ -96,18 +98,22 @@ RUNS = {
 AFTER = {"fsdp_grad_op_resumed": "fsdp_grad_op"}
 
 PLANS = {
-    # Every shape preset, planned (too large to train here: the fake step is their real run),
-    # with every planner setting.
-    "gpt_presets": ["model=gpt2_small", "plan.world_sizes=[8]", "plan.strategies=[fsdp]", "plan.format=json",
-                    "plan.device_memory_gib=40"],
-    "gpt2_medium": ["model=gpt2_medium", "plan.world_sizes=[8]", "plan.strategies=[fsdp]"],
-    "gpt2_large": ["model=gpt2_large", "plan.world_sizes=[8]", "plan.strategies=[fsdp]"],
-    "gpt2_xl": ["model=gpt2_xl", "plan.world_sizes=[8]", "plan.strategies=[fsdp]"],
-    "gpt_7b": ["model=gpt_7b", "plan.world_sizes=[64]", "plan.strategies=[fsdp]", "trainer.batch_size=1"],
-    "hf_bert_base": ["model=hf_bert_base", "plan.world_sizes=[4]", "plan.strategies=[ddp]"],
-    "hf_gpt2_small": ["model=hf_gpt2_small", "plan.world_sizes=[4]", "plan.strategies=[fsdp]"],
-    "hf_gpt2_xl": ["model=hf_gpt2_xl", "plan.world_sizes=[8]", "plan.strategies=[fsdp]"],
-    "hf_llama_7b": ["model=hf_llama_7b", "plan.world_sizes=[64]", "plan.strategies=[fsdp]", "trainer.batch_size=1"],
+    # Every shape preset, planned (too large to train here: the fake step is their real run)
+    # at its full width and two layers (depth only repeats them), with every planner setting.
+    "gpt_presets": ["model=gpt2_small", "model.n_layers=2", "plan.world_sizes=[8]", "plan.strategies=[fsdp]",
+                    "plan.format=json", "plan.device_memory_gib=40"],
+    "gpt2_medium": ["model=gpt2_medium", "model.n_layers=2", "plan.world_sizes=[8]", "plan.strategies=[fsdp]"],
+    "gpt2_large": ["model=gpt2_large", "model.n_layers=2", "plan.world_sizes=[8]", "plan.strategies=[fsdp]"],
+    "gpt2_xl": ["model=gpt2_xl", "model.n_layers=2", "plan.world_sizes=[8]", "plan.strategies=[fsdp]"],
+    "gpt_7b": ["model=gpt_7b", "model.n_layers=2", "plan.world_sizes=[64]", "plan.strategies=[fsdp]",
+               "trainer.batch_size=1"],
+    "hf_bert_base": ["model=hf_bert_base", "model.config.num_hidden_layers=2", "plan.world_sizes=[4]",
+                     "plan.strategies=[ddp]"],
+    "hf_gpt2_small": ["model=hf_gpt2_small", "model.config.n_layer=2", "plan.world_sizes=[4]",
+                      "plan.strategies=[fsdp]"],
+    "hf_gpt2_xl": ["model=hf_gpt2_xl", "model.config.n_layer=2", "plan.world_sizes=[8]", "plan.strategies=[fsdp]"],
+    "hf_llama_7b": ["model=hf_llama_7b", "model.config.num_hidden_layers=2", "plan.world_sizes=[64]",
+                    "plan.strategies=[fsdp]", "trainer.batch_size=1"],
     "raw_count": ["plan.params=7.5e9", "plan.units=16", "plan.world_sizes=[64]"],
     "find_depth": ["model=gpt", "plan.find=depth", "plan.world_sizes=[2]", "plan.strategies=[ddp]",
                    "plan.device_memory_gib=0.05"],
@@ -115,15 +121,16 @@ PLANS = {
 """Planner runs (``python -m sharded_exp.plan``), in this process."""
 
 SWEEP_SHRINK = ["trainer.steps=3", "trainer.warmup_steps=1", "trainer.eval_batches=1", "logger=none",
-                "hydra.sweeper.params.trainer.world_size=2"]  # fmt: skip
+                "trainer.world_size=2"]  # fmt: skip
 SWEEPS = {
     # The presets are sweeps: each is run as a user types it, shrunk to two points / one point.
     "seed_table": ["experiment=seed_table", "model.d_model=32", "model.n_layers=1", "model.seq_len=16",
-                   "hydra.sweeper.params.strategy=ddp,oss", *SWEEP_SHRINK],
+                   "strategy=ddp,oss", *SWEEP_SHRINK],
     "seed_study": ["experiment=seed_study", "model.seq_len=16", "trainer.batch_size=2",
-                   "hydra.sweeper.params.strategy=zero1", *SWEEP_SHRINK],
+                   "strategy=zero1", *SWEEP_SHRINK],
 }  # fmt: skip
-"""Multirun sweeps (``python -m sharded_exp``, a real subprocess) ending in their report."""
+"""Multirun sweeps (``python -m sharded_exp -m``, a real subprocess) ending in their report;
+a command-line sweep of a key replaces the preset's own values for it, as in Hydra."""
 
 NOT_HERE = {
     ("experiment", "seed_study_gpu"): "needs GPUs (trainer.accelerator=gpu): benchmarks/gpu_check.py's machine",
@@ -152,7 +159,7 @@ def placeholders(tmp_path_factory):
 def _run(name: str, shared_runs, placeholders) -> tuple[Path, dict]:
     if name in AFTER:
         _run(AFTER[name], shared_runs, placeholders)
-    return shared_runs(*placeholders(RUNS[name]))
+    return shared_runs(*placeholders(RUNS[name]), env=ENV.get(name))
 
 
 @pytest.mark.parametrize("name", list(RUNS))
@@ -283,11 +290,12 @@ def _covering_configs() -> list[tuple[str, object, list[str]]]:
     for name, overrides in PLANS.items():
         out.append((f"plan {name}", compose_cfg(overrides, "plan"), overrides))
     for name, overrides in SWEEPS.items():
-        # a sweep's points: the preset with its sweeper's first values
-        shrunk = [o for o in overrides if not o.startswith("hydra.")]
-        sweeps = {o.split("=")[0].removeprefix("hydra.sweeper.params."): o.split("=")[1].split(",")[0]
-                  for o in overrides if o.startswith("hydra.sweeper.params.")}  # fmt: skip
-        out.append((f"sweep {name}", compose_cfg([*shrunk, *(f"{k}={v}" for k, v in sweeps.items())]), overrides))
+        # one point per value of each swept key
+        points = [[]]
+        for o in overrides:
+            key, value = o.split("=", 1)
+            points = [[*p, f"{key}={v}"] for p in points for v in value.split(",")]
+        out += [(f"sweep {name}", compose_cfg(p), overrides) for p in points]
     return out
 
 

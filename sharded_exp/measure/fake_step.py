@@ -114,7 +114,15 @@ def _separate_propagation_mode():
 
 def _breakdown(tracker, device: torch.device) -> tuple[float, dict[str, float]]:
     snap = tracker.get_tracker_snapshot("peak")
-    values = next(iter(snap.values()), {}) if device.index is None else snap.get(device, {})
+    return _parts(next(iter(snap.values()), {}) if device.index is None else snap.get(device, {}))
+
+
+def _phases(tracker) -> dict[str, tuple[float, dict[str, float]]]:
+    """The peak of the forward/backward ("step") and of the optimizer step, each broken down."""
+    return {phase: _parts(snap) for (_, phase), snap in tracker.phase_peaks.items()}
+
+
+def _parts(values: dict) -> tuple[float, dict[str, float]]:
     out = {k: 0.0 for k in dict.fromkeys(CATEGORIES.values())}
     total = 0.0
     for key, nbytes in values.items():
@@ -130,10 +138,10 @@ class FakeStepError(RuntimeError):
     """A fake step failed; the message says which part failed: building the model, the
     strategy wrapping it, the model's or the strategy's step, or the memory tracker."""
 
-    def __init__(self, part: str, exc: BaseException):
+    def __init__(self, part: str, exc: BaseException, detail: str | None = None):
         self.part = part
         self.cause = exc
-        super().__init__(f"{part}: {_short(exc)}")
+        super().__init__(f"{part}: {detail or _short(exc)}")
 
 
 def _blame(exc: BaseException, module) -> str:
@@ -229,9 +237,10 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
             if tracking:
                 tracker.__exit__(None, None, None)
     if tracker.failure is not None:
-        raise FakeStepError("the memory tracker (torch MemTracker) failed", RuntimeError(tracker.failure))
+        failure = RuntimeError(tracker.failure)
+        raise FakeStepError("the memory tracker (torch MemTracker) failed", failure, detail=tracker.failure)
     peak, parts = _breakdown(tracker, device)
-    return peak, parts, int(count)
+    return peak, parts, int(count), _phases(tracker)
 
 
 def _data_dependent(exc: BaseException) -> bool:
@@ -264,16 +273,20 @@ def fake_step(
     first: Exception | None = None
     if not known:
         try:
-            peak, parts, count = _run(cfg, world_size, rank, device_type, clip, flops)
-            return StepEstimate(rank, peak, parts, count, "fake step", seconds=time.perf_counter() - t0)
+            peak, parts, count, phases = _run(cfg, world_size, rank, device_type, clip, flops)
+            return StepEstimate(
+                rank, peak, parts, count, "fake step", seconds=time.perf_counter() - t0, extra={"phases": phases}
+            )
         except Exception as exc:  # noqa: BLE001 -- decide below what a failure means
             first = exc
     if clip > 0 and (known or _data_dependent(first)):
         try:
-            peak, parts, count = _run(cfg, world_size, rank, device_type, 0.0, flops)
+            peak, parts, count, phases = _run(cfg, world_size, rank, device_type, 0.0, flops)
             why = "on the norm's value" if known else f"on a value ({_short(first)})"
             note = f"{cfg.strategy.name}'s clipping branches {why}: step faked without it"
-            return StepEstimate(rank, peak, parts, count, "fake step without clipping", note, time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            method = "fake step without clipping"
+            return StepEstimate(rank, peak, parts, count, method, note, seconds, extra={"phases": phases})
         except Exception as exc:  # noqa: BLE001
             first = first or exc
     if cfg.strategy.name == "ddp" or states_mib is None:

@@ -109,18 +109,29 @@ def predict_peak(
         if not isinstance(exc, FakeStepError):  # not inside the step: the prediction's own code
             reason = f"the fake step failed: {type(exc).__name__}: {reason}"
         return {"per_rank_mib": None, "error": reason}
-    parts = dict(est.breakdown_mib)
     mine = prediction["model_states_mib"][rank]
-    # Parameters tracked beyond the resident ones are gathered (unsharded) copies: FSDP's units.
-    if parts["params"] > mine["params"]:
-        parts["gathered"] += parts["params"] - mine["params"]
-        parts["params"] = mine["params"]
+
+    def resident(parts: dict[str, float]) -> dict[str, float]:
+        # Parameters tracked beyond the resident ones are gathered (unsharded) copies: FSDP's units.
+        parts = dict(parts)
+        if parts["params"] > mine["params"]:
+            parts["gathered"] += parts["params"] - mine["params"]
+            parts["params"] = mine["params"]
+        return parts
+
+    parts = resident(est.breakdown_mib)
     # Another rank's peak is lower by its smaller states (OSS's uneven shards), in the
     # proportion the faked peak holds them: inside an optimizer step the step's own
     # temporaries are as large as the states (Adam's sqrt of exp_avg_sq), so there a
     # smaller shard is worth twice its states; mid-backward only the grads made so far count.
+    # A rank with a much smaller shard may peak in the other phase (forward/backward rather
+    # than its optimizer step): each phase's peak is lowered so, and the larger one is its peak.
+    phases = (est.extra or {}).get("phases") or {"all": (est.peak_mib, est.breakdown_mib)}
     per_rank = [
-        est.peak_mib - sum(parts[k] * (1 - other[k] / mine[k]) for k in ("params", "grads", "optimizer") if mine[k])
+        max(
+            peak - sum(p[k] * (1 - other[k] / mine[k]) for k in ("params", "grads", "optimizer") if mine[k])
+            for peak, p in ((peak, resident(p)) for peak, p in phases.values())
+        )
         for other in prediction["model_states_mib"]
     ]
     return {

@@ -95,6 +95,9 @@ def peak_tracker():
     class PeakTracker(mem_tracker.MemTracker):
         def __init__(self) -> None:
             super().__init__()
+            self.phase_peaks: dict[tuple, dict] = {}
+            """The peak snapshot of each phase, by (device, "optimizer" or "step"): another
+            rank's peak may fall in the other phase (a fake step reads both)."""
             self.failure: str | None = None
             """Why the tracker stopped measuring (``Type: message``), or None."""
             for name in _GUARDED:
@@ -114,10 +117,14 @@ def peak_tracker():
             return call
 
         def _update_peak_stats(self, peak_state) -> None:
+            phase = "optimizer" if self._in_opt else "step"
             for dev, snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(dev, 0) < snap[mem_tracker._TOTAL_KEY]:
-                    self._peak_mem[dev] = snap[mem_tracker._TOTAL_KEY]
+                total = snap[mem_tracker._TOTAL_KEY]
+                if self._peak_mem.get(dev, 0) < total:
+                    self._peak_mem[dev] = total
                     self._peak_mem_snap[dev] = dict(snap)
+                if self.phase_peaks.get((dev, phase), {}).get(mem_tracker._TOTAL_KEY, 0) < total:
+                    self.phase_peaks[(dev, phase)] = dict(snap)
 
         def _pre_fw_hook(self, module, inputs) -> None:
             # The root module called again in forward: the next micro-batch of the same step

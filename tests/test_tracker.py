@@ -1,0 +1,146 @@
+"""The CPU memory tracker and the fake step, in this process: gradient accumulation, frozen
+parameters, and a tracker that fails while the training goes on (measuring never
+breaks training)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from sharded_exp.measure.tracker import MemoryMeter
+from tests.conftest import compose_cfg, run_job, tiny
+
+
+def _model(frozen: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    if frozen:
+        model[0].requires_grad_(False)
+    return model
+
+
+def _step(model: nn.Module, optimizer, micro_batches: int) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    for m in range(micro_batches):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(m))
+        (model(x).square().mean() / micro_batches).backward()
+    optimizer.step()
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_tracker_measures_accumulation_and_frozen_parameters(micro_batches, frozen):
+    model = _model(frozen)
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad])
+    meter = MemoryMeter(torch.device("cpu"))
+    meter.start(model)
+    for _ in range(2):
+        _step(model, optimizer, micro_batches)
+        meter.step_end()
+    figures = meter.stop()
+    assert figures["peak_error"] is None and meter.failure is None
+    params = sum(p.numel() * 4 for p in model.parameters()) / 2**20
+    trainable = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad) / 2**20
+    breakdown = figures["peak_breakdown_mib"]
+    assert breakdown["Parameter"] == pytest.approx(params)
+    # Adam's two moments of the trainable parameters only, and inside its step as many
+    # temporaries again at most (a frozen parameter's moments would exceed that).
+    assert 2 * trainable <= breakdown["Optstate"] <= 4 * trainable + 1e-3
+    assert breakdown["Gradient"] <= trainable + 1e-9
+    assert figures["peak_allocated_mib"] >= params + 2 * trainable
+
+
+def test_a_failing_tracker_leaves_a_null_figure_and_the_step_untouched(monkeypatch):
+    """torch's tracker raising inside a hook is the measurement's failure: the step runs
+    exactly as without a tracker, and the peak is null with the reason."""
+    from torch.distributed._tools import mem_tracker
+
+    reference = _model()
+    ref_opt = torch.optim.Adam(reference.parameters())
+    _step(reference, ref_opt, 2)
+
+    def broken(self, args):
+        raise RuntimeError("cannot follow this model")
+
+    monkeypatch.setattr(mem_tracker.MemTracker, "_track_inputs_or_outputs", broken)
+    model = _model()
+    optimizer = torch.optim.Adam(model.parameters())
+    meter = MemoryMeter(torch.device("cpu"), limit_mib=1e-6)  # a budget it cannot check either
+    meter.start(model)
+    _step(model, optimizer, 2)
+    meter.step_end()  # no out-of-memory from a tracker that measured nothing
+    figures = meter.stop()
+    assert figures["peak_allocated_mib"] is None
+    assert figures["peak_error"] == "the CPU memory tracker failed: RuntimeError: cannot follow this model"
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_tracker_that_cannot_start_is_a_null_figure():
+    meter = MemoryMeter(torch.device("cpu"))
+    meter.start(object())  # MemTracker refuses what it cannot follow
+    assert meter.stop()["peak_error"].startswith("the CPU memory tracker could not start: TypeError")
+
+
+def _fake_cfg(*overrides: str):
+    return compose_cfg(tiny(["model=gpt", *overrides]))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_fake_step_accumulates_and_freezes(strategy):
+    from sharded_exp.measure.fake_step import fake_step
+
+    one = fake_step(_fake_cfg(f"strategy={strategy}"), 2)
+    three = fake_step(_fake_cfg(f"strategy={strategy}", "trainer.grad_accum=3"), 2)
+    frozen = fake_step(_fake_cfg(f"strategy={strategy}", "trainer.freeze=[tok_emb.*,pos_emb.*]"), 2)
+    assert three.method == one.method == frozen.method == "fake step"
+    assert three.flops_per_step == pytest.approx(3 * one.flops_per_step, rel=0.01)
+    # No optimizer state and no gradient for the frozen embeddings.
+    assert frozen.breakdown_mib["optimizer"] < one.breakdown_mib["optimizer"]
+
+
+def test_fake_step_names_the_tracker_not_the_model(monkeypatch):
+    from torch.distributed._tools import mem_tracker
+
+    from sharded_exp.measure.prediction import model_shapes, predict, predict_peak
+
+    def broken(self, args):
+        raise RuntimeError("cannot follow this model")
+
+    monkeypatch.setattr(mem_tracker.MemTracker, "_track_inputs_or_outputs", broken)
+    cfg = _fake_cfg()
+    shapes = model_shapes(cfg.model, cfg.optimizer)
+    peak = predict_peak(cfg, 2, "cpu", predict(cfg.strategy, cfg.optimizer, "32", shapes, 2), shapes)
+    assert peak["per_rank_mib"] is None
+    assert peak["error"] == "the memory tracker (torch MemTracker) failed: RuntimeError: cannot follow this model"
+
+
+def test_a_run_whose_tracker_fails_goes_on(tmp_path):
+    """A real job: rank 1's tracker breaks at step 0; the job trains to the end, ok, with rank
+    1's peak null and the reason in result.json; rank 0's peak is still measured."""
+    result = run_job(
+        ["trainer.grad_accum=2", "trainer.freeze=[body.0.*]"],
+        tmp_path,
+        env={"SHARDED_EXP_FAULT": "rank=1,step=0,kind=tracker_error"},
+    )
+    assert result["status"] == "ok", result.get("error")
+    mem = result["memory"]
+    assert mem["peak_error"] == (
+        "rank 1: the CPU memory tracker failed: RuntimeError: injected tracker failure on rank 1 at step 0"
+    )
+    ranks = mem["per_rank"]
+    assert ranks[1]["peak_allocated_mib"] is None and ranks[1]["peak_rel_error"] is None
+    assert ranks[0]["peak_allocated_mib"] > 0 and ranks[0]["peak_error"] is None
+    assert result["steps_done"] == 6 and result["history"][-1]["loss"] < result["history"][0]["loss"]
+
+
+def test_the_cpu_window_covers_a_step_after_the_first_optimizer_step(shared_runs):
+    """With trainer.warmup_steps=1 the tracked window still holds a steady step (Adam's state
+    exists): the same peak as with two warm-up steps, and as predicted."""
+    common = ["model=hf_bert", "model.seq_len=16", "trainer.batch_size=4", "precision=bf16", "trainer.world_size=3"]
+    _, one = shared_runs(*common, "trainer.warmup_steps=1")
+    _, two = shared_runs(*common, "trainer.warmup_steps=2")
+    assert one["memory"]["peak_allocated_mib_max"] == pytest.approx(two["memory"]["peak_allocated_mib_max"], rel=1e-6)
+    assert abs(one["memory"]["peak_rel_error_max"]) <= 0.02
+    assert one["throughput"]["timed_steps"] == 4  # 6 steps, 2 tracked and untimed
