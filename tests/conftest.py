@@ -14,6 +14,11 @@ from sharded_exp.compose import compose
 from sharded_exp.strategies import STRATEGIES
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# Tests run on CPU (gloo), also on a GPU machine: trainer.accelerator=auto would otherwise
+# take the CUDA path with one GPU per rank. The GPU checks are benchmarks/gpu_check.py's.
+# Set before torch looks at CUDA; inherited by the rank server, the ranks and subprocesses.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 STRATEGY_NAMES = [n for n in STRATEGIES.names() if (ROOT / "conf" / "strategy" / f"{n}.yaml").exists()]
 """Every shipped strategy (registered, with its YAML): the tests parametrize over these, so a
 new strategy is held against DDP, resumed and measured without editing a test list."""

@@ -10,6 +10,8 @@ import pytest
 
 from tests.conftest import ROOT, run_cli
 
+pytestmark = pytest.mark.slow  # each runs a benchmark end to end (python -m benchmarks.NAME)
+
 
 def bench(name: str, *args: str, cwd, timeout: float = 300) -> dict:
     # Run from an empty directory: outputs/ lands there; the repository is on the path.

@@ -44,9 +44,19 @@ def test_every_strategy_has_its_yaml_and_every_yaml_its_strategy():
     assert {"ddp", "oss", "sharded_ddp", "zero1", "fsdp_grad_op", "fsdp"} <= set(STRATEGY_NAMES)
 
 
-@pytest.mark.parametrize("fmt", ["dcp", "consolidated"])
-@pytest.mark.parametrize("model", ["mlp", "gpt"])
-@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+DEFAULT_TIER_RESUMES = {("ddp", "gpt", "consolidated"), ("fsdp", "gpt", "dcp")}
+"""Both formats resumed in the default tier; every other combination in ``-m slow``."""
+
+
+@pytest.mark.parametrize(
+    "strategy, model, fmt",
+    [
+        pytest.param(s, m, f, marks=() if (s, m, f) in DEFAULT_TIER_RESUMES else pytest.mark.slow)
+        for s in STRATEGY_NAMES
+        for m in ("mlp", "gpt")
+        for f in ("dcp", "consolidated")
+    ],
+)
 def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, strategy, model, fmt):
     common = [
         f"strategy={strategy}",
@@ -86,6 +96,7 @@ def test_checkpoint_from_sharded_ddp_resumes_under_ddp(tmp_path):
         assert torch.allclose(got[name], ref[name], rtol=1e-5, atol=1e-7), name
 
 
+@pytest.mark.slow
 def test_checkpoint_from_fsdp_at_two_ranks_loads_into_zero1_at_three(tmp_path):
     first = run_job(["strategy=fsdp", "model=gpt", "trainer.steps=3", "trainer.checkpoint_every=3"], tmp_path / "a")
     assert first["status"] == "ok", first["error"]
@@ -114,6 +125,7 @@ def test_checkpoint_from_fsdp_at_two_ranks_loads_into_zero1_at_three(tmp_path):
     assert (meta["strategy"], meta["world_size"], meta["step"]) == ("zero1", 3, 4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt, written", [("consolidated", "model.pt"), ("dcp", ".metadata")])
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint(tmp_path, fmt, written):
     run = tmp_path / "run"
@@ -193,6 +205,7 @@ def test_corrupt_checkpoint_file_is_named(tmp_path, saved):
         start([f"trainer.resume={bad}"], tmp_path / "out")
 
 
+@pytest.mark.slow
 def test_corrupt_dcp_checkpoint_is_named_without_reading_tensors(tmp_path):
     first = run_job(["strategy=fsdp", "trainer.steps=3", "trainer.checkpoint_every=3"], tmp_path / "a")
     assert first["status"] == "ok", first["error"]
@@ -231,6 +244,7 @@ def test_checkpoint_past_the_last_step_is_refused(tmp_path, saved):
         start([f"trainer.resume={saved}", "trainer.steps=3"], tmp_path / "out")
 
 
+@pytest.mark.slow
 def test_cli_bad_checkpoint_exits_2_and_keeps_the_directory(tmp_path, saved):
     # A good run, then a bad start in the same directory: nothing of the first is touched.
     run = tmp_path / "run"
@@ -244,6 +258,7 @@ def test_cli_bad_checkpoint_exits_2_and_keeps_the_directory(tmp_path, saved):
     assert after == before
 
 
+@pytest.mark.slow
 def test_a_failed_run_in_a_reused_directory_moves_the_earlier_records_aside(tmp_path):
     run = tmp_path / "run"
     ok = run_cli([*TINY, "trainer.steps=3", "trainer.checkpoint_every=3", f"hydra.run.dir={run}"], cwd=ROOT)

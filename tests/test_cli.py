@@ -43,6 +43,7 @@ def test_default_job_prints_table_and_writes_result(tmp_path):
     assert result["history"][-1]["loss"] < result["history"][0]["loss"]
 
 
+@pytest.mark.slow
 def test_sharded_ddp_at_precision_16(tmp_path):
     proc = run_cli(["strategy=sharded_ddp", "precision=16", *TINY, f"hydra.run.dir={tmp_path}"], cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -50,6 +51,7 @@ def test_sharded_ddp_at_precision_16(tmp_path):
     assert (result["status"], result["strategy"], result["precision"]) == ("ok", "sharded_ddp", "16")
 
 
+@pytest.mark.slow
 def test_failing_rank_fails_the_job_and_names_the_rank(tmp_path):
     env = {"SHARDED_EXP_FAULT": "rank=1,step=2,kind=raise"}
     proc = run_cli([*TINY, f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env)

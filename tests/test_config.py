@@ -156,6 +156,7 @@ def test_registry_rejects_duplicates_and_names_choices():
         (["precision=8"], "Could not find 'precision/8'"),
     ],
 )
+@pytest.mark.slow
 def test_cli_bad_input_exits_nonzero_before_ranks_start(args, message, tmp_path):
     proc = run_cli([*args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
     assert proc.returncode != 0

@@ -135,7 +135,7 @@ def finish(proc, log, timeout=60) -> str:
     return log.read_text()
 
 
-@pytest.mark.parametrize("how", ["sigterm", "ctrl_c"])
+@pytest.mark.parametrize("how", [pytest.param("sigterm", marks=pytest.mark.slow), "ctrl_c"])
 def test_a_signal_stops_the_ranks_saves_and_leaves_no_process(tmp_path, how):
     run = tmp_path / "run"
     log = tmp_path / "job.log"
@@ -174,6 +174,7 @@ def test_a_signal_stops_the_ranks_saves_and_leaves_no_process(tmp_path, how):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_a_rank_that_ignores_the_stop_is_killed_after_the_grace_period(tmp_path):
     run = tmp_path / "run"
     log = tmp_path / "job.log"

@@ -31,6 +31,7 @@ def launch(overrides, out):
 
 
 # ------------------------------------------------------------- 1. resume hyperparameters
+@pytest.mark.slow
 def test_1_resume_takes_hyperparameters_from_the_config_and_records_the_changes(tmp_path):
     first = run_job(["trainer.steps=3", "trainer.checkpoint_every=3", "optimizer.lr=0.001"], tmp_path / "a")
     ckpt = first["checkpoint"]
@@ -93,6 +94,7 @@ def test_3_a_rank_killed_by_a_signal_is_named_not_its_peer(tmp_path):
 
 
 # ------------------------------------------------------------- 4. CPU allocation failure
+@pytest.mark.slow
 def test_4_a_cpu_allocation_failure_is_oom_and_does_not_fail_the_sweep(tmp_path):
     sweep = tmp_path / "sweep"
     proc = run_cli(["-m", *TINY, "trainer.steps=3", "trainer.batch_size=8,1000000000000", f"hydra.sweep.dir={sweep}"],
@@ -105,6 +107,7 @@ def test_4_a_cpu_allocation_failure_is_oom_and_does_not_fail_the_sweep(tmp_path)
 
 
 # ------------------------------------------------------------- 5. parent SIGKILL
+@pytest.mark.slow
 def test_5_ranks_exit_when_the_parent_is_killed(tmp_path):
     run, log = tmp_path / "run", tmp_path / "job.log"
     proc = start_job([*LONG, "trainer.checkpoint_every=5", f"hydra.run.dir={run}"], log)
@@ -123,6 +126,7 @@ def test_5_ranks_exit_when_the_parent_is_killed(tmp_path):
 
 
 # ------------------------------------------------------------- 6. one job per run directory
+@pytest.mark.slow
 def test_6_a_second_job_in_a_live_run_directory_is_refused(tmp_path):
     run, log = tmp_path / "run", tmp_path / "job.log"
     proc = start_job([*LONG, f"hydra.run.dir={run}"], log)
@@ -157,6 +161,7 @@ def fill(directory, leave_bytes: int) -> None:
         f.write(bytes(max(0, free - leave_bytes)))
 
 
+@pytest.mark.slow
 def test_7_run_directory_on_a_full_disk(small_fs, tmp_path):
     fill(small_fs, 0)
     run = small_fs / "run"
@@ -168,6 +173,7 @@ def test_7_run_directory_on_a_full_disk(small_fs, tmp_path):
     assert leftovers == []
 
 
+@pytest.mark.slow
 def test_7_checkpoint_directory_fills_up_mid_run(small_fs, tmp_path):
     run_job(["trainer.steps=2", "trainer.checkpoint_every=2", "trainer.checkpoint_format=consolidated"],
                     tmp_path / "probe")  # fmt: skip
@@ -194,6 +200,7 @@ def test_8_a_gap_in_attempts_takes_the_next_free_number(tmp_path):
 
 
 # ------------------------------------------------------------- 9. a signal at one rank only
+@pytest.mark.slow
 def test_9_sigterm_at_a_non_zero_rank_stops_the_job_with_its_signal(tmp_path):
     proc = cli(
         [*LONG, "trainer.checkpoint_every=1000"], tmp_path, env={"SHARDED_EXP_FAULT": "rank=1,step=3,kind=sigterm"}
@@ -280,6 +287,7 @@ def test_11_cli_exit_2_without_a_traceback(tmp_path):
         ("plan.format=xml", "plan.format=xml"),
     ],
 )
+@pytest.mark.slow
 def test_12_the_planner_refuses_bad_input_with_exit_2(override, message):
     proc = run_cli([override], cwd=ROOT, module="sharded_exp.plan")
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -306,6 +314,7 @@ def test_13_a_bad_result_json_is_a_row_that_says_why(tmp_path):
 
 
 # ------------------------------------------------------------- 14. requeue of a finished job
+@pytest.mark.slow
 def test_14_resume_auto_on_a_finished_job_exits_0_and_changes_nothing(tmp_path):
     args = [*TINY, "trainer.steps=3", "trainer.checkpoint_every=3"]
     assert cli(args, tmp_path).returncode == 0
@@ -317,6 +326,7 @@ def test_14_resume_auto_on_a_finished_job_exits_0_and_changes_nothing(tmp_path):
 
 
 # ------------------------------------------------------------- 15. the small ones
+@pytest.mark.slow
 def test_15_run_directory_that_is_a_file_or_read_only(tmp_path, small_fs):
     afile = tmp_path / "afile"
     afile.write_text("x")
@@ -328,12 +338,14 @@ def test_15_run_directory_that_is_a_file_or_read_only(tmp_path, small_fs):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_15_unknown_plugin_module(tmp_path):
     proc = run_cli([*TINY, f"hydra.run.dir={tmp_path}"], cwd=ROOT, env={"SHARDED_EXP_PLUGINS": "no_such_module"})
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "SHARDED_EXP_PLUGINS names the module 'no_such_module', which cannot be imported" in proc.stderr
 
 
+@pytest.mark.slow
 def test_15_a_second_signal_kills_and_says_so_and_names_the_checkpoint(tmp_path):
     run, log = tmp_path / "run", tmp_path / "job.log"
     proc = start_job([*LONG, "trainer.checkpoint_every=5", "trainer.stop_grace_s=30", f"hydra.run.dir={run}"], log,
@@ -356,6 +368,7 @@ def test_15_report_of_an_empty_directory_writes_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_15_schemas_are_not_listed_as_options(tmp_path):
     proc = run_cli(["precision=8", f"hydra.run.dir={tmp_path}"], cwd=ROOT)
     assert proc.returncode != 0 and "Available options in 'precision'" in proc.stderr
@@ -368,6 +381,7 @@ def test_15_readme_places_per_rank_under_memory():
     assert "result.json`: `per_rank`" not in readme and "top-level `per_rank`" not in readme
 
 
+@pytest.mark.slow
 def test_a_long_history_does_not_deadlock_the_parent(tmp_path):
     """Found on this pass: rank 0's payload (the history, with every rank's memory per
     interval) larger than a pipe's buffer blocked rank 0 in put() while the parent waited

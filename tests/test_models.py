@@ -45,6 +45,7 @@ def ddp_reference(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["hf_bert", "hf_gpt2"])
 @pytest.mark.parametrize("strategy", [s for s in STRATEGY_NAMES if s != "ddp"])
 def test_hf_model_matches_ddp_and_its_prediction(strategy, model, ddp_reference, tmp_path):
@@ -60,6 +61,7 @@ def test_hf_model_matches_ddp_and_its_prediction(strategy, model, ddp_reference,
             assert entry["predicted_model_states_mib"][part] == pytest.approx(entry["model_states_mib"][part], rel=0.02)
 
 
+@pytest.mark.slow
 def test_tied_head_is_one_parameter_everywhere(ddp_reference):
     _, result = ddp_reference("hf_gpt2")
     state = torch.load(ddp_reference("hf_gpt2")[0] / "model_final.pt", weights_only=True)
@@ -68,6 +70,7 @@ def test_tied_head_is_one_parameter_everywhere(ddp_reference):
     assert result["params"] == counted  # the shared weight counts once
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGY_NAMES)
 def test_one_rank_inf_at_precision_16_skips_the_step_on_every_rank(strategy, tmp_path):
     result = run_job(
@@ -82,6 +85,7 @@ def test_one_rank_inf_at_precision_16_skips_the_step_on_every_rank(strategy, tmp
     assert all(r["nonfinite_params"] == 0 for r in ranks)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["hf_bert", "hf_gpt2", "hf_llama"])
 def test_bf16_trains(model, tmp_path):
     result = run_job(
@@ -93,6 +97,7 @@ def test_bf16_trains(model, tmp_path):
     assert result["history"][-1]["loss"] < result["history"][0]["loss"]
 
 
+@pytest.mark.slow
 def test_hf_bert_headline_command_reports_torchmetrics_eval(tmp_path):
     proc = run_cli(
         ["model=hf_bert", "strategy=sharded_ddp", "precision=16", *TINY_RUN, f"hydra.run.dir={tmp_path}"], cwd=ROOT
@@ -128,7 +133,7 @@ CUSTOM = (ROOT / "tests" / "user_models.py").read_text()
 """The same models, copied out of the repository by the ``user_module`` fixture."""
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_a_model_of_your_own_trains(strategy, user_module, tmp_path):
     proc = run_cli(
         ["model=custom", "model._target_=my_models.build", "+model.hidden=24", f"strategy={strategy}", *TINY_RUN,
@@ -143,6 +148,7 @@ def test_a_model_of_your_own_trains(strategy, user_module, tmp_path):
     assert result["history"][-1]["loss"] < result["history"][0]["loss"] * 1.05
 
 
+@pytest.mark.slow
 def test_a_model_without_a_loss_is_named(user_module, tmp_path):
     proc = run_cli(
         ["model=custom", "model._target_=my_models.build_no_loss", *TINY_RUN, f"hydra.run.dir={tmp_path}"],
@@ -153,6 +159,7 @@ def test_a_model_without_a_loss_is_named(user_module, tmp_path):
     assert "without a loss" in error and "batch keys inputs, targets" in error
 
 
+@pytest.mark.slow
 def test_a_model_that_rejects_a_batch_key_is_refused_before_ranks_start(user_module, tmp_path):
     proc = run_cli(
         ["model=custom", "model._target_=my_models.build_only_x", *TINY_RUN, f"hydra.run.dir={tmp_path}"],
@@ -165,12 +172,14 @@ def test_a_model_that_rejects_a_batch_key_is_refused_before_ranks_start(user_mod
     assert not (tmp_path / "result.json").exists()
 
 
+@pytest.mark.slow
 def test_custom_without_a_target_is_refused(tmp_path):
     proc = run_cli(["model=custom", *TINY_RUN, f"hydra.run.dir={tmp_path}"], cwd=ROOT)
     assert proc.returncode != 0
     assert "model._target_" in proc.stderr
 
 
+@pytest.mark.slow
 def test_hf_model_without_transformers_names_the_extra(tmp_path):
     env = without_package(tmp_path, "transformers")
     proc = run_cli(["model=hf_bert", *TINY_RUN, f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, env=env)

@@ -7,6 +7,8 @@ uninstalled (``conftest.without_package``).
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import subprocess
 import sys
@@ -14,6 +16,7 @@ import sys
 from tests.conftest import ROOT, TINY, read_result, run_cli, without_package
 
 
+@pytest.mark.slow
 def test_zero1_runs_and_oss_is_refused_without_fairscale(tmp_path):
     env = without_package(tmp_path, "fairscale")
     blocked = subprocess.run(

@@ -42,6 +42,7 @@ def ddp_reference(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
 @pytest.mark.parametrize("model", ["mlp", "gpt"])
 @pytest.mark.parametrize("strategy", [s for s in STRATEGY_NAMES if s != "ddp"])

@@ -45,6 +45,7 @@ def test_raw_count_is_an_ideally_divisible_model():
     assert rows["ddp"]["total_gib"] > rows["oss"]["total_gib"] > rows["sharded_ddp"]["total_gib"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "sharded_ddp", "fsdp"])
 def test_plan_is_the_runs_prediction(strategy, tmp_path):
     model = ["model=gpt", "model.d_model=32", "model.n_heads=2", "model.seq_len=16", "model.vocab_size=64"]

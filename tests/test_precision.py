@@ -36,6 +36,7 @@ def test_one_rank_inf_skips_the_step_on_every_rank(strategy, tmp_path):
         assert ranks[0]["local_param_digest"] == ranks[1]["local_param_digest"]
 
 
+@pytest.mark.slow
 def test_plain_scaler_under_sharded_gradients_desyncs(tmp_path):
     """Negative control: without an agreed found-inf flag, rank 1 skips the step alone.
 
@@ -56,6 +57,7 @@ def test_plain_scaler_under_sharded_gradients_desyncs(tmp_path):
     assert result["status"] == "failed" or ranks[0]["skipped_steps"] != ranks[1]["skipped_steps"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGY_NAMES)
 @pytest.mark.parametrize("precision", ["16", "bf16"])
 def test_half_precision_trains(strategy, precision, tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import csv
 import json
 import subprocess
@@ -15,6 +17,7 @@ def _points(sweep):
     return [json.loads(p.read_text()) for p in sweep.rglob("result.json")]
 
 
+@pytest.mark.slow
 def test_sweep_ends_in_a_report(tmp_path):
     sweep = tmp_path / "sweep"
     proc = run_cli(
@@ -49,6 +52,7 @@ def test_sweep_ends_in_a_report(tmp_path):
     assert (sweep / "report.csv").read_text() == before
 
 
+@pytest.mark.slow
 def test_oom_and_crashed_points_are_data(tmp_path):
     """OOM is a result; a crash fails the command, but only after every point ran."""
     sweep = tmp_path / "sweep"
@@ -67,6 +71,7 @@ def test_oom_and_crashed_points_are_data(tmp_path):
     assert "rank 1: RuntimeError: injected fault" in failed["error"]
 
 
+@pytest.mark.slow
 def test_oom_alone_does_not_fail_the_sweep_and_wandb_gets_the_report(tmp_path):
     sweep = tmp_path / "sweep"
     args = ["-m", *TINY, "logger=wandb", "trainer.memory_limit_mib=0.01,null", f"hydra.sweep.dir={sweep}"]
@@ -93,6 +98,7 @@ def test_report_rejects_a_missing_directory(tmp_path):
     assert proc.returncode == 2 and "usage" in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_rerun_sweep_reports_one_row_per_point(tmp_path):
     """Running a sweep again in its directory archives each point's earlier result.json in
     attempts/<k>/; the report reads the current one only."""

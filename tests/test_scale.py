@@ -62,6 +62,7 @@ def test_digest_from_local_shards_equals_the_full_states(tmp_path):
 
 
 # --------------------------------------------------------------------- memory budget
+@pytest.mark.slow
 def test_fsdp_trains_checkpoints_and_resumes_in_a_budget_a_full_gather_would_break(tmp_path):
     """A per-rank budget between FSDP's peak and what holding the full model would need:
     the run, its dcp checkpoint and a resume all fit; gathering the full model (asked for
@@ -102,6 +103,7 @@ def fsdp_checkpoint(tmp_path_factory):
     return first["checkpoint"], out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy, world_size", [("sharded_ddp", 3), ("ddp", 1)])
 def test_dcp_checkpoint_of_fsdp_resumes_in_another_strategy_and_world_size(
     strategy, world_size, fsdp_checkpoint, tmp_path
@@ -147,6 +149,7 @@ def test_dcp_resume_in_another_strategy_matches_the_uninterrupted_run(fsdp_check
     assert max_relative_diff(torch.load(tmp_path / "model_final.pt", weights_only=True), straight) <= 1e-5
 
 
+@pytest.mark.slow
 def test_async_dcp_save_changes_nothing_and_resumes(tmp_path):
     args = ["strategy=fsdp", *GPT, "trainer.steps=6", "trainer.checkpoint_every=2", "trainer.save_final_state=true"]
     sync = run_job(args, tmp_path / "sync")
@@ -204,6 +207,7 @@ def test_torchrun_standalone_makes_one_run_directory_with_the_real_world_size(tm
     assert len(result["memory"]["per_rank"]) == 2
 
 
+@pytest.mark.slow
 def test_torchrun_restart_resumes_from_the_checkpoint(tmp_path):
     args = ["strategy=fsdp", *TINY, "trainer.steps=8", "trainer.checkpoint_every=4", "trainer.resume=auto"]
     proc = torchrun(
@@ -225,6 +229,7 @@ def test_torchrun_restart_resumes_from_the_checkpoint(tmp_path):
     assert failed["status"] == "failed" and "rank 1" in failed["error"]
 
 
+@pytest.mark.slow
 def test_two_torchrun_launchers_as_two_nodes_are_one_job(tmp_path):
     """--nnodes=2 on the loopback address (c10d rendezvous): a stand-in for two nodes."""
     port, run_id = _free_port(), f"two-nodes-{uuid.uuid4().hex[:8]}"

@@ -65,6 +65,7 @@ def test_every_form_of_slurm_node_list(nodelist, hosts):
     assert first_host(nodelist) == hosts[0]
 
 
+@pytest.mark.slow
 def test_two_slurm_tasks_train_as_two_ranks(tmp_path):
     """Two processes given the environment srun gives its tasks: one job, two ranks."""
     job_id = str(random.randint(1, 10**6))

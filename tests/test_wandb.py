@@ -65,12 +65,14 @@ def test_history_equals_result_json(offline_job):
     assert len(timed) == result["throughput"]["timed_steps"]
 
 
+@pytest.mark.slow
 def test_logger_none_writes_no_wandb_files(tmp_path):
     proc = run_cli([*TINY, f"hydra.run.dir={tmp_path}"], cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not (tmp_path / "wandb").exists()
 
 
+@pytest.mark.slow
 def test_unreachable_server_does_not_fail_training(tmp_path):
     env = {"WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_API_KEY": "x" * 40}
     t0 = time.monotonic()
@@ -114,6 +116,7 @@ def test_runs_are_tagged_for_grouping(offline_job):
     assert run["config"]["trainer"]["world_size"] == result["world_size"] == run["summary"]["world_size"]
 
 
+@pytest.mark.slow
 def test_sweep_report_run_and_saved_workspace(tmp_path):
     """A 2-point sweep with W&B: the report run holds W&B tables and W&B's own charts; the
     workspace view (offline: its specification) names only keys the sweep's runs logged,
