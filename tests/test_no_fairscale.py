@@ -7,11 +7,11 @@ uninstalled (``conftest.without_package``).
 
 from __future__ import annotations
 
-import pytest
-
 import os
 import subprocess
 import sys
+
+import pytest
 
 from tests.conftest import ROOT, TINY, read_result, run_cli, without_package
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
-
 import csv
 import json
 import subprocess
 import sys
+
+import pytest
 
 from tests.conftest import ROOT, TINY, run_cli
 from tests.wandb_file import read_run

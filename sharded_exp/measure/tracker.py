@@ -318,6 +318,17 @@ class MemoryMeter:
         live = self._live_states_mib
         return live, max(live, self._cpu_peak_mib or 0.0), -1.0
 
+    def reset_peak(self) -> None:
+        """Start the peak afresh from what is live now (after a checkpoint was loaded: the
+        loaded copies are gone, the states they filled stay counted), as the CUDA
+        allocator's counters are reset once model and optimizer are ready."""
+        tracker = self._tracker
+        if tracker is not None and tracker.failure is None:
+            current = tracker.get_tracker_snapshot("current")
+            tracker._peak_mem_snap = current
+            tracker._peak_mem = {dev: snap.get("Total", 0) for dev, snap in current.items()}
+            tracker.phase_peaks.clear()
+
     def step_end(self) -> None:
         if self._tracker is None:
             return

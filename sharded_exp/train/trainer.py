@@ -299,6 +299,8 @@ def train(
     module, strategy, task = run.module, run.strategy, run.task
     loaded = checkpoint.load(strategy, tc.resume, device) if tc.resume else {"step": 0, "resume_changes": []}
     start, resume_changes = loaded["step"], loaded["resume_changes"]  # the parent resolved the path
+    if tc.resume and device.type == "cpu":
+        meter.reset_peak()  # the loading's own copies are not the training's peak
     if rank == 0:
         for c in resume_changes:
             print(f"warning: resuming with optimizer group {c['group']} {c['key']}={c['config']} from the config "
