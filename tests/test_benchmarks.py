@@ -99,3 +99,11 @@ def test_prediction_smoke(tmp_path):
     assert point["model"] == "mlp" and point["method"] == "fake step"
     assert point["error"] == pytest.approx((point["predicted_mib"] - point["measured_mib"]) / point["measured_mib"])
     assert data["summary"]["points"] == 1 and data["summary"]["median_abs_error"] == pytest.approx(abs(point["error"]))
+
+
+def test_job_vs_script_smoke(tmp_path):
+    data = bench("job_vs_script", "--pairs", "1", "--steps", "4", "--depth", "2", "--hidden", "32", cwd=tmp_path)
+    [pair] = data["pairs"]
+    assert pair["ratio"] == pytest.approx(pair["job"] / pair["script"])
+    assert 0 < pair["to_first_step_s"] < pair["job"] and 0 < pair["last_step_to_exit_s"] < pair["job"]
+    assert pair["eval_s"] is not None and pair["eval_s"] >= 0

@@ -77,6 +77,7 @@ class LoopOutcome:
     memory: dict[str, Any]
     skipped_steps: int
     first_step_unix: float
+    last_step_unix: float = 0.0
     checkpoint: str | None = None
     stopped: bool = False
     evals: list[dict[str, float]] = field(default_factory=list)
@@ -177,6 +178,7 @@ def run_loop(
                     out.evals.append(_evaluated(evaluate, out.steps_done, log))
     _sync(device)
     loop_end = time.perf_counter()
+    out.last_step_unix = time.time()
     stopper.finish()
     if metrics.updates:  # stopped in the middle of an interval
         log.publish(metrics.end_interval(out.steps_done), bar)
@@ -211,8 +213,9 @@ def _divergence(final_loss: float, per_rank: list[dict[str, Any]], nonfinite: li
 
 
 def _evaluated(evaluate, step: int, log) -> dict[str, float]:
-    record = {"step": step, **evaluate(step)}
-    log.add(step, {k: v for k, v in record.items() if k != "step"})
+    t0 = time.perf_counter()
+    record = {"step": step, **evaluate(step), "seconds": time.perf_counter() - t0}
+    log.add(step, {k: v for k, v in record.items() if k.startswith("eval/")})
     return record
 
 
@@ -367,11 +370,15 @@ def train(
             "param_digest": digest,
             "throughput": out.throughput,
             "history": out.history,
-            "eval": {"final": {k: v for k, v in out.evals[-1].items() if k != "step"}, "history": out.evals}
+            "eval": {
+                "final": {k: v for k, v in out.evals[-1].items() if k.startswith("eval/")},
+                "history": [{k: v for k, v in e.items() if k != "seconds"} for e in out.evals],
+                "seconds": sum(e["seconds"] for e in out.evals),  # every pass, untimed by the steps
+            }
             if out.evals
             else None,
             "memory": memory_section(prediction, per_rank, meter.source),
-            "timeline": {**timeline, "first_step": out.first_step_unix},
+            "timeline": {**timeline, "first_step": out.first_step_unix, "last_step": out.last_step_unix},
         }
         logger.log(memory_values(payload["memory"]), step=payload["steps_done"])
         logger.summary(summary_values(payload))
