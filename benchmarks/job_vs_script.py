@@ -112,7 +112,7 @@ def main() -> None:
             }
         )  # fmt: skip
     rows = [[i, f"{p['job']:.2f}", f"{p['script']:.2f}", f"{p['ratio']:.2f}", f"{p['to_first_step_s']:.2f}",
-             f"{p['last_step_to_exit_s']:.2f}", f"{p['eval_s']:.2f}"] for i, p in enumerate(pairs)]  # fmt: skip
+             f"{p['last_step_to_exit_s']:.2f}", f"{p['eval_s'] or 0:.2f}"] for i, p in enumerate(pairs)]  # fmt: skip
     ratios = [p["ratio"] for p in pairs]
     rows.append(["**median**", "", "", f"**{statistics.median(ratios):.2f}**", "", "", ""])
     print(f"MLP {args.depth} x {args.hidden}, batch {args.batch_size}, {args.steps} steps, 2 ranks (seconds)")

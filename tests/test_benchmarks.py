@@ -85,7 +85,16 @@ def test_digests_runs(tmp_path):
 def test_hf_trainer_smoke(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    data = bench("hf_trainer_vs", "--smoke", cwd=tmp_path, timeout=600)
+    try:
+        data = bench("hf_trainer_vs", "--smoke", cwd=tmp_path, timeout=600)
+    except AssertionError as exc:
+        # The peer's own rank sometimes aborts in its C++ teardown after training ("terminate
+        # called without an active exception", seen in a full slow-tier session, never alone):
+        # the peer's flake, not ours; one more try, and a second failure fails the test.
+        if "terminate called without an active exception" not in str(exc):
+            raise
+        (tmp_path / "again").mkdir()
+        data = bench("hf_trainer_vs", "--smoke", cwd=tmp_path / "again", timeout=600)
     for name in ("sharded_exp", "hf_trainer"):
         [run] = data["runs"][name]
         assert run["step_time_s_median"] > 0 and run["to_first_step_s"] < run["to_exit_s"]

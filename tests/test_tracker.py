@@ -144,3 +144,20 @@ def test_the_cpu_window_covers_a_step_after_the_first_optimizer_step(shared_runs
     assert one["memory"]["peak_allocated_mib_max"] == pytest.approx(two["memory"]["peak_allocated_mib_max"], rel=1e-6)
     assert abs(one["memory"]["peak_rel_error_max"]) <= 0.02
     assert one["throughput"]["timed_steps"] == 4  # 6 steps, 2 tracked and untimed
+
+
+def test_phase_peaks_are_read_for_the_faked_device_only():
+    """A CUDA fake step also holds a few bytes on the CPU (Adam's step counters): the
+    per-phase peaks used for other ranks are the faked device's, never the CPU's."""
+    from types import SimpleNamespace
+
+    from sharded_exp.measure.fake_step import _phases
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    big, tiny_ = {"Total": 100 * 2**20, "Parameter": 100 * 2**20}, {"Total": 8, "Optstate": 8}
+    tracker = SimpleNamespace(
+        phase_peaks={(cuda, "step"): big, (cuda, "optimizer"): big, (cpu, "step"): tiny_, (cpu, "optimizer"): tiny_}
+    )
+    phases = _phases(tracker, cuda)
+    assert set(phases) == {"step", "optimizer"} and all(total == 100 for total, _ in phases.values())
+    assert _phases(tracker, cpu)["optimizer"][0] == 8 / 2**20

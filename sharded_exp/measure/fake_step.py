@@ -117,9 +117,13 @@ def _breakdown(tracker, device: torch.device) -> tuple[float, dict[str, float]]:
     return _parts(next(iter(snap.values()), {}) if device.index is None else snap.get(device, {}))
 
 
-def _phases(tracker) -> dict[str, tuple[float, dict[str, float]]]:
-    """The peak of the forward/backward ("step") and of the optimizer step, each broken down."""
-    return {phase: _parts(snap) for (_, phase), snap in tracker.phase_peaks.items()}
+def _phases(tracker, device: torch.device) -> dict[str, tuple[float, dict[str, float]]]:
+    """The peak of the forward/backward ("step") and of the optimizer step on ``device``, each
+    broken down (a CUDA step also holds a few bytes on the CPU: Adam's ``step`` counters)."""
+    devices = list(dict.fromkeys(dev for dev, _ in tracker.phase_peaks))
+    if device.index is None:
+        device = next((d for d in devices if d.type == device.type), devices[0] if devices else device)
+    return {phase: _parts(snap) for (dev, phase), snap in tracker.phase_peaks.items() if dev == device}
 
 
 def _parts(values: dict) -> tuple[float, dict[str, float]]:
@@ -240,7 +244,7 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
         failure = RuntimeError(tracker.failure)
         raise FakeStepError("the memory tracker (torch MemTracker) failed", failure, detail=tracker.failure)
     peak, parts = _breakdown(tracker, device)
-    return peak, parts, int(count), _phases(tracker)
+    return peak, parts, int(count), _phases(tracker, device)
 
 
 def _data_dependent(exc: BaseException) -> bool:

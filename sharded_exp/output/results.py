@@ -53,10 +53,13 @@ def format_table(rows: list[list[str]], header: list[str]) -> str:
 
 
 def _eval_cell(result: dict[str, Any]) -> str:
-    """The final evaluation in short: ``acc 0.91 f1 0.88`` or ``ppl 12.3``."""
-    final = (result.get("eval") or {}).get("final") or {}
+    """The final evaluation in short, with what its passes cost: ``acc 0.91 f1 0.88 (0.21 s)``."""
+    evaluation = result.get("eval") or {}
+    final = evaluation.get("final") or {}
     short = {"eval/accuracy": "acc", "eval/f1": "f1", "eval/perplexity": "ppl"}
     cells = [f"{name} {final[key]:.3g}" for key, name in short.items() if key in final]
+    if cells and evaluation.get("seconds") is not None:
+        cells.append(f"({evaluation['seconds']:.2f} s)")
     return " ".join(cells) or "-"
 
 

@@ -85,8 +85,8 @@ class Strategy:
         self.scaler.update()
 
     def local_shard(self) -> list[nn.Parameter]:
-        """Parameters whose optimizer state this rank holds (all of them without sharding)."""
-        return list(self.module.parameters())
+        """Parameters whose optimizer state this rank holds (every trainable one without sharding)."""
+        return [p for p in self.module.parameters() if p.requires_grad]
 
     def inject_inf_grad(self) -> Any:
         """Testing aid (fault ``inf_grad``): make one gradient element of this rank's own

@@ -76,7 +76,8 @@ class FSDP(Strategy):
         return skip_reduce()
 
     def local_shard(self) -> list:
-        return list(self.module.parameters())  # every rank holds a slice of every parameter
+        # every rank holds a slice of every trainable parameter's state
+        return [p for p in self.module.parameters() if p.requires_grad]
 
     def inject_inf_grad(self):
         # Sharded parameters never see autograd: hook the gathered weight of the first layer
