@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from sharded_exp.compose import quote_numeric_choices, register_schemas
 from sharded_exp.errors import ConfigError, NothingToDo, RunDirInUse
+from sharded_exp.launch import forkserver
 from sharded_exp.launch.layout import with_shared_run_dir
 from sharded_exp.launch.parent import launch, record_config_error
 from sharded_exp.report import ReportCallback
@@ -87,6 +88,20 @@ def check_output_dirs(argv: list[str]) -> None:
         except OSError as exc:
             print(f"error: {key}={value} cannot be written ({exc.strerror}); choose another {key}", file=sys.stderr)
             sys.exit(2)
+
+
+def exit_now(code: int) -> None:
+    """Exit without the interpreter's teardown of every imported module (torch,
+    transformers, ...: most of a second, after all the work is done). Everything the job
+    writes is closed by now (result.json, .hydra/, the report, W&B runs are finished);
+    what is left to do is flush the log and the streams and end the rank server."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    forkserver.stop()
+    os._exit(code)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -148,4 +163,4 @@ if __name__ == "__main__":
     check_output_dirs(sys.argv[1:])
     main()
     # Non-zero when a sweep point failed for a reason other than running out of memory.
-    sys.exit(1 if ReportCallback.failed_points else 0)
+    exit_now(1 if ReportCallback.failed_points else 0)

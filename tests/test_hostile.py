@@ -389,3 +389,23 @@ def test_a_long_history_does_not_deadlock_the_parent(tmp_path):
     result = run_job(["trainer.steps=1200", "trainer.log_interval=1"], tmp_path)
     assert result["status"] == "ok" and len(result["history"]) == 1200
     assert len(json.dumps(result["history"])) > 2**16  # more than a pipe holds
+
+
+# ================================================== issue 22: the second hostile pass
+# ----------------------------------------- 1 and 8: a rank that exits 0 without a result
+@pytest.mark.parametrize(
+    "how, ranks, blamed",
+    [("os", "[0,1]", 0), ("sys", "[0,1]", 0), ("os", "[1]", 1)],
+    ids=["every-rank-os-exit-0", "every-rank-sys-exit-0", "one-rank-os-exit-0"],
+)
+def test_22_1_a_rank_that_exits_0_without_a_result_is_the_named_failure(how, ranks, blamed, tmp_path):
+    t0 = time.monotonic()
+    overrides = ["model=custom", "model._target_=tests.user_models.build_exits", f"+model.how={how}",
+                 f"+model.ranks={ranks}", "trainer.timeout_s=60"]  # fmt: skip
+    result = launch(overrides, tmp_path)
+    assert time.monotonic() - t0 < 40, "the parent waited for a result that never came"
+    assert result["status"] == "failed"
+    assert result["error"].startswith(f"rank {blamed}:"), result["error"]
+    assert "exit" in result["error"] and "Connection" not in result["error"], result["error"]
+    assert read_result(tmp_path)["status"] == "failed"
+    assert not (tmp_path / ".lock").exists()

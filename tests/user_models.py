@@ -41,3 +41,46 @@ def build_no_loss(in_features, num_classes):
 
 def build_only_x(in_features, num_classes):
     return OnlyX(in_features, num_classes, 16)
+
+
+class ExitsInForward(Net):
+    """A model that ends its rank's process from inside forward on the ranks named in
+    ``ranks`` (never in the parent's fake step): ``sys.exit(code)`` or ``os._exit(code)``."""
+
+    def __init__(self, in_features, num_classes, how, code, ranks):
+        super().__init__(in_features, num_classes, 16)
+        self.how, self.code, self.ranks = how, code, list(ranks)
+
+    def forward(self, inputs, targets=None):
+        import os
+        import sys
+
+        import torch.distributed as dist
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        real = not isinstance(inputs, FakeTensor) and inputs.device.type != "meta"  # not pre-flight's fake step
+        if real and dist.is_initialized() and dist.get_rank() in self.ranks:
+            sys.stdout.flush()
+            sys.exit(self.code) if self.how == "sys" else os._exit(self.code)
+        return super().forward(inputs, targets)
+
+
+def build_exits(in_features, num_classes, how="os", code=0, ranks=(0, 1)):
+    return ExitsInForward(in_features, num_classes, how, code, ranks)
+
+
+class WithScalar(Net):
+    """A model with a 0-dim parameter (a learnable temperature), as in CLIP."""
+
+    def __init__(self, in_features, num_classes):
+        super().__init__(in_features, num_classes, 16)
+        self.temperature = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, inputs, targets=None):
+        out = super().forward(inputs, targets)
+        logits = out["logits"] * self.temperature
+        return {"logits": logits, "loss": F.cross_entropy(logits, targets)}
+
+
+def build_with_scalar(in_features, num_classes):
+    return WithScalar(in_features, num_classes)

@@ -9,8 +9,12 @@ imports only the standard library for that reason.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import multiprocessing
 import multiprocessing.forkserver
+import os
+import signal
 
 from sharded_exp.launch.layout import will_spawn
 
@@ -55,3 +59,18 @@ def start_early(args: list[str] | None = None) -> None:
     if will_spawn():
         context(extra_preload(args or []))
         multiprocessing.forkserver.ensure_running()
+        atexit.register(stop)
+
+
+def stop() -> None:
+    """End the server with the job. Left to itself it would exit once the job's process is
+    gone, through a full interpreter teardown of everything it preloaded (over a second),
+    holding the job's stdout and stderr open all the while: a caller reading them (a
+    pipe, ``tee``, CI, ``subprocess.run``) would wait that long for the job to end. The
+    server holds no state worth a teardown; the ranks it forked have ended by now."""
+    pid = multiprocessing.forkserver._forkserver._forkserver_pid
+    if pid is None:
+        return
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGTERM)
+        os.waitpid(pid, 0)

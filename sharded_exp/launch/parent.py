@@ -31,7 +31,7 @@ from sharded_exp.errors import RunDirInUse, writing
 from sharded_exp.launch import forkserver, liveness
 from sharded_exp.launch.layout import Layout, external_layout, rendezvous_env
 from sharded_exp.launch.rank import Job, run_rank, spawned_entry
-from sharded_exp.output.results import base_result, predicted_section, summary_table, write_json
+from sharded_exp.output.results import base_result, finished_result, predicted_section, summary_table, write_json
 from sharded_exp.registry import import_plugins
 
 
@@ -118,16 +118,10 @@ def _launch(cfg, output_dir, job_files, started, layout, is_writer, launched, lo
     try:
         validated = time.time()
         # rank 0's payload carries status "ok" or "stopped"; other torchrun ranks get None
-        result.update(run_job(job, layout, checked.world_size) or {"status": "ok"})
-        # Unix times: parent launch -> validated -> rank start -> process group -> built -> logger -> first step
+        payload = run_job(job, layout, checked.world_size)
         main, imported = started or (None, None)
-        result["timeline"] = {
-            "main": main,
-            "imported": imported,
-            "launch": launched,
-            "validated": validated,
-            **result.get("timeline", {}),
-        }
+        parent_times = {"main": main, "imported": imported, "launch": launched, "validated": validated}
+        result = finished_result(result, payload, parent_times)
     except Exception as exc:  # noqa: BLE001 -- a rank failed: record it, then let the caller exit non-zero
         result.update(failure_of(exc, output_dir))
         result.setdefault("memory", predicted_section(checked.prediction))  # what was expected, still
@@ -186,6 +180,7 @@ def spawn(job: Job, world_size: int) -> dict[str, Any]:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
     store_addr = {"host": "127.0.0.1", "port": store.port}
     stop = ParentStop(job.cfg["trainer"]["stop_grace_s"])
+    finished: dict[int, Any] = {}  # rank -> its payload (None but on rank 0)
     try:
         with stop.handling_signals():  # before the ranks exist: no signal leaves orphans
             context = mp.start_processes(
@@ -197,14 +192,17 @@ def spawn(job: Job, world_size: int) -> dict[str, Any]:
             )
             stop.watch(context.processes)
             # When a rank fails, its peers get 2 s to exit by themselves, then SIGTERM,
-            # 2 s more, then SIGKILL (torch's default would wait 30 s). Rank 0's payload is
-            # read as soon as it is sent: a payload larger than the pipe's buffer (a long
-            # history) blocks rank 0 in put() until read, and it would never exit.
-            payload = None
+            # 2 s more, then SIGKILL (torch's default would wait 30 s). Every rank says it
+            # finished, rank 0 with its payload; messages are read as soon as they are sent:
+            # a payload larger than the pipe's buffer (a long history) blocks rank 0 in
+            # put() until read, and it would never exit.
             while not context.join(timeout=0.5, grace_period=2.0):
-                if payload is None and not results.empty():
-                    payload = results.get()
+                _drain(results, finished)
+                early = _exited_unfinished(context.processes, finished, results)
+                if early is not None:  # its peers wait for it in a collective: no need to wait on
+                    raise RankDied(early, 0)
                 stop.enforce_deadline()
+            _drain(results, finished)
     except Exception:
         if stop.signum is not None:  # ranks that died of the signal, or were killed
             raise Stopped(stop.signum, killed=stop.killed) from None
@@ -212,19 +210,44 @@ def spawn(job: Job, world_size: int) -> dict[str, Any]:
         # kernel's OOM killer) failed first; its peers then lose their connection and
         # record that instead. A signal death torch noticed first is the first failure.
         exc = sys.exc_info()[1]
+        if isinstance(exc, RankDied):
+            raise
         if isinstance(exc, mp.ProcessExitedException) and (exc.exit_code or 0) < 0:
             raise RankDied(exc.error_index, exc.exit_code) from None
+        _drain(results, finished)
+        # A rank that exited with code 0 before it finished (sys.exit(0), os._exit(0) in a
+        # model) left its peers waiting in a collective, and they failed next: it is the cause.
+        early = _exited_unfinished(context.processes, finished, results)
+        if early is not None:
+            raise RankDied(early, 0) from None
         for rank, proc in enumerate(context.processes):
             record = os.path.join(job.output_dir, f"rank{rank}_error.json")
             died = (proc.exitcode or 0) > 0 or (proc.exitcode or 0) < 0 and _lost_peer(exc)
             if died and not os.path.exists(record):
                 raise RankDied(rank, proc.exitcode) from None
         raise
-    if payload is None:
-        payload = results.get()
+    early = _exited_unfinished(context.processes, finished, results)
+    if early is not None:  # every rank exited with code 0, and this one never finished
+        raise RankDied(early, 0)
+    payload = finished[0]
     if payload.get("status") == "stopped" and stop.signum is not None:
         payload["signal"] = stop.signum  # the job's signal (ranks may also see Ctrl-C's SIGINT)
     return payload
+
+
+def _drain(results, finished: dict[int, Any]) -> None:
+    """Read every (rank, payload) message the ranks have sent so far into ``finished``."""
+    while not results.empty():
+        rank, payload = results.get()
+        finished[rank] = payload
+
+
+def _exited_unfinished(processes, finished: dict[int, Any], results) -> int | None:
+    """The first rank that exited with code 0 without saying it finished, if any."""
+    exited = [rank for rank, proc in enumerate(processes) if rank not in finished and proc.exitcode == 0]
+    if exited:
+        _drain(results, finished)  # a rank sends, then exits: what it sent is readable now
+    return next((rank for rank in exited if rank not in finished), None)
 
 
 class Stopped(RuntimeError):
@@ -304,6 +327,11 @@ class RankDied(RuntimeError):
                 else ""
             )
             message = f"rank {rank}: killed by signal {-exit_code} ({name}){hint}"
+        elif exit_code == 0:
+            message = (
+                f"rank {rank}: the process exited with code 0 before it finished training (sys.exit or "
+                "os._exit in the model or the data?)"
+            )
         else:
             message = f"rank {rank}: process exited with code {exit_code}"
         super().__init__(message)

@@ -151,8 +151,7 @@ def spawned_entry(index: int, world_size: int, job: Job, store: dict, results) -
     if job.parent_pid is not None:
         watch_parent(job.parent_pid, index)
     payload = run_rank(job, index, world_size, index, world_size, store)
-    if payload is not None:
-        results.put(payload)
+    results.put((index, payload))  # every rank says it finished; rank 0 with the payload
 
 
 def record_rank_failure(output_dir: str, rank: int, exc: BaseException, message: str | None = None) -> None:

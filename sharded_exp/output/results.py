@@ -46,6 +46,80 @@ def base_result(cfg_data: dict[str, Any], params: int, output_dir: str) -> dict[
     }
 
 
+def training_result(
+    out,
+    per_rank: list[dict[str, Any]],
+    digest: dict[str, float],
+    final_loss: float,
+    *,
+    start: int,
+    world_size: int,
+    resumed_from: str | None,
+    resume_changes: list[dict[str, Any]],
+    params: int,
+    signal: int | None,
+    memory: dict[str, Any],
+    timeline: dict[str, float],
+) -> dict[str, Any]:
+    """What rank 0 sends the parent when training ended: result.json's training part,
+    which the parent lays over :func:`base_result`. ``out``: the trainer's LoopOutcome."""
+    import math
+
+    nonfinite = [e.get("first_nonfinite_step", -1) for e in per_rank if e.get("first_nonfinite_step", -1) >= 0]
+    diverged = not math.isfinite(final_loss) or any(e["nonfinite_params"] for e in per_rank)
+    return {
+        "status": "stopped" if out.stopped else ("diverged" if diverged else "ok"),
+        "error": _divergence(final_loss, per_rank, nonfinite) if diverged else None,
+        "first_nonfinite_step": min(nonfinite) if nonfinite else None,
+        "signal": signal if out.stopped else None,
+        "start_step": start,
+        "steps_done": out.steps_done,
+        "world_size": world_size,
+        "resumed_from": resumed_from,
+        "resume_changes": resume_changes,
+        "checkpoint": out.checkpoint,
+        "params": params,
+        "final_loss": final_loss,
+        "final_metrics": out.history[-1],
+        "param_digest": digest,
+        "throughput": out.throughput,
+        "history": out.history,
+        "eval": _eval_section(out.evals),
+        "memory": memory,
+        "timeline": {**timeline, "first_step": out.first_step_unix, "last_step": out.last_step_unix},
+    }
+
+
+def finished_result(
+    result: dict[str, Any], payload: dict[str, Any] | None, parent_times: dict[str, float | None]
+) -> dict[str, Any]:
+    """result.json of a job whose ranks ended: :func:`base_result` with rank 0's
+    :func:`training_result` laid over it (None: a torchrun rank other than 0, status "ok"),
+    and one timeline in Unix times: main -> imported -> launch -> validated (the parent's),
+    then rank_start -> process_group_ready -> built -> logger_ready -> first_step ->
+    last_step (rank 0's)."""
+    payload = payload or {"status": "ok"}
+    return {**result, **payload, "timeline": {**parent_times, **payload.get("timeline", {})}}
+
+
+def _eval_section(evals: list[dict[str, Any]]) -> dict[str, Any] | None:
+    if not evals:
+        return None
+    return {
+        "final": {k: v for k, v in evals[-1].items() if k.startswith("eval/")},
+        "history": [{k: v for k, v in e.items() if k != "seconds"} for e in evals],
+        "seconds": sum(e["seconds"] for e in evals),  # every pass, untimed by the steps
+    }
+
+
+def _divergence(final_loss: float, per_rank: list[dict[str, Any]], nonfinite: list[int]) -> str:
+    """One line saying how a run diverged (result.json's error for status "diverged")."""
+    bad = [e["rank"] for e in per_rank if e["nonfinite_params"]]
+    where = f"loss first non-finite at step {min(nonfinite)}" if nonfinite else "loss finite at every step"
+    params = f"non-finite parameters on rank(s) {', '.join(map(str, bad))}" if bad else "parameters finite"
+    return f"diverged: final loss {final_loss}, {where}, {params}"
+
+
 def format_table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     line = lambda cells: "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))

@@ -29,7 +29,7 @@ from sharded_exp.launch import liveness
 from sharded_exp.measure.flops import utilisation
 from sharded_exp.measure.tracker import MemoryMeter, model_state_mib, process_peak_rss_mib
 from sharded_exp.output.loggers import NullLogger, build_logger, memory_values, summary_values
-from sharded_exp.output.results import memory_section
+from sharded_exp.output.results import memory_section, training_result
 from sharded_exp.strategies.base import Strategy
 from sharded_exp.train import evaluate as evaluation
 from sharded_exp.train.build import build_run
@@ -204,14 +204,6 @@ def run_loop(
     return out
 
 
-def _divergence(final_loss: float, per_rank: list[dict[str, Any]], nonfinite: list[int]) -> str:
-    """One line saying how a run diverged (result.json's error for status "diverged")."""
-    bad = [e["rank"] for e in per_rank if e["nonfinite_params"]]
-    where = f"loss first non-finite at step {min(nonfinite)}" if nonfinite else "loss finite at every step"
-    params = f"non-finite parameters on rank(s) {', '.join(map(str, bad))}" if bad else "parameters finite"
-    return f"diverged: final loss {final_loss}, {where}, {params}"
-
-
 def _evaluated(evaluate, step: int, log) -> dict[str, float]:
     t0 = time.perf_counter()
     record = {"step": step, **evaluate(step), "seconds": time.perf_counter() - t0}
@@ -351,35 +343,20 @@ def train(
             out.throughput.update(utilisation(flops, out.throughput["step_time_s_median"], device, cfg.precision.name))
         if final_state is not None:
             torch.save(final_state, os.path.join(output_dir, "model_final.pt"))
-        nonfinite = [e.get("first_nonfinite_step", -1) for e in per_rank if e.get("first_nonfinite_step", -1) >= 0]
-        diverged = not math.isfinite(final_loss) or any(e["nonfinite_params"] for e in per_rank)
-        payload = {
-            "status": "stopped" if out.stopped else ("diverged" if diverged else "ok"),
-            "error": _divergence(final_loss, per_rank, nonfinite) if diverged else None,
-            "first_nonfinite_step": min(nonfinite) if nonfinite else None,
-            "signal": stopper.signum if out.stopped else None,
-            "start_step": start,
-            "steps_done": out.steps_done,
-            "world_size": dist.get_world_size(),
-            "resumed_from": tc.resume,
-            "resume_changes": resume_changes,
-            "checkpoint": out.checkpoint,
-            "params": sum(p.numel() for p in module.parameters()),
-            "final_loss": final_loss,
-            "final_metrics": out.history[-1],
-            "param_digest": digest,
-            "throughput": out.throughput,
-            "history": out.history,
-            "eval": {
-                "final": {k: v for k, v in out.evals[-1].items() if k.startswith("eval/")},
-                "history": [{k: v for k, v in e.items() if k != "seconds"} for e in out.evals],
-                "seconds": sum(e["seconds"] for e in out.evals),  # every pass, untimed by the steps
-            }
-            if out.evals
-            else None,
-            "memory": memory_section(prediction, per_rank, meter.source),
-            "timeline": {**timeline, "first_step": out.first_step_unix, "last_step": out.last_step_unix},
-        }
+        payload = training_result(
+            out,
+            per_rank,
+            digest,
+            final_loss,
+            start=start,
+            world_size=dist.get_world_size(),
+            resumed_from=tc.resume,
+            resume_changes=resume_changes,
+            params=sum(p.numel() for p in module.parameters()),
+            signal=stopper.signum,
+            memory=memory_section(prediction, per_rank, meter.source),
+            timeline=timeline,
+        )
         logger.log(memory_values(payload["memory"]), step=payload["steps_done"])
         logger.summary(summary_values(payload))
     logger.finish(exit_code=1 if payload is not None and payload["status"] == "diverged" else 0)
