@@ -35,7 +35,7 @@ from sharded_exp.errors import ConfigError, NothingToDo, RunDirInUse
 from sharded_exp.launch import forkserver
 from sharded_exp.launch.layout import with_shared_run_dir
 from sharded_exp.launch.parent import launch, record_config_error
-from sharded_exp.report import ReportCallback
+from sharded_exp.report import ReportCallback, sweep_id
 
 register_schemas()
 IMPORTED = time.time()
@@ -55,6 +55,23 @@ def name_the_run(cfg: DictConfig) -> None:
         cfg.logger.job_type = cfg.strategy.name
     if cfg.logger.get("run_name", "missing") is None:
         cfg.logger.run_name = hc.job.override_dirname or "defaults"
+
+
+def check_resolvable(cfg: DictConfig) -> None:
+    """Every value set and every interpolation resolvable (``???``, an unset
+    ``${oc.env:...}``), said as one error line naming the key, before anything else."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        hint = " (model=custom needs model._target_=package.module.factory)" if "model._target_" in missing else ""
+        raise ConfigError(f"{', '.join(missing)} must be set: no value was given{hint}")
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None)
+        message = str(exc).splitlines()[0]
+        raise ConfigError(f"{key}: {message}" if key else message) from None
 
 
 def remove_if_unused(output_dir: str) -> None:
@@ -108,17 +125,21 @@ def exit_now(code: int) -> None:
 def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     output_dir = hc.runtime.output_dir
-    name_the_run(cfg)
-    # Hydra's own .hydra/ writing is off (conf/config.yaml): the launcher writes these
-    # files once the config is known good, after moving an earlier attempt's aside.
-    job_files = {
-        "config.yaml": cfg,
-        "hydra.yaml": OmegaConf.create({"hydra": hc}),
-        "overrides.yaml": OmegaConf.create(list(hc.overrides.task)),
-    }
     multirun = hc.mode == RunMode.MULTIRUN
+    identity = {"overrides": list(hc.overrides.task)}
+    if multirun:
+        identity["sweep_id"] = sweep_id(hc.sweep.dir)
     try:
-        result = launch(cfg, output_dir, job_files, started=(STARTED, IMPORTED))
+        check_resolvable(cfg)
+        name_the_run(cfg)
+        # Hydra's own .hydra/ writing is off (conf/config.yaml): the launcher writes these
+        # files once the config is known good, after moving an earlier attempt's aside.
+        job_files = {
+            "config.yaml": cfg,
+            "hydra.yaml": OmegaConf.create({"hydra": hc}),
+            "overrides.yaml": OmegaConf.create(list(hc.overrides.task)),
+        }
+        result = launch(cfg, output_dir, job_files, started=(STARTED, IMPORTED), identity=identity)
     except NothingToDo as exc:  # a requeued job that had finished: result.json stays as it is
         print(str(exc), file=sys.stderr)
         return
@@ -129,12 +150,18 @@ def main(cfg: DictConfig) -> None:
             sys.exit(2)
         if isinstance(exc, RunDirInUse):
             return  # the directory is another job's: nothing is written there
-        result = record_config_error(cfg, output_dir, exc)
+        result = record_config_error(cfg, output_dir, exc, identity=identity)
     except OSError as exc:  # the run directory's filesystem: full, read-only, gone
         print(f"error: {exc.strerror or exc}; the job did not run", file=sys.stderr)
         if not multirun:
             sys.exit(1)
         return
+    except Exception as exc:  # noqa: BLE001 -- unforeseen, before or around the ranks
+        if not multirun:
+            raise  # its traceback is what a bug report needs
+        # A sweep point still ends with a result.json, and the sweep (and its report) go on.
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        result = record_config_error(cfg, output_dir, exc, what="unexpected", identity=identity)
     if result["status"] == "stopped":
         # SIGTERM/SIGINT: exit like a terminated process (143 / 130); a sweep stops here,
         # with the report of its points so far.

@@ -96,6 +96,11 @@ def resolve_resume(resume: str | None, directory: str) -> str | None:
     return path
 
 
+def resume_step(path: str | None) -> int:
+    """The step a run resumed from ``path`` (a resolved checkpoint, or None) starts at."""
+    return int(read_meta(path)["step"]) if path else 0
+
+
 def checkpoint_format(meta: dict[str, Any]) -> str:
     return meta.get("checkpoint_format", "consolidated")  # written before dcp existed
 

@@ -63,6 +63,11 @@ class CheckpointFormat(str, Enum):
     consolidated = "consolidated"
 
 
+class ExistingCheckpoints(str, Enum):
+    refuse = "refuse"
+    archive = "archive"
+
+
 @dataclass
 class TrainerConfig:
     world_size: int = 2
@@ -108,6 +113,11 @@ class TrainerConfig:
     """dcp: torch.distributed.checkpoint, each rank writes and reads only its own shards.
     consolidated: full model.pt / optim.pt written by rank 0 (for exchange). auto: dcp for
     every strategy that shards something, consolidated for ddp."""
+    existing_checkpoints: ExistingCheckpoints = ExistingCheckpoints.refuse
+    """When checkpoint_dir already holds checkpoints later than the step this run starts
+    from (another trajectory: a fresh run, or a resume from an earlier step): refuse the
+    job before it starts, or archive them to checkpoint_dir/archived/<n>/ first. Never
+    kept beside this run's (resume=auto would then continue the other trajectory)."""
     checkpoint_async: bool = False
     """dcp only: write the checkpoint files in the background while training goes on."""
     resume: Optional[str] = None

@@ -188,6 +188,24 @@ def decide_device(accelerator: str, local_ranks: int, precision_name: str) -> st
     return "cuda"
 
 
+def _check_later_checkpoints(t, start: int) -> None:
+    """A run that writes checkpoints must not meet later ones from another trajectory in
+    its directory: they would be kept in place of its own, and resume=auto would continue
+    them. Refused (trainer.existing_checkpoints=refuse) or archived by the parent."""
+    if not t.checkpoint_every:
+        return
+    later = [path for step, path in checkpoint.complete_checkpoints(t.checkpoint_dir) if step > start]
+    existing = str(getattr(t.existing_checkpoints, "value", t.existing_checkpoints))
+    if later and existing == "refuse":
+        names = ", ".join(os.path.basename(p) for p in later[:4]) + (", ..." if len(later) > 4 else "")
+        raise ConfigError(
+            f"trainer.checkpoint_dir={t.checkpoint_dir} already holds {names}, later than step {start} where this "
+            "run starts: another trajectory, which this run would mix with its own. Choose another "
+            "trainer.checkpoint_dir, resume from the newest (trainer.resume=auto), or set "
+            "trainer.existing_checkpoints=archive to move them to archived/<n>/ first"
+        )
+
+
 def resolve_checkpoints(cfg, output_dir: str, shapes: ModelShapes) -> None:
     """Fill in ``trainer.checkpoint_dir`` and ``trainer.checkpoint_format`` and turn
     ``trainer.resume`` into a checkpoint path (or null), checking that the checkpoint is
@@ -204,12 +222,18 @@ def resolve_checkpoints(cfg, output_dir: str, shapes: ModelShapes) -> None:
         f"trainer.checkpoint_async=true needs trainer.checkpoint_format=dcp (it is {fmt})",
     )
     t.checkpoint_dir = os.path.abspath(t.checkpoint_dir or os.path.join(output_dir, "checkpoints"))
+    _require(
+        not os.path.exists(t.checkpoint_dir) or os.path.isdir(t.checkpoint_dir),
+        f"trainer.checkpoint_dir={t.checkpoint_dir} is a file, not a directory; choose another trainer.checkpoint_dir",
+    )
     try:
         auto = t.resume == "auto"
         t.resume = checkpoint.resolve_resume(t.resume, t.checkpoint_dir)
         if t.resume is None:
+            _check_later_checkpoints(t, 0)
             return
         meta = checkpoint.read_meta(t.resume)
+        _check_later_checkpoints(t, meta["step"])
         if auto and meta["step"] >= t.steps:
             raise NothingToDo(
                 f"trainer.resume=auto: the newest checkpoint, {t.resume}, is at step {meta['step']} of "

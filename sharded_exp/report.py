@@ -19,7 +19,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 
 from sharded_exp.output import workspace
-from sharded_exp.output.report import load_points, markdown, write_report
+from sharded_exp.output.report import SWEEP_ID, load_points, markdown, write_report
 
 
 class ReportCallback(Callback):
@@ -31,9 +31,24 @@ class ReportCallback(Callback):
 
     failed_points = 0
 
+    def on_multirun_start(self, config, **kwargs) -> None:
+        import uuid
+
+        sweep_dir = Path(config.hydra.sweep.dir)
+        try:
+            sweep_dir.mkdir(parents=True, exist_ok=True)
+            (sweep_dir / SWEEP_ID).write_text(uuid.uuid4().hex + "\n")
+        except OSError as exc:  # the points say so themselves; the report then takes every point
+            print(f"warning: {sweep_dir / SWEEP_ID} not written ({exc.strerror or exc})", file=sys.stderr)
+
     def on_multirun_end(self, config, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        rows = write_report(sweep_dir)
+        try:
+            rows = write_report(sweep_dir)
+        except OSError as exc:
+            print(f"error: report not written in {sweep_dir}: {exc.strerror or exc}", file=sys.stderr)
+            ReportCallback.failed_points += 1
+            return
         if not rows:
             print(f"report: no result.json under {sweep_dir}; no report written", file=sys.stderr)
             return
@@ -64,7 +79,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    rows = write_report(args.sweep_dir)
+    try:
+        rows = write_report(args.sweep_dir)
+    except OSError as exc:
+        print(f"error: report not written in {args.sweep_dir}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     if not rows:
         print(f"error: no result.json under {args.sweep_dir}", file=sys.stderr)
         return 1

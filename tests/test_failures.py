@@ -135,7 +135,12 @@ def finish(proc, log, timeout=60) -> str:
     return log.read_text()
 
 
-@pytest.mark.parametrize("how", [pytest.param("sigterm", marks=pytest.mark.slow), "ctrl_c"])
+SENT = {"sigterm": signal.SIGTERM, "ctrl_c": signal.SIGINT, "sighup": signal.SIGHUP}
+
+
+@pytest.mark.parametrize(
+    "how", [pytest.param("sigterm", marks=pytest.mark.slow), "ctrl_c", pytest.param("sighup", marks=pytest.mark.slow)]
+)
 def test_a_signal_stops_the_ranks_saves_and_leaves_no_process(tmp_path, how):
     run = tmp_path / "run"
     log = tmp_path / "job.log"
@@ -146,9 +151,11 @@ def test_a_signal_stops_the_ranks_saves_and_leaves_no_process(tmp_path, how):
     if how == "sigterm":
         proc.send_signal(signal.SIGTERM)  # as SLURM or kill does: the job's process only
     else:
-        os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C does: the whole foreground group
+        # Ctrl-C, or the terminal closing (SIGHUP, issue 22.9): the whole foreground group
+        os.killpg(proc.pid, SENT[how])
     output = finish(proc, log)
-    assert proc.returncode == 128 + (signal.SIGTERM if how == "sigterm" else signal.SIGINT), output[-3000:]
+    assert proc.returncode == 128 + SENT[how], output[-3000:]
+    assert not (run / ".lock").exists()
     assert not survivors(tree), "processes outlived the job"
     result = read_result(run)
     assert result["status"] == "stopped"
@@ -156,7 +163,7 @@ def test_a_signal_stops_the_ranks_saves_and_leaves_no_process(tmp_path, how):
     # The state at the stop was saved, and it is complete.
     assert result["checkpoint"] == str(run / "checkpoints" / f"step_{result['steps_done']:08d}")
     assert (run / "checkpoints" / f"step_{result['steps_done']:08d}" / "meta.json").exists()
-    if how == "ctrl_c":
+    if how != "sigterm":
         return
 
     # Resuming from the stop ends bit-identical to a run that was never stopped.

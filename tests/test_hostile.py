@@ -16,7 +16,7 @@ import torch
 
 from sharded_exp import checkpoint
 from sharded_exp.errors import ConfigError
-from tests.conftest import ROOT, TINY, compose_cfg, read_result, run_cli, run_job, tiny
+from tests.conftest import ROOT, STRATEGY_NAMES, TINY, compose_cfg, read_result, run_cli, run_job, tiny
 from tests.test_failures import LONG, descendants, finish, start_job, survivors, wait_until
 
 
@@ -409,3 +409,72 @@ def test_22_1_a_rank_that_exits_0_without_a_result_is_the_named_failure(how, ran
     assert "exit" in result["error"] and "Connection" not in result["error"], result["error"]
     assert read_result(tmp_path)["status"] == "failed"
     assert not (tmp_path / ".lock").exists()
+
+
+# ------------------------------------ 2. checkpoints of another trajectory, shared directories
+def test_22_2_later_checkpoints_of_another_trajectory_are_refused_or_archived(tmp_path):
+    first = tmp_path / "first"
+    ckpts = tmp_path / "ckpts"
+    args = ["trainer.steps=4", "trainer.checkpoint_every=2", f"trainer.checkpoint_dir={ckpts}"]
+    assert launch(args, first)["status"] == "ok"
+    old_four = (ckpts / "step_00000004" / "meta.json").read_bytes()
+    resume = [*args, f"trainer.resume={ckpts / 'step_00000002'}", "optimizer.lr=0.01"]
+    # Refused before anything is written: the later step is named, and the ways out.
+    with pytest.raises(ConfigError, match=r"already holds step_00000004.*trainer.existing_checkpoints=archive"):
+        launch(resume, tmp_path / "second")
+    assert not (tmp_path / "second").exists()
+    # A fresh run into the same directory would meet steps 2 and 4: refused as well.
+    with pytest.raises(ConfigError, match="step_00000002, step_00000004"):
+        launch(args, tmp_path / "third")
+    # Archived on request: the new step 4 is this trajectory's, and result.json names it.
+    result = launch([*resume, "trainer.existing_checkpoints=archive"], tmp_path / "second")
+    assert result["status"] == "ok", result["error"]
+    assert result["checkpoint"] == str(ckpts / "step_00000004")
+    assert (ckpts / "archived" / "1" / "step_00000004" / "meta.json").read_bytes() == old_four
+    assert (ckpts / "step_00000004" / "meta.json").read_bytes() != old_four
+    assert [s for s, _ in checkpoint.complete_checkpoints(str(ckpts))] == [2, 4]
+
+
+def test_22_2_a_checkpoint_directory_is_held_by_one_job(tmp_path):
+    from sharded_exp.launch.parent import hold_checkpoint_dir, release_run_dir
+
+    ckpts = tmp_path / "ckpts"
+    held = hold_checkpoint_dir(str(ckpts))  # as a live job holds it
+    try:
+        with pytest.raises(ConfigError, match=r"trainer.checkpoint_dir=.*ckpts is in use by a running job \(pid"):
+            launch(["trainer.steps=2", "trainer.checkpoint_every=1", f"trainer.checkpoint_dir={ckpts}"], tmp_path / "b")
+        assert not (tmp_path / "b" / "result.json").exists()
+    finally:
+        release_run_dir(held)
+    # A file, or a directory that cannot be written: said before any rank starts.
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="is a file, not a directory"):
+        launch(["trainer.resume=auto", "trainer.checkpoint_every=1", f"trainer.checkpoint_dir={tmp_path / 'file'}"],
+               tmp_path / "c")  # fmt: skip
+
+
+# ------------------------------------------------------------- 5. a 0-dim parameter
+SCALAR = ["model=custom", "model._target_=tests.user_models.build_with_scalar", "trainer.grad_accum=2",
+          "trainer.save_final_state=true", "optimizer.lr=1e-2", "trainer.steps=4"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "strategy", [pytest.param(s, marks=[] if s == "fsdp" else pytest.mark.slow) for s in STRATEGY_NAMES if s != "ddp"]
+)
+def test_22_5_a_0_dim_parameter_trains_under_every_strategy_as_under_ddp(strategy, shared_runs):
+    from tests.test_models import max_relative_diff
+
+    ref_dir, ref = shared_runs("strategy=ddp", *SCALAR)
+    out, result = shared_runs(f"strategy={strategy}", *SCALAR)
+    assert ref["status"] == "ok" and result["status"] == "ok", result["error"]
+    final = torch.load(out / "model_final.pt", weights_only=True)
+    assert final["temperature"].dim() == 0 and final["temperature"].item() != 1.0  # trained, still a scalar
+    assert max_relative_diff(out, ref_dir) <= 1e-6
+    assert result["memory"]["predicted_peak_mib_max"] is not None
+
+
+def test_22_5_the_planner_takes_a_0_dim_parameter():
+    proc = run_cli(["model=custom", "model._target_=tests.user_models.build_with_scalar", "plan.world_sizes=[2]",
+                    "plan.strategies=[fsdp,fsdp_grad_op]"], cwd=ROOT, module="sharded_exp.plan")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fsdp_grad_op" in proc.stdout and "IndexError" not in proc.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 
@@ -110,3 +111,78 @@ def test_a_rerun_sweep_reports_one_row_per_point(tmp_path):
     assert len(list(sweep.rglob("attempts/1/result.json"))) == 2  # the first run's, archived
     rows = list(csv.DictReader(open(sweep / "report.csv")))
     assert sorted(r["strategy"] for r in rows) == ["ddp", "zero1"]
+
+
+# ------------------------------------------------ issue 22: baselines, stale points, lost reports
+@pytest.mark.slow
+def test_22_3_10_each_row_is_compared_with_the_ddp_point_of_its_own_settings(tmp_path):
+    """Baselines are the DDP point whose swept overrides equal the row's (22.3); a reused
+    sweep directory reports the points of the sweep that wrote it, and names the rest (22.10)."""
+    sweep = tmp_path / "sweep"
+    proc = run_cli(["-m", *TINY, "strategy=ddp,oss", "trainer.batch_size=8,16", "trainer.steps=4",
+                    f"hydra.sweep.dir={sweep}"], cwd=ROOT, timeout=400)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    points = {(p["strategy"], p["config"]["trainer"]["batch_size"]): p for p in _points(sweep)}
+    rows = {(r["strategy"], int(r["trainer.batch_size"])): r for r in csv.DictReader(open(sweep / "report.csv"))}
+    assert set(rows) == set(points) and len(rows) == 4
+    for batch in (8, 16):
+        ddp, oss, row = points[("ddp", batch)], points[("oss", batch)], rows[("oss", batch)]
+        speed = oss["throughput"]["samples_per_s"] / ddp["throughput"]["samples_per_s"]
+        assert float(row["speed_vs_ddp"]) == pytest.approx(speed)
+        assert float(row["parity_vs_ddp"]) < 1e-6  # same batch, same data: parity holds
+        assert row["baseline"] == f"ddp (point {os.path.basename(ddp['output_dir']).split('_')[0]})"
+        assert rows[("ddp", batch)]["baseline"] == "itself"
+    assert "| trainer.batch_size |" in (sweep / "report.md").read_text()
+
+    # The same directory, a smaller sweep: its two points only, the other two named as stale.
+    proc = run_cli(["-m", *TINY, "strategy=ddp,oss", "trainer.batch_size=8", "trainer.steps=4",
+                    f"hydra.sweep.dir={sweep}"], cwd=ROOT, timeout=400)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(2 points)" in proc.stdout and "2 stale point(s) of an earlier sweep left out" in proc.stderr
+    assert len(list(csv.DictReader(open(sweep / "report.csv")))) == 2
+    assert "left here by an earlier sweep are not in this report" in (sweep / "report.md").read_text()
+
+
+def test_22_3_a_point_without_a_ddp_twin_says_so():
+    from sharded_exp.output.report import build_rows
+
+    def point(strategy, target, status="ok"):
+        return {"status": status, "strategy": strategy, "world_size": 2, "precision": "32", "model": "custom",
+                "output_dir": f"/s/{strategy}_{target}", "overrides": [f"strategy={strategy}", f"model._target_={target}"],
+                "throughput": {"samples_per_s": 10.0 if strategy == "ddp" else 5.0}, "memory": {}}  # fmt: skip
+
+    rows = {(r["strategy"], r["model._target_"]): r for r in build_rows([
+        point("ddp", "a.A"), point("fsdp", "a.A"), point("fsdp", "b.B"), point("ddp", "c.C", "oom"), point("oss", "c.C")
+    ])}  # fmt: skip
+    assert rows[("fsdp", "a.A")]["baseline"] == "ddp (ddp_a.A)" and rows[("fsdp", "a.A")]["speed_vs_ddp"] == 0.5
+    assert rows[("fsdp", "b.B")]["baseline"] == "none: no ddp point with the same settings"
+    assert rows[("fsdp", "b.B")]["speed_vs_ddp"] is None
+    assert rows[("oss", "c.C")]["baseline"] == "none: ddp (ddp_c.C) ended oom"
+
+
+@pytest.mark.slow
+def test_22_4_an_unexpected_pre_flight_failure_is_a_point_and_the_report_is_written(tmp_path, monkeypatch):
+    """A point whose pre-flight raises something unforeseen (here: the planner's peak
+    prediction, broken on purpose in that point's process) still ends with a result.json,
+    and the sweep goes on to its report."""
+    sweep = tmp_path / "sweep"
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import sharded_exp.preflight as p\n"
+        "real = p.predict\n"
+        "def broken(strategy, optimizer, *args):\n"
+        "    if optimizer.lr == 0.002:\n"
+        "        raise KeyError('surprise')\n"
+        "    return real(strategy, optimizer, *args)\n"
+        "p.predict = broken\n"
+    )
+    env = {"PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
+    proc = run_cli(["-m", "optimizer.lr=0.001,0.002", *TINY, "trainer.steps=3", f"hydra.sweep.dir={sweep}"],
+                   cwd=ROOT, env=env, timeout=300)  # fmt: skip
+    points = {p["config"]["optimizer"]["lr"]: p for p in _points(sweep)}
+    assert points[0.001]["status"] == "ok"
+    assert points[0.002]["status"] == "failed" and "KeyError: 'surprise'" in points[0.002]["error"]
+    assert "traceback" in points[0.002]
+    assert (sweep / "report.md").exists() and "(2 points)" in proc.stdout
+    assert proc.returncode == 1  # a failed point, said in the exit code

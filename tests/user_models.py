@@ -84,3 +84,12 @@ class WithScalar(Net):
 
 def build_with_scalar(in_features, num_classes):
     return WithScalar(in_features, num_classes)
+
+
+def build_none(in_features, num_classes):
+    """A factory that forgot its return."""
+    Net(in_features, num_classes, 16)
+
+
+def build_not_a_module(in_features, num_classes):
+    return {"weights": torch.zeros(in_features, num_classes)}

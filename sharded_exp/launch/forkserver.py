@@ -19,13 +19,14 @@ import signal
 from sharded_exp.launch.layout import will_spawn
 
 PRELOAD = [
+    "sharded_exp.launch.server_init",
     "sharded_exp.train.trainer",
     "sharded_exp.strategies",
     "torch._dynamo",
     "torchmetrics.classification",
     "torchmetrics.text",
 ]
-"""Imported once by the server: the trainer, every strategy, torch._dynamo, which
+"""Imported once by the server: its signal settings, the trainer, every strategy, torch._dynamo, which
 DistributedDataParallel would otherwise import in every rank (about a second each), and
 the torchmetrics modules of the evaluation pass (several seconds in every rank)."""
 

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""Signals that ask a job to stop: SIGHUP is a closed terminal, handled as SIGTERM."""
 CHECK_PERIOD_S = 1.0
 """Seconds between stop checks (the all-reduce of the stop flag)."""
 REPORT_WINDOW_S = 3.0
@@ -43,7 +44,7 @@ def _on_signal(signum, frame) -> None:
 
 
 def catch_stop_signals() -> None:
-    """First thing a rank does: from now on SIGTERM/SIGINT only request a stop."""
+    """First thing a rank does: from now on SIGTERM/SIGINT/SIGHUP only request a stop."""
     _requested.clear()
     for sig in STOP_SIGNALS:
         signal.signal(sig, _on_signal)

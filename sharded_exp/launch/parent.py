@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 
 from sharded_exp import checkpoint, preflight
-from sharded_exp.errors import RunDirInUse, writing
+from sharded_exp.errors import ConfigError, RunDirInUse, writing
 from sharded_exp.launch import forkserver, liveness
 from sharded_exp.launch.layout import Layout, external_layout, rendezvous_env
 from sharded_exp.launch.rank import Job, run_rank, spawned_entry
@@ -40,13 +40,15 @@ def launch(
     output_dir: str,
     job_files: dict[str, Any] | None = None,
     started: tuple[float, float] | None = None,
+    identity: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Check, run every rank, write ``result.json`` and print the summary table.
 
     Returns the result; its ``status`` is "ok", "stopped" (by a signal), "oom" or
     "failed" (with ``error`` naming the rank). Raises ConfigError before any rank starts.
     Under torchrun only rank 0 writes and prints. ``job_files``: ``.hydra/`` files to
-    write once the config is known good.
+    write once the config is known good. ``identity``: result.json fields that place the
+    job in its sweep (``overrides``, ``sweep_id``, see :func:`sharded_exp.report`).
     """
     import_plugins()
     launched = time.time()
@@ -56,7 +58,7 @@ def launch(
     # is checked or written. A new one is made (and held) once the config is known good.
     lock = hold_run_dir(output_dir) if is_writer and os.path.isdir(output_dir) else None
     try:
-        return _launch(cfg, output_dir, job_files, started, layout, is_writer, launched, lock)
+        return _launch(cfg, output_dir, job_files, started, layout, is_writer, launched, lock, identity or {})
     finally:
         release_run_dir(lock)
 
@@ -79,19 +81,39 @@ def hold_run_dir(output_dir: str):
     """Hold ``output_dir`` for this job (an exclusive lock on ``<output_dir>/.lock``, which
     names our pid; released when this process ends, however it ends). A second live job
     there is refused at once, before it moves or writes anything."""
+    return _hold(output_dir, lambda owner: RunDirInUse(
+        f"run directory {output_dir} is in use by a running job (pid {owner}); wait for it to end "
+        "or choose another hydra.run.dir"
+    ))  # fmt: skip
+
+
+def hold_checkpoint_dir(directory: str):
+    """Hold ``trainer.checkpoint_dir`` as the run directory is held: two live jobs never
+    write checkpoints into one directory (the second is refused before its ranks start)."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        return _hold(directory, lambda owner: ConfigError(
+            f"trainer.checkpoint_dir={directory} is in use by a running job (pid {owner}); wait for it to end "
+            "or choose another trainer.checkpoint_dir"
+        ))  # fmt: skip
+    except OSError as exc:
+        raise ConfigError(
+            f"trainer.checkpoint_dir={directory} cannot be written ({exc.strerror or exc}); "
+            "choose another trainer.checkpoint_dir"
+        ) from None
+
+
+def _hold(directory: str, refusal):
     import fcntl
 
-    f = open(os.path.join(output_dir, ".lock"), "a+")
+    f = open(os.path.join(directory, ".lock"), "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.seek(0)
         owner = f.read().strip() or "unknown"
         f.close()
-        raise RunDirInUse(
-            f"run directory {output_dir} is in use by a running job (pid {owner}); wait for it to end "
-            "or choose another hydra.run.dir"
-        ) from None
+        raise refusal(owner) from None
     with writing(f.name):
         f.seek(0)
         f.truncate()
@@ -100,15 +122,24 @@ def hold_run_dir(output_dir: str):
     return f
 
 
-def _launch(cfg, output_dir, job_files, started, layout, is_writer, launched, lock) -> dict[str, Any]:
+def _launch(cfg, output_dir, job_files, started, layout, is_writer, launched, lock, identity) -> dict[str, Any]:
     checked = preflight.check(cfg, output_dir, layout, peak=is_writer)  # raises ConfigError before any rank starts
     cfg_data = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     cfg_data["trainer"]["world_size"] = checked.world_size
-    result = {**base_result(cfg_data, checked.params, output_dir), "launcher": layout.launcher if layout else "spawn"}
+    result = {
+        **base_result(cfg_data, checked.params, output_dir),
+        **identity,
+        "launcher": layout.launcher if layout else "spawn",
+    }
     os.makedirs(output_dir, exist_ok=True)
     if is_writer and lock is None:
         lock = hold_run_dir(output_dir)
         launch_locks.append(lock)  # released by launch()
+    if is_writer and cfg.trainer.checkpoint_every:
+        launch_locks.append(hold_checkpoint_dir(cfg.trainer.checkpoint_dir))
+        existing = cfg.trainer.existing_checkpoints
+        if getattr(existing, "value", existing) == "archive":
+            archive_later_checkpoints(cfg.trainer.checkpoint_dir, checkpoint.resume_step(cfg.trainer.resume))
     if is_writer:
         archive_previous_attempt(output_dir, extra=(".hydra",) if job_files else ())
         write_job_files(output_dir, job_files or {})
@@ -134,11 +165,21 @@ def _launch(cfg, output_dir, job_files, started, layout, is_writer, launched, lo
     return result
 
 
-def record_config_error(cfg: DictConfig, output_dir: str, exc: Exception) -> dict[str, Any]:
-    """A sweep point whose config was refused: recorded as a failed point, nothing started."""
+def record_config_error(
+    cfg: DictConfig, output_dir: str, exc: Exception, what: str = "config", identity: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A sweep point whose config was refused (``what`` "config"), or that failed
+    unexpectedly around its ranks ("unexpected", with the traceback): recorded as a
+    failed point, so that every point of a sweep ends with a result.json."""
     archive_previous_attempt(output_dir)
-    data = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    result = {**base_result(data, None, output_dir), "status": "failed", "error": f"config: {exc}"}
+    try:
+        data = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    except Exception:  # noqa: BLE001 -- a config that cannot resolve: kept as written
+        data = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
+    error = f"config: {exc}" if what == "config" else f"unexpected: {type(exc).__name__}: {exc}"
+    result = {**base_result(data, None, output_dir), **(identity or {}), "status": "failed", "error": error}
+    if what != "config":
+        result["traceback"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     write_result(output_dir, result)
     return result
 
@@ -383,6 +424,23 @@ def write_job_files(output_dir: str, files: dict[str, Any]) -> None:
         os.makedirs(os.path.join(output_dir, ".hydra"), exist_ok=True)
         with writing(os.path.join(output_dir, ".hydra", name)):
             OmegaConf.save(content, os.path.join(output_dir, ".hydra", name))
+
+
+def archive_later_checkpoints(directory: str, start: int) -> str | None:
+    """trainer.existing_checkpoints=archive: checkpoints later than ``start`` (another
+    trajectory's) move to ``<directory>/archived/<n>/``, where resume=auto does not look."""
+    later = [path for step, path in checkpoint.complete_checkpoints(directory) if step > start]
+    if not later:
+        return None
+    archived = os.path.join(directory, "archived")
+    os.makedirs(archived, exist_ok=True)
+    taken = [int(n) for n in os.listdir(archived) if n.isdigit()]
+    target = os.path.join(archived, str(max(taken, default=0) + 1))
+    os.makedirs(target)
+    for path in later:
+        os.rename(path, os.path.join(target, os.path.basename(path)))
+    print(f"moved {len(later)} later checkpoint(s) of another trajectory to {target}", file=sys.stderr, flush=True)
+    return target
 
 
 def archive_previous_attempt(output_dir: str, extra: tuple[str, ...] = ()) -> str | None:

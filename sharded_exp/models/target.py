@@ -41,7 +41,10 @@ def _plain(cfg) -> dict:
 def build_target_model(cfg) -> nn.Module:
     """The model of a ``_target_`` config (see the module docstring)."""
     from hydra.utils import get_class, instantiate
+    from omegaconf import DictConfig, OmegaConf
 
+    if isinstance(cfg, DictConfig) and OmegaConf.is_missing(cfg, "_target_"):
+        raise ConfigError(f"model={cfg.get('name')} needs model._target_=package.module.factory (the model to build)")
     data = _plain(cfg)
     target = data["_target_"]
     if target in (None, "", "???"):
@@ -53,13 +56,17 @@ def build_target_model(cfg) -> nn.Module:
         raise ConfigError(f"model={data.get('name')} needs the package {package}, which is not installed here{hint}")
     try:
         if isinstance(data.get("config"), dict) and "_target_" in data["config"]:
-            return get_class(target)(config=instantiate(data["config"]))
-        kwargs = {k: v for k, v in data.items() if k != "name"}
-        return instantiate(kwargs)
+            module = get_class(target)(config=instantiate(data["config"]))
+        else:
+            module = instantiate({k: v for k, v in data.items() if k != "name"})
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 -- a user's factory: name it and what it said
         raise ConfigError(f"model={data.get('name')}: building {target} failed: {type(exc).__name__}: {exc}") from None
+    if not isinstance(module, nn.Module):
+        got = "None (does it return the model?)" if module is None else f"a {type(module).__name__}"
+        raise ConfigError(f"model={data.get('name')}: model._target_={target} returned {got}, not a torch.nn.Module")
+    return module
 
 
 def check_accepts(module: nn.Module, keys, model_name: str, task: str) -> None:

@@ -25,11 +25,33 @@ COLUMNS = [
 ]  # fmt: skip
 
 
-def load_points(sweep_dir: Path) -> list[dict[str, Any]]:
-    """One result.json per point: earlier attempts archived in ``attempts/`` are not points."""
+SWEEP_ID = ".sweep_id"
+"""In a sweep directory: the id of the sweep that last started there. Each point records
+it in its result.json, so a report leaves out the points an earlier sweep left behind."""
+
+
+def sweep_id(sweep_dir: str | Path) -> str | None:
+    """The id of the sweep that last started in ``sweep_dir`` (None if it has none)."""
+    try:
+        return (Path(sweep_dir) / SWEEP_ID).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def load_points(sweep_dir: Path, stale: list | None = None) -> list[dict[str, Any]]:
+    """One result.json per point of the sweep that last ran in ``sweep_dir``: earlier
+    attempts archived in ``attempts/`` are not points, nor are the points an earlier sweep
+    left in a reused directory (another sweep id; appended to ``stale`` when given)."""
     sweep_dir = Path(sweep_dir)
     paths = [p for p in sorted(sweep_dir.rglob("result.json")) if "attempts" not in p.relative_to(sweep_dir).parts]
-    return [_read_point(p) for p in paths]
+    points = [_read_point(p) for p in paths]
+    current = sweep_id(sweep_dir)
+    if current is None:
+        return points
+    mine = lambda p: p.get("sweep_id") == current or p.get("status") == "unreadable"  # noqa: E731
+    if stale is not None:
+        stale.extend(p for p in points if not mine(p))
+    return [p for p in points if mine(p)]
 
 
 REQUIRED = ("status", "strategy", "world_size", "precision", "model")
@@ -84,13 +106,66 @@ def _row(r: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+AS_COLUMNS = ("strategy", "trainer.world_size", "precision", "model")
+"""Overrides that are report columns of their own."""
+
+
+def _overrides(point: dict[str, Any]) -> dict[str, str] | None:
+    """A point's command-line overrides as {key: value} (``+``/``++`` dropped), from its
+    result.json or, for an older one, its .hydra/overrides.yaml; None if unknown."""
+    found = point.get("overrides")
+    if found is None and point.get("output_dir"):
+        try:
+            import yaml
+
+            found = yaml.safe_load((Path(point["output_dir"]) / ".hydra" / "overrides.yaml").read_text())
+        except (OSError, ValueError):
+            found = None
+    if not isinstance(found, list):
+        return None
+    return dict(str(o).lstrip("+").partition("=")[::2] for o in found)
+
+
+def _point_name(point: dict[str, Any]) -> str:
+    """A point as the report names it: ``point 3`` for a sweep's 3_<overrides>/, else its
+    directory's name."""
+    name = Path(point.get("output_dir") or "?").name
+    number = name.split("_", 1)[0]
+    return f"point {number}" if number.isdigit() else name
+
+
+def swept_keys(points: list[dict[str, Any]]) -> list[str]:
+    """Overrides whose value differs between points (beyond the report's own columns)."""
+    known = [o for o in (_overrides(p) for p in points) if o is not None]
+    keys = dict.fromkeys(k for o in known for k in o)
+    return [k for k in keys if k not in AS_COLUMNS and len({o.get(k) for o in known}) > 1]
+
+
 def build_rows(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    rows = [_row(r) for r in points]
-    key = lambda row: (row["model"], row["precision"], row["world_size"])  # noqa: E731
-    ddp = {key(row): row for row in rows if row["strategy"] == "ddp" and row["status"] == "ok"}
+    """One row per point, compared with its baseline: the DDP point whose settings differ
+    only in the strategy (same model, precision, world size and every other swept
+    override), or none, which the row's ``baseline`` says."""
+    swept = swept_keys(points)
+    rows = []
+    for point in points:
+        row = _row(point)
+        overrides = _overrides(point) or {}
+        for k in swept:
+            row[k] = overrides.get(k)
+        row["_dir"] = _point_name(point)
+        rows.append(row)
+    key = lambda row: (row["model"], row["precision"], row["world_size"], *(row[k] for k in swept))  # noqa: E731
+    ddp_points = {key(row): row for row in rows if row["strategy"] == "ddp"}
     for row in rows:
+        found = ddp_points.get(key(row))
+        if found is None:
+            row["baseline"] = "none: no ddp point with the same settings"
+        elif found["status"] != "ok":
+            row["baseline"] = f"none: ddp ({found['_dir']}) ended {found['status']}"
+        else:
+            row["baseline"] = "itself" if found is row else f"ddp ({found['_dir']})"
         # Savings, speed and parity only between points that trained to a finite end.
-        base = ddp.get(key(row)) if row["status"] == "ok" else None
+        base = found if found is not None and found["status"] == "ok" and row["status"] == "ok" else None
         for col, metric in (
             ("peak_saving_vs_ddp_pct", "peak_allocated_mib_max"),
             ("states_saving_vs_ddp_pct", "model_states_mib_max"),
@@ -104,7 +179,14 @@ def build_rows(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["parity_vs_ddp"] = abs(row["param_l2"] - base["param_l2"]) / base["param_l2"] if ok else None
     order = ["ddp", "oss", "sharded_ddp", "zero1", "fsdp_grad_op", "fsdp"]
     rank = lambda s: order.index(s) if s in order else len(order)  # noqa: E731
-    return sorted(rows, key=lambda r: (r["model"], r["precision"], r["world_size"], rank(r["strategy"])))
+    return sorted(rows, key=lambda r: (*(str(x) for x in key(r)), rank(r["strategy"])))
+
+
+def columns(rows: list[dict[str, Any]]) -> list[str]:
+    """The report's columns: the fixed ones, each swept override, and the baseline."""
+    swept = [k for k in (rows[0] if rows else {}) if k not in COLUMNS and k not in _row({}) and k[0] != "_"]
+    swept = [k for k in swept if k != "baseline"]
+    return COLUMNS[:4] + swept + COLUMNS[4:] + ["baseline"]
 
 
 def _fmt(value: Any) -> str:
@@ -118,8 +200,9 @@ def _fmt(value: Any) -> str:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_fmt(row[c]) for c in COLUMNS) + " |" for row in rows]
+    cols = columns(rows)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_fmt(row.get(c)) for c in cols) + " |" for row in rows]
     return "\n".join(lines)
 
 
@@ -228,16 +311,23 @@ def write_report(sweep_dir: Path) -> list[dict[str, Any]]:
     """report.md, report.csv, the charts and the W&B report run; nothing when the
     directory holds no result.json (returns the rows, empty then)."""
     sweep_dir = Path(sweep_dir)
-    points = load_points(sweep_dir)
+    stale: list[dict[str, Any]] = []
+    points = load_points(sweep_dir, stale)
     if not points:
         return []
     rows = build_rows(points)
+    note = ""
+    if stale:
+        names = ", ".join(sorted(_point_name(p) for p in stale))
+        note = f"\n\n{len(stale)} point(s) left here by an earlier sweep are not in this report: {names}."
+        print(f"report: {len(stale)} stale point(s) of an earlier sweep left out ({names})", file=sys.stderr)
     (sweep_dir / "report.md").write_text(
-        f"# Sweep report: {sweep_dir.name}\n\nMemory in MiB, max over ranks; savings and speed relative to the DDP point "
-        "of the same model, precision and world size.\n\n" + markdown(rows) + "\n"
-    )
+        f"# Sweep report: {sweep_dir.name}\n\nMemory in MiB, max over ranks; savings, speed and parity relative to "
+        "each row's baseline: the DDP point whose settings differ only in the strategy." + note + "\n\n"
+        + markdown(rows) + "\n"
+    )  # fmt: skip
     with open(sweep_dir / "report.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=columns(rows), extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
     charts = write_charts(rows, sweep_dir)

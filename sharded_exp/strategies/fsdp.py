@@ -19,6 +19,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from sharded_exp import precision
 from sharded_exp.models import units
@@ -26,10 +27,18 @@ from sharded_exp.strategies import STRATEGIES
 from sharded_exp.strategies.base import Strategy, StrategyConfig
 
 
-def _shard_rows(dim0: int, rank: int, world_size: int) -> int:
-    """Rows of a dim-0 shard, as torch.chunk splits them (the last ranks may get fewer)."""
-    chunk = math.ceil(dim0 / world_size)
-    return max(0, min(chunk, dim0 - rank * chunk))
+def _shard_numel(shape: tuple, rank: int, world_size: int) -> int:
+    """Elements of a dim-0 shard, as torch.chunk splits them (the last ranks may get
+    fewer); a 0-dim parameter is held whole by every rank (see :meth:`FSDP.build`)."""
+    if not shape:
+        return 1
+    chunk = math.ceil(shape[0] / world_size)
+    return max(0, min(chunk, shape[0] - rank * chunk)) * math.prod(shape[1:])
+
+
+def _padded_numel(shape: tuple, world_size: int) -> int:
+    """Elements of a rank's dim-0 shard in FSDP's storage, padded to equal chunks."""
+    return math.ceil(shape[0] / world_size) * math.prod(shape[1:]) if shape else 1
 
 
 @dataclass
@@ -58,11 +67,55 @@ class FSDP(Strategy):
             mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
         half = precision.compute_dtype(precision_cfg.name)
         policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32) if half else MixedPrecisionPolicy()
+        # fully_shard refuses 0-dim parameters (a learnable temperature or scale): they stay
+        # whole on every rank, outside FSDP, and their gradients are averaged here, as DDP would.
+        scalars = {p for p in module.parameters() if p.dim() == 0} or None
         for block in units(module):
-            fully_shard(block, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy)
-        fully_shard(module, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy)
+            fully_shard(block, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy,
+                        ignored_params=scalars)  # fmt: skip
+        fully_shard(module, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy,
+                    ignored_params=scalars)  # fmt: skip
         # fully_shard replaced the parameters by DTensors: group and build the optimizer now.
-        return cls(module, module, optim_spec.regroup(module).build(), precision_cfg, device)
+        self = cls(module, module, optim_spec.regroup(module).build(), precision_cfg, device)
+        self.replicated = [p for p in scalars or () if p.requires_grad]
+        return self
+
+    replicated: list = []
+    """0-dim parameters, whole on every rank (not DTensors): gradients averaged by us."""
+    _reduced = False
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        self._reduced = False
+
+    def _reduce_replicated(self) -> None:
+        """Average the replicated parameters' gradients over the ranks, once per step
+        (after the last micro-batch: accumulation sums locally, as DDP's no_sync does)."""
+        if self._reduced or not self.replicated:
+            return
+        world_size = torch.distributed.get_world_size()
+        for p in self.replicated:
+            if p.grad is not None:
+                torch.distributed.all_reduce(p.grad)
+                p.grad.div_(world_size)
+        self._reduced = True
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        if not self.replicated:
+            return super().clip_grad_norm_(max_norm)
+        self._reduce_replicated()
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        sharded = [p.grad for p in params if isinstance(p.grad, DTensor)]
+        whole = [p.grad for p in params if not isinstance(p.grad, DTensor)]
+        norms = [torch.nn.utils.get_total_norm(sharded), torch.nn.utils.get_total_norm(whole)]
+        norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+        total = torch.linalg.vector_norm(torch.stack(norms))
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    def optimizer_step(self) -> None:
+        self._reduce_replicated()
+        super().optimizer_step()
 
     def no_sync(self):
         @contextlib.contextmanager
@@ -121,10 +174,10 @@ class FSDP(Strategy):
 
     @classmethod
     def resident_numel(cls, cfg, shapes, owners, rank, world_size):
-        rows = [_shard_rows(s[0], rank, world_size) * math.prod(s[1:]) for s in shapes]
+        rows = [_shard_numel(s, rank, world_size) for s in shapes]
         # Sharded parameters and gradients live in storage padded to equal dim-0 chunks on
         # every rank; optimizer state is allocated like the unpadded local shard.
-        padded = sum(math.ceil(s[0] / world_size) * math.prod(s[1:]) for s in shapes)
+        padded = sum(_padded_numel(s, world_size) for s in shapes)
         return {"params": padded, "grads": padded, "optimizer": rows}
 
 
