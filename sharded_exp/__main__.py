@@ -35,7 +35,8 @@ from sharded_exp.errors import ConfigError, NothingToDo, RunDirInUse
 from sharded_exp.launch import forkserver
 from sharded_exp.launch.layout import with_shared_run_dir
 from sharded_exp.launch.parent import launch, record_config_error
-from sharded_exp.report import ReportCallback, sweep_id
+from sharded_exp.output.report import sweep_id
+from sharded_exp.report import ReportCallback
 
 register_schemas()
 IMPORTED = time.time()
@@ -62,11 +63,11 @@ def check_resolvable(cfg: DictConfig) -> None:
     ``${oc.env:...}``), said as one error line naming the key, before anything else."""
     from omegaconf.errors import OmegaConfBaseException
 
-    missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing:
-        hint = " (model=custom needs model._target_=package.module.factory)" if "model._target_" in missing else ""
-        raise ConfigError(f"{', '.join(missing)} must be set: no value was given{hint}")
     try:
+        missing = sorted(OmegaConf.missing_keys(cfg))
+        if missing:
+            hint = " (model=custom needs model._target_=package.module.factory)" if "model._target_" in missing else ""
+            raise ConfigError(f"{', '.join(missing)} must be set: no value was given{hint}")
         OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None)
@@ -126,7 +127,8 @@ def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     output_dir = hc.runtime.output_dir
     multirun = hc.mode == RunMode.MULTIRUN
-    identity = {"overrides": list(hc.overrides.task)}
+    overrides = OmegaConf.to_container(hc.overrides.task, resolve=False)  # as typed: ${...} unresolved
+    identity = {"overrides": overrides}
     if multirun:
         identity["sweep_id"] = sweep_id(hc.sweep.dir)
     try:
@@ -137,7 +139,7 @@ def main(cfg: DictConfig) -> None:
         job_files = {
             "config.yaml": cfg,
             "hydra.yaml": OmegaConf.create({"hydra": hc}),
-            "overrides.yaml": OmegaConf.create(list(hc.overrides.task)),
+            "overrides.yaml": OmegaConf.create(overrides),
         }
         result = launch(cfg, output_dir, job_files, started=(STARTED, IMPORTED), identity=identity)
     except NothingToDo as exc:  # a requeued job that had finished: result.json stays as it is

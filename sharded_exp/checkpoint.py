@@ -697,6 +697,12 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # the destination's filesystem: read-only, full, not ours
+        where = exc.filename or argv[2]
+        print(
+            f"error: cannot export to {argv[2]}: {exc.strerror or exc} ({where}); nothing was written", file=sys.stderr
+        )
+        return 1
     print(f"exported {argv[1]} -> {argv[2]} (consolidated)")
     return 0
 

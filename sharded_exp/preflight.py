@@ -11,6 +11,7 @@ the planner uses).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -92,6 +93,14 @@ def check_values(cfg) -> None:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     strategy = STRATEGIES.builder(cfg.strategy.name)  # raises, naming the registered ones
+    # `+strategy.x=...` adds a key the schema lacks; nothing would read it: refused.
+    settings = [f.name for f in dataclasses.fields(STRATEGIES.config_class(cfg.strategy.name))]
+    unknown = [k for k in cfg.strategy.keys() if k not in settings]
+    _require(
+        not unknown,
+        f"{', '.join('strategy.' + k for k in unknown)} is not a setting of strategy={cfg.strategy.name}; "
+        f"its settings: {', '.join(s for s in settings if s != 'name')}",
+    )
     missing = missing_packages(strategy.requires)
     _require(
         not missing,

@@ -94,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+        except Exception as exc:  # noqa: BLE001 -- W&B's own refusals (no API key, no network)
+            if not type(exc).__module__.startswith("wandb"):
+                raise
+            print(f"error: W&B: {exc} (without --online the workspace is written as a file beside the report)",
+                  file=sys.stderr)  # fmt: skip
+            return 2
     return 0
 
 

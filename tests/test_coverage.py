@@ -45,6 +45,7 @@ RUNS = {
     # steps double it: 1024 -> 256 -> 512 after 6 steps.
     "ddp": [
         "strategy=ddp", "strategy.bucket_cap_mb=1", "strategy.gradient_as_bucket_view=true",
+        "strategy.find_unused_parameters=true",
         "strategy.broadcast_buffers=false", "optimizer=adamw", "optimizer.lr=5e-3", "optimizer.weight_decay=0.01",
         "optimizer.no_decay_lr_scale=0.5", "optimizer.betas=[0.8,0.99]", "optimizer.eps=1e-7", "precision=16",
         "precision.init_scale=1024", "precision.growth_interval=3", "precision.backoff_factor=0.25",
@@ -55,7 +56,8 @@ RUNS = {
     # OSS's knobs, SGD with momentum, the GPT's shape, bf16, three ranks.
     "oss": [
         "strategy=oss", "strategy.bucket_cap_mb=1", "strategy.gradient_as_bucket_view=true",
-        "strategy.broadcast_buffers=false", "strategy.broadcast_fp16=true", "optimizer=sgd", "optimizer.lr=0.05",
+        "strategy.broadcast_buffers=false", "strategy.broadcast_fp16=true", "strategy.find_unused_parameters=true",
+        "optimizer=sgd", "optimizer.lr=0.05",
         "optimizer.momentum=0.9", *GPT, "precision=bf16", "trainer.world_size=3",
     ],
     # ShardedDDP without reduce buckets, BERT token classification, accumulation, evaluation.
@@ -68,7 +70,8 @@ RUNS = {
     # ZeRO-1's knobs, GPT-2 (causal LM), consolidated checkpoints of which one is kept.
     "zero1": [
         "strategy=zero1", "strategy.bucket_cap_mb=1", "strategy.gradient_as_bucket_view=true",
-        "strategy.broadcast_buffers=false", "strategy.parameters_as_bucket_view=true", "model=hf_gpt2",
+        "strategy.broadcast_buffers=false", "strategy.parameters_as_bucket_view=true",
+        "strategy.find_unused_parameters=true", "model=hf_gpt2",
         "model.seq_len=16", "trainer.batch_size=4", "optimizer.lr=3e-3", "data.seed=9", "data.branching=2",
         "trainer.checkpoint_every=2", "trainer.checkpoint_format=consolidated", "trainer.keep_checkpoints=1",
         "trainer.save_final_state=true", "trainer.checkpoint_dir=__tmp__zero1_ckpt",
@@ -92,6 +95,7 @@ RUNS = {
         "strategy=fsdp_grad_op", "strategy.reshard_after_forward=true", "model=custom",
         "model._target_=tests.user_models.build", "+model.hidden=24", "optimizer.lr=1e-2", "trainer.steps=8",
         "trainer.checkpoint_every=2", "trainer.checkpoint_dir=__tmp__grad_op_ckpt", "trainer.resume=auto",
+        "trainer.existing_checkpoints=archive",
     ],
 }  # fmt: skip
 """Training runs (``tiny`` adds the small shapes): one per strategy, each setting its knobs."""

@@ -478,3 +478,80 @@ def test_22_5_the_planner_takes_a_0_dim_parameter():
                     "plan.strategies=[fsdp,fsdp_grad_op]"], cwd=ROOT, module="sharded_exp.plan")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "fsdp_grad_op" in proc.stdout and "IndexError" not in proc.stderr
+
+
+# ------------------------------------------------------- 6. an error line, not a traceback
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model=custom", "model._target_=tests.user_models.build_none"],
+         "model._target_=tests.user_models.build_none returned None (does it return the model?), not a torch.nn.Module"),
+        (["model=custom", "model._target_=tests.user_models.build_not_a_module"], "returned a dict, not a torch.nn.Module"),
+        (["model=custom"], "model._target_ must be set: no value was given (model=custom needs model._target_="),
+        (["trainer.checkpoint_dir=${oc.env:SHARDED_EXP_SURELY_UNSET}"],
+         "error: trainer.checkpoint_dir: KeyError raised while resolving interpolation: \"Environment variable "
+         "'SHARDED_EXP_SURELY_UNSET' not found\""),
+    ],
+    ids=["factory-returns-none", "factory-returns-a-dict", "custom-without-target", "unset-env-interpolation"],
+)  # fmt: skip
+def test_22_6_bad_models_and_values_get_an_error_line(overrides, message, tmp_path):
+    proc = cli(tiny(overrides), tmp_path / "run")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "run").exists()  # nothing left behind
+
+
+@pytest.fixture
+def read_only_copy(tmp_path):
+    """A read-only filesystem (tmpfs remounted ro) holding a copy of what ``fill`` puts there."""
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+
+    def freeze(fill):
+        fill(mount)
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+        return mount
+
+    yield freeze
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.slow
+def test_22_6_read_only_destinations_and_w_and_b_without_a_key_get_an_error_line(tmp_path, read_only_copy):
+    run = tmp_path / "run"
+    assert cli([*TINY, "trainer.steps=2", "strategy=fsdp", "trainer.checkpoint_every=2", "logger=wandb"],
+               run).returncode == 0  # fmt: skip
+    ro = read_only_copy(lambda m: shutil.copytree(run, m / "sweep" / "0_point"))
+    # the report of a sweep directory that cannot be written
+    proc = run_cli([str(ro / "sweep")], cwd=ROOT, module="sharded_exp.report")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"error: report not written in {ro / 'sweep'}: Read-only file system" in proc.stderr
+    # a checkpoint exported to a read-only destination
+    proc = run_cli(["export", str(run / "checkpoints" / "step_00000002"), str(ro / "exported")], cwd=ROOT,
+                   module="sharded_exp.checkpoint")  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"error: cannot export to {ro / 'exported'}: Read-only file system" in proc.stderr
+    # the W&B workspace saved online without an API key
+    sweep = tmp_path / "sweep"
+    shutil.copytree(run, sweep / "0_point")
+    env = {"WANDB_API_KEY": "", "HOME": str(tmp_path / "home"), "WANDB_CONFIG_DIR": str(tmp_path / "wb")}
+    proc = run_cli([str(sweep), "--wandb-workspace", "--online"], cwd=ROOT, env=env, module="sharded_exp.report")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "error: W&B: No API key configured" in proc.stderr
+
+
+# ---------------------------------------- 7. unused parameters; strategy keys nobody reads
+def test_22_7_find_unused_parameters_is_a_setting_and_unknown_strategy_keys_are_refused(tmp_path):
+    unused = ["model=custom", "model._target_=tests.user_models.build_with_unused", "trainer.steps=3"]
+    failed = launch(unused, tmp_path / "without")
+    assert failed["status"] == "failed" and "find_unused_parameters" in failed["error"]
+    result = launch([*unused, "strategy.find_unused_parameters=true"], tmp_path / "with")
+    assert result["status"] == "ok", result["error"]
+    assert result["config"]["strategy"]["find_unused_parameters"] is True
+    assert result["memory"]["predicted_peak_mib_max"] is not None, result["memory"]["peak_prediction"]
+    with pytest.raises(ConfigError, match=r"strategy.find_unused=true|strategy.find_unused is not a setting of "
+                                          r"strategy=zero1; its settings: .*find_unused_parameters"):  # fmt: skip
+        launch(["strategy=zero1", "+strategy.find_unused=true"], tmp_path / "typo")
+    assert not (tmp_path / "typo").exists()

@@ -93,3 +93,15 @@ def build_none(in_features, num_classes):
 
 def build_not_a_module(in_features, num_classes):
     return {"weights": torch.zeros(in_features, num_classes)}
+
+
+class WithUnused(Net):
+    """A model with a branch its forward never takes (an auxiliary head left in place)."""
+
+    def __init__(self, in_features, num_classes):
+        super().__init__(in_features, num_classes, 16)
+        self.aux_head = nn.Linear(16, num_classes)
+
+
+def build_with_unused(in_features, num_classes):
+    return WithUnused(in_features, num_classes)

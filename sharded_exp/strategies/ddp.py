@@ -18,10 +18,14 @@ def wrap_ddp(cfg, module, device) -> DistributedDataParallel:
     """``module`` under torch DDP with the knobs of :class:`DDPConfig` (also used by the
     ZeRO-1 strategies, which run under DDP)."""
     kwargs = {}
+    fake = dist.get_backend() == "fake"  # the planner's fake step (sharded_exp.measure.fake_step)
+    if cfg.find_unused_parameters and not fake:
+        # Its search reads which parameters got gradients, a value fake tensors do not have;
+        # the fake step's identity all-reduce (below) needs no search, and memory is the same.
+        kwargs["find_unused_parameters"] = True
     if not cfg.broadcast_buffers:
         # Passed only when changed: torch >= 2.13 warns that the name is deprecated.
         kwargs["broadcast_buffers"] = False
-    fake = dist.get_backend() == "fake"  # the planner's fake step (sharded_exp.measure.fake_step)
     model = DistributedDataParallel(
         module,
         device_ids=[device] if device.type == "cuda" else None,
@@ -71,6 +75,9 @@ class DDPConfig(StrategyConfig):
     """Gradients alias the bucket memory, saving one gradient-sized copy (torch default off)."""
     broadcast_buffers: bool = True
     """Broadcast module buffers from rank 0 at every forward (torch default on)."""
+    find_unused_parameters: bool = False
+    """Let parameters that get no gradient in a step (a branch the forward skips) be
+    found and left out of the all-reduce; costs a graph walk each step (torch default off)."""
 
 
 @STRATEGIES.register("ddp")
