@@ -99,9 +99,15 @@ def check_output_dirs(argv: list[str]) -> None:
         if os.path.exists(value) and not os.path.isdir(value):
             print(f"error: {key}={value} is a file, not a directory; choose another {key}", file=sys.stderr)
             sys.exit(2)
+        existing = os.path.abspath(value)
+        while not os.path.isdir(existing):  # nothing is made here: a config error leaves no directory
+            if os.path.exists(existing):
+                print(f"error: {key}={value}: {existing} is a file, not a directory; choose another {key}",
+                      file=sys.stderr)  # fmt: skip
+                sys.exit(2)
+            existing = os.path.dirname(existing)
         try:
-            os.makedirs(value, exist_ok=True)
-            with tempfile.TemporaryFile(dir=value):
+            with tempfile.TemporaryFile(dir=existing):
                 pass
         except OSError as exc:
             print(f"error: {key}={value} cannot be written ({exc.strerror}); choose another {key}", file=sys.stderr)

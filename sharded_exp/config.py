@@ -100,6 +100,9 @@ class TrainerConfig:
     memory_limit_mib: Optional[float] = None
     """Per-rank memory budget: on CUDA a cap on the caching allocator, on CPU an
     out-of-memory error when tracked live tensors exceed it. null = no budget."""
+    host_memory_check: bool = True
+    """On CPU: refuse a job whose predicted peaks (all ranks on this machine, plus each
+    process's own) exceed the host memory available, before it starts."""
     save_final_state: bool = False
     """Write the full (unsharded) final model state to model_final.pt on rank 0."""
     checkpoint_every: int = 0

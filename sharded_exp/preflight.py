@@ -82,7 +82,51 @@ def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True)
     prediction = predict(cfg.strategy, cfg.optimizer, str(cfg.precision.name), shapes, world_size)
     if peak:
         prediction["peak"] = predict_peak(cfg, world_size, device_type, prediction, shapes)
+        if device_type == "cpu" and cfg.trainer.host_memory_check:
+            check_host_memory(prediction["peak"].get("per_rank_mib"), local_ranks)
     return Checked(device_type, world_size, shapes.params, prediction)
+
+
+RANK_OVERHEAD_MIB = 400
+"""A CPU rank's memory besides its tensors (the interpreter, torch, its libraries), roughly."""
+
+
+def available_host_mib() -> float | None:
+    """Memory this job can still take: MemAvailable, or the cgroup's limit minus its use
+    when that is smaller (a container, a SLURM allocation); None when neither is readable."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        found.append(int(info["MemAvailable"].split()[0]) / 1024)
+    except (OSError, KeyError, ValueError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read())
+        if limit != "max":
+            found.append((int(limit) - used) / 2**20)
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def check_host_memory(per_rank_mib: list[float] | None, local_ranks: int) -> None:
+    """On CPU the ranks' tensors live in host memory: a job predicted not to fit is refused
+    before it starts (rather than killed by the kernel a minute later)."""
+    available = available_host_mib()
+    if not per_rank_mib or available is None:
+        return  # nothing to compare: the run goes on, as when a prediction fails
+    need = sum(sorted(per_rank_mib, reverse=True)[:local_ranks]) + RANK_OVERHEAD_MIB * local_ranks
+    _require(
+        need <= available,
+        f"the job needs about {need:,.0f} MiB of host memory ({local_ranks} rank(s): predicted peak "
+        f"{max(per_rank_mib):,.1f} MiB each plus about {RANK_OVERHEAD_MIB} MiB of process) and {available:,.0f} MiB "
+        "are available here; make the batch or the model smaller, run fewer ranks per machine, or set "
+        "trainer.host_memory_check=false to start anyway",
+    )
 
 
 def check_values(cfg) -> None:
@@ -125,6 +169,8 @@ def check_values(cfg) -> None:
     )
     _require(t.grad_clip >= 0, f"trainer.grad_clip={t.grad_clip} must be >= 0 (0 turns clipping off)")
     _require(t.timeout_s > 0, f"trainer.timeout_s={t.timeout_s} must be > 0")
+    _require(t.eval_every >= 0, f"trainer.eval_every={t.eval_every} must be >= 0 (0 = only at the end)")
+    _require(t.eval_batches >= 0, f"trainer.eval_batches={t.eval_batches} must be >= 0 (0 = no evaluation)")
     _require(t.checkpoint_every >= 0, f"trainer.checkpoint_every={t.checkpoint_every} must be >= 0 (0 = off)")
     _require(t.keep_checkpoints >= 0, f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 0 (0 = keep all)")
     _require(t.stop_grace_s > 0, f"trainer.stop_grace_s={t.stop_grace_s} must be > 0")

@@ -88,7 +88,7 @@ RUNS = {
     "fsdp_grad_op": [
         "strategy=fsdp_grad_op", "strategy.reshard_after_forward=true", "model=custom",
         "model._target_=tests.user_models.build", "+model.hidden=24", "optimizer.lr=1e-2", "trainer.steps=4",
-        "trainer.checkpoint_every=2", "trainer.checkpoint_dir=__tmp__grad_op_ckpt",
+        "trainer.checkpoint_every=2", "trainer.checkpoint_dir=__tmp__grad_op_ckpt", "trainer.host_memory_check=false",
     ],
     # ... then resumed (resume=auto) to step 8 from the newest of them.
     "fsdp_grad_op_resumed": [

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -555,3 +556,40 @@ def test_22_7_find_unused_parameters_is_a_setting_and_unknown_strategy_keys_are_
                                           r"strategy=zero1; its settings: .*find_unused_parameters"):  # fmt: skip
         launch(["strategy=zero1", "+strategy.find_unused=true"], tmp_path / "typo")
     assert not (tmp_path / "typo").exists()
+
+
+# --------------------------------------------------------- 12. host memory on CPU
+def test_22_12_a_cpu_job_predicted_beyond_host_memory_is_refused_before_spawn(tmp_path, monkeypatch):
+    from sharded_exp import preflight
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
+    assert 0 < preflight.available_host_mib() <= total  # read from /proc/meminfo (or the cgroup)
+    monkeypatch.setattr(preflight, "available_host_mib", lambda: 500.0)  # a small machine
+    with pytest.raises(ConfigError, match=r"the job needs about [\d,]+ MiB of host memory \(2 rank\(s\).*"
+                                          r"500 MiB are available here.*trainer.host_memory_check=false"):  # fmt: skip
+        launch(["trainer.accelerator=cpu", "trainer.steps=2"], tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+    result = launch(["trainer.accelerator=cpu", "trainer.steps=2", "trainer.host_memory_check=false"], tmp_path / "run")
+    assert result["status"] == "ok"
+
+
+# ------------------------------------------- 13. a composition error leaves no directory
+@pytest.mark.parametrize("bad", ["strategy=zero3", "trainer.stepz=3"])
+def test_22_13_a_composition_error_leaves_no_run_directory(bad, tmp_path):
+    proc = run_cli([bad, f"hydra.run.dir={tmp_path / 'new' / 'run'}"], cwd=ROOT)
+    assert proc.returncode == 1 and ("zero3" in proc.stderr or "stepz" in proc.stderr), proc.stderr[-2000:]
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "afile").write_text("x")
+    proc = run_cli(["trainer.steps=2", f"hydra.run.dir={tmp_path / 'afile' / 'run'}"], cwd=ROOT)
+    assert proc.returncode == 2 and "afile is a file, not a directory" in proc.stderr, proc.stderr[-2000:]
+
+
+# ------------------------------------------------------- 14. negative evaluation settings
+@pytest.mark.parametrize(
+    "bad, message",
+    [("trainer.eval_every=-1", "trainer.eval_every=-1 must be >= 0 (0 = only at the end)"),
+     ("trainer.eval_batches=-2", "trainer.eval_batches=-2 must be >= 0 (0 = no evaluation)")],
+)  # fmt: skip
+def test_22_14_negative_evaluation_settings_are_refused(bad, message, tmp_path):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        launch([bad], tmp_path / "run")

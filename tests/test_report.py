@@ -87,6 +87,11 @@ def test_oom_alone_does_not_fail_the_sweep_and_wandb_gets_the_report(tmp_path):
     assert len(report) == 1 and len(runs) == 3
     logged = report[0]["history"][0]
     assert logged["report/table/nrows"] == 2 and logged["report/memory/_type"] == "image-file"
+    # Reporting again replaces the report run (22.16): one run, the same id.
+    again = subprocess.run([sys.executable, "-m", "sharded_exp.report", str(sweep)], capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    runs = [read_run(f) for f in sweep.rglob("run-*.wandb")]
+    assert len([r for r in runs if r["job_type"] == "report"]) == 1 and len(runs) == 3
 
 
 def test_report_rejects_a_missing_directory(tmp_path):

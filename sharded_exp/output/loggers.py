@@ -35,13 +35,23 @@ def run_tags(run_config: dict[str, Any]) -> list[str]:
 
 
 def init_wandb_run(
-    cfg, *, job_type: str | None, name: str | None, config: dict | None, directory: str, tags: list[str] = ()
+    cfg,
+    *,
+    job_type: str | None,
+    name: str | None,
+    config: dict | None,
+    directory: str,
+    tags: list[str] = (),
+    run_id: str | None = None,
 ):
     """Start a W&B run from a logger config: the one place sharded_exp calls ``wandb.init``
-    (each job's run, and the sweep report's run). ``tags`` join ``logger.tags``."""
+    (each job's run, and the sweep report's run). ``tags`` join ``logger.tags``; ``run_id``:
+    a fixed id, so that starting the run again replaces it (the sweep report's)."""
     import wandb
 
     return wandb.init(
+        id=run_id,
+        resume="allow" if run_id else None,
         project=cfg.get("project"),
         entity=cfg.get("entity"),
         group=cfg.get("group"),

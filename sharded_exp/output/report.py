@@ -10,7 +10,9 @@ and the multirun callback are in :mod:`sharded_exp.report`.
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -298,9 +300,15 @@ def log_to_wandb(rows: list[dict[str, Any]], points: list[dict[str, Any]], chart
     try:
         import wandb
 
+        # One report run per sweep directory: a fixed id, and an earlier local copy removed,
+        # so that reporting again replaces the run instead of adding one.
+        run_id = "report-" + hashlib.sha1(str(Path(sweep_dir).resolve()).encode()).hexdigest()[:12]
+        for old in (Path(sweep_dir) / "wandb").glob(f"*-{run_id}"):
+            shutil.rmtree(old, ignore_errors=True)
         run = init_wandb_run(
-            cfg, job_type="report", name=f"report {Path(sweep_dir).name}", config=None, directory=str(sweep_dir)
-        )
+            cfg, job_type="report", name=f"report {Path(sweep_dir).name}", config=None, directory=str(sweep_dir),
+            run_id=run_id,
+        )  # fmt: skip
         run.log({**native_charts(rows, points), **{f"report/{p.stem}": wandb.Image(str(p)) for p in charts}})
         run.finish()
     except Exception as exc:  # noqa: BLE001 -- the report files are written regardless
