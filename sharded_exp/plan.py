@@ -199,14 +199,21 @@ def format_table(rows, found, cfg, params) -> str:
     return "\n".join(lines)
 
 
-def check_plan(cfg) -> None:
-    """The planner's inputs, by the training entry point's rules (ConfigError names them)."""
+def check_plan(cfg, argv: list[str] = ()) -> None:
+    """The planner's inputs, by the training entry point's rules (ConfigError names them).
+    ``argv``: the command line, to tell a model the user chose from the default one."""
     from sharded_exp.preflight import check_values
 
     check_values(cfg)  # strategy, model, precision, optimizer, trainer values
     p = cfg.plan
     if p.params is not None and not (math.isfinite(p.params) and p.params >= 1):
         raise ConfigError(f"plan.params={p.params} must be a finite number >= 1 (a parameter count, e.g. 7.5e9)")
+    chosen = [a for a in argv if a.lstrip("+").startswith(("model=", "model."))]
+    if p.params is not None and chosen:
+        raise ConfigError(
+            f"plan.params={p.params:g} plans a raw parameter count, and {' '.join(chosen)} would be ignored: give "
+            "plan.params (with plan.units) or a model, not both"
+        )
     if not p.world_sizes or any(ws < 1 for ws in p.world_sizes):
         raise ConfigError(f"plan.world_sizes={list(p.world_sizes)} must be a non-empty list of integers >= 1")
     if not (math.isfinite(p.device_memory_gib) and p.device_memory_gib > 0):
@@ -226,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = compose(argv, config_name="plan")
-        check_plan(cfg)
+        check_plan(cfg, argv)
     except (ConfigError, HydraException, OmegaConfBaseException) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

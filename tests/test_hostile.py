@@ -593,3 +593,22 @@ def test_22_13_a_composition_error_leaves_no_run_directory(bad, tmp_path):
 def test_22_14_negative_evaluation_settings_are_refused(bad, message, tmp_path):
     with pytest.raises(ConfigError, match=re.escape(message)):
         launch([bad], tmp_path / "run")
+
+
+# ------------------------------------------------------------- 17 and 18
+def test_22_17_a_model_beside_plan_params_is_refused():
+    proc = run_cli(["model=gpt2_small", "plan.params=1e9"], cwd=ROOT, module="sharded_exp.plan")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "plan.params=1e+09 plans a raw parameter count, and model=gpt2_small would be ignored" in proc.stderr
+
+
+def test_22_18_a_float64_model_is_measured_and_predicted_in_its_own_dtype(tmp_path):
+    from sharded_exp.measure.fake_step import _short
+
+    result = launch(["model=custom", "model._target_=tests.user_models.build_double", "trainer.steps=3"], tmp_path)
+    memory = result["memory"]
+    assert result["status"] == "ok" and memory["peak_prediction"]["error"] is None
+    assert memory["predicted_model_states_mib_max"] == pytest.approx(memory["model_states_mib_max"], rel=1e-6)
+    assert memory["predicted_peak_mib_max"] == pytest.approx(memory["peak_allocated_mib_max"], rel=0.1)
+    # a wrapped error's second line (what went wrong) is kept
+    assert _short(RuntimeError("Error in call to target 'x':\nValueError('the cause')")).endswith("the cause')")

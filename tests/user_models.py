@@ -105,3 +105,13 @@ class WithUnused(Net):
 
 def build_with_unused(in_features, num_classes):
     return WithUnused(in_features, num_classes)
+
+
+class Double(Net):
+    def forward(self, inputs, targets=None):
+        return super().forward(inputs.double(), targets)
+
+
+def build_double(in_features, num_classes):
+    """A model in float64 (numerical work, or a dtype left by mistake)."""
+    return Double(in_features, num_classes, 16).double()

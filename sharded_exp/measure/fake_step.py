@@ -204,8 +204,16 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
 
         try:
             try:
-                with device:  # built on the (fake) device, as a real run's model ends up
-                    run = build_run(cfg, device, with_task=False, before_wrap=start_tracker)
+                try:
+                    with device:  # built on the (fake) device, as a real run's model ends up
+                        run = build_run(cfg, device, with_task=False, before_wrap=start_tracker)
+                except Exception:  # noqa: BLE001
+                    if built:
+                        raise
+                    # A model that converts itself while being built (``.double()``) cannot
+                    # under FakeTensorMode: built on meta, its tensors then made fake.
+                    with device:
+                        run = build_run(cfg, device, with_task=False, before_wrap=start_tracker, meta_first=True)
             except FakeStepError:
                 raise
             except Exception as exc:  # noqa: BLE001 -- which part failed is named
@@ -257,8 +265,10 @@ def _data_dependent(exc: BaseException) -> bool:
 def _short(exc: BaseException) -> str:
     if isinstance(exc, FakeStepError):
         return str(exc)
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {text[:200]}"
+    # every line, joined: a wrapped error (Hydra's "Error in call to target ...:") says
+    # what went wrong only on its next line
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return f"{type(exc).__name__}: {text[:400]}"
 
 
 def fake_step(

@@ -36,14 +36,14 @@ def greedy_partition(group_numels: Sequence[Sequence[int]], world_size: int) -> 
     return owners
 
 
-def optimizer_state_bytes(optimizer_cfg, numels: Sequence[int]) -> int:
-    """Bytes of optimizer state for the given parameter tensors."""
+def optimizer_state_bytes(optimizer_cfg, numels: Sequence[int], element: float = FP32) -> float:
+    """Bytes of optimizer state for the given parameter tensors (``element`` bytes each)."""
     name = optimizer_cfg.name
     if name in ("adam", "adamw"):
         # exp_avg and exp_avg_sq per element, plus a 0-dim fp32 `step` per tensor
-        return sum(2 * FP32 * n + FP32 for n in numels)
+        return sum(2 * element * n + FP32 for n in numels)
     if name == "sgd":
-        return sum(FP32 * n for n in numels) if optimizer_cfg.momentum else 0
+        return sum(element * n for n in numels) if optimizer_cfg.momentum else 0
     raise ValueError(f"no memory model for optimizer {name!r}")
 
 
@@ -54,12 +54,14 @@ def predict_model_states_mib(
     group_shapes: Sequence[Sequence[tuple]],
     world_size: int,
     frozen: Sequence[tuple] = (),
+    element: float = FP32,
 ) -> list[dict[str, float]]:
     """Predicted ``{"params", "grads", "optimizer"}`` MiB for every rank.
 
     ``strategy``: the Strategy class; ``group_shapes``: the parameter shapes of each
     optimizer parameter group, in order; ``frozen``: the frozen parameters' shapes (held
-    like the others, with no gradient and no optimizer state).
+    like the others, with no gradient and no optimizer state); ``element``: bytes per
+    parameter element (gradients and optimizer state are in the parameters' dtype).
     """
     shapes = [s for group in group_shapes for s in group]
     owners = strategy.partition([[math.prod(s) for s in g] for g in group_shapes], world_size)
@@ -69,9 +71,9 @@ def predict_model_states_mib(
         frozen_held = strategy.resident_numel(strategy_cfg, frozen, [], rank, world_size)["params"] if frozen else 0
         out.append(
             {
-                "params": FP32 * (held["params"] + frozen_held) / MIB,
-                "grads": FP32 * held["grads"] / MIB,
-                "optimizer": optimizer_state_bytes(optimizer_cfg, held["optimizer"]) / MIB,
+                "params": element * (held["params"] + frozen_held) / MIB,
+                "grads": element * held["grads"] / MIB,
+                "optimizer": optimizer_state_bytes(optimizer_cfg, held["optimizer"], element) / MIB,
             }
         )
     return out

@@ -36,6 +36,9 @@ class ModelShapes:
     frozen: list[tuple] = ()
     """Shapes of the frozen parameters (``trainer.freeze``): held, never given a gradient
     or optimizer state."""
+    element_bytes: float = 4.0
+    """Bytes per parameter element (4: float32; 8: a float64 model), averaged over the
+    parameters when their dtypes differ. Gradients and optimizer state take the same."""
 
     @property
     def params(self) -> int:
@@ -61,7 +64,13 @@ def model_shapes(model_cfg, optimizer_cfg, module: torch.nn.Module | None = None
         root=sum(p.numel() for p in module.parameters()) - sum(blocks),
         state_shapes={k: tuple(v.shape) for k, v in module.state_dict().items()},
         frozen=[tuple(p.shape) for p in module.parameters() if not p.requires_grad],
+        element_bytes=_element_bytes(module),
     )
+
+
+def _element_bytes(module: torch.nn.Module) -> float:
+    numel = sum(p.numel() for p in module.parameters())
+    return sum(p.numel() * p.element_size() for p in module.parameters()) / numel if numel else 4.0
 
 
 def predict(strategy_cfg, optimizer_cfg, precision_name: str, shapes: ModelShapes, world_size: int) -> dict[str, Any]:
@@ -70,14 +79,14 @@ def predict(strategy_cfg, optimizer_cfg, precision_name: str, shapes: ModelShape
     ``{"model_states_mib": [{"params", "grads", "optimizer"} per rank], "transient_params_mib": x}``
     """
     strategy = STRATEGIES.builder(strategy_cfg.name)
-    states = predict_model_states_mib(strategy, strategy_cfg, optimizer_cfg, shapes.groups, world_size, shapes.frozen)
+    states = predict_model_states_mib(
+        strategy, strategy_cfg, optimizer_cfg, shapes.groups, world_size, shapes.frozen, shapes.element_bytes
+    )
     gathered = (
         strategy.transient_param_numel(strategy_cfg, shapes.blocks, shapes.root, world_size) if shapes.blocks else 0
     )
-    return {
-        "model_states_mib": states,
-        "transient_params_mib": gathered * precision.compute_bytes(precision_name) / MIB,
-    }
+    compute = shapes.element_bytes if precision_name == "32" else precision.compute_bytes(precision_name)
+    return {"model_states_mib": states, "transient_params_mib": gathered * compute / MIB}
 
 
 def predict_peak(

@@ -43,17 +43,27 @@ def build_run(
     *,
     with_task: bool = True,
     before_wrap: Callable[[nn.Module], None] | None = None,
+    meta_first: bool = False,
 ) -> Run:
     """Build the configured run on ``device`` (needs a process group: the strategy's).
 
     ``before_wrap(module)`` is called once the model is on its device and the task's own
     tensors exist, before the strategy wraps the model: a CPU memory tracker starts there,
     so it counts the strategy's buffers as the CUDA allocator would, and not the task's
-    (a teacher network is the data source's, never on a GPU).
+    (a teacher network is the data source's, never on a GPU). ``meta_first``: build on the
+    meta device, then allocate uninitialised tensors on ``device`` (the fake step's way
+    for a model that cannot be built under FakeTensorMode directly).
     """
     tc = cfg.trainer
     torch.manual_seed(tc.seed)  # identical initial weights on every rank
-    module = build_model(cfg.model, tc.freeze)
+    if meta_first:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily(), torch.device("meta"):
+            module = build_model(cfg.model, tc.freeze)
+        module = module.to_empty(device=device)
+    else:
+        module = build_model(cfg.model, tc.freeze)
     if any(t.device != device for t in (*module.parameters(), *module.buffers())):
         module = module.to(device)  # (a fake step builds on its fake device already)
     task = build_task(cfg.data, cfg.model, tc.batch_size) if with_task else None
