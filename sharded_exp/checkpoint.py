@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor, distribute_tensor
+from tqdm import tqdm
 
 from sharded_exp.errors import is_no_space, no_space
 from sharded_exp.measure.tracker import host_peak
@@ -515,7 +516,8 @@ class Checkpointer:
         dist.broadcast_object_list(exists, src=0)
         if exists[0]:
             if rank == 0:
-                print(f"checkpoint {path} exists already: kept, not overwritten", flush=True)
+                # tqdm.write: on a line of its own, not glued to the progress bar's
+                tqdm.write(f"checkpoint {path} exists already: kept, not overwritten", file=sys.stderr)
             return path if rank == 0 else None
         tmp = os.path.join(self.directory, f".{step_name(step)}.tmp.{self._token}")
         rng: list[Any] = [None] * dist.get_world_size() if rank == 0 else None

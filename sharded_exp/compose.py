@@ -9,6 +9,7 @@ import re
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 from sharded_exp import config
 
@@ -28,6 +29,9 @@ def register_schemas() -> None:
     from sharded_exp.models import MODELS
     from sharded_exp.strategies import STRATEGIES
 
+    # conf/config.yaml's sweep subdirectories: precision=32, not precision='32' (the quotes
+    # quote_numeric_choices adds for Hydra's parser)
+    OmegaConf.register_new_resolver("unquoted", lambda text: str(text).replace("'", ""), replace=True)
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=config.Config)
     cs.store(name="plan_schema", node=config.PlanConfig)

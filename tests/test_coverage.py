@@ -79,15 +79,15 @@ RUNS = {
     # FSDP keeping gathered parameters (ZeRO-2-like), Llama, asynchronous DCP checkpoints,
     # a frozen embedding, a longer warm-up.
     "fsdp": [
-        "strategy=fsdp", "strategy.reshard_after_forward=false", "model=hf_llama", "model.seq_len=16",
+        "strategy=fsdp", "strategy.reshard_after_forward=false", "strategy.broadcast_buffers=false", "model=hf_llama", "model.seq_len=16",
         "trainer.batch_size=4", "optimizer.lr=3e-3", "trainer.checkpoint_every=3", "trainer.checkpoint_format=dcp",
         "trainer.checkpoint_async=true", "trainer.warmup_steps=2", "trainer.freeze=[model.embed_tokens.*]",
         "trainer.timeout_s=90",
     ],
     # FSDP resharding after forward (ZeRO-3) on your own model: 4 steps with checkpoints ...
     "fsdp_grad_op": [
-        "strategy=fsdp_grad_op", "strategy.reshard_after_forward=true", "model=custom",
-        "model._target_=tests.user_models.build", "+model.hidden=24", "optimizer.lr=1e-2", "trainer.steps=4",
+        "strategy=fsdp_grad_op", "strategy.reshard_after_forward=true", "strategy.broadcast_buffers=false",
+        "model=custom", "model._target_=tests.user_models.build", "+model.hidden=24", "optimizer.lr=1e-2", "trainer.steps=4",
         "trainer.checkpoint_every=2", "trainer.checkpoint_dir=__tmp__grad_op_ckpt", "trainer.host_memory_check=false",
     ],
     # ... then resumed (resume=auto) to step 8 from the newest of them.

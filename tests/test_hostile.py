@@ -612,3 +612,35 @@ def test_22_18_a_float64_model_is_measured_and_predicted_in_its_own_dtype(tmp_pa
     assert memory["predicted_peak_mib_max"] == pytest.approx(memory["peak_allocated_mib_max"], rel=0.1)
     # a wrapped error's second line (what went wrong) is kept
     assert _short(RuntimeError("Error in call to target 'x':\nValueError('the cause')")).endswith("the cause')")
+
+
+# ------------------------------------------------------ 19. BatchNorm buffers under FSDP
+BN = ["model=custom", "model._target_=tests.user_models.build_with_batchnorm", "trainer.steps=4",
+      "trainer.save_final_state=true", "trainer.eval_batches=4"]  # fmt: skip
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", pytest.param("fsdp_grad_op", marks=pytest.mark.slow)])
+def test_22_19_buffers_agree_across_ranks_and_with_ddp(strategy, shared_runs):
+    from tests.test_models import max_relative_diff
+
+    ref_dir, ref = shared_runs("strategy=ddp", *BN)
+    out, result = shared_runs(f"strategy={strategy}", *BN)
+    assert result["status"] == "ok", result["error"]
+    # Each rank's running statistics are DDP's: rank 0's, broadcast before every forward.
+    for mine, ddp in zip(result["memory"]["per_rank"], ref["memory"]["per_rank"]):
+        assert mine["buffer_digest"] == pytest.approx(ddp["buffer_digest"], rel=1e-6), (mine["rank"], ref["memory"])
+    assert result["eval"]["final"]["eval/accuracy"] == ref["eval"]["final"]["eval/accuracy"]
+    assert result["eval"]["final"]["eval/loss"] == pytest.approx(ref["eval"]["final"]["eval/loss"], rel=1e-5)
+    assert max_relative_diff(out, ref_dir) <= 1e-6  # model_final.pt: parameters and buffers
+
+
+# ------------------------------------------------------------- 20. cosmetics
+def test_22_20_a_resumed_bar_ends_full_and_the_output_directory_is_printed(tmp_path):
+    args = [*TINY, "trainer.steps=4", "trainer.checkpoint_every=2", "trainer.progress_bar=true"]
+    first = cli([*args, "trainer.steps=2"], tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    proc = cli([*args, "trainer.resume=auto"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    bar = proc.stderr.split("\r")[-1]
+    assert "100%" in bar and "4/4" in bar, bar  # from step 2 to 4: full, not 50%
+    assert f"output: {tmp_path}" in proc.stdout

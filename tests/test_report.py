@@ -27,6 +27,7 @@ def test_sweep_ends_in_a_report(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     points = {(p["strategy"], p["precision"]): p for p in _points(sweep)}
     assert set(points) == {("ddp", "32"), ("ddp", "bf16"), ("fsdp", "32"), ("fsdp", "bf16")}
+    assert not [p.name for p in sweep.iterdir() if "'" in p.name]  # precision=32, not precision='32' (22.20)
     for name in ("report.md", "report.csv", "memory.png", "throughput.png"):
         assert (sweep / name).stat().st_size > 0, name
 

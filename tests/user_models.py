@@ -115,3 +115,20 @@ class Double(Net):
 def build_double(in_features, num_classes):
     """A model in float64 (numerical work, or a dtype left by mistake)."""
     return Double(in_features, num_classes, 16).double()
+
+
+class WithBatchNorm(Net):
+    """BatchNorm between the layers: running statistics are buffers, updated in training."""
+
+    def __init__(self, in_features, num_classes):
+        super().__init__(in_features, num_classes, 16)
+        self.norm = nn.BatchNorm1d(16)
+
+    def forward(self, inputs, targets=None):
+        x = self.norm(torch.relu(self.layers[0](inputs)))
+        logits = self.head(torch.relu(self.layers[1](x)))
+        return {"logits": logits, "loss": F.cross_entropy(logits, targets)}
+
+
+def build_with_batchnorm(in_features, num_classes):
+    return WithBatchNorm(in_features, num_classes)

@@ -162,6 +162,7 @@ def _launch(cfg, output_dir, job_files, started, layout, is_writer, launched, lo
     if is_writer:
         write_result(output_dir, result)
         print(summary_table(result), flush=True)
+        print(f"output: {output_dir}", flush=True)
     return result
 
 

@@ -125,7 +125,8 @@ def _overrides(point: dict[str, Any]) -> dict[str, str] | None:
             found = None
     if not isinstance(found, list):
         return None
-    return dict(str(o).lstrip("+").partition("=")[::2] for o in found)
+    pairs = (str(o).lstrip("+").partition("=")[::2] for o in found)
+    return {key: value.replace("'", "") for key, value in pairs}  # precision='32' as typed: 32
 
 
 def _point_name(point: dict[str, Any]) -> str:

@@ -41,11 +41,31 @@ def _padded_numel(shape: tuple, world_size: int) -> int:
     return math.ceil(shape[0] / world_size) * math.prod(shape[1:]) if shape else 1
 
 
+def _broadcast_buffers_before_forward(module: torch.nn.Module) -> None:
+    """Rank 0's persistent buffers to every rank before each forward, training and
+    evaluation (DDP's ``broadcast_buffers``): the ranks evaluate with the same statistics."""
+    buffers = [
+        b for m in module.modules() for name, b in m._buffers.items()
+        if b is not None and name not in m._non_persistent_buffers_set
+    ]  # fmt: skip
+    if not buffers:
+        return
+
+    def broadcast(mod, args, kwargs):
+        for b in buffers:
+            torch.distributed.broadcast(b, src=0)
+
+    module.register_forward_pre_hook(broadcast, with_kwargs=True)
+
+
 @dataclass
 class FSDPConfig(StrategyConfig):
     name: str = "fsdp"
     reshard_after_forward: bool = True
     """Free gathered parameters after forward and gather again in backward (ZeRO-3)."""
+    broadcast_buffers: bool = True
+    """Broadcast the model's buffers (BatchNorm's running statistics) from rank 0 before
+    every forward, as DDP does by default; FSDP itself leaves each rank its own."""
 
 
 @dataclass
@@ -75,6 +95,8 @@ class FSDP(Strategy):
                         ignored_params=scalars)  # fmt: skip
         fully_shard(module, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy,
                     ignored_params=scalars)  # fmt: skip
+        if cfg.broadcast_buffers:
+            _broadcast_buffers_before_forward(module)
         # fully_shard replaced the parameters by DTensors: group and build the optimizer now.
         self = cls(module, module, optim_spec.regroup(module).build(), precision_cfg, device)
         self.replicated = [p for p in scalars or () if p.requires_grad]

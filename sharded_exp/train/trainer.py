@@ -122,7 +122,8 @@ def run_loop(
         warmup = min(memory_end - start, loop.steps - start - 1)
     samples_per_step = loop.batch_size * loop.grad_accum * world_size
     metrics, log = IntervalMetrics(device, task, probe=lambda: meter.now(strategy)), IntervalLog(logger)
-    bar = tqdm(total=loop.steps, desc=loop.label, disable=rank != 0 or not loop.progress_bar)
+    # A resumed run's bar starts where the checkpoint left off and ends at 100%.
+    bar = tqdm(total=loop.steps, initial=start, desc=loop.label, disable=rank != 0 or not loop.progress_bar)
     memory, step_times, skipped, tokens_per_step, saved = {}, [], 0, 0, None
     out = LoopOutcome(start, torch.zeros(()), log.history, {}, {}, 0, time.time())
     loop_start = None
@@ -262,6 +263,9 @@ def gather_results(strategy: Strategy, out: LoopOutcome, device: torch.device) -
         "skipped_steps": out.skipped_steps,
         "nonfinite_params": sum(int((~torch.isfinite(_local(p))).sum()) for p in module.parameters()),
         "local_param_digest": {"sum": total, "l2": math.sqrt(sq)},
+        # Buffers (BatchNorm's running statistics) are whole on every rank: they agree
+        # across ranks when the strategy broadcasts them, as DDP does.
+        "buffer_digest": dict(zip(("sum", "l2"), _sums(module.buffers()))),
         **out.extra,
         # Peak resident set of the rank's process (host memory, any framework compares).
         "peak_rss_mib": process_peak_rss_mib(),
