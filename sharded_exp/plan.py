@@ -22,7 +22,10 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from typing import Any
+
+from omegaconf import OmegaConf
 
 from sharded_exp.compose import compose
 from sharded_exp.errors import ConfigError
@@ -48,30 +51,134 @@ def with_strategy(cfg, name: str):
     return out
 
 
-def raw_shapes(params: int, units: int, world_size: int) -> ModelShapes:
+def raw_shapes(params: int, units: int, world_size: int, row_sharded: bool = False) -> ModelShapes:
     """``params`` as an ideally divisible model: ``units`` equal blocks of ``world_size``
-    equal 1-D tensors (every rank's shard, owner and bucket share come out equal)."""
+    equal 1-D tensors (every rank's owner share and bucket share come out equal), or, for
+    a strategy that shards every tensor by rows (``row_sharded``: FSDP), one tensor of
+    ``world_size`` rows per block (every rank's row shard comes out equal)."""
+    if row_sharded:
+        cols = math.ceil(params / (units * world_size))
+        return ModelShapes([[(world_size, cols)] * units], [world_size * cols] * units, 0, {})
     pieces = units * world_size
     size = math.ceil(params / pieces)
     return ModelShapes([[(size,)] * pieces], [size * world_size] * units, 0, {})
 
 
-def raw_row(cfg, name: str, world_size: int) -> dict[str, Any]:
-    params, units = int(cfg.plan.params), int(cfg.plan.units)
+def _raw_parts(cfg, name: str, world_size: int) -> dict[str, float]:
+    """Rank 0's model states (GiB) for ``plan.params`` as an ideally divisible model."""
     cfg_s = with_strategy(cfg, name)
-    shapes = raw_shapes(params, units, world_size)
-    prediction = predict(cfg_s.strategy, cfg.optimizer, str(cfg.precision.name), shapes, world_size)
-    states = max(prediction["model_states_mib"], key=lambda p: sum(p.values()))
-    parts = {k: 0.0 for k in PARTS} | {k: states[k] * MIB / GIB for k in ("params", "grads", "optimizer")}
-    parts["gathered"] = prediction["transient_params_mib"] * MIB / GIB
-    parts["activations"] = None
-    return _row(cfg, name, world_size, parts, "raw parameter count (analytic, no activations)", "")
+    row_sharded = STRATEGIES.builder(name).shards_parameters
+    shapes = raw_shapes(int(cfg.plan.params), int(cfg.plan.units), world_size, row_sharded)
+    # Every rank holds the same by construction: rank 0 stands for all.
+    prediction = predict(cfg_s.strategy, cfg.optimizer, str(cfg.precision.name), shapes, world_size, ranks=[0])
+    states = prediction["model_states_mib"][0]
+    parts = {k: states[k] * MIB / GIB for k in ("params", "grads", "optimizer")}
+    return parts | {"gathered": prediction["transient_params_mib"] * MIB / GIB}
+
+
+EXACT_UP_TO = 1024
+"""World sizes up to this are planned tensor by tensor; beyond it, from the line below."""
+
+
+def _raw_parts_at_scale(cfg, name: str, world_size: int) -> tuple[dict[str, float], str]:
+    """Each figure of an ideally divisible model is held whole or split evenly, so it is
+    a + b / world_size: two exact plans (256 and 512 ranks) give the line, a third (1024)
+    checks it, and the line answers for any world size in milliseconds. Where the check
+    fails (a strategy whose buckets change regime), the exact plan is made."""
+    w1, w2, w3 = EXACT_UP_TO // 4, EXACT_UP_TO // 2, EXACT_UP_TO
+    p1, p2, p3 = (_raw_parts(cfg, name, w) for w in (w1, w2, w3))
+    line = {}
+    for k in p1:
+        b = (p1[k] - p2[k]) / (1 / w1 - 1 / w2)
+        a = p1[k] - b / w1
+        if not math.isclose(a + b / w3, p3[k], rel_tol=1e-4, abs_tol=1e-9):  # rounding of the pieces: ~1e-5
+            return _raw_parts(cfg, name, world_size), ""
+        line[k] = max(0.0, a + b / world_size)
+    return line, f"from the exact plans at {w1}, {w2} and {w3} ranks (every figure is a + b/world_size)"
+
+
+def raw_row(cfg, name: str, world_size: int) -> dict[str, Any]:
+    if world_size <= EXACT_UP_TO:
+        states, note = _raw_parts(cfg, name, world_size), ""
+    else:
+        states, note = _raw_parts_at_scale(cfg, name, world_size)
+    parts = {k: 0.0 for k in PARTS} | states | {"activations": None}
+    return _row(cfg, name, world_size, parts, "raw parameter count (analytic, no activations)", note)
+
+
+LAYER_KEYS = ("n_layers", "config.num_hidden_layers", "config.n_layer")
+"""Where a model keeps its number of identical blocks (ours; Hugging Face's configs)."""
+FAKED_LAYERS = (3, 4, 5)
+"""A deeper model's peak is faked at these depths and drawn to its own (see :func:`_peak_by_depth`);
+not 2: under FSDP a 2-block model's forward peak lies off the line the deeper ones follow."""
+
+
+def _layer_key(model_cfg) -> str | None:
+    for key in LAYER_KEYS:
+        if isinstance(OmegaConf.select(model_cfg, key, default=None), int):
+            return key
+    return None
+
+
+def _peak_by_depth(cfg_s, world_size: int, device_type: str, prediction: dict[str, Any], key: str, layers: int):
+    """The fake step's cost grows with the model's ops; each phase's peak (forward and
+    backward; the optimizer step) grows linearly with depth (each block adds its states,
+    activations and temporaries; the logits and the gathered unit do not grow). So a deep
+    model is faked at 3, 4 and 5 blocks: in every phase the steps from 3 to 4 and 4 to 5
+    must agree (each part within 0.1%, optimizer state aside), each phase's line is drawn to
+    ``layers`` blocks, and the larger is the peak. None when a phase bends (the whole
+    model is faked then)."""
+    peaks = []
+    for n in FAKED_LAYERS:
+        c = cfg_s.copy()
+        OmegaConf.update(c.model, key, n)
+        shapes_n = model_shapes(c.model, c.optimizer, freeze=c.trainer.freeze)
+        prediction_n = predict(c.strategy, c.optimizer, str(c.precision.name), shapes_n, world_size)
+        peak = predict_peak(c, world_size, device_type, prediction_n, shapes_n, flops=False)
+        if peak["per_rank_mib"] is None:
+            return peak
+        peak["state_optimizer_mib"] = prediction_n["model_states_mib"][peak["rank"]]["optimizer"]
+        peaks.append(peak)
+    steps = layers - FAKED_LAYERS[-1]
+    # The optimizer state a rank holds is lumpy in depth where whole tensors are dealt out
+    # (OSS, ZeRO-1: which rank holds most changes with the count): it is taken at full
+    # depth from the analytic model states, and only what the step adds to it (its
+    # temporaries), like everything else, is drawn along its line.
+    optimizer = max(prediction["model_states_mib"], key=lambda p: sum(p.values()))["optimizer"]
+    drawn = {}
+    for phase in peaks[-1]["phases_mib"]:
+        if not all(phase in p["phases_mib"] for p in peaks):
+            return None
+        pa, pb, pc = ({**p["phases_mib"][phase][1]} for p in peaks)
+        for p, peak in zip((pa, pb, pc), peaks):
+            p["optimizer"] -= peak["state_optimizer_mib"]
+        for k in pc:  # each part on its line (ShardedDDP's bucketed gradients are not)
+            if abs((pc[k] - pb[k]) - (pb[k] - pa[k])) > 1e-3 * abs(pc[k]) + 1e-3:
+                return None
+        parts = {k: pc[k] + steps * (pc[k] - pb[k]) for k in pc}
+        parts["optimizer"] += optimizer
+        drawn[phase] = (sum(parts.values()), parts)
+    top, parts = max(drawn.values(), key=lambda d: d[0])
+    return {
+        "per_rank_mib": [top],
+        "breakdown_mib": parts,
+        "method": f"fake steps at {', '.join(map(str, FAKED_LAYERS))} blocks, drawn to the model's depth",
+        "note": f"{key}={layers}: faked at {', '.join(map(str, FAKED_LAYERS))} blocks (each phase's peak is linear "
+        "in depth)",
+        "seconds": sum(p["seconds"] or 0 for p in peaks),
+    }
 
 
 def model_row(cfg, name: str, world_size: int, shapes: ModelShapes, device_type: str) -> dict[str, Any]:
     cfg_s = with_strategy(cfg, name)
     prediction = predict(cfg_s.strategy, cfg.optimizer, str(cfg.precision.name), shapes, world_size)
-    peak = predict_peak(cfg_s, world_size, device_type, prediction, shapes, flops=False)
+    key = _layer_key(cfg.model)
+    layers = OmegaConf.select(cfg.model, key) if key else 0
+    peak = None
+    if layers > FAKED_LAYERS[-1] and cfg.plan.by_depth and STRATEGIES.builder(name).grads_linear_in_depth:
+        peak = _peak_by_depth(cfg_s, world_size, device_type, prediction, key, layers)
+    if peak is None:
+        peak = predict_peak(cfg_s, world_size, device_type, prediction, shapes, flops=False)
     states = max(sum(p.values()) for p in prediction["model_states_mib"])
     if peak["per_rank_mib"] is None:
         parts = {k: None for k in PARTS}
@@ -105,32 +212,38 @@ def plan_rows(cfg, world_sizes, device_type: str = "cpu") -> list[dict[str, Any]
     rows = []
     for name in strategy_names(cfg):
         for ws in world_sizes:
+            started = time.perf_counter()
             if shapes is None:
                 rows.append(raw_row(cfg, name, ws))
             else:
                 rows.append(model_row(cfg, name, ws, shapes, device_type))
+                progress(f"{name} x{ws}: {rows[-1]['method']}", started)
     return rows
+
+
+def progress(what: str, started: float) -> None:
+    """A line per planned point on stderr: a long plan shows that it moves."""
+    print(f"plan: {what} ({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
 
 
 def _peak_gib(cfg, world_size: int, device_type: str, errors: list[str]) -> float | None:
     """The largest rank's predicted peak in GiB, or None (why is appended to ``errors``)."""
     shapes = model_shapes(cfg.model, cfg.optimizer, freeze=cfg.trainer.freeze)
-    prediction = predict(cfg.strategy, cfg.optimizer, str(cfg.precision.name), shapes, world_size)
-    peak = predict_peak(cfg, world_size, device_type, prediction, shapes, flops=False)
-    if peak["per_rank_mib"] is None:
-        errors.append(peak["error"])
-        return None
-    return max(peak["per_rank_mib"]) * MIB / GIB
+    row = model_row(cfg, cfg.strategy.name, world_size, shapes, device_type)  # drawn by depth where it can be
+    if row["total_gib"] is None:
+        errors.append(row["note"])
+    return row["total_gib"]
 
 
 def largest(cfg, name: str, world_size: int, knob: str, device_type: str, limit: int = 1 << 20) -> dict[str, Any]:
     """The largest value of ``knob`` (``trainer.batch_size`` or ``model.n_layers``) at which
     ``name`` fits ``plan.device_memory_gib`` on ``world_size`` ranks.
 
-    The peak grows linearly in either (activations per sample; states and activations per
-    layer): fake steps at 1 and 2 give the line, and the value it predicts is then checked
-    by fake steps at the answer (must fit) and one above (must not), moving down or up
-    until both hold.
+    The peak grows about linearly in either (activations per sample; states and
+    activations per layer): fake steps at 1 and 2 give a line, and each next fake step is
+    where the line through the two probes nearest the budget crosses it (regula falsi,
+    integer-rounded), until the answer fits and one above does not. Four fake steps when
+    the peak is linear; a few more when it bends.
     """
     budget = cfg.plan.device_memory_gib
     section, key = knob.split(".")
@@ -149,13 +262,26 @@ def largest(cfg, name: str, world_size: int, knob: str, device_type: str, limit:
         return {"value": None, "probes": probes, "note": f"no fake step: {errors[0]}"}
     if one > budget:
         return {"value": 0, "probes": probes, "note": f"{knob}=1 does not fit"}
-    slope = max(two - one, 1e-12)
-    guess = max(1, min(limit, int((budget - one) / slope) + 1))
-    while guess > 1 and (peak(guess) is None or peak(guess) > budget):
-        guess -= 1
-    while guess < limit and peak(guess + 1) is not None and peak(guess + 1) <= budget:
-        guess += 1
-    return {"value": guess, "probes": probes, "note": f"checked by fake steps at {guess} and {guess + 1}"}
+    lo, hi = (2, None) if two <= budget else (1, 2)  # largest known to fit, smallest known not to
+    while (hi is None or hi > lo + 1) and lo < limit:
+        guess = _crossing(probes, budget, lo, hi)
+        guess = min(max(guess, lo + 1), hi - 1 if hi is not None else limit)
+        p = peak(guess)
+        lo, hi = (guess, hi) if p is not None and p <= budget else (lo, guess)
+    note = f"checked by fake steps at {lo} and {hi}" if hi is not None else f"fits up to the limit {limit}"
+    return {"value": lo, "probes": probes, "note": note}
+
+
+def _crossing(probes: dict[int, float | None], budget: float, lo: int, hi: int | None) -> int:
+    """Where the line through ``lo`` and its nearest other probe (``hi``, else the one
+    below ``lo``) reaches ``budget``, rounded down; twice ``lo`` when there is no line."""
+    other = hi if hi is not None and probes.get(hi) is not None else max((v for v in probes if v < lo), default=None)
+    if other is None or probes.get(other) is None:
+        return 2 * lo
+    (v1, p1), (v2, p2) = (lo, probes[lo]), (other, probes[other])
+    if (p2 - p1) * (v2 - v1) <= 0:  # flat: no crossing ahead
+        return 2 * lo
+    return int(v1 + (budget - p1) * (v2 - v1) / (p2 - p1))
 
 
 def find_rows(cfg, world_sizes, device_type: str) -> list[dict[str, Any]]:
@@ -164,7 +290,9 @@ def find_rows(cfg, world_sizes, device_type: str) -> list[dict[str, Any]]:
     out = []
     for name in strategy_names(cfg):
         for ws in world_sizes:
+            started = time.perf_counter()
             found = largest(cfg, name, ws, knob, device_type)
+            progress(f"{find} of {name} x{ws}: {found['value']}, {len(found['probes'])} fake steps", started)
             out.append({"strategy": name, "world_size": ws, "find": find, **found})
             out[-1]["probes"] = {str(k): v for k, v in found["probes"].items()}
     return out

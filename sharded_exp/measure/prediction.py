@@ -73,14 +73,17 @@ def _element_bytes(module: torch.nn.Module) -> float:
     return sum(p.numel() * p.element_size() for p in module.parameters()) / numel if numel else 4.0
 
 
-def predict(strategy_cfg, optimizer_cfg, precision_name: str, shapes: ModelShapes, world_size: int) -> dict[str, Any]:
-    """Predicted model states of every rank and the parameters gathered on top at the peak.
+def predict(
+    strategy_cfg, optimizer_cfg, precision_name: str, shapes: ModelShapes, world_size: int, ranks=None
+) -> dict[str, Any]:
+    """Predicted model states of every rank (or of ``ranks``) and the parameters gathered
+    on top at the peak.
 
     ``{"model_states_mib": [{"params", "grads", "optimizer"} per rank], "transient_params_mib": x}``
     """
     strategy = STRATEGIES.builder(strategy_cfg.name)
     states = predict_model_states_mib(
-        strategy, strategy_cfg, optimizer_cfg, shapes.groups, world_size, shapes.frozen, shapes.element_bytes
+        strategy, strategy_cfg, optimizer_cfg, shapes.groups, world_size, shapes.frozen, shapes.element_bytes, ranks
     )
     gathered = (
         strategy.transient_param_numel(strategy_cfg, shapes.blocks, shapes.root, world_size) if shapes.blocks else 0
@@ -147,6 +150,8 @@ def predict_peak(
         "per_rank_mib": per_rank,
         "rank": rank,
         "breakdown_mib": parts,
+        # the faked rank's peak in each phase (forward/backward "step", "optimizer"), broken down
+        "phases_mib": {str(name): (peak, resident(p)) for name, (peak, p) in phases.items()},
         "flops_per_step": est.flops_per_step,
         "method": est.method,
         "note": est.note,

@@ -54,6 +54,10 @@ class Strategy:
     grads_differ_across_ranks = False
     """True when ranks check different gradients for inf/nan (sharded gradients or sharded
     optimizer steps): the grad scaler must then agree on the found-inf flag across ranks."""
+    grads_linear_in_depth = True
+    """False when the gradients a rank keeps change regime as the model grows (ShardedDDP's
+    reduce buckets): the planner then fakes a deep model whole instead of drawing its
+    peak from a few blocks (sharded_exp.plan)."""
 
     def __init__(self, model: nn.Module, module: nn.Module, optimizer: torch.optim.Optimizer, precision_cfg, device):
         self.model = model

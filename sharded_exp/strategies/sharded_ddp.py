@@ -46,8 +46,9 @@ def resident_grad_numel(reduce_buffer_size, numels, owners, rank, world_size) ->
     if world_size == 1:
         return sum(numels)
     capacity = min(reduce_buffer_size, sum(numels))
-    # fairscale orders parameters by owner, then (stable) by size, before filling buckets
-    order = sorted((i for r in range(world_size) for i, o in enumerate(owners) if o == r), key=lambda i: numels[i])
+    # fairscale orders parameters by owner, then (stable) by size, before filling buckets:
+    # by size, then owner, then position
+    order = sorted(range(len(numels)), key=lambda i: (numels[i], owners[i], i))
     fill = [0] * world_size
     held = 0
     for i in order:
@@ -63,6 +64,7 @@ def resident_grad_numel(reduce_buffer_size, numels, owners, rank, world_size) ->
 @STRATEGIES.register("sharded_ddp")
 class ShardedDDP(OSS):
     Config = ShardedDDPConfig
+    grads_linear_in_depth = False  # parameters fill the reduce buckets until one is full
 
     @classmethod
     def build(cls, cfg, module, optim_spec, precision_cfg, device):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from sharded_exp.measure.memory_model import greedy_partition
 from sharded_exp.strategies import STRATEGIES
 from sharded_exp.strategies.ddp import DDP, DDPConfig, wrap_ddp
 
@@ -52,13 +53,4 @@ class ZeRO1(DDP):
     @staticmethod
     def partition(group_numels, world_size):
         # ZeroRedundancyOptimizer sorts each group by size, largest first, then goes greedy.
-        owners = []
-        sizes = [0] * world_size
-        for group in group_numels:
-            group_owners = [0] * len(group)
-            for i in sorted(range(len(group)), key=lambda i: group[i], reverse=True):
-                rank = sizes.index(min(sizes))
-                group_owners[i] = rank
-                sizes[rank] += group[i]
-            owners += group_owners
-        return owners
+        return greedy_partition(group_numels, world_size, largest_first=True)
