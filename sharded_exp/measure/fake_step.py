@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,11 +208,12 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
                 try:
                     with device:  # built on the (fake) device, as a real run's model ends up
                         run = build_run(cfg, device, with_task=False, before_wrap=start_tracker)
-                except Exception:  # noqa: BLE001
-                    if built:
+                except Exception as exc:  # noqa: BLE001
+                    if built or "Couldn't swap" not in "".join(traceback.format_exception(exc)):
                         raise
                     # A model that converts itself while being built (``.double()``) cannot
-                    # under FakeTensorMode: built on meta, its tensors then made fake.
+                    # under FakeTensorMode (torch's _apply cannot swap a fake parameter):
+                    # built on meta, its tensors then made fake.
                     with device:
                         run = build_run(cfg, device, with_task=False, before_wrap=start_tracker, meta_first=True)
             except FakeStepError:
