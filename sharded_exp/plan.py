@@ -162,6 +162,7 @@ def _peak_by_depth(cfg_s, world_size: int, device_type: str, prediction: dict[st
     return {
         "per_rank_mib": [top],
         "breakdown_mib": parts,
+        "phases_mib": drawn,
         "method": f"fake steps at {', '.join(map(str, FAKED_LAYERS))} blocks, drawn to the model's depth",
         "note": f"{key}={layers}: faked at {', '.join(map(str, FAKED_LAYERS))} blocks (each phase's peak is linear "
         "in depth)",
@@ -190,6 +191,8 @@ def model_row(cfg, name: str, world_size: int, shapes: ModelShapes, device_type:
         row["total_gib"] = max(peak["per_rank_mib"]) * MIB / GIB  # the peak itself
         row["fits"] = row["total_gib"] <= cfg.plan.device_memory_gib
         row["seconds"] = peak["seconds"]
+        # each phase's peak (forward/backward "step", "optimizer"): plan.find follows them
+        row["phases_gib"] = {name: v[0] * MIB / GIB for name, v in (peak.get("phases_mib") or {}).items()}
     row["model_states_gib"] = states * MIB / GIB  # analytic: what every run predicts and checks
     return row
 
@@ -226,13 +229,14 @@ def progress(what: str, started: float) -> None:
     print(f"plan: {what} ({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
 
 
-def _peak_gib(cfg, world_size: int, device_type: str, errors: list[str]) -> float | None:
-    """The largest rank's predicted peak in GiB, or None (why is appended to ``errors``)."""
+def _peak_gib(cfg, world_size: int, device_type: str, errors: list[str]) -> tuple[float | None, dict]:
+    """The largest rank's predicted peak in GiB, or None (why is appended to ``errors``),
+    and the faked rank's peak in each phase."""
     shapes = model_shapes(cfg.model, cfg.optimizer, freeze=cfg.trainer.freeze)
     row = model_row(cfg, cfg.strategy.name, world_size, shapes, device_type)  # drawn by depth where it can be
     if row["total_gib"] is None:
         errors.append(row["note"])
-    return row["total_gib"]
+    return row["total_gib"], row.get("phases_gib") or {}
 
 
 def largest(cfg, name: str, world_size: int, knob: str, device_type: str, limit: int = 1 << 20) -> dict[str, Any]:
@@ -248,13 +252,14 @@ def largest(cfg, name: str, world_size: int, knob: str, device_type: str, limit:
     budget = cfg.plan.device_memory_gib
     section, key = knob.split(".")
     probes: dict[int, float | None] = {}
+    phases: dict[int, dict[str, float]] = {}
     errors: list[str] = []
 
     def peak(value: int) -> float | None:
         if value not in probes:
             c = with_strategy(cfg, name)
             c[section][key] = value
-            probes[value] = _peak_gib(c, world_size, device_type, errors)
+            probes[value], phases[value] = _peak_gib(c, world_size, device_type, errors)
         return probes[value]
 
     one, two = peak(1), peak(2)
@@ -264,7 +269,7 @@ def largest(cfg, name: str, world_size: int, knob: str, device_type: str, limit:
         return {"value": 0, "probes": probes, "note": f"{knob}=1 does not fit"}
     lo, hi = (2, None) if two <= budget else (1, 2)  # largest known to fit, smallest known not to
     while (hi is None or hi > lo + 1) and lo < limit:
-        guess = _crossing(probes, budget, lo, hi)
+        guess = _crossing(probes, phases, budget, lo, hi)
         guess = min(max(guess, lo + 1), hi - 1 if hi is not None else limit)
         p = peak(guess)
         lo, hi = (guess, hi) if p is not None and p <= budget else (lo, guess)
@@ -272,16 +277,23 @@ def largest(cfg, name: str, world_size: int, knob: str, device_type: str, limit:
     return {"value": lo, "probes": probes, "note": note}
 
 
-def _crossing(probes: dict[int, float | None], budget: float, lo: int, hi: int | None) -> int:
-    """Where the line through ``lo`` and its nearest other probe (``hi``, else the one
-    below ``lo``) reaches ``budget``, rounded down; twice ``lo`` when there is no line."""
+def _crossing(probes, phases, budget: float, lo: int, hi: int | None) -> int:
+    """Where the peak reaches ``budget``, rounded down, from ``lo`` and its nearest other
+    probe (``hi``, else the one below ``lo``): each phase's peak (forward/backward, the
+    optimizer step) is a line of its own, and the first to reach the budget decides; the
+    peak itself, the larger of them, bends where they cross, so its own line (used when
+    the phases are unknown) may overshoot. Twice ``lo`` when there is no line."""
     other = hi if hi is not None and probes.get(hi) is not None else max((v for v in probes if v < lo), default=None)
     if other is None or probes.get(other) is None:
         return 2 * lo
-    (v1, p1), (v2, p2) = (lo, probes[lo]), (other, probes[other])
-    if (p2 - p1) * (v2 - v1) <= 0:  # flat: no crossing ahead
-        return 2 * lo
-    return int(v1 + (budget - p1) * (v2 - v1) / (p2 - p1))
+    lines = [(probes[lo], probes[other])]
+    if phases.get(lo) and phases.get(other) and phases[lo].keys() == phases[other].keys():
+        lines = [(phases[lo][k], phases[other][k]) for k in phases[lo]]
+    crossings = []
+    for p1, p2 in lines:
+        if (p2 - p1) * (other - lo) > 0:  # rising: it reaches the budget somewhere ahead
+            crossings.append(lo + (budget - p1) * (other - lo) / (p2 - p1))
+    return int(min(crossings)) if crossings else 2 * lo
 
 
 def find_rows(cfg, world_sizes, device_type: str) -> list[dict[str, Any]]:

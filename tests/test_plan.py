@@ -121,7 +121,7 @@ def test_22_11_a_raw_plan_at_a_million_ranks_is_drawn_from_exact_plans():
 
 @pytest.mark.parametrize("model", [
     ["model=gpt", "model.n_layers=8", "model.d_model=64", "model.n_heads=2", "model.seq_len=32"],
-    ["model=hf_llama", "model.config.num_hidden_layers=7", "model.seq_len=16"],
+    pytest.param(["model=hf_llama", "model.config.num_hidden_layers=7", "model.seq_len=16"], marks=pytest.mark.slow),
 ], ids=["gpt", "hf_llama"])  # fmt: skip
 def test_22_11_a_deep_model_drawn_from_three_depths_equals_the_whole_model_faked(model):
     from sharded_exp import plan

@@ -48,7 +48,7 @@ def resident_grad_numel(reduce_buffer_size, numels, owners, rank, world_size) ->
     capacity = min(reduce_buffer_size, sum(numels))
     # fairscale orders parameters by owner, then (stable) by size, before filling buckets:
     # by size, then owner, then position
-    order = sorted(range(len(numels)), key=lambda i: (numels[i], owners[i], i))
+    order = sorted(range(len(owners)), key=lambda i: (numels[i], owners[i], i))
     fill = [0] * world_size
     held = 0
     for i in order:
