@@ -348,7 +348,8 @@ def hyperparameter_changes(current_groups: list[dict], saved_groups: list[dict])
     """Every hyperparameter the config sets differently from the checkpoint, per group."""
     changes = []
     for i, (now, saved) in enumerate(zip(current_groups, saved_groups)):
-        for key in sorted(set(now) & set(saved) - {"params"}):
+        # the implementation (foreach, fused) follows the device, not the config: no change
+        for key in sorted(set(now) & set(saved) - {"params", "foreach", "fused", "capturable", "differentiable"}):
             if _plain(now[key]) != _plain(saved[key]):
                 changes.append({"group": i, "key": key, "checkpoint": _plain(saved[key]), "config": _plain(now[key])})
     return changes

@@ -29,9 +29,8 @@ def register_schemas() -> None:
     from sharded_exp.models import MODELS
     from sharded_exp.strategies import STRATEGIES
 
-    # conf/config.yaml's sweep subdirectories: precision=32, not precision='32' (the quotes
-    # quote_numeric_choices adds for Hydra's parser)
-    OmegaConf.register_new_resolver("unquoted", lambda text: str(text).replace("'", ""), replace=True)
+    # conf/config.yaml's sweep subdirectories
+    OmegaConf.register_new_resolver("point_dirname", point_dirname, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=config.Config)
     cs.store(name="plan_schema", node=config.PlanConfig)
@@ -42,6 +41,24 @@ def register_schemas() -> None:
     for group, registry in (("strategy", STRATEGIES), ("model", MODELS), ("data", TASKS)):
         for name in registry.names():
             cs.store(group=f"schema/{group}", name=name, node=registry.config_class(name))
+
+
+MAX_DIRNAME = 200
+"""Bytes of a sweep point's directory name at most (filesystems allow 255)."""
+
+
+def point_dirname(overrides: str) -> str:
+    """A sweep point's directory name from its overrides: ``precision=32``, not
+    ``precision='32'`` (the quotes :func:`quote_numeric_choices` adds for Hydra's parser),
+    and cut to :data:`MAX_DIRNAME` bytes with a short hash of the whole when longer (many
+    overrides: ``File name too long`` otherwise)."""
+    import hashlib
+
+    name = str(overrides).replace("'", "").replace("/", "_")
+    if len(name.encode()) <= MAX_DIRNAME:
+        return name
+    digest = hashlib.sha1(name.encode()).hexdigest()[:8]
+    return name.encode()[: MAX_DIRNAME - 9].decode(errors="ignore") + "_" + digest
 
 
 def quote_numeric_choices(args: list[str], conf_dir: str = CONF_DIR) -> list[str]:

@@ -45,7 +45,15 @@ def param_groups(cfg, module: nn.Module) -> list[dict[str, Any]]:
 
 
 def optimizer_spec(cfg, module: nn.Module) -> OptimizerSpec:
-    defaults: dict[str, Any] = {"lr": cfg.lr}
+    """The configured optimizer over ``module``'s trainable parameters (on their device).
+
+    The implementation is explicit: torch picks ``foreach`` (one kernel over a whole group,
+    with group-sized temporaries) for real CUDA tensors but the per-tensor loop for the fake
+    ones of a fake step, so the prediction would miss the step's largest temporaries. Here
+    it follows the parameters' device, real or fake alike: foreach on CUDA, per tensor on
+    CPU (torch's choice for real tensors on each)."""
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    defaults: dict[str, Any] = {"lr": cfg.lr, "foreach": device.type == "cuda"}
     if cfg.name in ("adam", "adamw"):
         defaults.update(betas=tuple(cfg.betas), eps=cfg.eps)
     elif cfg.name == "sgd":

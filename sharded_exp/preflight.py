@@ -66,7 +66,9 @@ def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True)
     # The config the ranks, .hydra/ and W&B see holds the real world size (torchrun, SLURM).
     cfg.trainer.world_size = world_size
     local_ranks = layout.local_world_size if layout is not None else world_size
-    device_type = decide_device(_accelerator(cfg.trainer.accelerator), local_ranks, str(cfg.precision.name))
+    device_type = decide_device(
+        _accelerator(cfg.trainer.accelerator), local_ranks, str(cfg.precision.name), per_task=layout is not None
+    )
     try:
         module = meta_model(cfg.model, cfg.trainer.freeze)  # shapes a model refuses, or a _target_ that cannot be built
     except ConfigError:
@@ -219,11 +221,14 @@ def _accelerator(value) -> str:
     return str(value.value if isinstance(value, Enum) else value)
 
 
-def decide_device(accelerator: str, local_ranks: int, precision_name: str) -> str:
+def decide_device(accelerator: str, local_ranks: int, precision_name: str, per_task: bool = False) -> str:
     """'cuda' or 'cpu' for ``trainer.accelerator``, decided once for the whole job.
 
     ``auto`` means the GPUs when CUDA is available; either way on CUDA each of the
-    ``local_ranks`` ranks on this machine needs a GPU of its own.
+    ``local_ranks`` ranks on this machine needs a GPU of its own. ``per_task``: this
+    process is one rank of an external launcher's (torchrun, srun), which may give each
+    task its own GPU (``srun --gpus-per-task=1``: one visible GPU per rank, see
+    :func:`sharded_exp.launch.rank.rank_device`).
     """
     if accelerator == "gpu":
         _require(
@@ -234,12 +239,12 @@ def decide_device(accelerator: str, local_ranks: int, precision_name: str) -> st
         return "cpu"
     gpus = torch.cuda.device_count()
     _require(
-        local_ranks <= gpus,
+        local_ranks <= gpus or (per_task and gpus == 1),
         f"trainer.world_size={local_ranks} is more than the {gpus} GPU(s) present (one rank per GPU, "
         f"trainer.accelerator={accelerator}); lower it or use trainer.accelerator=cpu",
     )
-    if precision_name == "bf16":
-        _require(torch.cuda.is_bf16_supported(), "precision=bf16 is not supported by this GPU; use 16 or 32")
+    # precision=bf16 is checked by each rank on its own GPU (launch/rank.py::check_bf16):
+    # asking here would start a CUDA context in the parent, on GPU 0, for the whole job.
     return "cuda"
 
 

@@ -175,3 +175,35 @@ def test_malformed_fault_is_rejected_before_ranks_start(monkeypatch, fault, mess
     monkeypatch.setenv("SHARDED_EXP_FAULT", fault)
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate(compose_cfg([]))
+
+
+def test_23_13_bf16_is_checked_on_the_ranks_own_gpu_without_emulation(monkeypatch):
+    from sharded_exp.launch.rank import check_bf16
+
+    asked = []
+
+    def supported(including_emulation=True):
+        asked.append(including_emulation)
+        return including_emulation  # a V100: bf16 only emulated
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", supported)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")
+    with pytest.raises(RuntimeError, match=r"precision=bf16 is not supported natively by GPU 1 \(Tesla V100"):
+        check_bf16("bf16", torch.device("cuda", 1))
+    assert asked == [False]
+    check_bf16("16", torch.device("cuda", 1))  # other precisions ask nothing
+    assert asked == [False]
+
+
+def test_23_10_a_gpu_per_task_is_accepted_from_an_external_launcher(monkeypatch):
+    from sharded_exp.launch.rank import rank_device
+    from sharded_exp.preflight import decide_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # srun --gpus-per-task=1: one visible GPU
+    assert decide_device("auto", 4, "32", per_task=True) == "cuda"
+    assert rank_device(3) == torch.device("cuda", 0)
+    with pytest.raises(ConfigError, match=r"trainer.world_size=4 is more than the 1 GPU\(s\) present"):
+        decide_device("auto", 4, "32")  # spawning 4 ranks ourselves onto one GPU: refused
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert rank_device(3) == torch.device("cuda", 3)

@@ -200,3 +200,28 @@ def test_a_rank_that_ignores_the_stop_is_killed_after_the_grace_period(tmp_path)
     result = read_result(run)
     assert result["status"] == "stopped"
     assert "ranks were killed (still running trainer.stop_grace_s=3 s after the signal)" in result["error"]
+
+
+# ------------------------------------------ issue 23.7: out-of-memory errors that torch does not type
+@pytest.mark.parametrize(
+    "message",
+    [
+        "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported",
+        pytest.param("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error, NCCL version 2.21.5 ... "
+                     "Cuda failure 'out of memory'", marks=pytest.mark.slow),
+        pytest.param("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+                     marks=pytest.mark.slow),
+    ],
+    ids=["cuda-call", "nccl", "cublas"],
+)  # fmt: skip
+def test_23_7_every_allocation_failure_is_oom(message, tmp_path):
+    from omegaconf import open_dict
+
+    from sharded_exp.launch.parent import launch
+    from tests.conftest import compose_cfg, tiny
+
+    cfg = compose_cfg(tiny(["model=custom", "model._target_=tests.user_models.build_raises", "trainer.steps=2"]))
+    with open_dict(cfg.model):
+        cfg.model.message = message  # any text, as a CUDA library would raise it
+    result = launch(cfg, str(tmp_path))
+    assert result["status"] == "oom", result["error"]

@@ -644,3 +644,34 @@ def test_22_20_a_resumed_bar_ends_full_and_the_output_directory_is_printed(tmp_p
     bar = proc.stderr.split("\r")[-1]
     assert "100%" in bar and "4/4" in bar, bar  # from step 2 to 4: full, not 50%
     assert f"output: {tmp_path}" in proc.stdout
+
+
+# ------------------------------------------------- issue 23.14 and 23.12 (CUDA side: benchmarks/gpu_check.py)
+def test_23_14_result_json_names_the_device_that_ran_the_job(shared_runs):
+    _, result = shared_runs("strategy=ddp", *SCALAR)
+    device = result["device"]
+    assert device["type"] == "cpu" and device["count"] == os.cpu_count() and device["threads_per_rank"] >= 1
+
+
+def test_23_12_cuda_window_resets_the_accumulated_counters(monkeypatch):
+    from sharded_exp.measure.tracker import MemoryMeter
+
+    calls = []
+    for name in ("synchronize", "reset_peak_memory_stats", "reset_accumulated_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, _n=name: calls.append(_n))
+    MemoryMeter(torch.device("cuda", 0), None).start()
+    assert calls == ["synchronize", "reset_peak_memory_stats", "reset_accumulated_memory_stats"]
+
+
+def test_22_18_a_meta_built_fake_model_keeps_its_tied_weights_tied():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from sharded_exp.train.build import _tied_to_empty
+    from tests.user_models import build_tied_double
+
+    with torch.device("meta"):
+        module = build_tied_double(8, 3)
+    with FakeTensorMode(allow_non_fake_inputs=True):  # as the fake step's mode
+        module = _tied_to_empty(module, torch.device("cpu"))
+    assert module.extra.weight is module.layers[1].weight and module.extra.weight.dtype == torch.float64
+    assert len(list(module.named_parameters(remove_duplicate=False))) == 8 and len(list(module.parameters())) == 7

@@ -4,6 +4,7 @@ measure; FLOPs and utilisation; the planner built on the same step."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from sharded_exp.compose import compose
 from sharded_exp.measure.fake_step import fake_step
@@ -111,3 +112,51 @@ def test_fairscale_clipping_is_faked_without_its_branch_and_says_so():
     assert "clipping branches on the norm's value" in est.note
     no_clip = fake_step(compose(tiny(["model=gpt", "strategy=oss", "trainer.grad_clip=0"])), 2, 0, flops=False)
     assert no_clip.method == "fake step" and no_clip.peak_mib == pytest.approx(est.peak_mib)
+
+
+# ------------------------------------------------------- issue 23.8: MFU never above 100%
+@pytest.mark.parametrize(
+    "name, bf16_tflops",
+    [("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 NVL", 835), ("NVIDIA H100 PCIe", 756), ("NVIDIA H200", 989),
+     ("NVIDIA H200 NVL", 835), ("NVIDIA GH200 480GB", 989), ("NVIDIA A100-SXM4-80GB", 312),
+     ("NVIDIA A100 80GB PCIe", 312), ("NVIDIA A100-SXM4-40GB MIG 1g.5gb", None), ("Tesla V100-SXM2-16GB", None)],
+)  # fmt: skip
+def test_23_8_gpu_peaks_are_matched_by_model_not_substring(name, bf16_tflops):
+    from sharded_exp.measure.flops import TERA, gpu_peak
+
+    peak, source = gpu_peak(name, "bf16")
+    assert (peak / TERA if peak else None) == bf16_tflops, source
+    if peak is None:
+        assert "MIG slice" in source or "unknown device" in source
+
+
+def test_23_8_an_mfu_that_cannot_be_trusted_is_null_with_the_reason(monkeypatch):
+    import torch
+
+    from sharded_exp.measure import flops
+
+    cpu = torch.device("cpu")
+    half = flops.utilisation(1e9, 0.01, cpu, "16")  # an emulated fp16 matmul is no peak for autocast
+    assert half["mfu"] is None and "no trustworthy CPU peak at precision 16" in half["peak_flops_source"]
+    monkeypatch.setattr(flops, "cpu_peak", lambda precision: 1e9)  # a peak below what the step achieves
+    over = flops.utilisation(1e9, 0.01, cpu, "32")
+    assert over["mfu"] is None and "is above it: peak not trusted" in over["peak_flops_source"]
+    monkeypatch.setattr(flops, "cpu_peak", lambda precision: 1e12)
+    assert flops.utilisation(1e9, 0.01, cpu, "32")["mfu"] == pytest.approx(0.1)
+
+
+# ----------------------------------------- issue 23.2: one optimizer implementation, run and fake step
+def test_23_2_the_fake_step_and_the_run_use_the_same_adam_on_each_device():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from sharded_exp.optim import optimizer_spec
+    from tests.conftest import compose_cfg
+
+    cfg = compose_cfg(["optimizer=adam"]).optimizer
+    real_cpu = optimizer_spec(cfg, torch.nn.Linear(4, 4)).build()
+    on_meta = torch.nn.Linear(4, 4, device="meta")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake_cpu = optimizer_spec(cfg, torch.nn.Linear(4, 4)).build()
+        fake_cuda = optimizer_spec(cfg, on_meta.to_empty(device="cuda")).build()
+    assert [g["foreach"] for g in real_cpu.param_groups] == [g["foreach"] for g in fake_cpu.param_groups] == [False] * 2
+    assert [g["foreach"] for g in fake_cuda.param_groups] == [True, True]  # as a real CUDA run's Adam

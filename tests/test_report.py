@@ -192,3 +192,24 @@ def test_22_4_an_unexpected_pre_flight_failure_is_a_point_and_the_report_is_writ
     assert "traceback" in points[0.002]
     assert (sweep / "report.md").exists() and "(2 points)" in proc.stdout
     assert proc.returncode == 1  # a failed point, said in the exit code
+
+
+# ------------------------------------------------ issue 23.17: sweep point names of any length
+def test_23_17_a_point_name_is_cut_to_a_safe_length_with_a_hash():
+    from sharded_exp.compose import MAX_DIRNAME, point_dirname
+
+    assert point_dirname("precision='32',strategy=ddp") == "precision=32,strategy=ddp"
+    long = ",".join(f"logger.tags=[tag{i}]" for i in range(40))
+    a, b = point_dirname(long), point_dirname(long + ",x=1")
+    assert len(a.encode()) <= MAX_DIRNAME and a != b and a.startswith("logger.tags=[tag0]")
+
+
+@pytest.mark.slow
+def test_23_17_a_sweep_with_long_overrides_runs_and_reports(tmp_path):
+    sweep = tmp_path / "sweep"
+    name = "x" * 300  # one override longer than a file name may be
+    proc = run_cli(["-m", *TINY, "trainer.steps=2", "strategy=ddp,zero1", f"logger.run_name={name}",
+                    f"hydra.sweep.dir={sweep}"], cwd=ROOT, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(_points(sweep)) == 2 and (sweep / "report.md").exists()
+    assert all(len(p.name) <= 255 for p in sweep.iterdir())

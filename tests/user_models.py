@@ -132,3 +132,38 @@ class WithBatchNorm(Net):
 
 def build_with_batchnorm(in_features, num_classes):
     return WithBatchNorm(in_features, num_classes)
+
+
+class RaisesInForward(Net):
+    """A model whose forward raises RuntimeError(message) in the real ranks (as a CUDA
+    library would), never in the parent's fake step."""
+
+    def __init__(self, in_features, num_classes, message):
+        super().__init__(in_features, num_classes, 16)
+        self.message = message
+
+    def forward(self, inputs, targets=None):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if not isinstance(inputs, FakeTensor) and inputs.device.type != "meta":
+            raise RuntimeError(self.message)
+        return super().forward(inputs, targets)
+
+
+def build_raises(in_features, num_classes, message="boom"):
+    return RaisesInForward(in_features, num_classes, message)
+
+
+class TiedDouble(Double):
+    """float64 with its head tied to its first layer (as an LM head to its embedding)."""
+
+    def __init__(self, in_features, num_classes):
+        super().__init__(in_features, num_classes, in_features)
+        self.layers[1] = nn.Linear(in_features, in_features)
+        self.head = nn.Linear(in_features, num_classes)
+        self.extra = nn.Linear(in_features, in_features)
+        self.extra.weight = self.layers[1].weight  # tied
+
+
+def build_tied_double(in_features, num_classes):
+    return TiedDouble(in_features, num_classes).double()

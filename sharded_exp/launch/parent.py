@@ -379,8 +379,17 @@ class RankDied(RuntimeError):
         super().__init__(message)
 
 
-OOM_SIGNS = ("OutOfMemoryError", "can't allocate memory", "not enough memory")
-"""What an allocation failure says: torch's CUDA OOM, or the CPU allocator's (DefaultCPUAllocator)."""
+OOM_SIGNS = (
+    "OutOfMemoryError",
+    "can't allocate memory",
+    "not enough memory",
+    "CUDA error: out of memory",
+    "Cuda failure 'out of memory'",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+)
+"""What an allocation failure says: torch's CUDA OOM, the CPU allocator's (DefaultCPUAllocator),
+and those that are not torch.OutOfMemoryError: a CUDA call's own (``CUDA error: out of
+memory``), NCCL's (``Cuda failure 'out of memory'``) and cuBLAS's handle or workspace."""
 
 
 def failure_of(exc: BaseException, output_dir: str) -> dict[str, Any]:

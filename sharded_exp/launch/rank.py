@@ -56,8 +56,9 @@ def run_rank(
     import_plugins()
     cfg = OmegaConf.create(job.cfg)
     if job.device_type == "cuda":
-        device = torch.device("cuda", local_rank)
+        device = rank_device(local_rank)
         torch.cuda.set_device(device)
+        check_bf16(str(cfg.precision.name), device)
     else:
         device = torch.device("cpu")
         # Ranks share the cores: without this each would start one thread per core.
@@ -93,6 +94,24 @@ def run_rank(
         raise
     finally:
         dist.destroy_process_group()
+
+
+def rank_device(local_rank: int) -> torch.device:
+    """This rank's GPU among the visible ones: ``cuda:<local_rank>`` when each rank sees
+    them all, ``cuda:0`` when the launcher gave each task its own (``srun
+    --gpus-per-task=1``: one visible GPU, whatever the local rank)."""
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def check_bf16(precision_name: str, device: torch.device) -> None:
+    """precision=bf16 needs bfloat16 in the GPU's hardware (Ampere or later): on V100 or T4
+    torch emulates it, slowly, which a memory and speed study must not measure."""
+    if precision_name == "bf16" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        name = torch.cuda.get_device_name(device)
+        raise RuntimeError(
+            f"precision=bf16 is not supported natively by GPU {device.index} ({name}; torch would emulate it); "
+            "use precision=16 or 32"
+        )
 
 
 def nccl_diagnosis_env(output_dir: str) -> dict[str, str]:

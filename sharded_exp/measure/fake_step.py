@@ -139,6 +139,11 @@ def _parts(values: dict) -> tuple[float, dict[str, float]]:
     return total, out
 
 
+META_FIRST_SIGNS = ("Couldn't swap",)
+"""Build failures under FakeTensorMode that building on meta first avoids. (Not a torch
+built without CUDA faking a CUDA device: DDP's C++ reducer then aborts the process.)"""
+
+
 class FakeStepError(RuntimeError):
     """A fake step failed; the message says which part failed: building the model, the
     strategy wrapping it, the model's or the strategy's step, or the memory tracker."""
@@ -209,7 +214,8 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
                     with device:  # built on the (fake) device, as a real run's model ends up
                         run = build_run(cfg, device, with_task=False, before_wrap=start_tracker)
                 except Exception as exc:  # noqa: BLE001
-                    if built or "Couldn't swap" not in "".join(traceback.format_exception(exc)):
+                    text = "".join(traceback.format_exception(exc))
+                    if built or not any(sign in text for sign in META_FIRST_SIGNS):
                         raise
                     # A model that converts itself while being built (``.double()``) cannot
                     # under FakeTensorMode (torch's _apply cannot swap a fake parameter):

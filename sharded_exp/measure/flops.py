@@ -17,21 +17,37 @@ import torch
 TERA = 1e12
 
 # Dense tensor-core peaks (FLOP/s); fp32 is the plain (non-TF32) figure, torch's default
-# matmul precision. From NVIDIA's data sheets (A100 SXM, H100 SXM/PCIe, H200 SXM).
+# matmul precision. From NVIDIA's data sheets. The key is the model as torch names it
+# (``torch.cuda.get_device_name``), matched as whole words: "H100" is the SXM part, which
+# names no form factor (``NVIDIA H100 80GB HBM3``); PCIe and NVL parts say so.
 GPU_PEAKS = {
-    "H200": {"bf16": 989 * TERA, "16": 989 * TERA, "32": 67 * TERA},
-    "H100 PCIe": {"bf16": 756 * TERA, "16": 756 * TERA, "32": 51 * TERA},
-    "H100": {"bf16": 989 * TERA, "16": 989 * TERA, "32": 67 * TERA},
-    "A100": {"bf16": 312 * TERA, "16": 312 * TERA, "32": 19.5 * TERA},
+    ("GH200",): {"bf16": 989 * TERA, "16": 989 * TERA, "32": 67 * TERA},
+    ("H200", "NVL"): {"bf16": 835 * TERA, "16": 835 * TERA, "32": 60 * TERA},
+    ("H200",): {"bf16": 989 * TERA, "16": 989 * TERA, "32": 67 * TERA},
+    ("H100", "NVL"): {"bf16": 835 * TERA, "16": 835 * TERA, "32": 60 * TERA},
+    ("H100", "PCIe"): {"bf16": 756 * TERA, "16": 756 * TERA, "32": 51 * TERA},
+    ("H100",): {"bf16": 989 * TERA, "16": 989 * TERA, "32": 67 * TERA},
+    ("A100",): {"bf16": 312 * TERA, "16": 312 * TERA, "32": 19.5 * TERA},
 }
 
 
-def gpu_peak(name: str, precision_name: str) -> float | None:
-    """The table's peak for a CUDA device name (``NVIDIA H100 80GB HBM3``), else None."""
+def _words(name: str) -> set[str]:
+    return set(name.replace("-", " ").split())
+
+
+def gpu_peak(name: str, precision_name: str) -> tuple[float | None, str]:
+    """(the table's peak for a CUDA device name, where it comes from or why there is none)."""
+    words = _words(name)
+    if "MIG" in words:
+        return None, f"{name!r} is a MIG slice: its share of the GPU's peak is not known"
     for key, peaks in GPU_PEAKS.items():  # the more specific names come first
-        if all(part in name for part in key.split()):
-            return peaks[str(precision_name)]
-    return None
+        if (
+            set(key) <= words
+            and not (key == ("H200",) and "NVL" in words)
+            and not (key == ("H100",) and words & {"NVL", "PCIe"})
+        ):
+            return peaks[str(precision_name)], f"table: {name}, dense {precision_name}"
+    return None, f"unknown device {name!r}: no peak"
 
 
 def _cache_path() -> str:
@@ -79,11 +95,16 @@ def cpu_peak(precision_name: str) -> float:
 
 
 def device_peak(device: torch.device, precision_name: str) -> tuple[float | None, str]:
-    """(peak FLOP/s of one rank's device, where the figure comes from)."""
+    """(peak FLOP/s of one rank's device, where the figure comes from or why there is none)."""
+    precision_name = str(precision_name)
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        peak = gpu_peak(name, precision_name)
-        return peak, f"table: {name}, dense {precision_name}" if peak else f"unknown device {name!r}: no peak"
+        if precision_name == "32" and torch.backends.cuda.matmul.allow_tf32:
+            return None, "TF32 matmuls are on (allow_tf32): the fp32 peak does not apply"
+        return gpu_peak(torch.cuda.get_device_name(device), precision_name)
+    if precision_name != "32":
+        # Autocast on a CPU runs kernels a measured fp16/bf16 matmul does not (often emulated
+        # and slower than what the step runs): no peak to hold them to.
+        return None, f"no trustworthy CPU peak at precision {precision_name}"
     threads = torch.get_num_threads()
     return cpu_peak(precision_name), f"measured: matmul on this CPU, {threads} thread(s) per rank"
 
@@ -94,10 +115,13 @@ def utilisation(flops_per_step: int | None, step_time_s: float | None, device: t
         return {"model_flops_per_step_per_rank": flops_per_step, "achieved_flops_per_s": None, "mfu": None}
     achieved = flops_per_step / step_time_s
     peak, source = device_peak(device, precision_name)
+    mfu = achieved / peak if peak else None
+    if mfu is not None and mfu > 1:  # never printed: the peak is not this device's
+        source, mfu = f"{source}; achieved {achieved / TERA:.3g} TFLOP/s is above it: peak not trusted", None
     return {
         "model_flops_per_step_per_rank": flops_per_step,
         "achieved_flops_per_s": achieved,
         "peak_flops_per_s": peak,
-        "peak_flops_source": source,
-        "mfu": achieved / peak if peak else None,
+        "peak_flops_source": source,  # where the peak comes from, or why mfu is null
+        "mfu": mfu,
     }

@@ -259,6 +259,8 @@ class MemoryMeter:
                 torch.cuda.set_per_process_memory_fraction(min(1.0, self.limit_mib * MIB / total), self.device)
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+            # alloc_retries and ooms count from here, not from the build (accumulated stats)
+            torch.cuda.reset_accumulated_memory_stats(self.device)
             return
         tracker = peak_tracker()
         try:

@@ -60,6 +60,7 @@ def training_result(
     signal: int | None,
     memory: dict[str, Any],
     timeline: dict[str, float],
+    device: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What rank 0 sends the parent when training ended: result.json's training part,
     which the parent lays over :func:`base_result`. ``out``: the trainer's LoopOutcome."""
@@ -87,6 +88,7 @@ def training_result(
         "eval": _eval_section(out.evals),
         "memory": memory,
         "timeline": {**timeline, "first_step": out.first_step_unix, "last_step": out.last_step_unix},
+        "device": device,  # what ran it, where ``accelerator`` says what was asked for
     }
 
 

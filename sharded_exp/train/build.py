@@ -37,6 +37,22 @@ class Run:
     """The precision's autocast context (a no-op at 32)."""
 
 
+def _tied_to_empty(module: nn.Module, device: torch.device) -> nn.Module:
+    """``module.to_empty(device)``, keeping parameters that are shared (a tied LM head)
+    shared: to_empty gives each module its own new tensor when the type changes (meta to
+    fake), which would count a tied weight twice."""
+    shared: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(param), []).append(name)
+    module = module.to_empty(device=device)
+    for names in (n for n in shared.values() if len(n) > 1):
+        first = module.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(owner), attr, first)
+    return module
+
+
 def build_run(
     cfg,
     device: torch.device,
@@ -61,7 +77,7 @@ def build_run(
 
         with unset_fake_temporarily(), torch.device("meta"):
             module = build_model(cfg.model, tc.freeze)
-        module = module.to_empty(device=device)
+        module = _tied_to_empty(module, device)
     else:
         module = build_model(cfg.model, tc.freeze)
     if any(t.device != device for t in (*module.parameters(), *module.buffers())):

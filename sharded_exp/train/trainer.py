@@ -275,6 +275,27 @@ def gather_results(strategy: Strategy, out: LoopOutcome, device: torch.device) -
     return (per_rank if rank == 0 else None), digest, final_loss.item() / world_size
 
 
+def device_info(device: torch.device) -> dict[str, Any]:
+    """What the job ran on, as result.json's ``device`` (``accelerator`` is only what was
+    asked for): type, model, count, and the CUDA and NCCL versions on a GPU."""
+    import platform
+
+    if device.type != "cuda":
+        return {"type": "cpu", "name": platform.processor() or platform.machine(), "count": os.cpu_count(),
+                "threads_per_rank": torch.get_num_threads()}  # fmt: skip
+    props = torch.cuda.get_device_properties(device)
+    nccl = torch.cuda.nccl.version() if dist.is_nccl_available() else None
+    return {
+        "type": "cuda",
+        "name": props.name,
+        "count": torch.cuda.device_count(),
+        "memory_gib": props.total_memory / 2**30,
+        "capability": f"{props.major}.{props.minor}",
+        "cuda": torch.version.cuda,
+        "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
+    }
+
+
 def train(
     cfg: DictConfig,
     device: torch.device,
@@ -360,6 +381,7 @@ def train(
             signal=stopper.signum,
             memory=memory_section(prediction, per_rank, meter.source),
             timeline=timeline,
+            device=device_info(device),
         )
         logger.log(memory_values(payload["memory"]), step=payload["steps_done"])
         logger.summary(summary_values(payload))
