@@ -32,6 +32,11 @@ class NothingToDo(ConfigError):
     done (a requeued job that finished before it was requeued). Not an error: exit 0."""
 
 
+class WontFit(ConfigError):
+    """Predicted not to fit the machine's memory, before anything starts: in a sweep, a
+    point with status "oom" (a result: this point does not fit), not a failure."""
+
+
 class RunDirInUse(ConfigError):
     """Another live job holds this run directory (its pid is named)."""
 

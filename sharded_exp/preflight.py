@@ -22,7 +22,7 @@ import torch
 
 from sharded_exp import checkpoint
 from sharded_exp.data import TASKS
-from sharded_exp.errors import ConfigError, NothingToDo, missing_packages
+from sharded_exp.errors import ConfigError, NothingToDo, WontFit, missing_packages
 from sharded_exp.launch.layout import Layout
 from sharded_exp.measure.prediction import ModelShapes, meta_model, model_shapes, predict, predict_peak
 from sharded_exp.models import MODELS
@@ -122,13 +122,13 @@ def check_host_memory(per_rank_mib: list[float] | None, local_ranks: int) -> Non
     if not per_rank_mib or available is None:
         return  # nothing to compare: the run goes on, as when a prediction fails
     need = sum(sorted(per_rank_mib, reverse=True)[:local_ranks]) + RANK_OVERHEAD_MIB * local_ranks
-    _require(
-        need <= available,
-        f"the job needs about {need:,.0f} MiB of host memory ({local_ranks} rank(s): predicted peak "
-        f"{max(per_rank_mib):,.1f} MiB each plus about {RANK_OVERHEAD_MIB} MiB of process) and {available:,.0f} MiB "
-        "are available here; make the batch or the model smaller, run fewer ranks per machine, or set "
-        "trainer.host_memory_check=false to start anyway",
-    )
+    if need > available:
+        raise WontFit(
+            f"the job needs about {need:,.0f} MiB of host memory ({local_ranks} rank(s): predicted peak "
+            f"{max(per_rank_mib):,.1f} MiB each plus about {RANK_OVERHEAD_MIB} MiB of process) and {available:,.0f} MiB "
+            "are available here; make the batch or the model smaller, run fewer ranks per machine, or set "
+            "trainer.host_memory_check=false to start anyway"
+        )
 
 
 def check_values(cfg) -> None:

@@ -96,15 +96,22 @@ def test_3_a_rank_killed_by_a_signal_is_named_not_its_peer(tmp_path):
 
 # ------------------------------------------------------------- 4. CPU allocation failure
 @pytest.mark.slow
-def test_4_a_cpu_allocation_failure_is_oom_and_does_not_fail_the_sweep(tmp_path):
+@pytest.mark.parametrize(
+    "check, says",
+    [("false", "can't allocate memory"), ("true", "of host memory")],
+    ids=["the-allocator-fails", "refused-before-it-starts"],
+)
+def test_4_a_cpu_allocation_failure_is_oom_and_does_not_fail_the_sweep(check, says, tmp_path):
+    """A point too large for the machine is a result (oom), whether the allocator says so
+    or, with the host memory check on (22.12), the pre-flight does before any rank starts."""
     sweep = tmp_path / "sweep"
-    proc = run_cli(["-m", *TINY, "trainer.steps=3", "trainer.batch_size=8,1000000000000", f"hydra.sweep.dir={sweep}"],
-                   cwd=ROOT, timeout=300)  # fmt: skip
+    proc = run_cli(["-m", *TINY, "trainer.steps=3", "trainer.batch_size=8,1000000000000",
+                    f"trainer.host_memory_check={check}", f"hydra.sweep.dir={sweep}"], cwd=ROOT, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     points = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/result.json"))]
     status = {p["config"]["trainer"]["batch_size"]: p for p in points}
     assert status[8]["status"] == "ok"
-    assert status[10**12]["status"] == "oom" and "can't allocate memory" in status[10**12]["error"]
+    assert status[10**12]["status"] == "oom" and says in status[10**12]["error"]
 
 
 # ------------------------------------------------------------- 5. parent SIGKILL

@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 
 from sharded_exp import checkpoint, preflight
-from sharded_exp.errors import ConfigError, RunDirInUse, writing
+from sharded_exp.errors import ConfigError, RunDirInUse, WontFit, writing
 from sharded_exp.launch import forkserver, liveness
 from sharded_exp.launch.layout import Layout, external_layout, rendezvous_env
 from sharded_exp.launch.rank import Job, run_rank, spawned_entry
@@ -178,7 +178,8 @@ def record_config_error(
     except Exception:  # noqa: BLE001 -- a config that cannot resolve: kept as written
         data = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
     error = f"config: {exc}" if what == "config" else f"unexpected: {type(exc).__name__}: {exc}"
-    result = {**base_result(data, None, output_dir), **(identity or {}), "status": "failed", "error": error}
+    status = "oom" if isinstance(exc, WontFit) else "failed"  # predicted not to fit: a result
+    result = {**base_result(data, None, output_dir), **(identity or {}), "status": status, "error": error}
     if what != "config":
         result["traceback"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     write_result(output_dir, result)
