@@ -403,7 +403,7 @@ def test_a_long_history_does_not_deadlock_the_parent(tmp_path):
 # ----------------------------------------- 1 and 8: a rank that exits 0 without a result
 @pytest.mark.parametrize(
     "how, ranks, blamed",
-    [("os", "[0,1]", 0), ("sys", "[0,1]", 0), ("os", "[1]", 1)],
+    [("os", "[0,1]", None), ("sys", "[0,1]", None), ("os", "[1]", 1)],  # None: either rank (both did it)
     ids=["every-rank-os-exit-0", "every-rank-sys-exit-0", "one-rank-os-exit-0"],
 )
 def test_22_1_a_rank_that_exits_0_without_a_result_is_the_named_failure(how, ranks, blamed, tmp_path):
@@ -413,7 +413,7 @@ def test_22_1_a_rank_that_exits_0_without_a_result_is_the_named_failure(how, ran
     result = launch(overrides, tmp_path)
     assert time.monotonic() - t0 < 40, "the parent waited for a result that never came"
     assert result["status"] == "failed"
-    assert result["error"].startswith(f"rank {blamed}:"), result["error"]
+    assert result["error"].startswith(f"rank {blamed}:" if blamed is not None else "rank "), result["error"]
     assert "exit" in result["error"] and "Connection" not in result["error"], result["error"]
     assert read_result(tmp_path)["status"] == "failed"
     assert not (tmp_path / ".lock").exists()
