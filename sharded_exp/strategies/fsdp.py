@@ -90,6 +90,14 @@ class FSDP(Strategy):
         # fully_shard refuses 0-dim parameters (a learnable temperature or scale): they stay
         # whole on every rank, outside FSDP, and their gradients are averaged here, as DDP would.
         scalars = {p for p in module.parameters() if p.dim() == 0} or None
+        if half:
+            # BatchNorm keeps its running statistics in fp32; its weight and bias cast to
+            # half beside them fail on CPU ("expected scalar type BFloat16 but found Float").
+            # It is a unit of its own in fp32, as autocast runs it under DDP.
+            fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+            for norm in [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]:
+                fully_shard(norm, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=fp32,
+                            ignored_params=scalars)  # fmt: skip
         for block in units(module):
             fully_shard(block, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy,
                         ignored_params=scalars)  # fmt: skip
