@@ -695,3 +695,19 @@ def test_22_19_batchnorm_trains_under_fsdp_at_bf16_like_ddp(strategy, shared_run
     _, result = shared_runs(f"strategy={strategy}", *args)
     assert ref["status"] == "ok" and result["status"] == "ok", result["error"]
     assert result["final_loss"] == pytest.approx(ref["final_loss"], rel=2e-2)  # bf16 rounding
+
+
+# ----------------------------------------------- issue 23.6: what memory_limit_mib bounds
+def test_23_6_the_memory_limit_says_what_it_bounds_and_caps_cuda_before_the_build(tmp_path, monkeypatch):
+    from sharded_exp.measure.tracker import MemoryMeter
+
+    result = launch(["trainer.memory_limit_mib=1000", "trainer.steps=2"], tmp_path / "cpu")
+    assert result["memory"]["memory_limit_applies_to"].startswith("live tensors the CPU memory tracker counts")
+    assert launch(["trainer.steps=2"], tmp_path / "none")["memory"]["memory_limit_applies_to"] is None
+    # On CUDA the cap is set when the meter is made, before the model and optimizer are built.
+    capped = []
+    props = type("Props", (), {"total_memory": 80 * 2**30})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: capped.append((f, d)))
+    meter = MemoryMeter(torch.device("cuda", 0), 8 * 1024)
+    assert capped == [(0.1, torch.device("cuda", 0))] and meter.LIMIT_APPLIES_TO["cuda"].startswith("reserved bytes")

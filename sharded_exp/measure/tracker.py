@@ -218,10 +218,23 @@ def host_peak(result: dict):
 class MemoryMeter:
     """Peak memory of one rank over a region (``start`` ... ``stop``)."""
 
+    LIMIT_APPLIES_TO = {
+        "cuda": "reserved bytes of the CUDA caching allocator (its blocks, rounding and workspaces included), "
+        "capped from before the model is built",
+        "cpu": "live tensors the CPU memory tracker counts, checked at the end of each tracked step and over "
+        "checkpoint saves and the end-of-run figures",
+    }
+    """What ``trainer.memory_limit_mib`` bounds on each device (result.json's ``memory_limit_applies_to``)."""
+
     def __init__(self, device: torch.device, limit_mib: float | None = None):
         self.device = device
         self.limit_mib = limit_mib
         self.source = "cuda_allocator" if device.type == "cuda" else "torch_mem_tracker"
+        if device.type == "cuda" and limit_mib:
+            # Before anything is built: the cap holds for the model and the optimizer too.
+            # The caching allocator then raises torch.OutOfMemoryError past the budget.
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, limit_mib * MIB / total), device)
         self._tracker: Any | None = None
         self._cuda_peaks = {"allocated_bytes.all.peak": 0, "reserved_bytes.all.peak": 0}  # before pauses
         self._cpu_peak_mib: float | None = None  # the tracked window's, once it has ended
@@ -253,10 +266,6 @@ class MemoryMeter:
     def start(self, *external: Any) -> None:
         """Begin the region. ``external``: modules/optimizers built before it, to be counted."""
         if self.device.type == "cuda":
-            if self.limit_mib:
-                # The caching allocator then raises torch.OutOfMemoryError past the budget.
-                total = torch.cuda.get_device_properties(self.device).total_memory
-                torch.cuda.set_per_process_memory_fraction(min(1.0, self.limit_mib * MIB / total), self.device)
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             # alloc_retries and ooms count from here, not from the build (accumulated stats)

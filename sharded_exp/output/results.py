@@ -204,7 +204,9 @@ def predicted_section(prediction: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def memory_section(prediction: dict[str, Any], per_rank: list[dict[str, Any]], source: str) -> dict[str, Any]:
+def memory_section(
+    prediction: dict[str, Any], per_rank: list[dict[str, Any]], source: str, limit_applies_to: str | None = None
+) -> dict[str, Any]:
     """Measured memory per rank beside the prediction: result.json's ``memory``."""
     predicted = prediction["model_states_mib"]
     peaks = (prediction.get("peak") or {}).get("per_rank_mib") or [None] * len(per_rank)
@@ -228,6 +230,8 @@ def memory_section(prediction: dict[str, Any], per_rank: list[dict[str, Any]], s
     ]
     return {
         "source": source,
+        # what trainer.memory_limit_mib bounded, when one was set: reserved bytes on CUDA, live tensors on CPU
+        "memory_limit_applies_to": limit_applies_to,
         "per_rank": per_rank,
         "peak_allocated_mib_max": largest("peak_allocated_mib"),
         # Why a rank's peak is null: its tracker could not measure (the run went on).

@@ -379,7 +379,12 @@ def train(
             resume_changes=resume_changes,
             params=sum(p.numel() for p in module.parameters()),
             signal=stopper.signum,
-            memory=memory_section(prediction, per_rank, meter.source),
+            memory=memory_section(
+                prediction,
+                per_rank,
+                meter.source,
+                MemoryMeter.LIMIT_APPLIES_TO[device.type] if tc.memory_limit_mib else None,
+            ),
             timeline=timeline,
             device=device_info(device),
         )
