@@ -258,3 +258,22 @@ def test_two_torchrun_launchers_as_two_nodes_are_one_job(tmp_path):
     assert [c for c, _ in outs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     resumed = read_result(run)
     assert (resumed["status"], resumed["start_step"], resumed["steps_done"]) == ("ok", 6, 8)
+
+
+# ------------------------------------ issue 23.1: torchrun's NCCL error mode is replaced, the user's is not
+def test_23_1_our_nccl_error_mode_replaces_torchruns_default_but_not_the_users():
+    import os
+
+    from sharded_exp.launch.rank import nccl_diagnosis_env, nccl_settings, process_environ
+
+    ours = nccl_diagnosis_env("/run")
+    rank_env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}  # what torchrun's agent exports to every rank
+    # torchrun started without it: the 1 is the agent's default, ours (2) replaces it
+    assert nccl_settings(ours, rank_env, {"PATH": "/bin"}, torchrun=True)["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    # the user exported it before torchrun: theirs stays
+    mine = nccl_settings(ours, rank_env, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, torchrun=True)
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in mine and mine["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    # not under torchrun, or torchrun's environment unreadable: a set value is the user's
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in nccl_settings(ours, rank_env, None, torchrun=True)
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in nccl_settings(ours, rank_env, {}, torchrun=False)
+    assert "PATH" in process_environ(os.getpid()) and process_environ(2**22 + 7) is None  # no such process

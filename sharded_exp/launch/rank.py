@@ -66,8 +66,9 @@ def run_rank(
     timeout = datetime.timedelta(seconds=cfg.trainer.timeout_s)
     backend = "nccl" if job.device_type == "cuda" else "gloo"
     if backend == "nccl":
-        for key, value in nccl_diagnosis_env(job.output_dir).items():
-            os.environ.setdefault(key, value)  # the user's own settings win
+        torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+        launcher_env = process_environ(os.getppid()) if torchrun else {}
+        os.environ.update(nccl_settings(nccl_diagnosis_env(job.output_dir), os.environ, launcher_env, torchrun))
     if store is not None:
         tcp = dist.TCPStore(store["host"], store["port"], is_master=False, timeout=timeout)
         dist.init_process_group(backend, store=tcp, rank=rank, world_size=world_size, timeout=timeout)
@@ -112,6 +113,35 @@ def check_bf16(precision_name: str, device: torch.device) -> None:
             f"precision=bf16 is not supported natively by GPU {device.index} ({name}; torch would emulate it); "
             "use precision=16 or 32"
         )
+
+
+def process_environ(pid: int) -> dict[str, str] | None:
+    """The environment process ``pid`` was started with (Linux), or None if unreadable."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            items = f.read().split(b"\0")
+    except OSError:
+        return None
+    return dict(item.decode(errors="replace").partition("=")[::2] for item in items if b"=" in item)
+
+
+def nccl_settings(ours: dict[str, str], env, launcher_env: dict[str, str] | None, torchrun: bool) -> dict[str, str]:
+    """Which of ``ours`` to set: each one the user did not set. Under torchrun the elastic
+    agent exports ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` to every rank whether or not the
+    user set it; it is the user's only if torchrun itself was started with it
+    (``launcher_env``, torchrun's own environment). Unknown (unreadable): theirs wins."""
+    out = {}
+    for key, value in ours.items():
+        if key not in env:
+            out[key] = value
+        elif (
+            torchrun
+            and key == "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+            and launcher_env is not None
+            and key not in launcher_env
+        ):
+            out[key] = value  # torchrun's default, not the user's choice
+    return out
 
 
 def nccl_diagnosis_env(output_dir: str) -> dict[str, str]:
