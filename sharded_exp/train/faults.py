@@ -11,9 +11,9 @@ A testing aid, documented in the README; never set it in real runs. Kinds:
 - ``exit_in_save``: the rank (rank 0, the writer) exits in the middle of writing the
   checkpoint of that step, after its first file: a kill during a save.
 - ``stall``: the rank's device stalls for ``SHARDED_EXP_STALL_S`` seconds (default 60) at
-  the start of that step: on CUDA a kernel that sleeps on the compute stream, so the
-  step's collectives wait behind it and time out (the NCCL hang check of
-  ``benchmarks/gpu_check.py --hang``); on CPU the process sleeps.
+  the start of that step: on CUDA a kernel that sleeps on the compute stream with a
+  collective queued behind it, so it times out even at world size 1 (the NCCL hang check
+  of ``benchmarks/gpu_check.py --hang``); on CPU the process sleeps.
 - ``kill``: the rank's process sends itself SIGKILL at the start of that step (as
   ``kill -9`` or the kernel's OOM killer would: no exception, no record).
 - ``sigterm``: the rank's process sends itself SIGTERM at the start of that step (a
@@ -100,6 +100,12 @@ def trigger(fault: Fault, rank: int, device: torch.device) -> None:
         seconds = float(os.environ.get("SHARDED_EXP_STALL_S", "60"))
         if device.type == "cuda":
             torch.cuda._sleep(int(seconds * 2e9))  # about 2 GHz: cycles for ``seconds``
+            # A collective queued behind the sleep, before any host sync: the watchdog has
+            # something to time out even at world size 1 (no peer to wait for otherwise).
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.all_reduce(torch.zeros(1, device=device), async_op=True)
         else:
             time.sleep(seconds)
         return
