@@ -437,17 +437,23 @@ def write_job_files(output_dir: str, files: dict[str, Any]) -> None:
             OmegaConf.save(content, os.path.join(output_dir, ".hydra", name))
 
 
+def _next_numbered(parent: str) -> str:
+    """A new directory ``<parent>/<n>``, n the next number after the highest: one deleted
+    by hand leaves a gap, not a clash."""
+    os.makedirs(parent, exist_ok=True)
+    taken = [int(n) for n in os.listdir(parent) if n.isdigit()]
+    target = os.path.join(parent, str(max(taken, default=0) + 1))
+    os.makedirs(target)
+    return target
+
+
 def archive_later_checkpoints(directory: str, start: int) -> str | None:
     """trainer.existing_checkpoints=archive: checkpoints later than ``start`` (another
     trajectory's) move to ``<directory>/archived/<n>/``, where resume=auto does not look."""
     later = [path for step, path in checkpoint.complete_checkpoints(directory) if step > start]
     if not later:
         return None
-    archived = os.path.join(directory, "archived")
-    os.makedirs(archived, exist_ok=True)
-    taken = [int(n) for n in os.listdir(archived) if n.isdigit()]
-    target = os.path.join(archived, str(max(taken, default=0) + 1))
-    os.makedirs(target)
+    target = _next_numbered(os.path.join(directory, "archived"))
     for path in later:
         os.rename(path, os.path.join(target, os.path.basename(path)))
     print(f"moved {len(later)} later checkpoint(s) of another trajectory to {target}", file=sys.stderr, flush=True)
@@ -467,12 +473,7 @@ def archive_previous_attempt(output_dir: str, extra: tuple[str, ...] = ()) -> st
     ]
     if not names:
         return None
-    attempts = os.path.join(output_dir, "attempts")
-    os.makedirs(attempts, exist_ok=True)
-    # The next number after the highest: one deleted by hand leaves a gap, not a clash.
-    taken = [int(n) for n in os.listdir(attempts) if n.isdigit()]
-    target = os.path.join(attempts, str(max(taken, default=0) + 1))
-    os.makedirs(target)
+    target = _next_numbered(os.path.join(output_dir, "attempts"))
     for name in names:
         os.rename(os.path.join(output_dir, name), os.path.join(target, name))
     return target
