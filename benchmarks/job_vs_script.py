@@ -55,6 +55,8 @@ def worker(rank, world_size, port):
         F.cross_entropy(model(x), y).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+    dist.barrier()
+    del model, opt
     dist.destroy_process_group()
 
 if __name__ == "__main__":

@@ -61,18 +61,20 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert result["result"]["memory"]["model_states_rel_error_max"] <= 0.02
 
 
-def bench_peer(name: str, tmp_path, timeout: float = 600) -> dict:
+def bench_peer(name: str, tmp_path, *args: str, timeout: float = 600) -> dict:
     """A peer comparison's smoke run. The peer's own ranks (Lightning's, the HF Trainer's,
-    under gloo DDP) sometimes abort in their C++ teardown after training ("terminate called
-    without an active exception", seen in full slow-tier sessions, never alone): the peer's
-    flake, not ours; one more try, and a second failure fails the test."""
+    a hand-written mp.spawn script, under gloo DDP) sometimes abort in their C++ teardown
+    after training ("terminate called without an active exception", seen in full slow-tier
+    sessions and CI, never alone): the peer's flake, not ours; one more try, and a second
+    failure fails the test."""
+    args = args or ("--smoke",)
     try:
-        return bench(name, "--smoke", cwd=tmp_path, timeout=timeout)
+        return bench(name, *args, cwd=tmp_path, timeout=timeout)
     except AssertionError as exc:
         if "terminate called without an active exception" not in str(exc):
             raise
         (tmp_path / "again").mkdir()
-        return bench(name, "--smoke", cwd=tmp_path / "again", timeout=timeout)
+        return bench(name, *args, cwd=tmp_path / "again", timeout=timeout)
 
 
 def test_lightning_smoke(tmp_path):
@@ -116,7 +118,7 @@ def test_prediction_smoke(tmp_path):
 
 
 def test_job_vs_script_smoke(tmp_path):
-    data = bench("job_vs_script", "--pairs", "1", "--steps", "4", "--depth", "2", "--hidden", "32", cwd=tmp_path)
+    data = bench_peer("job_vs_script", tmp_path, "--pairs", "1", "--steps", "4", "--depth", "2", "--hidden", "32")
     [pair] = data["pairs"]
     assert pair["ratio"] == pytest.approx(pair["job"] / pair["script"])
     assert 0 < pair["to_first_step_s"] < pair["job"] and 0 < pair["last_step_to_exit_s"] < pair["job"]
