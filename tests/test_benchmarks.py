@@ -123,3 +123,11 @@ def test_job_vs_script_smoke(tmp_path):
     assert pair["ratio"] == pytest.approx(pair["job"] / pair["script"])
     assert 0 < pair["to_first_step_s"] < pair["job"] and 0 < pair["last_step_to_exit_s"] < pair["job"]
     assert pair["eval_s"] is not None and pair["eval_s"] >= 0
+
+
+def test_data_time_smoke(tmp_path):
+    data = bench("data_time", "--models", "gpt", "--steps", "8", cwd=tmp_path)
+    [point] = data["points"]
+    assert point["model"] == "gpt" and point["data"] == "markov"
+    assert point["data_fraction"] == pytest.approx(point["data_time_s"] / point["step_time_s"])
+    assert point["make_s"] > 0 and data["gpt2_small_chain_s"] > 0

@@ -138,3 +138,6 @@ def test_accumulation_is_one_larger_batch(shared_runs):
     assert plain["param_digest"]["l2"] != accumulated["param_digest"]["l2"]
     per_step = [r["throughput"]["samples_per_s"] * r["throughput"]["step_time_s_median"] for r in (plain, accumulated)]
     assert per_step[1] == pytest.approx(2 * per_step[0], rel=0.05)
+    for r in (plain, accumulated):  # the wait for the step's batches is timed beside the step (issue 23.15)
+        assert 0 <= r["throughput"]["data_time_s_per_step"] < r["throughput"]["step_time_s_median"]
+        assert isinstance(r["throughput"]["data_prefetched"], bool)

@@ -149,7 +149,11 @@ class IntervalLog:
 
 
 def throughput_stats(
-    step_times: list[float], samples_per_step: int, tokens_per_step: int, loop_time_s_per_step: float | None
+    step_times: list[float],
+    samples_per_step: int,
+    tokens_per_step: int,
+    loop_time_s_per_step: float | None,
+    data_times: list[float] = (),
 ) -> dict[str, float]:
     """result.json's ``throughput`` from the timed steps' durations (empty when none was timed)."""
     if not step_times:  # stopped by a signal during the warm-up
@@ -167,4 +171,6 @@ def throughput_stats(
         stats["tokens_per_s"] = tokens_per_step / median
     if loop_time_s_per_step is not None:
         stats["loop_time_s_per_step"] = loop_time_s_per_step
+    if data_times:  # waiting for the step's batches (prefetched) plus their copy to the device
+        stats["data_time_s_per_step"] = statistics.median(data_times)
     return stats

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from sharded_exp import checkpoint
 from sharded_exp.data import Task
+from sharded_exp.data.prefetch import Prefetcher
 from sharded_exp.launch import liveness
 from sharded_exp.measure.flops import utilisation
 from sharded_exp.measure.tracker import MemoryMeter, model_state_mib, process_peak_rss_mib
@@ -124,7 +125,8 @@ def run_loop(
     metrics, log = IntervalMetrics(device, task, probe=lambda: meter.now(strategy)), IntervalLog(logger)
     # A resumed run's bar starts where the checkpoint left off and ends at 100%.
     bar = tqdm(total=loop.steps, initial=start, desc=loop.label, disable=rank != 0 or not loop.progress_bar)
-    memory, step_times, skipped, tokens_per_step, saved = {}, [], 0, 0, None
+    memory, step_times, data_times, skipped, tokens_per_step, saved = {}, [], [], 0, 0, None
+    prefetcher = Prefetcher(task, rank, loop.grad_accum, device, loop.steps)
     out = LoopOutcome(start, torch.zeros(()), log.history, {}, {}, 0, time.time())
     loop_start = None
     for step in range(start, loop.steps):
@@ -136,7 +138,9 @@ def run_loop(
         if stopper.should_stop(step):  # a signal reached some rank: all stop here, together
             break
         liveness.current_step = step
-        batches = [{k: v.to(device) for k, v in task(step, m, rank).items()} for m in range(loop.grad_accum)]
+        t_data = time.perf_counter()
+        batches = prefetcher.get(step)
+        data_time = time.perf_counter() - t_data
         if "input_ids" in batches[0]:
             tokens_per_step = batches[0]["input_ids"].numel() * loop.grad_accum * world_size
         if faults is not None:
@@ -150,9 +154,14 @@ def run_loop(
         step_time = time.perf_counter() - t0
         if step >= start + warmup:
             step_times.append(step_time)
+            data_times.append(data_time)
             log.add(
                 step + 1,
-                {"throughput/step_time_s": step_time, "throughput/samples_per_s": samples_per_step / step_time},
+                {
+                    "throughput/step_time_s": step_time,
+                    "throughput/samples_per_s": samples_per_step / step_time,
+                    "throughput/data_time_s": data_time,
+                },
             )
         if faults is not None:
             faults.after_step()
@@ -179,6 +188,7 @@ def run_loop(
                     out.evals.append(_evaluated(evaluate, out.steps_done, log))
     _sync(device)
     loop_end = time.perf_counter()
+    prefetcher.close()
     out.last_step_unix = time.time()
     stopper.finish()
     if metrics.updates:  # stopped in the middle of an interval
@@ -199,7 +209,9 @@ def run_loop(
     log.flush()
     timed = out.steps_done - start - warmup
     loop_time = (loop_end - loop_start) / timed if loop_start is not None and timed > 0 else None
-    out.throughput = throughput_stats(step_times, samples_per_step, tokens_per_step, loop_time)
+    out.throughput = throughput_stats(step_times, samples_per_step, tokens_per_step, loop_time, data_times)
+    if out.throughput:
+        out.throughput["data_prefetched"] = prefetcher.ahead
     out.skipped_steps = skipped
     out.extra["first_nonfinite_step"] = int(metrics.first_nonfinite)
     return out
