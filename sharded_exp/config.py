@@ -192,6 +192,11 @@ class PlanFormat(str, Enum):
     json = "json"
 
 
+class PlanDevice(str, Enum):
+    cuda = "cuda"
+    cpu = "cpu"
+
+
 @dataclass
 class PlanSettings:
     params: Optional[float] = None
@@ -208,6 +213,10 @@ class PlanSettings:
     """Strategies to plan for (null: every registered one)."""
     device_memory_gib: float = 80.0
     """Memory per device; rows that fit are marked."""
+    device: PlanDevice = PlanDevice.cuda
+    """The device planned for: ``cuda`` fakes the step with the kernels CUDA would choose
+    (fused attention, foreach optimizer) plus cuBLAS's workspace, on any machine, without
+    a GPU; ``cpu`` fakes a CPU run's kernels (what a run on this CPU measures)."""
     find: Optional[PlanFind] = None
     """Also find the largest ``batch_size`` (per rank) or GPT ``depth`` that fits, per
     strategy and world size."""

@@ -51,9 +51,12 @@ def optimizer_spec(cfg, module: nn.Module) -> OptimizerSpec:
     with group-sized temporaries) for real CUDA tensors but the per-tensor loop for the fake
     ones of a fake step, so the prediction would miss the step's largest temporaries. Here
     it follows the parameters' device, real or fake alike: foreach on CUDA, per tensor on
-    CPU (torch's choice for real tensors on each)."""
+    CPU (torch's choice for real tensors on each); a fake step for a GPU, run on CPU
+    tensors, gets CUDA's (``cuda_kernels.target_device``)."""
+    from sharded_exp.measure.cuda_kernels import target_device
+
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    defaults: dict[str, Any] = {"lr": cfg.lr, "foreach": device.type == "cuda"}
+    defaults: dict[str, Any] = {"lr": cfg.lr, "foreach": target_device(device) == "cuda"}
     if cfg.name in ("adam", "adamw"):
         defaults.update(betas=tuple(cfg.betas), eps=cfg.eps)
     elif cfg.name == "sgd":

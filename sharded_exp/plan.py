@@ -34,7 +34,17 @@ from sharded_exp.strategies import STRATEGIES
 
 GIB = 2**30
 MIB = 2**20
-PARTS = ("params", "grads", "optimizer", "gathered", "activations", "temporaries", "communication", "other")
+PARTS = (
+    "params",
+    "grads",
+    "optimizer",
+    "gathered",
+    "activations",
+    "temporaries",
+    "communication",
+    "other",
+    "workspace",
+)
 
 
 def _value(option) -> str | None:
@@ -318,6 +328,7 @@ def format_table(rows, found, cfg, params) -> str:
     lines = [
         f"{what} ({params:,} params), precision {cfg.precision.name}, optimizer {cfg.optimizer.name}, "
         f"batch {cfg.trainer.batch_size}/rank; {unit} per rank at the peak; device {cfg.plan.device_memory_gib:g} GiB",
+        f"device faked: {_faked(cfg)}",
         " | ".join(head),
         " | ".join("---" for _ in head),
     ]
@@ -337,6 +348,18 @@ def format_table(rows, found, cfg, params) -> str:
         lines.append(f"\n{label[_value(cfg.plan.find)]} that fits {cfg.plan.device_memory_gib:g} GiB:")
         lines += [f"  {f['strategy']} x{f['world_size']}: {f['value']} ({f['note']})" for f in found]
     return "\n".join(lines)
+
+
+def _faked(cfg) -> str:
+    if cfg.plan.params is not None:
+        return f"{_value(cfg.plan.device)} (a raw count is analytic: nothing is faked)"
+    if _value(cfg.plan.device) == "cuda":
+        from sharded_exp.measure.cuda_kernels import cublas_workspace_mib
+
+        workspace, source = cublas_workspace_mib()
+        return (f"cuda (fake tensors with the kernels CUDA chooses: fused attention, foreach optimizer; "
+                f"+ {workspace:g} MiB cuBLAS workspace: {source})")  # fmt: skip
+    return "cpu (the kernels a CPU run uses)"
 
 
 def check_plan(cfg, argv: list[str] = ()) -> None:
@@ -377,9 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, HydraException, OmegaConfBaseException) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    import torch
-
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    device_type = _value(cfg.plan.device)
     if cfg.plan.params is not None:
         params = int(cfg.plan.params)
     else:
@@ -389,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = plan_rows(cfg, world_sizes, device_type)
     found = find_rows(cfg, world_sizes, device_type) if cfg.plan.find else []
     if _value(cfg.plan.format) == "json":
-        print(json.dumps({"params": params, "device": device_type, "rows": rows, "found": found}, indent=2))
+        out = {"params": params, "device": device_type, "device_faked": _faked(cfg), "rows": rows, "found": found}
+        print(json.dumps(out, indent=2))
     else:
         print(format_table(rows, found, cfg, params))
     return 0

@@ -120,7 +120,7 @@ PLANS = {
     "hf_llama_7b": ["model=hf_llama_7b", "model.config.num_hidden_layers=2", "plan.world_sizes=[64]",
                     "plan.strategies=[fsdp]", "trainer.batch_size=1"],
     "raw_count": ["plan.params=7.5e9", "plan.units=16", "plan.world_sizes=[64]"],
-    "find_depth": ["model=gpt", "plan.find=depth", "plan.world_sizes=[2]", "plan.strategies=[ddp]",
+    "find_depth": ["model=gpt", "plan.find=depth", "plan.device=cpu", "plan.world_sizes=[2]", "plan.strategies=[ddp]",
                    "plan.device_memory_gib=0.05"],
 }  # fmt: skip
 """Planner runs (``python -m sharded_exp.plan``), in this process."""

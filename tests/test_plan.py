@@ -50,7 +50,8 @@ def test_raw_count_is_an_ideally_divisible_model():
 def test_plan_is_the_runs_prediction(strategy, tmp_path):
     model = ["model=gpt", "model.d_model=32", "model.n_heads=2", "model.seq_len=16", "model.vocab_size=64"]
     result = run_job([f"strategy={strategy}", *model], tmp_path)
-    plan = plan_json(*model, "trainer.batch_size=8", "plan.world_sizes=[2]", f"plan.strategies=[{strategy}]")
+    plan = plan_json(*model, "trainer.batch_size=8", "plan.world_sizes=[2]", f"plan.strategies=[{strategy}]",
+                     "plan.device=cpu")  # a CPU run: its kernels  # fmt: skip
     (row,) = plan["rows"]
     mem = result["memory"]
     assert row["total_gib"] * GIB / MIB == pytest.approx(mem["predicted_peak_mib_max"], rel=1e-4)
@@ -64,7 +65,7 @@ def test_largest_batch_that_fits_is_checked_by_real_runs(tmp_path):
     budget_mib = 24
     plan = plan_json(
         *model, "plan.world_sizes=[2]", "plan.strategies=[fsdp]", "plan.find=batch_size",
-        f"plan.device_memory_gib={budget_mib / 1024}",
+        f"plan.device_memory_gib={budget_mib / 1024}", "plan.device=cpu",
     )  # fmt: skip
     (found,) = plan["found"]
     batch = found["value"]
@@ -150,3 +151,23 @@ def test_22_11_find_brackets_the_answer_in_a_few_fake_steps():
     value, probes = found["value"], found["probes"]
     assert probes[value] <= 0.1 < probes[value + 1]  # the answer fits, one more does not
     assert len(probes) <= 5, probes  # was one fake step per value from the line's guess down
+
+
+def test_23_4_a_plan_for_a_gpu_holds_what_cudas_kernels_hold():
+    """With attention dropout the CPU runs the math path (B x H x T x T scores and a mask);
+    CUDA's fused attention holds the output and a float32 log-sum-exp. The default plan is
+    for a GPU (plan.device=cuda), on this CPU-only machine, and says which device it faked;
+    its peak adds cuBLAS's workspace by rule and the optimizer step uses foreach."""
+    model = ["model=hf_gpt2", "precision=bf16", "trainer.batch_size=2", "model.seq_len=256",
+             "model.config.n_positions=256", "model.config.attn_pdrop=0.1", "plan.world_sizes=[1]",
+             "plan.strategies=[ddp]"]  # fmt: skip
+    cuda, cpu = plan_json(*model), plan_json(*model, "plan.device=cpu")
+    assert cuda["device"] == "cuda" and "kernels CUDA chooses" in cuda["device_faked"]
+    assert cpu["device"] == "cpu" and cpu["device_faked"].startswith("cpu")
+    (on_gpu,), (on_cpu,) = cuda["rows"], cpu["rows"]
+    layers, heads, seq, batch = 2, 4, 256, 2
+    scores_mib = layers * batch * heads * seq * seq * 2 / MIB  # the bf16 probabilities alone
+    saved = (on_cpu["activations_gib"] - on_gpu["activations_gib"]) * GIB / MIB
+    assert saved >= scores_mib, (saved, scores_mib)
+    assert on_gpu["workspace_gib"] * GIB / MIB == 32.0 and on_cpu["workspace_gib"] == 0.0
+    assert on_gpu["total_gib"] - on_gpu["workspace_gib"] < on_cpu["total_gib"]

@@ -160,3 +160,59 @@ def test_23_2_the_fake_step_and_the_run_use_the_same_adam_on_each_device():
         fake_cuda = optimizer_spec(cfg, on_meta.to_empty(device="cuda")).build()
     assert [g["foreach"] for g in real_cpu.param_groups] == [g["foreach"] for g in fake_cpu.param_groups] == [False] * 2
     assert [g["foreach"] for g in fake_cuda.param_groups] == [True, True]  # as a real CUDA run's Adam
+
+
+def test_23_3_preflight_for_a_gpu_run_never_starts_cuda_in_the_parent(monkeypatch, tmp_path):
+    """CUDA mocked present: the pre-flight decides cuda and predicts the peak (a fake step
+    with CUDA's kernels on fake CPU tensors) without one call that would start a context."""
+    from sharded_exp import preflight
+    from tests.conftest import compose_cfg
+
+    def started(*args, **kwargs):
+        raise AssertionError("the parent started CUDA")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for name in ("_lazy_init", "init", "get_device_properties", "get_device_capability", "is_bf16_supported"):
+        monkeypatch.setattr(torch.cuda, name, started)
+    cfg = compose_cfg(["model=gpt", "precision=bf16", "trainer.accelerator=gpu", "trainer.world_size=2"])
+    checked = preflight.check(cfg, str(tmp_path))
+    peak = checked.prediction["peak"]
+    assert checked.device_type == "cuda" and peak["error"] is None, peak
+    assert "CUDA's kernel choices" in peak["kernels"] and "workspace" in peak["rules"]
+    assert not torch.cuda.is_initialized()
+
+
+def test_23_5_cuda_predictions_add_cublas_workspace_by_rule(monkeypatch):
+    from sharded_exp.measure.cuda_kernels import cublas_workspace_mib
+    from sharded_exp.measure.prediction import model_shapes, predict, predict_peak
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert cublas_workspace_mib()[0] == 32.0 and "assumed" in cublas_workspace_mib()[1]
+    assert cublas_workspace_mib((8, 0))[0] == 8.125 and cublas_workspace_mib((9, 0))[0] == 32.0
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    assert cublas_workspace_mib((8, 0)) == (32.0, "CUBLAS_WORKSPACE_CONFIG=:4096:8")
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    cfg = compose(["model=mlp", "model.hidden=64"])
+    shapes = model_shapes(cfg.model, cfg.optimizer)
+    prediction = predict(cfg.strategy, cfg.optimizer, "32", shapes, 2)
+    cpu, cuda = (predict_peak(cfg, 2, device, prediction, shapes, flops=False) for device in ("cpu", "cuda"))
+    assert cpu["rules"] == {} and cpu["breakdown_mib"]["workspace"] == 0.0
+    assert (
+        cuda["rules"] == {"workspace": "CUBLAS_WORKSPACE_CONFIG=:16:8"} and cuda["breakdown_mib"]["workspace"] == 0.125
+    )
+    # An MLP has no attention and a per-tensor vs foreach Adam of a tiny model peaks alike:
+    # the CUDA peak is the CPU one plus the workspace.
+    assert cuda["per_rank_mib"] == pytest.approx([m + 0.125 for m in cpu["per_rank_mib"]], abs=0.05)
+
+
+def test_23_2_a_fake_step_for_a_gpu_runs_cudas_adam_and_counts_fused_attention():
+    """Planned for CUDA, the optimizer step holds foreach's group-sized temporaries (its
+    phase peaks higher than the per-tensor loop's), and attention's FLOPs are counted by
+    torch's formulas although no aten attention op runs."""
+    cfg = compose(["model=gpt", "precision=bf16"])
+    cpu, cuda = fake_step(cfg, 2, 0, "cpu"), fake_step(cfg, 2, 0, "cuda")
+    cpu_opt, cuda_opt = cpu.extra["phases"]["optimizer"], cuda.extra["phases"]["optimizer"]
+    # (MemTracker files what the step allocates inside optimizer.step() as optimizer state)
+    assert cuda_opt[1]["optimizer"] > cpu_opt[1]["optimizer"] and cuda_opt[0] > cpu_opt[0]
+    assert cuda.flops_per_step >= cpu.flops_per_step

@@ -184,17 +184,21 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
     from torch.utils.flop_counter import FlopCounterMode
 
     from sharded_exp.data import build_task
+    from sharded_exp.measure.cuda_kernels import cuda_kernels
     from sharded_exp.train.build import build_run
     from sharded_exp.train.step import train_step
 
-    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device(device_type)
+    # Always fake CPU tensors: a step for a GPU runs as CUDA would (cuda_kernels), without
+    # starting CUDA in this process (or aborting it, on a torch built without CUDA).
+    device = torch.device("cpu")
+    on_gpu = cuda_kernels() if device_type == "cuda" else contextlib.nullcontext(None)
     tc = cfg.trainer
     # One real sample says each batch tensor's dtype and per-sample shape; the batches
     # themselves are made fake (a batch too large for this machine is planned, not made).
     sample = build_task(cfg.data, cfg.model, 1)(0, 0, rank)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     name = cfg.strategy.name
-    with fake_process_group(world_size, rank), _separate_propagation_mode(), mode:
+    with fake_process_group(world_size, rank), _separate_propagation_mode(), mode, on_gpu as kernels:
         torch.manual_seed(tc.seed)
         # As a CPU run measures: from before the strategy allocates its buffers.
         tracker, built, tracking = peak_tracker(), [], []
@@ -232,7 +236,7 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
                 )
                 raise FakeStepError(part, exc) from exc
             module, strategy, autocast = run.module, run.strategy, run.autocast
-            strategy.scaler = torch.amp.GradScaler(device_type, enabled=False)
+            strategy.scaler = torch.amp.GradScaler(device.type, enabled=False)
             count = 0
             for step in range(2):
                 # Made inside the window, as in a run, so counted like it.
@@ -244,13 +248,15 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
                     for _ in range(tc.grad_accum)
                 ]
                 counter = FlopCounterMode(display=False) if step == 1 and flops else None
+                if kernels is not None:
+                    kernels.flops = 0
                 try:
                     with counter or contextlib.nullcontext():
                         train_step(strategy, batches, autocast, grad_clip)
                 except Exception as exc:  # noqa: BLE001
                     raise FakeStepError(_blame(exc, module).format(name), exc) from exc
-                if counter is not None:
-                    count = counter.get_total_flops()
+                if counter is not None:  # + fused attention's, which no aten op carries here
+                    count = counter.get_total_flops() + (kernels.flops if kernels is not None else 0)
                 tracker.reset_mod_stats()
                 del batches
         finally:

@@ -102,6 +102,7 @@ def predict_peak(
     "rank", "breakdown_mib", "flops_per_step" (one rank), "method", "note", "seconds",
     "error"}``; ``error`` says why there is no prediction (the model cannot run fake).
     """
+    from sharded_exp.measure.cuda_kernels import cublas_workspace_mib
     from sharded_exp.measure.fake_step import fake_step
 
     states = [sum(p.values()) for p in prediction["model_states_mib"]]
@@ -146,15 +147,27 @@ def predict_peak(
         )
         for other in prediction["model_states_mib"]
     ]
+    # What no fake tensor holds, by rule (named in ``rules``): on CUDA, cuBLAS's workspace.
+    workspace, rules = 0.0, {}
+    if device_type == "cuda":
+        workspace, rules["workspace"] = cublas_workspace_mib()
+    parts["workspace"] = workspace
+    per_rank = [x + workspace for x in per_rank]
+    phases_mib = {}
+    for phase, (peak, p) in phases.items():
+        phases_mib[str(phase)] = (peak + workspace, {**resident(p), "workspace": workspace})
     return {
         "per_rank_mib": per_rank,
         "rank": rank,
         "breakdown_mib": parts,
         # the faked rank's peak in each phase (forward/backward "step", "optimizer"), broken down
-        "phases_mib": {str(name): (peak, resident(p)) for name, (peak, p) in phases.items()},
+        "phases_mib": phases_mib,
         "flops_per_step": est.flops_per_step,
         "method": est.method,
         "note": est.note,
         "seconds": est.seconds,
+        "kernels": f"{device_type}: fake tensors on the CPU device"
+        + (", with CUDA's kernel choices (fused attention, foreach optimizer)" if device_type == "cuda" else ""),
+        "rules": rules,
         "error": None,
     }
