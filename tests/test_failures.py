@@ -225,3 +225,50 @@ def test_23_7_every_allocation_failure_is_oom(message, tmp_path):
         cfg.model.message = message  # any text, as a CUDA library would raise it
     result = launch(cfg, str(tmp_path))
     assert result["status"] == "oom", result["error"]
+
+
+def test_23_11_the_nccl_process_group_is_bound_to_the_ranks_gpu(monkeypatch):
+    """On CUDA the default group gets ``device_id`` (NCCL's communicator made for that GPU
+    now); gloo gets none. The device script checks it on a GPU."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from sharded_exp.launch.rank import init_group
+
+    calls = []
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
+    timeout = datetime.timedelta(seconds=5)
+    init_group("nccl", "store", 1, 2, timeout, torch.device("cuda", 1))
+    init_group("gloo", "store", 0, 2, timeout, torch.device("cpu"))
+    assert calls[0] == ("nccl", {"store": "store", "rank": 1, "world_size": 2, "timeout": timeout,
+                                 "device_id": torch.device("cuda", 1)})  # fmt: skip
+    assert "device_id" not in calls[1][1]
+
+
+def test_23_16_an_aborted_communicator_is_reported_in_the_step_that_hung(monkeypatch):
+    """NCCL's watchdog aborts the communicator (error mode 2) and the step's synchronize()
+    returns: the backend's error is read after the step, so the report names this step."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import ErrorType
+
+    from sharded_exp.launch import liveness
+
+    class Backend:
+        error = ErrorType.TIMEOUT
+
+        def get_error(self):
+            return self.error
+
+    backend = Backend()
+    monkeypatch.setattr(dist, "group", SimpleNamespace(WORLD=SimpleNamespace(_get_backend=lambda device: backend)))
+    monkeypatch.setattr(liveness, "current_step", 7)
+    with pytest.raises(RuntimeError, match="NCCL reported TIMEOUT in step 7") as caught:
+        liveness.raise_if_aborted(torch.device("cuda", 0))
+    assert liveness.is_timeout(caught.value)  # so the rank's report names the missing rank, as for gloo
+    liveness.raise_if_aborted(torch.device("cpu"))  # gloo raises inside the step itself
+    backend.error = ErrorType.SUCCESS
+    liveness.raise_if_aborted(torch.device("cuda", 0))
+    assert liveness.collective_error(object()) is None  # a backend without get_error (gloo)

@@ -113,6 +113,32 @@ def is_timeout(exc: BaseException) -> bool:
     return any(s in text for s in ("timed out", "timeout", "communicator was aborted", "watchdog"))
 
 
+def raise_if_aborted(device: torch.device) -> None:
+    """After a step on CUDA: raise if NCCL's watchdog aborted the communicator meanwhile.
+    In our error mode (TORCH_NCCL_ASYNC_ERROR_HANDLING=2) the abort lets the step's
+    ``synchronize()`` return as if all went well, and the error surfaced only at the next
+    step's first collective: the report named the wrong step. Gloo raises in the step."""
+    if device.type != "cuda":
+        return
+    backend = dist.group.WORLD._get_backend(device)
+    error = collective_error(backend)
+    if error is not None:
+        raise RuntimeError(
+            f"NCCL reported {error} in step {current_step}: the communicator was aborted by its watchdog "
+            "(a collective timed out)"
+        )
+
+
+def collective_error(backend) -> str | None:
+    """The error a process group's backend reports (NCCL's ``get_error``), or None."""
+    get_error = getattr(backend, "get_error", None)
+    if get_error is None:  # gloo: errors are raised by the collective itself
+        return None
+    error = get_error()
+    name = getattr(error, "name", str(error))
+    return None if name == "SUCCESS" else name
+
+
 def describe_timeout(exc: BaseException, timeout_s: float) -> str:
     """Report this rank's timeout, wait for the peers' reports, name the missing ranks."""
     store = distributed_c10d._get_default_store()

@@ -71,14 +71,14 @@ def run_rank(
         os.environ.update(nccl_settings(nccl_diagnosis_env(job.output_dir), os.environ, launcher_env, torchrun))
     if store is not None:
         tcp = dist.TCPStore(store["host"], store["port"], is_master=False, timeout=timeout)
-        dist.init_process_group(backend, store=tcp, rank=rank, world_size=world_size, timeout=timeout)
+        init_group(backend, tcp, rank, world_size, timeout, device)
     else:
         # torchrun / srun: their rendezvous, with keys of their own per torchrun restart, so a
         # restarted rank never reads an address its predecessor left in a reused store.
         store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"sharded_exp/attempt_{attempt}/", store)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        init_group(backend, store, rank, world_size, timeout, device)
     try:
         timeline["process_group_ready"] = time.time()
         from sharded_exp.train.trainer import train  # here, not at the top: the parent never trains
@@ -95,6 +95,15 @@ def run_rank(
         raise
     finally:
         dist.destroy_process_group()
+
+
+def init_group(backend: str, store, rank: int, world_size: int, timeout, device: torch.device) -> None:
+    """The default process group. On CUDA it is bound to this rank's GPU (``device_id``):
+    NCCL then makes its communicator now, for that device, instead of guessing the device
+    at each barrier and making one per pair of ranks at the first point-to-point send (the
+    consolidated checkpoint's)."""
+    bound = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **bound)
 
 
 def rank_device(local_rank: int) -> torch.device:

@@ -152,6 +152,7 @@ def run_loop(
         loss, output = train_step(strategy, batches, autocast, loop.grad_clip)
         _sync(device)
         step_time = time.perf_counter() - t0
+        liveness.raise_if_aborted(device)  # this step's collective timed out, not the next one's
         if step >= start + warmup:
             step_times.append(step_time)
             data_times.append(data_time)
