@@ -131,3 +131,12 @@ def test_data_time_smoke(tmp_path):
     assert point["model"] == "gpt" and point["data"] == "markov"
     assert point["data_fraction"] == pytest.approx(point["data_time_s"] / point["step_time_s"])
     assert point["make_s"] > 0 and data["gpt2_small_chain_s"] > 0
+
+
+def test_device_check_dry_run_on_cpu(tmp_path):
+    """The device script's own code, on CPU (the GPU run is the device machine's)."""
+    data = bench("device_check", "--accelerator", "cpu", "--quick", "--only", "parent", "matrix", "adam", "limit",
+                 cwd=tmp_path)  # fmt: skip
+    checks = {c["check"]: c for c in data["checks"]}
+    assert len(checks) == 4 and all(c["ok"] for c in checks.values()), checks
+    assert len(checks["strategy x precision at world size 1"]["table"]) == 4

@@ -704,6 +704,8 @@ def test_23_6_the_memory_limit_says_what_it_bounds_and_caps_cuda_before_the_buil
     result = launch(["trainer.memory_limit_mib=1000", "trainer.steps=2"], tmp_path / "cpu")
     assert result["memory"]["memory_limit_applies_to"].startswith("live tensors the CPU memory tracker counts")
     assert launch(["trainer.steps=2"], tmp_path / "none")["memory"]["memory_limit_applies_to"] is None
+    oom = launch(["trainer.memory_limit_mib=0.01", "trainer.steps=2"], tmp_path / "oom")  # over it: said there too
+    assert oom["status"] == "oom" and oom["memory"]["memory_limit_applies_to"].startswith("live tensors")
     # On CUDA the cap is set when the meter is made, before the model and optimizer are built.
     capped = []
     props = type("Props", (), {"total_memory": 80 * 2**30})()

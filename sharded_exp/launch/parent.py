@@ -31,6 +31,7 @@ from sharded_exp.errors import ConfigError, RunDirInUse, WontFit, writing
 from sharded_exp.launch import forkserver, liveness
 from sharded_exp.launch.layout import Layout, external_layout, rendezvous_env
 from sharded_exp.launch.rank import Job, run_rank, spawned_entry
+from sharded_exp.measure.tracker import MemoryMeter
 from sharded_exp.output.results import base_result, finished_result, predicted_section, summary_table, write_json
 from sharded_exp.registry import import_plugins
 
@@ -155,7 +156,8 @@ def _launch(cfg, output_dir, job_files, started, layout, is_writer, launched, lo
         result = finished_result(result, payload, parent_times)
     except Exception as exc:  # noqa: BLE001 -- a rank failed: record it, then let the caller exit non-zero
         result.update(failure_of(exc, output_dir))
-        result.setdefault("memory", predicted_section(checked.prediction))  # what was expected, still
+        applies = MemoryMeter.LIMIT_APPLIES_TO[checked.device_type] if cfg.trainer.memory_limit_mib else None
+        result.setdefault("memory", predicted_section(checked.prediction, applies))  # what was expected, still
         if isinstance(exc, Stopped):  # killed mid-way: the newest complete checkpoint is the one to resume
             found = checkpoint.complete_checkpoints(cfg.trainer.checkpoint_dir)
             result["checkpoint"] = found[-1][1] if found else None

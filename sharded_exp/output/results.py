@@ -188,8 +188,9 @@ def _peak_summary(peak: dict[str, Any] | None) -> dict[str, Any] | None:
     return {k: peak.get(k) for k in ("method", "note", "rank", "breakdown_mib", "kernels", "rules", "seconds", "error")}
 
 
-def predicted_section(prediction: dict[str, Any]) -> dict[str, Any]:
-    """result.json's ``memory`` before the ranks start: the prediction alone, same names."""
+def predicted_section(prediction: dict[str, Any], limit_applies_to: str | None = None) -> dict[str, Any]:
+    """result.json's ``memory`` before the ranks start (and of a run that ended without
+    measuring, an OOM one): the prediction alone, same names."""
     peaks = (prediction.get("peak") or {}).get("per_rank_mib")
     per_rank = [{"rank": r, "predicted_model_states_mib": p} for r, p in enumerate(prediction["model_states_mib"])]
     if peaks:
@@ -201,6 +202,7 @@ def predicted_section(prediction: dict[str, Any]) -> dict[str, Any]:
         "predicted_transient_params_mib": prediction["transient_params_mib"],
         "predicted_peak_mib_max": max(peaks) if peaks else None,
         "peak_prediction": _peak_summary(prediction.get("peak")),
+        "memory_limit_applies_to": limit_applies_to,
     }
 
 
