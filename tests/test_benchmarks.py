@@ -140,3 +140,11 @@ def test_device_check_dry_run_on_cpu(tmp_path):
     checks = {c["check"]: c for c in data["checks"]}
     assert len(checks) == 4 and all(c["ok"] for c in checks.values()), checks
     assert len(checks["strategy x precision at world size 1"]["table"]) == 4
+
+
+def test_cuda_prediction_smoke(tmp_path):
+    data = bench("cuda_prediction", "--quick", cwd=tmp_path)
+    points = {p["case"]: p for p in data["points"]}
+    assert len(points) == 5 and all(p["before_mib"] > 0 and p["after_mib"] > 0 for p in points.values())
+    attention = points["attention, hf_gpt2_small bf16 batch 8"]
+    assert attention["workspace_mib"] == 32.0
