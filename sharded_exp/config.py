@@ -68,6 +68,19 @@ class ExistingCheckpoints(str, Enum):
     archive = "archive"
 
 
+class ActivationCheckpointing(str, Enum):
+    none = "none"
+    full = "full"
+    selective = "selective"
+
+
+class CompileMode(str, Enum):
+    default = "default"
+    reduce_overhead = "reduce_overhead"
+    max_autotune = "max_autotune"
+    max_autotune_no_cudagraphs = "max_autotune_no_cudagraphs"
+
+
 @dataclass
 class TrainerConfig:
     world_size: int = 2
@@ -82,6 +95,17 @@ class TrainerConfig:
     """Samples per rank per micro-batch; the global batch is batch_size*grad_accum*world_size."""
     grad_accum: int = 1
     """Micro-batches per optimizer step (gradient sync only on the last one)."""
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
+    """Recompute activations in the backward instead of keeping them, per unit of the model
+    (its blocks), before the strategy wraps it: none; full (a unit keeps only its inputs);
+    selective (a unit keeps the outputs of its matmuls and attention, recomputes the rest)."""
+    ac_every: int = 1
+    """Checkpoint every N-th unit (1: every unit)."""
+    compile: bool = False
+    """torch.compile each unit of the model before the strategy wraps it (as torchtitan
+    does); the first step's extra time is reported as compile_s, outside the timed steps."""
+    compile_mode: CompileMode = CompileMode.default
+    """torch.compile's mode (reduce_overhead = "reduce-overhead", and so on)."""
     grad_clip: float = 1.0
     """Clip the global gradient L2 norm to this value; 0 turns clipping off."""
     seed: int = 0
@@ -213,6 +237,11 @@ class PlanSettings:
     """Strategies to plan for (null: every registered one)."""
     device_memory_gib: float = 80.0
     """Memory per device; rows that fit are marked."""
+    levers: List[str] = field(default_factory=lambda: ["none"])
+    """Lever combinations planned for each strategy: none, ac (full activation
+    checkpointing), ac_selective, offload (FSDP's CPU offload: fsdp, fsdp_grad_op only),
+    joined with + (``[none,ac,ac+offload]``). The output names the cheapest combination that
+    fits per world size (DDP < ZeRO-1 < ZeRO-2 < FSDP < + AC < + offload) and its cost."""
     device: PlanDevice = PlanDevice.cuda
     """The device planned for: ``cuda`` fakes the step with the kernels CUDA would choose
     (fused attention, foreach optimizer) plus cuBLAS's workspace, on any machine, without

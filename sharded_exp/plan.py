@@ -55,9 +55,33 @@ def strategy_names(cfg) -> list[str]:
     return list(cfg.plan.strategies) if cfg.plan.strategies else STRATEGIES.names()
 
 
-def with_strategy(cfg, name: str):
+LEVERS = {"ac": ("activation_checkpointing", "full"), "ac_selective": ("activation_checkpointing", "selective"),
+          "offload": ("cpu_offload", True)}  # fmt: skip
+"""The planner's lever names (``plan.levers`` entries join them with +) and what each sets."""
+LEVER_COST = {"none": 0, "ac_selective": 1, "ac": 2, "offload": 3}
+"""Extra recompute or traffic each lever costs, in the order a user would reach for them."""
+STRATEGY_COST = {"ddp": 0, "zero1": 1, "oss": 1, "sharded_ddp": 2, "fsdp_grad_op": 3, "fsdp": 4}
+"""Extra communication per strategy: DDP < ZeRO-1 < ZeRO-2 < FSDP."""
+
+
+def lever_names(combo: str) -> list[str]:
+    return [] if combo == "none" else combo.split("+")
+
+
+def applies(name: str, combo: str) -> bool:
+    """Offload is FSDP's (fsdp, fsdp_grad_op); the others apply to every strategy."""
+    return "offload" not in lever_names(combo) or STRATEGIES.builder(name).shards_parameters
+
+
+def with_strategy(cfg, name: str, combo: str = "none"):
     out = cfg.copy()
     out.strategy = STRATEGIES.config_class(name)()
+    for lever in lever_names(combo):
+        key, value = LEVERS[lever]
+        if key == "cpu_offload":
+            out.strategy.cpu_offload = value
+        else:
+            out.trainer[key] = value
     return out
 
 
@@ -180,8 +204,8 @@ def _peak_by_depth(cfg_s, world_size: int, device_type: str, prediction: dict[st
     }
 
 
-def model_row(cfg, name: str, world_size: int, shapes: ModelShapes, device_type: str) -> dict[str, Any]:
-    cfg_s = with_strategy(cfg, name)
+def model_row(cfg, name: str, world_size: int, shapes: ModelShapes, device_type: str, combo: str = "none"):
+    cfg_s = with_strategy(cfg, name, combo)
     prediction = predict(cfg_s.strategy, cfg.optimizer, str(cfg.precision.name), shapes, world_size)
     key = _layer_key(cfg.model)
     layers = OmegaConf.select(cfg.model, key) if key else 0
@@ -199,12 +223,31 @@ def model_row(cfg, name: str, world_size: int, shapes: ModelShapes, device_type:
         parts = {k: v * MIB / GIB for k, v in peak["breakdown_mib"].items()}
         row = _row(cfg, name, world_size, parts, peak["method"], peak["note"])
         row["total_gib"] = max(peak["per_rank_mib"]) * MIB / GIB  # the peak itself
+        if "offload" in lever_names(combo):  # CPU offload: the rank's states are in host memory
+            row["host_gib"] = states * MIB / GIB
         row["fits"] = row["total_gib"] <= cfg.plan.device_memory_gib
         row["seconds"] = peak["seconds"]
         # each phase's peak (forward/backward "step", "optimizer"): plan.find follows them
         row["phases_gib"] = {name: v[0] * MIB / GIB for name, v in (peak.get("phases_mib") or {}).items()}
     row["model_states_gib"] = states * MIB / GIB  # analytic: what every run predicts and checks
+    row["levers"] = combo
+    row["cost"] = _cost_note(combo, prediction)
     return row
+
+
+def _cost_note(combo: str, prediction) -> str:
+    """What a lever costs in step time, where it is known without running."""
+    notes = []
+    levers = lever_names(combo)
+    if "ac" in levers:
+        notes.append("recompute: one more forward of every unit (about +1/3 of the step's FLOPs)")
+    if "ac_selective" in levers:
+        notes.append("recompute: the units' cheap ops (norms, activations) again in the backward")
+    if "offload" in levers:
+        mine = max(prediction["model_states_mib"], key=lambda p: sum(p.values()))
+        moved = (mine["params"] + mine["grads"]) * MIB / GIB
+        notes.append(f"offload: {moved:.2f} GiB host<->device per step (sharded parameters in, gradients out)")
+    return "; ".join(notes)
 
 
 def _row(cfg, name, world_size, parts, method, note) -> dict[str, Any]:
@@ -220,18 +263,39 @@ def _row(cfg, name, world_size, parts, method, note) -> dict[str, Any]:
     }
 
 
+def lever_combos(cfg) -> list[str]:
+    return [str(c) for c in cfg.plan.get("levers", None) or ["none"]]
+
+
 def plan_rows(cfg, world_sizes, device_type: str = "cpu") -> list[dict[str, Any]]:
     shapes = None if cfg.plan.params is not None else model_shapes(cfg.model, cfg.optimizer, freeze=cfg.trainer.freeze)
     rows = []
     for name in strategy_names(cfg):
-        for ws in world_sizes:
-            started = time.perf_counter()
-            if shapes is None:
-                rows.append(raw_row(cfg, name, ws))
-            else:
-                rows.append(model_row(cfg, name, ws, shapes, device_type))
-                progress(f"{name} x{ws}: {rows[-1]['method']}", started)
+        for combo in lever_combos(cfg) if shapes is not None else ["none"]:
+            if not applies(name, combo):
+                continue
+            for ws in world_sizes:
+                started = time.perf_counter()
+                if shapes is None:
+                    rows.append(raw_row(cfg, name, ws))
+                else:
+                    rows.append(model_row(cfg, name, ws, shapes, device_type, combo))
+                    progress(f"{name}{'' if combo == 'none' else ' + ' + combo} x{ws}: {rows[-1]['method']}", started)
     return rows
+
+
+def cheapest(rows) -> list[dict[str, Any]]:
+    """Per world size, the planned point that fits with the least extra communication and
+    recompute: strategies DDP < ZeRO-1 < ZeRO-2 < FSDP, then levers none < selective AC <
+    AC < offload (a lever costs more than any strategy)."""
+    out = []
+    for ws in sorted({r["world_size"] for r in rows}):
+        fitting = [r for r in rows if r["world_size"] == ws and r.get("fits")]
+        if fitting:
+            key = lambda r: (sum(LEVER_COST[x] for x in lever_names(r.get("levers", "none"))),  # noqa: E731
+                             STRATEGY_COST.get(r["strategy"], 9), r["total_gib"])  # fmt: skip
+            out.append(min(fitting, key=key))
+    return out
 
 
 def progress(what: str, started: float) -> None:
@@ -239,17 +303,19 @@ def progress(what: str, started: float) -> None:
     print(f"plan: {what} ({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
 
 
-def _peak_gib(cfg, world_size: int, device_type: str, errors: list[str]) -> tuple[float | None, dict]:
+def _peak_gib(cfg, world_size: int, device_type: str, errors: list[str], combo: str = "none"):
     """The largest rank's predicted peak in GiB, or None (why is appended to ``errors``),
     and the faked rank's peak in each phase."""
     shapes = model_shapes(cfg.model, cfg.optimizer, freeze=cfg.trainer.freeze)
-    row = model_row(cfg, cfg.strategy.name, world_size, shapes, device_type)  # drawn by depth where it can be
+    row = model_row(cfg, cfg.strategy.name, world_size, shapes, device_type, combo)  # drawn by depth where it can be
     if row["total_gib"] is None:
         errors.append(row["note"])
     return row["total_gib"], row.get("phases_gib") or {}
 
 
-def largest(cfg, name: str, world_size: int, knob: str, device_type: str, limit: int = 1 << 20) -> dict[str, Any]:
+def largest(
+    cfg, name: str, world_size: int, knob: str, device_type: str, limit: int = 1 << 20, combo: str = "none"
+) -> dict[str, Any]:
     """The largest value of ``knob`` (``trainer.batch_size`` or ``model.n_layers``) at which
     ``name`` fits ``plan.device_memory_gib`` on ``world_size`` ranks.
 
@@ -269,7 +335,7 @@ def largest(cfg, name: str, world_size: int, knob: str, device_type: str, limit:
         if value not in probes:
             c = with_strategy(cfg, name)
             c[section][key] = value
-            probes[value], phases[value] = _peak_gib(c, world_size, device_type, errors)
+            probes[value], phases[value] = _peak_gib(c, world_size, device_type, errors, combo)
         return probes[value]
 
     one, two = peak(1), peak(2)
@@ -311,17 +377,21 @@ def find_rows(cfg, world_sizes, device_type: str) -> list[dict[str, Any]]:
     knob = {"batch_size": "trainer.batch_size", "depth": "model.n_layers"}[find]
     out = []
     for name in strategy_names(cfg):
-        for ws in world_sizes:
-            started = time.perf_counter()
-            found = largest(cfg, name, ws, knob, device_type)
-            progress(f"{find} of {name} x{ws}: {found['value']}, {len(found['probes'])} fake steps", started)
-            out.append({"strategy": name, "world_size": ws, "find": find, **found})
-            out[-1]["probes"] = {str(k): v for k, v in found["probes"].items()}
+        for combo in lever_combos(cfg):
+            if not applies(name, combo):
+                continue
+            for ws in world_sizes:
+                started = time.perf_counter()
+                found = largest(cfg, name, ws, knob, device_type, combo=combo)
+                label = f"{name}{'' if combo == 'none' else ' + ' + combo}"
+                progress(f"{find} of {label} x{ws}: {found['value']}, {len(found['probes'])} fake steps", started)
+                out.append({"strategy": name, "levers": combo, "world_size": ws, "find": find, **found})
+                out[-1]["probes"] = {str(k): v for k, v in found["probes"].items()}
     return out
 
 
 def format_table(rows, found, cfg, params) -> str:
-    head = ["strategy", "world_size", *PARTS, "peak", "fits", "method"]
+    head = ["strategy", "levers", "world_size", *PARTS, "peak", "host", "fits", "method"]
     what = "raw parameter count" if cfg.plan.params is not None else f"model: {cfg.model.name}"
     big = max((r["total_gib"] or 0 for r in rows), default=0) >= 1
     unit, scale = ("GiB", 1) if big else ("MiB", GIB / MIB)
@@ -333,20 +403,28 @@ def format_table(rows, found, cfg, params) -> str:
         " | ".join("---" for _ in head),
     ]
     for r in rows:
-        cells = [r["strategy"], r["world_size"]] + [
+        cells = [r["strategy"], r.get("levers", "none"), r["world_size"]] + [
             "-" if r[f"{k}_gib"] is None else f"{r[f'{k}_gib'] * scale:.2f}" for k in (*PARTS, "total")
         ]
+        host = f"{r['host_gib'] * scale:.2f}" if r.get("host_gib") is not None else "-"
         fits = "-" if r["fits"] is None else ("yes" if r["fits"] else "no")
-        lines.append(" | ".join(str(c) for c in cells + [fits, r["method"]]))
+        lines.append(" | ".join(str(c) for c in cells + [host, fits, r["method"]]))
     notes = sorted({f"{r['strategy']}: {r['note']}" for r in rows if r["note"]})
     lines += [f"note: {n}" for n in notes]
+    if len(lever_combos(cfg)) > 1 or any(r.get("levers", "none") != "none" for r in rows):
+        for best in cheapest(rows):
+            label = best["strategy"] + ("" if best["levers"] == "none" else f" + {best['levers']}")
+            cost = f"; {best['cost']}" if best.get("cost") else ""
+            lines.append(f"cheapest that fits at {best['world_size']} ranks: {label} ({best['total_gib'] * scale:.2f} "
+                         f"{unit}{cost})")  # fmt: skip
     if found:
         label = {
             "batch_size": "largest batch per rank",
             "depth": f"largest depth at d_model={cfg.model.get('d_model')}",
         }
         lines.append(f"\n{label[_value(cfg.plan.find)]} that fits {cfg.plan.device_memory_gib:g} GiB:")
-        lines += [f"  {f['strategy']} x{f['world_size']}: {f['value']} ({f['note']})" for f in found]
+        lines += [f"  {f['strategy']}{'' if f.get('levers', 'none') == 'none' else ' + ' + f['levers']} "
+                  f"x{f['world_size']}: {f['value']} ({f['note']})" for f in found]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -385,6 +463,13 @@ def check_plan(cfg, argv: list[str] = ()) -> None:
         raise ConfigError(f"plan.units={p.units} must be >= 1")
     for name in p.strategies or []:
         STRATEGIES.builder(name)  # raises, naming the registered ones
+    for combo in p.get("levers", None) or []:
+        bad = [x for x in lever_names(str(combo)) if x not in LEVERS]
+        if bad or not str(combo):
+            raise ConfigError(
+                f"plan.levers entry {combo!r}: {', '.join(bad) or 'empty'} is not a lever; levers: none, or "
+                f"{', '.join(LEVERS)} joined with + (e.g. ac+offload)"
+            )
     if _value(p.find) == "depth" and (p.params is not None or "n_layers" not in cfg.model):
         raise ConfigError("plan.find=depth needs a model with model.n_layers (e.g. model=gpt), not a raw count")
 
@@ -410,7 +495,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = plan_rows(cfg, world_sizes, device_type)
     found = find_rows(cfg, world_sizes, device_type) if cfg.plan.find else []
     if _value(cfg.plan.format) == "json":
-        out = {"params": params, "device": device_type, "device_faked": _faked(cfg), "rows": rows, "found": found}
+        out = {"params": params, "device": device_type, "device_faked": _faked(cfg), "rows": rows, "found": found,
+               "cheapest": [{k: r[k] for k in ("strategy", "levers", "world_size", "total_gib")} for r in cheapest(rows)]
+               if cfg.plan.params is None else []}  # fmt: skip
         print(json.dumps(out, indent=2))
     else:
         print(format_table(rows, found, cfg, params))

@@ -25,7 +25,7 @@ from sharded_exp.data import TASKS
 from sharded_exp.errors import ConfigError, NothingToDo, WontFit, missing_packages
 from sharded_exp.launch.layout import Layout
 from sharded_exp.measure.prediction import ModelShapes, meta_model, model_shapes, predict, predict_peak
-from sharded_exp.models import MODELS
+from sharded_exp.models import MODELS, units
 from sharded_exp.models.target import check_accepts, is_target_model
 from sharded_exp.optim import OPTIMIZERS
 from sharded_exp.precision import PRECISIONS
@@ -69,6 +69,7 @@ def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True)
     device_type = decide_device(
         _accelerator(cfg.trainer.accelerator), local_ranks, str(cfg.precision.name), per_task=layout is not None
     )
+    STRATEGIES.builder(cfg.strategy.name).check(cfg.strategy, world_size, device_type)
     try:
         module = meta_model(cfg.model, cfg.trainer.freeze)  # shapes a model refuses, or a _target_ that cannot be built
     except ConfigError:
@@ -77,6 +78,13 @@ def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True)
         raise ConfigError(
             f"model={cfg.model.name} cannot be built with this config: {type(exc).__name__}: {exc}"
         ) from None
+    levers = [f"trainer.activation_checkpointing={_accelerator(t)}" for t in [cfg.trainer.activation_checkpointing]
+              if _accelerator(t) != "none"] + (["trainer.compile=true"] if cfg.trainer.compile else [])  # fmt: skip
+    _require(
+        not levers or bool(units(module)),
+        f"{' and '.join(levers)} act on the model's repeated units (blocks), and model={cfg.model.name} has none "
+        "(no blocks(), no Hugging Face _no_split_modules, no ModuleList)",
+    )
     shapes = model_shapes(cfg.model, cfg.optimizer, module)
     task = TASKS.builder(cfg.data.name)(cfg.data, cfg.model, 1)  # does the task fit? (one sample: keys, not memory)
     check_accepts(module, list(task(0, 0, 0)), cfg.model.name, cfg.data.name)  # keyword batch in
@@ -162,7 +170,7 @@ def check_values(cfg) -> None:
     _require(
         cfg.optimizer.name in OPTIMIZERS, f"optimizer.name={cfg.optimizer.name!r} is not one of {', '.join(OPTIMIZERS)}"
     )
-    for key in ("world_size", "steps", "batch_size", "grad_accum", "log_interval"):
+    for key in ("world_size", "steps", "batch_size", "grad_accum", "log_interval", "ac_every"):
         _require(t[key] >= 1, f"trainer.{key}={t[key]} must be >= 1")
     _require(
         0 <= t.warmup_steps < t.steps,

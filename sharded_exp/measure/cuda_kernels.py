@@ -51,13 +51,16 @@ class _FusedAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, mask):
         out = q.new_empty((*q.shape[:-1], v.shape[-1]))
         logsumexp = q.new_empty(q.shape[:-1], dtype=torch.float32)
-        ctx.save_for_backward(q, k, v, out, logsumexp)
-        ctx.mask_shape = None if mask is None else mask.shape
-        return out
+        # Both are outputs (the log-sum-exp not differentiable), saved in the order that
+        # activation checkpointing finds them in when it recomputes the unit (it checks the
+        # recomputed tensors against the saved ones, position by position).
+        ctx.mark_non_differentiable(logsumexp)
+        ctx.save_for_backward(q, k, v, logsumexp, out)
+        return out, logsumexp
 
     @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, logsumexp = ctx.saved_tensors
+    def backward(ctx, grad_out, grad_logsumexp):
+        q, k, v, logsumexp, out = ctx.saved_tensors
         row_term = torch.empty_like(logsumexp)  # rowsum(dO * O), float32
         dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -81,7 +84,8 @@ class _AsOnCuda(TorchFunctionMode):
             if q.requires_grad or k.requires_grad or v.requires_grad:
                 out_shape = (*q.shape[:-1], v.shape[-1])
                 self.flops += flop_counter.sdpa_backward_flop_count(out_shape, *shapes)
-            return _FusedAttention.apply(q, k, v, mask)
+            out, _ = _FusedAttention.apply(q, k, v, mask)
+            return out
         return func(*args, **kwargs)
 
 

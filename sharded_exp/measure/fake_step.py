@@ -186,6 +186,7 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
     from sharded_exp.data import build_task
     from sharded_exp.measure.cuda_kernels import cuda_kernels
     from sharded_exp.train.build import build_run
+    from sharded_exp.train.levers import without_checkpointing
     from sharded_exp.train.step import train_step
 
     # Always fake CPU tensors: a step for a GPU runs as CUDA would (cuda_kernels), without
@@ -216,7 +217,7 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
             try:
                 try:
                     with device:  # built on the (fake) device, as a real run's model ends up
-                        run = build_run(cfg, device, with_task=False, before_wrap=start_tracker)
+                        run = build_run(cfg, device, with_task=False, before_wrap=start_tracker, compile=False)
                 except Exception as exc:  # noqa: BLE001
                     text = "".join(traceback.format_exception(exc))
                     if built or not any(sign in text for sign in META_FIRST_SIGNS):
@@ -225,7 +226,9 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
                     # under FakeTensorMode (torch's _apply cannot swap a fake parameter):
                     # built on meta, its tensors then made fake.
                     with device:
-                        run = build_run(cfg, device, with_task=False, before_wrap=start_tracker, meta_first=True)
+                        run = build_run(
+                            cfg, device, with_task=False, before_wrap=start_tracker, meta_first=True, compile=False
+                        )
             except FakeStepError:
                 raise
             except Exception as exc:  # noqa: BLE001 -- which part failed is named
@@ -238,7 +241,16 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
             module, strategy, autocast = run.module, run.strategy, run.autocast
             strategy.scaler = torch.amp.GradScaler(device.type, enabled=False)
             count = 0
-            for step in range(2):
+            # FlopCounterMode's module hooks keep a checkpointed unit's recomputed tensors alive
+            # longer (+25% on a GPT with full AC): with checkpointing, FLOPs are counted in a
+            # third step, after the memory window, without recomputation (the model's FLOPs,
+            # as MFU counts them); otherwise in the second.
+            checkpointing = str(getattr(tc.activation_checkpointing, "value", tc.activation_checkpointing)) != "none"
+            counted = 2 if checkpointing else 1
+            for step in range(3 if flops and checkpointing else 2):
+                if step == 2:
+                    tracker.__exit__(None, None, None)
+                    tracking.clear()
                 # Made inside the window, as in a run, so counted like it.
                 batches = [
                     {
@@ -247,17 +259,19 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
                     }
                     for _ in range(tc.grad_accum)
                 ]
-                counter = FlopCounterMode(display=False) if step == 1 and flops else None
+                counter = FlopCounterMode(display=False) if step == counted and flops else None
                 if kernels is not None:
                     kernels.flops = 0
+                plain = without_checkpointing() if step == 2 else contextlib.nullcontext()
                 try:
-                    with counter or contextlib.nullcontext():
+                    with counter or contextlib.nullcontext(), plain:
                         train_step(strategy, batches, autocast, grad_clip)
                 except Exception as exc:  # noqa: BLE001
                     raise FakeStepError(_blame(exc, module).format(name), exc) from exc
                 if counter is not None:  # + fused attention's, which no aten op carries here
                     count = counter.get_total_flops() + (kernels.flops if kernels is not None else 0)
-                tracker.reset_mod_stats()
+                if tracking:
+                    tracker.reset_mod_stats()
                 del batches
         finally:
             if tracking:
@@ -296,6 +310,9 @@ def fake_step(
     FLOPs (about a third of the time on a large model; the planner needs none).
     """
     t0 = time.perf_counter()
+    if cfg.strategy.get("cpu_offload", False):  # faked on the device; the states' move to the host is a rule
+        cfg = cfg.copy()
+        cfg.strategy.cpu_offload = False
     clip = float(cfg.trainer.grad_clip)
     known = clip > 0 and STRATEGIES.builder(cfg.strategy.name).clip_reads_values
     first: Exception | None = None

@@ -92,6 +92,12 @@ def predict(
     return {"model_states_mib": states, "transient_params_mib": gathered * compute / MIB}
 
 
+def _compile_note(cfg) -> str:
+    if not cfg.trainer.get("compile", False):
+        return ""
+    return "trainer.compile: the units are faked eager (inductor's fusions can only lower the peak)"
+
+
 def predict_peak(
     cfg, world_size: int, device_type: str, prediction: dict[str, Any], shapes: ModelShapes, flops: bool = True
 ) -> dict[str, Any]:
@@ -156,6 +162,18 @@ def predict_peak(
     phases_mib = {}
     for phase, (peak, p) in phases.items():
         phases_mib[str(phase)] = (peak + workspace, {**resident(p), "workspace": workspace})
+    host_mib = None
+    if cfg.strategy.get("cpu_offload", False):
+        # FSDP's CPU offload: the resident (sharded) parameters, gradients and optimizer
+        # state live in host memory; the device holds what is gathered and computed.
+        states = ("params", "grads", "optimizer")
+        rules["cpu_offload"] = "the sharded parameters, gradients and optimizer state in host memory, by rule"
+        host_mib = [sum(other[k] for k in states) for other in prediction["model_states_mib"]]
+        per_rank = [x - sum(min(mine[k], parts[k]) for k in states) for x in per_rank]
+        for phase, (peak, p) in list(phases_mib.items()):
+            moved = sum(p[k] for k in states)
+            phases_mib[phase] = (peak - moved, {**p, **{k: 0.0 for k in states}})
+        parts = {**parts, **{k: 0.0 for k in states}}
     return {
         "per_rank_mib": per_rank,
         "rank": rank,
@@ -164,10 +182,11 @@ def predict_peak(
         "phases_mib": phases_mib,
         "flops_per_step": est.flops_per_step,
         "method": est.method,
-        "note": est.note,
+        "note": "; ".join(n for n in (est.note, _compile_note(cfg)) if n),
         "seconds": est.seconds,
         "kernels": f"{device_type}: fake tensors on the CPU device"
         + (", with CUDA's kernel choices (fused attention, foreach optimizer)" if device_type == "cuda" else ""),
         "rules": rules,
+        "host_mib": host_mib,  # per rank, where the strategy keeps states in host memory (CPU offload)
         "error": None,
     }

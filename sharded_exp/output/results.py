@@ -185,7 +185,10 @@ def summary_table(result: dict[str, Any]) -> str:
 def _peak_summary(peak: dict[str, Any] | None) -> dict[str, Any] | None:
     if not peak:
         return None
-    return {k: peak.get(k) for k in ("method", "note", "rank", "breakdown_mib", "kernels", "rules", "seconds", "error")}
+    return {
+        k: peak.get(k)
+        for k in ("method", "note", "rank", "breakdown_mib", "kernels", "rules", "host_mib", "seconds", "error")
+    }
 
 
 def predicted_section(prediction: dict[str, Any], limit_applies_to: str | None = None) -> dict[str, Any]:

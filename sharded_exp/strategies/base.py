@@ -66,6 +66,11 @@ class Strategy:
         self.scaler = precision.grad_scaler(precision_cfg, device.type, sharded_grads=self.grads_differ_across_ranks)
 
     @classmethod
+    def check(cls, cfg, world_size: int, device_type: str) -> None:
+        """Refuse settings this job cannot run (raise ConfigError naming them), before any
+        rank starts: called once the device and the world size are decided."""
+
+    @classmethod
     def build(cls, cfg, module: nn.Module, optim_spec, precision_cfg, device: torch.device) -> "Strategy":
         """Wrap ``module`` (on ``device``) and build the optimizer from ``optim_spec``."""
         raise NotImplementedError

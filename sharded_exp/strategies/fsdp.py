@@ -2,6 +2,13 @@
 state sharded), and fsdp_grad_op: the same without resharding after forward (ZeRO-2-like:
 parameters stay gathered from forward to backward).
 
+Levers (settings of both): ``replicate=R`` makes it HSDP, a 2-D mesh of R replica groups
+of world_size/R ranks each (states shard within a group, gradients are also all-reduced
+across groups); ``param_dtype`` / ``reduce_dtype`` set FSDP's mixed-precision policy (by
+default from ``precision``); ``cpu_offload`` keeps the sharded parameters, gradients and
+optimizer state in pinned host memory and steps the optimizer on the CPU (FSDP2's
+``CPUOffloadPolicy``; a GPU run only).
+
 Each of the model's units (``blocks()``, else Hugging Face's ``_no_split_modules``, else its
 repeated children: :func:`sharded_exp.models.units`) is one FSDP unit, and the root holds
 the rest (a tied embedding and LM head stay together there). Every
@@ -14,6 +21,8 @@ and the sharded master weights in fp32.
 import contextlib
 import math
 from dataclasses import dataclass
+from enum import Enum
+from typing import Optional
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -22,9 +31,14 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from sharded_exp import precision
+from sharded_exp.errors import ConfigError
 from sharded_exp.models import units
 from sharded_exp.strategies import STRATEGIES
 from sharded_exp.strategies.base import Strategy, StrategyConfig
+
+
+def _value(option) -> str:
+    return str(getattr(option, "value", option))
 
 
 def _shard_numel(shape: tuple, rank: int, world_size: int) -> int:
@@ -58,6 +72,12 @@ def _broadcast_buffers_before_forward(module: torch.nn.Module) -> None:
     module.register_forward_pre_hook(broadcast, with_kwargs=True)
 
 
+class DType(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
 @dataclass
 class FSDPConfig(StrategyConfig):
     name: str = "fsdp"
@@ -66,6 +86,18 @@ class FSDPConfig(StrategyConfig):
     broadcast_buffers: bool = True
     """Broadcast the model's buffers (BatchNorm's running statistics) from rank 0 before
     every forward, as DDP does by default; FSDP itself leaves each rank its own."""
+    replicate: int = 1
+    """HSDP: R replica groups of world_size/R ranks; states shard within a group only
+    (each rank holds 1/(world_size/R) of them), gradients are all-reduced across groups.
+    1: plain FSDP over every rank. Must divide trainer.world_size."""
+    param_dtype: Optional[DType] = None
+    """dtype of the gathered parameters and of the compute (null: from precision, i.e.
+    float32 at 32, bfloat16 at bf16, float16 at 16); the sharded master weights stay float32."""
+    reduce_dtype: Optional[DType] = None
+    """dtype the gradients are reduced in (null: float32)."""
+    cpu_offload: bool = False
+    """Sharded parameters, gradients and optimizer state in pinned host memory, the
+    optimizer step on the CPU (FSDP2's CPUOffloadPolicy). GPU runs only."""
 
 
 @dataclass
@@ -82,11 +114,50 @@ class FSDP(Strategy):
     grads_differ_across_ranks = True  # sharded gradients: the scaler agrees on inf/nan
 
     @classmethod
-    def build(cls, cfg, module, optim_spec, precision_cfg, device):
-        with unset_fake_temporarily():  # a mesh is bookkeeping: real even in a fake step
-            mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    def check(cls, cfg, world_size: int, device_type: str) -> None:
+        if cfg.replicate < 1 or world_size % cfg.replicate:
+            raise ConfigError(
+                f"strategy.replicate={cfg.replicate} must be >= 1 and divide trainer.world_size={world_size} "
+                f"(HSDP: replica groups of equal size; divisors: "
+                f"{', '.join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)})"
+            )
+        if cfg.cpu_offload and device_type != "cuda":
+            raise ConfigError(
+                f"strategy.cpu_offload=true moves states from the GPU to host memory; this run is on {device_type}, "
+                "where they are in host memory already: use it on a GPU (trainer.accelerator=gpu), or plan it "
+                "(python -m sharded_exp.plan strategy.cpu_offload=true)"
+            )
+
+    @staticmethod
+    def shard_group(cfg, world_size: int) -> int:
+        """Ranks a state is sharded over: all of them, or one HSDP replica group."""
+        return world_size // max(1, cfg.replicate)
+
+    @classmethod
+    def policy(cls, cfg, precision_cfg) -> MixedPrecisionPolicy:
         half = precision.compute_dtype(precision_cfg.name)
-        policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32) if half else MixedPrecisionPolicy()
+        param = getattr(torch, _value(cfg.param_dtype)) if cfg.param_dtype is not None else half
+        reduce = getattr(torch, _value(cfg.reduce_dtype)) if cfg.reduce_dtype is not None else torch.float32
+        if param is None and cfg.reduce_dtype is None:
+            return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
+
+    @classmethod
+    def build(cls, cfg, module, optim_spec, precision_cfg, device):
+        world_size = torch.distributed.get_world_size()
+        with unset_fake_temporarily():  # a mesh is bookkeeping: real even in a fake step
+            if cfg.replicate > 1:
+                shape, names = (cfg.replicate, cls.shard_group(cfg, world_size)), ("replicate", "shard")
+                mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+            else:
+                mesh = init_device_mesh(device.type, (world_size,))
+        half = precision.compute_dtype(precision_cfg.name)
+        policy = cls.policy(cfg, precision_cfg)
+        offload = {}
+        if cfg.cpu_offload:
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            offload = {"offload_policy": CPUOffloadPolicy(pin_memory=True)}
         # fully_shard refuses 0-dim parameters (a learnable temperature or scale): they stay
         # whole on every rank, outside FSDP, and their gradients are averaged here, as DDP would.
         scalars = {p for p in module.parameters() if p.dim() == 0} or None
@@ -97,12 +168,12 @@ class FSDP(Strategy):
             fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
             for norm in [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]:
                 fully_shard(norm, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=fp32,
-                            ignored_params=scalars)  # fmt: skip
+                            ignored_params=scalars, **offload)  # fmt: skip
         for block in units(module):
             fully_shard(block, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy,
-                        ignored_params=scalars)  # fmt: skip
+                        ignored_params=scalars, **offload)  # fmt: skip
         fully_shard(module, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy,
-                    ignored_params=scalars)  # fmt: skip
+                    ignored_params=scalars, **offload)  # fmt: skip
         if cfg.broadcast_buffers:
             _broadcast_buffers_before_forward(module)
         # fully_shard replaced the parameters by DTensors: group and build the optimizer now.
@@ -166,7 +237,10 @@ class FSDP(Strategy):
         # Sharded parameters never see autograd: hook the gathered weight of the first layer
         # during its forward, and poison only the rows of this rank's own dim-0 shard.
         layer = next(m for m in self.module.modules() if getattr(m, "weight", None) is not None and m.weight.dim() == 2)
-        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        # the rows this rank's shard holds: its place in the (last, sharding) mesh dimension
+        mesh = layer.weight.device_mesh if isinstance(layer.weight, DTensor) else None
+        rank = mesh.get_local_rank(mesh.ndim - 1) if mesh is not None else torch.distributed.get_rank()
+        world_size = mesh.size(mesh.ndim - 1) if mesh is not None else torch.distributed.get_world_size()
 
         def poison(grad):
             chunk = math.ceil(grad.shape[0] / world_size)
@@ -204,6 +278,9 @@ class FSDP(Strategy):
 
     @classmethod
     def resident_numel(cls, cfg, shapes, owners, rank, world_size):
+        # HSDP: sharded within a replica group (rank r is member r % group of its group)
+        world_size = cls.shard_group(cfg, world_size)
+        rank = rank % world_size
         rows = [_shard_numel(s, rank, world_size) for s in shapes]
         # Sharded parameters and gradients live in storage padded to equal dim-0 chunks on
         # every rank; optimizer state is allocated like the unpadded local shard.

@@ -23,6 +23,7 @@ from sharded_exp.models import build_model
 from sharded_exp.optim import optimizer_spec
 from sharded_exp.strategies import build_strategy
 from sharded_exp.strategies.base import Strategy
+from sharded_exp.train.levers import apply_levers
 
 
 @dataclass
@@ -60,6 +61,7 @@ def build_run(
     with_task: bool = True,
     before_wrap: Callable[[nn.Module], None] | None = None,
     meta_first: bool = False,
+    compile: bool = True,
 ) -> Run:
     """Build the configured run on ``device`` (needs a process group: the strategy's).
 
@@ -68,7 +70,9 @@ def build_run(
     so it counts the strategy's buffers as the CUDA allocator would, and not the task's
     (a teacher network is the data source's, never on a GPU). ``meta_first``: build on the
     meta device, then allocate uninitialised tensors on ``device`` (the fake step's way
-    for a model that cannot be built under FakeTensorMode directly).
+    for a model that cannot be built under FakeTensorMode directly). The trainer's levers
+    (activation checkpointing, compile: :mod:`sharded_exp.train.levers`) are applied to the
+    model's units before it is wrapped; ``compile=False`` leaves the units eager.
     """
     tc = cfg.trainer
     torch.manual_seed(tc.seed)  # identical initial weights on every rank
@@ -83,6 +87,7 @@ def build_run(
     if any(t.device != device for t in (*module.parameters(), *module.buffers())):
         module = module.to(device)  # (a fake step builds on its fake device already)
     task = build_task(cfg.data, cfg.model, tc.batch_size) if with_task else None
+    apply_levers(module, tc, compile=compile)
     if before_wrap is not None:
         before_wrap(module)
     strategy = build_strategy(cfg.strategy, module, optimizer_spec(cfg.optimizer, module), cfg.precision, device)

@@ -57,13 +57,15 @@ class LoopSettings:
     log_interval: int
     progress_bar: bool = False
     label: str = ""
+    compiled: bool = False
 
     @classmethod
     def from_config(cls, trainer_cfg, label: str = "") -> "LoopSettings":
         t = trainer_cfg
         return cls(
-            t.steps, t.warmup_steps, t.batch_size, t.grad_accum, t.grad_clip, t.log_interval, t.progress_bar, label
-        )
+            t.steps, t.warmup_steps, t.batch_size, t.grad_accum, t.grad_clip, t.log_interval, t.progress_bar, label,
+            bool(t.get("compile", False)),
+        )  # fmt: skip
 
 
 @dataclass
@@ -118,14 +120,22 @@ def run_loop(
     # are not timed, unless a run is too short to time any other.
     warmup = min(loop.warmup_steps, loop.steps - start - 1)
     memory_end = loop.steps
+    compile_step = start  # where trainer.compile's units compile (the first step they run tracked by nothing)
     if device.type == "cpu":
         memory_end = start + min(max(warmup, 2), loop.steps - start)
         warmup = min(memory_end - start, loop.steps - start - 1)
+        if loop.compiled:
+            # Dynamo skips, for good, a function first called under a dispatch mode (the CPU
+            # tracker's): the tracked steps run eager, its caches are reset after them, and
+            # the units compile in one more untimed step.
+            compile_step = memory_end
+            warmup = min(memory_end - start + 1, loop.steps - start - 1)
     samples_per_step = loop.batch_size * loop.grad_accum * world_size
     metrics, log = IntervalMetrics(device, task, probe=lambda: meter.now(strategy)), IntervalLog(logger)
     # A resumed run's bar starts where the checkpoint left off and ends at 100%.
     bar = tqdm(total=loop.steps, initial=start, desc=loop.label, disable=rank != 0 or not loop.progress_bar)
     memory, step_times, data_times, skipped, tokens_per_step, saved = {}, [], [], 0, 0, None
+    first_step_s = None
     prefetcher = Prefetcher(task, rank, loop.grad_accum, device, loop.steps)
     out = LoopOutcome(start, torch.zeros(()), log.history, {}, {}, 0, time.time())
     loop_start = None
@@ -153,6 +163,8 @@ def run_loop(
         _sync(device)
         step_time = time.perf_counter() - t0
         liveness.raise_if_aborted(device)  # this step's collective timed out, not the next one's
+        if step == compile_step:
+            first_step_s = step_time
         if step >= start + warmup:
             step_times.append(step_time)
             data_times.append(data_time)
@@ -171,6 +183,10 @@ def run_loop(
         meter.step_end()
         if step + 1 == memory_end:
             memory = meter.stop()
+            if loop.compiled and device.type == "cpu":
+                from torch import _dynamo
+
+                _dynamo.reset()
 
         metrics.update(loss, output, batches[-1])
         # Let go of this step's output and batch now: otherwise the logits (batch x time x
@@ -213,6 +229,9 @@ def run_loop(
     out.throughput = throughput_stats(step_times, samples_per_step, tokens_per_step, loop_time, data_times)
     if out.throughput:
         out.throughput["data_prefetched"] = prefetcher.ahead
+        out.throughput["first_step_s"] = first_step_s  # the first step (with compile: the compiling one)
+        if loop.compiled and first_step_s is not None:  # it is never timed
+            out.throughput["compile_s"] = max(0.0, first_step_s - out.throughput["step_time_s_median"])
     out.skipped_steps = skipped
     out.extra["first_nonfinite_step"] = int(metrics.first_nonfinite)
     return out
@@ -247,7 +266,11 @@ def param_digest(module: torch.nn.Module, device: torch.device) -> dict[str, flo
     mine = []
     for tensor in module.state_dict().values():
         sharded = isinstance(tensor, DTensor) and any(p.is_shard() for p in tensor.placements)
-        if sharded or dist.get_rank() == 0:
+        if sharded:  # counted by the first replica of each shard (HSDP replicates shards)
+            mesh = tensor.device_mesh
+            if all(mesh.get_local_rank(d) == 0 for d, p in enumerate(tensor.placements) if p.is_replicate()):
+                mine.append(_local(tensor))
+        elif dist.get_rank() == 0:
             mine.append(_local(tensor))
     sums = torch.tensor(_sums(mine), dtype=torch.float64, device=device)
     dist.all_reduce(sums)

@@ -1,0 +1,107 @@
+"""Levers on the model itself, applied to each of its units before the strategy wraps it,
+so they compose with every strategy: activation checkpointing and torch.compile.
+
+Both change a unit's ``forward`` in place, not the module tree: parameter names, state
+dicts and checkpoints are the same with and without them (a run may resume with another
+setting), and FSDP still wraps the same units.
+
+- ``trainer.activation_checkpointing=full``: a unit keeps only its inputs; its forward
+  runs again in the backward (torch's non-reentrant checkpoint, which restores the RNG
+  state, so dropout recomputes the same mask: parameters are bit-identical to no AC).
+- ``selective``: the outputs of the matmuls and attention are kept and the cheap ops
+  (activations, norms, dropout, casts) recomputed (torch's selective checkpoint policy).
+- ``trainer.ac_every=N``: only every N-th unit (0, N, 2N, ...).
+- ``trainer.compile=true``: each unit's forward is compiled (``torch.compile``, inductor).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from sharded_exp.models import units
+
+aten = torch.ops.aten
+SAVED_BY_SELECTIVE = {
+    aten.mm.default,
+    aten.addmm.default,
+    aten.bmm.default,
+    aten.baddbmm.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+"""Ops whose outputs a selectively checkpointed unit keeps: the expensive ones."""
+
+
+def _value(option) -> str:
+    return str(getattr(option, "value", option))
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_EAGER = contextvars.ContextVar("activation_checkpointing_off", default=False)
+
+
+@contextlib.contextmanager
+def without_checkpointing():
+    """Checkpointed units run plainly inside: a fake step counts model FLOPs so (MFU counts
+    the model's FLOPs, not the recomputed forward's)."""
+    token = _EAGER.set(True)
+    try:
+        yield
+    finally:
+        _EAGER.reset(token)
+
+
+def _checkpointed(forward, selective: bool):
+    context_fn = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls) if selective else None
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if _EAGER.get():
+            return forward(*args, **kwargs)
+        if context_fn is None:
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    return run
+
+
+def checkpointed_units(module: nn.Module, mode, every: int = 1) -> list[nn.Module]:
+    """Wrap every ``every``-th unit's forward in activation checkpointing (``mode``: none,
+    full or selective); returns the units wrapped."""
+    mode = _value(mode)
+    if mode == "none":
+        return []
+    chosen = units(module)[::every]
+    for unit in chosen:
+        unit.forward = _checkpointed(unit.forward, selective=mode == "selective")
+    return chosen
+
+
+def compile_units(module: nn.Module, mode) -> list[nn.Module]:
+    """``torch.compile`` each unit's forward in place (``mode``: a CompileMode, _ for -).
+    Its forward, not the module (``torch.compile(unit)`` would rename every parameter
+    under ``_orig_mod.``; ``unit.compile()`` left the units eager on torch 2.13 here)."""
+    mode = _value(mode).replace("_", "-")
+    found = units(module)
+    for unit in found:
+        unit.forward = torch.compile(unit.forward, mode=None if mode == "default" else mode)
+    return found
+
+
+def apply_levers(module: nn.Module, trainer_cfg, compile: bool = True) -> None:
+    """The configured levers on ``module``'s units: checkpointing first, then compile (a
+    compiled unit traces through its checkpoint). ``compile=False``: eager (a fake step)."""
+    checkpointed_units(module, trainer_cfg.activation_checkpointing, trainer_cfg.ac_every)
+    if compile and trainer_cfg.compile:
+        compile_units(module, trainer_cfg.compile_mode)
