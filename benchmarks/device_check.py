@@ -18,7 +18,8 @@ parent, or as a user's command) and adds a row to one summary table:
 6. the NCCL timeout path, spawned and under torchrun: a stalled step past
    ``trainer.timeout_s``, the job's end, its error naming the step, the flight recorder's dump;
 7. async DCP checkpoints of FSDP's CUDA DTensors, and a resume from them;
-8. ``trainer.memory_limit_mib`` on CUDA: a job over it ends ``oom``, and says what it bounds.
+8. ``trainer.memory_limit_mib`` on CUDA: a job over it ends ``oom``, and says what it bounds;
+9. FSDP's CPU offload (``strategy.cpu_offload=true``): device peak with and without, predicted.
 
 Prints the summary table (and each check's own); writes outputs/benchmarks/device_check.json
 (and copies it to $OUT when that is set, as on the device machine). Exit code 1 when a
@@ -228,6 +229,25 @@ def async_dcp(checks: Checks) -> None:
                f"{'' if resumed_proc.returncode == 0 else resumed_proc.stderr[-200:]}")  # fmt: skip
 
 
+def offload(checks: Checks) -> None:
+    """FSDP's CPU offload on the GPU: trains, the device holds less than without it, and the
+    parent's prediction (states moved to the host by rule) against the CUDA peak."""
+    common = [*MODEL, "strategy=fsdp", "precision=bf16", "trainer.world_size=1", "trainer.steps=8",
+              "trainer.warmup_steps=2", "trainer.eval_batches=0"]  # fmt: skip
+    plain = job(checks, common, "offload_off")
+    moved = job(checks, [*common, "strategy.cpu_offload=true"], "offload_on")
+    if moved["status"] != "ok" or plain["status"] != "ok":
+        checks.add("FSDP CPU offload", False, (moved.get("error") or plain.get("error") or "")[:300])
+        return
+    on, off = moved["memory"]["per_rank"][0], plain["memory"]["per_rank"][0]
+    err = on.get("peak_rel_error")
+    checks.add("FSDP CPU offload", on["peak_allocated_mib"] < off["peak_allocated_mib"],
+               f"device peak {off['peak_allocated_mib']:.1f} -> {on['peak_allocated_mib']:.1f} MiB; predicted "
+               f"{on.get('predicted_peak_mib') or 0:.1f} ({'-' if err is None else f'{err:+.1%}'}); step "
+               f"{plain['throughput']['step_time_s_median'] * 1e3:.1f} -> "
+               f"{moved['throughput']['step_time_s_median'] * 1e3:.1f} ms")  # fmt: skip
+
+
 def memory_limit(checks: Checks) -> None:
     limit = 64 if MODEL != QUICK_MODEL else 2  # below the model's states and its step
     overrides = [*MODEL, "strategy=ddp", "trainer.world_size=1", "trainer.steps=4", "trainer.warmup_steps=1",
@@ -266,9 +286,11 @@ def main() -> int:
         ("torchrun", "NCCL timeout, torchrun", hang, True, args.timeout_s),
         ("dcp", "async DCP on CUDA DTensors, and resume", async_dcp),
         ("limit", "trainer.memory_limit_mib on CUDA", memory_limit),
+        ("offload", "FSDP CPU offload", offload),
     ]
     for key, name, fn, *fn_args in plan:
-        chosen = key in args.only if args.only else not (args.quick and key == "torchrun")
+        gpu_only = key == "offload" and args.accelerator == "cpu"  # a CPU run refuses it
+        chosen = key in args.only if args.only else not (args.quick and key == "torchrun") and not gpu_only
         if chosen:
             checks.run(name, fn, *fn_args)
     seconds = time.time() - t0

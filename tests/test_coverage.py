@@ -56,6 +56,8 @@ RUNS = {
     # OSS's knobs, SGD with momentum, the GPT's shape, bf16, three ranks.
     "oss": [
         "strategy=oss", "strategy.bucket_cap_mb=1", "strategy.gradient_as_bucket_view=true",
+        "trainer.activation_checkpointing=selective", "trainer.ac_every=2", "trainer.compile=true",
+        "trainer.compile_mode=reduce_overhead",
         "strategy.broadcast_buffers=false", "strategy.broadcast_fp16=true", "strategy.find_unused_parameters=true",
         "optimizer=sgd", "optimizer.lr=0.05",
         "optimizer.momentum=0.9", *GPT, "precision=bf16", "trainer.world_size=3",
@@ -80,6 +82,8 @@ RUNS = {
     # a frozen embedding, a longer warm-up.
     "fsdp": [
         "strategy=fsdp", "strategy.reshard_after_forward=false", "strategy.broadcast_buffers=false", "model=hf_llama", "model.seq_len=16",
+        "strategy.replicate=2", "strategy.param_dtype=float32", "strategy.reduce_dtype=bfloat16",
+        "trainer.activation_checkpointing=full",
         "trainer.batch_size=4", "optimizer.lr=3e-3", "trainer.checkpoint_every=3", "trainer.checkpoint_format=dcp",
         "trainer.checkpoint_async=true", "trainer.warmup_steps=2", "trainer.freeze=[model.embed_tokens.*]",
         "trainer.timeout_s=90",
@@ -87,6 +91,7 @@ RUNS = {
     # FSDP resharding after forward (ZeRO-3) on your own model: 4 steps with checkpoints ...
     "fsdp_grad_op": [
         "strategy=fsdp_grad_op", "strategy.reshard_after_forward=true", "strategy.broadcast_buffers=false",
+        "strategy.replicate=2", "strategy.param_dtype=bfloat16", "strategy.reduce_dtype=float32",
         "model=custom", "model._target_=tests.user_models.build", "+model.hidden=24", "optimizer.lr=1e-2", "trainer.steps=4",
         "trainer.checkpoint_every=2", "trainer.checkpoint_dir=__tmp__grad_op_ckpt", "trainer.host_memory_check=false",
     ],
@@ -120,7 +125,7 @@ PLANS = {
     "hf_llama_7b": ["model=hf_llama_7b", "model.config.num_hidden_layers=2", "plan.world_sizes=[64]",
                     "plan.strategies=[fsdp]", "trainer.batch_size=1"],
     "raw_count": ["plan.params=7.5e9", "plan.units=16", "plan.world_sizes=[64]"],
-    "find_depth": ["model=gpt", "plan.find=depth", "plan.device=cpu", "plan.world_sizes=[2]", "plan.strategies=[ddp]",
+    "find_depth": ["model=gpt", "plan.find=depth", "plan.device=cpu", "plan.levers=[none,ac_selective]", "plan.world_sizes=[2]", "plan.strategies=[ddp]",
                    "plan.device_memory_gib=0.05"],
 }  # fmt: skip
 """Planner runs (``python -m sharded_exp.plan``), in this process."""
@@ -141,6 +146,12 @@ NOT_HERE = {
     ("experiment", "seed_study_gpu"): "needs GPUs (trainer.accelerator=gpu): benchmarks/gpu_check.py's machine",
 }
 """Options no run on this CPU-only machine can choose, and why."""
+FIELDS_NOT_HERE = {
+    ("strategy:fsdp", "cpu_offload"): "GPU runs only (a CPU run refuses it: tests/test_levers.py); planned by "
+    "plan.levers=[offload] (test_levers); run by benchmarks/device_check.py's offload check",
+    ("strategy:fsdp_grad_op", "cpu_offload"): "as for fsdp",
+}
+"""Fields no run on this CPU-only machine can set, and why."""
 
 
 # ------------------------------------------------------------------- the covering jobs
@@ -240,8 +251,9 @@ def test_covering_plan(name, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["rows"] and all(r["total_gib"] > 0 for r in out["rows"])
     if "plan.find=depth" in PLANS[name]:
-        (found,) = out["found"]
-        assert found["value"] >= 1, found
+        plain, selective = out["found"]  # one per lever combination
+        assert plain["levers"] == "none" and selective["levers"] == "ac_selective"
+        assert 1 <= plain["value"] <= selective["value"], out["found"]  # recomputing fits at least as deep
 
 
 @pytest.mark.parametrize("name", list(SWEEPS))
@@ -326,7 +338,7 @@ def test_every_field_and_option_is_set_by_a_real_run():
     for where, schema in _schemas().items():
         group, _, option = where.partition(":")
         for f in dataclasses.fields(schema):
-            if f.name == "name":  # the option itself, covered above
+            if f.name == "name" or (where, f.name) in FIELDS_NOT_HERE:  # the option itself, covered above
                 continue
             covered_by = [
                 job
@@ -350,6 +362,12 @@ def _is_default(group: str, option: str) -> bool:
             if group in entry:
                 return str(entry[group]) == option
     return False
+
+
+def test_fields_not_here_name_real_fields():
+    schemas = _schemas()
+    for where, name in FIELDS_NOT_HERE:
+        assert name in [f.name for f in dataclasses.fields(schemas[where])], (where, name)
 
 
 def test_not_here_names_real_options():

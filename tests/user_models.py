@@ -167,3 +167,20 @@ class TiedDouble(Double):
 
 def build_tied_double(in_features, num_classes):
     return TiedDouble(in_features, num_classes).double()
+
+
+class Flat(nn.Module):
+    """No repeated units (no blocks(), no ModuleList): nothing for per-unit levers."""
+
+    def __init__(self, in_features, num_classes):
+        super().__init__()
+        self.first = nn.Linear(in_features, 16)
+        self.head = nn.Linear(16, num_classes)
+
+    def forward(self, inputs, targets=None):
+        logits = self.head(torch.relu(self.first(inputs)))
+        return {"logits": logits, "loss": F.cross_entropy(logits, targets)}
+
+
+def build_flat(in_features, num_classes):
+    return Flat(in_features, num_classes)

@@ -82,6 +82,11 @@ def checkpointed_units(module: nn.Module, mode, every: int = 1) -> list[nn.Modul
     mode = _value(mode)
     if mode == "none":
         return []
+    config = getattr(module, "config", None)
+    if getattr(config, "use_cache", False):
+        # A Hugging Face model keeps a key/value cache when use_cache is on; a recomputed
+        # unit would append to it again (twice the keys): off, as HF's own checkpointing does.
+        config.use_cache = False
     chosen = units(module)[::every]
     for unit in chosen:
         unit.forward = _checkpointed(unit.forward, selective=mode == "selective")
