@@ -148,3 +148,11 @@ def test_cuda_prediction_smoke(tmp_path):
     assert len(points) == 5 and all(p["before_mib"] > 0 and p["after_mib"] > 0 for p in points.values())
     attention = points["attention, hf_gpt2_small bf16 batch 8"]
     assert attention["workspace_mib"] == 32.0
+
+
+def test_levers_smoke(tmp_path):
+    data = bench("levers", "--smoke", "--only", "ac", "hsdp", "plan", cwd=tmp_path, timeout=600)
+    [ac] = data["ac"]
+    assert ac["full"]["activations_mib"] < ac["none"]["activations_mib"]
+    assert data["hsdp"]["hsdp"]["states_mib"] > data["hsdp"]["fsdp"]["states_mib"]
+    assert {f["levers"] for f in data["plan"]["found"]} == {"none", "ac", "ac+offload"}
