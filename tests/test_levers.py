@@ -160,3 +160,15 @@ def test_activation_checkpointing_wraps_a_hugging_face_model_the_same_way(lever,
     out, result = shared_runs("strategy=ddp", *hf, *AC[lever])
     check_run(result, [])
     assert max_relative_diff(out, ref_dir) == 0.0
+
+
+def test_levers_are_w_and_b_tags():
+    from sharded_exp.config import ActivationCheckpointing
+    from sharded_exp.output.loggers import run_tags
+
+    base = {"strategy": {"name": "fsdp", "replicate": 2, "cpu_offload": True}, "precision": {"name": "bf16"},
+            "model": {"name": "gpt"}, "trainer": {"world_size": 4, "compile": True,
+                                                   "activation_checkpointing": ActivationCheckpointing.selective}}  # fmt: skip
+    assert run_tags(base)[4:] == ["ac:selective", "compile", "hsdp:2", "cpu_offload"]
+    plain = {**base, "strategy": {"name": "ddp"}, "trainer": {"world_size": 2}}
+    assert run_tags(plain) == ["strategy:ddp", "precision:bf16", "model:gpt", "world_size:2"]

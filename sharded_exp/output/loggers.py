@@ -25,13 +25,22 @@ class NullLogger:
 
 
 def run_tags(run_config: dict[str, Any]) -> list[str]:
-    """Tags that group and filter runs in the W&B UI: strategy, precision, model, world size."""
+    """Tags that group and filter runs in the W&B UI: strategy, precision, model, world size,
+    and each lever that is on (activation checkpointing, compile, HSDP, CPU offload)."""
+    t, s = run_config["trainer"], run_config["strategy"]
+    ac = str(getattr(t.get("activation_checkpointing"), "value", t.get("activation_checkpointing") or "none"))
+    levers = {
+        f"ac:{ac}": ac != "none",
+        "compile": bool(t.get("compile")),
+        f"hsdp:{s.get('replicate')}": (s.get("replicate") or 1) > 1,
+        "cpu_offload": bool(s.get("cpu_offload")),
+    }
     return [
-        f"strategy:{run_config['strategy']['name']}",
+        f"strategy:{s['name']}",
         f"precision:{run_config['precision']['name']}",
         f"model:{run_config['model']['name']}",
-        f"world_size:{run_config['trainer']['world_size']}",
-    ]
+        f"world_size:{t['world_size']}",
+    ] + [tag for tag, on in levers.items() if on]
 
 
 def init_wandb_run(
