@@ -92,9 +92,12 @@ def compile_part(smoke: bool) -> list[dict]:
 
 
 def plan_part(smoke: bool) -> dict:
-    model = ["model=gpt", "model.n_layers=8"] if smoke else ["model=gpt_7b"]
-    args = [*model, "precision=bf16", "plan.world_sizes=[8]", "plan.device_memory_gib=80", "plan.format=json",
-            "plan.strategies=[ddp,zero1,fsdp]", "plan.levers=[none,ac,ac+offload]"]  # fmt: skip
+    # (the smoke: a small model against a small budget, so plan.find stops at a small batch)
+    model = ["model=gpt", "plan.device_memory_gib=0.05"] if smoke else \
+        ["model=gpt_7b", "plan.device_memory_gib=80"]  # fmt: skip
+    strategies = "plan.strategies=[fsdp]" if smoke else "plan.strategies=[ddp,zero1,fsdp]"
+    args = [*model, "precision=bf16", "plan.world_sizes=[8]", "plan.format=json", strategies,
+            "plan.levers=[none,ac,ac+offload]"]  # fmt: skip
     at_one = json.loads(_plan([*args, "trainer.batch_size=1"]))
     found = json.loads(_plan([*args, "plan.find=batch_size"]))
     print(f"\nplan: {' '.join(args[:-2])} ({found['params']:,} params)")

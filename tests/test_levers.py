@@ -83,9 +83,13 @@ def test_fsdp_mixed_precision_knobs_compute_in_the_dtype_asked(shared_runs):
 @pytest.mark.parametrize("strategy", STRATEGY_NAMES)
 def test_compile_matches_eager_and_reports_compile_time(strategy, shared_runs):
     """Each strategy with its units compiled: parameters within 1e-5 of eager; the
-    compiling step is outside the timed ones and its extra time is compile_s."""
-    eager_dir, eager = shared_runs(f"strategy={strategy}", *BASE)
-    out, compiled = shared_runs(f"strategy={strategy}", *BASE, "trainer.compile=true")
+    compiling step is outside the timed ones and its extra time is compile_s. SGD: under
+    Adam the key biases (whose gradient is zero up to rounding: softmax ignores a shift)
+    take lr-sized steps on rounding noise, which inductor's fused kernels round otherwise
+    (3e-5 on qkv.bias after 8 steps; every other tensor within 1.3e-7)."""
+    sgd = [*BASE, "optimizer=sgd", "optimizer.momentum=0.9", "optimizer.lr=0.05"]
+    eager_dir, eager = shared_runs(f"strategy={strategy}", *sgd)
+    out, compiled = shared_runs(f"strategy={strategy}", *sgd, "trainer.compile=true")
     check_run(compiled, [])
     assert max_relative_diff(out, eager_dir) <= 1e-5
     tp = compiled["throughput"]
