@@ -128,7 +128,7 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     output_dir = hc.runtime.output_dir

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from sharded_exp import config
 
-CONF_DIR = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "conf"))
+CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")  # shipped inside the package
 
 
 def register_schemas() -> None:
