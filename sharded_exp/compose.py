@@ -17,9 +17,10 @@ CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")  # s
 
 
 def register_schemas() -> None:
-    """Store every schema in Hydra's ConfigStore as ``schema/<group>/<kind>``, outside the
-    groups themselves, so that Hydra never lists a schema as an option of its group. A
-    group's YAML files start from theirs: ``- /schema/<group>/<kind>@_here_``.
+    """Store every schema in Hydra's ConfigStore as ``schema_<group>_<kind>``, a config
+    outside every group, so that neither the groups' options nor ``--help`` and tab
+    completion ever list a schema. A group's YAML files start from theirs:
+    ``- /schema_<group>_<kind>@_here_``.
 
     The fixed groups' schemas live in :mod:`sharded_exp.config`; strategies, models and
     data tasks bring their own next to their builders (one module + one YAML file adds
@@ -34,13 +35,13 @@ def register_schemas() -> None:
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=config.Config)
     cs.store(name="plan_schema", node=config.PlanConfig)
-    cs.store(group="schema/precision", name="precision", node=config.PrecisionConfig)
-    cs.store(group="schema/optimizer", name="optimizer", node=config.OptimizerConfig)
-    cs.store(group="schema/trainer", name="trainer", node=config.TrainerConfig)
-    cs.store(group="schema/logger", name="logger", node=config.LoggerConfig)
+    cs.store(name="schema_precision_precision", node=config.PrecisionConfig)
+    cs.store(name="schema_optimizer_optimizer", node=config.OptimizerConfig)
+    cs.store(name="schema_trainer_trainer", node=config.TrainerConfig)
+    cs.store(name="schema_logger_logger", node=config.LoggerConfig)
     for group, registry in (("strategy", STRATEGIES), ("model", MODELS), ("data", TASKS)):
         for name in registry.names():
-            cs.store(group=f"schema/{group}", name=name, node=registry.config_class(name))
+            cs.store(name=f"schema_{group}_{name}", node=registry.config_class(name))
 
 
 MAX_DIRNAME = 200
