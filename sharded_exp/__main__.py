@@ -1,4 +1,4 @@
-"""Entry point: ``python -m sharded_exp [group=option ...] [key=value ...]``.
+"""Entry point: ``python -m sharded_exp [group=option ...] [key=value ...]`` (or ``sharded-exp``).
 
     python -m sharded_exp                                   # defaults: CPU, 2 ranks, MLP, DDP
     python -m sharded_exp strategy=sharded_ddp precision=16
@@ -16,9 +16,9 @@ STARTED = time.time()  # before the heavy imports: for the startup timeline in r
 if __name__ == "__main__":
     import sys as _sys
 
-    from sharded_exp.launch import forkserver
+    from sharded_exp.cli import start_rank_server
 
-    forkserver.start_early(_sys.argv[1:])  # the rank server imports torch while this process does too
+    start_rank_server(_sys.argv[1:])
 
 import os
 import signal
@@ -30,13 +30,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from sharded_exp.cli import is_query
 from sharded_exp.compose import quote_numeric_choices, register_schemas
 from sharded_exp.errors import ConfigError, NothingToDo, RunDirInUse
-from sharded_exp.launch import forkserver
 from sharded_exp.launch.layout import with_shared_run_dir
-from sharded_exp.launch.parent import launch, record_config_error
-from sharded_exp.output.report import sweep_id
-from sharded_exp.report import ReportCallback
 
 register_schemas()
 IMPORTED = time.time()
@@ -121,6 +118,8 @@ def exit_now(code: int) -> None:
     what is left to do is flush the log and the streams and end the rank server."""
     import logging
 
+    from sharded_exp.launch import forkserver
+
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -130,6 +129,9 @@ def exit_now(code: int) -> None:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    from sharded_exp.launch.parent import launch, record_config_error
+    from sharded_exp.output.report import sweep_id
+
     hc = HydraConfig.get()
     output_dir = hc.runtime.output_dir
     multirun = hc.mode == RunMode.MULTIRUN
@@ -192,10 +194,19 @@ def main(cfg: DictConfig) -> None:
         sys.exit(1)
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """``python -m sharded_exp`` and the ``sharded-exp`` command."""
     # Under torchrun / srun every rank runs this: one job, one run directory (layout.py).
     sys.argv[1:] = with_shared_run_dir(quote_numeric_choices(sys.argv[1:]))
     check_output_dirs(sys.argv[1:])
     main()
+    if is_query(sys.argv[1:]):
+        return
+    from sharded_exp.report import ReportCallback
+
     # Non-zero when a sweep point failed for a reason other than running out of memory.
     exit_now(1 if ReportCallback.failed_points else 0)
+
+
+if __name__ == "__main__":
+    run()
