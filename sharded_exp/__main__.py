@@ -34,6 +34,7 @@ from sharded_exp.cli import is_query
 from sharded_exp.compose import quote_numeric_choices, register_schemas
 from sharded_exp.errors import ConfigError, NothingToDo, RunDirInUse
 from sharded_exp.launch.layout import with_shared_run_dir
+from sharded_exp.output.workspace import wandb_group
 
 register_schemas()
 IMPORTED = time.time()
@@ -42,13 +43,14 @@ IMPORTED = time.time()
 def name_the_run(cfg: DictConfig) -> None:
     """Fill the tracker's group, job type and run name from Hydra, in the parent.
 
-    Ranks have no HydraConfig, so these are resolved here: group = the sweep directory's
-    name under -m (one group per sweep), else the run directory's; name = the overrides.
+    Ranks have no HydraConfig, so these are resolved here: group = the sweep directory under
+    -m (one group per sweep), else the run directory (:func:`~sharded_exp.output.workspace.wandb_group`);
+    name = the overrides.
     """
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     if cfg.logger.get("group", "missing") is None:
-        cfg.logger.group = os.path.basename(hc.sweep.dir if multirun else hc.run.dir)
+        cfg.logger.group = wandb_group(hc.sweep.dir if multirun else hc.run.dir)
     if cfg.logger.get("job_type", "missing") is None:
         cfg.logger.job_type = cfg.strategy.name
     if cfg.logger.get("run_name", "missing") is None:

@@ -75,6 +75,8 @@ def test_oom_and_crashed_points_are_data(tmp_path):
 
 @pytest.mark.slow
 def test_oom_alone_does_not_fail_the_sweep_and_wandb_gets_the_report(tmp_path):
+    from sharded_exp.output.workspace import wandb_group
+
     sweep = tmp_path / "sweep"
     args = ["-m", *TINY, "logger=wandb", "trainer.memory_limit_mib=0.01,null", f"hydra.sweep.dir={sweep}"]
     proc = run_cli(args, cwd=ROOT, timeout=300)
@@ -83,7 +85,7 @@ def test_oom_alone_does_not_fail_the_sweep_and_wandb_gets_the_report(tmp_path):
     assert (sweep / "report.md").exists()
     # one W&B group for the sweep: each point's run plus a "report" run with table and charts
     runs = [read_run(f) for f in sweep.rglob("run-*.wandb")]
-    assert {r["group"] for r in runs} == {"sweep"}
+    assert {r["group"] for r in runs} == {wandb_group(sweep)}
     report = [r for r in runs if r["job_type"] == "report"]
     assert len(report) == 1 and len(runs) == 3
     logged = report[0]["history"][0]

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from sharded_exp.output.workspace import wandb_group
 from tests.conftest import ROOT, TINY, read_result, run_cli
 from tests.wandb_file import find_runs, read_run
 
@@ -24,7 +25,7 @@ def offline_job(tmp_path_factory):
 
 def test_run_identity_and_config(offline_job):
     result, run, out = offline_job
-    assert run["group"] == out.name  # the run id (the sweep id under -m)
+    assert run["group"] == wandb_group(out) and run["group"].startswith(out.name + "-")  # the run directory
     assert run["job_type"] == "oss"
     assert "strategy=oss" in run["name"] and "trainer.steps=6" in run["name"]
     assert run["config"]["strategy"]["name"] == "oss"
@@ -142,17 +143,47 @@ def test_sweep_report_run_and_saved_workspace(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "wandb sync" in proc.stdout and "--wandb-workspace --online" in proc.stdout
     spec = json.loads((sweep / "wandb_workspace.json").read_text())
-    assert spec["group"] == "sweep" == points[0]["group"] == points[1]["group"]
+    assert spec["group"] == wandb_group(sweep) == points[0]["group"] == points[1]["group"]
     for run in points:
         present = set(run["summary"]) | {k for h in run["history"] for k in h}
+        own = run["config"]["strategy"]["name"]
         for section, keys in spec["panel_keys"].items():
-            missing = [k for k in keys if k not in present]
+            # by_strategy/<name>/...: each strategy's runs carry only their own panel's key
+            wanted = [k for k in keys if not k.startswith("by_strategy/") or k.startswith(f"by_strategy/{own}/")]
+            missing = [k for k in wanted if k not in present]
             assert not missing, (section, missing)
+        assert run["summary"][f"by_strategy/{own}/samples_per_s"] == run["summary"]["throughput/samples_per_s"]
         flat = {k.replace("/", "."): v for k, v in run["config"].items()}
         assert all(any(f.startswith(axis.split(".")[0]) for f in flat) for axis in CONFIG_AXES)
-        assert run["config"]["strategy"]["name"] in ("ddp", "zero1")
+        assert own in ("ddp", "zero1")
     text = json.dumps(spec["spec"])
-    assert '{"key": {"section": "run", "name": "group"}, "op": "=", "value": "sweep"' in text
-    assert '"grouping": [{"section": "config", "name": "strategy.value.name"}]' in text
+    assert f'{{"key": {{"section": "run", "name": "group"}}, "op": "=", "value": "{wandb_group(sweep)}"' in text
+    # one group per point: strategy, world size and precision together, no max over the others
+    assert '"grouping": [{"section": "config", "name": "strategy.value.name"}, ' in text
+    assert '{"section": "config", "name": "trainer.value.world_size"}' in text
+    assert '{"section": "config", "name": "precision.value.name"}' in text
+    assert '"max"' not in text
     for keys in spec["panel_keys"].values():
         assert all(k in text for k in keys if k != "world_size")
+
+
+def test_workspace_stays_readable_at_64_ranks_and_groups_are_per_directory(tmp_path):
+    """At 64 ranks the view draws min / median / max bands over ranks, not 64 lines or bars;
+    two sweep directories with one name get two W&B groups."""
+    from sharded_exp.output.workspace import build, panel_keys
+
+    keys = panel_keys(64, ["ddp", "fsdp"])
+    assert keys["peak per rank"] == [f"mem/ranks/peak_allocated_mib_{b}" for b in ("min", "median", "max")]
+    assert keys["memory over time per rank"] == []
+    assert not any("rank63" in k or "rank0" in k for ks in keys.values() for k in ks)
+    view = build("entity", "project", "g", 64, ["ddp", "fsdp"], "view")
+    panels = [p for section in view.sections for p in section.panels]
+    drawn = [getattr(p, "metrics", None) or getattr(p, "y", None) or [] for p in panels]
+    assert len(panels) <= 12 and all(isinstance(d, str) or len(d) <= 3 for d in drawn), drawn
+    titles = [p.title for p in panels]
+    assert "ddp: peak per rank (MiB) vs world size" in titles and "fsdp: samples/s vs world size" in titles
+    assert len(panel_keys(2, ["ddp"])["memory over time per rank"]) == 2  # small sweeps keep their per-rank lines
+
+    a, b = tmp_path / "a" / "sweep", tmp_path / "b" / "sweep"
+    assert wandb_group(a) != wandb_group(b) and wandb_group(a) == wandb_group(str(a))
+    assert wandb_group(a).startswith("sweep-")

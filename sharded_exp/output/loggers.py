@@ -130,7 +130,7 @@ def build_logger(cfg, run_config: dict[str, Any], output_dir: str, rank: int) ->
     return WandbLogger(cfg, run_config, output_dir)
 
 
-def summary_values(result: dict[str, Any]) -> dict[str, Any]:
+def summary_values(result: dict[str, Any], strategy: str) -> dict[str, Any]:
     """The flat W&B summary of a job, read from the same payload as result.json."""
     out: dict[str, float | None] = {
         "world_size": result["world_size"],  # a number panels can plot against (throughput vs ranks)
@@ -141,6 +141,11 @@ def summary_values(result: dict[str, Any]) -> dict[str, Any]:
     }
     for key, value in result["throughput"].items():
         out[f"throughput/{key}"] = value
+    # Keyed by strategy, so that a panel per strategy plots only that strategy's runs
+    # (memory and speed against world size, in the sweep's saved workspace).
+    strategy = f"by_strategy/{strategy}"
+    out[f"{strategy}/samples_per_s"] = result["throughput"].get("samples_per_s")
+    out[f"{strategy}/peak_allocated_mib_max"] = (result.get("memory") or {}).get("peak_allocated_mib_max")
     for key, value in ((result.get("eval") or {}).get("final") or {}).items():
         out[key] = value  # eval/accuracy, eval/f1, eval/perplexity, eval/loss: the final pass
     return out
@@ -159,6 +164,10 @@ def memory_values(memory: dict[str, Any]) -> dict[str, float]:
         for key in ("predicted_peak_mib", "peak_rel_error"):
             if entry.get(key) is not None:
                 out[f"{prefix}/{key}"] = entry[key]
+    from sharded_exp.train.metrics import across_ranks
+
+    peaks = [e["peak_allocated_mib"] for e in memory["per_rank"] if e.get("peak_allocated_mib") is not None]
+    out.update(across_ranks("peak_allocated_mib", peaks))
     keys = ("peak_allocated_mib_max", "model_states_mib_max", "predicted_model_states_mib_max")
     for key in keys + ("predicted_peak_mib_max", "peak_rel_error_max"):
         if memory.get(key) is not None:

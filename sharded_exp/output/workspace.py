@@ -5,30 +5,54 @@ is saved to the sweep's project and its URL printed; offline (the default here) 
 specification is written as JSON beside the report, with the command that saves it
 once the runs are synced (``wandb sync``).
 
-Sections: memory per rank (bars grouped by strategy), memory over time per rank (lines),
-predicted vs measured peak, throughput vs world size, and a parallel-coordinates panel
-over strategy / precision / world size / model -> peak, samples/s, final loss. The view
-is filtered to the sweep's W&B group.
+Runs are grouped by strategy, world size and precision together (each group is one point
+of the sweep; seeds of a point average), never collapsed by a maximum over other axes.
+Sections: peak memory per point (bars; one bar per rank up to 8 ranks, the min / median /
+max over ranks beyond), memory over time (a line per rank up to 8 ranks; the min / median /
+max band over ranks always), memory and speed against world size (a panel per strategy),
+predicted vs measured peak, and a parallel-coordinates panel over strategy / precision /
+world size / model -> peak, samples/s, final loss. The view is filtered to the sweep's
+W&B group.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 SPEC_FILE = "wandb_workspace.json"
 
 
-def panel_keys(world_size: int) -> dict[str, list[str]]:
+def wandb_group(directory: str | Path) -> str:
+    """The W&B group of a run or sweep directory: its name and a short hash of its absolute
+    path, so that two sweeps whose directories share a name (``a/sweep``, ``b/sweep``) never
+    share a group, and the same directory always gives the same one."""
+    import hashlib
+
+    path = os.path.abspath(directory)
+    return f"{os.path.basename(path)}-{hashlib.sha1(path.encode()).hexdigest()[:6]}"
+
+
+PER_RANK_UP_TO = 8
+"""Beyond this many ranks, per-rank panels give way to the band over ranks."""
+
+BAND = ["min", "median", "max"]
+
+
+def panel_keys(world_size: int, strategies: list[str]) -> dict[str, list[str]]:
     """The metric keys each section plots (summary or history keys of the sweep's runs)."""
-    ranks = range(world_size)
+    ranks = range(world_size) if world_size <= PER_RANK_UP_TO else []
     return {
-        "memory per rank": [f"mem/rank{r}/peak_allocated_mib" for r in ranks]
-        + [f"mem/rank{r}/model_states_mib" for r in ranks],
-        "memory over time": [f"mem/rank{r}/allocated_mib" for r in ranks],
+        "peak per rank": [f"mem/rank{r}/peak_allocated_mib" for r in ranks]
+        or [f"mem/ranks/peak_allocated_mib_{b}" for b in BAND],
+        "model states per rank": [f"mem/rank{r}/model_states_mib" for r in ranks] or ["mem/model_states_mib_max"],
+        "memory over time per rank": [f"mem/rank{r}/allocated_mib" for r in ranks],
+        "memory over time across ranks": [f"mem/ranks/allocated_mib_{b}" for b in BAND],
+        "memory vs world size": [f"by_strategy/{s}/peak_allocated_mib_max" for s in strategies],
+        "throughput vs world size": [f"by_strategy/{s}/samples_per_s" for s in strategies],
         "predicted vs measured": ["mem/predicted_peak_mib_max", "mem/peak_allocated_mib_max"],
-        "throughput vs world size": ["world_size", "throughput/samples_per_s"],
         "parallel coordinates": ["mem/peak_allocated_mib_max", "throughput/samples_per_s", "final_loss"],
     }
 
@@ -36,41 +60,39 @@ def panel_keys(world_size: int) -> dict[str, list[str]]:
 CONFIG_AXES = ["strategy.name", "precision.name", "trainer.world_size", "model.name"]
 """Run config keys the view groups and filters by (W&B flattens nested config with dots)."""
 
+GROUP_BY = ["strategy.name", "trainer.world_size", "precision.name"]
+"""One group per point: W&B aggregates only runs that differ in nothing else (seeds)."""
 
-def build(entity: str, project: str, group: str, world_size: int, name: str):
+
+def build(entity: str, project: str, group: str, world_size: int, strategies: list[str], name: str):
     """The workspace object (nothing is sent anywhere)."""
     import wandb_workspaces.reports.v2 as wr
     import wandb_workspaces.workspaces as ws
 
-    keys = panel_keys(world_size)
-    by_strategy = wr.Config("strategy.name")
+    keys = panel_keys(world_size, strategies)
+    over_time = [wr.LinePlot(title="allocated (MiB): min / median / max over ranks", x="Step",
+                             y=keys["memory over time across ranks"])]  # fmt: skip
+    over_time += [
+        wr.LinePlot(title=f"rank {r}: allocated (MiB)", x="Step", y=[key])
+        for r, key in enumerate(keys["memory over time per rank"])
+    ]
+    per_strategy = []
+    for strategy, memory, speed in zip(strategies, keys["memory vs world size"], keys["throughput vs world size"]):
+        per_strategy += [
+            wr.ScatterPlot(title=f"{strategy}: peak per rank (MiB) vs world size", x="world_size", y=memory),
+            wr.ScatterPlot(title=f"{strategy}: samples/s vs world size", x="world_size", y=speed),
+        ]
     sections = [
         ws.Section(
-            name="Memory per rank",
+            name="Peak memory per point",
             is_open=True,
             panels=[
-                wr.BarPlot(
-                    title="Peak allocated per rank (MiB)",
-                    metrics=keys["memory per rank"][:world_size],
-                    groupby=by_strategy,
-                    groupby_aggfunc="max",
-                ),
-                wr.BarPlot(
-                    title="Model states per rank (MiB)",
-                    metrics=keys["memory per rank"][world_size:],
-                    groupby=by_strategy,
-                    groupby_aggfunc="max",
-                ),
-            ],  # fmt: skip
+                wr.BarPlot(title="Peak allocated per rank (MiB)", metrics=keys["peak per rank"]),
+                wr.BarPlot(title="Model states per rank (MiB)", metrics=keys["model states per rank"]),
+            ],
         ),
-        ws.Section(
-            name="Memory over time per rank",
-            is_open=True,
-            panels=[
-                wr.LinePlot(title=f"rank {r}: allocated (MiB)", x="Step", y=[key])
-                for r, key in enumerate(keys["memory over time"])
-            ],  # fmt: skip
-        ),
+        ws.Section(name="Memory over time", is_open=True, panels=over_time),
+        ws.Section(name="Memory and speed vs world size, per strategy", is_open=True, panels=per_strategy),
         ws.Section(
             name="Predicted vs measured",
             is_open=True,
@@ -81,11 +103,6 @@ def build(entity: str, project: str, group: str, world_size: int, name: str):
                     y=keys["predicted vs measured"][1],
                 ),
             ],  # fmt: skip
-        ),
-        ws.Section(
-            name="Throughput vs world size",
-            is_open=True,
-            panels=[wr.ScatterPlot(title="samples/s vs world size", x="world_size", y="throughput/samples_per_s")],
         ),
         ws.Section(
             name="Strategy, precision, world size, model",
@@ -108,7 +125,7 @@ def build(entity: str, project: str, group: str, world_size: int, name: str):
         name=name,
         sections=sections,
         runset_settings=ws.RunsetSettings(
-            filters=f"Metric('group') == '{group}'", groupby=[ws.Config("strategy.name")]
+            filters=f"Metric('group') == '{group}'", groupby=[ws.Config(key) for key in GROUP_BY]
         ),
     )
 
@@ -125,9 +142,10 @@ def write_or_save(sweep_dir: Path, points: list[dict[str, Any]], entity: str | N
     cfg = sweep_logger(points)
     if cfg is None:
         raise ValueError(f"the points under {sweep_dir} did not log to W&B (logger=wandb); no workspace to build")
-    group = cfg.get("group") or Path(sweep_dir).name
+    group = cfg.get("group") or wandb_group(sweep_dir)
     project = cfg.get("project") or "sharded_exp"
     world_size = max(int(p.get("world_size") or 1) for p in points)
+    strategies = sorted({p["strategy"] for p in points if p.get("strategy")})
     entity = entity or cfg.get("entity")
     name = f"sharded_exp sweep {group}"
     if online:
@@ -135,10 +153,10 @@ def write_or_save(sweep_dir: Path, points: list[dict[str, Any]], entity: str | N
             import wandb
 
             entity = wandb.Api().default_entity
-        workspace = build(entity, project, group, world_size, name)
+        workspace = build(entity, project, group, world_size, strategies, name)
         workspace.save()
         return f"workspace saved: {workspace.url}"
-    workspace = build(entity or "ENTITY", project, group, world_size, name)
+    workspace = build(entity or "ENTITY", project, group, world_size, strategies, name)
     spec = json.loads(workspace._to_model().model_dump_json())  # the view as W&B stores it
     path = Path(sweep_dir) / SPEC_FILE
     path.write_text(
@@ -148,7 +166,8 @@ def write_or_save(sweep_dir: Path, points: list[dict[str, Any]], entity: str | N
                 "project": project,
                 "group": group,
                 "name": name,
-                "panel_keys": panel_keys(world_size),
+                "panel_keys": panel_keys(world_size, strategies),
+                "group_by": GROUP_BY,
                 "config_axes": CONFIG_AXES,
                 "spec": spec,
             },

@@ -425,6 +425,6 @@ def train(
             device=device_info(device),
         )
         logger.log(memory_values(payload["memory"]), step=payload["steps_done"])
-        logger.summary(summary_values(payload))
+        logger.summary(summary_values(payload, cfg.strategy.name))
     logger.finish(exit_code=1 if payload is not None and payload["status"] == "diverged" else 0)
     return payload
