@@ -474,8 +474,28 @@ def check_plan(cfg, argv: list[str] = ()) -> None:
         raise ConfigError("plan.find=depth needs a model with model.n_layers (e.g. model=gpt), not a raw count")
 
 
+def usage() -> str:
+    """``--help``: this module's docstring and every ``plan.*`` setting with its default."""
+    from dataclasses import MISSING, fields
+
+    from sharded_exp.config import PlanSettings
+
+    lines = []
+    for f in fields(PlanSettings):
+        default = f.default_factory() if f.default is MISSING else f.default
+        lines.append(f"  plan.{f.name}={getattr(default, 'value', default)}")
+    return "\n".join(
+        ["usage: sharded-exp-plan (python -m sharded_exp.plan) [group=option ...] [key=value ...]", __doc__,
+         "plan settings (defaults):", *lines,
+         "The training groups (model, precision, optimizer, trainer, ...) as in sharded-exp --help."]
+    )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(usage())
+        return 0
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
