@@ -36,7 +36,7 @@ from sharded_exp.errors import ConfigError, NothingToDo, RunDirInUse
 from sharded_exp.launch.layout import with_shared_run_dir
 from sharded_exp.output.workspace import wandb_group
 
-register_schemas()
+register_schemas(query=is_query(sys.argv[1:]))
 IMPORTED = time.time()
 
 

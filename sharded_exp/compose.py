@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+import glob
+import hashlib
+import json
 import os
 import re
+import tempfile
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
@@ -16,7 +20,7 @@ from sharded_exp import config
 CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")  # shipped inside the package
 
 
-def register_schemas() -> None:
+def register_schemas(query: bool = False) -> None:
     """Store every schema in Hydra's ConfigStore as ``schema_<group>_<kind>``, a config
     outside every group, so that neither the groups' options nor ``--help`` and tab
     completion ever list a schema. A group's YAML files start from theirs:
@@ -24,12 +28,9 @@ def register_schemas() -> None:
 
     The fixed groups' schemas live in :mod:`sharded_exp.config`; strategies, models and
     data tasks bring their own next to their builders (one module + one YAML file adds
-    one), so they are read from the registries here.
+    one), so they are read from the registries here. ``query``: the command only asks
+    Hydra a question (``--help``, ``--cfg``, ``-sc``); see :func:`registry_schemas`.
     """
-    from sharded_exp.data import TASKS
-    from sharded_exp.models import MODELS
-    from sharded_exp.strategies import STRATEGIES
-
     # conf/config.yaml's sweep subdirectories
     OmegaConf.register_new_resolver("point_dirname", point_dirname, replace=True)
     cs = ConfigStore.instance()
@@ -39,9 +40,67 @@ def register_schemas() -> None:
     cs.store(name="schema_optimizer_optimizer", node=config.OptimizerConfig)
     cs.store(name="schema_trainer_trainer", node=config.TrainerConfig)
     cs.store(name="schema_logger_logger", node=config.LoggerConfig)
+    for name, node in registry_schemas(query).items():
+        cs.store(name=name, node=node)
+
+
+REGISTRY_PACKAGES = ("strategies", "models", "data")
+"""The packages whose modules register schemas beside their builders (and import torch)."""
+
+
+def schemas_cache_file() -> str | None:
+    """Where the registries' schemas are cached for Hydra's questions, named by a hash of
+    the registry packages' sources (any edit makes a new name); None with out-of-tree
+    plugins, whose schemas are always imported."""
+    from sharded_exp import __version__
+    from sharded_exp.registry import PLUGINS_ENV
+
+    if os.environ.get(PLUGINS_ENV):
+        return None
+    package = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha1(__version__.encode())
+    for sub in REGISTRY_PACKAGES:
+        for path in sorted(glob.glob(os.path.join(package, sub, "*.py"))):
+            with open(path, "rb") as f:
+                digest.update(os.path.basename(path).encode() + f.read())
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "sharded_exp", f"schemas-{digest.hexdigest()[:16]}.json")
+
+
+def registry_schemas(query: bool = False) -> dict:
+    """The strategies', models' and data tasks' schemas by ConfigStore name.
+
+    A run imports the registries (and torch with them) and gets the typed dataclasses; it
+    also writes their defaults as plain nodes to :func:`schemas_cache_file`. A query
+    (``--help``, ``--cfg job``, tab completion, which Hydra asks at every TAB) reads that
+    file instead when it is there: the same groups and defaults, printed without
+    importing torch. Without the file a query imports the registries like a run.
+    """
+    path = schemas_cache_file()
+    if query and path:
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            pass
+    from sharded_exp.data import TASKS
+    from sharded_exp.models import MODELS
+    from sharded_exp.strategies import STRATEGIES
+
+    nodes = {}
     for group, registry in (("strategy", STRATEGIES), ("model", MODELS), ("data", TASKS)):
         for name in registry.names():
-            cs.store(name=f"schema_{group}_{name}", node=registry.config_class(name))
+            nodes[f"schema_{group}_{name}"] = registry.config_class(name)
+    if path and not os.path.exists(path):
+        plain = {k: OmegaConf.to_container(OmegaConf.structured(v), enum_to_str=True) for k, v in nodes.items()}
+        try:  # a cache: a home that cannot be written costs only the query's speed
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(path), delete=False, suffix=".tmp") as f:
+                json.dump(plain, f)
+            os.replace(f.name, path)
+        except OSError:
+            pass
+    return nodes
 
 
 MAX_DIRNAME = 200

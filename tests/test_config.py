@@ -207,3 +207,24 @@ def test_23_10_a_gpu_per_task_is_accepted_from_an_external_launcher(monkeypatch)
         decide_device("auto", 4, "32")  # spawning 4 ranks ourselves onto one GPU: refused
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     assert rank_device(3) == torch.device("cuda", 3)
+
+
+def test_schema_cache_holds_every_registry_schema_with_its_defaults(tmp_path, monkeypatch):
+    """The plain nodes Hydra's questions read are the registries' dataclasses' defaults;
+    a corrupt cache falls back to the registries."""
+    from omegaconf import OmegaConf
+
+    from sharded_exp.compose import registry_schemas, schemas_cache_file
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    typed = registry_schemas(query=False)
+    path = schemas_cache_file()
+    cached = registry_schemas(query=True)
+    assert set(cached) == set(typed) and "schema_strategy_fsdp" in cached
+    for name, cls in typed.items():
+        assert cached[name] == OmegaConf.to_container(OmegaConf.structured(cls), enum_to_str=True), name
+    with open(path, "w") as f:
+        f.write("{not json")
+    assert registry_schemas(query=True)["schema_strategy_fsdp"] is typed["schema_strategy_fsdp"]
+    monkeypatch.setenv("SHARDED_EXP_PLUGINS", "tests.user_models")
+    assert schemas_cache_file() is None  # out-of-tree schemas are always imported

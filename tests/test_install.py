@@ -102,3 +102,16 @@ def test_questions_completion_and_your_own_config_dir(fresh_venv, tmp_path):
     )
     cfg = sh([exe, "--config-dir", tmp_path / "my_conf", "experiment=my_study", "--cfg", "job"], tmp_path, env).stdout
     assert "world_size: 1" in cfg and "steps: 3" in cfg
+
+
+def test_questions_read_the_schema_cache_without_importing_torch(tmp_path):
+    """``--cfg job`` prints the same config from the schema cache as from the registries,
+    and with the cache it never imports torch (tab completion asks at every TAB)."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    ask = [sys.executable, "-X", "importtime", "-m", "sharded_exp", "--cfg", "job", "model=gpt", "strategy=fsdp"]
+    cold = sh(ask, ROOT, env)
+    assert list((tmp_path / "cache" / "sharded_exp").glob("schemas-*.json")), "a run of the registries writes the cache"
+    warm = sh(ask, ROOT, env)
+    assert warm.stdout == cold.stdout and "reshard_after_forward: true" in warm.stdout
+    imported = lambda proc: {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
+    assert "torch" in imported(cold) and "torch" not in imported(warm)
