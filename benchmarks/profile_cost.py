@@ -27,9 +27,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile-steps", type=int, default=5)
     parser.add_argument("--timed-steps", type=int, default=20)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
-    models = SMOKE if args.smoke else MODELS
+    models = SMOKE if args.smoke else {name: MODELS[name] for name in args.models}
     if args.smoke:
         args.profile_steps, args.timed_steps = 2, 3
     warmup = 2  # the CPU memory tracker's window: never profiled, never timed
