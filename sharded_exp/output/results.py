@@ -325,8 +325,9 @@ def memory_lines(result: dict[str, Any]) -> list[str]:
     if oom and not oom.get("error"):
         cats = ", ".join(f"{k} {v:.2f}" for k, v in oom["by_category_mib"].items() if v)
         mods = ", ".join(f"{k} {v:.2f}" for k, v in oom["top_modules_mib"].items()) or "none"
+        when = f" at step {oom['step']}" if oom["step"] is not None else ""
         lines.append(
-            f"out of memory on rank {oom['rank']} at step {oom['step']} ({oom['phase']}): {oom['tracked_mib']:.2f} MiB "
+            f"out of memory on rank {oom['rank']}{when} ({oom['phase']}): {oom['tracked_mib']:.2f} MiB "
             f"live over the {oom['limit_mib']:g} MiB budget: {cats}; top modules (MiB): {mods}; outside any "
             f"module {oom['outside_modules_mib']:.2f}"
         )
