@@ -19,7 +19,9 @@ parent, or as a user's command) and adds a row to one summary table:
    ``trainer.timeout_s``, the job's end, its error naming the step, the flight recorder's dump;
 7. async DCP checkpoints of FSDP's CUDA DTensors, and a resume from them;
 8. ``trainer.memory_limit_mib`` on CUDA: a job over it ends ``oom``, and says what it bounds;
-9. FSDP's CPU offload (``strategy.cpu_offload=true``): device peak with and without, predicted.
+   the snapshot of the allocator's history it leaves (``memory_snapshot_rank0.pickle``) loads;
+9. FSDP's CPU offload (``strategy.cpu_offload=true``): device peak with and without, predicted;
+10. the step time recording the allocator's history costs (``benchmarks/memory_history_cost.py``).
 
 Prints the summary table (and each check's own); writes outputs/benchmarks/device_check.json
 (and copies it to $OUT when that is set, as on the device machine). Exit code 1 when a
@@ -256,6 +258,47 @@ def memory_limit(checks: Checks) -> None:
     applies = result.get("memory", {}).get("memory_limit_applies_to")
     checks.add("trainer.memory_limit_mib on CUDA", result["status"] == "oom",
                f"status {result['status']}; applies to: {applies}; {(result.get('error') or '')[:160]}")  # fmt: skip
+    oom_snapshot(checks, result)
+
+
+def oom_snapshot(checks: Checks, result: dict) -> None:
+    """What the OOM above left (issue 25): on CUDA a snapshot of the allocator's history per
+    rank that ran out (trainer.memory_snapshot=auto records it under a memory limit), which
+    loads with pickle as torch's memory_viz reads it; on a CPU dry run the tracker's breakdown."""
+    import pickle
+
+    mem = result.get("memory", {})
+    snapshot = mem.get("memory_snapshot") or {}
+    if checks.accelerator == "cpu":
+        b = mem.get("oom_breakdown") or {}
+        ok = bool(b.get("by_category_mib")) and "on CPU" in (snapshot.get("reason") or "")
+        checks.add("OOM snapshot per rank", ok, f"CPU dry run: breakdown {b.get('by_category_mib')} at step "
+                   f"{b.get('step')} ({b.get('phase')}); snapshot: {snapshot.get('reason')}")  # fmt: skip
+        return
+    loaded = []
+    for path in snapshot.get("files", []):
+        with open(path, "rb") as f:
+            data = pickle.load(f)
+        loaded.append(f"{Path(path).name} {os.path.getsize(path) / 2**20:.1f} MiB, "
+                      f"{len(data.get('segments', []))} segments, "
+                      f"{sum(len(t) for t in data.get('device_traces', []))} trace entries")  # fmt: skip
+    ok = bool(loaded) and all(Path(p).name.startswith("memory_snapshot_rank") for p in snapshot["files"])
+    checks.add("OOM snapshot per rank", ok, f"recorded {snapshot.get('recorded')}; {'; '.join(loaded) or 'no file'}; "
+               f"{snapshot.get('reason') or ''}")  # fmt: skip
+
+
+def history_cost(checks: Checks, quick: bool) -> None:
+    """The step time that recording the allocator's history costs (benchmarks/memory_history_cost.py)."""
+    from benchmarks.memory_history_cost import MODEL as HISTORY_MODEL
+    from benchmarks.memory_history_cost import measure
+
+    data = measure(1 if quick else 2, 12 if quick else 30, MODEL if quick else HISTORY_MODEL)
+    ratio = data["cost_ratio"]
+    pairs = ", ".join(f"{1e3 * p['off_step_s']:.2f} -> {1e3 * p['on_step_s']:.2f} ms "
+                      f"(snapshot {p['snapshot_mib'] or 0:.1f} MiB)" for p in data["pairs"])  # fmt: skip
+    ok = ratio is not None or checks.accelerator == "cpu"
+    checks.add("memory history cost", ok, f"{'null: ' + data['reason'] if ratio is None else f'{ratio:.3f}x'}; "
+               f"{pairs}", **data)  # fmt: skip
 
 
 def main() -> int:
@@ -264,7 +307,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="a dry run: two strategies, fewer steps, no torchrun")
     parser.add_argument("--timeout-s", type=float, default=20.0, help="trainer.timeout_s of the hang cases")
     parser.add_argument(
-        "--only", nargs="+", help="only these checks: parent matrix adam plan mfu hang torchrun dcp limit"
+        "--only",
+        nargs="+",
+        help="only these checks: parent matrix adam plan mfu hang torchrun dcp limit offload history",
     )
     args = parser.parse_args()
     if args.accelerator == "gpu" and not torch.cuda.is_available():
@@ -287,6 +332,7 @@ def main() -> int:
         ("dcp", "async DCP on CUDA DTensors, and resume", async_dcp),
         ("limit", "trainer.memory_limit_mib on CUDA", memory_limit),
         ("offload", "FSDP CPU offload", offload),
+        ("history", "memory history cost", history_cost, args.quick),
     ]
     for key, name, fn, *fn_args in plan:
         gpu_only = key == "offload" and args.accelerator == "cpu"  # a CPU run refuses it

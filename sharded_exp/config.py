@@ -81,6 +81,13 @@ class CompileMode(str, Enum):
     max_autotune_no_cudagraphs = "max_autotune_no_cudagraphs"
 
 
+class MemorySnapshot(str, Enum):
+    auto = "auto"
+    oom = "oom"
+    always = "always"
+    off = "off"
+
+
 @dataclass
 class TrainerConfig:
     world_size: int = 2
@@ -124,6 +131,18 @@ class TrainerConfig:
     memory_limit_mib: Optional[float] = None
     """Per-rank memory budget: on CUDA a cap on the caching allocator, on CPU an
     out-of-memory error when tracked live tensors exceed it. null = no budget."""
+    memory_snapshot: MemorySnapshot = MemorySnapshot.auto
+    """CUDA: record the caching allocator's history (torch's ``_record_memory_history``) and
+    dump it to memory_snapshot_rank<r>.pickle in the run directory (open it at
+    https://pytorch.org/memory_viz). auto: recorded when memory_limit_mib is set, dumped on
+    out-of-memory; oom: recorded always, dumped on out-of-memory; always: also dumped at the
+    end of a run; off. Recording costs step time (benchmarks/memory_history_cost.py). CPU runs
+    record nothing: their out-of-memory breakdown is memory.oom_breakdown in result.json."""
+    profile: bool = False
+    """Write a torch.profiler trace (trace_rank<r>.json, for https://ui.perfetto.dev) of
+    profile_steps steps right after warm-up; those steps are not timed."""
+    profile_steps: int = 3
+    """Steps profiled when profile=true."""
     host_memory_check: bool = True
     """On CPU: refuse a job whose predicted peaks (all ranks on this machine, plus each
     process's own) exceed the host memory available, before it starts."""

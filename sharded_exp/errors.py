@@ -9,6 +9,24 @@ from __future__ import annotations
 
 import importlib.util
 
+OOM_SIGNS = (
+    "OutOfMemoryError",
+    "can't allocate memory",
+    "not enough memory",
+    "CUDA error: out of memory",
+    "Cuda failure 'out of memory'",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+)
+"""What an allocation failure says: torch's CUDA OOM, the CPU allocator's (DefaultCPUAllocator),
+and those that are not torch.OutOfMemoryError: a CUDA call's own (``CUDA error: out of
+memory``), NCCL's (``Cuda failure 'out of memory'``) and cuBLAS's handle or workspace."""
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Is ``exc`` an allocation failure (see :data:`OOM_SIGNS`)?"""
+    text = f"{type(exc).__name__}: {exc}"
+    return any(sign in text for sign in OOM_SIGNS)
+
 
 class ConfigError(ValueError):
     """A config value that composes but cannot run; the message names value and choices."""

@@ -170,12 +170,17 @@ def check_values(cfg) -> None:
     _require(
         cfg.optimizer.name in OPTIMIZERS, f"optimizer.name={cfg.optimizer.name!r} is not one of {', '.join(OPTIMIZERS)}"
     )
-    for key in ("world_size", "steps", "batch_size", "grad_accum", "log_interval", "ac_every"):
+    for key in ("world_size", "steps", "batch_size", "grad_accum", "log_interval", "ac_every", "profile_steps"):
         _require(t[key] >= 1, f"trainer.{key}={t[key]} must be >= 1")
     _require(
         0 <= t.warmup_steps < t.steps,
         f"trainer.warmup_steps={t.warmup_steps} must be >= 0 and < trainer.steps={t.steps} "
         "(steps after warm-up are the timed ones)",
+    )
+    _require(
+        not t.profile or t.warmup_steps + t.profile_steps < t.steps,
+        f"trainer.profile_steps={t.profile_steps} needs trainer.steps={t.steps} > trainer.warmup_steps="
+        f"{t.warmup_steps} + profile_steps (profiled steps come after warm-up and are not timed)",
     )
     _require(t.grad_clip >= 0, f"trainer.grad_clip={t.grad_clip} must be >= 0 (0 turns clipping off)")
     _require(t.timeout_s > 0, f"trainer.timeout_s={t.timeout_s} must be > 0")

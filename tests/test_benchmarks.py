@@ -138,8 +138,21 @@ def test_device_check_dry_run_on_cpu(tmp_path):
     data = bench("device_check", "--accelerator", "cpu", "--quick", "--only", "parent", "matrix", "adam", "limit",
                  cwd=tmp_path)  # fmt: skip
     checks = {c["check"]: c for c in data["checks"]}
-    assert len(checks) == 4 and all(c["ok"] for c in checks.values()), checks
+    assert len(checks) == 5 and all(c["ok"] for c in checks.values()), checks
     assert len(checks["strategy x precision at world size 1"]["table"]) == 4
+    assert "CPU dry run: breakdown" in checks["OOM snapshot per rank"]["figures"]
+
+
+def test_profile_cost_smoke(tmp_path):
+    data = bench("profile_cost", "--smoke", cwd=tmp_path)
+    [point] = data["points"]
+    assert point["profiled_steps"] == 2 and point["trace_mib_per_rank"] > 0
+    assert point["cost_ratio"] == pytest.approx(point["profiled_step_s"] / point["unprofiled_step_s"])
+
+
+def test_memory_history_cost_says_why_not_on_cpu(tmp_path):
+    data = bench("memory_history_cost", "--quick", cwd=tmp_path)
+    assert data["cost_ratio"] is None and data["reason"].startswith("no CUDA device here")
 
 
 def test_cuda_prediction_smoke(tmp_path):

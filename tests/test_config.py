@@ -106,6 +106,11 @@ def test_composition_rejects(override, error):
         (["trainer.stop_grace_s=0"], "trainer.stop_grace_s=0.0 must be > 0"),
         (["trainer.timeout_s=0"], "trainer.timeout_s=0.0 must be > 0"),
         (["trainer.memory_limit_mib=-5"], "trainer.memory_limit_mib=-5.0 must be > 0"),
+        (["trainer.profile_steps=0"], "trainer.profile_steps=0 must be >= 1"),
+        (
+            ["trainer.profile=true", "trainer.steps=6", "trainer.warmup_steps=3", "trainer.profile_steps=3"],
+            "trainer.profile_steps=3 needs trainer.steps=6 > trainer.warmup_steps=3 + profile_steps",
+        ),
     ],
 )
 def test_validate_rejects(overrides, message):

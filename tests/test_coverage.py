@@ -51,7 +51,8 @@ RUNS = {
         "precision.init_scale=1024", "precision.growth_interval=3", "precision.backoff_factor=0.25",
         "trainer.seed=1", "trainer.grad_clip=0.5", "trainer.memory_limit_mib=1000", "trainer.stop_grace_s=30",
         "trainer.accelerator=cpu", "trainer.progress_bar=true", "model.in_features=32", "model.num_classes=5",
-        "data.seed=7", "data.teacher_hidden=16", *WANDB,
+        "data.seed=7", "data.teacher_hidden=16", "trainer.profile=true", "trainer.profile_steps=2",
+        "trainer.memory_snapshot=always", *WANDB,
     ],
     # OSS's knobs, SGD with momentum, the GPT's shape, bf16, three ranks.
     "oss": [
@@ -210,6 +211,22 @@ def _check_ddp(out, result):
     assert (run["group"], run["job_type"], run["name"]) == ("covering", "check", "covering-ddp")
     assert {"a", "b"} <= set(run["tags"]) and run["exit_code"] == 0
     assert run["summary"]["final_loss"] == result["final_loss"]
+    # trainer.profile: a trace per rank of the 2 steps after the CPU tracker's window (steps
+    # 0 and 1), which are not timed: steps 4 and 5 are.
+    profile = result["profile"]
+    assert profile["steps"] == [2, 3] and profile["error"] is None and result["throughput"]["timed_steps"] == 2
+    assert profile["files"] == [str(out / "trace_rank0.json"), str(out / "trace_rank1.json")]
+    for path in profile["files"]:
+        events = json.loads(Path(path).read_text())["traceEvents"]
+        assert {"step 2", "step 3"} <= {e.get("name") for e in events}
+    assert profile["size_mib_per_rank"] * 2**20 == max(Path(p).stat().st_size for p in profile["files"])
+    assert profile["cost_ratio"] == pytest.approx(
+        profile["step_time_s_median"] / profile["unprofiled_step_time_s_median"]
+    )
+    # trainer.memory_snapshot=always on CPU: no CUDA allocator, nothing recorded, said why.
+    snapshot = result["memory"]["memory_snapshot"]
+    assert snapshot["setting"] == "always" and not snapshot["recorded"] and snapshot["files"] == []
+    assert "on CPU" in snapshot["reason"]
 
 
 def _check_sharded_ddp(out, result):

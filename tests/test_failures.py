@@ -59,6 +59,10 @@ def test_an_out_of_memory_rank_fails_the_point_as_oom_not_a_hang(tmp_path):
     assert seconds < 30
     assert result["status"] == "oom"
     assert result["error"] == "rank 1: torch.OutOfMemoryError: injected out-of-memory on rank 1 at step 3"
+    # No budget was crossed: no breakdown, and why (issue 25); on CPU no snapshot either, said why.
+    mem = result["memory"]
+    assert mem["oom_breakdown"] is None and "not over trainer.memory_limit_mib" in mem["oom_breakdown_error"]
+    assert mem["memory_snapshot"]["files"] == [] and "on CPU" in mem["memory_snapshot"]["reason"]
 
 
 # ------------------------------------------------------------------------------ signals

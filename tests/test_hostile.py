@@ -31,6 +31,10 @@ def launch(overrides, out):
     return parent_launch(compose_cfg(tiny(overrides)), str(out))
 
 
+def _rank_errors(out) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob("rank*_error.json"))]
+
+
 # ------------------------------------------------------------- 1. resume hyperparameters
 @pytest.mark.slow
 def test_1_resume_takes_hyperparameters_from_the_config_and_records_the_changes(tmp_path):
@@ -698,14 +702,37 @@ def test_22_19_batchnorm_trains_under_fsdp_at_bf16_like_ddp(strategy, shared_run
 
 
 # ----------------------------------------------- issue 23.6: what memory_limit_mib bounds
-def test_23_6_the_memory_limit_says_what_it_bounds_and_caps_cuda_before_the_build(tmp_path, monkeypatch):
+def test_23_6_the_memory_limit_says_what_it_bounds_and_caps_cuda_before_the_build(tmp_path, monkeypatch, capsys):
     from sharded_exp.measure.tracker import MemoryMeter
+    from sharded_exp.models import build_model
 
     result = launch(["trainer.memory_limit_mib=1000", "trainer.steps=2"], tmp_path / "cpu")
     assert result["memory"]["memory_limit_applies_to"].startswith("live tensors the CPU memory tracker counts")
-    assert launch(["trainer.steps=2"], tmp_path / "none")["memory"]["memory_limit_applies_to"] is None
-    oom = launch(["trainer.memory_limit_mib=0.01", "trainer.steps=2"], tmp_path / "oom")  # over it: said there too
+    free = launch(["trainer.steps=2"], tmp_path / "none")
+    assert free["memory"]["memory_limit_applies_to"] is None
+    # A budget between the model states and the step's peak: crossed inside a step.
+    mem = free["memory"]
+    limit = (mem["model_states_mib_max"] + mem["peak_allocated_mib_max"]) / 2
+    capsys.readouterr()
+    oom = launch([f"trainer.memory_limit_mib={limit}", "trainer.steps=2"], tmp_path / "oom")  # over it: said there too
     assert oom["status"] == "oom" and oom["memory"]["memory_limit_applies_to"].startswith("live tensors")
+    # Issue 25: what was live when the budget was first exceeded, on the rank that failed first.
+    b = oom["memory"]["oom_breakdown"]
+    assert b is not None and oom["memory"]["oom_breakdown_error"] is None, oom["memory"]
+    assert b["step"] in (0, 1) and b["phase"] in ("forward", "backward", "optimizer", "other")
+    assert limit < b["tracked_mib"] <= mem["peak_allocated_mib_max"] + 1e-9
+    assert sum(b["by_category_mib"].values()) == pytest.approx(b["tracked_mib"])
+    # Every live byte is filed under one module (or none): the attribution adds up.
+    filed = sum(b["top_modules_mib"].values()) + b["other_modules_mib"] + b["outside_modules_mib"]
+    assert filed == pytest.approx(b["tracked_mib"])
+    states = free["memory"]["per_rank"][b["rank"]]["model_states_mib"]
+    assert b["by_category_mib"]["Parameter"] == pytest.approx(states["params"])  # the same model, measured apart
+    names = {n for n, _ in build_model(compose_cfg(tiny([])).model).named_modules()}
+    assert b["top_modules_mib"] and set(b["top_modules_mib"]) <= names, b["top_modules_mib"]
+    assert b["rank"] in {f["rank"] for f in _rank_errors(tmp_path / "oom") if f["memory_at_oom"]}
+    printed = capsys.readouterr().out
+    assert f"out of memory on rank {b['rank']} at step {b['step']} ({b['phase']})" in printed
+    assert next(iter(b["top_modules_mib"])) in printed
     # On CUDA the cap is set when the meter is made, before the model and optimizer are built.
     capped = []
     props = type("Props", (), {"total_memory": 80 * 2**30})()

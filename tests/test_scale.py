@@ -89,6 +89,9 @@ def test_fsdp_trains_checkpoints_and_resumes_in_a_budget_a_full_gather_would_bre
     assert resumed["start_step"] == 4
     gathered = run_job([*limited, "trainer.steps=4", "trainer.save_final_state=true"], tmp_path / "gathered")
     assert gathered["status"] == "oom", gathered  # the guard is not vacuous: the full model does not fit
+    b = gathered["memory"]["oom_breakdown"]  # what was live then (issue 25), said to be after training
+    assert b["step"] is None and b["phase"].startswith("after training") and b["tracked_mib"] > budget
+    assert sum(b["by_category_mib"].values()) == pytest.approx(b["tracked_mib"])
 
 
 # ---------------------------------------------------------------- dcp checkpoints

@@ -161,3 +161,36 @@ def test_phase_peaks_are_read_for_the_faked_device_only():
     phases = _phases(tracker, cuda)
     assert set(phases) == {"step", "optimizer"} and all(total == 100 for total, _ in phases.values())
     assert _phases(tracker, cpu)["optimizer"][0] == 8 / 2**20
+
+
+def test_the_cuda_memory_history_is_guarded(monkeypatch, tmp_path):
+    """CUDA's allocator history (issue 25), its calls replaced here (no GPU): a call that
+    fails leaves no file and its reason, and training is not stopped; one that works
+    leaves the snapshot file where result.json says. On CPU nothing is recorded, said why."""
+    from sharded_exp.measure.snapshot import MemoryHistory
+
+    cpu = MemoryHistory("always", torch.device("cpu"), None, str(tmp_path), 0)
+    assert cpu.record() == {"setting": "always", "recorded": False, "path": None, "reason": cpu.reason}
+    assert "on CPU" in cpu.reason
+    off = MemoryHistory("auto", torch.device("cuda", 0), None, str(tmp_path), 0)  # auto without a budget
+    assert not off.recorded and off.reason == "not recorded (no trainer.memory_limit_mib)"
+
+    calls = []
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no allocator here")
+
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", refuse)
+    broken = MemoryHistory("oom", torch.device("cuda", 0), None, str(tmp_path), 1)
+    broken.dump()
+    broken.stop()
+    assert broken.record()["path"] is None and "RuntimeError: no allocator here" in broken.reason
+
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: open(path, "wb").write(b"x"))
+    history = MemoryHistory("auto", torch.device("cuda", 0), 512.0, str(tmp_path), 2)  # a budget: recorded
+    history.dump()
+    history.stop()
+    assert history.record()["path"] == str(tmp_path / "memory_snapshot_rank2.pickle") and history.reason is None
+    assert (tmp_path / "memory_snapshot_rank2.pickle").exists()
+    assert calls[0][1]["max_entries"] > 0 and calls[-1][0] == (None,)  # recorded, then stopped

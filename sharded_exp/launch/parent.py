@@ -27,12 +27,20 @@ import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 
 from sharded_exp import checkpoint, preflight
-from sharded_exp.errors import ConfigError, RunDirInUse, WontFit, writing
+from sharded_exp.errors import OOM_SIGNS, ConfigError, RunDirInUse, WontFit, writing
 from sharded_exp.launch import forkserver, liveness
 from sharded_exp.launch.layout import Layout, external_layout, rendezvous_env
 from sharded_exp.launch.rank import Job, run_rank, spawned_entry
 from sharded_exp.measure.tracker import MemoryMeter
-from sharded_exp.output.results import base_result, finished_result, predicted_section, summary_table, write_json
+from sharded_exp.output.results import (
+    base_result,
+    finished_result,
+    memory_lines,
+    oom_memory,
+    predicted_section,
+    summary_table,
+    write_json,
+)
 from sharded_exp.registry import import_plugins
 
 
@@ -158,12 +166,16 @@ def _launch(cfg, output_dir, job_files, started, layout, is_writer, launched, lo
         result.update(failure_of(exc, output_dir))
         applies = MemoryMeter.LIMIT_APPLIES_TO[checked.device_type] if cfg.trainer.memory_limit_mib else None
         result.setdefault("memory", predicted_section(checked.prediction, applies))  # what was expected, still
+        if result["status"] == "oom":  # what the ranks that ran out held (from their error records)
+            result["memory"].update(oom_memory(rank_failures(output_dir)))
         if isinstance(exc, Stopped):  # killed mid-way: the newest complete checkpoint is the one to resume
             found = checkpoint.complete_checkpoints(cfg.trainer.checkpoint_dir)
             result["checkpoint"] = found[-1][1] if found else None
     if is_writer:
         write_result(output_dir, result)
         print(summary_table(result), flush=True)
+        for line in memory_lines(result):
+            print(line, flush=True)
         print(f"output: {output_dir}", flush=True)
     return result
 
@@ -382,19 +394,6 @@ class RankDied(RuntimeError):
         super().__init__(message)
 
 
-OOM_SIGNS = (
-    "OutOfMemoryError",
-    "can't allocate memory",
-    "not enough memory",
-    "CUDA error: out of memory",
-    "Cuda failure 'out of memory'",
-    "CUBLAS_STATUS_ALLOC_FAILED",
-)
-"""What an allocation failure says: torch's CUDA OOM, the CPU allocator's (DefaultCPUAllocator),
-and those that are not torch.OutOfMemoryError: a CUDA call's own (``CUDA error: out of
-memory``), NCCL's (``Cuda failure 'out of memory'``) and cuBLAS's handle or workspace."""
-
-
 def failure_of(exc: BaseException, output_dir: str) -> dict[str, Any]:
     """result.json's status and error for a job whose ranks failed or were stopped."""
     first = None if isinstance(exc, (RankDied, Stopped)) else first_rank_failure(output_dir)
@@ -409,14 +408,20 @@ def failure_of(exc: BaseException, output_dir: str) -> dict[str, Any]:
     return out
 
 
-def first_rank_failure(output_dir: str) -> dict[str, Any] | None:
-    """The earliest rank failure recorded in ``output_dir``, if any."""
+def rank_failures(output_dir: str) -> list[dict[str, Any]]:
+    """The rank failures recorded in ``output_dir``, earliest first."""
     records = []
     for name in os.listdir(output_dir):
         if name.startswith("rank") and name.endswith("_error.json"):
             with open(os.path.join(output_dir, name)) as f:
                 records.append(json.load(f))
-    return min(records, key=lambda r: r["time"]) if records else None
+    return sorted(records, key=lambda r: r["time"])
+
+
+def first_rank_failure(output_dir: str) -> dict[str, Any] | None:
+    """The earliest rank failure recorded in ``output_dir``, if any."""
+    records = rank_failures(output_dir)
+    return records[0] if records else None
 
 
 def describe_failure(exc: BaseException) -> str:

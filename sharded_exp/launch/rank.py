@@ -225,5 +225,7 @@ def record_rank_failure(output_dir: str, rank: int, exc: BaseException, message:
             "time": time.time(),
             "error": f"rank {rank}: " + (message or "".join(traceback.format_exception_only(type(exc), exc)).strip()),
             "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+            # Out of memory: what this rank held then (set by the trainer on the exception).
+            "memory_at_oom": getattr(exc, "memory_at_oom", None),
         },
     )

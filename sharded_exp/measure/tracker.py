@@ -26,6 +26,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 MIB = 2**20
+TOP_MODULES = 5
+"""Modules named in an out-of-memory breakdown (the rest are summed)."""
 
 
 def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set) -> int:
@@ -77,8 +79,13 @@ _GUARDED = (
 mode's bookkeeping, the optimizer hooks): a failure in one of them is the tracker's."""
 
 
-def peak_tracker():
+def peak_tracker(limit_mib: float | None = None):
     """torch's MemTracker, keeping the overall peak only, and made safe to train under.
+
+    ``limit_mib``: a budget (``trainer.memory_limit_mib``). When the live total first goes
+    over it, what was live then is kept in :attr:`over_limit` (by category, by module, and
+    the phase); each new storage is then filed under the module whose forward or backward
+    allocated it (the innermost one running), which costs a little per allocation.
 
     - Its per-module peaks walk every module at every op (7x slower on a 32-layer model)
       and nothing here reads them: only the overall peak is kept.
@@ -100,6 +107,11 @@ def peak_tracker():
             rank's peak may fall in the other phase (a fake step reads both)."""
             self.failure: str | None = None
             """Why the tracker stopped measuring (``Type: message``), or None."""
+            self.limit_bytes = limit_mib * MIB if limit_mib else None
+            self.over_limit: dict | None = None
+            """What was live when the total first went over ``limit_mib`` (see :meth:`_capture`)."""
+            self.module_names: dict[int, str] = {}
+            """id(module) -> its name in the model (filled by :meth:`name_modules`)."""
             for name in _GUARDED:
                 setattr(self, name, self._guarded(getattr(self, name)))
 
@@ -125,6 +137,51 @@ def peak_tracker():
                     self._peak_mem_snap[dev] = dict(snap)
                 if self.phase_peaks.get((dev, phase), {}).get(mem_tracker._TOTAL_KEY, 0) < total:
                     self.phase_peaks[(dev, phase)] = dict(snap)
+                if self.limit_bytes is not None and self.over_limit is None and total > self.limit_bytes:
+                    try:
+                        self.over_limit = self._capture(dev, snap)
+                    except Exception as exc:  # noqa: BLE001 -- the breakdown fails, not the peak
+                        self.over_limit = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+
+        def _update_snap(self, u_type, winfo, *args, **kwargs) -> None:
+            super()._update_snap(u_type, winfo, *args, **kwargs)
+            if self.limit_bytes is not None and u_type == mem_tracker._UpdateType.ADD:
+                # The deepest module running (names are dotted paths from the root), or Global.
+                winfo.owner = max(self._mod_tracker.parents, key=lambda name: name.count("."))
+
+        def name_modules(self, model: nn.Module) -> None:
+            """Name modules as the model does (``layers.0.attn``), not by the wrapper's path."""
+            self.module_names = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
+
+        def _capture(self, dev, snap) -> dict:
+            """Live bytes now: by category, and by the module that allocated them."""
+            if self._in_opt:
+                phase = "optimizer"
+            elif self._mod_tracker.is_bw:
+                phase = "backward"
+            elif set(self._mod_tracker.parents) - {"Global"}:
+                phase = "forward"
+            else:
+                phase = "other"  # outside any module and the optimizer: the loss, clipping, communication
+            # ModTracker's names run from the root it saw first (the wrapper): map them back.
+            ours = {name: self.module_names.get(id(m), name) for m, name in self._mod_tracker._known_modules.items()}
+            by_module: dict[str, int] = {}
+            for winfo, _ in list(self._WINFO.values()):
+                if winfo.device == dev:
+                    owner = getattr(winfo, "owner", "Global")
+                    by_module[owner] = by_module.get(owner, 0) + winfo.mem_consumed
+            outside = by_module.pop("Global", 0)
+            top = sorted(by_module.items(), key=lambda kv: -kv[1])[:TOP_MODULES]
+            return {
+                "phase": phase,
+                "tracked_mib": snap[mem_tracker._TOTAL_KEY] / MIB,
+                "by_category_mib": {
+                    str(getattr(k, "value", k)): v / MIB for k, v in snap.items() if k != mem_tracker._TOTAL_KEY
+                },
+                "top_modules_mib": {ours.get(name, name): b / MIB for name, b in top},
+                "other_modules_mib": sum(by_module.values()) / MIB - sum(b for _, b in top) / MIB,
+                "outside_modules_mib": outside / MIB,
+            }
 
         def _pre_fw_hook(self, module, inputs) -> None:
             # The root module called again in forward: the next micro-batch of the same step
@@ -241,6 +298,9 @@ class MemoryMeter:
         self._live_states_mib: float | None = None  # between steps, after the window
         self.failure: str | None = None
         """Why this rank's peak could not be measured (the figure is then null), or None."""
+        self.oom_breakdown: dict[str, Any] | None = None
+        """CPU: what was live when ``limit_mib`` was first exceeded, once it was (result.json's
+        ``memory.oom_breakdown``): step, phase, by category, by module."""
 
     @property
     def tracking(self) -> bool:
@@ -271,8 +331,10 @@ class MemoryMeter:
             # alloc_retries and ooms count from here, not from the build (accumulated stats)
             torch.cuda.reset_accumulated_memory_stats(self.device)
             return
-        tracker = peak_tracker()
+        tracker = peak_tracker(self.limit_mib)
         try:
+            if external and isinstance(external[0], nn.Module):
+                tracker.name_modules(external[0])
             tracker.track_external(*external)
             tracker.__enter__()
         except Exception as exc:  # noqa: BLE001 -- measuring never breaks training
@@ -294,12 +356,14 @@ class MemoryMeter:
             return
         # The states this rank holds are known to the tracker from the start: a view or a
         # detached alias of one (a checkpoint writer makes many) is then not counted as new.
-        tracker = peak_tracker()
+        tracker = peak_tracker(self.limit_mib)
+        tracker.name_modules(strategy.module)
         tracker.track_external(strategy.module, *strategy.local_optimizers())
         with tracker:
             yield
         peak = _breakdown_mib(tracker, self.device).get("Total", 0.0)
         if tracker.failure is None and peak > self.limit_mib:
+            self.oom_breakdown = self._over_limit(tracker, None, "after training")
             raise torch.OutOfMemoryError(
                 f"live tensors peaked at {peak:.2f} MiB after training (model states included), "
                 f"over trainer.memory_limit_mib={self.limit_mib}"
@@ -340,7 +404,17 @@ class MemoryMeter:
             tracker._peak_mem = {dev: snap.get("Total", 0) for dev, snap in current.items()}
             tracker.phase_peaks.clear()
 
-    def step_end(self) -> None:
+    def _over_limit(self, tracker, step: int | None, when: str | None = None) -> dict[str, Any]:
+        """result.json's ``memory.oom_breakdown`` from ``tracker``'s record of the moment the
+        budget was first exceeded."""
+        found = tracker.over_limit or {"error": "the tracker saw no moment over the budget"}
+        record = {"step": step, "limit_mib": self.limit_mib, **found}
+        if when is not None:
+            record["phase"] = f"{when} ({found.get('phase')})"
+        return record
+
+    def step_end(self, step: int | None = None) -> None:
+        """The end of a tracked step (``step``: its number, named in an out-of-memory record)."""
         if self._tracker is None:
             return
         # MemTracker keeps per-module stats that raise on a second iteration otherwise.
@@ -349,7 +423,9 @@ class MemoryMeter:
             peak = self._tracker.get_tracker_snapshot("peak").get(self.device, {}).get("Total", 0) / MIB
             if peak > self.limit_mib:
                 # The CPU stand-in for the CUDA allocator's budget (trainer.memory_limit_mib),
-                # checked against the tracked peak at the end of each tracked step.
+                # checked against the tracked peak at the end of each tracked step; what was
+                # live when the budget was first exceeded is kept for result.json.
+                self.oom_breakdown = self._over_limit(self._tracker, step)
                 self._tracker.__exit__(None, None, None)
                 self._tracker = None
                 raise torch.OutOfMemoryError(

@@ -87,6 +87,7 @@ def training_result(
         "history": out.history,
         "eval": _eval_section(out.evals),
         "memory": memory,
+        "profile": profile_section(per_rank, out.throughput),
         "timeline": {**timeline, "first_step": out.first_step_unix, "last_step": out.last_step_unix},
         "device": device,  # what ran it, where ``accelerator`` says what was asked for
     }
@@ -252,4 +253,97 @@ def memory_section(
             (r["peak_rel_error"] for r in per_rank if r["peak_rel_error"] is not None), key=abs, default=None
         ),
         "peak_prediction": _peak_summary(prediction.get("peak")),
+        "memory_snapshot": snapshot_summary([r["memory_snapshot"] for r in per_rank if r.get("memory_snapshot")]),
     }
+
+
+# ---------------------------------------------- what an out-of-memory leaves behind
+def snapshot_summary(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """result.json's ``memory.memory_snapshot`` from the ranks' own records: whether the CUDA
+    allocator's history was recorded (its cost is in the step times), and the files dumped."""
+    if not records:
+        return None
+    files = [r["path"] for r in records if r.get("path")]
+    return {
+        "setting": records[0]["setting"],
+        "recorded": any(r["recorded"] for r in records),
+        "files": files,
+        "reason": None if files else records[0]["reason"],
+    }
+
+
+def oom_memory(failures: list[dict[str, Any]]) -> dict[str, Any]:
+    """result.json's memory fields of a job that ran out of memory, from its ranks' error
+    records (earliest first): ``oom_breakdown`` (the CPU tracker's, of the first rank over
+    its budget), or null and ``oom_breakdown_error``; ``memory_snapshot`` (CUDA files)."""
+    held = [(f["rank"], f["memory_at_oom"]) for f in failures if f.get("memory_at_oom")]
+    breakdowns = [{"rank": rank, **at["oom_breakdown"]} for rank, at in held if at.get("oom_breakdown")]
+    snapshot = snapshot_summary([at["memory_snapshot"] for _, at in held if at.get("memory_snapshot")])
+    if breakdowns:
+        reason = None
+    elif snapshot and snapshot["files"]:
+        reason = "a CUDA run: the allocator's snapshot (memory.memory_snapshot) holds what was live"
+    elif held:
+        reason = "the allocation failed where the CPU tracker kept no record (not over trainer.memory_limit_mib)"
+    else:
+        reason = "no rank recorded its memory at the failure"
+    return {"oom_breakdown": breakdowns[0] if breakdowns else None, "oom_breakdown_error": reason,
+            "memory_snapshot": snapshot}  # fmt: skip
+
+
+def profile_section(per_rank: list[dict[str, Any]], throughput: dict[str, Any]) -> dict[str, Any] | None:
+    """result.json's ``profile`` (trainer.profile): the traces, and a profiled step's time
+    beside the unprofiled (timed) steps' median, both rank 0's."""
+    import statistics
+
+    records = [r["profile"] for r in per_rank if r.get("profile")]
+    if not records:
+        return None
+    first = records[0]
+    profiled = statistics.median(first["step_time_s"]) if first["step_time_s"] else None
+    unprofiled = (throughput or {}).get("step_time_s_median")
+    sizes = [r["size_mib"] for r in records if r["size_mib"] is not None]
+    return {
+        "files": [r["path"] for r in records if r["path"]],
+        "steps": first["steps"],
+        "size_mib_per_rank": max(sizes) if sizes else None,
+        "step_time_s_median": profiled,
+        "unprofiled_step_time_s_median": unprofiled,
+        "cost_ratio": profiled / unprofiled if profiled and unprofiled else None,
+        "export_s": max((r["export_s"] for r in records if r["export_s"] is not None), default=None),
+        "note": first["note"],
+        "error": next((f"rank {i}: {r['error']}" for i, r in enumerate(records) if r["error"]), None),
+    }
+
+
+def memory_lines(result: dict[str, Any]) -> list[str]:
+    """Lines printed under the summary table: the out-of-memory breakdown, the snapshot
+    files, the profiler's traces."""
+    lines = []
+    mem = result.get("memory") or {}
+    oom = mem.get("oom_breakdown")
+    if oom and not oom.get("error"):
+        cats = ", ".join(f"{k} {v:.2f}" for k, v in oom["by_category_mib"].items() if v)
+        mods = ", ".join(f"{k} {v:.2f}" for k, v in oom["top_modules_mib"].items()) or "none"
+        when = f" at step {oom['step']}" if oom["step"] is not None else ""
+        lines.append(
+            f"out of memory on rank {oom['rank']}{when} ({oom['phase']}): {oom['tracked_mib']:.2f} MiB "
+            f"live over the {oom['limit_mib']:g} MiB budget: {cats}; top modules (MiB): {mods}; outside any "
+            f"module {oom['outside_modules_mib']:.2f}"
+        )
+    elif result.get("status") == "oom" and mem.get("oom_breakdown_error"):
+        lines.append(f"no out-of-memory breakdown: {mem['oom_breakdown_error']}")
+    snapshot = mem.get("memory_snapshot") or {}
+    if snapshot.get("files"):
+        lines.append(f"memory snapshots (open at https://pytorch.org/memory_viz): {', '.join(snapshot['files'])}")
+    profile = result.get("profile") or {}
+    if profile.get("files"):
+        ms = lambda v: f"{v * 1e3:.1f} ms" if v is not None else "-"
+        lines.append(
+            f"profiler traces (open at https://ui.perfetto.dev) of steps {profile['steps']}: "
+            f"{', '.join(profile['files'])}; {profile['size_mib_per_rank']:.2f} MiB each; a profiled step "
+            f"{ms(profile['step_time_s_median'])}, unprofiled {ms(profile['unprofiled_step_time_s_median'])}"
+        )
+    elif profile.get("error"):
+        lines.append(f"no profiler trace: {profile['error']}")
+    return lines

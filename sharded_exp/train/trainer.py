@@ -10,6 +10,7 @@ strategy it runs.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -26,8 +27,11 @@ from tqdm import tqdm
 from sharded_exp import checkpoint
 from sharded_exp.data import Task
 from sharded_exp.data.prefetch import Prefetcher
+from sharded_exp.errors import is_oom
 from sharded_exp.launch import liveness
 from sharded_exp.measure.flops import utilisation
+from sharded_exp.measure.profile import StepProfiler, trace_path
+from sharded_exp.measure.snapshot import MemoryHistory
 from sharded_exp.measure.tracker import MemoryMeter, model_state_mib, process_peak_rss_mib
 from sharded_exp.output.loggers import NullLogger, build_logger, memory_values, summary_values
 from sharded_exp.output.results import memory_section, training_result
@@ -58,13 +62,15 @@ class LoopSettings:
     progress_bar: bool = False
     label: str = ""
     compiled: bool = False
+    profile_steps: int = 0
+    """Steps profiled right after warm-up (trainer.profile); 0: none."""
 
     @classmethod
     def from_config(cls, trainer_cfg, label: str = "") -> "LoopSettings":
         t = trainer_cfg
         return cls(
             t.steps, t.warmup_steps, t.batch_size, t.grad_accum, t.grad_clip, t.log_interval, t.progress_bar, label,
-            bool(t.get("compile", False)),
+            bool(t.get("compile", False)), t.profile_steps if t.get("profile", False) else 0,
         )  # fmt: skip
 
 
@@ -102,6 +108,7 @@ def run_loop(
     checkpoints: checkpoint.Checkpointer | None = None,
     evaluate=None,
     eval_every: int = 0,
+    profile_path: str | None = None,
 ) -> LoopOutcome:
     """Train steps ``start`` to ``loop.steps`` on this rank (a collective: every rank calls it).
 
@@ -109,7 +116,8 @@ def run_loop(
     by a signal is agreed through ``stopper``, metrics go to ``logger`` one interval late,
     ``faults`` acts out a testing aid, ``checkpoints`` writes the checkpoints that are due,
     and ``evaluate(step) -> {"eval/...": value}`` runs every ``eval_every`` steps (outside
-    the memory window) and at the end.
+    the memory window) and at the end. ``profile_path``: where this rank's trace of
+    ``loop.profile_steps`` steps after warm-up goes (those steps are not timed).
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = meter.device
@@ -130,6 +138,18 @@ def run_loop(
             # the units compile in one more untimed step.
             compile_step = memory_end
             warmup = min(memory_end - start + 1, loop.steps - start - 1)
+    profiler = None
+    if loop.profile_steps and profile_path is not None:
+        # Right after warm-up (and the CPU tracker's window), before the timed steps: the
+        # profiled steps are left out of the timing, one timed step at least remains.
+        count = max(0, min(loop.profile_steps, loop.steps - start - warmup - 1))
+        note = None
+        if count < loop.profile_steps:
+            note = (f"{count} of trainer.profile_steps={loop.profile_steps} profiled: the warm-up"
+                    f"{' and the CPU memory tracker' if device.type == 'cpu' else ''} took {warmup} of the "
+                    f"{loop.steps - start} steps and one is timed")  # fmt: skip
+        profiler = StepProfiler(device, profile_path, start + warmup, count, note)
+        warmup += count
     samples_per_step = loop.batch_size * loop.grad_accum * world_size
     metrics, log = IntervalMetrics(device, task, probe=lambda: meter.now(strategy)), IntervalLog(logger)
     # A resumed run's bar starts where the checkpoint left off and ends at 100%.
@@ -148,6 +168,8 @@ def run_loop(
         if stopper.should_stop(step):  # a signal reached some rank: all stop here, together
             break
         liveness.current_step = step
+        if profiler is not None:
+            profiler.before_step(step)
         t_data = time.perf_counter()
         batches = prefetcher.get(step)
         data_time = time.perf_counter() - t_data
@@ -159,9 +181,15 @@ def run_loop(
         scale_before = strategy.scaler.get_scale()
         _sync(device)
         t0 = time.perf_counter()
-        loss, output = train_step(strategy, batches, autocast, loop.grad_clip)
+        if profiler is None:
+            loss, output = train_step(strategy, batches, autocast, loop.grad_clip)
+        else:
+            with profiler.label(step):
+                loss, output = train_step(strategy, batches, autocast, loop.grad_clip)
         _sync(device)
         step_time = time.perf_counter() - t0
+        if profiler is not None:
+            profiler.after_step(step, step_time)  # the last profiled step writes the trace
         liveness.raise_if_aborted(device)  # this step's collective timed out, not the next one's
         if step == compile_step:
             first_step_s = step_time
@@ -180,7 +208,7 @@ def run_loop(
             faults.after_step()
         # The scaler lowers its scale exactly when it skipped the step (found inf/nan).
         skipped += int(strategy.scaler.get_scale() < scale_before)
-        meter.step_end()
+        meter.step_end(step)
         if step + 1 == memory_end:
             memory = meter.stop()
             if loop.compiled and device.type == "cpu":
@@ -205,6 +233,9 @@ def run_loop(
                     out.evals.append(_evaluated(evaluate, out.steps_done, log))
     _sync(device)
     loop_end = time.perf_counter()
+    if profiler is not None:
+        profiler.finish()  # stopped inside the profiled steps
+        out.extra["profile"] = profiler.record()
     prefetcher.close()
     out.last_step_unix = time.time()
     stopper.finish()
@@ -344,11 +375,27 @@ def train(
     ``prediction``: the parent's memory prediction (:func:`~sharded_exp.measure.prediction.predict`),
     set beside the measurement in the payload's ``memory``.
     """
+    rank, tc = dist.get_rank(), cfg.trainer
+    meter = MemoryMeter(device, tc.memory_limit_mib)
+    # From before the model is built, as the CUDA cap: an OOM in the build leaves a snapshot too.
+    history = MemoryHistory(tc.get("memory_snapshot", "auto"), device, tc.memory_limit_mib, output_dir, rank)
+    try:
+        return _train(cfg, device, output_dir, prediction, timeline, meter, history)
+    except BaseException as exc:
+        if is_oom(exc):
+            # What the rank that ran out held, for rank<r>_error.json and then result.json.
+            history.dump()
+            with contextlib.suppress(AttributeError, TypeError):
+                exc.memory_at_oom = {"oom_breakdown": meter.oom_breakdown, "memory_snapshot": history.record()}
+        raise
+    finally:
+        history.stop()
+
+
+def _train(cfg, device, output_dir, prediction, timeline, meter: MemoryMeter, history: MemoryHistory):
     timeline = timeline if timeline is not None else {}
     stopper = liveness.StopAgreement()  # SIGTERM/SIGINT now ask for a stop, which ranks agree on
-    rank = dist.get_rank()
-    tc = cfg.trainer
-    meter = MemoryMeter(device, tc.memory_limit_mib)
+    rank, tc = dist.get_rank(), cfg.trainer
     # On CPU only tensors the tracker sees are counted: it starts before the strategy
     # allocates its communication buffers, as the CUDA allocator would count them.
     run = build_run(cfg, device, before_wrap=meter.start if device.type == "cpu" else None)
@@ -387,7 +434,12 @@ def train(
             checkpoints=checkpoint.Checkpointer.from_config(cfg),
             evaluate=evaluate if batches > 0 else None,
             eval_every=tc.eval_every,
+            profile_path=trace_path(output_dir, rank),
         )
+        if history.mode == "always":
+            history.dump()
+        history.stop()
+        out.extra["memory_snapshot"] = history.record()
         with meter.guard(strategy):  # untimed: the memory budget still holds
             per_rank, digest, final_loss = gather_results(strategy, out, device)
             # Only when asked: the full model, gathered one tensor at a time to rank 0.
