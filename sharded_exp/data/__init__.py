@@ -19,6 +19,7 @@ import importlib
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -68,6 +69,18 @@ class Task:
     """Classes of a classification task (its metrics need them)."""
     shift_labels: bool = False
     """Causal LM in Hugging Face's form: the model predicts labels[:, 1:] from logits[:, :-1]."""
+    dataset: Any = None
+    """A map-style ``torch.utils.data.Dataset`` (a user's data): when set, training batches come
+    from a DataLoader over it, each rank its own shard (:mod:`sharded_exp.data.loader`), and
+    ``batch`` serves only evaluation and the shape probes."""
+    collate: Callable | None = None
+    """Makes a batch of a list of the dataset's items (padding is the task's)."""
+    seed: int = 0
+    """Seed of the DataLoader's shuffle (DistributedSampler's, with the epoch)."""
+    shuffle: bool = True
+    """Shuffle the dataset every epoch (False: file order)."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (0: batches are made in the rank's process)."""
 
     def __call__(self, step: int, micro: int, rank: int) -> Batch:
         return self.batch(step, micro, rank)

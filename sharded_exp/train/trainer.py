@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from sharded_exp import checkpoint
 from sharded_exp.data import Task
-from sharded_exp.data.prefetch import Prefetcher
+from sharded_exp.data.loader import step_loader
 from sharded_exp.launch import liveness
 from sharded_exp.measure.flops import utilisation
 from sharded_exp.measure.tracker import MemoryMeter, model_state_mib, process_peak_rss_mib
@@ -102,6 +102,7 @@ def run_loop(
     checkpoints: checkpoint.Checkpointer | None = None,
     evaluate=None,
     eval_every: int = 0,
+    data_position: dict | None = None,
 ) -> LoopOutcome:
     """Train steps ``start`` to ``loop.steps`` on this rank (a collective: every rank calls it).
 
@@ -109,7 +110,8 @@ def run_loop(
     by a signal is agreed through ``stopper``, metrics go to ``logger`` one interval late,
     ``faults`` acts out a testing aid, ``checkpoints`` writes the checkpoints that are due,
     and ``evaluate(step) -> {"eval/...": value}`` runs every ``eval_every`` steps (outside
-    the memory window) and at the end.
+    the memory window) and at the end. ``data_position``: where a resumed run starts in a
+    user's dataset (the checkpoint's; None: at ``start``).
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = meter.device
@@ -136,7 +138,8 @@ def run_loop(
     bar = tqdm(total=loop.steps, initial=start, desc=loop.label, disable=rank != 0 or not loop.progress_bar)
     memory, step_times, data_times, skipped, tokens_per_step, saved = {}, [], [], 0, 0, None
     first_step_s = None
-    prefetcher = Prefetcher(task, rank, loop.grad_accum, device, loop.steps)
+    # A DataLoader over a user's dataset, or the synthetic tasks' prefetcher; timed by `get`.
+    prefetcher = step_loader(task, rank, world_size, loop, device, start, data_position)
     out = LoopOutcome(start, torch.zeros(()), log.history, {}, {}, 0, time.time())
     loop_start = None
     for step in range(start, loop.steps):
@@ -198,13 +201,15 @@ def run_loop(
         out.steps_done, out.loss = step + 1, loss
         if checkpoints is not None and checkpoints.due(out.steps_done, loop.steps):
             with meter.guard(strategy):  # untimed: the memory budget still holds
-                out.checkpoint, saved = checkpoints.save(strategy, out.steps_done, device), out.steps_done
+                out.checkpoint = checkpoints.save(strategy, out.steps_done, device, prefetcher.position())
+                saved = out.steps_done
         if evaluate is not None and eval_every and out.steps_done % eval_every == 0 and not meter.tracking:
             if out.steps_done < loop.steps:  # the last step's pass is the final one, below
                 with meter.paused():
                     out.evals.append(_evaluated(evaluate, out.steps_done, log))
     _sync(device)
     loop_end = time.perf_counter()
+    position = prefetcher.position()  # before close: a stop's checkpoint below records it
     prefetcher.close()
     out.last_step_unix = time.time()
     stopper.finish()
@@ -216,7 +221,7 @@ def run_loop(
     if out.stopped and checkpoints is not None and checkpoints.every and saved != out.steps_done:
         # Preempted: the state at the stop is worth more than the last periodic checkpoint.
         with meter.guard(strategy):
-            out.checkpoint = checkpoints.save(strategy, out.steps_done, device)
+            out.checkpoint = checkpoints.save(strategy, out.steps_done, device, position)
     if checkpoints is not None and checkpoints.every:
         checkpoints.finish()  # an asynchronous save still in flight is completed and published
         out.extra["checkpoint_rss_growth_mib"] = checkpoints.rss_growth_mib
@@ -387,6 +392,7 @@ def train(
             checkpoints=checkpoint.Checkpointer.from_config(cfg),
             evaluate=evaluate if batches > 0 else None,
             eval_every=tc.eval_every,
+            data_position=loaded.get("data"),
         )
         with meter.guard(strategy):  # untimed: the memory budget still holds
             per_rank, digest, final_loss = gather_results(strategy, out, device)
