@@ -9,6 +9,8 @@ import json
 import random
 from pathlib import Path
 
+import torch
+
 ENTITIES = {
     "B-PER": ["Peter", "Maria", "Ahmed", "Chen", "Olga"],
     "B-ORG": ["Reuters", "Siemens", "UNICEF", "Fiat"],
@@ -96,3 +98,52 @@ def save_dataset(directory: Path, n: int = 64, seed: int = 0) -> Path:
     )
     datasets.DatasetDict({"train": data}).save_to_disk(str(directory))
     return directory
+
+
+def save_ner_dataset(directory: Path, n: int = 64, seed: int = 0) -> Path:
+    """A ``datasets`` DatasetDict (train, validation) with ``words`` and ``tags`` (tag names)
+    columns, written by ``save_to_disk``."""
+    import datasets
+
+    def split(n, seed):
+        rows = sentences(n, seed)
+        return datasets.Dataset.from_dict(
+            {"words": [[w for w, _ in s] for s in rows], "tags": [[t for _, t in s] for s in rows]}
+        )
+
+    datasets.DatasetDict({"train": split(8, seed + 1), "validation": split(n, seed)}).save_to_disk(str(directory))
+    return directory
+
+
+class Classes(torch.utils.data.Dataset):
+    """A user's Dataset for the MLP: Gaussian inputs labelled by the largest of their first
+    ``classes`` features (items: inputs, targets)."""
+
+    def __init__(self, n: int, in_features: int, classes: int):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, in_features, generator=g)
+        self.y = self.x[:, :classes].argmax(1)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"inputs": self.x[i], "targets": self.y[i]}
+
+
+class Counting(torch.utils.data.Dataset):
+    """A user's Dataset for a causal LM: counting sequences (each token is the previous + 1,
+    modulo the vocabulary), with their own collate_fn."""
+
+    def __init__(self, n: int, seq_len: int, vocab: int):
+        self.n, self.seq_len, self.vocab = n, seq_len, vocab
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return (i * 7 + torch.arange(self.seq_len)) % self.vocab
+
+    def collate_fn(self, items: list) -> dict:
+        ids = torch.stack(items)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}

@@ -120,5 +120,24 @@ def build_task(cfg, model_cfg, batch_size: int) -> Task:
     return TASKS.builder(cfg.name)(cfg, model_cfg, batch_size)
 
 
+STAND_INS = {"text_file": "causal_lm", "conll": "token_classification"}
+"""A user's data task -> the synthetic task whose batches have the same keys and shapes."""
+
+
+def probe_batch(cfg, model_cfg, rank: int) -> Batch:
+    """One sample of the configured task: its keys, dtypes and per-sample shapes (the fake
+    step's). The planner needs shapes only: a user's data whose ``data.path`` is not given
+    is stood in for by the synthetic task of the same layout (padded to model.seq_len)."""
+    from omegaconf import OmegaConf
+
+    name = cfg.name
+    if "path" in cfg.keys() and OmegaConf.is_missing(cfg, "path"):  # keys(): also a missing value
+        kind = str(getattr(cfg.get("kind"), "value", cfg.get("kind")))
+        stand_in = STAND_INS.get(name) or (kind if name == "hf_dataset" else None)
+        if stand_in is not None:
+            return TASKS.builder(stand_in)(TASKS.config_class(stand_in)(), model_cfg, 1)(0, 0, rank)
+    return build_task(cfg, model_cfg, 1)(0, 0, rank)
+
+
 for _info in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_info.name}")

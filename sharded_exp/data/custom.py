@@ -73,14 +73,14 @@ def custom_task(cfg: CustomDataConfig, model_cfg, batch_size: int) -> Task:
             f"data._target_={target} returned {type(dataset).__name__}, not a map-style torch.utils.data.Dataset "
             "(with __len__ and __getitem__)"
         )
-    item = dataset[0] if len(dataset) else None
-    if item is not None and (not isinstance(item, dict) or cfg.labels not in item):
-        raise ConfigError(
-            f"data._target_={target}'s items must be dicts of the model's keyword arguments with the labels "
-            f"under data.labels={cfg.labels!r}; item 0 is {type(item).__name__}"
-            + (f" with keys {', '.join(item)}" if isinstance(item, dict) else "")
-        )
     collate = getattr(dataset, "collate_fn", None) or torch.utils.data.default_collate
+    batch = collate([dataset[0]]) if len(dataset) else None
+    if batch is not None and (not isinstance(batch, dict) or cfg.labels not in batch):
+        raise ConfigError(
+            f"data._target_={target}'s batches must be dicts of the model's keyword arguments with the labels "
+            f"under data.labels={cfg.labels!r}; a batch of item 0 is {type(batch).__name__}"
+            + (f" with keys {', '.join(batch)}" if isinstance(batch, dict) else "")
+        )
     metric = str(getattr(cfg.metric, "value", cfg.metric))
     if metric != "perplexity" and cfg.num_classes < 1:
         raise ConfigError(f"data=custom with data.metric={metric} needs data.num_classes (the number of classes)")
