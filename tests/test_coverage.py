@@ -122,7 +122,7 @@ RUNS = {
     "custom_classes": [
         "data=custom", "data._target_=tests.data_files.Classes", "+data.kwargs.n=256", "+data.kwargs.in_features=32",
         "+data.kwargs.classes=5", "data.metric=accuracy", "data.labels=targets", "data.num_classes=5",
-        "data.seed=5", "data.shuffle=false", "data.num_workers=1", "model.in_features=32", "model.num_classes=5",
+        "data.seed=5", "data.shuffle=false", "model.in_features=32", "model.num_classes=5",
         "optimizer.lr=1e-2",
     ],
     "custom_lm": [

@@ -123,7 +123,7 @@ def local_path(cfg, key: str, what: str, directory: bool = False) -> str:
 
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
+    AutoTokenizer = _needs("transformers", "data.tokenizer").AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -193,8 +193,19 @@ def read_conll(path: str, labels: list[str]) -> list[tuple[list[str], list[int]]
     return sentences
 
 
+def _needs(package: str, what: str):
+    import importlib
+
+    try:
+        return importlib.import_module(package)
+    except ImportError:
+        raise ConfigError(
+            f"{what} needs the package {package}, which is not installed here (pip install -e '.[data]')"
+        ) from None
+
+
 def _load_hf(cfg) -> "object":
-    import datasets
+    datasets = _needs("datasets", "data=hf_dataset")
 
     path = local_path(cfg, "path", "a dataset directory written by save_to_disk, or local data files")
     try:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import sys
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.data import DataLoader, DistributedSampler
 
 from sharded_exp.data import Batch, Task
@@ -124,7 +125,14 @@ class StepLoader:
 
     def get(self, step: int) -> list[Batch]:
         """The next step's micro-batches (the loader is a stream: ``step`` is for the interface)."""
-        host = [self._next() for _ in range(self.grad_accum)]
+        # Made unseen by the CPU memory tracker (a dispatch mode): a dataset item that is a
+        # view of the dataset's own big tensor would count that whole storage as training
+        # memory. The batch itself is then copied to the device: on CPU a clone, counted as
+        # the step's input, as a GPU's allocator counts the copy.
+        with _disable_current_modes():
+            host = [self._next() for _ in range(self.grad_accum)]
+        if self.device.type == "cpu":
+            return [{k: v.clone() for k, v in b.items()} for b in host]
         return [{k: v.to(self.device, non_blocking=True) for k, v in b.items()} for b in host]
 
     def close(self) -> None:
