@@ -21,6 +21,7 @@ The trainer times each :meth:`StepLoader.get` as the step's data time, apart fro
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import sys
 
 import torch
@@ -105,6 +106,9 @@ class StepLoader:
             pin_memory=device.type == "cuda",
             drop_last=True,
             persistent_workers=task.num_workers > 0,
+            # Workers forked from the rank: a rank started by the forkserver would otherwise start
+            # them through it, which fails ("too many fds") once the rank holds its process group.
+            multiprocessing_context="fork" if task.num_workers > 0 and "fork" in mp.get_all_start_methods() else None,
         )
         self._iter = None
 
