@@ -20,8 +20,10 @@ by name) are the same in both formats. The tensors are either
   with the full state, written by rank 0. They are gathered one tensor at a time to rank
   0's CPU: no rank other than rank 0 ever holds more than one tensor of it.
 
-The data position is the step (batches are a pure function of step, micro-batch and
-rank), so a checkpoint written under one strategy and world size resumes under any other.
+The data position of a synthetic task is the step (batches are a pure function of step,
+micro-batch and rank), so a checkpoint written under one strategy and world size resumes
+under any other. A user's dataset is read as a stream (a DataLoader): meta.json's
+``data`` holds its position (epoch, samples consumed in it), where a resumed run starts.
 
 Writes are atomic: the files go into ``.step_00000010.tmp.<job>/`` (unique per job),
 ``meta.json`` last, fsynced, then rank 0 renames the directory to ``step_00000010``. A
@@ -498,19 +500,22 @@ class Checkpointer:
         """A checkpoint belongs after ``steps_done`` steps (periodic, or the last step)."""
         return bool(self.every) and (steps_done % self.every == 0 or steps_done == steps)
 
-    def save(self, strategy, step: int, device: torch.device) -> str | None:
+    def save(self, strategy, step: int, device: torch.device, data: dict | None = None) -> str | None:
         """Write the checkpoint after ``step`` completed steps. Returns its path on rank 0.
+
+        ``data``: the position in a user's dataset (the loader's epoch and samples), kept in
+        meta.json for the resume; None for the synthetic tasks, whose position is the step.
 
         An existing checkpoint of the same step (from an earlier attempt in the same
         directory) is kept, not overwritten.
         """
         self.finish()
         with host_peak(grown := {}):
-            path = self._save(strategy, step, device)
+            path = self._save(strategy, step, device, data)
         self.rss_growth_mib = max(self.rss_growth_mib, grown["mib"])
         return path
 
-    def _save(self, strategy, step: int, device: torch.device) -> str | None:
+    def _save(self, strategy, step: int, device: torch.device, data: dict | None) -> str | None:
         rank = dist.get_rank()
         path = os.path.join(self.directory, step_name(step))
         exists = [os.path.exists(path)] if rank == 0 else [None]
@@ -525,6 +530,8 @@ class Checkpointer:
         dist.gather_object(_rng_state(device), rng, dst=0)
         small = {"scaler": strategy.scaler.state_dict(), "rng": rng, "param_groups": named_param_groups(strategy)}
         meta = self._meta(strategy, step)
+        if data is not None:
+            meta["data"] = data
         if self.format == "dcp":
             self._save_dcp(strategy, step, tmp, path, small if rank == 0 else None, meta if rank == 0 else None)
         else:

@@ -22,6 +22,7 @@ import torch
 
 from sharded_exp import checkpoint
 from sharded_exp.data import TASKS
+from sharded_exp.data.loader import check_fits
 from sharded_exp.errors import ConfigError, NothingToDo, WontFit, missing_packages
 from sharded_exp.launch.layout import Layout
 from sharded_exp.measure.prediction import ModelShapes, meta_model, model_shapes, predict, predict_peak
@@ -88,6 +89,8 @@ def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True)
     shapes = model_shapes(cfg.model, cfg.optimizer, module)
     task = TASKS.builder(cfg.data.name)(cfg.data, cfg.model, 1)  # does the task fit? (one sample: keys, not memory)
     check_accepts(module, list(task(0, 0, 0)), cfg.model.name, cfg.data.name)  # keyword batch in
+    if task.dataset is not None:  # a user's data: enough of it for one micro-batch per rank
+        check_fits(task, world_size, cfg.trainer.batch_size, cfg.data.name)
     resolve_checkpoints(cfg, output_dir, shapes)
     prediction = predict(cfg.strategy, cfg.optimizer, str(cfg.precision.name), shapes, world_size)
     if peak:

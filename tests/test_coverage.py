@@ -29,6 +29,7 @@ from sharded_exp.compose import CONF_DIR
 from sharded_exp.data import TASKS
 from sharded_exp.models import MODELS
 from sharded_exp.strategies import STRATEGIES
+from tests import data_files
 from tests.conftest import ROOT, compose_cfg, run_cli, tiny
 from tests.wandb_file import find_runs, read_run
 
@@ -63,12 +64,15 @@ RUNS = {
         "optimizer=sgd", "optimizer.lr=0.05",
         "optimizer.momentum=0.9", *GPT, "precision=bf16", "trainer.world_size=3",
     ],
-    # ShardedDDP without reduce buckets, BERT token classification, accumulation, evaluation.
+    # ShardedDDP without reduce buckets, BERT token classification on a CoNLL file (made by the
+    # test) through the DataLoader with a worker per rank, accumulation, evaluation.
     "sharded_ddp": [
         "strategy=sharded_ddp", "strategy.reduce_buffer_size=0", "strategy.broadcast_buffers=false",
         "strategy.broadcast_fp16=true", "model=hf_bert", "model.seq_len=16", "trainer.batch_size=4",
-        "optimizer.lr=3e-3", "data.seed=5", "data.min_len=0.25", "trainer.grad_accum=2", "trainer.eval_every=2",
+        "optimizer.lr=3e-3", "trainer.grad_accum=2", "trainer.eval_every=2",
         "trainer.eval_batches=2", "trainer.log_interval=3", "trainer.steps=8",
+        "data=conll", "data.path=__data__train.conll", "data.tokenizer=__data__tok", "data.seed=3",
+        "data.shuffle=false", "data.num_workers=1", "data.labels=[O,B-MISC,I-MISC,B-PER,I-PER,B-ORG,I-ORG,B-LOC,I-LOC]",
     ],
     # ZeRO-1's knobs, GPT-2 (causal LM), consolidated checkpoints of which one is kept.
     "zero1": [
@@ -96,6 +100,37 @@ RUNS = {
         "model=custom", "model._target_=tests.user_models.build", "+model.hidden=24", "optimizer.lr=1e-2", "trainer.steps=4",
         "trainer.checkpoint_every=2", "trainer.checkpoint_dir=__tmp__grad_op_ckpt", "trainer.host_memory_check=false",
     ],
+    # Your data, beyond the CoNLL file (the sharded_ddp run's): plain text for GPT-2, in file order ...
+    "text_file": [
+        "model=hf_gpt2", "model.seq_len=16", "trainer.batch_size=4", "optimizer.lr=3e-3", "data=text_file",
+        "data.path=__data__corpus.jsonl", "data.text_field=body", "data.tokenizer=__data__tok", "data.seed=2",
+        "data.shuffle=false", "data.num_workers=1",
+    ],
+    # ... a saved datasets dataset's validation split of words and tag names ...
+    "hf_dataset_ner": [
+        "model=hf_bert", "model.seq_len=16", "trainer.batch_size=4", "optimizer.lr=3e-3", "data=hf_dataset",
+        "data.path=__data__ner_dataset", "data.split=validation", "data.kind=token_classification",
+        "data.tokens_field=words", "data.labels_field=tags", "data.tokenizer=__data__tok", "data.seed=4",
+        "data.shuffle=false", "data.num_workers=1", "data.labels=[O,B-PER,I-PER,B-ORG,I-ORG,B-LOC,I-LOC,B-MISC,I-MISC,X]",
+        "model.num_labels=10",
+    ],
+    # ... JSON lines through load_dataset ...
+    "hf_dataset_json": [
+        "model=hf_gpt2", "model.seq_len=16", "trainer.batch_size=4", "optimizer.lr=3e-3", "data=hf_dataset",
+        "data.format=json", "data.path=__data__corpus.jsonl", "data.text_field=body", "data.tokenizer=__data__tok",
+    ],
+    # ... and your own Datasets: a classifier's (default_collate) and a causal LM's (its collate_fn).
+    "custom_classes": [
+        "data=custom", "data._target_=tests.data_files.Classes", "+data.kwargs.n=256", "+data.kwargs.in_features=32",
+        "+data.kwargs.classes=5", "data.metric=accuracy", "data.labels=targets", "data.num_classes=5",
+        "data.seed=5", "data.shuffle=false", "model.in_features=32", "model.num_classes=5",
+        "optimizer.lr=1e-2",
+    ],
+    "custom_lm": [
+        "model=hf_gpt2", "model.seq_len=16", "trainer.batch_size=4", "optimizer.lr=3e-3", "data=custom",
+        "data._target_=tests.data_files.Counting", "+data.kwargs.n=64", "+data.kwargs.seq_len=16",
+        "+data.kwargs.vocab=64", "data.shift_labels=true", "data.metric=perplexity", "model.vocab_size=64",
+    ],
     # ... then resumed (resume=auto) to step 8 from the newest of them.
     "fsdp_grad_op_resumed": [
         "strategy=fsdp_grad_op", "strategy.reshard_after_forward=true", "model=custom",
@@ -104,7 +139,11 @@ RUNS = {
         "trainer.existing_checkpoints=archive",
     ],
 }  # fmt: skip
-"""Training runs (``tiny`` adds the small shapes): one per strategy, each setting its knobs."""
+"""Training runs (``tiny`` adds the small shapes): one per strategy, each setting its knobs,
+and one per data option of a user's data. ``__tmp__NAME``: a directory of this session;
+``__data__NAME``: a file made by tests/data_files.py (:data:`DATA_FILES`)."""
+SLOW_RUNS = {"text_file", "hf_dataset_ner", "hf_dataset_json", "custom_classes", "custom_lm"}
+"""Covering runs in the slow tier (the default tier's budget): the data options beyond conll."""
 AFTER = {"fsdp_grad_op_resumed": "fsdp_grad_op"}
 
 PLANS = {
@@ -138,8 +177,13 @@ SWEEPS = {
     "seed_table": ["experiment=seed_table", "model.d_model=32", "model.n_layers=1", "model.seq_len=16",
                    "strategy=ddp,oss", *SWEEP_SHRINK],
     "seed_study": ["experiment=seed_study", "model.seq_len=16", "trainer.batch_size=2",
-                   "strategy=zero1", *SWEEP_SHRINK],
+                   "strategy=zero1", "data.seed=5", "data.min_len=0.25", *SWEEP_SHRINK],
+    # BERT-base's width at one layer, on a CoNLL file made by the test.
+    "seed_study_conll": ["experiment=seed_study_conll", "model.seq_len=16", "trainer.batch_size=2",
+                         "model.config.num_hidden_layers=1", "data.path=__data__train.conll",
+                         "data.tokenizer=__data__tok", "strategy=oss", *SWEEP_SHRINK],
 }  # fmt: skip
+SLOW_SWEEPS = {"seed_study_conll"}
 """Multirun sweeps (``python -m sharded_exp -m``, a real subprocess) ending in their report;
 a command-line sweep of a key replaces the preset's own values for it, as in Hydra."""
 
@@ -156,6 +200,15 @@ FIELDS_NOT_HERE = {
 
 
 # ------------------------------------------------------------------- the covering jobs
+DATA_FILES = {
+    "train.conll": data_files.write_conll,
+    "corpus.jsonl": data_files.write_jsonl,
+    "tok": data_files.train_tokenizer,
+    "ner_dataset": data_files.save_ner_dataset,
+}
+"""The files a covering run's ``__data__NAME`` names, and what makes each."""
+
+
 @pytest.fixture(scope="module")
 def placeholders(tmp_path_factory):
     cache: dict[str, str] = {}
@@ -166,6 +219,11 @@ def placeholders(tmp_path_factory):
             if "=__tmp__" in o:  # a directory of this test session
                 key, name = o.split("=__tmp__")
                 cache.setdefault(name, str(tmp_path_factory.mktemp(name)))
+                o = f"{key}={cache[name]}"
+            if "=__data__" in o:  # a data file, made once per session
+                key, name = o.split("=__data__")
+                if name not in cache:
+                    cache[name] = str(DATA_FILES[name](tmp_path_factory.mktemp("data") / name))
                 o = f"{key}={cache[name]}"
             out.append(o)
         return out
@@ -179,7 +237,7 @@ def _run(name: str, shared_runs, placeholders) -> tuple[Path, dict]:
     return shared_runs(*placeholders(RUNS[name]), env=ENV.get(name))
 
 
-@pytest.mark.parametrize("name", list(RUNS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_RUNS else n for n in RUNS])
 def test_covering_run(name, shared_runs, placeholders):
     out, result = _run(name, shared_runs, placeholders)
     assert result["status"] == "ok", result.get("error")
@@ -232,6 +290,9 @@ def _check_ddp(out, result):
 def _check_sharded_ddp(out, result):
     assert [e["step"] for e in result["eval"]["history"]] == [2, 4, 6, 8]
     assert 0 <= result["eval"]["final"]["eval/accuracy"] <= 1
+    # The DataLoader's wait is measured apart from the step (a worker per rank made the batches).
+    throughput = result["throughput"]
+    assert throughput["data_prefetched"] is True and 0 < throughput["data_time_s_per_step"]
 
 
 def _check_zero1(out, result):
@@ -273,9 +334,9 @@ def test_covering_plan(name, capsys):
         assert 1 <= plain["value"] <= selective["value"], out["found"]  # recomputing fits at least as deep
 
 
-@pytest.mark.parametrize("name", list(SWEEPS))
-def test_covering_sweep(name, tmp_path):
-    proc = run_cli(["-m", *SWEEPS[name], f"hydra.sweep.dir={tmp_path}"], cwd=ROOT, timeout=300)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_SWEEPS else n for n in SWEEPS])
+def test_covering_sweep(name, tmp_path, placeholders):
+    proc = run_cli(["-m", *placeholders(SWEEPS[name]), f"hydra.sweep.dir={tmp_path}"], cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     points = sorted(tmp_path.glob("*/result.json"))
     assert points and all(json.loads(p.read_text())["status"] == "ok" for p in points)

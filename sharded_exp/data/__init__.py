@@ -19,6 +19,7 @@ import importlib
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -68,6 +69,18 @@ class Task:
     """Classes of a classification task (its metrics need them)."""
     shift_labels: bool = False
     """Causal LM in Hugging Face's form: the model predicts labels[:, 1:] from logits[:, :-1]."""
+    dataset: Any = None
+    """A map-style ``torch.utils.data.Dataset`` (a user's data): when set, training batches come
+    from a DataLoader over it, each rank its own shard (:mod:`sharded_exp.data.loader`), and
+    ``batch`` serves only evaluation and the shape probes."""
+    collate: Callable | None = None
+    """Makes a batch of a list of the dataset's items (padding is the task's)."""
+    seed: int = 0
+    """Seed of the DataLoader's shuffle (DistributedSampler's, with the epoch)."""
+    shuffle: bool = True
+    """Shuffle the dataset every epoch (False: file order)."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (0: batches are made in the rank's process)."""
 
     def __call__(self, step: int, micro: int, rank: int) -> Batch:
         return self.batch(step, micro, rank)
@@ -105,6 +118,25 @@ class ContractError(RuntimeError):
 
 def build_task(cfg, model_cfg, batch_size: int) -> Task:
     return TASKS.builder(cfg.name)(cfg, model_cfg, batch_size)
+
+
+STAND_INS = {"text_file": "causal_lm", "conll": "token_classification"}
+"""A user's data task -> the synthetic task whose batches have the same keys and shapes."""
+
+
+def probe_batch(cfg, model_cfg, rank: int) -> Batch:
+    """One sample of the configured task: its keys, dtypes and per-sample shapes (the fake
+    step's). The planner needs shapes only: a user's data whose ``data.path`` is not given
+    is stood in for by the synthetic task of the same layout (padded to model.seq_len)."""
+    from omegaconf import OmegaConf
+
+    name = cfg.name
+    if "path" in cfg.keys() and OmegaConf.is_missing(cfg, "path"):  # keys(): also a missing value
+        kind = str(getattr(cfg.get("kind"), "value", cfg.get("kind")))
+        stand_in = STAND_INS.get(name) or (kind if name == "hf_dataset" else None)
+        if stand_in is not None:
+            return TASKS.builder(stand_in)(TASKS.config_class(stand_in)(), model_cfg, 1)(0, 0, rank)
+    return build_task(cfg, model_cfg, 1)(0, 0, rank)
 
 
 for _info in pkgutil.iter_modules(__path__):

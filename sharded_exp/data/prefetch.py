@@ -60,6 +60,10 @@ class Prefetcher:
             self._ahead = (step + 1, self._pool.submit(self._host, step + 1))
         return [{k: v.to(self.device, non_blocking=True) for k, v in b.items()} for b in host]
 
+    def position(self) -> None:
+        """None: a synthetic task's position in its data is the step itself."""
+        return None
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)

@@ -183,7 +183,7 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    from sharded_exp.data import build_task
+    from sharded_exp.data import probe_batch
     from sharded_exp.measure.cuda_kernels import cuda_kernels
     from sharded_exp.train.build import build_run
     from sharded_exp.train.levers import without_checkpointing
@@ -196,7 +196,7 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
     tc = cfg.trainer
     # One real sample says each batch tensor's dtype and per-sample shape; the batches
     # themselves are made fake (a batch too large for this machine is planned, not made).
-    sample = build_task(cfg.data, cfg.model, 1)(0, 0, rank)
+    sample = probe_batch(cfg.data, cfg.model, rank)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     name = cfg.strategy.name
     with fake_process_group(world_size, rank), _separate_propagation_mode(), mode, on_gpu as kernels:

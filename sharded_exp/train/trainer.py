@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from sharded_exp import checkpoint
 from sharded_exp.data import Task
-from sharded_exp.data.prefetch import Prefetcher
+from sharded_exp.data.loader import step_loader
 from sharded_exp.errors import is_oom
 from sharded_exp.launch import liveness
 from sharded_exp.measure.flops import utilisation
@@ -109,6 +109,7 @@ def run_loop(
     evaluate=None,
     eval_every: int = 0,
     profile_path: str | None = None,
+    data_position: dict | None = None,
 ) -> LoopOutcome:
     """Train steps ``start`` to ``loop.steps`` on this rank (a collective: every rank calls it).
 
@@ -117,7 +118,8 @@ def run_loop(
     ``faults`` acts out a testing aid, ``checkpoints`` writes the checkpoints that are due,
     and ``evaluate(step) -> {"eval/...": value}`` runs every ``eval_every`` steps (outside
     the memory window) and at the end. ``profile_path``: where this rank's trace of
-    ``loop.profile_steps`` steps after warm-up goes (those steps are not timed).
+    ``loop.profile_steps`` steps after warm-up goes (those steps are not timed). ``data_position``: where a resumed run starts in a
+    user's dataset (the checkpoint's; None: at ``start``).
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = meter.device
@@ -156,7 +158,8 @@ def run_loop(
     bar = tqdm(total=loop.steps, initial=start, desc=loop.label, disable=rank != 0 or not loop.progress_bar)
     memory, step_times, data_times, skipped, tokens_per_step, saved = {}, [], [], 0, 0, None
     first_step_s = None
-    prefetcher = Prefetcher(task, rank, loop.grad_accum, device, loop.steps)
+    # A DataLoader over a user's dataset, or the synthetic tasks' prefetcher; timed by `get`.
+    prefetcher = step_loader(task, rank, world_size, loop, device, start, data_position)
     out = LoopOutcome(start, torch.zeros(()), log.history, {}, {}, 0, time.time())
     loop_start = None
     for step in range(start, loop.steps):
@@ -226,13 +229,15 @@ def run_loop(
         out.steps_done, out.loss = step + 1, loss
         if checkpoints is not None and checkpoints.due(out.steps_done, loop.steps):
             with meter.guard(strategy):  # untimed: the memory budget still holds
-                out.checkpoint, saved = checkpoints.save(strategy, out.steps_done, device), out.steps_done
+                out.checkpoint = checkpoints.save(strategy, out.steps_done, device, prefetcher.position())
+                saved = out.steps_done
         if evaluate is not None and eval_every and out.steps_done % eval_every == 0 and not meter.tracking:
             if out.steps_done < loop.steps:  # the last step's pass is the final one, below
                 with meter.paused():
                     out.evals.append(_evaluated(evaluate, out.steps_done, log))
     _sync(device)
     loop_end = time.perf_counter()
+    position = prefetcher.position()  # before close: a stop's checkpoint below records it
     if profiler is not None:
         profiler.finish()  # stopped inside the profiled steps
         out.extra["profile"] = profiler.record()
@@ -247,7 +252,7 @@ def run_loop(
     if out.stopped and checkpoints is not None and checkpoints.every and saved != out.steps_done:
         # Preempted: the state at the stop is worth more than the last periodic checkpoint.
         with meter.guard(strategy):
-            out.checkpoint = checkpoints.save(strategy, out.steps_done, device)
+            out.checkpoint = checkpoints.save(strategy, out.steps_done, device, position)
     if checkpoints is not None and checkpoints.every:
         checkpoints.finish()  # an asynchronous save still in flight is completed and published
         out.extra["checkpoint_rss_growth_mib"] = checkpoints.rss_growth_mib
@@ -435,6 +440,7 @@ def _train(cfg, device, output_dir, prediction, timeline, meter: MemoryMeter, hi
             evaluate=evaluate if batches > 0 else None,
             eval_every=tc.eval_every,
             profile_path=trace_path(output_dir, rank),
+            data_position=loaded.get("data"),
         )
         if history.mode == "always":
             history.dump()

@@ -1,0 +1,388 @@
+"""Your data, from local files: plain text or JSON lines (causal LM), a CoNLL-2003 file
+(token classification), or a dataset of the ``datasets`` library.
+
+    python -m sharded_exp model=hf_gpt2 data=text_file data.path=corpus.txt data.tokenizer=my_tokenizer/
+    python -m sharded_exp model=hf_bert data=conll data.path=train.conll data.tokenizer=my_tokenizer/
+    python -m sharded_exp model=hf_bert data=hf_dataset data.path=saved/ data.kind=token_classification ...
+
+Local files only: ``data.path`` must exist and ``data.tokenizer`` must be a local directory
+written by ``save_pretrained`` (a Hugging Face tokenizer); anything else is refused before
+any rank starts, and nothing is downloaded. Every sample is tokenized when the task is
+built (on each rank, and once in the parent to check it); the training batches then come
+from a DataLoader (:mod:`sharded_exp.data.loader`).
+
+- Causal LM (text_file, hf_dataset kind=causal_lm): the documents (lines of a text file,
+  the ``data.text_field`` of each JSON line or row) are tokenized, joined with the
+  tokenizer's end-of-text token (EOS, else SEP) and cut into blocks of ``model.seq_len``
+  tokens (the remainder dropped), as Hugging Face's language-modelling examples do.
+  Batches: input_ids, attention_mask, labels = input_ids (the model shifts them).
+- Token classification (conll, hf_dataset kind=token_classification): one sample per
+  sentence, words tokenized into sub-tokens; a word's label goes on its first sub-token,
+  the other sub-tokens and special tokens get -100 (ignored by the loss and the metrics);
+  sentences longer than ``model.seq_len`` sub-tokens are cut.
+
+Batches are padded to ``model.seq_len`` (the padding's label -100, attention_mask 0), so
+every step has the shape the memory prediction assumed. Evaluation batches are samples of
+the same data drawn at random (there is no held-out split).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import List, Optional
+
+import torch
+from omegaconf import MISSING
+
+from sharded_exp.data import TASKS, Batch, Task, generator, require_model_fields
+from sharded_exp.errors import ConfigError
+
+IGNORE = -100
+CONLL2003_LABELS = ["O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-MISC", "I-MISC"]
+"""CoNLL-2003's NER tags in the order of the Hugging Face ``conll2003`` dataset's ids."""
+
+
+# ------------------------------------------------------------------------------ configs
+@dataclass
+class FileDataConfig:
+    name: str = MISSING
+    path: str = MISSING
+    """The data: a local file (or, for hf_dataset, a directory written by save_to_disk)."""
+    tokenizer: str = MISSING
+    """A local directory holding a Hugging Face tokenizer (``tokenizer.save_pretrained(DIR)``)."""
+    seed: int = 0
+    """Seed of the shuffle (the DistributedSampler's, with the epoch)."""
+    shuffle: bool = True
+    """Shuffle the samples every epoch (false: file order)."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (0: batches are made in the rank's process)."""
+
+
+@dataclass
+class TextFileConfig(FileDataConfig):
+    name: str = "text_file"
+    text_field: str = "text"
+    """The field holding the text in a JSON lines file (.jsonl/.json); a plain text file
+    has a document per line."""
+
+
+@dataclass
+class ConllConfig(FileDataConfig):
+    name: str = "conll"
+    labels: List[str] = field(default_factory=lambda: list(CONLL2003_LABELS))
+    """The tags, in the order of their ids (the last column of each line); a tag outside
+    them is refused. model.num_labels must be at least their number."""
+
+
+class DatasetKind(str, Enum):
+    causal_lm = "causal_lm"
+    token_classification = "token_classification"
+
+
+@dataclass
+class HFDatasetConfig(FileDataConfig):
+    name: str = "hf_dataset"
+    format: Optional[str] = None
+    """null: data.path is a directory written by ``save_to_disk`` (``load_from_disk``);
+    json, csv, parquet, text...: local files for ``load_dataset(format, data_files=path)``."""
+    split: str = "train"
+    """The split to train on (of a DatasetDict; load_dataset names local files' split train)."""
+    kind: DatasetKind = DatasetKind.causal_lm
+    """causal_lm (a text column) or token_classification (a column of words and one of tags)."""
+    text_field: str = "text"
+    """causal_lm: the column holding the text."""
+    tokens_field: str = "tokens"
+    """token_classification: the column holding each sentence's words."""
+    labels_field: str = "ner_tags"
+    """token_classification: the column holding each word's tag (ids, or names from data.labels)."""
+    labels: List[str] = field(default_factory=lambda: list(CONLL2003_LABELS))
+    """token_classification: the tags in the order of their ids."""
+
+
+# ------------------------------------------------------------------------------ checks
+def local_path(cfg, key: str, what: str, directory: bool = False) -> str:
+    """``cfg[key]`` as an existing local path, or a ConfigError naming the value."""
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_missing(cfg, key) or cfg[key] is None:
+        raise ConfigError(f"data={cfg.name} needs data.{key}=... ({what})")
+    path = os.path.expanduser(str(cfg[key]))
+    if directory and not os.path.isdir(path):
+        raise ConfigError(
+            f"data.{key}={cfg[key]} is not a local directory: {what} must be one (written by save_pretrained); "
+            "names on the Hugging Face hub are not downloaded"
+        )
+    if not os.path.exists(path):
+        raise ConfigError(f"data.{key}={cfg[key]} does not exist: {what} must be a local file")
+    return os.path.abspath(path)
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(path: str):
+    AutoTokenizer = _needs("transformers", "data.tokenizer").AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 -- transformers' own complaint, named
+        raise ConfigError(
+            f"data.tokenizer={path} holds no tokenizer transformers can load ({type(exc).__name__}: {exc}); "
+            "save one with tokenizer.save_pretrained(DIR)"
+        ) from None
+    if not tokenizer.is_fast:
+        raise ConfigError(f"data.tokenizer={path} is a slow tokenizer: word-aligned labels need a fast one")
+    return tokenizer
+
+
+def _tokenizer_fits(cfg, model_cfg, tokenizer) -> None:
+    if len(tokenizer) > model_cfg.vocab_size:
+        raise ConfigError(
+            f"data.tokenizer={cfg.tokenizer} has {len(tokenizer)} tokens, more than model.vocab_size="
+            f"{model_cfg.vocab_size}: set model.vocab_size={len(tokenizer)} (or more)"
+        )
+
+
+# ------------------------------------------------------------------------------ reading
+def read_documents(path: str, text_field: str) -> list[str]:
+    """Documents of a plain text file (a line each) or of a JSON lines file (.jsonl/.json)."""
+    json_lines = path.endswith((".jsonl", ".json"))
+    docs = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if not json_lines:
+                docs.append(line.rstrip("\n"))
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"data.path={path} line {n} is not JSON ({exc})") from None
+            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+                raise ConfigError(f"data.path={path} line {n} has no text field {text_field!r} (data.text_field)")
+            docs.append(record[text_field])
+    return docs
+
+
+def read_conll(path: str, labels: list[str]) -> list[tuple[list[str], list[int]]]:
+    """(words, tag ids) per sentence of a CoNLL-2003-format file: a word per line, its tag in
+    the last column, a blank line between sentences, ``-DOCSTART-`` lines skipped."""
+    ids = {tag: i for i, tag in enumerate(labels)}
+    sentences, words, tags = [], [], []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            parts = line.split()
+            if not parts or parts[0] == "-DOCSTART-":
+                if words:
+                    sentences.append((words, tags))
+                words, tags = [], []
+                continue
+            if len(parts) < 2:
+                raise ConfigError(f"data.path={path} line {n} has one column; CoNLL lines are `word ... tag`")
+            if parts[-1] not in ids:
+                raise ConfigError(
+                    f"data.path={path} line {n} has the tag {parts[-1]!r}, not one of data.labels ({', '.join(labels)})"
+                )
+            words.append(parts[0])
+            tags.append(ids[parts[-1]])
+    if words:
+        sentences.append((words, tags))
+    return sentences
+
+
+def _needs(package: str, what: str):
+    import importlib
+
+    try:
+        return importlib.import_module(package)
+    except ImportError:
+        raise ConfigError(
+            f"{what} needs the package {package}, which is not installed here (pip install -e '.[data]')"
+        ) from None
+
+
+def _load_hf(cfg) -> "object":
+    datasets = _needs("datasets", "data=hf_dataset")
+
+    path = local_path(cfg, "path", "a dataset directory written by save_to_disk, or local data files")
+    try:
+        if cfg.format is None:
+            data = datasets.load_from_disk(path)
+        else:
+            data = datasets.load_dataset(str(cfg.format), data_files=path)
+    except Exception as exc:  # noqa: BLE001 -- the datasets library's own complaint, named
+        how = "load_from_disk" if cfg.format is None else f"load_dataset({cfg.format!r}, data_files=...)"
+        raise ConfigError(f"data.path={cfg.path}: {how} failed ({type(exc).__name__}: {exc})") from None
+    if isinstance(data, datasets.DatasetDict):
+        if cfg.split not in data:
+            raise ConfigError(
+                f"data.split={cfg.split} is not a split of data.path={cfg.path} (it has {', '.join(data)})"
+            )
+        data = data[cfg.split]
+    return data
+
+
+def _column(data, name: str, key: str, path: str) -> list:
+    if name not in data.column_names:
+        raise ConfigError(
+            f"data.{key}={name} is not a column of data.path={path} (it has {', '.join(data.column_names)})"
+        )
+    return data[name]
+
+
+# ------------------------------------------------------------------------------ samples
+def causal_blocks(docs: list[str], tokenizer, seq_len: int) -> torch.Tensor:
+    """The documents' tokens, joined by the end-of-text token, in (blocks, seq_len)."""
+    end = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+    ids: list[int] = []
+    for encoded in tokenizer(docs, add_special_tokens=False)["input_ids"]:
+        ids += encoded + ([end] if end is not None else [])
+    blocks = len(ids) // seq_len
+    return torch.tensor(ids[: blocks * seq_len], dtype=torch.long).reshape(blocks, seq_len)
+
+
+def word_labels(sentences: list[tuple[list[str], list[int]]], tokenizer, seq_len: int) -> list[dict[str, torch.Tensor]]:
+    """A sample per sentence: its sub-tokens, and each word's tag on the word's first sub-token."""
+    if not sentences:
+        return []
+    encoded = tokenizer([w for w, _ in sentences], is_split_into_words=True, truncation=True, max_length=seq_len)
+    samples = []
+    for i, (_, tags) in enumerate(sentences):
+        labels, previous = [], None
+        for word in encoded.word_ids(i):
+            labels.append(IGNORE if word is None or word == previous else tags[word])
+            previous = word
+        ids = torch.tensor(encoded["input_ids"][i], dtype=torch.long)
+        samples.append({"input_ids": ids, "labels": torch.tensor(labels, dtype=torch.long)})
+    return samples
+
+
+class Samples(torch.utils.data.Dataset):
+    """Tokenized samples of their own lengths (dicts of 1-D tensors)."""
+
+    def __init__(self, samples: list[dict[str, torch.Tensor]]):
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.samples[i]
+
+
+class PadTo:
+    """Collation: pads input_ids with the pad id, attention_mask with 0 and labels with -100
+    to ``length`` tokens. A class, not a closure: DataLoader workers may need to pickle it."""
+
+    def __init__(self, pad_id: int, length: int):
+        self.pad_id, self.length = pad_id, length
+
+    def __call__(self, items: list[dict[str, torch.Tensor]]) -> Batch:
+        n = len(items)
+        input_ids = torch.full((n, self.length), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((n, self.length), dtype=torch.long)
+        labels = torch.full((n, self.length), IGNORE, dtype=torch.long)
+        for row, item in enumerate(items):
+            k = len(item["input_ids"])
+            input_ids[row, :k], mask[row, :k], labels[row, :k] = item["input_ids"], 1, item["labels"]
+        return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+
+
+def dataset_task(cfg, source: str, dataset, collate, batch_size: int, **task) -> Task:
+    """A Task over ``dataset`` (read from ``source``, for messages): the DataLoader's batches
+    for training, random samples of it (keyed by step, micro-batch and rank) for evaluation
+    and the shape probes. ``cfg``: the data config (seed, shuffle, num_workers)."""
+    seed = int(cfg.seed)
+    if len(dataset) == 0:
+        raise ConfigError(f"{source} holds no samples (data={cfg.name})")
+
+    def batch(step: int, micro: int, rank: int) -> Batch:
+        picks = torch.randint(len(dataset), (batch_size,), generator=generator(seed, step, micro, rank))
+        return collate([dataset[int(i)] for i in picks])
+
+    return Task(
+        batch, dataset=dataset, collate=collate, seed=seed, shuffle=bool(cfg.shuffle),
+        num_workers=int(cfg.num_workers), **task,
+    )  # fmt: skip
+
+
+def _pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+
+def causal_task(cfg, model_cfg, batch_size: int, docs_of) -> Task:
+    require_model_fields(
+        cfg.name, "causal language models (model=hf_gpt2, hf_llama)", model_cfg, ("vocab_size", "seq_len")
+    )
+    tokenizer = load_tokenizer(local_path(cfg, "tokenizer", "the tokenizer", directory=True))
+    _tokenizer_fits(cfg, model_cfg, tokenizer)
+    blocks = causal_blocks(docs_of(), tokenizer, model_cfg.seq_len)
+    samples = Samples([{"input_ids": b, "labels": b} for b in blocks])
+    return dataset_task(
+        cfg, f"data.path={cfg.path}", samples, PadTo(_pad_id(tokenizer), model_cfg.seq_len), batch_size,
+        metric="perplexity", labels="labels", shift_labels=True,
+    )  # fmt: skip
+
+
+def token_task(cfg, model_cfg, batch_size: int, sentences_of) -> Task:
+    require_model_fields(
+        cfg.name, "token classifiers (model=hf_bert)", model_cfg, ("vocab_size", "seq_len", "num_labels")
+    )
+    if len(cfg.labels) > model_cfg.num_labels:
+        raise ConfigError(
+            f"data={cfg.name} has {len(cfg.labels)} labels (data.labels) and model.num_labels={model_cfg.num_labels}: "
+            f"set model.num_labels={len(cfg.labels)}"
+        )
+    tokenizer = load_tokenizer(local_path(cfg, "tokenizer", "the tokenizer", directory=True))
+    _tokenizer_fits(cfg, model_cfg, tokenizer)
+    samples = Samples(word_labels(sentences_of(), tokenizer, model_cfg.seq_len))
+    return dataset_task(
+        cfg, f"data.path={cfg.path}", samples, PadTo(_pad_id(tokenizer), model_cfg.seq_len), batch_size,
+        metric="token_accuracy", labels="labels", num_classes=model_cfg.num_labels,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ the tasks
+@TASKS.register("text_file", config=TextFileConfig)
+def text_file_task(cfg: TextFileConfig, model_cfg, batch_size: int) -> Task:
+    """A plain text or JSON lines file, for causal language modelling."""
+    path = local_path(cfg, "path", "the text or JSON lines file")
+    return causal_task(cfg, model_cfg, batch_size, lambda: read_documents(path, cfg.text_field))
+
+
+@TASKS.register("conll", config=ConllConfig)
+def conll_task(cfg: ConllConfig, model_cfg, batch_size: int) -> Task:
+    """A CoNLL-2003-format file, for token classification (NER)."""
+    path = local_path(cfg, "path", "the CoNLL file")
+    return token_task(cfg, model_cfg, batch_size, lambda: read_conll(path, list(cfg.labels)))
+
+
+@TASKS.register("hf_dataset", config=HFDatasetConfig)
+def hf_dataset_task(cfg: HFDatasetConfig, model_cfg, batch_size: int) -> Task:
+    """A ``datasets`` dataset from local files (save_to_disk's directory, or data files)."""
+    data = _load_hf(cfg)
+    if str(getattr(cfg.kind, "value", cfg.kind)) == "causal_lm":
+        return causal_task(
+            cfg, model_cfg, batch_size, lambda: list(_column(data, cfg.text_field, "text_field", cfg.path))
+        )
+    labels = list(cfg.labels)
+
+    def sentences():
+        words = _column(data, cfg.tokens_field, "tokens_field", cfg.path)
+        tags = _column(data, cfg.labels_field, "labels_field", cfg.path)
+        out = []
+        for w, t in zip(words, tags):
+            ids = [labels.index(x) if isinstance(x, str) and x in labels else x for x in t]
+            bad = [x for x in ids if not isinstance(x, int) or not 0 <= x < len(labels)]
+            if bad:
+                raise ConfigError(
+                    f"data.path={cfg.path} column {cfg.labels_field} holds the tag {bad[0]!r}: tags are ids below "
+                    f"{len(labels)} or names in data.labels ({', '.join(labels)})"
+                )
+            out.append((list(w), ids))
+        return out
+
+    return token_task(cfg, model_cfg, batch_size, sentences)

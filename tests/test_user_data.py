@@ -1,0 +1,205 @@
+"""Your data (issue 26): CoNLL, text / JSON lines, ``datasets`` and custom Datasets read through
+a DataLoader with a DistributedSampler, the refusals before any rank starts, and a resumed
+run that sees exactly the batches of the uninterrupted one.
+
+Every file here is made by the test (tests/data_files.py): no downloads. The real 2-rank
+runs of each data option are tests/test_coverage.py's covering runs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from sharded_exp import preflight
+from sharded_exp.data import Task, build_task, probe_batch
+from sharded_exp.data.loader import StepLoader
+from sharded_exp.errors import ConfigError
+from tests import data_files
+from tests.conftest import compose_cfg, read_result, run_job
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("user_data")
+    data_files.write_conll(d / "train.conll", n=40)
+    data_files.write_text(d / "corpus.txt", n=40)
+    data_files.write_jsonl(d / "corpus.jsonl", n=40)
+    data_files.train_tokenizer(d / "tok")
+    return d
+
+
+def bert(files: Path, *extra: str) -> list[str]:
+    return ["model=hf_bert", "model.seq_len=24", "data=conll", f"data.path={files / 'train.conll'}",
+            f"data.tokenizer={files / 'tok'}", *extra]  # fmt: skip
+
+
+def task_of(overrides: list[str], batch_size: int = 4) -> Task:
+    cfg = compose_cfg(overrides)
+    return build_task(cfg.data, cfg.model, batch_size)
+
+
+# ---------------------------------------------------------------------- samples and batches
+def test_conll_labels_each_word_on_its_first_sub_token(files):
+    """A word's tag on its first sub-token, -100 on its other sub-tokens and on padding; the
+    padding is to model.seq_len, with attention_mask 0."""
+    from sharded_exp.data.files import CONLL2003_LABELS, load_tokenizer
+
+    task = task_of(bert(files))
+    sentences = data_files.sentences(40)
+    tokenizer = load_tokenizer(str(files / "tok"))
+    split_words = 0
+    for i, sentence in enumerate(sentences):
+        sample = task.dataset[i]
+        labelled = sample["labels"][sample["labels"] != -100].tolist()
+        assert labelled == [CONLL2003_LABELS.index(t) for _, t in sentence][: len(labelled)]
+        pieces = [len(tokenizer.tokenize(w)) for w, _ in sentence]
+        split_words += sum(p > 1 for p in pieces)
+        assert len(sample["input_ids"]) == min(24, sum(pieces))
+    assert split_words > 0  # some words are cut into sub-tokens, so the -100s above were tested
+    batch = task.collate([task.dataset[i] for i in range(4)])
+    assert batch["input_ids"].shape == (4, 24)
+    pad = batch["attention_mask"] == 0
+    assert pad.any() and (batch["labels"][pad] == -100).all() and (batch["input_ids"][pad] == 0).all()
+    assert task.metric == "token_accuracy" and task.num_classes == 9
+
+
+@pytest.mark.slow  # 4 s: datasets' import, and four tasks
+def test_text_and_json_lines_and_a_saved_dataset_give_the_same_blocks(files, tmp_path):
+    """The same documents as plain text, as JSON lines and as a ``datasets`` dataset (from
+    load_dataset on the JSON file, and from save_to_disk) are cut into the same blocks."""
+    gpt = ["model=hf_gpt2", "model.seq_len=16", f"data.tokenizer={files / 'tok'}"]
+    text = task_of([*gpt, "data=text_file", f"data.path={files / 'corpus.txt'}"]).dataset
+    lines = task_of([*gpt, "data=text_file", f"data.path={files / 'corpus.jsonl'}", "data.text_field=body"]).dataset
+    loaded = task_of(
+        [*gpt, "data=hf_dataset", "data.format=json", f"data.path={files / 'corpus.jsonl'}", "data.text_field=body"]
+    ).dataset
+    data_files.save_dataset(tmp_path / "saved", n=40)
+    saved = task_of([*gpt, "data=hf_dataset", f"data.path={tmp_path / 'saved'}"]).dataset
+    assert len(text) > 10
+    for other in (lines, loaded, saved):
+        assert len(other) == len(text)
+        assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(text, other))
+    assert all(torch.equal(s["input_ids"], s["labels"]) and len(s["input_ids"]) == 16 for s in text)
+    # and a saved token-classification dataset gives the CoNLL file's samples
+    conll = task_of(bert(files)).dataset
+    ner = task_of(bert(files, "data=hf_dataset", f"data.path={tmp_path / 'saved'}", "data.kind=token_classification"))
+    assert all(torch.equal(a["labels"], b["labels"]) for a, b in zip(conll, ner.dataset))
+
+
+# ---------------------------------------------------------------------- the loader
+class Indices(torch.utils.data.Dataset):
+    """Items that say which sample they are."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {"input_ids": torch.tensor([i]), "labels": torch.tensor([i])}
+
+
+def index_task(n: int, workers: int = 0) -> Task:
+    return Task(lambda s, m, r: {}, "accuracy", labels="labels", dataset=Indices(n), collate=torch.utils.data.default_collate, seed=3, num_workers=workers)  # fmt: skip
+
+
+def stream(loader: StepLoader, steps: int) -> list[list[int]]:
+    return [b["input_ids"].flatten().tolist() for _ in range(steps) for b in loader.get(0)]
+
+
+def test_each_rank_reads_its_own_shard_of_each_epoch_and_resumes_where_it_stopped():
+    """2 ranks, 23 samples, batch 3: each rank 3 micro-batches per epoch (the tails dropped),
+    disjoint between ranks, another order every epoch. A loader started at a checkpoint's
+    position (mid-epoch, with worker processes) yields exactly the batches the uninterrupted
+    one does from there; one started at the wrong position does not."""
+    cpu = torch.device("cpu")
+    loaders = [StepLoader(index_task(23), rank, 2, 3, 2, cpu) for rank in (0, 1)]
+    assert loaders[0].per_epoch == 3
+    full = [stream(loader, 6) for loader in loaders]  # 12 micro-batches: 4 epochs
+    for epoch in range(4):
+        shards = [sum(f[epoch * 3 : epoch * 3 + 3], []) for f in full]
+        assert len(set(shards[0])) == 9 and not set(shards[0]) & set(shards[1])
+    assert sum(full[0][0:3], []) != sum(full[0][3:6], [])  # set_epoch reshuffles
+    # resume after step 2 (micro-batch 4: epoch 1, batch 1) from the recorded position
+    first = StepLoader(index_task(23), 1, 2, 3, 2, cpu)
+    stream(first, 2)
+    position = first.position()
+    assert position == {"epoch": 1, "samples": 6}
+    resumed = StepLoader(index_task(23, workers=2), 1, 2, 3, 2, cpu, start=2, position=position)
+    assert stream(resumed, 4) == full[1][4:12]
+    resumed.close()
+    wrong = StepLoader(index_task(23), 1, 2, 3, 2, cpu, position={"epoch": 1, "samples": 0})
+    assert stream(wrong, 4) != full[1][4:12]
+
+
+# ---------------------------------------------------------------------- refusals, before spawn
+REFUSALS = {
+    "no file": (["data.path=/nonexistent/train.conll"], "data.path=/nonexistent/train.conll does not exist"),
+    "a hub name": (["data.tokenizer=bert-base-cased"], "data.tokenizer=bert-base-cased is not a local directory"),
+    "no tokenizer there": (["data.tokenizer=__files__"], "holds no tokenizer transformers can load"),
+    "a tag not in labels": (["data.labels=[O,B-PER,I-PER]"], "not one of data.labels (O, B-PER, I-PER)"),
+    "more labels than the model": (["model.num_labels=5"], "set model.num_labels=9"),
+    "a tokenizer larger than the vocab": (["model.vocab_size=50"], "set model.vocab_size=120"),
+    "too little data": (
+        ["trainer.batch_size=16", "trainer.world_size=4"],
+        "has 40 samples, fewer than one micro-batch",
+    ),
+    "no path given": (["~data.path"], "data=conll needs data.path=..."),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_bad_data_is_refused_before_any_rank_starts(case, files, tmp_path):
+    overrides, message = REFUSALS[case]
+    overrides = [o.replace("__files__", str(files)) for o in overrides]
+    cfg = compose_cfg(bert(files, "logger=none", *[o for o in overrides if not o.startswith("~")]))
+    if "~data.path" in overrides:
+        cfg = compose_cfg(["model=hf_bert", "data=conll", f"data.tokenizer={files / 'tok'}", "logger=none"])
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        preflight.check(cfg, str(tmp_path), peak=False)
+
+
+def test_a_custom_factory_that_is_no_dataset_is_refused(tmp_path):
+    cfg = compose_cfg(["model=mlp", "data=custom", "data._target_=builtins.list", "logger=none"])
+    with pytest.raises(ConfigError, match=r"data\._target_=builtins\.list returned list, not a map-style"):
+        preflight.check(cfg, str(tmp_path), peak=False)
+
+
+def test_the_planner_needs_no_file():
+    """The fake step's probe: without data.path, a user's data is planned at the shapes of the
+    synthetic task of its layout (padded to model.seq_len)."""
+    cfg = compose_cfg(["model=hf_bert", "data=conll", "model.seq_len=24"])
+    batch = probe_batch(cfg.data, cfg.model, 0)
+    assert set(batch) == {"input_ids", "attention_mask", "labels"} and batch["input_ids"].shape == (1, 24)
+
+
+# ---------------------------------------------------------------------- deterministic resume
+@pytest.mark.slow
+def test_a_resumed_run_sees_the_batches_of_the_uninterrupted_run(files, tmp_path):
+    """2 ranks on the CoNLL file (40 sentences, 5 micro-batches per rank per epoch, 2 DataLoader
+    workers each): 8 steps uninterrupted, and 3 steps then resumed from their checkpoint
+    (mid-epoch 0) to 8, across the epoch's end. Every resumed step's loss equals the uninterrupted run's, bit for bit."""
+    common = bert(
+        files, "trainer.batch_size=4", "trainer.log_interval=1", "trainer.warmup_steps=1", "data.num_workers=2",
+        "trainer.checkpoint_every=3", "trainer.checkpoint_format=consolidated", "trainer.eval_batches=0",
+    )  # fmt: skip
+    whole = run_job([*common, "trainer.steps=8", f"trainer.checkpoint_dir={tmp_path / 'a'}"], tmp_path / "whole")
+    run_job([*common, "trainer.steps=3", f"trainer.checkpoint_dir={tmp_path / 'b'}"], tmp_path / "first")
+    meta = json.loads((tmp_path / "b" / "step_00000003" / "meta.json").read_text())
+    assert meta["data"] == {"epoch": 0, "samples": 24}
+    resumed = run_job(
+        [*common, "trainer.steps=8", f"trainer.checkpoint_dir={tmp_path / 'b'}", "trainer.resume=auto"],
+        tmp_path / "resumed",
+    )
+    assert resumed["start_step"] == 3 and read_result(tmp_path / "resumed")["steps_done"] == 8
+    losses = {h["step"]: h["loss"] for h in whole["history"]}
+    again = {h["step"]: h["loss"] for h in resumed["history"]}
+    assert sorted(again) == [4, 5, 6, 7, 8]
+    assert all(again[s] == losses[s] for s in again), (losses, again)
+    assert whole["throughput"]["data_time_s_per_step"] > 0 and whole["throughput"]["data_prefetched"] is True
