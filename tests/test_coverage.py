@@ -130,6 +130,7 @@ RUNS = {
         "model=hf_gpt2", "model.seq_len=16", "trainer.batch_size=4", "optimizer.lr=3e-3", "data=custom",
         "data._target_=tests.data_files.Counting", "+data.kwargs.n=64", "+data.kwargs.seq_len=16",
         "+data.kwargs.vocab=64", "data.shift_labels=true", "data.metric=perplexity", "model.vocab_size=64",
+        "data.num_workers=1",
     ],
     # ... then resumed (resume=auto) to step 8 from the newest of them.
     "fsdp_grad_op_resumed": [
