@@ -63,12 +63,24 @@ def objective_value(result: dict[str, Any], objective: str | None, direction: st
     if objective is None:
         return None
     negate = str(objective).startswith("-")
-    value: Any = result if result.get("status") == "ok" else None
-    for key in str(objective).removeprefix("-").split("/"):
-        value = value.get(key) if isinstance(value, dict) else None
+    value = result_at(result, str(objective).removeprefix("-")) if result.get("status") == "ok" else None
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return -float(value) if negate else float(value)
     return -math.inf if direction == "maximize" else math.inf
+
+
+def result_at(result: dict[str, Any], path: str) -> Any:
+    """The value at ``path`` in ``result``, or None; a key may hold a slash itself (the
+    eval section's ``eval/loss``): the longest key that matches is taken."""
+    parts, value = path.split("/"), result
+    while parts:
+        if not isinstance(value, dict):
+            return None
+        n = next((n for n in range(len(parts), 0, -1) if "/".join(parts[:n]) in value), 0)
+        if not n:
+            return None
+        value, parts = value["/".join(parts[:n])], parts[n:]
+    return value
 
 
 def sweeper_direction(hydra_cfg) -> str | None:
