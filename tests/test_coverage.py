@@ -106,7 +106,7 @@ RUNS = {
     # Your weights: FSDP from a directory save_pretrained wrote (rank 0 loads, each rank keeps
     # its shard); step 0's loss is the saved model's (tests/test_pretrained.py).
     "pretrained": [
-        "strategy=fsdp", "model=hf_gpt2", "model.pretrained=__saved__gpt2", "model.seq_len=16",
+        "strategy=fsdp", "model=hf_gpt2", "model.pretrained=__saved__gpt2", "model.seq_len=16", "precision=fp32",
         "trainer.batch_size=4", "trainer.log_interval=1", "optimizer.lr=3e-3",
     ],
 }  # fmt: skip
@@ -342,6 +342,12 @@ def test_every_field_and_option_is_set_by_a_real_run():
                 or (not any(o.startswith(f"{group}=") for o in overrides) and _is_default(group, option))
                 for _, cfg, overrides in configs
             )
+            # an alias (precision=fp16 is precision=16 by another name) is chosen with its option
+            chosen = chosen or any(
+                f"{group}={other}" in overrides
+                for other in _aliases(group, options).get(option, [])
+                for _, _, overrides in configs
+            )
             if not chosen:
                 missing.append(f"option {group}={option}")
     # Every field of every schema is set to a value other than its default by some job
@@ -372,6 +378,22 @@ def test_every_field_and_option_is_set_by_a_real_run():
             if not any("_target_" in cfg.model and cfg.model.get(key) is not None for _, cfg, _ in configs):
                 missing.append(f"field model.{key} (of model={option})")
     assert not missing, "set by no covering run in tests/test_coverage.py:\n  " + "\n  ".join(missing)
+
+
+def _aliases(group: str, options: list[str]) -> dict[str, list[str]]:
+    """Options that are one another by another name: a YAML whose only content is a
+    defaults list naming a sibling option (``fp16.yaml``: ``- "16"``), both ways. They
+    compose to the same config (tests/test_sweep.py::test_precision_aliases_compose_as_their_option)."""
+    from omegaconf import OmegaConf
+
+    out: dict[str, list[str]] = {}
+    for option in options:
+        node = OmegaConf.load(Path(CONF_DIR) / group / f"{option}.yaml")
+        entries = [str(e) for e in node.get("defaults", [])]
+        if set(node.keys()) == {"defaults"} and len(entries) == 2 and entries[1] == "_self_" and entries[0] in options:
+            out.setdefault(option, []).append(entries[0])
+            out.setdefault(entries[0], []).append(option)
+    return out
 
 
 def _is_default(group: str, option: str) -> bool:
