@@ -130,9 +130,23 @@ def exit_now(code: int) -> None:
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> float | None:
+    """One job (one sweep point). Returns the number ``objective`` names, for an optimizing
+    sweeper (sharded_exp.sweep), or None."""
+    from sharded_exp.sweep import objective_value, sweeper_direction
+
+    result = run_job(cfg)
+    if cfg.get("objective") is None:
+        return None
+    return objective_value(result or {}, cfg.objective, sweeper_direction(HydraConfig.get()))
+
+
+def run_job(cfg: DictConfig) -> dict | None:
+    """Check and launch the job; its result (None when nothing ran). Exits on a refused
+    config or a failure outside a sweep."""
     from sharded_exp.launch.parent import launch, record_config_error
     from sharded_exp.output.report import sweep_id
+    from sharded_exp.sweep import check_objective
 
     hc = HydraConfig.get()
     output_dir = hc.runtime.output_dir
@@ -143,6 +157,7 @@ def main(cfg: DictConfig) -> None:
         identity["sweep_id"] = sweep_id(hc.sweep.dir)
     try:
         check_resolvable(cfg)
+        check_objective(cfg.get("objective"))
         name_the_run(cfg)
         # Hydra's own .hydra/ writing is off (conf/config.yaml): the launcher writes these
         # files once the config is known good, after moving an earlier attempt's aside.
@@ -154,20 +169,20 @@ def main(cfg: DictConfig) -> None:
         result = launch(cfg, output_dir, job_files, started=(STARTED, IMPORTED), identity=identity)
     except NothingToDo as exc:  # a requeued job that had finished: result.json stays as it is
         print(str(exc), file=sys.stderr)
-        return
+        return read_result(output_dir)
     except ConfigError as exc:  # raised before any rank starts
         print(f"error: {exc}", file=sys.stderr)
         if not multirun:
             remove_if_unused(output_dir)
             sys.exit(2)
         if isinstance(exc, RunDirInUse):
-            return  # the directory is another job's: nothing is written there
+            return None  # the directory is another job's: nothing is written there
         result = record_config_error(cfg, output_dir, exc, identity=identity)
     except OSError as exc:  # the run directory's filesystem: full, read-only, gone
         print(f"error: {exc.strerror or exc}; the job did not run", file=sys.stderr)
         if not multirun:
             sys.exit(1)
-        return
+        return {"status": "failed"}
     except Exception as exc:  # noqa: BLE001 -- unforeseen, before or around the ranks
         if not multirun:
             raise  # its traceback is what a bug report needs
@@ -190,10 +205,21 @@ def main(cfg: DictConfig) -> None:
         # A failed point is data: it is recorded and the sweep goes on (Hydra's basic
         # sweeper would stop at the first exception and never call on_multirun_end, where
         # sharded_exp.report.ReportCallback writes the report).
-        return
+        return result
     if result["status"] != "ok":
         print(f"error: {result['error']} (details in {result['output_dir']}/result.json)", file=sys.stderr)
         sys.exit(1)
+    return result
+
+
+def read_result(output_dir: str) -> dict | None:
+    import json
+
+    try:
+        with open(os.path.join(output_dir, "result.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def run() -> None:

@@ -126,14 +126,17 @@ def quote_numeric_choices(args: list[str], conf_dir: str = CONF_DIR) -> list[str
 
     Hydra parses an unquoted ``16`` as an int and refuses it as a group choice, so a user
     would have to type ``precision="'16'"``. Numeric choices of config groups are quoted
-    here before Hydra parses the command line; everything else passes through unchanged.
+    here before Hydra parses the command line, also in a sweep's ``choice(32,16)``;
+    everything else passes through unchanged. (Sweeper params in YAML never pass through
+    here: there the options' string names serve, ``precision: fp32,fp16``.)
     """
     out = []
     for arg in args:
-        m = re.fullmatch(r"([+~]{0,2}[\w/]+)=([\w.,]+)", arg)
+        m = re.fullmatch(r"([+~]{0,2}[\w/]+)=(choice\(([\w., ]+)\)|[\w.,]+)", arg)
         if m and os.path.isdir(os.path.join(conf_dir, m.group(1).lstrip("+~"))):
-            items = m.group(2).split(",")
-            arg = m.group(1) + "=" + ",".join(f"'{v}'" if re.fullmatch(r"[0-9.]+", v) else v for v in items)
+            items = [v.strip() for v in (m.group(3) or m.group(2)).split(",")]
+            quoted = ",".join(f"'{v}'" if re.fullmatch(r"[0-9.]+", v) else v for v in items)
+            arg = m.group(1) + "=" + (f"choice({quoted})" if m.group(3) else quoted)
         out.append(arg)
     return out
 

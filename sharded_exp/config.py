@@ -222,6 +222,11 @@ class Config(JobGroups):
     logger: Any = MISSING
     experiment: Optional[str] = None
     """Name of the experiment preset, if one was chosen (set by the preset)."""
+    objective: Optional[str] = None
+    """The result.json number ``main`` returns, for Hydra's optimizing sweepers (Optuna):
+    e.g. ``throughput/samples_per_s``; a leading ``-`` negates it
+    (``-memory/peak_allocated_mib_max``). A failed or out-of-memory point returns the worst
+    value for the sweeper's direction. null: main returns nothing. See sharded_exp.sweep."""
 
 
 # ------------------------------------------------------------------- root: the planner

@@ -30,6 +30,7 @@ from omegaconf import OmegaConf
 from sharded_exp.compose import compose
 from sharded_exp.errors import ConfigError
 from sharded_exp.measure.prediction import ModelShapes, model_shapes, predict, predict_peak
+from sharded_exp.models.target import check_pretrained, is_target_model
 from sharded_exp.strategies import STRATEGIES
 
 GIB = 2**30
@@ -502,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = compose(argv, config_name="plan")
         check_plan(cfg, argv)
+        if is_target_model(cfg.model):
+            check_pretrained(cfg.model)  # its config.json is the architecture planned for
     except (ConfigError, HydraException, OmegaConfBaseException) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

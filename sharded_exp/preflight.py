@@ -27,7 +27,7 @@ from sharded_exp.errors import ConfigError, NothingToDo, WontFit, missing_packag
 from sharded_exp.launch.layout import Layout
 from sharded_exp.measure.prediction import ModelShapes, meta_model, model_shapes, predict, predict_peak
 from sharded_exp.models import MODELS, units
-from sharded_exp.models.target import check_accepts, is_target_model
+from sharded_exp.models.target import check_accepts, check_pretrained, is_target_model
 from sharded_exp.optim import OPTIMIZERS
 from sharded_exp.precision import PRECISIONS
 from sharded_exp.strategies import STRATEGIES
@@ -167,6 +167,8 @@ def check_values(cfg) -> None:
     )
     if not is_target_model(cfg.model):
         MODELS.builder(cfg.model.name)
+    else:
+        check_pretrained(cfg.model)  # a local save_pretrained directory, never a download
     TASKS.builder(cfg.data.name)
     name = str(cfg.precision.name)
     _require(name in PRECISIONS, f"precision={name!r} is not one of {', '.join(PRECISIONS)}")

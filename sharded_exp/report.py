@@ -34,6 +34,9 @@ class ReportCallback(Callback):
     def on_multirun_start(self, config, **kwargs) -> None:
         import uuid
 
+        from sharded_exp.sweep import check_multirun
+
+        check_multirun(config)  # a launcher that can host ranks, a valid objective: before any point
         sweep_dir = Path(config.hydra.sweep.dir)
         try:
             sweep_dir.mkdir(parents=True, exist_ok=True)

@@ -138,6 +138,37 @@ def without_package(tmp_path: Path, package: str) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 
+TINY_HF = {
+    "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    "llama": ("LlamaForCausalLM", "LlamaConfig", dict(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                                     num_hidden_layers=2, num_attention_heads=2,
+                                                     num_key_value_heads=2, max_position_embeddings=32)),
+    "bert": ("BertForTokenClassification", "BertConfig", dict(vocab_size=96, hidden_size=32, num_hidden_layers=2,
+                                                             num_attention_heads=2, intermediate_size=64,
+                                                             max_position_embeddings=32, num_labels=5,
+                                                             hidden_dropout_prob=0.0,
+                                                             attention_probs_dropout_prob=0.0)),
+}  # fmt: skip
+_saved: dict[str, str] = {}
+
+
+def saved_tiny_hf(factory, kind: str) -> str:
+    """A tiny Hugging Face model (``TINY_HF[kind]``, seeded random weights) written by
+    ``save_pretrained`` into a directory of this test session, once: a user's weights."""
+    if kind not in _saved:
+        import torch
+        import transformers
+
+        model_class, config_class, sizes = TINY_HF[kind]
+        torch.manual_seed(123)
+        model = getattr(transformers, model_class)(getattr(transformers, config_class)(**sizes))
+        directory = factory.mktemp(f"saved_{kind}")
+        model.save_pretrained(directory)
+        _saved[kind] = str(directory)
+    return _saved[kind]
+
+
 def read_result(path: Path) -> dict:
     return json.loads((path / "result.json").read_text())
 

@@ -30,7 +30,8 @@ from sharded_exp.data import TASKS
 from sharded_exp.models import MODELS
 from sharded_exp.strategies import STRATEGIES
 from tests import data_files
-from tests.conftest import ROOT, compose_cfg, run_cli, tiny
+from tests.conftest import ROOT, compose_cfg, run_cli, saved_tiny_hf, tiny
+from tests.test_pretrained import check_starts_from_saved
 from tests.wandb_file import find_runs, read_run
 
 GPT = ["model=gpt", "model.n_layers=1", "model.mlp_ratio=2", "data.seed=3", "data.branching=2"]
@@ -139,6 +140,12 @@ RUNS = {
         "trainer.checkpoint_every=2", "trainer.checkpoint_dir=__tmp__grad_op_ckpt", "trainer.resume=auto",
         "trainer.existing_checkpoints=archive",
     ],
+    # Your weights: FSDP from a directory save_pretrained wrote (rank 0 loads, each rank keeps
+    # its shard); step 0's loss is the saved model's (tests/test_pretrained.py).
+    "pretrained": [
+        "strategy=fsdp", "model=hf_gpt2", "model.pretrained=__saved__gpt2", "model.seq_len=16", "precision=fp32",
+        "trainer.batch_size=4", "trainer.log_interval=1", "optimizer.lr=3e-3",
+    ],
 }  # fmt: skip
 """Training runs (``tiny`` adds the small shapes): one per strategy, each setting its knobs,
 and one per data option of a user's data. ``__tmp__NAME``: a directory of this session;
@@ -221,11 +228,14 @@ def placeholders(tmp_path_factory):
                 key, name = o.split("=__tmp__")
                 cache.setdefault(name, str(tmp_path_factory.mktemp(name)))
                 o = f"{key}={cache[name]}"
-            if "=__data__" in o:  # a data file, made once per session
+            elif "=__data__" in o:  # a data file, made once per session
                 key, name = o.split("=__data__")
                 if name not in cache:
                     cache[name] = str(DATA_FILES[name](tmp_path_factory.mktemp("data") / name))
                 o = f"{key}={cache[name]}"
+            elif "=__saved__" in o:  # a tiny Hugging Face model written by save_pretrained
+                key, kind = o.split("=__saved__")
+                o = f"{key}={saved_tiny_hf(tmp_path_factory, kind)}"
             out.append(o)
         return out
 
@@ -319,6 +329,7 @@ CHECKS = {
     "zero1": _check_zero1,
     "fsdp": _check_fsdp,
     "fsdp_grad_op_resumed": _check_resumed,
+    "pretrained": lambda out, result: check_starts_from_saved(result),
 }
 
 
@@ -410,6 +421,12 @@ def test_every_field_and_option_is_set_by_a_real_run():
                 or (not any(o.startswith(f"{group}=") for o in overrides) and _is_default(group, option))
                 for _, cfg, overrides in configs
             )
+            # an alias (precision=fp16 is precision=16 by another name) is chosen with its option
+            chosen = chosen or any(
+                f"{group}={other}" in overrides
+                for other in _aliases(group, options).get(option, [])
+                for _, _, overrides in configs
+            )
             if not chosen:
                 missing.append(f"option {group}={option}")
     # Every field of every schema is set to a value other than its default by some job
@@ -429,7 +446,33 @@ def test_every_field_and_option_is_set_by_a_real_run():
             ]
             if not covered_by:
                 missing.append(f"field {group}.{f.name}" + (f" (of {group}={option})" if option else ""))
+    # The Hugging Face and custom models have no schema (their YAML is the model's config):
+    # each of their settings that is off by default (null, e.g. model.pretrained) is turned
+    # on by some covering job with that kind of model.
+    for option in _options()["model"]:
+        node = compose_cfg([f"model={option}"]).model
+        if "_target_" not in node:
+            continue
+        for key in [k for k in node if k not in ("name", "_target_", "config") and node[k] is None]:
+            if not any("_target_" in cfg.model and cfg.model.get(key) is not None for _, cfg, _ in configs):
+                missing.append(f"field model.{key} (of model={option})")
     assert not missing, "set by no covering run in tests/test_coverage.py:\n  " + "\n  ".join(missing)
+
+
+def _aliases(group: str, options: list[str]) -> dict[str, list[str]]:
+    """Options that are one another by another name: a YAML whose only content is a
+    defaults list naming a sibling option (``fp16.yaml``: ``- "16"``), both ways. They
+    compose to the same config (tests/test_sweep.py::test_precision_aliases_compose_as_their_option)."""
+    from omegaconf import OmegaConf
+
+    out: dict[str, list[str]] = {}
+    for option in options:
+        node = OmegaConf.load(Path(CONF_DIR) / group / f"{option}.yaml")
+        entries = [str(e) for e in node.get("defaults", [])]
+        if set(node.keys()) == {"defaults"} and len(entries) == 2 and entries[1] == "_self_" and entries[0] in options:
+            out.setdefault(option, []).append(entries[0])
+            out.setdefault(entries[0], []).append(option)
+    return out
 
 
 def _is_default(group: str, option: str) -> bool:

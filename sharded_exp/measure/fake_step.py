@@ -217,7 +217,10 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
             try:
                 try:
                     with device:  # built on the (fake) device, as a real run's model ends up
-                        run = build_run(cfg, device, with_task=False, before_wrap=start_tracker, compile=False)
+                        # shapes only: model.pretrained's config, never its weights
+                        run = build_run(
+                            cfg, device, with_task=False, before_wrap=start_tracker, compile=False, weights=False
+                        )
                 except Exception as exc:  # noqa: BLE001
                     text = "".join(traceback.format_exception(exc))
                     if built or not any(sign in text for sign in META_FIRST_SIGNS):
@@ -227,7 +230,13 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
                     # built on meta, its tensors then made fake.
                     with device:
                         run = build_run(
-                            cfg, device, with_task=False, before_wrap=start_tracker, meta_first=True, compile=False
+                            cfg,
+                            device,
+                            with_task=False,
+                            before_wrap=start_tracker,
+                            meta_first=True,
+                            compile=False,
+                            weights=False,
                         )
             except FakeStepError:
                 raise

@@ -26,13 +26,14 @@ class ModelOutput(NamedTuple):
     loss: torch.Tensor | None
 
 
-def build_model(cfg, freeze=()) -> torch.nn.Module:
+def build_model(cfg, freeze=(), weights: bool = False) -> torch.nn.Module:
     """The configured model: a registered builder, or a ``_target_`` (Hugging Face class or a
     user's factory, :mod:`sharded_exp.models.target`); parameters named by the ``freeze``
-    patterns are frozen (:func:`freeze_parameters`)."""
+    patterns are frozen (:func:`freeze_parameters`). ``weights``: load ``model.pretrained``'s
+    weights (when it is set); without, the model is only built from its config."""
     from sharded_exp.models.target import build_target_model, is_target_model
 
-    module = build_target_model(cfg) if is_target_model(cfg) else MODELS.builder(cfg.name)(cfg)
+    module = build_target_model(cfg, weights) if is_target_model(cfg) else MODELS.builder(cfg.name)(cfg)
     if freeze:
         freeze_parameters(module, freeze)
     return module

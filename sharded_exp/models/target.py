@@ -6,6 +6,7 @@ weights, no download), or a user's own factory. Built with Hydra's ``instantiate
     python -m sharded_exp model=hf_bert model._target_=transformers.RobertaForTokenClassification \\
         model.config._target_=transformers.RobertaConfig             # any other Hugging Face class
     python -m sharded_exp model=custom model._target_=my_pkg.my_module.build +model.hidden=64
+    python -m sharded_exp model=hf_gpt2 model.pretrained=/path/to/dir           # your weights (save_pretrained)
 
 Two forms, told apart by whether ``model.config`` is itself a ``_target_`` node:
 
@@ -17,6 +18,11 @@ Two forms, told apart by whether ``model.config`` is itself a ``_target_`` node:
 The contract (the Hugging Face convention, which our MLP and GPT follow too): the model is
 called with the data task's batch keys as keyword arguments and returns an object or a
 dict with ``loss`` (and ``logits`` for the training metrics).
+
+``model.pretrained=DIR`` (a Hugging Face class only): the architecture is the directory's
+``config.json`` (``model.config`` is then ignored) and the ranks load its weights
+(:mod:`sharded_exp.train.build`); the directory is one ``save_pretrained`` wrote. Nothing
+is ever downloaded: a name that is not a local directory is refused.
 """
 
 from __future__ import annotations
@@ -38,8 +44,10 @@ def _plain(cfg) -> dict:
     return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
 
 
-def build_target_model(cfg) -> nn.Module:
-    """The model of a ``_target_`` config (see the module docstring)."""
+def build_target_model(cfg, weights: bool = False) -> nn.Module:
+    """The model of a ``_target_`` config (see the module docstring). With
+    ``model.pretrained``: built from the directory's config.json, with its weights loaded
+    only when ``weights`` (else initialised as the class does: random, or nothing on meta)."""
     from hydra.utils import get_class, instantiate
     from omegaconf import DictConfig, OmegaConf
 
@@ -55,10 +63,12 @@ def build_target_model(cfg) -> nn.Module:
         hint = " (pip install -e '.[hf]')" if package == "transformers" else ""
         raise ConfigError(f"model={data.get('name')} needs the package {package}, which is not installed here{hint}")
     try:
-        if isinstance(data.get("config"), dict) and "_target_" in data["config"]:
+        if data.get("pretrained"):
+            module = _pretrained_model(data, weights)
+        elif isinstance(data.get("config"), dict) and "_target_" in data["config"]:
             module = get_class(target)(config=instantiate(data["config"]))
         else:
-            module = instantiate({k: v for k, v in data.items() if k != "name"})
+            module = instantiate({k: v for k, v in data.items() if k not in ("name", "pretrained")})
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 -- a user's factory: name it and what it said
@@ -67,6 +77,110 @@ def build_target_model(cfg) -> nn.Module:
         got = "None (does it return the model?)" if module is None else f"a {type(module).__name__}"
         raise ConfigError(f"model={data.get('name')}: model._target_={target} returned {got}, not a torch.nn.Module")
     return module
+
+
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+"""What ``save_pretrained`` writes the weights to (one file, or shards and their index)."""
+
+
+def pretrained_class(model_cfg):
+    """The Hugging Face class ``model._target_`` names, or ConfigError: pretrained weights
+    load into a transformers ``PreTrainedModel`` (or an ``AutoModel...`` class) only."""
+    from hydra.utils import get_class
+
+    target = model_cfg.get("_target_")
+    try:
+        cls = get_class(target)
+    except Exception:  # noqa: BLE001 -- not a class: a factory function, or nothing
+        cls = None
+    if not (hasattr(cls, "from_pretrained") and (hasattr(cls, "config_class") or hasattr(cls, "from_config"))):
+        raise ConfigError(
+            f"model.pretrained needs a Hugging Face model class as model._target_ (a transformers PreTrainedModel "
+            f"or AutoModel class, e.g. transformers.GPT2LMHeadModel); model._target_={target} is not one"
+        )
+    return cls
+
+
+def pretrained_config(model_cfg):
+    """The Hugging Face config of ``model.pretrained``'s directory (its config.json)."""
+    from transformers import AutoConfig
+
+    cls = pretrained_class(model_cfg)
+    path = model_cfg.get("pretrained")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    wanted = getattr(getattr(cls, "config_class", None), "model_type", None)
+    if wanted and config.model_type != wanted:
+        raise ConfigError(
+            f"model.pretrained={path} holds a {config.model_type} model (config.json's model_type) and "
+            f"model._target_={model_cfg.get('_target_')} builds a {wanted} model; choose the model=... option "
+            f"or model._target_ of a {config.model_type} class"
+        )
+    return config
+
+
+def check_pretrained(model_cfg) -> None:
+    """``model.pretrained`` must name a local directory written by ``save_pretrained``
+    (config.json and weights): checked before any rank starts. Makes the path absolute and
+    takes the data task's sizes the directory's config defines (``vocab_size``, and
+    ``num_labels`` where the model has that key: set from it), so the batches fit
+    the saved model. ``seq_len`` must fit its positions."""
+    import json
+    import os
+
+    from omegaconf import open_dict
+
+    path = model_cfg.get("pretrained")
+    if not path:
+        return
+    path = str(path)
+    if not os.path.isdir(path):
+        raise ConfigError(
+            f"model.pretrained={path} is not a local directory: weights are read only from a directory written by "
+            "save_pretrained (nothing is downloaded from the Hugging Face Hub); give the path of such a directory, "
+            "or model.pretrained=null for random weights"
+        )
+    files = sorted(os.listdir(path))
+    if "config.json" not in files or not any(f in files for f in WEIGHT_FILES):
+        raise ConfigError(
+            f"model.pretrained={path} is not a directory written by save_pretrained: it needs config.json and the "
+            f"weights ({' or '.join(WEIGHT_FILES[::2])}); it holds {', '.join(files[:8]) or 'nothing'}"
+        )
+    config = pretrained_config(model_cfg)
+    with open_dict(model_cfg):
+        model_cfg.pretrained = os.path.abspath(path)
+        # What is built is the directory's architecture: result.json and W&B show it, not
+        # the option's own model.config (ignored).
+        kind = type(config)
+        saved = json.loads(config.to_json_string(use_diff=True))  # plain data: string keys (id2label)
+        model_cfg.config = {"_target_": f"{kind.__module__}.{kind.__name__}", **saved}
+        for key in ("vocab_size", "num_labels"):  # vocab_size also for model=custom, which has none
+            if (key in model_cfg or key == "vocab_size") and getattr(config, key, None) is not None:
+                model_cfg[key] = getattr(config, key)
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    seq_len = model_cfg.get("seq_len")
+    if positions and isinstance(seq_len, int) and seq_len > positions:
+        raise ConfigError(
+            f"model.seq_len={seq_len} is longer than model.pretrained's {positions} positions; use at most {positions}"
+        )
+
+
+def _pretrained_model(data: dict, weights: bool) -> nn.Module:
+    import torch
+
+    cls = pretrained_class(data)
+    if weights:
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()  # one bar per rank, for a load of a second or two
+        # float32 master weights, as every other model here (a half-precision file is upcast)
+        return cls.from_pretrained(data["pretrained"], local_files_only=True, dtype=torch.float32)
+    config = pretrained_config(data)
+    return cls.from_config(config) if not hasattr(cls, "config_class") else cls(config)
 
 
 def check_accepts(module: nn.Module, keys, model_name: str, task: str) -> None:

@@ -57,16 +57,21 @@ def _padded_numel(shape: tuple, world_size: int) -> int:
 
 def _broadcast_buffers_before_forward(module: torch.nn.Module) -> None:
     """Rank 0's persistent buffers to every rank before each forward, training and
-    evaluation (DDP's ``broadcast_buffers``): the ranks evaluate with the same statistics."""
-    buffers = [
-        b for m in module.modules() for name, b in m._buffers.items()
-        if b is not None and name not in m._non_persistent_buffers_set
-    ]  # fmt: skip
-    if not buffers:
+    evaluation (DDP's ``broadcast_buffers``): the ranks evaluate with the same statistics.
+    The buffers are looked up at each forward: a model built on the meta device gets new
+    buffer tensors when it is materialised after wrapping (sharded_exp.train.build)."""
+
+    def persistent():
+        return [
+            b for m in module.modules() for name, b in m._buffers.items()
+            if b is not None and name not in m._non_persistent_buffers_set
+        ]  # fmt: skip
+
+    if not persistent():
         return
 
     def broadcast(mod, args, kwargs):
-        for b in buffers:
+        for b in persistent():
             torch.distributed.broadcast(b, src=0)
 
     module.register_forward_pre_hook(broadcast, with_kwargs=True)

@@ -21,7 +21,7 @@ from sharded_exp import precision
 from sharded_exp.data import Task, build_task
 from sharded_exp.models import build_model
 from sharded_exp.optim import optimizer_spec
-from sharded_exp.strategies import build_strategy
+from sharded_exp.strategies import STRATEGIES, build_strategy
 from sharded_exp.strategies.base import Strategy
 from sharded_exp.train.levers import apply_levers
 
@@ -54,6 +54,33 @@ def _tied_to_empty(module: nn.Module, device: torch.device) -> nn.Module:
     return module
 
 
+def load_sharded_from_rank0(module: nn.Module, model_cfg, device: torch.device) -> None:
+    """Materialise a sharded meta-device ``module`` on ``device`` and fill it with
+    ``model.pretrained``'s weights: rank 0 loads the whole model on its CPU, and each
+    tensor is broadcast from it, one at a time, every rank keeping its own shard (torch's
+    ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``).
+
+    Warning:
+        Buffers that are no state-dict entries (a rotary embedding's ``inv_freq``) have no
+        value after a meta-device build: they are rank 0's, broadcast too.
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    rank0 = dist.get_rank() == 0
+    full = build_model(model_cfg, weights=True) if rank0 else None
+    _tied_to_empty(module, device)  # the parameter objects stay (FSDP2): the optimizer keeps them
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(module, full.state_dict() if rank0 else {}, options=options)
+    loaded = dict(full.named_buffers()) if rank0 else {}
+    with torch.no_grad():
+        for name, buffer in module.named_buffers():
+            if rank0:
+                buffer.copy_(loaded[name])
+            dist.broadcast(buffer, src=0)
+    del full, loaded
+
+
 def build_run(
     cfg,
     device: torch.device,
@@ -62,6 +89,7 @@ def build_run(
     before_wrap: Callable[[nn.Module], None] | None = None,
     meta_first: bool = False,
     compile: bool = True,
+    weights: bool = True,
 ) -> Run:
     """Build the configured run on ``device`` (needs a process group: the strategy's).
 
@@ -73,22 +101,33 @@ def build_run(
     for a model that cannot be built under FakeTensorMode directly). The trainer's levers
     (activation checkpointing, compile: :mod:`sharded_exp.train.levers`) are applied to the
     model's units before it is wrapped; ``compile=False`` leaves the units eager.
+
+    ``model.pretrained``'s weights are loaded unless ``weights=False`` (the fake step's
+    shapes-only build): by every rank when every rank holds the whole model; under a
+    strategy that shards parameters (FSDP) the model is built on the meta device, wrapped,
+    and each rank then keeps its shard of what rank 0 alone loaded
+    (:func:`load_sharded_from_rank0`), so no other rank ever holds the whole model.
     """
     tc = cfg.trainer
     torch.manual_seed(tc.seed)  # identical initial weights on every rank
-    if meta_first:
+    pretrained = weights and bool(cfg.model.get("pretrained"))
+    sharded_load = pretrained and STRATEGIES.builder(cfg.strategy.name).shards_parameters
+    if meta_first or sharded_load:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         with unset_fake_temporarily(), torch.device("meta"):
             module = build_model(cfg.model, tc.freeze)
-        module = _tied_to_empty(module, device)
+        if not sharded_load:
+            module = _tied_to_empty(module, device)
     else:
-        module = build_model(cfg.model, tc.freeze)
-    if any(t.device != device for t in (*module.parameters(), *module.buffers())):
+        module = build_model(cfg.model, tc.freeze, weights=pretrained)
+    if not sharded_load and any(t.device != device for t in (*module.parameters(), *module.buffers())):
         module = module.to(device)  # (a fake step builds on its fake device already)
     task = build_task(cfg.data, cfg.model, tc.batch_size) if with_task else None
     apply_levers(module, tc, compile=compile)
     if before_wrap is not None:
         before_wrap(module)
     strategy = build_strategy(cfg.strategy, module, optimizer_spec(cfg.optimizer, module), cfg.precision, device)
+    if sharded_load:
+        load_sharded_from_rank0(module, cfg.model, device)
     return Run(module, strategy, task, precision.autocast(cfg.precision, device.type))

@@ -403,11 +403,12 @@ def _train(cfg, device, output_dir, prediction, timeline, meter: MemoryMeter, hi
     rank, tc = dist.get_rank(), cfg.trainer
     # On CPU only tensors the tracker sees are counted: it starts before the strategy
     # allocates its communication buffers, as the CUDA allocator would count them.
-    run = build_run(cfg, device, before_wrap=meter.start if device.type == "cpu" else None)
+    # model.pretrained's weights are loaded, unless a checkpoint's replace them at once.
+    run = build_run(cfg, device, before_wrap=meter.start if device.type == "cpu" else None, weights=not tc.resume)
     module, strategy, task = run.module, run.strategy, run.task
     loaded = checkpoint.load(strategy, tc.resume, device) if tc.resume else {"step": 0, "resume_changes": []}
     start, resume_changes = loaded["step"], loaded["resume_changes"]  # the parent resolved the path
-    if tc.resume and device.type == "cpu":
+    if (tc.resume or cfg.model.get("pretrained")) and device.type == "cpu":
         meter.reset_peak()  # the loading's own copies are not the training's peak
     if rank == 0:
         for c in resume_changes:

@@ -1,0 +1,116 @@
+"""What Hydra's sweepers and launchers get from a job: the objective ``main`` returns, and
+which launchers may run the points.
+
+    python -m sharded_exp -m hydra/sweeper=optuna objective=throughput/samples_per_s \\
+        hydra.sweeper.direction=maximize hydra.sweeper.n_trials=8 \\
+        'hydra.sweeper.params={strategy: choice(ddp,zero1,fsdp), trainer.batch_size: choice(16,32,64)}'
+
+``objective`` names a number of ``result.json`` by its path (``throughput/samples_per_s``);
+a leading ``-`` negates it (``-memory/peak_allocated_mib_max``: less memory is a larger
+value). A point that did not produce it (out of memory, failed, diverged) returns the worst
+value for the sweeper's direction (``-inf`` when maximizing, ``+inf`` when minimizing;
+Optuna records it as a complete trial), so one bad point never ends the study.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+from sharded_exp.errors import ConfigError
+
+OBJECTIVES = (
+    "final_loss",
+    "throughput/samples_per_s",
+    "throughput/tokens_per_s",
+    "throughput/step_time_s_median",
+    "throughput/achieved_flops_per_s",
+    "throughput/mfu",
+    "memory/peak_allocated_mib_max",
+    "memory/model_states_mib_max",
+    "memory/predicted_peak_mib_max",
+    "eval/final/eval/loss",
+)
+"""The result.json paths ``objective`` may name (numbers every finished job has; mfu and
+tokens_per_s are null where they do not apply, and then count as a failed point)."""
+
+HOSTS = {
+    "hydra._internal.core_plugins.basic_launcher.BasicLauncher": "basic",
+    "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher": "submitit_local",
+    "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher": "submitit_slurm",
+}
+"""Launchers whose points run in a process that may start the ranks (its own children)."""
+
+
+def check_objective(objective: str | None) -> None:
+    """Refuse an ``objective`` that names no result.json number, listing those allowed."""
+    if objective is None:
+        return
+    path = str(objective).removeprefix("-")
+    if path not in OBJECTIVES:
+        raise ConfigError(
+            f"objective={objective} is not a result.json number main can return; allowed: "
+            f"{', '.join(OBJECTIVES)} (a leading - negates it, e.g. -memory/peak_allocated_mib_max), or null"
+        )
+
+
+def objective_value(result: dict[str, Any], objective: str | None, direction: str | None) -> float | None:
+    """The number ``main`` returns for ``result`` (None without an objective).
+
+    A point without a finite value (status other than ok, or the figure null) gets the
+    worst value for ``direction`` ("maximize": -inf; "minimize" or unknown: +inf)."""
+    if objective is None:
+        return None
+    negate = str(objective).startswith("-")
+    value = result_at(result, str(objective).removeprefix("-")) if result.get("status") == "ok" else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return -float(value) if negate else float(value)
+    return -math.inf if direction == "maximize" else math.inf
+
+
+def result_at(result: dict[str, Any], path: str) -> Any:
+    """The value at ``path`` in ``result``, or None; a key may hold a slash itself (the
+    eval section's ``eval/loss``): the longest key that matches is taken."""
+    parts, value = path.split("/"), result
+    while parts:
+        if not isinstance(value, dict):
+            return None
+        n = next((n for n in range(len(parts), 0, -1) if "/".join(parts[:n]) in value), 0)
+        if not n:
+            return None
+        value, parts = value["/".join(parts[:n])], parts[n:]
+    return value
+
+
+def sweeper_direction(hydra_cfg) -> str | None:
+    """The sweeper's direction (Optuna's ``direction``), if it has one: maximize or minimize."""
+    direction = hydra_cfg.sweeper.get("direction") if "sweeper" in hydra_cfg else None
+    name = getattr(direction, "name", direction)
+    return str(name).lower() if name is not None else None
+
+
+def check_multirun(config) -> None:
+    """Before the first point of a multirun: a launcher that can host the ranks, and a
+    valid objective (required by a sweeper that optimizes). Says why and exits 2."""
+    target = config.hydra.launcher.get("_target_")
+    choice = config.hydra.runtime.choices.get("hydra/launcher", target)
+    try:
+        if target not in HOSTS:
+            raise ConfigError(
+                f"hydra/launcher={choice} ({target}) cannot run this job's points: each point starts its own rank "
+                "processes, which a pool worker does not host (under joblib's loky workers: \"cannot find context "
+                "for 'loky'\"); use "
+                f"{', '.join(f'hydra/launcher={n}' for n in HOSTS.values() if n != 'basic')} or the basic launcher "
+                "(the default: no hydra/launcher override)"
+            )
+        check_objective(config.get("objective"))
+        optimizing = "optuna" in str(config.hydra.sweeper.get("_target_", ""))
+        if optimizing and config.get("objective") is None:
+            raise ConfigError(
+                f"hydra/sweeper={config.hydra.runtime.choices.get('hydra/sweeper')} optimizes the value main returns: "
+                f"set objective= to one of {', '.join(OBJECTIVES)} (a leading - negates it)"
+            )
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)

@@ -1,0 +1,140 @@
+"""Your weights: ``model.pretrained=DIR``, a directory ``save_pretrained`` wrote (made here,
+never downloaded). A run starts from exactly the saved model: its step-0 loss is the saved
+model's loss on the same batches, computed here in-process. FSDP's case (rank 0 loads,
+every rank keeps its shard) is a covering run of tests/test_coverage.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sharded_exp.errors import ConfigError
+from tests.conftest import compose_cfg, run_job, saved_tiny_hf
+
+PRETRAINED = ["model.seq_len=16", "trainer.batch_size=4", "trainer.log_interval=1", "optimizer.lr=3e-3"]
+
+
+def step0_reference(result: dict) -> float:
+    """The saved model's loss on the batches of step 0 (every rank's, averaged as the
+    trainer's logged loss is), computed in this process from the run's resolved config."""
+    from omegaconf import OmegaConf
+
+    from sharded_exp.data import build_task
+    from sharded_exp.models import build_model
+
+    cfg = OmegaConf.create(result["config"])
+    model = build_model(cfg.model, weights=True).eval()
+    task = build_task(cfg.data, cfg.model, cfg.trainer.batch_size)
+    with torch.no_grad():
+        losses = [task.loss_of(model(**task(0, 0, rank))).item() for rank in range(cfg.trainer.world_size)]
+    return sum(losses) / len(losses)
+
+
+def check_starts_from_saved(result: dict) -> None:
+    assert result["status"] == "ok", result.get("error")
+    first = result["history"][0]
+    assert first["step"] == 1, first
+    reference = step0_reference(result)
+    assert first["loss"] == pytest.approx(reference, rel=1e-5, abs=1e-6), (first["loss"], reference)
+    # and not what random weights give: the saved ones were loaded
+    assert not math.isclose(first["loss"], result_of_random(result), rel_tol=1e-3)
+
+
+def result_of_random(result: dict) -> float:
+    """Step 0's loss of the same architecture with the seed's random weights instead."""
+    from omegaconf import OmegaConf
+
+    from sharded_exp.data import build_task
+    from sharded_exp.models import build_model
+
+    cfg = OmegaConf.create(result["config"])
+    torch.manual_seed(cfg.trainer.seed + 1)
+    model = build_model(cfg.model, weights=False).eval()
+    task = build_task(cfg.data, cfg.model, cfg.trainer.batch_size)
+    with torch.no_grad():
+        return task.loss_of(model(**task(0, 0, 0))).item()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kind,model,strategy",
+    [
+        ("gpt2", "hf_gpt2", "ddp"),
+        ("gpt2", "hf_gpt2", "zero1"),
+        ("llama", "hf_llama", "fsdp"),  # its rotary table is a buffer outside the state dict
+        ("bert", "hf_bert", "fsdp_grad_op"),
+    ],
+)
+def test_a_run_starts_from_the_saved_weights(kind, model, strategy, tmp_path_factory, tmp_path):
+    saved = saved_tiny_hf(tmp_path_factory, kind)
+    result = run_job([f"model={model}", f"model.pretrained={saved}", f"strategy={strategy}", *PRETRAINED], tmp_path)
+    check_starts_from_saved(result)
+    assert result["config"]["model"]["pretrained"] == str(saved)
+
+
+@pytest.mark.slow
+def test_custom_hugging_face_class_with_saved_weights(tmp_path_factory, tmp_path):
+    saved = saved_tiny_hf(tmp_path_factory, "gpt2")
+    result = run_job(
+        ["model=custom", "model._target_=transformers.GPT2LMHeadModel", f"model.pretrained={saved}",
+         "data=causal_lm", "+model.seq_len=16", "trainer.batch_size=4", "trainer.log_interval=1"],
+        tmp_path,
+    )  # fmt: skip
+    check_starts_from_saved(result)
+
+
+# ------------------------------------------------------------------- refusals (in-process)
+def _checked(overrides: list[str]):
+    from sharded_exp import preflight
+
+    cfg = compose_cfg(overrides)
+    preflight.check_values(cfg)
+    return cfg
+
+
+def test_a_name_that_is_not_a_local_directory_is_refused():
+    with pytest.raises(ConfigError) as err:
+        _checked(["model=hf_gpt2", "model.pretrained=openai-community/gpt2"])
+    assert str(err.value) == (
+        "model.pretrained=openai-community/gpt2 is not a local directory: weights are read only from a directory "
+        "written by save_pretrained (nothing is downloaded from the Hugging Face Hub); give the path of such a "
+        "directory, or model.pretrained=null for random weights"
+    )
+
+
+def test_a_directory_without_config_or_weights_is_refused(tmp_path):
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(ConfigError, match=r"not a directory written by save_pretrained: it needs config.json and the "
+                       r"weights \(model.safetensors or pytorch_model.bin\); it holds notes.txt"):  # fmt: skip
+        _checked(["model=hf_gpt2", f"model.pretrained={tmp_path}"])
+
+
+def test_weights_of_another_architecture_are_refused(tmp_path_factory):
+    saved = saved_tiny_hf(tmp_path_factory, "gpt2")
+    with pytest.raises(ConfigError, match=r"holds a gpt2 model \(config.json's model_type\) and "
+                       r"model._target_=transformers.BertForTokenClassification builds a bert model"):  # fmt: skip
+        _checked(["model=hf_bert", f"model.pretrained={saved}"])
+
+
+def test_pretrained_needs_a_hugging_face_class(tmp_path_factory):
+    saved = saved_tiny_hf(tmp_path_factory, "gpt2")
+    with pytest.raises(ConfigError, match=r"model.pretrained needs a Hugging Face model class as model._target_ .*"
+                       r"model._target_=tests.user_models.build is not one"):  # fmt: skip
+        _checked(["model=custom", "model._target_=tests.user_models.build", f"model.pretrained={saved}"])
+
+
+def test_the_directory_sets_the_architecture_and_the_data_sizes(tmp_path_factory):
+    """The prediction builds the saved architecture from config.json alone (meta device,
+    no weights read); the task's vocabulary is the saved model's."""
+    from sharded_exp.measure.prediction import meta_model
+
+    saved = saved_tiny_hf(tmp_path_factory, "gpt2")
+    cfg = _checked(["model=hf_gpt2", f"model.pretrained={saved}", "model.seq_len=16"])
+    assert cfg.model.vocab_size == 96 and cfg.model.config.n_embd == 32  # not hf_gpt2's 1000 and 128
+    module = meta_model(cfg.model)
+    assert all(p.is_meta for p in module.parameters())
+    assert module.transformer.wte.weight.shape == (96, 32)
+    with pytest.raises(ConfigError, match=r"model.seq_len=64 is longer than model.pretrained's 32 positions"):
+        _checked(["model=hf_gpt2", f"model.pretrained={saved}", "model.seq_len=64"])

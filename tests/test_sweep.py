@@ -1,0 +1,196 @@
+"""Hydra's own sweepers and launchers, and W&B Sweeps: the objective ``main`` returns, the
+precision options under every sweep syntax, the launchers that can (and cannot) host the
+ranks, and examples/sweep.yaml composed option by option."""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from sharded_exp.compose import CONF_DIR, compose, quote_numeric_choices
+from sharded_exp.errors import ConfigError
+from sharded_exp.sweep import OBJECTIVES, check_multirun, check_objective, objective_value, result_at
+from tests.conftest import ROOT, TINY, run_cli
+from tests.test_coverage import RUNS
+
+SHRINK = [o for o in TINY if not o.startswith("model.")] + ["trainer.steps=3"]
+
+
+# ------------------------------------------------------------------------- the objective
+def test_every_objective_is_a_number_of_a_real_result(shared_runs):
+    _, result = shared_runs(*RUNS["sharded_ddp"])  # a covering run: shared, not run again
+    assert result["status"] == "ok", result.get("error")
+    for path in OBJECTIVES:
+        value = result_at(result, path)
+        assert isinstance(value, float) and math.isfinite(value), (path, value)
+        assert objective_value(result, path, "maximize") == value
+        assert objective_value(result, f"-{path}", "minimize") == -value
+    # a point that did not finish is the worst value for the direction, never an exception
+    for status in ("oom", "failed", "diverged"):
+        bad = {**result, "status": status}
+        assert objective_value(bad, "throughput/samples_per_s", "maximize") == -math.inf
+        assert objective_value(bad, "-memory/peak_allocated_mib_max", "minimize") == math.inf
+    assert objective_value({}, "final_loss", None) == math.inf  # nothing ran: minimize is the default
+    assert objective_value(result, None, "maximize") is None
+
+
+def test_an_unknown_objective_names_the_allowed_ones():
+    check_objective("-memory/peak_allocated_mib_max")
+    with pytest.raises(ConfigError) as err:
+        check_objective("throughput/samples")
+    assert str(err.value).startswith("objective=throughput/samples is not a result.json number main can return; ")
+    assert all(path in str(err.value) for path in OBJECTIVES)
+
+
+def _hydra_config(overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from sharded_exp.compose import register_schemas
+
+    register_schemas()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return hydra_compose("config", overrides=overrides, return_hydra_config=True)
+
+
+def test_launchers_that_cannot_host_ranks_are_refused_before_any_point(capsys):
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    check_multirun(_hydra_config([]))  # the basic launcher
+    check_multirun(_hydra_config(["hydra/launcher=submitit_local"]))
+    with pytest.raises(SystemExit) as exit_:
+        check_multirun(_hydra_config(["hydra/launcher=joblib"]))
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: hydra/launcher=joblib (hydra_plugins.hydra_joblib_launcher.joblib_launcher."
+                          "JoblibLauncher) cannot run this job's points")  # fmt: skip
+    assert "hydra/launcher=submitit_local, hydra/launcher=submitit_slurm or the basic launcher" in err
+
+
+def test_an_optimizing_sweeper_needs_an_objective(capsys):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    check_multirun(_hydra_config(["hydra/sweeper=optuna", "objective=final_loss"]))
+    with pytest.raises(SystemExit):
+        check_multirun(_hydra_config(["hydra/sweeper=optuna"]))
+    assert "error: hydra/sweeper=optuna optimizes the value main returns: set objective=" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------- precision, every syntax
+def _points(args: list[str]) -> list[list[str]]:
+    """The jobs Hydra's basic sweeper makes of a command line (its own parser and split)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(quote_numeric_choices(args))
+    return [point for batch in BasicSweeper.split_arguments(parsed, None) for point in batch]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["precision=32,16"],
+        ["precision=choice(32,16)"],
+        ["precision=choice(fp32,fp16)"],
+    ],
+)
+def test_precision_sweeps_with_every_syntax(args):
+    names = [str(compose(point).precision.name) for point in _points(args)]
+    assert names == ["32", "16"]  # one name per precision in results, whichever option name was typed
+
+
+def test_precision_in_yaml_sweeper_params():
+    """YAML sweeper params are not on the command line: the string names serve there (and
+    in Optuna's choice(), which formats its pick back into an override: the slow sweep)."""
+    params = OmegaConf.create(yaml.safe_load("params:\n  precision: fp32,fp16\n"))["params"]
+    args = [f"{k}={v}" for k, v in params.items()]  # as Hydra's BasicSweeper turns params into overrides
+    assert [str(compose(p).precision.name) for p in _points(args)] == ["32", "16"]
+
+
+def test_precision_aliases_compose_as_their_option():
+    for alias, option in (("fp32", "32"), ("fp16", "16")):
+        assert compose([f"precision={alias}"]) == compose([f"precision={option}"])
+
+
+# ------------------------------------------------------------------------- W&B Sweeps
+def test_wandb_sweep_yaml_drives_the_same_jobs():
+    from wandb.sdk.launch.sweeps.utils import create_sweep_command_args
+
+    sweep = yaml.safe_load((ROOT / "examples" / "sweep.yaml").read_text())
+    command = sweep["command"]
+    assert command[:5] == ["${env}", "${interpreter}", "-m", "sharded_exp", "${args_no_hyphens}"]
+    assert "logger.mode=online" in command and "logger=wandb" in command
+    assert sweep["metric"]["name"] in [f"throughput/{k}" for k in ("samples_per_s", "tokens_per_s")]
+    fixed = command[5:]
+    params = sweep["parameters"]
+    choices = {key: spec.get("values") or [spec["min"], spec["max"]] for key, spec in params.items()}
+    for i in range(max(len(v) for v in choices.values())):  # every value of every parameter, in a few points
+        point = {key: values[i % len(values)] for key, values in choices.items()}
+        # the agent's own rendering of ${args_no_hyphens}, then our composition of it
+        args = create_sweep_command_args({"args": {k: {"value": v} for k, v in point.items()}})["args_no_hyphens"]
+        cfg = OmegaConf.to_container(compose([*args, *fixed]))
+        assert cfg["logger"]["mode"] == "online" and cfg["logger"]["name"] == "wandb"
+        for key, value in point.items():
+            got = result_at(cfg, key.replace(".", "/"))
+            got = got["name"] if isinstance(got, dict) else got
+            if key == "precision":  # results name a precision by one name (fp32 -> 32)
+                value = str(compose([f"precision={value}"]).precision.name)
+            assert got == value, (key, value, got)
+
+
+# ---------------------------------------------------------------- real sweeps (slow)
+@pytest.mark.slow
+def test_optuna_sweep_finds_the_best_point_and_survives_oom(tmp_path):
+    """4 trials (a 2 x 2 grid): two points get a 1 MiB budget and run out of memory; they
+    return -inf (maximizing) and the study goes on to name the best of the others."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    proc = run_cli(
+        ["-m", "hydra/sweeper=optuna", "hydra/sweeper/sampler=grid", "hydra.sweeper.n_trials=4",
+         "hydra.sweeper.direction=maximize", "objective=throughput/samples_per_s",
+         "precision=choice(fp32,bf16)", "trainer.memory_limit_mib=choice(1,1000)", *SHRINK,
+         f"hydra.sweep.dir={tmp_path}"],
+        cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    best = OmegaConf.load(tmp_path / "optimization_results.yaml")
+    results = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("*/result.json"))]
+    assert len(results) == 4
+    assert sorted(r["status"] for r in results) == ["ok", "ok", "oom", "oom"]
+    ok = [r for r in results if r["status"] == "ok"]
+    winner = max(ok, key=lambda r: r["throughput"]["samples_per_s"])
+    assert best.best_value == pytest.approx(winner["throughput"]["samples_per_s"])
+    assert best.best_params["trainer.memory_limit_mib"] == 1000
+    assert compose([f"precision={best.best_params['precision']}"]).precision.name == winner["precision"]
+    assert (tmp_path / "report.md").exists()
+
+
+@pytest.mark.slow
+def test_joblib_launcher_is_refused_before_the_first_point(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    proc = run_cli(["-m", "hydra/launcher=joblib", "strategy=ddp,zero1", *SHRINK, f"hydra.sweep.dir={tmp_path / 's'}"],
+                   cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "error: hydra/launcher=joblib (" in proc.stderr and "cannot run this job's points" in proc.stderr
+    assert not (tmp_path / "s").exists()  # no point started, no sweep directory
+
+
+@pytest.mark.slow
+def test_submitit_local_launcher_runs_points_and_returns_the_objective(tmp_path):
+    proc = run_cli(
+        ["-m", "hydra/launcher=submitit_local", "objective=-memory/peak_allocated_mib_max", "strategy=ddp,zero1",
+         *SHRINK, f"hydra.sweep.dir={tmp_path}"],
+        cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = {json.loads(p.read_text())["strategy"]: json.loads(p.read_text()) for p in tmp_path.glob("*/result.json")}
+    assert sorted(results) == ["ddp", "zero1"] and all(r["status"] == "ok" for r in results.values())
+    returned = []
+    for path in tmp_path.glob(".submitit/*/*_result.pkl"):
+        outcome, job_return = pickle.loads(path.read_bytes())
+        assert outcome == "success"
+        returned.append(job_return.return_value)
+    peaks = [-r["memory"]["peak_allocated_mib_max"] for r in results.values()]
+    assert sorted(returned) == pytest.approx(sorted(peaks))
