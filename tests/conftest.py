@@ -192,3 +192,32 @@ def user_module(tmp_path):
     pkg.mkdir()
     (pkg / "my_models.py").write_text(textwrap.dedent(CUSTOM))
     return {"PYTHONPATH": os.pathsep.join([str(pkg), str(ROOT)])}
+
+
+@pytest.fixture(scope="session")
+def placeholders(tmp_path_factory):
+    """Resolves a covering run's placeholders (tests/test_coverage.py) once per session, so
+    that any test naming a covering run reaches the same shared run."""
+    from tests.test_coverage import DATA_FILES
+
+    cache: dict[str, str] = {}
+
+    def resolve(overrides: list[str]) -> list[str]:
+        out = []
+        for o in overrides:
+            if "=__tmp__" in o:  # a directory of this test session
+                key, name = o.split("=__tmp__")
+                cache.setdefault(name, str(tmp_path_factory.mktemp(name)))
+                o = f"{key}={cache[name]}"
+            elif "=__data__" in o:  # a data file, made once per session
+                key, name = o.split("=__data__")
+                if name not in cache:
+                    cache[name] = str(DATA_FILES[name](tmp_path_factory.mktemp("data") / name))
+                o = f"{key}={cache[name]}"
+            elif "=__saved__" in o:  # a tiny Hugging Face model written by save_pretrained
+                key, kind = o.split("=__saved__")
+                o = f"{key}={saved_tiny_hf(tmp_path_factory, kind)}"
+            out.append(o)
+        return out
+
+    return resolve

@@ -30,7 +30,7 @@ from sharded_exp.data import TASKS
 from sharded_exp.models import MODELS
 from sharded_exp.strategies import STRATEGIES
 from tests import data_files
-from tests.conftest import ROOT, compose_cfg, run_cli, saved_tiny_hf, tiny
+from tests.conftest import ROOT, compose_cfg, run_cli, tiny
 from tests.test_pretrained import check_starts_from_saved
 from tests.wandb_file import find_runs, read_run
 
@@ -215,31 +215,6 @@ DATA_FILES = {
     "ner_dataset": data_files.save_ner_dataset,
 }
 """The files a covering run's ``__data__NAME`` names, and what makes each."""
-
-
-@pytest.fixture(scope="module")
-def placeholders(tmp_path_factory):
-    cache: dict[str, str] = {}
-
-    def resolve(overrides: list[str]) -> list[str]:
-        out = []
-        for o in overrides:
-            if "=__tmp__" in o:  # a directory of this test session
-                key, name = o.split("=__tmp__")
-                cache.setdefault(name, str(tmp_path_factory.mktemp(name)))
-                o = f"{key}={cache[name]}"
-            elif "=__data__" in o:  # a data file, made once per session
-                key, name = o.split("=__data__")
-                if name not in cache:
-                    cache[name] = str(DATA_FILES[name](tmp_path_factory.mktemp("data") / name))
-                o = f"{key}={cache[name]}"
-            elif "=__saved__" in o:  # a tiny Hugging Face model written by save_pretrained
-                key, kind = o.split("=__saved__")
-                o = f"{key}={saved_tiny_hf(tmp_path_factory, kind)}"
-            out.append(o)
-        return out
-
-    return resolve
 
 
 def _run(name: str, shared_runs, placeholders) -> tuple[Path, dict]:

@@ -22,8 +22,8 @@ SHRINK = [o for o in TINY if not o.startswith("model.")] + ["trainer.steps=3"]
 
 
 # ------------------------------------------------------------------------- the objective
-def test_every_objective_is_a_number_of_a_real_result(shared_runs):
-    _, result = shared_runs(*RUNS["sharded_ddp"])  # a covering run: shared, not run again
+def test_every_objective_is_a_number_of_a_real_result(shared_runs, placeholders):
+    _, result = shared_runs(*placeholders(RUNS["sharded_ddp"]))  # a covering run: shared, not run again
     assert result["status"] == "ok", result.get("error")
     for path in OBJECTIVES:
         value = result_at(result, path)
