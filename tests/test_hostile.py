@@ -81,8 +81,8 @@ def test_2_a_diverged_run_is_not_ok_and_gets_no_saving(tmp_path):
     rows = {r["status"]: r for r in csv.DictReader(open(sweep / "report.csv"))}
     assert set(rows) == {"ok", "diverged"}
     bad = rows["diverged"]
-    assert bad["first_nonfinite_step"] and bad["speed_vs_ddp"] == bad["peak_saving_vs_ddp_pct"] == ""
-    assert bad["parity_vs_ddp"] == ""
+    assert bad["first_nonfinite_step"] and bad["speed_vs_baseline"] == bad["peak_saving_pct"] == ""
+    assert bad["parity_vs_baseline"] == ""
 
 
 # ------------------------------------------------------------- 3. signal deaths named

@@ -28,7 +28,7 @@ def test_sweep_ends_in_a_report(tmp_path):
     points = {(p["strategy"], p["precision"]): p for p in _points(sweep)}
     assert set(points) == {("ddp", "32"), ("ddp", "bf16"), ("fsdp", "32"), ("fsdp", "bf16")}
     assert not [p.name for p in sweep.iterdir() if "'" in p.name]  # precision=32, not precision='32' (22.20)
-    for name in ("report.md", "report.csv", "memory.png", "throughput.png"):
+    for name in ("report.md", "report.csv", "memory.png", "throughput.png", "breakdown.png", "prediction.png"):
         assert (sweep / name).stat().st_size > 0, name
 
     rows = {(r["strategy"], r["precision"]): r for r in csv.DictReader(open(sweep / "report.csv"))}
@@ -37,11 +37,11 @@ def test_sweep_ends_in_a_report(tmp_path):
         ddp = points[("ddp", precision)]
         fsdp = points[("fsdp", precision)]
         saving = 100 * (1 - fsdp["memory"]["model_states_mib_max"] / ddp["memory"]["model_states_mib_max"])
-        assert float(rows[("fsdp", precision)]["states_saving_vs_ddp_pct"]) == saving
-        assert float(rows[("ddp", precision)]["states_saving_vs_ddp_pct"]) == 0.0
+        assert float(rows[("fsdp", precision)]["states_saving_pct"]) == saving
+        assert float(rows[("ddp", precision)]["states_saving_pct"]) == 0.0
         speed = fsdp["throughput"]["samples_per_s"] / ddp["throughput"]["samples_per_s"]
-        assert float(rows[("fsdp", precision)]["speed_vs_ddp"]) == speed
-    assert float(rows[("fsdp", "32")]["parity_vs_ddp"]) < 1e-6  # same training as DDP
+        assert float(rows[("fsdp", precision)]["speed_vs_baseline"]) == speed
+    assert float(rows[("fsdp", "32")]["parity_vs_baseline"]) < 1e-6  # same training as DDP
     md = (sweep / "report.md").read_text()
     assert md.count("| fsdp |") == 2 and md.count("| ddp |") == 2
 
@@ -134,8 +134,8 @@ def test_22_3_10_each_row_is_compared_with_the_ddp_point_of_its_own_settings(tmp
     for batch in (8, 16):
         ddp, oss, row = points[("ddp", batch)], points[("oss", batch)], rows[("oss", batch)]
         speed = oss["throughput"]["samples_per_s"] / ddp["throughput"]["samples_per_s"]
-        assert float(row["speed_vs_ddp"]) == pytest.approx(speed)
-        assert float(row["parity_vs_ddp"]) < 1e-6  # same batch, same data: parity holds
+        assert float(row["speed_vs_baseline"]) == pytest.approx(speed)
+        assert float(row["parity_vs_baseline"]) < 1e-6  # same batch, same data: parity holds
         assert row["baseline"] == f"ddp (point {os.path.basename(ddp['output_dir']).split('_')[0]})"
         assert rows[("ddp", batch)]["baseline"] == "itself"
     assert "| trainer.batch_size |" in (sweep / "report.md").read_text()
@@ -160,9 +160,9 @@ def test_22_3_a_point_without_a_ddp_twin_says_so():
     rows = {(r["strategy"], r["model._target_"]): r for r in build_rows([
         point("ddp", "a.A"), point("fsdp", "a.A"), point("fsdp", "b.B"), point("ddp", "c.C", "oom"), point("oss", "c.C")
     ])}  # fmt: skip
-    assert rows[("fsdp", "a.A")]["baseline"] == "ddp (ddp_a.A)" and rows[("fsdp", "a.A")]["speed_vs_ddp"] == 0.5
+    assert rows[("fsdp", "a.A")]["baseline"] == "ddp (ddp_a.A)" and rows[("fsdp", "a.A")]["speed_vs_baseline"] == 0.5
     assert rows[("fsdp", "b.B")]["baseline"] == "none: no ddp point with the same settings"
-    assert rows[("fsdp", "b.B")]["speed_vs_ddp"] is None
+    assert rows[("fsdp", "b.B")]["speed_vs_baseline"] is None
     assert rows[("oss", "c.C")]["baseline"] == "none: ddp (ddp_c.C) ended oom"
 
 
