@@ -325,10 +325,9 @@ def _at_world_size(ws: int, members: list[dict[str, Any]]) -> str:
         return f"At {ranks(ws)}, only {only['strategy']} {verb} ({peak})."
     base = fitting[0]["_base"]
     lowest = min(fitting, key=lambda r: r["peak_allocated_mib_max"])
-    if lowest is base:
-        text = (
-            f"At {ranks(ws)}, {base['strategy']} has the lowest peak ({charts.num(base['peak_allocated_mib_max'])} MiB)"
-        )
+    if lowest is base or base is None or lowest["peak_saving_pct"] is None:  # (a baseline without a peak)
+        text = (f"At {ranks(ws)}, {lowest['strategy']} has the lowest peak "
+                f"({charts.num(lowest['peak_allocated_mib_max'])} MiB)")  # fmt: skip
     else:
         aside = _baseline_aside(base, members)
         text = (f"At {ranks(ws)}, {lowest['strategy']} peaks {lowest['peak_saving_pct']:.0f}% below {base['strategy']} "
