@@ -103,8 +103,9 @@ def _legend_extra(ax, handles: list) -> None:
 def memory_chart(rows: list[dict[str, Any]], swept: list[str]):
     """(1) Peak per rank (max over ranks) vs world size: a solid line per strategy (and
     per swept setting) through the measured peaks, the prediction dashed in the same
-    colour, each point labelled; a point without a measured peak is a cross labelled
-    with its status at its memory limit (the limit a dotted line), else at its prediction."""
+    colour, each point labelled; a point that did not finish is a cross labelled with its
+    status: at its measured peak (diverged, stopped), else at its memory limit (the limit a
+    dotted line; out of memory), else at its prediction."""
     from matplotlib.lines import Line2D
 
     plt = pyplot()
@@ -133,7 +134,7 @@ def memory_chart(rows: list[dict[str, Any]], swept: list[str]):
         for r in members:
             if r["status"] == "ok" and r["peak_allocated_mib_max"] is not None:
                 continue
-            y = r.get("memory_limit_mib") or r["predicted_peak_mib_max"] or top
+            y = r["peak_allocated_mib_max"] or r.get("memory_limit_mib") or r["predicted_peak_mib_max"] or top
             x = xpos[r["world_size"]] + shift
             ax.plot([x], [y], marker="X", markersize=10, color=color, markeredgecolor="black", linestyle="none")
             ax.annotate(STATUS_LABEL.get(r["status"], r["status"]), (x, y), textcoords="offset points",
@@ -314,11 +315,15 @@ def save(fig, path: Path) -> Path:
 
 
 # ------------------------------------------------------------------------ the planner's chart
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
 def plan_chart(rows: list[dict[str, Any]], budget_gib: float, title: str):
     """Memory per rank at the peak vs world size, a line per strategy (and lever
-    combination), the device's memory as a line; the points that fit are filled."""
+    combination; each its own marker, so lines that coincide stay visible), the device's
+    memory as a line; the points that fit are filled, the last world size labelled."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(8.5, 5))
     world_sizes = sorted({r["world_size"] for r in rows})
     xpos = _world_axis(ax, world_sizes)
     big = max((r["total_gib"] or 0 for r in rows), default=0) >= 1 or budget_gib >= 1
@@ -328,25 +333,30 @@ def plan_chart(rows: list[dict[str, Any]], budget_gib: float, title: str):
         label = r["strategy"] + ("" if r.get("levers", "none") == "none" else f" + {r['levers']}")
         groups.setdefault(label, []).append(r)
     colors = palette(groups)
-    for label, members in groups.items():
-        color = colors[label]
+    ends: dict[str, list[str]] = {}  # the last world size's figure -> the lines that end there
+    for i, (label, members) in enumerate(groups.items()):
+        color, marker = colors[label], MARKERS[i % len(MARKERS)]
         members = [r for r in sorted(members, key=lambda r: r["world_size"]) if r["total_gib"] is not None]
         xs = [xpos[r["world_size"]] for r in members]
         ys = [r["total_gib"] * scale for r in members]
-        ax.plot(xs, ys, "-", color=color, label=label)
-        for x, y, r in zip(xs, ys, members):
-            ax.plot([x], [y], "o", color=color, markerfacecolor=color if r["fits"] else "white")
-        if members:
-            ax.annotate(num(ys[-1]), (xs[-1], ys[-1]), textcoords="offset points", xytext=(6, 0), fontsize=7,
-                        color=color, va="center")  # fmt: skip
+        ax.plot(xs, ys, "-", color=color, label=label, marker=marker, markerfacecolor="white")
+        fit = [(x, y) for x, y, r in zip(xs, ys, members) if r["fits"]]
+        ax.plot([p[0] for p in fit], [p[1] for p in fit], linestyle="none", marker=marker, color=color)
+        if members and members[-1]["world_size"] == world_sizes[-1]:
+            ends.setdefault(num(ys[-1]), []).append(label)
+    for value, labels in ends.items():
+        y = float(value.replace(",", ""))
+        ax.annotate(f"{value} ({', '.join(labels)})", (len(world_sizes) - 1, y), textcoords="offset points",
+                    xytext=(8, 0), fontsize=7, va="center")  # fmt: skip
+    ax.set_xlim(-0.5, len(world_sizes) + 0.6)  # room for the labels at the right
     ax.axhline(budget_gib * scale, color="crimson", linestyle=":", linewidth=1.5)
-    ax.annotate(f"device memory {num(budget_gib * scale)} {unit}", (0, budget_gib * scale),
-                xycoords=("axes fraction", "data"), xytext=(4, 4), textcoords="offset points", fontsize=8,
+    ax.annotate(f"device memory {budget_gib * scale:g} {unit}", (0, budget_gib * scale),
+                xycoords=("axes fraction", "data"), xytext=(4, -11), textcoords="offset points", fontsize=8,
                 color="crimson")  # fmt: skip
     ax.set_yscale("log")
     ax.set_ylabel(f"peak per rank ({unit}, log scale)")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, title="filled: fits; hollow: does not", title_fontsize=8)
+    ax.legend(fontsize=8, title="filled: fits; hollow: does not", title_fontsize=8, loc="lower left")
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
     return fig
