@@ -397,13 +397,17 @@ def headline(rows: list[dict[str, Any]]) -> str:
     if errors:
         worst = max(errors, key=lambda r: abs(r["peak_rel_error_max"]))
         off = [r for r in errors if abs(r["peak_rel_error_max"]) > charts.BAND]
-        where = f"{worst['strategy']} at {ranks(worst['world_size'])}"
+        err = worst["peak_rel_error_max"]
+        where = (
+            f"{worst['strategy']} at {ranks(worst['world_size'])}, {err:+.1%}: {'too high' if err > 0 else 'too low'}"
+        )
         if not off:
-            sentences.append(f"The predicted peaks are within {abs(worst['peak_rel_error_max']):.1%} of the measured "
-                             f"ones at every point that ran (largest: {where}).")  # fmt: skip
+            sentences.append(
+                f"Every rank's predicted peak is within {abs(err):.1%} of its measured one (largest: {where})."
+            )
         else:
-            sentences.append(f"The predicted peak is more than {charts.BAND:.0%} off the measured one at {len(off)} of "
-                             f"{len(errors)} points (worst: {where}, {worst['peak_rel_error_max']:+.1%}).")  # fmt: skip
+            sentences.append(f"At {len(off)} of {len(errors)} points that ran, a rank's predicted peak is more than "
+                             f"{charts.BAND:.0%} off its measured one (worst: {where}).")  # fmt: skip
     return " ".join(sentences)
 
 
