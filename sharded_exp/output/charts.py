@@ -64,7 +64,8 @@ def series_keys(rows: list[dict[str, Any]], swept: list[str]) -> list[str]:
 def series_label(row: dict[str, Any], keys: list[str]) -> str:
     parts = [row["strategy"]]
     for k in keys:
-        parts.append(f"precision {row[k]}" if k == "precision" else row[k] if k == "model" else f"{k}={row[k]}")
+        short = k.split(".")[-1]  # activation_checkpointing=full, not trainer.activation_checkpointing=full
+        parts.append(f"precision {row[k]}" if k == "precision" else row[k] if k == "model" else f"{short}={row[k]}")
     return ", ".join(str(p) for p in parts)
 
 
@@ -147,11 +148,11 @@ def memory_chart(rows: list[dict[str, Any]], swept: list[str]):
     ax.set_ylim(0, top * 1.25)
     ax.set_ylabel("peak per rank (MiB, max over ranks)")
     ax.set_title("Peak memory per rank: measured (solid) and predicted (dashed)")
-    _legend_extra(ax, [
-        Line2D([], [], color="gray", linestyle="--", label="predicted"),
-        Line2D([], [], color="gray", marker="X", markeredgecolor="black", linestyle="none",
-               label="did not finish (OOM, failed, diverged)"),
-    ])  # fmt: skip
+    extra = [Line2D([], [], color="gray", linestyle="--", label="predicted")]
+    if any(not (r["status"] == "ok" and r["peak_allocated_mib_max"] is not None) for r in rows):
+        extra.append(Line2D([], [], color="gray", marker="X", markeredgecolor="black", linestyle="none",
+                            label="did not finish (OOM, failed, diverged)"))  # fmt: skip
+    _legend_extra(ax, extra)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
@@ -181,11 +182,12 @@ def throughput_chart(rows: list[dict[str, Any]], swept: list[str]):
     xpos = _world_axis(ax, sorted({r["world_size"] for r in rows}))
     marks = []
     colors = palette(groups)
-    for label, members in groups.items():
+    for i, (label, members) in enumerate(groups.items()):
         color = colors[label]
+        shift = (i - (len(groups) - 1) / 2) * 0.08  # side by side where two lines meet
         members = sorted(members, key=lambda r: r["world_size"])
         ok = [r for r in members if r["status"] == "ok" and r["samples_per_s"]]
-        xs, ys = [xpos[r["world_size"]] for r in ok], [r["samples_per_s"] for r in ok]
+        xs, ys = [xpos[r["world_size"]] + shift for r in ok], [r["samples_per_s"] for r in ok]
         ax.plot(xs, ys, "-o", color=color, label=label)
         for x, y in zip(xs, ys):
             ax.annotate(num(y), (x, y), textcoords="offset points", xytext=(6, 4), fontsize=7, color=color)
@@ -253,7 +255,11 @@ def breakdown_chart(rows: list[dict[str, Any]], swept: list[str]):
                         fontsize=7)  # fmt: skip
             top = max(top, bottom)
     labels = [f"{series_label(r, keys)}\n{ranks(r['world_size'])}" for r in rows]
-    ax.set_xticks(range(len(rows)), labels, fontsize=8)
+    if max(len(line) for label in labels for line in label.split("\n")) > 14:  # long labels: one line, slanted
+        ax.set_xticks(range(len(rows)), [label.replace("\n", ", ") for label in labels], fontsize=8, rotation=25,
+                      ha="right", rotation_mode="anchor")  # fmt: skip
+    else:
+        ax.set_xticks(range(len(rows)), labels, fontsize=8)
     ax.set_ylim(0, (top or 1.0) * 1.15)
     ax.set_ylabel("MiB at the peak (rank with the largest peak)")
     ax.set_title("What the peak holds: measured (left, solid) and predicted (right, hatched)")
