@@ -324,6 +324,22 @@ def save(fig, path: Path) -> Path:
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
 
+def _end_labels(ax, fig, x: float, ends: dict[str, list[str]], gap: float = 0.04) -> None:
+    """Label each line's last point ("77.16 (oss)") at the right, pushed apart where two
+    lines end close together (at least ``gap`` of the axes' height between labels)."""
+    import math
+
+    lo, hi = (math.log(v) for v in ax.get_ylim())
+    height_pt = fig.get_figheight() * ax.get_position().height * 72
+    spots = sorted(((math.log(float(v.replace(",", ""))) - lo) / (hi - lo), v) for v in ends)
+    placed: list[float] = []
+    for frac, value in spots:
+        at = max(frac, placed[-1] + gap) if placed else frac
+        placed.append(at)
+        ax.annotate(f"{value} ({', '.join(ends[value])})", (x, float(value.replace(",", ""))),
+                    textcoords="offset points", xytext=(8, (at - frac) * height_pt), fontsize=7, va="center")  # fmt: skip
+
+
 def plan_chart(rows: list[dict[str, Any]], budget_gib: float, title: str):
     """Memory per rank at the peak vs world size, a line per strategy (and lever
     combination; each its own marker, so lines that coincide stay visible), the device's
@@ -350,16 +366,17 @@ def plan_chart(rows: list[dict[str, Any]], budget_gib: float, title: str):
         ax.plot([p[0] for p in fit], [p[1] for p in fit], linestyle="none", marker=marker, color=color)
         if members and members[-1]["world_size"] == world_sizes[-1]:
             ends.setdefault(num(ys[-1]), []).append(label)
-    for value, labels in ends.items():
-        y = float(value.replace(",", ""))
-        ax.annotate(f"{value} ({', '.join(labels)})", (len(world_sizes) - 1, y), textcoords="offset points",
-                    xytext=(8, 0), fontsize=7, va="center")  # fmt: skip
-    ax.set_xlim(-0.5, len(world_sizes) + 0.6)  # room for the labels at the right
     ax.axhline(budget_gib * scale, color="crimson", linestyle=":", linewidth=1.5)
+    ax.set_yscale("log")
+    _end_labels(ax, fig, len(world_sizes) - 1, ends)
+    ax.set_xlim(-0.5, len(world_sizes) + 0.6)  # room for the labels at the right
     ax.annotate(f"device memory {budget_gib * scale:g} {unit}", (0, budget_gib * scale),
                 xycoords=("axes fraction", "data"), xytext=(4, -11), textcoords="offset points", fontsize=8,
                 color="crimson")  # fmt: skip
-    ax.set_yscale("log")
+    from matplotlib.ticker import FuncFormatter
+
+    for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+        axis(FuncFormatter(lambda v, _: f"{v:g}"))  # 60, not 6 x 10^1
     ax.set_ylabel(f"peak per rank ({unit}, log scale)")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, title="filled: fits; hollow: does not", title_fontsize=8, loc="lower left")
