@@ -293,6 +293,7 @@ def test_11_cli_exit_2_without_a_traceback(tmp_path):
         ("strategy=zero9", "Could not find 'strategy/zero9'"),
         ("plan.strategies=[zero9]", "unknown strategy 'zero9'"),
         ("plan.format=xml", "plan.format=xml"),
+        ("plan.plot=plan.txt", "plan.plot=plan.txt must name a .png, .svg or .pdf file"),
     ],
 )
 @pytest.mark.slow
