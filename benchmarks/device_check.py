@@ -131,9 +131,9 @@ def matrix(checks: Checks, strategies: list[str], precisions: list[str], steps: 
                          f"{mem['predicted_model_states_mib_max']:.1f}", f"{states_err:.2%}",
                          "-" if r.get("predicted_peak_mib") is None else f"{r['predicted_peak_mib']:.1f}",
                          "-" if err is None else f"{err:+.1%}", f"{tp.get('tokens_per_s', 0):.0f}",
-                         "-" if tp.get("mfu") is None else f"{tp['mfu']:.1%}"])  # fmt: skip
+                         "-" if tp.get("mfu_pct") is None else f"{tp['mfu_pct']:.1f}"])  # fmt: skip
     header = ["strategy", "precision", "peak alloc MiB", "peak reserved MiB", "alloc retries", "states MiB",
-              "predicted states MiB", "states error", "predicted peak MiB", "peak error", "tokens/s", "MFU"]  # fmt: skip
+              "predicted states MiB", "states error", "predicted peak MiB", "peak error", "tokens/s", "MFU %"]  # fmt: skip
     print(markdown(header, rows))
     initialised = torch.cuda.is_initialized()
     errors = [row[9] for row in rows if row[9] not in ("", "-")]
@@ -181,9 +181,9 @@ def hf_gpt2_small(checks: Checks, steps: int, quick: bool) -> None:
         checks.add("hf_gpt2_small bf16: MFU and the fused-attention prediction", False, result.get("error") or "")
         return
     tp, r = result["throughput"], result["memory"]["per_rank"][0]
-    mfu, err = tp.get("mfu"), r.get("peak_rel_error")
+    mfu, err = tp.get("mfu_pct"), r.get("peak_rel_error")
     checks.add("hf_gpt2_small bf16: MFU and the fused-attention prediction", err is not None and abs(err) <= 0.10,
-               f"MFU {'-' if mfu is None else f'{mfu:.1%}'} ({tp.get('peak_flops_source')}); "
+               f"MFU {'-' if mfu is None else f'{mfu:.1f}%'} ({tp.get('peak_flops_source')}); "
                f"{tp.get('tokens_per_s', 0):.0f} tokens/s; data {tp.get('data_time_s_per_step', 0) * 1e3:.2f} ms "
                f"of a {tp['step_time_s_median'] * 1e3:.1f} ms step; peak {r['peak_allocated_mib']:.0f} MiB measured, "
                f"{r.get('predicted_peak_mib') or 0:.0f} predicted ({'-' if err is None else f'{err:+.1%}'})")  # fmt: skip

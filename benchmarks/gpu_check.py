@@ -78,7 +78,7 @@ def main() -> int:
             rank = mem["per_rank"][0]
             predicted_peak = rank.get("predicted_peak_mib")
             peak_error = rank.get("peak_rel_error")
-            mfu = result["throughput"].get("mfu")
+            mfu = result["throughput"].get("mfu_pct")
             error = mem["model_states_rel_error_max"]
             bad += int(error is None or error > 0.02)
             data.append(
@@ -97,7 +97,7 @@ def main() -> int:
                     "-" if predicted_peak is None else f"{predicted_peak:.1f}",
                     "-" if peak_error is None else f"{peak_error:+.1%}",
                     f"{result['throughput']['tokens_per_s']:.0f}",
-                    "-" if mfu is None else f"{mfu:.1%}",
+                    "-" if mfu is None else f"{mfu:.1f}",
                 ]
             )
     print(f"{device}; world size 1; {' '.join(MODEL)} batch {args.batch_size}; {args.steps} steps")
@@ -113,7 +113,7 @@ def main() -> int:
         "predicted peak MiB",
         "peak error",
         "tokens/s",
-        "MFU",
+        "MFU %",
     ]
     print(markdown(header, rows))
     print(f"wrote {save('gpu_check', {'device': device, 'args': vars(args), 'results': data})}")

@@ -59,7 +59,7 @@ def point(model: str, strategy: str, ws: int, prec: str, accelerator: str) -> di
         "any_rank_error": max(errors, key=abs) if errors else None,
         "method": pred.get("method"),
         "predict_s": pred.get("seconds"),
-        "mfu": r["throughput"].get("mfu"),
+        "mfu_pct": r["throughput"].get("mfu_pct"),
     }
 
 

@@ -275,6 +275,9 @@ class PlanSettings:
     strategy and world size."""
     format: PlanFormat = PlanFormat.table
     """table or json."""
+    plot: Optional[str] = None
+    """Also draw the plan into this PNG file: the peak per rank vs world size, a line per
+    strategy (and lever combination), the device memory as a line (null: no chart)."""
 
 
 @dataclass

@@ -4,6 +4,7 @@
     python -m sharded_exp.plan model=hf_llama plan.find=batch_size plan.device_memory_gib=0.5
     python -m sharded_exp.plan plan.params=7.5e9 plan.world_sizes=[64] precision=16
     python -m sharded_exp.plan model=gpt2_xl precision=bf16 plan.strategies=[ddp,fsdp]
+    python -m sharded_exp.plan model=gpt_7b trainer.batch_size=1 plan.world_sizes=[1,8,64] plan.plot=plan.png
 
 Same config groups and overrides as training (its own primary config, ``conf/plan.yaml``,
 adds the ``plan`` settings). For a configured model, each (strategy, world size) point is
@@ -15,12 +16,15 @@ assumption) under each strategy's analytic memory model, without activations.
 
 ``plan.find=batch_size`` adds the largest per-rank batch that fits
 ``plan.device_memory_gib``; ``plan.find=depth`` the deepest GPT at the configured width.
+``plan.plot=plan.png`` also draws the plan (peak per rank vs world size per strategy,
+the device memory as a line).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from typing import Any
@@ -471,6 +475,8 @@ def check_plan(cfg, argv: list[str] = ()) -> None:
                 f"plan.levers entry {combo!r}: {', '.join(bad) or 'empty'} is not a lever; levers: none, or "
                 f"{', '.join(LEVERS)} joined with + (e.g. ac+offload)"
             )
+    if p.plot and (not str(p.plot).lower().endswith((".png", ".svg", ".pdf")) or os.path.isdir(p.plot)):
+        raise ConfigError(f"plan.plot={p.plot} must name a .png, .svg or .pdf file to draw the plan into")
     if _value(p.find) == "depth" and (p.params is not None or "n_layers" not in cfg.model):
         raise ConfigError("plan.find=depth needs a model with model.n_layers (e.g. model=gpt), not a raw count")
 
@@ -524,7 +530,31 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out, indent=2))
     else:
         print(format_table(rows, found, cfg, params))
+    if cfg.plan.plot:
+        try:
+            print(f"plan: chart {write_chart(rows, cfg, params)}", file=sys.stderr)
+        except OSError as exc:
+            print(f"error: plan.plot={cfg.plan.plot} not written: {exc.strerror or exc}", file=sys.stderr)
+            return 1
     return 0
+
+
+def write_chart(rows, cfg, params: int) -> str:
+    """``plan.plot``: the plan drawn (:func:`sharded_exp.output.charts.plan_chart`)."""
+    from pathlib import Path
+
+    from sharded_exp.output import charts
+
+    count = f"{params / 1e9:.3g} B" if params >= 1e8 else f"{params:,}"
+    what = (f"raw parameter count ({count} params, no activations)" if cfg.plan.params is not None
+            else f"model={cfg.model.name} ({count} params), batch {cfg.trainer.batch_size}/rank")  # fmt: skip
+    title = f"Planned peak per rank: {what}, precision {cfg.precision.name}, {cfg.optimizer.name}, {_value(cfg.plan.device)}"
+    cost = lambda r: sum(LEVER_COST[x] for x in lever_names(r.get("levers", "none")))  # noqa: E731
+    order = sorted(rows, key=lambda r: (cost(r), STRATEGY_COST.get(r["strategy"], 9)))  # the legend: cheapest first
+    path = Path(cfg.plan.plot)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    charts.save(charts.plan_chart(order, cfg.plan.device_memory_gib, title), path)
+    return str(path)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 
 from sharded_exp.output import workspace
-from sharded_exp.output.report import SWEEP_ID, load_points, markdown, write_report
+from sharded_exp.output.report import SWEEP_ID, compact, headline, load_points, write_report
 
 
 class ReportCallback(Callback):
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         print(f"error: no result.json under {args.sweep_dir}", file=sys.stderr)
         return 1
-    print(markdown(rows))
+    print(f"{headline(rows)}\n\n{compact(rows)}\n\nreport: {args.sweep_dir / 'report.md'} (every column, the charts)")
     if args.wandb_workspace:
         try:
             print(workspace.write_or_save(args.sweep_dir, load_points(args.sweep_dir), args.entity, args.online))

@@ -172,7 +172,7 @@ PLANS = {
     "hf_gpt2_xl": ["model=hf_gpt2_xl", "model.config.n_layer=2", "plan.world_sizes=[8]", "plan.strategies=[fsdp]"],
     "hf_llama_7b": ["model=hf_llama_7b", "model.config.num_hidden_layers=2", "plan.world_sizes=[64]",
                     "plan.strategies=[fsdp]", "trainer.batch_size=1"],
-    "raw_count": ["plan.params=7.5e9", "plan.units=16", "plan.world_sizes=[64]"],
+    "raw_count": ["plan.params=7.5e9", "plan.units=16", "plan.world_sizes=[64]", "plan.plot=raw_count.png"],
     "find_depth": ["model=gpt", "plan.find=depth", "plan.device=cpu", "plan.levers=[none,ac_selective]", "plan.world_sizes=[2]", "plan.strategies=[ddp]",
                    "plan.device_memory_gib=0.05"],
 }  # fmt: skip
@@ -309,10 +309,14 @@ CHECKS = {
 
 
 @pytest.mark.parametrize("name", list(PLANS))
-def test_covering_plan(name, capsys):
+def test_covering_plan(name, capsys, tmp_path, monkeypatch):
     from sharded_exp import plan
 
+    monkeypatch.chdir(tmp_path)  # where plan.plot draws
     assert plan.main(["plan.format=json", *PLANS[name]]) == 0
+    for o in PLANS[name]:
+        if o.startswith("plan.plot="):
+            assert (tmp_path / o.split("=", 1)[1]).stat().st_size > 0
     out = json.loads(capsys.readouterr().out)
     assert out["rows"] and all(r["total_gib"] > 0 for r in out["rows"])
     if "plan.find=depth" in PLANS[name]:

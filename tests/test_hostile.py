@@ -85,8 +85,8 @@ def test_2_a_diverged_run_is_not_ok_and_gets_no_saving(tmp_path):
     rows = {r["status"]: r for r in csv.DictReader(open(sweep / "report.csv"))}
     assert set(rows) == {"ok", "diverged"}
     bad = rows["diverged"]
-    assert bad["first_nonfinite_step"] and bad["speed_vs_ddp"] == bad["peak_saving_vs_ddp_pct"] == ""
-    assert bad["parity_vs_ddp"] == ""
+    assert bad["first_nonfinite_step"] and bad["speed_vs_baseline"] == bad["peak_saving_pct"] == ""
+    assert bad["parity_vs_baseline"] == ""
 
 
 # ------------------------------------------------------------- 3. signal deaths named
@@ -297,6 +297,7 @@ def test_11_cli_exit_2_without_a_traceback(tmp_path):
         ("strategy=zero9", "Could not find 'strategy/zero9'"),
         ("plan.strategies=[zero9]", "unknown strategy 'zero9'"),
         ("plan.format=xml", "plan.format=xml"),
+        ("plan.plot=plan.txt", "plan.plot=plan.txt must name a .png, .svg or .pdf file"),
     ],
 )
 @pytest.mark.slow

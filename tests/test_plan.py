@@ -171,3 +171,27 @@ def test_23_4_a_plan_for_a_gpu_holds_what_cudas_kernels_hold():
     assert saved >= scores_mib, (saved, scores_mib)
     assert on_gpu["workspace_gib"] * GIB / MIB == 32.0 and on_cpu["workspace_gib"] == 0.0
     assert on_gpu["total_gib"] - on_gpu["workspace_gib"] < on_cpu["total_gib"]
+
+
+def test_25_the_plan_draws_its_table(tmp_path, capsys):
+    """plan.plot: a line per strategy through its planned peaks, the device memory as a
+    line, the points that fit filled; a file it cannot draw into is refused first."""
+    from sharded_exp import plan
+    from sharded_exp.output import charts
+
+    path = tmp_path / "charts" / "plan.png"
+    args = ["plan.params=7.5e9", "plan.world_sizes=[8,64]", "plan.format=json", "plan.device_memory_gib=40"]
+    assert plan.main([*args, f"plan.plot={path}"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert path.stat().st_size > 0
+    ax = charts.plan_chart(rows, 40, "plan").axes[0]
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    for name in {r["strategy"] for r in rows}:
+        planned = [r["total_gib"] for r in sorted(rows, key=lambda r: r["world_size"]) if r["strategy"] == name]
+        assert list(lines[name].get_ydata()) == planned, name
+    assert any(list(line.get_ydata()) == [40, 40] for line in ax.get_lines())  # the device's memory
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["8 ranks", "64 ranks"]
+    fitting = sum(len(line.get_xdata()) for line in ax.get_lines() if line.get_linestyle() == "None")
+    assert fitting == sum(r["fits"] for r in rows)
+    assert plan.main(["plan.world_sizes=[2]", f"plan.plot={tmp_path / 'plan.txt'}"]) == 2
+    assert "plan.plot=" in capsys.readouterr().err and not (tmp_path / "plan.txt").exists()

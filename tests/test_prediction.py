@@ -61,8 +61,8 @@ def test_flops_and_utilisation_are_reported(tmp_path):
     assert tp["model_flops_per_step_per_rank"] == expected
     assert tp["model_flops_per_step"] == expected * result["world_size"]
     assert tp["achieved_flops_per_s"] == pytest.approx(expected / tp["step_time_s_median"])
-    assert 0 < tp["mfu"] < 1 and tp["peak_flops_source"].startswith("measured: matmul on this CPU")
-    assert tp["mfu"] == pytest.approx(tp["achieved_flops_per_s"] / tp["peak_flops_per_s"])
+    assert 0 < tp["mfu_pct"] < 100 and tp["peak_flops_source"].startswith("measured: matmul on this CPU")
+    assert tp["mfu_pct"] == pytest.approx(100 * tp["achieved_flops_per_s"] / tp["peak_flops_per_s"])
 
 
 def test_a_model_that_cannot_run_fake_says_why(tmp_path, monkeypatch):
@@ -137,12 +137,12 @@ def test_23_8_an_mfu_that_cannot_be_trusted_is_null_with_the_reason(monkeypatch)
 
     cpu = torch.device("cpu")
     half = flops.utilisation(1e9, 0.01, cpu, "16")  # an emulated fp16 matmul is no peak for autocast
-    assert half["mfu"] is None and "no trustworthy CPU peak at precision 16" in half["peak_flops_source"]
+    assert half["mfu_pct"] is None and "no trustworthy CPU peak at precision 16" in half["peak_flops_source"]
     monkeypatch.setattr(flops, "cpu_peak", lambda precision: 1e9)  # a peak below what the step achieves
     over = flops.utilisation(1e9, 0.01, cpu, "32")
-    assert over["mfu"] is None and "is above it: peak not trusted" in over["peak_flops_source"]
+    assert over["mfu_pct"] is None and "is above it: peak not trusted" in over["peak_flops_source"]
     monkeypatch.setattr(flops, "cpu_peak", lambda precision: 1e12)
-    assert flops.utilisation(1e9, 0.01, cpu, "32")["mfu"] == pytest.approx(0.1)
+    assert flops.utilisation(1e9, 0.01, cpu, "32")["mfu_pct"] == pytest.approx(10)
 
 
 # ----------------------------------------- issue 23.2: one optimizer implementation, run and fake step

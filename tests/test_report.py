@@ -28,7 +28,7 @@ def test_sweep_ends_in_a_report(tmp_path):
     points = {(p["strategy"], p["precision"]): p for p in _points(sweep)}
     assert set(points) == {("ddp", "32"), ("ddp", "bf16"), ("fsdp", "32"), ("fsdp", "bf16")}
     assert not [p.name for p in sweep.iterdir() if "'" in p.name]  # precision=32, not precision='32' (22.20)
-    for name in ("report.md", "report.csv", "memory.png", "throughput.png"):
+    for name in ("report.md", "report.csv", "memory.png", "throughput.png", "breakdown.png", "prediction.png"):
         assert (sweep / name).stat().st_size > 0, name
 
     rows = {(r["strategy"], r["precision"]): r for r in csv.DictReader(open(sweep / "report.csv"))}
@@ -37,13 +37,15 @@ def test_sweep_ends_in_a_report(tmp_path):
         ddp = points[("ddp", precision)]
         fsdp = points[("fsdp", precision)]
         saving = 100 * (1 - fsdp["memory"]["model_states_mib_max"] / ddp["memory"]["model_states_mib_max"])
-        assert float(rows[("fsdp", precision)]["states_saving_vs_ddp_pct"]) == saving
-        assert float(rows[("ddp", precision)]["states_saving_vs_ddp_pct"]) == 0.0
+        assert float(rows[("fsdp", precision)]["states_saving_pct"]) == saving
+        assert float(rows[("ddp", precision)]["states_saving_pct"]) == 0.0
         speed = fsdp["throughput"]["samples_per_s"] / ddp["throughput"]["samples_per_s"]
-        assert float(rows[("fsdp", precision)]["speed_vs_ddp"]) == speed
-    assert float(rows[("fsdp", "32")]["parity_vs_ddp"]) < 1e-6  # same training as DDP
+        assert float(rows[("fsdp", precision)]["speed_vs_baseline"]) == speed
+    assert float(rows[("fsdp", "32")]["parity_vs_baseline"]) < 1e-6  # same training as DDP
     md = (sweep / "report.md").read_text()
-    assert md.count("| fsdp |") == 2 and md.count("| ddp |") == 2
+    for part in md.split("## Charts"):  # the compact table first, every column at the end
+        starts = [line.split(" | ")[0] for line in part.splitlines()]
+        assert starts.count("| fsdp") == 2 and starts.count("| ddp") == 2
 
     # rebuilt from the files alone, the same report
     before = (sweep / "report.csv").read_text()
@@ -136,8 +138,8 @@ def test_22_3_10_each_row_is_compared_with_the_ddp_point_of_its_own_settings(tmp
     for batch in (8, 16):
         ddp, oss, row = points[("ddp", batch)], points[("oss", batch)], rows[("oss", batch)]
         speed = oss["throughput"]["samples_per_s"] / ddp["throughput"]["samples_per_s"]
-        assert float(row["speed_vs_ddp"]) == pytest.approx(speed)
-        assert float(row["parity_vs_ddp"]) < 1e-6  # same batch, same data: parity holds
+        assert float(row["speed_vs_baseline"]) == pytest.approx(speed)
+        assert float(row["parity_vs_baseline"]) < 1e-6  # same batch, same data: parity holds
         assert row["baseline"] == f"ddp (point {os.path.basename(ddp['output_dir']).split('_')[0]})"
         assert rows[("ddp", batch)]["baseline"] == "itself"
     assert "| trainer.batch_size |" in (sweep / "report.md").read_text()
@@ -162,9 +164,9 @@ def test_22_3_a_point_without_a_ddp_twin_says_so():
     rows = {(r["strategy"], r["model._target_"]): r for r in build_rows([
         point("ddp", "a.A"), point("fsdp", "a.A"), point("fsdp", "b.B"), point("ddp", "c.C", "oom"), point("oss", "c.C")
     ])}  # fmt: skip
-    assert rows[("fsdp", "a.A")]["baseline"] == "ddp (ddp_a.A)" and rows[("fsdp", "a.A")]["speed_vs_ddp"] == 0.5
+    assert rows[("fsdp", "a.A")]["baseline"] == "ddp (ddp_a.A)" and rows[("fsdp", "a.A")]["speed_vs_baseline"] == 0.5
     assert rows[("fsdp", "b.B")]["baseline"] == "none: no ddp point with the same settings"
-    assert rows[("fsdp", "b.B")]["speed_vs_ddp"] is None
+    assert rows[("fsdp", "b.B")]["speed_vs_baseline"] is None
     assert rows[("oss", "c.C")]["baseline"] == "none: ddp (ddp_c.C) ended oom"
 
 
@@ -215,3 +217,171 @@ def test_23_17_a_sweep_with_long_overrides_runs_and_reports(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(_points(sweep)) == 2 and (sweep / "report.md").exists()
     assert all(len(p.name) <= 255 for p in sweep.iterdir())
+
+
+# ------------------------------------------------ issue 25: a report that cannot mislead
+def _lines(ax):
+    """Every drawn line's (label, x, y), the limit lines among them."""
+    return [(line.get_label(), list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()]
+
+
+def _texts(ax):
+    """Every annotation and text of a chart with its position in data coordinates."""
+    return [(t.get_text(), t.xy if hasattr(t, "xy") else t.get_position()) for t in ax.texts]
+
+
+def _oom_point(real: dict, world_size: int, limit: float) -> dict:
+    """A point that ran out of memory, in the shape such a point's result.json has: the
+    pre-flight prediction only (results.predicted_section), no measured figure."""
+    memory = real["memory"]
+    keep = ("predicted_model_states_mib_max", "predicted_transient_params_mib", "predicted_peak_mib_max",
+            "peak_prediction", "memory_limit_applies_to")  # fmt: skip
+    per_rank = [
+        {k: e[k] for k in ("rank", "predicted_model_states_mib", "predicted_peak_mib")} for e in memory["per_rank"]
+    ]
+    config = {**real["config"], "trainer": {**real["config"]["trainer"], "memory_limit_mib": limit}}
+    return {**{k: real[k] for k in ("strategy", "precision", "model", "optimizer", "params", "steps", "accelerator")},
+            "status": "oom", "world_size": world_size, "config": config, "error": "rank 0: torch.OutOfMemoryError: ...",
+            "memory": {"per_rank": per_rank, **{k: memory[k] for k in keep}}}  # fmt: skip
+
+
+def _write_sweep(sweep, points):
+    for i, point in enumerate(points):
+        d = sweep / f"{i}_strategy={point['strategy']},trainer.world_size={point['world_size']}"
+        d.mkdir(parents=True)
+        point = {**point, "output_dir": str(d),
+                 "overrides": [f"strategy={point['strategy']}", f"trainer.world_size={point['world_size']}"]}  # fmt: skip
+        (d / "result.json").write_text(json.dumps(point))
+
+
+def test_25_report_marks_what_did_not_finish_and_compares_with_the_least_sharded_that_fits(shared_runs, tmp_path):
+    """Real result.json files of ddp and fsdp (shared with test_hostile), laid out as a
+    sweep whose 4-rank DDP ran out of memory and whose zero1 diverged: such points are
+    labelled markers, never zeros; the 4-rank rows are compared with the least
+    sharded point that fits; the headline says so in numbers computed from the files."""
+    from sharded_exp.output import charts
+    from sharded_exp.output.report import CHARTS, build_rows, load_points, swept_of, write_report
+    from tests.test_hostile import SCALAR
+
+    _, ddp = shared_runs("strategy=ddp", *SCALAR)
+    _, fsdp = shared_runs("strategy=fsdp", *SCALAR)
+    assert ddp["status"] == fsdp["status"] == "ok"
+    ddp_peak, fsdp_peak = ddp["memory"]["peak_allocated_mib_max"], fsdp["memory"]["peak_allocated_mib_max"]
+    limit = round((ddp_peak + fsdp_peak) / 2, 4)  # DDP does not fit, FSDP does
+    oss = {**ddp, "strategy": "oss", "world_size": 4}  # stands for a point that fits at 4 ranks
+    zero1 = {**ddp, "strategy": "zero1", "world_size": 4, "status": "diverged", "first_nonfinite_step": 2}
+    sweep = tmp_path / "sweep"
+    _write_sweep(sweep, [ddp, fsdp, _oom_point(ddp, 4, limit), oss, {**fsdp, "world_size": 4}, zero1])
+    write_report(sweep)
+    rows = {(r["strategy"], r["world_size"]): r for r in build_rows(load_points(sweep))}
+
+    # Baselines: DDP where it ran; at 4 ranks, where it ran out of memory, oss (the least sharded that fits).
+    assert rows[("fsdp", 2)]["baseline"] == "ddp (point 0)"
+    assert rows[("fsdp", 4)]["baseline"] == "oss (point 3): ddp (point 2) ended oom"
+    assert rows[("oss", 4)]["baseline"] == "itself: ddp (point 2) ended oom"
+    saving = 100 * (1 - fsdp_peak / ddp_peak)
+    assert rows[("fsdp", 4)]["peak_saving_pct"] == pytest.approx(saving)
+    assert rows[("fsdp", 2)]["peak_saving_pct"] == pytest.approx(saving)
+    assert rows[("zero1", 4)]["peak_saving_pct"] is None and rows[("ddp", 4)]["speed_vs_baseline"] is None
+    csv_rows = list(csv.DictReader(open(sweep / "report.csv")))
+    assert {"baseline", "mfu_pct", "peak_saving_pct", "speed_vs_baseline", "memory_limit_mib"} <= set(csv_rows[0])
+    assert float(next(r for r in csv_rows if r["status"] == "ok")["mfu_pct"]) == pytest.approx(
+        ddp["throughput"]["mfu_pct"]
+    )
+
+    # The headline first, in numbers from the files; the compact table; every chart embedded.
+    md = (sweep / "report.md").read_text()
+    head = md.split("\n\n")[1]
+    speed = fsdp["throughput"]["samples_per_s"] / ddp["throughput"]["samples_per_s"]
+    assert f"At 2 ranks, fsdp peaks {saving:.0f}% below ddp" in head and f"at {speed:.2f}x its throughput" in head
+    assert f"At 4 ranks, fsdp peaks {saving:.0f}% below oss ({charts.num(fsdp_peak)} vs {charts.num(ddp_peak)} MiB), " \
+           "the least sharded strategy that fits" in head  # fmt: skip
+    assert f"ddp does not fit in {limit:g} MiB at 4 ranks" in head and "zero1 diverged at 4 ranks" in head
+    assert "| strategy | world_size | precision | peak_MiB | pred_peak_MiB | peak_saving_pct |" in md
+    for name in CHARTS:
+        assert f"]({name})" in md and (sweep / name).stat().st_size > 0
+
+    table = list(rows.values())
+    swept = swept_of(table)
+    # (1) memory: the OOM point is a labelled cross at the limit, the diverged one at its
+    # prediction (no limit); the limit is a line; nothing is drawn at zero.
+    ax = charts.memory_chart(table, swept).axes[0]
+    texts = _texts(ax)
+    assert [xy[1] for t, xy in texts if t == "OOM"] == [limit]
+    assert [xy[1] for t, xy in texts if t == "diverged"] == [ddp_peak]  # it ran: its measured peak
+    assert any(y == [limit, limit] for _, _, y in _lines(ax))
+    assert all(v > 0 for _, _, ys in _lines(ax) for v in ys)
+    assert charts.num(fsdp_peak) in [t for t, _ in texts]  # each measured point labelled
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["2 ranks", "4 ranks"]
+    # (2) throughput: the points without one are named, not drawn at zero.
+    ax = charts.throughput_chart(table, swept).axes[0]
+    assert {t for t, _ in _texts(ax) if ":" in t} == {"ddp: OOM", "zero1: diverged"}
+    assert all(v > 0 for _, _, ys in _lines(ax) for v in ys)
+    # (3) breakdown: measured parts add up to the measured peak, predicted to the prediction.
+    for real in (ddp, fsdp):
+        row = rows[(real["strategy"], 2)]
+        assert sum(charts.measured_parts(row).values()) == pytest.approx(real["memory"]["peak_allocated_mib_max"])
+        pred = real["memory"]["peak_prediction"]
+        rank_peak = real["memory"]["per_rank"][pred["rank"]]["predicted_peak_mib"]
+        assert sum(charts.predicted_parts(row).values()) == pytest.approx(rank_peak)
+    assert charts.measured_parts(rows[("ddp", 4)]) is None
+    assert "OOM" in [t for t, _ in _texts(charts.breakdown_chart(table, swept).axes[0])]
+    # (4) predicted vs measured: one dot per rank of each point that ran, the ±5% band.
+    ax = charts.prediction_chart(table, swept).axes[0]
+    dots = sum(len(c.get_offsets()) for c in ax.collections[1:])
+    assert dots == sum(len(r["per_rank"]) for r in table if r["status"] == "ok")
+
+
+def test_25_figures_read_with_two_decimals_and_plain_words():
+    from sharded_exp.output.charts import num, ranks
+    from sharded_exp.output.report import _ranks_list
+
+    assert (num(3.66), num(2.94), num(0.08656), num(6184.26), num(None)) == ("3.66", "2.94", "0.0866", "6,184", "-")
+    assert (ranks(1), ranks(2), _ranks_list([2, 1]), _ranks_list([1, 2, 4])) == (
+        "1 rank", "2 ranks", "1 or 2 ranks", "1, 2 or 4 ranks")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_25_the_oom_sweep_reports_what_fits(tmp_path):
+    """The issue's sweep, ddp/oss/fsdp at 1 and 2 ranks under a budget between FSDP's and
+    DDP's predicted peak (from the planner, which is every run's own prediction): DDP runs
+    out of memory at both world sizes, FSDP fits at 2 ranks; report.md says so first, the
+    OOM points are markers at the limit and the rows are compared with the least sharded
+    point that fits."""
+    from sharded_exp.output import charts
+    from sharded_exp.output.report import build_rows, load_points, swept_of
+    from tests.test_plan import plan_json
+
+    model = [o for o in TINY if o.startswith("model.")]
+    plan = plan_json(*model, "trainer.batch_size=8", "plan.world_sizes=[1,2]", "plan.strategies=[ddp,oss,fsdp]",
+                     "plan.device=cpu")  # fmt: skip
+    mib = {(r["strategy"], r["world_size"]): r["total_gib"] * 1024 for r in plan["rows"]}
+    limit = round((mib[("ddp", 2)] + max(mib[("fsdp", 1)], mib[("fsdp", 2)])) / 2, 4)
+    sweep = tmp_path / "sweep"
+    proc = run_cli(["-m", "strategy=ddp,oss,fsdp", "trainer.world_size=1,2", f"trainer.memory_limit_mib={limit}",
+                    *TINY, f"hydra.sweep.dir={sweep}"], cwd=ROOT, timeout=400)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]  # OOM is a result, not a failure
+    points = {(p["strategy"], p["world_size"]): p for p in _points(sweep)}
+    status = {k: p["status"] for k, p in points.items()}
+    assert status[("ddp", 1)] == status[("ddp", 2)] == "oom" and status[("fsdp", 2)] == "ok", status
+
+    head = (sweep / "report.md").read_text().split("\n\n")[1]
+    both = [s for s in ("ddp", "oss", "fsdp") if status[(s, 1)] == status[(s, 2)] == "oom"]
+    who = " and ".join(both)
+    assert f"{who} {'does' if len(both) == 1 else 'do'} not fit in {limit:g} MiB at 1 or 2 ranks" in head, head
+    base = "oss" if status[("oss", 2)] == "ok" else "fsdp"  # the least sharded that fits at 2 ranks
+    if base == "oss":
+        fsdp, oss = (points[(s, 2)]["memory"]["peak_allocated_mib_max"] for s in ("fsdp", "oss"))
+        assert f"At 2 ranks, fsdp peaks {100 * (1 - fsdp / oss):.0f}% below oss" in head, head
+    rows = build_rows(load_points(sweep))
+    by = {(r["strategy"], r["world_size"]): r for r in rows}
+    ddp_point = os.path.basename(points[("ddp", 2)]["output_dir"]).split("_")[0]
+    assert by[("fsdp", 2)]["baseline"].endswith(f": ddp (point {ddp_point}) ended oom")
+    assert by[("fsdp", 2)]["baseline"].startswith("itself" if base == "fsdp" else "oss (point ")
+
+    texts = _texts(charts.memory_chart(rows, swept_of(rows)).axes[0])
+    oom = [xy[1] for t, xy in texts if t == "OOM"]
+    assert len(oom) == list(status.values()).count("oom") and set(oom) == {limit}
+    md = (sweep / "report.md").read_text()
+    for name in ("memory.png", "throughput.png", "breakdown.png", "prediction.png"):
+        assert f"]({name})" in md and (sweep / name).stat().st_size > 0

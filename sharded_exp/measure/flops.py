@@ -112,7 +112,7 @@ def device_peak(device: torch.device, precision_name: str) -> tuple[float | None
 def utilisation(flops_per_step: int | None, step_time_s: float | None, device: torch.device, precision_name: str):
     """``throughput`` fields: model FLOPs per step, achieved FLOP/s and MFU of one rank."""
     if not flops_per_step or not step_time_s:
-        return {"model_flops_per_step_per_rank": flops_per_step, "achieved_flops_per_s": None, "mfu": None}
+        return {"model_flops_per_step_per_rank": flops_per_step, "achieved_flops_per_s": None, "mfu_pct": None}
     achieved = flops_per_step / step_time_s
     peak, source = device_peak(device, precision_name)
     mfu = achieved / peak if peak else None
@@ -122,6 +122,6 @@ def utilisation(flops_per_step: int | None, step_time_s: float | None, device: t
         "model_flops_per_step_per_rank": flops_per_step,
         "achieved_flops_per_s": achieved,
         "peak_flops_per_s": peak,
-        "peak_flops_source": source,  # where the peak comes from, or why mfu is null
-        "mfu": mfu,
+        "peak_flops_source": source,  # where the peak comes from, or why mfu_pct is null
+        "mfu_pct": None if mfu is None else 100 * mfu,  # in percent everywhere: result.json, W&B, tables
     }

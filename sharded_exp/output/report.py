@@ -1,9 +1,10 @@
 """The comparison of a sweep's points, built from their ``result.json`` files.
 
-:func:`write_report` writes ``report.md``, ``report.csv``, ``memory.png`` and
-``throughput.png`` in the sweep directory (and, when the sweep logged to W&B, a "report"
-run in its group with the table and charts): one row per point, with the saving and the
-speed relative to the DDP point of the same (model, precision, world size). The command
+:func:`write_report` writes ``report.md`` (a headline computed from the sweep, a compact
+table, the charts, every column), ``report.csv`` and the charts (:mod:`charts`) in the
+sweep directory, and, when the sweep logged to W&B, a "report" run in its group with the
+table and charts: one row per point, with the saving and the speed relative to its
+baseline (DDP at the same settings, else the least sharded point that fits). The command
 and the multirun callback are in :mod:`sharded_exp.report`.
 """
 
@@ -12,19 +13,34 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
+from sharded_exp.output import charts
+from sharded_exp.output.charts import ranks
 from sharded_exp.output.loggers import init_wandb_run
 from sharded_exp.output.workspace import sweep_logger
 
 COLUMNS = [
     "strategy", "world_size", "precision", "model", "params", "peak_allocated_mib_max", "predicted_peak_mib_max",
-    "peak_rel_error_max", "model_states_mib_max", "predicted_model_states_mib_max", "peak_saving_vs_ddp_pct",
-    "states_saving_vs_ddp_pct", "samples_per_s", "speed_vs_ddp", "mfu", "final_loss", "eval/accuracy", "eval/f1", "eval/perplexity", "parity_vs_ddp", "status", "first_nonfinite_step", "error",
+    "peak_rel_error_max", "model_states_mib_max", "predicted_model_states_mib_max", "memory_limit_mib",
+    "peak_saving_pct", "states_saving_pct", "samples_per_s", "speed_vs_baseline", "mfu_pct", "final_loss",
+    "eval/accuracy", "eval/f1", "eval/perplexity", "parity_vs_baseline", "status", "first_nonfinite_step", "error",
 ]  # fmt: skip
+"""Every column of report.csv and the full table (the swept overrides follow ``model``,
+``baseline`` comes last)."""
+COMPACT = {
+    "strategy": "strategy", "world_size": "world_size", "precision": "precision", "peak_allocated_mib_max": "peak_MiB",
+    "predicted_peak_mib_max": "pred_peak_MiB", "peak_saving_pct": "peak_saving_pct", "samples_per_s": "samples/s",
+    "speed_vs_baseline": "speed_vs_baseline", "status": "status", "baseline_short": "baseline",
+}  # fmt: skip
+"""The table a reader reads first: column -> header (the end-of-run table's abbreviations)."""
+ORDER = ["ddp", "oss", "sharded_ddp", "zero1", "fsdp_grad_op", "fsdp"]
+"""Strategies from the least sharded to the most: the report's row order, and the order in
+which a baseline is chosen when DDP did not run to the end."""
 
 
 SWEEP_ID = ".sweep_id"
@@ -83,6 +99,7 @@ def _read_point(path: Path) -> dict[str, Any]:
 
 def _row(r: dict[str, Any]) -> dict[str, Any]:
     mem = r.get("memory") or {}
+    tp = r.get("throughput") or {}
     return {
         "strategy": r.get("strategy", "?"),
         "world_size": r.get("world_size", 0),
@@ -94,8 +111,9 @@ def _row(r: dict[str, Any]) -> dict[str, Any]:
         "predicted_model_states_mib_max": mem.get("predicted_model_states_mib_max"),
         "predicted_peak_mib_max": mem.get("predicted_peak_mib_max"),
         "peak_rel_error_max": mem.get("peak_rel_error_max"),
-        "samples_per_s": (r.get("throughput") or {}).get("samples_per_s"),
-        "mfu": (r.get("throughput") or {}).get("mfu"),
+        "memory_limit_mib": ((r.get("config") or {}).get("trainer") or {}).get("memory_limit_mib"),
+        "samples_per_s": tp.get("samples_per_s"),
+        "mfu_pct": tp.get("mfu_pct"),
         "final_loss": r.get("final_loss"),
         **{
             k: ((r.get("eval") or {}).get("final") or {}).get(k)
@@ -105,6 +123,9 @@ def _row(r: dict[str, Any]) -> dict[str, Any]:
         "status": r.get("status", "?"),
         "first_nonfinite_step": r.get("first_nonfinite_step"),
         "error": r.get("error"),
+        # for the charts, not columns: each rank's figures and the prediction's split
+        "per_rank": mem.get("per_rank") or [],
+        "peak_prediction": mem.get("peak_prediction") or {},
     }
 
 
@@ -144,10 +165,33 @@ def swept_keys(points: list[dict[str, Any]]) -> list[str]:
     return [k for k in keys if k not in AS_COLUMNS and len({o.get(k) for o in known}) > 1]
 
 
+def _measured(row: dict[str, Any]) -> bool:
+    """The point trained to a finite end and its peak was measured: it can be compared."""
+    return row["status"] == "ok" and row["peak_allocated_mib_max"] is not None
+
+
+def _choose_baseline(members: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, str | None]:
+    """The baseline of points that differ only in the strategy, and why it is not DDP:
+    DDP when it ran to the end; else the least sharded point that fits (ORDER), so a
+    saving reads as what more sharding buys; None when fewer than two points fit."""
+    ddp = next((r for r in members if r["strategy"] == "ddp"), None)
+    if ddp is not None and ddp["status"] == "ok":
+        return ddp, None
+    why = "no ddp point with the same settings" if ddp is None else f"ddp ({ddp['_dir']}) ended {ddp['status']}"
+    fitting = [r for r in members if r["status"] == "ok"]
+    if len(fitting) < 2:
+        return None, why
+    return min(fitting, key=lambda r: (_order(r["strategy"]), r["peak_allocated_mib_max"] or math.inf)), why
+
+
+def _order(strategy: str) -> int:
+    return ORDER.index(strategy) if strategy in ORDER else len(ORDER)
+
+
 def build_rows(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per point, compared with its baseline: the DDP point whose settings differ
-    only in the strategy (same model, precision, world size and every other swept
-    override), or none, which the row's ``baseline`` says."""
+    """One row per point, compared with its baseline (:func:`_choose_baseline`) among the
+    points whose settings differ only in the strategy (same model, precision, world size
+    and every other swept override); ``baseline`` says which point that is, or why none."""
     swept = swept_keys(points)
     rows = []
     for point in points:
@@ -156,40 +200,47 @@ def build_rows(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for k in swept:
             row[k] = overrides.get(k)
         row["_dir"] = _point_name(point)
+        row["_group"] = (row["model"], row["precision"], *(str(row[k]) for k in swept))
         rows.append(row)
-    key = lambda row: (row["model"], row["precision"], row["world_size"], *(row[k] for k in swept))  # noqa: E731
-    ddp_points = {key(row): row for row in rows if row["strategy"] == "ddp"}
+    groups: dict[tuple, list[dict[str, Any]]] = {}
     for row in rows:
-        found = ddp_points.get(key(row))
-        if found is None:
-            row["baseline"] = "none: no ddp point with the same settings"
-        elif found["status"] != "ok":
-            row["baseline"] = f"none: ddp ({found['_dir']}) ended {found['status']}"
-        else:
-            row["baseline"] = "itself" if found is row else f"ddp ({found['_dir']})"
-        # Savings, speed and parity only between points that trained to a finite end.
-        base = found if found is not None and found["status"] == "ok" and row["status"] == "ok" else None
-        for col, metric in (
-            ("peak_saving_vs_ddp_pct", "peak_allocated_mib_max"),
-            ("states_saving_vs_ddp_pct", "model_states_mib_max"),
-        ):
-            ok = base and row[metric] is not None and base[metric]
-            row[col] = 100 * (1 - row[metric] / base[metric]) if ok else None
-        ok = base and row["samples_per_s"] and base["samples_per_s"]
-        row["speed_vs_ddp"] = row["samples_per_s"] / base["samples_per_s"] if ok else None
-        # relative difference of the parameters' L2 norm from DDP's (same steps, same data)
-        ok = base and row["param_l2"] is not None and base["param_l2"]
-        row["parity_vs_ddp"] = abs(row["param_l2"] - base["param_l2"]) / base["param_l2"] if ok else None
-    order = ["ddp", "oss", "sharded_ddp", "zero1", "fsdp_grad_op", "fsdp"]
-    rank = lambda s: order.index(s) if s in order else len(order)  # noqa: E731
-    return sorted(rows, key=lambda r: (*(str(x) for x in key(r)), rank(r["strategy"])))
+        groups.setdefault((*row["_group"], row["world_size"]), []).append(row)
+    for members in groups.values():
+        base, why = _choose_baseline(members)
+        for row in members:
+            row["_base"] = base
+            if base is None:
+                row["baseline"], row["baseline_short"] = f"none: {why}", "none"
+            elif base is row:
+                row["baseline"], row["baseline_short"] = "itself" + (f": {why}" if why else ""), "itself"
+            else:
+                row["baseline"] = f"{base['strategy']} ({base['_dir']})" + (f": {why}" if why else "")
+                row["baseline_short"] = base["strategy"] + (" (ddp did not fit)" if why and "oom" in why else "")
+            _compare(row, base if base is not None and row["status"] == "ok" else None)
+    return sorted(rows, key=lambda r: (r["_group"], r["world_size"], _order(r["strategy"])))
+
+
+def _compare(row: dict[str, Any], base: dict[str, Any] | None) -> None:
+    """Savings, speed and parity only between points that trained to a finite end."""
+    for col, metric in (("peak_saving_pct", "peak_allocated_mib_max"), ("states_saving_pct", "model_states_mib_max")):
+        ok = base and row[metric] is not None and base[metric]
+        row[col] = 100 * (1 - row[metric] / base[metric]) if ok else None
+    ok = base and row["samples_per_s"] and base["samples_per_s"]
+    row["speed_vs_baseline"] = row["samples_per_s"] / base["samples_per_s"] if ok else None
+    # relative difference of the parameters' L2 norm from the baseline's (same steps, same data)
+    ok = base and row["param_l2"] is not None and base["param_l2"]
+    row["parity_vs_baseline"] = abs(row["param_l2"] - base["param_l2"]) / base["param_l2"] if ok else None
+
+
+def swept_of(rows: list[dict[str, Any]]) -> list[str]:
+    """The swept overrides that are columns of their own (keys of the rows)."""
+    known = set(COLUMNS) | set(_row({})) | {"baseline", "baseline_short", "parity_vs_baseline", "speed_vs_baseline"}
+    return [k for k in (rows[0] if rows else {}) if k not in known and k[0] != "_"]
 
 
 def columns(rows: list[dict[str, Any]]) -> list[str]:
     """The report's columns: the fixed ones, each swept override, and the baseline."""
-    swept = [k for k in (rows[0] if rows else {}) if k not in COLUMNS and k not in _row({}) and k[0] != "_"]
-    swept = [k for k in swept if k != "baseline"]
-    return COLUMNS[:4] + swept + COLUMNS[4:] + ["baseline"]
+    return COLUMNS[:4] + swept_of(rows) + COLUMNS[4:] + ["baseline"]
 
 
 def _fmt(value: Any) -> str:
@@ -199,58 +250,187 @@ def _fmt(value: Any) -> str:
         return f"{value:.2f}" if value == 0 or abs(value) >= 0.01 else f"{value:.2e}"
     if isinstance(value, int) and value > 9999:
         return f"{value:,}"
-    return str(value)
+    return str(value).replace("|", "\\|").replace("\n", " ")  # one markdown cell
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
-    cols = columns(rows)
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_fmt(row.get(c)) for c in cols) + " |" for row in rows]
+def _table(rows: list[dict[str, Any]], cols: list[str], headers: list[str], fmt=_fmt) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(c, row.get(c)) for c in cols) + " |" for row in rows]
     return "\n".join(lines)
 
 
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """Every column, one row per point."""
+    cols = columns(rows)
+    return _table(rows, cols, cols, lambda c, v: _fmt(v))
+
+
+def _compact_cell(col: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if col == "peak_saving_pct":
+        return f"{value:.1f}"
+    if col == "speed_vs_baseline":
+        return f"{value:.2f}x"
+    if isinstance(value, float):
+        return charts.num(value)
+    return _fmt(value)
+
+
+def compact(rows: list[dict[str, Any]]) -> str:
+    """The columns a reader reads first (:data:`COMPACT`), the swept overrides beside the
+    strategy, the model only when it varies."""
+    swept = swept_of(rows)
+    cols = list(COMPACT)[:3] + (["model"] if len({r["model"] for r in rows}) > 1 else []) + swept + list(COMPACT)[3:]
+    return _table(rows, cols, [COMPACT.get(c, c) for c in cols], _compact_cell)
+
+
+# ------------------------------------------------------------------------ the headline
+def _ranks_list(sizes: list[int]) -> str:
+    """[1, 2, 4] -> "1, 2 or 4 ranks"."""
+    sizes = sorted(sizes)
+    words = ", ".join(map(str, sizes[:-1])) + (" or " if len(sizes) > 1 else "") + str(sizes[-1])
+    return f"{words} rank" + ("" if sizes == [1] else "s")
+
+
+def _baseline_aside(base: dict[str, Any], members: list[dict[str, Any]]) -> str:
+    """Why the baseline is not DDP, in the headline's words ("" when it is)."""
+    ddp = next((r for r in members if r["strategy"] == "ddp"), None)
+    if base["strategy"] == "ddp":
+        return ""
+    if ddp is None:
+        return "the least sharded strategy here"
+    return "the least sharded strategy that fits" if ddp["status"] == "oom" else "the least sharded that ran to the end"
+
+
+def limit_text(limit: float | None) -> str:
+    return f" in {limit:g} MiB" if limit else ""
+
+
+def _at_world_size(ws: int, members: list[dict[str, Any]]) -> str:
+    """One sentence on the points of one world size that differ only in the strategy."""
+    fitting = [r for r in members if _measured(r)]
+    oom = [r for r in members if r["status"] == "oom"]
+    within = limit_text(next((r["memory_limit_mib"] for r in oom if r["memory_limit_mib"]), None))
+    if not fitting:
+        return f"At {ranks(ws)}, nothing fits{within}." if oom else f"At {ranks(ws)}, no point ran to the end."
+    if len(fitting) == 1:
+        (only,) = fitting
+        peak = f"{charts.num(only['peak_allocated_mib_max'])} MiB"
+        if len(members) == 1:
+            return (
+                f"At {ranks(ws)}, {only['strategy']} peaks at {peak} ({charts.num(only['samples_per_s'])} samples/s)."
+            )
+        verb = f"fits{within}" if oom else "ran to the end"
+        return f"At {ranks(ws)}, only {only['strategy']} {verb} ({peak})."
+    base = fitting[0]["_base"]
+    lowest = min(fitting, key=lambda r: r["peak_allocated_mib_max"])
+    if lowest is base or base is None or lowest["peak_saving_pct"] is None:  # (a baseline without a peak)
+        text = (f"At {ranks(ws)}, {lowest['strategy']} has the lowest peak "
+                f"({charts.num(lowest['peak_allocated_mib_max'])} MiB)")  # fmt: skip
+    else:
+        aside = _baseline_aside(base, members)
+        text = (f"At {ranks(ws)}, {lowest['strategy']} peaks {lowest['peak_saving_pct']:.0f}% below {base['strategy']} "
+                f"({charts.num(lowest['peak_allocated_mib_max'])} vs {charts.num(base['peak_allocated_mib_max'])} MiB)"
+                + (f", {aside}" if aside else ""))  # fmt: skip
+        if lowest["speed_vs_baseline"]:
+            text += ("," if aside else "") + f" at {lowest['speed_vs_baseline']:.2f}x its throughput"
+    fastest = max(fitting, key=lambda r: r["samples_per_s"] or 0)
+    if fastest is not lowest and fastest is not base and fastest["samples_per_s"]:
+        text += f"; {fastest['strategy']} is the fastest ({charts.num(fastest['samples_per_s'])} samples/s)"
+    return text + "."
+
+
+def _did_not_finish(members: list[dict[str, Any]]) -> str:
+    """The points that did not finish, e.g. "ddp does not fit in 80 MiB at 1 or 2 ranks, oss
+    at 1 rank; zero1 diverged at 4 ranks"."""
+    clauses = []
+    said_limit = None
+    for status in ("oom", "failed", "diverged", "stopped"):
+        where: dict[tuple, list[str]] = {}  # (world sizes, limit) -> strategies
+        for name in dict.fromkeys(r["strategy"] for r in members):
+            hit = [r for r in members if r["strategy"] == name and r["status"] == status]
+            if hit:
+                limits = {r["memory_limit_mib"] for r in hit}
+                key = (tuple(sorted(r["world_size"] for r in hit)), limits.pop() if len(limits) == 1 else None)
+                where.setdefault(key, []).append(name)
+        parts = []
+        for (sizes, limit), names in where.items():
+            who = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+            if not parts:
+                verb = {"failed": "failed", "diverged": "diverged", "stopped": "was stopped"}.get(status)
+                if status == "oom":
+                    verb = ("does not fit" if len(names) == 1 else "do not fit") + limit_text(limit) if limit else (
+                        "runs out of memory" if len(names) == 1 else "run out of memory")  # fmt: skip
+                    said_limit = limit
+                parts.append(f"{who} {verb} at {_ranks_list(list(sizes))}")
+            else:  # the verb said once
+                other = limit_text(limit) if status == "oom" and limit != said_limit else ""
+                parts.append(f"{who}{other} at {_ranks_list(list(sizes))}")
+        if parts:
+            clauses.append(", ".join(parts))
+    return "; ".join(clauses) + "." if clauses else ""
+
+
+def headline(rows: list[dict[str, Any]]) -> str:
+    """A few sentences computed from the sweep: per group of points that differ only in
+    strategy and world size, what the most memory-saving strategy saves against the
+    baseline at each world size and at what speed; what does not fit; how close the
+    predictions came."""
+    usable = [r for r in rows if r["world_size"]]
+    swept = swept_of(rows)
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for row in usable:
+        groups.setdefault(row["_group"], []).append(row)
+    varying = charts.series_keys(usable, swept) if usable else []
+    sentences = []
+    for members in groups.values():
+        prefix = ", ".join(charts.series_label(members[0], varying).split(", ")[1:])
+        said = [_at_world_size(ws, [r for r in members if r["world_size"] == ws])
+                for ws in sorted({r["world_size"] for r in members})]  # fmt: skip
+        text = " ".join([*said, _did_not_finish(members)]).strip()
+        sentences.append((f"**{prefix}**: " if prefix and len(groups) > 1 else "") + text)
+    bad = [r for r in rows if not r["world_size"]]
+    if bad:
+        sentences.append(f"{len(bad)} point(s) left no usable result.json ({', '.join(r['_dir'] for r in bad)}).")
+    errors = [r for r in usable if _measured(r) and r["peak_rel_error_max"] is not None]
+    if errors:
+        worst = max(errors, key=lambda r: abs(r["peak_rel_error_max"]))
+        off = [r for r in errors if abs(r["peak_rel_error_max"]) > charts.BAND]
+        err = worst["peak_rel_error_max"]
+        where = (
+            f"{worst['strategy']} at {ranks(worst['world_size'])}, {err:+.1%}: {'too high' if err > 0 else 'too low'}"
+        )
+        if not off:
+            sentences.append(
+                f"Every rank's predicted peak is within {abs(err):.1%} of its measured one (largest: {where})."
+            )
+        else:
+            sentences.append(f"At {len(off)} of {len(errors)} points that ran, a rank's predicted peak is more than "
+                             f"{charts.BAND:.0%} off its measured one (worst: {where}).")  # fmt: skip
+    return " ".join(sentences)
+
+
+CHARTS = {
+    "memory.png": ("Peak memory per rank vs world size", charts.memory_chart,
+                   "measured peak per rank (solid) and its prediction (dashed) per strategy; a cross labelled OOM, "
+                   "failed or diverged where a point has no measured peak, at its memory limit (dotted) when one was set"),
+    "throughput.png": ("Throughput vs world size", charts.throughput_chart,
+                       "samples per second of all ranks (median step); points without a throughput are named at the "
+                       "bottom"),
+    "breakdown.png": ("What each peak holds", charts.breakdown_chart,
+                      "each point's peak split into parameters, gradients, optimizer state, activations and "
+                      "temporaries: measured (left; CPU tracker) beside predicted (right, hatched; the fake step)"),
+    "prediction.png": ("Predicted vs measured peak", charts.prediction_chart,
+                       f"every rank of every point that ran; the band is ±{charts.BAND:.0%}"),
+}  # fmt: skip
+"""The report's charts: file -> (title, function, what it shows)."""
+
+
 def write_charts(rows: list[dict[str, Any]], sweep_dir: Path) -> list[Path]:
-    """memory.png and throughput.png: one bar per strategy, grouped by world size."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = []
-    charts = (
-        ("memory.png", "peak_allocated_mib_max", "Peak allocated memory per rank (MiB, max over ranks)"),
-        ("throughput.png", "samples_per_s", "Throughput (samples/s, all ranks)"),
-    )
-    for filename, metric, title in charts:
-        strategies = list(dict.fromkeys(r["strategy"] for r in rows))
-        groups = list(dict.fromkeys((r["model"], r["precision"], r["world_size"]) for r in rows))
-        fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(strategies) * max(1, len(groups)) / 2), 4.5))
-        width = 0.8 / max(1, len(groups))
-        for g, group in enumerate(groups):
-            values = [
-                next(
-                    (
-                        r[metric] or 0
-                        for r in rows
-                        if r["strategy"] == s and (r["model"], r["precision"], r["world_size"]) == group
-                    ),
-                    0,
-                )
-                for s in strategies
-            ]
-            xs = [i + (g - (len(groups) - 1) / 2) * width for i in range(len(strategies))]
-            bars = ax.bar(xs, values, width, label=f"{group[0]}, precision {group[1]}, {group[2]} ranks")
-            ax.bar_label(bars, fmt="%.0f", fontsize=7)
-        ax.set_xticks(range(len(strategies)), strategies)
-        ax.set_ylabel(title.split(" (")[1].rstrip(")") if "(" in title else metric)
-        ax.set_title(title)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = Path(sweep_dir) / filename
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        paths.append(path)
-    return paths
+    """The four charts of :data:`CHARTS` in ``sweep_dir``."""
+    swept = swept_of(rows)
+    return [charts.save(draw(rows, swept), Path(sweep_dir) / name) for name, (_, draw, _) in CHARTS.items()]
 
 
 def _label(row: dict[str, Any]) -> str:
@@ -292,7 +472,7 @@ def native_charts(rows: list[dict[str, Any]], points: list[dict[str, Any]]) -> d
     }
 
 
-def log_to_wandb(rows: list[dict[str, Any]], points: list[dict[str, Any]], charts: list[Path], sweep_dir: Path) -> None:
+def log_to_wandb(rows: list[dict[str, Any]], points: list[dict[str, Any]], images: list[Path], sweep_dir: Path) -> None:
     """The tables, W&B's own charts and the PNGs in one "report" run of the sweep's W&B
     group, if the sweep used W&B."""
     cfg = sweep_logger(points)
@@ -310,10 +490,28 @@ def log_to_wandb(rows: list[dict[str, Any]], points: list[dict[str, Any]], chart
             cfg, job_type="report", name=f"report {Path(sweep_dir).name}", config=None, directory=str(sweep_dir),
             run_id=run_id,
         )  # fmt: skip
-        run.log({**native_charts(rows, points), **{f"report/{p.stem}": wandb.Image(str(p)) for p in charts}})
+        run.log({**native_charts(rows, points), **{f"report/{p.stem}": wandb.Image(str(p)) for p in images}})
         run.finish()
     except Exception as exc:  # noqa: BLE001 -- the report files are written regardless
         print(f"warning: W&B summary run not written ({type(exc).__name__}: {exc})", file=sys.stderr)
+
+
+BASELINE_RULE = (
+    "Memory in MiB per rank (the largest over ranks); `peak_saving_pct` and `speed_vs_baseline` compare each row "
+    "with its `baseline`: the DDP point whose settings differ only in the strategy, or, where DDP did not run to "
+    "the end, the least sharded point that fits at the same settings (in the order "
+    + ", ".join(ORDER)
+    + "). MFU is in percent (`mfu_pct`). Every column is in `report.csv` and at the end."
+)
+
+
+def report_markdown(rows: list[dict[str, Any]], name: str, note: str = "") -> str:
+    """report.md: the headline, the compact table, the charts, then every column."""
+    images = "\n\n".join(f"![{title}]({file})\n\n*{title}*: {what}." for file, (title, _, what) in CHARTS.items())
+    return (
+        f"# Sweep report: {name}\n\n{headline(rows)}\n\n{compact(rows)}\n\n{BASELINE_RULE}{note}\n\n"
+        f"## Charts\n\n{images}\n\n## Every column\n\n{markdown(rows)}\n"
+    )
 
 
 def write_report(sweep_dir: Path) -> list[dict[str, Any]]:
@@ -330,15 +528,11 @@ def write_report(sweep_dir: Path) -> list[dict[str, Any]]:
         names = ", ".join(sorted(_point_name(p) for p in stale))
         note = f"\n\n{len(stale)} point(s) left here by an earlier sweep are not in this report: {names}."
         print(f"report: {len(stale)} stale point(s) of an earlier sweep left out ({names})", file=sys.stderr)
-    (sweep_dir / "report.md").write_text(
-        f"# Sweep report: {sweep_dir.name}\n\nMemory in MiB, max over ranks; savings, speed and parity relative to "
-        "each row's baseline: the DDP point whose settings differ only in the strategy." + note + "\n\n"
-        + markdown(rows) + "\n"
-    )  # fmt: skip
+    charts_written = write_charts(rows, sweep_dir)
+    (sweep_dir / "report.md").write_text(report_markdown(rows, sweep_dir.name, note))
     with open(sweep_dir / "report.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns(rows), extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
-    charts = write_charts(rows, sweep_dir)
-    log_to_wandb(rows, points, charts, sweep_dir)
+    log_to_wandb(rows, points, charts_written, sweep_dir)
     return rows

@@ -158,7 +158,7 @@ def summary_table(result: dict[str, Any]) -> str:
         "pred_peak_MiB",
         "states_MiB",
         "pred_states_MiB",
-        "mfu",
+        "mfu_pct",
         "eval",
         "status",
     ]
@@ -175,7 +175,7 @@ def summary_table(result: dict[str, Any]) -> str:
         mib("predicted_peak_mib_max"),
         mib("model_states_mib_max"),
         mib("predicted_model_states_mib_max"),
-        f"{tp['mfu']:.1%}" if tp.get("mfu") is not None else "-",
+        f"{tp['mfu_pct']:.1f}" if tp.get("mfu_pct") is not None else "-",
         _eval_cell(result),
         result["status"],
     ]

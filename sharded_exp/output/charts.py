@@ -1,0 +1,385 @@
+"""The sweep report's charts and the planner's, drawn with matplotlib (Agg, no display).
+
+Every function takes the report's rows (:func:`sharded_exp.output.report.build_rows`) or
+the planner's, returns the matplotlib Figure (tests read its artists) and draws nothing
+as a value it is not: a point that ran out of memory, failed or diverged has no measured
+figure, so it is a labelled marker ("OOM") at the memory limit, never a bar or a line
+at zero.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+STATUS_LABEL = {"oom": "OOM", "failed": "failed", "diverged": "diverged", "stopped": "stopped"}
+"""How a point that has no measured figure is labelled in a chart."""
+PARTS = ("parameters", "gradients", "optimizer state", "activations", "temporaries, other")
+PART_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8C8C8C")
+MEASURED_PARTS = {  # torch's MemTracker categories (result.json per_rank peak_breakdown_mib)
+    "Parameter": "parameters", "Gradient": "gradients", "Optstate": "optimizer state", "Activation": "activations",
+    "Temp": "temporaries, other", "Buffer": "temporaries, other", "Other": "temporaries, other",
+}  # fmt: skip
+PREDICTED_PARTS = {  # the fake step's (result.json memory.peak_prediction.breakdown_mib)
+    "params": "parameters", "gathered": "parameters", "grads": "gradients", "optimizer": "optimizer state",
+    "activations": "activations", "temporaries": "temporaries, other", "communication": "temporaries, other",
+    "other": "temporaries, other", "workspace": "temporaries, other",
+}  # fmt: skip
+BAND = 0.05
+"""The predicted-vs-measured chart's band: a prediction within 5% of the measured peak."""
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def num(value: float | None) -> str:
+    """A figure as a chart or a table prints it: two decimals (3.66, not 4), three
+    significant digits below 1 (0.0866), thousands separated from 100 on (6,184)."""
+    if value is None:
+        return "-"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    if abs(value) >= 1 or value == 0:
+        return f"{value:.2f}"
+    return f"{value:.3g}"
+
+
+def ranks(n: int) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
+
+
+def series_keys(rows: list[dict[str, Any]], swept: list[str]) -> list[str]:
+    """What tells two lines of a chart apart besides the strategy: the swept overrides
+    (levers among them) and the model and precision when they vary."""
+    varying = [k for k in ("model", "precision") if len({r[k] for r in rows}) > 1]
+    return varying + list(swept)
+
+
+def series_label(row: dict[str, Any], keys: list[str]) -> str:
+    parts = [row["strategy"]]
+    for k in keys:
+        short = k.split(".")[-1]  # activation_checkpointing=full, not trainer.activation_checkpointing=full
+        parts.append(f"precision {row[k]}" if k == "precision" else row[k] if k == "model" else f"{short}={row[k]}")
+    return ", ".join(str(p) for p in parts)
+
+
+def _series(rows, keys) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        out.setdefault(series_label(row, keys), []).append(row)
+    return out
+
+
+def _world_axis(ax, world_sizes: list[int]) -> dict[int, int]:
+    """World sizes as evenly spaced positions (1, 2, 4, 64 read as a sequence), labelled in words."""
+    ax.set_xticks(range(len(world_sizes)), [ranks(w) for w in world_sizes])
+    ax.set_xlim(-0.5, len(world_sizes) - 0.5)
+    ax.set_xlabel("world size")
+    return {w: i for i, w in enumerate(world_sizes)}
+
+
+def _colors(n: int):
+    plt = pyplot()
+    cmap = plt.get_cmap("tab10" if n <= 10 else "tab20")
+    return [cmap(i % cmap.N) for i in range(n)]
+
+
+def palette(labels) -> dict[str, Any]:
+    """One colour per series, the same in every chart of a report."""
+    labels = list(dict.fromkeys(labels))
+    return dict(zip(labels, _colors(len(labels))))
+
+
+def _legend_extra(ax, handles: list) -> None:
+    found, labels = ax.get_legend_handles_labels()
+    ax.legend(found + handles, labels + [h.get_label() for h in handles], fontsize=8, loc="best")
+
+
+def memory_chart(rows: list[dict[str, Any]], swept: list[str]):
+    """(1) Peak per rank (max over ranks) vs world size: a solid line per strategy (and
+    per swept setting) through the measured peaks, the prediction dashed in the same
+    colour, each point labelled; a point that did not finish is a cross labelled with its
+    status: at its measured peak (diverged, stopped), else at its memory limit (the limit a
+    dotted line; out of memory), else at its prediction."""
+    from matplotlib.lines import Line2D
+
+    plt = pyplot()
+    rows = [r for r in rows if r["world_size"]]
+    keys = series_keys(rows, swept)
+    groups = _series(rows, keys)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    xpos = _world_axis(ax, sorted({r["world_size"] for r in rows}))
+    limits = sorted({r["memory_limit_mib"] for r in rows if r.get("memory_limit_mib")})
+    top = max([v for r in rows for v in (r["peak_allocated_mib_max"], r["predicted_peak_mib_max"]) if v] + limits,
+              default=1.0)  # fmt: skip
+    colors = palette(groups)
+    for i, (label, members) in enumerate(groups.items()):
+        color = colors[label]
+        members = sorted(members, key=lambda r: r["world_size"])
+        shift = (i - (len(groups) - 1) / 2) * 0.08  # side by side where two lines meet
+        ok = [r for r in members if r["status"] == "ok" and r["peak_allocated_mib_max"] is not None]
+        xs = [xpos[r["world_size"]] + shift for r in ok]
+        ys = [r["peak_allocated_mib_max"] for r in ok]
+        ax.plot(xs, ys, "-o", color=color, label=label)
+        for x, y in zip(xs, ys):
+            ax.annotate(num(y), (x, y), textcoords="offset points", xytext=(6, 4), fontsize=7, color=color)
+        predicted = [r for r in members if r["predicted_peak_mib_max"] is not None]
+        ax.plot([xpos[r["world_size"]] + shift for r in predicted], [r["predicted_peak_mib_max"] for r in predicted],
+                "--", color=color, alpha=0.8, marker=".", markersize=4)  # fmt: skip
+        for r in members:
+            if r["status"] == "ok" and r["peak_allocated_mib_max"] is not None:
+                continue
+            y = r["peak_allocated_mib_max"] or r.get("memory_limit_mib") or r["predicted_peak_mib_max"] or top
+            x = xpos[r["world_size"]] + shift
+            ax.plot([x], [y], marker="X", markersize=10, color=color, markeredgecolor="black", linestyle="none")
+            ax.annotate(STATUS_LABEL.get(r["status"], r["status"]), (x, y), textcoords="offset points",
+                        xytext=(0, -18 - 10 * (i % 2)), ha="center", fontsize=8, fontweight="bold", color=color,
+                        bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5, "alpha": 0.8})  # fmt: skip
+    for limit in limits:
+        ax.axhline(limit, color="crimson", linestyle=":", linewidth=1.2)
+        ax.annotate(f"memory limit {limit:g} MiB", (1, limit), xycoords=("axes fraction", "data"),
+                    xytext=(-4, -11), textcoords="offset points", ha="right", fontsize=8, color="crimson")  # fmt: skip
+    ax.set_ylim(0, top * 1.25)
+    ax.set_ylabel("peak per rank (MiB, max over ranks)")
+    ax.set_title("Peak memory per rank: measured (solid) and predicted (dashed)")
+    extra = [Line2D([], [], color="gray", linestyle="--", label="predicted")]
+    if any(not (r["status"] == "ok" and r["peak_allocated_mib_max"] is not None) for r in rows):
+        extra.append(Line2D([], [], color="gray", marker="X", markeredgecolor="black", linestyle="none",
+                            label="did not finish (OOM, failed, diverged)"))  # fmt: skip
+    _legend_extra(ax, extra)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def _status_notes(ax, marks: list[tuple[float, str, Any]]) -> None:
+    """Points without a figure, as labels along the bottom of the axes at their world size."""
+    import matplotlib.transforms as transforms
+
+    blend = transforms.blended_transform_factory(ax.transData, ax.transAxes)
+    seen: dict[float, int] = {}
+    for x, text, color in marks:
+        k = seen.get(round(x), 0)
+        seen[round(x)] = k + 1
+        ax.text(x, 0.03 + 0.06 * k, text, transform=blend, ha="center", fontsize=8, fontweight="bold", color=color,
+                bbox={"facecolor": "white", "edgecolor": color, "boxstyle": "round,pad=0.2", "alpha": 0.9})  # fmt: skip
+
+
+def throughput_chart(rows: list[dict[str, Any]], swept: list[str]):
+    """(2) Samples per second (all ranks) vs world size, a line per strategy (and swept
+    setting); a point without a throughput is named at the bottom, not drawn at zero."""
+    plt = pyplot()
+    rows = [r for r in rows if r["world_size"]]
+    keys = series_keys(rows, swept)
+    groups = _series(rows, keys)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    xpos = _world_axis(ax, sorted({r["world_size"] for r in rows}))
+    marks = []
+    colors = palette(groups)
+    for i, (label, members) in enumerate(groups.items()):
+        color = colors[label]
+        shift = (i - (len(groups) - 1) / 2) * 0.08  # side by side where two lines meet
+        members = sorted(members, key=lambda r: r["world_size"])
+        ok = [r for r in members if r["status"] == "ok" and r["samples_per_s"]]
+        xs, ys = [xpos[r["world_size"]] + shift for r in ok], [r["samples_per_s"] for r in ok]
+        ax.plot(xs, ys, "-o", color=color, label=label)
+        for x, y in zip(xs, ys):
+            ax.annotate(num(y), (x, y), textcoords="offset points", xytext=(6, 4), fontsize=7, color=color)
+        marks += [(xpos[r["world_size"]], f"{label}: {STATUS_LABEL.get(r['status'], r['status'])}", color)
+                  for r in members if r not in ok]  # fmt: skip
+    _status_notes(ax, marks)
+    top = max((r["samples_per_s"] for r in rows if r["status"] == "ok" and r["samples_per_s"]), default=1.0)
+    ax.set_ylim(0, top * 1.2)
+    ax.set_ylabel("samples/s (all ranks, median step)")
+    ax.set_title("Throughput")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def measured_parts(row: dict[str, Any]) -> dict[str, float] | None:
+    """The measured peak's split (CPU memory tracker) of the rank with the largest peak."""
+    entries = [e for e in row.get("per_rank") or [] if e.get("peak_breakdown_mib") and e.get("peak_allocated_mib")]
+    if not entries:
+        return None
+    top = max(entries, key=lambda e: e["peak_allocated_mib"])
+    out = dict.fromkeys(PARTS, 0.0)
+    for key, value in top["peak_breakdown_mib"].items():
+        out[MEASURED_PARTS.get(key, "temporaries, other")] += value or 0.0
+    return out
+
+
+def predicted_parts(row: dict[str, Any]) -> dict[str, float] | None:
+    """The predicted peak's split (the fake step) of the rank holding the most states."""
+    breakdown = (row.get("peak_prediction") or {}).get("breakdown_mib")
+    if not breakdown:
+        return None
+    out = dict.fromkeys(PARTS, 0.0)
+    for key, value in breakdown.items():
+        out[PREDICTED_PARTS.get(key, "temporaries, other")] += value or 0.0
+    return out
+
+
+def breakdown_chart(rows: list[dict[str, Any]], swept: list[str]):
+    """(3) Each point's peak split into parameters, gradients, optimizer state,
+    activations and temporaries: measured (solid, where the CPU tracker split it) and
+    predicted (hatched) side by side."""
+    from matplotlib.patches import Patch
+
+    plt = pyplot()
+    rows = [r for r in rows if r["world_size"]]
+    keys = series_keys(rows, swept)
+    fig, ax = plt.subplots(figsize=(max(7, 1.1 * len(rows) + 2), 5))
+    width = 0.38
+    top = 0.0
+    for i, row in enumerate(rows):
+        for offset, parts, hatch in ((-width / 2, measured_parts(row), None), (width / 2, predicted_parts(row), "//")):
+            if parts is None:
+                why = STATUS_LABEL.get(row["status"], "not split") if row["status"] != "ok" else "not split"
+                ax.text(i + offset, 0.02, why, transform=_blend(ax), rotation=90, ha="center", va="bottom", fontsize=8,
+                        fontweight="bold")  # fmt: skip
+                continue
+            bottom = 0.0
+            for part, color in zip(PARTS, PART_COLORS):
+                ax.bar(i + offset, parts[part], width, bottom=bottom, color=color, hatch=hatch, edgecolor="white")
+                bottom += parts[part]
+            ax.annotate(num(bottom), (i + offset, bottom), textcoords="offset points", xytext=(0, 2), ha="center",
+                        fontsize=7)  # fmt: skip
+            top = max(top, bottom)
+    labels = [f"{series_label(r, keys)}\n{ranks(r['world_size'])}" for r in rows]
+    if max(len(line) for label in labels for line in label.split("\n")) > 14:  # long labels: one line, slanted
+        ax.set_xticks(range(len(rows)), [label.replace("\n", ", ") for label in labels], fontsize=8, rotation=25,
+                      ha="right", rotation_mode="anchor")  # fmt: skip
+    else:
+        ax.set_xticks(range(len(rows)), labels, fontsize=8)
+    ax.set_ylim(0, (top or 1.0) * 1.15)
+    ax.set_ylabel("MiB at the peak (rank with the largest peak)")
+    ax.set_title("What the peak holds: measured (left, solid) and predicted (right, hatched)")
+    handles = [Patch(color=c, label=p) for p, c in zip(PARTS, PART_COLORS)]
+    handles.append(Patch(facecolor="white", edgecolor="gray", hatch="//", label="predicted"))
+    ax.legend(handles=handles, fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    return fig
+
+
+def _blend(ax):
+    import matplotlib.transforms as transforms
+
+    return transforms.blended_transform_factory(ax.transData, ax.transAxes)
+
+
+def prediction_chart(rows: list[dict[str, Any]], swept: list[str]):
+    """(4) Each rank's predicted peak against its measured one, with the band where the
+    prediction is within 5%: above it the prediction was too high, below too low."""
+    plt = pyplot()
+    keys = series_keys([r for r in rows if r["world_size"]], swept)
+    colors = palette(series_label(r, keys) for r in rows if r["world_size"])
+    fig, ax = plt.subplots(figsize=(6.5, 6))
+    points: dict[str, list[tuple[float, float]]] = {}
+    for row in rows:
+        if row["status"] != "ok":
+            continue
+        for e in row.get("per_rank") or []:
+            if e.get("peak_allocated_mib") and e.get("predicted_peak_mib"):
+                points.setdefault(series_label(row, keys), []).append(
+                    (e["peak_allocated_mib"], e["predicted_peak_mib"])
+                )
+    values = [v for pts in points.values() for p in pts for v in p]
+    lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
+    span = [max(0.0, lo - 0.1 * (hi - lo + 1e-9) - 0.05 * hi), hi + 0.1 * (hi - lo) + 0.05 * hi]
+    ax.fill_between(span, [s * (1 - BAND) for s in span], [s * (1 + BAND) for s in span], color="green", alpha=0.12,
+                    label=f"within ±{BAND:.0%}")  # fmt: skip
+    ax.plot(span, span, color="green", linewidth=1, label="predicted = measured")
+    for label, pts in points.items():
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], color=colors[label], label=label, s=30, zorder=3)
+    ax.set_xlim(span)
+    ax.set_ylim(span)
+    ax.set_xlabel("measured peak per rank (MiB)")
+    ax.set_ylabel("predicted peak per rank (MiB)")
+    ax.set_title("Predicted vs measured peak, every rank of every point that ran")
+    if not values:
+        ax.text(0.5, 0.5, "no point ran to a measured peak", transform=ax.transAxes, ha="center")
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def save(fig, path: Path) -> Path:
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+    return path
+
+
+# ------------------------------------------------------------------------ the planner's chart
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def _end_labels(ax, fig, x: float, ends: dict[str, list[str]], gap: float = 0.04) -> None:
+    """Label each line's last point ("77.16 (oss)") at the right, pushed apart where two
+    lines end close together (at least ``gap`` of the axes' height between labels)."""
+    import math
+
+    lo, hi = (math.log(v) for v in ax.get_ylim())
+    height_pt = fig.get_figheight() * ax.get_position().height * 72
+    spots = sorted(((math.log(float(v.replace(",", ""))) - lo) / (hi - lo), v) for v in ends)
+    placed: list[float] = []
+    for frac, value in spots:
+        at = max(frac, placed[-1] + gap) if placed else frac
+        placed.append(at)
+        ax.annotate(f"{value} ({', '.join(ends[value])})", (x, float(value.replace(",", ""))),
+                    textcoords="offset points", xytext=(8, (at - frac) * height_pt), fontsize=7, va="center")  # fmt: skip
+
+
+def plan_chart(rows: list[dict[str, Any]], budget_gib: float, title: str):
+    """Memory per rank at the peak vs world size, a line per strategy (and lever
+    combination; each its own marker, so lines that coincide stay visible), the device's
+    memory as a line; the points that fit are filled, the last world size labelled."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8.5, 5))
+    world_sizes = sorted({r["world_size"] for r in rows})
+    xpos = _world_axis(ax, world_sizes)
+    big = max((r["total_gib"] or 0 for r in rows), default=0) >= 1 or budget_gib >= 1
+    unit, scale = ("GiB", 1.0) if big else ("MiB", 1024.0)
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        label = r["strategy"] + ("" if r.get("levers", "none") == "none" else f" + {r['levers']}")
+        groups.setdefault(label, []).append(r)
+    colors = palette(groups)
+    ends: dict[str, list[str]] = {}  # the last world size's figure -> the lines that end there
+    for i, (label, members) in enumerate(groups.items()):
+        color, marker = colors[label], MARKERS[i % len(MARKERS)]
+        members = [r for r in sorted(members, key=lambda r: r["world_size"]) if r["total_gib"] is not None]
+        xs = [xpos[r["world_size"]] for r in members]
+        ys = [r["total_gib"] * scale for r in members]
+        ax.plot(xs, ys, "-", color=color, label=label, marker=marker, markerfacecolor="white")
+        fit = [(x, y) for x, y, r in zip(xs, ys, members) if r["fits"]]
+        ax.plot([p[0] for p in fit], [p[1] for p in fit], linestyle="none", marker=marker, color=color)
+        if members and members[-1]["world_size"] == world_sizes[-1]:
+            ends.setdefault(num(ys[-1]), []).append(label)
+    ax.axhline(budget_gib * scale, color="crimson", linestyle=":", linewidth=1.5)
+    ax.set_yscale("log")
+    _end_labels(ax, fig, len(world_sizes) - 1, ends)
+    ax.set_xlim(-0.5, len(world_sizes) + 0.6)  # room for the labels at the right
+    ax.annotate(f"device memory {budget_gib * scale:g} {unit}", (0, budget_gib * scale),
+                xycoords=("axes fraction", "data"), xytext=(4, -11), textcoords="offset points", fontsize=8,
+                color="crimson")  # fmt: skip
+    from matplotlib.ticker import FuncFormatter
+
+    for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+        axis(FuncFormatter(lambda v, _: f"{v:g}"))  # 60, not 6 x 10^1
+    ax.set_ylabel(f"peak per rank ({unit}, log scale)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, title="filled: fits; hollow: does not", title_fontsize=8, loc="lower left")
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    return fig
