@@ -92,6 +92,7 @@ def test_oom_alone_does_not_fail_the_sweep_and_wandb_gets_the_report(tmp_path):
     assert len(report) == 1 and len(runs) == 3
     logged = report[0]["history"][0]
     assert logged["report/table/nrows"] == 2 and logged["report/memory/_type"] == "image-file"
+    assert logged["report/samples_per_s_table/nrows"] == 1  # the OOM point gets no bar of 0 samples/s
     # Reporting again replaces the report run (22.16): one run, the same id.
     again = subprocess.run([sys.executable, "-m", "sharded_exp.report", str(sweep)], capture_output=True, text=True)
     assert again.returncode == 0, again.stderr[-3000:]

@@ -455,6 +455,13 @@ def native_charts(rows: list[dict[str, Any]], points: list[dict[str, Any]]) -> d
             for p in points if p.get("status") == "ok" for e in (p.get("memory") or {}).get("per_rank", [])
         ],
     )  # fmt: skip
+    # Bars only for the points that finished: a point that ran out of memory has no
+    # throughput, and a bar of 0 would read as the slowest (report/table names it).
+    speeds = wandb.Table(
+        columns=["label", "samples_per_s"],
+        data=[[_label(row), row["samples_per_s"]] for row in rows
+              if row.get("status") == "ok" and row.get("samples_per_s") is not None],
+    )  # fmt: skip
     plot = wandb.plot
     return {
         "report/table": table,
@@ -468,7 +475,9 @@ def native_charts(rows: list[dict[str, Any]], points: list[dict[str, Any]]) -> d
         "report/predicted_vs_measured": plot.scatter(
             per_rank, "predicted_peak_mib", "peak_allocated_mib", title="Peak per rank: predicted vs measured (MiB)"
         ),
-        "report/samples_per_s": plot.bar(table, "label", "samples_per_s", title="Throughput (samples/s, all ranks)"),
+        "report/samples_per_s": plot.bar(
+            speeds, "label", "samples_per_s", title="Throughput (samples/s, all ranks; points that finished)"
+        ),
     }
 
 
