@@ -26,13 +26,13 @@ OBJECTIVES = (
     "throughput/tokens_per_s",
     "throughput/step_time_s_median",
     "throughput/achieved_flops_per_s",
-    "throughput/mfu",
+    "throughput/mfu_pct",
     "memory/peak_allocated_mib_max",
     "memory/model_states_mib_max",
     "memory/predicted_peak_mib_max",
     "eval/final/eval/loss",
 )
-"""The result.json paths ``objective`` may name (numbers every finished job has; mfu and
+"""The result.json paths ``objective`` may name (numbers every finished job has; mfu_pct and
 tokens_per_s are null where they do not apply, and then count as a failed point)."""
 
 HOSTS = {

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -39,7 +40,11 @@ def install_torch(pip: list[str], tmp: Path) -> None:
 @pytest.fixture(scope="module")
 def fresh_venv(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("install")
-    sh([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", tmp / "dist", ROOT], tmp)
+    # Built from a copy of the sources: a build/ left in the checkout would be packaged stale,
+    # and the checkout stays as it was.
+    leave = shutil.ignore_patterns(".git", ".venv", "build", "outputs", "*.egg-info", "__pycache__", ".*cache")
+    shutil.copytree(ROOT, tmp / "src", ignore=leave, symlinks=True)
+    sh([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", tmp / "dist", tmp / "src"], tmp)
     (wheel,) = glob.glob(str(tmp / "dist" / "sharded_exp-*.whl"))
     sh([sys.executable, "-m", "venv", tmp / "venv"], tmp)
     pip = [str(tmp / "venv" / "bin" / "python"), "-m", "pip"]
