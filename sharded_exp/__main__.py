@@ -66,6 +66,9 @@ def check_resolvable(cfg: DictConfig) -> None:
         missing = sorted(OmegaConf.missing_keys(cfg))
         if missing:
             hint = " (model=custom needs model._target_=package.module.factory)" if "model._target_" in missing else ""
+            data_keys = [k for k in missing if k.startswith("data.")]
+            if data_keys:
+                hint += f" (data={cfg.data.name} reads local files: {' '.join(k + '=...' for k in data_keys)})"
             raise ConfigError(f"{', '.join(missing)} must be set: no value was given{hint}")
         OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as exc:

@@ -734,6 +734,12 @@ def test_23_6_the_memory_limit_says_what_it_bounds_and_caps_cuda_before_the_buil
     printed = capsys.readouterr().out
     assert f"out of memory on rank {b['rank']} at step {b['step']} ({b['phase']})" in printed
     assert next(iter(b["top_modules_mib"])) in printed
+    # ... and the report's row for the point says it in one cell.
+    from sharded_exp.output.report import _row
+
+    cell = _row(oom)["oom_breakdown"]
+    assert cell.startswith(f"rank {b['rank']} step {b['step']} ({b['phase']}): {b['tracked_mib']:.2f} MiB over {limit}")
+    assert next(iter(b["top_modules_mib"])) in cell and "Parameter" in cell
     # On CUDA the cap is set when the meter is made, before the model and optimizer are built.
     capped = []
     props = type("Props", (), {"total_memory": 80 * 2**30})()

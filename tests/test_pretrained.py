@@ -138,3 +138,23 @@ def test_the_directory_sets_the_architecture_and_the_data_sizes(tmp_path_factory
     assert module.transformer.wte.weight.shape == (96, 32)
     with pytest.raises(ConfigError, match=r"model.seq_len=64 is longer than model.pretrained's 32 positions"):
         _checked(["model=hf_gpt2", f"model.pretrained={saved}", "model.seq_len=64"])
+
+
+def test_plain_parameters_fsdp_leaves_whole_keep_their_objects():
+    """A 0-dim parameter FSDP does not shard is a plain meta tensor after a meta build;
+    materialising it for the rank-0 load keeps its Parameter object (the optimizer's)."""
+    from torch import nn
+
+    from sharded_exp.train.build import keep_plain_parameters
+
+    with torch.device("meta"):
+        module = nn.Module()
+        module.scale = nn.Parameter(torch.tensor(2.0))
+        module.frozen = nn.Parameter(torch.tensor(1.0), requires_grad=False)
+        module.linear = nn.Linear(3, 3)
+    before = {name: id(p) for name, p in module.named_parameters()}
+    optimizer = torch.optim.SGD([module.scale], lr=0.1)
+    keep_plain_parameters(module, torch.device("cpu"))
+    assert {name: id(p) for name, p in module.named_parameters()} == before
+    assert all(p.device.type == "cpu" for p in module.parameters())
+    assert optimizer.param_groups[0]["params"][0] is module.scale and not module.frozen.requires_grad

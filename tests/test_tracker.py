@@ -194,3 +194,19 @@ def test_the_cuda_memory_history_is_guarded(monkeypatch, tmp_path):
     assert history.record()["path"] == str(tmp_path / "memory_snapshot_rank2.pickle") and history.reason is None
     assert (tmp_path / "memory_snapshot_rank2.pickle").exists()
     assert calls[0][1]["max_entries"] > 0 and calls[-1][0] == (None,)  # recorded, then stopped
+
+
+def test_an_oom_without_a_breakdown_says_why_on_either_device():
+    """result.json's oom_breakdown_error names the device's reason: on CUDA the snapshot's."""
+    from sharded_exp.output.results import oom_memory
+
+    cpu = {"setting": "auto", "recorded": False, "path": None,
+           "reason": "no CUDA allocator to record on CPU (memory.oom_breakdown holds the CPU tracker's)"}  # fmt: skip
+    cuda = {"setting": "auto", "recorded": False, "path": None, "reason": "not recorded (no trainer.memory_limit_mib)"}
+    on_cpu = oom_memory([{"rank": 1, "memory_at_oom": {"oom_breakdown": None, "memory_snapshot": cpu}}])
+    on_cuda = oom_memory([{"rank": 0, "memory_at_oom": {"oom_breakdown": None, "memory_snapshot": cuda}}])
+    assert on_cpu["oom_breakdown_error"].startswith("the allocation failed where the CPU tracker kept no record")
+    assert on_cuda["oom_breakdown_error"] == (
+        "a CUDA run without a snapshot: not recorded (no trainer.memory_limit_mib) (memory.memory_snapshot)"
+    )
+    assert oom_memory([])["oom_breakdown_error"] == "no rank recorded its memory at the failure"

@@ -203,3 +203,16 @@ def test_a_resumed_run_sees_the_batches_of_the_uninterrupted_run(files, tmp_path
     assert sorted(again) == [4, 5, 6, 7, 8]
     assert all(again[s] == losses[s] for s in again), (losses, again)
     assert whole["throughput"]["data_time_s_per_step"] > 0 and whole["throughput"]["data_prefetched"] is True
+
+
+def test_files_not_given_are_named_with_what_to_set():
+    """data=conll without its files: the keys to set, before anything runs."""
+    from sharded_exp.__main__ import check_resolvable
+
+    cfg = compose_cfg(["model=hf_bert", "data=conll"])
+    with pytest.raises(ConfigError) as err:
+        check_resolvable(cfg)
+    assert str(err.value) == (
+        "data.path, data.tokenizer must be set: no value was given "
+        "(data=conll reads local files: data.path=... data.tokenizer=...)"
+    )

@@ -146,8 +146,9 @@ def peak_tracker(limit_mib: float | None = None):
         def _update_snap(self, u_type, winfo, *args, **kwargs) -> None:
             super()._update_snap(u_type, winfo, *args, **kwargs)
             if self.limit_bytes is not None and u_type == mem_tracker._UpdateType.ADD:
-                # The deepest module running (names are dotted paths from the root), or Global.
-                winfo.owner = max(self._mod_tracker.parents, key=lambda name: name.count("."))
+                # The deepest module running (names are dotted paths from the root), or Global
+                # when none runs (Global ranks below the root, which has no dot either).
+                winfo.owner = max(self._mod_tracker.parents, key=lambda name: (name.count("."), name != "Global"))
 
         def name_modules(self, model: nn.Module) -> None:
             """Name modules as the model does (``layers.0.attn``), not by the wrapper's path."""

@@ -255,7 +255,9 @@ def breakdown_chart(rows: list[dict[str, Any]], swept: list[str]):
                         fontsize=7)  # fmt: skip
             top = max(top, bottom)
     labels = [f"{series_label(r, keys)}\n{ranks(r['world_size'])}" for r in rows]
-    if max(len(line) for label in labels for line in label.split("\n")) > 14:  # long labels: one line, slanted
+    if (
+        max((len(line) for label in labels for line in label.split("\n")), default=0) > 14
+    ):  # long labels: one line, slanted
         ax.set_xticks(range(len(rows)), [label.replace("\n", ", ") for label in labels], fontsize=8, rotation=25,
                       ha="right", rotation_mode="anchor")  # fmt: skip
     else:

@@ -29,6 +29,7 @@ COLUMNS = [
     "peak_rel_error_max", "model_states_mib_max", "predicted_model_states_mib_max", "memory_limit_mib",
     "peak_saving_pct", "states_saving_pct", "samples_per_s", "speed_vs_baseline", "mfu_pct", "final_loss",
     "eval/accuracy", "eval/f1", "eval/perplexity", "parity_vs_baseline", "status", "first_nonfinite_step", "error",
+    "oom_breakdown",
 ]  # fmt: skip
 """Every column of report.csv and the full table (the swept overrides follow ``model``,
 ``baseline`` comes last)."""
@@ -97,6 +98,25 @@ def _read_point(path: Path) -> dict[str, Any]:
     return data
 
 
+def oom_summary(breakdown: dict[str, Any] | None) -> str | None:
+    """A CPU run's record of the moment it went over its budget, in one cell: where, the
+    categories (largest first) and the modules holding most of it."""
+    if not breakdown:
+        return None
+    where = f"rank {breakdown.get('rank')}" + (
+        f" step {breakdown['step']}" if breakdown.get("step") is not None else ""
+    )
+    categories = sorted((breakdown.get("by_category_mib") or {}).items(), key=lambda kv: -kv[1])
+    modules = list((breakdown.get("top_modules_mib") or {}).items())[:3]
+    parts = [
+        f"{where} ({breakdown.get('phase')}): {breakdown.get('tracked_mib', 0):.2f} MiB over {breakdown.get('limit_mib')}",
+        ", ".join(f"{k} {v:.2f}" for k, v in categories if v > 0),
+    ]
+    if modules:
+        parts.append("top modules " + ", ".join(f"{k} {v:.2f}" for k, v in modules))
+    return "; ".join(parts)
+
+
 def _row(r: dict[str, Any]) -> dict[str, Any]:
     mem = r.get("memory") or {}
     tp = r.get("throughput") or {}
@@ -123,6 +143,7 @@ def _row(r: dict[str, Any]) -> dict[str, Any]:
         "status": r.get("status", "?"),
         "first_nonfinite_step": r.get("first_nonfinite_step"),
         "error": r.get("error"),
+        "oom_breakdown": oom_summary(mem.get("oom_breakdown")),
         # for the charts, not columns: each rank's figures and the prediction's split
         "per_rank": mem.get("per_rank") or [],
         "peak_prediction": mem.get("peak_prediction") or {},
@@ -428,13 +449,24 @@ CHARTS = {
 
 
 def write_charts(rows: list[dict[str, Any]], sweep_dir: Path) -> list[Path]:
-    """The four charts of :data:`CHARTS` in ``sweep_dir``."""
+    """The four charts of :data:`CHARTS` in ``sweep_dir``, of the points that have a world
+    size (an unreadable result.json has none). A chart that cannot be drawn is left out with
+    a warning: the tables are written regardless."""
+    rows = [r for r in rows if r.get("world_size")]
+    if not rows:
+        return []
     swept = swept_of(rows)
-    return [charts.save(draw(rows, swept), Path(sweep_dir) / name) for name, (_, draw, _) in CHARTS.items()]
+    written = []
+    for name, (_, draw, _) in CHARTS.items():
+        try:
+            written.append(charts.save(draw(rows, swept), Path(sweep_dir) / name))
+        except Exception as exc:  # noqa: BLE001 -- a chart is a view; report.md and the CSV still hold every figure
+            print(f"warning: {name} not drawn ({type(exc).__name__}: {exc})", file=sys.stderr)
+    return written
 
 
 def _label(row: dict[str, Any]) -> str:
-    return f"{row['strategy']} | {row['world_size']} ranks | precision {row['precision']} | {row['model']}"
+    return f"{row['strategy']} | {charts.ranks(row['world_size'])} | precision {row['precision']} | {row['model']}"
 
 
 def native_charts(rows: list[dict[str, Any]], points: list[dict[str, Any]]) -> dict[str, Any]:
@@ -514,9 +546,17 @@ BASELINE_RULE = (
 )
 
 
-def report_markdown(rows: list[dict[str, Any]], name: str, note: str = "") -> str:
-    """report.md: the headline, the compact table, the charts, then every column."""
-    images = "\n\n".join(f"![{title}]({file})\n\n*{title}*: {what}." for file, (title, _, what) in CHARTS.items())
+def report_markdown(rows: list[dict[str, Any]], name: str, note: str = "", drawn: set[str] | None = None) -> str:
+    """report.md: the headline, the compact table, the charts (those in ``drawn``, by file
+    name; None: all), then every column."""
+    images = (
+        "\n\n".join(
+            f"![{title}]({file})\n\n*{title}*: {what}."
+            for file, (title, _, what) in CHARTS.items()
+            if drawn is None or file in drawn
+        )
+        or "No chart: no point has a usable result."
+    )
     return (
         f"# Sweep report: {name}\n\n{headline(rows)}\n\n{compact(rows)}\n\n{BASELINE_RULE}{note}\n\n"
         f"## Charts\n\n{images}\n\n## Every column\n\n{markdown(rows)}\n"
@@ -538,7 +578,7 @@ def write_report(sweep_dir: Path) -> list[dict[str, Any]]:
         note = f"\n\n{len(stale)} point(s) left here by an earlier sweep are not in this report: {names}."
         print(f"report: {len(stale)} stale point(s) of an earlier sweep left out ({names})", file=sys.stderr)
     charts_written = write_charts(rows, sweep_dir)
-    (sweep_dir / "report.md").write_text(report_markdown(rows, sweep_dir.name, note))
+    (sweep_dir / "report.md").write_text(report_markdown(rows, sweep_dir.name, note, {p.name for p in charts_written}))
     with open(sweep_dir / "report.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns(rows), extrasaction="ignore")
         writer.writeheader()

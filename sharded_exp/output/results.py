@@ -283,6 +283,8 @@ def oom_memory(failures: list[dict[str, Any]]) -> dict[str, Any]:
         reason = None
     elif snapshot and snapshot["files"]:
         reason = "a CUDA run: the allocator's snapshot (memory.memory_snapshot) holds what was live"
+    elif snapshot and not (snapshot["reason"] or "").startswith("no CUDA allocator"):
+        reason = f"a CUDA run without a snapshot: {snapshot['reason']} (memory.memory_snapshot)"
     elif held:
         reason = "the allocation failed where the CPU tracker kept no record (not over trainer.memory_limit_mib)"
     else:

@@ -54,11 +54,27 @@ def _tied_to_empty(module: nn.Module, device: torch.device) -> nn.Module:
     return module
 
 
-def load_sharded_from_rank0(module: nn.Module, model_cfg, device: torch.device) -> None:
+def keep_plain_parameters(module: nn.Module, device: torch.device) -> None:
+    """Materialise, on ``device``, the meta parameters FSDP left whole (0-dim ones it does
+    not shard), keeping each Parameter object: the optimizer and the strategy were built
+    with these objects, and ``to_empty`` alone would replace them with new ones."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for mod in module.modules():
+            for param in mod._parameters.values():
+                if param is not None and param.is_meta and not isinstance(param, DTensor):
+                    fresh = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                    torch.utils.swap_tensors(param, fresh)
+
+
+def load_sharded_from_rank0(module: nn.Module, model_cfg, device: torch.device, offload: bool = False) -> None:
     """Materialise a sharded meta-device ``module`` on ``device`` and fill it with
     ``model.pretrained``'s weights: rank 0 loads the whole model on its CPU, and each
     tensor is broadcast from it, one at a time, every rank keeping its own shard (torch's
     ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``).
+
+    ``offload``: FSDP's CPU offload, whose sharded parameters live in host memory.
 
     Warning:
         Buffers that are no state-dict entries (a rotary embedding's ``inv_freq``) have no
@@ -69,7 +85,15 @@ def load_sharded_from_rank0(module: nn.Module, model_cfg, device: torch.device) 
 
     rank0 = dist.get_rank() == 0
     full = build_model(model_cfg, weights=True) if rank0 else None
-    _tied_to_empty(module, device)  # the parameter objects stay (FSDP2): the optimizer keeps them
+    # FSDP's CPU offload keeps the sharded parameters in host memory (it refuses them on the GPU).
+    home = torch.device("cpu") if offload else device
+    keep_plain_parameters(module, home)
+    _tied_to_empty(module, home)  # FSDP2's sharded parameters keep their objects: the optimizer holds them
+    if home != device:  # buffers are not offloaded: the forward reads them on the GPU
+        for mod in module.modules():
+            for name, buffer in mod._buffers.items():
+                if buffer is not None:
+                    mod._buffers[name] = buffer.to(device)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(module, full.state_dict() if rank0 else {}, options=options)
     loaded = dict(full.named_buffers()) if rank0 else {}
@@ -129,5 +153,5 @@ def build_run(
         before_wrap(module)
     strategy = build_strategy(cfg.strategy, module, optimizer_spec(cfg.optimizer, module), cfg.precision, device)
     if sharded_load:
-        load_sharded_from_rank0(module, cfg.model, device)
+        load_sharded_from_rank0(module, cfg.model, device, offload=bool(cfg.strategy.get("cpu_offload")))
     return Run(module, strategy, task, precision.autocast(cfg.precision, device.type))
