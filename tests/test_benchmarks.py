@@ -169,3 +169,16 @@ def test_levers_smoke(tmp_path):
     assert ac["full"]["activations_mib"] < ac["none"]["activations_mib"]
     assert data["hsdp"]["hsdp"]["states_mib"] > data["hsdp"]["fsdp"]["states_mib"]
     assert {f["levers"] for f in data["plan"]["found"]} == {"none", "ac", "ac+offload"}
+
+
+def test_cli_queries_smoke(tmp_path):
+    data = bench("cli_queries", "--repeats", "1", cwd=tmp_path)
+    assert set(data["seconds"]) == {
+        "import hydra (floor)",
+        "import torch (floor)",
+        "--help",
+        "--cfg job",
+        "-sc query=bash",
+    }
+    assert all(len(t) == 1 and t[0] > 0 for t in data["seconds"].values())
+    assert data["leftovers"] == []  # a question writes nothing where it is asked
