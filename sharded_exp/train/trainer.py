@@ -443,15 +443,14 @@ def _train(cfg, device, output_dir, prediction, timeline, meter: MemoryMeter, hi
             profile_path=trace_path(output_dir, rank),
             data_position=loaded.get("data"),
         )
+        if history.mode == "always":
+            history.dump()
+        out.extra["memory_snapshot"] = history.record()  # before the gather, which sends it to rank 0
         with meter.guard(strategy):  # untimed: the memory budget still holds
             per_rank, digest, final_loss = gather_results(strategy, out, device)
             # Only when asked: the full model, gathered one tensor at a time to rank 0.
             final_state = checkpoint.gather_model_state(strategy) if tc.save_final_state and not out.stopped else None
-        # Recorded through the gathers above: an OOM there leaves its snapshot too.
-        if history.mode == "always":
-            history.dump()
-        history.stop()
-        out.extra["memory_snapshot"] = history.record()
+        history.stop()  # recorded through the gathers: an OOM there dumps its snapshot (train's handler)
     except BaseException:
         logger.finish(exit_code=1)
         raise
