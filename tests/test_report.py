@@ -409,3 +409,23 @@ def test_a_sweep_with_no_usable_result_still_gets_its_report(tmp_path):
     assert "No chart: no point has a usable result." in text and "](" not in text
     assert "usable result.json" in text
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_25_a_cpu_oom_point_shows_what_was_live_when_it_crossed_its_budget():
+    """The breakdown chart draws a CPU OOM point's measured bar from its oom_breakdown, marked OOM."""
+    from sharded_exp.output import charts
+    from sharded_exp.output.report import _row
+
+    oom = {"strategy": "ddp", "world_size": 2, "precision": "32", "model": "mlp", "status": "oom",
+           "memory": {"per_rank": [], "peak_prediction": {"breakdown_mib": {"params": 1.0, "activations": 3.0}},
+                      "oom_breakdown": {"rank": 1, "step": 0, "phase": "forward", "limit_mib": 3.0, "tracked_mib": 3.5,
+                                        "by_category_mib": {"Parameter": 1.0, "Activation": 2.5},
+                                        "top_modules_mib": {"body.0": 2.0}}}}  # fmt: skip
+    row = _row(oom)
+    assert charts.measured_parts(row)["activations"] == 2.5 and charts.measured_parts(row)["parameters"] == 1.0
+    assert (
+        row["oom_breakdown"]
+        == "rank 1 step 0 (forward): 3.50 MiB over 3.0; Activation 2.50, Parameter 1.00; top modules body.0 2.00"
+    )
+    texts = [t for t, _ in _texts(charts.breakdown_chart([row], []).axes[0])]
+    assert "3.50 OOM" in texts and "4.00" in texts  # measured at the crossing, beside the predicted peak

@@ -208,11 +208,14 @@ def throughput_chart(rows: list[dict[str, Any]], swept: list[str]):
 def measured_parts(row: dict[str, Any]) -> dict[str, float] | None:
     """The measured peak's split (CPU memory tracker) of the rank with the largest peak."""
     entries = [e for e in row.get("per_rank") or [] if e.get("peak_breakdown_mib") and e.get("peak_allocated_mib")]
-    if not entries:
+    if entries:
+        split = max(entries, key=lambda e: e["peak_allocated_mib"])["peak_breakdown_mib"]
+    elif row.get("oom_categories"):  # a CPU point that ran out: what was live when it crossed its budget
+        split = row["oom_categories"]
+    else:
         return None
-    top = max(entries, key=lambda e: e["peak_allocated_mib"])
     out = dict.fromkeys(PARTS, 0.0)
-    for key, value in top["peak_breakdown_mib"].items():
+    for key, value in split.items():
         out[MEASURED_PARTS.get(key, "temporaries, other")] += value or 0.0
     return out
 
@@ -230,7 +233,8 @@ def predicted_parts(row: dict[str, Any]) -> dict[str, float] | None:
 
 def breakdown_chart(rows: list[dict[str, Any]], swept: list[str]):
     """(3) Each point's peak split into parameters, gradients, optimizer state,
-    activations and temporaries: measured (solid, where the CPU tracker split it) and
+    activations and temporaries: measured (solid, where the CPU tracker split it; for a
+    point that ran out of memory, what was live when it crossed its budget, marked OOM) and
     predicted (hatched) side by side."""
     from matplotlib.patches import Patch
 
@@ -251,8 +255,9 @@ def breakdown_chart(rows: list[dict[str, Any]], swept: list[str]):
             for part, color in zip(PARTS, PART_COLORS):
                 ax.bar(i + offset, parts[part], width, bottom=bottom, color=color, hatch=hatch, edgecolor="white")
                 bottom += parts[part]
-            ax.annotate(num(bottom), (i + offset, bottom), textcoords="offset points", xytext=(0, 2), ha="center",
-                        fontsize=7)  # fmt: skip
+            at_oom = hatch is None and row["status"] == "oom"  # measured when the budget was crossed
+            ax.annotate(num(bottom) + (" OOM" if at_oom else ""), (i + offset, bottom), textcoords="offset points",
+                        xytext=(0, 2), ha="center", fontsize=7, fontweight="bold" if at_oom else None)  # fmt: skip
             top = max(top, bottom)
     labels = [f"{series_label(r, keys)}\n{ranks(r['world_size'])}" for r in rows]
     if (

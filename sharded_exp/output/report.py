@@ -147,6 +147,7 @@ def _row(r: dict[str, Any]) -> dict[str, Any]:
         # for the charts, not columns: each rank's figures and the prediction's split
         "per_rank": mem.get("per_rank") or [],
         "peak_prediction": mem.get("peak_prediction") or {},
+        "oom_categories": (mem.get("oom_breakdown") or {}).get("by_category_mib"),
     }
 
 
@@ -441,7 +442,8 @@ CHARTS = {
                        "bottom"),
     "breakdown.png": ("What each peak holds", charts.breakdown_chart,
                       "each point's peak split into parameters, gradients, optimizer state, activations and "
-                      "temporaries: measured (left; CPU tracker) beside predicted (right, hatched; the fake step)"),
+                      "temporaries: measured (left; CPU tracker; for a point that ran out of memory, what was live when it "
+                      "crossed its budget, marked OOM) beside predicted (right, hatched; the fake step)"),
     "prediction.png": ("Predicted vs measured peak", charts.prediction_chart,
                        f"every rank of every point that ran; the band is ±{charts.BAND:.0%}"),
 }  # fmt: skip
