@@ -101,6 +101,15 @@ def _legend_extra(ax, handles: list) -> None:
     ax.legend(found + handles, labels + [h.get_label() for h in handles], fontsize=8, loc="best")
 
 
+def _world_size_axes(rows: list[dict[str, Any]], swept: list[str]):
+    """What the two charts against world size share: the points that have one, their
+    series, and a figure whose x axis is the world sizes."""
+    rows = [r for r in rows if r["world_size"]]
+    keys = series_keys(rows, swept)
+    fig, ax = pyplot().subplots(figsize=(8, 5))
+    return rows, keys, _series(rows, keys), fig, ax, _world_axis(ax, sorted({r["world_size"] for r in rows}))
+
+
 def memory_chart(rows: list[dict[str, Any]], swept: list[str]):
     """(1) Peak per rank (max over ranks) vs world size: a solid line per strategy (and
     per swept setting) through the measured peaks, the prediction dashed in the same
@@ -109,12 +118,7 @@ def memory_chart(rows: list[dict[str, Any]], swept: list[str]):
     dotted line; out of memory), else at its prediction."""
     from matplotlib.lines import Line2D
 
-    plt = pyplot()
-    rows = [r for r in rows if r["world_size"]]
-    keys = series_keys(rows, swept)
-    groups = _series(rows, keys)
-    fig, ax = plt.subplots(figsize=(8, 5))
-    xpos = _world_axis(ax, sorted({r["world_size"] for r in rows}))
+    rows, keys, groups, fig, ax, xpos = _world_size_axes(rows, swept)
     limits = sorted({r["memory_limit_mib"] for r in rows if r.get("memory_limit_mib")})
     top = max([v for r in rows for v in (r["peak_allocated_mib_max"], r["predicted_peak_mib_max"]) if v] + limits,
               default=1.0)  # fmt: skip
@@ -174,12 +178,7 @@ def _status_notes(ax, marks: list[tuple[float, str, Any]]) -> None:
 def throughput_chart(rows: list[dict[str, Any]], swept: list[str]):
     """(2) Samples per second (all ranks) vs world size, a line per strategy (and swept
     setting); a point without a throughput is named at the bottom, not drawn at zero."""
-    plt = pyplot()
-    rows = [r for r in rows if r["world_size"]]
-    keys = series_keys(rows, swept)
-    groups = _series(rows, keys)
-    fig, ax = plt.subplots(figsize=(8, 5))
-    xpos = _world_axis(ax, sorted({r["world_size"] for r in rows}))
+    rows, keys, groups, fig, ax, xpos = _world_size_axes(rows, swept)
     marks = []
     colors = palette(groups)
     for i, (label, members) in enumerate(groups.items()):
