@@ -21,13 +21,16 @@ class OptimizerSpec:
     param_groups: list[dict[str, Any]]
     defaults: dict[str, Any]
     cfg: Any
+    device: torch.device | None = None
+    """The device the parameters train on (they may still be on the meta device when the
+    spec is made: a sharded build materialises them after wrapping)."""
 
     def build(self) -> torch.optim.Optimizer:
         return self.cls(self.param_groups, **self.defaults)
 
     def regroup(self, module: nn.Module) -> "OptimizerSpec":
         """The same spec over ``module``'s current parameters (FSDP replaces them)."""
-        return optimizer_spec(self.cfg, module)
+        return optimizer_spec(self.cfg, module, self.device)
 
 
 def param_groups(cfg, module: nn.Module) -> list[dict[str, Any]]:
@@ -44,7 +47,7 @@ def param_groups(cfg, module: nn.Module) -> list[dict[str, Any]]:
     return [g for g in groups if g["params"]]
 
 
-def optimizer_spec(cfg, module: nn.Module) -> OptimizerSpec:
+def optimizer_spec(cfg, module: nn.Module, device: torch.device | None = None) -> OptimizerSpec:
     """The configured optimizer over ``module``'s trainable parameters (on their device).
 
     The implementation is explicit: torch picks ``foreach`` (one kernel over a whole group,
@@ -55,10 +58,11 @@ def optimizer_spec(cfg, module: nn.Module) -> OptimizerSpec:
     tensors, gets CUDA's (``cuda_kernels.target_device``)."""
     from sharded_exp.measure.cuda_kernels import target_device
 
-    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    if device is None:
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
     defaults: dict[str, Any] = {"lr": cfg.lr, "foreach": target_device(device) == "cuda"}
     if cfg.name in ("adam", "adamw"):
         defaults.update(betas=tuple(cfg.betas), eps=cfg.eps)
     elif cfg.name == "sgd":
         defaults.update(momentum=cfg.momentum)
-    return OptimizerSpec(OPTIMIZERS[cfg.name], param_groups(cfg, module), defaults, cfg)
+    return OptimizerSpec(OPTIMIZERS[cfg.name], param_groups(cfg, module), defaults, cfg, device)

@@ -56,6 +56,7 @@ CATEGORIES = {
     "All Gather": "communication",
     "Reduce Scatter": "communication",
     "Buffer": "other",
+    "Bucket": "buckets",
     "Other": "other",
 }
 
@@ -69,8 +70,8 @@ class StepEstimate:
     peak_mib: float
     """Live tensors at the peak of the two steps, model states included."""
     breakdown_mib: dict[str, float]
-    """The peak by kind: params, grads, optimizer, gathered, activations, temporaries,
-    communication, other."""
+    """The peak by kind: params, grads, optimizer, gathered, buckets, activations,
+    temporaries, communication, other."""
     flops_per_step: int
     """FLOPs of one optimizer step of this rank (every micro-batch, forward and backward)."""
     method: str
@@ -88,9 +89,17 @@ def fake_process_group(world_size: int, rank: int):
     if dist.is_initialized():
         raise RuntimeError("a fake step needs a process without a process group (one is initialised here)")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    # A fake collective does nothing: it is complete once issued, as a real one is soon
+    # after. torch's FakeWork says never, and code that frees memory on completion
+    # (fairscale ShardedDDP's reduce callbacks drop the gradients a rank does not own)
+    # would then never free it.
+    work = torch._C._distributed_c10d.FakeWork
+    never = work.is_completed
+    work.is_completed = lambda self: True
     try:
         yield
     finally:
+        work.is_completed = never
         dist.destroy_process_group()
 
 
@@ -114,8 +123,7 @@ def _separate_propagation_mode():
 
 
 def _breakdown(tracker, device: torch.device) -> tuple[float, dict[str, float]]:
-    snap = tracker.get_tracker_snapshot("peak")
-    return _parts(next(iter(snap.values()), {}) if device.index is None else snap.get(device, {}))
+    return _parts(_on(tracker.get_tracker_snapshot("peak"), device))
 
 
 def _phases(tracker, device: torch.device) -> dict[str, tuple[float, dict[str, float]]]:
@@ -202,7 +210,14 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
     with fake_process_group(world_size, rank), _separate_propagation_mode(), mode, on_gpu as kernels:
         torch.manual_seed(tc.seed)
         # As a CPU run measures: from before the strategy allocates its buffers.
-        tracker, built, tracking = peak_tracker(), [], []
+        tracker, built, tracking, build = peak_tracker(), [], [], {}
+
+        def end_of_build(strategy):
+            # The build's peak apart (a sharded build: the shards and one whole unit), then
+            # the strategy's buckets filed as such, and the training's peak from here.
+            if tracking:
+                found = tracker.end_of_build(strategy.module, strategy.local_optimizers())
+                build.update(zip(("peak_mib", "breakdown_mib"), _parts(_on(found, device))))
 
         def start_tracker(module):
             built.append(module)
@@ -219,8 +234,9 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
                     with device:  # built on the (fake) device, as a real run's model ends up
                         # shapes only: model.pretrained's config, never its weights
                         run = build_run(
-                            cfg, device, with_task=False, before_wrap=start_tracker, compile=False, weights=False
-                        )
+                            cfg, device, with_task=False, before_wrap=start_tracker, after_build=end_of_build,
+                            compile=False, weights=False,
+                        )  # fmt: skip
                 except Exception as exc:  # noqa: BLE001
                     text = "".join(traceback.format_exception(exc))
                     if built or not any(sign in text for sign in META_FIRST_SIGNS):
@@ -234,6 +250,7 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
                             device,
                             with_task=False,
                             before_wrap=start_tracker,
+                            after_build=end_of_build,
                             meta_first=True,
                             compile=False,
                             weights=False,
@@ -289,7 +306,14 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
         failure = RuntimeError(tracker.failure)
         raise FakeStepError("the memory tracker (torch MemTracker) failed", failure, detail=tracker.failure)
     peak, parts = _breakdown(tracker, device)
-    return peak, parts, int(count), _phases(tracker, device)
+    return peak, parts, int(count), _phases(tracker, device), build
+
+
+def _on(snapshots: dict, device: torch.device) -> dict:
+    """The snapshot of ``device`` (of its type when it has no index) from ``{device: snapshot}``."""
+    if device.index is None:
+        return next((snap for dev, snap in snapshots.items() if dev.type == device.type), {})
+    return snapshots.get(device, {})
 
 
 def _data_dependent(exc: BaseException) -> bool:
@@ -327,20 +351,21 @@ def fake_step(
     first: Exception | None = None
     if not known:
         try:
-            peak, parts, count, phases = _run(cfg, world_size, rank, device_type, clip, flops)
+            peak, parts, count, phases, build = _run(cfg, world_size, rank, device_type, clip, flops)
             return StepEstimate(
-                rank, peak, parts, count, "fake step", seconds=time.perf_counter() - t0, extra={"phases": phases}
-            )
+                rank, peak, parts, count, "fake step", seconds=time.perf_counter() - t0,
+                extra={"phases": phases, "build": build},
+            )  # fmt: skip
         except Exception as exc:  # noqa: BLE001 -- decide below what a failure means
             first = exc
     if clip > 0 and (known or _data_dependent(first)):
         try:
-            peak, parts, count, phases = _run(cfg, world_size, rank, device_type, 0.0, flops)
+            peak, parts, count, phases, build = _run(cfg, world_size, rank, device_type, 0.0, flops)
             why = "on the norm's value" if known else f"on a value ({_short(first)})"
             note = f"{cfg.strategy.name}'s clipping branches {why}: step faked without it"
             seconds = time.perf_counter() - t0
             method = "fake step without clipping"
-            return StepEstimate(rank, peak, parts, count, method, note, seconds, extra={"phases": phases})
+            return StepEstimate(rank, peak, parts, count, method, note, seconds, extra={"phases": phases, "build": build})
         except Exception as exc:  # noqa: BLE001
             first = first or exc
     if cfg.strategy.name == "ddp" or states_mib is None:

@@ -17,6 +17,7 @@ dominated by the torch runtime itself (about 400 MiB).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import resource
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -79,6 +80,27 @@ _GUARDED = (
 mode's bookkeeping, the optimizer hooks): a failure in one of them is the tracker's."""
 
 
+BUCKET = "Bucket"
+"""Our category beside torch's (Parameter, Gradient, Optstate, Activation, Temp, ...): the
+communication buckets a strategy allocates when it wraps the model (DDP's gradient
+all-reduce buckets, ShardedDDP's reduce buckets), live for the whole run."""
+
+
+_BUCKETS = contextvars.ContextVar("allocating_communication_buffers", default=False)
+
+
+@contextlib.contextmanager
+def communication_buffers():
+    """Tensors allocated inside are a strategy's communication buckets (:data:`BUCKET`) to
+    the CPU tracker: a strategy wraps what (re)allocates its buckets during training in it
+    (DDP's bucket rebuild). What a strategy allocates while wrapping is filed so anyway."""
+    token = _BUCKETS.set(True)
+    try:
+        yield
+    finally:
+        _BUCKETS.reset(token)
+
+
 def peak_tracker(limit_mib: float | None = None):
     """torch's MemTracker, keeping the overall peak only, and made safe to train under.
 
@@ -98,6 +120,9 @@ def peak_tracker(limit_mib: float | None = None):
       step goes on untouched. The op itself (the real work) is never run twice.
     """
     from torch.distributed._tools import mem_tracker  # private torch API: re-check on torch upgrades
+
+    class _Bucket(mem_tracker._RefType):
+        BUCKET = BUCKET
 
     class PeakTracker(mem_tracker.MemTracker):
         def __init__(self) -> None:
@@ -144,11 +169,45 @@ def peak_tracker(limit_mib: float | None = None):
                         self.over_limit = {"error": f"{type(exc).__name__}: {exc}"[:300]}
 
         def _update_snap(self, u_type, winfo, *args, **kwargs) -> None:
+            snap = self._curr_mem_snap.setdefault(winfo.device, dict.fromkeys(self._ref_class, 0))
+            snap.setdefault(winfo.reftype, 0)  # our own category (BUCKET) beside torch's
             super()._update_snap(u_type, winfo, *args, **kwargs)
             if self.limit_bytes is not None and u_type == mem_tracker._UpdateType.ADD:
                 # The deepest module running (names are dotted paths from the root), or Global
                 # when none runs (Global ranks below the root, which has no dot either).
                 winfo.owner = max(self._mod_tracker.parents, key=lambda name: (name.count("."), name != "Global"))
+
+        def end_of_build(self, module: nn.Module, optimizers) -> dict[str, float]:
+            """The build is over: its peak by category (bytes, ``Total`` included), then the
+            model's states filed as such (built inside the window, torch filed them as
+            activations), every other tensor still live filed as :data:`BUCKET` (what the
+            strategy allocated to communicate), and the peak started afresh."""
+            found = {dev: {str(getattr(k, "value", k)): v for k, v in snap.items()}
+                     for dev, snap in self.get_tracker_snapshot("peak").items()}  # fmt: skip
+            self.track_external(module, *optimizers)
+            loose = {mem_tracker._MemRefType.ACT, mem_tracker._MemRefType.TEMP, mem_tracker._MemRefType.OTH}
+            for winfo, _ in list(self._WINFO.values()):
+                if winfo.reftype in loose:
+                    old, winfo.reftype = winfo.reftype, _Bucket.BUCKET
+                    self._update_snap(mem_tracker._UpdateType.REF, winfo, old_reftype=old)
+            current = self.get_tracker_snapshot("current")
+            self._peak_mem_snap = {dev: dict(snap) for dev, snap in current.items()}
+            self._peak_mem = {dev: snap.get(mem_tracker._TOTAL_KEY, 0) for dev, snap in current.items()}
+            self.phase_peaks.clear()
+            return found
+
+        def _update_and_maybe_create_winfos(self, t, reftype, update_existing: bool = False):
+            # A gradient that is a view into a communication bucket (ShardedDDP's; DDP's with
+            # gradient_as_bucket_view) stays filed as the bucket it lives in: one storage.
+            if reftype != _Bucket.BUCKET:
+                for st in mem_tracker.get_untyped_storages(t):
+                    winfo, _ = self._WINFO.get(st, (None, None))
+                    if winfo is not None and winfo.reftype == _Bucket.BUCKET:
+                        return {winfo}
+            return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
+
+        def _track(self, reftype, tensor) -> None:
+            super()._track(_Bucket.BUCKET if _BUCKETS.get() else reftype, tensor)
 
         def name_modules(self, model: nn.Module) -> None:
             """Name modules as the model does (``layers.0.attn``), not by the wrapper's path."""
@@ -299,6 +358,9 @@ class MemoryMeter:
         self._live_states_mib: float | None = None  # between steps, after the window
         self.failure: str | None = None
         """Why this rank's peak could not be measured (the figure is then null), or None."""
+        self.build: dict[str, Any] = {"peak_allocated_mib": None, "breakdown_mib": None}
+        """The build's peak (``built``), apart from the training's: ``peak_allocated_mib`` and,
+        on CPU, ``breakdown_mib`` by category (null where it was not measured)."""
         self.oom_breakdown: dict[str, Any] | None = None
         """CPU: what was live when ``limit_mib`` was first exceeded, once it was (result.json's
         ``memory.oom_breakdown``): step, phase, by category, by module."""
@@ -394,6 +456,39 @@ class MemoryMeter:
         live = self._live_states_mib
         return live, max(live, self._cpu_peak_mib or 0.0), -1.0
 
+    def built(self, strategy) -> None:
+        """The end of the build (every parameter holds its initial value, the strategy has
+        wrapped the model): its peak is kept apart (:attr:`build`), held to the budget,
+        and the training's peak starts from what is live now.
+
+        CUDA: the allocator's peak since the meter was made (its cap holds from there).
+        CPU: the tracker's, by category; the tensors still live that are no model state
+        are the strategy's communication buckets from then on (:data:`BUCKET`)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.build = {"peak_allocated_mib": torch.cuda.max_memory_allocated(self.device) / MIB,
+                          "breakdown_mib": None}  # fmt: skip
+            return
+        tracker = self._tracker
+        if tracker is None or tracker.failure is not None:
+            return
+        try:
+            found = tracker.end_of_build(strategy.module, strategy.local_optimizers()).get(self.device, {})
+            found = {k: v / MIB for k, v in found.items()}
+        except Exception as exc:  # noqa: BLE001 -- measuring never breaks training
+            tracker.failure = f"{type(exc).__name__}: {exc}"[:300]
+            return
+        total = found.pop("Total", sum(found.values()))
+        self.build = {"peak_allocated_mib": total, "breakdown_mib": found}
+        if self.limit_mib and total > self.limit_mib:
+            self.oom_breakdown = self._over_limit(tracker, None, "building the model")
+            tracker.__exit__(None, None, None)
+            self._tracker = None
+            raise torch.OutOfMemoryError(
+                f"live tensors peaked at {total:.2f} MiB while the model was built, over "
+                f"trainer.memory_limit_mib={self.limit_mib}"
+            )
+
     def reset_peak(self) -> None:
         """Start the peak afresh from what is live now (after a checkpoint was loaded: the
         loaded copies are gone, the states they filled stay counted), as the CUDA
@@ -445,9 +540,11 @@ class MemoryMeter:
                 "ooms": stats.get("num_ooms", 0),
                 "peak_breakdown_mib": None,
                 "peak_error": None,
+                **self._build_figures(),
             }
         tracker, self._tracker = self._tracker, None
-        none = {"peak_allocated_mib": None, "peak_reserved_mib": None, "peak_breakdown_mib": None}
+        none = {"peak_allocated_mib": None, "peak_reserved_mib": None, "peak_breakdown_mib": None,
+                **self._build_figures()}  # fmt: skip
         if tracker is None:
             return {**none, "peak_error": self.failure}
         tracker.__exit__(None, None, None)
@@ -464,4 +561,8 @@ class MemoryMeter:
             "ooms": None,
             "peak_breakdown_mib": breakdown,
             "peak_error": None,
+            **self._build_figures(),
         }
+
+    def _build_figures(self) -> dict[str, Any]:
+        return {"build_peak_mib": self.build["peak_allocated_mib"], "build_breakdown_mib": self.build["breakdown_mib"]}

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from sharded_exp.measure.tracker import communication_buffers
 from sharded_exp.strategies import STRATEGIES
 from sharded_exp.strategies.base import Strategy, StrategyConfig
 
@@ -36,21 +37,30 @@ def wrap_ddp(cfg, module, device) -> DistributedDataParallel:
     )
     if fake:
         _for_fake_step(model)
+    else:
+        model.reducer = _Reducer(model.reducer)
     return model
 
 
-class _NoBucketRebuild:
-    """DDP's reducer, except that it keeps its first bucket order (the rebuild agrees on a
-    new one by exchanging values, which a fake process group cannot; same bucket sizes)."""
+class _Reducer:
+    """DDP's reducer, whose bucket rebuild (before the second forward, in the order the
+    first backward made the gradients) allocates memory that the CPU tracker files as the
+    communication buckets it is (``communication_buffers``), not as activations. Under a
+    fake process group (``rebuild=False``) the first bucket order is kept: the rebuild
+    agrees on a new one by exchanging values, which a fake group cannot (same sizes)."""
 
-    def __init__(self, reducer):
+    def __init__(self, reducer, rebuild: bool = True):
         self._reducer = reducer
+        self._rebuild = rebuild
 
     def __getattr__(self, name):
         return getattr(self._reducer, name)
 
     def _rebuild_buckets(self) -> bool:
-        return False
+        if not self._rebuild:
+            return False
+        with communication_buffers():
+            return self._reducer._rebuild_buckets()
 
 
 def _for_fake_step(model: DistributedDataParallel) -> None:
@@ -63,7 +73,7 @@ def _for_fake_step(model: DistributedDataParallel) -> None:
         return done
 
     model.register_comm_hook(None, identity)
-    model.reducer = _NoBucketRebuild(model.reducer)
+    model.reducer = _Reducer(model.reducer, rebuild=False)
 
 
 @dataclass

@@ -19,6 +19,7 @@ Warning:
 import math
 from dataclasses import dataclass
 
+from sharded_exp.measure.tracker import communication_buffers
 from sharded_exp.strategies import STRATEGIES
 from sharded_exp.strategies.base import StrategyConfig
 from sharded_exp.strategies.oss import OSS, make_oss
@@ -74,6 +75,15 @@ class ShardedDDP(OSS):
         model = ShardedDataParallel(
             module, optimizer, reduce_buffer_size=cfg.reduce_buffer_size, broadcast_buffers=cfg.broadcast_buffers
         )
+        # Its reduce buckets are (re)made at the first forward, and whenever which parameters
+        # train changes: filed as the communication buckets they are.
+        setup = model._setup_bucket_strategy
+
+        def setup_buckets() -> None:
+            with communication_buffers():
+                setup()
+
+        model._setup_bucket_strategy = setup_buckets
         return cls(model, module, optimizer, precision_cfg, device)
 
     def zero_grad(self) -> None:

@@ -6,10 +6,26 @@ The trainer, the fake step, the benchmarks and the tests all build through
 
     run = build_run(cfg, torch.device("cpu"))
     loss, _ = train_step(run.strategy, [run.task(0, 0, rank)], run.autocast, cfg.trainer.grad_clip)
+
+How a model comes into being (``Run.build``):
+
+- ``units``: our models and Hugging Face classes are built with their parameters on the
+  meta device (no memory; buffers are made as the constructor makes them), wrapped, and
+  then initialised unit by unit (:func:`sharded_exp.models.units`, the root's own modules
+  last), each unit from a seed of its own: ``reset_parameters`` for torch's modules, the
+  model's ``_init_weights`` for Hugging Face's. Under a strategy that shards parameters
+  (FSDP) a unit is initialised whole in host memory, each rank keeps its shard, and the
+  unit is freed: no rank ever holds more than its shards plus one unit. Every strategy
+  initialises the same way, so every strategy starts from the same weights.
+- ``whole``: a user's ``_target_`` factory initialises its model in its own constructor,
+  which only a whole build reproduces; it is built whole on every rank, then wrapped.
+- ``pretrained``: ``model.pretrained``'s weights; under FSDP rank 0 alone loads them and
+  every rank keeps its shard (:func:`load_sharded_from_rank0`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +35,7 @@ from torch import nn
 
 from sharded_exp import precision
 from sharded_exp.data import Task, build_task
-from sharded_exp.models import build_model
+from sharded_exp.models import build_model, units
 from sharded_exp.optim import optimizer_spec
 from sharded_exp.strategies import STRATEGIES, build_strategy
 from sharded_exp.strategies.base import Strategy
@@ -36,6 +52,177 @@ class Run:
     """``task(step, micro, rank) -> batch``; None when not asked for."""
     autocast: Any
     """The precision's autocast context (a no-op at 32)."""
+    build: str = "units"
+    """How the model was made: ``units``, ``whole`` or ``pretrained`` (module docstring)."""
+
+
+def build_rule(model_cfg, weights: bool = True) -> str:
+    """``units``, ``whole`` or ``pretrained``: how :func:`build_run` makes this model."""
+    from sharded_exp.models.target import is_target_model
+
+    if weights and model_cfg.get("pretrained"):
+        return "pretrained"
+    if not is_target_model(model_cfg) or _is_hf_class(model_cfg):
+        return "units"
+    return "whole"
+
+
+def _is_hf_class(model_cfg) -> bool:
+    """True when ``model._target_`` names a Hugging Face ``PreTrainedModel`` class (whose
+    initialisation is its ``_init_weights``, module by module)."""
+    from sharded_exp.errors import missing_packages
+
+    target = str(model_cfg.get("_target_") or "")
+    if not target.startswith("transformers.") or missing_packages(["transformers"]):
+        return False
+    from hydra.utils import get_class
+    from transformers import PreTrainedModel
+
+    try:
+        cls = get_class(target)
+    except Exception:  # noqa: BLE001 -- not a class (a factory): built whole
+        return False
+    return isinstance(cls, type) and issubclass(cls, PreTrainedModel)
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Every parameter registered inside goes to the meta device (no memory); buffers stay
+    where the constructor made them, with their values (a rotary table, a causal mask).
+    The weights a constructor would draw are drawn later, unit by unit."""
+    register = nn.Module.register_parameter
+
+    def on_meta(self, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(self, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _post_order(module: nn.Module, skip: set[int]):
+    """Submodules children first (as Hugging Face's ``initialize_weights`` walks them, so a
+    parent's rule, GPT-2's scaled projections, comes last), leaving out those in ``skip``."""
+    for child in module.children():
+        if id(child) not in skip:
+            yield from _post_order(child, skip)
+    yield module
+
+
+def init_groups(module: nn.Module) -> list[list[nn.Module]]:
+    """The modules each unit initialises, in order: every unit's own, then the root's (the
+    modules outside every unit). Each group is drawn from a seed of its own."""
+    found = units(module)
+    groups = [list(_post_order(u, set())) for u in found]
+    groups.append(list(_post_order(module, {id(u) for u in found})))
+    return groups
+
+
+def _init_module(root: nn.Module, mod: nn.Module) -> None:
+    """``mod``'s own parameters and buffers as its model initialises them."""
+    init = getattr(root, "_init_weights", None)
+    if init is not None and hasattr(root, "config"):  # Hugging Face: the model's own rule per module
+        init(mod)
+        return
+    reset = getattr(mod, "reset_parameters", None) or getattr(mod, "_reset_parameters", None)
+    if reset is not None and (next(mod.parameters(recurse=False), None) is not None or mod._buffers):
+        reset()
+
+
+def unit_seed(seed: int, index: int) -> int:
+    """The seed of init group ``index`` (the same on every rank and under every strategy)."""
+    return (int(seed) << 16) + index
+
+
+def check_initialisable(module: nn.Module) -> None:
+    """Raise ConfigError naming a parameter no module's initialisation covers (its owner
+    has no ``reset_parameters`` and the model no ``_init_weights``): built on the meta
+    device, it would keep uninitialised memory."""
+    from sharded_exp.errors import ConfigError
+
+    if hasattr(module, "_init_weights") and hasattr(module, "config"):
+        return
+    for name, mod in module.named_modules():
+        if next(mod.parameters(recurse=False), None) is None:
+            continue
+        if not (hasattr(mod, "reset_parameters") or hasattr(mod, "_reset_parameters")):
+            first = next(n for n, _ in mod.named_parameters(recurse=False))
+            raise ConfigError(
+                f"model parameter {name + '.' if name else ''}{first} ({type(mod).__name__}) has no "
+                "reset_parameters(): a unit-by-unit build cannot initialise it"
+            )
+
+
+def materialise(module: nn.Module, device: torch.device) -> None:
+    """Uninitialised storage on ``device`` for every meta parameter that is not a DTensor
+    (parameters shared by two modules stay shared), and the buffers on ``device``. New
+    Parameter objects replace the meta ones: build the optimizer after this."""
+    from torch.distributed.tensor import DTensor
+
+    fresh: dict[int, nn.Parameter] = {}
+    with torch.no_grad():
+        for mod in module.modules():
+            for name, param in mod._parameters.items():
+                if param is None or isinstance(param, DTensor) or not param.is_meta:
+                    continue
+                if id(param) not in fresh:
+                    fresh[id(param)] = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                mod._parameters[name] = fresh[id(param)]
+            for name, buffer in mod._buffers.items():
+                if buffer is not None and buffer.device != device:
+                    mod._buffers[name] = _moved(buffer, device)
+
+
+def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    out = torch.empty_like(tensor, device=device)
+    return out if tensor.is_meta else out.copy_(tensor)
+
+
+def initialise_by_unit(module: nn.Module, seed: int, host: torch.device) -> None:
+    """Initialise ``module`` unit by unit (:func:`init_groups`), each group from
+    :func:`unit_seed`. A sharded (DTensor) parameter is drawn whole in a temporary on
+    ``host`` and this rank keeps its shard of it: one unit at a time is whole."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for index, group in enumerate(init_groups(module)):
+            torch.manual_seed(unit_seed(seed, index))
+            whole: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+            swapped = []
+            for mod in group:
+                for name, param in mod._parameters.items():
+                    if isinstance(param, DTensor):
+                        if id(param) not in whole:
+                            tmp = torch.empty(param.shape, dtype=param.dtype, device=host)
+                            whole[id(param)] = (param, nn.Parameter(tmp, requires_grad=param.requires_grad))
+                        mod._parameters[name] = whole[id(param)][1]
+                        swapped.append((mod, name, param))
+            for mod in group:
+                _init_module(module, mod)
+            for param, full in whole.values():
+                param.to_local().copy_(local_shard(full.detach(), param))
+            for mod, name, param in swapped:
+                mod._parameters[name] = param
+            del whole, swapped
+
+
+def local_shard(full: torch.Tensor, like) -> torch.Tensor:
+    """This rank's piece of ``full`` as the DTensor ``like`` places it, cut locally (every
+    rank drew the same ``full``: nothing is sent). Each sharded mesh dimension splits as
+    ``torch.chunk`` does, as DTensor and FSDP2 split (the last ranks may get less, or
+    nothing)."""
+    mesh = like.device_mesh
+    piece = full
+    for mesh_dim, placement in enumerate(like.placements):
+        if placement.is_shard():
+            chunks = torch.chunk(piece, mesh.size(mesh_dim), dim=placement.dim)
+            index = mesh.get_local_rank(mesh_dim)
+            piece = chunks[index] if index < len(chunks) else piece.narrow(placement.dim, 0, 0)
+    return piece
 
 
 def _tied_to_empty(module: nn.Module, device: torch.device) -> nn.Module:
@@ -66,6 +253,23 @@ def keep_plain_parameters(module: nn.Module, device: torch.device) -> None:
                 if param is not None and param.is_meta and not isinstance(param, DTensor):
                     fresh = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
                     torch.utils.swap_tensors(param, fresh)
+
+
+def materialise_shards(module: nn.Module, device: torch.device, offload: bool = False) -> None:
+    """Storage for this rank's shards of a sharded meta-device ``module`` (and for the
+    parameters FSDP keeps whole), buffers keeping their values, on ``device`` (the host
+    under FSDP's CPU offload, whose sharded parameters live there; buffers stay on
+    ``device``: the forward reads them there)."""
+    home = torch.device("cpu") if offload else device
+    buffers = {(id(m), n): b for m in module.modules() for n, b in m._buffers.items() if b is not None}
+    keep_plain_parameters(module, home)
+    _tied_to_empty(module, home)  # FSDP2's sharded parameters keep their objects: the optimizer holds them
+    with torch.no_grad():
+        for mod in module.modules():
+            for name, buffer in list(mod._buffers.items()):
+                before = buffers.get((id(mod), name))
+                if buffer is not None and before is not None:
+                    mod._buffers[name] = _moved(before, device)
 
 
 def load_sharded_from_rank0(module: nn.Module, model_cfg, device: torch.device, offload: bool = False) -> None:
@@ -111,47 +315,73 @@ def build_run(
     *,
     with_task: bool = True,
     before_wrap: Callable[[nn.Module], None] | None = None,
+    after_build: Callable[[Strategy], None] | None = None,
     meta_first: bool = False,
     compile: bool = True,
     weights: bool = True,
 ) -> Run:
     """Build the configured run on ``device`` (needs a process group: the strategy's).
 
-    ``before_wrap(module)`` is called once the model is on its device and the task's own
-    tensors exist, before the strategy wraps the model: a CPU memory tracker starts there,
-    so it counts the strategy's buffers as the CUDA allocator would, and not the task's
-    (a teacher network is the data source's, never on a GPU). ``meta_first``: build on the
-    meta device, then allocate uninitialised tensors on ``device`` (the fake step's way
-    for a model that cannot be built under FakeTensorMode directly). The trainer's levers
-    (activation checkpointing, compile: :mod:`sharded_exp.train.levers`) are applied to the
-    model's units before it is wrapped; ``compile=False`` leaves the units eager.
+    ``before_wrap(module)`` is called once the model's skeleton exists and the task's own
+    tensors exist, before any parameter has memory (under the ``units`` rule) and before
+    the strategy wraps the model: a CPU memory tracker starts there, so it counts the
+    build (its peak: one unit beyond the shards) and the strategy's buffers as the CUDA
+    allocator would, and not the task's (a teacher network is the data source's, never
+    on a GPU). ``after_build(strategy)`` is called once every parameter holds its initial
+    value: the end of the build. ``meta_first`` (``whole`` rule only): build on the meta
+    device, then allocate uninitialised tensors on ``device`` (the fake step's way for a
+    model that cannot be built under FakeTensorMode directly). The trainer's levers
+    (activation checkpointing, compile: :mod:`sharded_exp.train.levers`) are applied to
+    the model's units before it is wrapped; ``compile=False`` leaves the units eager.
 
-    ``model.pretrained``'s weights are loaded unless ``weights=False`` (the fake step's
-    shapes-only build): by every rank when every rank holds the whole model; under a
-    strategy that shards parameters (FSDP) the model is built on the meta device, wrapped,
-    and each rank then keeps its shard of what rank 0 alone loaded
-    (:func:`load_sharded_from_rank0`), so no other rank ever holds the whole model.
+    ``weights=False``: shapes only (the fake step), ``model.pretrained``'s config without
+    its weights. How the model is made is :func:`build_rule`'s (the module docstring).
     """
-    tc = cfg.trainer
-    torch.manual_seed(tc.seed)  # identical initial weights on every rank
-    pretrained = weights and bool(cfg.model.get("pretrained"))
-    sharded_load = pretrained and STRATEGIES.builder(cfg.strategy.name).shards_parameters
-    if meta_first or sharded_load:
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+    tc = cfg.trainer
+    torch.manual_seed(tc.seed)  # identical on every rank
+    rule = build_rule(cfg.model, weights)
+    shards = STRATEGIES.builder(cfg.strategy.name).shards_parameters
+    offload = bool(cfg.strategy.get("cpu_offload"))
+    # Real meta tensors even inside a fake step: a skeleton costs nothing, and buffers keep
+    # their values (a fake step then moves them onto its fake device).
+    if rule == "units":
+        with unset_fake_temporarily(), torch.device("cpu"), parameters_on_meta():
+            module = build_model(cfg.model, tc.freeze)
+        check_initialisable(module)
+    elif rule == "pretrained" and shards:
         with unset_fake_temporarily(), torch.device("meta"):
             module = build_model(cfg.model, tc.freeze)
-        if not sharded_load:
-            module = _tied_to_empty(module, device)
+    elif meta_first:
+        with unset_fake_temporarily(), torch.device("meta"):
+            module = build_model(cfg.model, tc.freeze)
+        module = _tied_to_empty(module, device)
     else:
-        module = build_model(cfg.model, tc.freeze, weights=pretrained)
-    if not sharded_load and any(t.device != device for t in (*module.parameters(), *module.buffers())):
-        module = module.to(device)  # (a fake step builds on its fake device already)
+        module = build_model(cfg.model, tc.freeze, weights=rule == "pretrained")
+    if rule in ("whole", "pretrained") and not (rule == "pretrained" and shards) and not meta_first:
+        if any(t.device != device for t in (*module.parameters(), *module.buffers())):
+            module = module.to(device)  # (a fake step builds on its fake device already)
     task = build_task(cfg.data, cfg.model, tc.batch_size) if with_task else None
     apply_levers(module, tc, compile=compile)
     if before_wrap is not None:
         before_wrap(module)
-    strategy = build_strategy(cfg.strategy, module, optimizer_spec(cfg.optimizer, module), cfg.precision, device)
-    if sharded_load:
-        load_sharded_from_rank0(module, cfg.model, device, offload=bool(cfg.strategy.get("cpu_offload")))
-    return Run(module, strategy, task, precision.autocast(cfg.precision, device.type))
+    # Drawn in host memory whatever the device (a unit at a time under FSDP): the initial
+    # weights do not depend on the device a run trains on.
+    host = torch.device("cpu") if device.type != "meta" else device
+    if rule == "units" and not shards:
+        materialise(module, host)
+        initialise_by_unit(module, tc.seed, host)
+        if host != device:
+            module.to(device)
+    spec = optimizer_spec(cfg.optimizer, module, device=device)
+    strategy = build_strategy(cfg.strategy, module, spec, cfg.precision, device)
+    if rule == "units" and shards:
+        materialise_shards(module, device, offload)
+        initialise_by_unit(module, tc.seed, host)
+    elif rule == "pretrained" and shards:
+        load_sharded_from_rank0(module, cfg.model, device, offload=offload)
+    torch.manual_seed(tc.seed)  # what follows (dropout, data) draws the same under every rule
+    if after_build is not None:
+        after_build(strategy)
+    return Run(module, strategy, task, precision.autocast(cfg.precision, device.type), rule)

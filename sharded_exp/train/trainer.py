@@ -404,7 +404,8 @@ def _train(cfg, device, output_dir, prediction, timeline, meter: MemoryMeter, hi
     # On CPU only tensors the tracker sees are counted: it starts before the strategy
     # allocates its communication buffers, as the CUDA allocator would count them.
     # model.pretrained's weights are loaded, unless a checkpoint's replace them at once.
-    run = build_run(cfg, device, before_wrap=meter.start if device.type == "cpu" else None, weights=not tc.resume)
+    run = build_run(cfg, device, before_wrap=meter.start if device.type == "cpu" else None, after_build=meter.built,
+                    weights=not tc.resume)  # fmt: skip
     module, strategy, task = run.module, run.strategy, run.task
     loaded = checkpoint.load(strategy, tc.resume, device) if tc.resume else {"step": 0, "resume_changes": []}
     start, resume_changes = loaded["step"], loaded["resume_changes"]  # the parent resolved the path
