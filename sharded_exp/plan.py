@@ -44,6 +44,7 @@ PARTS = (
     "grads",
     "optimizer",
     "gathered",
+    "buckets",
     "activations",
     "temporaries",
     "communication",
@@ -80,7 +81,8 @@ def applies(name: str, combo: str) -> bool:
 
 def with_strategy(cfg, name: str, combo: str = "none"):
     out = cfg.copy()
-    out.strategy = STRATEGIES.config_class(name)()
+    if cfg.strategy.name != name:  # the configured strategy keeps its settings (strategy.replicate=2: HSDP)
+        out.strategy = STRATEGIES.config_class(name)()
     for lever in lever_names(combo):
         key, value = LEVERS[lever]
         if key == "cpu_offload":
@@ -112,6 +114,14 @@ def _raw_parts(cfg, name: str, world_size: int) -> dict[str, float]:
     prediction = predict(cfg_s.strategy, cfg.optimizer, str(cfg.precision.name), shapes, world_size, ranks=[0])
     states = prediction["model_states_mib"][0]
     parts = {k: states[k] * MIB / GIB for k in ("params", "grads", "optimizer")}
+    # The strategy's communication buckets, as a model plan's fake step files them: beside
+    # the gradients, or holding them (ShardedDDP's; DDP's with gradient_as_bucket_view).
+    strategy = STRATEGIES.builder(name)
+    numels = [math.prod(s) for g in shapes.groups for s in g]
+    owners = strategy.partition([[math.prod(s) for s in g] for g in shapes.groups], world_size)
+    held, aliased = strategy.bucket_numel(cfg_s.strategy, numels, owners, 0, world_size)
+    parts["grads"] -= aliased * shapes.element_bytes / GIB
+    parts["buckets"] = held * shapes.element_bytes / GIB
     return parts | {"gathered": prediction["transient_params_mib"] * MIB / GIB}
 
 

@@ -35,9 +35,13 @@ def test_raw_count_is_an_ideally_divisible_model():
     assert gb(rows["ddp"], *states) == pytest.approx(120.0, rel=1e-3)
     for zero1 in ("oss", "zero1"):  # 8 + 8/64 bytes per parameter
         assert gb(rows[zero1], *states) == pytest.approx(60.94, rel=1e-3)
+    # DDP's all-reduce buckets: one more fp32 place per parameter, beside the gradients
+    assert gb(rows["ddp"], "buckets") == pytest.approx(30.0, rel=1e-3)
     # ShardedDDP: 4 + 12/64 bytes, plus reduce buckets kept for every destination rank
-    buckets = gb(rows["sharded_ddp"], *states) - 31.41
+    # (which hold the bucketed gradients: filed as buckets, not twice)
+    buckets = gb(rows["sharded_ddp"], *states, "buckets") - 31.41
     assert 0 < buckets <= 64 * 2**23 * 4 / 1e9
+    assert gb(rows["sharded_ddp"], "buckets") > 0
     assert gb(rows["fsdp"], *states) == pytest.approx(1.875, rel=1e-3)
     # gathered at the peak: one of 32 units (ZeRO-3), or every parameter (ZeRO-2), in fp16
     assert gb(rows["fsdp"], "gathered") == pytest.approx(7.5e9 / 32 * 2 / 1e9, rel=1e-3)

@@ -174,8 +174,13 @@ def predict_peak(
             moved = sum(p[k] for k in states)
             phases_mib[phase] = (peak - moved, {**p, **{k: 0.0 for k in states}})
         parts = {**parts, **{k: 0.0 for k in states}}
+    build = (est.extra or {}).get("build") or {}
     return {
         "per_rank_mib": per_rank,
+        # the faked rank's peak while the model is built (a sharded build: its shards plus one
+        # whole unit), apart from the training's; null where the build could not be tracked
+        "build_peak_mib": build.get("peak_mib"),
+        "build_breakdown_mib": build.get("breakdown_mib"),
         "rank": rank,
         "breakdown_mib": parts,
         # the faked rank's peak in each phase (forward/backward "step", "optimizer"), broken down

@@ -188,7 +188,8 @@ def _peak_summary(peak: dict[str, Any] | None) -> dict[str, Any] | None:
         return None
     return {
         k: peak.get(k)
-        for k in ("method", "note", "rank", "breakdown_mib", "kernels", "rules", "host_mib", "seconds", "error")
+        for k in ("method", "note", "rank", "breakdown_mib", "build_peak_mib", "build_breakdown_mib", "kernels",
+                  "rules", "host_mib", "seconds", "error")  # fmt: skip
     }
 
 
@@ -253,6 +254,9 @@ def memory_section(
             (r["peak_rel_error"] for r in per_rank if r["peak_rel_error"] is not None), key=abs, default=None
         ),
         "peak_prediction": _peak_summary(prediction.get("peak")),
+        # the build's peak, apart from the training's (a sharded build: shards plus one unit)
+        "build_peak_mib_max": largest("build_peak_mib"),
+        "predicted_build_peak_mib": (prediction.get("peak") or {}).get("build_peak_mib"),
         "memory_snapshot": snapshot_summary([r["memory_snapshot"] for r in per_rank if r.get("memory_snapshot")]),
     }
 

@@ -127,6 +127,15 @@ class Strategy:
         return 0
 
     @classmethod
+    def bucket_numel(cls, cfg, numels, owners, rank: int, world_size: int) -> tuple[int, int]:
+        """Elements of the communication buckets ``rank`` keeps for the whole run (allocated
+        when the model is wrapped), and how many of those elements are also its gradients
+        (gradients that are views into a bucket): ``(0, 0)`` without buckets.
+
+        ``numels``: the trainable parameters' sizes; ``owners``: their optimizer-shard rank."""
+        return 0, 0
+
+    @classmethod
     def resident_numel(cls, cfg, shapes, owners, rank: int, world_size: int) -> dict:
         """Elements of each model state that ``rank`` holds (for the memory model).
 

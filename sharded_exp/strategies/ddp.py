@@ -99,3 +99,11 @@ class DDP(Strategy):
     @classmethod
     def build(cls, cfg, module, optim_spec, precision_cfg, device):
         return cls(wrap_ddp(cfg, module, device), module, optim_spec.build(), precision_cfg, device)
+
+    @classmethod
+    def bucket_numel(cls, cfg, numels, owners, rank, world_size):
+        # Every trainable parameter's gradient has a place in one all-reduce bucket (DDP's
+        # reducer; bucket_cap_mb only decides how many buckets); with gradient_as_bucket_view
+        # the gradients are those places.
+        total = sum(numels)
+        return total, total if cfg.gradient_as_bucket_view else 0

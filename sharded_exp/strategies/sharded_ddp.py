@@ -36,6 +36,27 @@ class ShardedDDPConfig(StrategyConfig):
     """Send parameters as fp16 in OSS's post-step broadcast (fairscale default off; lossy)."""
 
 
+def bucketed(reduce_buffer_size, numels, owners, world_size) -> list[bool]:
+    """Which parameters' gradients live in a reduce bucket, as ShardedDataParallel fills
+    them: one bucket per destination rank of ``min(reduce_buffer_size, trainable elements)``
+    places (all allocated at once when the buckets are set up: a transient of world_size of
+    them), filled with the smallest parameters first, each bucket then shrunk to its fill."""
+    if world_size == 1:
+        return [False] * len(numels)
+    capacity = min(reduce_buffer_size, sum(numels))
+    # fairscale orders parameters by owner, then (stable) by size, before filling buckets:
+    # by size, then owner, then position
+    order = sorted(range(len(owners)), key=lambda i: (numels[i], owners[i], i))
+    fill = [0] * world_size
+    out = [False] * len(numels)
+    for i in order:
+        dst = owners[i]
+        if capacity > 0 and fill[dst] + numels[i] < capacity:
+            fill[dst] += numels[i]
+            out[i] = True
+    return out
+
+
 def resident_grad_numel(reduce_buffer_size, numels, owners, rank, world_size) -> int:
     """Gradient elements a rank keeps under ShardedDataParallel, following its bucketing.
 
@@ -46,20 +67,9 @@ def resident_grad_numel(reduce_buffer_size, numels, owners, rank, world_size) ->
     """
     if world_size == 1:
         return sum(numels)
-    capacity = min(reduce_buffer_size, sum(numels))
-    # fairscale orders parameters by owner, then (stable) by size, before filling buckets:
-    # by size, then owner, then position
-    order = sorted(range(len(owners)), key=lambda i: (numels[i], owners[i], i))
-    fill = [0] * world_size
-    held = 0
-    for i in order:
-        dst = owners[i]
-        if capacity > 0 and fill[dst] + numels[i] < capacity:
-            fill[dst] += numels[i]
-            held += numels[i]  # bucketed: resident on every rank
-        elif dst == rank:
-            held += numels[i]  # unbucketed: kept by its owner only
-    return held
+    # bucketed: resident on every rank; unbucketed: kept by its owner only
+    in_bucket = bucketed(reduce_buffer_size, numels, owners, world_size)
+    return sum(n for n, b, o in zip(numels, in_bucket, owners) if b or o == rank)
 
 
 @STRATEGIES.register("sharded_ddp")
@@ -89,6 +99,12 @@ class ShardedDDP(OSS):
     def zero_grad(self) -> None:
         # Never set_to_none here: see the module's warning.
         self.model.zero_grad(set_to_none=False)
+
+    @classmethod
+    def bucket_numel(cls, cfg, numels, owners, rank, world_size):
+        # Every rank keeps every destination's bucket; the bucketed gradients are views into them.
+        held = sum(n for n, b in zip(numels, bucketed(cfg.reduce_buffer_size, numels, owners, world_size)) if b)
+        return held, held
 
     @classmethod
     def resident_numel(cls, cfg, shapes, owners, rank, world_size):

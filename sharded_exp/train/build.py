@@ -134,8 +134,10 @@ def _init_module(root: nn.Module, mod: nn.Module) -> None:
 
 
 def unit_seed(seed: int, index: int) -> int:
-    """The seed of init group ``index`` (the same on every rank and under every strategy)."""
-    return (int(seed) << 16) + index
+    """The seed of init group ``index``: the same on every rank and under every strategy,
+    and apart from ``trainer.seed``'s own stream (which the data task draws from: a teacher
+    network drawn with the model's first unit's numbers would be that unit)."""
+    return ((int(seed) + 1) * 0x9E3779B97F4A7C15 + index) % 2**63
 
 
 def check_initialisable(module: nn.Module) -> None:
