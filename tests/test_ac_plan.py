@@ -39,15 +39,16 @@ LEVER = {"full": "ac", "selective": "ac_selective"}
 
 @pytest.fixture(scope="module")
 def planned():
-    """The planned DDP row of a family under a lever combination, at one rank on a GPU."""
+    """The planned DDP row of a family under a lever combination, at one rank, for a GPU
+    (``device="cuda"``, the default plan) or a CPU."""
     rows = {}
 
-    def row(family: str, combo: str) -> dict:
-        if (family, combo) not in rows:
+    def row(family: str, combo: str, device: str = "cuda") -> dict:
+        if (family, combo, device) not in rows:
             cfg = compose([*FAMILIES[family], *SHAPES], config_name="plan")
             shapes = plan.model_shapes(cfg.model, cfg.optimizer)
-            rows[family, combo] = plan.model_row(cfg, "ddp", 1, shapes, "cuda", combo)
-        return rows[family, combo]
+            rows[family, combo, device] = plan.model_row(cfg, "ddp", 1, shapes, device, combo)
+        return rows[family, combo, device]
 
     return row
 
@@ -60,6 +61,14 @@ def test_a_gpu_plan_with_activation_checkpointing_holds_less(family, mode, plann
     assert checkpointed["method"] == "fake step", checkpointed["note"]
     assert checkpointed["activations_gib"] < plain["activations_gib"]
     assert checkpointed["total_gib"] < plain["total_gib"]
+
+
+def test_selective_checkpointing_keeps_the_fused_attentions_outputs_on_a_gpu(planned):
+    """Selective checkpointing keeps what the attention kernel returns (its output and
+    float32 log-sum-exp), on CUDA as on the CPU. Our GPT (no mask, no dropout) runs a flash
+    kernel on both, which return the same tensors: the kept activations are the same."""
+    cpu, gpu = planned("gpt", "ac_selective", "cpu"), planned("gpt", "ac_selective")
+    assert gpu["activations_gib"] == pytest.approx(cpu["activations_gib"], rel=1e-12)
 
 
 def test_a_gpu_runs_prediction_with_activation_checkpointing():

@@ -46,6 +46,17 @@ _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("fake_step_
 _MODE: contextvars.ContextVar[_AsOnCuda | None] = contextvars.ContextVar("fake_step_kernels", default=None)
 
 
+_KERNEL_OUTPUTS: contextvars.ContextVar[bool] = contextvars.ContextVar("fused_kernel_outputs", default=False)
+
+
+def makes_kernel_outputs() -> bool:
+    """Whether the op being dispatched now allocates the outputs of an emulated fused
+    kernel: selective checkpointing keeps them, as it keeps the outputs of CUDA's attention
+    ops (:data:`sharded_exp.train.levers.SAVED_BY_SELECTIVE`), which here are plain
+    ``new_empty`` calls inside :class:`_FusedAttention`."""
+    return _KERNEL_OUTPUTS.get()
+
+
 def target_device(actual: torch.device) -> str:
     """The device type whose kernels a step runs as: the target of a fake step for a GPU
     run on CPU tensors, else the tensors' own."""
@@ -58,8 +69,12 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask):
-        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-        logsumexp = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        token = _KERNEL_OUTPUTS.set(True)
+        try:
+            out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+            logsumexp = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        finally:
+            _KERNEL_OUTPUTS.reset(token)
         # Both are outputs (the log-sum-exp not differentiable), saved in the order that
         # activation checkpointing finds them in when it recomputes the unit (it checks the
         # recomputed tensors against the saved ones, position by position).

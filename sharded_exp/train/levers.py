@@ -29,7 +29,7 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
-from sharded_exp.measure.cuda_kernels import forward_kernels
+from sharded_exp.measure.cuda_kernels import forward_kernels, makes_kernel_outputs
 from sharded_exp.models import units
 
 aten = torch.ops.aten
@@ -51,7 +51,10 @@ def _value(option) -> str:
 
 
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
+    # makes_kernel_outputs: a fake step for a GPU, whose emulated fused attention stands for
+    # CUDA's attention ops above
+    keep = op in SAVED_BY_SELECTIVE or makes_kernel_outputs()
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 _EAGER = contextvars.ContextVar("activation_checkpointing_off", default=False)
