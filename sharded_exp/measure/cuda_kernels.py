@@ -75,9 +75,9 @@ class _FusedAttention(torch.autograd.Function):
             logsumexp = q.new_empty(q.shape[:-1], dtype=torch.float32)
         finally:
             _KERNEL_OUTPUTS.reset(token)
-        # Both are outputs (the log-sum-exp not differentiable), saved in the order that
-        # activation checkpointing finds them in when it recomputes the unit (it checks the
-        # recomputed tensors against the saved ones, position by position).
+        # Both are outputs (the log-sum-exp not differentiable). A checkpointed unit's
+        # recomputation runs this function again (see the module's warning), so it saves
+        # the same tensors in the same order, which checkpointing checks position by position.
         ctx.mark_non_differentiable(logsumexp)
         ctx.save_for_backward(q, k, v, logsumexp, out)
         return out, logsumexp
