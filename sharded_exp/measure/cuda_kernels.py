@@ -16,6 +16,14 @@ that holds different memory, :func:`cuda_kernels` makes the step hold what CUDA 
 - **the optimizer**: ``foreach`` (group-sized temporaries), as torch picks for CUDA
   tensors (:func:`sharded_exp.optim.optimizer_spec` asks :func:`target_device`).
 
+Warning: the emulation is a ``TorchFunctionMode``, and ``Tensor.backward`` is itself a
+torch function: the mode is off the stack while the backward runs, so a checkpointed
+unit's recomputation (which runs inside the backward) would run the CPU's attention and
+save other tensors than its forward did (torch.utils.checkpoint then raises "Recomputed
+values ... different metadata"; pytorch/pytorch#147995). Activation checkpointing runs the
+recomputation under :func:`forward_kernels` (:mod:`sharded_exp.train.levers`), as the
+checkpoint maintainers advise (re-enable the mode through ``context_fn``).
+
 What no fake tensor holds is added by rule, each part named in the breakdown:
 :func:`cublas_workspace_mib`.
 """
@@ -35,6 +43,18 @@ from torch.utils import flop_counter
 MIB = 2**20
 
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("fake_step_target", default=None)
+_MODE: contextvars.ContextVar[_AsOnCuda | None] = contextvars.ContextVar("fake_step_kernels", default=None)
+
+
+_KERNEL_OUTPUTS: contextvars.ContextVar[bool] = contextvars.ContextVar("fused_kernel_outputs", default=False)
+
+
+def makes_kernel_outputs() -> bool:
+    """Whether the op being dispatched now allocates the outputs of an emulated fused
+    kernel: selective checkpointing keeps them, as it keeps the outputs of CUDA's attention
+    ops (:data:`sharded_exp.train.levers.SAVED_BY_SELECTIVE`), which here are plain
+    ``new_empty`` calls inside :class:`_FusedAttention`."""
+    return _KERNEL_OUTPUTS.get()
 
 
 def target_device(actual: torch.device) -> str:
@@ -49,11 +69,15 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask):
-        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-        logsumexp = q.new_empty(q.shape[:-1], dtype=torch.float32)
-        # Both are outputs (the log-sum-exp not differentiable), saved in the order that
-        # activation checkpointing finds them in when it recomputes the unit (it checks the
-        # recomputed tensors against the saved ones, position by position).
+        token = _KERNEL_OUTPUTS.set(True)
+        try:
+            out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+            logsumexp = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        finally:
+            _KERNEL_OUTPUTS.reset(token)
+        # Both are outputs (the log-sum-exp not differentiable). A checkpointed unit's
+        # recomputation runs this function again (see the module's warning), so it saves
+        # the same tensors in the same order, which checkpointing checks position by position.
         ctx.mark_non_differentiable(logsumexp)
         ctx.save_for_backward(q, k, v, logsumexp, out)
         return out, logsumexp
@@ -93,13 +117,22 @@ class _AsOnCuda(TorchFunctionMode):
 def cuda_kernels():
     """Inside: the step runs as on CUDA (attention, optimizer). Yields the mode, whose
     ``flops`` counts the attention FLOPs that no aten op carries here."""
-    token = _TARGET.set("cuda")
     mode = _AsOnCuda()
+    token, mode_token = _TARGET.set("cuda"), _MODE.set(mode)
     try:
         with mode:
             yield mode
     finally:
+        _MODE.reset(mode_token)
         _TARGET.reset(token)
+
+
+def forward_kernels() -> _AsOnCuda | None:
+    """The emulation a forward runs under (None outside :func:`cuda_kernels`): a context
+    manager that puts it back on the stack, for a recomputation of that forward inside the
+    backward (see the module's warning). Entering it where it is already on the stack
+    costs a second pass through its handler, nothing else."""
+    return _MODE.get()
 
 
 HOPPER_WORKSPACE_MIB = 32.0

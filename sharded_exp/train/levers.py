@@ -22,8 +22,14 @@ import functools
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
 
+from sharded_exp.measure.cuda_kernels import forward_kernels, makes_kernel_outputs
 from sharded_exp.models import units
 
 aten = torch.ops.aten
@@ -45,7 +51,10 @@ def _value(option) -> str:
 
 
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
+    # makes_kernel_outputs: a fake step for a GPU, whose emulated fused attention stands for
+    # CUDA's attention ops above
+    keep = op in SAVED_BY_SELECTIVE or makes_kernel_outputs()
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 _EAGER = contextvars.ContextVar("activation_checkpointing_off", default=False)
@@ -62,6 +71,18 @@ def without_checkpointing():
         _EAGER.reset(token)
 
 
+@contextlib.contextmanager
+def _both(kernels, recompute_context):
+    with kernels, recompute_context:
+        yield
+
+
+def _recomputed_under(kernels, context_fn):
+    """``context_fn``'s pair of contexts, the recomputation's also under ``kernels``."""
+    forward_context, recompute_context = context_fn()
+    return forward_context, _both(kernels, recompute_context)
+
+
 def _checkpointed(forward, selective: bool):
     context_fn = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls) if selective else None
 
@@ -69,9 +90,15 @@ def _checkpointed(forward, selective: bool):
     def run(*args, **kwargs):
         if _EAGER.get():
             return forward(*args, **kwargs)
-        if context_fn is None:
-            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        options = {} if context_fn is None else {"context_fn": context_fn}
+        # A fake step for a GPU: the recomputation (inside the backward, where the kernel
+        # emulation's TorchFunctionMode is off the stack) runs CUDA's kernels as the
+        # forward did, so it saves the same tensors. (Never under torch.compile, which
+        # takes only TorchDispatchModes as checkpoint contexts: no emulation there.)
+        kernels = None if torch.compiler.is_compiling() else forward_kernels()
+        if kernels is not None:
+            options["context_fn"] = functools.partial(_recomputed_under, kernels, context_fn or noop_context_fn)
+        return checkpoint(forward, *args, use_reentrant=False, **options, **kwargs)
 
     return run
 
