@@ -75,6 +75,8 @@ def test_precision_16_is_a_group_choice():
         ("trainer.stepz=3", ConfigCompositionException),  # typo in a key
         ("trainer.world_size=abc", ConfigCompositionException),  # wrong type
         ("trainer.accelerator=tpu", ConfigCompositionException),  # not an allowed value
+        ("trainer.zero_grad=none", ConfigCompositionException),  # free or zeros
+        ("optimizer.foreach=sometimes", ConfigCompositionException),  # true, false or null
         ("strategy.bucket_cap_mb=big", ConfigCompositionException),
         ("strategy=nope", ConfigCompositionException),  # unknown group option
         ("model=resnet", ConfigCompositionException),

@@ -98,6 +98,17 @@ def _compile_note(cfg) -> str:
     return "trainer.compile: the units are faked eager (inductor's fusions can only lower the peak)"
 
 
+def _zero_grad_note(cfg) -> str:
+    """What the fake step counts of trainer.zero_grad (it clears gradients by the rule the
+    strategy applies, as the run does)."""
+    from sharded_exp.config import ZeroGrad
+
+    rule = STRATEGIES.builder(cfg.strategy.name).zero_grad_rule(ZeroGrad(cfg.trainer.zero_grad))
+    if rule.reason:
+        return f"trainer.zero_grad={rule.requested.value} not honoured, faked as {rule.applied.value}: {rule.reason}"
+    return ""
+
+
 def predict_peak(
     cfg, world_size: int, device_type: str, prediction: dict[str, Any], shapes: ModelShapes, flops: bool = True
 ) -> dict[str, Any]:
@@ -182,7 +193,7 @@ def predict_peak(
         "phases_mib": phases_mib,
         "flops_per_step": est.flops_per_step,
         "method": est.method,
-        "note": "; ".join(n for n in (est.note, _compile_note(cfg)) if n),
+        "note": "; ".join(n for n in (est.note, _compile_note(cfg), _zero_grad_note(cfg)) if n),
         "seconds": est.seconds,
         "kernels": f"{device_type}: fake tensors on the CPU device"
         + (", with CUDA's kernel choices (fused attention, foreach optimizer)" if device_type == "cuda" else ""),

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from sharded_exp import precision
+from sharded_exp.config import ZeroGrad
 from sharded_exp.data import Task, build_task
 from sharded_exp.models import build_model
 from sharded_exp.optim import optimizer_spec
@@ -124,7 +125,8 @@ def build_run(
     meta device, then allocate uninitialised tensors on ``device`` (the fake step's way
     for a model that cannot be built under FakeTensorMode directly). The trainer's levers
     (activation checkpointing, compile: :mod:`sharded_exp.train.levers`) are applied to the
-    model's units before it is wrapped; ``compile=False`` leaves the units eager.
+    model's units before it is wrapped; ``compile=False`` leaves the units eager. Gradients
+    are cleared by the strategy's rule for ``trainer.zero_grad`` (``Strategy.zero_grad_rule``).
 
     ``model.pretrained``'s weights are loaded unless ``weights=False`` (the fake step's
     shapes-only build): by every rank when every rank holds the whole model; under a
@@ -151,7 +153,9 @@ def build_run(
     apply_levers(module, tc, compile=compile)
     if before_wrap is not None:
         before_wrap(module)
-    strategy = build_strategy(cfg.strategy, module, optimizer_spec(cfg.optimizer, module), cfg.precision, device)
+    spec = optimizer_spec(cfg.optimizer, module)
+    # trainer.zero_grad: a string in a rank's plain config, the enum in a composed one
+    strategy = build_strategy(cfg.strategy, module, spec, cfg.precision, device, ZeroGrad(tc.zero_grad))
     if sharded_load:
         load_sharded_from_rank0(module, cfg.model, device, offload=bool(cfg.strategy.get("cpu_offload")))
     return Run(module, strategy, task, precision.autocast(cfg.precision, device.type))
