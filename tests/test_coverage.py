@@ -328,6 +328,7 @@ def test_covering_plan(name, capsys, tmp_path, monkeypatch):
             assert (tmp_path / o.split("=", 1)[1]).stat().st_size > 0
     out = json.loads(capsys.readouterr().out)
     assert out["rows"] and all(r["total_gib"] > 0 for r in out["rows"])
+    assert all(0 < r["mean_gib"] <= r["total_gib"] * (1 + 1e-12) for r in out["rows"])  # the average over ranks
     if "plan.find=depth" in PLANS[name]:
         plain, selective = out["found"]  # one per lever combination
         assert plain["levers"] == "none" and selective["levers"] == "ac_selective"
