@@ -170,6 +170,9 @@ PLANS = {
                "trainer.batch_size=1"],
     "hf_bert_base": ["model=hf_bert_base", "model.config.num_hidden_layers=2", "plan.world_sizes=[4]",
                      "plan.strategies=[ddp]"],
+    # The seed study's model (experiment=seed_study_gpu needs GPUs) under its sharded strategy.
+    "hf_bert_base_multilingual": ["model=hf_bert_base_multilingual", "model.config.num_hidden_layers=2",
+                                  "model.num_labels=25", "plan.world_sizes=[4]", "plan.strategies=[sharded_ddp]"],
     "hf_gpt2_small": ["model=hf_gpt2_small", "model.config.n_layer=2", "plan.world_sizes=[4]",
                       "plan.strategies=[fsdp]"],
     "hf_gpt2_xl": ["model=hf_gpt2_xl", "model.config.n_layer=2", "plan.world_sizes=[8]", "plan.strategies=[fsdp]"],
