@@ -39,7 +39,8 @@ class OptimizerConfig:
     lr: float = 1e-3
     """Learning rate of the weight group (2-D weights)."""
     weight_decay: float = 0.0
-    """Weight decay, applied to the weight group only (biases, norms, embeddings' none)."""
+    """Weight decay, applied to the weight group only: parameters of two or more dimensions
+    (matrices, embeddings); biases and norm gains (one dimension) get none."""
     no_decay_lr_scale: float = 1.0
     """Learning rate of the second group (biases and norm gains) as a multiple of lr."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -48,6 +49,11 @@ class OptimizerConfig:
     """Adam/AdamW denominator epsilon."""
     momentum: float = 0.0
     """SGD momentum (buffers count as optimizer state)."""
+    foreach: Optional[bool] = None
+    """Step each parameter group with torch's foreach kernels (true: one kernel per group,
+    with temporaries as large as the group's state) or one tensor at a time (false: what
+    optimizers written before them did, e.g. transformers' AdamW of 2020). null: torch's own
+    choice for the parameters' device, foreach on CUDA and per tensor on CPU."""
 
 
 # ---------------------------------------------------------------------------- trainer
@@ -79,6 +85,11 @@ class CompileMode(str, Enum):
     reduce_overhead = "reduce_overhead"
     max_autotune = "max_autotune"
     max_autotune_no_cudagraphs = "max_autotune_no_cudagraphs"
+
+
+class ZeroGrad(str, Enum):
+    free = "free"
+    zeros = "zeros"
 
 
 class MemorySnapshot(str, Enum):
@@ -115,6 +126,14 @@ class TrainerConfig:
     """torch.compile's mode (reduce_overhead = "reduce-overhead", and so on)."""
     grad_clip: float = 1.0
     """Clip the global gradient L2 norm to this value; 0 turns clipping off."""
+    zero_grad: ZeroGrad = ZeroGrad.free
+    """How each step clears the last step's gradients: free (``set_to_none=True``, torch's
+    default since 2.0: their memory is released until the backward makes new ones) or zeros
+    (``set_to_none=False``, torch's default before 2.0: they stay allocated as zero tensors
+    through the next forward, so the peak holds them beside the activations). The memory
+    prediction fakes the same rule. A strategy that must clear them its own way applies its
+    own rule (sharded_ddp always zeros in place): result.json's ``zero_grad`` records the
+    rule asked for, the rule applied and why they differ."""
     seed: int = 0
     """Seed of model initialisation and batch sampling."""
     log_interval: int = 10

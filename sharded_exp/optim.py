@@ -55,12 +55,16 @@ def optimizer_spec(cfg, module: nn.Module, device: torch.device | None = None) -
     ones of a fake step, so the prediction would miss the step's largest temporaries. Here
     it follows the parameters' device, real or fake alike: foreach on CUDA, per tensor on
     CPU (torch's choice for real tensors on each); a fake step for a GPU, run on CPU
-    tensors, gets CUDA's (``cuda_kernels.target_device``)."""
+    tensors, gets CUDA's (``cuda_kernels.target_device``). ``optimizer.foreach`` true or
+    false overrides that choice, for the run and its fake step alike."""
     from sharded_exp.measure.cuda_kernels import target_device
 
     if device is None:
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    defaults: dict[str, Any] = {"lr": cfg.lr, "foreach": target_device(device) == "cuda"}
+    foreach = cfg.get("foreach")
+    if foreach is None:  # optimizer.foreach=null: torch's choice for real tensors there
+        foreach = target_device(device) == "cuda"
+    defaults: dict[str, Any] = {"lr": cfg.lr, "foreach": bool(foreach)}
     if cfg.name in ("adam", "adamw"):
         defaults.update(betas=tuple(cfg.betas), eps=cfg.eps)
     elif cfg.name == "sgd":

@@ -33,7 +33,7 @@ from omegaconf import OmegaConf
 
 from sharded_exp.compose import compose
 from sharded_exp.errors import ConfigError
-from sharded_exp.measure.prediction import ModelShapes, model_shapes, predict, predict_peak
+from sharded_exp.measure.prediction import ModelShapes, model_shapes, peaks_of_ranks, predict, predict_peak
 from sharded_exp.models.target import check_pretrained, is_target_model
 from sharded_exp.strategies import STRATEGIES
 
@@ -208,8 +208,10 @@ def _peak_by_depth(cfg_s, world_size: int, device_type: str, prediction: dict[st
         parts["optimizer"] += optimizer
         drawn[phase] = (sum(parts.values()), parts)
     top, parts = max(drawn.values(), key=lambda d: d[0])
+    states = prediction["model_states_mib"]
+    rank = max(range(len(states)), key=lambda r: sum(states[r].values()))
     return {
-        "per_rank_mib": [top],
+        "per_rank_mib": peaks_of_ranks(list(drawn.values()), states, rank),  # the largest is ``top``
         "breakdown_mib": parts,
         "phases_mib": drawn,
         "method": f"fake steps at {', '.join(map(str, FAKED_LAYERS))} blocks, drawn to the model's depth",
@@ -233,11 +235,13 @@ def model_row(cfg, name: str, world_size: int, shapes: ModelShapes, device_type:
     if peak["per_rank_mib"] is None:
         parts = {k: None for k in PARTS}
         row = _row(cfg, name, world_size, parts, "none", peak["error"])
-        row["total_gib"], row["fits"] = None, None
+        row["total_gib"], row["mean_gib"], row["fits"] = None, None, None
     else:
         parts = {k: v * MIB / GIB for k, v in peak["breakdown_mib"].items()}
         row = _row(cfg, name, world_size, parts, peak["method"], peak["note"])
         row["total_gib"] = max(peak["per_rank_mib"]) * MIB / GIB  # the peak itself
+        # the average over ranks (the seed study's figure): below the peak where shards are uneven
+        row["mean_gib"] = sum(peak["per_rank_mib"]) / len(peak["per_rank_mib"]) * MIB / GIB
         if "offload" in lever_names(combo):  # CPU offload: the rank's states are in host memory
             row["host_gib"] = states * MIB / GIB
         row["fits"] = row["total_gib"] <= cfg.plan.device_memory_gib
@@ -272,6 +276,7 @@ def _row(cfg, name, world_size, parts, method, note) -> dict[str, Any]:
         "world_size": world_size,
         **{f"{k}_gib": v for k, v in parts.items()},
         "total_gib": total,
+        "mean_gib": total,  # every rank alike (a raw count's ideally divisible model); a model's row sets its own
         "fits": total <= cfg.plan.device_memory_gib,
         "method": method,
         "note": note,
@@ -406,20 +411,21 @@ def find_rows(cfg, world_sizes, device_type: str) -> list[dict[str, Any]]:
 
 
 def format_table(rows, found, cfg, params) -> str:
-    head = ["strategy", "levers", "world_size", *PARTS, "peak", "host", "fits", "method"]
+    head = ["strategy", "levers", "world_size", *PARTS, "peak", "mean", "host", "fits", "method"]
     what = "raw parameter count" if cfg.plan.params is not None else f"model: {cfg.model.name}"
     big = max((r["total_gib"] or 0 for r in rows), default=0) >= 1
     unit, scale = ("GiB", 1) if big else ("MiB", GIB / MIB)
     lines = [
         f"{what} ({params:,} params), precision {cfg.precision.name}, optimizer {cfg.optimizer.name}, "
-        f"batch {cfg.trainer.batch_size}/rank; {unit} per rank at the peak; device {cfg.plan.device_memory_gib:g} GiB",
+        f"batch {cfg.trainer.batch_size}/rank; {unit} per rank at the peak (peak: the largest rank's, mean: the "
+        f"average over ranks); device {cfg.plan.device_memory_gib:g} GiB",
         f"device faked: {_faked(cfg)}",
         " | ".join(head),
         " | ".join("---" for _ in head),
     ]
     for r in rows:
         cells = [r["strategy"], r.get("levers", "none"), r["world_size"]] + [
-            "-" if r[f"{k}_gib"] is None else f"{r[f'{k}_gib'] * scale:.2f}" for k in (*PARTS, "total")
+            "-" if r[f"{k}_gib"] is None else f"{r[f'{k}_gib'] * scale:.2f}" for k in (*PARTS, "total", "mean")
         ]
         host = f"{r['host_gib'] * scale:.2f}" if r.get("host_gib") is not None else "-"
         fits = "-" if r["fits"] is None else ("yes" if r["fits"] else "no")

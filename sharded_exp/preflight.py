@@ -5,7 +5,7 @@ schema cannot express (ranges, a GPU that is not there, a package that is not in
 a model and task that do not fit, a checkpoint that cannot start this job) with a
 :class:`~sharded_exp.errors.ConfigError` that names the bad value and what is allowed,
 and decides what the ranks then take as given: the device type, the world size, the
-resolved checkpoint paths, and the memory prediction (made here, once, by the function
+resolved checkpoint paths, the rule gradients are cleared by, and the memory prediction (made here, once, by the function
 the planner uses).
 """
 
@@ -21,16 +21,18 @@ from typing import Any
 import torch
 
 from sharded_exp import checkpoint
+from sharded_exp.config import ZeroGrad
 from sharded_exp.data import TASKS
 from sharded_exp.data.loader import check_fits
 from sharded_exp.errors import ConfigError, NothingToDo, WontFit, missing_packages
 from sharded_exp.launch.layout import Layout
 from sharded_exp.measure.prediction import ModelShapes, meta_model, model_shapes, predict, predict_peak
 from sharded_exp.models import MODELS, units
-from sharded_exp.models.target import check_accepts, check_pretrained, is_target_model
+from sharded_exp.models.target import check_accepts, check_attn_implementation, check_pretrained, is_target_model
 from sharded_exp.optim import OPTIMIZERS
 from sharded_exp.precision import PRECISIONS
 from sharded_exp.strategies import STRATEGIES
+from sharded_exp.strategies.base import GradZeroing
 from sharded_exp.train import faults
 
 
@@ -46,6 +48,8 @@ class Checked:
     """Parameters of the model (counted on the meta device)."""
     prediction: dict[str, Any]
     """Predicted memory per rank (sharded_exp.measure.prediction.predict)."""
+    zero_grad: GradZeroing
+    """How gradients are cleared: trainer.zero_grad as the strategy applies it."""
 
 
 def _require(ok: bool, message: str) -> None:
@@ -70,7 +74,9 @@ def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True)
     device_type = decide_device(
         _accelerator(cfg.trainer.accelerator), local_ranks, str(cfg.precision.name), per_task=layout is not None
     )
-    STRATEGIES.builder(cfg.strategy.name).check(cfg.strategy, world_size, device_type)
+    strategy = STRATEGIES.builder(cfg.strategy.name)
+    strategy.check(cfg.strategy, world_size, device_type)
+    zero_grad = strategy.zero_grad_rule(ZeroGrad(cfg.trainer.zero_grad))  # what build_strategy applies
     try:
         module = meta_model(cfg.model, cfg.trainer.freeze)  # shapes a model refuses, or a _target_ that cannot be built
     except ConfigError:
@@ -97,7 +103,7 @@ def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True)
         prediction["peak"] = predict_peak(cfg, world_size, device_type, prediction, shapes)
         if device_type == "cpu" and cfg.trainer.host_memory_check:
             check_host_memory(prediction["peak"].get("per_rank_mib"), local_ranks)
-    return Checked(device_type, world_size, shapes.params, prediction)
+    return Checked(device_type, world_size, shapes.params, prediction, zero_grad)
 
 
 RANK_OVERHEAD_MIB = 400
@@ -168,6 +174,7 @@ def check_values(cfg) -> None:
     if not is_target_model(cfg.model):
         MODELS.builder(cfg.model.name)
     else:
+        check_attn_implementation(cfg.model)  # a kernel the Hugging Face class has, or null
         check_pretrained(cfg.model)  # a local save_pretrained directory, never a download
     TASKS.builder(cfg.data.name)
     name = str(cfg.precision.name)

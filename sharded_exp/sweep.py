@@ -28,6 +28,7 @@ OBJECTIVES = (
     "throughput/achieved_flops_per_s",
     "throughput/mfu_pct",
     "memory/peak_allocated_mib_max",
+    "memory/peak_allocated_mib_mean",
     "memory/model_states_mib_max",
     "memory/predicted_peak_mib_max",
     "eval/final/eval/loss",

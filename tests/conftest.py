@@ -221,3 +221,17 @@ def placeholders(tmp_path_factory):
         return out
 
     return resolve
+
+
+@pytest.fixture
+def gloo_group():
+    """A real gloo process group of one rank in this process (an in-memory store): a
+    strategy is built and stepped without spawning anything. Destroyed after the test (a
+    fake step needs a process without one)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

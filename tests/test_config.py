@@ -45,6 +45,7 @@ def test_every_option_of_every_group_composes():
             "gpt",
             "hf_bert",
             "hf_bert_base",
+            "hf_bert_base_multilingual",
             "hf_gpt2",
             "hf_gpt2_small",
             "hf_gpt2_xl",
@@ -75,6 +76,8 @@ def test_precision_16_is_a_group_choice():
         ("trainer.stepz=3", ConfigCompositionException),  # typo in a key
         ("trainer.world_size=abc", ConfigCompositionException),  # wrong type
         ("trainer.accelerator=tpu", ConfigCompositionException),  # not an allowed value
+        ("trainer.zero_grad=none", ConfigCompositionException),  # free or zeros
+        ("optimizer.foreach=sometimes", ConfigCompositionException),  # true, false or null
         ("strategy.bucket_cap_mb=big", ConfigCompositionException),
         ("strategy=nope", ConfigCompositionException),  # unknown group option
         ("model=resnet", ConfigCompositionException),
@@ -233,3 +236,37 @@ def test_schema_cache_holds_every_registry_schema_with_its_defaults(tmp_path, mo
     assert registry_schemas(query=True)["schema_strategy_fsdp"] is typed["schema_strategy_fsdp"]
     monkeypatch.setenv("SHARDED_EXP_PLUGINS", "tests.user_models")
     assert schemas_cache_file() is None  # out-of-tree schemas are always imported
+
+
+def test_the_seed_study_preset_is_the_seeds_workload():
+    """experiment=seed_study_gpu: Hugging Face's token-classification example of late 2020
+    (run_pl.sh, lightning_base.py) as the seed study ran it, under its two strategies."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from sharded_exp.compose import CONF_DIR
+    from sharded_exp.measure.prediction import meta_model
+    from sharded_exp.optim import optimizer_spec
+
+    cfg = compose_cfg(["experiment=seed_study_gpu"])
+    m, o, t = cfg.model, cfg.optimizer, cfg.trainer
+    assert (m.name, m.vocab_size, m.seq_len, m.num_labels, m.attn_implementation) == (
+        "hf_bert_base_multilingual", 119547, 128, 25, "eager")  # fmt: skip
+    shapes = {k: m.config[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                                       "max_position_embeddings", "type_vocab_size")}  # fmt: skip
+    assert shapes == dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+                          max_position_embeddings=512, type_vocab_size=2)  # fmt: skip
+    assert (o.name, o.lr, o.eps, o.weight_decay, o.foreach) == ("adamw", 5e-5, 1e-8, 0.0, False)
+    assert str(cfg.precision.name) == "32"
+    assert (t.batch_size, t.grad_clip, t.zero_grad.value, t.accelerator.value) == (32, 1.0, "zeros", "gpu")
+    sweep = OmegaConf.load(Path(CONF_DIR) / "experiment" / "seed_study_gpu.yaml").hydra.sweeper.params
+    assert (sweep.strategy, sweep["trainer.world_size"]) == ("ddp,sharded_ddp", "4,8")
+    module = meta_model(m)
+    assert 177e6 < sum(p.numel() for p in module.parameters()) < 178e6  # bert-base-multilingual-cased's
+    # lightning_base.py's no-decay group (names with "bias" or "LayerNorm.weight") is ours (every 1-D parameter)
+    groups = optimizer_spec(o, module).param_groups
+    names = {id(p): n for n, p in module.named_parameters()}
+    no_decay = {names[id(p)] for p in groups[1]["params"]}
+    assert no_decay == {n for n in names.values() if "bias" in n or "LayerNorm.weight" in n}
+    assert groups[1]["weight_decay"] == groups[0]["weight_decay"] == 0.0

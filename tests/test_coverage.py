@@ -42,14 +42,16 @@ WANDB = ["logger=wandb", "logger.mode=offline", "logger.project=coverage", "logg
 ENV = {"ddp": {"SHARDED_EXP_FAULT": "rank=1,step=1,kind=inf_grad"}}
 """The environment of a covering run (a testing aid)."""
 RUNS = {
-    # DDP's knobs, AdamW's, float16's loss scaling, and the trainer's odds and ends. The inf
+    # DDP's knobs, AdamW's (foreach kernels on CPU), float16's loss scaling, and the trainer's
+    # odds and ends (gradients zeroed, not freed, between steps). The inf
     # at step 1 (rank 1's gradient) is skipped and backs the scale off by 0.25; three clean
     # steps double it: 1024 -> 256 -> 512 after 6 steps.
     "ddp": [
         "strategy=ddp", "strategy.bucket_cap_mb=1", "strategy.gradient_as_bucket_view=true",
         "strategy.find_unused_parameters=true",
         "strategy.broadcast_buffers=false", "optimizer=adamw", "optimizer.lr=5e-3", "optimizer.weight_decay=0.01",
-        "optimizer.no_decay_lr_scale=0.5", "optimizer.betas=[0.8,0.99]", "optimizer.eps=1e-7", "precision=16",
+        "optimizer.no_decay_lr_scale=0.5", "optimizer.betas=[0.8,0.99]", "optimizer.eps=1e-7", "optimizer.foreach=true",
+        "trainer.zero_grad=zeros", "precision=16",
         "precision.init_scale=1024", "precision.growth_interval=3", "precision.backoff_factor=0.25",
         "trainer.seed=1", "trainer.grad_clip=0.5", "trainer.memory_limit_mib=1000", "trainer.stop_grace_s=30",
         "trainer.accelerator=cpu", "trainer.progress_bar=true", "model.in_features=32", "model.num_classes=5",
@@ -65,11 +67,12 @@ RUNS = {
         "optimizer=sgd", "optimizer.lr=0.05",
         "optimizer.momentum=0.9", *GPT, "precision=bf16", "trainer.world_size=3",
     ],
-    # ShardedDDP without reduce buckets, BERT token classification on a CoNLL file (made by the
-    # test) through the DataLoader with a worker per rank, accumulation, evaluation.
+    # ShardedDDP without reduce buckets, BERT token classification (eager attention) on a CoNLL
+    # file (made by the test) through the DataLoader with a worker per rank, accumulation, evaluation.
     "sharded_ddp": [
         "strategy=sharded_ddp", "strategy.reduce_buffer_size=0", "strategy.broadcast_buffers=false",
-        "strategy.broadcast_fp16=true", "model=hf_bert", "model.seq_len=16", "trainer.batch_size=4",
+        "strategy.broadcast_fp16=true", "model=hf_bert", "model.seq_len=16", "model.attn_implementation=eager",
+        "trainer.batch_size=4",
         "optimizer.lr=3e-3", "trainer.grad_accum=2", "trainer.eval_every=2",
         "trainer.eval_batches=2", "trainer.log_interval=3", "trainer.steps=8",
         "data=conll", "data.path=__data__train.conll", "data.tokenizer=__data__tok", "data.seed=3",
@@ -167,6 +170,9 @@ PLANS = {
                "trainer.batch_size=1"],
     "hf_bert_base": ["model=hf_bert_base", "model.config.num_hidden_layers=2", "plan.world_sizes=[4]",
                      "plan.strategies=[ddp]"],
+    # The seed study's model (experiment=seed_study_gpu needs GPUs) under its sharded strategy.
+    "hf_bert_base_multilingual": ["model=hf_bert_base_multilingual", "model.config.num_hidden_layers=2",
+                                  "model.num_labels=25", "plan.world_sizes=[4]", "plan.strategies=[sharded_ddp]"],
     "hf_gpt2_small": ["model=hf_gpt2_small", "model.config.n_layer=2", "plan.world_sizes=[4]",
                       "plan.strategies=[fsdp]"],
     "hf_gpt2_xl": ["model=hf_gpt2_xl", "model.config.n_layer=2", "plan.world_sizes=[8]", "plan.strategies=[fsdp]"],
@@ -248,6 +254,7 @@ def test_covering_run(name, shared_runs, placeholders):
 
 
 def _check_ddp(out, result):
+    assert result["zero_grad"] == {"requested": "zeros", "applied": "zeros", "reason": None}
     for r in result["memory"]["per_rank"]:
         assert r["skipped_steps"] == 1 and r["loss_scale"] == 512.0, r
     (run_file,) = find_runs(out)
@@ -274,6 +281,11 @@ def _check_ddp(out, result):
 
 
 def _check_sharded_ddp(out, result):
+    # trainer.zero_grad=free (the default) is not honoured by ShardedDDP: said, in result.json
+    # and in the prediction, which fakes what runs
+    assert result["zero_grad"]["requested"] == "free" and result["zero_grad"]["applied"] == "zeros"
+    assert "ShardedDataParallel computes wrong gradients" in result["zero_grad"]["reason"]
+    assert "trainer.zero_grad=free not honoured, faked as zeros" in result["memory"]["peak_prediction"]["note"]
     assert [e["step"] for e in result["eval"]["history"]] == [2, 4, 6, 8]
     assert 0 <= result["eval"]["final"]["eval/accuracy"] <= 1
     # The DataLoader's wait is measured apart from the step (a worker per rank made the batches).
@@ -319,6 +331,7 @@ def test_covering_plan(name, capsys, tmp_path, monkeypatch):
             assert (tmp_path / o.split("=", 1)[1]).stat().st_size > 0
     out = json.loads(capsys.readouterr().out)
     assert out["rows"] and all(r["total_gib"] > 0 for r in out["rows"])
+    assert all(0 < r["mean_gib"] <= r["total_gib"] * (1 + 1e-12) for r in out["rows"])  # the average over ranks
     if "plan.find=depth" in PLANS[name]:
         plain, selective = out["found"]  # one per lever combination
         assert plain["levers"] == "none" and selective["levers"] == "ac_selective"

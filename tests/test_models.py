@@ -189,3 +189,49 @@ def test_hf_model_without_transformers_names_the_extra(tmp_path):
         in proc.stderr
     )
     assert not (tmp_path / "run" / "result.json").exists()
+
+
+# ------------------------------------------------------- model.attn_implementation
+@pytest.mark.parametrize("model", ["hf_bert", "hf_gpt2", "hf_llama"])
+def test_attn_implementation_reaches_the_hugging_face_config(model):
+    from sharded_exp.models import build_model
+    from tests.conftest import compose_cfg
+
+    for value, expected in ((None, "sdpa"), ("eager", "eager"), ("sdpa", "sdpa")):  # null: Hugging Face's default
+        chosen = [] if value is None else [f"model.attn_implementation={value}"]
+        with torch.device("meta"):
+            module = build_model(compose_cfg([f"model={model}", *chosen]).model)
+        assert module.config._attn_implementation == expected, (model, value)
+
+
+def test_attn_implementation_reaches_a_saved_model(tmp_path_factory):
+    from sharded_exp.models import build_model
+    from tests.conftest import compose_cfg, saved_tiny_hf
+
+    saved = saved_tiny_hf(tmp_path_factory, "bert")
+    cfg = compose_cfg(["model=hf_bert", f"model.pretrained={saved}", "model.attn_implementation=eager"]).model
+    for weights in (True, False):  # the ranks' load, and the fake step's shapes-only build
+        assert build_model(cfg, weights=weights).config._attn_implementation == "eager", weights
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model=hf_bert", "model.attn_implementation=flash"],
+         "model.attn_implementation='flash' is not one of null (Hugging Face's default), eager, sdpa"),
+        (["model=hf_gpt2", "model.attn_implementation=EAGER"], "model.attn_implementation='EAGER' is not one of"),
+        (["model=custom", "model._target_=tests.user_models.build", "model.attn_implementation=eager"],
+         "model._target_=tests.user_models.build is no Hugging Face model class"),
+    ],
+)  # fmt: skip
+def test_a_bad_attn_implementation_is_refused_before_any_rank_starts(overrides, message, tmp_path):
+    import re
+
+    from sharded_exp.errors import ConfigError
+    from sharded_exp.launch.parent import launch
+    from tests.conftest import compose_cfg
+
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        launch(compose_cfg(overrides), str(out))
+    assert not out.exists()  # refused by the parent's checks: no directory, no rank

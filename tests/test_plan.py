@@ -140,6 +140,7 @@ def test_22_11_a_deep_model_drawn_from_three_depths_equals_the_whole_model_faked
         whole = plan.model_row(cfg, name, 4, shapes, "cpu")
         cfg.plan.by_depth = True
         assert drawn["total_gib"] == pytest.approx(whole["total_gib"], rel=1e-6), name
+        assert drawn["mean_gib"] == pytest.approx(whole["mean_gib"], rel=1e-6), name  # every rank drawn too
         if name in ("ddp", "fsdp"):  # (ZeRO-1's step temporaries may follow its lumpy shards: faked whole)
             assert drawn["method"].startswith("fake steps at 3, 4, 5 blocks"), drawn
         if name == "sharded_ddp":
@@ -199,3 +200,25 @@ def test_25_the_plan_draws_its_table(tmp_path, capsys):
     assert fitting == sum(r["fits"] for r in rows)
     assert plan.main(["plan.world_sizes=[2]", f"plan.plot={tmp_path / 'plan.txt'}"]) == 2
     assert "plan.plot=" in capsys.readouterr().err and not (tmp_path / "plan.txt").exists()
+
+
+def test_a_plan_row_shows_the_average_over_ranks_beside_the_peak(capsys):
+    """ZeRO-1 cannot split one tensor: the rank that owns a large embedding's optimizer state
+    peaks above the others, and the average over ranks (the seed study's figure) is below
+    the peak; under DDP every rank is alike."""
+    from sharded_exp import plan
+
+    model = ["model=gpt", "model.d_model=32", "model.n_heads=2", "model.n_layers=2", "model.seq_len=16",
+             "model.vocab_size=4096", "trainer.batch_size=2", "plan.world_sizes=[4]", "plan.strategies=[ddp,zero1]",
+             "plan.device=cpu"]  # fmt: skip
+    assert plan.main(["plan.format=json", *model]) == 0
+    rows = {r["strategy"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert rows["ddp"]["mean_gib"] == pytest.approx(rows["ddp"]["total_gib"], rel=1e-9)
+    assert rows["zero1"]["mean_gib"] < 0.9 * rows["zero1"]["total_gib"]
+    assert plan.main(model) == 0
+    table = capsys.readouterr().out.splitlines()
+    head = next(line for line in table if line.startswith("strategy | "))
+    assert " | peak | mean | " in head
+    zero1 = next(line for line in table if line.startswith("zero1 | "))
+    cells = dict(zip(head.split(" | "), zero1.split(" | ")))
+    assert float(cells["mean"]) == pytest.approx(rows["zero1"]["mean_gib"] * GIB / MIB, abs=0.01)  # MiB, 2 decimals

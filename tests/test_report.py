@@ -298,7 +298,7 @@ def test_25_report_marks_what_did_not_finish_and_compares_with_the_least_sharded
     assert f"At 4 ranks, fsdp peaks {saving:.0f}% below oss ({charts.num(fsdp_peak)} vs {charts.num(ddp_peak)} MiB), " \
            "the least sharded strategy that fits" in head  # fmt: skip
     assert f"ddp does not fit in {limit:g} MiB at 4 ranks" in head and "zero1 diverged at 4 ranks" in head
-    assert "| strategy | world_size | precision | peak_MiB | pred_peak_MiB | peak_saving_pct |" in md
+    assert "| strategy | world_size | precision | peak_MiB | peak_mean_MiB | pred_peak_MiB | peak_saving_pct |" in md
     for name in CHARTS:
         assert f"]({name})" in md and (sweep / name).stat().st_size > 0
 
@@ -429,3 +429,44 @@ def test_25_a_cpu_oom_point_shows_what_was_live_when_it_crossed_its_budget():
     )
     texts = [t for t, _ in _texts(charts.breakdown_chart([row], []).axes[0])]
     assert "3.50 OOM" in texts and "4.00" in texts  # measured at the crossing, beside the predicted peak
+
+
+def test_the_report_shows_the_average_over_ranks_beside_the_largest():
+    """The seed study reported the average over ranks of each rank's peak; what must fit is
+    the largest. result.json carries both, and the report's tables and the end-of-run table
+    show both (an older result.json without the average gets it from its ranks)."""
+    from sharded_exp.output.report import build_rows, columns, compact, markdown
+    from sharded_exp.output.results import memory_section, summary_table
+
+    def point(strategy: str, peaks: list[float], old: bool = False) -> dict:
+        states = [{"params": 1.0, "grads": 1.0, "optimizer": 1.0} for _ in peaks]
+        prediction = {"model_states_mib": states, "transient_params_mib": 0.0,
+                      "peak": {"per_rank_mib": [p + 1 for p in peaks]}}  # fmt: skip
+        per_rank = [
+            {"rank": r, "peak_allocated_mib": p, "model_states_mib": dict(states[r])} for r, p in enumerate(peaks)
+        ]
+        memory = memory_section(prediction, per_rank, "torch_mem_tracker")
+        if old:
+            del memory["peak_allocated_mib_mean"], memory["predicted_peak_mib_mean"]
+        return {"status": "ok", "strategy": strategy, "world_size": len(peaks), "precision": "32", "model": "m",
+                "params": 10, "output_dir": f"/s/{strategy}", "memory": memory,
+                "throughput": {"samples_per_s": 1.0, "step_time_s_median": 0.5}}  # fmt: skip
+
+    ddp, sharded = point("ddp", [100.0, 100.0, 100.0, 100.0]), point("sharded_ddp", [90.0, 60.0, 60.0, 70.0])
+    mem = sharded["memory"]
+    assert (mem["peak_allocated_mib_max"], mem["peak_allocated_mib_mean"], mem["predicted_peak_mib_mean"]) == (
+        90.0, 70.0, 71.0)  # fmt: skip
+    rows = {r["strategy"]: r for r in build_rows([ddp, sharded])}
+    assert rows["sharded_ddp"]["peak_allocated_mib_mean"] == 70.0
+    assert rows["sharded_ddp"]["peak_saving_pct"] == pytest.approx(10.0)  # of the largest
+    assert rows["sharded_ddp"]["peak_mean_saving_pct"] == pytest.approx(30.0)  # of the average
+    old = {r["strategy"]: r for r in build_rows([ddp, point("sharded_ddp", [90.0, 60.0, 60.0, 70.0], old=True)])}
+    assert old["sharded_ddp"]["peak_allocated_mib_mean"] == 70.0
+    assert old["sharded_ddp"]["predicted_peak_mib_mean"] == 71.0
+    table = list(rows.values())
+    cols = columns(table)
+    assert cols.index("peak_allocated_mib_mean") == cols.index("peak_allocated_mib_max") + 1
+    assert "| peak_allocated_mib_max | peak_allocated_mib_mean |" in markdown(table)
+    assert "| peak_MiB | peak_mean_MiB |" in compact(table) and "| 90.00 | 70.00 |" in compact(table)
+    end = summary_table({**sharded, "params": 10, "memory": mem}).splitlines()
+    assert "peak_MiB  peak_mean_MiB" in end[0] and "70.00" in end[2]

@@ -139,7 +139,11 @@ def _launch(cfg, output_dir, job_files, started, layout, is_writer, launched, lo
         **base_result(cfg_data, checked.params, output_dir),
         **identity,
         "launcher": layout.launcher if layout else "spawn",
+        "zero_grad": checked.zero_grad.record(),
     }
+    if is_writer and checked.zero_grad.reason:  # trainer.zero_grad not honoured: said, not silent
+        print(f"note: trainer.zero_grad={checked.zero_grad.requested.value} is not honoured: "
+              f"{checked.zero_grad.reason}", file=sys.stderr, flush=True)  # fmt: skip
     os.makedirs(output_dir, exist_ok=True)
     if is_writer and lock is None:
         lock = hold_run_dir(output_dir)

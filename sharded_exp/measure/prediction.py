@@ -98,6 +98,36 @@ def _compile_note(cfg) -> str:
     return "trainer.compile: the units are faked eager (inductor's fusions can only lower the peak)"
 
 
+def peaks_of_ranks(phases, states: list[dict[str, float]], rank: int) -> list[float]:
+    """Every rank's peak from the faked ``rank``'s: ``phases`` holds its (peak, breakdown)
+    in each phase of the step, ``states`` every rank's model states. Another rank's peak is
+    lower by its smaller states (OSS's uneven shards), in the proportion the faked peak
+    holds them: inside an optimizer step the step's own temporaries are as large as the
+    states (Adam's sqrt of exp_avg_sq), so there a smaller shard is worth twice its states;
+    mid-backward only the grads made so far count. A rank with a much smaller shard may
+    peak in the other phase (forward/backward rather than its optimizer step): each phase's
+    peak is lowered so, and the larger one is its peak."""
+    mine = states[rank]
+    return [
+        max(
+            peak - sum(p[k] * (1 - other[k] / mine[k]) for k in ("params", "grads", "optimizer") if mine[k])
+            for peak, p in phases
+        )
+        for other in states
+    ]
+
+
+def _zero_grad_note(cfg) -> str:
+    """What the fake step counts of trainer.zero_grad (it clears gradients by the rule the
+    strategy applies, as the run does)."""
+    from sharded_exp.config import ZeroGrad
+
+    rule = STRATEGIES.builder(cfg.strategy.name).zero_grad_rule(ZeroGrad(cfg.trainer.zero_grad))
+    if rule.reason:
+        return f"trainer.zero_grad={rule.requested.value} not honoured, faked as {rule.applied.value}: {rule.reason}"
+    return ""
+
+
 def predict_peak(
     cfg, world_size: int, device_type: str, prediction: dict[str, Any], shapes: ModelShapes, flops: bool = True
 ) -> dict[str, Any]:
@@ -139,20 +169,11 @@ def predict_peak(
         return parts
 
     parts = resident(est.breakdown_mib)
-    # Another rank's peak is lower by its smaller states (OSS's uneven shards), in the
-    # proportion the faked peak holds them: inside an optimizer step the step's own
-    # temporaries are as large as the states (Adam's sqrt of exp_avg_sq), so there a
-    # smaller shard is worth twice its states; mid-backward only the grads made so far count.
-    # A rank with a much smaller shard may peak in the other phase (forward/backward rather
-    # than its optimizer step): each phase's peak is lowered so, and the larger one is its peak.
+    # Another rank's peak: the faked one's, lowered by its smaller states (peaks_of_ranks).
     phases = (est.extra or {}).get("phases") or {"all": (est.peak_mib, est.breakdown_mib)}
-    per_rank = [
-        max(
-            peak - sum(p[k] * (1 - other[k] / mine[k]) for k in ("params", "grads", "optimizer") if mine[k])
-            for peak, p in ((peak, resident(p)) for peak, p in phases.values())
-        )
-        for other in prediction["model_states_mib"]
-    ]
+    per_rank = peaks_of_ranks(
+        [(peak, resident(p)) for peak, p in phases.values()], prediction["model_states_mib"], rank
+    )
     # What no fake tensor holds, by rule (named in ``rules``): on CUDA, cuBLAS's workspace.
     workspace, rules = 0.0, {}
     if device_type == "cuda":
@@ -187,7 +208,7 @@ def predict_peak(
         "phases_mib": phases_mib,
         "flops_per_step": est.flops_per_step,
         "method": est.method,
-        "note": "; ".join(n for n in (est.note, _compile_note(cfg)) if n),
+        "note": "; ".join(n for n in (est.note, _compile_note(cfg), _zero_grad_note(cfg)) if n),
         "seconds": est.seconds,
         "kernels": f"{device_type}: fake tensors on the CPU device"
         + (", with CUDA's kernel choices (fused attention, foreach optimizer)" if device_type == "cuda" else ""),

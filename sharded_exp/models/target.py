@@ -19,6 +19,13 @@ The contract (the Hugging Face convention, which our MLP and GPT follow too): th
 called with the data task's batch keys as keyword arguments and returns an object or a
 dict with ``loss`` (and ``logits`` for the training metrics).
 
+``model.attn_implementation`` (a Hugging Face class only): the attention kernel Hugging Face
+runs, ``eager`` (its matmul-softmax-matmul, which keeps the attention probabilities for the
+backward: what every model ran before PyTorch had SDPA) or ``sdpa``
+(``torch.nn.functional.scaled_dot_product_attention``); null leaves Hugging Face's default
+(sdpa where the class supports it). It is set on the config the model is built from, also
+for ``model.pretrained``.
+
 ``model.pretrained=DIR`` (a Hugging Face class only): the architecture is the directory's
 ``config.json`` (``model.config`` is then ignored) and the ranks load its weights
 (:mod:`sharded_exp.train.build`); the directory is one ``save_pretrained`` wrote. Nothing
@@ -32,6 +39,11 @@ import inspect
 from torch import nn
 
 from sharded_exp.errors import ConfigError, missing_packages
+
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
+"""``model.attn_implementation`` values (null: Hugging Face's default). Hugging Face knows
+others (flash_attention_2, flex_attention, ...): they need CUDA or packages beyond ours, and
+the memory prediction fakes the step on CPU."""
 
 
 def is_target_model(cfg) -> bool:
@@ -62,13 +74,18 @@ def build_target_model(cfg, weights: bool = False) -> nn.Module:
     if missing:
         hint = " (pip install -e '.[hf]')" if package == "transformers" else ""
         raise ConfigError(f"model={data.get('name')} needs the package {package}, which is not installed here{hint}")
+    attention = data.get("attn_implementation")
     try:
         if data.get("pretrained"):
             module = _pretrained_model(data, weights)
         elif isinstance(data.get("config"), dict) and "_target_" in data["config"]:
-            module = get_class(target)(config=instantiate(data["config"]))
+            module = get_class(target)(config=_with_attention(instantiate(data["config"]), attention))
         else:
-            module = instantiate({k: v for k, v in data.items() if k not in ("name", "pretrained")})
+            if attention is not None:
+                check_attn_implementation(data)  # refused for a factory (the parent said so already)
+            module = instantiate(
+                {k: v for k, v in data.items() if k not in ("name", "pretrained", "attn_implementation")}
+            )
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 -- a user's factory: name it and what it said
@@ -77,6 +94,43 @@ def build_target_model(cfg, weights: bool = False) -> nn.Module:
         got = "None (does it return the model?)" if module is None else f"a {type(module).__name__}"
         raise ConfigError(f"model={data.get('name')}: model._target_={target} returned {got}, not a torch.nn.Module")
     return module
+
+
+def _with_attention(config, attention: str | None):
+    """The Hugging Face ``config`` with ``model.attn_implementation`` set (None: untouched,
+    Hugging Face then picks its default when the model is built)."""
+    if attention is not None:
+        config._attn_implementation = attention
+    return config
+
+
+def check_attn_implementation(model_cfg) -> None:
+    """``model.attn_implementation`` must be null or one of :data:`ATTN_IMPLEMENTATIONS`, on a
+    Hugging Face model class that has that kernel: checked before any rank starts."""
+    from hydra.utils import get_class
+
+    value = model_cfg.get("attn_implementation")
+    if value is None:
+        return
+    allowed = f"null (Hugging Face's default), {', '.join(ATTN_IMPLEMENTATIONS)}"
+    if value not in ATTN_IMPLEMENTATIONS:
+        raise ConfigError(f"model.attn_implementation={value!r} is not one of {allowed}")
+    target = model_cfg.get("_target_")
+    try:
+        cls = get_class(target)
+    except Exception:  # noqa: BLE001 -- not a class: a factory function, or nothing
+        cls = None
+    # a transformers PreTrainedModel (each has the flag) or an AutoModel class (from_config)
+    if not (hasattr(cls, "_supports_sdpa") or hasattr(cls, "from_config")):
+        raise ConfigError(
+            f"model.attn_implementation={value} chooses a Hugging Face model's attention kernel; model._target_="
+            f"{target} is no Hugging Face model class (a transformers PreTrainedModel): leave it null"
+        )
+    if value == "sdpa" and getattr(cls, "_supports_sdpa", True) is False:
+        raise ConfigError(
+            f"model.attn_implementation=sdpa: {cls.__name__} has no SDPA attention in this transformers; "
+            "use eager, or null (Hugging Face's default)"
+        )
 
 
 WEIGHT_FILES = (
@@ -177,9 +231,11 @@ def _pretrained_model(data: dict, weights: bool) -> nn.Module:
         from transformers.utils import logging
 
         logging.disable_progress_bar()  # one bar per rank, for a load of a second or two
+        attention = data.get("attn_implementation")
+        chosen = {} if attention is None else {"attn_implementation": attention}
         # float32 master weights, as every other model here (a half-precision file is upcast)
-        return cls.from_pretrained(data["pretrained"], local_files_only=True, dtype=torch.float32)
-    config = pretrained_config(data)
+        return cls.from_pretrained(data["pretrained"], local_files_only=True, dtype=torch.float32, **chosen)
+    config = _with_attention(pretrained_config(data), data.get("attn_implementation"))
     return cls.from_config(config) if not hasattr(cls, "config_class") else cls(config)
 
 

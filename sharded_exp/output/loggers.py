@@ -152,7 +152,7 @@ def summary_values(result: dict[str, Any], strategy: str) -> dict[str, Any]:
 
 
 def memory_values(memory: dict[str, Any]) -> dict[str, float]:
-    """Per-rank and max-over-ranks memory, as ``mem/...`` keys."""
+    """Per-rank, max-over-ranks and mean-over-ranks memory, as ``mem/...`` keys."""
     out = {}
     for entry in memory["per_rank"]:
         prefix = f"mem/rank{entry['rank']}"
@@ -168,8 +168,13 @@ def memory_values(memory: dict[str, Any]) -> dict[str, float]:
 
     peaks = [e["peak_allocated_mib"] for e in memory["per_rank"] if e.get("peak_allocated_mib") is not None]
     out.update(across_ranks("peak_allocated_mib", peaks))
-    keys = ("peak_allocated_mib_max", "model_states_mib_max", "predicted_model_states_mib_max")
-    for key in keys + ("predicted_peak_mib_max", "peak_rel_error_max"):
+    keys = (
+        "peak_allocated_mib_max",
+        "peak_allocated_mib_mean",
+        "model_states_mib_max",
+        "predicted_model_states_mib_max",
+    )
+    for key in keys + ("predicted_peak_mib_max", "predicted_peak_mib_mean", "peak_rel_error_max"):
         if memory.get(key) is not None:
             out[f"mem/{key}"] = memory[key]
     return out

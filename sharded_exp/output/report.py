@@ -25,9 +25,10 @@ from sharded_exp.output.loggers import init_wandb_run
 from sharded_exp.output.workspace import sweep_logger
 
 COLUMNS = [
-    "strategy", "world_size", "precision", "model", "params", "peak_allocated_mib_max", "predicted_peak_mib_max",
-    "peak_rel_error_max", "model_states_mib_max", "predicted_model_states_mib_max", "memory_limit_mib",
-    "peak_saving_pct", "states_saving_pct", "samples_per_s", "speed_vs_baseline", "mfu_pct", "final_loss",
+    "strategy", "world_size", "precision", "model", "params", "peak_allocated_mib_max", "peak_allocated_mib_mean",
+    "predicted_peak_mib_max", "predicted_peak_mib_mean", "peak_rel_error_max", "model_states_mib_max",
+    "predicted_model_states_mib_max", "memory_limit_mib", "peak_saving_pct", "peak_mean_saving_pct",
+    "states_saving_pct", "samples_per_s", "speed_vs_baseline", "mfu_pct", "final_loss",
     "eval/accuracy", "eval/f1", "eval/perplexity", "parity_vs_baseline", "status", "first_nonfinite_step", "error",
     "oom_breakdown",
 ]  # fmt: skip
@@ -35,7 +36,7 @@ COLUMNS = [
 ``baseline`` comes last)."""
 COMPACT = {
     "strategy": "strategy", "world_size": "world_size", "precision": "precision", "peak_allocated_mib_max": "peak_MiB",
-    "predicted_peak_mib_max": "pred_peak_MiB", "peak_saving_pct": "peak_saving_pct", "samples_per_s": "samples/s",
+    "peak_allocated_mib_mean": "peak_mean_MiB", "predicted_peak_mib_max": "pred_peak_MiB", "peak_saving_pct": "peak_saving_pct", "samples_per_s": "samples/s",
     "speed_vs_baseline": "speed_vs_baseline", "status": "status", "baseline_short": "baseline",
 }  # fmt: skip
 """The table a reader reads first: column -> header (the end-of-run table's abbreviations)."""
@@ -117,6 +118,15 @@ def oom_summary(breakdown: dict[str, Any] | None) -> str | None:
     return "; ".join(parts)
 
 
+def _mean_over_ranks(mem: dict[str, Any], key: str) -> float | None:
+    """``memory.<key>_mean``, or for a result.json written before it existed, the average of
+    the ranks' ``<key>`` (None unless every rank has one)."""
+    if f"{key}_mean" in mem:
+        return mem[f"{key}_mean"]
+    values = [e.get(key) for e in mem.get("per_rank") or []]
+    return sum(values) / len(values) if values and all(v is not None for v in values) else None
+
+
 def _row(r: dict[str, Any]) -> dict[str, Any]:
     mem = r.get("memory") or {}
     tp = r.get("throughput") or {}
@@ -127,6 +137,8 @@ def _row(r: dict[str, Any]) -> dict[str, Any]:
         "model": r.get("model", "?"),
         "params": r.get("params"),
         "peak_allocated_mib_max": mem.get("peak_allocated_mib_max"),
+        "peak_allocated_mib_mean": _mean_over_ranks(mem, "peak_allocated_mib"),
+        "predicted_peak_mib_mean": _mean_over_ranks(mem, "predicted_peak_mib"),
         "model_states_mib_max": mem.get("model_states_mib_max"),
         "predicted_model_states_mib_max": mem.get("predicted_model_states_mib_max"),
         "predicted_peak_mib_max": mem.get("predicted_peak_mib_max"),
@@ -244,7 +256,8 @@ def build_rows(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _compare(row: dict[str, Any], base: dict[str, Any] | None) -> None:
     """Savings, speed and parity only between points that trained to a finite end."""
-    for col, metric in (("peak_saving_pct", "peak_allocated_mib_max"), ("states_saving_pct", "model_states_mib_max")):
+    for col, metric in (("peak_saving_pct", "peak_allocated_mib_max"), ("peak_mean_saving_pct", "peak_allocated_mib_mean"),
+                        ("states_saving_pct", "model_states_mib_max")):  # fmt: skip
         ok = base and row[metric] is not None and base[metric]
         row[col] = 100 * (1 - row[metric] / base[metric]) if ok else None
     ok = base and row["samples_per_s"] and base["samples_per_s"]
@@ -540,7 +553,9 @@ def log_to_wandb(rows: list[dict[str, Any]], points: list[dict[str, Any]], image
 
 
 BASELINE_RULE = (
-    "Memory in MiB per rank (the largest over ranks); `peak_saving_pct` and `speed_vs_baseline` compare each row "
+    "Memory in MiB per rank: the largest over ranks (`peak_MiB`, what must fit) and the average over ranks "
+    "(`peak_mean_MiB`, the figure the seed study reported); `peak_saving_pct` (of the largest; "
+    "`peak_mean_saving_pct`: of the average) and `speed_vs_baseline` compare each row "
     "with its `baseline`: the DDP point whose settings differ only in the strategy, or, where DDP did not run to "
     "the end, the least sharded point that fits at the same settings (in the order "
     + ", ".join(ORDER)

@@ -155,6 +155,7 @@ def summary_table(result: dict[str, Any]) -> str:
         "samples/s",
         "step_ms",
         "peak_MiB",
+        "peak_mean_MiB",
         "pred_peak_MiB",
         "states_MiB",
         "pred_states_MiB",
@@ -172,6 +173,7 @@ def summary_table(result: dict[str, Any]) -> str:
         f"{tp['samples_per_s']:.1f}" if tp else "-",
         f"{1000 * tp['step_time_s_median']:.1f}" if tp else "-",
         mib("peak_allocated_mib_max"),
+        mib("peak_allocated_mib_mean"),
         mib("predicted_peak_mib_max"),
         mib("model_states_mib_max"),
         mib("predicted_model_states_mib_max"),
@@ -206,6 +208,7 @@ def predicted_section(prediction: dict[str, Any], limit_applies_to: str | None =
         "predicted_model_states_mib_max": max(sum(p.values()) for p in prediction["model_states_mib"]),
         "predicted_transient_params_mib": prediction["transient_params_mib"],
         "predicted_peak_mib_max": max(peaks) if peaks else None,
+        "predicted_peak_mib_mean": sum(peaks) / len(peaks) if peaks else None,
         "peak_prediction": _peak_summary(prediction.get("peak")),
         "memory_limit_applies_to": limit_applies_to,
     }
@@ -229,6 +232,10 @@ def memory_section(
         values = [r[key] for r in per_rank if r.get(key) is not None]
         return max(values) if values else None
 
+    def average(key):  # over every rank, or None when a rank has no figure
+        values = [r.get(key) for r in per_rank]
+        return sum(values) / len(values) if values and all(v is not None for v in values) else None
+
     # Gathered (unsharded) parameters on top of the resident ones, e.g. FSDP's units.
     measured_transient = [
         r["peak_breakdown_mib"]["Parameter"] - r["model_states_mib"]["params"]
@@ -241,6 +248,9 @@ def memory_section(
         "memory_limit_applies_to": limit_applies_to,
         "per_rank": per_rank,
         "peak_allocated_mib_max": largest("peak_allocated_mib"),
+        # the average over ranks: what the seed study reported (a shard-sized rank and one that
+        # holds a whole embedding average out; the maximum is what must fit)
+        "peak_allocated_mib_mean": average("peak_allocated_mib"),
         # Why a rank's peak is null: its tracker could not measure (the run went on).
         "peak_error": next((f"rank {r['rank']}: {r['peak_error']}" for r in per_rank if r.get("peak_error")), None),
         "peak_rss_mib_max": largest("peak_rss_mib"),
@@ -250,6 +260,7 @@ def memory_section(
         "predicted_transient_params_mib": prediction["transient_params_mib"],
         "transient_params_mib_max": max(measured_transient) if measured_transient else None,
         "predicted_peak_mib_max": max(p for p in peaks) if all(p is not None for p in peaks) else None,
+        "predicted_peak_mib_mean": average("predicted_peak_mib"),
         "peak_rel_error_max": max(
             (r["peak_rel_error"] for r in per_rank if r["peak_rel_error"] is not None), key=abs, default=None
         ),

@@ -15,8 +15,15 @@ from sharded_exp.registry import Registry
 STRATEGIES = Registry("strategy")
 
 
-def build_strategy(cfg, module, optim_spec, precision_cfg, device):
-    return STRATEGIES.builder(cfg.name).build(cfg, module, optim_spec, precision_cfg, device)
+def build_strategy(cfg, module, optim_spec, precision_cfg, device, zero_grad=None):
+    """The strategy ``cfg`` names, built over ``module``, clearing gradients by the rule it
+    applies for ``zero_grad`` (``trainer.zero_grad``, a ZeroGrad; None: free)."""
+    from sharded_exp.config import ZeroGrad
+
+    cls = STRATEGIES.builder(cfg.name)
+    strategy = cls.build(cfg, module, optim_spec, precision_cfg, device)
+    strategy.grad_zeroing = cls.zero_grad_rule(ZeroGrad.free if zero_grad is None else zero_grad)
+    return strategy
 
 
 for _info in pkgutil.iter_modules(__path__):

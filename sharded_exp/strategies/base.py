@@ -18,7 +18,27 @@ import torch
 from torch import nn
 
 from sharded_exp import precision
+from sharded_exp.config import ZeroGrad
 from sharded_exp.measure.memory_model import greedy_partition
+
+
+@dataclass(frozen=True)
+class GradZeroing:
+    """How a strategy clears gradients at the start of each step: the rule
+    ``trainer.zero_grad`` asked for, the rule the strategy applies, and why they differ."""
+
+    requested: ZeroGrad
+    applied: ZeroGrad
+    reason: str = ""
+    """Empty when ``applied`` is ``requested``."""
+
+    @property
+    def set_to_none(self) -> bool:
+        return self.applied is ZeroGrad.free
+
+    def record(self) -> dict[str, Any]:
+        """result.json's ``zero_grad``."""
+        return {"requested": self.requested.value, "applied": self.applied.value, "reason": self.reason or None}
 
 
 @dataclass
@@ -58,6 +78,14 @@ class Strategy:
     """False when the gradients a rank keeps change regime as the model grows (ShardedDDP's
     reduce buckets): the planner then fakes a deep model whole instead of drawing its
     peak from a few blocks (sharded_exp.plan)."""
+    zero_grad_fixed: ZeroGrad | None = None
+    """The one rule by which this strategy clears gradients, whatever ``trainer.zero_grad``
+    asks (ShardedDDP: zeros in place), with its reason in ``zero_grad_fixed_reason``; None:
+    it follows ``trainer.zero_grad``."""
+    zero_grad_fixed_reason = ""
+    grad_zeroing = GradZeroing(ZeroGrad.free, ZeroGrad.free)
+    """The rule this instance applies (:meth:`zero_grad_rule`, set by
+    :func:`sharded_exp.strategies.build_strategy`); free unless told otherwise."""
 
     def __init__(self, model: nn.Module, module: nn.Module, optimizer: torch.optim.Optimizer, precision_cfg, device):
         self.model = model
@@ -75,10 +103,18 @@ class Strategy:
         """Wrap ``module`` (on ``device``) and build the optimizer from ``optim_spec``."""
         raise NotImplementedError
 
+    @classmethod
+    def zero_grad_rule(cls, requested: ZeroGrad) -> GradZeroing:
+        """The rule this strategy applies when ``trainer.zero_grad`` asks for ``requested``."""
+        if cls.zero_grad_fixed is None or cls.zero_grad_fixed is requested:
+            return GradZeroing(requested, requested)
+        return GradZeroing(requested, cls.zero_grad_fixed, cls.zero_grad_fixed_reason)
+
     # --------------------------------------------------------------------- run time
     def zero_grad(self) -> None:
-        # set_to_none frees gradient memory between steps; safe for torch DDP.
-        self.optimizer.zero_grad(set_to_none=True)
+        # free (set_to_none) releases gradient memory until the backward; zeros keeps it
+        # allocated through the forward. Either is exact under torch DDP.
+        self.optimizer.zero_grad(set_to_none=self.grad_zeroing.set_to_none)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Context for micro-batches that accumulate gradients without communicating."""

@@ -9,8 +9,10 @@ Warning:
     gradients with ``set_to_none=True`` -- what ``optimizer.zero_grad()`` does by default
     since torch 2.0 -- makes ShardedDataParallel compute wrong gradients from the second
     step on, silently. This strategy therefore zeroes gradients in place through
-    ``ShardedDataParallel.zero_grad``, which also clears its buckets; the parity test
-    against DDP (tests/test_parity.py) fails if that is changed.
+    ``ShardedDataParallel.zero_grad``, which also clears its buckets, whatever
+    ``trainer.zero_grad`` asks: ``free`` is not honoured here, and result.json's
+    ``zero_grad`` says so (requested free, applied zeros, and why). The parity test against
+    DDP (tests/test_parity.py) fails if that is changed.
 
 Warning:
     fairscale is unmaintained (last release 0.4.13, Dec 2022).
@@ -19,6 +21,7 @@ Warning:
 import math
 from dataclasses import dataclass
 
+from sharded_exp.config import ZeroGrad
 from sharded_exp.measure.tracker import communication_buffers
 from sharded_exp.strategies import STRATEGIES
 from sharded_exp.strategies.base import StrategyConfig
@@ -76,6 +79,11 @@ def resident_grad_numel(reduce_buffer_size, numels, owners, rank, world_size) ->
 class ShardedDDP(OSS):
     Config = ShardedDDPConfig
     grads_linear_in_depth = False  # parameters fill the reduce buckets until one is full
+    zero_grad_fixed = ZeroGrad.zeros
+    zero_grad_fixed_reason = (
+        "sharded_ddp zeroes gradients in place: fairscale ShardedDataParallel computes wrong gradients "
+        "from the second step on when they are freed (set_to_none=True)"
+    )
 
     @classmethod
     def build(cls, cfg, module, optim_spec, precision_cfg, device):

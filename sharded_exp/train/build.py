@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from sharded_exp import precision
+from sharded_exp.config import ZeroGrad
 from sharded_exp.data import Task, build_task
 from sharded_exp.models import build_model, units
 from sharded_exp.optim import optimizer_spec
@@ -335,6 +336,7 @@ def build_run(
     model that cannot be built under FakeTensorMode directly). The trainer's levers
     (activation checkpointing, compile: :mod:`sharded_exp.train.levers`) are applied to
     the model's units before it is wrapped; ``compile=False`` leaves the units eager.
+    Gradients are cleared by the strategy's rule for ``trainer.zero_grad`` (``Strategy.zero_grad_rule``).
 
     ``weights=False``: shapes only (the fake step), ``model.pretrained``'s config without
     its weights. How the model is made is :func:`build_rule`'s (the module docstring).
@@ -377,7 +379,8 @@ def build_run(
         if host != device:
             module.to(device)
     spec = optimizer_spec(cfg.optimizer, module, device=device)
-    strategy = build_strategy(cfg.strategy, module, spec, cfg.precision, device)
+    # trainer.zero_grad: a string in a rank's plain config, the enum in a composed one
+    strategy = build_strategy(cfg.strategy, module, spec, cfg.precision, device, ZeroGrad(tc.zero_grad))
     if rule == "units" and shards:
         materialise_shards(module, device, offload)
         initialise_by_unit(module, tc.seed, host)
