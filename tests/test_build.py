@@ -83,8 +83,8 @@ def test_sharded_build_holds_its_shards_and_one_unit(tmp_path):
     """2 ranks of fsdp: each rank's measured build peak is its shard of every parameter
     plus one whole unit (the largest), far below the whole model; the fake step predicts
     it; and the training peak starts after it."""
-    from sharded_exp.models import units
     from sharded_exp.measure.prediction import meta_model
+    from sharded_exp.models import units
 
     result = run_job(["strategy=fsdp", *DEEP, *TWO_STEPS], tmp_path)
     assert result["status"] == "ok", result["error"]
