@@ -215,3 +215,32 @@ def test_gpt_7b_fsdp_plan_falls_with_world_size_and_never_holds_the_model():
     assert peaks[0] > peaks[1] > peaks[2]
     assert all(r["gathered_gib"] < 2 for r in rows)
     assert math.isclose(rows[-1]["params_gib"] * 64, rows[0]["params_gib"] * 8, rel_tol=1e-3)
+
+
+# -------------------------------------------------- every rank, against a gloo run
+BUCKETS = {"ddp": ["strategy.bucket_cap_mb=0.5"], "oss": ["strategy.bucket_cap_mb=0.5"],
+           "zero1": ["strategy.bucket_cap_mb=0.5"], "sharded_ddp": ["strategy.reduce_buffer_size=65536"],
+           "fsdp": [], "fsdp_grad_op": []}  # fmt: skip
+"""Several buckets each (a 0.8 M-parameter model: about six DDP buckets of 0.5 MB)."""
+BUCKETED = ["model=gpt", "model.d_model=128", "model.n_heads=4", "model.n_layers=4", "model.seq_len=16",
+            "model.vocab_size=64", "trainer.batch_size=4", *TWO_STEPS]  # fmt: skip
+
+
+def _every_rank_within_5_percent(strategy: str, world_size: int, tmp_path) -> None:
+    overrides = [f"strategy={strategy}", *BUCKETS[strategy], f"trainer.world_size={world_size}", *BUCKETED]
+    result = run_job(overrides, tmp_path)
+    assert result["status"] == "ok", result["error"]
+    for entry in result["memory"]["per_rank"]:
+        predicted, measured = entry["predicted_peak_mib"], entry["peak_allocated_mib"]
+        assert abs(predicted - measured) <= 0.05 * measured, (entry["rank"], predicted, measured)
+
+
+def test_sharded_ddp_every_rank_within_5_percent_at_3_ranks(tmp_path):
+    _every_rank_within_5_percent("sharded_ddp", 3, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("strategy", list(BUCKETS))
+def test_every_rank_within_5_percent_of_a_gloo_run(strategy, world_size, tmp_path):
+    _every_rank_within_5_percent(strategy, world_size, tmp_path)
