@@ -107,10 +107,10 @@ def test_sharded_build_holds_its_shards_and_one_unit(tmp_path):
 
 @pytest.mark.slow
 def test_fsdp_at_8_ranks_trains_under_a_budget_the_whole_model_exceeds(tmp_path):
-    """8 ranks of fsdp, an 8-block model whose fp32 parameters alone are over the budget:
+    """8 ranks of fsdp, a 16-block model whose fp32 parameters alone are over the budget:
     the build and the training fit (the budget covers the build), and the result equals
     DDP's at the same settings without the budget."""
-    deep = [*DEEP, "model.d_model=256", "trainer.world_size=8", "trainer.steps=4"]
+    deep = [*DEEP, "model.d_model=256", "model.n_layers=16", "trainer.world_size=8", "trainer.steps=4"]
     whole_mib = run_job(["trainer.steps=1", *deep[:-1], "trainer.world_size=1", "trainer.warmup_steps=0"],
                         tmp_path / "count")["params"] * 4 / MIB  # fmt: skip
     budget = 0.8 * whole_mib
