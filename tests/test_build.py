@@ -138,7 +138,10 @@ def test_the_budget_covers_the_build(tmp_path):
 SHARDED = [("fsdp", []), ("fsdp_grad_op", []), ("hsdp", ["strategy=fsdp", "strategy.replicate=2"]), ("zero1", [])]
 
 
-@pytest.mark.parametrize("label, extra", SHARDED, ids=[s for s, _ in SHARDED])
+@pytest.mark.parametrize(
+    "label, extra",
+    [pytest.param(s, e, id=s, marks=() if s == "fsdp" else pytest.mark.slow) for s, e in SHARDED],
+)  # fsdp in the default tier, the rest with the slow one
 def test_predicted_peak_per_rank_does_not_rise_with_world_size(label, extra):
     """At a fixed per-rank batch, where every state shards (or the optimizer's alone), one
     more rank never costs a rank more memory (1 to 64 ranks; HSDP from 2)."""
@@ -206,6 +209,7 @@ def test_sharded_ddp_fake_step_frees_the_gradients_a_rank_does_not_own():
     assert row["grads_gib"] <= own * 1.05 + 1e-4 < 0.5 * everything
 
 
+@pytest.mark.slow
 def test_gpt_7b_fsdp_plan_falls_with_world_size_and_never_holds_the_model():
     """The planner's own check at scale (CUDA kernels, bf16, 1 sample): 7B GPT under fsdp
     from 8 to 64 ranks, drawn by depth; nothing gathered beyond one unit and the root."""
