@@ -99,7 +99,10 @@ def test_sharded_build_holds_its_shards_and_one_unit(tmp_path):
     for entry in mem["per_rank"]:
         shard = entry["model_states_mib"]["params"]
         expected = shard + max(unit_mib, root_mib)
-        assert entry["build_peak_mib"] == pytest.approx(expected, rel=0.02), (entry["rank"], entry["build_breakdown_mib"])
+        assert entry["build_peak_mib"] == pytest.approx(expected, rel=0.02), (
+            entry["rank"],
+            entry["build_breakdown_mib"],
+        )
         assert entry["build_peak_mib"] < 0.75 * whole_mib
     assert mem["predicted_build_peak_mib"] == pytest.approx(mem["build_peak_mib_max"], rel=0.02)
     assert mem["peak_allocated_mib_max"] > mem["build_peak_mib_max"]
@@ -188,7 +191,10 @@ def test_communication_buckets_are_their_own_category():
     # one reduce bucket per destination rank, all made at once before each shrinks to its fill
     assert 0 < rows["sharded_ddp"]["buckets_gib"] <= (4 + 1) * params_gib
     assert rows["fsdp"]["buckets_gib"] == 0
-    raw = {r["strategy"]: r for r in plan_rows("plan.params=1e9", world_sizes=[8], strategies=["ddp", "sharded_ddp", "fsdp"])}
+    raw = {
+        r["strategy"]: r
+        for r in plan_rows("plan.params=1e9", world_sizes=[8], strategies=["ddp", "sharded_ddp", "fsdp"])
+    }
     assert raw["ddp"]["buckets_gib"] == pytest.approx(raw["ddp"]["params_gib"], rel=1e-6)
     assert raw["fsdp"]["buckets_gib"] == 0
 

@@ -365,7 +365,9 @@ def fake_step(
             note = f"{cfg.strategy.name}'s clipping branches {why}: step faked without it"
             seconds = time.perf_counter() - t0
             method = "fake step without clipping"
-            return StepEstimate(rank, peak, parts, count, method, note, seconds, extra={"phases": phases, "build": build})
+            return StepEstimate(
+                rank, peak, parts, count, method, note, seconds, extra={"phases": phases, "build": build}
+            )
         except Exception as exc:  # noqa: BLE001
             first = first or exc
     if cfg.strategy.name == "ddp" or states_mib is None:

@@ -190,11 +190,15 @@ def peak_tracker(limit_mib: float | None = None):
                 if winfo.reftype in loose:
                     old, winfo.reftype = winfo.reftype, _Bucket.BUCKET
                     self._update_snap(mem_tracker._UpdateType.REF, winfo, old_reftype=old)
+            self.restart_peak()
+            return found
+
+        def restart_peak(self) -> None:
+            """The peak starts afresh from what is live now."""
             current = self.get_tracker_snapshot("current")
-            self._peak_mem_snap = {dev: dict(snap) for dev, snap in current.items()}
+            self._peak_mem_snap = current
             self._peak_mem = {dev: snap.get(mem_tracker._TOTAL_KEY, 0) for dev, snap in current.items()}
             self.phase_peaks.clear()
-            return found
 
         def _update_and_maybe_create_winfos(self, t, reftype, update_existing: bool = False):
             # A gradient that is a view into a communication bucket (ShardedDDP's; DDP's with
@@ -495,10 +499,7 @@ class MemoryMeter:
         allocator's counters are reset once model and optimizer are ready."""
         tracker = self._tracker
         if tracker is not None and tracker.failure is None:
-            current = tracker.get_tracker_snapshot("current")
-            tracker._peak_mem_snap = current
-            tracker._peak_mem = {dev: snap.get("Total", 0) for dev, snap in current.items()}
-            tracker.phase_peaks.clear()
+            tracker.restart_peak()
 
     def _over_limit(self, tracker, step: int | None, when: str | None = None) -> dict[str, Any]:
         """result.json's ``memory.oom_breakdown`` from ``tracker``'s record of the moment the

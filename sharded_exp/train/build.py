@@ -123,11 +123,16 @@ def init_groups(module: nn.Module) -> list[list[nn.Module]]:
     return groups
 
 
+def _hf_rule(root: nn.Module) -> bool:
+    """True when ``root`` initialises module by module through its ``_init_weights`` (a
+    Hugging Face model: its own rule for every module, including those torch cannot reset)."""
+    return callable(getattr(root, "_init_weights", None)) and hasattr(root, "config")
+
+
 def _init_module(root: nn.Module, mod: nn.Module) -> None:
     """``mod``'s own parameters and buffers as its model initialises them."""
-    init = getattr(root, "_init_weights", None)
-    if init is not None and hasattr(root, "config"):  # Hugging Face: the model's own rule per module
-        init(mod)
+    if _hf_rule(root):
+        root._init_weights(mod)
         return
     reset = getattr(mod, "reset_parameters", None) or getattr(mod, "_reset_parameters", None)
     if reset is not None and (next(mod.parameters(recurse=False), None) is not None or mod._buffers):
@@ -147,7 +152,7 @@ def check_initialisable(module: nn.Module) -> None:
     device, it would keep uninitialised memory."""
     from sharded_exp.errors import ConfigError
 
-    if hasattr(module, "_init_weights") and hasattr(module, "config"):
+    if _hf_rule(module):
         return
     for name, mod in module.named_modules():
         if next(mod.parameters(recurse=False), None) is None:
@@ -173,7 +178,9 @@ def materialise(module: nn.Module, device: torch.device) -> None:
                 if param is None or isinstance(param, DTensor) or not param.is_meta:
                     continue
                 if id(param) not in fresh:
-                    fresh[id(param)] = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                    fresh[id(param)] = nn.Parameter(
+                        torch.empty_like(param, device=device), requires_grad=param.requires_grad
+                    )
                 mod._parameters[name] = fresh[id(param)]
             for name, buffer in mod._buffers.items():
                 if buffer is not None and buffer.device != device:
@@ -292,15 +299,7 @@ def load_sharded_from_rank0(module: nn.Module, model_cfg, device: torch.device, 
 
     rank0 = dist.get_rank() == 0
     full = build_model(model_cfg, weights=True) if rank0 else None
-    # FSDP's CPU offload keeps the sharded parameters in host memory (it refuses them on the GPU).
-    home = torch.device("cpu") if offload else device
-    keep_plain_parameters(module, home)
-    _tied_to_empty(module, home)  # FSDP2's sharded parameters keep their objects: the optimizer holds them
-    if home != device:  # buffers are not offloaded: the forward reads them on the GPU
-        for mod in module.modules():
-            for name, buffer in mod._buffers.items():
-                if buffer is not None:
-                    mod._buffers[name] = buffer.to(device)
+    materialise_shards(module, device, offload)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(module, full.state_dict() if rank0 else {}, options=options)
     loaded = dict(full.named_buffers()) if rank0 else {}
@@ -350,20 +349,18 @@ def build_run(
     offload = bool(cfg.strategy.get("cpu_offload"))
     # Real meta tensors even inside a fake step: a skeleton costs nothing, and buffers keep
     # their values (a fake step then moves them onto its fake device).
+    sharded_load = rule == "pretrained" and shards
     if rule == "units":
         with unset_fake_temporarily(), torch.device("cpu"), parameters_on_meta():
             module = build_model(cfg.model, tc.freeze)
         check_initialisable(module)
-    elif rule == "pretrained" and shards:
+    elif sharded_load or meta_first:
         with unset_fake_temporarily(), torch.device("meta"):
             module = build_model(cfg.model, tc.freeze)
-    elif meta_first:
-        with unset_fake_temporarily(), torch.device("meta"):
-            module = build_model(cfg.model, tc.freeze)
-        module = _tied_to_empty(module, device)
+        if not sharded_load:
+            module = _tied_to_empty(module, device)
     else:
         module = build_model(cfg.model, tc.freeze, weights=rule == "pretrained")
-    if rule in ("whole", "pretrained") and not (rule == "pretrained" and shards) and not meta_first:
         if any(t.device != device for t in (*module.parameters(), *module.buffers())):
             module = module.to(device)  # (a fake step builds on its fake device already)
     task = build_task(cfg.data, cfg.model, tc.batch_size) if with_task else None
@@ -372,7 +369,7 @@ def build_run(
         before_wrap(module)
     # Drawn in host memory whatever the device (a unit at a time under FSDP): the initial
     # weights do not depend on the device a run trains on.
-    host = torch.device("cpu") if device.type != "meta" else device
+    host = torch.device("cpu")
     if rule == "units" and not shards:
         materialise(module, host)
         initialise_by_unit(module, tc.seed, host)
@@ -384,7 +381,7 @@ def build_run(
     if rule == "units" and shards:
         materialise_shards(module, device, offload)
         initialise_by_unit(module, tc.seed, host)
-    elif rule == "pretrained" and shards:
+    elif sharded_load:
         load_sharded_from_rank0(module, cfg.model, device, offload=offload)
     torch.manual_seed(tc.seed)  # what follows (dropout, data) draws the same under every rule
     if after_build is not None:
