@@ -78,6 +78,28 @@ def test_a_parameter_no_initialisation_covers_is_named():
         check_initialisable(Scaled())
 
 
+def test_a_registered_model_with_a_parameter_of_its_own_is_built_whole(gloo_group, monkeypatch):
+    """A model whose constructor sets a parameter no reset_parameters covers keeps the
+    constructor's values: it is built whole (the ``whole`` rule), not refused."""
+    from torch import nn
+
+    from sharded_exp.train import build
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(64, 10)
+            self.scale = nn.Parameter(torch.full((10,), 0.5))
+
+        def forward(self, inputs, targets=None):
+            return self.body(inputs) * self.scale
+
+    monkeypatch.setattr(build, "build_model", lambda cfg, freeze=(), weights=False: Scaled())
+    run = build.build_run(compose([], "config"), torch.device("cpu"), with_task=False)
+    assert run.build == "whole"
+    assert torch.equal(run.module.scale.detach(), torch.full((10,), 0.5))
+
+
 # --------------------------------------------------------------- the build's own peak
 def test_sharded_build_holds_its_shards_and_one_unit(tmp_path):
     """2 ranks of fsdp: each rank's measured build peak is its shard of every parameter

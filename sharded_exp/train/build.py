@@ -18,7 +18,8 @@ How a model comes into being (``Run.build``):
   unit is freed: no rank ever holds more than its shards plus one unit. Every strategy
   initialises the same way, so every strategy starts from the same weights.
 - ``whole``: a user's ``_target_`` factory initialises its model in its own constructor,
-  which only a whole build reproduces; it is built whole on every rank, then wrapped.
+  which only a whole build reproduces; it is built whole on every rank, then wrapped. So
+  is a registered model with a parameter no ``reset_parameters`` covers.
 - ``pretrained``: ``model.pretrained``'s weights; under FSDP rank 0 alone loads them and
   every rank keeps its shard (:func:`load_sharded_from_rank0`).
 """
@@ -342,6 +343,8 @@ def build_run(
     """
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+    from sharded_exp.errors import ConfigError
+
     tc = cfg.trainer
     torch.manual_seed(tc.seed)  # identical on every rank
     rule = build_rule(cfg.model, weights)
@@ -353,13 +356,16 @@ def build_run(
     if rule == "units":
         with unset_fake_temporarily(), torch.device("cpu"), parameters_on_meta():
             module = build_model(cfg.model, tc.freeze)
-        check_initialisable(module)
-    elif sharded_load or meta_first:
+        try:
+            check_initialisable(module)
+        except ConfigError:  # a registered model with a parameter of its own making: built whole
+            rule = "whole"
+    if rule != "units" and (sharded_load or meta_first):
         with unset_fake_temporarily(), torch.device("meta"):
             module = build_model(cfg.model, tc.freeze)
         if not sharded_load:
             module = _tied_to_empty(module, device)
-    else:
+    elif rule != "units":
         module = build_model(cfg.model, tc.freeze, weights=rule == "pretrained")
         if any(t.device != device for t in (*module.parameters(), *module.buffers())):
             module = module.to(device)  # (a fake step builds on its fake device already)
