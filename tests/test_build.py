@@ -62,6 +62,27 @@ def test_initial_weights_are_the_models_own_rule_unit_by_unit():
             assert torch.equal(ref, mine), (model, name)
 
 
+@pytest.mark.parametrize("model", ["model=hf_bert", "model=gpt"])
+def test_every_strategy_starts_from_ddps_weights(model, gloo_group):
+    """The unit-by-unit draw is the same whether the strategy shards (FSDP renames its
+    units' classes: the units are found before it wraps) or not."""
+    from torch.distributed.tensor import DTensor
+
+    from sharded_exp.train.build import build_run
+
+    def weights(strategy: str) -> dict[str, torch.Tensor]:
+        run = build_run(compose([model, f"strategy={strategy}"], "config"), torch.device("cpu"), with_task=False)
+        return {
+            n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in run.module.named_parameters()
+        }
+
+    ddp, fsdp = weights("ddp"), weights("fsdp")
+    assert ddp.keys() == fsdp.keys()
+    for name in ddp:
+        assert torch.equal(ddp[name], fsdp[name]), name
+
+
 def test_a_parameter_no_initialisation_covers_is_named():
     from torch import nn
 

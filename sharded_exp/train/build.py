@@ -193,14 +193,16 @@ def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return out if tensor.is_meta else out.copy_(tensor)
 
 
-def initialise_by_unit(module: nn.Module, seed: int, host: torch.device) -> None:
-    """Initialise ``module`` unit by unit (:func:`init_groups`), each group from
-    :func:`unit_seed`. A sharded (DTensor) parameter is drawn whole in a temporary on
-    ``host`` and this rank keeps its shard of it: one unit at a time is whole."""
+def initialise_by_unit(module: nn.Module, seed: int, host: torch.device, groups=None) -> None:
+    """Initialise ``module`` unit by unit (``groups``: :func:`init_groups` of the bare model,
+    found before a strategy wrapped it: FSDP renames the units' classes, which Hugging
+    Face's ``_no_split_modules`` names), each group from :func:`unit_seed`. A sharded
+    (DTensor) parameter is drawn whole in a temporary on ``host`` and this rank keeps its
+    shard of it: one unit at a time is whole."""
     from torch.distributed.tensor import DTensor
 
     with torch.no_grad():
-        for index, group in enumerate(init_groups(module)):
+        for index, group in enumerate(init_groups(module) if groups is None else groups):
             torch.manual_seed(unit_seed(seed, index))
             whole: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
             swapped = []
@@ -376,9 +378,10 @@ def build_run(
     # Drawn in host memory whatever the device (a unit at a time under FSDP): the initial
     # weights do not depend on the device a run trains on.
     host = torch.device("cpu")
+    groups = init_groups(module) if rule == "units" else None  # before wrapping (FSDP renames classes)
     if rule == "units" and not shards:
         materialise(module, host)
-        initialise_by_unit(module, tc.seed, host)
+        initialise_by_unit(module, tc.seed, host, groups)
         if host != device:
             module.to(device)
     spec = optimizer_spec(cfg.optimizer, module, device=device)
@@ -386,7 +389,7 @@ def build_run(
     strategy = build_strategy(cfg.strategy, module, spec, cfg.precision, device, ZeroGrad(tc.zero_grad))
     if rule == "units" and shards:
         materialise_shards(module, device, offload)
-        initialise_by_unit(module, tc.seed, host)
+        initialise_by_unit(module, tc.seed, host, groups)
     elif sharded_load:
         load_sharded_from_rank0(module, cfg.model, device, offload=offload)
     torch.manual_seed(tc.seed)  # what follows (dropout, data) draws the same under every rule
