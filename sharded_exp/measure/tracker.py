@@ -362,6 +362,7 @@ class MemoryMeter:
         self._live_states_mib: float | None = None  # between steps, after the window
         self.failure: str | None = None
         """Why this rank's peak could not be measured (the figure is then null), or None."""
+        self._build_over: str | None = None  # why the build went over the budget (CPU), raised by check_build
         self.build: dict[str, Any] = {"peak_allocated_mib": None, "breakdown_mib": None}
         """The build's peak (``built``), apart from the training's: ``peak_allocated_mib`` and,
         on CPU, ``breakdown_mib`` by category (null where it was not measured)."""
@@ -486,12 +487,20 @@ class MemoryMeter:
         self.build = {"peak_allocated_mib": total, "breakdown_mib": found}
         if self.limit_mib and total > self.limit_mib:
             self.oom_breakdown = self._over_limit(tracker, None, "building the model")
-            tracker.__exit__(None, None, None)
-            self._tracker = None
-            raise torch.OutOfMemoryError(
+            self._build_over = (
                 f"live tensors peaked at {total:.2f} MiB while the model was built, over "
                 f"trainer.memory_limit_mib={self.limit_mib}"
             )
+
+    def check_build(self) -> None:
+        """Raise the out-of-memory error of a CPU build that went over the budget (``built``
+        found it; raised here, once the run's logger exists, so its W&B run records the
+        failure as a GPU build's would be raised by the allocator itself)."""
+        if self._build_over is not None:
+            if self._tracker is not None:
+                self._tracker.__exit__(None, None, None)
+                self._tracker = None
+            raise torch.OutOfMemoryError(self._build_over)
 
     def reset_peak(self) -> None:
         """Start the peak afresh from what is live now (after a checkpoint was loaded: the

@@ -428,6 +428,7 @@ def _train(cfg, device, output_dir, prediction, timeline, meter: MemoryMeter, hi
         return evaluation.evaluate(strategy, task, autocast, device, batches, rank)
 
     try:
+        meter.check_build()  # a build over the budget fails here, the logger recording it
         out = run_loop(
             strategy,
             task,
