@@ -53,8 +53,14 @@ def planned():
     return row
 
 
-@pytest.mark.parametrize("mode", list(LEVER))
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize(
+    "family, mode",
+    [
+        pytest.param(f, m, id=f"{f}-{m}", marks=() if m == "full" or f == "gpt" else pytest.mark.slow)
+        for f in FAMILIES
+        for m in LEVER
+    ],
+)  # every family with full AC in the default tier; selective for gpt, the others with the slow tier
 def test_a_gpu_plan_with_activation_checkpointing_holds_less(family, mode, planned):
     plain, checkpointed = planned(family, "none"), planned(family, LEVER[mode])
     assert plain["method"] == "fake step", plain["note"]

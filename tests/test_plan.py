@@ -62,6 +62,7 @@ def test_plan_is_the_runs_prediction(strategy, tmp_path):
     assert row["model_states_gib"] * GIB / MIB == pytest.approx(mem["predicted_model_states_mib_max"], rel=1e-9)
 
 
+@pytest.mark.slow  # plan.find stays in the default tier: test_22_11_find_brackets_the_answer_in_a_few_fake_steps
 def test_largest_batch_that_fits_is_checked_by_real_runs(tmp_path):
     """plan.find=batch_size under a budget; a real run at that batch stays within it, one
     sample more goes over (the CPU tracker enforces trainer.memory_limit_mib)."""
