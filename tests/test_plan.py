@@ -16,12 +16,18 @@ TWO_STEPS = ["trainer.steps=3", "trainer.warmup_steps=2", "trainer.eval_batches=
 
 
 def plan_json(*overrides: str) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-m", "sharded_exp.plan", "plan.format=json", *overrides],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout)
+    """The planner's JSON, run in this process (its command line is tested in test_cli and
+    test_hostile): the same ``main`` a shell runs, without a second torch start-up."""
+    import contextlib
+    import io
+
+    from sharded_exp import plan
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = plan.main(["plan.format=json", *overrides])
+    assert code == 0, out.getvalue()[-2000:]
+    return json.loads(out.getvalue())
 
 
 def test_raw_count_is_an_ideally_divisible_model():
