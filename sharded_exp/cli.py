@@ -40,7 +40,7 @@ def train() -> None:
 
 def plan() -> int:
     """``sharded-exp-plan``: ``python -m sharded_exp.plan``."""
-    from sharded_exp.plan import main
+    from sharded_exp.plan.command import main
 
     return main()
 

@@ -256,6 +256,8 @@ class PlanFind(str, Enum):
 
 class PlanFormat(str, Enum):
     table = "table"
+    md = "md"
+    csv = "csv"
     json = "json"
 
 
@@ -273,9 +275,9 @@ class PlanSettings:
     world_sizes: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 64])
     """World sizes to plan for."""
     by_depth: bool = True
-    """A model deeper than 5 identical blocks is faked at 3, 4 and 5 blocks and its peak
-    drawn to its depth (seconds instead of minutes for an 80-layer model); false: fake
-    the whole model."""
+    """A model of identical blocks is faked at three shallow depths and its peak composed
+    at its own depth (sharded_exp/plan/depth.py: seconds instead of minutes for an
+    80-layer model); false: fake the whole model."""
     strategies: Optional[List[str]] = None
     """Strategies to plan for (null: every registered one)."""
     device_memory_gib: float = 80.0
@@ -293,7 +295,7 @@ class PlanSettings:
     """Also find the largest ``batch_size`` (per rank) or GPT ``depth`` that fits, per
     strategy and world size."""
     format: PlanFormat = PlanFormat.table
-    """table or json."""
+    """table (aligned), md (a Markdown table), csv (GiB) or json: the same columns."""
     plot: Optional[str] = None
     """Also draw the plan into this PNG file: the peak per rank vs world size, a line per
     strategy (and lever combination), the device memory as a line (null: no chart)."""

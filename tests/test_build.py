@@ -26,7 +26,7 @@ TWO_STEPS = ["trainer.steps=3", "trainer.warmup_steps=2", "trainer.eval_batches=
 
 
 def plan_rows(*overrides: str, world_sizes, strategies, device: str = "cpu") -> list[dict]:
-    from sharded_exp import plan
+    from sharded_exp.plan import points as plan
 
     cfg = compose([*overrides, f"plan.strategies=[{','.join(strategies)}]", f"plan.device={device}"], "plan")
     return plan.plan_rows(cfg, list(world_sizes), device)

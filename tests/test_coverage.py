@@ -322,10 +322,10 @@ CHECKS = {
 
 @pytest.mark.parametrize("name", list(PLANS))
 def test_covering_plan(name, capsys, tmp_path, monkeypatch):
-    from sharded_exp import plan
+    from sharded_exp.plan import command
 
     monkeypatch.chdir(tmp_path)  # where plan.plot draws
-    assert plan.main(["plan.format=json", *PLANS[name]]) == 0
+    assert command.main(["plan.format=json", *PLANS[name]]) == 0
     for o in PLANS[name]:
         if o.startswith("plan.plot="):
             assert (tmp_path / o.split("=", 1)[1]).stat().st_size > 0

@@ -128,12 +128,12 @@ def test_a_lever_that_cannot_apply_is_refused_before_spawn(overrides, message, t
 def test_plan_levers_and_the_cheapest_combination_that_fits(capsys):
     """The planner per lever combination: AC lowers the activations, offload moves the
     states to the host (a GPU plan, by rule); the cheapest combination that fits is named."""
-    from sharded_exp import plan
+    from sharded_exp.plan import command
 
     # each point faked once, whole (drawn by depth gives the same figures: test_plan.py's test_22_11)
     model = ["model=gpt", "model.d_model=64", "model.n_layers=6", "model.seq_len=128", "trainer.batch_size=4",
              "plan.by_depth=false"]  # fmt: skip
-    assert plan.main([*model, "plan.format=json", "plan.world_sizes=[2]", "plan.strategies=[ddp,fsdp]",
+    assert command.main([*model, "plan.format=json", "plan.world_sizes=[2]", "plan.strategies=[ddp,fsdp]",
                       "plan.levers=[none,ac,ac+offload]", "plan.device_memory_gib=0.05"]) == 0  # fmt: skip
     out = json.loads(capsys.readouterr().out)
     rows = {(r["strategy"], r["levers"]): r for r in out["rows"]}
@@ -145,7 +145,7 @@ def test_plan_levers_and_the_cheapest_combination_that_fits(capsys):
     # 51.2 MiB: ddp (52.3) does not fit, fsdp does (49.4), and a strategy costs less than a lever
     assert not rows["ddp", "none"]["fits"] and rows["fsdp", "none"]["fits"] and rows["ddp", "ac"]["fits"]
     assert [(b["strategy"], b["levers"]) for b in out["cheapest"]] == [("fsdp", "none")]
-    assert plan.main(["plan.levers=[ac+turbo]"]) == 2
+    assert command.main(["plan.levers=[ac+turbo]"]) == 2
     assert "plan.levers entry 'ac+turbo': turbo is not a lever" in capsys.readouterr().err
 
 

@@ -122,6 +122,45 @@ def _separate_propagation_mode():
         _sharding_prop.detect_fake_mode = detect
 
 
+class _Chunks:
+    """``torch.chunk(tensor, n, dim)`` padded with empty pieces to ``n``, as FSDP2's
+    ``_chunk_with_empty`` returns it, but each piece made only when it is read: FSDP reads
+    its own rank's piece and the first, and on fake tensors making all ``n`` costs a fake
+    tensor each (64 ranks: most of a fake step's build)."""
+
+    def __init__(self, tensor: torch.Tensor, n: int, dim: int):
+        self.tensor, self.n, self.dim = tensor, n, dim
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        from sharded_exp.train.build import chunk_of
+
+        if not -self.n <= index < self.n:
+            raise IndexError(index)
+        piece = chunk_of(self.tensor, self.n, self.dim, index % self.n)
+        return piece if piece.numel() or piece.size(self.dim) else piece.new_empty(0)
+
+    def __iter__(self):
+        return (self[i] for i in range(self.n))
+
+
+@contextlib.contextmanager
+def _lazy_fsdp_chunks():
+    """FSDP2 cuts each parameter into one piece per rank when it shards it; in a fake step
+    only the pieces it reads are made (:class:`_Chunks`: the same shapes, views of the same
+    storage, so the same memory)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param  # private torch API: re-check on torch upgrades
+
+    eager = _fsdp_param._chunk_with_empty
+    _fsdp_param._chunk_with_empty = _Chunks
+    try:
+        yield
+    finally:
+        _fsdp_param._chunk_with_empty = eager
+
+
 def _breakdown(tracker, device: torch.device) -> tuple[float, dict[str, float]]:
     return _parts(_on(tracker.get_tracker_snapshot("peak"), device))
 
@@ -191,7 +230,6 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    from sharded_exp.data import probe_batch
     from sharded_exp.measure.cuda_kernels import cuda_kernels
     from sharded_exp.train.build import build_run
     from sharded_exp.train.levers import without_checkpointing
@@ -204,10 +242,10 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
     tc = cfg.trainer
     # One real sample says each batch tensor's dtype and per-sample shape; the batches
     # themselves are made fake (a batch too large for this machine is planned, not made).
-    sample = probe_batch(cfg.data, cfg.model, rank)
+    sample = _probe(cfg.data, cfg.model)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     name = cfg.strategy.name
-    with fake_process_group(world_size, rank), _separate_propagation_mode(), mode, on_gpu as kernels:
+    with fake_process_group(world_size, rank), _separate_propagation_mode(), _lazy_fsdp_chunks(), mode, on_gpu as kernels:
         torch.manual_seed(tc.seed)
         # As a CPU run measures: from before the strategy allocates its buffers.
         tracker, built, tracking, build = peak_tracker(), [], [], {}
@@ -307,6 +345,23 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
         raise FakeStepError("the memory tracker (torch MemTracker) failed", failure, detail=tracker.failure)
     peak, parts = _breakdown(tracker, device)
     return peak, parts, int(count), _phases(tracker, device), build
+
+
+_PROBES: dict[str, dict] = {}
+
+
+def _probe(data_cfg, model_cfg) -> dict:
+    """One sample's keys, dtypes and per-sample shapes (rank 0's: every rank's batch has the
+    same layout), made once per data and model config: a plan fakes many steps of one."""
+    from omegaconf import OmegaConf
+
+    from sharded_exp.data import probe_batch
+
+    key = OmegaConf.to_yaml(data_cfg) + OmegaConf.to_yaml(model_cfg)
+    if key not in _PROBES:
+        _PROBES[key] = {k: torch.empty((1, *v.shape[1:]), dtype=v.dtype, device="meta")
+                        for k, v in probe_batch(data_cfg, model_cfg, 0).items()}  # fmt: skip
+    return _PROBES[key]
 
 
 def _on(snapshots: dict, device: torch.device) -> dict:

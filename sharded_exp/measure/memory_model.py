@@ -88,6 +88,23 @@ def predict_model_states_mib(
     return out
 
 
+def largest_group_state_mib(
+    strategy, strategy_cfg, optimizer_cfg, group_shapes: Sequence[Sequence[tuple]], world_size: int, rank: int,
+    element: float = FP32,
+) -> float:  # fmt: skip
+    """The optimizer state ``rank`` holds for its largest parameter group (MiB): a foreach
+    optimizer steps one group at a time, so its step's temporaries (Adam's ``sqrt(v)``)
+    follow the largest group's state, not the total."""
+    owners = strategy.partition([[math.prod(s) for s in g] for g in group_shapes], world_size)
+    largest, start = 0.0, 0
+    for group in group_shapes:
+        mine = owners[start : start + len(group)]
+        held = strategy.resident_numel(strategy_cfg, list(group), mine, rank, world_size)
+        largest = max(largest, optimizer_state_bytes(optimizer_cfg, held["optimizer"], element) / MIB)
+        start += len(group)
+    return largest
+
+
 def zero_paper_bytes_per_param(stage: int, world_size: int, k: int = 12) -> float:
     """Model-state bytes per parameter per GPU in the ZeRO paper (mixed-precision Adam).
 

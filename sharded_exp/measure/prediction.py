@@ -108,9 +108,11 @@ def peaks_of_ranks(phases, states: list[dict[str, float]], rank: int) -> list[fl
     peak in the other phase (forward/backward rather than its optimizer step): each phase's
     peak is lowered so, and the larger one is its peak."""
     mine = states[rank]
+    # the optimizer step's temporaries go with the optimizer state a rank steps
+    scaled = {"params": "params", "grads": "grads", "optimizer": "optimizer", "optimizer_step": "optimizer"}
     return [
         max(
-            peak - sum(p[k] * (1 - other[k] / mine[k]) for k in ("params", "grads", "optimizer") if mine[k])
+            peak - sum(p.get(k, 0.0) * (1 - other[s] / mine[s]) for k, s in scaled.items() if mine[s])
             for peak, p in phases
         )
         for other in states
@@ -166,6 +168,10 @@ def predict_peak(
         if parts["params"] > mine["params"]:
             parts["gathered"] += parts["params"] - mine["params"]
             parts["params"] = mine["params"]
+        # What the optimizer step allocates beyond the rank's state is its temporaries
+        # (foreach Adam's sqrt(v)): the tracker files both as optimizer memory.
+        parts["optimizer_step"] = max(0.0, parts["optimizer"] - mine["optimizer"])
+        parts["optimizer"] -= parts["optimizer_step"]
         return parts
 
     parts = resident(est.breakdown_mib)
@@ -187,10 +193,11 @@ def predict_peak(
     if cfg.strategy.get("cpu_offload", False):
         # FSDP's CPU offload: the resident (sharded) parameters, gradients and optimizer
         # state live in host memory; the device holds what is gathered and computed.
-        states = ("params", "grads", "optimizer")
-        rules["cpu_offload"] = "the sharded parameters, gradients and optimizer state in host memory, by rule"
-        host_mib = [sum(other[k] for k in states) for other in prediction["model_states_mib"]]
-        per_rank = [x - sum(min(mine[k], parts[k]) for k in states) for x in per_rank]
+        states = ("params", "grads", "optimizer", "optimizer_step")
+        rules["cpu_offload"] = ("the sharded parameters, gradients and optimizer state in host memory, and the "
+                                "optimizer step on the host, by rule")  # fmt: skip
+        host_mib = [sum(other[k] for k in states[:3]) for other in prediction["model_states_mib"]]
+        per_rank = [x - sum(min(mine.get(k, parts[k]), parts[k]) for k in states) for x in per_rank]
         for phase, (peak, p) in list(phases_mib.items()):
             moved = sum(p[k] for k in states)
             phases_mib[phase] = (peak - moved, {**p, **{k: 0.0 for k in states}})

@@ -74,10 +74,17 @@ class Strategy:
     grads_differ_across_ranks = False
     """True when ranks check different gradients for inf/nan (sharded gradients or sharded
     optimizer steps): the grad scaler must then agree on the found-inf flag across ranks."""
-    grads_linear_in_depth = True
-    """False when the gradients a rank keeps change regime as the model grows (ShardedDDP's
-    reduce buckets): the planner then fakes a deep model whole instead of drawing its
-    peak from a few blocks (sharded_exp.plan)."""
+    depth_line_from = 1
+    """The shallowest depth (blocks) from which each part of a fake step's peak grows on a
+    line as the model deepens under this strategy: the planner fakes a deep model at this
+    depth and the two above it and draws the rest (sharded_exp.plan.depth)."""
+    depth_lines_per_world_size = False
+    """True when whether the peak lies on a line in depth depends on the world size (the
+    planner then checks the line at every world size, not at the first alone)."""
+    depth_bounded_parts: tuple[str, ...] = ()
+    """Parts of the peak that stop growing at some depth (buffers of a fixed capacity that
+    fill as the model deepens): a deep model is drawn from shallow ones only where these
+    no longer grow between the depths faked, else it is faked whole."""
     zero_grad_fixed: ZeroGrad | None = None
     """The one rule by which this strategy clears gradients, whatever ``trainer.zero_grad``
     asks (ShardedDDP: zeros in place), with its reason in ``zero_grad_fixed_reason``; None:

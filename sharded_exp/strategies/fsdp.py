@@ -116,6 +116,9 @@ class FSDPGradOpConfig(FSDPConfig):
 class FSDP(Strategy):
     Config = FSDPConfig
     shards_parameters = True
+    # Forward prefetch gathers the next unit while one computes, and backward the one
+    # before: only from three blocks on does each further block add the same.
+    depth_line_from = 3
     grads_differ_across_ranks = True  # sharded gradients: the scaler agrees on inf/nan
 
     @classmethod

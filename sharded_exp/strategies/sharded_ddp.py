@@ -78,7 +78,11 @@ def resident_grad_numel(reduce_buffer_size, numels, owners, rank, world_size) ->
 @STRATEGIES.register("sharded_ddp")
 class ShardedDDP(OSS):
     Config = ShardedDDPConfig
-    grads_linear_in_depth = False  # parameters fill the reduce buckets until one is full
+    # Each destination rank's reduce bucket fills up to reduce_buffer_size as the model
+    # deepens, then stays: drawn by depth only once full. How many buckets are live at once
+    # depends on the world size, so the line is checked at every world size.
+    depth_bounded_parts = ("buckets",)
+    depth_lines_per_world_size = True
     zero_grad_fixed = ZeroGrad.zeros
     zero_grad_fixed_reason = (
         "sharded_ddp zeroes gradients in place: fairscale ShardedDataParallel computes wrong gradients "

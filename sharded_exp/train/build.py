@@ -227,15 +227,23 @@ def local_shard(full: torch.Tensor, like) -> torch.Tensor:
     """This rank's piece of ``full`` as the DTensor ``like`` places it, cut locally (every
     rank drew the same ``full``: nothing is sent). Each sharded mesh dimension splits as
     ``torch.chunk`` does, as DTensor and FSDP2 split (the last ranks may get less, or
-    nothing)."""
+    nothing): the piece is found by arithmetic and taken as one view, so a cut over many
+    ranks costs one op, not one tensor per rank."""
     mesh = like.device_mesh
     piece = full
     for mesh_dim, placement in enumerate(like.placements):
         if placement.is_shard():
-            chunks = torch.chunk(piece, mesh.size(mesh_dim), dim=placement.dim)
-            index = mesh.get_local_rank(mesh_dim)
-            piece = chunks[index] if index < len(chunks) else piece.narrow(placement.dim, 0, 0)
+            piece = chunk_of(piece, mesh.size(mesh_dim), placement.dim, mesh.get_local_rank(mesh_dim))
     return piece
+
+
+def chunk_of(tensor: torch.Tensor, chunks: int, dim: int, index: int) -> torch.Tensor:
+    """``torch.chunk(tensor, chunks, dim)[index]``, or an empty piece where chunk gives fewer
+    than ``index + 1`` pieces, computed without making the other pieces."""
+    size = tensor.size(dim)
+    step = -(-size // chunks) if size else 0  # torch.chunk's piece: ceil(size / chunks)
+    start = min(index * step, size)
+    return tensor.narrow(dim, start, max(0, min(step, size - start)))
 
 
 def _tied_to_empty(module: nn.Module, device: torch.device) -> nn.Module:

@@ -1,0 +1,167 @@
+"""``sharded-exp-plan`` (``python -m sharded_exp.plan``): the command.
+
+Hydra's questions (``--help``, ``--cfg job``, ``--info``, ``-sc install=bash`` and tab
+completion) are answered by a Hydra app over ``conf/plan.yaml`` from the schema cache, as
+``sharded-exp`` answers them: torch is never imported. A plan composes the config, checks it
+(:func:`check_plan`, before any fake step), plans the points (:mod:`sharded_exp.plan.points`)
+with a progress bar on stderr, and prints the table (:mod:`sharded_exp.plan.table`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+from sharded_exp.cli import is_query
+from sharded_exp.errors import ConfigError
+
+
+def check_plan(cfg, argv: list[str] = ()) -> None:
+    """The planner's inputs, by the training entry point's rules (ConfigError names them).
+    ``argv``: the command line, to tell a model the user chose from the default one."""
+    from sharded_exp.plan.points import LEVERS, _value, lever_names
+    from sharded_exp.preflight import check_values
+    from sharded_exp.strategies import STRATEGIES
+
+    check_values(cfg)  # strategy, model, precision, optimizer, trainer values
+    p = cfg.plan
+    if p.params is not None and not (math.isfinite(p.params) and p.params >= 1):
+        raise ConfigError(f"plan.params={p.params} must be a finite number >= 1 (a parameter count, e.g. 7.5e9)")
+    chosen = [a for a in argv if a.lstrip("+").startswith(("model=", "model."))]
+    if p.params is not None and chosen:
+        raise ConfigError(
+            f"plan.params={p.params:g} plans a raw parameter count, and {' '.join(chosen)} would be ignored: give "
+            "plan.params (with plan.units) or a model, not both"
+        )
+    if not p.world_sizes or any(ws < 1 for ws in p.world_sizes):
+        raise ConfigError(f"plan.world_sizes={list(p.world_sizes)} must be a non-empty list of integers >= 1")
+    if not (math.isfinite(p.device_memory_gib) and p.device_memory_gib > 0):
+        raise ConfigError(f"plan.device_memory_gib={p.device_memory_gib} must be a finite number > 0")
+    if p.units < 1:
+        raise ConfigError(f"plan.units={p.units} must be >= 1")
+    for name in p.strategies or []:
+        STRATEGIES.builder(name)  # raises, naming the registered ones
+    for combo in p.get("levers", None) or []:
+        bad = [x for x in lever_names(str(combo)) if x not in LEVERS]
+        if bad or not str(combo):
+            raise ConfigError(
+                f"plan.levers entry {combo!r}: {', '.join(bad) or 'empty'} is not a lever; levers: none, or "
+                f"{', '.join(LEVERS)} joined with + (e.g. ac+offload)"
+            )
+    if p.plot and (not str(p.plot).lower().endswith((".png", ".svg", ".pdf")) or os.path.isdir(p.plot)):
+        raise ConfigError(f"plan.plot={p.plot} must name a .png, .svg or .pdf file to draw the plan into")
+    if _value(p.find) == "depth" and (p.params is not None or "n_layers" not in cfg.model):
+        raise ConfigError("plan.find=depth needs a model with model.n_layers (e.g. model=gpt), not a raw count")
+
+
+def answer_query(argv: list[str]) -> int:
+    """Hydra's own questions, by a Hydra app over ``conf/plan.yaml`` (no torch)."""
+    import hydra
+
+    from sharded_exp.compose import quote_numeric_choices, register_schemas
+
+    register_schemas(query=True)
+
+    @hydra.main(version_base="1.3", config_path="../conf", config_name="plan")
+    def app(cfg) -> None:  # never called: a question is answered before the job runs
+        pass
+
+    program = sys.argv[0]
+    sys.argv = [program, *quote_numeric_choices(argv)]
+    try:
+        app()
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    finally:
+        sys.argv = [program, *argv]
+    return 0
+
+
+def preset_of(argv: list[str]) -> str:
+    """The model preset the command line chose (``gpt_7b``, or the default ``mlp``) and the
+    model keys it changed: ``gpt_7b model.n_layers=80``."""
+    chosen = [a.split("=", 1)[1] for a in argv if a.lstrip("+").startswith("model=")]
+    changed = [a.lstrip("+") for a in argv if a.lstrip("+").startswith("model.")]
+    return " ".join([chosen[-1] if chosen else "mlp", *changed])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if is_query(argv):
+        return answer_query(argv)
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from sharded_exp.compose import compose
+    from sharded_exp.models.target import check_pretrained, is_target_model
+
+    try:
+        cfg = compose(argv, config_name="plan")
+        check_plan(cfg, argv)
+        if is_target_model(cfg.model):
+            check_pretrained(cfg.model)  # its config.json is the architecture planned for
+    except (ConfigError, HydraException, OmegaConfBaseException) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return plan(cfg, preset_of(argv))
+
+
+def plan(cfg, preset: str) -> int:
+    """Plan the composed, checked ``cfg`` and print it in ``plan.format``."""
+    from sharded_exp.measure.prediction import model_shapes
+    from sharded_exp.plan import points, table
+    from sharded_exp.plan.progress import Progress
+
+    device_type = points._value(cfg.plan.device)
+    if cfg.plan.params is not None:
+        params = int(cfg.plan.params)
+    else:
+        shapes = model_shapes(cfg.model, cfg.optimizer, freeze=cfg.trainer.freeze)
+        params = sum(math.prod(s) for g in shapes.groups for s in g)
+    world_sizes = list(cfg.plan.world_sizes)
+    total = len(points.points(cfg)) * len(world_sizes) * (2 if cfg.plan.find else 1)
+    progress = Progress(total)
+    try:
+        rows = points.plan_rows(cfg, world_sizes, device_type, progress)
+        found = points.find_rows(cfg, world_sizes, device_type, progress) if cfg.plan.find else []
+    finally:
+        progress.close()
+    faked = points.faked(cfg)
+    form = points._value(cfg.plan.format)
+    if form == "json":
+        doc = {"params": params, "model": preset if cfg.plan.params is None else None, "device": device_type,
+               "device_faked": faked, "columns": table.column_keys(rows), "rows": rows, "found": found,
+               "cheapest": [{k: r[k] for k in ("strategy", "levers", "world_size", "total_gib")}
+                            for r in points.cheapest(rows)] if cfg.plan.params is None else []}  # fmt: skip
+        print(table.json_text(doc))
+    elif form == "csv":
+        print(table.csv_text(rows))
+    else:
+        print(table.text(rows, found, cfg, params, preset, faked, markdown=form == "md"))
+    if cfg.plan.plot:
+        try:
+            print(f"plan: chart {write_chart(rows, cfg, params)}", file=sys.stderr)
+        except OSError as exc:
+            print(f"error: plan.plot={cfg.plan.plot} not written: {exc.strerror or exc}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def write_chart(rows, cfg, params: int) -> str:
+    """``plan.plot``: the plan drawn (:func:`sharded_exp.output.charts.plan_chart`)."""
+    from pathlib import Path
+
+    from sharded_exp.output import charts
+    from sharded_exp.plan.points import LEVER_COST, STRATEGY_COST, _value, lever_names
+
+    count = f"{params / 1e9:.3g} B" if params >= 1e8 else f"{params:,}"
+    what = (f"raw parameter count ({count} params, no activations)" if cfg.plan.params is not None
+            else f"model={cfg.model.name} ({count} params), batch {cfg.trainer.batch_size}/rank")  # fmt: skip
+    title = f"Planned peak per rank: {what}, precision {cfg.precision.name}, {cfg.optimizer.name}, {_value(cfg.plan.device)}"
+    cost = lambda r: sum(LEVER_COST[x] for x in lever_names(r.get("levers", "none")))  # noqa: E731
+    order = sorted(rows, key=lambda r: (cost(r), STRATEGY_COST.get(r["strategy"], 9)))  # the legend: cheapest first
+    path = Path(cfg.plan.plot)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    charts.save(charts.plan_chart(order, cfg.plan.device_memory_gib, title), path)
+    return str(path)

@@ -1,0 +1,227 @@
+"""The peak of a deep model, composed from fake steps of shallow copies of it.
+
+A fake step costs in proportion to the model's ops, so faking a 7B GPT's 32 blocks (or a
+65B's 80) at every strategy and world size would take minutes. Every block of such a model
+is the same unit, and each part of each phase's peak (the forward/backward, the optimizer
+step) is one of three kinds:
+
+- **model states** the faked rank holds (parameters, gradients, optimizer state): known
+  exactly at any depth and world size from the analytic memory model
+  (:mod:`sharded_exp.measure.memory_model`), lumpy where whole tensors are dealt out to
+  ranks (OSS, ZeRO-1, ShardedDDP). What the step holds beyond them (the gradients not yet
+  made mid-backward, the unsharded gradient of the unit in flight) is the same for every
+  block, so it lies on a line in depth;
+- **the optimizer step's temporaries**, in proportion to the optimizer state the rank
+  steps at once (foreach Adam holds ``sqrt(v)`` of every tensor of the parameter group it
+  steps), or, for a per-tensor loop, on a line like the rest;
+- **the rest** (activations, the gathered unit, buckets, communication): the same for
+  every block, so on a line in depth.
+
+A strategy is faked at three shallow depths at the first world size planned: the lines go
+through the first two, and the third must lie on them (each part within 0.1%), or the
+whole model is faked. At each further world size one shallow fake says whether the lines
+moved: where only the shard changed they did not (DDP, OSS, ZeRO-1), and the first world
+size's lines are reused; where they did (FSDP's gradients mid-backward are part shard, part
+whole unit), a second fake draws them anew. The peak at full depth is the analytic states at
+full depth plus the lines drawn there; every rank's peak follows from the faked rank's
+(:func:`~sharded_exp.measure.prediction.peaks_of_ranks`).
+
+``tests/test_plan_compose.py`` holds the composed peaks within 1% of whole-model fake steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from sharded_exp.measure.memory_model import largest_group_state_mib
+from sharded_exp.measure.prediction import model_shapes, peaks_of_ranks, predict, predict_peak
+from sharded_exp.strategies import STRATEGIES
+
+STATES = ("params", "grads", "optimizer")
+STEP_TEMPORARIES = "optimizer_step"
+"""The breakdown's part for the optimizer step's temporaries (apart from the state)."""
+REL, ABS = 1e-3, 1e-3
+"""A line holds where the third depth's part is within REL of it plus ABS MiB."""
+
+
+@dataclass
+class Fake:
+    """One fake step of the model cut to ``depth`` blocks, split into its kinds."""
+
+    depth: int
+    lines: dict[str, dict[str, float]]
+    """phase -> part -> MiB to draw on a line in depth (a state part: what the step holds
+    beyond the rank's state)."""
+    ratios: dict[str, float | None]
+    """phase -> the optimizer step's temporaries per MiB of the rank's optimizer state."""
+    raw: dict[str, dict[str, float]]
+    """phase -> part -> MiB as faked (the scale of the checks)."""
+    seconds: float
+    note: str = ""
+    """What the fake step says of itself (clipping faked without, a rule applied)."""
+
+
+def first_depth(name: str) -> int:
+    """The shallowest depth whose peak lies on the model's line under strategy ``name``."""
+    return STRATEGIES.builder(name).depth_line_from
+
+
+def fake_at(cfg_s, key: str, depth: int, world_size: int, device_type: str) -> Fake | str:
+    """A fake step of ``cfg_s``'s model cut to ``depth`` blocks, or why there is none."""
+    c = cfg_s.copy()
+    OmegaConf.update(c.model, key, depth)
+    shapes = model_shapes(c.model, c.optimizer, freeze=c.trainer.freeze)
+    prediction = predict(c.strategy, c.optimizer, str(c.precision.name), shapes, world_size)
+    peak = predict_peak(c, world_size, device_type, prediction, shapes, flops=False)
+    if peak["per_rank_mib"] is None:
+        return peak["error"]
+    mine = prediction["model_states_mib"][peak["rank"]]
+    stepped = _stepped_state(c, shapes, world_size, peak["rank"])
+    lines, ratios, raw = {}, {}, {}
+    for phase, (_, parts) in peak["phases_mib"].items():
+        raw[phase] = dict(parts)
+        lines[phase] = {k: v - mine[k] if k in STATES else v for k, v in parts.items()}
+        temporaries = parts.get(STEP_TEMPORARIES, 0.0)
+        ratios[phase] = temporaries / stepped if stepped > 0 else None
+    return Fake(depth, lines, ratios, raw, peak["seconds"] or 0.0, peak["note"])
+
+
+def _stepped_state(cfg_s, shapes, world_size: int, rank: int) -> float:
+    """The optimizer state ``rank`` steps at once (MiB): its largest parameter group's."""
+    strategy = STRATEGIES.builder(cfg_s.strategy.name)
+    return largest_group_state_mib(
+        strategy, cfg_s.strategy, cfg_s.optimizer, shapes.groups, world_size, rank, shapes.element_bytes
+    )
+
+
+def _near(value: float, expected: float, scale: float) -> bool:
+    return abs(value - expected) <= REL * abs(scale) + ABS
+
+
+def _ratio_holds(fakes: list[Fake], phase: str) -> bool:
+    ratios = [f.ratios.get(phase) for f in fakes]
+    return None not in ratios and all(abs(r - ratios[0]) <= REL * abs(ratios[0]) + 1e-9 for r in ratios)
+
+
+def rules_on_line(a: Fake, b: Fake, c: Fake, bounded=()) -> dict[str, str] | None:
+    """Whether ``c`` lies on the lines through ``a`` and ``b`` (depths one apart) and each
+    ``bounded`` part is the same at all three (it has stopped growing). Returns how each
+    phase's optimizer-step temporaries grow (``ratio``: with the rank's optimizer state,
+    as a foreach optimizer's do; ``line``: like the rest, as a per-tensor loop's largest
+    tensor does), or None where anything bends."""
+    if not a.lines.keys() == b.lines.keys() == c.lines.keys():
+        return None
+    steps = (c.depth - b.depth) / (b.depth - a.depth)
+    rules = {}
+    for phase, line in c.lines.items():
+        at = lambda f, k: f.lines[phase].get(k, 0.0)  # noqa: E731
+        if any(not _near(at(f, k), line.get(k, 0.0), c.raw[phase].get(k, 0.0)) for k in bounded for f in (a, b)):
+            return None
+        bent = {
+            k for k, v in line.items() if not _near(v, at(b, k) + steps * (at(b, k) - at(a, k)), c.raw[phase].get(k, v))
+        }
+        if _ratio_holds([a, b, c], phase):
+            rules[phase] = "ratio"
+            bent.discard(STEP_TEMPORARIES)
+        else:
+            rules[phase] = "line"
+        if bent:
+            return None
+    return rules
+
+
+def same_lines(a: Fake, b: Fake, rules: dict[str, str]) -> bool:
+    """Whether two fakes at one depth (two world sizes) have the same lines."""
+    if a.lines.keys() != b.lines.keys():
+        return False
+    for phase, line in b.lines.items():
+        for k, v in line.items():
+            if k == STEP_TEMPORARIES and rules.get(phase) == "ratio":
+                if not _ratio_holds([a, b], phase):
+                    return False
+            elif not _near(v, a.lines[phase].get(k, 0.0), b.raw[phase].get(k, v)):
+                return False
+    return True
+
+
+def compose(a: Fake, b: Fake, layers: int, prediction: dict[str, Any], rules, stepped: float):
+    """Each phase's peak at ``layers`` blocks: the lines through ``a`` and ``b`` drawn there,
+    on top of the largest rank's analytic states at that depth (``stepped``: the optimizer
+    state it steps at once)."""
+    states = prediction["model_states_mib"]
+    mine = max(states, key=lambda s: sum(s.values()))
+    steps = (layers - b.depth) / (b.depth - a.depth)
+    phases = {}
+    for phase, line in b.lines.items():
+        parts = {k: v + steps * (v - a.lines[phase].get(k, 0.0)) for k, v in line.items()}
+        for k in STATES:
+            parts[k] = parts.get(k, 0.0) + mine[k]
+        if rules.get(phase) == "ratio":
+            parts[STEP_TEMPORARIES] = b.ratios[phase] * stepped
+        parts = {k: max(0.0, v) for k, v in parts.items()}
+        phases[phase] = (sum(parts.values()), parts)
+    return phases
+
+
+def peaks_by_depth(cfg_s, world_sizes, device_type: str, key: str, layers: int) -> dict[int, dict | None]:
+    """The composed peak (as :func:`~sharded_exp.measure.prediction.predict_peak` returns
+    one) of ``cfg_s`` at each world size; None where the model cannot be drawn by depth
+    (a line bends, a shallow fake fails): the caller fakes the whole model there."""
+    name = cfg_s.strategy.name
+    strategy = STRATEGIES.builder(name)
+    d0 = first_depth(name)
+    depths = (d0, d0 + 1, d0 + 2)
+    out: dict[int, dict | None] = {}
+    first: tuple[Fake, Fake] | None = None
+    first_ws, rules = 0, {}
+    full_shapes = model_shapes(cfg_s.model, cfg_s.optimizer, freeze=cfg_s.trainer.freeze)
+    for ws in world_sizes:
+        fakes = [fake_at(cfg_s, key, depths[0], ws, device_type)]
+        if first is None or strategy.depth_lines_per_world_size:
+            fakes += [fake_at(cfg_s, key, d, ws, device_type) for d in depths[1:]]
+            found = (
+                None if any(isinstance(f, str) for f in fakes) else rules_on_line(*fakes, strategy.depth_bounded_parts)
+            )
+            if found is None:
+                out[ws] = None  # faked whole by the caller
+                continue
+            pair, here = (fakes[0], fakes[1]), found
+            if first is None:
+                first, first_ws, rules = pair, ws, found
+            how = f"checked at {depths[2]}"
+        elif isinstance(fakes[0], Fake) and same_lines(first[0], fakes[0], rules):
+            pair, here = first, rules
+            how = f"as at {first_ws} ranks: unchanged at {depths[0]} blocks"
+        else:
+            fakes.append(fake_at(cfg_s, key, depths[1], ws, device_type))
+            if any(isinstance(f, str) for f in fakes):
+                out[ws] = None
+                continue
+            pair, here = (fakes[0], fakes[1]), rules
+            how = f"redrawn at {ws} ranks"
+        prediction = predict(cfg_s.strategy, cfg_s.optimizer, str(cfg_s.precision.name), full_shapes, ws)
+        states = prediction["model_states_mib"]
+        rank = max(range(len(states)), key=lambda r: sum(states[r].values()))
+        phases = compose(*pair, layers, prediction, here, _stepped_state(cfg_s, full_shapes, ws, rank))
+        top = max(phases.values(), key=lambda p: p[0])
+        out[ws] = {
+            "per_rank_mib": peaks_of_ranks(list(phases.values()), states, rank),
+            "rank": rank,
+            "breakdown_mib": top[1],
+            "phases_mib": phases,
+            "method": f"composed by depth: fake steps at {', '.join(map(str, depths))} blocks, drawn to the model's depth",
+            "note": "; ".join(
+                n
+                for n in (
+                    f"{key}={layers}: drawn from {pair[0].depth} and {pair[1].depth} blocks ({how})",
+                    pair[1].note,
+                )
+                if n
+            ),
+            "seconds": sum(f.seconds for f in fakes if isinstance(f, Fake)),
+            "fakes": len(fakes),
+        }
+    return out

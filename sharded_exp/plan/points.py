@@ -1,0 +1,361 @@
+"""The planned points: every rank's peak for each strategy, lever and world size.
+
+For a configured model each point is the fake training step every run makes in its parent
+(:mod:`sharded_exp.measure.fake_step`), composed by depth for a deep model
+(:mod:`sharded_exp.plan.depth`). For a raw parameter count (``plan.params``) there is no
+model to run: the count is an ideally divisible model (``plan.units`` equal blocks, each
+split into one equal tensor per rank: the ZeRO paper's assumption) under each strategy's
+analytic memory model, without activations.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from sharded_exp.measure.prediction import ModelShapes, model_shapes, predict, predict_peak
+from sharded_exp.plan.depth import first_depth, peaks_by_depth
+from sharded_exp.plan.progress import Progress
+from sharded_exp.plan.table import PARTS
+from sharded_exp.strategies import STRATEGIES
+
+GIB = 2**30
+MIB = 2**20
+
+
+def _value(option) -> str | None:
+    return None if option is None else str(getattr(option, "value", option))
+
+
+def strategy_names(cfg) -> list[str]:
+    return list(cfg.plan.strategies) if cfg.plan.strategies else STRATEGIES.names()
+
+
+LEVERS = {"ac": ("activation_checkpointing", "full"), "ac_selective": ("activation_checkpointing", "selective"),
+          "offload": ("cpu_offload", True)}  # fmt: skip
+"""The planner's lever names (``plan.levers`` entries join them with +) and what each sets."""
+LEVER_COST = {"none": 0, "ac_selective": 1, "ac": 2, "offload": 3}
+"""Extra recompute or traffic each lever costs, in the order a user would reach for them."""
+STRATEGY_COST = {"ddp": 0, "zero1": 1, "oss": 1, "sharded_ddp": 2, "fsdp_grad_op": 3, "fsdp": 4}
+"""Extra communication per strategy: DDP < ZeRO-1 < ZeRO-2 < FSDP."""
+
+
+def lever_names(combo: str) -> list[str]:
+    return [] if combo == "none" else combo.split("+")
+
+
+def applies(name: str, combo: str) -> bool:
+    """Offload is FSDP's (fsdp, fsdp_grad_op); the others apply to every strategy."""
+    return "offload" not in lever_names(combo) or STRATEGIES.builder(name).shards_parameters
+
+
+def with_strategy(cfg, name: str, combo: str = "none"):
+    out = cfg.copy()
+    if cfg.strategy.name != name:  # the configured strategy keeps its settings (strategy.replicate=2: HSDP)
+        out.strategy = STRATEGIES.config_class(name)()
+    for lever in lever_names(combo):
+        key, value = LEVERS[lever]
+        if key == "cpu_offload":
+            out.strategy.cpu_offload = value
+        else:
+            out.trainer[key] = value
+    return out
+
+
+def raw_shapes(params: int, units: int, world_size: int, row_sharded: bool = False) -> ModelShapes:
+    """``params`` as an ideally divisible model: ``units`` equal blocks of ``world_size``
+    equal 1-D tensors (every rank's owner share and bucket share come out equal), or, for
+    a strategy that shards every tensor by rows (``row_sharded``: FSDP), one tensor of
+    ``world_size`` rows per block (every rank's row shard comes out equal)."""
+    if row_sharded:
+        cols = math.ceil(params / (units * world_size))
+        return ModelShapes([[(world_size, cols)] * units], [world_size * cols] * units, 0, {})
+    pieces = units * world_size
+    size = math.ceil(params / pieces)
+    return ModelShapes([[(size,)] * pieces], [size * world_size] * units, 0, {})
+
+
+def _raw_parts(cfg, name: str, world_size: int) -> dict[str, float]:
+    """Rank 0's model states (GiB) for ``plan.params`` as an ideally divisible model."""
+    cfg_s = with_strategy(cfg, name)
+    row_sharded = STRATEGIES.builder(name).shards_parameters
+    shapes = raw_shapes(int(cfg.plan.params), int(cfg.plan.units), world_size, row_sharded)
+    # Every rank holds the same by construction: rank 0 stands for all.
+    prediction = predict(cfg_s.strategy, cfg.optimizer, str(cfg.precision.name), shapes, world_size, ranks=[0])
+    states = prediction["model_states_mib"][0]
+    parts = {k: states[k] * MIB / GIB for k in ("params", "grads", "optimizer")}
+    # The strategy's communication buckets, as a model plan's fake step files them: beside
+    # the gradients, or holding them (ShardedDDP's; DDP's with gradient_as_bucket_view).
+    strategy = STRATEGIES.builder(name)
+    numels = [math.prod(s) for g in shapes.groups for s in g]
+    owners = strategy.partition([[math.prod(s) for s in g] for g in shapes.groups], world_size)
+    held, aliased = strategy.bucket_numel(cfg_s.strategy, numels, owners, 0, world_size)
+    parts["grads"] -= aliased * shapes.element_bytes / GIB
+    parts["buckets"] = held * shapes.element_bytes / GIB
+    return parts | {"gathered": prediction["transient_params_mib"] * MIB / GIB}
+
+
+EXACT_UP_TO = 1024
+"""World sizes up to this are planned tensor by tensor; beyond it, from the line below."""
+
+
+def _raw_parts_at_scale(cfg, name: str, world_size: int) -> tuple[dict[str, float], str]:
+    """Each figure of an ideally divisible model is held whole or split evenly, so it is
+    a + b / world_size: two exact plans (256 and 512 ranks) give the line, a third (1024)
+    checks it, and the line answers for any world size in milliseconds. Where the check
+    fails (a strategy whose buckets change regime), the exact plan is made."""
+    w1, w2, w3 = EXACT_UP_TO // 4, EXACT_UP_TO // 2, EXACT_UP_TO
+    p1, p2, p3 = (_raw_parts(cfg, name, w) for w in (w1, w2, w3))
+    line = {}
+    for k in p1:
+        b = (p1[k] - p2[k]) / (1 / w1 - 1 / w2)
+        a = p1[k] - b / w1
+        if not math.isclose(a + b / w3, p3[k], rel_tol=1e-4, abs_tol=1e-9):  # rounding of the pieces: ~1e-5
+            return _raw_parts(cfg, name, world_size), ""
+        line[k] = max(0.0, a + b / world_size)
+    return line, f"from the exact plans at {w1}, {w2} and {w3} ranks (every figure is a + b/world_size)"
+
+
+def raw_row(cfg, name: str, world_size: int) -> dict[str, Any]:
+    if world_size <= EXACT_UP_TO:
+        states, note = _raw_parts(cfg, name, world_size), ""
+    else:
+        states, note = _raw_parts_at_scale(cfg, name, world_size)
+    parts = {k: 0.0 for k in PARTS} | states | {"activations": None}
+    return _row(cfg, name, world_size, parts, "raw parameter count (analytic, no activations)", note)
+
+
+LAYER_KEYS = ("n_layers", "config.num_hidden_layers", "config.n_layer")
+"""Where a model keeps its number of identical blocks (ours; Hugging Face's configs)."""
+
+
+def _layer_key(model_cfg) -> str | None:
+    for key in LAYER_KEYS:
+        if isinstance(OmegaConf.select(model_cfg, key, default=None), int):
+            return key
+    return None
+
+
+def depth_of(cfg, name: str) -> tuple[str, int] | None:
+    """(key, blocks) when ``cfg``'s model is deep enough to be composed by depth under
+    strategy ``name`` (``plan.by_depth``), else None: it is faked whole."""
+    key = _layer_key(cfg.model)
+    layers = OmegaConf.select(cfg.model, key) if key else 0
+    if key and cfg.plan.by_depth and layers > first_depth(name) + 2:
+        return key, layers
+    return None
+
+
+def composed_peaks(cfg, name: str, world_sizes, device_type: str, combo: str = "none") -> dict[int, dict | None]:
+    """The peaks of strategy ``name`` (with lever ``combo``) at every world size, composed
+    by depth where the model allows it (None where it is to be faked whole)."""
+    deep = depth_of(cfg, name)
+    if deep is None:
+        return {ws: None for ws in world_sizes}
+    return peaks_by_depth(with_strategy(cfg, name, combo), list(world_sizes), device_type, *deep)
+
+
+def model_row(cfg, name: str, world_size: int, shapes: ModelShapes, device_type: str, combo: str = "none",
+              peak: dict | None = None):  # fmt: skip
+    """One planned point; ``peak``: its composed peak (:func:`composed_peaks`), else one
+    fake step of the whole model."""
+    cfg_s = with_strategy(cfg, name, combo)
+    prediction = predict(cfg_s.strategy, cfg.optimizer, str(cfg.precision.name), shapes, world_size)
+    if peak is None:
+        peak = composed_peaks(cfg, name, [world_size], device_type, combo)[world_size]
+    if peak is None:
+        peak = predict_peak(cfg_s, world_size, device_type, prediction, shapes, flops=False)
+    states = max(sum(p.values()) for p in prediction["model_states_mib"])
+    if peak["per_rank_mib"] is None:
+        parts = {k: None for k in PARTS}
+        row = _row(cfg, name, world_size, parts, "none", peak["error"])
+        row["total_gib"], row["mean_gib"], row["fits"] = None, None, None
+    else:
+        parts = {k: v * MIB / GIB for k, v in peak["breakdown_mib"].items()}
+        row = _row(cfg, name, world_size, parts, peak["method"], peak["note"])
+        row["total_gib"] = max(peak["per_rank_mib"]) * MIB / GIB  # the peak itself
+        # the average over ranks (the seed study's figure): below the peak where shards are uneven
+        row["mean_gib"] = sum(peak["per_rank_mib"]) / len(peak["per_rank_mib"]) * MIB / GIB
+        if "offload" in lever_names(combo):  # CPU offload: the rank's states are in host memory
+            row["host_gib"] = states * MIB / GIB
+        row["fits"] = row["total_gib"] <= cfg.plan.device_memory_gib
+        row["seconds"] = peak["seconds"]
+        # each phase's peak (forward/backward "step", "optimizer"): plan.find follows them
+        row["phases_gib"] = {name: v[0] * MIB / GIB for name, v in (peak.get("phases_mib") or {}).items()}
+    row["model_states_gib"] = states * MIB / GIB  # analytic: what every run predicts and checks
+    row["levers"] = combo
+    row["cost"] = _cost_note(combo, prediction)
+    return row
+
+
+def _cost_note(combo: str, prediction) -> str:
+    """What a lever costs in step time, where it is known without running."""
+    notes = []
+    levers = lever_names(combo)
+    if "ac" in levers:
+        notes.append("recompute: one more forward of every unit (about +1/3 of the step's FLOPs)")
+    if "ac_selective" in levers:
+        notes.append("recompute: the units' cheap ops (norms, activations) again in the backward")
+    if "offload" in levers:
+        mine = max(prediction["model_states_mib"], key=lambda p: sum(p.values()))
+        moved = (mine["params"] + mine["grads"]) * MIB / GIB
+        notes.append(f"offload: {moved:.2f} GiB host<->device per step (sharded parameters in, gradients out)")
+    return "; ".join(notes)
+
+
+def _row(cfg, name, world_size, parts, method, note) -> dict[str, Any]:
+    total = sum(v for v in parts.values() if v is not None)
+    return {
+        "strategy": name,
+        "world_size": world_size,
+        **{f"{k}_gib": v for k, v in parts.items()},
+        "total_gib": total,
+        "mean_gib": total,  # every rank alike (a raw count's ideally divisible model); a model's row sets its own
+        "fits": total <= cfg.plan.device_memory_gib,
+        "method": method,
+        "note": note,
+    }
+
+
+def lever_combos(cfg) -> list[str]:
+    return [str(c) for c in cfg.plan.get("levers", None) or ["none"]]
+
+
+def points(cfg) -> list[tuple[str, str]]:
+    """The (strategy, lever combination) pairs planned, in order."""
+    combos = lever_combos(cfg) if cfg.plan.params is None else ["none"]
+    return [(name, combo) for name in strategy_names(cfg) for combo in combos if applies(name, combo)]
+
+
+def plan_rows(cfg, world_sizes, device_type: str = "cpu", progress: Progress | None = None) -> list[dict[str, Any]]:
+    shapes = None if cfg.plan.params is not None else model_shapes(cfg.model, cfg.optimizer, freeze=cfg.trainer.freeze)
+    rows = []
+    for name, combo in points(cfg):
+        label = f"{name}{'' if combo == 'none' else ' + ' + combo}"
+        if shapes is None:
+            rows += [raw_row(cfg, name, ws) for ws in world_sizes]
+            if progress is not None:
+                progress.done(len(world_sizes), label)
+            continue
+        composed = composed_peaks(cfg, name, world_sizes, device_type, combo)
+        for ws in world_sizes:
+            rows.append(model_row(cfg, name, ws, shapes, device_type, combo, peak=composed[ws]))
+            if progress is not None:
+                progress.done(1, f"{label} x{ws}")
+    return rows
+
+
+def cheapest(rows) -> list[dict[str, Any]]:
+    """Per world size, the planned point that fits with the least extra communication and
+    recompute: strategies DDP < ZeRO-1 < ZeRO-2 < FSDP, then levers none < selective AC <
+    AC < offload (a lever costs more than any strategy)."""
+    out = []
+    for ws in sorted({r["world_size"] for r in rows}):
+        fitting = [r for r in rows if r["world_size"] == ws and r.get("fits")]
+        if fitting:
+            key = lambda r: (sum(LEVER_COST[x] for x in lever_names(r.get("levers", "none"))),  # noqa: E731
+                             STRATEGY_COST.get(r["strategy"], 9), r["total_gib"])  # fmt: skip
+            out.append(min(fitting, key=key))
+    return out
+
+
+def _peak_gib(cfg, world_size: int, device_type: str, errors: list[str], combo: str = "none"):
+    """The largest rank's predicted peak in GiB, or None (why is appended to ``errors``),
+    and the faked rank's peak in each phase."""
+    shapes = model_shapes(cfg.model, cfg.optimizer, freeze=cfg.trainer.freeze)
+    row = model_row(cfg, cfg.strategy.name, world_size, shapes, device_type, combo)  # drawn by depth where it can be
+    if row["total_gib"] is None:
+        errors.append(row["note"])
+    return row["total_gib"], row.get("phases_gib") or {}
+
+
+def largest(
+    cfg, name: str, world_size: int, knob: str, device_type: str, limit: int = 1 << 20, combo: str = "none"
+) -> dict[str, Any]:
+    """The largest value of ``knob`` (``trainer.batch_size`` or ``model.n_layers``) at which
+    ``name`` fits ``plan.device_memory_gib`` on ``world_size`` ranks.
+
+    The peak grows about linearly in either (activations per sample; states and
+    activations per layer): fake steps at 1 and 2 give a line, and each next fake step is
+    where the line through the two probes nearest the budget crosses it (regula falsi,
+    integer-rounded), until the answer fits and one above does not. Four fake steps when
+    the peak is linear; a few more when it bends.
+    """
+    budget = cfg.plan.device_memory_gib
+    section, key = knob.split(".")
+    probes: dict[int, float | None] = {}
+    phases: dict[int, dict[str, float]] = {}
+    errors: list[str] = []
+
+    def peak(value: int) -> float | None:
+        if value not in probes:
+            c = with_strategy(cfg, name)
+            c[section][key] = value
+            probes[value], phases[value] = _peak_gib(c, world_size, device_type, errors, combo)
+        return probes[value]
+
+    one, two = peak(1), peak(2)
+    if one is None or two is None:
+        return {"value": None, "probes": probes, "note": f"no fake step: {errors[0]}"}
+    if one > budget:
+        return {"value": 0, "probes": probes, "note": f"{knob}=1 does not fit"}
+    lo, hi = (2, None) if two <= budget else (1, 2)  # largest known to fit, smallest known not to
+    while (hi is None or hi > lo + 1) and lo < limit:
+        guess = _crossing(probes, phases, budget, lo, hi)
+        guess = min(max(guess, lo + 1), hi - 1 if hi is not None else limit)
+        p = peak(guess)
+        lo, hi = (guess, hi) if p is not None and p <= budget else (lo, guess)
+    note = f"checked by fake steps at {lo} and {hi}" if hi is not None else f"fits up to the limit {limit}"
+    return {"value": lo, "probes": probes, "note": note}
+
+
+def _crossing(probes, phases, budget: float, lo: int, hi: int | None) -> int:
+    """Where the peak reaches ``budget``, rounded down, from ``lo`` and its nearest other
+    probe (``hi``, else the one below ``lo``): each phase's peak (forward/backward, the
+    optimizer step) is a line of its own, and the first to reach the budget decides; the
+    peak itself, the larger of them, bends where they cross, so its own line (used when
+    the phases are unknown) may overshoot. Twice ``lo`` when there is no line."""
+    other = hi if hi is not None and probes.get(hi) is not None else max((v for v in probes if v < lo), default=None)
+    if other is None or probes.get(other) is None:
+        return 2 * lo
+    lines = [(probes[lo], probes[other])]
+    if phases.get(lo) and phases.get(other) and phases[lo].keys() == phases[other].keys():
+        lines = [(phases[lo][k], phases[other][k]) for k in phases[lo]]
+    crossings = []
+    for p1, p2 in lines:
+        if (p2 - p1) * (other - lo) > 0:  # rising: it reaches the budget somewhere ahead
+            crossings.append(lo + (budget - p1) * (other - lo) / (p2 - p1))
+    return int(min(crossings)) if crossings else 2 * lo
+
+
+def find_rows(cfg, world_sizes, device_type: str, progress: Progress | None = None) -> list[dict[str, Any]]:
+    find = _value(cfg.plan.find)
+    knob = {"batch_size": "trainer.batch_size", "depth": "model.n_layers"}[find]
+    out = []
+    for name in strategy_names(cfg):
+        for combo in lever_combos(cfg):
+            if not applies(name, combo):
+                continue
+            for ws in world_sizes:
+                found = largest(cfg, name, ws, knob, device_type, combo=combo)
+                label = f"{name}{'' if combo == 'none' else ' + ' + combo}"
+                if progress is not None:
+                    progress.done(1, f"{find} of {label} x{ws}: {found['value']}")
+                out.append({"strategy": name, "levers": combo, "world_size": ws, "find": find, **found})
+                out[-1]["probes"] = {str(k): v for k, v in found["probes"].items()}
+    return out
+
+
+def faked(cfg) -> str:
+    """What the fake steps stand for (the device and its kernels)."""
+    if cfg.plan.params is not None:
+        return f"{_value(cfg.plan.device)} (a raw count is analytic: nothing is faked)"
+    if _value(cfg.plan.device) == "cuda":
+        from sharded_exp.measure.cuda_kernels import cublas_workspace_mib
+
+        workspace, source = cublas_workspace_mib()
+        return (f"cuda (fake tensors with the kernels CUDA chooses: fused attention, foreach optimizer; "
+                f"+ {workspace:g} MiB cuBLAS workspace: {source})")  # fmt: skip
+    return "cpu (the kernels a CPU run uses)"

@@ -1,0 +1,176 @@
+"""The plan as a person reads it (``plan.format=table`` or ``md``) or a program does (``csv``,
+``json``): the same columns in each.
+
+The header says what was planned (model preset, parameters, sequence length, precision,
+optimizer, per-rank batch, device budget) and how (the method, said once); the table one row
+per strategy, lever and world size, the peak broken down as the report breaks it down.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from typing import Any
+
+from omegaconf import OmegaConf
+
+PARTS = (
+    "params",
+    "grads",
+    "optimizer",
+    "optimizer_step",
+    "gathered",
+    "buckets",
+    "activations",
+    "temporaries",
+    "communication",
+    "other",
+    "workspace",
+)
+"""The parts of a rank's peak (each row's ``<part>_gib``), as the report names them: optimizer
+state apart from the optimizer step's temporaries, communication buckets apart from
+activations."""
+HEADINGS = {"optimizer": "optim state", "optimizer_step": "optim step", "communication": "comm"}
+"""A part's column heading where it differs from its key."""
+MEANINGS = {
+    "params": "parameters this rank holds",
+    "grads": "gradients",
+    "optim state": "optimizer state (Adam's two moments)",
+    "optim step": "the optimizer step's temporaries (foreach Adam's sqrt(v))",
+    "gathered": "parameters gathered whole for a unit's compute (FSDP)",
+    "buckets": "communication buckets (DDP's all-reduce, ShardedDDP's reduce)",
+    "activations": "activations kept for the backward",
+    "temporaries": "forward/backward temporaries",
+    "comm": "collective buffers in flight",
+    "workspace": "cuBLAS workspace (CUDA)",
+    "peak": "the largest rank's peak",
+    "mean": "the mean over ranks",
+    "host": "host memory (CPU offload)",
+}
+COLUMNS = ("strategy", "levers", "ranks", *(HEADINGS.get(p, p) for p in PARTS), "peak", "mean", "host", "fits")
+"""Every format's columns, in order."""
+
+
+def cells(row: dict[str, Any], scale: float) -> list[Any]:
+    """One row's values under :data:`COLUMNS` (memory times ``scale`` from GiB; None: none)."""
+    mib = lambda v: None if v is None else v * scale  # noqa: E731
+    fits = None if row["fits"] is None else ("yes" if row["fits"] else "no")
+    return [row["strategy"], row.get("levers", "none"), row["world_size"],
+            *(mib(row.get(f"{k}_gib")) for k in PARTS), mib(row["total_gib"]), mib(row.get("mean_gib")),
+            mib(row.get("host_gib")), fits]  # fmt: skip
+
+
+def _unit(rows) -> tuple[str, float]:
+    big = max((r["total_gib"] or 0 for r in rows), default=0) >= 1
+    return ("GiB", 1.0) if big else ("MiB", 1024.0)
+
+
+def header(cfg, params: int, preset: str, faked: str) -> list[str]:
+    """What was planned, in two lines."""
+    count = f"{params / 1e9:.2f} B" if params >= 1e8 else f"{params:,}"
+    what = (f"raw parameter count {count} params in {cfg.plan.units} units" if cfg.plan.params is not None
+            else f"model={preset} ({count} params)")  # fmt: skip
+    seq = OmegaConf.select(cfg.model, "seq_len", default=None) if cfg.plan.params is None else None
+    return [
+        f"plan: {what}" + (f", sequence {seq}" if seq else "") + f", precision {cfg.precision.name}, optimizer "
+        f"{cfg.optimizer.name}, batch {cfg.trainer.batch_size} per rank, device budget "
+        f"{cfg.plan.device_memory_gib:g} GiB",
+        f"device: {faked}",
+    ]
+
+
+def methods(rows) -> list[str]:
+    return list(dict.fromkeys(r["method"] for r in rows))
+
+
+def shown(rows) -> list[str]:
+    """The columns this plan shows: every column, less the parts (and host memory) no row
+    holds anything in (a 7B DDP plan has no gathered parameters): the same in every format."""
+    empty = lambda i: all(not v for v in (cells(r, 1.0)[i] for r in rows))  # noqa: E731
+    optional = {HEADINGS.get(p, p) for p in PARTS} | {"host"}
+    return [c for i, c in enumerate(COLUMNS) if c not in optional or not empty(i)]
+
+
+def _body(rows, scale: float) -> tuple[list[str], list[list[Any]]]:
+    """Column headings and rows, with a ``method`` column only where the rows' methods differ."""
+    found = methods(rows)
+    head = shown(rows)
+    index = [COLUMNS.index(c) for c in head]
+    body = [[line[i] for i in index] for line in (cells(r, scale) for r in rows)]
+    if len(found) > 1:
+        head.append("method")
+        for line, r in zip(body, rows):
+            line.append(found.index(r["method"]) + 1)
+    return head, body
+
+
+def text(rows, found, cfg, params: int, preset: str, faked: str, markdown: bool = False) -> str:
+    """``plan.format=table`` (aligned columns) or ``md`` (a GitHub Markdown table)."""
+    from tabulate import tabulate
+
+    unit, scale = _unit(rows)
+    head, body = _body(rows, scale)
+    kinds = methods(rows)
+    lines = header(cfg, params, preset, faked)
+    if len(kinds) == 1:
+        lines.append(f"method: {kinds[0]}")
+    else:
+        lines += [f"method {i}: {m}" for i, m in enumerate(kinds, 1)]
+    lines.append(f"{unit} per rank at the peak; - : not applicable")
+    if markdown:
+        lines = [f"{line}  " for line in lines]  # Markdown line breaks
+    lines.append("")
+    lines.append(tabulate(body, headers=head, tablefmt="github" if markdown else "simple", floatfmt=".2f",
+                          missingval="-"))  # fmt: skip
+    notes = sorted({f"{r['strategy']}: {r['note']}" for r in rows if r["note"]})
+    if notes:
+        lines += ["", *[f"note: {n}" for n in notes]]
+    return "\n".join(lines + _extras(rows, found, cfg, unit, scale))
+
+
+def _extras(rows, found, cfg, unit: str, scale: float) -> list[str]:
+    from sharded_exp.plan.points import cheapest, lever_combos
+
+    lines = []
+    if cfg.plan.params is None and (len(lever_combos(cfg)) > 1 or any(r.get("levers", "none") != "none" for r in rows)):
+        for best in cheapest(rows):
+            label = best["strategy"] + ("" if best["levers"] == "none" else f" + {best['levers']}")
+            cost = f"; {best['cost']}" if best.get("cost") else ""
+            lines.append(f"cheapest that fits at {best['world_size']} ranks: {label} ({best['total_gib'] * scale:.2f} "
+                         f"{unit}{cost})")  # fmt: skip
+    if found:
+        find = str(getattr(cfg.plan.find, "value", cfg.plan.find))
+        label = {
+            "batch_size": "largest batch per rank",
+            "depth": f"largest depth at d_model={cfg.model.get('d_model')}",
+        }
+        lines.append(f"\n{label[find]} that fits {cfg.plan.device_memory_gib:g} GiB:")
+        lines += [f"  {f['strategy']}{'' if f.get('levers', 'none') == 'none' else ' + ' + f['levers']} "
+                  f"x{f['world_size']}: {f['value']} ({f['note']})" for f in found]  # fmt: skip
+    return lines
+
+
+def csv_text(rows) -> str:
+    """``plan.format=csv``: the table's columns, memory in GiB, one line per row."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    head, body = _body(rows, 1.0)
+    writer.writerow(head)
+    for line in body:
+        writer.writerow(["" if v is None else (f"{v:.6g}" if isinstance(v, float) else v) for v in line])
+    return out.getvalue().rstrip("\n")
+
+
+def json_text(doc: dict[str, Any]) -> str:
+    """``plan.format=json``: the rows (every column, and more: ``<part>_gib``, ``phases_gib``,
+    the note), the columns' names, what was planned."""
+    return json.dumps(doc, indent=2)
+
+
+def column_keys(rows) -> dict[str, str]:
+    """Each shown column's key in a JSON row."""
+    keys = {"strategy": "strategy", "levers": "levers", "ranks": "world_size"}
+    keys |= {HEADINGS.get(p, p): f"{p}_gib" for p in PARTS}
+    keys |= {"peak": "total_gib", "mean": "mean_gib", "host": "host_gib", "fits": "fits"}
+    return {c: keys[c] for c in shown(rows)}

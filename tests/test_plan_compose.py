@@ -1,0 +1,67 @@
+"""A deep model's plan composed from shallow fake steps equals the whole model faked.
+
+The planner fakes each strategy at three shallow depths at its first world size and draws
+the rest; at each further world size one shallow fake says whether the lines moved
+(sharded_exp/plan/depth.py). The answer must not change: composed and whole-model peaks
+(the largest rank's and the mean over ranks) agree within 1%, at several world sizes in
+one composition, on the 8-block model of the scale tests and on a Hugging Face model.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sharded_exp.compose import compose
+from tests.test_build import DEEP
+
+STRATEGIES = ["ddp", "fsdp", "fsdp_grad_op", "oss", "sharded_ddp", "zero1"]
+
+
+def composed_and_whole(overrides, world_sizes, device: str, strategies=STRATEGIES):
+    from sharded_exp.plan import points
+
+    cfg = compose([*overrides, f"plan.strategies=[{','.join(strategies)}]", f"plan.device={device}"], "plan")
+    composed = points.plan_rows(cfg, list(world_sizes), device)
+    cfg.plan.by_depth = False
+    whole = points.plan_rows(cfg, list(world_sizes), device)
+    return composed, whole
+
+
+def assert_agree(composed, whole) -> None:
+    for c, w in zip(composed, whole):
+        point = (c["strategy"], c["world_size"], c["method"], c["note"])
+        assert (c["strategy"], c["world_size"]) == (w["strategy"], w["world_size"])
+        assert not w["method"].startswith("composed")
+        assert c["total_gib"] == pytest.approx(w["total_gib"], rel=0.01), point
+        assert c["mean_gib"] == pytest.approx(w["mean_gib"], rel=0.01), point
+        for part in ("params_gib", "optimizer_gib", "activations_gib"):  # the breakdown follows
+            assert c[part] == pytest.approx(w[part], rel=0.01, abs=1e-6), (part, point)
+
+
+def test_the_8_block_model_composed_equals_it_faked_whole_for_every_strategy():
+    """CUDA's kernels (foreach Adam: the step's temporaries follow the state), 2 and 8 ranks:
+    the first world size checks the lines, the second reuses or redraws them."""
+    composed, whole = composed_and_whole(DEEP, [2, 8], "cuda")
+    assert_agree(composed, whole)
+    by = {(r["strategy"], r["world_size"]): r for r in composed}
+    # drawn by depth, not faked whole, wherever the lines hold
+    for name in ("ddp", "fsdp", "fsdp_grad_op", "oss", "zero1"):
+        assert by[name, 2]["method"].startswith("composed by depth"), by[name, 2]
+        assert by[name, 8]["method"].startswith("composed by depth"), by[name, 8]
+    assert "unchanged at 1 blocks" in by["ddp", 8]["note"]  # DDP's lines do not move with the world size
+    assert "redrawn at 8 ranks" in by["fsdp", 8]["note"]  # FSDP's do (the gradients mid-backward)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_composed_equals_whole_from_1_to_64_ranks(device):
+    composed, whole = composed_and_whole(DEEP, [1, 2, 8, 64], device)
+    assert_agree(composed, whole)
+
+
+@pytest.mark.slow
+def test_a_hugging_face_model_composed_equals_it_faked_whole():
+    model = ["model=hf_llama", "model.config.num_hidden_layers=7", "model.seq_len=16", "trainer.batch_size=2"]
+    composed, whole = composed_and_whole(model, [2, 8], "cuda")
+    assert_agree(composed, whole)
+    assert any(r["method"].startswith("composed") for r in composed)
