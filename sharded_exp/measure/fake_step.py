@@ -27,6 +27,7 @@ What a fake step cannot do, it says (:attr:`StepEstimate.method`, ``note``):
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -88,6 +89,7 @@ def fake_process_group(world_size: int, rank: int):
 
     if dist.is_initialized():
         raise RuntimeError("a fake step needs a process without a process group (one is initialised here)")
+    hook = sys.excepthook  # init_process_group prefixes tracebacks with "[rank<r>]:", once per call
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     # A fake collective does nothing: it is complete once issued, as a real one is soon
     # after. torch's FakeWork says never, and code that frees memory on completion
@@ -101,6 +103,7 @@ def fake_process_group(world_size: int, rank: int):
     finally:
         work.is_completed = never
         dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 @contextlib.contextmanager

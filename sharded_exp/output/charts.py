@@ -21,7 +21,9 @@ MEASURED_PARTS = {  # torch's MemTracker categories (result.json per_rank peak_b
     "Temp": "temporaries, other", "Buffer": "temporaries, other", "Other": "temporaries, other",
 }  # fmt: skip
 PREDICTED_PARTS = {  # the fake step's (result.json memory.peak_prediction.breakdown_mib)
+    # the optimizer step's temporaries with the state: the CPU tracker files both as optimizer memory
     "params": "parameters", "gathered": "parameters", "grads": "gradients", "optimizer": "optimizer state",
+    "optimizer_step": "optimizer state",
     "activations": "activations", "temporaries": "temporaries, other", "communication": "temporaries, other",
     "other": "temporaries, other", "workspace": "temporaries, other",
 }  # fmt: skip
