@@ -8,7 +8,8 @@ fresh process), with its wall time and peak resident memory; ``import torch`` al
 timed the same way, just before, so a loaded machine slows both. Targets on a 2-core
 machine: a 7B GPT, six strategies x [8,64], within 20 s; a 65B-class GPT (80 layers,
 d_model 8192, 64 heads, bf16), six strategies x [8,16,32,64], within 60 s; under 2 GiB
-of RSS. Then the composed plans (sharded_exp/plan/depth.py) are held against whole-model
+of RSS in any one process (the planner's and each worker's: ``plan.workers``, by default
+one per core, fakes strategies side by side). Then the composed plans (sharded_exp/plan/depth.py) are held against whole-model
 fake steps on models that can be faked whole: the largest relative difference of the peak
 and of the mean over ranks. Prints Markdown; writes outputs/benchmarks/planner_speed.json.
 """
@@ -38,7 +39,8 @@ AGREEMENT = {
 RUN = (
     "import resource, sys, time; t = time.perf_counter(); from sharded_exp.plan.command import main; "
     "code = main(sys.argv[1:]); "
-    "print('BENCH', time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); "
+    "rss = max(resource.getrusage(w).ru_maxrss for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)); "
+    "print('BENCH', time.perf_counter() - t, rss, file=sys.stderr); "
     "sys.exit(code)"
 )
 

@@ -294,6 +294,10 @@ class PlanSettings:
     find: Optional[PlanFind] = None
     """Also find the largest ``batch_size`` (per rank) or GPT ``depth`` that fits, per
     strategy and world size."""
+    workers: int = 0
+    """Processes that fake steps side by side, one strategy (and lever combination) each:
+    0 (default) one per CPU core for a model of 1e8 parameters or more, at most one per
+    strategy; 1: all in this process."""
     format: PlanFormat = PlanFormat.table
     """table (aligned), md (a Markdown table), csv (GiB) or json: the same columns."""
     plot: Optional[str] = None

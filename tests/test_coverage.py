@@ -164,7 +164,8 @@ PLANS = {
                     "plan.format=json", "plan.device_memory_gib=40"],
     "gpt2_medium": ["model=gpt2_medium", "model.n_layers=2", "plan.world_sizes=[8]", "plan.strategies=[fsdp]",
                     "plan.by_depth=false"],
-    "gpt2_large": ["model=gpt2_large", "model.n_layers=2", "plan.world_sizes=[8]", "plan.strategies=[fsdp]"],
+    "gpt2_large": ["model=gpt2_large", "model.n_layers=2", "plan.world_sizes=[8]", "plan.strategies=[ddp,fsdp]",
+                   "plan.workers=2"],  # two strategies faked side by side
     "gpt2_xl": ["model=gpt2_xl", "model.n_layers=2", "plan.world_sizes=[8]", "plan.strategies=[fsdp]"],
     "gpt_7b": ["model=gpt_7b", "model.n_layers=2", "plan.world_sizes=[64]", "plan.strategies=[fsdp]",
                "trainer.batch_size=1"],

@@ -248,7 +248,13 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
     sample = _probe(cfg.data, cfg.model)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     name = cfg.strategy.name
-    with fake_process_group(world_size, rank), _separate_propagation_mode(), _lazy_fsdp_chunks(), mode, on_gpu as kernels:
+    with (
+        fake_process_group(world_size, rank),
+        _separate_propagation_mode(),
+        _lazy_fsdp_chunks(),
+        mode,
+        on_gpu as kernels,
+    ):
         torch.manual_seed(tc.seed)
         # As a CPU run measures: from before the strategy allocates its buffers.
         tracker, built, tracking, build = peak_tracker(), [], [], {}

@@ -190,8 +190,19 @@ def _peak_summary(peak: dict[str, Any] | None) -> dict[str, Any] | None:
         return None
     return {
         k: peak.get(k)
-        for k in ("method", "note", "rank", "breakdown_mib", "build_peak_mib", "build_breakdown_mib", "kernels",
-                  "rules", "host_mib", "seconds", "error")  # fmt: skip
+        for k in (
+            "method",
+            "note",
+            "rank",
+            "breakdown_mib",
+            "build_peak_mib",
+            "build_breakdown_mib",
+            "kernels",
+            "rules",
+            "host_mib",
+            "seconds",
+            "error",
+        )  # fmt: skip
     }
 
 

@@ -38,6 +38,8 @@ def check_plan(cfg, argv: list[str] = ()) -> None:
         raise ConfigError(f"plan.world_sizes={list(p.world_sizes)} must be a non-empty list of integers >= 1")
     if not (math.isfinite(p.device_memory_gib) and p.device_memory_gib > 0):
         raise ConfigError(f"plan.device_memory_gib={p.device_memory_gib} must be a finite number > 0")
+    if p.workers < 0:
+        raise ConfigError(f"plan.workers={p.workers} must be >= 0 (0: one process per CPU core; 1: this process only)")
     if p.units < 1:
         raise ConfigError(f"plan.units={p.units} must be >= 1")
     for name in p.strategies or []:
@@ -109,15 +111,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def plan(cfg, preset: str) -> int:
     """Plan the composed, checked ``cfg`` and print it in ``plan.format``."""
-    from sharded_exp.measure.prediction import model_shapes
     from sharded_exp.plan import points, table
+    from sharded_exp.plan.depth import shapes_of
     from sharded_exp.plan.progress import Progress
 
     device_type = points._value(cfg.plan.device)
     if cfg.plan.params is not None:
         params = int(cfg.plan.params)
     else:
-        shapes = model_shapes(cfg.model, cfg.optimizer, freeze=cfg.trainer.freeze)
+        shapes = shapes_of(cfg)
         params = sum(math.prod(s) for g in shapes.groups for s in g)
     world_sizes = list(cfg.plan.world_sizes)
     total = len(points.points(cfg)) * len(world_sizes) * (2 if cfg.plan.find else 1)

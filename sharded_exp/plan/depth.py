@@ -62,6 +62,22 @@ class Fake:
     seconds: float
     note: str = ""
     """What the fake step says of itself (clipping faked without, a rule applied)."""
+    setup_clear: bool = True
+    """Whether the strategy's set-up moment (:meth:`Strategy.setup_transient_mib`) is clear
+    of the peak (:func:`_setup_clear`)."""
+
+
+_SHAPES: dict[str, Any] = {}
+
+
+def shapes_of(cfg):
+    """The configured model's shapes (:func:`~sharded_exp.measure.prediction.model_shapes`),
+    built once per model, optimizer and freeze config: a plan asks for the same ones for
+    every strategy and world size (a 7B model on the meta device takes most of a second)."""
+    key = OmegaConf.to_yaml(OmegaConf.create({"m": cfg.model, "o": cfg.optimizer, "f": cfg.trainer.freeze}))
+    if key not in _SHAPES:
+        _SHAPES[key] = model_shapes(cfg.model, cfg.optimizer, freeze=cfg.trainer.freeze)
+    return _SHAPES[key]
 
 
 def first_depth(name: str) -> int:
@@ -73,7 +89,7 @@ def fake_at(cfg_s, key: str, depth: int, world_size: int, device_type: str) -> F
     """A fake step of ``cfg_s``'s model cut to ``depth`` blocks, or why there is none."""
     c = cfg_s.copy()
     OmegaConf.update(c.model, key, depth)
-    shapes = model_shapes(c.model, c.optimizer, freeze=c.trainer.freeze)
+    shapes = shapes_of(c)
     prediction = predict(c.strategy, c.optimizer, str(c.precision.name), shapes, world_size)
     peak = predict_peak(c, world_size, device_type, prediction, shapes, flops=False)
     if peak["per_rank_mib"] is None:
@@ -86,7 +102,15 @@ def fake_at(cfg_s, key: str, depth: int, world_size: int, device_type: str) -> F
         lines[phase] = {k: v - mine[k] if k in STATES else v for k, v in parts.items()}
         temporaries = parts.get(STEP_TEMPORARIES, 0.0)
         ratios[phase] = temporaries / stepped if stepped > 0 else None
-    return Fake(depth, lines, ratios, raw, peak["seconds"] or 0.0, peak["note"])
+    clear = _setup_clear(c, shapes, world_size, mine, {k: p for k, (p, _) in peak["phases_mib"].items()})
+    return Fake(depth, lines, ratios, raw, peak["seconds"] or 0.0, peak["note"], clear)
+
+
+def _setup_clear(cfg_s, shapes, world_size: int, mine: dict[str, float], peaks: dict[str, float]) -> bool:
+    """Whether the strategy's set-up moment (in the first forward: the "step" phase), with
+    every state the rank holds, stays below that phase's peak: then it is not the peak."""
+    transient = STRATEGIES.builder(cfg_s.strategy.name).setup_transient_mib(cfg_s.strategy, shapes, world_size)
+    return not transient or sum(mine.values()) + transient < peaks.get("step", max(peaks.values()))
 
 
 def _stepped_state(cfg_s, shapes, world_size: int, rank: int) -> float:
@@ -106,9 +130,8 @@ def _ratio_holds(fakes: list[Fake], phase: str) -> bool:
     return None not in ratios and all(abs(r - ratios[0]) <= REL * abs(ratios[0]) + 1e-9 for r in ratios)
 
 
-def rules_on_line(a: Fake, b: Fake, c: Fake, bounded=()) -> dict[str, str] | None:
-    """Whether ``c`` lies on the lines through ``a`` and ``b`` (depths one apart) and each
-    ``bounded`` part is the same at all three (it has stopped growing). Returns how each
+def rules_on_line(a: Fake, b: Fake, c: Fake) -> dict[str, str] | None:
+    """Whether ``c`` lies on the lines through ``a`` and ``b`` (depths one apart). Returns how each
     phase's optimizer-step temporaries grow (``ratio``: with the rank's optimizer state,
     as a foreach optimizer's do; ``line``: like the rest, as a per-tensor loop's largest
     tensor does), or None where anything bends."""
@@ -118,8 +141,6 @@ def rules_on_line(a: Fake, b: Fake, c: Fake, bounded=()) -> dict[str, str] | Non
     rules = {}
     for phase, line in c.lines.items():
         at = lambda f, k: f.lines[phase].get(k, 0.0)  # noqa: E731
-        if any(not _near(at(f, k), line.get(k, 0.0), c.raw[phase].get(k, 0.0)) for k in bounded for f in (a, b)):
-            return None
         bent = {
             k for k, v in line.items() if not _near(v, at(b, k) + steps * (at(b, k) - at(a, k)), c.raw[phase].get(k, v))
         }
@@ -177,14 +198,12 @@ def peaks_by_depth(cfg_s, world_sizes, device_type: str, key: str, layers: int) 
     out: dict[int, dict | None] = {}
     first: tuple[Fake, Fake] | None = None
     first_ws, rules = 0, {}
-    full_shapes = model_shapes(cfg_s.model, cfg_s.optimizer, freeze=cfg_s.trainer.freeze)
+    full_shapes = shapes_of(cfg_s)
     for ws in world_sizes:
         fakes = [fake_at(cfg_s, key, depths[0], ws, device_type)]
         if first is None or strategy.depth_lines_per_world_size:
             fakes += [fake_at(cfg_s, key, d, ws, device_type) for d in depths[1:]]
-            found = (
-                None if any(isinstance(f, str) for f in fakes) else rules_on_line(*fakes, strategy.depth_bounded_parts)
-            )
+            found = None if any(isinstance(f, str) for f in fakes) else rules_on_line(*fakes)
             if found is None:
                 out[ws] = None  # faked whole by the caller
                 continue
@@ -206,6 +225,10 @@ def peaks_by_depth(cfg_s, world_sizes, device_type: str, key: str, layers: int) 
         states = prediction["model_states_mib"]
         rank = max(range(len(states)), key=lambda r: sum(states[r].values()))
         phases = compose(*pair, layers, prediction, here, _stepped_state(cfg_s, full_shapes, ws, rank))
+        peaks = {k: p for k, (p, _) in phases.items()}
+        if not all(f.setup_clear for f in pair) or not _setup_clear(cfg_s, full_shapes, ws, states[rank], peaks):
+            out[ws] = None  # the strategy's set-up moment may be the peak: faked whole
+            continue
         top = max(phases.values(), key=lambda p: p[0])
         out[ws] = {
             "per_rank_mib": peaks_of_ranks(list(phases.values()), states, rank),

@@ -16,7 +16,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from sharded_exp.measure.prediction import ModelShapes, model_shapes, predict, predict_peak
-from sharded_exp.plan.depth import first_depth, peaks_by_depth
+from sharded_exp.plan.depth import first_depth, peaks_by_depth, shapes_of
 from sharded_exp.plan.progress import Progress
 from sharded_exp.plan.table import PARTS
 from sharded_exp.strategies import STRATEGIES
@@ -230,21 +230,64 @@ def points(cfg) -> list[tuple[str, str]]:
 
 
 def plan_rows(cfg, world_sizes, device_type: str = "cpu", progress: Progress | None = None) -> list[dict[str, Any]]:
-    shapes = None if cfg.plan.params is not None else model_shapes(cfg.model, cfg.optimizer, freeze=cfg.trainer.freeze)
-    rows = []
-    for name, combo in points(cfg):
-        label = f"{name}{'' if combo == 'none' else ' + ' + combo}"
-        if shapes is None:
-            rows += [raw_row(cfg, name, ws) for ws in world_sizes]
-            if progress is not None:
-                progress.done(len(world_sizes), label)
-            continue
-        composed = composed_peaks(cfg, name, world_sizes, device_type, combo)
-        for ws in world_sizes:
-            rows.append(model_row(cfg, name, ws, shapes, device_type, combo, peak=composed[ws]))
-            if progress is not None:
-                progress.done(1, f"{label} x{ws}")
-    return rows
+    """Every planned point's row, in the order of :func:`points` then ``world_sizes``; the
+    strategies are faked side by side in ``plan.workers`` processes (:func:`workers`)."""
+    world_sizes = list(world_sizes)
+    tasks = points(cfg)
+    found: dict[tuple[str, str], list[dict[str, Any]]] = {}
+
+    def done(task, rows) -> None:
+        found[task] = rows
+        if progress is not None:
+            label = f"{task[0]}{'' if task[1] == 'none' else ' + ' + task[1]}"
+            progress.done(len(rows), label if len(rows) > 1 else f"{label} x{world_sizes[0]}")
+
+    count = workers(cfg, len(tasks))
+    if count > 1:
+        import concurrent.futures
+        import multiprocessing
+
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["sharded_exp.plan.points"])
+        # the costliest first (FSDP's fake steps), so that the last to finish is a short one
+        order = sorted(tasks, key=lambda t: -STRATEGY_COST.get(t[0], 0))
+        with concurrent.futures.ProcessPoolExecutor(count, mp_context=context) as pool:
+            futures = {pool.submit(task_rows, cfg, *t, world_sizes, device_type): t for t in order}
+            for future in concurrent.futures.as_completed(futures):
+                done(futures[future], future.result())
+    else:
+        for task in tasks:
+            done(task, task_rows(cfg, *task, world_sizes, device_type))
+    return [row for task in tasks for row in found[task]]
+
+
+SIDE_BY_SIDE_FROM = 10**8
+"""Parameters from which ``plan.workers=0`` fakes side by side: a smaller model's fake steps
+take less than the second or two a worker process takes to start."""
+
+
+def workers(cfg, tasks: int) -> int:
+    """How many processes fake side by side: ``plan.workers``, or (0) one per CPU core this
+    process may use for a model of :data:`SIDE_BY_SIDE_FROM` parameters or more; never more
+    than there are strategies to fake (a raw count fakes none)."""
+    import os
+
+    if cfg.plan.params is not None:
+        return 1
+    wanted = int(cfg.plan.get("workers", 1))
+    if wanted == 0:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        wanted = cores if shapes_of(cfg).params >= SIDE_BY_SIDE_FROM else 1
+    return max(1, min(wanted, tasks))
+
+
+def task_rows(cfg, name: str, combo: str, world_sizes, device_type: str) -> list[dict[str, Any]]:
+    """The rows of one strategy and lever combination at every world size."""
+    if cfg.plan.params is not None:
+        return [raw_row(cfg, name, ws) for ws in world_sizes]
+    shapes = shapes_of(cfg)
+    composed = composed_peaks(cfg, name, world_sizes, device_type, combo)
+    return [model_row(cfg, name, ws, shapes, device_type, combo, peak=composed[ws]) for ws in world_sizes]
 
 
 def cheapest(rows) -> list[dict[str, Any]]:

@@ -81,10 +81,6 @@ class Strategy:
     depth_lines_per_world_size = False
     """True when whether the peak lies on a line in depth depends on the world size (the
     planner then checks the line at every world size, not at the first alone)."""
-    depth_bounded_parts: tuple[str, ...] = ()
-    """Parts of the peak that stop growing at some depth (buffers of a fixed capacity that
-    fill as the model deepens): a deep model is drawn from shallow ones only where these
-    no longer grow between the depths faked, else it is faked whole."""
     zero_grad_fixed: ZeroGrad | None = None
     """The one rule by which this strategy clears gradients, whatever ``trainer.zero_grad``
     asks (ShardedDDP: zeros in place), with its reason in ``zero_grad_fixed_reason``; None:
@@ -177,6 +173,13 @@ class Strategy:
 
         ``numels``: the trainable parameters' sizes; ``owners``: their optimizer-shard rank."""
         return 0, 0
+
+    @classmethod
+    def setup_transient_mib(cls, cfg, shapes, world_size: int) -> float:
+        """MiB this strategy allocates for a moment while it sets up (beyond what it keeps):
+        a deep model's peak is composed from shallow ones only where this moment cannot be
+        the peak (sharded_exp.plan.depth). Nothing by default."""
+        return 0.0
 
     @classmethod
     def resident_numel(cls, cfg, shapes, owners, rank: int, world_size: int) -> dict:

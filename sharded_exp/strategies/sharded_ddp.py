@@ -78,10 +78,8 @@ def resident_grad_numel(reduce_buffer_size, numels, owners, rank, world_size) ->
 @STRATEGIES.register("sharded_ddp")
 class ShardedDDP(OSS):
     Config = ShardedDDPConfig
-    # Each destination rank's reduce bucket fills up to reduce_buffer_size as the model
-    # deepens, then stays: drawn by depth only once full. How many buckets are live at once
-    # depends on the world size, so the line is checked at every world size.
-    depth_bounded_parts = ("buckets",)
+    # How many reduce buckets there are, and how full, depends on the world size and the
+    # depth: the planner checks its lines at every world size (and see setup_transient_mib).
     depth_lines_per_world_size = True
     zero_grad_fixed = ZeroGrad.zeros
     zero_grad_fixed_reason = (
@@ -111,6 +109,17 @@ class ShardedDDP(OSS):
     def zero_grad(self) -> None:
         # Never set_to_none here: see the module's warning.
         self.model.zero_grad(set_to_none=False)
+
+    @classmethod
+    def setup_transient_mib(cls, cfg, shapes, world_size: int) -> float:
+        # Setting up its buckets, ShardedDataParallel allocates one bucket of
+        # min(reduce_buffer_size, model size) per destination rank that owns a trainable
+        # parameter, all at once, before shrinking each to its fill.
+        if world_size == 1 or not cfg.reduce_buffer_size:
+            return 0.0
+        numels = [[math.prod(s) for s in g] for g in shapes.groups]
+        destinations = len(set(cls.partition(numels, world_size)))
+        return destinations * min(cfg.reduce_buffer_size, shapes.params) * shapes.element_bytes / 2**20
 
     @classmethod
     def bucket_numel(cls, cfg, numels, owners, rank, world_size):
