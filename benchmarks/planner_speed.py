@@ -8,8 +8,9 @@ fresh process), with its wall time and peak resident memory; ``import torch`` al
 timed the same way, just before, so a loaded machine slows both. Targets on a 2-core
 machine: a 7B GPT, six strategies x [8,64], within 20 s; a 65B-class GPT (80 layers,
 d_model 8192, 64 heads, bf16), six strategies x [8,16,32,64], within 60 s; under 2 GiB
-of RSS in any one process (the planner's and each worker's: ``plan.workers``, by default
-one per core, fakes strategies side by side). Then the composed plans (sharded_exp/plan/depth.py) are held against whole-model
+of RSS (``plan.workers``, by default one per core, fakes strategies side by side; the
+65B-class plan in one process, ``plan.workers=1``, shows what one process holds doing all
+of it). Then the composed plans (sharded_exp/plan/depth.py) are held against whole-model
 fake steps on models that can be faked whole: the largest relative difference of the peak
 and of the mean over ranks. Prints Markdown; writes outputs/benchmarks/planner_speed.json.
 """
@@ -30,6 +31,9 @@ PLANS = {
     "65B-class GPT (80 x 8192, 64 heads, bf16), six strategies x [8,16,32,64]": (
         ["model=gpt_7b", "model.n_layers=80", "model.d_model=8192", "model.n_heads=64", "precision=bf16",
          "trainer.batch_size=1", "plan.world_sizes=[8,16,32,64]"], 60.0),
+    "the same 65B-class plan in one process (plan.workers=1)": (
+        ["model=gpt_7b", "model.n_layers=80", "model.d_model=8192", "model.n_heads=64", "precision=bf16",
+         "trainer.batch_size=1", "plan.world_sizes=[8,16,32,64]", "plan.workers=1"], 60.0),
 }  # fmt: skip
 AGREEMENT = {
     "the 8-block model of the scale tests": ["model=gpt", "model.d_model=128", "model.n_heads=4", "model.n_layers=8",
