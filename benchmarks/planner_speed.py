@@ -68,6 +68,11 @@ def plan_once(args: list[str]) -> dict:
             "composed": sum(r["method"].startswith("composed") for r in doc["rows"]), "rows": doc["rows"]}  # fmt: skip
 
 
+SMOKE = ["model=gpt", "model.d_model=128", "model.n_heads=4", "model.n_layers=8", "model.seq_len=8",
+         "model.vocab_size=64", "trainer.batch_size=2", "plan.strategies=[ddp,fsdp]"]  # fmt: skip
+"""``--smoke``: the 8-block model, two strategies (tests/test_benchmarks.py)."""
+
+
 def agreement(overrides: list[str]) -> dict:
     """The composed plan beside the whole model faked, in this process (one composition
     over both world sizes: the first checks the lines, the second reuses or redraws them)."""
@@ -90,8 +95,13 @@ def agreement(overrides: list[str]) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the 7B plan only, no agreement check")
+    parser.add_argument("--smoke", action="store_true", help="a small model, two strategies: that the script runs")
     args = parser.parse_args()
     plans = dict(list(PLANS.items())[:1]) if args.quick else PLANS
+    agreements = AGREEMENT
+    if args.smoke:
+        plans = {"smoke: the 8-block model, ddp and fsdp x [2,8]": ([*SMOKE, "plan.world_sizes=[2,8]"], 600.0)}
+        agreements = {"smoke: the 8-block model, ddp and fsdp": SMOKE}
     rows, out = [], {"plans": {}, "agreement": {}}
     for name, (overrides, target) in plans.items():
         torch_s = import_torch_seconds()
@@ -108,13 +118,13 @@ def main() -> int:
                     "composed points"], rows))  # fmt: skip
     if not args.quick:
         agree = []
-        for name, overrides in AGREEMENT.items():
+        for name, overrides in agreements.items():
             a = agreement(overrides)
             out["agreement"][name] = a
             agree.append([name, f"{a['peak']:.2e}", f"{a['mean']:.2e}", f"{a['composed_points']}/{a['points']}",
                           f"{a['composed_s']:.1f}", f"{a['whole_s']:.1f}"])  # fmt: skip
         print()
-        print(markdown(["composed vs whole (6 strategies x [2,8], cuda)", "peak: largest rel. diff", "mean: largest",
+        print(markdown(["composed vs whole (x [2,8], cuda)", "peak: largest rel. diff", "mean: largest",
                         "composed points", "composed s", "whole s"], agree))  # fmt: skip
     print(f"\nwritten: {save('planner_speed', out)}")
     return 0

@@ -182,3 +182,11 @@ def test_cli_queries_smoke(tmp_path):
     }
     assert all(len(t) == 1 and t[0] > 0 for t in data["seconds"].values())
     assert data["leftovers"] == []  # a question writes nothing where it is asked
+
+
+def test_planner_speed_smoke(tmp_path):
+    data = bench("planner_speed", "--smoke", cwd=tmp_path)
+    [plan] = data["plans"].values()
+    assert plan["wall_s"] > 0 and plan["import_torch_s"] > 0 and plan["points"] == 4 and plan["peak_rss_mib"] > 0
+    [agree] = data["agreement"].values()
+    assert agree["points"] == 4 and agree["peak"] < 0.01 and agree["mean"] < 0.01
