@@ -1,4 +1,5 @@
-"""How long Hydra's questions take: ``--help``, ``--cfg job``, ``-sc query=bash``.
+"""How long Hydra's questions take: ``--help``, ``--cfg job``, ``-sc query=bash``, of the
+trainer (``sharded-exp``) and of the planner (``sharded-exp-plan``).
 
     python -m benchmarks.cli_queries               # 3 runs of each, side by side
     python -m benchmarks.cli_queries --repeats 5
@@ -28,12 +29,18 @@ from benchmarks.common import markdown, save
 def commands() -> dict[str, list[str]]:
     exe = shutil.which("sharded-exp", path=os.path.dirname(sys.executable)) or ""
     job = [exe] if exe else [sys.executable, "-m", "sharded_exp"]
+    planner = shutil.which("sharded-exp-plan", path=os.path.dirname(sys.executable)) or ""
+    plan = [planner] if planner else [sys.executable, "-m", "sharded_exp.plan"]
     return {
         "import hydra (floor)": [sys.executable, "-c", "import hydra"],
         "import torch (floor)": [sys.executable, "-c", "import torch"],
         "--help": [*job, "--help"],
         "--cfg job": [*job, "--cfg", "job"],
         "-sc query=bash": [*job, "-sc", "query=bash"],
+        "sharded-exp-plan --help": [*plan, "--help"],
+        "sharded-exp-plan --cfg job": [*plan, "--cfg", "job", "model=gpt_7b"],
+        "sharded-exp-plan --info defaults": [*plan, "--info", "defaults"],
+        "sharded-exp-plan -sc query=bash": [*plan, "-sc", "query=bash"],
     }
 
 

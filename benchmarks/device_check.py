@@ -159,8 +159,8 @@ def adam(checks: Checks) -> None:
 
 
 def plan_at_8(checks: Checks) -> None:
-    from sharded_exp import plan
     from sharded_exp.compose import compose
+    from sharded_exp.plan import points as plan
 
     cfg = compose(["model=gpt2_small", "precision=bf16", "trainer.batch_size=4"], config_name="plan")
     t0 = time.time()
