@@ -215,7 +215,7 @@ def _drawn_and_whole(strategy: str, world_size: int, device: str) -> tuple[float
     return drawn["total_gib"], whole["total_gib"]
 
 
-@pytest.mark.slow  # the default tier holds the same rule: test_plan.py::test_22_11_a_deep_model_drawn_...
+@pytest.mark.slow  # the default tier holds the same rule: test_plan_compose.py
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp", "fsdp_grad_op"])
 def test_depth_drawn_and_whole_model_fakes_agree(strategy):
     drawn, whole = _drawn_and_whole(strategy, 8, "cuda")

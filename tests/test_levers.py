@@ -130,7 +130,7 @@ def test_plan_levers_and_the_cheapest_combination_that_fits(capsys):
     states to the host (a GPU plan, by rule); the cheapest combination that fits is named."""
     from sharded_exp.plan import command
 
-    # each point faked once, whole (drawn by depth gives the same figures: test_plan.py's test_22_11)
+    # each point faked once, whole (composed by depth gives the same figures: test_plan_compose.py)
     model = ["model=gpt", "model.d_model=64", "model.n_layers=6", "model.seq_len=128", "trainer.batch_size=4",
              "plan.by_depth=false"]  # fmt: skip
     assert command.main([*model, "plan.format=json", "plan.world_sizes=[2]", "plan.strategies=[ddp,fsdp]",
