@@ -179,6 +179,10 @@ def test_cli_queries_smoke(tmp_path):
         "--help",
         "--cfg job",
         "-sc query=bash",
+        "sharded-exp-plan --help",
+        "sharded-exp-plan --cfg job",
+        "sharded-exp-plan --info defaults",
+        "sharded-exp-plan -sc query=bash",
     }
     assert all(len(t) == 1 and t[0] > 0 for t in data["seconds"].values())
     assert data["leftovers"] == []  # a question writes nothing where it is asked

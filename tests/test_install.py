@@ -91,7 +91,7 @@ def test_questions_completion_and_your_own_config_dir(fresh_venv, tmp_path):
     assert not (tmp_path / "outputs").exists(), "--help made a run directory"
     print(f"sharded-exp --help: {help_s:.2f} s")
 
-    for tool, says in (("sharded-exp-plan", "plan.world_sizes=[1, 2, 4, 8, 64]"), ("sharded-exp-report", "SWEEP_DIR")):
+    for tool, says in (("sharded-exp-plan", "plan.world_sizes=[1,2,4,8,64]"), ("sharded-exp-report", "SWEEP_DIR")):
         assert says in sh([fresh_venv / "bin" / tool, "--help"], tmp_path, env).stdout, tool
 
     script = sh([exe, "-sc", "install=bash"], tmp_path, env).stdout

@@ -20,9 +20,10 @@ step) is one of three kinds:
 A strategy is faked at three shallow depths at the first world size planned: the lines go
 through the first two, and the third must lie on them (each part within 0.1%), or the
 whole model is faked. At each further world size one shallow fake says whether the lines
-moved: where only the shard changed they did not (DDP, OSS, ZeRO-1), and the first world
-size's lines are reused; where they did (FSDP's gradients mid-backward are part shard, part
-whole unit), a second fake draws them anew. The peak at full depth is the analytic states at
+moved: where only the shard changed they did not (DDP, OSS, ZeRO-1 under a foreach
+optimizer), and the first world size's lines are reused; where they did (FSDP's gradients
+mid-backward are part shard, part whole unit; a per-tensor optimizer's temporaries follow
+the largest tensor a rank steps), they are drawn and checked anew at that world size. The peak at full depth is the analytic states at
 full depth plus the lines drawn there; every rank's peak follows from the faked rank's
 (:func:`~sharded_exp.measure.prediction.peaks_of_ranks`).
 
@@ -201,26 +202,20 @@ def peaks_by_depth(cfg_s, world_sizes, device_type: str, key: str, layers: int) 
     full_shapes = shapes_of(cfg_s)
     for ws in world_sizes:
         fakes = [fake_at(cfg_s, key, depths[0], ws, device_type)]
-        if first is None or strategy.depth_lines_per_world_size:
+        reuse = first is not None and not strategy.depth_lines_per_world_size and isinstance(fakes[0], Fake)
+        if reuse and same_lines(first[0], fakes[0], rules):
+            pair, here = first, rules
+            how = f"as at {first_ws} ranks: unchanged at {depths[0]} blocks"
+        else:  # the first world size, or the lines moved: drawn and checked here
             fakes += [fake_at(cfg_s, key, d, ws, device_type) for d in depths[1:]]
             found = None if any(isinstance(f, str) for f in fakes) else rules_on_line(*fakes)
             if found is None:
                 out[ws] = None  # faked whole by the caller
                 continue
             pair, here = (fakes[0], fakes[1]), found
+            how = f"checked at {depths[2]}" if first is None else f"redrawn at {ws} ranks, checked at {depths[2]}"
             if first is None:
                 first, first_ws, rules = pair, ws, found
-            how = f"checked at {depths[2]}"
-        elif isinstance(fakes[0], Fake) and same_lines(first[0], fakes[0], rules):
-            pair, here = first, rules
-            how = f"as at {first_ws} ranks: unchanged at {depths[0]} blocks"
-        else:
-            fakes.append(fake_at(cfg_s, key, depths[1], ws, device_type))
-            if any(isinstance(f, str) for f in fakes):
-                out[ws] = None
-                continue
-            pair, here = (fakes[0], fakes[1]), rules
-            how = f"redrawn at {ws} ranks"
         prediction = predict(cfg_s.strategy, cfg_s.optimizer, str(cfg_s.precision.name), full_shapes, ws)
         states = prediction["model_states_mib"]
         rank = max(range(len(states)), key=lambda r: sum(states[r].values()))
