@@ -109,12 +109,12 @@ RULES = [
     ("report.csv.*.mfu_pct", "skip"),
     # Peaks of live tensors, measured (CPU: torch's MemTracker): within 10%.
     ("memory.peak_allocated_mib_*", "measured"),
-    ("memory.build_peak_mib_max", "measured"),
+    ("memory.build_peak_mib_max", "measured_build"),
     ("memory.peak_rel_error_max", "measured_error"),
     ("memory.per_rank.*.peak_allocated_mib", "measured"),
     ("memory.per_rank.*.peak_breakdown_mib.*", "measured"),
-    ("memory.per_rank.*.build_peak_mib", "measured"),
-    ("memory.per_rank.*.build_breakdown_mib.*", "measured"),
+    ("memory.per_rank.*.build_peak_mib", "measured_build"),
+    ("memory.per_rank.*.build_breakdown_mib.*", "measured_build"),
     ("memory.per_rank.*.peak_rel_error", "measured_error"),
     ("memory.oom_breakdown*", "measured"),
     ("history.*.mem/*", "measured"),
@@ -125,7 +125,14 @@ RULES = [
 ]
 MEASURED = 0.10
 """Measured peaks agree within 10% of the larger; a relative error (a fraction) within 0.1 and
-a saving in percent within 10 points, what a 10% change of the peak moves them by."""
+a saving in percent within 10 points, what a 10% change of the peak moves them by.
+
+The build's peak (``measured_build``) may also differ by one float32 copy of the parameters:
+DDP's initial broadcast of the module states (``_broadcast_coalesced`` over gloo) flattens
+them into one buffer, and whether that buffer is gone before the next allocation is a race
+with gloo's worker thread. Measured on this machine (a 3,466-parameter model under torch's
+MemTracker, 30 builds per rank): 27,728 bytes 28 times, 41,592 (one copy more) twice;
+with ``DDP(init_sync=False)`` 27,728 every time. On the tiny models here that is +50%."""
 
 CATEGORIES = [
     ("*digest*", "digest"),
@@ -258,7 +265,11 @@ def record_result(result: Dict[str, Any], out_dir: Path, key_sets: Dict[str, Lis
     key_sets[key_set] = keys
     result = normalised(result, out_dir)
     values = flatten({k: v for k, v in result.items() if k != "config"})
-    values["config"] = digest_of(result.get("config"))
+    # The W&B group is named after the run directory with a hash of its path ("raise-e6b228"):
+    # the one value of the config the recording's directory changes in a way <out> cannot.
+    config = json.loads(json.dumps(result.get("config") or {}))
+    (config.get("logger") or {}).pop("group", None)
+    values["config"] = digest_of(config)
     values.update(extra)
     return {"values": {k: v for k, v in values.items() if rule(k) != "skip"}, "key_set": key_set}
 
@@ -395,11 +406,12 @@ def record_sweep(sweep: Path, out_dir: Path, key_sets) -> Dict[str, Any]:
     return {"values": {k: v for k, v in values.items() if rule(k) != "skip"}, "points": points}
 
 
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+
 def commit() -> str:
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()  # fmt: skip
-    return head + (" (modified)" if dirty else "")
+    return git("rev-parse", "HEAD") + (" (modified)" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def record(out_dir: Path, smoke: bool, resume_from: Optional[Path]) -> int:
@@ -428,6 +440,8 @@ def record(out_dir: Path, smoke: bool, resume_from: Optional[Path]) -> int:
     golden = {
         "meta": {
             "commit": commit(),
+            # The newest commit that changed the code recorded (the package, its configs).
+            "code_commit": git("log", "-1", "--format=%H", "--", "sharded_exp", "pyproject.toml"),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
             "torch": torch.__version__,
             "python": sys.version.split()[0],
@@ -463,11 +477,13 @@ def resume_matches_fresh(runs: Dict[str, Any]) -> Dict[str, bool]:
 
 
 # ------------------------------------------------------------------------------ comparing
-def agree(how: str, old: Any, new: Any) -> bool:
+def agree(how: str, old: Any, new: Any, params_mib: float = 0.0) -> bool:
     if how == "exact" or not all(isinstance(x, (int, float)) for x in (old, new)):
         return old == new
     if how == "measured":
         return abs(new - old) <= MEASURED * max(abs(old), abs(new))
+    if how == "measured_build":
+        return abs(new - old) <= MEASURED * max(abs(old), abs(new)) or abs(new - old) <= params_mib * (1 + 1e-6)
     if how == "measured_error":
         return abs(new - old) <= MEASURED
     if how == "measured_pct":
@@ -501,7 +517,8 @@ def differences(old: Dict[str, Any], new: Dict[str, Any]) -> List[List[Any]]:
             if how == "skip":
                 continue
             x, y = va.get(path, "(absent)"), vb.get(path, "(absent)")
-            if path not in va or path not in vb or not agree(how, as_number(x), as_number(y)):
+            params_mib = 4 * (va.get("params") or 0) / 2**20  # one float32 copy of the parameters
+            if path not in va or path not in vb or not agree(how, as_number(x), as_number(y), params_mib):
                 rows.append([name, category(path, how), path, cell(x), cell(y), how])
     return rows
 
