@@ -1,9 +1,9 @@
 """The golden set: what today's code does, recorded, so that a refactor that must not change
 behaviour can be held to it (issue 33: "record a golden set at today's main").
 
-    python -m benchmarks.golden record OUT_DIR                       # about 6 min on 2 cores
-    python -m benchmarks.golden record OUT_DIR --smoke               # a subset (the slow-tier test)
-    python -m benchmarks.golden compare OLD_DIR NEW_DIR               # exit 1 on any difference
+    python -m benchmarks.golden record OUT_DIR                       # about 4 min on 2 cores
+    python -m benchmarks.golden record OUT_DIR --smoke               # a subset, 40 s (slow-tier test)
+    python -m benchmarks.golden compare OLD_DIR NEW_DIR               # 3 s; exit 1 on any difference
     python -m benchmarks.golden record NEW_DIR --resume-from OLD_DIR  # resume OLD's checkpoints
 
 What is recorded (CPU, gloo, 2 ranks, logger=none, tiny shapes, a few steps each):
