@@ -13,12 +13,13 @@ from sharded_exp.launch.parent import launch
 OUT = Path("outputs/benchmarks")
 
 
-def run(overrides: List[str], name: str) -> Dict[str, Any]:
+def run(overrides: List[str], name: str, root: Path = OUT, check: bool = True) -> Dict[str, Any]:
+    """Compose and launch one job in ``root / name``; raises unless it ends "ok" (``check``)."""
     cfg = compose(overrides)
-    out = OUT / name
+    out = root / name
     out.mkdir(parents=True, exist_ok=True)
     result = launch(cfg, str(out))
-    if result["status"] != "ok":
+    if check and result["status"] != "ok":
         raise RuntimeError(f"{name}: {result['error']}")
     return result
 

@@ -5,7 +5,9 @@ and the GPT (8 steps, 2 warm-up, logger=none, same seeds).
     python -m benchmarks.digests --compare OLD.json    # and the largest difference from OLD
 
 Save its output before a change that must not change numbers, run it again after, and
-compare: the figures must be identical (same seeds, same data, same code path).
+compare: the figures must be identical (same seeds, same data, same code path). The wider
+check (loss histories, predictions, key sets, checkpoints and resume, faults, the planner, a
+sweep's report) is ``benchmarks/golden.py``, which reads the strategy list from here.
 """
 
 from __future__ import annotations

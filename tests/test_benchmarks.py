@@ -194,3 +194,42 @@ def test_planner_speed_smoke(tmp_path):
     assert plan["wall_s"] > 0 and plan["import_torch_s"] > 0 and plan["points"] == 4 and plan["peak_rss_mib"] > 0
     [agree] = data["agreement"].values()
     assert agree["points"] == 4 and agree["peak"] < 0.01 and agree["mean"] < 0.01
+
+
+def test_golden_smoke_records_and_compare_flags_a_change(tmp_path):
+    data = bench("golden", "record", "recorded", "--smoke", cwd=tmp_path, timeout=600)
+    assert data["resume_matches_fresh"] == {"mlp/ddp/32": True, "mlp/fsdp/32": True}
+    recorded = tmp_path / "recorded"
+    golden = json.loads((recorded / "golden.json").read_text())
+    assert {"fault/raise", "plan", "sweep", "sweep/0", "cross/ddp_to_fsdp"} <= set(golden["runs"])
+    assert (recorded / "checkpoints" / "mlp" / "fsdp" / "32" / "step_00000003" / ".metadata").exists()
+
+    def compare(other):
+        env = {"PYTHONPATH": str(ROOT)}
+        return run_cli(["compare", str(recorded), str(other)], tmp_path, env=env, module="benchmarks.golden")
+
+    same = compare(recorded)
+    assert same.returncode == 0 and "no differences" in same.stdout, same.stdout + same.stderr
+
+    def altered(name: str, change):
+        out = tmp_path / name
+        out.mkdir()
+        copy = json.loads(json.dumps(golden))
+        change(copy["runs"])
+        (out / "golden.json").write_text(json.dumps(copy))
+        return out
+
+    def digest(runs):
+        runs["mlp/fsdp/32/resume"]["values"]["param_digest.l2"] += 1e-12
+
+    def peak(factor):
+        def change(runs):
+            runs["mlp/ddp/32/fresh"]["values"]["memory.peak_allocated_mib_max"] *= factor
+
+        return change
+
+    flagged = compare(altered("digest", digest))
+    assert flagged.returncode == 1 and "| mlp/fsdp/32/resume | digest | param_digest.l2 |" in flagged.stdout
+    assert compare(altered("peak_5pct", peak(1.05))).returncode == 0  # measured: within 10%
+    over = compare(altered("peak_20pct", peak(1.2)))
+    assert over.returncode == 1 and "| measured | memory.peak_allocated_mib_max |" in over.stdout
