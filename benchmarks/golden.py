@@ -94,6 +94,7 @@ PLAN = [*MODELS["gpt"], "plan.strategies=[ddp,fsdp]", "plan.world_sizes=[2]", "p
 # How each flattened value is compared: the first pattern that matches wins; the rest exact.
 # "skip": timings and facts of the machine, not of the code.
 RULES = [
+    ("*traceback", "exception"),  # the exception, not the frames' paths and line numbers
     ("throughput.*", "skip"),
     ("timeline.*", "skip"),
     ("eval.seconds", "skip"),
@@ -158,6 +159,13 @@ TMP = re.compile(r"\.tmp\.[0-9]+-[0-9]+")
 
 def canonical(value: Any) -> Any:
     return TMP.sub(".tmp.<job>", value) if isinstance(value, str) else value
+
+
+def exception_line(value: Any) -> Any:
+    """A traceback's last line, the exception and its message: its frames name files by the
+    checkout's absolute path and line numbers, which a move of code changes by design."""
+    lines = [line for line in str(value).splitlines() if line.strip()]
+    return lines[-1] if lines else value
 
 
 def rule(path: str) -> str:
@@ -508,7 +516,7 @@ def resume_matches_fresh(runs: Dict[str, Any]) -> Dict[str, bool]:
 
 # ------------------------------------------------------------------------------ comparing
 def agree(how: str, old: Any, new: Any, params_mib: float = 0.0) -> bool:
-    if how == "exact" or not all(isinstance(x, (int, float)) for x in (old, new)):
+    if how in ("exact", "exception") or not all(isinstance(x, (int, float)) for x in (old, new)):
         return old == new
     if how == "measured":
         return abs(new - old) <= MEASURED * max(abs(old), abs(new))
@@ -547,6 +555,8 @@ def differences(old: Dict[str, Any], new: Dict[str, Any]) -> List[List[Any]]:
             if how == "skip":
                 continue
             x, y = canonical(va.get(path, "(absent)")), canonical(vb.get(path, "(absent)"))
+            if how == "exception":
+                x, y = exception_line(x), exception_line(y)
             params_mib = 4 * (va.get("params") or 0) / 2**20  # one float32 copy of the parameters
             if path not in va or path not in vb or not agree(how, as_number(x), as_number(y), params_mib):
                 rows.append([name, category(path, how), path, cell(x), cell(y), how])
