@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up .venv on a fresh machine: torch first (CPU build unless an NVIDIA GPU is present),
-# then this package with its test tools. Safe to re-run.
+# then this package with its test tools. Safe to re-run: when nothing changed since the last
+# set-up, it says so in seconds.
 #   scripts/setup.sh && .venv/bin/python -m sharded_exp
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,6 +10,17 @@ PYTHON="${PYTHON:-python3}"
 
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 pip() { .venv/bin/python -m pip "$@"; }
+
+# Already set up from these very files, and it imports from here: nothing to do (seconds).
+stamp=".venv/.setup-stamp"
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1) torch=$TORCH_VERSION $(pwd)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "
+import os, sys, torch, sharded_exp
+sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION' or not sharded_exp.__file__.startswith(os.getcwd()))" 2>/dev/null; then
+  echo "setup: .venv is up to date (scripts/setup.sh, pyproject.toml and torch $TORCH_VERSION unchanged)"
+  exit 0
+fi
+rm -f "$stamp"
 
 if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
@@ -22,3 +34,4 @@ if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+
 fi
 pip install -q -e ".[dev]"
 .venv/bin/python -c "import torch, fairscale, hydra, torchmetrics, transformers, wandb_workspaces; print('torch', torch.__version__, '| cuda', torch.cuda.is_available())"
+echo "$want" > "$stamp"

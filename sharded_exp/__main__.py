@@ -38,6 +38,8 @@ from sharded_exp.output.workspace import wandb_group
 
 register_schemas(query=is_query(sys.argv[1:]))
 IMPORTED = time.time()
+JOB_STARTED = False
+"""Set when Hydra calls the job: an exit before it is a command-line or config mistake."""
 
 
 def name_the_run(cfg: DictConfig) -> None:
@@ -87,6 +89,11 @@ def remove_if_unused(output_dir: str) -> None:
             for n in names:
                 os.remove(os.path.join(output_dir, n))
             os.rmdir(output_dir)
+            # and the directories made for it (outputs/runs/), where nothing else is in them
+            parent, top = os.path.dirname(os.path.abspath(output_dir)), os.getcwd()
+            while parent.startswith(top + os.sep) and not os.listdir(parent):
+                os.rmdir(parent)
+                parent = os.path.dirname(parent)
     except OSError:
         pass
 
@@ -138,6 +145,8 @@ def main(cfg: DictConfig) -> float | None:
     sweeper (sharded_exp.sweep), or None."""
     from sharded_exp.sweep import objective_value, sweeper_direction
 
+    global JOB_STARTED
+    JOB_STARTED = True
     result = run_job(cfg)
     if cfg.get("objective") is None:
         return None
@@ -230,7 +239,14 @@ def run() -> None:
     # Under torchrun / srun every rank runs this: one job, one run directory (layout.py).
     sys.argv[1:] = with_shared_run_dir(quote_numeric_choices(sys.argv[1:]))
     check_output_dirs(sys.argv[1:])
-    main()
+    try:
+        main()
+    except SystemExit as exc:
+        # Hydra reports what it cannot compose (an unknown key, option or group) and exits 1;
+        # it is the user's mistake like any refused value: exit 2, as those do.
+        if exc.code == 1 and not JOB_STARTED:
+            sys.exit(2)
+        raise
     if is_query(sys.argv[1:]):
         return
     from sharded_exp.report import ReportCallback

@@ -589,8 +589,12 @@ def test_22_12_a_cpu_job_predicted_beyond_host_memory_is_refused_before_spawn(tm
 @pytest.mark.parametrize("bad", ["strategy=zero3", "trainer.stepz=3"])
 def test_22_13_a_composition_error_leaves_no_run_directory(bad, tmp_path):
     proc = run_cli([bad, f"hydra.run.dir={tmp_path / 'new' / 'run'}"], cwd=ROOT)
-    assert proc.returncode == 1 and ("zero3" in proc.stderr or "stepz" in proc.stderr), proc.stderr[-2000:]
+    # exit 2, as every other mistake on the command line (an out-of-range value below)
+    assert proc.returncode == 2 and ("zero3" in proc.stderr or "stepz" in proc.stderr), proc.stderr[-2000:]
     assert not (tmp_path / "new").exists()
+    proc = run_cli(["trainer.steps=5", "logger=none"], cwd=tmp_path)  # warm-up 5 of 5 steps: refused
+    assert proc.returncode == 2 and "trainer.warmup_steps=5 must be" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "outputs").exists(), "a refused config leaves no outputs/runs/ behind"
     (tmp_path / "afile").write_text("x")
     proc = run_cli(["trainer.steps=2", f"hydra.run.dir={tmp_path / 'afile' / 'run'}"], cwd=ROOT)
     assert proc.returncode == 2 and "afile is a file, not a directory" in proc.stderr, proc.stderr[-2000:]

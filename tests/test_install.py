@@ -120,3 +120,15 @@ def test_questions_read_the_schema_cache_without_importing_torch(tmp_path):
     assert warm.stdout == cold.stdout and "reshard_after_forward: true" in warm.stdout
     imported = lambda proc: {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
     assert "torch" in imported(cold) and "torch" not in imported(warm)
+
+
+def test_setup_again_with_nothing_changed_installs_nothing():
+    """scripts/setup.sh run a second time, on the .venv it made from these very files, answers
+    from its stamp and calls no pip (CI's .ci/run has just made it)."""
+    stamp = ROOT / ".venv" / ".setup-stamp"
+    if not stamp.exists():
+        pytest.skip(".venv was not made by scripts/setup.sh here (CI makes it so)")
+    proc = subprocess.run(["bash", "scripts/setup.sh"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "setup: .venv is up to date" in proc.stdout and "| cuda" not in proc.stdout, proc.stdout  # no install
+    assert stamp.exists()
