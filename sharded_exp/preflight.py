@@ -90,7 +90,7 @@ def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True)
     _require(
         not levers or bool(units(module)),
         f"{' and '.join(levers)} act on the model's repeated units (blocks), and model={cfg.model.name} has none "
-        "(no blocks(), no Hugging Face _no_split_modules, no ModuleList)",
+        "(no sharding_units(), no Hugging Face _no_split_modules, no ModuleList or Sequential)",
     )
     shapes = model_shapes(cfg.model, cfg.optimizer, module)
     task = TASKS.builder(cfg.data.name)(cfg.data, cfg.model, 1)  # does the task fit? (one sample: keys, not memory)

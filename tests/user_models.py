@@ -170,7 +170,7 @@ def build_tied_double(in_features, num_classes):
 
 
 class Flat(nn.Module):
-    """No repeated units (no blocks(), no ModuleList): nothing for per-unit levers."""
+    """No repeated units (no sharding_units(), no ModuleList or Sequential): nothing for per-unit levers."""
 
     def __init__(self, in_features, num_classes):
         super().__init__()

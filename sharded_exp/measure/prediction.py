@@ -28,7 +28,7 @@ class ModelShapes:
     groups: list[list[tuple]]
     """Parameter shapes per optimizer parameter group, in order."""
     blocks: list[int]
-    """Elements of each of the model's ``blocks()`` (FSDP's units)."""
+    """Elements of each of the model's units (``models.units``: FSDP's)."""
     root: int
     """Elements outside the blocks."""
     state_shapes: dict[str, tuple]

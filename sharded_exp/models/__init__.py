@@ -4,7 +4,7 @@ Adding a model is one module in this package (a config dataclass and a builder r
 with ``@MODELS.register``; every module here is imported automatically) plus one YAML file
 in ``conf/model/`` whose defaults list names the data task that feeds it.
 
-Every model has ``blocks()``, its repeated units (FSDP wraps each one), and takes keyword
+Every model has ``sharding_units()``, its repeated units (FSDP wraps each one), and takes keyword
 arguments and returns :class:`ModelOutput` (logits and the loss when ``targets=`` is
 given), the way Hugging Face models do; strategies must pass keyword arguments through
 their wrappers unchanged.
@@ -61,12 +61,19 @@ def freeze_parameters(module: torch.nn.Module, patterns) -> list[str]:
     return frozen
 
 
+UNITS_HOOK = "sharding_units"
+"""The method by which a model names its repeated units itself (ours do). A name no common
+model uses for anything else: ``blocks`` and ``layers`` are usually a ModuleList."""
+
+
 def units(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's repeated units (what FSDP wraps one by one and the memory model gathers):
-    its ``blocks()`` if it has them; else the modules Hugging Face names in
-    ``_no_split_modules``; else the children of its longest ModuleList. Units never nest."""
-    if hasattr(module, "blocks"):
-        return list(module.blocks())
+    its ``sharding_units()`` if it defines that method; else the modules Hugging Face names in
+    ``_no_split_modules``; else the children of its longest ModuleList, or Sequential of
+    repeated blocks (``self.blocks = nn.ModuleList(...)``, timm's ``nn.Sequential`` of
+    blocks, nanoGPT's ``transformer.h``). Units never nest."""
+    if callable(getattr(type(module), UNITS_HOOK, None)):
+        return list(getattr(module, UNITS_HOOK)())
     names = set(getattr(module, "_no_split_modules", None) or [])
     found: list[torch.nn.Module] = []
     if names:
@@ -75,8 +82,16 @@ def units(module: torch.nn.Module) -> list[torch.nn.Module]:
                 found.append(sub)
         if found:
             return found
-    lists = [m for m in module.modules() if isinstance(m, torch.nn.ModuleList)]
+    lists = [m for m in module.modules() if m is not module and (isinstance(m, torch.nn.ModuleList) or _blocks(m))]
     return list(max(lists, key=len)) if lists else []
+
+
+def _blocks(module: torch.nn.Module) -> bool:
+    """A Sequential of repeated blocks (timm's ``blocks``): two or more children, all of one
+    type, each with parameters; not a layer's own Linear-activation-Linear."""
+    children = list(module.children())
+    return (isinstance(module, torch.nn.Sequential) and len(children) > 1 and len({type(c) for c in children}) == 1
+            and all(any(True for _ in c.parameters()) for c in children))  # fmt: skip
 
 
 def _contains(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:

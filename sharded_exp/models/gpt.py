@@ -73,7 +73,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
-    def blocks(self) -> list:
+    def sharding_units(self) -> list:
         """The transformer blocks (units that FSDP shards and gathers one at a time)."""
         return list(self.blocks_)
 

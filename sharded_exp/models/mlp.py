@@ -32,7 +32,7 @@ class MLP(nn.Module):
         self.body = nn.Sequential(*layers)
         self.head = nn.Linear(width, cfg.num_classes)
 
-    def blocks(self) -> list:
+    def sharding_units(self) -> list:
         """The repeated layer groups (units that FSDP shards and gathers one at a time)."""
         return list(self.body)
 

@@ -161,7 +161,7 @@ class Strategy:
     def transient_param_numel(cls, cfg, block_numels, root_numel: int, world_size: int) -> int:
         """Parameter elements gathered on top of the resident ones at the peak (none here).
 
-        ``block_numels``: the model's ``blocks()`` sizes; ``root_numel``: everything else.
+        ``block_numels``: the model's units' sizes (``models.units``); ``root_numel``: everything else.
         """
         return 0
 

@@ -9,7 +9,7 @@ default from ``precision``); ``cpu_offload`` keeps the sharded parameters, gradi
 optimizer state in pinned host memory and steps the optimizer on the CPU (FSDP2's
 ``CPUOffloadPolicy``; a GPU run only).
 
-Each of the model's units (``blocks()``, else Hugging Face's ``_no_split_modules``, else its
+Each of the model's units (``sharding_units()``, else Hugging Face's ``_no_split_modules``, else its
 repeated children: :func:`sharded_exp.models.units`) is one FSDP unit, and the root holds
 the rest (a tied embedding and LM head stay together there). Every
 parameter is a DTensor sharded on dim 0 across ranks; a unit's parameters are all-gathered
