@@ -190,11 +190,15 @@ def run_job(cfg: DictConfig) -> dict | None:
         if isinstance(exc, RunDirInUse):
             return None  # the directory is another job's: nothing is written there
         result = record_config_error(cfg, output_dir, exc, identity=identity)
-    except OSError as exc:  # the run directory's filesystem: full, read-only, gone
-        print(f"error: {exc.strerror or exc}; the job did not run", file=sys.stderr)
+    except OSError as exc:  # a path the job reads or writes: missing, a directory, full, read-only
+        message = os_error(cfg, exc)
+        print(f"error: {message}; the job did not run", file=sys.stderr)
         if not multirun:
             sys.exit(1)
-        return {"status": "failed"}
+        try:  # a sweep point still ends with a result.json, and the report counts it
+            result = record_config_error(cfg, output_dir, OSError(message), identity=identity)
+        except OSError:  # the run directory's own filesystem: nothing can be written there
+            return {"status": "failed"}
     except Exception as exc:  # noqa: BLE001 -- unforeseen, before or around the ranks
         if not multirun:
             raise  # its traceback is what a bug report needs
@@ -222,6 +226,33 @@ def run_job(cfg: DictConfig) -> dict | None:
         print(f"error: {result['error']} (details in {result['output_dir']}/result.json)", file=sys.stderr)
         sys.exit(1)
     return result
+
+
+def os_error(cfg: DictConfig, exc: OSError) -> str:
+    """``exc`` said with its path and the config key that holds the path, where one does:
+    ``data.path=some_dir/: Is a directory``."""
+    text = exc.strerror or str(exc)
+    path = getattr(exc, "filename", None)
+    if not path:
+        return text
+    try:
+        leaves = _leaves(OmegaConf.to_container(cfg, resolve=True))
+    except Exception:  # noqa: BLE001 -- a config that cannot resolve: the path alone
+        leaves = []
+    target = os.path.abspath(str(path))
+    keys = [k for k, v in leaves if isinstance(v, str) and v and os.path.abspath(v) == target]
+    return f"{keys[0]}={path}: {text}" if keys else f"{path}: {text}"
+
+
+def _leaves(node, prefix: str = ""):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _leaves(value, f"{prefix}{key}.")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _leaves(value, f"{prefix}{i}.")
+    else:
+        yield prefix[:-1], node
 
 
 def read_result(output_dir: str) -> dict | None:

@@ -8,6 +8,7 @@ runs of each data option are tests/test_coverage.py's covering runs.
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 from pathlib import Path
@@ -216,3 +217,27 @@ def test_files_not_given_are_named_with_what_to_set():
         "data.path, data.tokenizer must be set: no value was given "
         "(data=conll reads local files: data.path=... data.tokenizer=...)"
     )
+
+
+@pytest.mark.slow  # a sweep of its own (the default tier's budget); the single run is its first half
+def test_a_path_that_is_a_directory_is_named_and_its_sweep_point_recorded(files, tmp_path):
+    """Issue 37, item 4: an OSError in a point's pre-flight (``data.path`` a directory) names
+    the key and the path, and in a sweep the point ends with a result.json the report counts
+    (it vanished, and the sweep exited 0)."""
+    from tests.conftest import ROOT, run_cli
+
+    (tmp_path / "some_dir").mkdir()
+    tiny = ["model=hf_bert", "model.seq_len=24", "data=conll", f"data.tokenizer={files / 'tok'}", "logger=none",
+            "trainer.world_size=1", "trainer.batch_size=4", "trainer.steps=2", "trainer.warmup_steps=1",
+            "trainer.eval_batches=0"]  # fmt: skip
+    one = run_cli([*tiny, f"data.path={tmp_path / 'some_dir'}", f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT)
+    assert one.returncode == 1 and f"data.path={tmp_path / 'some_dir'}: Is a directory" in one.stderr, one.stderr
+    sweep = tmp_path / "sweep"
+    proc = run_cli(["-m", *tiny, f"data.path={files / 'train.conll'},{tmp_path / 'some_dir'}",
+                    f"hydra.sweep.dir={sweep}"], cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-2000:]  # a point failed: the sweep says so
+    rows = list(csv.DictReader((sweep / "report.csv").open()))
+    assert len(rows) == 2, rows
+    failed = [json.loads(p.read_text()) for p in sweep.glob("*/result.json")]
+    failed = [r for r in failed if r["status"] == "failed"]
+    assert len(failed) == 1 and "data.path=" in failed[0]["error"] and "Is a directory" in failed[0]["error"]
