@@ -23,7 +23,7 @@ import argparse
 from benchmarks.common import markdown, save
 from sharded_exp.compose import compose
 from sharded_exp.measure import cuda_kernels
-from sharded_exp.measure.prediction import model_shapes, predict, predict_peak
+from sharded_exp.predict.prediction import model_shapes, predict, predict_peak
 
 
 def peak(overrides: list[str], world_size: int, device: str, per_tensor_adam: bool = False) -> dict:

@@ -99,7 +99,7 @@ def cli(checks: Checks, args: list[str], name: str, env: dict | None = None, tor
 
 
 def parent_cuda(checks: Checks) -> None:
-    from sharded_exp import preflight
+    from sharded_exp.launch import preflight
 
     cfg = compose_cfg([*MODEL, "precision=bf16", f"trainer.accelerator={checks.accelerator}"])
     with tempfile.TemporaryDirectory() as tmp:

@@ -61,9 +61,9 @@ def hand_loop(strategy, next_batch, autocast, grad_clip: float, rank: int, steps
 
 def rounds(rank: int, world_size: int, cfg_data: dict, rounds: int, out_dir: str) -> list[dict]:
     """On every rank: build once, then alternate the trainer's loop and the hand loop."""
-    from sharded_exp.launch import liveness
     from sharded_exp.measure.tracker import MemoryMeter
     from sharded_exp.output.loggers import build_logger
+    from sharded_exp.train import liveness
     from sharded_exp.train.build import build_run
     from sharded_exp.train.trainer import LoopSettings, run_loop
 

@@ -5,7 +5,7 @@ sizes and precisions.
     python -m benchmarks.prediction --models gpt hf_llama --world-sizes 2 --precisions 32
 
 Each point is one real run: its parent predicts every rank's peak with a fake step before
-the ranks start (sharded_exp.measure.fake_step), and the ranks measure it (CPU: torch's
+the ranks start (sharded_exp.predict.fake_step), and the ranks measure it (CPU: torch's
 MemTracker over the warm-up steps; on a GPU: the CUDA allocator's peak, the same script).
 Prints per point the predicted and measured peak of the rank with the largest measured
 peak, the signed error, and the largest error of any rank; then the median absolute error

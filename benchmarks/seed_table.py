@@ -28,7 +28,7 @@ SEED = {("ddp", 4): 6840.1, ("ddp", 8): 6840.1, ("sharded_ddp", 4): 5263.2, ("sh
 
 def predicted(strategy: str, world_size: int, extra: list[str]) -> dict:
     from sharded_exp.compose import compose
-    from sharded_exp.measure.prediction import model_shapes, predict, predict_peak
+    from sharded_exp.predict.prediction import model_shapes, predict, predict_peak
 
     cfg = compose(["experiment=seed_study_gpu", f"strategy={strategy}", f"trainer.world_size={world_size}", *extra])
     shapes = model_shapes(cfg.model, cfg.optimizer, freeze=cfg.trainer.freeze)

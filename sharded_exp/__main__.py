@@ -16,7 +16,7 @@ STARTED = time.time()  # before the heavy imports: for the startup timeline in r
 if __name__ == "__main__":
     import sys as _sys
 
-    from sharded_exp.cli import start_rank_server
+    from sharded_exp.questions import start_rank_server
 
     start_rank_server(_sys.argv[1:])
 
@@ -30,11 +30,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from sharded_exp.cli import is_query
 from sharded_exp.compose import quote_numeric_choices, register_schemas
 from sharded_exp.errors import ConfigError, NothingToDo, RunDirInUse
 from sharded_exp.launch.layout import with_shared_run_dir
 from sharded_exp.output.workspace import wandb_group
+from sharded_exp.questions import is_query
 
 register_schemas(query=is_query(sys.argv[1:]))
 IMPORTED = time.time()
@@ -157,7 +157,7 @@ def run_job(cfg: DictConfig) -> dict | None:
     """Check and launch the job; its result (None when nothing ran). Exits on a refused
     config or a failure outside a sweep."""
     from sharded_exp.launch.parent import launch, record_config_error
-    from sharded_exp.output.report import sweep_id
+    from sharded_exp.output.comparison import sweep_id
     from sharded_exp.sweep import check_objective
 
     hc = HydraConfig.get()
@@ -209,7 +209,7 @@ def run_job(cfg: DictConfig) -> dict | None:
         # SIGTERM/SIGINT: exit like a terminated process (143 / 130); a sweep stops here,
         # with the report of its points so far.
         if multirun:
-            from sharded_exp.output.report import write_report
+            from sharded_exp.output.comparison import write_report
 
             write_report(hc.sweep.dir)
         signum = result.get("signal") or signal.SIGTERM
@@ -265,8 +265,11 @@ def read_result(output_dir: str) -> dict | None:
         return None
 
 
-def run() -> None:
-    """``python -m sharded_exp`` and the ``sharded-exp`` command."""
+def run(started: float | None = None) -> None:
+    """``python -m sharded_exp`` and the ``sharded-exp`` command (``started``: when the
+    command's process started, if before this module was imported)."""
+    global STARTED
+    STARTED = started if started is not None else STARTED
     # Under torchrun / srun every rank runs this: one job, one run directory (layout.py).
     sys.argv[1:] = with_shared_run_dir(quote_numeric_choices(sys.argv[1:]))
     check_output_dirs(sys.argv[1:])

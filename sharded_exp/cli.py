@@ -11,21 +11,7 @@ from __future__ import annotations
 import sys
 import time
 
-QUERIES = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion")
-"""Hydra's own questions: they print and exit."""
-
-
-def is_query(args: list[str]) -> bool:
-    return any(a in QUERIES or a.startswith(("--cfg=", "--info=", "--shell-completion=")) for a in args)
-
-
-def start_rank_server(args: list[str]) -> None:
-    """Start the rank server now (it imports torch while this process imports too), unless
-    the command only asks Hydra a question."""
-    if not is_query(args):
-        from sharded_exp.launch import forkserver
-
-        forkserver.start_early(args)
+from sharded_exp.questions import start_rank_server
 
 
 def train() -> None:
@@ -34,8 +20,7 @@ def train() -> None:
     start_rank_server(sys.argv[1:])
     from sharded_exp import __main__ as job
 
-    job.STARTED = started
-    job.run()
+    job.run(started=started)
 
 
 def plan() -> int:

@@ -1,7 +1,7 @@
 """Errors every part may raise, in a module that imports nothing of ours.
 
 Builders (strategies, models, tasks) raise :class:`ConfigError` for values they cannot
-build; the parent's pre-flight (:mod:`sharded_exp.preflight`) turns it into
+build; the parent's pre-flight (:mod:`sharded_exp.launch.preflight`) turns it into
 ``error: ...`` and exit code 2 before any rank starts.
 """
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 
 from sharded_exp.compose import compose
-from sharded_exp.measure.prediction import model_shapes, predict, predict_peak
 from sharded_exp.plan import points as plan
+from sharded_exp.predict.prediction import model_shapes, predict, predict_peak
 
 FAMILIES = {
     "gpt": ["model=gpt", "model.d_model=64", "model.n_heads=2", "model.seq_len=64"],

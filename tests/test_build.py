@@ -126,8 +126,8 @@ def test_sharded_build_holds_its_shards_and_one_unit(tmp_path):
     """2 ranks of fsdp: each rank's measured build peak is its shard of every parameter
     plus one whole unit (the largest), far below the whole model; the fake step predicts
     it; and the training peak starts after it."""
-    from sharded_exp.measure.prediction import meta_model
     from sharded_exp.models import units
+    from sharded_exp.predict.prediction import meta_model
 
     result = run_job(["strategy=fsdp", *DEEP, *TWO_STEPS], tmp_path)
     assert result["status"] == "ok", result["error"]
@@ -259,7 +259,7 @@ def test_sharded_ddp_fake_step_frees_the_gradients_a_rank_does_not_own():
     """fairscale frees a non-owned gradient when its reduce completes: the fake process
     group's work completes, so the gradients at the peak are the rank's own (the analytic
     count), not every gradient."""
-    from sharded_exp.measure.prediction import model_shapes, predict
+    from sharded_exp.predict.prediction import model_shapes, predict
 
     overrides = [*DEEP, "model.d_model=256", "strategy=sharded_ddp", "strategy.reduce_buffer_size=0"]  # no buckets
     cfg = compose(overrides, "config")

@@ -8,9 +8,9 @@ import pytest
 import torch
 from hydra.errors import ConfigCompositionException
 
-from sharded_exp import preflight
 from sharded_exp.compose import quote_numeric_choices
 from sharded_exp.errors import ConfigError
+from sharded_exp.launch import preflight
 from sharded_exp.registry import Registry
 from tests.conftest import STRATEGY_NAMES, compose_cfg, run_cli
 
@@ -204,8 +204,8 @@ def test_23_13_bf16_is_checked_on_the_ranks_own_gpu_without_emulation(monkeypatc
 
 
 def test_23_10_a_gpu_per_task_is_accepted_from_an_external_launcher(monkeypatch):
+    from sharded_exp.launch.preflight import decide_device
     from sharded_exp.launch.rank import rank_device
-    from sharded_exp.preflight import decide_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # srun --gpus-per-task=1: one visible GPU
@@ -246,8 +246,8 @@ def test_the_seed_study_preset_is_the_seeds_workload():
     from omegaconf import OmegaConf
 
     from sharded_exp.compose import CONF_DIR
-    from sharded_exp.measure.prediction import meta_model
     from sharded_exp.optim import optimizer_spec
+    from sharded_exp.predict.prediction import meta_model
 
     cfg = compose_cfg(["experiment=seed_study_gpu"])
     m, o, t = cfg.model, cfg.optimizer, cfg.trainer

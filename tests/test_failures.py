@@ -258,7 +258,7 @@ def test_23_16_an_aborted_communicator_is_reported_in_the_step_that_hung(monkeyp
     import torch.distributed as dist
     from torch._C._distributed_c10d import ErrorType
 
-    from sharded_exp.launch import liveness
+    from sharded_exp.train import liveness
 
     class Backend:
         error = ErrorType.TIMEOUT

@@ -309,7 +309,7 @@ def test_12_the_planner_refuses_bad_input_with_exit_2(override, message):
 
 # ------------------------------------------------------------- 13. bad points in a report
 def test_13_a_bad_result_json_is_a_row_that_says_why(tmp_path):
-    from sharded_exp.output.report import write_report
+    from sharded_exp.output.comparison import write_report
 
     sweep = tmp_path / "sweep"
     good = run_job(["trainer.steps=2"], sweep / "0_good")
@@ -572,7 +572,7 @@ def test_22_7_find_unused_parameters_is_a_setting_and_unknown_strategy_keys_are_
 
 # --------------------------------------------------------- 12. host memory on CPU
 def test_22_12_a_cpu_job_predicted_beyond_host_memory_is_refused_before_spawn(tmp_path, monkeypatch):
-    from sharded_exp import preflight
+    from sharded_exp.launch import preflight
 
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
     assert 0 < preflight.available_host_mib() <= total  # read from /proc/meminfo (or the cgroup)
@@ -619,7 +619,7 @@ def test_22_17_a_model_beside_plan_params_is_refused():
 
 
 def test_22_18_a_float64_model_is_measured_and_predicted_in_its_own_dtype(tmp_path):
-    from sharded_exp.measure.fake_step import _short
+    from sharded_exp.predict.fake_step import _short
 
     result = launch(["model=custom", "model._target_=tests.user_models.build_double", "trainer.steps=3"], tmp_path)
     memory = result["memory"]
@@ -739,7 +739,7 @@ def test_23_6_the_memory_limit_says_what_it_bounds_and_caps_cuda_before_the_buil
     assert f"out of memory on rank {b['rank']} at step {b['step']} ({b['phase']})" in printed
     assert next(iter(b["top_modules_mib"])) in printed
     # ... and the report's row for the point says it in one cell.
-    from sharded_exp.output.report import _row
+    from sharded_exp.output.comparison import _row
 
     cell = _row(oom)["oom_breakdown"]
     assert cell.startswith(f"rank {b['rank']} step {b['step']} ({b['phase']}): {b['tracked_mib']:.2f} MiB over {limit}")

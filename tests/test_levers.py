@@ -118,7 +118,7 @@ def test_activation_checkpointing_at_4_ranks_is_predicted_within_10_percent(shar
     ],
 )  # fmt: skip
 def test_a_lever_that_cannot_apply_is_refused_before_spawn(overrides, message, tmp_path):
-    from sharded_exp import preflight
+    from sharded_exp.launch import preflight
 
     cfg = compose_cfg(tiny(overrides))
     with pytest.raises(ConfigError, match=message):
@@ -154,8 +154,8 @@ def test_checkpointed_units_keep_their_names_and_the_fake_step_counts_model_flop
     dict's names are unchanged (a checkpoint resumes with another setting). The fake step
     counts the model's FLOPs, not the recomputed forward's."""
     from sharded_exp.compose import compose
-    from sharded_exp.measure.fake_step import fake_step
     from sharded_exp.models import build_model
+    from sharded_exp.predict.fake_step import fake_step
     from sharded_exp.train.levers import apply_levers
 
     cfg = compose(["model=gpt", "trainer.activation_checkpointing=selective", "trainer.compile=true"])

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sharded_exp.measure.memory_model import greedy_partition, zero_paper_bytes_per_param
 from sharded_exp.models import build_model
 from sharded_exp.optim import optimizer_spec
+from sharded_exp.predict.memory_model import zero_paper_bytes_per_param
 from sharded_exp.strategies import STRATEGIES
+from sharded_exp.strategies.base import greedy_partition
 from sharded_exp.strategies.sharded_ddp import resident_grad_numel
 from tests.conftest import compose_cfg, run_job, tiny
 

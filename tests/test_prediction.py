@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sharded_exp.compose import compose
-from sharded_exp.measure.fake_step import fake_step
+from sharded_exp.predict.fake_step import fake_step
 from tests.conftest import ROOT, STRATEGY_NAMES, read_result, run_cli, run_job, tiny
 
 # The CPU tracker measures over the warm-up steps: two, like the fake step.
@@ -67,7 +67,7 @@ def test_flops_and_utilisation_are_reported(tmp_path):
 
 def test_a_model_that_cannot_run_fake_says_why(tmp_path, monkeypatch):
     """No silent number: the run goes on, its result names why there is no prediction."""
-    from sharded_exp.measure import fake_step as module
+    from sharded_exp.predict import fake_step as module
 
     def refuse(*args, **kwargs):
         raise RuntimeError("data-dependent branch in forward")
@@ -83,7 +83,7 @@ def test_a_model_that_cannot_run_fake_says_why(tmp_path, monkeypatch):
 
 def test_a_strategy_that_cannot_run_fake_falls_back_and_says_so(monkeypatch):
     """The fallback is the strategy's analytic states plus DDP's fake-step activations."""
-    from sharded_exp.measure import fake_step as module
+    from sharded_exp.predict import fake_step as module
 
     real = module._run
 
@@ -165,7 +165,7 @@ def test_23_2_the_fake_step_and_the_run_use_the_same_adam_on_each_device():
 def test_23_3_preflight_for_a_gpu_run_never_starts_cuda_in_the_parent(monkeypatch, tmp_path):
     """CUDA mocked present: the pre-flight decides cuda and predicts the peak (a fake step
     with CUDA's kernels on fake CPU tensors) without one call that would start a context."""
-    from sharded_exp import preflight
+    from sharded_exp.launch import preflight
     from tests.conftest import compose_cfg
 
     def started(*args, **kwargs):
@@ -185,7 +185,7 @@ def test_23_3_preflight_for_a_gpu_run_never_starts_cuda_in_the_parent(monkeypatc
 
 def test_23_5_cuda_predictions_add_cublas_workspace_by_rule(monkeypatch):
     from sharded_exp.measure.cuda_kernels import cublas_workspace_mib
-    from sharded_exp.measure.prediction import model_shapes, predict, predict_peak
+    from sharded_exp.predict.prediction import model_shapes, predict, predict_peak
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     assert cublas_workspace_mib()[0] == 32.0 and "assumed" in cublas_workspace_mib()[1]

@@ -87,7 +87,7 @@ def test_custom_hugging_face_class_with_saved_weights(tmp_path_factory, tmp_path
 
 # ------------------------------------------------------------------- refusals (in-process)
 def _checked(overrides: list[str]):
-    from sharded_exp import preflight
+    from sharded_exp.launch import preflight
 
     cfg = compose_cfg(overrides)
     preflight.check_values(cfg)
@@ -128,7 +128,7 @@ def test_pretrained_needs_a_hugging_face_class(tmp_path_factory):
 def test_the_directory_sets_the_architecture_and_the_data_sizes(tmp_path_factory):
     """The prediction builds the saved architecture from config.json alone (meta device,
     no weights read); the task's vocabulary is the saved model's."""
-    from sharded_exp.measure.prediction import meta_model
+    from sharded_exp.predict.prediction import meta_model
 
     saved = saved_tiny_hf(tmp_path_factory, "gpt2")
     cfg = _checked(["model=hf_gpt2", f"model.pretrained={saved}", "model.seq_len=16"])

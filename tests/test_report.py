@@ -155,7 +155,7 @@ def test_22_3_10_each_row_is_compared_with_the_ddp_point_of_its_own_settings(tmp
 
 
 def test_22_3_a_point_without_a_ddp_twin_says_so():
-    from sharded_exp.output.report import build_rows
+    from sharded_exp.output.comparison import build_rows
 
     def point(strategy, target, status="ok"):
         return {"status": status, "strategy": strategy, "world_size": 2, "precision": "32", "model": "custom",
@@ -180,7 +180,7 @@ def test_22_4_an_unexpected_pre_flight_failure_is_a_point_and_the_report_is_writ
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(
-        "import sharded_exp.preflight as p\n"
+        "import sharded_exp.launch.preflight as p\n"
         "real = p.predict\n"
         "def broken(strategy, optimizer, *args):\n"
         "    if optimizer.lr == 0.002:\n"
@@ -261,7 +261,7 @@ def test_25_report_marks_what_did_not_finish_and_compares_with_the_least_sharded
     labelled markers, never zeros; the 4-rank rows are compared with the least
     sharded point that fits; the headline says so in numbers computed from the files."""
     from sharded_exp.output import charts
-    from sharded_exp.output.report import CHARTS, build_rows, load_points, swept_of, write_report
+    from sharded_exp.output.comparison import CHARTS, build_rows, load_points, swept_of, write_report
     from tests.test_hostile import SCALAR
 
     _, ddp = shared_runs("strategy=ddp", *SCALAR)
@@ -335,12 +335,12 @@ def test_25_report_marks_what_did_not_finish_and_compares_with_the_least_sharded
 
 def test_25_figures_read_with_two_decimals_and_plain_words():
     from sharded_exp.output.charts import num, ranks
-    from sharded_exp.output.report import _ranks_list
+    from sharded_exp.output.comparison import _ranks_list
 
     assert (num(3.66), num(2.94), num(0.08656), num(6184.26), num(None)) == ("3.66", "2.94", "0.0866", "6,184", "-")
     assert (ranks(1), ranks(2), _ranks_list([2, 1]), _ranks_list([1, 2, 4])) == (
         "1 rank", "2 ranks", "1 or 2 ranks", "1, 2 or 4 ranks")  # fmt: skip
-    from sharded_exp.output.report import _label  # W&B's report tables and bars
+    from sharded_exp.output.comparison import _label  # W&B's report tables and bars
 
     assert (
         _label({"strategy": "ddp", "world_size": 1, "precision": "32", "model": "mlp"})
@@ -356,7 +356,7 @@ def test_25_the_oom_sweep_reports_what_fits(tmp_path):
     OOM points are markers at the limit and the rows are compared with the least sharded
     point that fits."""
     from sharded_exp.output import charts
-    from sharded_exp.output.report import build_rows, load_points, swept_of
+    from sharded_exp.output.comparison import build_rows, load_points, swept_of
     from tests.test_plan import plan_json
 
     model = [o for o in TINY if o.startswith("model.")]
@@ -398,7 +398,7 @@ def test_25_the_oom_sweep_reports_what_fits(tmp_path):
 def test_a_sweep_with_no_usable_result_still_gets_its_report(tmp_path):
     """A sweep killed mid-run can leave only unreadable result.json files: the report says
     so, draws no chart and links none."""
-    from sharded_exp.output.report import write_report
+    from sharded_exp.output.comparison import write_report
 
     for name in ("0_strategy=ddp", "1_strategy=fsdp"):
         (tmp_path / name).mkdir()
@@ -414,7 +414,7 @@ def test_a_sweep_with_no_usable_result_still_gets_its_report(tmp_path):
 def test_25_a_cpu_oom_point_shows_what_was_live_when_it_crossed_its_budget():
     """The breakdown chart draws a CPU OOM point's measured bar from its oom_breakdown, marked OOM."""
     from sharded_exp.output import charts
-    from sharded_exp.output.report import _row
+    from sharded_exp.output.comparison import _row
 
     oom = {"strategy": "ddp", "world_size": 2, "precision": "32", "model": "mlp", "status": "oom",
            "memory": {"per_rank": [], "peak_prediction": {"breakdown_mib": {"params": 1.0, "activations": 3.0}},
@@ -435,7 +435,7 @@ def test_the_report_shows_the_average_over_ranks_beside_the_largest():
     """The seed study reported the average over ranks of each rank's peak; what must fit is
     the largest. result.json carries both, and the report's tables and the end-of-run table
     show both (an older result.json without the average gets it from its ranks)."""
-    from sharded_exp.output.report import build_rows, columns, compact, markdown
+    from sharded_exp.output.comparison import build_rows, columns, compact, markdown
     from sharded_exp.output.results import memory_section, summary_table
 
     def point(strategy: str, peaks: list[float], old: bool = False) -> dict:

@@ -89,7 +89,7 @@ def _fake_cfg(*overrides: str):
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_fake_step_accumulates_and_freezes(strategy):
-    from sharded_exp.measure.fake_step import fake_step
+    from sharded_exp.predict.fake_step import fake_step
 
     one = fake_step(_fake_cfg(f"strategy={strategy}"), 2)
     three = fake_step(_fake_cfg(f"strategy={strategy}", "trainer.grad_accum=3"), 2)
@@ -103,7 +103,7 @@ def test_fake_step_accumulates_and_freezes(strategy):
 def test_fake_step_names_the_tracker_not_the_model(monkeypatch):
     from torch.distributed._tools import mem_tracker
 
-    from sharded_exp.measure.prediction import model_shapes, predict, predict_peak
+    from sharded_exp.predict.prediction import model_shapes, predict, predict_peak
 
     def broken(self, args):
         raise RuntimeError("cannot follow this model")
@@ -151,7 +151,7 @@ def test_phase_peaks_are_read_for_the_faked_device_only():
     per-phase peaks used for other ranks are the faked device's, never the CPU's."""
     from types import SimpleNamespace
 
-    from sharded_exp.measure.fake_step import _phases
+    from sharded_exp.predict.fake_step import _phases
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     big, tiny_ = {"Total": 100 * 2**20, "Parameter": 100 * 2**20}, {"Total": 8, "Optstate": 8}

@@ -70,7 +70,7 @@ def test_a_model_with_a_blocks_modulelist_plans_and_shards_its_blocks():
     from omegaconf import OmegaConf
 
     from sharded_exp.config import OptimizerConfig
-    from sharded_exp.measure.prediction import model_shapes
+    from sharded_exp.predict.prediction import model_shapes
 
     with torch.device("meta"):
         model = Layout("blocks", nn.ModuleList)

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from sharded_exp import preflight
 from sharded_exp.data import Task, build_task, probe_batch
 from sharded_exp.data.loader import StepLoader
 from sharded_exp.errors import ConfigError
+from sharded_exp.launch import preflight
 from tests import data_files
 from tests.conftest import compose_cfg, read_result, run_job
 

@@ -43,7 +43,7 @@ def test_sharded_ddp_zeroes_in_place_and_says_that_free_is_not_honoured(gloo_gro
 
 
 def test_the_parent_decides_and_records_the_rule_the_strategy_applies(tmp_path):
-    from sharded_exp import preflight
+    from sharded_exp.launch import preflight
     from sharded_exp.strategies import STRATEGIES
 
     for name in STRATEGY_NAMES:  # the shipped ones (a test may register broken ones beside them)
@@ -58,7 +58,7 @@ def test_the_parent_decides_and_records_the_rule_the_strategy_applies(tmp_path):
 def test_the_fake_step_holds_zeroed_gradients_through_the_forward():
     """With zeros, the second step's forward runs beside the whole gradients; freed, beside
     none: the predicted peak counts them (DDP, a model whose peak is in its forward)."""
-    from sharded_exp.measure.prediction import model_shapes, predict, predict_peak
+    from sharded_exp.predict.prediction import model_shapes, predict, predict_peak
 
     peaks = {}
     for rule in ZeroGrad:

@@ -1,6 +1,6 @@
 """The parent: the Hydra job's side of a job, from pre-flight to ``result.json``.
 
-It checks the config once (:mod:`sharded_exp.preflight`), then either
+It checks the config once (:mod:`sharded_exp.launch.preflight`), then either
 
 - spawns ``trainer.world_size`` rank processes that rendezvous through a TCPStore the
   parent itself holds on a free port (so two jobs on one machine never collide), and
@@ -26,9 +26,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 
-from sharded_exp import checkpoint, preflight
+from sharded_exp import checkpoint
 from sharded_exp.errors import OOM_SIGNS, ConfigError, RunDirInUse, WontFit, writing
-from sharded_exp.launch import forkserver, liveness
+from sharded_exp.launch import forkserver, preflight
 from sharded_exp.launch.layout import Layout, external_layout, rendezvous_env
 from sharded_exp.launch.rank import Job, run_rank, spawned_entry
 from sharded_exp.measure.tracker import MemoryMeter
@@ -42,6 +42,7 @@ from sharded_exp.output.results import (
     write_json,
 )
 from sharded_exp.registry import import_plugins
+from sharded_exp.train import liveness
 
 
 def launch(

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from sharded_exp.launch import liveness
 from sharded_exp.output.results import write_json
 from sharded_exp.registry import import_plugins
+from sharded_exp.train import liveness
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Job:
     device_type: str
     """cuda or cpu: decided once, by the parent's pre-flight."""
     prediction: dict[str, Any]
-    """The parent's memory prediction (sharded_exp.measure.prediction.predict)."""
+    """The parent's memory prediction (sharded_exp.predict.prediction.predict)."""
     env: dict[str, str]
     """The job's SHARDED_EXP_* variables (a forked rank inherits the server's environment)."""
     parent_pid: int | None = None

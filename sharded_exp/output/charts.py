@@ -1,6 +1,6 @@
 """The sweep report's charts and the planner's, drawn with matplotlib (Agg, no display).
 
-Every function takes the report's rows (:func:`sharded_exp.output.report.build_rows`) or
+Every function takes the report's rows (:func:`sharded_exp.output.comparison.build_rows`) or
 the planner's, returns the matplotlib Figure (tests read its artists) and draws nothing
 as a value it is not: a point that ran out of memory, failed or diverged has no measured
 figure, so it is a labelled marker ("OOM") at the memory limit, never a bar or a line

@@ -164,8 +164,6 @@ def memory_values(memory: dict[str, Any]) -> dict[str, float]:
         for key in ("predicted_peak_mib", "peak_rel_error"):
             if entry.get(key) is not None:
                 out[f"{prefix}/{key}"] = entry[key]
-    from sharded_exp.train.metrics import across_ranks
-
     peaks = [e["peak_allocated_mib"] for e in memory["per_rank"] if e.get("peak_allocated_mib") is not None]
     out.update(across_ranks("peak_allocated_mib", peaks))
     keys = (
@@ -178,3 +176,18 @@ def memory_values(memory: dict[str, Any]) -> dict[str, float]:
         if memory.get(key) is not None:
             out[f"mem/{key}"] = memory[key]
     return out
+
+
+def across_ranks(name: str, values: list[float]) -> dict[str, float]:
+    """min / median / max over ranks: one band a dashboard can draw at 64 ranks, where one
+    line per rank is unreadable."""
+    if not values:
+        return {}
+    ordered = sorted(values)
+    n = len(ordered)
+    median = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+    return {
+        f"mem/ranks/{name}_min": ordered[0],
+        f"mem/ranks/{name}_median": median,
+        f"mem/ranks/{name}_max": ordered[-1],
+    }

@@ -8,7 +8,6 @@ import os
 from typing import Any
 
 from sharded_exp.errors import is_no_space, no_space
-from sharded_exp.measure.memory_model import relative_error
 
 
 def write_json(path: str, data: dict[str, Any]) -> None:
@@ -375,3 +374,9 @@ def memory_lines(result: dict[str, Any]) -> list[str]:
     elif profile.get("error"):
         lines.append(f"no profiler trace: {profile['error']}")
     return lines
+
+
+def relative_error(predicted: dict[str, float], measured: dict[str, float]) -> float:
+    """|predicted - measured| / measured over the three model states together."""
+    p, m = sum(predicted.values()), sum(measured.values())
+    return abs(p - m) / m if m else 0.0

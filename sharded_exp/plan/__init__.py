@@ -8,7 +8,7 @@
 
 Same config groups and overrides as training (its own primary config, ``conf/plan.yaml``,
 adds the ``plan`` settings). For a configured model, each (strategy, world size) point is
-one fake training step (:mod:`sharded_exp.measure.fake_step`): the very prediction every run
+one fake training step (:mod:`sharded_exp.predict.fake_step`): the very prediction every run
 makes in its parent, so every run checks the planner. For a raw parameter count
 (``plan.params``) there is no model to run: the count is an ideally divisible model
 (``plan.units`` equal blocks, each split into one equal tensor per rank: the ZeRO paper's

@@ -13,15 +13,15 @@ import math
 import os
 import sys
 
-from sharded_exp.cli import is_query
 from sharded_exp.errors import ConfigError
+from sharded_exp.questions import is_query
 
 
 def check_plan(cfg, argv: list[str] = ()) -> None:
     """The planner's inputs, by the training entry point's rules (ConfigError names them).
     ``argv``: the command line, to tell a model the user chose from the default one."""
+    from sharded_exp.launch.preflight import check_values
     from sharded_exp.plan.points import LEVERS, _value, lever_names
-    from sharded_exp.preflight import check_values
     from sharded_exp.strategies import STRATEGIES
 
     check_values(cfg)  # strategy, model, precision, optimizer, trainer values

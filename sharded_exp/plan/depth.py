@@ -7,7 +7,7 @@ step) is one of three kinds:
 
 - **model states** the faked rank holds (parameters, gradients, optimizer state): known
   exactly at any depth and world size from the analytic memory model
-  (:mod:`sharded_exp.measure.memory_model`), lumpy where whole tensors are dealt out to
+  (:mod:`sharded_exp.predict.memory_model`), lumpy where whole tensors are dealt out to
   ranks (OSS, ZeRO-1, ShardedDDP). What the step holds beyond them (the gradients not yet
   made mid-backward, the unsharded gradient of the unit in flight) is the same for every
   block, so it lies on a line in depth;
@@ -25,7 +25,7 @@ optimizer), and the first world size's lines are reused; where they did (FSDP's 
 mid-backward are part shard, part whole unit; a per-tensor optimizer's temporaries follow
 the largest tensor a rank steps), they are drawn and checked anew at that world size. The peak at full depth is the analytic states at
 full depth plus the lines drawn there; every rank's peak follows from the faked rank's
-(:func:`~sharded_exp.measure.prediction.peaks_of_ranks`).
+(:func:`~sharded_exp.predict.prediction.peaks_of_ranks`).
 
 ``tests/test_plan_compose.py`` holds the composed peaks within 1% of whole-model fake steps.
 """
@@ -37,8 +37,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from sharded_exp.measure.memory_model import largest_group_state_mib
-from sharded_exp.measure.prediction import model_shapes, peaks_of_ranks, predict, predict_peak
+from sharded_exp.predict.memory_model import largest_group_state_mib
+from sharded_exp.predict.prediction import model_shapes, peaks_of_ranks, predict, predict_peak
 from sharded_exp.strategies import STRATEGIES
 
 STATES = ("params", "grads", "optimizer")
@@ -72,7 +72,7 @@ _SHAPES: dict[str, Any] = {}
 
 
 def shapes_of(cfg):
-    """The configured model's shapes (:func:`~sharded_exp.measure.prediction.model_shapes`),
+    """The configured model's shapes (:func:`~sharded_exp.predict.prediction.model_shapes`),
     built once per model, optimizer and freeze config: a plan asks for the same ones for
     every strategy and world size (a 7B model on the meta device takes most of a second)."""
     key = OmegaConf.to_yaml(OmegaConf.create({"m": cfg.model, "o": cfg.optimizer, "f": cfg.trainer.freeze}))
@@ -189,7 +189,7 @@ def compose(a: Fake, b: Fake, layers: int, prediction: dict[str, Any], rules, st
 
 
 def peaks_by_depth(cfg_s, world_sizes, device_type: str, key: str, layers: int) -> dict[int, dict | None]:
-    """The composed peak (as :func:`~sharded_exp.measure.prediction.predict_peak` returns
+    """The composed peak (as :func:`~sharded_exp.predict.prediction.predict_peak` returns
     one) of ``cfg_s`` at each world size; None where the model cannot be drawn by depth
     (a line bends, a shallow fake fails): the caller fakes the whole model there."""
     name = cfg_s.strategy.name

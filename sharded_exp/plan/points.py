@@ -1,7 +1,7 @@
 """The planned points: every rank's peak for each strategy, lever and world size.
 
 For a configured model each point is the fake training step every run makes in its parent
-(:mod:`sharded_exp.measure.fake_step`), composed by depth for a deep model
+(:mod:`sharded_exp.predict.fake_step`), composed by depth for a deep model
 (:mod:`sharded_exp.plan.depth`). For a raw parameter count (``plan.params``) there is no
 model to run: the count is an ideally divisible model (``plan.units`` equal blocks, each
 split into one equal tensor per rank: the ZeRO paper's assumption) under each strategy's
@@ -15,10 +15,10 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from sharded_exp.measure.prediction import ModelShapes, model_shapes, predict, predict_peak
 from sharded_exp.plan.depth import first_depth, peaks_by_depth, shapes_of
 from sharded_exp.plan.progress import Progress
 from sharded_exp.plan.table import PARTS
+from sharded_exp.predict.prediction import ModelShapes, model_shapes, predict, predict_peak
 from sharded_exp.strategies import STRATEGIES
 
 GIB = 2**30

@@ -3,14 +3,16 @@
 A strategy is one class: its config schema (``Config``), how it builds the wrapped model,
 optimizer and grad scaler (``build``), what it does at run time (zeroing, no-sync,
 clipping, stepping, state), and which model states each rank holds (the memory-model
-class methods, read by :mod:`sharded_exp.measure.prediction` without building anything).
+class methods, read by :mod:`sharded_exp.predict.prediction` without building anything).
 The trainer never asks which strategy it runs. The defaults here are plain DDP's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +21,24 @@ from torch import nn
 
 from sharded_exp import precision
 from sharded_exp.config import ZeroGrad
-from sharded_exp.measure.memory_model import greedy_partition
+
+
+def greedy_partition(group_numels: Sequence[Sequence[int]], world_size: int, largest_first: bool = False) -> list[int]:
+    """Owner rank of every parameter (flattened in group order), as fairscale OSS assigns it:
+    each to the rank with the least so far, the lowest rank among equals (a heap: a plan at
+    10,000 ranks takes milliseconds). ``largest_first``: each group's parameters in order of
+    size, largest first (torch's ZeroRedundancyOptimizer)."""
+    heap = [(0, rank) for rank in range(world_size)]
+    owners = []
+    for group in group_numels:
+        order = sorted(range(len(group)), key=lambda i: -group[i]) if largest_first else range(len(group))
+        group_owners = [0] * len(group)
+        for i in order:
+            size, rank = heapq.heappop(heap)
+            group_owners[i] = rank
+            heapq.heappush(heap, (size + group[i], rank))
+        owners += group_owners
+    return owners
 
 
 @dataclass(frozen=True)

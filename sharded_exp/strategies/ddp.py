@@ -19,7 +19,7 @@ def wrap_ddp(cfg, module, device) -> DistributedDataParallel:
     """``module`` under torch DDP with the knobs of :class:`DDPConfig` (also used by the
     ZeRO-1 strategies, which run under DDP)."""
     kwargs = {}
-    fake = dist.get_backend() == "fake"  # the planner's fake step (sharded_exp.measure.fake_step)
+    fake = dist.get_backend() == "fake"  # the planner's fake step (sharded_exp.predict.fake_step)
     if cfg.find_unused_parameters and not fake:
         # Its search reads which parameters got gradients, a value fake tensors do not have;
         # the fake step's identity all-reduce (below) needs no search, and memory is the same.

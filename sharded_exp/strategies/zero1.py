@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from sharded_exp.measure.memory_model import greedy_partition
 from sharded_exp.strategies import STRATEGIES
+from sharded_exp.strategies.base import greedy_partition
 from sharded_exp.strategies.ddp import DDP, DDPConfig, wrap_ddp
 
 

@@ -8,6 +8,8 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from sharded_exp.output.loggers import across_ranks
+
 
 class IntervalMetrics:
     """Loss and accuracy (classifiers, token classifiers) or perplexity (language models)
@@ -114,21 +116,6 @@ class IntervalMetrics:
                 record[f"mem/rank{r}/reserved_mib"] = reserved
         record.update(across_ranks("allocated_mib", values[0::3]))
         return record
-
-
-def across_ranks(name: str, values: list[float]) -> dict[str, float]:
-    """min / median / max over ranks: one band a dashboard can draw at 64 ranks, where one
-    line per rank is unreadable."""
-    if not values:
-        return {}
-    ordered = sorted(values)
-    n = len(ordered)
-    median = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
-    return {
-        f"mem/ranks/{name}_min": ordered[0],
-        f"mem/ranks/{name}_median": median,
-        f"mem/ranks/{name}_max": ordered[-1],
-    }
 
 
 class IntervalLog:

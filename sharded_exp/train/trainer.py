@@ -28,7 +28,6 @@ from sharded_exp import checkpoint
 from sharded_exp.data import Task
 from sharded_exp.data.loader import step_loader
 from sharded_exp.errors import is_oom
-from sharded_exp.launch import liveness
 from sharded_exp.measure.flops import utilisation
 from sharded_exp.measure.profile import StepProfiler, trace_path
 from sharded_exp.measure.snapshot import MemoryHistory
@@ -37,6 +36,7 @@ from sharded_exp.output.loggers import NullLogger, build_logger, memory_values, 
 from sharded_exp.output.results import memory_section, training_result
 from sharded_exp.strategies.base import Strategy
 from sharded_exp.train import evaluate as evaluation
+from sharded_exp.train import liveness
 from sharded_exp.train.build import build_run
 from sharded_exp.train.faults import Injector
 from sharded_exp.train.metrics import IntervalLog, IntervalMetrics, throughput_stats
@@ -377,7 +377,7 @@ def train(
 ) -> dict[str, Any] | None:
     """Build, train and measure on this rank; rank 0 returns the result payload.
 
-    ``prediction``: the parent's memory prediction (:func:`~sharded_exp.measure.prediction.predict`),
+    ``prediction``: the parent's memory prediction (:func:`~sharded_exp.predict.prediction.predict`),
     set beside the measurement in the payload's ``memory``.
     """
     rank, tc = dist.get_rank(), cfg.trainer

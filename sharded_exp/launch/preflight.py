@@ -26,11 +26,11 @@ from sharded_exp.data import TASKS
 from sharded_exp.data.loader import check_fits
 from sharded_exp.errors import ConfigError, NothingToDo, WontFit, missing_packages
 from sharded_exp.launch.layout import Layout
-from sharded_exp.measure.prediction import ModelShapes, meta_model, model_shapes, predict, predict_peak
 from sharded_exp.models import MODELS, units
 from sharded_exp.models.target import check_accepts, check_attn_implementation, check_pretrained, is_target_model
 from sharded_exp.optim import OPTIMIZERS
 from sharded_exp.precision import PRECISIONS
+from sharded_exp.predict.prediction import ModelShapes, meta_model, model_shapes, predict, predict_peak
 from sharded_exp.strategies import STRATEGIES
 from sharded_exp.strategies.base import GradZeroing
 from sharded_exp.train import faults
@@ -47,7 +47,7 @@ class Checked:
     params: int
     """Parameters of the model (counted on the meta device)."""
     prediction: dict[str, Any]
-    """Predicted memory per rank (sharded_exp.measure.prediction.predict)."""
+    """Predicted memory per rank (sharded_exp.predict.prediction.predict)."""
     zero_grad: GradZeroing
     """How gradients are cleared: trainer.zero_grad as the strategy applies it."""
 

@@ -17,30 +17,11 @@ bytes. Two details make the prediction match the real tensors rather than the pa
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Sequence
 
 MIB = 2**20
 FP32 = 4  # parameters, gradients and optimizer state at every precision (precision.STATE_BYTES)
-
-
-def greedy_partition(group_numels: Sequence[Sequence[int]], world_size: int, largest_first: bool = False) -> list[int]:
-    """Owner rank of every parameter (flattened in group order), as fairscale OSS assigns it:
-    each to the rank with the least so far, the lowest rank among equals (a heap: a plan at
-    10,000 ranks takes milliseconds). ``largest_first``: each group's parameters in order of
-    size, largest first (torch's ZeroRedundancyOptimizer)."""
-    heap = [(0, rank) for rank in range(world_size)]
-    owners = []
-    for group in group_numels:
-        order = sorted(range(len(group)), key=lambda i: -group[i]) if largest_first else range(len(group))
-        group_owners = [0] * len(group)
-        for i in order:
-            size, rank = heapq.heappop(heap)
-            group_owners[i] = rank
-            heapq.heappush(heap, (size + group[i], rank))
-        owners += group_owners
-    return owners
 
 
 def optimizer_state_bytes(optimizer_cfg, numels: Sequence[int], element: float = FP32) -> float:
@@ -118,9 +99,3 @@ def zero_paper_bytes_per_param(stage: int, world_size: int, k: int = 12) -> floa
         2: 2 + (2 + k) / n,
         3: (2 + 2 + k) / n,
     }[stage]
-
-
-def relative_error(predicted: dict[str, float], measured: dict[str, float]) -> float:
-    """|predicted - measured| / measured over the three model states together."""
-    p, m = sum(predicted.values()), sum(measured.values())
-    return abs(p - m) / m if m else 0.0

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 from sharded_exp import precision
-from sharded_exp.measure.memory_model import predict_model_states_mib
 from sharded_exp.models import build_model, units
 from sharded_exp.optim import optimizer_spec
+from sharded_exp.predict.memory_model import predict_model_states_mib
 from sharded_exp.strategies import STRATEGIES
 
 MIB = 2**20
@@ -133,7 +133,7 @@ def _zero_grad_note(cfg) -> str:
 def predict_peak(
     cfg, world_size: int, device_type: str, prediction: dict[str, Any], shapes: ModelShapes, flops: bool = True
 ) -> dict[str, Any]:
-    """The peak of every rank from one fake step (:mod:`sharded_exp.measure.fake_step`).
+    """The peak of every rank from one fake step (:mod:`sharded_exp.predict.fake_step`).
 
     The rank with the most model states is faked; another rank's peak is lower in
     proportion to its smaller model states (e.g. OSS's uneven shards). Returns ``{"per_rank_mib": [...] or None,
@@ -141,7 +141,7 @@ def predict_peak(
     "error"}``; ``error`` says why there is no prediction (the model cannot run fake).
     """
     from sharded_exp.measure.cuda_kernels import cublas_workspace_mib
-    from sharded_exp.measure.fake_step import fake_step
+    from sharded_exp.predict.fake_step import fake_step
 
     states = [sum(p.values()) for p in prediction["model_states_mib"]]
     rank = states.index(max(states))
@@ -154,7 +154,7 @@ def predict_peak(
     try:
         est = fake_step(cfg, world_size, rank, device_type, states_of, flops=flops)
     except Exception as exc:  # noqa: BLE001 -- recorded: the run goes on without a peak prediction
-        from sharded_exp.measure.fake_step import FakeStepError
+        from sharded_exp.predict.fake_step import FakeStepError
 
         reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
         if not isinstance(exc, FakeStepError):  # not inside the step: the prediction's own code
