@@ -6,7 +6,7 @@
 
 Both loops run in the same rank processes, on the same model, data, strategy objects
 (built once by the registry), precision and thread count, alternately: round r runs the
-trainer's real loop (``sharded_exp.train.trainer.run_loop``, with its stop checks, metrics,
+trainer's real loop (``sharded_exp.train.loop.run_loop``, with its stop checks, metrics,
 logging, step timing) then the hand-written loop, or the other way round. The
 hand-written loop is what a user would type: batch, zero_grad, autocast forward, scaled
 backward, unscale, clip, step, update. Both are timed the same way: wall time of whole
@@ -65,7 +65,7 @@ def rounds(rank: int, world_size: int, cfg_data: dict, rounds: int, out_dir: str
     from sharded_exp.output.loggers import build_logger
     from sharded_exp.train import liveness
     from sharded_exp.train.build import build_run
-    from sharded_exp.train.trainer import LoopSettings, run_loop
+    from sharded_exp.train.loop import LoopSettings, run_loop
 
     cfg = OmegaConf.create(cfg_data)
     tc = cfg.trainer

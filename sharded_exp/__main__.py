@@ -147,13 +147,13 @@ def main(cfg: DictConfig) -> float | None:
 
     global JOB_STARTED
     JOB_STARTED = True
-    result = run_job(cfg)
+    result = check_and_launch(cfg)
     if cfg.get("objective") is None:
         return None
     return objective_value(result or {}, cfg.objective, sweeper_direction(HydraConfig.get()))
 
 
-def run_job(cfg: DictConfig) -> dict | None:
+def check_and_launch(cfg: DictConfig) -> dict | None:
     """Check and launch the job; its result (None when nothing ran). Exits on a refused
     config or a failure outside a sweep."""
     from sharded_exp.launch.parent import launch, record_config_error

@@ -235,3 +235,34 @@ def gloo_group():
         yield
     finally:
         dist.destroy_process_group()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Every result.json the product wrote during the run (those with a ``schema_version``;
+    tests also write hand-made ones) matches the published schema, docs/result.schema.json.
+    A mismatch fails the session, naming the file and the key."""
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if factory is None or exitstatus not in (0, 1):
+        return
+    import jsonschema
+
+    schema = json.loads((ROOT / "docs" / "result.schema.json").read_text())
+    validator = jsonschema.Draft202012Validator(schema)
+    checked, bad = 0, []
+    for path in factory.getbasetemp().rglob("result.json"):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # a test's deliberately broken file
+        if not isinstance(data, dict) or "schema_version" not in data:
+            continue
+        checked += 1
+        for error in validator.iter_errors(data):
+            bad.append(f"{path}: {'.'.join(map(str, error.absolute_path)) or '(top)'}: {error.message[:200]}")
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"result.json schema: {checked} file(s) the suite wrote checked, {len(bad)} mismatch(es)")
+        for line in bad[:20]:
+            reporter.write_line(f"  {line}")
+    if bad:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

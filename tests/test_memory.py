@@ -124,11 +124,11 @@ def test_prediction_is_on_disk_before_any_rank_starts(tmp_path, monkeypatch, mea
 
     seen = {}
 
-    def instead_of_the_ranks(job, layout, world_size):
+    def instead_of_the_ranks(job, layout):
         seen.update(json.loads((tmp_path / "result.json").read_text()))
         raise RuntimeError("no ranks in this test")
 
-    monkeypatch.setattr(parent, "run_job", instead_of_the_ranks)
+    monkeypatch.setattr(parent, "run_ranks", instead_of_the_ranks)
     result = parent.launch(compose_cfg(tiny(["strategy=fsdp", "model=gpt", *ADAM_FP32])), str(tmp_path))
     assert result["status"] == "failed" and "no ranks in this test" in result["error"]
     assert seen["status"] == "running"

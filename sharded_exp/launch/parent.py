@@ -7,7 +7,7 @@ It checks the config once (:mod:`sharded_exp.launch.preflight`), then either
   supervises them: the first failure, SIGTERM/SIGINT passed on, no orphans; or
 - when started by torchrun or srun (:mod:`.layout`), runs as that one rank.
 
-``result.json`` is written here and nowhere else (:func:`write_result`).
+``result.json`` is written here, through its one writer (:func:`sharded_exp.job.result.write_result`).
 """
 
 from __future__ import annotations
@@ -26,11 +26,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 
-from sharded_exp import checkpoint
-from sharded_exp.errors import OOM_SIGNS, ConfigError, RunDirInUse, WontFit, writing
+from sharded_exp.checkpoint.plan import archive_later
+from sharded_exp.checkpoint.storage import complete_checkpoints, hold_checkpoint_dir, hold_directory, next_numbered
+from sharded_exp.errors import OOM_SIGNS, RunDirInUse, WontFit, writing
+from sharded_exp.job.result import write_result
+from sharded_exp.job.spec import JobSpec
 from sharded_exp.launch import forkserver, preflight
 from sharded_exp.launch.layout import Layout, external_layout, rendezvous_env
-from sharded_exp.launch.rank import Job, run_rank, spawned_entry
+from sharded_exp.launch.rank import run_rank, spawned_entry
 from sharded_exp.measure.tracker import MemoryMeter
 from sharded_exp.output.results import (
     base_result,
@@ -39,7 +42,6 @@ from sharded_exp.output.results import (
     oom_memory,
     predicted_section,
     summary_table,
-    write_json,
 )
 from sharded_exp.registry import import_plugins
 from sharded_exp.train import liveness
@@ -91,90 +93,50 @@ def hold_run_dir(output_dir: str):
     """Hold ``output_dir`` for this job (an exclusive lock on ``<output_dir>/.lock``, which
     names our pid; released when this process ends, however it ends). A second live job
     there is refused at once, before it moves or writes anything."""
-    return _hold(output_dir, lambda owner: RunDirInUse(
+    return hold_directory(output_dir, lambda owner: RunDirInUse(
         f"run directory {output_dir} is in use by a running job (pid {owner}); wait for it to end "
         "or choose another hydra.run.dir"
     ))  # fmt: skip
 
 
-def hold_checkpoint_dir(directory: str):
-    """Hold ``trainer.checkpoint_dir`` as the run directory is held: two live jobs never
-    write checkpoints into one directory (the second is refused before its ranks start)."""
-    try:
-        os.makedirs(directory, exist_ok=True)
-        return _hold(directory, lambda owner: ConfigError(
-            f"trainer.checkpoint_dir={directory} is in use by a running job (pid {owner}); wait for it to end "
-            "or choose another trainer.checkpoint_dir"
-        ))  # fmt: skip
-    except OSError as exc:
-        raise ConfigError(
-            f"trainer.checkpoint_dir={directory} cannot be written ({exc.strerror or exc}); "
-            "choose another trainer.checkpoint_dir"
-        ) from None
-
-
-def _hold(directory: str, refusal):
-    import fcntl
-
-    f = open(os.path.join(directory, ".lock"), "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        owner = f.read().strip() or "unknown"
-        f.close()
-        raise refusal(owner) from None
-    with writing(f.name):
-        f.seek(0)
-        f.truncate()
-        f.write(f"{os.getpid()}\n")
-        f.flush()
-    return f
-
-
 def _launch(cfg, output_dir, job_files, started, layout, is_writer, launched, lock, identity) -> dict[str, Any]:
-    checked = preflight.check(cfg, output_dir, layout, peak=is_writer)  # raises ConfigError before any rank starts
-    cfg_data = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    cfg_data["trainer"]["world_size"] = checked.world_size
+    spec = preflight.check(cfg, output_dir, layout, peak=is_writer)  # raises ConfigError before any rank starts
     result = {
-        **base_result(cfg_data, checked.params, output_dir),
+        **base_result(spec.config, spec.params, output_dir),
         **identity,
-        "launcher": layout.launcher if layout else "spawn",
-        "zero_grad": checked.zero_grad.record(),
+        "launcher": spec.launcher,
+        "zero_grad": spec.zero_grad.record(),
     }
-    if is_writer and checked.zero_grad.reason:  # trainer.zero_grad not honoured: said, not silent
-        print(f"note: trainer.zero_grad={checked.zero_grad.requested.value} is not honoured: "
-              f"{checked.zero_grad.reason}", file=sys.stderr, flush=True)  # fmt: skip
+    if is_writer and spec.zero_grad.reason:  # trainer.zero_grad not honoured: said, not silent
+        print(f"note: trainer.zero_grad={spec.zero_grad.requested.value} is not honoured: "
+              f"{spec.zero_grad.reason}", file=sys.stderr, flush=True)  # fmt: skip
     os.makedirs(output_dir, exist_ok=True)
     if is_writer and lock is None:
         lock = hold_run_dir(output_dir)
         launch_locks.append(lock)  # released by launch()
-    if is_writer and cfg.trainer.checkpoint_every:
-        launch_locks.append(hold_checkpoint_dir(cfg.trainer.checkpoint_dir))
-        existing = cfg.trainer.existing_checkpoints
-        if getattr(existing, "value", existing) == "archive":
-            archive_later_checkpoints(cfg.trainer.checkpoint_dir, checkpoint.resume_step(cfg.trainer.resume))
+    if is_writer and spec.checkpoint.every:
+        launch_locks.append(hold_checkpoint_dir(spec.checkpoint.directory))
+        archive_later(spec.checkpoint)
     if is_writer:
         archive_previous_attempt(output_dir, extra=(".hydra",) if job_files else ())
         write_job_files(output_dir, job_files or {})
         # Status "running" with the prediction: what to expect is on disk before any rank starts.
-        write_result(output_dir, {**result, "memory": predicted_section(checked.prediction)})
-    job = Job(cfg_data, output_dir, checked.device_type, checked.prediction, _job_env(), parent_pid=os.getpid())
+        write_result(output_dir, {**result, "memory": predicted_section(spec.prediction)})
     try:
         validated = time.time()
         # rank 0's payload carries status "ok" or "stopped"; other torchrun ranks get None
-        payload = run_job(job, layout, checked.world_size)
+        payload = run_ranks(spec, layout)
         main, imported = started or (None, None)
         parent_times = {"main": main, "imported": imported, "launch": launched, "validated": validated}
         result = finished_result(result, payload, parent_times)
     except Exception as exc:  # noqa: BLE001 -- a rank failed: record it, then let the caller exit non-zero
         result.update(failure_of(exc, output_dir))
-        applies = MemoryMeter.LIMIT_APPLIES_TO[checked.device_type] if cfg.trainer.memory_limit_mib else None
-        result.setdefault("memory", predicted_section(checked.prediction, applies))  # what was expected, still
+        applies = MemoryMeter.LIMIT_APPLIES_TO[spec.device_type] if cfg.trainer.memory_limit_mib else None
+        result.setdefault("memory", predicted_section(spec.prediction, applies))  # what was expected, still
         if result["status"] == "oom":  # what the ranks that ran out held (from their error records)
             result["memory"].update(oom_memory(rank_failures(output_dir)))
         if isinstance(exc, Stopped):  # killed mid-way: the newest complete checkpoint is the one to resume
-            found = checkpoint.complete_checkpoints(cfg.trainer.checkpoint_dir)
+            found = complete_checkpoints(spec.checkpoint.directory)
             result["checkpoint"] = found[-1][1] if found else None
     if is_writer:
         write_result(output_dir, result)
@@ -205,16 +167,10 @@ def record_config_error(
     return result
 
 
-def write_result(output_dir: str, result: dict[str, Any]) -> None:
-    """``<output_dir>/result.json``, atomically: the one place a job's result is written."""
-    os.makedirs(output_dir, exist_ok=True)
-    write_json(os.path.join(output_dir, "result.json"), result)
-
-
-def run_job(job: Job, layout: Layout | None, world_size: int) -> dict[str, Any] | None:
+def run_ranks(job: JobSpec, layout: Layout | None) -> dict[str, Any] | None:
     """Run the job's ranks: spawn them, or be the one rank an external launcher started."""
     if layout is None:
-        return spawn(job, world_size)
+        return spawn(job, job.world_size)
     for key, value in rendezvous_env(layout).items():
         os.environ.setdefault(key, value)
     entry = run_rank
@@ -226,22 +182,18 @@ def run_job(job: Job, layout: Layout | None, world_size: int) -> dict[str, Any] 
     return entry(job, layout.rank, layout.world_size, layout.local_rank, layout.local_world_size)
 
 
-def _job_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k.startswith("SHARDED_EXP_")}
-
-
-def spawn(job: Job, world_size: int) -> dict[str, Any]:
+def spawn(job: JobSpec, world_size: int) -> dict[str, Any]:
     """Run ``world_size`` ranks as child processes; return rank 0's payload or raise."""
     # forkserver: children fork from a clean server process that imported torch once, so a
     # sweep pays the import once; plain fork would inherit the parent's OpenMP pool (and
     # deadlock), and CUDA cannot be forked after initialisation.
     ctx = forkserver.context()  # usually running already: started by __main__ before its imports
     results = ctx.SimpleQueue()
-    timeout = datetime.timedelta(seconds=job.cfg["trainer"]["timeout_s"])
+    timeout = datetime.timedelta(seconds=job.config["trainer"]["timeout_s"])
     # The parent holds the rendezvous store on a port the OS picks: no collisions.
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
     store_addr = {"host": "127.0.0.1", "port": store.port}
-    stop = ParentStop(job.cfg["trainer"]["stop_grace_s"])
+    stop = ParentStop(job.config["trainer"]["stop_grace_s"])
     finished: dict[int, Any] = {}  # rank -> its payload (None but on rank 0)
     try:
         with stop.handling_signals():  # before the ranks exist: no signal leaves orphans
@@ -449,29 +401,6 @@ def write_job_files(output_dir: str, files: dict[str, Any]) -> None:
             OmegaConf.save(content, os.path.join(output_dir, ".hydra", name))
 
 
-def _next_numbered(parent: str) -> str:
-    """A new directory ``<parent>/<n>``, n the next number after the highest: one deleted
-    by hand leaves a gap, not a clash."""
-    os.makedirs(parent, exist_ok=True)
-    taken = [int(n) for n in os.listdir(parent) if n.isdigit()]
-    target = os.path.join(parent, str(max(taken, default=0) + 1))
-    os.makedirs(target)
-    return target
-
-
-def archive_later_checkpoints(directory: str, start: int) -> str | None:
-    """trainer.existing_checkpoints=archive: checkpoints later than ``start`` (another
-    trajectory's) move to ``<directory>/archived/<n>/``, where resume=auto does not look."""
-    later = [path for step, path in checkpoint.complete_checkpoints(directory) if step > start]
-    if not later:
-        return None
-    target = _next_numbered(os.path.join(directory, "archived"))
-    for path in later:
-        os.rename(path, os.path.join(target, os.path.basename(path)))
-    print(f"moved {len(later)} later checkpoint(s) of another trajectory to {target}", file=sys.stderr, flush=True)
-    return target
-
-
 def archive_previous_attempt(output_dir: str, extra: tuple[str, ...] = ()) -> str | None:
     """Move an earlier attempt's records (result.json, rank errors, ``extra``) in a reused
     output directory to ``attempts/<n>/``: a new run deletes and overwrites nothing.
@@ -485,7 +414,7 @@ def archive_previous_attempt(output_dir: str, extra: tuple[str, ...] = ()) -> st
     ]
     if not names:
         return None
-    target = _next_numbered(os.path.join(output_dir, "attempts"))
+    target = next_numbered(os.path.join(output_dir, "attempts"))
     for name in names:
         os.rename(os.path.join(output_dir, name), os.path.join(target, name))
     return target

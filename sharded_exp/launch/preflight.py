@@ -14,42 +14,25 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from dataclasses import dataclass
 from enum import Enum
-from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
-from sharded_exp import checkpoint
+from sharded_exp.checkpoint import plan_checkpoints
 from sharded_exp.config import ZeroGrad
 from sharded_exp.data import TASKS
 from sharded_exp.data.loader import check_fits
-from sharded_exp.errors import ConfigError, NothingToDo, WontFit, missing_packages
+from sharded_exp.errors import ConfigError, WontFit, missing_packages
+from sharded_exp.job.spec import JobSpec, decided_config
 from sharded_exp.launch.layout import Layout
 from sharded_exp.models import MODELS, units
 from sharded_exp.models.target import check_accepts, check_attn_implementation, check_pretrained, is_target_model
 from sharded_exp.optim import OPTIMIZERS
 from sharded_exp.precision import PRECISIONS
-from sharded_exp.predict.prediction import ModelShapes, meta_model, model_shapes, predict, predict_peak
+from sharded_exp.predict.prediction import meta_model, model_shapes, predict, predict_peak
 from sharded_exp.strategies import STRATEGIES
-from sharded_exp.strategies.base import GradZeroing
 from sharded_exp.train import faults
-
-
-@dataclass
-class Checked:
-    """What the pre-flight decided; the ranks take it as given."""
-
-    device_type: str
-    """cuda or cpu."""
-    world_size: int
-    """Ranks of the job: trainer.world_size, or what torchrun / SLURM started."""
-    params: int
-    """Parameters of the model (counted on the meta device)."""
-    prediction: dict[str, Any]
-    """Predicted memory per rank (sharded_exp.predict.prediction.predict)."""
-    zero_grad: GradZeroing
-    """How gradients are cleared: trainer.zero_grad as the strategy applies it."""
 
 
 def _require(ok: bool, message: str) -> None:
@@ -57,19 +40,16 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True) -> Checked:
-    """Check ``cfg`` and decide the job's device, world size, checkpoints and prediction.
+def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True) -> JobSpec:
+    """Check ``cfg`` and decide the job's device, world size, checkpoints and prediction:
+    the job's spec, which the ranks receive. ``cfg`` is read, never changed.
 
     ``peak``: also predict every rank's peak with a fake training step (a few seconds;
-    under torchrun only the rank that writes result.json needs it).
-
-    Fills in ``trainer.checkpoint_dir`` and resolves ``trainer.resume`` in ``cfg``. Raises
-    ConfigError, naming the value and the choices, before anything is started or written.
+    under torchrun only the rank that writes result.json needs it). Raises ConfigError,
+    naming the value and the choices, before anything is started or written.
     """
     check_values(cfg)
     world_size = layout.world_size if layout is not None else cfg.trainer.world_size
-    # The config the ranks, .hydra/ and W&B see holds the real world size (torchrun, SLURM).
-    cfg.trainer.world_size = world_size
     local_ranks = layout.local_world_size if layout is not None else world_size
     device_type = decide_device(
         _accelerator(cfg.trainer.accelerator), local_ranks, str(cfg.precision.name), per_task=layout is not None
@@ -97,13 +77,30 @@ def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True)
     check_accepts(module, list(task(0, 0, 0)), cfg.model.name, cfg.data.name)  # keyword batch in
     if task.dataset is not None:  # a user's data: enough of it for one micro-batch per rank
         check_fits(task, world_size, cfg.trainer.batch_size, cfg.data.name)
-    resolve_checkpoints(cfg, output_dir, shapes)
-    prediction = predict(cfg.strategy, cfg.optimizer, str(cfg.precision.name), shapes, world_size)
+    plan = plan_checkpoints(cfg.trainer, strategy.default_checkpoint_format, output_dir, shapes.state_shapes,
+                            cfg.optimizer.name)  # fmt: skip
+    # The config the ranks, .hydra/ and W&B see holds the real world size (torchrun, SLURM)
+    # and the checkpoint plan's paths; from here on every option is a plain name.
+    config = decided_config(cfg, world_size, plan)
+    decided = OmegaConf.create(config)
+    prediction = predict(decided.strategy, decided.optimizer, decided.precision.name, shapes, world_size)
     if peak:
-        prediction["peak"] = predict_peak(cfg, world_size, device_type, prediction, shapes)
+        prediction["peak"] = predict_peak(decided, world_size, device_type, prediction, shapes)
         if device_type == "cpu" and cfg.trainer.host_memory_check:
             check_host_memory(prediction["peak"].get("per_rank_mib"), local_ranks)
-    return Checked(device_type, world_size, shapes.params, prediction, zero_grad)
+    return JobSpec(
+        config=config,
+        output_dir=output_dir,
+        device_type=device_type,
+        world_size=world_size,
+        params=shapes.params,
+        prediction=prediction,
+        zero_grad=zero_grad,
+        checkpoint=plan,
+        launcher=layout.launcher if layout is not None else "spawn",
+        env={k: v for k, v in os.environ.items() if k.startswith("SHARDED_EXP_")},
+        parent_pid=os.getpid(),
+    )
 
 
 RANK_OVERHEAD_MIB = 400
@@ -271,59 +268,3 @@ def decide_device(accelerator: str, local_ranks: int, precision_name: str, per_t
     # precision=bf16 is checked by each rank on its own GPU (launch/rank.py::check_bf16):
     # asking here would start a CUDA context in the parent, on GPU 0, for the whole job.
     return "cuda"
-
-
-def _check_later_checkpoints(t, start: int) -> None:
-    """A run that writes checkpoints must not meet later ones from another trajectory in
-    its directory: they would be kept in place of its own, and resume=auto would continue
-    them. Refused (trainer.existing_checkpoints=refuse) or archived by the parent."""
-    if not t.checkpoint_every:
-        return
-    later = [path for step, path in checkpoint.complete_checkpoints(t.checkpoint_dir) if step > start]
-    existing = str(getattr(t.existing_checkpoints, "value", t.existing_checkpoints))
-    if later and existing == "refuse":
-        names = ", ".join(os.path.basename(p) for p in later[:4]) + (", ..." if len(later) > 4 else "")
-        raise ConfigError(
-            f"trainer.checkpoint_dir={t.checkpoint_dir} already holds {names}, later than step {start} where this "
-            "run starts: another trajectory, which this run would mix with its own. Choose another "
-            "trainer.checkpoint_dir, resume from the newest (trainer.resume=auto), or set "
-            "trainer.existing_checkpoints=archive to move them to archived/<n>/ first"
-        )
-
-
-def resolve_checkpoints(cfg, output_dir: str, shapes: ModelShapes) -> None:
-    """Fill in ``trainer.checkpoint_dir`` and ``trainer.checkpoint_format`` and turn
-    ``trainer.resume`` into a checkpoint path (or null), checking that the checkpoint is
-    complete, readable and fits this job."""
-    t = cfg.trainer
-    fmt = str(getattr(t.checkpoint_format, "value", t.checkpoint_format))
-    if fmt == "auto":
-        # Sharded wherever the product cannot know that one rank could hold everything.
-        strategy = STRATEGIES.builder(cfg.strategy.name)
-        fmt = "dcp" if strategy.shards_parameters or strategy.optimizer_state_sharded else "consolidated"
-    t.checkpoint_format = fmt
-    _require(
-        not t.checkpoint_async or fmt == "dcp",
-        f"trainer.checkpoint_async=true needs trainer.checkpoint_format=dcp (it is {fmt})",
-    )
-    t.checkpoint_dir = os.path.abspath(t.checkpoint_dir or os.path.join(output_dir, "checkpoints"))
-    _require(
-        not os.path.exists(t.checkpoint_dir) or os.path.isdir(t.checkpoint_dir),
-        f"trainer.checkpoint_dir={t.checkpoint_dir} is a file, not a directory; choose another trainer.checkpoint_dir",
-    )
-    try:
-        auto = t.resume == "auto"
-        t.resume = checkpoint.resolve_resume(t.resume, t.checkpoint_dir)
-        if t.resume is None:
-            _check_later_checkpoints(t, 0)
-            return
-        meta = checkpoint.read_meta(t.resume)
-        _check_later_checkpoints(t, meta["step"])
-        if auto and meta["step"] >= t.steps:
-            raise NothingToDo(
-                f"trainer.resume=auto: the newest checkpoint, {t.resume}, is at step {meta['step']} of "
-                f"trainer.steps={t.steps}: this job is done, nothing to do"
-            )
-        checkpoint.check_compatible(t.resume, meta, shapes.state_shapes, cfg.optimizer.name, t.steps)
-    except checkpoint.CheckpointError as exc:
-        raise ConfigError(str(exc)) from None

@@ -1,9 +1,9 @@
 """A rank's entry: the job's environment, the device, the process group, then the trainer.
 
 Runs in a process of its own, forked from the forkserver by the parent or started by
-torchrun / srun. It receives the job as plain data (:class:`Job`): spawned children have
+torchrun / srun. It receives the job's spec (:class:`~sharded_exp.job.spec.JobSpec`): spawned children have
 no HydraConfig, and everything the parent decided (device type, memory prediction,
-resolved checkpoint paths) travels with it.
+checkpoint plan) travels with it.
 """
 
 from __future__ import annotations
@@ -12,37 +12,19 @@ import datetime
 import os
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
-from sharded_exp.output.results import write_json
+from sharded_exp.job.result import write_json
+from sharded_exp.job.spec import JobSpec
 from sharded_exp.registry import import_plugins
 from sharded_exp.train import liveness
 
 
-@dataclass
-class Job:
-    """One job as the parent hands it to its ranks (picklable, plain data)."""
-
-    cfg: dict[str, Any]
-    """The resolved config."""
-    output_dir: str
-    device_type: str
-    """cuda or cpu: decided once, by the parent's pre-flight."""
-    prediction: dict[str, Any]
-    """The parent's memory prediction (sharded_exp.predict.prediction.predict)."""
-    env: dict[str, str]
-    """The job's SHARDED_EXP_* variables (a forked rank inherits the server's environment)."""
-    parent_pid: int | None = None
-    """The launching process: spawned ranks exit when it is gone (see :func:`watch_parent`)."""
-
-
 def run_rank(
-    job: Job, rank: int, world_size: int, local_rank: int, local_world_size: int, store: dict | None = None
+    job: JobSpec, rank: int, world_size: int, local_rank: int, local_world_size: int, store: dict | None = None
 ) -> dict[str, Any] | None:
     """Set up this rank, train, and return rank 0's payload (None on other ranks).
 
@@ -54,7 +36,7 @@ def run_rank(
         del os.environ[key]
     os.environ.update(job.env)
     import_plugins()
-    cfg = OmegaConf.create(job.cfg)
+    cfg = job.cfg()
     if job.device_type == "cuda":
         device = rank_device(local_rank)
         torch.cuda.set_device(device)
@@ -83,7 +65,7 @@ def run_rank(
         timeline["process_group_ready"] = time.time()
         from sharded_exp.train.trainer import train  # here, not at the top: the parent never trains
 
-        return train(cfg, device, job.output_dir, job.prediction, timeline)
+        return train(job, device, timeline)
     except BaseException as exc:
         message = None
         if liveness.is_timeout(exc):
@@ -204,7 +186,7 @@ def watch_parent(pid: int, rank: int, period_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="watch-parent", daemon=True).start()
 
 
-def spawned_entry(index: int, world_size: int, job: Job, store: dict, results) -> None:
+def spawned_entry(index: int, world_size: int, job: JobSpec, store: dict, results) -> None:
     """Entry of a rank spawned by the parent; ``index`` is the rank (one machine)."""
     if job.parent_pid is not None:
         watch_parent(job.parent_pid, index)

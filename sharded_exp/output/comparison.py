@@ -19,10 +19,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from sharded_exp.errors import ConfigError
 from sharded_exp.output import charts
 from sharded_exp.output.charts import ranks
 from sharded_exp.output.loggers import init_wandb_run
 from sharded_exp.output.workspace import sweep_logger
+from sharded_exp.strategies import STRATEGIES, by_sharding, sharding_of
 
 COLUMNS = [
     "strategy", "world_size", "precision", "model", "params", "peak_allocated_mib_max", "peak_allocated_mib_mean",
@@ -40,7 +42,6 @@ COMPACT = {
     "speed_vs_baseline": "speed_vs_baseline", "status": "status", "baseline_short": "baseline",
 }  # fmt: skip
 """The table a reader reads first: column -> header (the end-of-run table's abbreviations)."""
-ORDER = ["ddp", "oss", "sharded_ddp", "zero1", "fsdp_grad_op", "fsdp"]
 """Strategies from the least sharded to the most: the report's row order, and the order in
 which a baseline is chosen when DDP did not run to the end."""
 
@@ -206,7 +207,7 @@ def _measured(row: dict[str, Any]) -> bool:
 
 def _choose_baseline(members: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, str | None]:
     """The baseline of points that differ only in the strategy, and why it is not DDP:
-    DDP when it ran to the end; else the least sharded point that fits (ORDER), so a
+    DDP when it ran to the end; else the least sharded point that fits (``Strategy.sharding``), so a
     saving reads as what more sharding buys; None when fewer than two points fit."""
     ddp = next((r for r in members if r["strategy"] == "ddp"), None)
     if ddp is not None and ddp["status"] == "ok":
@@ -218,8 +219,12 @@ def _choose_baseline(members: list[dict[str, Any]]) -> tuple[dict[str, Any] | No
     return min(fitting, key=lambda r: (_order(r["strategy"]), r["peak_allocated_mib_max"] or math.inf)), why
 
 
-def _order(strategy: str) -> int:
-    return ORDER.index(strategy) if strategy in ORDER else len(ORDER)
+def _order(strategy: str) -> tuple[int, str]:
+    """Where a strategy stands from the least sharded to the most (the registry's ``sharding``)."""
+    try:
+        return sharding_of(strategy), strategy
+    except ConfigError:  # not registered here (a plugin's point of an older sweep): last
+        return 99, strategy
 
 
 def build_rows(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -552,15 +557,16 @@ def log_to_wandb(rows: list[dict[str, Any]], points: list[dict[str, Any]], image
         print(f"warning: W&B summary run not written ({type(exc).__name__}: {exc})", file=sys.stderr)
 
 
-BASELINE_RULE = (
-    "Memory in MiB per rank: the largest over ranks (`peak_MiB`, what must fit) and the average over ranks "
-    "(`peak_mean_MiB`, the figure the seed study reported); `peak_saving_pct` (of the largest; "
-    "`peak_mean_saving_pct`: of the average) and `speed_vs_baseline` compare each row "
-    "with its `baseline`: the DDP point whose settings differ only in the strategy, or, where DDP did not run to "
-    "the end, the least sharded point that fits at the same settings (in the order "
-    + ", ".join(ORDER)
-    + "). MFU is in percent (`mfu_pct`). Every column is in `report.csv` and at the end."
-)
+def baseline_rule() -> str:
+    return (
+        "Memory in MiB per rank: the largest over ranks (`peak_MiB`, what must fit) and the average over ranks "
+        "(`peak_mean_MiB`, the figure the seed study reported); `peak_saving_pct` (of the largest; "
+        "`peak_mean_saving_pct`: of the average) and `speed_vs_baseline` compare each row "
+        "with its `baseline`: the DDP point whose settings differ only in the strategy, or, where DDP did not run to "
+        "the end, the least sharded point that fits at the same settings (in the order "
+        + ", ".join(by_sharding(STRATEGIES.names()))
+        + "). MFU is in percent (`mfu_pct`). Every column is in `report.csv` and at the end."
+    )
 
 
 def report_markdown(rows: list[dict[str, Any]], name: str, note: str = "", drawn: set[str] | None = None) -> str:
@@ -575,7 +581,7 @@ def report_markdown(rows: list[dict[str, Any]], name: str, note: str = "", drawn
         or "No chart: no point has a usable result."
     )
     return (
-        f"# Sweep report: {name}\n\n{headline(rows)}\n\n{compact(rows)}\n\n{BASELINE_RULE}{note}\n\n"
+        f"# Sweep report: {name}\n\n{headline(rows)}\n\n{compact(rows)}\n\n{baseline_rule()}{note}\n\n"
         f"## Charts\n\n{images}\n\n## Every column\n\n{markdown(rows)}\n"
     )
 

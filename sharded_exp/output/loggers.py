@@ -12,6 +12,10 @@ import os
 import warnings
 from typing import Any
 
+from omegaconf import OmegaConf
+
+from sharded_exp.strategies import offloads_to_host
+
 
 class NullLogger:
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -33,7 +37,7 @@ def run_tags(run_config: dict[str, Any]) -> list[str]:
         f"ac:{ac}": ac != "none",
         "compile": bool(t.get("compile")),
         f"hsdp:{s.get('replicate')}": (s.get("replicate") or 1) > 1,
-        "cpu_offload": bool(s.get("cpu_offload")),
+        "cpu_offload": offloads_to_host(OmegaConf.create(s)),
     }
     return [
         f"strategy:{s['name']}",

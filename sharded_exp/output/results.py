@@ -2,29 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 from typing import Any
-
-from sharded_exp.errors import is_no_space, no_space
-
-
-def write_json(path: str, data: dict[str, Any]) -> None:
-    """Write atomically: a reader sees the old file or the new one, never half of one.
-    On a full disk: OSError "no space left on device while writing <path>", no tmp file left."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=False)
-            f.write("\n")
-        os.replace(tmp, path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        if is_no_space(exc, path):
-            raise no_space(path) from None
-        raise
 
 
 def base_result(cfg_data: dict[str, Any], params: int, output_dir: str) -> dict[str, Any]:

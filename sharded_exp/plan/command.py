@@ -155,14 +155,14 @@ def write_chart(rows, cfg, params: int) -> str:
     from pathlib import Path
 
     from sharded_exp.output import charts
-    from sharded_exp.plan.points import LEVER_COST, STRATEGY_COST, _value, lever_names
+    from sharded_exp.plan.points import LEVER_COST, _value, lever_names, strategy_cost
 
     count = f"{params / 1e9:.3g} B" if params >= 1e8 else f"{params:,}"
     what = (f"raw parameter count ({count} params, no activations)" if cfg.plan.params is not None
             else f"model={cfg.model.name} ({count} params), batch {cfg.trainer.batch_size}/rank")  # fmt: skip
     title = f"Planned peak per rank: {what}, precision {cfg.precision.name}, {cfg.optimizer.name}, {_value(cfg.plan.device)}"
     cost = lambda r: sum(LEVER_COST[x] for x in lever_names(r.get("levers", "none")))  # noqa: E731
-    order = sorted(rows, key=lambda r: (cost(r), STRATEGY_COST.get(r["strategy"], 9)))  # the legend: cheapest first
+    order = sorted(rows, key=lambda r: (cost(r), strategy_cost(r["strategy"])))  # the legend: cheapest first
     path = Path(cfg.plan.plot)
     path.parent.mkdir(parents=True, exist_ok=True)
     charts.save(charts.plan_chart(order, cfg.plan.device_memory_gib, title), path)

@@ -38,8 +38,12 @@ LEVERS = {"ac": ("activation_checkpointing", "full"), "ac_selective": ("activati
 """The planner's lever names (``plan.levers`` entries join them with +) and what each sets."""
 LEVER_COST = {"none": 0, "ac_selective": 1, "ac": 2, "offload": 3}
 """Extra recompute or traffic each lever costs, in the order a user would reach for them."""
-STRATEGY_COST = {"ddp": 0, "zero1": 1, "oss": 1, "sharded_ddp": 2, "fsdp_grad_op": 3, "fsdp": 4}
-"""Extra communication per strategy: DDP < ZeRO-1 < ZeRO-2 < FSDP."""
+
+
+def strategy_cost(name: str) -> int:
+    """Extra communication per strategy, DDP < ZeRO-1 < ZeRO-2 < FSDP: how much it shards
+    (the registry's ``Strategy.sharding``)."""
+    return STRATEGIES.builder(name).sharding
 
 
 def lever_names(combo: str) -> list[str]:
@@ -250,7 +254,7 @@ def plan_rows(cfg, world_sizes, device_type: str = "cpu", progress: Progress | N
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(["sharded_exp.plan.points"])
         # the costliest first (FSDP's fake steps), so that the last to finish is a short one
-        order = sorted(tasks, key=lambda t: -STRATEGY_COST.get(t[0], 0))
+        order = sorted(tasks, key=lambda t: -strategy_cost(t[0]))
         with concurrent.futures.ProcessPoolExecutor(count, mp_context=context) as pool:
             futures = {pool.submit(task_rows, cfg, *t, world_sizes, device_type): t for t in order}
             for future in concurrent.futures.as_completed(futures):
@@ -299,7 +303,7 @@ def cheapest(rows) -> list[dict[str, Any]]:
         fitting = [r for r in rows if r["world_size"] == ws and r.get("fits")]
         if fitting:
             key = lambda r: (sum(LEVER_COST[x] for x in lever_names(r.get("levers", "none"))),  # noqa: E731
-                             STRATEGY_COST.get(r["strategy"], 9), r["total_gib"])  # fmt: skip
+                             strategy_cost(r["strategy"]), r["total_gib"])  # fmt: skip
             out.append(min(fitting, key=key))
     return out
 

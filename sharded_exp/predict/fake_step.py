@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from sharded_exp.measure.tracker import peak_tracker
-from sharded_exp.strategies import STRATEGIES
+from sharded_exp.strategies import STRATEGIES, offloads_to_host
 
 MIB = 2**20
 
@@ -407,7 +407,7 @@ def fake_step(
     FLOPs (about a third of the time on a large model; the planner needs none).
     """
     t0 = time.perf_counter()
-    if cfg.strategy.get("cpu_offload", False):  # faked on the device; the states' move to the host is a rule
+    if offloads_to_host(cfg.strategy):  # faked on the device; the states' move to the host is a rule
         cfg = cfg.copy()
         cfg.strategy.cpu_offload = False
     clip = float(cfg.trainer.grad_clip)

@@ -16,7 +16,7 @@ from sharded_exp import precision
 from sharded_exp.models import build_model, units
 from sharded_exp.optim import optimizer_spec
 from sharded_exp.predict.memory_model import predict_model_states_mib
-from sharded_exp.strategies import STRATEGIES
+from sharded_exp.strategies import STRATEGIES, offloads_to_host
 
 MIB = 2**20
 
@@ -190,7 +190,7 @@ def predict_peak(
     for phase, (peak, p) in phases.items():
         phases_mib[str(phase)] = (peak + workspace, {**resident(p), "workspace": workspace})
     host_mib = None
-    if cfg.strategy.get("cpu_offload", False):
+    if offloads_to_host(cfg.strategy):
         # FSDP's CPU offload: the resident (sharded) parameters, gradients and optimizer
         # state live in host memory; the device holds what is gathered and computed.
         states = ("params", "grads", "optimizer", "optimizer_step")

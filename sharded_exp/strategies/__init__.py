@@ -15,6 +15,29 @@ from sharded_exp.registry import Registry
 STRATEGIES = Registry("strategy")
 
 
+def by_sharding(names) -> list[str]:
+    """``names`` from the least sharded strategy to the most (``Strategy.sharding``), by name
+    among equals; a name not registered comes last."""
+
+    def key(name):
+        try:
+            return (STRATEGIES.builder(name).sharding, name)
+        except Exception:  # noqa: BLE001 -- not registered (a point of an older sweep)
+            return (99, name)
+
+    return sorted(names, key=key)
+
+
+def sharding_of(name: str) -> int:
+    """``Strategy.sharding`` of a registered strategy."""
+    return STRATEGIES.builder(name).sharding
+
+
+def offloads_to_host(strategy_cfg) -> bool:
+    """Does the strategy ``strategy_cfg`` configures keep model states in host memory?"""
+    return STRATEGIES.builder(strategy_cfg.name).offloads_to_host(strategy_cfg)
+
+
 def build_strategy(cfg, module, optim_spec, precision_cfg, device, zero_grad=None):
     """The strategy ``cfg`` names, built over ``module``, clearing gradients by the rule it
     applies for ``zero_grad`` (``trainer.zero_grad``, a ZeroGrad; None: free)."""

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from sharded_exp import precision
 from sharded_exp.config import ZeroGrad
@@ -39,6 +41,35 @@ def greedy_partition(group_numels: Sequence[Sequence[int]], world_size: int, lar
             heapq.heappush(heap, (size + group[i], rank))
         owners += group_owners
     return owners
+
+
+def _gather_owned_state(local: dict[str, dict], params: dict[str, Any]) -> dict[str, dict] | None:
+    """Optimizer state owned whole by one rank each, sent to rank 0 tensor by tensor."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = next(iter(params.values())).device  # NCCL sends device tensors only
+    held: list[Any] = [None] * world_size
+    dist.all_gather_object(held, sorted(local))
+    owner = {name: r for r, names in enumerate(held) for name in names}
+    out: dict[str, dict] = {}
+    for name in params:
+        if name not in owner:
+            continue
+        if owner[name] == rank == 0:
+            out[name] = {k: v.detach().to("cpu", copy=True) for k, v in local[name].items()}
+        elif owner[name] == rank:
+            state = local[name]
+            dist.send_object_list([{k: (tuple(v.shape), v.dtype) for k, v in state.items()}], dst=0)
+            for value in state.values():
+                dist.send(value.detach().to(device).contiguous(), dst=0)
+        elif rank == 0:
+            box: list[Any] = [None]
+            dist.recv_object_list(box, src=owner[name])
+            out[name] = {}
+            for key, (shape, dtype) in box[0].items():
+                buffer = torch.empty(shape, dtype=dtype, device=device)
+                dist.recv(buffer, src=owner[name])
+                out[name][key] = buffer.cpu()
+    return out if rank == 0 else None
 
 
 @dataclass(frozen=True)
@@ -87,6 +118,15 @@ class Strategy:
     shards_parameters = False
     """True when no rank holds the whole model (FSDP2): nothing may gather it onto one rank
     unasked, and checkpoints default to the sharded format."""
+    sharding = 0
+    """How much of the model state the ranks divide among them, to order strategies from
+    the least sharded (reports, the planner's "cheapest that fits"): 0 nothing (DDP),
+    1 the optimizer state (OSS, ZeRO-1), 2 and the gradients (ShardedDDP), 3 and the
+    parameters outside forward and backward (FSDP's SHARD_GRAD_OP), 4 everything (FSDP)."""
+    default_checkpoint_format = "consolidated"
+    """``trainer.checkpoint_format=auto``: consolidated (one full copy, written by rank 0)
+    where one rank holds everything; dcp (each rank its own shards) where the strategy
+    shards something, as the product cannot know that one rank could hold it all."""
     clip_reads_values = False
     """True when clipping branches on the norm's value (fairscale OSS): a fake step, which
     has no values, then runs without clipping (it scales in place: no memory)."""
@@ -155,11 +195,30 @@ class Strategy:
         """Parameters whose optimizer state this rank holds (every trainable one without sharding)."""
         return [p for p in self.module.parameters() if p.requires_grad]
 
-    def inject_inf_grad(self) -> Any:
-        """Testing aid (fault ``inf_grad``): make one gradient element of this rank's own
-        shard inf, before any communication. Returns a handle with ``remove()``."""
-        param = self.local_shard()[0]
-        return param.register_hook(lambda g: torch.full_like(g, float("inf")))
+    def gather_optimizer_state(self, local: dict[str, dict], params: dict[str, Any]) -> dict[str, dict] | None:
+        """The full optimizer state by parameter name, on rank 0's CPU (None elsewhere), one
+        tensor at a time (a collective). ``local``: this rank's state by parameter name.
+
+        Where each rank holds the state of every parameter, whole or as DTensor shards
+        (FSDP2), each tensor is all-gathered alone. Where ranks own whole tensors' state
+        (``optimizer_state_sharded``: OSS, ZeRO-1), each is sent to rank 0 by its owner,
+        from the device it lives on (no host copy on the owner).
+        """
+        if self.optimizer_state_sharded and dist.get_world_size() > 1:
+            return _gather_owned_state(local, params)
+        rank, out = dist.get_rank(), {}
+        for name, state in local.items():
+            for key, value in state.items():
+                full = value.full_tensor() if isinstance(value, DTensor) else value  # collective for DTensors
+                if rank == 0:
+                    out.setdefault(name, {})[key] = full.detach().to("cpu", copy=True)
+                del full
+        return out if rank == 0 else None
+
+    @classmethod
+    def offloads_to_host(cls, cfg) -> bool:
+        """Does this strategy, as ``cfg`` sets it, keep model states in host memory?"""
+        return False
 
     def local_optimizers(self) -> list[torch.optim.Optimizer]:
         """The plain torch optimizers on this rank, whose state is this rank's share."""

@@ -116,6 +116,8 @@ class FSDPGradOpConfig(FSDPConfig):
 class FSDP(Strategy):
     Config = FSDPConfig
     shards_parameters = True
+    sharding = 4
+    default_checkpoint_format = "dcp"
     # Forward prefetch gathers the next unit while one computes, and backward the one
     # before: only from three blocks on does each further block add the same.
     depth_line_from = 3
@@ -241,34 +243,9 @@ class FSDP(Strategy):
         # every rank holds a slice of every trainable parameter's state
         return [p for p in self.module.parameters() if p.requires_grad]
 
-    def inject_inf_grad(self):
-        # Sharded parameters never see autograd: hook the gathered weight of the first layer
-        # during its forward, and poison only the rows of this rank's own dim-0 shard.
-        layer = next(m for m in self.module.modules() if getattr(m, "weight", None) is not None and m.weight.dim() == 2)
-        # the rows this rank's shard holds: its place in the (last, sharding) mesh dimension
-        mesh = layer.weight.device_mesh if isinstance(layer.weight, DTensor) else None
-        rank = mesh.get_local_rank(mesh.ndim - 1) if mesh is not None else torch.distributed.get_rank()
-        world_size = mesh.size(mesh.ndim - 1) if mesh is not None else torch.distributed.get_world_size()
-
-        def poison(grad):
-            chunk = math.ceil(grad.shape[0] / world_size)
-            grad = grad.clone()
-            grad[rank * chunk : (rank + 1) * chunk] = float("inf")
-            return grad
-
-        handles = []
-
-        def pre_forward(mod, args):
-            handles.append(mod.weight.register_hook(poison))
-
-        handles.append(layer.register_forward_pre_hook(pre_forward))
-
-        class Handle:
-            def remove(self):
-                for h in handles:
-                    h.remove()
-
-        return Handle()
+    @classmethod
+    def offloads_to_host(cls, cfg) -> bool:
+        return bool(cfg.cpu_offload)
 
     # ----------------------------------------------------------------- memory model
     @staticmethod
@@ -299,3 +276,4 @@ class FSDP(Strategy):
 @STRATEGIES.register("fsdp_grad_op")
 class FSDPGradOp(FSDP):
     Config = FSDPGradOpConfig
+    sharding = 3

@@ -78,6 +78,7 @@ def resident_grad_numel(reduce_buffer_size, numels, owners, rank, world_size) ->
 @STRATEGIES.register("sharded_ddp")
 class ShardedDDP(OSS):
     Config = ShardedDDPConfig
+    sharding = 2
     # How many reduce buckets there are, and how full, depends on the world size and the
     # depth: the planner checks its lines at every world size (and see setup_transient_mib).
     depth_lines_per_world_size = True

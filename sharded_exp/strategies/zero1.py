@@ -27,6 +27,8 @@ class ZeRO1Config(DDPConfig):
 class ZeRO1(DDP):
     Config = ZeRO1Config
     optimizer_state_sharded = True
+    sharding = 1
+    default_checkpoint_format = "dcp"
     grads_differ_across_ranks = True  # each rank unscales and checks its own shard only
 
     @classmethod

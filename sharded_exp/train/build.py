@@ -39,7 +39,7 @@ from sharded_exp.config import ZeroGrad
 from sharded_exp.data import Task, build_task
 from sharded_exp.models import build_model, units
 from sharded_exp.optim import optimizer_spec
-from sharded_exp.strategies import STRATEGIES, build_strategy
+from sharded_exp.strategies import STRATEGIES, build_strategy, offloads_to_host
 from sharded_exp.strategies.base import Strategy
 from sharded_exp.train.levers import apply_levers
 
@@ -359,7 +359,7 @@ def build_run(
     torch.manual_seed(tc.seed)  # identical on every rank
     rule = build_rule(cfg.model, weights)
     shards = STRATEGIES.builder(cfg.strategy.name).shards_parameters
-    offload = bool(cfg.strategy.get("cpu_offload"))
+    offload = offloads_to_host(cfg.strategy)
     # Real meta tensors even inside a fake step: a skeleton costs nothing, and buffers keep
     # their values (a fake step then moves them onto its fake device).
     sharded_load = rule == "pretrained" and shards

@@ -28,12 +28,14 @@ A testing aid, documented in the README; never set it in real runs. Kinds:
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 KINDS = ("raise", "exit", "hang", "oom", "exit_in_save", "inf_grad", "stall", "kill", "sigterm", "tracker_error")
 ENV = "SHARDED_EXP_FAULT"
@@ -130,7 +132,7 @@ class Injector:
         if self.fault is None or self.fault.step != step:
             return
         if self.fault.kind == "inf_grad":
-            self._hook = strategy.inject_inf_grad()
+            self._hook = poison_gradient(strategy)
         else:
             trigger(self.fault, self.rank, self.device)
 
@@ -138,6 +140,41 @@ class Injector:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+
+
+def poison_gradient(strategy):
+    """Fault ``inf_grad``: make one gradient element of this rank's own optimizer shard inf,
+    before any communication. Returns a handle with ``remove()``."""
+    if not strategy.shards_parameters:
+        param = strategy.local_shard()[0]
+        return param.register_hook(lambda g: torch.full_like(g, float("inf")))
+    # Sharded parameters never see autograd: hook the gathered weight of the first layer
+    # during its forward, and poison only the rows of this rank's own dim-0 shard.
+    layer = next(m for m in strategy.module.modules() if getattr(m, "weight", None) is not None and m.weight.dim() == 2)
+    # the rows this rank's shard holds: its place in the (last, sharding) mesh dimension
+    mesh = layer.weight.device_mesh if isinstance(layer.weight, DTensor) else None
+    rank = mesh.get_local_rank(mesh.ndim - 1) if mesh is not None else torch.distributed.get_rank()
+    world_size = mesh.size(mesh.ndim - 1) if mesh is not None else torch.distributed.get_world_size()
+
+    def poison(grad):
+        chunk = math.ceil(grad.shape[0] / world_size)
+        grad = grad.clone()
+        grad[rank * chunk : (rank + 1) * chunk] = float("inf")
+        return grad
+
+    handles = []
+
+    def pre_forward(mod, args):
+        handles.append(mod.weight.register_hook(poison))
+
+    handles.append(layer.register_forward_pre_hook(pre_forward))
+
+    class Handle:
+        def remove(self):
+            for h in handles:
+                h.remove()
+
+    return Handle()
 
 
 def in_save(rank: int, step: int) -> None:

@@ -1,11 +1,11 @@
-"""The training loop that runs on every rank, read top to bottom.
+"""A job on one rank: build, load, train, measure, gather.
 
 :func:`train` is called once per rank with the process group already initialised (by
-:mod:`sharded_exp.launch.rank`). It builds model, strategy and data from the plain
-resolved config, runs the loop (:func:`run_loop`, public: ``benchmarks/overhead.py``
-times it against a hand-written loop) and returns, on rank 0, the payload that becomes
-``result.json``. The step itself is :func:`train_step`; the trainer never asks which
-strategy it runs.
+:mod:`sharded_exp.launch.rank`), with the job's spec. It builds model, strategy and data
+from the spec's config, restores the planned checkpoint, runs the loop
+(:func:`sharded_exp.train.loop.run_loop`) with the job's parts (faults, checkpoints,
+evaluation), and returns, on rank 0, the payload that becomes ``result.json``. The
+trainer never asks which strategy it runs.
 """
 
 from __future__ import annotations
@@ -15,269 +15,29 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
-from tqdm import tqdm
 
-from sharded_exp import checkpoint
-from sharded_exp.data import Task
-from sharded_exp.data.loader import step_loader
+from sharded_exp.checkpoint import CheckpointManager, gather_model_state
 from sharded_exp.errors import is_oom
+from sharded_exp.job.spec import JobSpec
 from sharded_exp.measure.flops import utilisation
-from sharded_exp.measure.profile import StepProfiler, trace_path
+from sharded_exp.measure.profile import trace_path
 from sharded_exp.measure.snapshot import MemoryHistory
 from sharded_exp.measure.tracker import MemoryMeter, model_state_mib, process_peak_rss_mib
-from sharded_exp.output.loggers import NullLogger, build_logger, memory_values, summary_values
+from sharded_exp.output.loggers import build_logger, memory_values, summary_values
 from sharded_exp.output.results import memory_section, training_result
 from sharded_exp.strategies.base import Strategy
+from sharded_exp.train import components, faults, liveness
 from sharded_exp.train import evaluate as evaluation
-from sharded_exp.train import liveness
 from sharded_exp.train.build import build_run
 from sharded_exp.train.faults import Injector
-from sharded_exp.train.metrics import IntervalLog, IntervalMetrics, throughput_stats
-from sharded_exp.train.step import train_step
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@dataclass
-class LoopSettings:
-    """The trainer config's values the loop reads, as plain attributes (an OmegaConf
-    lookup costs tens of microseconds, several per step)."""
-
-    steps: int
-    warmup_steps: int
-    batch_size: int
-    grad_accum: int
-    grad_clip: float
-    log_interval: int
-    progress_bar: bool = False
-    label: str = ""
-    compiled: bool = False
-    profile_steps: int = 0
-    """Steps profiled right after warm-up (trainer.profile); 0: none."""
-
-    @classmethod
-    def from_config(cls, trainer_cfg, label: str = "") -> "LoopSettings":
-        t = trainer_cfg
-        return cls(
-            t.steps, t.warmup_steps, t.batch_size, t.grad_accum, t.grad_clip, t.log_interval, t.progress_bar, label,
-            bool(t.get("compile", False)), t.profile_steps if t.get("profile", False) else 0,
-        )  # fmt: skip
-
-
-@dataclass
-class LoopOutcome:
-    """What one run of the loop did, on every rank."""
-
-    steps_done: int
-    loss: torch.Tensor
-    """The last step's loss on this rank (not yet reduced)."""
-    history: list[dict[str, float]]
-    throughput: dict[str, float]
-    memory: dict[str, Any]
-    skipped_steps: int
-    first_step_unix: float
-    last_step_unix: float = 0.0
-    checkpoint: str | None = None
-    stopped: bool = False
-    evals: list[dict[str, float]] = field(default_factory=list)
-    """Evaluation records (``step`` and ``eval/*`` values)."""
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def run_loop(
-    strategy: Strategy,
-    task: Task,
-    autocast,
-    loop: LoopSettings,
-    *,
-    start: int = 0,
-    meter: MemoryMeter,
-    stopper: liveness.StopAgreement,
-    logger=NullLogger(),
-    faults: Injector | None = None,
-    checkpoints: checkpoint.Checkpointer | None = None,
-    evaluate=None,
-    eval_every: int = 0,
-    profile_path: str | None = None,
-    data_position: dict | None = None,
-) -> LoopOutcome:
-    """Train steps ``start`` to ``loop.steps`` on this rank (a collective: every rank calls it).
-
-    Memory is measured by ``meter`` (on CPU over the warm-up steps only), a stop requested
-    by a signal is agreed through ``stopper``, metrics go to ``logger`` one interval late,
-    ``faults`` acts out a testing aid, ``checkpoints`` writes the checkpoints that are due,
-    and ``evaluate(step) -> {"eval/...": value}`` runs every ``eval_every`` steps (outside
-    the memory window) and at the end. ``profile_path``: where this rank's trace of
-    ``loop.profile_steps`` steps after warm-up goes (those steps are not timed). ``data_position``: where a resumed run starts in a
-    user's dataset (the checkpoint's; None: at ``start``).
-    """
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    device = meter.device
-    # A (re)started process warms up again: the first steps after ``start`` are not timed,
-    # but at least one step is. The CPU memory tracker slows every op: it runs over the
-    # warm-up steps, and over two at least, as the first step's forward and backward run
-    # before the optimizer's state exists and the second is the steady one. Tracked steps
-    # are not timed, unless a run is too short to time any other.
-    warmup = min(loop.warmup_steps, loop.steps - start - 1)
-    memory_end = loop.steps
-    compile_step = start  # where trainer.compile's units compile (the first step they run tracked by nothing)
-    if device.type == "cpu":
-        memory_end = start + min(max(warmup, 2), loop.steps - start)
-        warmup = min(memory_end - start, loop.steps - start - 1)
-        if loop.compiled:
-            # Dynamo skips, for good, a function first called under a dispatch mode (the CPU
-            # tracker's): the tracked steps run eager, its caches are reset after them, and
-            # the units compile in one more untimed step.
-            compile_step = memory_end
-            warmup = min(memory_end - start + 1, loop.steps - start - 1)
-    profiler = None
-    if loop.profile_steps and profile_path is not None:
-        # Right after warm-up (and the CPU tracker's window), before the timed steps: the
-        # profiled steps are left out of the timing, one timed step at least remains.
-        count = max(0, min(loop.profile_steps, loop.steps - start - warmup - 1))
-        note = None
-        if count < loop.profile_steps:
-            note = (f"{count} of trainer.profile_steps={loop.profile_steps} profiled: the warm-up"
-                    f"{' and the CPU memory tracker' if device.type == 'cpu' else ''} took {warmup} of the "
-                    f"{loop.steps - start} steps and one is timed")  # fmt: skip
-        profiler = StepProfiler(device, profile_path, start + warmup, count, note)
-        warmup += count
-    samples_per_step = loop.batch_size * loop.grad_accum * world_size
-    metrics, log = IntervalMetrics(device, task, probe=lambda: meter.now(strategy)), IntervalLog(logger)
-    # A resumed run's bar starts where the checkpoint left off and ends at 100%.
-    bar = tqdm(total=loop.steps, initial=start, desc=loop.label, disable=rank != 0 or not loop.progress_bar)
-    memory, step_times, data_times, skipped, tokens_per_step, saved = {}, [], [], 0, 0, None
-    first_step_s = None
-    # A DataLoader over a user's dataset, or the synthetic tasks' prefetcher; timed by `get`.
-    prefetcher = step_loader(task, rank, world_size, loop, device, start, data_position)
-    out = LoopOutcome(start, torch.zeros(()), log.history, {}, {}, 0, time.time())
-    loop_start = None
-    for step in range(start, loop.steps):
-        if step == start + warmup:
-            # Wall time of whole loop iterations (data, checks, metrics, logging included):
-            # what the harness costs on top of train_step, see benchmarks/overhead.py.
-            _sync(device)
-            loop_start = time.perf_counter()
-        if stopper.should_stop(step):  # a signal reached some rank: all stop here, together
-            break
-        liveness.current_step = step
-        if profiler is not None:
-            profiler.before_step(step)
-        t_data = time.perf_counter()
-        batches = prefetcher.get(step)
-        data_time = time.perf_counter() - t_data
-        if "input_ids" in batches[0]:
-            tokens_per_step = batches[0]["input_ids"].numel() * loop.grad_accum * world_size
-        if faults is not None:
-            faults.before_step(step, strategy)
-
-        scale_before = strategy.scaler.get_scale()
-        _sync(device)
-        t0 = time.perf_counter()
-        if profiler is None:
-            loss, output = train_step(strategy, batches, autocast, loop.grad_clip)
-        else:
-            with profiler.label(step):
-                loss, output = train_step(strategy, batches, autocast, loop.grad_clip)
-        _sync(device)
-        step_time = time.perf_counter() - t0
-        if profiler is not None:
-            profiler.after_step(step, step_time)  # the last profiled step writes the trace
-        liveness.raise_if_aborted(device)  # this step's collective timed out, not the next one's
-        if step == compile_step:
-            first_step_s = step_time
-        if step >= start + warmup:
-            step_times.append(step_time)
-            data_times.append(data_time)
-            log.add(
-                step + 1,
-                {
-                    "throughput/step_time_s": step_time,
-                    "throughput/samples_per_s": samples_per_step / step_time,
-                    "throughput/data_time_s": data_time,
-                },
-            )
-        if faults is not None:
-            faults.after_step()
-        # The scaler lowers its scale exactly when it skipped the step (found inf/nan).
-        skipped += int(strategy.scaler.get_scale() < scale_before)
-        meter.step_end(step)
-        if step + 1 == memory_end:
-            memory = meter.stop()
-            if loop.compiled and device.type == "cpu":
-                from torch import _dynamo
-
-                _dynamo.reset()
-
-        metrics.update(loss, output, batches[-1])
-        # Let go of this step's output and batch now: otherwise the logits (batch x time x
-        # vocab for a language model) stay alive through the next step's peak.
-        del output, batches
-        bar.update(1)
-        if (step + 1) % loop.log_interval == 0 or step + 1 == loop.steps:
-            log.publish(metrics.end_interval(step + 1), bar)
-        out.steps_done, out.loss = step + 1, loss
-        if checkpoints is not None and checkpoints.due(out.steps_done, loop.steps):
-            with meter.guard(strategy):  # untimed: the memory budget still holds
-                out.checkpoint = checkpoints.save(strategy, out.steps_done, device, prefetcher.position())
-                saved = out.steps_done
-        if evaluate is not None and eval_every and out.steps_done % eval_every == 0 and not meter.tracking:
-            if out.steps_done < loop.steps:  # the last step's pass is the final one, below
-                with meter.paused():
-                    out.evals.append(_evaluated(evaluate, out.steps_done, log))
-    _sync(device)
-    loop_end = time.perf_counter()
-    position = prefetcher.position()  # before close: a stop's checkpoint below records it
-    if profiler is not None:
-        profiler.finish()  # stopped inside the profiled steps
-        out.extra["profile"] = profiler.record()
-    prefetcher.close()
-    out.last_step_unix = time.time()
-    stopper.finish()
-    if metrics.updates:  # stopped in the middle of an interval
-        log.publish(metrics.end_interval(out.steps_done), bar)
-    log.publish(metrics.flush(), bar)
-    bar.close()
-    out.stopped = out.steps_done < loop.steps
-    if out.stopped and checkpoints is not None and checkpoints.every and saved != out.steps_done:
-        # Preempted: the state at the stop is worth more than the last periodic checkpoint.
-        with meter.guard(strategy):
-            out.checkpoint = checkpoints.save(strategy, out.steps_done, device, position)
-    if checkpoints is not None and checkpoints.every:
-        checkpoints.finish()  # an asynchronous save still in flight is completed and published
-        out.extra["checkpoint_rss_growth_mib"] = checkpoints.rss_growth_mib
-    out.memory = memory or meter.stop()
-    if evaluate is not None and not out.stopped:
-        out.evals.append(_evaluated(evaluate, out.steps_done, log))
-    log.flush()
-    timed = out.steps_done - start - warmup
-    loop_time = (loop_end - loop_start) / timed if loop_start is not None and timed > 0 else None
-    out.throughput = throughput_stats(step_times, samples_per_step, tokens_per_step, loop_time, data_times)
-    if out.throughput:
-        out.throughput["data_prefetched"] = prefetcher.ahead
-        out.throughput["first_step_s"] = first_step_s  # the first step (with compile: the compiling one)
-        if loop.compiled and first_step_s is not None:  # it is never timed
-            out.throughput["compile_s"] = max(0.0, first_step_s - out.throughput["step_time_s_median"])
-    out.skipped_steps = skipped
-    out.extra["first_nonfinite_step"] = int(metrics.first_nonfinite)
-    return out
-
-
-def _evaluated(evaluate, step: int, log) -> dict[str, float]:
-    t0 = time.perf_counter()
-    record = {"step": step, **evaluate(step), "seconds": time.perf_counter() - t0}
-    log.add(step, {k: v for k, v in record.items() if k.startswith("eval/")})
-    return record
+from sharded_exp.train.loop import LoopOutcome, LoopSettings, run_loop
+from sharded_exp.train.metrics import IntervalLog
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -368,24 +128,19 @@ def device_info(device: torch.device) -> dict[str, Any]:
     }
 
 
-def train(
-    cfg: DictConfig,
-    device: torch.device,
-    output_dir: str,
-    prediction: dict[str, Any],
-    timeline: dict[str, float] | None = None,
-) -> dict[str, Any] | None:
+def train(spec: JobSpec, device: torch.device, timeline: dict[str, float] | None = None) -> dict[str, Any] | None:
     """Build, train and measure on this rank; rank 0 returns the result payload.
 
-    ``prediction``: the parent's memory prediction (:func:`~sharded_exp.predict.prediction.predict`),
-    set beside the measurement in the payload's ``memory``.
+    ``spec.prediction``: the parent's memory prediction, set beside the measurement in the
+    payload's ``memory``.
     """
-    rank, tc = dist.get_rank(), cfg.trainer
+    cfg, rank = spec.cfg(), dist.get_rank()
+    tc = cfg.trainer
     meter = MemoryMeter(device, tc.memory_limit_mib)
     # From before the model is built, as the CUDA cap: an OOM in the build leaves a snapshot too.
-    history = MemoryHistory(tc.get("memory_snapshot", "auto"), device, tc.memory_limit_mib, output_dir, rank)
+    history = MemoryHistory(tc.memory_snapshot, device, tc.memory_limit_mib, spec.output_dir, rank)
     try:
-        return _train(cfg, device, output_dir, prediction, timeline, meter, history)
+        return _train(spec, cfg, device, timeline if timeline is not None else {}, meter, history)
     except BaseException as exc:
         if is_oom(exc):
             # What the rank that ran out held, for rank<r>_error.json and then result.json.
@@ -397,19 +152,31 @@ def train(
         history.stop()
 
 
-def _train(cfg, device, output_dir, prediction, timeline, meter: MemoryMeter, history: MemoryHistory):
-    timeline = timeline if timeline is not None else {}
+def checkpoint_job(cfg) -> dict[str, Any]:
+    """What a checkpoint's meta.json records about the job that wrote it."""
+    return {
+        "strategy": cfg.strategy.name,
+        "precision": str(cfg.precision.name),
+        "optimizer": cfg.optimizer.name,
+        # plain data, nested parts included (a Hugging Face model's ``config``)
+        "model": OmegaConf.to_container(cfg.model, resolve=True),
+    }
+
+
+def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: MemoryHistory):
     stopper = liveness.StopAgreement()  # SIGTERM/SIGINT now ask for a stop, which ranks agree on
-    rank, tc = dist.get_rank(), cfg.trainer
+    rank, tc, output_dir = dist.get_rank(), cfg.trainer, spec.output_dir
+    resume = spec.checkpoint.resume
     # On CPU only tensors the tracker sees are counted: it starts before the strategy
     # allocates its communication buffers, as the CUDA allocator would count them.
     # model.pretrained's weights are loaded, unless a checkpoint's replace them at once.
     run = build_run(cfg, device, before_wrap=meter.start if device.type == "cpu" else None, after_build=meter.built,
-                    weights=not tc.resume)  # fmt: skip
+                    weights=resume is None)  # fmt: skip
     module, strategy, task = run.module, run.strategy, run.task
-    loaded = checkpoint.load(strategy, tc.resume, device) if tc.resume else {"step": 0, "resume_changes": []}
-    start, resume_changes = loaded["step"], loaded["resume_changes"]  # the parent resolved the path
-    if (tc.resume or cfg.model.get("pretrained")) and device.type == "cpu":
+    checkpoints = CheckpointManager.create(spec.checkpoint, checkpoint_job(cfg), during_write=faults.in_save)
+    loaded = checkpoints.load(strategy, device)
+    start, resume_changes = loaded["step"], loaded["resume_changes"]
+    if (resume or cfg.model.get("pretrained")) and device.type == "cpu":  # a key of some models only
         meter.reset_peak()  # the loading's own copies are not the training's peak
     if rank == 0:
         for c in resume_changes:
@@ -418,7 +185,8 @@ def _train(cfg, device, output_dir, prediction, timeline, meter: MemoryMeter, hi
     if device.type == "cuda":
         meter.start()  # peak counters reset once model and optimizer are built
     timeline["built"] = time.time()
-    logger = build_logger(cfg.logger, OmegaConf.to_container(cfg, resolve=True), output_dir, rank)
+    logger = build_logger(cfg.logger, OmegaConf.to_container(cfg), output_dir, rank)
+    log = IntervalLog(logger)  # the history of interval records, in step order
     timeline["logger_ready"] = time.time()
     loop = LoopSettings.from_config(tc, label=f"{cfg.strategy.name} x{dist.get_world_size()}")
     autocast = run.autocast
@@ -427,38 +195,28 @@ def _train(cfg, device, output_dir, prediction, timeline, meter: MemoryMeter, hi
     def evaluate(step: int) -> dict[str, float]:
         return evaluation.evaluate(strategy, task, autocast, device, batches, rank)
 
+    parts = [components.Faults(Injector(rank, device)), components.Checkpoints(checkpoints, strategy, meter, tc.steps)]
+    if batches > 0:
+        parts.append(components.Evaluation(evaluate, tc.eval_every, meter, log, tc.steps))
     try:
         meter.check_build()  # a build over the budget fails here, the logger recording it
-        out = run_loop(
-            strategy,
-            task,
-            autocast,
-            loop,
-            start=start,
-            meter=meter,
-            stopper=stopper,
-            logger=logger,
-            faults=Injector(rank, device),
-            checkpoints=checkpoint.Checkpointer.from_config(cfg),
-            evaluate=evaluate if batches > 0 else None,
-            eval_every=tc.eval_every,
-            profile_path=trace_path(output_dir, rank),
-            data_position=loaded.get("data"),
-        )
+        out = run_loop(strategy, task, autocast, loop, start=start, meter=meter, stopper=stopper, log=log,
+                       components=parts, profile_path=trace_path(output_dir, rank) if tc.profile else None,
+                       data_position=loaded.get("data"))  # fmt: skip
         if history.mode == "always":
             history.dump()
         out.extra["memory_snapshot"] = history.record()  # before the gather, which sends it to rank 0
         with meter.guard(strategy):  # untimed: the memory budget still holds
             per_rank, digest, final_loss = gather_results(strategy, out, device)
             # Only when asked: the full model, gathered one tensor at a time to rank 0.
-            final_state = checkpoint.gather_model_state(strategy) if tc.save_final_state and not out.stopped else None
+            final_state = gather_model_state(strategy) if tc.save_final_state and not out.stopped else None
         history.stop()  # recorded through the gathers: an OOM there dumps its snapshot (train's handler)
     except BaseException:
         logger.finish(exit_code=1)
         raise
     payload = None
     if per_rank is not None:
-        flops = (prediction.get("peak") or {}).get("flops_per_step")
+        flops = (spec.prediction.get("peak") or {}).get("flops_per_step")
         if out.throughput:  # model FLOPs from the parent's fake step over this run's step time
             world_size = dist.get_world_size()
             out.throughput["model_flops_per_step"] = flops * world_size if flops else None
@@ -472,12 +230,12 @@ def _train(cfg, device, output_dir, prediction, timeline, meter: MemoryMeter, hi
             final_loss,
             start=start,
             world_size=dist.get_world_size(),
-            resumed_from=tc.resume,
+            resumed_from=resume,
             resume_changes=resume_changes,
             params=sum(p.numel() for p in module.parameters()),
             signal=stopper.signum,
             memory=memory_section(
-                prediction,
+                spec.prediction,
                 per_rank,
                 meter.source,
                 MemoryMeter.LIMIT_APPLIES_TO[device.type] if tc.memory_limit_mib else None,

@@ -1,0 +1,62 @@
+"""The job spec: everything the parent's pre-flight decided, frozen, as the ranks receive it.
+
+Pre-flight (:func:`sharded_exp.launch.preflight.check`) reads the composed config and never
+changes it; what it decides (the world size torchrun or SLURM started, the device, the
+checkpoint plan, how gradients are cleared, the memory prediction) is here. ``config`` is
+the resolved config as plain data, every option as its name (no enums past this point),
+with those decisions applied: what the ranks read, and what result.json's ``config`` and
+W&B show.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from sharded_exp.checkpoint.plan import CheckpointPlan
+from sharded_exp.strategies.base import GradZeroing
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One job as the parent hands it to its ranks (picklable, immutable)."""
+
+    config: dict[str, Any]
+    """The resolved config, plain data, with the decisions below applied."""
+    output_dir: str
+    device_type: str
+    """cuda or cpu: decided once, for the whole job."""
+    world_size: int
+    """Ranks of the job: trainer.world_size, or what torchrun / SLURM started."""
+    params: int
+    """Parameters of the model (counted on the meta device)."""
+    prediction: dict[str, Any]
+    """Predicted memory per rank (sharded_exp.predict.prediction.predict)."""
+    zero_grad: GradZeroing
+    """How gradients are cleared: trainer.zero_grad as the strategy applies it."""
+    checkpoint: CheckpointPlan
+    launcher: str = "spawn"
+    """spawn (the parent starts the ranks), torchrun or slurm."""
+    env: dict[str, str] = field(default_factory=dict)
+    """The job's SHARDED_EXP_* variables (a forked rank inherits the server's environment)."""
+    parent_pid: int | None = None
+    """The launching process: spawned ranks exit when it is gone."""
+
+    def cfg(self) -> DictConfig:
+        """``config`` as a read-only OmegaConf tree (attribute access, as the ranks read it)."""
+        cfg = OmegaConf.create(copy.deepcopy(self.config))
+        OmegaConf.set_readonly(cfg, True)
+        return cfg
+
+
+def decided_config(cfg, world_size: int, checkpoint: CheckpointPlan) -> dict[str, Any]:
+    """The composed config as plain data (options by name), with the parent's decisions in
+    place of what they resolve: the world size, the checkpoint directory, format and resume.
+    ``cfg`` itself is left as composed."""
+    data = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    data["trainer"]["world_size"] = world_size
+    data["trainer"].update(checkpoint.config_values())
+    return data

@@ -1,0 +1,274 @@
+"""The parts of the training loop besides the step, each with the same hooks.
+
+The loop (:func:`sharded_exp.train.loop.run_loop`) calls, for every part in order:
+
+- ``before_step(step, strategy)``: at the start of a step, before its data is read;
+- ``after_step(result)``: right after the step, while its output and batch are alive;
+- ``between_steps(out, position)``: once they are let go (checkpoints and evaluation run
+  here, so a language model's logits are not alive through them); ``position()`` is where
+  a user's dataset stands;
+- ``end(out, position)``: once the loop stopped (the trace, the last interval, a stop's
+  checkpoint); then the loop reads the memory window's figures;
+- ``close(out)``: last (the final evaluation, outside the memory window).
+
+Each part does nothing where it has nothing to do. The loop's own parts come first
+(profiler, liveness, speed, skipped steps, memory window, metrics), the job's after them
+(faults, checkpoints, evaluation: :func:`sharded_exp.train.trainer.train` makes those).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tqdm import tqdm
+
+from sharded_exp.measure.profile import StepProfiler
+from sharded_exp.measure.tracker import MemoryMeter
+from sharded_exp.train import liveness
+from sharded_exp.train.faults import Injector
+from sharded_exp.train.metrics import IntervalLog, IntervalMetrics, throughput_stats
+
+if TYPE_CHECKING:  # the loop imports this module
+    from sharded_exp.checkpoint import CheckpointManager
+    from sharded_exp.train.loop import LoopOutcome, LoopSettings, StepResult, Windows
+
+
+class Component:
+    """A part of the loop. Every hook does nothing unless a part needs it."""
+
+    def before_step(self, step: int, strategy) -> None:
+        pass
+
+    def after_step(self, result: StepResult) -> None:
+        pass
+
+    def between_steps(self, out: LoopOutcome, position) -> None:
+        pass
+
+    def end(self, out: LoopOutcome, position: dict | None) -> None:
+        pass
+
+    def close(self, out: LoopOutcome) -> None:
+        pass
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------ the loop's own parts
+class Profiler(Component):
+    """trainer.profile: a trace of the steps right after warm-up (they are not timed)."""
+
+    def __init__(self, device: torch.device, path: str, windows: Windows):
+        self.profiler = StepProfiler(device, path, windows.profile_from, windows.profile_count, windows.profile_note)
+        self._label = None
+
+    def before_step(self, step: int, strategy) -> None:
+        self.profiler.before_step(step)
+        self._label = self.profiler.label(step)
+        self._label.__enter__()
+
+    def after_step(self, result: StepResult) -> None:
+        self._label.__exit__(None, None, None)
+        self.profiler.after_step(result.step, result.step_time)  # the last profiled step writes the trace
+
+    def end(self, out: LoopOutcome, position) -> None:
+        self.profiler.finish()  # stopped inside the profiled steps
+        out.extra["profile"] = self.profiler.record()
+
+
+class Liveness(Component):
+    """Names the step a hang is in, and fails the step whose collective timed out."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def before_step(self, step: int, strategy) -> None:
+        liveness.current_step = step
+
+    def after_step(self, result: StepResult) -> None:
+        liveness.raise_if_aborted(self.device)  # this step's collective timed out, not the next one's
+
+
+class Speed(Component):
+    """Step and data times of the timed steps, and the loop's wall time per step (data,
+    checks, metrics, logging included: what the harness costs on top of the step, see
+    benchmarks/overhead.py)."""
+
+    def __init__(self, device: torch.device, windows: Windows, loop: LoopSettings, world_size: int, log: IntervalLog):
+        self.device, self.windows, self.log, self.compiled = device, windows, log, loop.compiled
+        self.batches_per_step = loop.grad_accum * world_size
+        self.samples_per_step = loop.batch_size * self.batches_per_step
+        self.step_times: list[float] = []
+        self.data_times: list[float] = []
+        self.tokens_per_step = 0
+        self.first_step_s: float | None = None
+        self._start: float | None = None
+        self._end: float | None = None
+
+    def start_window(self, step: int) -> None:
+        if step == self.windows.timed_from:
+            _sync(self.device)
+            self._start = time.perf_counter()
+
+    def stop_window(self) -> None:
+        self._end = time.perf_counter()
+
+    def after_step(self, result: StepResult) -> None:
+        if "input_ids" in result.batches[0]:
+            self.tokens_per_step = result.batches[0]["input_ids"].numel() * self.batches_per_step
+        if result.step == self.windows.compile_step:
+            self.first_step_s = result.step_time
+        if result.step >= self.windows.timed_from:
+            self.step_times.append(result.step_time)
+            self.data_times.append(result.data_time)
+            self.log.add(
+                result.step + 1,
+                {
+                    "throughput/step_time_s": result.step_time,
+                    "throughput/samples_per_s": self.samples_per_step / result.step_time,
+                    "throughput/data_time_s": result.data_time,
+                },
+            )
+
+    def stats(self, steps_done: int, data_prefetched) -> dict[str, Any]:
+        timed = steps_done - self.windows.timed_from
+        loop_time = (self._end - self._start) / timed if self._start is not None and timed > 0 else None
+        stats = throughput_stats(self.step_times, self.samples_per_step, self.tokens_per_step, loop_time,
+                                 self.data_times)  # fmt: skip
+        if stats:
+            stats["data_prefetched"] = data_prefetched
+            stats["first_step_s"] = self.first_step_s  # the first step (with compile: the compiling one)
+            if self.compiled and self.first_step_s is not None:  # it is never timed
+                stats["compile_s"] = max(0.0, self.first_step_s - stats["step_time_s_median"])
+        return stats
+
+
+class SkippedSteps(Component):
+    """Steps the grad scaler skipped (it lowers its scale exactly when it found inf/nan)."""
+
+    def __init__(self, strategy):
+        self.scaler = strategy.scaler
+        self.skipped = 0
+        self._before = None
+
+    def before_step(self, step: int, strategy) -> None:
+        self._before = self.scaler.get_scale()
+
+    def after_step(self, result: StepResult) -> None:
+        self.skipped += int(self.scaler.get_scale() < self._before)
+
+    def end(self, out: LoopOutcome, position) -> None:
+        out.skipped_steps = self.skipped
+
+
+class MemoryWindow(Component):
+    """The memory meter's window: on CPU the tracked steps, on CUDA the whole run."""
+
+    def __init__(self, meter: MemoryMeter, strategy, windows: Windows, compiled: bool):
+        self.meter, self.windows, self.compiled = meter, windows, compiled
+        self.memory: dict[str, Any] = {}
+
+    def after_step(self, result: StepResult) -> None:
+        self.meter.step_end(result.step)
+        if result.step + 1 == self.windows.memory_end:
+            self.memory = self.meter.stop()
+            if self.compiled and self.meter.device.type == "cpu":
+                from torch import _dynamo
+
+                _dynamo.reset()
+
+    def result(self) -> dict[str, Any]:
+        """What the window measured (read after the parts' ``end``: a stop's checkpoint counts)."""
+        return self.memory or self.meter.stop()
+
+
+class Metrics(Component):
+    """Loss and the task's metric per log interval, to the logger and the progress bar."""
+
+    def __init__(self, strategy, task, meter: MemoryMeter, log: IntervalLog, loop: LoopSettings, start: int, rank: int):
+        self.metrics = IntervalMetrics(meter.device, task, probe=lambda: meter.now(strategy))
+        self.log = log
+        self.loop = loop
+        # A resumed run's bar starts where the checkpoint left off and ends at 100%.
+        self.bar = tqdm(total=loop.steps, initial=start, desc=loop.label, disable=rank != 0 or not loop.progress_bar)
+
+    def after_step(self, result: StepResult) -> None:
+        self.metrics.update(result.loss, result.output, result.batches[-1])
+        self.bar.update(1)
+        done = result.step + 1
+        if done % self.loop.log_interval == 0 or done == self.loop.steps:
+            self.log.publish(self.metrics.end_interval(done), self.bar)
+
+    def end(self, out: LoopOutcome, position) -> None:
+        if self.metrics.updates:  # stopped in the middle of an interval
+            self.log.publish(self.metrics.end_interval(out.steps_done), self.bar)
+        self.log.publish(self.metrics.flush(), self.bar)
+        self.bar.close()
+        out.extra["first_nonfinite_step"] = int(self.metrics.first_nonfinite)
+
+
+# ---------------------------------------------------------------------- the job's parts
+class Faults(Component):
+    """The testing aid ``SHARDED_EXP_FAULT`` (:mod:`sharded_exp.train.faults`)."""
+
+    def __init__(self, injector: Injector):
+        self.injector = injector
+
+    def before_step(self, step: int, strategy) -> None:
+        self.injector.before_step(step, strategy)
+
+    def after_step(self, result: StepResult) -> None:
+        self.injector.after_step()
+
+
+class Checkpoints(Component):
+    """The checkpoints that are due, the one at a stop, and an asynchronous save finished."""
+
+    def __init__(self, manager: CheckpointManager, strategy, meter: MemoryMeter, steps: int):
+        self.manager, self.strategy, self.meter, self.steps = manager, strategy, meter, steps
+
+    def between_steps(self, out: LoopOutcome, position) -> None:
+        if not self.manager.every:
+            return
+        with self.meter.guard(self.strategy):  # untimed: the memory budget still holds
+            path = self.manager.after_step(self.strategy, out.steps_done, self.steps, self.meter.device, position)
+        if path is not None or self.manager.saved_step == out.steps_done:
+            out.checkpoint = path
+
+    def end(self, out: LoopOutcome, position) -> None:
+        if not self.manager.every:
+            return
+        if out.stopped and self.manager.saved_step != out.steps_done:
+            with self.meter.guard(self.strategy):
+                out.checkpoint = self.manager.on_stop(self.strategy, out.steps_done, self.meter.device, position)
+        self.manager.finish()  # an asynchronous save still in flight is completed and published
+        out.extra["checkpoint_rss_growth_mib"] = self.manager.rss_growth_mib
+
+
+class Evaluation(Component):
+    """``evaluate(step) -> {"eval/...": value}`` every ``every`` steps (outside the memory
+    window) and once at the end."""
+
+    def __init__(self, evaluate, every: int, meter: MemoryMeter, log: IntervalLog, steps: int):
+        self.evaluate, self.every, self.meter, self.log, self.steps = evaluate, every, meter, log, steps
+
+    def between_steps(self, out: LoopOutcome, position) -> None:
+        done = out.steps_done
+        if self.every and done % self.every == 0 and not self.meter.tracking and done < self.steps:
+            with self.meter.paused():  # the last step's pass is the final one, at close
+                out.evals.append(self._evaluated(done))
+
+    def close(self, out: LoopOutcome) -> None:
+        if not out.stopped:
+            out.evals.append(self._evaluated(out.steps_done))
+
+    def _evaluated(self, step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        record = {"step": step, **self.evaluate(step), "seconds": time.perf_counter() - t0}
+        self.log.add(step, {k: v for k, v in record.items() if k.startswith("eval/")})
+        return record
