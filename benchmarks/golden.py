@@ -585,10 +585,32 @@ def largest_measured(old: Dict[str, Any], new: Dict[str, Any]) -> str:
     return f"{worst[0]:.1%} ({worst[1]}: {worst[2]})"
 
 
-def compare(old_dir: Path, new_dir: Path) -> int:
+def intended_by(rows: List[List[Any]], intended: List[Dict[str, str]]) -> tuple:
+    """Split differences into (unexpected, intended): a difference is intended when an entry
+    of ``intended`` matches its run, field and (if given) new value (fnmatch patterns)."""
+    unexpected, expected = [], []
+    for row in rows:
+        why = next((e["why"] for e in intended if fnmatch.fnmatch(row[0], e.get("run", "*"))
+                    and fnmatch.fnmatch(row[2], e["field"]) and fnmatch.fnmatch(str(row[4]), e.get("new", "*"))), None)  # fmt: skip
+        (expected if why else unexpected).append(row + ([why] if why else []))
+    return unexpected, expected
+
+
+def _masked_report_diff(old_dir: Path, new_dir: Path) -> List[str]:
+    import difflib
+
+    a, b = old_dir / "report_md_masked.txt", new_dir / "report_md_masked.txt"
+    if not (a.exists() and b.exists()):
+        return []
+    return [line for line in difflib.unified_diff(a.read_text().splitlines(), b.read_text().splitlines(), lineterm="", n=0)
+            if line[:1] in "+-" and not line.startswith(("+++", "---"))]  # fmt: skip
+
+
+def compare(old_dir: Path, new_dir: Path, intended_file: Optional[Path] = None) -> int:
     old = json.loads((old_dir / "golden.json").read_text())
     new = json.loads((new_dir / "golden.json").read_text())
-    rows = differences(old, new)
+    intended = json.loads(intended_file.read_text())["intended"] if intended_file else []
+    rows, expected = intended_by(differences(old, new), intended)
     compared = [rule(p) for r in old["runs"].values() for p in r["values"] if rule(p) != "skip"]
     measured = sum(how.startswith("measured") for how in compared)
     print(f"golden set: {old_dir} ({old['meta']['commit'][:12]}) vs {new_dir} ({new['meta']['commit'][:12]})")
@@ -599,6 +621,14 @@ def compare(old_dir: Path, new_dir: Path) -> int:
     print(f"{len(old['runs'])} vs {len(new['runs'])} runs: {len(compared) - measured} values exact, {measured} "
           f"measured within {MEASURED:.0%}, {len(old['runs'])} key sets")  # fmt: skip
     print(f"largest measured difference: {largest_measured(old, new)}\n")
+    if expected:
+        print(f"{len(expected)} intended differences ({intended_file}):")
+        for why in sorted({r[-1] for r in expected}):
+            print(f"- {sum(r[-1] == why for r in expected)} x {why}")
+        if any(r[2] == "report.md" for r in expected):
+            print("  report.md, its numbers masked, old (-) and new (+):")
+            print("\n".join(f"    {line[:240]}" for line in _masked_report_diff(old_dir, new_dir)))
+        print()
     if not rows:
         print("| result |\n|---|\n| no differences |")
         return 0
@@ -620,9 +650,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     cmp_ = sub.add_parser("compare", help="compare two recordings; exit 1 on any difference")
     cmp_.add_argument("old_dir", type=Path)
     cmp_.add_argument("new_dir", type=Path)
+    cmp_.add_argument(
+        "--intended", type=Path, help="a JSON file of differences a change makes on purpose, each with why"
+    )
     args = parser.parse_args(argv)
     if args.command == "compare":
-        return compare(args.old_dir, args.new_dir)
+        return compare(args.old_dir, args.new_dir, args.intended)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the golden set is CPU's, also on a GPU machine
     return record(args.out_dir, args.smoke, args.resume_from)
 

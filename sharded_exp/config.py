@@ -99,6 +99,12 @@ class MemorySnapshot(str, Enum):
     off = "off"
 
 
+def option_name(value) -> str | None:
+    """A config option by its name. A composed config holds enum members (the schema's
+    types), a job spec's plain config their names: read alike through this one function."""
+    return None if value is None else str(value.value if isinstance(value, Enum) else value)
+
+
 @dataclass
 class TrainerConfig:
     world_size: int = 2

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sharded_exp.checkpoint.storage import CheckpointError, complete_checkpoints, next_numbered, read_meta
+from sharded_exp.config import option_name
 from sharded_exp.errors import ConfigError, NothingToDo
 
 
@@ -84,7 +85,7 @@ def plan_checkpoints(
 
 
 def _name(option) -> str:
-    return str(getattr(option, "value", option))
+    return option_name(option)
 
 
 def check_no_later(directory: str, start: int) -> None:

@@ -38,6 +38,7 @@ from typing import List, Optional
 import torch
 from omegaconf import MISSING
 
+from sharded_exp.config import option_name
 from sharded_exp.data import TASKS, Batch, Task, generator, require_model_fields
 from sharded_exp.errors import ConfigError
 
@@ -364,7 +365,7 @@ def conll_task(cfg: ConllConfig, model_cfg, batch_size: int) -> Task:
 def hf_dataset_task(cfg: HFDatasetConfig, model_cfg, batch_size: int) -> Task:
     """A ``datasets`` dataset from local files (save_to_disk's directory, or data files)."""
     data = _load_hf(cfg)
-    if str(getattr(cfg.kind, "value", cfg.kind)) == "causal_lm":
+    if option_name(cfg.kind) == "causal_lm":
         return causal_task(
             cfg, model_cfg, batch_size, lambda: list(_column(data, cfg.text_field, "text_field", cfg.path))
         )

@@ -14,13 +14,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from enum import Enum
 
 import torch
 from omegaconf import OmegaConf
 
 from sharded_exp.checkpoint import plan_checkpoints
-from sharded_exp.config import ZeroGrad
+from sharded_exp.config import ZeroGrad, option_name
 from sharded_exp.data import TASKS
 from sharded_exp.data.loader import check_fits
 from sharded_exp.errors import ConfigError, WontFit, missing_packages
@@ -240,7 +239,7 @@ def check_numbers(cfg) -> None:
 
 
 def _accelerator(value) -> str:
-    return str(value.value if isinstance(value, Enum) else value)
+    return option_name(value)
 
 
 def decide_device(accelerator: str, local_ranks: int, precision_name: str, per_task: bool = False) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from sharded_exp.config import option_name
 from sharded_exp.plan.depth import first_depth, peaks_by_depth, shapes_of
 from sharded_exp.plan.progress import Progress
 from sharded_exp.plan.table import PARTS
@@ -26,7 +27,7 @@ MIB = 2**20
 
 
 def _value(option) -> str | None:
-    return None if option is None else str(getattr(option, "value", option))
+    return option_name(option)
 
 
 def strategy_names(cfg) -> list[str]:

@@ -31,6 +31,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from sharded_exp import precision
+from sharded_exp.config import option_name
 from sharded_exp.errors import ConfigError
 from sharded_exp.models import units
 from sharded_exp.strategies import STRATEGIES
@@ -38,7 +39,7 @@ from sharded_exp.strategies.base import Strategy, StrategyConfig
 
 
 def _value(option) -> str:
-    return str(getattr(option, "value", option))
+    return option_name(option)
 
 
 def _shard_numel(shape: tuple, rank: int, world_size: int) -> int:

@@ -199,8 +199,12 @@ class Metrics(Component):
 
     def after_step(self, result: StepResult) -> None:
         self.metrics.update(result.loss, result.output, result.batches[-1])
+
+    def between_steps(self, out: LoopOutcome, position) -> None:
+        # After the step's output is let go: the interval's memory reading (each rank's
+        # allocated MiB) does not count the logits.
         self.bar.update(1)
-        done = result.step + 1
+        done = out.steps_done
         if done % self.loop.log_interval == 0 or done == self.loop.steps:
             self.log.publish(self.metrics.end_interval(done), self.bar)
 

@@ -1,0 +1,111 @@
+"""The tree's shape, pinned: no import circle between the parts of sharded_exp.
+
+Read from the source (every import, function-local ones too), not from what happens to be
+imported: a circle hidden in a function still ties two parts together.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "sharded_exp"
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _part(module: str) -> str:
+    """The part a module belongs to: ``sharded_exp.<package or top-level module>``."""
+    return ".".join(module.split(".")[:2])
+
+
+def import_graph() -> dict[str, set[str]]:
+    """part -> the other parts it imports."""
+    graph: dict[str, set[str]] = defaultdict(set)
+    for path in PACKAGE.rglob("*.py"):
+        module = _module(path)
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            for target in targets:
+                if target.startswith("sharded_exp.") and _part(target) != _part(module):
+                    if _part(target) in _parts():
+                        graph[_part(module)].add(_part(target))
+    return graph
+
+
+def _parts() -> set[str]:
+    return {f"sharded_exp.{p.stem}" for p in PACKAGE.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected group of two or more parts (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle_between_the_parts_of_the_package():
+    graph = import_graph()
+    assert graph["sharded_exp.train"], "the graph is read (train imports other parts)"
+    assert cycles(graph) == [], {v: sorted(graph[v]) for group in cycles(graph) for v in group}
+
+
+def test_the_circle_finder_finds_a_circle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_prediction_is_beside_measurement_and_checkpoints_are_one_package():
+    graph = import_graph()
+    assert not (PACKAGE / "measure" / "prediction.py").exists() and (PACKAGE / "predict" / "prediction.py").exists()
+    assert "sharded_exp.predict" not in graph["sharded_exp.measure"]  # measuring needs no prediction
+    assert "sharded_exp.train" not in graph["sharded_exp.checkpoint"]  # the loop uses checkpoints, not the reverse
+
+
+def test_one_module_per_name():
+    """Two modules of one name (two ``report``s) make a reader guess which one a name means."""
+    names = defaultdict(list)
+    for path in PACKAGE.rglob("*.py"):
+        if path.name not in ("__init__.py", "__main__.py"):
+            names[path.stem].append(str(path.relative_to(ROOT)))
+    assert {k: v for k, v in names.items() if len(v) > 1} == {}
