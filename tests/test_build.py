@@ -17,11 +17,9 @@ import torch
 
 from sharded_exp.compose import compose
 from tests.conftest import run_job
+from tests.helpers.overrides import DEEP
 
 MIB, GIB = 2**20, 2**30
-# Eight blocks whose parameters outweigh the activations, as in the models sharding is for.
-DEEP = ["model=gpt", "model.d_model=128", "model.n_heads=4", "model.n_layers=8", "model.seq_len=8",
-        "model.vocab_size=64", "trainer.batch_size=2"]  # fmt: skip
 TWO_STEPS = ["trainer.steps=3", "trainer.warmup_steps=2", "trainer.eval_batches=0"]
 
 

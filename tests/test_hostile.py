@@ -18,7 +18,7 @@ import torch
 from sharded_exp import checkpoint
 from sharded_exp.errors import ConfigError
 from tests.conftest import ROOT, STRATEGY_NAMES, TINY, compose_cfg, read_result, run_cli, run_job, tiny
-from tests.test_failures import LONG, descendants, finish, start_job, survivors, wait_until
+from tests.helpers.processes import LONG, descendants, finish, start_job, survivors, wait_until
 
 
 def cli(args, tmp_path, env=None, timeout=240):
@@ -476,7 +476,7 @@ SCALAR = ["model=custom", "model._target_=tests.user_models.build_with_scalar", 
     "strategy", [pytest.param(s, marks=[] if s == "fsdp" else pytest.mark.slow) for s in STRATEGY_NAMES if s != "ddp"]
 )
 def test_22_5_a_0_dim_parameter_trains_under_every_strategy_as_under_ddp(strategy, shared_runs):
-    from tests.test_models import max_relative_diff
+    from tests.helpers.states import max_relative_diff
 
     ref_dir, ref = shared_runs("strategy=ddp", *SCALAR)
     out, result = shared_runs(f"strategy={strategy}", *SCALAR)
@@ -638,7 +638,7 @@ BN = ["model=custom", "model._target_=tests.user_models.build_with_batchnorm", "
 
 @pytest.mark.parametrize("strategy", ["fsdp", pytest.param("fsdp_grad_op", marks=pytest.mark.slow)])
 def test_22_19_buffers_agree_across_ranks_and_with_ddp(strategy, shared_runs):
-    from tests.test_models import max_relative_diff
+    from tests.helpers.states import max_relative_diff
 
     ref_dir, ref = shared_runs("strategy=ddp", *BN)
     out, result = shared_runs(f"strategy={strategy}", *BN)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, STRATEGY_NAMES, TINY, read_result, run_cli, run_job, without_package
+from tests.helpers.states import max_relative_diff
 
 HF_SMALL = ["model.seq_len=32", "trainer.batch_size=4", "trainer.steps=6"]
 # SGD with momentum (sharded as optimizer state like Adam's moments). With Adam, BERT's
@@ -15,19 +16,6 @@ HF_SMALL = ["model.seq_len=32", "trainer.batch_size=4", "trainer.steps=6"]
 # whose sign differs between strategies, into full +-lr steps.
 TINY_RUN = [o for o in TINY if not o.startswith("model.")]  # the MLP's shapes do not apply
 COMMON = [*HF_SMALL, "optimizer=sgd", "trainer.save_final_state=true", "optimizer.no_decay_lr_scale=0.5"]
-
-
-def max_relative_diff(path_a, path_b) -> float:
-    """Largest per-tensor ||a - b|| / ||b||; a tensor that training leaves at its zero init
-    up to rounding (key biases, |a - b| <= 1e-9 everywhere) counts as equal."""
-    a = torch.load(path_a / "model_final.pt", weights_only=True)
-    b = torch.load(path_b / "model_final.pt", weights_only=True)
-    assert a.keys() == b.keys()
-    diffs = []
-    for k in b:
-        delta = a[k].double() - b[k].double()
-        diffs.append(0.0 if delta.abs().max() <= 1e-9 else (delta.norm() / b[k].double().norm()).item())
-    return max(diffs)
 
 
 @pytest.fixture(scope="module")
@@ -129,10 +117,6 @@ def test_eval_metrics_come_from_the_task_and_learn(tmp_path):
 
 
 # --------------------------------------------------------------------------- any nn.Module
-CUSTOM = (ROOT / "tests" / "user_models.py").read_text()
-"""The same models, copied out of the repository by the ``user_module`` fixture."""
-
-
 @pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_a_model_of_your_own_trains(strategy, user_module, tmp_path):
     proc = run_cli(

@@ -12,24 +12,10 @@ import sys
 import pytest
 
 from tests.conftest import ROOT, run_job
+from tests.helpers.runs import plan_json
 
 GIB, MIB = 2**30, 2**20
 TWO_STEPS = ["trainer.steps=3", "trainer.warmup_steps=2", "trainer.eval_batches=0"]
-
-
-def plan_json(*overrides: str) -> dict:
-    """The planner's JSON, run in this process (its command line is tested in test_cli and
-    test_hostile): the same ``main`` a shell runs, without a second torch start-up."""
-    import contextlib
-    import io
-
-    from sharded_exp.plan import command
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = command.main(["plan.format=json", *overrides])
-    assert code == 0, out.getvalue()[-2000:]
-    return json.loads(out.getvalue())
 
 
 def test_raw_count_is_an_ideally_divisible_model():

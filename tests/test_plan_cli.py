@@ -97,7 +97,7 @@ def test_the_optimizer_state_apart_from_the_steps_temporaries():
     step's temporaries (sqrt of the second moment of the group it steps) apart from it."""
     from sharded_exp.compose import compose
     from sharded_exp.plan import points
-    from tests.test_build import DEEP
+    from tests.helpers.overrides import DEEP
 
     cfg = compose([*DEEP, "plan.strategies=[ddp]"], "plan")
     (row,) = points.plan_rows(cfg, [2], "cuda")

@@ -262,7 +262,7 @@ def test_25_report_marks_what_did_not_finish_and_compares_with_the_least_sharded
     sharded point that fits; the headline says so in numbers computed from the files."""
     from sharded_exp.output import charts
     from sharded_exp.output.comparison import CHARTS, build_rows, load_points, swept_of, write_report
-    from tests.test_hostile import SCALAR
+    from tests.helpers.overrides import SCALAR
 
     _, ddp = shared_runs("strategy=ddp", *SCALAR)
     _, fsdp = shared_runs("strategy=fsdp", *SCALAR)
@@ -357,7 +357,7 @@ def test_25_the_oom_sweep_reports_what_fits(tmp_path):
     point that fits."""
     from sharded_exp.output import charts
     from sharded_exp.output.comparison import build_rows, load_points, swept_of
-    from tests.test_plan import plan_json
+    from tests.helpers.runs import plan_json
 
     model = [o for o in TINY if o.startswith("model.")]
     plan = plan_json(*model, "trainer.batch_size=8", "plan.world_sizes=[1,2]", "plan.strategies=[ddp,oss,fsdp]",
