@@ -224,6 +224,18 @@ def placeholders(tmp_path_factory):
 
 
 @pytest.fixture
+def small_fs(tmp_path):
+    """A real filesystem of 1 MiB (tmpfs), unmounted afterwards."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.fixture
 def gloo_group():
     """A real gloo process group of one rank in this process (an in-memory store): a
     strategy is built and stepped without spawning anything. Destroyed after the test (a

@@ -322,7 +322,9 @@ def test_every_field_and_option_is_set_by_a_real_run():
         for key in [k for k in node if k not in ("name", "_target_", "config") and node[k] is None]:
             if not any("_target_" in cfg.model and cfg.model.get(key) is not None for _, cfg, _ in configs):
                 missing.append(f"field model.{key} (of model={option})")
-    assert not missing, "set by no covering run in tests/helpers/covering.py or tests/test_coverage.py:\n  " + "\n  ".join(missing)
+    assert not missing, (
+        "set by no covering run in tests/helpers/covering.py or tests/test_coverage.py:\n  " + "\n  ".join(missing)
+    )
 
 
 def _aliases(group: str, options: list[str]) -> dict[str, list[str]]:

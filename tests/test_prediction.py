@@ -3,12 +3,16 @@ measure; FLOPs and utilisation; the planner built on the same step."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from sharded_exp.compose import compose
+from sharded_exp.errors import ConfigError
 from sharded_exp.predict.fake_step import fake_step
 from tests.conftest import ROOT, STRATEGY_NAMES, read_result, run_cli, run_job, tiny
+from tests.helpers.runs import launch
 
 # The CPU tracker measures over the warm-up steps: two, like the fake step.
 TWO_STEPS = ["trainer.steps=3", "trainer.warmup_steps=2", "trainer.eval_batches=0"]
@@ -216,3 +220,30 @@ def test_23_2_a_fake_step_for_a_gpu_runs_cudas_adam_and_counts_fused_attention()
     # (MemTracker files what the step allocates inside optimizer.step() as optimizer state)
     assert cuda_opt[1]["optimizer"] > cpu_opt[1]["optimizer"] and cuda_opt[0] > cpu_opt[0]
     assert cuda.flops_per_step >= cpu.flops_per_step
+
+
+# ---------------------------------------- host memory before spawn, and a float64 model
+def test_a_cpu_job_predicted_beyond_host_memory_is_refused_before_spawn(tmp_path, monkeypatch):
+    from sharded_exp.launch import preflight
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
+    assert 0 < preflight.available_host_mib() <= total  # read from /proc/meminfo (or the cgroup)
+    monkeypatch.setattr(preflight, "available_host_mib", lambda: 500.0)  # a small machine
+    with pytest.raises(ConfigError, match=r"the job needs about [\d,]+ MiB of host memory \(2 rank\(s\).*"
+                                          r"500 MiB are available here.*trainer.host_memory_check=false"):  # fmt: skip
+        launch(["trainer.accelerator=cpu", "trainer.steps=2"], tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+    result = launch(["trainer.accelerator=cpu", "trainer.steps=2", "trainer.host_memory_check=false"], tmp_path / "run")
+    assert result["status"] == "ok"
+
+
+def test_a_float64_model_is_measured_and_predicted_in_its_own_dtype(tmp_path):
+    from sharded_exp.predict.fake_step import _short
+
+    result = launch(["model=custom", "model._target_=tests.user_models.build_double", "trainer.steps=3"], tmp_path)
+    memory = result["memory"]
+    assert result["status"] == "ok" and memory["peak_prediction"]["error"] is None
+    assert memory["predicted_model_states_mib_max"] == pytest.approx(memory["model_states_mib_max"], rel=1e-6)
+    assert memory["predicted_peak_mib_max"] == pytest.approx(memory["peak_allocated_mib_max"], rel=0.1)
+    # a wrapped error's second line (what went wrong) is kept
+    assert _short(RuntimeError("Error in call to target 'x':\nValueError('the cause')")).endswith("the cause')")

@@ -5,12 +5,14 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import ROOT, TINY, run_cli
+from tests.conftest import ROOT, TINY, run_cli, run_job
+from tests.helpers.runs import cli
 from tests.wandb_file import read_run
 
 
@@ -256,7 +258,7 @@ def _write_sweep(sweep, points):
 
 
 def test_25_report_marks_what_did_not_finish_and_compares_with_the_least_sharded_that_fits(shared_runs, tmp_path):
-    """Real result.json files of ddp and fsdp (shared with test_hostile), laid out as a
+    """Real result.json files of ddp and fsdp (shared with test_models and test_cli), laid out as a
     sweep whose 4-rank DDP ran out of memory and whose zero1 diverged: such points are
     labelled markers, never zeros; the 4-rank rows are compared with the least
     sharded point that fits; the headline says so in numbers computed from the files."""
@@ -470,3 +472,69 @@ def test_the_report_shows_the_average_over_ranks_beside_the_largest():
     assert "| peak_MiB | peak_mean_MiB |" in compact(table) and "| 90.00 | 70.00 |" in compact(table)
     end = summary_table({**sharded, "params": 10, "memory": mem}).splitlines()
     assert "peak_MiB  peak_mean_MiB" in end[0] and "70.00" in end[2]
+
+
+# ------------------------------------------ bad points, empty and read-only directories
+def test_a_bad_result_json_is_a_row_that_says_why(tmp_path):
+    from sharded_exp.output.comparison import write_report
+
+    sweep = tmp_path / "sweep"
+    good = run_job(["trainer.steps=2"], sweep / "0_good")
+    assert good["status"] == "ok"
+    (sweep / "1_truncated").mkdir()
+    (sweep / "1_truncated" / "result.json").write_text('{"status": "ok", "strat')
+    (sweep / "2_running").mkdir()
+    (sweep / "2_running" / "result.json").write_text('{"status": "running"}')
+    rows = write_report(sweep)
+    assert (sweep / "report.md").exists() and len(rows) == 3
+    by_status = {r["status"]: r for r in rows}
+    assert "1_truncated/result.json" in by_status["unreadable"]["error"]
+    assert "still running or killed before it finished" in by_status["running"]["error"]
+    assert by_status["ok"]["peak_allocated_mib_max"] > 0
+
+
+def test_the_report_of_an_empty_directory_writes_nothing(tmp_path):
+    proc = run_cli([str(tmp_path)], cwd=ROOT, module="sharded_exp.report")
+    assert proc.returncode == 1 and "no result.json" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def read_only_copy(tmp_path):
+    """A read-only filesystem (tmpfs remounted ro) holding a copy of what ``fill`` puts there."""
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+
+    def freeze(fill):
+        fill(mount)
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+        return mount
+
+    yield freeze
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.slow
+def test_read_only_destinations_and_w_and_b_without_a_key_get_an_error_line(tmp_path, read_only_copy):
+    run = tmp_path / "run"
+    assert cli([*TINY, "trainer.steps=2", "strategy=fsdp", "trainer.checkpoint_every=2", "logger=wandb"],
+               run).returncode == 0  # fmt: skip
+    ro = read_only_copy(lambda m: shutil.copytree(run, m / "sweep" / "0_point"))
+    # the report of a sweep directory that cannot be written
+    proc = run_cli([str(ro / "sweep")], cwd=ROOT, module="sharded_exp.report")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"error: report not written in {ro / 'sweep'}: Read-only file system" in proc.stderr
+    # a checkpoint exported to a read-only destination
+    proc = run_cli(["export", str(run / "checkpoints" / "step_00000002"), str(ro / "exported")], cwd=ROOT,
+                   module="sharded_exp.checkpoint")  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"error: cannot export to {ro / 'exported'}: Read-only file system" in proc.stderr
+    # the W&B workspace saved online without an API key
+    sweep = tmp_path / "sweep"
+    shutil.copytree(run, sweep / "0_point")
+    env = {"WANDB_API_KEY": "", "HOME": str(tmp_path / "home"), "WANDB_CONFIG_DIR": str(tmp_path / "wb")}
+    proc = run_cli([str(sweep), "--wandb-workspace", "--online"], cwd=ROOT, env=env, module="sharded_exp.report")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "error: W&B: No API key configured" in proc.stderr
