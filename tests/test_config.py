@@ -186,7 +186,7 @@ def test_malformed_fault_is_rejected_before_ranks_start(monkeypatch, fault, mess
         validate(compose_cfg([]))
 
 
-def test_23_13_bf16_is_checked_on_the_ranks_own_gpu_without_emulation(monkeypatch):
+def test_bf16_is_checked_on_the_ranks_own_gpu_without_emulation(monkeypatch):
     from sharded_exp.launch.rank import check_bf16
 
     asked = []
@@ -204,7 +204,7 @@ def test_23_13_bf16_is_checked_on_the_ranks_own_gpu_without_emulation(monkeypatc
     assert asked == [False]
 
 
-def test_23_10_a_gpu_per_task_is_accepted_from_an_external_launcher(monkeypatch):
+def test_a_gpu_per_task_is_accepted_from_an_external_launcher(monkeypatch):
     from sharded_exp.launch.preflight import decide_device
     from sharded_exp.launch.rank import rank_device
 

@@ -133,7 +133,7 @@ def test_a_rank_that_ignores_the_stop_is_killed_after_the_grace_period(tmp_path)
     assert "ranks were killed (still running trainer.stop_grace_s=3 s after the signal)" in result["error"]
 
 
-# ------------------------------------------ issue 23.7: out-of-memory errors that torch does not type
+# ------------------------------------------ out-of-memory errors that torch does not type
 @pytest.mark.parametrize(
     "message",
     [
@@ -145,7 +145,7 @@ def test_a_rank_that_ignores_the_stop_is_killed_after_the_grace_period(tmp_path)
     ],
     ids=["cuda-call", "nccl", "cublas"],
 )  # fmt: skip
-def test_23_7_every_allocation_failure_is_oom(message, tmp_path):
+def test_every_allocation_failure_is_oom(message, tmp_path):
     from omegaconf import open_dict
 
     from sharded_exp.launch.parent import launch
@@ -158,7 +158,7 @@ def test_23_7_every_allocation_failure_is_oom(message, tmp_path):
     assert result["status"] == "oom", result["error"]
 
 
-def test_23_11_the_nccl_process_group_is_bound_to_the_ranks_gpu(monkeypatch):
+def test_the_nccl_process_group_is_bound_to_the_ranks_gpu(monkeypatch):
     """On CUDA the default group gets ``device_id`` (NCCL's communicator made for that GPU
     now); gloo gets none. The device script checks it on a GPU."""
     import datetime
@@ -177,7 +177,7 @@ def test_23_11_the_nccl_process_group_is_bound_to_the_ranks_gpu(monkeypatch):
     assert "device_id" not in calls[1][1]
 
 
-def test_23_16_an_aborted_communicator_is_reported_in_the_step_that_hung(monkeypatch):
+def test_an_aborted_communicator_is_reported_in_the_step_that_hung(monkeypatch):
     """NCCL's watchdog aborts the communicator (error mode 2) and the step's synchronize()
     returns: the backend's error is read after the step, so the report names this step."""
     from types import SimpleNamespace

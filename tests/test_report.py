@@ -126,9 +126,9 @@ def test_a_rerun_sweep_reports_one_row_per_point(tmp_path):
     assert sorted(r["strategy"] for r in rows) == ["ddp", "zero1"]
 
 
-# ------------------------------------------------ issue 22: baselines, stale points, lost reports
+# ------------------------------------------------ baselines, stale points, lost reports
 @pytest.mark.slow
-def test_22_3_10_each_row_is_compared_with_the_ddp_point_of_its_own_settings(tmp_path):
+def test_each_row_is_compared_with_the_ddp_point_of_its_own_settings(tmp_path):
     """Baselines are the DDP point whose swept overrides equal the row's (22.3); a reused
     sweep directory reports the points of the sweep that wrote it, and names the rest (22.10)."""
     sweep = tmp_path / "sweep"
@@ -156,7 +156,7 @@ def test_22_3_10_each_row_is_compared_with_the_ddp_point_of_its_own_settings(tmp
     assert "left here by an earlier sweep are not in this report" in (sweep / "report.md").read_text()
 
 
-def test_22_3_a_point_without_a_ddp_twin_says_so():
+def test_a_point_without_a_ddp_twin_says_so():
     from sharded_exp.output.comparison import build_rows
 
     def point(strategy, target, status="ok"):
@@ -174,7 +174,7 @@ def test_22_3_a_point_without_a_ddp_twin_says_so():
 
 
 @pytest.mark.slow
-def test_22_4_an_unexpected_pre_flight_failure_is_a_point_and_the_report_is_written(tmp_path, monkeypatch):
+def test_an_unexpected_pre_flight_failure_is_a_point_and_the_report_is_written(tmp_path, monkeypatch):
     """A point whose pre-flight raises something unforeseen (here: the planner's peak
     prediction, broken on purpose in that point's process) still ends with a result.json,
     and the sweep goes on to its report."""
@@ -201,8 +201,8 @@ def test_22_4_an_unexpected_pre_flight_failure_is_a_point_and_the_report_is_writ
     assert proc.returncode == 1  # a failed point, said in the exit code
 
 
-# ------------------------------------------------ issue 23.17: sweep point names of any length
-def test_23_17_a_point_name_is_cut_to_a_safe_length_with_a_hash():
+# ------------------------------------------------ sweep point names of any length
+def test_a_point_name_is_cut_to_a_safe_length_with_a_hash():
     from sharded_exp.compose import MAX_DIRNAME, point_dirname
 
     assert point_dirname("precision='32',strategy=ddp") == "precision=32,strategy=ddp"
@@ -212,7 +212,7 @@ def test_23_17_a_point_name_is_cut_to_a_safe_length_with_a_hash():
 
 
 @pytest.mark.slow
-def test_23_17_a_sweep_with_long_overrides_runs_and_reports(tmp_path):
+def test_a_sweep_with_long_overrides_runs_and_reports(tmp_path):
     sweep = tmp_path / "sweep"
     name = "x" * 300  # one override longer than a file name may be
     proc = run_cli(["-m", *TINY, "trainer.steps=2", "strategy=ddp,zero1", f"logger.run_name={name}",
@@ -222,7 +222,7 @@ def test_23_17_a_sweep_with_long_overrides_runs_and_reports(tmp_path):
     assert all(len(p.name) <= 255 for p in sweep.iterdir())
 
 
-# ------------------------------------------------ issue 25: a report that cannot mislead
+# ------------------------------------------------ a report that cannot mislead
 def _lines(ax):
     """Every drawn line's (label, x, y), the limit lines among them."""
     return [(line.get_label(), list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()]
@@ -257,7 +257,7 @@ def _write_sweep(sweep, points):
         (d / "result.json").write_text(json.dumps(point))
 
 
-def test_25_report_marks_what_did_not_finish_and_compares_with_the_least_sharded_that_fits(shared_runs, tmp_path):
+def test_report_marks_what_did_not_finish_and_compares_with_the_least_sharded_that_fits(shared_runs, tmp_path):
     """Real result.json files of ddp and fsdp (shared with test_models and test_cli), laid out as a
     sweep whose 4-rank DDP ran out of memory and whose zero1 diverged: such points are
     labelled markers, never zeros; the 4-rank rows are compared with the least
@@ -335,7 +335,7 @@ def test_25_report_marks_what_did_not_finish_and_compares_with_the_least_sharded
     assert dots == sum(len(r["per_rank"]) for r in table if r["status"] == "ok")
 
 
-def test_25_figures_read_with_two_decimals_and_plain_words():
+def test_figures_read_with_two_decimals_and_plain_words():
     from sharded_exp.output.charts import num, ranks
     from sharded_exp.output.comparison import _ranks_list
 
@@ -351,7 +351,7 @@ def test_25_figures_read_with_two_decimals_and_plain_words():
 
 
 @pytest.mark.slow
-def test_25_the_oom_sweep_reports_what_fits(tmp_path):
+def test_the_oom_sweep_reports_what_fits(tmp_path):
     """The issue's sweep, ddp/oss/fsdp at 1 and 2 ranks under a budget between FSDP's and
     DDP's predicted peak (from the planner, which is every run's own prediction): DDP runs
     out of memory at both world sizes, FSDP fits at 2 ranks; report.md says so first, the
@@ -413,7 +413,7 @@ def test_a_sweep_with_no_usable_result_still_gets_its_report(tmp_path):
     assert not list(tmp_path.glob("*.png"))
 
 
-def test_25_a_cpu_oom_point_shows_what_was_live_when_it_crossed_its_budget():
+def test_a_cpu_oom_point_shows_what_was_live_when_it_crossed_its_budget():
     """The breakdown chart draws a CPU OOM point's measured bar from its oom_breakdown, marked OOM."""
     from sharded_exp.output import charts
     from sharded_exp.output.comparison import _row
