@@ -24,6 +24,8 @@ SMOKE = {"small": ["model.hidden=256", "model.depth=2"]}
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # Two strategies, not the registry's list: one whose optimizer state is sharded by
+    # fairscale (oss) and one that shards everything (fsdp), each a full set of jobs per size.
     parser.add_argument("--strategies", nargs="+", default=["oss", "fsdp"])
     parser.add_argument("--formats", nargs="+", default=["consolidated", "dcp"])
     parser.add_argument("--smoke", action="store_true")

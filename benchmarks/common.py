@@ -13,6 +13,17 @@ from sharded_exp.launch.parent import launch
 OUT = Path("outputs/benchmarks")
 
 
+def strategy_names() -> List[str]:
+    """Every registered strategy (``STRATEGIES.names()``), the modules SHARDED_EXP_PLUGINS
+    names imported first: what a benchmark runs by default, so that a new strategy, or a
+    plugin's, is measured without editing a list here."""
+    from sharded_exp.registry import import_plugins
+    from sharded_exp.strategies import STRATEGIES
+
+    import_plugins()
+    return STRATEGIES.names()
+
+
 def run(overrides: List[str], name: str, root: Path = OUT, check: bool = True) -> Dict[str, Any]:
     """Compose and launch one job in ``root / name``; raises unless it ends "ok" (``check``)."""
     cfg = compose(overrides)

@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from benchmarks.common import compose_cfg, markdown, save, spawn_ranks
+from benchmarks.common import compose_cfg, markdown, save, spawn_ranks, strategy_names
 
-STRATEGY_NAMES = ["ddp", "oss", "sharded_ddp", "zero1", "fsdp_grad_op", "fsdp"]
+STRATEGY_NAMES = strategy_names()
 # The ZeRO paper's per-rank volume per step, in units of Psi (fp32 parameter bytes).
 THEORY = {"ddp": 2, "oss": 2, "sharded_ddp": 2, "zero1": 2, "fsdp_grad_op": 2, "fsdp": 3}
 STAGE = {

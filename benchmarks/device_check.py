@@ -43,9 +43,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import OUT, compose_cfg, markdown, save
+from benchmarks.common import OUT, compose_cfg, markdown, save, strategy_names
 
-STRATEGY_NAMES = ["ddp", "oss", "sharded_ddp", "zero1", "fsdp_grad_op", "fsdp"]
+STRATEGY_NAMES = strategy_names()
 MODEL = ["model=gpt", "model.d_model=512", "model.n_layers=8", "model.n_heads=8", "model.seq_len=256"]
 QUICK_MODEL = ["model=gpt", "model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32"]
 """--quick (the CPU dry run of this script): a model a CPU trains in seconds."""
@@ -319,6 +319,7 @@ def main() -> int:
     if args.quick:
         MODEL[:] = QUICK_MODEL
     t0 = time.time()
+    # --quick (a dry run of the script): DDP and one sharded strategy are enough to exercise every check.
     strategies = ["ddp", "fsdp"] if args.quick else STRATEGY_NAMES
     steps = 4 if args.quick else 12
     plan = [

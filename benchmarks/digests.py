@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from benchmarks.common import run, save
+from benchmarks.common import run, save, strategy_names
 
-STRATEGIES = ["ddp", "oss", "sharded_ddp", "zero1", "fsdp_grad_op", "fsdp"]
+STRATEGY_NAMES = strategy_names()
 MODELS = {"mlp": [], "gpt": ["model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32"]}
 COMMON = ["trainer.steps=8", "trainer.warmup_steps=2", "logger=none", "trainer.progress_bar=false"]
 
@@ -30,7 +30,7 @@ def main() -> None:
     models = {"mlp": MODELS["mlp"]} if args.smoke else MODELS
     digests = {}
     for model, extra in models.items():
-        for strategy in STRATEGIES[:1] if args.smoke else STRATEGIES:
+        for strategy in STRATEGY_NAMES[:1] if args.smoke else STRATEGY_NAMES:
             result = run([f"model={model}", f"strategy={strategy}", *extra, *COMMON], f"digests/{model}_{strategy}")
             digests[f"{model}/{strategy}"] = {**result["param_digest"], "final_loss": result["final_loss"]}
     print("| point | sum | l2 | final_loss |\n|---|---|---|---|")

@@ -29,9 +29,9 @@ import time
 
 import torch
 
-from benchmarks.common import OUT, markdown, run, save
+from benchmarks.common import OUT, markdown, run, save, strategy_names
 
-STRATEGY_NAMES = ["ddp", "oss", "sharded_ddp", "zero1", "fsdp_grad_op", "fsdp"]
+STRATEGY_NAMES = strategy_names()
 PRECISIONS = ["32", "16", "bf16"]
 MODEL = ["model=gpt", "model.d_model=512", "model.n_layers=8", "model.n_heads=8", "model.seq_len=256"]
 

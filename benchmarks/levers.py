@@ -25,9 +25,9 @@ import json
 import subprocess
 import sys
 
-from benchmarks.common import markdown, run, save
+from benchmarks.common import markdown, run, save, strategy_names
 
-STRATEGIES = ["ddp", "oss", "sharded_ddp", "zero1", "fsdp_grad_op", "fsdp"]
+STRATEGY_NAMES = strategy_names()
 
 
 def _job(overrides: list[str], name: str) -> dict:
@@ -49,7 +49,7 @@ def ac_part(smoke: bool) -> list[dict]:
     shape = ["model=gpt", "model.seq_len=64" if smoke else "model.seq_len=512", "trainer.batch_size=8",
              "trainer.world_size=2", "trainer.steps=8", "trainer.warmup_steps=2"]  # fmt: skip
     rows, out = [], []
-    for strategy in STRATEGIES[:1] if smoke else STRATEGIES:
+    for strategy in STRATEGY_NAMES[:1] if smoke else STRATEGY_NAMES:
         none = _job([*shape, f"strategy={strategy}"], f"{strategy}_none")
         full = _job([*shape, f"strategy={strategy}", "trainer.activation_checkpointing=full"], f"{strategy}_full")
         point = {"strategy": strategy, "none": none, "full": full, "saving": 1 - full["peak_mib"] / none["peak_mib"],

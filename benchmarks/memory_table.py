@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks.common import markdown, run, save
+from benchmarks.common import markdown, run, save, strategy_names
 
 MODEL = ["model=gpt", "model.d_model=256", "model.n_layers=4", "model.n_heads=4", "model.seq_len=64"]
 JOB = [
@@ -29,9 +29,7 @@ JOB = [
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--strategies", nargs="+", default=["ddp", "oss", "sharded_ddp", "zero1", "fsdp_grad_op", "fsdp"]
-    )
+    parser.add_argument("--strategies", nargs="+", default=strategy_names())
     parser.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4])
     args = parser.parse_args()
 

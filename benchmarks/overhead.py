@@ -32,9 +32,9 @@ import time
 import torch
 from omegaconf import OmegaConf
 
-from benchmarks.common import OUT, compose_cfg, markdown, save, spawn_ranks
+from benchmarks.common import OUT, compose_cfg, markdown, save, spawn_ranks, strategy_names
 
-STRATEGY_NAMES = ["ddp", "oss", "sharded_ddp", "zero1", "fsdp_grad_op", "fsdp"]
+STRATEGY_NAMES = strategy_names()
 
 
 def hand_loop(strategy, next_batch, autocast, grad_clip: float, rank: int, steps: int, warmup: int) -> tuple:

@@ -34,6 +34,9 @@ def max_relative_diff(a_dir, b_dir) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # fairscale's two by default, not the registry's list: the unmaintained ones this comparison
+    # exists to catch (tests/test_parity.py holds every strategy against DDP). A strategy is run
+    # as ddp, oss or sharded_ddp with its strategy.name (a plugin variant of sharded_ddp, as above).
     parser.add_argument("--strategies", nargs="+", default=["oss", "sharded_ddp"])
     args = parser.parse_args()
     rows, data = [], []

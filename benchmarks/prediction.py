@@ -18,9 +18,9 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from benchmarks.common import markdown, run, save
+from benchmarks.common import markdown, run, save, strategy_names
 
-STRATEGIES = ["ddp", "oss", "sharded_ddp", "zero1", "fsdp_grad_op", "fsdp"]
+STRATEGY_NAMES = strategy_names()
 # CPU sizes: each model a few hundred thousand to a few million parameters.
 MODELS = {
     "mlp": ["model=mlp", "model.hidden=256", "model.depth=3"],
@@ -66,7 +66,7 @@ def point(model: str, strategy: str, ws: int, prec: str, accelerator: str) -> di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--strategies", nargs="+", default=STRATEGIES)
+    parser.add_argument("--strategies", nargs="+", default=STRATEGY_NAMES)
     parser.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4])
     parser.add_argument("--precisions", nargs="+", default=["32", "bf16"])
     parser.add_argument("--accelerator", default="auto", help="auto: the GPUs when there are enough, else CPU")

@@ -182,11 +182,11 @@ def _no_torchrun_env(monkeypatch):
 
 @pytest.fixture
 def user_module(tmp_path):
-    """A user's own model module (``tests/test_models.py``'s CUSTOM) importable as
+    """A user's own model module (``tests/helpers/overrides.py``'s CUSTOM) importable as
     ``my_models`` by a job started with this environment."""
     import textwrap
 
-    from tests.test_models import CUSTOM
+    from tests.helpers.overrides import CUSTOM
 
     pkg = tmp_path / "user_code"
     pkg.mkdir()
@@ -196,9 +196,9 @@ def user_module(tmp_path):
 
 @pytest.fixture(scope="session")
 def placeholders(tmp_path_factory):
-    """Resolves a covering run's placeholders (tests/test_coverage.py) once per session, so
+    """Resolves a covering run's placeholders (tests/helpers/covering.py) once per session, so
     that any test naming a covering run reaches the same shared run."""
-    from tests.test_coverage import DATA_FILES
+    from tests.helpers.covering import DATA_FILES
 
     cache: dict[str, str] = {}
 
@@ -221,6 +221,18 @@ def placeholders(tmp_path_factory):
         return out
 
     return resolve
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real filesystem of 1 MiB (tmpfs), unmounted afterwards."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 @pytest.fixture

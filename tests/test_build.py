@@ -17,11 +17,9 @@ import torch
 
 from sharded_exp.compose import compose
 from tests.conftest import run_job
+from tests.helpers.overrides import DEEP
 
 MIB, GIB = 2**20, 2**30
-# Eight blocks whose parameters outweigh the activations, as in the models sharding is for.
-DEEP = ["model=gpt", "model.d_model=128", "model.n_heads=4", "model.n_layers=8", "model.seq_len=8",
-        "model.vocab_size=64", "trainer.batch_size=2"]  # fmt: skip
 TWO_STEPS = ["trainer.steps=3", "trainer.warmup_steps=2", "trainer.eval_batches=0"]
 
 
@@ -310,3 +308,18 @@ def test_sharded_ddp_every_rank_within_5_percent_at_3_ranks(tmp_path):
 @pytest.mark.parametrize("strategy", list(BUCKETS))
 def test_every_rank_within_5_percent_of_a_gloo_run(strategy, world_size, tmp_path):
     _every_rank_within_5_percent(strategy, world_size, tmp_path)
+
+
+# ------------------------------------------------------ tied weights on the meta device
+def test_a_meta_built_fake_model_keeps_its_tied_weights_tied():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from sharded_exp.train.build import _tied_to_empty
+    from tests.user_models import build_tied_double
+
+    with torch.device("meta"):
+        module = build_tied_double(8, 3)
+    with FakeTensorMode(allow_non_fake_inputs=True):  # as the fake step's mode
+        module = _tied_to_empty(module, torch.device("cpu"))
+    assert module.extra.weight is module.layers[1].weight and module.extra.weight.dtype == torch.float64
+    assert len(list(module.named_parameters(remove_duplicate=False))) == 8 and len(list(module.parameters())) == 7

@@ -15,6 +15,8 @@ from sharded_exp import checkpoint
 from sharded_exp.errors import ConfigError
 from sharded_exp.strategies import STRATEGIES
 from tests.conftest import ROOT, STRATEGY_NAMES, TINY, compose_cfg, read_result, run_cli, run_job, tiny
+from tests.helpers.disks import fill
+from tests.helpers.runs import cli
 
 
 def consolidated_optimizer_state(path, scratch) -> tuple[dict, dict]:
@@ -276,3 +278,128 @@ def test_a_failed_run_in_a_reused_directory_moves_the_earlier_records_aside(tmp_
     assert (run / "attempts" / "1" / "result.json").read_bytes() == result_before
     assert (run / "attempts" / "1" / ".hydra" / "config.yaml").read_bytes() == config_before
     assert (run / "checkpoints" / "step_00000003" / "model.pt").read_bytes() == ckpt_before
+
+
+# ---------------- resume settings, full disks and checkpoint directories shared by jobs
+@pytest.mark.slow
+def test_resume_takes_hyperparameters_from_the_config_and_records_the_changes(tmp_path):
+    first = run_job(["trainer.steps=3", "trainer.checkpoint_every=3", "optimizer.lr=0.001"], tmp_path / "a")
+    ckpt = first["checkpoint"]
+    runs = {}
+    for lr in ("0.1", "0.001"):
+        out = tmp_path / f"lr{lr}"
+        proc = cli(["trainer.steps=6", "trainer.checkpoint_every=3", f"optimizer.lr={lr}",
+                    f"trainer.resume={ckpt}", *TINY], out)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[lr] = (read_result(out), proc.stderr)
+    changed, stderr = runs["0.1"]
+    # both parameter groups (decayed and not) had lr 0.001 in the checkpoint
+    assert [c for c in changed["resume_changes"] if c["key"] == "lr"] == [
+        {"group": 0, "key": "lr", "checkpoint": 0.001, "config": 0.1},
+        {"group": 1, "key": "lr", "checkpoint": 0.001, "config": 0.1},
+    ]
+    assert "warning: resuming with optimizer group 0 lr=0.1 from the config (the checkpoint has 0.001)" in stderr
+    assert runs["0.001"][0]["resume_changes"] == []
+    # a sweep of learning rates from one checkpoint gives different points
+    assert changed["param_digest"] != runs["0.001"][0]["param_digest"]
+    # and the next checkpoint holds the configured value
+    saved = torch.load(os.path.join(changed["checkpoint"], "optim.pt"), weights_only=True)
+    assert {g["lr"] for g in saved["param_groups"]} == {0.1}
+
+
+@pytest.mark.slow
+def test_resume_auto_on_a_finished_job_exits_0_and_changes_nothing(tmp_path):
+    args = [*TINY, "trainer.steps=3", "trainer.checkpoint_every=3"]
+    assert cli(args, tmp_path).returncode == 0
+    before = (tmp_path / "result.json").read_bytes()
+    proc = cli([*args, "trainer.resume=auto"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "this job is done, nothing to do" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert (tmp_path / "result.json").read_bytes() == before and not (tmp_path / "attempts").exists()
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda m: m.pop("param_shapes"), "keys missing: param_shapes"),
+        (lambda m: m.update(step="3"), "wrong type or value: step"),
+        (lambda m: m.update(param_shapes=[[3, 4]]), "wrong type or value: param_shapes"),
+        ("list", "has format 'list'"),
+        ("swap", "model.pt is corrupt: it does not hold a model state dict"),
+    ],
+)
+def test_malformed_checkpoints_are_named_corrupt(saved, tmp_path, damage, message):
+    bad = tmp_path / "bad"
+    shutil.copytree(saved, bad)
+    meta = json.loads((bad / "meta.json").read_text())
+    if damage == "list":
+        (bad / "meta.json").write_text(json.dumps([meta]))
+    elif damage == "swap":
+        (bad / "model.pt").rename(bad / "tmp")
+        (bad / "optim.pt").rename(bad / "model.pt")
+        (bad / "tmp").rename(bad / "optim.pt")
+    else:
+        damage(meta)
+        (bad / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match="checkpoint") as err:
+        start(["trainer.steps=6", f"trainer.resume={bad}"], tmp_path / "out")
+    assert message in str(err.value)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_directory_that_fills_up_mid_run_keeps_the_last_checkpoint(small_fs, tmp_path):
+    run_job(["trainer.steps=2", "trainer.checkpoint_every=2", "trainer.checkpoint_format=consolidated"],
+                    tmp_path / "probe")  # fmt: skip
+    size = sum(p.stat().st_size for p in (tmp_path / "probe" / "checkpoints").rglob("*") if p.is_file())
+    fill(small_fs, int(1.5 * size) + 8192)  # room for one checkpoint, not two
+    run = tmp_path / "run"
+    proc = cli([*TINY, "trainer.steps=6", "trainer.checkpoint_every=2", "trainer.checkpoint_format=consolidated",
+                f"trainer.checkpoint_dir={small_fs / 'ckpt'}"], run)  # fmt: skip
+    assert proc.returncode == 1
+    result = read_result(run)
+    assert result["status"] == "failed"
+    assert "no space left on device while writing " + str(small_fs / "ckpt") in result["error"], result["error"]
+    assert [p.name for p in (small_fs / "ckpt").iterdir()] == ["step_00000002"]  # no temporary left
+    checkpoint.read_meta(str(small_fs / "ckpt" / "step_00000002"))  # the previous one is intact
+
+
+def test_later_checkpoints_of_another_trajectory_are_refused_or_archived(tmp_path):
+    first = tmp_path / "first"
+    ckpts = tmp_path / "ckpts"
+    args = ["trainer.steps=4", "trainer.checkpoint_every=2", f"trainer.checkpoint_dir={ckpts}"]
+    assert start(args, first)["status"] == "ok"
+    old_four = (ckpts / "step_00000004" / "meta.json").read_bytes()
+    resume = [*args, f"trainer.resume={ckpts / 'step_00000002'}", "optimizer.lr=0.01"]
+    # Refused before anything is written: the later step is named, and the ways out.
+    with pytest.raises(ConfigError, match=r"already holds step_00000004.*trainer.existing_checkpoints=archive"):
+        start(resume, tmp_path / "second")
+    assert not (tmp_path / "second").exists()
+    # A fresh run into the same directory would meet steps 2 and 4: refused as well.
+    with pytest.raises(ConfigError, match="step_00000002, step_00000004"):
+        start(args, tmp_path / "third")
+    # Archived on request: the new step 4 is this trajectory's, and result.json names it.
+    result = start([*resume, "trainer.existing_checkpoints=archive"], tmp_path / "second")
+    assert result["status"] == "ok", result["error"]
+    assert result["checkpoint"] == str(ckpts / "step_00000004")
+    assert (ckpts / "archived" / "1" / "step_00000004" / "meta.json").read_bytes() == old_four
+    assert (ckpts / "step_00000004" / "meta.json").read_bytes() != old_four
+    assert [s for s, _ in checkpoint.complete_checkpoints(str(ckpts))] == [2, 4]
+
+
+def test_a_checkpoint_directory_is_held_by_one_job(tmp_path):
+    from sharded_exp.checkpoint.storage import hold_checkpoint_dir
+    from sharded_exp.launch.parent import release_run_dir
+
+    ckpts = tmp_path / "ckpts"
+    held = hold_checkpoint_dir(str(ckpts))  # as a live job holds it
+    try:
+        with pytest.raises(ConfigError, match=r"trainer.checkpoint_dir=.*ckpts is in use by a running job \(pid"):
+            start(["trainer.steps=2", "trainer.checkpoint_every=1", f"trainer.checkpoint_dir={ckpts}"], tmp_path / "b")
+        assert not (tmp_path / "b" / "result.json").exists()
+    finally:
+        release_run_dir(held)
+    # A file, or a directory that cannot be written: said before any rank starts.
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="is a file, not a directory"):
+        start(["trainer.resume=auto", "trainer.checkpoint_every=1", f"trainer.checkpoint_dir={tmp_path / 'file'}"],
+               tmp_path / "c")  # fmt: skip

@@ -11,6 +11,8 @@ import sys
 import pytest
 
 from tests.conftest import ROOT, TINY, read_result, run_cli
+from tests.helpers.overrides import SCALAR
+from tests.helpers.runs import cli
 
 RESULT_KEYS = {
     "status",
@@ -107,3 +109,27 @@ def test_torchrun_provides_the_ranks(tmp_path):
     assert result["status"] == "ok"
     assert result["world_size"] == 2  # from torchrun, not from trainer.world_size=1
     assert len(result["memory"]["per_rank"]) == 2
+
+
+# ----------------------------------------------- what a job prints and result.json says
+def test_a_resumed_bar_ends_full_and_the_output_directory_is_printed(tmp_path):
+    args = [*TINY, "trainer.steps=4", "trainer.checkpoint_every=2", "trainer.progress_bar=true"]
+    first = cli([*args, "trainer.steps=2"], tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    proc = cli([*args, "trainer.resume=auto"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    bar = proc.stderr.split("\r")[-1]
+    assert "100%" in bar and "4/4" in bar, bar  # from step 2 to 4: full, not 50%
+    assert f"output: {tmp_path}" in proc.stdout
+
+
+def test_result_json_names_the_device_that_ran_the_job(shared_runs):
+    _, result = shared_runs("strategy=ddp", *SCALAR)
+    device = result["device"]
+    assert device["type"] == "cpu" and device["count"] == os.cpu_count() and device["threads_per_rank"] >= 1
+
+
+def test_the_readme_places_per_rank_under_memory():
+    readme = (ROOT / "README.md").read_text()
+    assert "`memory.per_rank`" in readme
+    assert "result.json`: `per_rank`" not in readme and "top-level `per_rank`" not in readme

@@ -12,7 +12,8 @@ from sharded_exp.compose import quote_numeric_choices
 from sharded_exp.errors import ConfigError
 from sharded_exp.launch import preflight
 from sharded_exp.registry import Registry
-from tests.conftest import STRATEGY_NAMES, compose_cfg, run_cli
+from tests.conftest import ROOT, STRATEGY_NAMES, TINY, compose_cfg, run_cli, tiny
+from tests.helpers.runs import cli, launch
 
 
 def validate(cfg, tmp_path="/nonexistent-output-dir") -> int:
@@ -185,7 +186,7 @@ def test_malformed_fault_is_rejected_before_ranks_start(monkeypatch, fault, mess
         validate(compose_cfg([]))
 
 
-def test_23_13_bf16_is_checked_on_the_ranks_own_gpu_without_emulation(monkeypatch):
+def test_bf16_is_checked_on_the_ranks_own_gpu_without_emulation(monkeypatch):
     from sharded_exp.launch.rank import check_bf16
 
     asked = []
@@ -203,7 +204,7 @@ def test_23_13_bf16_is_checked_on_the_ranks_own_gpu_without_emulation(monkeypatc
     assert asked == [False]
 
 
-def test_23_10_a_gpu_per_task_is_accepted_from_an_external_launcher(monkeypatch):
+def test_a_gpu_per_task_is_accepted_from_an_external_launcher(monkeypatch):
     from sharded_exp.launch.preflight import decide_device
     from sharded_exp.launch.rank import rank_device
 
@@ -270,3 +271,87 @@ def test_the_seed_study_preset_is_the_seeds_workload():
     no_decay = {names[id(p)] for p in groups[1]["params"]}
     assert no_decay == {n for n in names.values() if "bias" in n or "LayerNorm.weight" in n}
     assert groups[1]["weight_decay"] == groups[0]["weight_decay"] == 0.0
+
+
+# ----------------------------- values refused with an error line before any rank starts
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.hidden=-5"], "model.hidden=-5 must be >= 1"),
+        (["model=gpt", "model.n_heads=0"], "model.n_heads=0 must be >= 1"),
+        (["model.num_classes=0"], "model.num_classes=0 must be >= 1"),
+        (["model=gpt", "model.seq_len=0"], "model.seq_len=0 must be >= 1"),
+        (["optimizer.betas=[2,3]"], "optimizer.betas=[2.0, 3.0] must be two numbers in [0, 1)"),
+        (["trainer.timeout_s=inf"], "trainer.timeout_s=inf must be a finite number"),
+        (["optimizer.lr=nan"], "optimizer.lr=nan must be a finite number"),
+        (["precision=16", "precision.init_scale=0"], "precision.init_scale=0.0 must be > 0"),
+    ],
+)
+def test_bad_model_and_optimizer_values_are_refused_before_spawn(overrides, message, tmp_path):
+    with pytest.raises(ConfigError) as err:
+        launch(overrides, tmp_path / "out")
+    assert message in str(err.value)
+
+
+def test_a_bad_model_value_exits_2_without_a_traceback(tmp_path):
+    proc = run_cli([*tiny(["model=gpt", "model.n_heads=0"]), f"hydra.run.dir={tmp_path / 'x'}"], cwd=ROOT)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert not (tmp_path / "x").exists()  # no empty directory left behind
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model=custom", "model._target_=tests.user_models.build_none"],
+         "model._target_=tests.user_models.build_none returned None (does it return the model?), not a torch.nn.Module"),
+        (["model=custom", "model._target_=tests.user_models.build_not_a_module"], "returned a dict, not a torch.nn.Module"),
+        (["model=custom"], "model._target_ must be set: no value was given (model=custom needs model._target_="),
+        (["trainer.checkpoint_dir=${oc.env:SHARDED_EXP_SURELY_UNSET}"],
+         "error: trainer.checkpoint_dir: KeyError raised while resolving interpolation: \"Environment variable "
+         "'SHARDED_EXP_SURELY_UNSET' not found\""),
+    ],
+    ids=["factory-returns-none", "factory-returns-a-dict", "custom-without-target", "unset-env-interpolation"],
+)  # fmt: skip
+def test_bad_models_and_values_get_an_error_line(overrides, message, tmp_path):
+    proc = cli(tiny(overrides), tmp_path / "run")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "run").exists()  # nothing left behind
+
+
+def test_find_unused_parameters_is_a_setting_and_unknown_strategy_keys_are_refused(tmp_path):
+    unused = ["model=custom", "model._target_=tests.user_models.build_with_unused", "trainer.steps=3"]
+    failed = launch(unused, tmp_path / "without")
+    assert failed["status"] == "failed" and "find_unused_parameters" in failed["error"]
+    result = launch([*unused, "strategy.find_unused_parameters=true"], tmp_path / "with")
+    assert result["status"] == "ok", result["error"]
+    assert result["config"]["strategy"]["find_unused_parameters"] is True
+    assert result["memory"]["predicted_peak_mib_max"] is not None, result["memory"]["peak_prediction"]
+    with pytest.raises(ConfigError, match=r"strategy.find_unused=true|strategy.find_unused is not a setting of "
+                                          r"strategy=zero1; its settings: .*find_unused_parameters"):  # fmt: skip
+        launch(["strategy=zero1", "+strategy.find_unused=true"], tmp_path / "typo")
+    assert not (tmp_path / "typo").exists()
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [("trainer.eval_every=-1", "trainer.eval_every=-1 must be >= 0 (0 = only at the end)"),
+     ("trainer.eval_batches=-2", "trainer.eval_batches=-2 must be >= 0 (0 = no evaluation)")],
+)  # fmt: skip
+def test_negative_evaluation_settings_are_refused(bad, message, tmp_path):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        launch([bad], tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_an_unknown_plugin_module_is_refused(tmp_path):
+    proc = run_cli([*TINY, f"hydra.run.dir={tmp_path}"], cwd=ROOT, env={"SHARDED_EXP_PLUGINS": "no_such_module"})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "SHARDED_EXP_PLUGINS names the module 'no_such_module', which cannot be imported" in proc.stderr
+
+
+@pytest.mark.slow
+def test_schemas_are_not_listed_as_options(tmp_path):
+    proc = run_cli(["precision=8", f"hydra.run.dir={tmp_path}"], cwd=ROOT)
+    assert proc.returncode != 0 and "Available options in 'precision'" in proc.stderr
+    assert "_schema" not in proc.stderr and "bf16" in proc.stderr

@@ -3,20 +3,20 @@ subprocess, faults injected with SHARDED_EXP_FAULT, real signals, real process t
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, TINY, read_result, run_cli
-
-LONG = [o for o in TINY if not o.startswith("trainer.steps")] + ["trainer.steps=100000"]
+from sharded_exp import checkpoint
+from tests.conftest import ROOT, TINY, read_result, run_cli, run_job
+from tests.helpers.processes import LONG, descendants, finish, start_job, survivors, wait_until
+from tests.helpers.runs import cli, launch
 
 
 def fault_time(stderr: str) -> float:
@@ -66,79 +66,6 @@ def test_an_out_of_memory_rank_fails_the_point_as_oom_not_a_hang(tmp_path):
 
 
 # ------------------------------------------------------------------------------ signals
-def descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (ranks, the forkserver)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def survivors(tree: set[int], within: float = 10.0) -> list[str]:
-    """Processes of ``tree`` still alive after ``within`` seconds (the forkserver and
-    multiprocessing's resource tracker leave once they see the job's pipes close)."""
-    end = time.time() + within
-    while time.time() < end and any(alive(p) for p in tree):
-        time.sleep(0.2)
-    out = []
-    for pid in tree:
-        if alive(pid):
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(bytes(1), b" ").decode()
-            out.append(f"{pid}: {cmdline[:200]}")
-    return out
-
-
-def start_job(args, log, env=None):
-    """The job in the background, its output in ``log``, in a process group of its own
-    (like a job in a terminal)."""
-    with open(log, "w") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "sharded_exp", *args],
-            cwd=ROOT,
-            env={**os.environ, **(env or {})},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-
-def wait_until(ready, proc, log, timeout=120):
-    end = time.time() + timeout
-    while not ready():
-        assert proc.poll() is None, log.read_text()[-3000:]
-        assert time.time() < end, "the job never got there: " + log.read_text()[-3000:]
-        time.sleep(0.1)
-
-
-def finish(proc, log, timeout=60) -> str:
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
-    return log.read_text()
-
-
 SENT = {"sigterm": signal.SIGTERM, "ctrl_c": signal.SIGINT, "sighup": signal.SIGHUP}
 
 
@@ -206,7 +133,7 @@ def test_a_rank_that_ignores_the_stop_is_killed_after_the_grace_period(tmp_path)
     assert "ranks were killed (still running trainer.stop_grace_s=3 s after the signal)" in result["error"]
 
 
-# ------------------------------------------ issue 23.7: out-of-memory errors that torch does not type
+# ------------------------------------------ out-of-memory errors that torch does not type
 @pytest.mark.parametrize(
     "message",
     [
@@ -218,7 +145,7 @@ def test_a_rank_that_ignores_the_stop_is_killed_after_the_grace_period(tmp_path)
     ],
     ids=["cuda-call", "nccl", "cublas"],
 )  # fmt: skip
-def test_23_7_every_allocation_failure_is_oom(message, tmp_path):
+def test_every_allocation_failure_is_oom(message, tmp_path):
     from omegaconf import open_dict
 
     from sharded_exp.launch.parent import launch
@@ -231,7 +158,7 @@ def test_23_7_every_allocation_failure_is_oom(message, tmp_path):
     assert result["status"] == "oom", result["error"]
 
 
-def test_23_11_the_nccl_process_group_is_bound_to_the_ranks_gpu(monkeypatch):
+def test_the_nccl_process_group_is_bound_to_the_ranks_gpu(monkeypatch):
     """On CUDA the default group gets ``device_id`` (NCCL's communicator made for that GPU
     now); gloo gets none. The device script checks it on a GPU."""
     import datetime
@@ -250,7 +177,7 @@ def test_23_11_the_nccl_process_group_is_bound_to_the_ranks_gpu(monkeypatch):
     assert "device_id" not in calls[1][1]
 
 
-def test_23_16_an_aborted_communicator_is_reported_in_the_step_that_hung(monkeypatch):
+def test_an_aborted_communicator_is_reported_in_the_step_that_hung(monkeypatch):
     """NCCL's watchdog aborts the communicator (error mode 2) and the step's synchronize()
     returns: the backend's error is read after the step, so the report names this step."""
     from types import SimpleNamespace
@@ -276,3 +203,132 @@ def test_23_16_an_aborted_communicator_is_reported_in_the_step_that_hung(monkeyp
     backend.error = ErrorType.SUCCESS
     liveness.raise_if_aborted(torch.device("cuda", 0))
     assert liveness.collective_error(object()) is None  # a backend without get_error (gloo)
+
+
+# ------------ diverged runs, signals, dead parents and ranks that exit without a result
+def test_a_diverged_run_is_not_ok_and_gets_no_saving(tmp_path):
+    proc = cli([*TINY, "trainer.steps=4"], tmp_path / "inf", env={"SHARDED_EXP_FAULT": "rank=1,step=1,kind=inf_grad"})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    result = read_result(tmp_path / "inf")
+    assert result["status"] == "diverged" and result["first_nonfinite_step"] == 3
+    assert "diverged: final loss nan, loss first non-finite at step 3" in result["error"]
+    assert "diverged" in proc.stderr
+
+    sweep = tmp_path / "sweep"
+    args = [
+        "-m",
+        *TINY,
+        "trainer.steps=4",
+        "trainer.grad_clip=0",
+        "optimizer.lr=0.001,1e30",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    proc = run_cli(args, cwd=ROOT, timeout=300)
+    assert proc.returncode == 1 and "failed or diverged" in proc.stderr, proc.stderr[-3000:]
+    rows = {r["status"]: r for r in csv.DictReader(open(sweep / "report.csv"))}
+    assert set(rows) == {"ok", "diverged"}
+    bad = rows["diverged"]
+    assert bad["first_nonfinite_step"] and bad["speed_vs_baseline"] == bad["peak_saving_pct"] == ""
+    assert bad["parity_vs_baseline"] == ""
+
+
+def test_a_rank_killed_by_a_signal_is_named_not_its_peer(tmp_path):
+    proc = cli(LONG, tmp_path, env={"SHARDED_EXP_FAULT": "rank=1,step=3,kind=kill"})
+    assert proc.returncode == 1
+    error = read_result(tmp_path)["error"]
+    assert error.startswith("rank 1: killed by signal 9 (SIGKILL)"), error
+    assert "OOM killer" in error
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "check, says",
+    [("false", "can't allocate memory"), ("true", "of host memory")],
+    ids=["the-allocator-fails", "refused-before-it-starts"],
+)
+def test_a_cpu_allocation_failure_is_oom_and_does_not_fail_the_sweep(check, says, tmp_path):
+    """A point too large for the machine is a result (oom), whether the allocator says so
+    or, with the host memory check on (trainer.host_memory_check), the pre-flight does before any rank starts."""
+    sweep = tmp_path / "sweep"
+    proc = run_cli(["-m", *TINY, "trainer.steps=3", "trainer.batch_size=8,1000000000000",
+                    f"trainer.host_memory_check={check}", f"hydra.sweep.dir={sweep}"], cwd=ROOT, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    points = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/result.json"))]
+    status = {p["config"]["trainer"]["batch_size"]: p for p in points}
+    assert status[8]["status"] == "ok"
+    assert status[10**12]["status"] == "oom" and says in status[10**12]["error"]
+
+
+@pytest.mark.slow
+def test_ranks_exit_when_the_parent_is_killed(tmp_path):
+    run, log = tmp_path / "run", tmp_path / "job.log"
+    proc = start_job([*LONG, "trainer.checkpoint_every=5", f"hydra.run.dir={run}"], log)
+    wait_until((run / "checkpoints" / "step_00000005").exists, proc, log)
+    tree = descendants(proc.pid)
+    assert len(tree) >= 3  # two ranks and the forkserver
+    proc.kill()  # SIGKILL: the parent cannot pass anything on
+    proc.wait()
+    end = time.time() + 10
+    while survivors(tree) and time.time() < end:
+        time.sleep(0.2)
+    assert not survivors(tree), survivors(tree)
+    found = checkpoint.complete_checkpoints(str(run / "checkpoints"))
+    time.sleep(1)
+    assert checkpoint.complete_checkpoints(str(run / "checkpoints")) == found  # nobody trains on
+
+
+@pytest.mark.slow
+def test_sigterm_at_a_non_zero_rank_stops_the_job_with_its_signal(tmp_path):
+    proc = cli(
+        [*LONG, "trainer.checkpoint_every=1000"], tmp_path, env={"SHARDED_EXP_FAULT": "rank=1,step=3,kind=sigterm"}
+    )
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+    assert "stopped by signal 15 after step" in proc.stderr and "None" not in proc.stderr
+    result = read_result(tmp_path)
+    assert result["status"] == "stopped" and result["signal"] == signal.SIGTERM
+    assert result["checkpoint"] == str(tmp_path / "checkpoints" / f"step_{result['steps_done']:08d}")
+
+
+@pytest.mark.slow
+def test_a_second_signal_kills_and_says_so_and_names_the_checkpoint(tmp_path):
+    run, log = tmp_path / "run", tmp_path / "job.log"
+    proc = start_job([*LONG, "trainer.checkpoint_every=5", "trainer.stop_grace_s=30", f"hydra.run.dir={run}"], log,
+                     env={"SHARDED_EXP_FAULT": "rank=1,step=8,kind=hang"})  # fmt: skip
+    wait_until(lambda: "SHARDED_EXP_FAULT: hang" in log.read_text(), proc, log)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    output = finish(proc, log)
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    result = read_result(run)
+    assert "ranks were killed (at a second signal, SIGTERM)" in result["error"]
+    assert "after step None" not in output and "stopped by signal 15: " in output
+    assert result["checkpoint"] == str(run / "checkpoints" / "step_00000005")
+
+
+@pytest.mark.slow
+def test_a_long_history_does_not_deadlock_the_parent(tmp_path):
+    """Found on this pass: rank 0's payload (the history, with every rank's memory per
+    interval) larger than a pipe's buffer blocked rank 0 in put() while the parent waited
+    for it to exit; the parent now reads the payload while it waits."""
+    result = run_job(["trainer.steps=1200", "trainer.log_interval=1"], tmp_path)
+    assert result["status"] == "ok" and len(result["history"]) == 1200
+    assert len(json.dumps(result["history"])) > 2**16  # more than a pipe holds
+
+
+@pytest.mark.parametrize(
+    "how, ranks, blamed",
+    [("os", "[0,1]", None), ("sys", "[0,1]", None), ("os", "[1]", 1)],  # None: either rank (both did it)
+    ids=["every-rank-os-exit-0", "every-rank-sys-exit-0", "one-rank-os-exit-0"],
+)
+def test_a_rank_that_exits_0_without_a_result_is_the_named_failure(how, ranks, blamed, tmp_path):
+    t0 = time.monotonic()
+    overrides = ["model=custom", "model._target_=tests.user_models.build_exits", f"+model.how={how}",
+                 f"+model.ranks={ranks}", "trainer.timeout_s=60"]  # fmt: skip
+    result = launch(overrides, tmp_path)
+    assert time.monotonic() - t0 < 40, "the parent waited for a result that never came"
+    assert result["status"] == "failed"
+    assert result["error"].startswith(f"rank {blamed}:" if blamed is not None else "rank "), result["error"]
+    assert "exit" in result["error"] and "Connection" not in result["error"], result["error"]
+    assert read_result(tmp_path)["status"] == "failed"
+    assert not (tmp_path / ".lock").exists()

@@ -16,8 +16,9 @@ import pytest
 
 from sharded_exp.errors import ConfigError
 from tests.conftest import STRATEGY_NAMES, compose_cfg, tiny
-from tests.test_matrix import PARITY, PARITY_MODELS, check_run
-from tests.test_models import max_relative_diff
+from tests.helpers.overrides import PARITY, PARITY_MODELS
+from tests.helpers.runs import check_run
+from tests.helpers.states import max_relative_diff
 
 AC = {
     "full": ["trainer.activation_checkpointing=full"],

@@ -16,15 +16,14 @@ under Adam).
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from tests.conftest import STRATEGY_NAMES
-from tests.test_models import max_relative_diff
+from tests.helpers.overrides import HF, PARITY, PARITY_MODELS, STEPS
+from tests.helpers.runs import check_run
+from tests.helpers.states import max_relative_diff
 
 PRECISIONS = ["32", "16", "bf16"]
-HF = ["model.seq_len=16", "trainer.batch_size=4", "optimizer.lr=3e-3"]
 FAMILIES = {
     "mlp": ["model=mlp", "optimizer.lr=1e-2"],
     "gpt": ["model=gpt", "optimizer.lr=3e-3"],
@@ -43,7 +42,6 @@ FROZEN = {
     "custom": "layers.0.*",
 }
 """What fine-tuning would freeze: the embedding or the first layer."""
-STEPS = ["trainer.steps=8", "trainer.log_interval=2"]
 
 
 def matrix_row(family_index: int, strategy_index: int) -> list[str]:
@@ -76,26 +74,6 @@ ROWS = [
 ]
 
 
-def check_run(result: dict, overrides: list[str]) -> None:
-    """What every training run promises, asserted."""
-    assert result["status"] == "ok", result.get("error")
-    history = [h["loss"] for h in result["history"]]
-    assert all(math.isfinite(v) for v in history) and math.isfinite(result["final_loss"])
-    assert history[-1] < history[0], history
-    mem = result["memory"]
-    assert mem["source"] == "torch_mem_tracker" and mem["peak_error"] is None
-    assert len(mem["per_rank"]) == result["world_size"]
-    for entry in mem["per_rank"]:
-        for part in ("params", "grads", "optimizer"):
-            assert entry["predicted_model_states_mib"][part] == pytest.approx(
-                entry["model_states_mib"][part], rel=0.02, abs=1e-6
-            ), (part, entry)
-        assert entry["peak_allocated_mib"] > 0
-        # The fake step (made in the parent before any rank started) against the measured peak.
-        assert abs(entry["peak_rel_error"]) <= 0.10, entry
-    assert mem["peak_prediction"]["error"] is None
-
-
 @pytest.mark.parametrize("overrides", ROWS)
 def test_every_strategy_trains_every_family(overrides, shared_runs):
     _, result = shared_runs(*overrides)
@@ -108,14 +86,6 @@ def test_every_strategy_trains_every_family(overrides, shared_runs):
 
 
 # --------------------------------------------------------------------------- parity
-PARITY = ["trainer.grad_accum=2", "precision=32", "trainer.save_final_state=true", "optimizer.no_decay_lr_scale=0.5"]
-PARITY_MODELS = {
-    "gpt": ["model=gpt", "optimizer=adam", "trainer.freeze=[pos_emb.*]", *STEPS],
-    "hf_bert": ["model=hf_bert", *HF, "optimizer=sgd", "optimizer.momentum=0.9", "trainer.freeze=[bert.embeddings.*]",
-                "trainer.steps=6"],
-}  # fmt: skip
-
-
 @pytest.mark.parametrize("model", [pytest.param("gpt"), pytest.param("hf_bert", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("strategy", [s for s in STRATEGY_NAMES if s != "ddp"])
 def test_accumulated_and_frozen_training_matches_ddp(strategy, model, shared_runs):

@@ -12,6 +12,7 @@ from sharded_exp.strategies import STRATEGIES
 from sharded_exp.strategies.base import greedy_partition
 from sharded_exp.strategies.sharded_ddp import resident_grad_numel
 from tests.conftest import compose_cfg, run_job, tiny
+from tests.helpers.runs import launch, rank_errors
 
 ADAM_FP32 = ["optimizer=adam", "precision=32", "trainer.steps=4"]
 
@@ -138,3 +139,50 @@ def test_prediction_is_on_disk_before_any_rank_starts(tmp_path, monkeypatch, mea
     assert [e["predicted_model_states_mib"] for e in seen["memory"]["per_rank"]] == [
         e["predicted_model_states_mib"] for e in final["per_rank"]
     ]
+
+
+# ------------------------------------------------- what trainer.memory_limit_mib bounds
+def test_the_memory_limit_says_what_it_bounds_and_caps_cuda_before_the_build(tmp_path, monkeypatch, capsys):
+    from sharded_exp.measure.tracker import MemoryMeter
+    from sharded_exp.models import build_model
+
+    result = launch(["trainer.memory_limit_mib=1000", "trainer.steps=2"], tmp_path / "cpu")
+    assert result["memory"]["memory_limit_applies_to"].startswith("live tensors the CPU memory tracker counts")
+    free = launch(["trainer.steps=2"], tmp_path / "none")
+    assert free["memory"]["memory_limit_applies_to"] is None
+    # A budget between the model states and the step's peak: crossed inside a step.
+    mem = free["memory"]
+    limit = (mem["model_states_mib_max"] + mem["peak_allocated_mib_max"]) / 2
+    capsys.readouterr()
+    oom = launch([f"trainer.memory_limit_mib={limit}", "trainer.steps=2"], tmp_path / "oom")  # over it: said there too
+    assert oom["status"] == "oom" and oom["memory"]["memory_limit_applies_to"].startswith("live tensors")
+    # What was live when the budget was first exceeded, on the rank that failed first.
+    b = oom["memory"]["oom_breakdown"]
+    assert b is not None and oom["memory"]["oom_breakdown_error"] is None, oom["memory"]
+    assert b["step"] in (0, 1) and b["phase"] in ("forward", "backward", "optimizer", "other")
+    assert limit < b["tracked_mib"] <= mem["peak_allocated_mib_max"] + 1e-9
+    assert sum(b["by_category_mib"].values()) == pytest.approx(b["tracked_mib"])
+    # Every live byte is filed under one module (or none): the attribution adds up.
+    filed = sum(b["top_modules_mib"].values()) + b["other_modules_mib"] + b["outside_modules_mib"]
+    assert filed == pytest.approx(b["tracked_mib"])
+    states = free["memory"]["per_rank"][b["rank"]]["model_states_mib"]
+    assert b["by_category_mib"]["Parameter"] == pytest.approx(states["params"])  # the same model, measured apart
+    names = {n for n, _ in build_model(compose_cfg(tiny([])).model).named_modules()}
+    assert b["top_modules_mib"] and set(b["top_modules_mib"]) <= names, b["top_modules_mib"]
+    assert b["rank"] in {f["rank"] for f in rank_errors(tmp_path / "oom") if f["memory_at_oom"]}
+    printed = capsys.readouterr().out
+    assert f"out of memory on rank {b['rank']} at step {b['step']} ({b['phase']})" in printed
+    assert next(iter(b["top_modules_mib"])) in printed
+    # ... and the report's row for the point says it in one cell.
+    from sharded_exp.output.comparison import _row
+
+    cell = _row(oom)["oom_breakdown"]
+    assert cell.startswith(f"rank {b['rank']} step {b['step']} ({b['phase']}): {b['tracked_mib']:.2f} MiB over {limit}")
+    assert next(iter(b["top_modules_mib"])) in cell and "Parameter" in cell
+    # On CUDA the cap is set when the meter is made, before the model and optimizer are built.
+    capped = []
+    props = type("Props", (), {"total_memory": 80 * 2**30})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: capped.append((f, d)))
+    meter = MemoryMeter(torch.device("cuda", 0), 8 * 1024)
+    assert capped == [(0.1, torch.device("cuda", 0))] and meter.LIMIT_APPLIES_TO["cuda"].startswith("reserved bytes")

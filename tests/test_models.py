@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, STRATEGY_NAMES, TINY, read_result, run_cli, run_job, without_package
+from tests.helpers.overrides import SCALAR
+from tests.helpers.states import max_relative_diff
 
 HF_SMALL = ["model.seq_len=32", "trainer.batch_size=4", "trainer.steps=6"]
 # SGD with momentum (sharded as optimizer state like Adam's moments). With Adam, BERT's
@@ -15,19 +17,6 @@ HF_SMALL = ["model.seq_len=32", "trainer.batch_size=4", "trainer.steps=6"]
 # whose sign differs between strategies, into full +-lr steps.
 TINY_RUN = [o for o in TINY if not o.startswith("model.")]  # the MLP's shapes do not apply
 COMMON = [*HF_SMALL, "optimizer=sgd", "trainer.save_final_state=true", "optimizer.no_decay_lr_scale=0.5"]
-
-
-def max_relative_diff(path_a, path_b) -> float:
-    """Largest per-tensor ||a - b|| / ||b||; a tensor that training leaves at its zero init
-    up to rounding (key biases, |a - b| <= 1e-9 everywhere) counts as equal."""
-    a = torch.load(path_a / "model_final.pt", weights_only=True)
-    b = torch.load(path_b / "model_final.pt", weights_only=True)
-    assert a.keys() == b.keys()
-    diffs = []
-    for k in b:
-        delta = a[k].double() - b[k].double()
-        diffs.append(0.0 if delta.abs().max() <= 1e-9 else (delta.norm() / b[k].double().norm()).item())
-    return max(diffs)
 
 
 @pytest.fixture(scope="module")
@@ -129,10 +118,6 @@ def test_eval_metrics_come_from_the_task_and_learn(tmp_path):
 
 
 # --------------------------------------------------------------------------- any nn.Module
-CUSTOM = (ROOT / "tests" / "user_models.py").read_text()
-"""The same models, copied out of the repository by the ``user_module`` fixture."""
-
-
 @pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_a_model_of_your_own_trains(strategy, user_module, tmp_path):
     proc = run_cli(
@@ -235,3 +220,47 @@ def test_a_bad_attn_implementation_is_refused_before_any_rank_starts(overrides, 
     with pytest.raises(ConfigError, match=re.escape(message)):
         launch(compose_cfg(overrides), str(out))
     assert not out.exists()  # refused by the parent's checks: no directory, no rank
+
+
+# -------------------------------- a 0-dim parameter, and BatchNorm's buffers under FSDP
+@pytest.mark.parametrize(
+    "strategy", [pytest.param(s, marks=[] if s == "fsdp" else pytest.mark.slow) for s in STRATEGY_NAMES if s != "ddp"]
+)
+def test_a_0_dim_parameter_trains_under_every_strategy_as_under_ddp(strategy, shared_runs):
+    ref_dir, ref = shared_runs("strategy=ddp", *SCALAR)
+    out, result = shared_runs(f"strategy={strategy}", *SCALAR)
+    assert ref["status"] == "ok" and result["status"] == "ok", result["error"]
+    final = torch.load(out / "model_final.pt", weights_only=True)
+    assert final["temperature"].dim() == 0 and final["temperature"].item() != 1.0  # trained, still a scalar
+    assert max_relative_diff(out, ref_dir) <= 1e-6
+    assert result["memory"]["predicted_peak_mib_max"] is not None
+
+
+BN = ["model=custom", "model._target_=tests.user_models.build_with_batchnorm", "trainer.steps=4",
+      "trainer.save_final_state=true", "trainer.eval_batches=4"]  # fmt: skip
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", pytest.param("fsdp_grad_op", marks=pytest.mark.slow)])
+def test_batchnorm_buffers_agree_across_ranks_and_with_ddp(strategy, shared_runs):
+    ref_dir, ref = shared_runs("strategy=ddp", *BN)
+    out, result = shared_runs(f"strategy={strategy}", *BN)
+    assert result["status"] == "ok", result["error"]
+    # Each rank's running statistics are DDP's: rank 0's, broadcast before every forward.
+    for mine, ddp in zip(result["memory"]["per_rank"], ref["memory"]["per_rank"]):
+        assert mine["buffer_digest"] == pytest.approx(ddp["buffer_digest"], rel=1e-6), (mine["rank"], ref["memory"])
+    assert result["eval"]["final"]["eval/accuracy"] == ref["eval"]["final"]["eval/accuracy"]
+    assert result["eval"]["final"]["eval/loss"] == pytest.approx(ref["eval"]["final"]["eval/loss"], rel=1e-5)
+    assert max_relative_diff(out, ref_dir) <= 1e-6  # model_final.pt: parameters and buffers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp_grad_op"])
+def test_batchnorm_trains_under_fsdp_at_bf16_like_ddp(strategy, shared_runs):
+    """FSDP's half-precision policy cast BatchNorm's weight beside its fp32 statistics, and
+    a CPU run failed ("expected scalar type BFloat16 but found Float"): BatchNorm is now a
+    unit of its own in fp32, as autocast runs it under DDP."""
+    args = [*BN, "precision=bf16", "trainer.world_size=3", "trainer.grad_accum=2", "trainer.freeze=[layers.0.*]"]
+    _, ref = shared_runs("strategy=ddp", *args)
+    _, result = shared_runs(f"strategy={strategy}", *args)
+    assert ref["status"] == "ok" and result["status"] == "ok", result["error"]
+    assert result["final_loss"] == pytest.approx(ref["final_loss"], rel=2e-2)  # bf16 rounding

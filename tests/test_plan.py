@@ -12,24 +12,10 @@ import sys
 import pytest
 
 from tests.conftest import ROOT, run_job
+from tests.helpers.runs import plan_json
 
 GIB, MIB = 2**30, 2**20
 TWO_STEPS = ["trainer.steps=3", "trainer.warmup_steps=2", "trainer.eval_batches=0"]
-
-
-def plan_json(*overrides: str) -> dict:
-    """The planner's JSON, run in this process (its command line is tested in test_cli and
-    test_hostile): the same ``main`` a shell runs, without a second torch start-up."""
-    import contextlib
-    import io
-
-    from sharded_exp.plan import command
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = command.main(["plan.format=json", *overrides])
-    assert code == 0, out.getvalue()[-2000:]
-    return json.loads(out.getvalue())
 
 
 def test_raw_count_is_an_ideally_divisible_model():
@@ -70,7 +56,7 @@ def test_plan_is_the_runs_prediction(strategy, tmp_path):
     assert row["model_states_gib"] * GIB / MIB == pytest.approx(mem["predicted_model_states_mib_max"], rel=1e-9)
 
 
-@pytest.mark.slow  # plan.find stays in the default tier: test_22_11_find_brackets_the_answer_in_a_few_fake_steps
+@pytest.mark.slow  # plan.find stays in the default tier: test_find_brackets_the_answer_in_a_few_fake_steps
 def test_largest_batch_that_fits_is_checked_by_real_runs(tmp_path):
     """plan.find=batch_size under a budget; a real run at that batch stays within it, one
     sample more goes over (the CPU tracker enforces trainer.memory_limit_mib)."""
@@ -94,7 +80,7 @@ def test_largest_batch_that_fits_is_checked_by_real_runs(tmp_path):
 
 
 @pytest.mark.slow
-def test_7b_plan_point_is_fast_and_allocates_nothing():
+def test_a_7b_plan_point_is_fast_and_allocates_nothing():
     code = (
         "import resource, sys, time; t = time.perf_counter(); from sharded_exp.plan.command import main; "
         "main(['model=gpt_7b', 'trainer.batch_size=1', 'plan.format=json', 'plan.world_sizes=[8]', "
@@ -116,8 +102,8 @@ def test_7b_plan_point_is_fast_and_allocates_nothing():
     assert math.isclose(rows["fsdp"]["model_states_gib"] * 8, rows["ddp"]["model_states_gib"], rel_tol=0.01)
 
 
-# ---------------------------------------------------- issue 22.11: a planner that answers fast
-def test_22_11_a_raw_plan_at_a_million_ranks_is_drawn_from_exact_plans():
+# ---------------------------------------------------- a planner that answers fast
+def test_a_raw_plan_at_a_million_ranks_is_drawn_from_exact_plans():
     from sharded_exp.compose import compose
     from sharded_exp.plan import points as plan
 
@@ -138,7 +124,7 @@ def test_22_11_a_raw_plan_at_a_million_ranks_is_drawn_from_exact_plans():
     ["model=gpt", "model.n_layers=8", "model.d_model=64", "model.n_heads=2", "model.seq_len=32"],
     pytest.param(["model=hf_llama", "model.config.num_hidden_layers=7", "model.seq_len=16"], marks=pytest.mark.slow),
 ], ids=["gpt", "hf_llama"])  # fmt: skip
-def test_22_11_a_deep_model_drawn_from_three_depths_equals_the_whole_model_faked(model):
+def test_a_deep_model_drawn_from_three_depths_equals_the_whole_model_faked(model):
     from sharded_exp.compose import compose
     from sharded_exp.plan import points as plan
 
@@ -155,7 +141,7 @@ def test_22_11_a_deep_model_drawn_from_three_depths_equals_the_whole_model_faked
             assert drawn["method"].startswith("composed by depth"), drawn
 
 
-def test_22_11_find_brackets_the_answer_in_a_few_fake_steps():
+def test_find_brackets_the_answer_in_a_few_fake_steps():
     from sharded_exp.compose import compose
     from sharded_exp.plan import points as plan
 
@@ -166,7 +152,7 @@ def test_22_11_find_brackets_the_answer_in_a_few_fake_steps():
     assert len(probes) <= 5, probes  # was one fake step per value from the line's guess down
 
 
-def test_23_4_a_plan_for_a_gpu_holds_what_cudas_kernels_hold():
+def test_a_plan_for_a_gpu_holds_what_cudas_kernels_hold():
     """With attention dropout the CPU runs the math path (B x H x T x T scores and a mask);
     CUDA's fused attention holds the output and a float32 log-sum-exp. The default plan is
     for a GPU (plan.device=cuda), on this CPU-only machine, and says which device it faked;
@@ -186,7 +172,7 @@ def test_23_4_a_plan_for_a_gpu_holds_what_cudas_kernels_hold():
     assert on_gpu["total_gib"] - on_gpu["workspace_gib"] < on_cpu["total_gib"]
 
 
-def test_25_the_plan_draws_its_table(tmp_path, capsys):
+def test_the_plan_draws_its_table(tmp_path, capsys):
     """plan.plot: a line per strategy through its planned peaks, the device memory as a
     line, the points that fit filled; a file it cannot draw into is refused first."""
     from sharded_exp.output import charts

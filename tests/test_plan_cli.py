@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_cli
 
 PLAN = ["model=gpt", "model.n_layers=2", "plan.world_sizes=[2]", "plan.strategies=[ddp,fsdp]", "plan.device=cpu"]
 
@@ -97,7 +97,7 @@ def test_the_optimizer_state_apart_from_the_steps_temporaries():
     step's temporaries (sqrt of the second moment of the group it steps) apart from it."""
     from sharded_exp.compose import compose
     from sharded_exp.plan import points
-    from tests.test_build import DEEP
+    from tests.helpers.overrides import DEEP
 
     cfg = compose([*DEEP, "plan.strategies=[ddp]"], "plan")
     (row,) = points.plan_rows(cfg, [2], "cuda")
@@ -113,3 +113,37 @@ def test_progress_is_a_line_per_point_in_a_log(capsys):
     err = capsys.readouterr().err.splitlines()
     assert [line.split()[1] for line in err if line.startswith("plan: ")] == ["1/2", "2/2"]
     assert "s left" in err[0]
+
+
+# ---------------------------- input the planner refuses, and a 0-dim parameter it takes
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("plan.params=-1", "plan.params=-1.0 must be a finite number >= 1"),
+        ("plan.params=nan", "plan.params=nan must be a finite number >= 1"),
+        ("plan.world_sizes=[0]", "plan.world_sizes=[0] must be a non-empty list of integers >= 1"),
+        ("plan.worldsizes=[2]", "Could not override 'plan.worldsizes'"),
+        ("strategy=zero9", "Could not find 'strategy/zero9'"),
+        ("plan.strategies=[zero9]", "unknown strategy 'zero9'"),
+        ("plan.format=xml", "plan.format=xml"),
+        ("plan.plot=plan.txt", "plan.plot=plan.txt must name a .png, .svg or .pdf file"),
+    ],
+)
+@pytest.mark.slow
+def test_the_planner_refuses_bad_input_with_exit_2(override, message):
+    proc = run_cli([override], cwd=ROOT, module="sharded_exp.plan")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_model_beside_plan_params_is_refused():
+    proc = run_cli(["model=gpt2_small", "plan.params=1e9"], cwd=ROOT, module="sharded_exp.plan")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "plan.params=1e+09 plans a raw parameter count, and model=gpt2_small would be ignored" in proc.stderr
+
+
+def test_the_planner_takes_a_0_dim_parameter():
+    proc = run_cli(["model=custom", "model._target_=tests.user_models.build_with_scalar", "plan.world_sizes=[2]",
+                    "plan.strategies=[fsdp,fsdp_grad_op]"], cwd=ROOT, module="sharded_exp.plan")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fsdp_grad_op" in proc.stdout and "IndexError" not in proc.stderr

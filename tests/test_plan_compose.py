@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from sharded_exp.compose import compose
-from tests.test_build import DEEP
+from tests.helpers.overrides import DEEP
 
 STRATEGIES = ["ddp", "fsdp", "fsdp_grad_op", "oss", "sharded_ddp", "zero1"]
 

@@ -3,12 +3,16 @@ measure; FLOPs and utilisation; the planner built on the same step."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from sharded_exp.compose import compose
+from sharded_exp.errors import ConfigError
 from sharded_exp.predict.fake_step import fake_step
 from tests.conftest import ROOT, STRATEGY_NAMES, read_result, run_cli, run_job, tiny
+from tests.helpers.runs import launch
 
 # The CPU tracker measures over the warm-up steps: two, like the fake step.
 TWO_STEPS = ["trainer.steps=3", "trainer.warmup_steps=2", "trainer.eval_batches=0"]
@@ -114,14 +118,14 @@ def test_fairscale_clipping_is_faked_without_its_branch_and_says_so():
     assert no_clip.method == "fake step" and no_clip.peak_mib == pytest.approx(est.peak_mib)
 
 
-# ------------------------------------------------------- issue 23.8: MFU never above 100%
+# ------------------------------------------------------- MFU never above 100%
 @pytest.mark.parametrize(
     "name, bf16_tflops",
     [("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 NVL", 835), ("NVIDIA H100 PCIe", 756), ("NVIDIA H200", 989),
      ("NVIDIA H200 NVL", 835), ("NVIDIA GH200 480GB", 989), ("NVIDIA A100-SXM4-80GB", 312),
      ("NVIDIA A100 80GB PCIe", 312), ("NVIDIA A100-SXM4-40GB MIG 1g.5gb", None), ("Tesla V100-SXM2-16GB", None)],
 )  # fmt: skip
-def test_23_8_gpu_peaks_are_matched_by_model_not_substring(name, bf16_tflops):
+def test_gpu_peaks_are_matched_by_model_not_substring(name, bf16_tflops):
     from sharded_exp.measure.flops import TERA, gpu_peak
 
     peak, source = gpu_peak(name, "bf16")
@@ -130,7 +134,7 @@ def test_23_8_gpu_peaks_are_matched_by_model_not_substring(name, bf16_tflops):
         assert "MIG slice" in source or "unknown device" in source
 
 
-def test_23_8_an_mfu_that_cannot_be_trusted_is_null_with_the_reason(monkeypatch):
+def test_an_mfu_that_cannot_be_trusted_is_null_with_the_reason(monkeypatch):
     import torch
 
     from sharded_exp.measure import flops
@@ -145,8 +149,8 @@ def test_23_8_an_mfu_that_cannot_be_trusted_is_null_with_the_reason(monkeypatch)
     assert flops.utilisation(1e9, 0.01, cpu, "32")["mfu_pct"] == pytest.approx(10)
 
 
-# ----------------------------------------- issue 23.2: one optimizer implementation, run and fake step
-def test_23_2_the_fake_step_and_the_run_use_the_same_adam_on_each_device():
+# ----------------------------------------- one optimizer implementation, run and fake step
+def test_the_fake_step_and_the_run_use_the_same_adam_on_each_device():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from sharded_exp.optim import optimizer_spec
@@ -162,7 +166,7 @@ def test_23_2_the_fake_step_and_the_run_use_the_same_adam_on_each_device():
     assert [g["foreach"] for g in fake_cuda.param_groups] == [True, True]  # as a real CUDA run's Adam
 
 
-def test_23_3_preflight_for_a_gpu_run_never_starts_cuda_in_the_parent(monkeypatch, tmp_path):
+def test_preflight_for_a_gpu_run_never_starts_cuda_in_the_parent(monkeypatch, tmp_path):
     """CUDA mocked present: the pre-flight decides cuda and predicts the peak (a fake step
     with CUDA's kernels on fake CPU tensors) without one call that would start a context."""
     from sharded_exp.launch import preflight
@@ -183,7 +187,7 @@ def test_23_3_preflight_for_a_gpu_run_never_starts_cuda_in_the_parent(monkeypatc
     assert not torch.cuda.is_initialized()
 
 
-def test_23_5_cuda_predictions_add_cublas_workspace_by_rule(monkeypatch):
+def test_cuda_predictions_add_cublas_workspace_by_rule(monkeypatch):
     from sharded_exp.measure.cuda_kernels import cublas_workspace_mib
     from sharded_exp.predict.prediction import model_shapes, predict, predict_peak
 
@@ -206,7 +210,7 @@ def test_23_5_cuda_predictions_add_cublas_workspace_by_rule(monkeypatch):
     assert cuda["per_rank_mib"] == pytest.approx([m + 0.125 for m in cpu["per_rank_mib"]], abs=0.05)
 
 
-def test_23_2_a_fake_step_for_a_gpu_runs_cudas_adam_and_counts_fused_attention():
+def test_a_fake_step_for_a_gpu_runs_cudas_adam_and_counts_fused_attention():
     """Planned for CUDA, the optimizer step holds foreach's group-sized temporaries (its
     phase peaks higher than the per-tensor loop's), and attention's FLOPs are counted by
     torch's formulas although no aten attention op runs."""
@@ -216,3 +220,30 @@ def test_23_2_a_fake_step_for_a_gpu_runs_cudas_adam_and_counts_fused_attention()
     # (MemTracker files what the step allocates inside optimizer.step() as optimizer state)
     assert cuda_opt[1]["optimizer"] > cpu_opt[1]["optimizer"] and cuda_opt[0] > cpu_opt[0]
     assert cuda.flops_per_step >= cpu.flops_per_step
+
+
+# ---------------------------------------- host memory before spawn, and a float64 model
+def test_a_cpu_job_predicted_beyond_host_memory_is_refused_before_spawn(tmp_path, monkeypatch):
+    from sharded_exp.launch import preflight
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
+    assert 0 < preflight.available_host_mib() <= total  # read from /proc/meminfo (or the cgroup)
+    monkeypatch.setattr(preflight, "available_host_mib", lambda: 500.0)  # a small machine
+    with pytest.raises(ConfigError, match=r"the job needs about [\d,]+ MiB of host memory \(2 rank\(s\).*"
+                                          r"500 MiB are available here.*trainer.host_memory_check=false"):  # fmt: skip
+        launch(["trainer.accelerator=cpu", "trainer.steps=2"], tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+    result = launch(["trainer.accelerator=cpu", "trainer.steps=2", "trainer.host_memory_check=false"], tmp_path / "run")
+    assert result["status"] == "ok"
+
+
+def test_a_float64_model_is_measured_and_predicted_in_its_own_dtype(tmp_path):
+    from sharded_exp.predict.fake_step import _short
+
+    result = launch(["model=custom", "model._target_=tests.user_models.build_double", "trainer.steps=3"], tmp_path)
+    memory = result["memory"]
+    assert result["status"] == "ok" and memory["peak_prediction"]["error"] is None
+    assert memory["predicted_model_states_mib_max"] == pytest.approx(memory["model_states_mib_max"], rel=1e-6)
+    assert memory["predicted_peak_mib_max"] == pytest.approx(memory["peak_allocated_mib_max"], rel=0.1)
+    # a wrapped error's second line (what went wrong) is kept
+    assert _short(RuntimeError("Error in call to target 'x':\nValueError('the cause')")).endswith("the cause')")

@@ -5,56 +5,14 @@ every rank keeps its shard) is a covering run of tests/test_coverage.py."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from sharded_exp.errors import ConfigError
 from tests.conftest import compose_cfg, run_job, saved_tiny_hf
+from tests.helpers.runs import check_starts_from_saved
 
 PRETRAINED = ["model.seq_len=16", "trainer.batch_size=4", "trainer.log_interval=1", "optimizer.lr=3e-3"]
-
-
-def step0_reference(result: dict) -> float:
-    """The saved model's loss on the batches of step 0 (every rank's, averaged as the
-    trainer's logged loss is), computed in this process from the run's resolved config."""
-    from omegaconf import OmegaConf
-
-    from sharded_exp.data import build_task
-    from sharded_exp.models import build_model
-
-    cfg = OmegaConf.create(result["config"])
-    model = build_model(cfg.model, weights=True).eval()
-    task = build_task(cfg.data, cfg.model, cfg.trainer.batch_size)
-    with torch.no_grad():
-        losses = [task.loss_of(model(**task(0, 0, rank))).item() for rank in range(cfg.trainer.world_size)]
-    return sum(losses) / len(losses)
-
-
-def check_starts_from_saved(result: dict) -> None:
-    assert result["status"] == "ok", result.get("error")
-    first = result["history"][0]
-    assert first["step"] == 1, first
-    reference = step0_reference(result)
-    assert first["loss"] == pytest.approx(reference, rel=1e-5, abs=1e-6), (first["loss"], reference)
-    # and not what random weights give: the saved ones were loaded
-    assert not math.isclose(first["loss"], result_of_random(result), rel_tol=1e-3)
-
-
-def result_of_random(result: dict) -> float:
-    """Step 0's loss of the same architecture with the seed's random weights instead."""
-    from omegaconf import OmegaConf
-
-    from sharded_exp.data import build_task
-    from sharded_exp.models import build_model
-
-    cfg = OmegaConf.create(result["config"])
-    torch.manual_seed(cfg.trainer.seed + 1)
-    model = build_model(cfg.model, weights=False).eval()
-    task = build_task(cfg.data, cfg.model, cfg.trainer.batch_size)
-    with torch.no_grad():
-        return task.loss_of(model(**task(0, 0, 0))).item()
 
 
 @pytest.mark.slow

@@ -5,12 +5,14 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import ROOT, TINY, run_cli
+from tests.conftest import ROOT, TINY, run_cli, run_job
+from tests.helpers.runs import cli
 from tests.wandb_file import read_run
 
 
@@ -124,9 +126,9 @@ def test_a_rerun_sweep_reports_one_row_per_point(tmp_path):
     assert sorted(r["strategy"] for r in rows) == ["ddp", "zero1"]
 
 
-# ------------------------------------------------ issue 22: baselines, stale points, lost reports
+# ------------------------------------------------ baselines, stale points, lost reports
 @pytest.mark.slow
-def test_22_3_10_each_row_is_compared_with_the_ddp_point_of_its_own_settings(tmp_path):
+def test_each_row_is_compared_with_the_ddp_point_of_its_own_settings(tmp_path):
     """Baselines are the DDP point whose swept overrides equal the row's (22.3); a reused
     sweep directory reports the points of the sweep that wrote it, and names the rest (22.10)."""
     sweep = tmp_path / "sweep"
@@ -154,7 +156,7 @@ def test_22_3_10_each_row_is_compared_with_the_ddp_point_of_its_own_settings(tmp
     assert "left here by an earlier sweep are not in this report" in (sweep / "report.md").read_text()
 
 
-def test_22_3_a_point_without_a_ddp_twin_says_so():
+def test_a_point_without_a_ddp_twin_says_so():
     from sharded_exp.output.comparison import build_rows
 
     def point(strategy, target, status="ok"):
@@ -172,7 +174,7 @@ def test_22_3_a_point_without_a_ddp_twin_says_so():
 
 
 @pytest.mark.slow
-def test_22_4_an_unexpected_pre_flight_failure_is_a_point_and_the_report_is_written(tmp_path, monkeypatch):
+def test_an_unexpected_pre_flight_failure_is_a_point_and_the_report_is_written(tmp_path, monkeypatch):
     """A point whose pre-flight raises something unforeseen (here: the planner's peak
     prediction, broken on purpose in that point's process) still ends with a result.json,
     and the sweep goes on to its report."""
@@ -199,8 +201,8 @@ def test_22_4_an_unexpected_pre_flight_failure_is_a_point_and_the_report_is_writ
     assert proc.returncode == 1  # a failed point, said in the exit code
 
 
-# ------------------------------------------------ issue 23.17: sweep point names of any length
-def test_23_17_a_point_name_is_cut_to_a_safe_length_with_a_hash():
+# ------------------------------------------------ sweep point names of any length
+def test_a_point_name_is_cut_to_a_safe_length_with_a_hash():
     from sharded_exp.compose import MAX_DIRNAME, point_dirname
 
     assert point_dirname("precision='32',strategy=ddp") == "precision=32,strategy=ddp"
@@ -210,7 +212,7 @@ def test_23_17_a_point_name_is_cut_to_a_safe_length_with_a_hash():
 
 
 @pytest.mark.slow
-def test_23_17_a_sweep_with_long_overrides_runs_and_reports(tmp_path):
+def test_a_sweep_with_long_overrides_runs_and_reports(tmp_path):
     sweep = tmp_path / "sweep"
     name = "x" * 300  # one override longer than a file name may be
     proc = run_cli(["-m", *TINY, "trainer.steps=2", "strategy=ddp,zero1", f"logger.run_name={name}",
@@ -220,7 +222,7 @@ def test_23_17_a_sweep_with_long_overrides_runs_and_reports(tmp_path):
     assert all(len(p.name) <= 255 for p in sweep.iterdir())
 
 
-# ------------------------------------------------ issue 25: a report that cannot mislead
+# ------------------------------------------------ a report that cannot mislead
 def _lines(ax):
     """Every drawn line's (label, x, y), the limit lines among them."""
     return [(line.get_label(), list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()]
@@ -255,14 +257,14 @@ def _write_sweep(sweep, points):
         (d / "result.json").write_text(json.dumps(point))
 
 
-def test_25_report_marks_what_did_not_finish_and_compares_with_the_least_sharded_that_fits(shared_runs, tmp_path):
-    """Real result.json files of ddp and fsdp (shared with test_hostile), laid out as a
+def test_report_marks_what_did_not_finish_and_compares_with_the_least_sharded_that_fits(shared_runs, tmp_path):
+    """Real result.json files of ddp and fsdp (shared with test_models and test_cli), laid out as a
     sweep whose 4-rank DDP ran out of memory and whose zero1 diverged: such points are
     labelled markers, never zeros; the 4-rank rows are compared with the least
     sharded point that fits; the headline says so in numbers computed from the files."""
     from sharded_exp.output import charts
     from sharded_exp.output.comparison import CHARTS, build_rows, load_points, swept_of, write_report
-    from tests.test_hostile import SCALAR
+    from tests.helpers.overrides import SCALAR
 
     _, ddp = shared_runs("strategy=ddp", *SCALAR)
     _, fsdp = shared_runs("strategy=fsdp", *SCALAR)
@@ -333,7 +335,7 @@ def test_25_report_marks_what_did_not_finish_and_compares_with_the_least_sharded
     assert dots == sum(len(r["per_rank"]) for r in table if r["status"] == "ok")
 
 
-def test_25_figures_read_with_two_decimals_and_plain_words():
+def test_figures_read_with_two_decimals_and_plain_words():
     from sharded_exp.output.charts import num, ranks
     from sharded_exp.output.comparison import _ranks_list
 
@@ -349,7 +351,7 @@ def test_25_figures_read_with_two_decimals_and_plain_words():
 
 
 @pytest.mark.slow
-def test_25_the_oom_sweep_reports_what_fits(tmp_path):
+def test_the_oom_sweep_reports_what_fits(tmp_path):
     """The issue's sweep, ddp/oss/fsdp at 1 and 2 ranks under a budget between FSDP's and
     DDP's predicted peak (from the planner, which is every run's own prediction): DDP runs
     out of memory at both world sizes, FSDP fits at 2 ranks; report.md says so first, the
@@ -357,7 +359,7 @@ def test_25_the_oom_sweep_reports_what_fits(tmp_path):
     point that fits."""
     from sharded_exp.output import charts
     from sharded_exp.output.comparison import build_rows, load_points, swept_of
-    from tests.test_plan import plan_json
+    from tests.helpers.runs import plan_json
 
     model = [o for o in TINY if o.startswith("model.")]
     plan = plan_json(*model, "trainer.batch_size=8", "plan.world_sizes=[1,2]", "plan.strategies=[ddp,oss,fsdp]",
@@ -411,7 +413,7 @@ def test_a_sweep_with_no_usable_result_still_gets_its_report(tmp_path):
     assert not list(tmp_path.glob("*.png"))
 
 
-def test_25_a_cpu_oom_point_shows_what_was_live_when_it_crossed_its_budget():
+def test_a_cpu_oom_point_shows_what_was_live_when_it_crossed_its_budget():
     """The breakdown chart draws a CPU OOM point's measured bar from its oom_breakdown, marked OOM."""
     from sharded_exp.output import charts
     from sharded_exp.output.comparison import _row
@@ -470,3 +472,69 @@ def test_the_report_shows_the_average_over_ranks_beside_the_largest():
     assert "| peak_MiB | peak_mean_MiB |" in compact(table) and "| 90.00 | 70.00 |" in compact(table)
     end = summary_table({**sharded, "params": 10, "memory": mem}).splitlines()
     assert "peak_MiB  peak_mean_MiB" in end[0] and "70.00" in end[2]
+
+
+# ------------------------------------------ bad points, empty and read-only directories
+def test_a_bad_result_json_is_a_row_that_says_why(tmp_path):
+    from sharded_exp.output.comparison import write_report
+
+    sweep = tmp_path / "sweep"
+    good = run_job(["trainer.steps=2"], sweep / "0_good")
+    assert good["status"] == "ok"
+    (sweep / "1_truncated").mkdir()
+    (sweep / "1_truncated" / "result.json").write_text('{"status": "ok", "strat')
+    (sweep / "2_running").mkdir()
+    (sweep / "2_running" / "result.json").write_text('{"status": "running"}')
+    rows = write_report(sweep)
+    assert (sweep / "report.md").exists() and len(rows) == 3
+    by_status = {r["status"]: r for r in rows}
+    assert "1_truncated/result.json" in by_status["unreadable"]["error"]
+    assert "still running or killed before it finished" in by_status["running"]["error"]
+    assert by_status["ok"]["peak_allocated_mib_max"] > 0
+
+
+def test_the_report_of_an_empty_directory_writes_nothing(tmp_path):
+    proc = run_cli([str(tmp_path)], cwd=ROOT, module="sharded_exp.report")
+    assert proc.returncode == 1 and "no result.json" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def read_only_copy(tmp_path):
+    """A read-only filesystem (tmpfs remounted ro) holding a copy of what ``fill`` puts there."""
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+
+    def freeze(fill):
+        fill(mount)
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+        return mount
+
+    yield freeze
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.slow
+def test_read_only_destinations_and_w_and_b_without_a_key_get_an_error_line(tmp_path, read_only_copy):
+    run = tmp_path / "run"
+    assert cli([*TINY, "trainer.steps=2", "strategy=fsdp", "trainer.checkpoint_every=2", "logger=wandb"],
+               run).returncode == 0  # fmt: skip
+    ro = read_only_copy(lambda m: shutil.copytree(run, m / "sweep" / "0_point"))
+    # the report of a sweep directory that cannot be written
+    proc = run_cli([str(ro / "sweep")], cwd=ROOT, module="sharded_exp.report")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"error: report not written in {ro / 'sweep'}: Read-only file system" in proc.stderr
+    # a checkpoint exported to a read-only destination
+    proc = run_cli(["export", str(run / "checkpoints" / "step_00000002"), str(ro / "exported")], cwd=ROOT,
+                   module="sharded_exp.checkpoint")  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"error: cannot export to {ro / 'exported'}: Read-only file system" in proc.stderr
+    # the W&B workspace saved online without an API key
+    sweep = tmp_path / "sweep"
+    shutil.copytree(run, sweep / "0_point")
+    env = {"WANDB_API_KEY": "", "HOME": str(tmp_path / "home"), "WANDB_CONFIG_DIR": str(tmp_path / "wb")}
+    proc = run_cli([str(sweep), "--wandb-workspace", "--online"], cwd=ROOT, env=env, module="sharded_exp.report")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "error: W&B: No API key configured" in proc.stderr

@@ -263,8 +263,8 @@ def test_two_torchrun_launchers_as_two_nodes_are_one_job(tmp_path):
     assert (resumed["status"], resumed["start_step"], resumed["steps_done"]) == ("ok", 6, 8)
 
 
-# ------------------------------------ issue 23.1: torchrun's NCCL error mode is replaced, the user's is not
-def test_23_1_our_nccl_error_mode_replaces_torchruns_default_but_not_the_users():
+# ------------------------------------ torchrun's NCCL error mode is replaced, the user's is not
+def test_our_nccl_error_mode_replaces_torchruns_default_but_not_the_users():
     import os
 
     from sharded_exp.launch.rank import nccl_diagnosis_env, nccl_settings, process_environ

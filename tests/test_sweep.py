@@ -16,7 +16,7 @@ from sharded_exp.compose import CONF_DIR, compose, quote_numeric_choices
 from sharded_exp.errors import ConfigError
 from sharded_exp.sweep import OBJECTIVES, check_multirun, check_objective, objective_value, result_at
 from tests.conftest import ROOT, TINY, run_cli
-from tests.test_coverage import RUNS
+from tests.helpers.covering import RUNS
 
 SHRINK = [o for o in TINY if not o.startswith("model.")] + ["trainer.steps=3"]
 

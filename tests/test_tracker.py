@@ -210,3 +210,14 @@ def test_an_oom_without_a_breakdown_says_why_on_either_device():
         "a CUDA run without a snapshot: not recorded (no trainer.memory_limit_mib) (memory.memory_snapshot)"
     )
     assert oom_memory([])["oom_breakdown_error"] == "no rank recorded its memory at the failure"
+
+
+# -------------------------------------------------------------- the CUDA meter's window
+def test_the_cuda_window_resets_the_accumulated_counters(monkeypatch):
+    from sharded_exp.measure.tracker import MemoryMeter
+
+    calls = []
+    for name in ("synchronize", "reset_peak_memory_stats", "reset_accumulated_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, _n=name: calls.append(_n))
+    MemoryMeter(torch.device("cuda", 0), None).start()
+    assert calls == ["synchronize", "reset_peak_memory_stats", "reset_accumulated_memory_stats"]
