@@ -61,7 +61,7 @@ def tiny(overrides: list[str]) -> list[str]:
     return base + overrides
 
 
-def run_job(overrides: list[str], out: Path, env: dict[str, str] | None = None) -> dict:
+def launch_job(overrides: list[str], out: Path, env: dict[str, str] | None = None) -> dict:
     """Compose and launch in this process (ranks are real child processes)."""
     from sharded_exp.launch.parent import launch
 
@@ -89,7 +89,7 @@ class SharedRuns:
         key = (overrides, tuple(sorted((env or {}).items())))
         if key not in self._cache:
             out = self._factory.mktemp("shared")
-            self._cache[key] = (out, run_job(list(overrides), out, env=env))
+            self._cache[key] = (out, launch_job(list(overrides), out, env=env))
         return self._cache[key]
 
 

@@ -109,3 +109,9 @@ def test_one_module_per_name():
         if path.name not in ("__init__.py", "__main__.py"):
             names[path.stem].append(str(path.relative_to(ROOT)))
     assert {k: v for k, v in names.items() if len(v) > 1} == {}
+
+
+def test_every_package_directory_is_a_regular_package():
+    """setuptools' find_packages skips a directory without __init__.py: a wheel would lack it."""
+    dirs = [p for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__" and "conf" not in p.parts]
+    assert [str(d) for d in dirs if not (d / "__init__.py").exists()] == []

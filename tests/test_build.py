@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from sharded_exp.compose import compose
-from tests.conftest import run_job
+from tests.conftest import launch_job
 from tests.helpers.overrides import DEEP
 
 MIB, GIB = 2**20, 2**30
@@ -127,7 +127,7 @@ def test_sharded_build_holds_its_shards_and_one_unit(tmp_path):
     from sharded_exp.models import units
     from sharded_exp.predict.prediction import meta_model
 
-    result = run_job(["strategy=fsdp", *DEEP, *TWO_STEPS], tmp_path)
+    result = launch_job(["strategy=fsdp", *DEEP, *TWO_STEPS], tmp_path)
     assert result["status"] == "ok", result["error"]
     cfg = compose(DEEP, "config")
     model = meta_model(cfg.model)
@@ -155,14 +155,14 @@ def test_fsdp_at_8_ranks_trains_under_a_budget_the_whole_model_exceeds(tmp_path)
     the build and the training fit (the budget covers the build), and the result equals
     DDP's at the same settings without the budget."""
     deep = [*DEEP, "model.d_model=256", "model.n_layers=16", "trainer.world_size=8", "trainer.steps=4"]
-    whole_mib = run_job(["trainer.steps=1", *deep[:-1], "trainer.world_size=1", "trainer.warmup_steps=0"],
+    whole_mib = launch_job(["trainer.steps=1", *deep[:-1], "trainer.world_size=1", "trainer.warmup_steps=0"],
                         tmp_path / "count")["params"] * 4 / MIB  # fmt: skip
     budget = 0.8 * whole_mib
-    sharded = run_job(["strategy=fsdp", *deep, f"trainer.memory_limit_mib={budget}"], tmp_path / "fsdp")
+    sharded = launch_job(["strategy=fsdp", *deep, f"trainer.memory_limit_mib={budget}"], tmp_path / "fsdp")
     assert sharded["status"] == "ok", sharded["error"]
     mem = sharded["memory"]
     assert mem["build_peak_mib_max"] < budget and mem["peak_allocated_mib_max"] < budget < whole_mib
-    reference = run_job(["strategy=ddp", *deep], tmp_path / "ddp")
+    reference = launch_job(["strategy=ddp", *deep], tmp_path / "ddp")
     assert reference["status"] == "ok", reference["error"]
     assert sharded["param_digest"]["l2"] == pytest.approx(reference["param_digest"]["l2"], rel=1e-6)
     assert sharded["param_digest"]["sum"] == pytest.approx(reference["param_digest"]["sum"], rel=1e-6, abs=1e-6)
@@ -172,7 +172,7 @@ def test_fsdp_at_8_ranks_trains_under_a_budget_the_whole_model_exceeds(tmp_path)
 def test_the_budget_covers_the_build(tmp_path):
     """A budget below one rank's shards plus one unit: out of memory while building,
     with the breakdown of that moment."""
-    result = run_job(["strategy=fsdp", *DEEP, *TWO_STEPS, "trainer.memory_limit_mib=0.5"], tmp_path)
+    result = launch_job(["strategy=fsdp", *DEEP, *TWO_STEPS, "trainer.memory_limit_mib=0.5"], tmp_path)
     assert result["status"] == "oom", result.get("error")
     assert "while the model was built" in result["error"]
     assert "building the model" in result["memory"]["oom_breakdown"]["phase"]
@@ -292,7 +292,7 @@ BUCKETED = ["model=gpt", "model.d_model=128", "model.n_heads=4", "model.n_layers
 
 def _every_rank_within_5_percent(strategy: str, world_size: int, tmp_path) -> None:
     overrides = [f"strategy={strategy}", *BUCKETS[strategy], f"trainer.world_size={world_size}", *BUCKETED]
-    result = run_job(overrides, tmp_path)
+    result = launch_job(overrides, tmp_path)
     assert result["status"] == "ok", result["error"]
     for entry in result["memory"]["per_rank"]:
         predicted, measured = entry["predicted_peak_mib"], entry["peak_allocated_mib"]

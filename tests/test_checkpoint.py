@@ -14,7 +14,7 @@ import torch
 from sharded_exp import checkpoint
 from sharded_exp.errors import ConfigError
 from sharded_exp.strategies import STRATEGIES
-from tests.conftest import ROOT, STRATEGY_NAMES, TINY, compose_cfg, read_result, run_cli, run_job, tiny
+from tests.conftest import ROOT, STRATEGY_NAMES, TINY, compose_cfg, read_result, run_cli, launch_job, tiny
 from tests.helpers.disks import fill
 from tests.helpers.runs import cli
 
@@ -68,15 +68,15 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, strategy, mod
     ]
     if model == "gpt":
         common.append("model=gpt")
-    straight = run_job(common, tmp_path / "straight")
+    straight = launch_job(common, tmp_path / "straight")
     assert straight["status"] == "ok", straight["error"]
 
     # Stopped at step 3 (a shorter run that checkpoints), then resumed to step 6.
     run = tmp_path / "interrupted"
-    first = run_job([*common, "trainer.steps=3", "trainer.checkpoint_every=3"], run)
+    first = launch_job([*common, "trainer.steps=3", "trainer.checkpoint_every=3"], run)
     assert first["status"] == "ok", first["error"]
     assert first["checkpoint"] == str(run / "checkpoints" / "step_00000003")
-    second = run_job([*common, "trainer.resume=auto"], run)
+    second = launch_job([*common, "trainer.resume=auto"], run)
     assert second["status"] == "ok", second["error"]
     assert (second["start_step"], second["steps_done"]) == (3, 6)
     assert second["resumed_from"] == first["checkpoint"]
@@ -86,9 +86,9 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, strategy, mod
 def test_checkpoint_from_sharded_ddp_resumes_under_ddp(tmp_path):
     # Same world size: parity within the strategies' own tolerance (they are not bitwise).
     common = ["trainer.steps=6", "trainer.save_final_state=true"]
-    run_job(["strategy=sharded_ddp", *common], tmp_path / "straight")
-    run_job(["strategy=sharded_ddp", *common, "trainer.steps=3", "trainer.checkpoint_every=3"], tmp_path / "a")
-    resumed = run_job(
+    launch_job(["strategy=sharded_ddp", *common], tmp_path / "straight")
+    launch_job(["strategy=sharded_ddp", *common, "trainer.steps=3", "trainer.checkpoint_every=3"], tmp_path / "a")
+    resumed = launch_job(
         ["strategy=ddp", *common, f"trainer.resume={tmp_path / 'a' / 'checkpoints' / 'step_00000003'}"], tmp_path / "b"
     )
     assert resumed["status"] == "ok", resumed["error"]
@@ -100,9 +100,9 @@ def test_checkpoint_from_sharded_ddp_resumes_under_ddp(tmp_path):
 
 @pytest.mark.slow
 def test_checkpoint_from_fsdp_at_two_ranks_loads_into_zero1_at_three(tmp_path):
-    first = run_job(["strategy=fsdp", "model=gpt", "trainer.steps=3", "trainer.checkpoint_every=3"], tmp_path / "a")
+    first = launch_job(["strategy=fsdp", "model=gpt", "trainer.steps=3", "trainer.checkpoint_every=3"], tmp_path / "a")
     assert first["status"] == "ok", first["error"]
-    resumed = run_job(
+    resumed = launch_job(
         [
             "strategy=zero1",
             "model=gpt",
@@ -139,7 +139,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint(tmp_path, fmt, writ
     ]
     # Rank 0 dies in the middle of the step-4 checkpoint: consolidated after model.pt,
     # dcp after every rank's shard files, before train.pt and meta.json.
-    killed = run_job(args, run, env={"SHARDED_EXP_FAULT": "rank=0,step=4,kind=exit_in_save"})
+    killed = launch_job(args, run, env={"SHARDED_EXP_FAULT": "rank=0,step=4,kind=exit_in_save"})
     assert killed["status"] == "failed"
     ckpts = run / "checkpoints"
     assert [s for s, _ in checkpoint.complete_checkpoints(str(ckpts))] == [2]
@@ -147,23 +147,23 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint(tmp_path, fmt, writ
     assert (half / written).exists() and not (half / "meta.json").exists()
     checkpoint.read_meta(str(ckpts / "step_00000002"))  # complete and readable
 
-    resumed = run_job([*args, "trainer.resume=auto"], run)
+    resumed = launch_job([*args, "trainer.resume=auto"], run)
     assert resumed["status"] == "ok", resumed["error"]
     assert resumed["start_step"] == 2
     assert [s for s, _ in checkpoint.complete_checkpoints(str(ckpts))] == [2, 4, 6]
-    straight = run_job(args[:1] + ["trainer.save_final_state=true"], tmp_path / "straight")
+    straight = launch_job(args[:1] + ["trainer.save_final_state=true"], tmp_path / "straight")
     assert straight["status"] == "ok"
     assert_bit_identical(final_state(tmp_path / "straight"), final_state(run))
 
 
 def test_keep_checkpoints_prunes_the_oldest(tmp_path):
-    result = run_job(["trainer.steps=6", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=2"], tmp_path)
+    result = launch_job(["trainer.steps=6", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=2"], tmp_path)
     assert result["status"] == "ok", result["error"]
     assert [s for s, _ in checkpoint.complete_checkpoints(str(tmp_path / "checkpoints"))] == [5, 6]
 
 
 def test_resume_auto_without_checkpoints_starts_fresh(tmp_path):
-    result = run_job(["trainer.steps=3", "trainer.resume=auto"], tmp_path)
+    result = launch_job(["trainer.steps=3", "trainer.resume=auto"], tmp_path)
     assert result["status"] == "ok", result["error"]
     assert (result["start_step"], result["resumed_from"]) == (0, None)
 
@@ -173,7 +173,7 @@ def test_resume_auto_without_checkpoints_starts_fresh(tmp_path):
 def saved(tmp_path_factory):
     """One real checkpoint at step 3 (MLP, Adam), shared by the bad-input tests."""
     out = tmp_path_factory.mktemp("saved")
-    result = run_job(["trainer.steps=3", "trainer.checkpoint_every=3"], out)
+    result = launch_job(["trainer.steps=3", "trainer.checkpoint_every=3"], out)
     assert result["status"] == "ok", result["error"]
     return out / "checkpoints" / "step_00000003"
 
@@ -209,7 +209,7 @@ def test_corrupt_checkpoint_file_is_named(tmp_path, saved):
 
 @pytest.mark.slow
 def test_corrupt_dcp_checkpoint_is_named_without_reading_tensors(tmp_path):
-    first = run_job(["strategy=fsdp", "trainer.steps=3", "trainer.checkpoint_every=3"], tmp_path / "a")
+    first = launch_job(["strategy=fsdp", "trainer.steps=3", "trainer.checkpoint_every=3"], tmp_path / "a")
     assert first["status"] == "ok", first["error"]
     good = first["checkpoint"]
     assert checkpoint.read_meta(good)["checkpoint_format"] == "dcp"
@@ -283,7 +283,7 @@ def test_a_failed_run_in_a_reused_directory_moves_the_earlier_records_aside(tmp_
 # ---------------- resume settings, full disks and checkpoint directories shared by jobs
 @pytest.mark.slow
 def test_resume_takes_hyperparameters_from_the_config_and_records_the_changes(tmp_path):
-    first = run_job(["trainer.steps=3", "trainer.checkpoint_every=3", "optimizer.lr=0.001"], tmp_path / "a")
+    first = launch_job(["trainer.steps=3", "trainer.checkpoint_every=3", "optimizer.lr=0.001"], tmp_path / "a")
     ckpt = first["checkpoint"]
     runs = {}
     for lr in ("0.1", "0.001"):
@@ -348,7 +348,7 @@ def test_malformed_checkpoints_are_named_corrupt(saved, tmp_path, damage, messag
 
 @pytest.mark.slow
 def test_a_checkpoint_directory_that_fills_up_mid_run_keeps_the_last_checkpoint(small_fs, tmp_path):
-    run_job(["trainer.steps=2", "trainer.checkpoint_every=2", "trainer.checkpoint_format=consolidated"],
+    launch_job(["trainer.steps=2", "trainer.checkpoint_every=2", "trainer.checkpoint_format=consolidated"],
                     tmp_path / "probe")  # fmt: skip
     size = sum(p.stat().st_size for p in (tmp_path / "probe" / "checkpoints").rglob("*") if p.is_file())
     fill(small_fs, int(1.5 * size) + 8192)  # room for one checkpoint, not two

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sharded_exp import checkpoint
-from tests.conftest import ROOT, TINY, read_result, run_cli, run_job
+from tests.conftest import ROOT, TINY, read_result, run_cli, launch_job
 from tests.helpers.processes import LONG, descendants, finish, start_job, survivors, wait_until
 from tests.helpers.runs import cli, launch
 
@@ -311,7 +311,7 @@ def test_a_long_history_does_not_deadlock_the_parent(tmp_path):
     """Found on this pass: rank 0's payload (the history, with every rank's memory per
     interval) larger than a pipe's buffer blocked rank 0 in put() while the parent waited
     for it to exit; the parent now reads the payload while it waits."""
-    result = run_job(["trainer.steps=1200", "trainer.log_interval=1"], tmp_path)
+    result = launch_job(["trainer.steps=1200", "trainer.log_interval=1"], tmp_path)
     assert result["status"] == "ok" and len(result["history"]) == 1200
     assert len(json.dumps(result["history"])) > 2**16  # more than a pipe holds
 

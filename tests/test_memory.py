@@ -11,7 +11,7 @@ from sharded_exp.predict.memory_model import zero_paper_bytes_per_param
 from sharded_exp.strategies import STRATEGIES
 from sharded_exp.strategies.base import greedy_partition
 from sharded_exp.strategies.sharded_ddp import resident_grad_numel
-from tests.conftest import compose_cfg, run_job, tiny
+from tests.conftest import compose_cfg, launch_job, tiny
 from tests.helpers.runs import launch, rank_errors
 
 ADAM_FP32 = ["optimizer=adam", "precision=32", "trainer.steps=4"]
@@ -25,7 +25,7 @@ def measured(tmp_path_factory):
         key = (strategy, *extra)
         if key not in cache:
             out = tmp_path_factory.mktemp(strategy)
-            result = run_job([f"strategy={strategy}", "model=gpt", *ADAM_FP32, *extra], out)
+            result = launch_job([f"strategy={strategy}", "model=gpt", *ADAM_FP32, *extra], out)
             assert result["status"] == "ok", result.get("error")
             cache[key] = result
         return cache[key]
@@ -81,7 +81,7 @@ def test_oss_optimizer_state_is_about_one_nth_of_ddp(measured):
 @pytest.mark.parametrize("model", ["mlp", "gpt"])
 def test_real_partition_is_the_predicted_one(strategy, model, tmp_path):
     """The library's own partition, read on each rank, equals the strategy's predicted one."""
-    result = run_job([f"model={model}", f"strategy={strategy}", "trainer.world_size=3", "trainer.steps=3"], tmp_path)
+    result = launch_job([f"model={model}", f"strategy={strategy}", "trainer.world_size=3", "trainer.steps=3"], tmp_path)
     cfg = compose_cfg(tiny([f"model={model}"]))
     with torch.device("meta"):
         module = build_model(cfg.model)

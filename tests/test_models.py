@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import ROOT, STRATEGY_NAMES, TINY, read_result, run_cli, run_job, without_package
+from tests.conftest import ROOT, STRATEGY_NAMES, TINY, read_result, run_cli, launch_job, without_package
 from tests.helpers.overrides import SCALAR
 from tests.helpers.states import max_relative_diff
 
@@ -26,7 +26,7 @@ def ddp_reference(tmp_path_factory):
     def get(model: str):
         if model not in cache:
             out = tmp_path_factory.mktemp(f"ddp_{model}")
-            result = run_job([f"model={model}", "strategy=ddp", *COMMON], out)
+            result = launch_job([f"model={model}", "strategy=ddp", *COMMON], out)
             assert result["status"] == "ok", result.get("error")
             cache[model] = (out, result)
         return cache[model]
@@ -39,7 +39,7 @@ def ddp_reference(tmp_path_factory):
 @pytest.mark.parametrize("strategy", [s for s in STRATEGY_NAMES if s != "ddp"])
 def test_hf_model_matches_ddp_and_its_prediction(strategy, model, ddp_reference, tmp_path):
     ref_dir, ref = ddp_reference(model)
-    result = run_job([f"model={model}", f"strategy={strategy}", *COMMON], tmp_path)
+    result = launch_job([f"model={model}", f"strategy={strategy}", *COMMON], tmp_path)
     assert result["status"] == "ok", result.get("error")
     assert max_relative_diff(tmp_path, ref_dir) <= 1e-6
     assert result["param_digest"]["l2"] == pytest.approx(ref["param_digest"]["l2"], rel=1e-6)
@@ -62,7 +62,7 @@ def test_tied_head_is_one_parameter_everywhere(ddp_reference):
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGY_NAMES)
 def test_one_rank_inf_at_precision_16_skips_the_step_on_every_rank(strategy, tmp_path):
-    result = run_job(
+    result = launch_job(
         ["model=hf_bert", f"strategy={strategy}", "precision=16", *HF_SMALL, "trainer.steps=4"],
         tmp_path,
         env={"SHARDED_EXP_FAULT": "rank=1,step=2,kind=inf_grad"},
@@ -77,7 +77,7 @@ def test_one_rank_inf_at_precision_16_skips_the_step_on_every_rank(strategy, tmp
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["hf_bert", "hf_gpt2", "hf_llama"])
 def test_bf16_trains(model, tmp_path):
-    result = run_job(
+    result = launch_job(
         [f"model={model}", "precision=bf16", "model.seq_len=32", "trainer.batch_size=8", "trainer.steps=12",
          "trainer.log_interval=3", "optimizer.lr=3e-3"],
         tmp_path,
@@ -102,7 +102,7 @@ def test_hf_bert_headline_command_reports_torchmetrics_eval(tmp_path):
 def test_eval_metrics_come_from_the_task_and_learn(tmp_path):
     """Token classification is scored per token (padding excluded), not as a classifier or a
     language model; a few steps of training beat chance on held-out batches."""
-    result = run_job(
+    result = launch_job(
         ["model=hf_bert", "model.seq_len=16", "trainer.batch_size=16", "trainer.steps=40", "trainer.warmup_steps=1",
          "trainer.log_interval=10", "optimizer.lr=3e-3", "trainer.eval_every=20", "trainer.eval_batches=4"],
         tmp_path,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import STRATEGY_NAMES, run_job
+from tests.conftest import STRATEGY_NAMES, launch_job
 
 STEPS = 6
 PARITY_RTOL = 1e-6
@@ -34,7 +34,7 @@ def ddp_reference(tmp_path_factory):
     def get(model: str, optimizer: str):
         if (model, optimizer) not in cache:
             out = tmp_path_factory.mktemp(f"ddp_{model}_{optimizer}")
-            result = run_job([f"model={model}", f"optimizer={optimizer}", "strategy=ddp", *COMMON], out)
+            result = launch_job([f"model={model}", f"optimizer={optimizer}", "strategy=ddp", *COMMON], out)
             assert result["status"] == "ok", result.get("error")
             cache[(model, optimizer)] = (out, result)
         return cache[(model, optimizer)]
@@ -48,7 +48,7 @@ def ddp_reference(tmp_path_factory):
 @pytest.mark.parametrize("strategy", [s for s in STRATEGY_NAMES if s != "ddp"])
 def test_strategy_matches_ddp(strategy, model, optimizer, ddp_reference, tmp_path):
     ref_dir, ref = ddp_reference(model, optimizer)
-    result = run_job([f"model={model}", f"optimizer={optimizer}", f"strategy={strategy}", *COMMON], tmp_path)
+    result = launch_job([f"model={model}", f"optimizer={optimizer}", f"strategy={strategy}", *COMMON], tmp_path)
     assert result["status"] == "ok", result.get("error")
     assert max_relative_diff(tmp_path, ref_dir) <= PARITY_RTOL
     assert result["param_digest"]["l2"] == pytest.approx(ref["param_digest"]["l2"], rel=PARITY_RTOL)
@@ -61,6 +61,6 @@ def test_parity_catches_sharded_ddp_with_set_to_none(ddp_reference, tmp_path):
     """The parity test is not vacuous: ShardedDDP zeroed with set_to_none=True fails it."""
     ref_dir, _ = ddp_reference("mlp", "adam")
     overrides = ["model=mlp", "optimizer=adam", "strategy=sharded_ddp", "strategy.name=sharded_ddp_set_to_none"]
-    result = run_job([*overrides, *COMMON], tmp_path, env=PLUGINS)
+    result = launch_job([*overrides, *COMMON], tmp_path, env=PLUGINS)
     assert result["status"] == "ok", result.get("error")
     assert max_relative_diff(tmp_path, ref_dir) > 100 * PARITY_RTOL

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, run_job
+from tests.conftest import ROOT, launch_job
 from tests.helpers.runs import plan_json
 
 GIB, MIB = 2**30, 2**20
@@ -47,7 +47,7 @@ def test_raw_count_is_an_ideally_divisible_model():
 @pytest.mark.parametrize("strategy", ["ddp", "sharded_ddp", "fsdp"])
 def test_plan_is_the_runs_prediction(strategy, tmp_path):
     model = ["model=gpt", "model.d_model=32", "model.n_heads=2", "model.seq_len=16", "model.vocab_size=64"]
-    result = run_job([f"strategy={strategy}", *model], tmp_path)
+    result = launch_job([f"strategy={strategy}", *model], tmp_path)
     plan = plan_json(*model, "trainer.batch_size=8", "plan.world_sizes=[2]", f"plan.strategies=[{strategy}]",
                      "plan.device=cpu")  # a CPU run: its kernels  # fmt: skip
     (row,) = plan["rows"]
@@ -71,7 +71,7 @@ def test_largest_batch_that_fits_is_checked_by_real_runs(tmp_path):
     assert batch >= 2, found
     runs = {}
     for b in (batch, batch + 1):
-        runs[b] = run_job(
+        runs[b] = launch_job(
             [*model, "strategy=fsdp", f"trainer.batch_size={b}", f"trainer.memory_limit_mib={budget_mib}",
              *TWO_STEPS], tmp_path / str(b),
         )  # fmt: skip

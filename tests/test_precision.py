@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import STRATEGY_NAMES, run_job
+from tests.conftest import STRATEGY_NAMES, launch_job
 
 SHARDS_PARAMS = ("fsdp", "fsdp_grad_op")
 INF_AT = {"SHARDED_EXP_FAULT": "rank=1,step=2,kind=inf_grad"}
@@ -23,7 +23,7 @@ INF_AT = {"SHARDED_EXP_FAULT": "rank=1,step=2,kind=inf_grad"}
 )
 def test_one_rank_inf_skips_the_step_on_every_rank(strategy, tmp_path):
     overrides = [f"strategy={strategy.split()[0]}", *strategy.split()[1:], "precision=16", "trainer.steps=4"]
-    result = run_job(overrides, tmp_path, env=INF_AT)
+    result = launch_job(overrides, tmp_path, env=INF_AT)
     assert result["status"] == "ok", result.get("error")
     ranks = result["memory"]["per_rank"]
     assert len(ranks) == 2
@@ -52,7 +52,7 @@ def test_plain_scaler_under_sharded_gradients_desyncs(tmp_path):
         "trainer.timeout_s=8",
     ]
     env = {**INF_AT, "SHARDED_EXP_PLUGINS": "tests.broken_strategies"}
-    result = run_job(overrides, tmp_path, env=env)
+    result = launch_job(overrides, tmp_path, env=env)
     ranks = (result.get("memory") or {}).get("per_rank") or []
     assert result["status"] == "failed" or ranks[0]["skipped_steps"] != ranks[1]["skipped_steps"]
 
@@ -61,7 +61,7 @@ def test_plain_scaler_under_sharded_gradients_desyncs(tmp_path):
 @pytest.mark.parametrize("strategy", STRATEGY_NAMES)
 @pytest.mark.parametrize("precision", ["16", "bf16"])
 def test_half_precision_trains(strategy, precision, tmp_path):
-    result = run_job(
+    result = launch_job(
         [f"strategy={strategy}", f"precision={precision}", "trainer.steps=12", "trainer.log_interval=4"], tmp_path
     )
     assert result["status"] == "ok", result.get("error")

@@ -11,7 +11,7 @@ import torch
 from sharded_exp.compose import compose
 from sharded_exp.errors import ConfigError
 from sharded_exp.predict.fake_step import fake_step
-from tests.conftest import ROOT, STRATEGY_NAMES, read_result, run_cli, run_job, tiny
+from tests.conftest import ROOT, STRATEGY_NAMES, read_result, run_cli, launch_job, tiny
 from tests.helpers.runs import launch
 
 # The CPU tracker measures over the warm-up steps: two, like the fake step.
@@ -38,7 +38,7 @@ def check_peaks(result: dict) -> None:
 def test_predicted_peak_within_10_percent(family, strategy, world_size, tmp_path):
     model = ["model=gpt"] if family == "ours" else HF_GPT2
     overrides = [*model, f"strategy={strategy}", f"trainer.world_size={world_size}", *TWO_STEPS]
-    check_peaks(run_job(overrides, tmp_path))
+    check_peaks(launch_job(overrides, tmp_path))
 
 
 @pytest.mark.slow
@@ -57,7 +57,7 @@ def test_predicted_peak_of_your_model_within_10_percent(strategy, world_size, us
 def test_flops_and_utilisation_are_reported(tmp_path):
     """An MLP's FLOPs are known exactly: 2 per multiply-add forward, twice that backward
     (except for the first layer's input, whose gradient nobody needs)."""
-    result = run_job(["model.in_features=64", "model.hidden=32", "model.depth=2", *TWO_STEPS], tmp_path)
+    result = launch_job(["model.in_features=64", "model.hidden=32", "model.depth=2", *TWO_STEPS], tmp_path)
     tp = result["throughput"]
     b, layers = 8, [(64, 32), (32, 32), (32, 10)]  # body: depth 2, then the head
     macs = sum(i * o for i, o in layers)
@@ -77,7 +77,7 @@ def test_a_model_that_cannot_run_fake_says_why(tmp_path, monkeypatch):
         raise RuntimeError("data-dependent branch in forward")
 
     monkeypatch.setattr(module, "_run", refuse)
-    result = run_job(["trainer.steps=2"], tmp_path)
+    result = launch_job(["trainer.steps=2"], tmp_path)
     mem = result["memory"]
     assert result["status"] == "ok"
     assert mem["predicted_peak_mib_max"] is None and all(e["predicted_peak_mib"] is None for e in mem["per_rank"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sharded_exp.errors import ConfigError
-from tests.conftest import compose_cfg, run_job, saved_tiny_hf
+from tests.conftest import compose_cfg, launch_job, saved_tiny_hf
 from tests.helpers.runs import check_starts_from_saved
 
 PRETRAINED = ["model.seq_len=16", "trainer.batch_size=4", "trainer.log_interval=1", "optimizer.lr=3e-3"]
@@ -27,7 +27,7 @@ PRETRAINED = ["model.seq_len=16", "trainer.batch_size=4", "trainer.log_interval=
 )
 def test_a_run_starts_from_the_saved_weights(kind, model, strategy, tmp_path_factory, tmp_path):
     saved = saved_tiny_hf(tmp_path_factory, kind)
-    result = run_job([f"model={model}", f"model.pretrained={saved}", f"strategy={strategy}", *PRETRAINED], tmp_path)
+    result = launch_job([f"model={model}", f"model.pretrained={saved}", f"strategy={strategy}", *PRETRAINED], tmp_path)
     check_starts_from_saved(result)
     assert result["config"]["model"]["pretrained"] == str(saved)
 
@@ -35,7 +35,7 @@ def test_a_run_starts_from_the_saved_weights(kind, model, strategy, tmp_path_fac
 @pytest.mark.slow
 def test_custom_hugging_face_class_with_saved_weights(tmp_path_factory, tmp_path):
     saved = saved_tiny_hf(tmp_path_factory, "gpt2")
-    result = run_job(
+    result = launch_job(
         ["model=custom", "model._target_=transformers.GPT2LMHeadModel", f"model.pretrained={saved}",
          "data=causal_lm", "+model.seq_len=16", "trainer.batch_size=4", "trainer.log_interval=1"],
         tmp_path,

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, TINY, run_cli, run_job
+from tests.conftest import ROOT, TINY, run_cli, launch_job
 from tests.helpers.runs import cli
 from tests.wandb_file import read_run
 
@@ -479,7 +479,7 @@ def test_a_bad_result_json_is_a_row_that_says_why(tmp_path):
     from sharded_exp.output.comparison import write_report
 
     sweep = tmp_path / "sweep"
-    good = run_job(["trainer.steps=2"], sweep / "0_good")
+    good = launch_job(["trainer.steps=2"], sweep / "0_good")
     assert good["status"] == "ok"
     (sweep / "1_truncated").mkdir()
     (sweep / "1_truncated" / "result.json").write_text('{"status": "ok", "strat')

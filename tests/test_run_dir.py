@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import ROOT, TINY, run_cli, run_job
+from tests.conftest import ROOT, TINY, run_cli, launch_job
 from tests.helpers.disks import fill
 from tests.helpers.processes import LONG, finish, start_job, wait_until
 
@@ -31,9 +31,9 @@ def test_a_second_job_in_a_live_run_directory_is_refused(tmp_path):
 
 
 def test_a_gap_in_attempts_takes_the_next_free_number(tmp_path):
-    run_job(["trainer.steps=2"], tmp_path)
+    launch_job(["trainer.steps=2"], tmp_path)
     (tmp_path / "attempts" / "2").mkdir(parents=True)  # 1 was deleted by hand
-    result = run_job(["trainer.steps=2"], tmp_path)
+    result = launch_job(["trainer.steps=2"], tmp_path)
     assert result["status"] == "ok"
     assert (tmp_path / "attempts" / "3" / "result.json").exists()
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from sharded_exp import checkpoint
-from tests.conftest import ROOT, TINY, read_result, run_cli, run_job
+from tests.conftest import ROOT, TINY, read_result, run_cli, launch_job
 from tests.wandb_file import find_runs, read_run
 
 GPT = ["model=gpt", "model.d_model=64", "model.n_heads=2", "model.seq_len=16", "model.vocab_size=64"]
@@ -48,7 +48,7 @@ def max_relative_diff(a: dict, b: dict) -> float:
 def test_digest_from_local_shards_equals_the_full_states(tmp_path):
     """param_digest is summed from each rank's own shards (3 ranks: uneven FSDP shards) and
     equals the float64 sum and L2 norm of the full model written by save_final_state."""
-    result = run_job(["strategy=fsdp", "trainer.world_size=3", "trainer.save_final_state=true", *GPT], tmp_path)
+    result = launch_job(["strategy=fsdp", "trainer.world_size=3", "trainer.save_final_state=true", *GPT], tmp_path)
     assert result["status"] == "ok", result["error"]
     full = torch.load(tmp_path / "model_final.pt", weights_only=True)
     total = sum(t.double().sum().item() for t in full.values())
@@ -67,7 +67,7 @@ def test_fsdp_trains_checkpoints_and_resumes_in_a_budget_a_full_gather_would_bre
     """A per-rank budget between FSDP's peak and what holding the full model would need:
     the run, its dcp checkpoint and a resume all fit; gathering the full model (asked for
     with save_final_state) is refused as out of memory by the same budget."""
-    free = run_job(["strategy=fsdp", *WIDE, "trainer.steps=4"], tmp_path / "free")
+    free = launch_job(["strategy=fsdp", *WIDE, "trainer.steps=4"], tmp_path / "free")
     assert free["status"] == "ok", free["error"]
     mem = free["memory"]
     full_model_mib = free["params"] * 4 / 2**20
@@ -81,13 +81,13 @@ def test_fsdp_trains_checkpoints_and_resumes_in_a_budget_a_full_gather_would_bre
         "trainer.checkpoint_every=2",
         "trainer.checkpoint_format=dcp",
     ]
-    run = run_job([*limited, "trainer.steps=4"], tmp_path / "run")
+    run = launch_job([*limited, "trainer.steps=4"], tmp_path / "run")
     assert run["status"] == "ok", run["error"]
     assert checkpoint.read_meta(run["checkpoint"])["checkpoint_format"] == "dcp"
-    resumed = run_job([*limited, "trainer.steps=6", f"trainer.resume={run['checkpoint']}"], tmp_path / "resumed")
+    resumed = launch_job([*limited, "trainer.steps=6", f"trainer.resume={run['checkpoint']}"], tmp_path / "resumed")
     assert resumed["status"] == "ok", resumed["error"]
     assert resumed["start_step"] == 4
-    gathered = run_job([*limited, "trainer.steps=4", "trainer.save_final_state=true"], tmp_path / "gathered")
+    gathered = launch_job([*limited, "trainer.steps=4", "trainer.save_final_state=true"], tmp_path / "gathered")
     assert gathered["status"] == "oom", gathered  # the guard is not vacuous: the full model does not fit
     b = gathered["memory"]["oom_breakdown"]  # what was live then (issue 25), said to be after training
     assert b["step"] is None and b["phase"].startswith("after training") and b["tracked_mib"] > budget
@@ -99,9 +99,9 @@ def test_fsdp_trains_checkpoints_and_resumes_in_a_budget_a_full_gather_would_bre
 def fsdp_checkpoint(tmp_path_factory):
     """A dcp checkpoint written by fsdp at 2 ranks after 3 of 6 steps, and the uninterrupted run."""
     out = tmp_path_factory.mktemp("fsdp_dcp")
-    first = run_job(["strategy=fsdp", *GPT, "trainer.steps=3", "trainer.checkpoint_every=3"], out / "first")
+    first = launch_job(["strategy=fsdp", *GPT, "trainer.steps=3", "trainer.checkpoint_every=3"], out / "first")
     assert first["status"] == "ok", first["error"]
-    straight = run_job(["strategy=fsdp", *GPT, "trainer.steps=6", "trainer.save_final_state=true"], out / "straight")
+    straight = launch_job(["strategy=fsdp", *GPT, "trainer.steps=6", "trainer.save_final_state=true"], out / "straight")
     assert straight["status"] == "ok", straight["error"]
     return first["checkpoint"], out
 
@@ -113,7 +113,7 @@ def test_dcp_checkpoint_of_fsdp_resumes_in_another_strategy_and_world_size(
 ):
     path, _ = fsdp_checkpoint
     saved = full_optimizer_state(path, tmp_path / "saved")
-    resumed = run_job(
+    resumed = launch_job(
         [
             f"strategy={strategy}",
             *GPT,
@@ -143,7 +143,7 @@ def test_dcp_checkpoint_of_fsdp_resumes_in_another_strategy_and_world_size(
 
 def test_dcp_resume_in_another_strategy_matches_the_uninterrupted_run(fsdp_checkpoint, tmp_path):
     path, out = fsdp_checkpoint
-    resumed = run_job(
+    resumed = launch_job(
         ["strategy=sharded_ddp", *GPT, "trainer.steps=6", "trainer.save_final_state=true", f"trainer.resume={path}"],
         tmp_path,
     )
@@ -155,15 +155,15 @@ def test_dcp_resume_in_another_strategy_matches_the_uninterrupted_run(fsdp_check
 @pytest.mark.slow
 def test_async_dcp_save_changes_nothing_and_resumes(tmp_path):
     args = ["strategy=fsdp", *GPT, "trainer.steps=6", "trainer.checkpoint_every=2", "trainer.save_final_state=true"]
-    sync = run_job(args, tmp_path / "sync")
-    asynchronous = run_job([*args, "trainer.checkpoint_async=true"], tmp_path / "async")
+    sync = launch_job(args, tmp_path / "sync")
+    asynchronous = launch_job([*args, "trainer.checkpoint_async=true"], tmp_path / "async")
     assert sync["status"] == asynchronous["status"] == "ok", asynchronous["error"]
     ckpts = [s for s, _ in checkpoint.complete_checkpoints(str(tmp_path / "async" / "checkpoints"))]
     assert ckpts == [2, 4, 6]
     a = torch.load(tmp_path / "sync" / "model_final.pt", weights_only=True)
     b = torch.load(tmp_path / "async" / "model_final.pt", weights_only=True)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    resumed = run_job([*args, "trainer.steps=8", "trainer.resume=auto"], tmp_path / "async")
+    resumed = launch_job([*args, "trainer.steps=8", "trainer.resume=auto"], tmp_path / "async")
     assert resumed["status"] == "ok" and resumed["start_step"] == 6, resumed["error"]
 
 
@@ -171,7 +171,7 @@ def test_checkpoint_async_needs_dcp(tmp_path):
     from sharded_exp.errors import ConfigError
 
     with pytest.raises(ConfigError, match="trainer.checkpoint_async=true needs trainer.checkpoint_format=dcp"):
-        run_job(["trainer.checkpoint_async=true", "trainer.checkpoint_format=consolidated"], tmp_path)
+        launch_job(["trainer.checkpoint_async=true", "trainer.checkpoint_format=consolidated"], tmp_path)
 
 
 # ------------------------------------------------------------------------- torchrun

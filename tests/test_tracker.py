@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from sharded_exp.measure.tracker import MemoryMeter
-from tests.conftest import compose_cfg, run_job, tiny
+from tests.conftest import compose_cfg, launch_job, tiny
 
 
 def _model(frozen: bool = False) -> nn.Module:
@@ -119,7 +119,7 @@ def test_fake_step_names_the_tracker_not_the_model(monkeypatch):
 def test_a_run_whose_tracker_fails_goes_on(tmp_path):
     """A real job: rank 1's tracker breaks at step 0; the job trains to the end, ok, with rank
     1's peak null and the reason in result.json; rank 0's peak is still measured."""
-    result = run_job(
+    result = launch_job(
         ["trainer.grad_accum=2", "trainer.freeze=[body.0.*]"],
         tmp_path,
         env={"SHARDED_EXP_FAULT": "rank=1,step=0,kind=tracker_error"},

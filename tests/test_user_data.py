@@ -21,7 +21,7 @@ from sharded_exp.data.loader import StepLoader
 from sharded_exp.errors import ConfigError
 from sharded_exp.launch import preflight
 from tests import data_files
-from tests.conftest import compose_cfg, read_result, run_job
+from tests.conftest import compose_cfg, read_result, launch_job
 
 
 @pytest.fixture(scope="module")
@@ -190,11 +190,11 @@ def test_a_resumed_run_sees_the_batches_of_the_uninterrupted_run(files, tmp_path
         files, "trainer.batch_size=4", "trainer.log_interval=1", "trainer.warmup_steps=1", "data.num_workers=2",
         "trainer.checkpoint_every=3", "trainer.checkpoint_format=consolidated", "trainer.eval_batches=0",
     )  # fmt: skip
-    whole = run_job([*common, "trainer.steps=8", f"trainer.checkpoint_dir={tmp_path / 'a'}"], tmp_path / "whole")
-    run_job([*common, "trainer.steps=3", f"trainer.checkpoint_dir={tmp_path / 'b'}"], tmp_path / "first")
+    whole = launch_job([*common, "trainer.steps=8", f"trainer.checkpoint_dir={tmp_path / 'a'}"], tmp_path / "whole")
+    launch_job([*common, "trainer.steps=3", f"trainer.checkpoint_dir={tmp_path / 'b'}"], tmp_path / "first")
     meta = json.loads((tmp_path / "b" / "step_00000003" / "meta.json").read_text())
     assert meta["data"] == {"epoch": 0, "samples": 24}
-    resumed = run_job(
+    resumed = launch_job(
         [*common, "trainer.steps=8", f"trainer.checkpoint_dir={tmp_path / 'b'}", "trainer.resume=auto"],
         tmp_path / "resumed",
     )

@@ -1,1 +1,1 @@
-"""Measurement and prediction of memory: what a rank holds, measured and predicted."""
+"""Measurement of a run: what a rank holds (the CUDA allocator, MemTracker on CPU), its memory history and profile, and its FLOPs; prediction is beside it, in :mod:`sharded_exp.predict`."""
