@@ -14,7 +14,7 @@ import torch
 from sharded_exp import checkpoint
 from sharded_exp.errors import ConfigError
 from sharded_exp.strategies import STRATEGIES
-from tests.conftest import ROOT, STRATEGY_NAMES, TINY, compose_cfg, read_result, run_cli, launch_job, tiny
+from tests.conftest import ROOT, STRATEGY_NAMES, TINY, compose_cfg, launch_job, read_result, run_cli, tiny
 from tests.helpers.disks import fill
 from tests.helpers.runs import cli
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sharded_exp import checkpoint
-from tests.conftest import ROOT, TINY, read_result, run_cli, launch_job
+from tests.conftest import ROOT, TINY, launch_job, read_result, run_cli
 from tests.helpers.processes import LONG, descendants, finish, start_job, survivors, wait_until
 from tests.helpers.runs import cli, launch
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import ROOT, STRATEGY_NAMES, TINY, read_result, run_cli, launch_job, without_package
+from tests.conftest import ROOT, STRATEGY_NAMES, TINY, launch_job, read_result, run_cli, without_package
 from tests.helpers.overrides import SCALAR
 from tests.helpers.states import max_relative_diff
 

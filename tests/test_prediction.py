@@ -11,7 +11,7 @@ import torch
 from sharded_exp.compose import compose
 from sharded_exp.errors import ConfigError
 from sharded_exp.predict.fake_step import fake_step
-from tests.conftest import ROOT, STRATEGY_NAMES, read_result, run_cli, launch_job, tiny
+from tests.conftest import ROOT, STRATEGY_NAMES, launch_job, read_result, run_cli, tiny
 from tests.helpers.runs import launch
 
 # The CPU tracker measures over the warm-up steps: two, like the fake step.

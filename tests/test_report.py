@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, TINY, run_cli, launch_job
+from tests.conftest import ROOT, TINY, launch_job, run_cli
 from tests.helpers.runs import cli
 from tests.wandb_file import read_run
 

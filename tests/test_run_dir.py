@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import ROOT, TINY, run_cli, launch_job
+from tests.conftest import ROOT, TINY, launch_job, run_cli
 from tests.helpers.disks import fill
 from tests.helpers.processes import LONG, finish, start_job, wait_until
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from sharded_exp import checkpoint
-from tests.conftest import ROOT, TINY, read_result, run_cli, launch_job
+from tests.conftest import ROOT, TINY, launch_job, read_result, run_cli
 from tests.wandb_file import find_runs, read_run
 
 GPT = ["model=gpt", "model.d_model=64", "model.n_heads=2", "model.seq_len=16", "model.vocab_size=64"]

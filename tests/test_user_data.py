@@ -21,7 +21,7 @@ from sharded_exp.data.loader import StepLoader
 from sharded_exp.errors import ConfigError
 from sharded_exp.launch import preflight
 from tests import data_files
-from tests.conftest import compose_cfg, read_result, launch_job
+from tests.conftest import compose_cfg, launch_job, read_result
 
 
 @pytest.fixture(scope="module")
