@@ -355,3 +355,29 @@ def test_schemas_are_not_listed_as_options(tmp_path):
     proc = run_cli(["precision=8", f"hydra.run.dir={tmp_path}"], cwd=ROOT)
     assert proc.returncode != 0 and "Available options in 'precision'" in proc.stderr
     assert "_schema" not in proc.stderr and "bf16" in proc.stderr
+
+
+def test_preflight_decides_in_a_job_spec_and_leaves_the_composed_config_as_it_was(tmp_path):
+    """Pre-flight never changes the config it reads: its decisions are the JobSpec's, frozen,
+    and its config (what the ranks, result.json and .hydra/config.yaml see) holds them."""
+    import dataclasses
+    import pickle
+
+    from omegaconf import OmegaConf
+
+    cfg = compose_cfg(["trainer.checkpoint_every=2", "strategy=fsdp", "trainer.resume=auto"])
+    before = OmegaConf.to_yaml(cfg)
+    spec = preflight.check(cfg, str(tmp_path), peak=False)
+    assert OmegaConf.to_yaml(cfg) == before  # nothing written back
+    assert cfg.trainer.checkpoint_dir is None and str(cfg.trainer.checkpoint_format.value) == "auto"
+    t = spec.config["trainer"]
+    assert t["checkpoint_dir"] == str(tmp_path / "checkpoints") == spec.checkpoint.directory
+    assert t["checkpoint_format"] == spec.checkpoint.format == "dcp"  # fsdp shards: auto -> dcp
+    assert t["resume"] is None and spec.checkpoint.start_step == 0  # auto, and nothing to resume yet
+    assert "checkpoint_format: dcp" in spec.config_yaml and f"world_size: {spec.world_size}" in spec.config_yaml
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.world_size = 3
+    assert pickle.loads(pickle.dumps(spec)).config == spec.config  # it travels to spawned ranks
+    ranks_cfg = spec.cfg()
+    with pytest.raises(Exception, match="read-only"):
+        ranks_cfg.trainer.steps = 1

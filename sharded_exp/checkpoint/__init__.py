@@ -41,7 +41,7 @@ directory named ``step_*`` is complete by construction; a kill at any moment lea
 most a ``.tmp.*`` directory that readers ignore.
 """
 
-from sharded_exp.checkpoint.manager import CheckpointManager
+from sharded_exp.checkpoint.manager import CheckpointManager, load
 from sharded_exp.checkpoint.plan import CheckpointPlan, check_compatible, plan_checkpoints, resolve_resume, resume_step
 from sharded_exp.checkpoint.state import gather_model_state, gather_optimizer_state, restore
 from sharded_exp.checkpoint.storage import (
@@ -65,6 +65,7 @@ __all__ = [
     "complete_checkpoints",
     "gather_model_state",
     "gather_optimizer_state",
+    "load",
     "plan_checkpoints",
     "read_meta",
     "resolve_resume",

@@ -49,6 +49,15 @@ class _Pending:
     meta: dict[str, Any] | None
 
 
+def load(plan: CheckpointPlan, strategy, device: torch.device) -> dict[str, Any]:
+    """Restore the planned checkpoint on every rank, right after the build (before the
+    manager exists: no process group of its own is needed); ``step`` 0 and no changes when
+    the plan starts fresh."""
+    if plan.resume is None:
+        return {"step": 0, "resume_changes": []}
+    return restore(strategy, plan.resume, device)
+
+
 @dataclass
 class CheckpointManager:
     """When, where and how a job writes its checkpoints, and what they record about it."""
@@ -83,16 +92,14 @@ class CheckpointManager:
         return self.plan.every
 
     # ------------------------------------------------------------------ the loop's hooks
-    def load(self, strategy, device: torch.device) -> dict[str, Any]:
-        """Restore the planned checkpoint (every rank); ``step`` 0 and no changes when none."""
-        if self.plan.resume is None:
-            return {"step": 0, "resume_changes": []}
-        return restore(strategy, self.plan.resume, device)
+    def due(self, steps_done: int, steps: int) -> bool:
+        """A checkpoint belongs after ``steps_done`` steps (periodic, or the last step)."""
+        return bool(self.every) and (steps_done % self.every == 0 or steps_done == steps)
 
     def after_step(self, strategy, steps_done: int, steps: int, device: torch.device, position) -> str | None:
-        """The checkpoint after ``steps_done`` steps if one is due (periodic, or the last
-        step); ``position()``: where a user's dataset stands. Returns its path on rank 0."""
-        if not self.every or not (steps_done % self.every == 0 or steps_done == steps):
+        """The checkpoint after ``steps_done`` steps if one is due; ``position()``: where a
+        user's dataset stands. Returns its path on rank 0."""
+        if not self.due(steps_done, steps):
             return None
         path = self.save(strategy, steps_done, device, position())
         self.saved_step = steps_done

@@ -38,6 +38,8 @@ class JobSpec:
     zero_grad: GradZeroing
     """How gradients are cleared: trainer.zero_grad as the strategy applies it."""
     checkpoint: CheckpointPlan
+    config_yaml: str = ""
+    """The decided config as Hydra writes it (interpolations kept): ``.hydra/config.yaml``."""
     launcher: str = "spawn"
     """spawn (the parent starts the ranks), torchrun or slurm."""
     env: dict[str, str] = field(default_factory=dict)
@@ -52,11 +54,12 @@ class JobSpec:
         return cfg
 
 
-def decided_config(cfg, world_size: int, checkpoint: CheckpointPlan) -> dict[str, Any]:
-    """The composed config as plain data (options by name), with the parent's decisions in
-    place of what they resolve: the world size, the checkpoint directory, format and resume.
-    ``cfg`` itself is left as composed."""
-    data = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    data["trainer"]["world_size"] = world_size
-    data["trainer"].update(checkpoint.config_values())
-    return data
+def decided_config(cfg, world_size: int, checkpoint: CheckpointPlan) -> tuple[dict[str, Any], str]:
+    """The job's config with the parent's decisions in place of what they resolve (the world
+    size, the checkpoint directory, format and resume): as plain data, options by name
+    (``JobSpec.config``), and as Hydra writes it, interpolations kept
+    (``JobSpec.config_yaml``). ``cfg`` must be pre-flight's own copy: its values are set."""
+    cfg.trainer.world_size = world_size
+    for key, value in checkpoint.config_values().items():
+        cfg.trainer[key] = value
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), OmegaConf.to_yaml(cfg)

@@ -119,6 +119,8 @@ def _launch(cfg, output_dir, job_files, started, layout, is_writer, launched, lo
         archive_later(spec.checkpoint)
     if is_writer:
         archive_previous_attempt(output_dir, extra=(".hydra",) if job_files else ())
+        if job_files and spec.config_yaml:  # the config as decided (world size, checkpoint paths)
+            job_files = {**job_files, "config.yaml": OmegaConf.create(spec.config_yaml)}
         write_job_files(output_dir, job_files or {})
         # Status "running" with the prediction: what to expect is on disk before any rank starts.
         write_result(output_dir, {**result, "memory": predicted_section(spec.prediction)})

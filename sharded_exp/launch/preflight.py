@@ -11,6 +11,7 @@ the planner uses).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -47,7 +48,8 @@ def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True)
     under torchrun only the rank that writes result.json needs it). Raises ConfigError,
     naming the value and the choices, before anything is started or written.
     """
-    check_values(cfg)
+    cfg = copy.deepcopy(cfg)  # the job's own copy: the caller's stays as composed
+    check_values(cfg)  # (model.pretrained's directory resolves into the copy's model config)
     world_size = layout.world_size if layout is not None else cfg.trainer.world_size
     local_ranks = layout.local_world_size if layout is not None else world_size
     device_type = decide_device(
@@ -76,11 +78,11 @@ def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True)
     check_accepts(module, list(task(0, 0, 0)), cfg.model.name, cfg.data.name)  # keyword batch in
     if task.dataset is not None:  # a user's data: enough of it for one micro-batch per rank
         check_fits(task, world_size, cfg.trainer.batch_size, cfg.data.name)
-    plan = plan_checkpoints(cfg.trainer, strategy.default_checkpoint_format, output_dir, shapes.state_shapes,
+    plan = plan_checkpoints(cfg.trainer, strategy.checkpoint_format_auto(), output_dir, shapes.state_shapes,
                             cfg.optimizer.name)  # fmt: skip
     # The config the ranks, .hydra/ and W&B see holds the real world size (torchrun, SLURM)
     # and the checkpoint plan's paths; from here on every option is a plain name.
-    config = decided_config(cfg, world_size, plan)
+    config, config_yaml = decided_config(cfg, world_size, plan)
     decided = OmegaConf.create(config)
     prediction = predict(decided.strategy, decided.optimizer, decided.precision.name, shapes, world_size)
     if peak:
@@ -89,6 +91,7 @@ def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True)
             check_host_memory(prediction["peak"].get("per_rank_mib"), local_ranks)
     return JobSpec(
         config=config,
+        config_yaml=config_yaml,
         output_dir=output_dir,
         device_type=device_type,
         world_size=world_size,

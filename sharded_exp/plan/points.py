@@ -16,6 +16,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from sharded_exp.config import option_name
+from sharded_exp.errors import ConfigError
 from sharded_exp.plan.depth import first_depth, peaks_by_depth, shapes_of
 from sharded_exp.plan.progress import Progress
 from sharded_exp.plan.table import PARTS
@@ -44,7 +45,10 @@ LEVER_COST = {"none": 0, "ac_selective": 1, "ac": 2, "offload": 3}
 def strategy_cost(name: str) -> int:
     """Extra communication per strategy, DDP < ZeRO-1 < ZeRO-2 < FSDP: how much it shards
     (the registry's ``Strategy.sharding``)."""
-    return STRATEGIES.builder(name).sharding
+    try:
+        return STRATEGIES.builder(name).sharding_level()
+    except ConfigError:  # not registered: the costliest
+        return 99
 
 
 def lever_names(combo: str) -> list[str]:

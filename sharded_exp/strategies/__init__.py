@@ -21,7 +21,7 @@ def by_sharding(names) -> list[str]:
 
     def key(name):
         try:
-            return (STRATEGIES.builder(name).sharding, name)
+            return (STRATEGIES.builder(name).sharding_level(), name)
         except Exception:  # noqa: BLE001 -- not registered (a point of an older sweep)
             return (99, name)
 
@@ -29,8 +29,8 @@ def by_sharding(names) -> list[str]:
 
 
 def sharding_of(name: str) -> int:
-    """``Strategy.sharding`` of a registered strategy."""
-    return STRATEGIES.builder(name).sharding
+    """``Strategy.sharding_level()`` of a registered strategy."""
+    return STRATEGIES.builder(name).sharding_level()
 
 
 def offloads_to_host(strategy_cfg) -> bool:

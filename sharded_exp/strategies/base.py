@@ -118,15 +118,16 @@ class Strategy:
     shards_parameters = False
     """True when no rank holds the whole model (FSDP2): nothing may gather it onto one rank
     unasked, and checkpoints default to the sharded format."""
-    sharding = 0
+    sharding: int | None = None
     """How much of the model state the ranks divide among them, to order strategies from
     the least sharded (reports, the planner's "cheapest that fits"): 0 nothing (DDP),
     1 the optimizer state (OSS, ZeRO-1), 2 and the gradients (ShardedDDP), 3 and the
-    parameters outside forward and backward (FSDP's SHARD_GRAD_OP), 4 everything (FSDP)."""
-    default_checkpoint_format = "consolidated"
-    """``trainer.checkpoint_format=auto``: consolidated (one full copy, written by rank 0)
-    where one rank holds everything; dcp (each rank its own shards) where the strategy
-    shards something, as the product cannot know that one rank could hold it all."""
+    parameters outside forward and backward (FSDP's SHARD_GRAD_OP), 4 everything (FSDP).
+    None: from the flags above (:meth:`sharding_level`)."""
+    default_checkpoint_format: str | None = None
+    """``trainer.checkpoint_format=auto``: None means consolidated (one full copy, written by
+    rank 0) where one rank holds everything, dcp (each rank its own shards) where the
+    strategy shards something, as the product cannot know that one rank could hold it all."""
     clip_reads_values = False
     """True when clipping branches on the norm's value (fairscale OSS): a fake step, which
     has no values, then runs without clipping (it scales in place: no memory)."""
@@ -216,9 +217,24 @@ class Strategy:
         return out if rank == 0 else None
 
     @classmethod
+    def sharding_level(cls) -> int:
+        """``sharding``, or what the flags say where a strategy does not set it."""
+        if cls.sharding is not None:
+            return cls.sharding
+        return 4 if cls.shards_parameters else 1 if cls.optimizer_state_sharded else 0
+
+    @classmethod
+    def checkpoint_format_auto(cls) -> str:
+        """The format ``trainer.checkpoint_format=auto`` takes (``default_checkpoint_format``)."""
+        if cls.default_checkpoint_format is not None:
+            return cls.default_checkpoint_format
+        return "dcp" if cls.shards_parameters or cls.optimizer_state_sharded else "consolidated"
+
+    @classmethod
     def offloads_to_host(cls, cfg) -> bool:
-        """Does this strategy, as ``cfg`` sets it, keep model states in host memory?"""
-        return False
+        """Does this strategy, as ``cfg`` (its config group) sets it, keep model states in
+        host memory? By default: its ``cpu_offload`` setting, if it has one."""
+        return bool(cfg.get("cpu_offload", False))
 
     def local_optimizers(self) -> list[torch.optim.Optimizer]:
         """The plain torch optimizers on this rank, whose state is this rank's share."""

@@ -118,7 +118,6 @@ class FSDP(Strategy):
     Config = FSDPConfig
     shards_parameters = True
     sharding = 4
-    default_checkpoint_format = "dcp"
     # Forward prefetch gathers the next unit while one computes, and backward the one
     # before: only from three blocks on does each further block add the same.
     depth_line_from = 3
@@ -243,10 +242,6 @@ class FSDP(Strategy):
     def local_shard(self) -> list:
         # every rank holds a slice of every trainable parameter's state
         return [p for p in self.module.parameters() if p.requires_grad]
-
-    @classmethod
-    def offloads_to_host(cls, cfg) -> bool:
-        return bool(cfg.cpu_offload)
 
     # ----------------------------------------------------------------- memory model
     @staticmethod

@@ -36,7 +36,6 @@ class OSS(DDP):
     requires = ("fairscale",)
     optimizer_state_sharded = True
     sharding = 1
-    default_checkpoint_format = "dcp"
     clip_reads_values = True  # OSS.clip_grad_norm: ``if clip_coef < 1``
     # Only the shard's gradients are unscaled and checked on each rank: the found-inf
     # flag must be agreed across ranks.

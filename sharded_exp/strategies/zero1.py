@@ -28,7 +28,6 @@ class ZeRO1(DDP):
     Config = ZeRO1Config
     optimizer_state_sharded = True
     sharding = 1
-    default_checkpoint_format = "dcp"
     grads_differ_across_ranks = True  # each rank unscales and checks its own shard only
 
     @classmethod

@@ -2,7 +2,7 @@
 
 The loop (:func:`sharded_exp.train.loop.run_loop`) calls, for every part in order:
 
-- ``before_step(step, strategy)``: at the start of a step, before its data is read;
+- ``before_step(step, strategy)``: once the step's data is read, before the step;
 - ``after_step(result)``: right after the step, while its output and batch are alive;
 - ``between_steps(out, position)``: once they are let go (checkpoints and evaluation run
   here, so a language model's logits are not alive through them); ``position()`` is where
@@ -65,15 +65,16 @@ class Profiler(Component):
 
     def __init__(self, device: torch.device, path: str, windows: Windows):
         self.profiler = StepProfiler(device, path, windows.profile_from, windows.profile_count, windows.profile_note)
-        self._label = None
 
-    def before_step(self, step: int, strategy) -> None:
+    def start(self, step: int) -> None:
+        """At the very start of a step (before its data): the first profiled step starts the trace."""
         self.profiler.before_step(step)
-        self._label = self.profiler.label(step)
-        self._label.__enter__()
+
+    def label(self, step: int):
+        """The step itself as a named range in the trace (``step 7``)."""
+        return self.profiler.label(step)
 
     def after_step(self, result: StepResult) -> None:
-        self._label.__exit__(None, None, None)
         self.profiler.after_step(result.step, result.step_time)  # the last profiled step writes the trace
 
     def end(self, out: LoopOutcome, position) -> None:
@@ -82,13 +83,10 @@ class Profiler(Component):
 
 
 class Liveness(Component):
-    """Names the step a hang is in, and fails the step whose collective timed out."""
+    """Fails the step whose collective timed out (the loop names the step a hang is in)."""
 
     def __init__(self, device: torch.device):
         self.device = device
-
-    def before_step(self, step: int, strategy) -> None:
-        liveness.current_step = step
 
     def after_step(self, result: StepResult) -> None:
         liveness.raise_if_aborted(self.device)  # this step's collective timed out, not the next one's
@@ -237,12 +235,11 @@ class Checkpoints(Component):
         self.manager, self.strategy, self.meter, self.steps = manager, strategy, meter, steps
 
     def between_steps(self, out: LoopOutcome, position) -> None:
-        if not self.manager.every:
+        if not self.manager.due(out.steps_done, self.steps):
             return
         with self.meter.guard(self.strategy):  # untimed: the memory budget still holds
-            path = self.manager.after_step(self.strategy, out.steps_done, self.steps, self.meter.device, position)
-        if path is not None or self.manager.saved_step == out.steps_done:
-            out.checkpoint = path
+            out.checkpoint = self.manager.after_step(self.strategy, out.steps_done, self.steps, self.meter.device,
+                                                     position)  # fmt: skip
 
     def end(self, out: LoopOutcome, position) -> None:
         if not self.manager.every:

@@ -11,6 +11,7 @@ loop never asks which strategy it runs.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -173,8 +174,11 @@ def run_loop(
     metrics = parts.Metrics(strategy, task, meter, log or IntervalLog(logger), loop, start, rank)
     speed = parts.Speed(device, windows, loop, world_size, metrics.log)
     memory = parts.MemoryWindow(meter, strategy, windows, loop.compiled)
+    profiler = (
+        parts.Profiler(device, profile_path, windows) if profile_path is not None and loop.profile_steps else None
+    )
     every = [
-        *([parts.Profiler(device, profile_path, windows)] if profile_path is not None and loop.profile_steps else []),
+        *([profiler] if profiler is not None else []),
         parts.Liveness(device),
         speed,
         parts.SkippedSteps(strategy),
@@ -187,14 +191,18 @@ def run_loop(
         speed.start_window(step)
         if stopper.should_stop(step):  # a signal reached some rank: all stop here, together
             break
-        for part in every:
-            part.before_step(step, strategy)
+        liveness.current_step = step  # a hang is named by its step
+        if profiler is not None:
+            profiler.start(step)
         t_data = time.perf_counter()
         batches = data.get(step)
         data_time = time.perf_counter() - t_data
+        for part in every:
+            part.before_step(step, strategy)
         sync(device)
         t0 = time.perf_counter()
-        loss, output = train_step(strategy, batches, autocast, loop.grad_clip)
+        with profiler.label(step) if profiler is not None else contextlib.nullcontext():
+            loss, output = train_step(strategy, batches, autocast, loop.grad_clip)
         sync(device)
         result = StepResult(step, loss, output, batches, time.perf_counter() - t0, data_time)
         del output, batches

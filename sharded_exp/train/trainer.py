@@ -22,6 +22,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 
+from sharded_exp import checkpoint
 from sharded_exp.checkpoint import CheckpointManager, gather_model_state
 from sharded_exp.errors import is_oom
 from sharded_exp.job.spec import JobSpec
@@ -173,8 +174,7 @@ def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: Me
     run = build_run(cfg, device, before_wrap=meter.start if device.type == "cpu" else None, after_build=meter.built,
                     weights=resume is None)  # fmt: skip
     module, strategy, task = run.module, run.strategy, run.task
-    checkpoints = CheckpointManager.create(spec.checkpoint, checkpoint_job(cfg), during_write=faults.in_save)
-    loaded = checkpoints.load(strategy, device)
+    loaded = checkpoint.load(spec.checkpoint, strategy, device)
     start, resume_changes = loaded["step"], loaded["resume_changes"]
     if (resume or cfg.model.get("pretrained")) and device.type == "cpu":  # a key of some models only
         meter.reset_peak()  # the loading's own copies are not the training's peak
@@ -195,11 +195,15 @@ def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: Me
     def evaluate(step: int) -> dict[str, float]:
         return evaluation.evaluate(strategy, task, autocast, device, batches, rank)
 
-    parts = [components.Faults(Injector(rank, device)), components.Checkpoints(checkpoints, strategy, meter, tc.steps)]
-    if batches > 0:
-        parts.append(components.Evaluation(evaluate, tc.eval_every, meter, log, tc.steps))
     try:
         meter.check_build()  # a build over the budget fails here, the logger recording it
+        checkpoints = CheckpointManager.create(spec.checkpoint, checkpoint_job(cfg), during_write=faults.in_save)
+        parts = [
+            components.Faults(Injector(rank, device)),
+            components.Checkpoints(checkpoints, strategy, meter, tc.steps),
+        ]
+        if batches > 0:
+            parts.append(components.Evaluation(evaluate, tc.eval_every, meter, log, tc.steps))
         out = run_loop(strategy, task, autocast, loop, start=start, meter=meter, stopper=stopper, log=log,
                        components=parts, profile_path=trace_path(output_dir, rank) if tc.profile else None,
                        data_position=loaded.get("data"))  # fmt: skip
