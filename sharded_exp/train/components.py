@@ -54,6 +54,12 @@ class Component:
         pass
 
 
+def hooks(parts: list[Component], name: str) -> list:
+    """The parts' ``name`` hooks, in order, leaving out those that do nothing (a call per
+    part and step is a visible share of a small model's step: benchmarks/overhead.py)."""
+    return [getattr(p, name) for p in parts if getattr(type(p), name) is not getattr(Component, name)]
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

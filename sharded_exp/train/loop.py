@@ -186,6 +186,7 @@ def run_loop(
         metrics,
         *components,
     ]
+    before, after, between = (parts.hooks(every, name) for name in ("before_step", "after_step", "between_steps"))
     out = LoopOutcome(start, torch.zeros(()), metrics.log.history, {}, {}, 0, time.time())
     for step in range(start, loop.steps):
         speed.start_window(step)
@@ -197,8 +198,8 @@ def run_loop(
         t_data = time.perf_counter()
         batches = data.get(step)
         data_time = time.perf_counter() - t_data
-        for part in every:
-            part.before_step(step, strategy)
+        for hook in before:
+            hook(step, strategy)
         sync(device)
         t0 = time.perf_counter()
         with profiler.label(step) if profiler is not None else contextlib.nullcontext():
@@ -206,14 +207,14 @@ def run_loop(
         sync(device)
         result = StepResult(step, loss, output, batches, time.perf_counter() - t0, data_time)
         del output, batches
-        for part in every:
-            part.after_step(result)
+        for hook in after:
+            hook(result)
         # Let go of this step's output and batch now: otherwise the logits (batch x time x
         # vocab for a language model) stay alive through a checkpoint and the next step's peak.
         del result
         out.steps_done, out.loss = step + 1, loss
-        for part in every:
-            part.between_steps(out, data.position)
+        for hook in between:
+            hook(out, data.position)
     sync(device)
     speed.stop_window()
     position = data.position()  # before close: a stop's checkpoint records it
