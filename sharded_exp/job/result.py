@@ -72,8 +72,18 @@ class Throughput(_Open):
     tokens_per_s: float | None = None
     step_time_s_median: float | None = None
     step_time_s_iqr: float | None = None
+    step_time_s_ci95_low: float | None = None
+    """The median step time's 95% confidence interval (order statistics; None under 6 steps)."""
+    step_time_s_ci95_high: float | None = None
+    samples_per_s_ci95_low: float | None = None
+    samples_per_s_ci95_high: float | None = None
     step_time_s_mean: float | None = None
     timed_steps: int | None = None
+    step_times_s: list[float] | None = None
+    """Every timed step's time, in order."""
+    load_avg_1m: float | None = None
+    """The machine's 1-minute load average over the timed steps (the larger of its start and end)."""
+    cpu_count: int | None = None
     loop_time_s_per_step: float | None = None
     data_time_s_per_step: float | None = None
     data_prefetched: bool | int | None = None

@@ -146,6 +146,14 @@ def _row(r: dict[str, Any]) -> dict[str, Any]:
         "peak_rel_error_max": mem.get("peak_rel_error_max"),
         "memory_limit_mib": ((r.get("config") or {}).get("trainer") or {}).get("memory_limit_mib"),
         "samples_per_s": tp.get("samples_per_s"),
+        "samples_per_s_ci95_low": tp.get("samples_per_s_ci95_low"),
+        "samples_per_s_ci95_high": tp.get("samples_per_s_ci95_high"),
+        "step_time_s_iqr": tp.get("step_time_s_iqr"),
+        "timed_steps": tp.get("timed_steps"),
+        "device": (r.get("device") or {}).get("type"),
+        "threads_per_rank": (r.get("device") or {}).get("threads_per_rank"),
+        "load_avg_1m": tp.get("load_avg_1m"),
+        "cpu_count": tp.get("cpu_count"),
         "mfu_pct": tp.get("mfu_pct"),
         "final_loss": r.get("final_loss"),
         **{
@@ -166,6 +174,9 @@ def _row(r: dict[str, Any]) -> dict[str, Any]:
 
 AS_COLUMNS = ("strategy", "trainer.world_size", "precision", "model")
 """Overrides that are report columns of their own."""
+REPEATS = ("trainer.seed",)
+"""Overrides that repeat a point rather than change it: points that differ only in them are
+compared with each other (the first one is the baseline), as a measure of the noise."""
 
 
 def _overrides(point: dict[str, Any]) -> dict[str, str] | None:
@@ -239,7 +250,7 @@ def build_rows(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for k in swept:
             row[k] = overrides.get(k)
         row["_dir"] = _point_name(point)
-        row["_group"] = (row["model"], row["precision"], *(str(row[k]) for k in swept))
+        row["_group"] = (row["model"], row["precision"], *(str(row[k]) for k in swept if k not in REPEATS))
         rows.append(row)
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for row in rows:
@@ -267,14 +278,54 @@ def _compare(row: dict[str, Any], base: dict[str, Any] | None) -> None:
         row[col] = 100 * (1 - row[metric] / base[metric]) if ok else None
     ok = base and row["samples_per_s"] and base["samples_per_s"]
     row["speed_vs_baseline"] = row["samples_per_s"] / base["samples_per_s"] if ok else None
+    row["speed_vs_baseline_ci95_low"], row["speed_vs_baseline_ci95_high"] = (
+        speed_interval(row, base) if ok else (None, None)
+    )
+    low, high = row["speed_vs_baseline_ci95_low"], row["speed_vs_baseline_ci95_high"]
+    row["speed_within_noise"] = (low <= 1.0 <= high) if low is not None and base is not row else None
     # relative difference of the parameters' L2 norm from the baseline's (same steps, same data)
     ok = base and row["param_l2"] is not None and base["param_l2"]
     row["parity_vs_baseline"] = abs(row["param_l2"] - base["param_l2"]) / base["param_l2"] if ok else None
 
 
+def speed_interval(row: dict[str, Any], base: dict[str, Any]) -> tuple[float | None, float | None]:
+    """A 95% interval of ``row``'s speed over ``base``'s, from the two medians' intervals
+    (the lowest over the highest, the highest over the lowest: a conservative interval,
+    as the two are measured apart). (None, None) when either point timed too few steps."""
+    a_low, a_high = row["samples_per_s_ci95_low"], row["samples_per_s_ci95_high"]
+    b_low, b_high = base["samples_per_s_ci95_low"], base["samples_per_s_ci95_high"]
+    if None in (a_low, a_high, b_low, b_high) or not b_low:
+        return None, None
+    return a_low / b_high, a_high / b_low
+
+
+def speed_text(row: dict[str, Any]) -> str:
+    """``0.52x (0.48-0.57)``, or ``1.03x (0.91-1.15, within noise)``."""
+    ratio, low, high = (
+        row["speed_vs_baseline"],
+        row.get("speed_vs_baseline_ci95_low"),
+        row.get("speed_vs_baseline_ci95_high"),
+    )
+    if low is None:
+        return f"{ratio:.2f}x (no interval: too few timed steps)"
+    return f"{ratio:.2f}x ({low:.2f}-{high:.2f}{', within noise' if low <= 1.0 <= high else ''})"
+
+
 def swept_of(rows: list[dict[str, Any]]) -> list[str]:
     """The swept overrides that are columns of their own (keys of the rows)."""
-    known = set(COLUMNS) | set(_row({})) | {"baseline", "baseline_short", "parity_vs_baseline", "speed_vs_baseline"}
+    known = (
+        set(COLUMNS)
+        | set(_row({}))
+        | {
+            "baseline",
+            "baseline_short",
+            "parity_vs_baseline",
+            "speed_vs_baseline",
+            "speed_vs_baseline_ci95_low",
+            "speed_vs_baseline_ci95_high",
+            "speed_within_noise",
+        }
+    )
     return [k for k in (rows[0] if rows else {}) if k not in known and k[0] != "_"]
 
 
@@ -311,7 +362,7 @@ def _compact_cell(col: str, value: Any) -> str:
     if col == "peak_saving_pct":
         return f"{value:.1f}"
     if col == "speed_vs_baseline":
-        return f"{value:.2f}x"
+        return f"{value:.2f}x"  # its interval: the full table and the headline
     if isinstance(value, float):
         return charts.num(value)
     return _fmt(value)
@@ -374,11 +425,23 @@ def _at_world_size(ws: int, members: list[dict[str, Any]]) -> str:
                 f"({charts.num(lowest['peak_allocated_mib_max'])} vs {charts.num(base['peak_allocated_mib_max'])} MiB)"
                 + (f", {aside}" if aside else ""))  # fmt: skip
         if lowest["speed_vs_baseline"]:
-            text += ("," if aside else "") + f" at {lowest['speed_vs_baseline']:.2f}x its throughput"
+            text += ("," if aside else "") + _speed_clause(lowest)
     fastest = max(fitting, key=lambda r: r["samples_per_s"] or 0)
-    if fastest is not lowest and fastest is not base and fastest["samples_per_s"]:
+    if fastest is not lowest and fastest is not base and fastest["samples_per_s"] and not fastest["speed_within_noise"]:
         text += f"; {fastest['strategy']} is the fastest ({charts.num(fastest['samples_per_s'])} samples/s)"
+    repeats = [r for r in fitting if r is not base and r["strategy"] == base["strategy"] and r["speed_vs_baseline"]] \
+        if base is not None else []  # fmt: skip
+    for r in repeats:  # the same settings again (another trainer.seed): the noise itself
+        text += f"; a repeat of {base['strategy']} ({r['_dir']}) runs at {speed_text(r)} its speed"
     return text + "."
+
+
+def _speed_clause(row: dict[str, Any]) -> str:
+    """The speed of the most saving point against its baseline, never claiming what noise could make."""
+    if row["speed_within_noise"]:
+        low, high = row["speed_vs_baseline_ci95_low"], row["speed_vs_baseline_ci95_high"]
+        return f" at the same throughput within noise ({row['speed_vs_baseline']:.2f}x, interval {low:.2f}-{high:.2f})"
+    return f" at {speed_text(row)} its throughput"
 
 
 def _did_not_finish(members: list[dict[str, Any]]) -> str:
@@ -569,6 +632,33 @@ def baseline_rule() -> str:
     )
 
 
+def speed_notes(rows: list[dict[str, Any]]) -> str:
+    """Where the speed figures come from: the device, the threads each rank ran, the
+    machine's load while each point was timed, and a warning where the load exceeded the
+    cores (the steps then waited for other work: their speed is not the strategy's)."""
+    timed = [r for r in rows if r.get("samples_per_s")]
+    if not timed:
+        return "Speed: no point was timed."
+    where = []
+    for r in timed:
+        threads = f", {r['threads_per_rank']} thread(s) per rank" if r.get("threads_per_rank") else ""
+        load = f", load {r['load_avg_1m']:.1f} on {r['cpu_count']} cores" if r.get("load_avg_1m") is not None else ""
+        where.append(f"{r['_dir']} ({r['strategy']} x{r['world_size']}: {r.get('device') or '?'}{threads}{load}, "
+                     f"{r.get('timed_steps') or 0} timed steps)")  # fmt: skip
+    text = (
+        "Speed: samples/s at the median step, with its 95% interval (order statistics); a ratio's interval "
+        "is the two intervals' extremes, and a ratio whose interval holds 1.0 is within noise. On CPU the "
+        "ranks share the cores: fewer ranks run more threads each. Points: " + "; ".join(where) + "."
+    )
+    loaded = [r for r in timed if r.get("load_avg_1m") is not None and r.get("cpu_count")
+              and r["load_avg_1m"] > r["cpu_count"]]  # fmt: skip
+    if loaded:
+        text += ("\n\n**Warning:** the machine's load exceeded its cores while " +
+                 ", ".join(f"{r['_dir']} ({r['load_avg_1m']:.1f} on {r['cpu_count']})" for r in loaded) +
+                 " ran: their speeds include waiting for other work.")  # fmt: skip
+    return text
+
+
 def report_markdown(rows: list[dict[str, Any]], name: str, note: str = "", drawn: set[str] | None = None) -> str:
     """report.md: the headline, the compact table, the charts (those in ``drawn``, by file
     name; None: all), then every column."""
@@ -582,6 +672,7 @@ def report_markdown(rows: list[dict[str, Any]], name: str, note: str = "", drawn
     )
     return (
         f"# Sweep report: {name}\n\n{headline(rows)}\n\n{compact(rows)}\n\n{baseline_rule()}{note}\n\n"
+        f"{speed_notes(rows)}\n\n"
         f"## Charts\n\n{images}\n\n## Every column\n\n{markdown(rows)}\n"
     )
 

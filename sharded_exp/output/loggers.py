@@ -145,7 +145,8 @@ def summary_values(result: dict[str, Any], strategy: str) -> dict[str, Any]:
         "param_digest/l2": result["param_digest"]["l2"],
     }
     for key, value in result["throughput"].items():
-        out[f"throughput/{key}"] = value
+        if not isinstance(value, list):  # every step's time is result.json's (and the history's)
+            out[f"throughput/{key}"] = value
     # Keyed by strategy, so that a panel per strategy plots only that strategy's runs
     # (memory and speed against world size, in the sweep's saved workspace).
     strategy = f"by_strategy/{strategy}"

@@ -18,6 +18,7 @@ Each part does nothing where it has nothing to do. The loop's own parts come fir
 
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +59,13 @@ def hooks(parts: list[Component], name: str) -> list:
     """The parts' ``name`` hooks, in order, leaving out those that do nothing (a call per
     part and step is a visible share of a small model's step: benchmarks/overhead.py)."""
     return [getattr(p, name) for p in parts if getattr(type(p), name) is not getattr(Component, name)]
+
+
+def _load() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # not on this platform
+        return -1.0
 
 
 def _sync(device: torch.device) -> None:
@@ -113,14 +121,19 @@ class Speed(Component):
         self.first_step_s: float | None = None
         self._start: float | None = None
         self._end: float | None = None
+        self.loads: list[float] = []
+        """The machine's 1-minute load average when the timed window opened and closed."""
 
     def start_window(self, step: int) -> None:
         if step == self.windows.timed_from:
             _sync(self.device)
             self._start = time.perf_counter()
+            self.loads.append(_load())
 
     def stop_window(self) -> None:
         self._end = time.perf_counter()
+        if self._start is not None:
+            self.loads.append(_load())
 
     def after_step(self, result: StepResult) -> None:
         if "input_ids" in result.batches[0]:
@@ -149,6 +162,9 @@ class Speed(Component):
             stats["first_step_s"] = self.first_step_s  # the first step (with compile: the compiling one)
             if self.compiled and self.first_step_s is not None:  # it is never timed
                 stats["compile_s"] = max(0.0, self.first_step_s - stats["step_time_s_median"])
+            # What else ran: a load above the cores means the steps waited for them.
+            stats["load_avg_1m"] = max(self.loads) if self.loads and min(self.loads) >= 0 else None
+            stats["cpu_count"] = os.cpu_count()
         return stats
 
 

@@ -21,6 +21,10 @@ A testing aid, documented in the README; never set it in real runs. Kinds:
 - ``inf_grad``: the rank's backward writes inf into the gradient of one parameter of its
   own optimizer shard, before any gradient communication, so that (for sharded
   strategies) the inf exists in that rank's shard only.
+- ``slow``: from that step on, every forward of the rank's model first sleeps
+  ``SHARDED_EXP_SLOW_S`` seconds (default 0.05): a point made slow on purpose, inside the
+  timed step (its peers wait for it in the step's collectives), to show a speed
+  difference the report must not call noise.
 - ``tracker_error``: from that step on, torch's MemTracker raises inside its forward
   hooks on that rank (as it does on a model it cannot follow): the CPU peak of that rank
   is then null with the reason, and the run goes on (measuring never breaks training).
@@ -37,7 +41,21 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-KINDS = ("raise", "exit", "hang", "oom", "exit_in_save", "inf_grad", "stall", "kill", "sigterm", "tracker_error")
+KINDS = (
+    "raise",
+    "exit",
+    "hang",
+    "oom",
+    "exit_in_save",
+    "inf_grad",
+    "stall",
+    "kill",
+    "sigterm",
+    "tracker_error",
+    "slow",
+)
+SLOW_ENV = "SHARDED_EXP_SLOW_S"
+"""``slow``: seconds each forward of the rank's model waits (default 0.05)."""
 ENV = "SHARDED_EXP_FAULT"
 
 
@@ -133,6 +151,9 @@ class Injector:
             return
         if self.fault.kind == "inf_grad":
             self._hook = poison_gradient(strategy)
+        elif self.fault.kind == "slow":  # for the rest of the run: not removed after the step
+            seconds = float(os.environ.get(SLOW_ENV, "0.05"))
+            strategy.module.register_forward_pre_hook(lambda module, args: time.sleep(seconds))
         else:
             trigger(self.fault, self.rank, self.device)
 

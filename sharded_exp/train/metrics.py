@@ -151,6 +151,24 @@ class IntervalLog:
         bar.set_postfix(loss=f"{record['loss']:.4f}")
 
 
+def median_ci95(values: list[float]) -> tuple[float, float] | None:
+    """A 95% confidence interval of the median, from order statistics (no assumption on
+    the distribution: step times are skewed by the machine's other work): the ``j``-th
+    smallest and ``j``-th largest value, ``j`` the largest rank with
+    P(Binomial(n, 1/2) < j) <= 2.5%. None under 6 values, where no such ``j`` exists."""
+    n = len(values)
+    below, j = 0.0, 0
+    while True:  # P(B < j+1) = P(B <= j)
+        below += math.comb(n, j) / 2**n
+        if below > 0.025:
+            break
+        j += 1
+    if j == 0:
+        return None
+    ordered = sorted(values)
+    return ordered[j - 1], ordered[n - j]
+
+
 def throughput_stats(
     step_times: list[float],
     samples_per_step: int,
@@ -163,12 +181,19 @@ def throughput_stats(
         return {}
     median = statistics.median(step_times)
     q = statistics.quantiles(step_times, n=4) if len(step_times) > 1 else [median, median, median]
+    ci = median_ci95(step_times)
     stats = {
         "samples_per_s": samples_per_step / median,
         "step_time_s_median": median,
         "step_time_s_iqr": q[2] - q[0],
+        # the median's 95% interval: a speed figure with its noise (None under 6 timed steps)
+        "step_time_s_ci95_low": ci[0] if ci else None,
+        "step_time_s_ci95_high": ci[1] if ci else None,
+        "samples_per_s_ci95_low": samples_per_step / ci[1] if ci else None,
+        "samples_per_s_ci95_high": samples_per_step / ci[0] if ci else None,
         "step_time_s_mean": statistics.fmean(step_times),
         "timed_steps": len(step_times),
+        "step_times_s": list(step_times),  # every timed step, in order
     }
     if tokens_per_step:
         stats["tokens_per_s"] = tokens_per_step / median

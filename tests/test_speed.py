@@ -1,0 +1,95 @@
+"""Speed figures with their noise: every step time kept, the median's 95% interval, speed
+ratios with theirs, "within noise" where the interval holds 1.0, and the machine's load."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from sharded_exp.output.comparison import build_rows, headline, speed_notes
+from sharded_exp.train.metrics import median_ci95, throughput_stats
+from tests.conftest import ROOT, TINY, run_cli
+
+
+def test_the_medians_interval_comes_from_order_statistics_and_covers_it():
+    assert median_ci95([1.0] * 5) is None  # too few steps for any 95% interval
+    assert median_ci95([float(x) for x in range(1, 7)]) == (1.0, 6.0)
+    assert median_ci95([float(x) for x in range(1, 21)]) == (6.0, 15.0)  # the textbook ranks for n=20
+    rng = random.Random(0)
+    covered = sum(
+        lo <= 0.693 <= hi for lo, hi in (median_ci95([rng.expovariate(1) for _ in range(15)]) for _ in range(2000))
+    )
+    assert covered / 2000 >= 0.95  # skewed, like step times: still at least 95%
+
+
+def test_throughput_keeps_every_step_time_and_the_interval():
+    times = [0.01 * (1 + (i % 5) / 10) for i in range(12)]
+    stats = throughput_stats(times, samples_per_step=32, tokens_per_step=0, loop_time_s_per_step=None)
+    assert stats["step_times_s"] == times and stats["timed_steps"] == 12
+    low, high = stats["step_time_s_ci95_low"], stats["step_time_s_ci95_high"]
+    assert low <= stats["step_time_s_median"] <= high
+    assert stats["samples_per_s_ci95_low"] == pytest.approx(32 / high)
+    assert stats["samples_per_s_ci95_high"] == pytest.approx(32 / low)
+
+
+def _point(n: int, seed: int, samples: float, spread: float, load: float = 0.5, strategy: str = "ddp") -> dict:
+    return {"status": "ok", "strategy": strategy, "world_size": 2, "precision": "32", "model": "mlp",
+            "output_dir": f"/s/{n}_seed{seed}", "overrides": [f"strategy={strategy}", f"trainer.seed={seed}"],
+            "device": {"type": "cpu", "threads_per_rank": 1},
+            "throughput": {"samples_per_s": samples, "samples_per_s_ci95_low": samples * (1 - spread),
+                           "samples_per_s_ci95_high": samples * (1 + spread), "timed_steps": 20,
+                           "load_avg_1m": load, "cpu_count": 2},
+            "memory": {"peak_allocated_mib_max": 10.0}}  # fmt: skip
+
+
+def test_a_repeat_within_its_interval_reads_within_noise_and_a_slowed_one_does_not():
+    rows = {r["_dir"]: r for r in build_rows([_point(0, 1, 100.0, 0.1), _point(1, 2, 104.0, 0.1),
+                                              _point(2, 3, 40.0, 0.05, load=3.5)])}  # fmt: skip
+    first, repeat, slowed = rows["point 0"], rows["point 1"], rows["point 2"]
+    assert repeat["_base"] is first and slowed["_base"] is first  # repeats of one setting: the first is the baseline
+    assert repeat["speed_within_noise"] is True
+    assert repeat["speed_vs_baseline_ci95_low"] == pytest.approx(93.6 / 110)
+    assert repeat["speed_vs_baseline_ci95_low"] < 1 < repeat["speed_vs_baseline_ci95_high"]
+    assert slowed["speed_within_noise"] is False and slowed["speed_vs_baseline_ci95_high"] < 1
+    text = headline(list(rows.values()))
+    assert "1.04x (0.85-1.27, within noise)" in text and "0.40x (0.35-0.47)" in text
+    notes = speed_notes(list(rows.values()))
+    assert "cpu, 1 thread(s) per rank, load 0.5 on 2 cores" in notes
+    assert "**Warning:** the machine's load exceeded its cores while point 2 (3.5 on 2) ran" in notes
+
+
+def test_the_headline_never_claims_a_speed_difference_within_noise():
+    ddp, fsdp = _point(0, 1, 100.0, 0.2), _point(1, 1, 95.0, 0.2, strategy="fsdp")
+    fsdp["memory"]["peak_allocated_mib_max"] = 6.0
+    text = headline(build_rows([ddp, fsdp]))
+    assert "at the same throughput within noise (0.95x, interval 0.63-1.43)" in text
+    assert "its throughput" not in text.replace("same throughput", "")
+
+
+@pytest.mark.slow
+def test_two_identical_points_read_within_noise_and_a_slowed_point_does_not(tmp_path):
+    """Real runs: a sweep of the same point twice (another trainer.seed), then the same point
+    slowed on purpose (the testing aid ``kind=slow``: each forward waits 50 ms) in the same
+    sweep directory; the report over all three."""
+    sweep = tmp_path / "sweep"
+    common = [*TINY, "trainer.steps=30", "trainer.warmup_steps=3", f"hydra.sweep.dir={sweep}"]
+    same = run_cli(["-m", "trainer.seed=1,2", *common], ROOT)
+    assert same.returncode == 0, same.stderr[-2000:]
+    slowed = run_cli(["-m", "trainer.seed=3", "hydra.sweep.subdir=slow_${hydra.job.num}", *common], ROOT,
+                     env={"SHARDED_EXP_FAULT": "rank=0,step=0,kind=slow"})  # fmt: skip
+    assert slowed.returncode == 0, slowed.stderr[-2000:]
+    report = run_cli([str(sweep)], ROOT, module="sharded_exp.report")
+    assert report.returncode == 0, report.stderr[-2000:]
+    text = (sweep / "report.md").read_text()
+    result = json.loads(next(sweep.glob("0_*/result.json")).read_text())
+    assert len(result["throughput"]["step_times_s"]) == result["throughput"]["timed_steps"] >= 6
+    assert result["throughput"]["load_avg_1m"] is not None and result["throughput"]["cpu_count"]
+    repeat = next(line for line in text.splitlines() if "a repeat of ddp" in line)
+    clauses = [c for c in repeat.split(";") if "a repeat of ddp" in c]
+    assert len(clauses) == 2, repeat
+    point1 = next(c for c in clauses if "(point 1)" in c)
+    slow = next(c for c in clauses if "slow_0" in c)
+    assert "within noise" in point1, point1  # the same point twice: no claim of a difference
+    assert "within noise" not in slow, slow  # 50 ms a forward: a real difference, said as one
