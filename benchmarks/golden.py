@@ -104,8 +104,9 @@ RULES = [
     ("memory.peak_rss_mib_max", "skip"),
     ("memory.per_rank.*.peak_rss_mib", "skip"),
     ("memory.per_rank.*.checkpoint_rss_growth_mib", "skip"),
-    ("report.csv.*.samples_per_s", "skip"),
-    ("report.csv.*.speed_vs_baseline", "skip"),
+    ("report.csv.*.samples_per_s*", "skip"),  # with its interval
+    ("report.csv.*.speed_*", "skip"),  # the ratio, its interval, whether it is within noise
+    ("report.csv.*.load_avg_1m", "skip"),
     ("report.csv.*.mfu_pct", "skip"),
     # Peaks of live tensors, measured (CPU: torch's MemTracker): within 10%.
     ("memory.peak_allocated_mib_*", "measured"),

@@ -30,7 +30,9 @@ COLUMNS = [
     "strategy", "world_size", "precision", "model", "params", "peak_allocated_mib_max", "peak_allocated_mib_mean",
     "predicted_peak_mib_max", "predicted_peak_mib_mean", "peak_rel_error_max", "model_states_mib_max",
     "predicted_model_states_mib_max", "memory_limit_mib", "peak_saving_pct", "peak_mean_saving_pct",
-    "states_saving_pct", "samples_per_s", "speed_vs_baseline", "mfu_pct", "final_loss",
+    "states_saving_pct", "samples_per_s", "samples_per_s_ci95_low", "samples_per_s_ci95_high", "speed_vs_baseline",
+    "speed_vs_baseline_ci95_low", "speed_vs_baseline_ci95_high", "speed_within_noise", "timed_steps", "device",
+    "threads_per_rank", "load_avg_1m", "cpu_count", "mfu_pct", "final_loss",
     "eval/accuracy", "eval/f1", "eval/perplexity", "parity_vs_baseline", "status", "first_nonfinite_step", "error",
     "oom_breakdown",
 ]  # fmt: skip
