@@ -432,8 +432,9 @@ class MemoryMeter:
         peak = _breakdown_mib(tracker, self.device).get("Total", 0.0)
         if tracker.failure is None and peak > self.limit_mib:
             self.oom_breakdown = self._over_limit(tracker, None, "after training")
+            at = self.oom_breakdown.get("tracked_mib", peak)  # the one number of this OOM, everywhere
             raise torch.OutOfMemoryError(
-                f"live tensors peaked at {peak:.2f} MiB after training (model states included), "
+                f"live tensors reached {at:.2f} MiB after training (model states included), "
                 f"over trainer.memory_limit_mib={self.limit_mib}"
             )
 
@@ -487,8 +488,9 @@ class MemoryMeter:
         self.build = {"peak_allocated_mib": total, "breakdown_mib": found}
         if self.limit_mib and total > self.limit_mib:
             self.oom_breakdown = self._over_limit(tracker, None, "building the model")
+            at = self.oom_breakdown.get("tracked_mib", total)  # the one number of this OOM, everywhere
             self._build_over = (
-                f"live tensors peaked at {total:.2f} MiB while the model was built, over "
+                f"live tensors reached {at:.2f} MiB while the model was built, over "
                 f"trainer.memory_limit_mib={self.limit_mib}"
             )
 
@@ -534,8 +536,9 @@ class MemoryMeter:
                 self.oom_breakdown = self._over_limit(self._tracker, step)
                 self._tracker.__exit__(None, None, None)
                 self._tracker = None
+                at = self.oom_breakdown.get("tracked_mib", peak)  # the one number of this OOM, everywhere
                 raise torch.OutOfMemoryError(
-                    f"live tensors peaked at {peak:.2f} MiB, over trainer.memory_limit_mib={self.limit_mib}"
+                    f"live tensors reached {at:.2f} MiB, over trainer.memory_limit_mib={self.limit_mib}"
                 )
 
     def stop(self) -> dict[str, Any]:

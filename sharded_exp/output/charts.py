@@ -99,8 +99,41 @@ def palette(labels) -> dict[str, Any]:
 
 
 def _legend_extra(ax, handles: list) -> None:
+    """The legend: the series drawn, then ``handles`` (each only if it stands for something drawn)."""
     found, labels = ax.get_legend_handles_labels()
-    ax.legend(found + handles, labels + [h.get_label() for h in handles], fontsize=8, loc="best")
+    if found or handles:
+        ax.legend(found + handles, labels + [h.get_label() for h in handles], fontsize=8, loc="best")
+
+
+MAX_LABELS = 24
+"""More point labels than this on one chart are left out (the tables hold every figure)."""
+
+
+def place_labels(ax, texts: list) -> None:
+    """Move the points' labels off the points and apart so that none overlaps another or a
+    point (adjustText; a thin line leads back to its point); beyond :data:`MAX_LABELS` they
+    are removed instead. Each text starts at its point."""
+    if len(texts) > MAX_LABELS:
+        for text in texts:
+            text.remove()
+        return
+    if texts:
+        from adjustText import adjust_text
+
+        xs, ys = [t.get_position()[0] for t in texts], [t.get_position()[1] for t in texts]
+        adjust_text(texts, x=xs, y=ys, ax=ax, expand=(1.4, 1.8), ensure_inside_axes=True,
+                    arrowprops={"arrowstyle": "-", "color": "gray", "lw": 0.5})  # fmt: skip
+
+
+def context(rows: list[dict[str, Any]]) -> str:
+    """What every point of a chart shares or spans, for its title: model, precision, device
+    and per-rank batch (``model mlp, precision 16/32, cpu, batch 8/rank``)."""
+
+    def values(key: str) -> str:
+        found = sorted({str(r.get(key)) for r in rows if r.get(key) is not None})
+        return "/".join(found) if found else "?"
+
+    return f"model {values('model')}, precision {values('precision')}, {values('device')}, batch {values('batch_size')}/rank"
 
 
 def _world_size_axes(rows: list[dict[str, Any]], swept: list[str]):
@@ -114,17 +147,19 @@ def _world_size_axes(rows: list[dict[str, Any]], swept: list[str]):
 
 def memory_chart(rows: list[dict[str, Any]], swept: list[str]):
     """(1) Peak per rank (max over ranks) vs world size: a solid line per strategy (and
-    per swept setting) through the measured peaks, the prediction dashed in the same
-    colour, each point labelled; a point that did not finish is a cross labelled with its
-    status: at its measured peak (diverged, stopped), else at its memory limit (the limit a
-    dotted line; out of memory), else at its prediction."""
+    per swept setting) through the measured peaks, the prediction dashed in the same colour
+    (drawn over the measured line where they meet), each point labelled; a point that did
+    not finish is a cross labelled with its status at its measured value: where it ran out
+    of memory, what was live when it crossed its budget (the limit a dotted line); else its
+    measured peak, else its prediction."""
     from matplotlib.lines import Line2D
 
     rows, keys, groups, fig, ax, xpos = _world_size_axes(rows, swept)
     limits = sorted({r["memory_limit_mib"] for r in rows if r.get("memory_limit_mib")})
-    top = max([v for r in rows for v in (r["peak_allocated_mib_max"], r["predicted_peak_mib_max"]) if v] + limits,
-              default=1.0)  # fmt: skip
+    top = max([v for r in rows for v in (r["peak_allocated_mib_max"], r["predicted_peak_mib_max"], r.get("oom_at_mib"))
+               if v] + limits, default=1.0)  # fmt: skip
     colors = palette(groups)
+    texts, drew_prediction, drew_miss = [], False, False
     for i, (label, members) in enumerate(groups.items()):
         color = colors[label]
         members = sorted(members, key=lambda r: r["world_size"])
@@ -132,77 +167,80 @@ def memory_chart(rows: list[dict[str, Any]], swept: list[str]):
         ok = [r for r in members if r["status"] == "ok" and r["peak_allocated_mib_max"] is not None]
         xs = [xpos[r["world_size"]] + shift for r in ok]
         ys = [r["peak_allocated_mib_max"] for r in ok]
-        ax.plot(xs, ys, "-o", color=color, label=label)
+        if ok:
+            ax.plot(xs, ys, "-o", color=color, label=label, zorder=2)
         for x, y in zip(xs, ys):
-            ax.annotate(num(y), (x, y), textcoords="offset points", xytext=(6, 4), fontsize=7, color=color)
+            texts.append(ax.text(x, y, num(y), fontsize=7, color=color))
         predicted = [r for r in members if r["predicted_peak_mib_max"] is not None]
-        ax.plot([xpos[r["world_size"]] + shift for r in predicted], [r["predicted_peak_mib_max"] for r in predicted],
-                "--", color=color, alpha=0.8, marker=".", markersize=4)  # fmt: skip
+        if predicted:
+            drew_prediction = True
+            ax.plot([xpos[r["world_size"]] + shift for r in predicted], [r["predicted_peak_mib_max"] for r in predicted],
+                    "--", color=color, alpha=0.9, marker=".", markersize=5, linewidth=1.6, zorder=3,
+                    **({} if ok else {"label": f"{label} (predicted only)"}))  # fmt: skip
         for r in members:
-            if r["status"] == "ok" and r["peak_allocated_mib_max"] is not None:
+            if r in ok:
                 continue
-            y = r["peak_allocated_mib_max"] or r.get("memory_limit_mib") or r["predicted_peak_mib_max"] or top
+            drew_miss = True
+            y = r.get("oom_at_mib") or r["peak_allocated_mib_max"] or r["predicted_peak_mib_max"] or r.get(
+                "memory_limit_mib") or top  # fmt: skip
             x = xpos[r["world_size"]] + shift
-            ax.plot([x], [y], marker="X", markersize=10, color=color, markeredgecolor="black", linestyle="none")
-            ax.annotate(STATUS_LABEL.get(r["status"], r["status"]), (x, y), textcoords="offset points",
-                        xytext=(0, -18 - 10 * (i % 2)), ha="center", fontsize=8, fontweight="bold", color=color,
-                        bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5, "alpha": 0.8})  # fmt: skip
+            ax.plot(
+                [x], [y], marker="X", markersize=10, color=color, markeredgecolor="black", linestyle="none", zorder=4
+            )
+            status = STATUS_LABEL.get(r["status"], r["status"])
+            texts.append(ax.text(x, y, f"{status} {num(y)}" if r.get("oom_at_mib") else status, fontsize=8,
+                                 fontweight="bold", color=color))  # fmt: skip
     for limit in limits:
         ax.axhline(limit, color="crimson", linestyle=":", linewidth=1.2)
         ax.annotate(f"memory limit {limit:g} MiB", (1, limit), xycoords=("axes fraction", "data"),
                     xytext=(-4, -11), textcoords="offset points", ha="right", fontsize=8, color="crimson")  # fmt: skip
     ax.set_ylim(0, top * 1.25)
     ax.set_ylabel("peak per rank (MiB, max over ranks)")
-    ax.set_title("Peak memory per rank: measured (solid) and predicted (dashed)")
-    extra = [Line2D([], [], color="gray", linestyle="--", label="predicted")]
-    if any(not (r["status"] == "ok" and r["peak_allocated_mib_max"] is not None) for r in rows):
+    ax.set_title(f"Peak memory per rank: measured (solid), predicted (dashed)\n{context(rows)}", fontsize=10)
+    extra = [Line2D([], [], color="gray", linestyle="--", label="predicted")] if drew_prediction else []
+    if drew_miss:
         extra.append(Line2D([], [], color="gray", marker="X", markeredgecolor="black", linestyle="none",
-                            label="did not finish (OOM, failed, diverged)"))  # fmt: skip
+                            label="did not finish: at its value when it ran out"))  # fmt: skip
     _legend_extra(ax, extra)
     ax.grid(alpha=0.3)
     fig.tight_layout()
+    place_labels(ax, texts)
     return fig
 
 
-def _status_notes(ax, marks: list[tuple[float, str, Any]]) -> None:
-    """Points without a figure, as labels along the bottom of the axes at their world size."""
-    import matplotlib.transforms as transforms
-
-    blend = transforms.blended_transform_factory(ax.transData, ax.transAxes)
-    seen: dict[float, int] = {}
-    for x, text, color in marks:
-        k = seen.get(round(x), 0)
-        seen[round(x)] = k + 1
-        ax.text(x, 0.03 + 0.06 * k, text, transform=blend, ha="center", fontsize=8, fontweight="bold", color=color,
-                bbox={"facecolor": "white", "edgecolor": color, "boxstyle": "round,pad=0.2", "alpha": 0.9})  # fmt: skip
-
-
 def throughput_chart(rows: list[dict[str, Any]], swept: list[str]):
-    """(2) Samples per second (all ranks) vs world size, a line per strategy (and swept
-    setting); a point without a throughput is named at the bottom, not drawn at zero."""
+    """(2) Samples per second (all ranks, median step) vs world size, with the median's 95%
+    interval as an error bar, a line per strategy (and swept setting); the points without
+    a throughput are named in a box of their own, not drawn at a height."""
     rows, keys, groups, fig, ax, xpos = _world_size_axes(rows, swept)
-    marks = []
+    missing, texts = [], []
     colors = palette(groups)
     for i, (label, members) in enumerate(groups.items()):
         color = colors[label]
         shift = (i - (len(groups) - 1) / 2) * 0.08  # side by side where two lines meet
         members = sorted(members, key=lambda r: r["world_size"])
         ok = [r for r in members if r["status"] == "ok" and r["samples_per_s"]]
-        xs, ys = [xpos[r["world_size"]] + shift for r in ok], [r["samples_per_s"] for r in ok]
-        ax.plot(xs, ys, "-o", color=color, label=label)
-        for x, y in zip(xs, ys):
-            ax.annotate(num(y), (x, y), textcoords="offset points", xytext=(6, 4), fontsize=7, color=color)
-        marks += [(xpos[r["world_size"]], f"{label}: {STATUS_LABEL.get(r['status'], r['status'])}", color)
-                  for r in members if r not in ok]  # fmt: skip
-    _status_notes(ax, marks)
-    top = max((r["samples_per_s"] for r in rows if r["status"] == "ok" and r["samples_per_s"]), default=1.0)
-    ax.set_ylim(0, top * 1.2)
-    ax.set_ylabel("samples/s (all ranks, median step)")
-    ax.set_title("Throughput")
+        if ok:
+            xs, ys = [xpos[r["world_size"]] + shift for r in ok], [r["samples_per_s"] for r in ok]
+            low = [y - (r.get("samples_per_s_ci95_low") or y) for r, y in zip(ok, ys)]
+            high = [(r.get("samples_per_s_ci95_high") or y) - y for r, y in zip(ok, ys)]
+            ax.errorbar(xs, ys, yerr=[low, high], fmt="-o", color=color, label=label, capsize=3)
+            texts += [ax.text(x, y, num(y), fontsize=7, color=color) for x, y in zip(xs, ys)]
+        missing += [f"{label} at {ranks(r['world_size'])}: {STATUS_LABEL.get(r['status'], r['status'])}"
+                    for r in members if r not in ok]  # fmt: skip
+    if missing:
+        ax.text(0.01, 0.99, "no throughput:\n" + "\n".join(missing), transform=ax.transAxes, va="top", fontsize=8,
+                bbox={"facecolor": "white", "edgecolor": "gray", "boxstyle": "round,pad=0.3", "alpha": 0.9})  # fmt: skip
+    top = max((r.get("samples_per_s_ci95_high") or r["samples_per_s"] for r in rows
+               if r["status"] == "ok" and r["samples_per_s"]), default=1.0)  # fmt: skip
+    ax.set_ylim(0, top * 1.25)
+    ax.set_ylabel("samples/s (all ranks, median step; bars: its 95% interval)")
+    ax.set_title(f"Throughput\n{context(rows)}", fontsize=10)
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper right")
     ax.grid(alpha=0.3)
     fig.tight_layout()
+    place_labels(ax, texts)
     return fig
 
 
@@ -270,7 +308,9 @@ def breakdown_chart(rows: list[dict[str, Any]], swept: list[str]):
         ax.set_xticks(range(len(rows)), labels, fontsize=8)
     ax.set_ylim(0, (top or 1.0) * 1.15)
     ax.set_ylabel("MiB at the peak (rank with the largest peak)")
-    ax.set_title("What the peak holds: measured (left, solid) and predicted (right, hatched)")
+    ax.set_title(
+        f"What the peak holds: measured (left, solid), predicted (right, hatched)\n{context(rows)}", fontsize=10
+    )
     handles = [Patch(color=c, label=p) for p, c in zip(PARTS, PART_COLORS)]
     handles.append(Patch(facecolor="white", edgecolor="gray", hatch="//", label="predicted"))
     ax.legend(handles=handles, fontsize=8)
@@ -293,7 +333,10 @@ def prediction_chart(rows: list[dict[str, Any]], swept: list[str]):
     colors = palette(series_label(r, keys) for r in rows if r["world_size"])
     fig, ax = plt.subplots(figsize=(6.5, 6))
     points: dict[str, list[tuple[float, float]]] = {}
+    misses: dict[str, list[tuple[float, float]]] = {}  # ran out of memory: at its value then
     for row in rows:
+        if row["status"] == "oom" and row.get("oom_at_mib") and row.get("predicted_peak_mib_max"):
+            misses.setdefault(series_label(row, keys), []).append((row["oom_at_mib"], row["predicted_peak_mib_max"]))
         if row["status"] != "ok":
             continue
         for e in row.get("per_rank") or []:
@@ -301,7 +344,7 @@ def prediction_chart(rows: list[dict[str, Any]], swept: list[str]):
                 points.setdefault(series_label(row, keys), []).append(
                     (e["peak_allocated_mib"], e["predicted_peak_mib"])
                 )
-    values = [v for pts in points.values() for p in pts for v in p]
+    values = [v for pts in (*points.values(), *misses.values()) for p in pts for v in p]
     lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
     span = [max(0.0, lo - 0.1 * (hi - lo + 1e-9) - 0.05 * hi), hi + 0.1 * (hi - lo) + 0.05 * hi]
     ax.fill_between(span, [s * (1 - BAND) for s in span], [s * (1 + BAND) for s in span], color="green", alpha=0.12,
@@ -309,11 +352,15 @@ def prediction_chart(rows: list[dict[str, Any]], swept: list[str]):
     ax.plot(span, span, color="green", linewidth=1, label="predicted = measured")
     for label, pts in points.items():
         ax.scatter([p[0] for p in pts], [p[1] for p in pts], color=colors[label], label=label, s=30, zorder=3)
+    for i, (label, pts) in enumerate(misses.items()):  # larger first: equal points show as rings, none hidden
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], color=colors[label], marker="X", s=max(40, 200 - 60 * i),
+                   zorder=4 + i,
+                   edgecolors="black", label=f"{label}: ran out (measured when it crossed its budget)")  # fmt: skip
     ax.set_xlim(span)
     ax.set_ylim(span)
     ax.set_xlabel("measured peak per rank (MiB)")
     ax.set_ylabel("predicted peak per rank (MiB)")
-    ax.set_title("Predicted vs measured peak, every rank of every point that ran")
+    ax.set_title(f"Predicted vs measured peak per rank (crosses: ran out)\n{context(rows)}", fontsize=10)
     if not values:
         ax.text(0.5, 0.5, "no point ran to a measured peak", transform=ax.transAxes, ha="center")
     ax.legend(fontsize=8, loc="upper left")

@@ -167,6 +167,9 @@ def _row(r: dict[str, Any]) -> dict[str, Any]:
         "first_nonfinite_step": r.get("first_nonfinite_step"),
         "error": r.get("error"),
         "oom_breakdown": oom_summary(mem.get("oom_breakdown")),
+        # an out-of-memory's one number: what was live when the budget was first crossed (CPU tracker)
+        "oom_at_mib": (mem.get("oom_breakdown") or {}).get("tracked_mib"),
+        "batch_size": ((r.get("config") or {}).get("trainer") or {}).get("batch_size"),
         # for the charts, not columns: each rank's figures and the prediction's split
         "per_rank": mem.get("per_rank") or [],
         "peak_prediction": mem.get("peak_prediction") or {},
@@ -519,16 +522,18 @@ def headline(rows: list[dict[str, Any]]) -> str:
 CHARTS = {
     "memory.png": ("Peak memory per rank vs world size", charts.memory_chart,
                    "measured peak per rank (solid) and its prediction (dashed) per strategy; a cross labelled OOM, "
-                   "failed or diverged where a point has no measured peak, at its memory limit (dotted) when one was set"),
+                   "failed or diverged where a point did not finish, at its value when it ran out (what was live when "
+                   "it crossed its budget, the dotted line) or else its prediction"),
     "throughput.png": ("Throughput vs world size", charts.throughput_chart,
-                       "samples per second of all ranks (median step); points without a throughput are named at the "
-                       "bottom"),
+                       "samples per second of all ranks (median step), its 95% interval as error bars; points without "
+                       "a throughput are named in a box"),
     "breakdown.png": ("What each peak holds", charts.breakdown_chart,
                       "each point's peak split into parameters, gradients, optimizer state, activations and "
                       "temporaries: measured (left; CPU tracker; for a point that ran out of memory, what was live when it "
                       "crossed its budget, marked OOM) beside predicted (right, hatched; the fake step)"),
     "prediction.png": ("Predicted vs measured peak", charts.prediction_chart,
-                       f"every rank of every point that ran; the band is ±{charts.BAND:.0%}"),
+                       f"every rank of every point that ran, and (crosses) each point that ran out of memory at its "
+                       f"value when it crossed its budget; the band is ±{charts.BAND:.0%}"),
 }  # fmt: skip
 """The report's charts: file -> (title, function, what it shows)."""
 
