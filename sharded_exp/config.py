@@ -150,7 +150,8 @@ class TrainerConfig:
     eval_batches: int = 4
     """Held-out batches per rank in each evaluation pass; 0 turns evaluation off."""
     progress_bar: bool = True
-    """tqdm progress bar on rank 0."""
+    """Progress on rank 0: a tqdm bar on a terminal; elsewhere (a log file, SLURM, CI) a plain
+    line every trainer.log_interval steps."""
     timeout_s: float = 300.0
     """Collective timeout: a rank that does not arrive within it ends the job."""
     memory_limit_mib: Optional[float] = None

@@ -19,6 +19,7 @@ Each part does nothing where it has nothing to do. The loop's own parts come fir
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -214,8 +215,12 @@ class Metrics(Component):
         self.metrics = IntervalMetrics(meter.device, task, probe=lambda: meter.now(strategy))
         self.log = log
         self.loop = loop
-        # A resumed run's bar starts where the checkpoint left off and ends at 100%.
-        self.bar = tqdm(total=loop.steps, initial=start, desc=loop.label, disable=rank != 0 or not loop.progress_bar)
+        # A bar on a terminal; in a log (SLURM, CI, a file) a plain line per interval instead:
+        # tqdm's carriage returns would fill it. A resumed run's bar starts where the
+        # checkpoint left off and ends at 100%.
+        shown = rank == 0 and loop.progress_bar
+        self.lines = shown and not sys.stderr.isatty()
+        self.bar = tqdm(total=loop.steps, initial=start, desc=loop.label, disable=not shown or self.lines)
 
     def after_step(self, result: StepResult) -> None:
         self.metrics.update(result.loss, result.output, result.batches[-1])
@@ -226,12 +231,19 @@ class Metrics(Component):
         self.bar.update(1)
         done = out.steps_done
         if done % self.loop.log_interval == 0 or done == self.loop.steps:
-            self.log.publish(self.metrics.end_interval(done), self.bar)
+            self._publish(self.metrics.end_interval(done), done)
+
+    def _publish(self, record: dict | None, done: int) -> None:
+        self.log.publish(record, self.bar)
+        if self.lines:
+            loss = f", loss {record['loss']:.4f} at step {record['step']}" if record else ""
+            print(f"{self.loop.label}: step {done}/{self.loop.steps} ({100 * done / self.loop.steps:.0f}%){loss}",
+                  file=sys.stderr, flush=True)  # fmt: skip
 
     def end(self, out: LoopOutcome, position) -> None:
         if self.metrics.updates:  # stopped in the middle of an interval
-            self.log.publish(self.metrics.end_interval(out.steps_done), self.bar)
-        self.log.publish(self.metrics.flush(), self.bar)
+            self._publish(self.metrics.end_interval(out.steps_done), out.steps_done)
+        self._publish(self.metrics.flush(), out.steps_done)
         self.bar.close()
         out.extra["first_nonfinite_step"] = int(self.metrics.first_nonfinite)
 
