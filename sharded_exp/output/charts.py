@@ -151,7 +151,7 @@ def memory_chart(rows: list[dict[str, Any]], swept: list[str]):
     (drawn over the measured line where they meet), each point labelled; a point that did
     not finish is a cross labelled with its status at its measured value: where it ran out
     of memory, what was live when it crossed its budget (the limit a dotted line); else its
-    measured peak, else its prediction."""
+    measured peak; else its budget; else its prediction."""
     from matplotlib.lines import Line2D
 
     rows, keys, groups, fig, ax, xpos = _world_size_axes(rows, swept)
@@ -181,8 +181,10 @@ def memory_chart(rows: list[dict[str, Any]], swept: list[str]):
             if r in ok:
                 continue
             drew_miss = True
-            y = r.get("oom_at_mib") or r["peak_allocated_mib_max"] or r["predicted_peak_mib_max"] or r.get(
-                "memory_limit_mib") or top  # fmt: skip
+            # its value when it ran out; else its measured peak; else (no figure: a CUDA OOM) its
+            # budget, which it crossed; else its prediction
+            y = (r.get("oom_at_mib") or r["peak_allocated_mib_max"] or r.get("memory_limit_mib")
+                 or r["predicted_peak_mib_max"] or top)  # fmt: skip
             x = xpos[r["world_size"]] + shift
             ax.plot(
                 [x], [y], marker="X", markersize=10, color=color, markeredgecolor="black", linestyle="none", zorder=4
