@@ -97,6 +97,7 @@ RULES = [
     # The L2 norms of a digest: a sum of squares in float64 without a copy (vector_norm) adds
     # in another order than over a copy did: equal within 1e-9 relative (issue 34).
     ("*digest*.l2", "close"),
+    ("report.csv.*.parity_vs_baseline", "close_abs"),  # a difference of two such norms: ~1e-14 absolute
     ("throughput.*", "skip"),
     ("timeline.*", "skip"),
     ("eval.seconds", "skip"),
@@ -527,6 +528,8 @@ def agree(how: str, old: Any, new: Any, params_mib: float = 0.0) -> bool:
         return old == new
     if how == "close":
         return abs(new - old) <= CLOSE * max(abs(old), abs(new))
+    if how == "close_abs":
+        return abs(new - old) <= CLOSE
     if how == "measured":
         return abs(new - old) <= MEASURED * max(abs(old), abs(new))
     if how == "measured_build":

@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from sharded_exp.checkpoint.plan import archive_later
 from sharded_exp.checkpoint.storage import complete_checkpoints, hold_checkpoint_dir, hold_directory, next_numbered
 from sharded_exp.errors import OOM_SIGNS, RunDirInUse, WontFit, writing
-from sharded_exp.job.result import write_result
+from sharded_exp.job.result import SCHEMA_VERSION, write_result
 from sharded_exp.job.spec import JobSpec
 from sharded_exp.launch import forkserver, preflight
 from sharded_exp.launch.layout import Layout, external_layout, rendezvous_env
@@ -102,6 +102,7 @@ def hold_run_dir(output_dir: str):
 def _launch(cfg, output_dir, job_files, started, layout, is_writer, launched, lock, identity) -> dict[str, Any]:
     spec = preflight.check(cfg, output_dir, layout, peak=is_writer)  # raises ConfigError before any rank starts
     result = {
+        "schema_version": SCHEMA_VERSION,  # as written: the result returned is the file's
         **base_result(spec.config, spec.params, output_dir),
         **identity,
         "launcher": spec.launcher,
@@ -162,7 +163,8 @@ def record_config_error(
         data = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
     error = f"config: {exc}" if what == "config" else f"unexpected: {type(exc).__name__}: {exc}"
     status = "oom" if isinstance(exc, WontFit) else "failed"  # predicted not to fit: a result
-    result = {**base_result(data, None, output_dir), **(identity or {}), "status": status, "error": error}
+    result = {"schema_version": SCHEMA_VERSION, **base_result(data, None, output_dir), **(identity or {}),
+              "status": status, "error": error}  # fmt: skip
     if what != "config":
         result["traceback"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     write_result(output_dir, result)
