@@ -219,8 +219,14 @@ def test_golden_smoke_records_and_compare_flags_a_change(tmp_path):
         (out / "golden.json").write_text(json.dumps(copy))
         return out
 
-    def digest(runs):
-        runs["mlp/fsdp/32/resume"]["values"]["param_digest.l2"] += 1e-12
+    def digest(runs):  # the sum compares bit for bit; the L2 norm within 1e-9 relative
+        runs["mlp/fsdp/32/resume"]["values"]["param_digest.sum"] += 1e-12
+
+    def norm(factor):
+        def change(runs):
+            runs["mlp/fsdp/32/resume"]["values"]["param_digest.l2"] *= factor
+
+        return change
 
     def peak(factor):
         def change(runs):
@@ -229,7 +235,10 @@ def test_golden_smoke_records_and_compare_flags_a_change(tmp_path):
         return change
 
     flagged = compare(altered("digest", digest))
-    assert flagged.returncode == 1 and "| mlp/fsdp/32/resume | digest | param_digest.l2 |" in flagged.stdout
+    assert flagged.returncode == 1 and "| mlp/fsdp/32/resume | digest | param_digest.sum |" in flagged.stdout
+    assert compare(altered("norm_1e-12", norm(1 + 1e-12))).returncode == 0  # another order of a float64 sum
+    norm_off = compare(altered("norm_1e-6", norm(1 + 1e-6)))
+    assert norm_off.returncode == 1 and "| mlp/fsdp/32/resume | digest | param_digest.l2 |" in norm_off.stdout
     assert compare(altered("peak_5pct", peak(1.05))).returncode == 0  # measured: within 10%
     over = compare(altered("peak_20pct", peak(1.2)))
     assert over.returncode == 1 and "| measured | memory.peak_allocated_mib_max |" in over.stdout
