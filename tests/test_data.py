@@ -88,3 +88,24 @@ def test_a_step_the_loop_jumps_to_is_made_in_the_loop():
         fetch.get(step)
     assert fetch.get(7)[0]["x"][0].item() == 70  # not step 3's prefetched batch
     fetch.close()
+
+
+def test_no_batch_is_made_in_another_thread_beside_a_tracked_step():
+    """The CPU tracker's dispatch mode belongs to the training thread: batches of the steps
+    that run beside a tracked one are made in the loop, later ones ahead."""
+    import threading
+
+    makers = {}
+
+    def batch(step, micro, rank):
+        time.sleep(0.03)  # dearer than a GIL switch: the prefetcher goes ahead when allowed
+        makers[step] = threading.current_thread() is threading.main_thread()
+        return {"x": torch.full((2,), float(step))}
+
+    fetch = Prefetcher(Task(batch, metric="accuracy"), rank=0, grad_accum=1, device=torch.device("cpu"),
+                       end=6, quiet_until=3)  # fmt: skip
+    for step in range(6):
+        assert fetch.get(step)[0]["x"][0].item() == step
+    fetch.close()
+    # made beside steps 0..2 (tracked): in the loop; step 4's is made beside step 3, ahead
+    assert [makers[s] for s in range(4)] == [True] * 4 and makers[4] is False and makers[5] is False

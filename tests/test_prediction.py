@@ -26,7 +26,10 @@ def check_peaks(result: dict) -> None:
     assert mem["peak_prediction"]["method"].startswith("fake step"), mem["peak_prediction"]
     for entry in mem["per_rank"]:
         predicted, measured = entry["predicted_peak_mib"], entry["peak_allocated_mib"]
-        assert abs(predicted - measured) <= 0.10 * measured, (entry["rank"], predicted, measured)
+        # On CPU a collective's buffer is freed, now and then, by gloo's worker thread after
+        # the training thread moved on: the measured peak may hold that one buffer on top.
+        late = entry["freed_off_thread_max_mib"] if measured > predicted else 0.0
+        assert abs(predicted - measured) <= 0.10 * measured + late, (entry["rank"], predicted, measured, late)
         assert entry["peak_rel_error"] == pytest.approx((predicted - measured) / measured)
     assert mem["predicted_peak_mib_max"] == max(e["predicted_peak_mib"] for e in mem["per_rank"])
 

@@ -221,3 +221,33 @@ def test_the_cuda_window_resets_the_accumulated_counters(monkeypatch):
         monkeypatch.setattr(torch.cuda, name, lambda *a, _n=name: calls.append(_n))
     MemoryMeter(torch.device("cuda", 0), None).start()
     assert calls == ["synchronize", "reset_peak_memory_stats", "reset_accumulated_memory_stats"]
+
+
+def test_a_tensor_another_thread_frees_is_live_until_then_and_named():
+    """A collective's buffer is freed by gloo's worker thread when it drops it last: live
+    until that moment (the tracker's sums stay right, from either thread), and the largest
+    such tensor is a figure of the run (the slack a measured peak may hold over program order)."""
+    import threading
+
+    from sharded_exp.measure.tracker import peak_tracker
+
+    tracker = peak_tracker()
+    handed, dropped = [], threading.Event()
+
+    def worker():
+        dropped.wait()
+        handed.clear()  # the last reference goes here, in another thread
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    with tracker:
+        buffer = torch.ones(1024)  # 4 KiB
+        small = torch.ones(16)
+        handed.append(buffer)
+        del buffer
+        assert tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"] == 4096 + 64
+        dropped.set()
+        thread.join()
+        assert tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"] == 64
+        del small  # freed here, by the training thread: not a figure
+    assert tracker.freed_off_thread_max == 4096

@@ -144,11 +144,14 @@ class StepLoader:
         self.loader = None
 
 
-def step_loader(task: Task, rank: int, world_size: int, loop, device: torch.device, start: int, position=None):
+def step_loader(
+    task: Task, rank: int, world_size: int, loop, device: torch.device, start: int, position=None, quiet_until: int = 0
+):
     """The trainer's batch source: a :class:`StepLoader` for a task with a dataset, else the
-    synthetic tasks' :class:`~sharded_exp.data.prefetch.Prefetcher`."""
+    synthetic tasks' :class:`~sharded_exp.data.prefetch.Prefetcher`, which makes no batch
+    ahead beside a step before ``quiet_until`` (the CPU memory tracker's)."""
     if task.dataset is not None:
         return StepLoader(task, rank, world_size, loop.batch_size, loop.grad_accum, device, start, position)
     from sharded_exp.data.prefetch import Prefetcher
 
-    return Prefetcher(task, rank, loop.grad_accum, device, loop.steps)
+    return Prefetcher(task, rank, loop.grad_accum, device, loop.steps, quiet_until)

@@ -6,7 +6,9 @@ are copied without blocking. A background thread is not free: while the step run
 it gets the GIL once per switch interval (5 ms), so batches that take less than that to
 make are made in the loop (a 0.03 ms MLP batch waited 5 ms when prefetched). The first
 two steps make theirs in the loop and time it; if the second took longer than the switch
-interval, later steps' batches are made ahead. The trainer times each ``get`` (waiting for the batches plus
+interval, later steps' batches are made ahead, but never beside a step the CPU memory
+tracker measures (``quiet_until``): its dispatch mode belongs to the training thread, so a
+batch made in another thread would be missing from the peak it finds. The trainer times each ``get`` (waiting for the batches plus
 the copy to the device) and reports it as ``data_time_s_per_step`` beside the step time:
 a data bottleneck is visible on any device. Batches stay a pure function of their keys,
 so prefetching changes no number the run computes.
@@ -24,8 +26,10 @@ from sharded_exp.data import Batch, Task
 
 
 class Prefetcher:
-    def __init__(self, task: Task, rank: int, grad_accum: int, device: torch.device, end: int):
+    def __init__(self, task: Task, rank: int, grad_accum: int, device: torch.device, end: int, quiet_until: int = 0):
         self.task, self.rank, self.grad_accum, self.device, self.end = task, rank, grad_accum, device, end
+        self.quiet_until = quiet_until
+        """Steps before this one run with no batches made beside them (the CPU tracker's window)."""
         self.pin = device.type == "cuda"
         self._pool: ThreadPoolExecutor | None = None
         self._ahead: tuple[int, Future] | None = None
@@ -56,7 +60,7 @@ class Prefetcher:
                 self.make_s = time.perf_counter() - t0
                 if self.make_s > sys.getswitchinterval():
                     self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batches")
-        if self._pool is not None and step + 1 < self.end:
+        if self._pool is not None and self.quiet_until <= step and step + 1 < self.end:
             self._ahead = (step + 1, self._pool.submit(self._host, step + 1))
         return [{k: v.to(self.device, non_blocking=True) for k, v in b.items()} for b in host]
 

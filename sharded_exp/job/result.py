@@ -111,6 +111,11 @@ class RankMemory(_Open):
     peak_allocated_mib: float | None = None
     peak_reserved_mib: float | None = None
     peak_error: str | None = None
+    freed_off_thread_max_mib: float | None = None
+    """CPU: the largest tensor a thread other than the training one freed while memory was
+    tracked (gloo's worker, dropping a collective's buffer after the training thread moved
+    on): the measured peak may hold one such buffer more than the prediction (program
+    order); None on CUDA, whose allocator counters need no such note."""
     predicted_peak_mib: float | None = None
     model_states_mib: dict[str, float] | None = None
     predicted_model_states_mib: dict[str, float] | None = None

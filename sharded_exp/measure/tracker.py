@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 import resource
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -137,6 +138,10 @@ def peak_tracker(limit_mib: float | None = None):
             """What was live when the total first went over ``limit_mib`` (see :meth:`_capture`)."""
             self.module_names: dict[int, str] = {}
             """id(module) -> its name in the model (filled by :meth:`name_modules`)."""
+            self.freed_off_thread_max = 0
+            """Bytes of the largest tensor another thread freed (see :meth:`_delete_callback`)."""
+            self._thread = threading.get_ident()
+            self._lock = threading.RLock()
             for name in _GUARDED:
                 setattr(self, name, self._guarded(getattr(self, name)))
 
@@ -168,10 +173,21 @@ def peak_tracker(limit_mib: float | None = None):
                     except Exception as exc:  # noqa: BLE001 -- the breakdown fails, not the peak
                         self.over_limit = {"error": f"{type(exc).__name__}: {exc}"[:300]}
 
+        def _delete_callback(self, winfo, w_st) -> None:
+            # A tensor handed to a collective is freed by whichever thread drops it last: on
+            # gloo, now and then its worker thread, after the training thread moved on. Until
+            # then it is live (really: its memory is not free), so a peak can hold one such
+            # buffer more than the program's order says; the largest is kept as a figure.
+            if threading.get_ident() != self._thread:
+                self.freed_off_thread_max = max(self.freed_off_thread_max, winfo.mem_consumed)
+            with self._lock:  # the snapshot's sums are read-modify-write, from two threads
+                super()._delete_callback(winfo, w_st)
+
         def _update_snap(self, u_type, winfo, *args, **kwargs) -> None:
-            snap = self._curr_mem_snap.setdefault(winfo.device, dict.fromkeys(self._ref_class, 0))
-            snap.setdefault(winfo.reftype, 0)  # our own category (BUCKET) beside torch's
-            super()._update_snap(u_type, winfo, *args, **kwargs)
+            with self._lock:
+                snap = self._curr_mem_snap.setdefault(winfo.device, dict.fromkeys(self._ref_class, 0))
+                snap.setdefault(winfo.reftype, 0)  # our own category (BUCKET) beside torch's
+                super()._update_snap(u_type, winfo, *args, **kwargs)
             if self.limit_bytes is not None and u_type == mem_tracker._UpdateType.ADD:
                 # The deepest module running (names are dotted paths from the root), or Global
                 # when none runs (Global ranks below the root, which has no dot either).
@@ -553,11 +569,12 @@ class MemoryMeter:
                 "ooms": stats.get("num_ooms", 0),
                 "peak_breakdown_mib": None,
                 "peak_error": None,
+                "freed_off_thread_max_mib": None,
                 **self._build_figures(),
             }
         tracker, self._tracker = self._tracker, None
         none = {"peak_allocated_mib": None, "peak_reserved_mib": None, "peak_breakdown_mib": None,
-                **self._build_figures()}  # fmt: skip
+                "freed_off_thread_max_mib": None, **self._build_figures()}  # fmt: skip
         if tracker is None:
             return {**none, "peak_error": self.failure}
         tracker.__exit__(None, None, None)
@@ -574,6 +591,7 @@ class MemoryMeter:
             "ooms": None,
             "peak_breakdown_mib": breakdown,
             "peak_error": None,
+            "freed_off_thread_max_mib": tracker.freed_off_thread_max / MIB,
             **self._build_figures(),
         }
 

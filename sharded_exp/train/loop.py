@@ -170,7 +170,9 @@ def run_loop(
     rank, world_size, device = dist.get_rank(), dist.get_world_size(), meter.device
     windows = Windows.plan(loop, start, device, profiling=profile_path is not None)
     # A DataLoader over a user's dataset, or the synthetic tasks' prefetcher; timed here.
-    data = step_loader(task, rank, world_size, loop, device, start, data_position)
+    # No batch made in another thread beside a step the CPU tracker measures: it would not see it.
+    quiet_until = windows.memory_end if device.type == "cpu" else start
+    data = step_loader(task, rank, world_size, loop, device, start, data_position, quiet_until)
     metrics = parts.Metrics(strategy, task, meter, log or IntervalLog(logger), loop, start, rank)
     speed = parts.Speed(device, windows, loop, world_size, metrics.log)
     memory = parts.MemoryWindow(meter, strategy, windows, loop.compiled)
