@@ -20,6 +20,7 @@ if __name__ == "__main__":
 
     start_rank_server(_sys.argv[1:])
 
+import logging
 import os
 import signal
 import sys
@@ -38,6 +39,7 @@ from sharded_exp.questions import is_query
 
 register_schemas(query=is_query(sys.argv[1:]))
 IMPORTED = time.time()
+log = logging.getLogger("sharded_exp")  # __name__ is __main__ here
 JOB_STARTED = False
 """Set when Hydra calls the job: an exit before it is a command-line or config mistake."""
 
@@ -180,15 +182,17 @@ def check_and_launch(cfg: DictConfig) -> dict | None:
         }
         result = launch(cfg, output_dir, job_files, started=(STARTED, IMPORTED), identity=identity)
     except NothingToDo as exc:  # a requeued job that had finished: result.json stays as it is
-        print(str(exc), file=sys.stderr)
+        log.info("%s", exc)
         return read_result(output_dir)
     except ConfigError as exc:  # raised before any rank starts
-        print(f"error: {exc}", file=sys.stderr)
         if not multirun:
+            print(f"error: {exc}", file=sys.stderr)  # not logged: no run directory is left behind
             remove_if_unused(output_dir)
             sys.exit(2)
         if isinstance(exc, RunDirInUse):
+            print(f"error: {exc}", file=sys.stderr)
             return None  # the directory is another job's: nothing is written there
+        log.error("error: %s", exc)  # in the point's log, beside its result.json
         result = record_config_error(cfg, output_dir, exc, identity=identity)
     except OSError as exc:  # a path the job reads or writes: missing, a directory, full, read-only
         message = os_error(cfg, exc)
@@ -203,7 +207,7 @@ def check_and_launch(cfg: DictConfig) -> dict | None:
         if not multirun:
             raise  # its traceback is what a bug report needs
         # A sweep point still ends with a result.json, and the sweep (and its report) go on.
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        log.error("error: %s: %s", type(exc).__name__, exc)
         result = record_config_error(cfg, output_dir, exc, what="unexpected", identity=identity)
     if result["status"] == "stopped":
         # SIGTERM/SIGINT: exit like a terminated process (143 / 130); a sweep stops here,
@@ -215,7 +219,7 @@ def check_and_launch(cfg: DictConfig) -> dict | None:
         signum = result.get("signal") or signal.SIGTERM
         done = result.get("steps_done")
         where = f" after step {done}" if done is not None else f": {result.get('error')}"
-        print(f"stopped by signal {signum}{where}", file=sys.stderr)
+        log.error("stopped by signal %s%s", signum, where)
         sys.exit(128 + signum)
     if hc.mode == RunMode.MULTIRUN:
         # A failed point is data: it is recorded and the sweep goes on (Hydra's basic
@@ -223,7 +227,7 @@ def check_and_launch(cfg: DictConfig) -> dict | None:
         # sharded_exp.report.ReportCallback writes the report).
         return result
     if result["status"] != "ok":
-        print(f"error: {result['error']} (details in {result['output_dir']}/result.json)", file=sys.stderr)
+        log.error("error: %s (details in %s/result.json)", result["error"], result["output_dir"])
         sys.exit(1)
     return result
 

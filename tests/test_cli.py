@@ -116,12 +116,45 @@ def test_a_resumed_bar_ends_full_and_the_output_directory_is_printed(tmp_path):
     args = [*TINY, "trainer.steps=4", "trainer.checkpoint_every=2", "trainer.progress_bar=true"]
     first = cli([*args, "trainer.steps=2"], tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
-    proc = cli([*args, "trainer.resume=auto"], tmp_path)
+    log_file = tmp_path / "sharded_exp.log"
+    first_log = log_file.read_text()
+    proc = cli([*args, "trainer.resume=auto", "hydra.verbose=true"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     # Not a terminal: a plain line per log interval (no carriage returns), from step 2 to 4: full, not 50%
     lines = [line for line in proc.stderr.splitlines() if ": step " in line]
-    assert "\r" not in proc.stderr and lines[-1].startswith("ddp x2: step 4/4 (100%), loss "), lines
-    assert f"output: {tmp_path}" in proc.stdout
+    assert "\r" not in proc.stderr and lines[-1].startswith("[rank 0] ddp x2: step 4/4 (100%), loss "), lines
+    # The end-of-run table and the output directory on stdout; messages on stderr and in the run's log
+    assert f"output: {tmp_path}" in proc.stdout and "strategy  precision" in proc.stdout
+    assert "[rank 0]" not in proc.stdout
+    check_log_lines(first_log)
+    assert "[DEBUG]" not in first_log and "][parent][sharded_exp.launch.parent][INFO] finished: ok" in first_log
+    second = log_file.read_text()[len(first_log) :]  # appended by the resumed run
+    check_log_lines(second)
+    for rank in (0, 1):  # hydra.verbose=true reaches the spawned ranks
+        assert f"][rank {rank}][sharded_exp.launch.rank][DEBUG] gloo process group of 2 ready" in second
+    assert "][rank 0][sharded_exp.train.components][INFO] ddp x2: step 4/4 (100%)" in second
+
+
+def check_log_lines(text: str) -> None:
+    """Every line of a run's log: time, who (the parent or a rank), logger, level, message."""
+    import re
+
+    lines = text.splitlines()
+    pattern = r"\[\d{4}-\d\d-\d\d [\d:,]+\]\[(parent|rank \d+)\]\[[\w.]+\]\[(DEBUG|INFO|WARNING|ERROR)\] \S"
+    assert lines and all(re.match(pattern, line) for line in lines), lines
+
+
+def test_the_log_formats_are_the_job_loggings():
+    """The ranks' handlers (sharded_exp.logs) format as Hydra's job logging (conf/hydra/job_logging)."""
+    import yaml
+
+    from sharded_exp import logs
+
+    conf = yaml.safe_load((ROOT / "sharded_exp" / "conf" / "hydra" / "job_logging" / "sharded_exp.yaml").read_text())
+    assert conf["formatters"]["file"]["format"] == logs.FILE_FORMAT
+    assert conf["formatters"]["console"]["format"] == logs.CONSOLE_FORMAT
+    handlers = conf["handlers"]
+    assert handlers["file"]["filename"].endswith("/" + logs.LOG_NAME) and handlers["console"]["stream"].endswith("stderr")
 
 
 def test_result_json_names_the_device_that_ran_the_job(shared_runs):

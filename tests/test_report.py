@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -191,7 +192,8 @@ def test_an_unexpected_pre_flight_failure_is_a_point_and_the_report_is_written(t
         "p.predict = broken\n"
     )
     env = {"PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
-    proc = run_cli(["-m", "optimizer.lr=0.001,0.002", *TINY, "trainer.steps=3", f"hydra.sweep.dir={sweep}"],
+    proc = run_cli(["-m", "optimizer.lr=0.001,0.002", *TINY, "trainer.steps=3", "trainer.progress_bar=true",
+                    f"hydra.sweep.dir={sweep}"],
                    cwd=ROOT, env=env, timeout=300)  # fmt: skip
     points = {p["config"]["optimizer"]["lr"]: p for p in _points(sweep)}
     assert points[0.001]["status"] == "ok"
@@ -199,6 +201,11 @@ def test_an_unexpected_pre_flight_failure_is_a_point_and_the_report_is_written(t
     assert "traceback" in points[0.002]
     assert (sweep / "report.md").exists() and "(2 points)" in proc.stdout
     assert proc.returncode == 1  # a failed point, said in the exit code
+    # Each point keeps its own messages, in its own directory: its ranks' and its parent's
+    ran = (Path(points[0.001]["output_dir"]) / "sharded_exp.log").read_text()
+    failed = (Path(points[0.002]["output_dir"]) / "sharded_exp.log").read_text()
+    assert "[rank 0][sharded_exp.train.components][INFO]" in ran and "finished: ok" in ran and "surprise" not in ran
+    assert "[parent][sharded_exp][ERROR] error: KeyError: 'surprise'" in failed and "[rank 0]" not in failed
 
 
 # ------------------------------------------------ sweep point names of any length

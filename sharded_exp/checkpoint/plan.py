@@ -10,14 +10,16 @@ The result, a :class:`CheckpointPlan`, travels to the ranks in the job spec.
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 from sharded_exp.checkpoint.storage import CheckpointError, complete_checkpoints, next_numbered, read_meta
 from sharded_exp.config import option_name
 from sharded_exp.errors import ConfigError, NothingToDo
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,7 @@ def archive_later(plan: CheckpointPlan) -> str | None:
     target = next_numbered(os.path.join(plan.directory, "archived"))
     for path in later:
         os.rename(path, os.path.join(target, os.path.basename(path)))
-    print(f"moved {len(later)} later checkpoint(s) of another trajectory to {target}", file=sys.stderr, flush=True)
+    log.warning("moved %d later checkpoint(s) of another trajectory to %s", len(later), target)
     return target
 
 

@@ -21,8 +21,8 @@ The trainer times each :meth:`StepLoader.get` as the step's data time, apart fro
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
-import sys
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -30,6 +30,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from sharded_exp.data import Batch, Task
 from sharded_exp.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 class ResumableSampler(DistributedSampler):
@@ -89,13 +91,11 @@ class StepLoader:
             self.epoch = int(position["epoch"])
             self.batch, rest = divmod(int(position["samples"]), self.global_batch)
             if rest and rank == 0:
-                print(
-                    f"warning: the checkpoint's data position ({position['samples']} samples into epoch "
-                    f"{self.epoch}) is not a whole number of this run's global micro-batches "
-                    f"({self.global_batch}); resuming from micro-batch {self.batch}",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                log.warning(
+                    "warning: the checkpoint's data position (%s samples into epoch %d) is not a whole number "
+                    "of this run's global micro-batches (%d); resuming from micro-batch %d",
+                    position["samples"], self.epoch, self.global_batch, self.batch,
+                )  # fmt: skip
             self.epoch, self.batch = self.epoch + self.batch // self.per_epoch, self.batch % self.per_epoch
         self.loader = DataLoader(
             task.dataset,

@@ -46,6 +46,10 @@ class JobSpec:
     """The job's SHARDED_EXP_* variables (a forked rank inherits the server's environment)."""
     parent_pid: int | None = None
     """The launching process: spawned ranks exit when it is gone."""
+    log_file: str | None = None
+    """Where the parent's job logging writes (``<run dir>/sharded_exp.log``): spawned ranks append to it."""
+    log_level: int = 20
+    """The level of our package's loggers in the parent (INFO; DEBUG with hydra.verbose)."""
 
     def cfg(self) -> DictConfig:
         """``config`` as a read-only OmegaConf tree (attribute access, as the ranks read it)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import logging
 import os
 import signal
 import sys
@@ -45,6 +46,8 @@ from sharded_exp.output.results import (
 )
 from sharded_exp.registry import import_plugins
 from sharded_exp.train import liveness
+
+log = logging.getLogger(__name__)
 
 
 def launch(
@@ -109,8 +112,9 @@ def _launch(cfg, output_dir, job_files, started, layout, is_writer, launched, lo
         "zero_grad": spec.zero_grad.record(),
     }
     if is_writer and spec.zero_grad.reason:  # trainer.zero_grad not honoured: said, not silent
-        print(f"note: trainer.zero_grad={spec.zero_grad.requested.value} is not honoured: "
-              f"{spec.zero_grad.reason}", file=sys.stderr, flush=True)  # fmt: skip
+        log.warning(
+            "note: trainer.zero_grad=%s is not honoured: %s", spec.zero_grad.requested.value, spec.zero_grad.reason
+        )
     os.makedirs(output_dir, exist_ok=True)
     if is_writer and lock is None:
         lock = hold_run_dir(output_dir)
@@ -125,6 +129,11 @@ def _launch(cfg, output_dir, job_files, started, layout, is_writer, launched, lo
         write_job_files(output_dir, job_files or {})
         # Status "running" with the prediction: what to expect is on disk before any rank starts.
         write_result(output_dir, {**result, "memory": predicted_section(spec.prediction)})
+    if is_writer:
+        peaks = (spec.prediction.get("peak") or {}).get("per_rank_mib")
+        peak = f", predicted peak {max(peaks):.2f} MiB per rank" if peaks else ""
+        log.info("%s x%d on %s (%s), %s parameters%s; output in %s", spec.config["strategy"]["name"],
+                 spec.world_size, spec.device_type, spec.launcher, f"{spec.params:,}", peak, output_dir)  # fmt: skip
     try:
         validated = time.time()
         # rank 0's payload carries status "ok" or "stopped"; other torchrun ranks get None
@@ -143,6 +152,7 @@ def _launch(cfg, output_dir, job_files, started, layout, is_writer, launched, lo
             result["checkpoint"] = found[-1][1] if found else None
     if is_writer:
         write_result(output_dir, result)
+        log.info("finished: %s%s", result["status"], f" ({result['error']})" if result.get("error") else "")
         print(summary_table(result), flush=True)
         for line in memory_lines(result):
             print(line, flush=True)

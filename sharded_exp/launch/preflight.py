@@ -19,6 +19,7 @@ import os
 import torch
 from omegaconf import OmegaConf
 
+from sharded_exp import logs
 from sharded_exp.checkpoint import plan_checkpoints
 from sharded_exp.config import ZeroGrad, option_name
 from sharded_exp.data import TASKS
@@ -102,6 +103,8 @@ def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True)
         launcher=layout.launcher if layout is not None else "spawn",
         env={k: v for k, v in os.environ.items() if k.startswith("SHARDED_EXP_")},
         parent_pid=os.getpid(),
+        log_file=logs.job_log_file(),
+        log_level=logs.level(),
     )
 
 

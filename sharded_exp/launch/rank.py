@@ -9,6 +9,7 @@ checkpoint plan) travels with it.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import time
 import traceback
@@ -17,10 +18,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sharded_exp import logs
 from sharded_exp.job.result import write_json
 from sharded_exp.job.spec import JobSpec
 from sharded_exp.registry import import_plugins
 from sharded_exp.train import liveness
+
+log = logging.getLogger(__name__)
 
 
 def run_rank(
@@ -61,6 +65,8 @@ def run_rank(
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"sharded_exp/attempt_{attempt}/", store)
         init_group(backend, store, rank, world_size, timeout, device)
+    log.debug("%s process group of %d ready on %s, %d intra-op thread(s)", backend, world_size, device,
+              torch.get_num_threads())  # fmt: skip
     try:
         timeline["process_group_ready"] = time.time()
         from sharded_exp.train.trainer import train  # here, not at the top: the parent never trains
@@ -174,13 +180,13 @@ def watch_parent(pid: int, rank: int, period_s: float = 1.0) -> None:
     parent cannot pass on): nobody waits for the job any more, so it must not train on and
     write checkpoints. A daemon thread; the rank's parent process is the forkserver, so
     the kernel's parent-death signal would not see the launcher go."""
-    import sys
     import threading
 
     def watch() -> None:
         while _alive(pid):
             time.sleep(period_s)
-        print(f"rank {rank}: the job's parent process (pid {pid}) is gone; exiting", file=sys.stderr, flush=True)
+        log.error("the job's parent process (pid %d) is gone; exiting", pid)
+        logging.shutdown()
         os._exit(1)
 
     threading.Thread(target=watch, name="watch-parent", daemon=True).start()
@@ -188,6 +194,7 @@ def watch_parent(pid: int, rank: int, period_s: float = 1.0) -> None:
 
 def spawned_entry(index: int, world_size: int, job: JobSpec, store: dict, results) -> None:
     """Entry of a rank spawned by the parent; ``index`` is the rank (one machine)."""
+    logs.setup_rank(index, job.log_file, job.log_level)
     if job.parent_pid is not None:
         watch_parent(job.parent_pid, index)
     payload = run_rank(job, index, world_size, index, world_size, store)

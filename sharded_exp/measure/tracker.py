@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import threading
 import resource
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 

@@ -18,6 +18,7 @@ Each part does nothing where it has nothing to do. The loop's own parts come fir
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -31,6 +32,8 @@ from sharded_exp.measure.tracker import MemoryMeter
 from sharded_exp.train import liveness
 from sharded_exp.train.faults import Injector
 from sharded_exp.train.metrics import IntervalLog, IntervalMetrics, throughput_stats
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # the loop imports this module
     from sharded_exp.checkpoint import CheckpointManager
@@ -237,8 +240,9 @@ class Metrics(Component):
         self.log.publish(record, self.bar)
         if self.lines:
             loss = f", loss {record['loss']:.4f} at step {record['step']}" if record else ""
-            print(f"{self.loop.label}: step {done}/{self.loop.steps} ({100 * done / self.loop.steps:.0f}%){loss}",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            log.info(
+                "%s: step %d/%d (%.0f%%)%s", self.loop.label, done, self.loop.steps, 100 * done / self.loop.steps, loss
+            )
 
     def end(self, out: LoopOutcome, position) -> None:
         if self.metrics.updates:  # stopped in the middle of an interval

@@ -32,14 +32,16 @@ A testing aid, documented in the README; never set it in real runs. Kinds:
 
 from __future__ import annotations
 
+import logging
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
+
+log = logging.getLogger(__name__)
 
 KINDS = (
     "raise",
@@ -99,9 +101,9 @@ def trigger(fault: Fault, rank: int, device: torch.device) -> None:
         mem_tracker.MemTracker._track_inputs_or_outputs = broken  # this rank's process only
         return
     # When it happened, for measuring fault-to-exit times (tests, README figures).
-    print(
-        f"{ENV}: {fault.kind} on rank {rank} at step {fault.step}, time {time.time():.3f}", file=sys.stderr, flush=True
-    )
+    log.warning("%s: %s on rank %d at step %d, time %.3f", ENV, fault.kind, rank, fault.step, time.time())
+    for handler in logging.getLogger().handlers:  # out before the fault takes the process
+        handler.flush()
     if fault.kind == "raise":
         raise RuntimeError(f"injected fault on rank {rank} at step {fault.step}")
     if fault.kind == "exit":

@@ -11,9 +11,9 @@ trainer never asks which strategy it runs.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
-import sys
 import time
 from typing import Any
 
@@ -39,6 +39,8 @@ from sharded_exp.train.build import build_run
 from sharded_exp.train.faults import Injector
 from sharded_exp.train.loop import LoopOutcome, LoopSettings, run_loop
 from sharded_exp.train.metrics import IntervalLog
+
+log = logging.getLogger(__name__)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -189,13 +191,13 @@ def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: Me
         meter.reset_peak()  # the loading's own copies are not the training's peak
     if rank == 0:
         for c in resume_changes:
-            print(f"warning: resuming with optimizer group {c['group']} {c['key']}={c['config']} from the config "
-                  f"(the checkpoint has {c['checkpoint']})", file=sys.stderr, flush=True)  # fmt: skip
+            log.warning("warning: resuming with optimizer group %s %s=%s from the config (the checkpoint has %s)",
+                        c["group"], c["key"], c["config"], c["checkpoint"])  # fmt: skip
     if device.type == "cuda":
         meter.start()  # peak counters reset once model and optimizer are built
     timeline["built"] = time.time()
     logger = build_logger(cfg.logger, OmegaConf.to_container(cfg), output_dir, rank)
-    log = IntervalLog(logger)  # the history of interval records, in step order
+    intervals = IntervalLog(logger)  # the history of interval records, in step order
     timeline["logger_ready"] = time.time()
     loop = LoopSettings.from_config(tc, label=f"{cfg.strategy.name} x{dist.get_world_size()}")
     autocast = run.autocast
@@ -212,8 +214,8 @@ def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: Me
             components.Checkpoints(checkpoints, strategy, meter, tc.steps),
         ]
         if batches > 0:
-            parts.append(components.Evaluation(evaluate, tc.eval_every, meter, log, tc.steps))
-        out = run_loop(strategy, task, autocast, loop, start=start, meter=meter, stopper=stopper, log=log,
+            parts.append(components.Evaluation(evaluate, tc.eval_every, meter, intervals, tc.steps))
+        out = run_loop(strategy, task, autocast, loop, start=start, meter=meter, stopper=stopper, log=intervals,
                        components=parts, profile_path=trace_path(output_dir, rank) if tc.profile else None,
                        data_position=loaded.get("data"))  # fmt: skip
         if history.mode == "always":
