@@ -126,8 +126,10 @@ RULES = [
     ("memory.per_rank.*.build_peak_mib", "measured_build"),
     ("memory.per_rank.*.peak_rel_error", "measured_error"),
     ("memory.oom_breakdown*", "measured"),
-    ("history.*.mem/*", "measured"),
+    ("history.*.mem/*", "measured"),  # recorded before issue 34 (one name per figure)
+    ("history.*.memory/*", "measured"),
     ("final_metrics.mem/*", "measured"),
+    ("final_metrics.memory/*", "measured"),
     ("report.csv.*.peak_allocated_mib_*", "measured"),
     ("report.csv.*.peak_rel_error_max", "measured_error"),
     ("report.csv.*.peak_*saving_pct", "measured_pct"),

@@ -72,9 +72,14 @@ def objective_value(result: dict[str, Any], objective: str | None, direction: st
 
 def result_at(result: dict[str, Any], path: str) -> Any:
     """The value at ``path`` in ``result``, or None; a key may hold a slash itself (the
-    eval section's ``eval/loss``): the longest key that matches is taken."""
+    eval section's ``eval/loss``): the longest key that matches is taken; a number indexes
+    a list (``memory/per_rank/0/peak_allocated_mib``)."""
     parts, value = path.split("/"), result
     while parts:
+        if isinstance(value, list) and parts[0].isdigit():
+            index, parts = int(parts[0]), parts[1:]
+            value = value[index] if index < len(value) else None
+            continue
         if not isinstance(value, dict):
             return None
         n = next((n for n in range(len(parts), 0, -1) if "/".join(parts[:n]) in value), 0)

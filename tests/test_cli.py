@@ -154,7 +154,9 @@ def test_the_log_formats_are_the_job_loggings():
     assert conf["formatters"]["file"]["format"] == logs.FILE_FORMAT
     assert conf["formatters"]["console"]["format"] == logs.CONSOLE_FORMAT
     handlers = conf["handlers"]
-    assert handlers["file"]["filename"].endswith("/" + logs.LOG_NAME) and handlers["console"]["stream"].endswith("stderr")
+    assert handlers["file"]["filename"].endswith("/" + logs.LOG_NAME) and handlers["console"]["stream"].endswith(
+        "stderr"
+    )
 
 
 def test_result_json_names_the_device_that_ran_the_job(shared_runs):

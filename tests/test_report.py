@@ -309,7 +309,10 @@ def test_report_marks_what_did_not_finish_and_compares_with_the_least_sharded_th
     assert f"At 4 ranks, fsdp peaks {saving:.0f}% below oss ({charts.num(fsdp_peak)} vs {charts.num(ddp_peak)} MiB), " \
            "the least sharded strategy that fits" in head  # fmt: skip
     assert f"ddp does not fit in {limit:g} MiB at 4 ranks" in head and "zero1 diverged at 4 ranks" in head
-    assert "| strategy | world_size | precision | peak_MiB | peak_mean_MiB | pred_peak_MiB | peak_saving_pct |" in md
+    assert (
+        "| strategy | world_size | precision | peak_allocated_mib_max | peak_allocated_mib_mean | "
+        "predicted_peak_mib_max | peak_saving_pct |"
+    ) in md
     for name in CHARTS:
         assert f"]({name})" in md and (sweep / name).stat().st_size > 0
 
@@ -487,7 +490,9 @@ def test_the_report_shows_the_average_over_ranks_beside_the_largest():
     cols = columns(table)
     assert cols.index("peak_allocated_mib_mean") == cols.index("peak_allocated_mib_max") + 1
     assert "| peak_allocated_mib_max | peak_allocated_mib_mean |" in markdown(table)
-    assert "| peak_MiB | peak_mean_MiB |" in compact(table) and "| 90.00 | 70.00 |" in compact(table)
+    assert "| peak_allocated_mib_max | peak_allocated_mib_mean |" in compact(table) and "| 90.00 | 70.00 |" in compact(
+        table
+    )
     end = summary_table({**sharded, "params": 10, "memory": mem}).splitlines()
     assert "peak_MiB  peak_mean_MiB" in end[0] and "70.00" in end[2]
 

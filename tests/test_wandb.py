@@ -34,36 +34,104 @@ def test_run_identity_and_config(offline_job):
 
 
 def test_summary_equals_result_json(offline_job):
+    """Every W&B summary key is a result.json path (``/`` between keys) holding the same value,
+    or a copy keyed by strategy for a panel, or the summary W&B keeps of a history series."""
+    from sharded_exp.sweep import result_at
+
     result, run, _ = offline_job
-    s = run["summary"]
-    assert s["final_loss"] == result["final_loss"]
-    assert s["params"] == result["params"]
-    assert s["param_digest/sum"] == result["param_digest"]["sum"]
-    assert s["param_digest/l2"] == result["param_digest"]["l2"]
-    assert s["throughput/samples_per_s"] == result["throughput"]["samples_per_s"]
+    s = {k: v for k, v in run["summary"].items() if not k.startswith("_")}
+    series = {k for h in run["history"] for k in h if not k.startswith("_")}
+    for key, value in s.items():
+        expected = result_at(result, key)
+        if key.startswith("by_strategy/"):
+            _, strategy, figure = key.split("/")
+            section = "throughput" if figure == "samples_per_s" else "memory"
+            assert strategy == result["strategy"] and value == result[section][figure], key
+        elif expected is None and key in series:  # W&B's summary of a series result.json has no figure for
+            assert key in ("loss", "accuracy", "perplexity") or key.startswith("eval/"), key
+        else:
+            assert expected == value, key
     mem = result["memory"]
-    assert s["mem/peak_allocated_mib_max"] == {"max": mem["peak_allocated_mib_max"]}
-    assert s["mem/predicted_model_states_mib_max"] == {"max": mem["predicted_model_states_mib_max"]}
-    for entry in mem["per_rank"]:
-        r = entry["rank"]
-        assert s[f"mem/rank{r}/peak_allocated_mib"] == {"max": entry["peak_allocated_mib"]}
-        assert s[f"mem/rank{r}/model_states_mib"] == {"max": sum(entry["model_states_mib"].values())}
+    assert s["memory/peak_allocated_mib_max"] == mem["peak_allocated_mib_max"]
+    assert s["memory/predicted_model_states_mib_max"] == mem["predicted_model_states_mib_max"]
+    for index, entry in enumerate(mem["per_rank"]):
+        assert s[f"memory/per_rank/{index}/peak_allocated_mib"] == entry["peak_allocated_mib"]
+        assert s[f"memory/per_rank/{index}/model_states_mib/optimizer"] == entry["model_states_mib"]["optimizer"]
+    assert s["param_digest/l2"] == result["param_digest"]["l2"] and s["final_loss"] == result["final_loss"]
     # metric summaries: min for loss; throughput is result.json's figure under the same name
     # as its per-step points (the median of them), and each timed step is one point
-    losses = [h["train/loss"] for h in run["history"] if "train/loss" in h]
-    assert s["train/loss"] == {"min": min(losses)}
+    losses = [h["loss"] for h in run["history"] if "loss" in h]
+    assert s["loss"] == {"min": min(losses)}
     rates = [h["throughput/samples_per_s"] for h in run["history"] if "throughput/samples_per_s" in h]
     assert len(rates) == result["throughput"]["timed_steps"]
     assert s["throughput/step_time_s_median"] == result["throughput"]["step_time_s_median"]
-    assert not any(k.startswith("train/samples") or k.startswith("train/step_time") for k in s)  # one name each
+    assert not any(k.startswith(("train/", "mem/")) for k in s | {k: 0 for k in series})  # the old second names
 
 
 def test_history_equals_result_json(offline_job):
     result, run, _ = offline_job
-    logged = {h["_step"]: h["train/loss"] for h in run["history"] if "train/loss" in h}
-    assert logged == {h["step"]: h["loss"] for h in result["history"]}
+    for name in ("loss", "accuracy"):
+        logged = {h["_step"]: h[name] for h in run["history"] if name in h}
+        assert logged == {h["step"]: h[name] for h in result["history"]}, name
     timed = [h for h in run["history"] if "throughput/step_time_s" in h]
     assert len(timed) == result["throughput"]["timed_steps"]
+
+
+def test_one_name_per_figure_in_result_json_wandb_and_the_report(offline_job):
+    """A real run's four outputs: each report.csv column the report does not derive is one
+    key of result.json (found at exactly one path, with the value the row holds), the same
+    name heads report.md's table, and W&B's summary holds it at that path; the objective
+    paths are those names."""
+    import csv
+
+    from sharded_exp.output.comparison import COLUMNS, write_report
+    from sharded_exp.sweep import OBJECTIVES, result_at
+
+    result, run, out = offline_job
+    write_report(out)  # the report of a directory holding this one run
+    (row,) = list(csv.DictReader((out / "report.csv").open()))
+    md = (out / "report.md").read_text()
+    summary = run["summary"]
+    series = {k for h in run["history"] for k in h}
+    derived = {  # the report's own figures: comparisons with the baseline, the config's budget, texts
+        "peak_saving_pct", "peak_mean_saving_pct", "states_saving_pct", "speed_vs_baseline",
+        "speed_vs_baseline_ci95_low", "speed_vs_baseline_ci95_high", "speed_within_noise", "parity_vs_baseline",
+        "baseline", "memory_limit_mib", "device", "oom_breakdown",
+    }  # fmt: skip
+
+    # Where the report reads its figures: the top level, throughput, memory (its own figures,
+    # not the per-rank or breakdown records), the device and the final evaluation.
+    found: dict[str, list] = {}
+    candidates = [(k, k, v) for k, v in result.items() if not isinstance(v, (dict, list))]
+    for section in ("throughput", "memory", "device"):
+        candidates += [(k, f"{section}/{k}", v) for k, v in (result.get(section) or {}).items()
+                       if not isinstance(v, (dict, list))]  # fmt: skip
+    candidates += [(k, f"eval/final/{k}", v) for k, v in ((result.get("eval") or {}).get("final") or {}).items()]
+    for name, path, value in candidates:
+        found.setdefault(name, []).append((path, value))
+    checked = 0
+    for column in COLUMNS:
+        assert column in row, column
+        if column in derived or column.startswith("eval/") and column not in found:
+            continue
+        assert len(found.get(column, [])) == 1, (column, found.get(column))
+        ((path, value),) = found[column]
+        cell = row[column]
+        if isinstance(value, float):
+            assert float(cell) == pytest.approx(value, rel=1e-9), column
+        else:
+            assert cell == ("" if value is None else str(value)), column
+        assert f"| {column} |" in md or column not in md.split("\n## ")[0], column  # a header, not a second name
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            # W&B: the same name, at the same path; the final evaluation is the last point of its series
+            key = column if path.startswith("eval/final/") else path
+            assert summary[key] == value, key
+        checked += 1
+    assert checked >= 15
+    for objective in OBJECTIVES:  # objective=... names a figure by the same path
+        value = result_at(result, objective)
+        if value is not None and objective not in series and not objective.startswith("eval/"):
+            assert summary[objective] == value, objective
 
 
 @pytest.mark.slow
@@ -92,18 +160,18 @@ def test_unreachable_server_does_not_fail_training(tmp_path):
 
 def test_memory_over_time_for_every_rank_at_every_interval(offline_job):
     """Each rank's memory rides in the interval's asynchronous reduction to rank 0 and is
-    logged as mem/rank{r}/...: the same values as result.json's history."""
+    logged as memory/per_rank/{r}/...: the same values as result.json's history."""
     result, run, _ = offline_job
     intervals = [h["step"] for h in result["history"]]
     assert intervals == list(range(2, result["steps"] + 1, 2))
     for r in range(result["world_size"]):
         for name in ("allocated_mib", "peak_allocated_mib"):
-            key = f"mem/rank{r}/{name}"
-            logged = {h["_step"]: h[key] for h in run["history"] if key in h and "train/loss" in h}
+            key = f"memory/per_rank/{r}/{name}"
+            logged = {h["_step"]: h[key] for h in run["history"] if key in h and "loss" in h}
             assert logged == {h["step"]: h[key] for h in result["history"]}, key
             assert sorted(logged) == intervals
-        allocated = [h[f"mem/rank{r}/allocated_mib"] for h in result["history"]]
-        peaks = [h[f"mem/rank{r}/peak_allocated_mib"] for h in result["history"]]
+        allocated = [h[f"memory/per_rank/{r}/allocated_mib"] for h in result["history"]]
+        peaks = [h[f"memory/per_rank/{r}/peak_allocated_mib"] for h in result["history"]]
         states = sum(result["memory"]["per_rank"][r]["model_states_mib"].values())
         # between steps a rank holds at least its model states; the peak so far only grows
         assert all(a >= 0.99 * states for a in allocated) and peaks == sorted(peaks)
@@ -173,9 +241,9 @@ def test_workspace_stays_readable_at_64_ranks_and_groups_are_per_directory(tmp_p
     from sharded_exp.output.workspace import build, panel_keys
 
     keys = panel_keys(64, ["ddp", "fsdp"])
-    assert keys["peak per rank"] == [f"mem/ranks/peak_allocated_mib_{b}" for b in ("min", "median", "max")]
+    assert keys["peak per rank"] == [f"memory/peak_allocated_mib_{b}" for b in ("min", "median", "max")]
     assert keys["memory over time per rank"] == []
-    assert not any("rank63" in k or "rank0" in k for ks in keys.values() for k in ks)
+    assert not any("per_rank/" in k for ks in keys.values() for k in ks)
     view = build("entity", "project", "g", 64, ["ddp", "fsdp"], "view")
     panels = [p for section in view.sections for p in section.panels]
     drawn = [getattr(p, "metrics", None) or getattr(p, "y", None) or [] for p in panels]

@@ -39,9 +39,11 @@ COLUMNS = [
 """Every column of report.csv and the full table (the swept overrides follow ``model``,
 ``baseline`` comes last)."""
 COMPACT = {
-    "strategy": "strategy", "world_size": "world_size", "precision": "precision", "peak_allocated_mib_max": "peak_MiB",
-    "peak_allocated_mib_mean": "peak_mean_MiB", "predicted_peak_mib_max": "pred_peak_MiB", "peak_saving_pct": "peak_saving_pct", "samples_per_s": "samples/s",
-    "speed_vs_baseline": "speed_vs_baseline", "status": "status", "baseline_short": "baseline",
+    "strategy": "strategy", "world_size": "world_size", "precision": "precision",
+    "peak_allocated_mib_max": "peak_allocated_mib_max", "peak_allocated_mib_mean": "peak_allocated_mib_mean",
+    "predicted_peak_mib_max": "predicted_peak_mib_max", "peak_saving_pct": "peak_saving_pct",
+    "samples_per_s": "samples_per_s", "speed_vs_baseline": "speed_vs_baseline", "status": "status",
+    "baseline_short": "baseline",
 }  # fmt: skip
 """The table a reader reads first: column -> header (the end-of-run table's abbreviations)."""
 """Strategies from the least sharded to the most: the report's row order, and the order in
@@ -629,13 +631,14 @@ def log_to_wandb(rows: list[dict[str, Any]], points: list[dict[str, Any]], image
 
 def baseline_rule() -> str:
     return (
-        "Memory in MiB per rank: the largest over ranks (`peak_MiB`, what must fit) and the average over ranks "
-        "(`peak_mean_MiB`, the figure the seed study reported); `peak_saving_pct` (of the largest; "
+        "Memory in MiB per rank: the largest over ranks (`peak_allocated_mib_max`, what must fit) and the average "
+        "over ranks (`peak_allocated_mib_mean`, the figure the seed study reported); `peak_saving_pct` (of the largest; "
         "`peak_mean_saving_pct`: of the average) and `speed_vs_baseline` compare each row "
         "with its `baseline`: the DDP point whose settings differ only in the strategy, or, where DDP did not run to "
         "the end, the least sharded point that fits at the same settings (in the order "
         + ", ".join(by_sharding(STRATEGIES.names()))
-        + "). MFU is in percent (`mfu_pct`). Every column is in `report.csv` and at the end."
+        + "). MFU is in percent (`mfu_pct`). Every column is in `report.csv` and at the end, named as in "
+        "`result.json` and W&B."
     )
 
 

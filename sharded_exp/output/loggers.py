@@ -94,10 +94,11 @@ class WandbLogger(NullLogger):
                 directory=output_dir,
                 tags=run_tags(run_config),
             )
-            self.run.define_metric("train/loss", summary="min")
-            # Per-step points; the summary holds result.json's figures (median, mean) instead.
+            self.run.define_metric("loss", summary="min")
+            # Per-step and per-interval points; the summary holds result.json's figures under
+            # the same names instead (the median step time, each rank's peak).
             self.run.define_metric("throughput/*", summary="none")
-            self.run.define_metric("mem/*", summary="max")
+            self.run.define_metric("memory/*", summary="none")
         except Exception as exc:  # noqa: BLE001 -- tracking must never stop training
             self._give_up("start", exc)
 
@@ -135,52 +136,42 @@ def build_logger(cfg, run_config: dict[str, Any], output_dir: str, rank: int) ->
     return WandbLogger(cfg, run_config, output_dir)
 
 
+PER_RANK_FIGURES = (
+    "peak_allocated_mib", "peak_reserved_mib", "predicted_peak_mib", "peak_rel_error", "model_states_mib",
+    "predicted_model_states_mib",
+)  # fmt: skip
+"""The figures of ``memory.per_rank`` in the W&B summary (the rest stay in result.json)."""
+
+
 def summary_values(result: dict[str, Any], strategy: str) -> dict[str, Any]:
-    """The flat W&B summary of a job, read from the same payload as result.json."""
-    out: dict[str, float | None] = {
-        "world_size": result["world_size"],  # a number panels can plot against (throughput vs ranks)
-        "params": result["params"],
-        "final_loss": result["final_loss"],
-        "param_digest/sum": result["param_digest"]["sum"],
-        "param_digest/l2": result["param_digest"]["l2"],
-    }
-    for key, value in result["throughput"].items():
-        if not isinstance(value, list):  # every step's time is result.json's (and the history's)
-            out[f"throughput/{key}"] = value
+    """The W&B summary of a job: each of result.json's numbers under its path there, the
+    keys joined by ``/`` (``memory/peak_allocated_mib_max``, ``memory/per_rank/0/peak_allocated_mib``,
+    ``throughput/samples_per_s``): one name per figure, the name ``objective=`` takes too.
+    Beside them, ``by_strategy/<strategy>/<figure>`` copies two figures for a panel per strategy."""
+    out: dict[str, Any] = {k: result[k] for k in ("world_size", "params", "final_loss") if k in result}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                walk(f"{prefix}/{key}", inner)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[prefix] = value  # lists (every step's time) stay in result.json and the history
+
+    for section in ("param_digest", "throughput", "device"):
+        walk(section, result.get(section) or {})
+    memory = result.get("memory") or {}
+    for key, value in memory.items():
+        if key != "per_rank":
+            walk(f"memory/{key}", value)
+    for index, entry in enumerate(memory.get("per_rank") or []):
+        for key in PER_RANK_FIGURES:
+            walk(f"memory/per_rank/{index}/{key}", entry.get(key))
     # Keyed by strategy, so that a panel per strategy plots only that strategy's runs
     # (memory and speed against world size, in the sweep's saved workspace).
-    strategy = f"by_strategy/{strategy}"
-    out[f"{strategy}/samples_per_s"] = result["throughput"].get("samples_per_s")
-    out[f"{strategy}/peak_allocated_mib_max"] = (result.get("memory") or {}).get("peak_allocated_mib_max")
-    for key, value in ((result.get("eval") or {}).get("final") or {}).items():
-        out[key] = value  # eval/accuracy, eval/f1, eval/perplexity, eval/loss: the final pass
-    return out
-
-
-def memory_values(memory: dict[str, Any]) -> dict[str, float]:
-    """Per-rank, max-over-ranks and mean-over-ranks memory, as ``mem/...`` keys."""
-    out = {}
-    for entry in memory["per_rank"]:
-        prefix = f"mem/rank{entry['rank']}"
-        for key in ("peak_allocated_mib", "peak_reserved_mib"):
-            if entry.get(key) is not None:
-                out[f"{prefix}/{key}"] = entry[key]
-        out[f"{prefix}/model_states_mib"] = sum(entry["model_states_mib"].values())
-        out[f"{prefix}/predicted_model_states_mib"] = sum(entry["predicted_model_states_mib"].values())
-        for key in ("predicted_peak_mib", "peak_rel_error"):
-            if entry.get(key) is not None:
-                out[f"{prefix}/{key}"] = entry[key]
-    peaks = [e["peak_allocated_mib"] for e in memory["per_rank"] if e.get("peak_allocated_mib") is not None]
-    out.update(across_ranks("peak_allocated_mib", peaks))
-    keys = (
-        "peak_allocated_mib_max",
-        "peak_allocated_mib_mean",
-        "model_states_mib_max",
-        "predicted_model_states_mib_max",
-    )
-    for key in keys + ("predicted_peak_mib_max", "predicted_peak_mib_mean", "peak_rel_error_max"):
-        if memory.get(key) is not None:
-            out[f"mem/{key}"] = memory[key]
+    out[f"by_strategy/{strategy}/samples_per_s"] = (result.get("throughput") or {}).get("samples_per_s")
+    out[f"by_strategy/{strategy}/peak_allocated_mib_max"] = memory.get("peak_allocated_mib_max")
+    # The final evaluation pass is the last point of the history's eval/... series: W&B's
+    # summary of each series is that value, under the series' own name.
     return out
 
 
@@ -193,7 +184,7 @@ def across_ranks(name: str, values: list[float]) -> dict[str, float]:
     n = len(ordered)
     median = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
     return {
-        f"mem/ranks/{name}_min": ordered[0],
-        f"mem/ranks/{name}_median": median,
-        f"mem/ranks/{name}_max": ordered[-1],
+        f"memory/{name}_min": ordered[0],
+        f"memory/{name}_median": median,
+        f"memory/{name}_max": ordered[-1],
     }

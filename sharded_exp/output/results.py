@@ -224,6 +224,15 @@ def memory_section(
         values = [r.get(key) for r in per_rank]
         return sum(values) / len(values) if values and all(v is not None for v in values) else None
 
+    def band(key):  # the smallest and the median over ranks (a dashboard's band at 64 ranks)
+        values = sorted(r[key] for r in per_rank if r.get(key) is not None)
+        if not values:
+            return None, None
+        n = len(values)
+        return values[0], values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
+
+    peak_min, peak_median = band("peak_allocated_mib")
+
     # Gathered (unsharded) parameters on top of the resident ones, e.g. FSDP's units.
     measured_transient = [
         r["peak_breakdown_mib"]["Parameter"] - r["model_states_mib"]["params"]
@@ -239,6 +248,8 @@ def memory_section(
         # the average over ranks: what the seed study reported (a shard-sized rank and one that
         # holds a whole embedding average out; the maximum is what must fit)
         "peak_allocated_mib_mean": average("peak_allocated_mib"),
+        "peak_allocated_mib_min": peak_min,
+        "peak_allocated_mib_median": peak_median,
         # Why a rank's peak is null: its tracker could not measure (the run went on).
         "peak_error": next((f"rank {r['rank']}: {r['peak_error']}" for r in per_rank if r.get("peak_error")), None),
         "peak_rss_mib_max": largest("peak_rss_mib"),

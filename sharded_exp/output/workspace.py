@@ -39,21 +39,23 @@ PER_RANK_UP_TO = 8
 """Beyond this many ranks, per-rank panels give way to the band over ranks."""
 
 BAND = ["min", "median", "max"]
+STATES = ["params", "grads", "optimizer"]
 
 
 def panel_keys(world_size: int, strategies: list[str]) -> dict[str, list[str]]:
     """The metric keys each section plots (summary or history keys of the sweep's runs)."""
     ranks = range(world_size) if world_size <= PER_RANK_UP_TO else []
     return {
-        "peak per rank": [f"mem/rank{r}/peak_allocated_mib" for r in ranks]
-        or [f"mem/ranks/peak_allocated_mib_{b}" for b in BAND],
-        "model states per rank": [f"mem/rank{r}/model_states_mib" for r in ranks] or ["mem/model_states_mib_max"],
-        "memory over time per rank": [f"mem/rank{r}/allocated_mib" for r in ranks],
-        "memory over time across ranks": [f"mem/ranks/allocated_mib_{b}" for b in BAND],
+        "peak per rank": [f"memory/per_rank/{r}/peak_allocated_mib" for r in ranks]
+        or [f"memory/peak_allocated_mib_{b}" for b in BAND],
+        "model states per rank": [f"memory/per_rank/{r}/model_states_mib/{part}" for r in ranks for part in STATES]
+        or ["memory/model_states_mib_max"],
+        "memory over time per rank": [f"memory/per_rank/{r}/allocated_mib" for r in ranks],
+        "memory over time across ranks": [f"memory/allocated_mib_{b}" for b in BAND],
         "memory vs world size": [f"by_strategy/{s}/peak_allocated_mib_max" for s in strategies],
         "throughput vs world size": [f"by_strategy/{s}/samples_per_s" for s in strategies],
-        "predicted vs measured": ["mem/predicted_peak_mib_max", "mem/peak_allocated_mib_max"],
-        "parallel coordinates": ["mem/peak_allocated_mib_max", "throughput/samples_per_s", "final_loss"],
+        "predicted vs measured": ["memory/predicted_peak_mib_max", "memory/peak_allocated_mib_max"],
+        "parallel coordinates": ["memory/peak_allocated_mib_max", "throughput/samples_per_s", "final_loss"],
     }
 
 

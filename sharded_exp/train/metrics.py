@@ -27,7 +27,7 @@ class IntervalMetrics:
 
     Each rank's memory at the end of the interval rides along in the same reduction (its
     own three slots of a per-rank vector, zeros elsewhere: a sum is then a gather), so
-    rank 0 logs every rank's ``mem/rank{r}/allocated_mib``, ``peak_allocated_mib`` and
+    rank 0 logs every rank's ``memory/per_rank/{r}/allocated_mib``, ``peak_allocated_mib`` and
     (CUDA) ``reserved_mib`` without a collective of its own. ``probe() -> (allocated,
     peak, reserved or -1)`` in MiB reads this rank's memory (``MemoryMeter.now``).
     """
@@ -110,10 +110,10 @@ class IntervalMetrics:
             values = values[n:]
         for r in range(len(values) // 3):
             allocated, peak, reserved = values[3 * r : 3 * r + 3]
-            record[f"mem/rank{r}/allocated_mib"] = allocated
-            record[f"mem/rank{r}/peak_allocated_mib"] = peak
+            record[f"memory/per_rank/{r}/allocated_mib"] = allocated
+            record[f"memory/per_rank/{r}/peak_allocated_mib"] = peak
             if reserved >= 0:
-                record[f"mem/rank{r}/reserved_mib"] = reserved
+                record[f"memory/per_rank/{r}/reserved_mib"] = reserved
         record.update(across_ranks("allocated_mib", values[0::3]))
         return record
 
@@ -141,8 +141,8 @@ class IntervalLog:
         if record is None:
             return
         self.history.append(record)
-        # mem/... keys keep their name; loss and accuracy/perplexity are train/...
-        values = {k if k.startswith("mem/") else f"train/{k}": v for k, v in record.items() if k != "step"}
+        # under the names the history in result.json has (one name per figure)
+        values = {k: v for k, v in record.items() if k != "step"}
         self._pending.append((record["step"], values))
         ready = sorted((e for e in self._pending if e[0] <= record["step"]), key=lambda e: e[0])
         self._pending = [e for e in self._pending if e[0] > record["step"]]

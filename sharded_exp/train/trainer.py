@@ -30,7 +30,7 @@ from sharded_exp.measure.flops import utilisation
 from sharded_exp.measure.profile import trace_path
 from sharded_exp.measure.snapshot import MemoryHistory
 from sharded_exp.measure.tracker import MemoryMeter, model_state_mib, process_peak_rss_mib
-from sharded_exp.output.loggers import build_logger, memory_values, summary_values
+from sharded_exp.output.loggers import build_logger, summary_values
 from sharded_exp.output.results import memory_section, training_result
 from sharded_exp.strategies.base import Strategy
 from sharded_exp.train import components, faults, liveness
@@ -258,7 +258,6 @@ def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: Me
             timeline=timeline,
             device=device_info(device),
         )
-        logger.log(memory_values(payload["memory"]), step=payload["steps_done"])
         logger.summary(summary_values(payload, cfg.strategy.name))
     logger.finish(exit_code=1 if payload is not None and payload["status"] == "diverged" else 0)
     return payload
