@@ -111,10 +111,15 @@ class TrainerConfig:
     """Ranks to start (ignored when launched by torchrun/SLURM, which set the ranks)."""
     accelerator: Accelerator = Accelerator.auto
     """auto (GPU if CUDA is available), cpu (gloo) or gpu (NCCL, one GPU per rank)."""
-    steps: int = 30
+    steps: int = 35
     """Optimizer steps to run."""
     warmup_steps: int = 5
     """First steps excluded from timing (allocator warm-up, lazy init)."""
+    min_timed_steps: int = 30
+    """Timed steps (after warm-up) a stable median needs: fewer are warned of before the run and
+    named in a sweep's report (their speed intervals are wide). 30 is measured
+    (``python -m benchmarks.timed_steps``): the median step's 95% interval within +-5% for the
+    GPT at 2 ranks, ddp and fsdp, on 2 shared CPU cores; 0 turns the check off."""
     batch_size: int = 32
     """Samples per rank per micro-batch; the global batch is batch_size*grad_accum*world_size."""
     grad_accum: int = 1

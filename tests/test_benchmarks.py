@@ -133,6 +133,13 @@ def test_data_time_smoke(tmp_path):
     assert point["make_s"] > 0 and data["gpt2_small_chain_s"] > 0
 
 
+def test_timed_steps_smoke(tmp_path):
+    data = bench("timed_steps", "--models", "mlp", "--strategies", "ddp", "--timed", "12", cwd=tmp_path)
+    [job] = data["jobs"]
+    assert job["model"] == "mlp" and set(job["half_width_by_n"]) == {"6", "8", "10"}  # the windows 12 steps hold
+    assert all(w >= 0 for w in job["half_width_by_n"].values()) and data["timed"] == 12
+
+
 def test_device_check_dry_run_on_cpu(tmp_path):
     """The device script's own code, on CPU (the GPU run is the device machine's)."""
     data = bench("device_check", "--accelerator", "cpu", "--quick", "--only", "parent", "matrix", "adam", "limit",

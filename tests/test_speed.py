@@ -92,3 +92,15 @@ def test_two_identical_points_read_within_noise_and_a_slowed_point_does_not(tmp_
     slow = next(c for c in line.split(";") if "(slow_0)" in c)
     assert "within noise" not in slow, slow  # 50 ms a forward: a real difference, said as one
     assert float(slow.split(" runs at ")[1].split("x")[0]) < 0.5, slow
+
+
+def test_points_with_fewer_timed_steps_than_the_setting_are_named():
+    """trainer.min_timed_steps (measured: benchmarks/timed_steps.py): a point timed on fewer
+    steps is named in the report's speed notes; one timed on enough is not."""
+    few, enough = _point(0, 1, 100.0, 0.1), _point(1, 2, 101.0, 0.1)
+    for point, timed in ((few, 12), (enough, 30)):
+        point["throughput"]["timed_steps"] = timed
+        point["config"] = {"trainer": {"min_timed_steps": 30}}
+    notes = speed_notes(build_rows([few, enough]))
+    assert "**Few timed steps:** point 0 (12 of trainer.min_timed_steps=30)" in notes and "point 1 (30 of" not in notes
+    assert "Few timed steps" not in speed_notes(build_rows([enough]))

@@ -191,6 +191,7 @@ def check_values(cfg) -> None:
         f"trainer.warmup_steps={t.warmup_steps} must be >= 0 and < trainer.steps={t.steps} "
         "(steps after warm-up are the timed ones)",
     )
+    _require(t.min_timed_steps >= 0, f"trainer.min_timed_steps={t.min_timed_steps} must be >= 0 (0: no check)")
     _require(
         not t.profile or t.warmup_steps + t.profile_steps < t.steps,
         f"trainer.profile_steps={t.profile_steps} needs trainer.steps={t.steps} > trainer.warmup_steps="

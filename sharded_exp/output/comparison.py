@@ -154,6 +154,7 @@ def _row(r: dict[str, Any]) -> dict[str, Any]:
         "samples_per_s_ci95_high": tp.get("samples_per_s_ci95_high"),
         "step_time_s_iqr": tp.get("step_time_s_iqr"),
         "timed_steps": tp.get("timed_steps"),
+        "min_timed_steps": ((r.get("config") or {}).get("trainer") or {}).get("min_timed_steps"),
         "device": (r.get("device") or {}).get("type"),
         "threads_per_rank": (r.get("device") or {}).get("threads_per_rank"),
         "load_avg_1m": tp.get("load_avg_1m"),
@@ -660,6 +661,12 @@ def speed_notes(rows: list[dict[str, Any]]) -> str:
         "is the two intervals' extremes, and a ratio whose interval holds 1.0 is within noise. On CPU the "
         "ranks share the cores: fewer ranks run more threads each. Points: " + "; ".join(where) + "."
     )
+    few = [r for r in timed if r.get("min_timed_steps") and (r.get("timed_steps") or 0) < r["min_timed_steps"]]
+    if few:
+        text += ("\n\n**Few timed steps:** " +
+                 ", ".join(f"{r['_dir']} ({r.get('timed_steps') or 0} of trainer.min_timed_steps={r['min_timed_steps']})"
+                           for r in few) +
+                 ": their intervals are wide, and a difference among them may read as within noise.")  # fmt: skip
     loaded = [r for r in timed if r.get("load_avg_1m") is not None and r.get("cpu_count")
               and r["load_avg_1m"] > r["cpu_count"]]  # fmt: skip
     if loaded:

@@ -12,6 +12,7 @@ loop never asks which strategy it runs.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,8 @@ from sharded_exp.train import components as parts
 from sharded_exp.train import liveness
 from sharded_exp.train.metrics import IntervalLog
 from sharded_exp.train.step import train_step
+
+_log = logging.getLogger(__name__)  # ("log" is run_loop's interval log)
 
 
 def sync(device: torch.device) -> None:
@@ -51,13 +54,15 @@ class LoopSettings:
     compiled: bool = False
     profile_steps: int = 0
     """Steps profiled right after warm-up (trainer.profile); 0: none."""
+    min_timed_steps: int = 0
+    """Timed steps a stable median needs (trainer.min_timed_steps); fewer are warned of."""
 
     @classmethod
     def from_config(cls, trainer_cfg, label: str = "") -> "LoopSettings":
         t = trainer_cfg
         return cls(
             t.steps, t.warmup_steps, t.batch_size, t.grad_accum, t.grad_clip, t.log_interval, t.progress_bar, label,
-            bool(t.compile), t.profile_steps if t.profile else 0,
+            bool(t.compile), t.profile_steps if t.profile else 0, t.get("min_timed_steps", 0),
         )  # fmt: skip
 
 
@@ -169,6 +174,11 @@ def run_loop(
     """
     rank, world_size, device = dist.get_rank(), dist.get_world_size(), meter.device
     windows = Windows.plan(loop, start, device, profiling=profile_path is not None)
+    timed = loop.steps - windows.timed_from
+    if rank == 0 and timed < loop.min_timed_steps:
+        _log.warning("%d timed step(s) (steps %d to %d): fewer than trainer.min_timed_steps=%d, so the median "
+                    "step's interval is wide; more trainer.steps time more", timed, windows.timed_from,
+                    loop.steps - 1, loop.min_timed_steps)  # fmt: skip
     # A DataLoader over a user's dataset, or the synthetic tasks' prefetcher; timed here.
     # No batch made in another thread beside a step the CPU tracker measures: it would not see it.
     quiet_until = windows.memory_end if device.type == "cpu" else start

@@ -67,7 +67,7 @@ RUNS = {
         "strategy.replicate=2", "strategy.param_dtype=float32", "strategy.reduce_dtype=bfloat16",
         "trainer.activation_checkpointing=full",
         "trainer.batch_size=4", "optimizer.lr=3e-3", "trainer.checkpoint_every=3", "trainer.checkpoint_format=dcp",
-        "trainer.checkpoint_async=true", "trainer.warmup_steps=2", "trainer.freeze=[model.embed_tokens.*]",
+        "trainer.checkpoint_async=true", "trainer.warmup_steps=2", "trainer.min_timed_steps=4", "trainer.freeze=[model.embed_tokens.*]",
         "trainer.timeout_s=90",
     ],
     # FSDP resharding after forward (ZeRO-3) on your own model: 4 steps with checkpoints ...
