@@ -364,3 +364,17 @@ def test_not_here_names_real_options():
     options = _options()
     for group, option in NOT_HERE:
         assert option in options[group], (group, option)
+
+
+def test_the_config_reference_is_generated_and_names_every_field():
+    """docs/reference/config.md is what ``python -m sharded_exp.reference`` writes (it cannot
+    drift from the schemas), and it names every field of every schema this test covers."""
+    from sharded_exp.reference import config_schemas, markdown
+
+    page = (ROOT / "docs" / "reference" / "config.md").read_text()
+    assert page == markdown(), "docs/reference/config.md is stale: python -m sharded_exp.reference > it"
+    assert set(config_schemas()) == set(_schemas())
+    for where, schema in _schemas().items():
+        group = where.partition(":")[0]
+        for f in dataclasses.fields(schema):
+            assert f"| `{group}.{f.name}` |" in page, (where, f.name)

@@ -21,6 +21,18 @@ def test_the_published_schema_is_the_one_the_models_generate():
     jsonschema.Draft202012Validator.check_schema(published)
 
 
+def test_the_result_reference_page_is_generated_and_names_every_key():
+    from sharded_exp.reference import result_markdown
+
+    page = (ROOT / "docs" / "reference" / "result.md").read_text()
+    assert page == result_markdown(), "docs/reference/result.md is stale: python -m sharded_exp.reference result > it"
+    schema = job_result.schema()
+    for section in [schema, *schema["$defs"].values()]:
+        for key in section.get("properties", {}):
+            assert f"| `{key}` |" in page, key
+    assert "| - |" not in page, "every key of result.json says what it means (a docstring under its field)"
+
+
 def test_a_result_with_a_key_no_model_declares_is_written_with_a_warning(tmp_path, capsys):
     result = {"status": "ok", "strategy": "ddp", "precision": "32", "model": "mlp", "optimizer": "adam",
               "output_dir": str(tmp_path), "config": {}, "surprise": 1}  # fmt: skip

@@ -43,64 +43,101 @@ class Digest(_Closed):
     """float64 sum and L2 norm of a model's state (the same for every strategy)."""
 
     sum: float
+    """Sum of every element, in float64."""
     l2: float
+    """L2 norm over every element, in float64."""
 
 
 class ZeroGrad(_Closed):
     requested: str
+    """trainer.zero_grad as set."""
     applied: str
+    """What the strategy did."""
     reason: str | None = None
+    """Why they differ, or null."""
 
 
 class Device(_Open):
     """What the job ran on (``accelerator`` is only what was asked for)."""
 
     type: Literal["cpu", "cuda"]
+    """cuda or cpu."""
     name: str | None = None
+    """The GPU's or CPU's model name."""
     count: int | None = None
+    """GPUs visible, or CPU cores."""
     threads_per_rank: int | None = None
+    """Intra-op threads each rank ran (CPU: the cores shared among the ranks)."""
     memory_gib: float | None = None
+    """The GPU's memory."""
     capability: str | None = None
+    """CUDA compute capability."""
     cuda: str | None = None
+    """CUDA version torch was built with."""
     nccl: str | None = None
+    """NCCL version."""
 
 
 class Throughput(_Open):
     """Speed of the timed steps (the steps after warm-up, the memory tracker and profiling)."""
 
     samples_per_s: float | None = None
+    """Samples per second of all ranks at the median step."""
     tokens_per_s: float | None = None
+    """Tokens per second (language models)."""
     step_time_s_median: float | None = None
+    """The median timed step."""
     step_time_s_iqr: float | None = None
+    """Its interquartile range."""
     step_time_s_ci95_low: float | None = None
     """The median step time's 95% confidence interval (order statistics; None under 6 steps)."""
     step_time_s_ci95_high: float | None = None
+    """The median's 95% interval, upper end (order statistics; null under 6 steps)."""
     samples_per_s_ci95_low: float | None = None
+    """samples_per_s's 95% interval, lower end."""
     samples_per_s_ci95_high: float | None = None
+    """samples_per_s's 95% interval, upper end."""
     step_time_s_mean: float | None = None
+    """The mean timed step."""
     timed_steps: int | None = None
+    """Steps timed (after warm-up, the CPU tracker's and the profiler's steps)."""
     step_times_s: list[float] | None = None
     """Every timed step's time, in order."""
     load_avg_1m: float | None = None
     """The machine's 1-minute load average over the timed steps (the larger of its start and end)."""
     cpu_count: int | None = None
+    """Cores of the machine."""
     loop_time_s_per_step: float | None = None
+    """Whole loop iterations, harness included."""
     data_time_s_per_step: float | None = None
+    """The median wait for a step's batches plus their copy to the device."""
     data_prefetched: bool | int | None = None
+    """Whether batches were made one step ahead in a background thread."""
     first_step_s: float | None = None
+    """The first step's time."""
     compile_s: float | None = None
+    """trainer.compile's extra time in the step that compiled."""
     model_flops_per_step: float | None = None
+    """The model's FLOPs per step, all ranks."""
     model_flops_per_step_per_rank: float | None = None
+    """The same, per rank."""
     achieved_flops_per_s: float | None = None
+    """model FLOPs per second per rank at the median step."""
     peak_flops_per_s: float | None = None
+    """The device's peak FLOPs per second."""
     peak_flops_source: str | None = None
+    """Where that peak comes from (a table, or a matmul measured on this CPU)."""
     mfu_pct: float | None = None
+    """Model FLOPs utilisation, in percent."""
 
 
 class Evaluation(_Closed):
     final: dict[str, float]
+    """The last pass: eval/loss and the task's metrics (eval/accuracy, eval/f1, eval/perplexity)."""
     history: list[dict[str, float | int]]
+    """Every pass, with its step."""
     seconds: float
+    """Time the passes took (untimed steps)."""
 
 
 class RankMemory(_Open):
@@ -108,80 +145,133 @@ class RankMemory(_Open):
     strategy or a device adds are open keys)."""
 
     rank: int
+    """The rank."""
     peak_allocated_mib: float | None = None
+    """This rank's peak of live tensors over the measured steps."""
     peak_reserved_mib: float | None = None
+    """CUDA: the caching allocator's peak reserved bytes."""
     peak_error: str | None = None
+    """Why this rank's peak is null."""
     freed_off_thread_max_mib: float | None = None
     """CPU: the largest tensor a thread other than the training one freed while memory was
     tracked (gloo's worker, dropping a collective's buffer after the training thread moved
     on): the measured peak may hold one such buffer more than the prediction (program
     order); None on CUDA, whose allocator counters need no such note."""
     predicted_peak_mib: float | None = None
+    """This rank's predicted peak."""
     model_states_mib: dict[str, float] | None = None
+    """params, grads, optimizer: what this rank holds, from the real tensors."""
     predicted_model_states_mib: dict[str, float] | None = None
+    """The same, predicted."""
 
 
 class Memory(_Open):
     """Measured and predicted memory per rank, and their largest and mean over ranks."""
 
     per_rank: list[RankMemory] | None = None
+    """One entry per rank."""
     source: str | None = None
+    """cuda_allocator or torch_mem_tracker (CPU)."""
     memory_limit_applies_to: str | None = None
+    """What trainer.memory_limit_mib bounded: reserved bytes (CUDA) or live tensors (CPU)."""
     peak_allocated_mib_max: float | None = None
+    """The largest per-rank peak of live tensors: what must fit."""
     peak_allocated_mib_mean: float | None = None
+    """The per-rank peak averaged over ranks (the seed study's figure)."""
     predicted_peak_mib_max: float | None = None
+    """The largest predicted per-rank peak (one fake step)."""
     predicted_peak_mib_mean: float | None = None
+    """The predicted peak averaged over ranks."""
     predicted_model_states_mib_max: float | None = None
+    """The largest predicted parameters + gradients + optimizer state of a rank."""
     model_states_mib_max: float | None = None
+    """The largest measured parameters + gradients + optimizer state of a rank."""
     peak_rel_error_max: float | None = None
+    """The largest signed (predicted - measured) / measured over ranks."""
     peak_error: str | None = None
+    """Why a rank's peak is null (its tracker could not measure)."""
     oom_breakdown: dict[str, Any] | None = None
+    """What was live when the budget was first crossed: by category, by module, the phase; tracked_mib is the OOM's one number."""
     oom_breakdown_error: str | None = None
+    """Why an out-of-memory has no breakdown."""
 
 
 class Result(_Closed):
     """One job's result.json."""
 
     schema_version: int = SCHEMA_VERSION
+    """Which version of this schema the file follows (docs/result.schema.json)."""
     status: Literal["running", "ok", "stopped", "diverged", "oom", "failed"]
+    """running until the ranks finish; then ok, stopped (a signal), diverged (non-finite loss), oom or failed."""
     error: str | None = None
+    """Why the job did not end ok: the failing rank and its exception, or the refused setting; null when ok."""
     traceback: str | None = None
+    """The failing rank's traceback (also in rank<r>_error.json)."""
     # what the job is
     strategy: str
+    """The strategy option (strategy=...)."""
     precision: str
+    """32, 16 or bf16."""
     model: str
+    """The model option."""
     optimizer: str
+    """The optimizer option."""
     world_size: int | None = None
+    """Ranks that ran the job (torchrun's or SLURM's when they launched it)."""
     accelerator: str | None = None
+    """What trainer.accelerator asked for (auto, cpu, gpu); what ran it is device."""
     params: int | None = None
+    """Parameters of the model (counted on the meta device)."""
     steps: int | None = None
+    """trainer.steps."""
     output_dir: str
+    """The run directory."""
     config: dict[str, Any]
     """The resolved config with the parent's decisions (world size, checkpoint paths)."""
     overrides: list[str] | None = None
     """The point's overrides as typed (a sweep's point)."""
     sweep_id: str | None = None
+    """The sweep this point belongs to (a report leaves out other sweeps' points)."""
     launcher: str | None = None
+    """spawn (the parent started the ranks), torchrun or slurm."""
     zero_grad: ZeroGrad | None = None
+    """How gradients were cleared between steps."""
     # how it went
     signal: int | None = None
+    """The signal that stopped the job (status stopped)."""
     first_nonfinite_step: int | None = None
+    """The first step whose loss was not finite on some rank; -1: none."""
     start_step: int | None = None
+    """The step training started at (0, or the resumed checkpoint's)."""
     steps_done: int | None = None
+    """Steps completed when the job ended."""
     resumed_from: str | None = None
+    """The checkpoint a resumed run started from."""
     resume_changes: list[dict[str, Any]] | None = None
+    """Optimizer settings the config changed against the resumed checkpoint's."""
     checkpoint: str | None = None
+    """The newest complete checkpoint the job left (the one to resume)."""
     final_loss: float | None = None
+    """The mean loss over ranks of the last logged interval."""
     final_metrics: dict[str, float | int] | None = None
+    """The last interval's record (the history's names)."""
     param_digest: Digest | None = None
+    """float64 sum and L2 norm of the full model state, from each rank's shards: compares strategies."""
     history: list[dict[str, float | int]] | None = None
+    """One record per trainer.log_interval: step, loss, accuracy or perplexity, each rank's memory (memory/per_rank/<r>/...)."""
     eval: Evaluation | None = None
+    """The evaluation passes."""
     # what it measured
     memory: Memory | None = None
+    """Measured and predicted memory."""
     throughput: Throughput | None = None
+    """Speed of the timed steps."""
     profile: dict[str, Any] | None = None
+    """Where trainer.profile's traces went."""
     timeline: dict[str, float | None] | None = None
+    """Wall-clock times of the job's phases (start, ranks ready, first step, end)."""
     device: Device | None = None
+    """What ran the job."""
 
 
 def schema() -> dict[str, Any]:
