@@ -1,4 +1,4 @@
-"""The console scripts: ``sharded-exp``, ``sharded-exp-plan``, ``sharded-exp-report``.
+"""The console scripts: ``sharded-exp``, ``sharded-exp-plan``, ``sharded-exp-report``, ``sharded-exp-docs``.
 
 Each is the same program as its ``python -m`` form. This module imports only the standard
 library: ``sharded-exp`` starts the rank server before anything heavy is imported (as
@@ -33,5 +33,12 @@ def plan() -> int:
 def report() -> int:
     """``sharded-exp-report``: ``python -m sharded_exp.report``."""
     from sharded_exp.report import main
+
+    return main()
+
+
+def docs() -> int:
+    """``sharded-exp-docs``: ``python -m sharded_exp.pages``."""
+    from sharded_exp.pages import main
 
     return main()

@@ -40,6 +40,7 @@ def register_schemas(query: bool = False) -> None:
     cs.store(name="schema_optimizer_optimizer", node=config.OptimizerConfig)
     cs.store(name="schema_trainer_trainer", node=config.TrainerConfig)
     cs.store(name="schema_logger_logger", node=config.LoggerConfig)
+    cs.store(name="schema_paths_paths", node=config.PathsConfig)
     for name, node in registry_schemas(query).items():
         cs.store(name=name, node=node)
 

@@ -233,6 +233,20 @@ class LoggerConfig:
     """Seconds W&B may take to start before the job gives up on it and trains on."""
 
 
+# ------------------------------------------------------------------------------ paths
+@dataclass
+class PathsConfig:
+    output_dir: str = "outputs"
+    """Where jobs write: a run in ``<output_dir>/runs/<time>``, a sweep in
+    ``<output_dir>/multirun/<time>``, a job under torchrun or SLURM in
+    ``<output_dir>/runs/torchrun-<id>`` / ``slurm-<job>.<step>``. Relative to the working
+    directory. ``hydra.run.dir`` / ``hydra.sweep.dir`` still choose one directory exactly."""
+    data_dir: str = "data"
+    """Where your data files live, for the data settings to name:
+    ``data.path='${paths.data_dir}/train.conll'``. Nothing is read from it unless a setting
+    names it; relative to the working directory."""
+
+
 # ------------------------------------------------------------------------- the roots
 @dataclass
 class JobGroups:
@@ -251,8 +265,15 @@ class Config(JobGroups):
     """``conf/config.yaml``: ``python -m sharded_exp``."""
 
     logger: Any = MISSING
+    paths: PathsConfig = MISSING
     experiment: Optional[str] = None
     """Name of the experiment preset, if one was chosen (set by the preset)."""
+    hparams_search: Optional[str] = None
+    """Name of the hyperparameter search preset (``conf/hparams_search``), if one was chosen
+    (set by the preset)."""
+    debug: Optional[str] = None
+    """Name of the debugging preset (``conf/debug``: ``debug=fast``), if one was chosen (set by
+    the preset)."""
     objective: Optional[str] = None
     """The result.json number ``main`` returns, for Hydra's optimizing sweepers (Optuna):
     e.g. ``throughput/samples_per_s``; a leading ``-`` negates it

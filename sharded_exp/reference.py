@@ -19,8 +19,8 @@ import typing
 
 
 def config_schemas() -> dict[str, type]:
-    """Every schema by where its fields live: ``trainer``, or ``strategy:oss`` (the oss option's
-    schema under ``strategy``)."""
+    """Every schema by where its fields live: ``""`` (the root's own fields, ``objective``),
+    ``trainer``, or ``strategy:oss`` (the oss option's schema under ``strategy``)."""
     from sharded_exp import config
     from sharded_exp.data import TASKS
     from sharded_exp.models import MODELS
@@ -29,11 +29,13 @@ def config_schemas() -> dict[str, type]:
 
     import_plugins()
     out: dict[str, type] = {
+        "": config.Config,
         "trainer": config.TrainerConfig,
         "optimizer": config.OptimizerConfig,
         "precision": config.PrecisionConfig,
         "logger": config.LoggerConfig,
         "plan": config.PlanSettings,
+        "paths": config.PathsConfig,
     }
     for group, registry in (("strategy", STRATEGIES), ("model", MODELS), ("data", TASKS)):
         for name in registry.names():
@@ -76,6 +78,14 @@ def _type(t) -> str:
     return getattr(t, "__name__", str(t).replace("typing.", ""))
 
 
+def own_fields(cls: type) -> list[dataclasses.Field]:
+    """A schema's settings: its fields but the config groups a root holds (``strategy``,
+    ``trainer``: no default of their own, each a schema of its own here)."""
+    from omegaconf import MISSING
+
+    return [f for f in dataclasses.fields(cls) if f.default != MISSING]
+
+
 def _default(f: dataclasses.Field) -> str:
     if f.default_factory is not dataclasses.MISSING:
         value = f.default_factory()
@@ -97,13 +107,13 @@ def markdown() -> str:
     ]
     for where, cls in config_schemas().items():
         group, _, option = where.partition(":")
-        title = f"`{group}={option}`" if option else f"`{group}`"
+        title = f"`{group}={option}`" if option else f"`{group}`" if group else "Top level"
         docs, hints = field_docs(cls), typing.get_type_hints(cls)
         lines += ["", f"## {title}", "", "| field | type | default | meaning |", "|---|---|---|---|"]
-        for f in dataclasses.fields(cls):
+        for f in own_fields(cls):
             meaning = docs.get(f.name) or (f"the option chosen (`{group}={option}`)" if f.name == "name" else "-")
             kind = _type(hints.get(f.name, f.type)).replace("|", "\\|")
-            lines.append(f"| `{group}.{f.name}` | {kind} | `{_default(f)}` | {meaning.replace('|', chr(92) + '|')} |")
+            lines.append(f"| `{group + '.' if group else ''}{f.name}` | {kind} | `{_default(f)}` | {meaning.replace('|', chr(92) + '|')} |")
     lines += [
         "",
         "## Hugging Face and your own models",

@@ -167,7 +167,7 @@ def test_result_json_names_the_device_that_ran_the_job(shared_runs):
     assert device["type"] == "cpu" and device["count"] == os.cpu_count() and device["threads_per_rank"] >= 1
 
 
-def test_the_readme_places_per_rank_under_memory():
-    readme = (ROOT / "README.md").read_text()
-    assert "`memory.per_rank`" in readme
-    assert "result.json`: `per_rank`" not in readme and "top-level `per_rank`" not in readme
+def test_the_docs_place_per_rank_under_memory():
+    page = (ROOT / "docs" / "concepts" / "how-a-job-runs.md").read_text()
+    assert "`memory.per_rank`" in page
+    assert "result.json`: `per_rank`" not in page and "top-level `per_rank`" not in page

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from sharded_exp.compose import CONF_DIR
+from sharded_exp.reference import own_fields
 from tests.conftest import ROOT, compose_cfg, run_cli, tiny
 from tests.helpers.covering import ENV, RUNS
 from tests.helpers.runs import check_starts_from_saved
@@ -75,7 +76,11 @@ SWEEPS = {
     "seed_study_conll": ["experiment=seed_study_conll", "model.seq_len=16", "trainer.batch_size=2",
                          "model.config.num_hidden_layers=1", "data.path=__data__train.conll",
                          "data.tokenizer=__data__tok", "strategy=oss", *SWEEP_SHRINK],
+    # Optuna's preset, two trials of the smoke preset (the root's debug, hparams_search, objective).
+    "hparams_search": ["hparams_search=fastest", "debug=fast", "hydra.sweeper.n_trials=2"],
 }  # fmt: skip
+# paths.output_dir places each sweep (a preset's own hydra.sweep.dir is made from it)
+SWEEPS = {name: [*o, f"paths.output_dir=__tmp__sweep_{name}"] for name, o in SWEEPS.items()}
 SLOW_SWEEPS = {"seed_study_conll"}
 """Multirun sweeps (``python -m sharded_exp -m``, a real subprocess) ending in their report;
 a command-line sweep of a key replaces the preset's own values for it, as in Hydra."""
@@ -209,17 +214,29 @@ def test_covering_plan(name, capsys, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_SWEEPS else n for n in SWEEPS])
-def test_covering_sweep(name, tmp_path, placeholders):
-    proc = run_cli(["-m", *placeholders(SWEEPS[name]), f"hydra.sweep.dir={tmp_path}"], cwd=ROOT, timeout=300)
+def test_covering_sweep(name, placeholders):
+    overrides = placeholders(SWEEPS[name])
+    proc = run_cli(["-m", *overrides], cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    points = sorted(tmp_path.glob("*/result.json"))
+    root = Path(overrides[-1].partition("=")[2])  # paths.output_dir
+    (sweep,) = [p.parent for p in root.glob("*/*/report.md")]
+    assert sweep.parent.name == ("multirun" if name == "hparams_search" else name), sweep
+    points = sorted(sweep.glob("*/result.json"))
     assert points and all(json.loads(p.read_text())["status"] == "ok" for p in points)
-    assert (tmp_path / "report.md").exists() and (tmp_path / "report.csv").exists()
+    assert (sweep / "report.csv").exists()
+    if name == "hparams_search":  # Optuna's best trial is the fastest point, by result.json
+        import yaml
+
+        best = yaml.safe_load((sweep / "optimization_results.yaml").read_text())["best_value"]
+        results = [json.loads(p.read_text()) for p in points]
+        assert len(points) == 2 and all(r["config"]["trainer"]["steps"] == 2 for r in results)  # debug=fast
+        assert best == max(r["throughput"]["samples_per_s"] for r in results)
 
 
 # ------------------------------------------------------------------------ the coverage
 def _options() -> dict[str, list[str]]:
-    groups = ("strategy", "precision", "model", "optimizer", "data", "trainer", "logger", "experiment")
+    groups = ("strategy", "precision", "model", "optimizer", "data", "trainer", "logger", "paths", "experiment",
+              "hparams_search", "debug")  # fmt: skip
     return {g: sorted(p.stem for p in (Path(CONF_DIR) / g).glob("*.yaml")) for g in groups}
 
 
@@ -287,19 +304,19 @@ def test_every_field_and_option_is_set_by_a_real_run():
     # that uses that schema.
     for where, schema in _schemas().items():
         group, _, option = where.partition(":")
-        for f in dataclasses.fields(schema):
+        for f in own_fields(schema):
             if f.name == "name" or (where, f.name) in FIELDS_NOT_HERE:  # the option itself, covered above
                 continue
             covered_by = [
                 job
                 for job, cfg, _ in configs
-                if group in cfg
+                if (not group or group in cfg)
                 and (not option or cfg[group].get("name") == option)
-                and f.name in cfg[group]
-                and _plain(cfg[group][f.name]) != _plain(_default(f))
+                and f.name in (cfg[group] if group else cfg)
+                and _plain((cfg[group] if group else cfg)[f.name]) != _plain(_default(f))
             ]
             if not covered_by:
-                missing.append(f"field {group}.{f.name}" + (f" (of {group}={option})" if option else ""))
+                missing.append(f"field {group + '.' if group else ''}{f.name}" + (f" (of {group}={option})" if option else ""))
     # The Hugging Face and custom models have no schema (their YAML is the model's config):
     # each of their settings that is off by default (null, e.g. model.pretrained) is turned
     # on by some covering job with that kind of model.
@@ -363,5 +380,5 @@ def test_the_config_reference_is_generated_and_names_every_field():
     assert page == markdown(), "docs/reference/config.md is stale: python -m sharded_exp.reference > it"
     for where, schema in _schemas().items():
         group = where.partition(":")[0]
-        for f in dataclasses.fields(schema):
-            assert f"| `{group}.{f.name}` |" in page, (where, f.name)
+        for f in own_fields(schema):
+            assert f"| `{group + '.' if group else ''}{f.name}` |" in page, (where, f.name)

@@ -73,18 +73,19 @@ def slurm_layout(env) -> Layout | None:
 def shared_run_dir(env=os.environ) -> str | None:
     """The run directory every rank of an externally launched job agrees on, or None.
 
-    Hydra would give each rank its own ``outputs/runs/<time>`` (the times differ by
+    Hydra would give each rank its own ``<paths.output_dir>/runs/<time>`` (the times differ by
     microseconds), and a torchrun restart yet another. The launcher's job id names one
     directory instead: ``TORCHELASTIC_RUN_ID`` (torchrun's ``--rdzv-id``, a fresh id per
     ``--standalone`` invocation, the same across its restarts) or the SLURM job and step.
+    An interpolation of ``paths.output_dir``, which Hydra resolves.
     """
     layout = external_layout(env)
     if layout is None:
         return None
     if layout.launcher == "torchrun" and env.get("TORCHELASTIC_RUN_ID"):
-        return os.path.join("outputs", "runs", f"torchrun-{env['TORCHELASTIC_RUN_ID']}")
+        return f"${{paths.output_dir}}/runs/torchrun-{env['TORCHELASTIC_RUN_ID']}"
     if layout.launcher == "slurm":
-        return os.path.join("outputs", "runs", f"slurm-{env.get('SLURM_JOB_ID', '0')}.{env.get('SLURM_STEP_ID', '0')}")
+        return f"${{paths.output_dir}}/runs/slurm-{env.get('SLURM_JOB_ID', '0')}.{env.get('SLURM_STEP_ID', '0')}"
     return None
 
 

@@ -48,7 +48,7 @@ RUNS = {
         "trainer.batch_size=4",
         "optimizer.lr=3e-3", "trainer.grad_accum=2", "trainer.eval_every=2",
         "trainer.eval_batches=2", "trainer.log_interval=3", "trainer.steps=8",
-        "data=conll", "data.path=__data__train.conll", "data.tokenizer=__data__tok", "data.seed=3",
+        "data=conll", "data.path=__data__train.conll", "paths.data_dir=__data__tok", "data.tokenizer=${paths.data_dir}", "data.seed=3",
         "data.shuffle=false", "data.num_workers=1", "data.labels=[O,B-MISC,I-MISC,B-PER,I-PER,B-ORG,I-ORG,B-LOC,I-LOC]",
     ],
     # ZeRO-1's knobs, GPT-2 (causal LM), consolidated checkpoints of which one is kept.
