@@ -79,6 +79,12 @@ def test_wheel_runs_the_default_job_from_an_empty_directory(fresh_venv, tmp_path
     )
     assert {r["strategy"] for r in json.loads(plan.stdout)["rows"]} >= {"ddp", "fsdp"}
 
+    # The docs come with the wheel: --help points at them, sharded-exp-docs reads them.
+    docs = sh([fresh_venv / "bin" / "sharded-exp-docs"], tmp_path, env).stdout
+    assert str(fresh_venv) in docs and "getting-started/quickstart" in docs and "reference/config" in docs
+    page = sh([fresh_venv / "bin" / "sharded-exp-docs", "quickstart"], tmp_path, env).stdout
+    assert page.startswith("# Quickstart") and "debug=fast" in page
+
 
 def test_questions_completion_and_your_own_config_dir(fresh_venv, tmp_path):
     env = user_env(fresh_venv)
@@ -88,6 +94,7 @@ def test_questions_completion_and_your_own_config_dir(fresh_venv, tmp_path):
     help_s = time.perf_counter() - t0
     assert "strategy: ddp, fsdp, fsdp_grad_op, oss, sharded_ddp, zero1" in help_text
     assert "schema" not in help_text and "sharded-exp" in help_text
+    assert "Docs: sharded-exp-docs" in help_text and "README" not in help_text
     assert not (tmp_path / "outputs").exists(), "--help made a run directory"
     print(f"sharded-exp --help: {help_s:.2f} s")
 
