@@ -203,6 +203,10 @@ class Result(_Closed):
     """Which version of this schema the file follows (docs/result.schema.json)."""
     status: Literal["running", "ok", "stopped", "diverged", "oom", "failed"]
     """running until the ranks finish; then ok, stopped (a signal), diverged (non-finite loss), oom or failed."""
+    source: Literal["probe", "lightning", "transformers"] | None = None
+    """What measured the run when it was not sharded_exp's own loop: a probe in your own script
+    (``sharded_exp.probe``, ``sharded_exp.integrations.lightning`` or ``.transformers``); null for
+    sharded_exp's runs."""
     error: str | None = None
     """Why the job did not end ok: the failing rank and its exception, or the refused setting; null when ok."""
     traceback: str | None = None

@@ -202,6 +202,52 @@ def predicted_section(prediction: dict[str, Any], limit_applies_to: str | None =
     }
 
 
+def _largest(per_rank: list[dict[str, Any]]):
+    def largest(key):
+        values = [r[key] for r in per_rank if r.get(key) is not None]
+        return max(values) if values else None
+
+    return largest
+
+
+def _average(per_rank: list[dict[str, Any]]):
+    def average(key):  # over every rank, or None when a rank has no figure
+        values = [r.get(key) for r in per_rank]
+        return sum(values) / len(values) if values and all(v is not None for v in values) else None
+
+    return average
+
+
+def _band(per_rank: list[dict[str, Any]], key: str):
+    """The smallest and the median over ranks (a dashboard's band at 64 ranks)."""
+    values = sorted(r[key] for r in per_rank if r.get(key) is not None)
+    if not values:
+        return None, None
+    n = len(values)
+    return values[0], values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
+
+
+def largest_and_mean(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """The figures over ranks result.json's ``memory`` holds beside ``per_rank`` (a probe's
+    result too): the largest, mean, smallest and median peak, model states, the prediction."""
+    largest, average = _largest(per_rank), _average(per_rank)
+    peak_min, peak_median = _band(per_rank, "peak_allocated_mib")
+    return {
+        "peak_allocated_mib_max": largest("peak_allocated_mib"),
+        "peak_allocated_mib_mean": average("peak_allocated_mib"),
+        "peak_allocated_mib_min": peak_min,
+        "peak_allocated_mib_median": peak_median,
+        "peak_error": next((f"rank {r['rank']}: {r['peak_error']}" for r in per_rank if r.get("peak_error")), None),
+        "model_states_mib_max": max((sum(r["model_states_mib"].values()) for r in per_rank if r.get("model_states_mib")),
+                                    default=None),  # fmt: skip
+        "predicted_peak_mib_max": largest("predicted_peak_mib"),
+        "predicted_peak_mib_mean": average("predicted_peak_mib"),
+        "peak_rel_error_max": max(
+            (r["peak_rel_error"] for r in per_rank if r.get("peak_rel_error") is not None), key=abs, default=None
+        ),
+    }
+
+
 def memory_section(
     prediction: dict[str, Any], per_rank: list[dict[str, Any]], source: str, limit_applies_to: str | None = None
 ) -> dict[str, Any]:
@@ -216,22 +262,8 @@ def memory_section(
         # signed: below zero the prediction was too low (the dangerous direction)
         entry["peak_rel_error"] = (peak - measured) / measured if peak is not None and measured else None
 
-    def largest(key):
-        values = [r[key] for r in per_rank if r.get(key) is not None]
-        return max(values) if values else None
-
-    def average(key):  # over every rank, or None when a rank has no figure
-        values = [r.get(key) for r in per_rank]
-        return sum(values) / len(values) if values and all(v is not None for v in values) else None
-
-    def band(key):  # the smallest and the median over ranks (a dashboard's band at 64 ranks)
-        values = sorted(r[key] for r in per_rank if r.get(key) is not None)
-        if not values:
-            return None, None
-        n = len(values)
-        return values[0], values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
-
-    peak_min, peak_median = band("peak_allocated_mib")
+    largest, average = _largest(per_rank), _average(per_rank)
+    peak_min, peak_median = _band(per_rank, "peak_allocated_mib")
 
     # Gathered (unsharded) parameters on top of the resident ones, e.g. FSDP's units.
     measured_transient = [

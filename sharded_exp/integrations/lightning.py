@@ -1,0 +1,81 @@
+"""The probe as a Lightning ``Callback``: your LightningModule and Trainer, unchanged.
+
+    from sharded_exp.integrations.lightning import MemoryProbe
+
+    trainer = L.Trainer(strategy="ddp", devices=2, callbacks=[MemoryProbe("outputs/mine/ddp")])
+
+Works with ``lightning.pytorch`` and ``pytorch_lightning`` (whichever is installed, the
+former first). Per rank: the peak over a window after warm-up (the CUDA allocator, or the CPU
+tracker), its split, the median step time; the strategy as Lightning names it
+(``config.framework``) and in sharded_exp's names (``ddp``, ``fsdp``, ...); the fake-step
+prediction of the peak from the first batch and your ``training_step`` (its ``self.log`` calls
+do nothing while it runs fake). Rank 0 writes ``<run_dir>/result.json`` when training ends.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+try:
+    import lightning.pytorch as pl
+except ImportError:  # the older package name
+    import pytorch_lightning as pl
+
+from sharded_exp.probe import Probe
+from sharded_exp.probe.fake import loss_of
+
+PRECISIONS = {"32-true": "32", "32": "32", "16-mixed": "16", "16": "16", "bf16-mixed": "bf16", "bf16": "bf16",
+              "16-true": "16", "bf16-true": "bf16"}  # fmt: skip
+
+
+def _batch_size(batch: Any) -> int | None:
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else []
+    return next((v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+
+
+class MemoryProbe(pl.Callback):
+    def __init__(self, run_dir: str | None = None, *, warmup_steps: int = 5, track_steps: int = 2,
+                 samples_per_step: int | None = None, predict: bool = True):  # fmt: skip
+        self.run_dir, self.predict = run_dir, predict
+        self.options = {"warmup_steps": warmup_steps, "track_steps": track_steps}
+        self.samples_per_step = samples_per_step
+        self.probe: Probe | None = None
+        self.result: dict[str, Any] | None = None
+        self._global_step = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.probe is not None:
+            return
+        strategy = trainer.strategy
+        samples = self.samples_per_step or (_batch_size(batch) or 0) * trainer.accumulate_grad_batches or None
+        self.probe = Probe(
+            strategy.model or pl_module,
+            trainer.optimizers[0],
+            self.run_dir,
+            samples_per_step=samples,
+            precision=PRECISIONS.get(str(trainer.precision), str(trainer.precision)),
+            framework={"name": "lightning", "version": pl.__version__, "strategy": type(strategy).__name__,
+                       "precision": str(trainer.precision), "devices": trainer.num_devices,
+                       "num_nodes": trainer.num_nodes},  # fmt: skip
+            source="lightning",
+            **self.options,
+        )
+        self._global_step = trainer.global_step
+        if self.predict:
+            self.probe.predict(batch, lambda module, b: loss_of(module.training_step(b, batch_idx)),
+                               trainer.precision_plugin.forward_context())  # fmt: skip
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.probe is None or trainer.global_step == self._global_step:
+            return  # an accumulating micro-batch: the optimizer has not stepped
+        self._global_step = trainer.global_step
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        self.probe.step(loss if hasattr(loss, "detach") else None)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.probe is not None:
+            self.result = self.probe.close()

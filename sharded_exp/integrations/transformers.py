@@ -1,0 +1,85 @@
+"""The probe as a Hugging Face ``TrainerCallback``: your ``Trainer`` script, unchanged.
+
+    from sharded_exp.integrations.transformers import MemoryProbe
+
+    trainer = Trainer(model, args, train_dataset=..., callbacks=[MemoryProbe("outputs/mine/ddp")])
+
+Per rank: the peak over a window after warm-up, its split, the median step time; the
+strategy from the ``TrainingArguments`` (``fsdp``, ``deepspeed``, else DDP when distributed)
+in ``config.framework`` and in sharded_exp's names; the fake-step prediction of the peak from
+the model's first call (its keyword arguments, as the Trainer passes the batch; ``loss``
+from the output). Rank 0 writes ``<run_dir>/result.json`` when training ends, and the same
+summary keys into the W&B run the Trainer's ``WandbCallback`` opened, if any.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import transformers
+from transformers import TrainerCallback
+
+from sharded_exp.probe import Probe
+from sharded_exp.probe.fake import loss_of
+
+
+def _strategy(args) -> tuple[str, tuple[bool, bool]]:
+    """sharded_exp's name for the Trainer's strategy, and (under DDP, gradients as bucket views)."""
+    fsdp = " ".join(str(o) for o in (args.fsdp or [])) if not isinstance(args.fsdp, str) else args.fsdp
+    if fsdp:
+        return ("fsdp_grad_op" if "shard_grad_op" in fsdp else "fsdp"), (False, False)
+    if args.deepspeed:
+        return "deepspeed", (False, False)
+    if args.world_size > 1:
+        return "ddp", (True, False)  # the Trainer does not ask DDP for bucket views
+    return "single", (False, False)
+
+
+class MemoryProbe(TrainerCallback):
+    def __init__(self, run_dir: str | None = None, *, warmup_steps: int = 5, track_steps: int = 2,
+                 predict: bool = True):  # fmt: skip
+        self.run_dir, self.predict = run_dir, predict
+        self.options = {"warmup_steps": warmup_steps, "track_steps": track_steps}
+        self.probe: Probe | None = None
+        self.result: dict[str, Any] | None = None
+        self._hook = None
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        name, ddp = _strategy(args)
+        precision = "bf16" if args.bf16 else "16" if args.fp16 else "32"
+        self.probe = Probe(
+            model, optimizer, self.run_dir,
+            samples_per_step=args.per_device_train_batch_size * args.gradient_accumulation_steps,
+            precision=precision, strategy=name, ddp=ddp, source="transformers",
+            framework={"name": "transformers", "version": transformers.__version__, "world_size": args.world_size,
+                       "fsdp": str(args.fsdp or ""), "deepspeed": bool(args.deepspeed),
+                       "gradient_accumulation_steps": args.gradient_accumulation_steps},  # fmt: skip
+            **self.options,
+        )  # fmt: skip
+        if self.predict:
+            self._hook = model.register_forward_pre_hook(self._first_call, with_kwargs=True)
+
+    def _first_call(self, module, args, kwargs):
+        """The model's first call: its batch predicts the step (inside the Trainer's autocast)."""
+        self._hook.remove()
+        batch = {**kwargs, **{f"_{i}": a for i, a in enumerate(args)}}
+
+        def step(m, b):
+            positional = [b.pop(k) for k in sorted(k for k in b if k.startswith("_"))]
+            return loss_of(m(*positional, **b))
+
+        self.probe.predict(batch, step)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.probe is not None:
+            self.probe.step()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.probe is None:
+            return
+        losses = [r["loss"] for r in state.log_history if "loss" in r]
+        if losses:
+            import torch
+
+            self.probe.losses = [torch.tensor(losses[-1])]
+        self.result = self.probe.close()

@@ -1,0 +1,301 @@
+"""Measure your own training script: per-rank peak memory, its split, step time and a
+predicted peak, written as a sharded_exp ``result.json`` that the report compares.
+
+    from sharded_exp.probe import probe
+
+    with probe(model, optimizer, run_dir="outputs/mine/ddp", samples_per_step=32, example=batch) as p:
+        for batch in loader:
+            loss = model(batch).loss
+            loss.backward(); optimizer.step(); optimizer.zero_grad()
+            p.step(loss)
+
+The Lightning and Hugging Face ``Trainer`` callbacks (:mod:`sharded_exp.integrations`) are
+this class, driven by their framework's hooks. Steps, counted by :meth:`Probe.step`:
+
+- the first ``warmup_steps`` are neither measured for memory on CPU nor timed (the optimizer's
+  state appears, the allocator warms up);
+- on CPU the next ``track_steps`` run under the memory tracker (torch's ``MemTracker``, as in
+  sharded_exp's own runs: it slows every op, so these are not timed); on CUDA the allocator's
+  peak counts from the probe's start;
+- every later step is timed, up to ``close``.
+
+It never changes the training: no collective, no synchronisation and no read of a tensor's
+value before :meth:`Probe.close`, which gathers every rank's figures once (an all-gather on the
+default process group) and has rank 0 write ``<run_dir>/result.json`` and, when a W&B run is
+open in the process (``wandb.run``, as Lightning's ``WandbLogger`` and the Trainer's
+``WandbCallback`` make), the same summary keys a sharded_exp run logs, into that run.
+Measuring never breaks training: what cannot be measured or predicted is a null figure with
+the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from sharded_exp.measure.tracker import MIB, MemoryMeter, model_state_mib
+from sharded_exp.probe import fake
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def detect_strategy(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[str, dict[str, Any]]:
+    """The strategy in sharded_exp's names (``ddp``, ``zero1``, ``fsdp_grad_op``, ``fsdp``,
+    ``single``), read from the wrappers on the model and the optimizer, and what was found."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # Accelerate's and Lightning's wrappers
+    found: dict[str, Any] = {"model_wrapper": type(model).__name__, "optimizer": type(optimizer).__name__}
+    kinds = {type(m).__name__ for m in model.modules()}
+    if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
+        return "zero1", found
+    if "FullyShardedDataParallel" in kinds:  # FSDP1: its sharding strategy says which ZeRO stage
+        inner = next(m for m in model.modules() if type(m).__name__ == "FullyShardedDataParallel")
+        how = str(getattr(inner, "sharding_strategy", "FULL_SHARD")).rsplit(".", 1)[-1]
+        found["sharding_strategy"] = how
+        return {"SHARD_GRAD_OP": "fsdp_grad_op", "NO_SHARD": "ddp", "_HYBRID_SHARD_ZERO2": "fsdp_grad_op"}.get(
+            how, "fsdp"
+        ), found
+    if any(k.startswith("FSDP") for k in kinds):  # FSDP2's fully_shard
+        return "fsdp", found
+    if isinstance(model, DistributedDataParallel):
+        found["gradient_as_bucket_view"] = bool(getattr(model, "gradient_as_bucket_view", False))
+        return "ddp", found
+    dist = _dist()
+    return ("single" if dist is None or dist.get_world_size() == 1 else "unknown"), found
+
+
+def _precision(model: nn.Module) -> str:
+    dtype = next((p.dtype for p in model.parameters()), torch.float32)
+    return {torch.float32: "32", torch.float16: "16", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
+
+
+def _launcher() -> str:
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return "torchrun"
+    if os.environ.get("SLURM_PROCID") is not None and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        return "slurm"
+    return "user"
+
+
+class Probe:
+    """One rank's probe of a training loop (see the module's docstring)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        run_dir: str | None = None,
+        *,
+        warmup_steps: int = 5,
+        track_steps: int = 2,
+        samples_per_step: int | None = None,
+        tokens_per_step: int | None = None,
+        precision: str | None = None,
+        strategy: str | None = None,
+        framework: dict[str, Any] | None = None,
+        source: str = "probe",
+        example: Any = None,
+        step_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+        autocast: contextlib.AbstractContextManager | None = None,
+        wrapped_before: bool = True,
+        ddp: tuple[bool, bool] | None = None,
+    ):
+        if warmup_steps < 1 or track_steps < 1:
+            raise ValueError(f"warmup_steps={warmup_steps} and track_steps={track_steps} must be >= 1")
+        self.model = model
+        self.optimizer = getattr(optimizer, "optimizer", optimizer)  # the torch optimizer under a wrapper
+        self.run_dir = run_dir or os.path.join("outputs", "probe", time.strftime("%Y-%m-%d_%H-%M-%S"))
+        self.warmup_steps, self.track_steps = warmup_steps, track_steps
+        self.samples_per_step, self.tokens_per_step = samples_per_step, tokens_per_step
+        self.source, self.framework = source, framework or {}
+        self.precision = precision or _precision(model)
+        found_strategy, found = detect_strategy(model, optimizer)
+        self.strategy = strategy or found_strategy
+        self.framework.setdefault("found", found)
+        self.wrapped_before = wrapped_before
+        self.ddp = ddp or fake.ddp_of(model)  # (under DDP, gradients as bucket views)
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.meter = MemoryMeter(self.device)
+        self.steps = 0
+        self.losses: list[torch.Tensor] = []
+        self._step_marks: list[Any] = []  # perf_counter on CPU, CUDA events on a GPU
+        self._timed_from: int | None = None
+        self._memory: dict[str, Any] | None = None
+        self._closed = False
+        self.prediction: dict[str, Any] = {"peak_mib": None, "error": "no example batch was given (example=)"}
+        if example is not None:
+            self.predict(example, step_fn, autocast)
+        if self.device.type == "cuda":
+            self.meter.start()  # the allocator's peak from here
+            self._timed_from = warmup_steps
+
+    # ------------------------------------------------------------------ the loop's side
+    def predict(self, example: Any, step_fn=None, autocast=None) -> None:
+        """The fake step's peak for a batch like ``example`` (kept as shapes only)."""
+        self.prediction = fake.predict_peak(
+            self.model, self.optimizer, example, step_fn, autocast,
+            buckets_seen=self.device.type == "cuda" or not self.wrapped_before, ddp=self.ddp,
+        )  # fmt: skip
+
+    def step(self, loss: torch.Tensor | None = None) -> None:
+        """After each optimizer step. ``loss``: the step's loss (read once, at ``close``)."""
+        self.steps += 1
+        if loss is not None:
+            self.losses = [loss.detach()]  # the last one; no .item() here (no synchronisation)
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._step_marks.append(event)
+            return
+        self._step_marks.append(time.perf_counter())
+        if self.steps == self.warmup_steps:  # the tracker's window begins with the next step
+            self.meter.start(self.model, self.optimizer)
+        elif self.steps == self.warmup_steps + self.track_steps and self.meter.tracking:
+            self._memory = self.meter.stop()
+            self._timed_from = self.steps
+
+    # ---------------------------------------------------------------------- the figures
+    def _step_times(self) -> list[float]:
+        marks = self._step_marks
+        if self._timed_from is None or len(marks) <= self._timed_from:
+            return []
+        first = self._timed_from - 1  # the mark before the first timed step
+        if self.device.type == "cuda":
+            marks[-1].synchronize()
+            return [marks[i].elapsed_time(marks[i + 1]) / 1000 for i in range(first, len(marks) - 1)]
+        return [marks[i + 1] - marks[i] for i in range(first, len(marks) - 1)]
+
+    def _rank_figures(self) -> dict[str, Any]:
+        if self._memory is None:
+            self._memory = self.meter.stop() if (self.meter.tracking or self.device.type == "cuda") else {
+                "peak_allocated_mib": None,
+                "peak_error": self.meter.failure
+                or f"the probe saw {self.steps} step(s): the memory window needs warmup_steps={self.warmup_steps} "
+                f"+ track_steps={self.track_steps} on CPU",
+            }
+        states = model_state_mib(fake.unwrap(self.model)[0], [self.optimizer])
+        buckets_unseen = self.device.type != "cuda" and self.wrapped_before
+        entry = {
+            **{k: v for k, v in self._memory.items() if not k.startswith("build_")},
+            "model_states_mib": states,
+            "predicted_peak_mib": self.prediction.get("peak_mib"),
+            "unseen_buckets_mib": fake.trainable_mib(self.model) if buckets_unseen and self.ddp[0] else 0.0,
+            "step_times_s": self._step_times(),
+        }
+        measured, predicted = entry.get("peak_allocated_mib"), entry["predicted_peak_mib"]
+        entry["peak_rel_error"] = (predicted - measured) / measured if measured and predicted is not None else None
+        return entry
+
+    def close(self) -> dict[str, Any] | None:
+        """Gather every rank's figures (once) and write ``result.json`` on rank 0; returns the
+        result on rank 0, None elsewhere. Safe to call twice."""
+        if self._closed:
+            return None
+        self._closed = True
+        try:
+            mine = self._rank_figures()
+        except Exception as exc:  # noqa: BLE001 -- measuring never breaks training
+            mine = {"peak_allocated_mib": None, "peak_error": f"{type(exc).__name__}: {exc}"[:300], "step_times_s": []}
+        dist = _dist()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
+        mine["rank"] = rank
+        gathered = [None] * world
+        if dist:
+            dist.all_gather_object(gathered, mine)
+        else:
+            gathered = [mine]
+        if rank != 0:
+            return None
+        result = self._result(gathered, world)
+        from sharded_exp.job.result import write_result
+
+        write_result(self.run_dir, result)
+        self._to_wandb(result)
+        return result
+
+    def _result(self, per_rank: list[dict[str, Any]], world: int) -> dict[str, Any]:
+        from sharded_exp.output.results import largest_and_mean
+        from sharded_exp.train.metrics import throughput_stats
+
+        times = per_rank[0].pop("step_times_s", [])
+        for r in per_rank[1:]:
+            r.pop("step_times_s", None)
+        samples = (self.samples_per_step or 0) * world
+        throughput = throughput_stats(times, samples, (self.tokens_per_step or 0) * world, None) if times else {}
+        if not self.samples_per_step:
+            for key in [k for k in throughput if k.startswith("samples_per_s")]:
+                throughput[key] = None  # the step time stands; samples/s needs samples_per_step
+        memory = {
+            "source": self.meter.source,
+            "per_rank": per_rank,
+            **largest_and_mean(per_rank),
+            "peak_prediction": {k: v for k, v in self.prediction.items() if k != "peak_mib"},
+        }
+        if any(r.get("unseen_buckets_mib") for r in per_rank):
+            memory["peak_note"] = (
+                "CPU: the probe started after DDP wrapped the model, so DDP's reduce buckets (allocated then) are "
+                "not in the measured peak nor in the prediction; their size by DDP's rule is unseen_buckets_mib"
+            )
+        losses = [float(t) for t in self.losses]
+        params = sum(p.numel() for p in fake.unwrap(self.model)[0].parameters())
+        return {
+            "status": "ok",
+            "source": self.source,
+            "strategy": self.strategy,
+            "precision": self.precision,
+            "model": fake.model_name(self.model),
+            "optimizer": type(self.optimizer).__name__.lower(),
+            "world_size": world,
+            "accelerator": self.device.type,
+            "params": params,
+            "steps": self.steps,
+            "steps_done": self.steps,
+            "output_dir": os.path.abspath(self.run_dir),
+            "config": {"source": self.source, "framework": self.framework, "warmup_steps": self.warmup_steps,
+                       "track_steps": self.track_steps, "samples_per_step": self.samples_per_step},  # fmt: skip
+            "launcher": _launcher(),
+            "final_loss": losses[-1] if losses else None,
+            "memory": memory,
+            "throughput": throughput,
+            "device": {
+                "type": self.device.type,
+                "name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else platform.processor() or None,
+                "count": torch.cuda.device_count() if self.device.type == "cuda" else os.cpu_count(),
+                "threads_per_rank": torch.get_num_threads(),
+            },
+        }
+
+    def _to_wandb(self, result: dict[str, Any]) -> None:
+        wandb = sys.modules.get("wandb")  # never imported here: only a run the user opened
+        run = getattr(wandb, "run", None) if wandb is not None else None
+        if run is None:
+            return
+        try:
+            from sharded_exp.output.loggers import summary_values
+
+            run.summary.update({k: v for k, v in summary_values(result, self.strategy).items() if v is not None})
+        except Exception as exc:  # noqa: BLE001 -- W&B never fails the user's training
+            print(f"warning: sharded_exp probe: W&B summary not written: {exc}", file=sys.stderr)
+
+    def __enter__(self) -> "Probe":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def probe(model: nn.Module, optimizer: torch.optim.Optimizer, run_dir: str | None = None, **kwargs) -> Probe:
+    """A :class:`Probe` of a plain loop, as a context manager (``with probe(...) as p``)."""
+    return Probe(model, optimizer, run_dir, **kwargs)

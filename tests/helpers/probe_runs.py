@@ -1,0 +1,118 @@
+"""The probe's examples run with an independent measurement beside them (tests/test_probe.py).
+
+    python tests/helpers/probe_runs.py lightning OUT_JSON -- <examples/lightning_probe.py's arguments>
+    torchrun --nproc-per-node=2 tests/helpers/probe_runs.py hf OUT_JSON -- <hf_trainer_probe.py's arguments>
+    torchrun --nproc-per-node=2 tests/helpers/probe_runs.py plain OUT_JSON -- --wrap ddp --run-dir DIR
+
+After the probe's memory window (warm-up 5 steps, 2 tracked), each rank measures 2 later steps
+with torch's own ``MemTracker`` (not sharded_exp's subclass of it), tracking the same model and
+optimizer from the same point, and writes its peak to ``OUT_JSON.<rank>``: the steady step's
+peak, which the probe's must match.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+FROM, STEPS = 10, 2  # the independent window: steps 11 and 12 (the probe's: 6 and 7)
+
+
+class Window:
+    """torch's MemTracker over optimizer steps FROM+1 .. FROM+STEPS, entered and left at step ends."""
+
+    def __init__(self, out: str):
+        self.out, self.tracker, self.peak = out, None, None
+
+    def at_step_end(self, done: int, model, optimizer, rank: int) -> None:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        if done == FROM:
+            self.tracker = MemTracker()
+            self.tracker.track_external(model, optimizer)
+            self.tracker.__enter__()
+        elif self.tracker is not None and done < FROM + STEPS:
+            self.tracker.reset_mod_stats()
+        elif self.tracker is not None and done == FROM + STEPS:
+            self.tracker.__exit__(None, None, None)
+            snap = self.tracker.get_tracker_snapshot("peak")
+            total = sum(v.get("Total", 0) for v in snap.values()) / 2**20
+            Path(f"{self.out}.{rank}").write_text(json.dumps({"rank": rank, "peak_mib": total}))
+            self.tracker = None
+
+
+def plain(out: str, argv: list[str]) -> None:
+    import argparse
+    import os
+
+    import torch.distributed as dist
+
+    from examples import plain_loop_probe as ex
+    from sharded_exp.probe import probe
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--wrap", default="ddp")
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--steps", type=int, default=FROM + STEPS + 2)
+    args = ap.parse_args(argv)
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    device = torch.device("cpu")
+    model = ex.wrap(ex.build_model(), args.wrap, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = ex.batches(dist.get_rank(), 32, device)
+    batch = next(data)
+    window = Window(out)
+    with probe(model, optimizer, args.run_dir, samples_per_step=32, example=batch, step_fn=ex.step_fn) as p:
+        for done in range(1, args.steps + 1):
+            loss = ex.step_fn(model, batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            p.step(loss)
+            window.at_step_end(done, model, optimizer, dist.get_rank())
+            batch = next(data)
+    dist.destroy_process_group()
+    del os
+
+
+def lightning(out: str, argv: list[str]) -> None:
+    try:
+        import lightning.pytorch as pl
+    except ImportError:
+        import pytorch_lightning as pl
+
+    from examples import lightning_probe as ex
+
+    window = Window(out)
+
+    class Independent(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            window.at_step_end(trainer.global_step, trainer.strategy.model, trainer.optimizers[0], trainer.global_rank)
+
+    ex.main(argv, callbacks=[Independent()])
+
+
+def hf(out: str, argv: list[str]) -> None:
+    from transformers import TrainerCallback
+
+    from examples import hf_trainer_probe as ex
+
+    window = Window(out)
+
+    class Independent(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+            window.at_step_end(state.global_step, model, getattr(optimizer, "optimizer", optimizer), args.process_index)
+
+    ex.main(argv, callbacks=[Independent()])
+
+
+if __name__ == "__main__":
+    face, out, sep, *rest = sys.argv[1:]
+    assert sep == "--"
+    {"plain": plain, "lightning": lightning, "hf": hf}[face](out, rest)
