@@ -249,3 +249,9 @@ def test_golden_smoke_records_and_compare_flags_a_change(tmp_path):
     assert compare(altered("peak_5pct", peak(1.05))).returncode == 0  # measured: within 10%
     over = compare(altered("peak_20pct", peak(1.2)))
     assert over.returncode == 1 and "| measured | memory.peak_allocated_mib_max |" in over.stdout
+
+
+def test_probe_overhead_smoke(tmp_path):
+    data = bench("probe_overhead", "--pairs", "1", "--steps", "12", cwd=tmp_path)
+    [run] = data["pairs"]
+    assert run["bare_s"] > 0 and run["probed_s"] > 0 and data["median_overhead"] == run["overhead"]
