@@ -119,7 +119,8 @@ def test_covering_run(name, shared_runs, placeholders):
     cfg = result["config"]
     for o in placeholders(RUNS[name]):  # every override reached the job's resolved config
         key, value = o.lstrip("+").split("=", 1)
-        if "." in key and not value.startswith("[") and key != "trainer.resume":  # resume=auto: resolved
+        # resume=auto and ${...} interpolations are resolved in the job's config
+        if "." in key and not value.startswith("[") and key != "trainer.resume" and "${" not in value:
             section, *rest = key.split(".")
             node = cfg[section]
             for part in rest:

@@ -4,6 +4,7 @@ the chain its tables describe."""
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
@@ -67,6 +68,17 @@ def slow_task(seconds: float) -> Task:
 
 @pytest.mark.parametrize("seconds, ahead", [(0.0, False), (0.03, True)])
 def test_batches_are_made_ahead_only_when_making_them_costs_more_than_a_gil_switch(seconds, ahead):
+    # The decision against a switch interval far from either case: a loaded machine (CI shares
+    # it) can take more than Python's 5 ms to make even a trivial batch.
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(0.015)
+    try:
+        _made_ahead(seconds, ahead)
+    finally:
+        sys.setswitchinterval(switch)
+
+
+def _made_ahead(seconds: float, ahead: bool) -> None:
     task = slow_task(seconds)
     fetch = Prefetcher(task, rank=1, grad_accum=2, device=torch.device("cpu"), end=6)
     waits = []
