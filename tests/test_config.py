@@ -381,3 +381,14 @@ def test_preflight_decides_in_a_job_spec_and_leaves_the_composed_config_as_it_wa
     ranks_cfg = spec.cfg()
     with pytest.raises(Exception, match="read-only"):
         ranks_cfg.trainer.steps = 1
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_model_with_nothing_to_train_is_refused_before_spawn(strategy):
+    """Everything frozen, or no parameter at all: said in the parent, not by DDP's or the
+    optimizer's error in every rank (and not by the DDP fallback's error for an fsdp job)."""
+    with pytest.raises(ConfigError, match=r"trainer.freeze=\['\*'\] freezes every parameter of model=mlp"):
+        validate(compose_cfg(tiny([f"strategy={strategy}", "trainer.freeze=[*]"])))
+    empty = [f"strategy={strategy}", "model=custom", "model._target_=tests.user_models.build_without_parameters"]
+    with pytest.raises(ConfigError, match="model=custom has no parameters: there is nothing to train"):
+        validate(compose_cfg(tiny(empty)))

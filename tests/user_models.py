@@ -184,3 +184,13 @@ class Flat(nn.Module):
 
 def build_flat(in_features, num_classes):
     return Flat(in_features, num_classes)
+
+
+class _NoParameters(torch.nn.Module):
+    def forward(self, inputs, targets):
+        return {"loss": inputs.sum() * 0, "logits": inputs}
+
+
+def build_without_parameters(in_features, num_classes):
+    """A model with no parameter at all: nothing to train, refused before spawn."""
+    return _NoParameters()

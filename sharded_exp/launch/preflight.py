@@ -67,6 +67,13 @@ def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True)
         raise ConfigError(
             f"model={cfg.model.name} cannot be built with this config: {type(exc).__name__}: {exc}"
         ) from None
+    params = list(module.parameters())
+    _require(bool(params), f"model={cfg.model.name} has no parameters: there is nothing to train or to shard")
+    _require(
+        any(p.requires_grad for p in params),
+        f"trainer.freeze={list(cfg.trainer.freeze)} freezes every parameter of model={cfg.model.name}: "
+        "nothing would be trained; freeze fewer (e.g. trainer.freeze=[embed*])",
+    )
     levers = [f"trainer.activation_checkpointing={_accelerator(t)}" for t in [cfg.trainer.activation_checkpointing]
               if _accelerator(t) != "none"] + (["trainer.compile=true"] if cfg.trainer.compile else [])  # fmt: skip
     _require(
