@@ -392,3 +392,13 @@ def test_a_model_with_nothing_to_train_is_refused_before_spawn(strategy):
     empty = [f"strategy={strategy}", "model=custom", "model._target_=tests.user_models.build_without_parameters"]
     with pytest.raises(ConfigError, match="model=custom has no parameters: there is nothing to train"):
         validate(compose_cfg(tiny(empty)))
+
+
+@pytest.mark.parametrize("precision,param_dtype", [("16", "bfloat16"), ("bf16", "float16")])
+def test_an_fsdp_param_dtype_autocast_cannot_compute_with_is_refused(precision, param_dtype):
+    """Two half dtypes in one matmul crash every rank; said before spawn, naming what works."""
+    cfg = compose_cfg(tiny(["strategy=fsdp", f"precision={precision}", f"strategy.param_dtype={param_dtype}"]))
+    with pytest.raises(ConfigError, match=rf"strategy.param_dtype={param_dtype} is not precision={precision}'s"):
+        validate(cfg)
+    for fine in (["precision=32", "strategy.param_dtype=bfloat16"], [f"precision={precision}", "strategy.param_dtype=float32"]):
+        assert validate(compose_cfg(tiny(["strategy=fsdp", *fine]))) > 0
