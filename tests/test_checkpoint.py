@@ -403,3 +403,34 @@ def test_a_checkpoint_directory_is_held_by_one_job(tmp_path):
     with pytest.raises(ConfigError, match="is a file, not a directory"):
         start(["trainer.resume=auto", "trainer.checkpoint_every=1", f"trainer.checkpoint_dir={tmp_path / 'file'}"],
                tmp_path / "c")  # fmt: skip
+
+
+class _Planted:
+    """What a planted .metadata would run on unpickling: here, touching a file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_dcp_metadata_file_is_never_unpickled_beyond_dcps_own_classes(tmp_path):
+    """DCP unpickles .metadata with plain pickle; the parent reads it through an unpickler that
+    refuses any other class, so a planted file runs nothing before the refusal."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from sharded_exp.checkpoint.storage import read_dcp_metadata
+
+    real = tmp_path / "real"
+    dcp.save({"model.w": torch.ones(3, 2)}, checkpoint_id=str(real), no_dist=True)
+    assert list(read_dcp_metadata(str(real)).state_dict_metadata["model.w"].size) == [3, 2]
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    marker = tmp_path / "ran"
+    (planted / ".metadata").write_bytes(pickle.dumps(_Planted(str(marker))))
+    with pytest.raises(pickle.UnpicklingError, match="io.open is not a part of dcp's metadata"):
+        read_dcp_metadata(str(planted))
+    assert not marker.exists()
