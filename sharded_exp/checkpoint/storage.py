@@ -255,6 +255,19 @@ def hold_directory(directory: str, refusal):
     return f
 
 
+def remove_unfinished_saves(directory: str) -> list[str]:
+    """Remove the ``.step_<n>.tmp.<job>`` directories of saves that never finished (a job killed
+    while writing): called by the job that holds ``directory``, so no live save is among them.
+    Returns what was removed."""
+    removed = []
+    if os.path.isdir(directory):
+        for name in sorted(os.listdir(directory)):
+            if re.fullmatch(r"\.step_\d+\.tmp\..+", name) and os.path.isdir(os.path.join(directory, name)):
+                shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+                removed.append(os.path.join(directory, name))
+    return removed
+
+
 def hold_checkpoint_dir(directory: str):
     """Hold ``trainer.checkpoint_dir`` as the run directory is held: two live jobs never
     write checkpoints into one directory (the second is refused before its ranks start)."""

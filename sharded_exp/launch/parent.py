@@ -28,7 +28,13 @@ import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 
 from sharded_exp.checkpoint.plan import archive_later
-from sharded_exp.checkpoint.storage import complete_checkpoints, hold_checkpoint_dir, hold_directory, next_numbered
+from sharded_exp.checkpoint.storage import (
+    complete_checkpoints,
+    hold_checkpoint_dir,
+    hold_directory,
+    next_numbered,
+    remove_unfinished_saves,
+)
 from sharded_exp.errors import OOM_SIGNS, RunDirInUse, WontFit, writing
 from sharded_exp.job.result import SCHEMA_VERSION, TRAINED, write_result
 from sharded_exp.job.spec import JobSpec
@@ -121,6 +127,8 @@ def _launch(cfg, output_dir, job_files, started, layout, is_writer, launched, lo
         launch_locks.append(lock)  # released by launch()
     if is_writer and spec.checkpoint.every:
         launch_locks.append(hold_checkpoint_dir(spec.checkpoint.directory))
+        for stale in remove_unfinished_saves(spec.checkpoint.directory):  # ours now: no other job writes there
+            log.warning("removed %s: the temporary directory of a save that never finished", stale)
         archive_later(spec.checkpoint)
     if is_writer:
         archive_previous_attempt(output_dir, extra=(".hydra",) if job_files else ())
@@ -148,8 +156,10 @@ def _launch(cfg, output_dir, job_files, started, layout, is_writer, launched, lo
         result.setdefault("memory", predicted_section(spec.prediction, applies))  # what was expected, still
         if result["status"] == "oom":  # what the ranks that ran out held (from their error records)
             result["memory"].update(oom_memory(rank_failures(output_dir)))
-        if isinstance(exc, Stopped):  # killed mid-way: the newest complete checkpoint is the one to resume
-            found = complete_checkpoints(spec.checkpoint.directory)
+        if spec.checkpoint.every or isinstance(exc, Stopped):
+            # stopped, killed or failed mid-way (in a save too): the newest complete checkpoint is the one to resume
+            directory = spec.checkpoint.directory
+            found = complete_checkpoints(directory) if directory and os.path.isdir(directory) else []
             result["checkpoint"] = found[-1][1] if found else None
     if is_writer:
         with contextlib.suppress(OSError):
