@@ -133,3 +133,22 @@ def test_a_tokenizer_larger_than_the_saved_vocabulary_gets_advice_that_works(tmp
     with pytest.raises(ConfigError, match="model.vocab_size cannot override") as refused:
         preflight.check(cfg, str(tmp_path_factory.mktemp("out")), peak=False)
     assert "resize_token_embeddings(120)" in str(refused.value) and "set model.vocab_size" not in str(refused.value)
+
+
+def test_a_saved_directory_that_changes_after_pre_flight_is_refused_by_the_ranks(tmp_path_factory, tmp_path):
+    """The ranks load what the parent checked: a config.json swapped in between is named, not trained."""
+    import json
+    import shutil
+
+    from sharded_exp.launch import preflight
+    from sharded_exp.models.target import build_target_model
+
+    saved = tmp_path / "saved"
+    shutil.copytree(saved_tiny_hf(tmp_path_factory, "gpt2"), saved)
+    cfg = compose_cfg(["model=hf_gpt2", f"model.pretrained={saved}", "model.seq_len=16"])
+    checked = preflight.check(cfg, str(tmp_path / "out"), peak=False).config["model"]
+    assert build_target_model(checked, weights=True).transformer.wte.weight.shape == (96, 32)
+    config = json.loads((saved / "config.json").read_text())
+    (saved / "config.json").write_text(json.dumps({**config, "n_layer": 3}))  # another model, after the check
+    with pytest.raises(ConfigError, match="changed after the job was checked"):
+        build_target_model(checked, weights=True)

@@ -223,11 +223,30 @@ def check_pretrained(model_cfg) -> None:
         )
 
 
+def _unchanged_since_checked(data: dict) -> None:
+    """The ranks load the directory pre-flight checked: its config.json must still be the one the
+    parent read (and wrote into the job's config as ``model.config``), or the job would train
+    another model than its prediction, result.json and W&B name."""
+    import json
+
+    checked = data.get("config")
+    if not isinstance(checked, dict):
+        return
+    now = json.loads(pretrained_config(data).to_json_string(use_diff=True))
+    if {k: v for k, v in checked.items() if k != "_target_"} != now:
+        raise ConfigError(
+            f"model.pretrained={data['pretrained']} changed after the job was checked: its config.json is not the "
+            "one pre-flight read (the job would train another model than it predicted and records); keep the "
+            "directory unchanged while a job reads it, and start the job again"
+        )
+
+
 def _pretrained_model(data: dict, weights: bool) -> nn.Module:
     import torch
 
     cls = pretrained_class(data)
     if weights:
+        _unchanged_since_checked(data)
         from transformers.utils import logging
 
         logging.disable_progress_bar()  # one bar per rank, for a load of a second or two
