@@ -402,3 +402,17 @@ def test_an_fsdp_param_dtype_autocast_cannot_compute_with_is_refused(precision, 
         validate(cfg)
     for fine in (["precision=32", "strategy.param_dtype=bfloat16"], [f"precision={precision}", "strategy.param_dtype=float32"]):
         assert validate(compose_cfg(tiny(["strategy=fsdp", *fine]))) > 0
+
+
+def test_messages_read_as_english(capsys):
+    """One sample is a sample; an MLP has no layers to find, and is no raw count (a lever "acts" on
+    units: tests/test_levers.py)."""
+    from types import SimpleNamespace
+
+    from sharded_exp.data.loader import check_fits
+    from sharded_exp.plan import command
+
+    with pytest.raises(ConfigError, match=r"has 1 sample, fewer than one micro-batch"):
+        check_fits(SimpleNamespace(dataset=[0]), 2, 2, "custom")
+    assert command.main(["model=mlp", "plan.find=depth", "plan.world_sizes=[2]"]) == 2
+    assert "model=mlp has none" in capsys.readouterr().err

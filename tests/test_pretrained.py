@@ -152,3 +152,19 @@ def test_a_saved_directory_that_changes_after_pre_flight_is_refused_by_the_ranks
     (saved / "config.json").write_text(json.dumps({**config, "n_layer": 3}))  # another model, after the check
     with pytest.raises(ConfigError, match="changed after the job was checked"):
         build_target_model(checked, weights=True)
+
+
+def test_a_corrupt_safetensors_file_is_named_before_any_rank_starts(tmp_path_factory, tmp_path):
+    import shutil
+
+    from sharded_exp.launch import preflight
+
+    saved = tmp_path / "saved"
+    shutil.copytree(saved_tiny_hf(tmp_path_factory, "gpt2"), saved)
+    weights = saved / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # truncated
+    with pytest.raises(ConfigError, match=r"model.safetensors is not a readable safetensors file: its tensors need"):
+        preflight.check_values(compose_cfg(["model=hf_gpt2", f"model.pretrained={saved}", "model.seq_len=16"]))
+    weights.write_bytes(b"\xff" * 64)  # no header at all
+    with pytest.raises(ConfigError, match="is not a readable safetensors file: its header claims"):
+        preflight.check_values(compose_cfg(["model=hf_gpt2", f"model.pretrained={saved}", "model.seq_len=16"]))

@@ -96,7 +96,7 @@ def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True)
               if _accelerator(t) != "none"] + (["trainer.compile=true"] if cfg.trainer.compile else [])  # fmt: skip
     _require(
         not levers or bool(units(module)),
-        f"{' and '.join(levers)} act on the model's repeated units (blocks), and model={cfg.model.name} has none "
+        f"{' and '.join(levers)} {'act' if len(levers) > 1 else 'acts'} on the model's repeated units (blocks), and model={cfg.model.name} has none "
         "(no sharding_units(), no Hugging Face _no_split_modules, no ModuleList or Sequential)",
     )
     shapes = model_shapes(cfg.model, cfg.optimizer, module)

@@ -35,6 +35,8 @@ is ever downloaded: a name that is not a local directory is refused.
 from __future__ import annotations
 
 import inspect
+import json
+import os
 
 from torch import nn
 
@@ -204,6 +206,9 @@ def check_pretrained(model_cfg) -> None:
             f"model.pretrained={path} is not a directory written by save_pretrained: it needs config.json and the "
             f"weights ({' or '.join(WEIGHT_FILES[::2])}); it holds {', '.join(files[:8]) or 'nothing'}"
         )
+    for name in files:  # the headers (a read of a few bytes each): a corrupt file is named here, not in the ranks
+        if name.endswith(".safetensors"):
+            _readable_safetensors(os.path.join(path, name))
     config = pretrained_config(model_cfg)
     with open_dict(model_cfg):
         model_cfg.pretrained = os.path.abspath(path)
@@ -221,6 +226,24 @@ def check_pretrained(model_cfg) -> None:
         raise ConfigError(
             f"model.seq_len={seq_len} is longer than model.pretrained's {positions} positions; use at most {positions}"
         )
+
+
+def _readable_safetensors(file: str) -> None:
+    """A safetensors file's header parses and every tensor it lists lies inside the file."""
+    import struct
+
+    size = os.path.getsize(file)
+    try:
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > size - 8:
+                raise ValueError(f"its header claims {length} bytes; the file has {size}")
+            header = json.loads(f.read(length))
+        ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+        if ends and 8 + length + max(ends) > size:
+            raise ValueError(f"its tensors need {8 + length + max(ends)} bytes; the file has {size} (truncated?)")
+    except (ValueError, KeyError, TypeError, IndexError, struct.error) as exc:
+        raise ConfigError(f"model.pretrained: {file} is not a readable safetensors file: {exc}") from None
 
 
 def _unchanged_since_checked(data: dict) -> None:

@@ -71,7 +71,8 @@ def check_plan(cfg, argv: list[str] = ()) -> None:
         if not os.path.isdir(above):
             raise ConfigError(f"plan.plot={p.plot}: {above} is a file, not a directory; choose another plan.plot")
     if _value(p.find) == "depth" and (p.params is not None or "n_layers" not in cfg.model):
-        raise ConfigError("plan.find=depth needs a model with model.n_layers (e.g. model=gpt), not a raw count")
+        what = "a raw parameter count (plan.params)" if p.params is not None else f"model={cfg.model.name}"
+        raise ConfigError(f"plan.find=depth needs a model with model.n_layers (e.g. model=gpt); {what} has none")
 
 
 def answer_query(argv: list[str]) -> int:
