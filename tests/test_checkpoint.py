@@ -347,20 +347,43 @@ def test_malformed_checkpoints_are_named_corrupt(saved, tmp_path, damage, messag
 
 
 @pytest.mark.slow
-def test_a_checkpoint_directory_that_fills_up_mid_run_keeps_the_last_checkpoint(small_fs, tmp_path):
-    launch_job(["trainer.steps=2", "trainer.checkpoint_every=2", "trainer.checkpoint_format=consolidated"],
-                    tmp_path / "probe")  # fmt: skip
+@pytest.mark.parametrize(
+    "how",
+    [["trainer.checkpoint_format=consolidated"],
+     ["strategy=fsdp", "trainer.checkpoint_format=dcp"],
+     ["strategy=fsdp", "trainer.checkpoint_format=dcp", "trainer.checkpoint_async=true"]],
+    ids=["consolidated", "dcp", "dcp-async"],
+)  # fmt: skip
+def test_a_checkpoint_directory_that_fills_up_mid_run_keeps_the_last_checkpoint(how, small_fs, tmp_path):
+    """One line naming the full disk, no temporary directory left, the previous checkpoint
+    intact and named in result.json (DCP's CheckpointException and the zip writer's
+    "unexpected pos" included)."""
+    launch_job([*how, "trainer.steps=2", "trainer.checkpoint_every=2"], tmp_path / "probe")
     size = sum(p.stat().st_size for p in (tmp_path / "probe" / "checkpoints").rglob("*") if p.is_file())
     fill(small_fs, int(1.5 * size) + 8192)  # room for one checkpoint, not two
     run = tmp_path / "run"
-    proc = cli([*TINY, "trainer.steps=6", "trainer.checkpoint_every=2", "trainer.checkpoint_format=consolidated",
+    proc = cli([*TINY, *how, "trainer.steps=6", "trainer.checkpoint_every=2",
                 f"trainer.checkpoint_dir={small_fs / 'ckpt'}"], run)  # fmt: skip
     assert proc.returncode == 1
     result = read_result(run)
     assert result["status"] == "failed"
     assert "no space left on device while writing " + str(small_fs / "ckpt") in result["error"], result["error"]
-    assert [p.name for p in (small_fs / "ckpt").iterdir()] == ["step_00000002"]  # no temporary left
+    assert "\n" not in result["error"] and "CheckpointException" not in result["error"]
+    assert [p.name for p in (small_fs / "ckpt").iterdir() if p.name != ".lock"] == ["step_00000002"]
     checkpoint.read_meta(str(small_fs / "ckpt" / "step_00000002"))  # the previous one is intact
+    assert result["checkpoint"] == str(small_fs / "ckpt" / "step_00000002")
+
+
+def test_a_save_that_never_finished_is_cleaned_by_the_next_job_in_its_directory(tmp_path):
+    ckpts = tmp_path / "ckpts"
+    args = ["trainer.steps=2", "trainer.checkpoint_every=2", f"trainer.checkpoint_dir={ckpts}"]
+    assert start(args, tmp_path / "first")["status"] == "ok"
+    killed = ckpts / ".step_00000004.tmp.123-abc"  # what a job killed mid-save leaves
+    killed.mkdir()
+    (killed / "model.pt").write_bytes(b"half")
+    resume = ["trainer.steps=4", "trainer.checkpoint_every=2", f"trainer.checkpoint_dir={ckpts}", "trainer.resume=auto"]
+    assert start(resume, tmp_path / "second")["status"] == "ok"
+    assert sorted(p.name for p in ckpts.iterdir() if p.name != ".lock") == ["step_00000002", "step_00000004"]
 
 
 def test_later_checkpoints_of_another_trajectory_are_refused_or_archived(tmp_path):
@@ -403,3 +426,34 @@ def test_a_checkpoint_directory_is_held_by_one_job(tmp_path):
     with pytest.raises(ConfigError, match="is a file, not a directory"):
         start(["trainer.resume=auto", "trainer.checkpoint_every=1", f"trainer.checkpoint_dir={tmp_path / 'file'}"],
                tmp_path / "c")  # fmt: skip
+
+
+class _Planted:
+    """What a planted .metadata would run on unpickling: here, touching a file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_dcp_metadata_file_is_never_unpickled_beyond_dcps_own_classes(tmp_path):
+    """DCP unpickles .metadata with plain pickle; the parent reads it through an unpickler that
+    refuses any other class, so a planted file runs nothing before the refusal."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from sharded_exp.checkpoint.storage import read_dcp_metadata
+
+    real = tmp_path / "real"
+    dcp.save({"model.w": torch.ones(3, 2)}, checkpoint_id=str(real), no_dist=True)
+    assert list(read_dcp_metadata(str(real)).state_dict_metadata["model.w"].size) == [3, 2]
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    marker = tmp_path / "ran"
+    (planted / ".metadata").write_bytes(pickle.dumps(_Planted(str(marker))))
+    with pytest.raises(pickle.UnpicklingError, match="io.open is not a part of dcp's metadata"):
+        read_dcp_metadata(str(planted))
+    assert not marker.exists()

@@ -381,3 +381,38 @@ def test_preflight_decides_in_a_job_spec_and_leaves_the_composed_config_as_it_wa
     ranks_cfg = spec.cfg()
     with pytest.raises(Exception, match="read-only"):
         ranks_cfg.trainer.steps = 1
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_model_with_nothing_to_train_is_refused_before_spawn(strategy):
+    """Everything frozen, or no parameter at all: said in the parent, not by DDP's or the
+    optimizer's error in every rank (and not by the DDP fallback's error for an fsdp job)."""
+    with pytest.raises(ConfigError, match=r"trainer.freeze=\['\*'\] freezes every parameter of model=mlp"):
+        validate(compose_cfg(tiny([f"strategy={strategy}", "trainer.freeze=[*]"])))
+    empty = [f"strategy={strategy}", "model=custom", "model._target_=tests.user_models.build_without_parameters"]
+    with pytest.raises(ConfigError, match="model=custom has no parameters: there is nothing to train"):
+        validate(compose_cfg(tiny(empty)))
+
+
+@pytest.mark.parametrize("precision,param_dtype", [("16", "bfloat16"), ("bf16", "float16")])
+def test_an_fsdp_param_dtype_autocast_cannot_compute_with_is_refused(precision, param_dtype):
+    """Two half dtypes in one matmul crash every rank; said before spawn, naming what works."""
+    cfg = compose_cfg(tiny(["strategy=fsdp", f"precision={precision}", f"strategy.param_dtype={param_dtype}"]))
+    with pytest.raises(ConfigError, match=rf"strategy.param_dtype={param_dtype} is not precision={precision}'s"):
+        validate(cfg)
+    for fine in (["precision=32", "strategy.param_dtype=bfloat16"], [f"precision={precision}", "strategy.param_dtype=float32"]):
+        assert validate(compose_cfg(tiny(["strategy=fsdp", *fine]))) > 0
+
+
+def test_messages_read_as_english(capsys):
+    """One sample is a sample; an MLP has no layers to find, and is no raw count (a lever "acts" on
+    units: tests/test_levers.py)."""
+    from types import SimpleNamespace
+
+    from sharded_exp.data.loader import check_fits
+    from sharded_exp.plan import command
+
+    with pytest.raises(ConfigError, match=r"has 1 sample, fewer than one micro-batch"):
+        check_fits(SimpleNamespace(dataset=[0]), 2, 2, "custom")
+    assert command.main(["model=mlp", "plan.find=depth", "plan.world_sizes=[2]"]) == 2
+    assert "model=mlp has none" in capsys.readouterr().err

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sharded_exp import checkpoint
-from tests.conftest import ROOT, TINY, launch_job, read_result, run_cli
+from tests.conftest import ROOT, TINY, launch_job, read_result, run_cli, tiny
 from tests.helpers.processes import LONG, descendants, finish, start_job, survivors, wait_until
 from tests.helpers.runs import cli, launch
 
@@ -332,3 +332,18 @@ def test_a_rank_that_exits_0_without_a_result_is_the_named_failure(how, ranks, b
     assert "exit" in result["error"] and "Connection" not in result["error"], result["error"]
     assert read_result(tmp_path)["status"] == "failed"
     assert not (tmp_path / ".lock").exists()
+
+
+def test_an_out_of_memory_in_the_final_evaluation_keeps_the_training_figures(tmp_path):
+    """The training ran to its end: its steps, loss, history, speed and memory stay in result.json,
+    the status is oom and the error names the final evaluation."""
+    run = tmp_path / "run"
+    proc = run_cli([*tiny(["model=custom"]), "model._target_=tests.user_models.build_oom_in_evaluation",
+                    "trainer.steps=4", "trainer.warmup_steps=2", "trainer.min_timed_steps=0", "logger=none",
+                    f"hydra.run.dir={run}"], cwd=ROOT, timeout=300)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    result = json.loads((run / "result.json").read_text())
+    assert result["status"] == "oom" and "out of memory in the final evaluation" in result["error"]
+    assert result["steps_done"] == 4 and result["final_loss"] is not None and result["history"]
+    assert result["throughput"]["timed_steps"] == 2 and result["memory"]["peak_allocated_mib_max"] > 0
+    assert not (run / "training.partial.json").exists()

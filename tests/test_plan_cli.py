@@ -147,3 +147,23 @@ def test_the_planner_takes_a_0_dim_parameter():
                     "plan.strategies=[fsdp,fsdp_grad_op]"], cwd=ROOT, module="sharded_exp.plan")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "fsdp_grad_op" in proc.stdout and "IndexError" not in proc.stderr
+
+
+def test_planner_input_refused_before_planning(tmp_path, capsys):
+    """Refused at once with exit 2 and one line: a model that cannot be built, more ranks than a
+    model is faked at, a plot path under a file (said before the planning, not after)."""
+    from sharded_exp.plan import command
+
+    (tmp_path / "a_file").write_text("")
+    cases = {
+        "model._target_=tests.user_models.build_none": "returned None (does it return the model?)",
+        "plan.world_sizes=[1000000]": "up to 16,384 ranks",
+        f"plan.plot={tmp_path / 'a_file' / 'plan.png'}": f"{tmp_path / 'a_file'} is a file, not a directory",
+    }
+    for override, message in cases.items():
+        model = ["model=custom"] if "_target_" in override else ["model=gpt"]
+        ranks = [] if "world_sizes" in override else ["plan.world_sizes=[2]"]
+        assert command.main([*model, *ranks, override]) == 2
+        assert message in capsys.readouterr().err, override
+    # a raw parameter count extrapolates beyond the limit
+    assert command.main(["plan.params=1e9", "plan.world_sizes=[1000000]", "plan.format=csv"]) == 0

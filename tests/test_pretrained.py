@@ -116,3 +116,55 @@ def test_plain_parameters_fsdp_leaves_whole_keep_their_objects():
     assert {name: id(p) for name, p in module.named_parameters()} == before
     assert all(p.device.type == "cpu" for p in module.parameters())
     assert optimizer.param_groups[0]["params"][0] is module.scale and not module.frozen.requires_grad
+
+
+def test_a_tokenizer_larger_than_the_saved_vocabulary_gets_advice_that_works(tmp_path_factory):
+    """model.vocab_size cannot grow a saved model (config.json sets it): the refusal says what
+    does, and never 'set model.vocab_size=...', which would be ignored."""
+    from sharded_exp.launch import preflight
+    from tests import data_files
+
+    saved = saved_tiny_hf(tmp_path_factory, "gpt2")  # a vocabulary of 96
+    files = tmp_path_factory.mktemp("files")
+    tok = data_files.train_tokenizer(files / "tok", vocab_size=120)
+    text = data_files.write_text(files / "corpus.txt")
+    cfg = compose_cfg(["model=hf_gpt2", f"model.pretrained={saved}", "model.seq_len=16", "model.vocab_size=120",
+                       "data=text_file", f"data.path={text}", f"data.tokenizer={tok}", "trainer.world_size=1"])  # fmt: skip
+    with pytest.raises(ConfigError, match="model.vocab_size cannot override") as refused:
+        preflight.check(cfg, str(tmp_path_factory.mktemp("out")), peak=False)
+    assert "resize_token_embeddings(120)" in str(refused.value) and "set model.vocab_size" not in str(refused.value)
+
+
+def test_a_saved_directory_that_changes_after_pre_flight_is_refused_by_the_ranks(tmp_path_factory, tmp_path):
+    """The ranks load what the parent checked: a config.json swapped in between is named, not trained."""
+    import json
+    import shutil
+
+    from sharded_exp.launch import preflight
+    from sharded_exp.models.target import build_target_model
+
+    saved = tmp_path / "saved"
+    shutil.copytree(saved_tiny_hf(tmp_path_factory, "gpt2"), saved)
+    cfg = compose_cfg(["model=hf_gpt2", f"model.pretrained={saved}", "model.seq_len=16"])
+    checked = preflight.check(cfg, str(tmp_path / "out"), peak=False).config["model"]
+    assert build_target_model(checked, weights=True).transformer.wte.weight.shape == (96, 32)
+    config = json.loads((saved / "config.json").read_text())
+    (saved / "config.json").write_text(json.dumps({**config, "n_layer": 3}))  # another model, after the check
+    with pytest.raises(ConfigError, match="changed after the job was checked"):
+        build_target_model(checked, weights=True)
+
+
+def test_a_corrupt_safetensors_file_is_named_before_any_rank_starts(tmp_path_factory, tmp_path):
+    import shutil
+
+    from sharded_exp.launch import preflight
+
+    saved = tmp_path / "saved"
+    shutil.copytree(saved_tiny_hf(tmp_path_factory, "gpt2"), saved)
+    weights = saved / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # truncated
+    with pytest.raises(ConfigError, match=r"model.safetensors is not a readable safetensors file: its tensors need"):
+        preflight.check_values(compose_cfg(["model=hf_gpt2", f"model.pretrained={saved}", "model.seq_len=16"]))
+    weights.write_bytes(b"\xff" * 64)  # no header at all
+    with pytest.raises(ConfigError, match="is not a readable safetensors file: its header claims"):
+        preflight.check_values(compose_cfg(["model=hf_gpt2", f"model.pretrained={saved}", "model.seq_len=16"]))

@@ -184,3 +184,26 @@ class Flat(nn.Module):
 
 def build_flat(in_features, num_classes):
     return Flat(in_features, num_classes)
+
+
+class _NoParameters(torch.nn.Module):
+    def forward(self, inputs, targets):
+        return {"loss": inputs.sum() * 0, "logits": inputs}
+
+
+def build_without_parameters(in_features, num_classes):
+    """A model with no parameter at all: nothing to train, refused before spawn."""
+    return _NoParameters()
+
+
+class OutOfMemoryInEvaluation(Net):
+    """Trains; runs out of memory (as torch raises it) as soon as it is evaluated."""
+
+    def forward(self, inputs, targets=None):
+        if not self.training:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (a test model)")
+        return super().forward(inputs, targets)
+
+
+def build_oom_in_evaluation(in_features, num_classes):
+    return OutOfMemoryInEvaluation(in_features, num_classes, 16)

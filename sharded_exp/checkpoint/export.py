@@ -25,6 +25,7 @@ def export(src: str, dst: str) -> None:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     meta = read_meta(src)
+    # read_meta checked .metadata through a restricted unpickler before DCP's own load below
     if checkpoint_format(meta) != "dcp":
         raise CheckpointError(f"checkpoint {src} is {checkpoint_format(meta)} already; nothing to export")
     if os.path.exists(dst):
@@ -34,7 +35,7 @@ def export(src: str, dst: str) -> None:
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.tmp.", dir=parent)
     flat = os.path.join(tmp, "all.pt")
     dcp_to_torch_save(src, flat)
-    state = torch.load(flat, weights_only=False)
+    state = torch.load(flat, weights_only=True)  # tensors and plain containers: written just above
     os.remove(flat)
     train = load_file(os.path.join(src, "train.pt"))
     save_file({k: v.contiguous() for k, v in state["model"].items()}, os.path.join(tmp, "model.pt"))

@@ -8,6 +8,7 @@ each method.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -47,6 +48,25 @@ class _Pending:
     path: str
     small: dict[str, Any] | None
     meta: dict[str, Any] | None
+
+
+@contextlib.contextmanager
+def _dcp_failure(tmp: str):
+    """A dcp save that fails leaves no temporary directory; a full disk says so in one line.
+    DCP reports a rank's failure as a ``CheckpointException`` of every rank's exceptions (a
+    full disk inside it: ``[Errno 28]``, or the zip writer's "unexpected pos")."""
+    try:
+        yield
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        full = is_no_space(exc, os.path.join(tmp, "__0_0.distcp")) or "Errno 28" in str(exc) \
+            or "No space left on device" in str(exc)  # fmt: skip
+        shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            raise no_space(tmp) from None
+        raise
 
 
 def load(plan: CheckpointPlan, strategy, device: torch.device) -> dict[str, Any]:
@@ -118,7 +138,8 @@ class CheckpointManager:
         if pending is None:
             return
         if pending.future is not None:
-            pending.future.result()
+            with _dcp_failure(pending.tmp):
+                pending.future.result()
         dist.barrier(group=self._group)  # every rank's files are written
         if dist.get_rank() == 0:
             with removed_on_failure(pending.tmp):
@@ -197,13 +218,8 @@ class CheckpointManager:
             future = dcp.async_save(state, storage_writer=writer, process_group=self._group)
             self._pending = _Pending(future, tmp, path, small, meta)
         else:
-            try:
+            with _dcp_failure(tmp):
                 dcp.save(state, storage_writer=writer, process_group=self._group)
-            except Exception as exc:
-                shutil.rmtree(tmp, ignore_errors=True)
-                if is_no_space(exc, os.path.join(tmp, "__0_0.distcp")):
-                    raise no_space(tmp) from None
-                raise
             self._pending = _Pending(None, tmp, path, small, meta)
             self.finish()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import re
 import shutil
 from typing import Any
@@ -126,13 +127,40 @@ def _holds(name: str, content: Any, meta: dict[str, Any]) -> str | None:
     return None
 
 
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a dcp ``.metadata`` file, refusing every class but the metadata's own: DCP
+    reads it with plain ``pickle``, which runs whatever a planted file names; here nothing
+    runs in the parent before the checkpoint is refused."""
+
+    TORCH = {"Size", "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
+             "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "strided", "sparse_coo",
+             "contiguous_format", "channels_last", "preserve_format"}  # fmt: skip
+    BUILTINS = {"set", "frozenset", "tuple", "list", "dict", "slice"}
+
+    def find_class(self, module: str, name: str):
+        if (
+            module.startswith("torch.distributed.checkpoint.")
+            or (module == "torch" and name in self.TORCH)
+            or (module == "builtins" and name in self.BUILTINS)
+            or (module == "collections" and name == "OrderedDict")
+            or (module == "torch.serialization" and name == "_get_layout")  # how torch pickles a layout
+            or (module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"))
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not a part of dcp's metadata (refused: not unpickled)")
+
+
+def read_dcp_metadata(path: str):
+    """A dcp checkpoint's ``.metadata``, unpickled by :class:`_MetadataUnpickler`."""
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        return _MetadataUnpickler(f).load()
+
+
 def _check_dcp_files(path: str, meta: dict[str, Any]) -> None:
     """The dcp metadata is readable, names the shapes meta.json names, and every byte range
     it points at exists on disk (catches truncated and missing shard files)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     try:
-        metadata = FileSystemReader(path).read_metadata()
+        metadata = read_dcp_metadata(path)
     except Exception as exc:  # noqa: BLE001 -- any failure to read is a corrupt file
         raise CheckpointError(
             f"checkpoint file {os.path.join(path, '.metadata')} is corrupt or unreadable: {exc}"
@@ -225,6 +253,19 @@ def hold_directory(directory: str, refusal):
         f.write(f"{os.getpid()}\n")
         f.flush()
     return f
+
+
+def remove_unfinished_saves(directory: str) -> list[str]:
+    """Remove the ``.step_<n>.tmp.<job>`` directories of saves that never finished (a job killed
+    while writing): called by the job that holds ``directory``, so no live save is among them.
+    Returns what was removed."""
+    removed = []
+    if os.path.isdir(directory):
+        for name in sorted(os.listdir(directory)):
+            if re.fullmatch(r"\.step_\d+\.tmp\..+", name) and os.path.isdir(os.path.join(directory, name)):
+                shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+                removed.append(os.path.join(directory, name))
+    return removed
 
 
 def hold_checkpoint_dir(directory: str):

@@ -138,11 +138,25 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
+def _bigger(model_cfg, key: str, needed: int) -> str:
+    """What makes the model's ``key`` (vocab_size, num_labels) at least ``needed``: the setting,
+    or, for saved weights (whose config.json fixes it), a model resized and saved again."""
+    pretrained = model_cfg.get("pretrained")
+    if not pretrained:
+        return f"set model.{key}={needed} (or more)"
+    how = f"model.resize_token_embeddings({needed})" if key == "vocab_size" else f"a new {needed}-label head"
+    return (
+        f"model.pretrained={pretrained} fixes it (its config.json, which model.{key} cannot override: the "
+        f"weights have that size); use the tokenizer and labels the model was saved with, or load it, give it "
+        f"{how} and save_pretrained it again"
+    )
+
+
 def _tokenizer_fits(cfg, model_cfg, tokenizer) -> None:
     if len(tokenizer) > model_cfg.vocab_size:
         raise ConfigError(
             f"data.tokenizer={cfg.tokenizer} has {len(tokenizer)} tokens, more than model.vocab_size="
-            f"{model_cfg.vocab_size}: set model.vocab_size={len(tokenizer)} (or more)"
+            f"{model_cfg.vocab_size}: {_bigger(model_cfg, 'vocab_size', len(tokenizer))}"
         )
 
 
@@ -335,7 +349,7 @@ def token_task(cfg, model_cfg, batch_size: int, sentences_of) -> Task:
     if len(cfg.labels) > model_cfg.num_labels:
         raise ConfigError(
             f"data={cfg.name} has {len(cfg.labels)} labels (data.labels) and model.num_labels={model_cfg.num_labels}: "
-            f"set model.num_labels={len(cfg.labels)}"
+            f"{_bigger(model_cfg, 'num_labels', len(cfg.labels))}"
         )
     tokenizer = load_tokenizer(local_path(cfg, "tokenizer", "the tokenizer", directory=True))
     _tokenizer_fits(cfg, model_cfg, tokenizer)

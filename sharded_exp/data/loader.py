@@ -57,7 +57,7 @@ def check_fits(task: Task, world_size: int, batch_size: int, data_name: str) -> 
     n = len(task.dataset)
     if batches_per_epoch(n, world_size, batch_size) < 1:
         raise ConfigError(
-            f"data={data_name} has {n} samples, fewer than one micro-batch of every rank "
+            f"data={data_name} has {n} sample{'' if n == 1 else 's'}, fewer than one micro-batch of every rank "
             f"(trainer.batch_size={batch_size} x {world_size} ranks = {batch_size * world_size}): "
             "use more data, a smaller batch or fewer ranks"
         )

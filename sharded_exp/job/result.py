@@ -28,6 +28,9 @@ from sharded_exp.errors import is_no_space, no_space
 
 SCHEMA_VERSION = 1
 """Raised when a key is renamed or removed, or its meaning changes; a new key keeps it."""
+TRAINED = "training.partial.json"
+"""Rank 0's training figures, written into the run directory before the final evaluation: an
+out-of-memory in that pass keeps them (the parent lays them under the failure and removes the file)."""
 STATUSES = ("running", "ok", "stopped", "diverged", "oom", "failed")
 
 

@@ -28,9 +28,15 @@ import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 
 from sharded_exp.checkpoint.plan import archive_later
-from sharded_exp.checkpoint.storage import complete_checkpoints, hold_checkpoint_dir, hold_directory, next_numbered
+from sharded_exp.checkpoint.storage import (
+    complete_checkpoints,
+    hold_checkpoint_dir,
+    hold_directory,
+    next_numbered,
+    remove_unfinished_saves,
+)
 from sharded_exp.errors import OOM_SIGNS, RunDirInUse, WontFit, writing
-from sharded_exp.job.result import SCHEMA_VERSION, write_result
+from sharded_exp.job.result import SCHEMA_VERSION, TRAINED, write_result
 from sharded_exp.job.spec import JobSpec
 from sharded_exp.launch import forkserver, preflight
 from sharded_exp.launch.layout import Layout, external_layout, rendezvous_env
@@ -121,6 +127,8 @@ def _launch(cfg, output_dir, job_files, started, layout, is_writer, launched, lo
         launch_locks.append(lock)  # released by launch()
     if is_writer and spec.checkpoint.every:
         launch_locks.append(hold_checkpoint_dir(spec.checkpoint.directory))
+        for stale in remove_unfinished_saves(spec.checkpoint.directory):  # ours now: no other job writes there
+            log.warning("removed %s: the temporary directory of a save that never finished", stale)
         archive_later(spec.checkpoint)
     if is_writer:
         archive_previous_attempt(output_dir, extra=(".hydra",) if job_files else ())
@@ -142,15 +150,20 @@ def _launch(cfg, output_dir, job_files, started, layout, is_writer, launched, lo
         parent_times = {"main": main, "imported": imported, "launch": launched, "validated": validated}
         result = finished_result(result, payload, parent_times)
     except Exception as exc:  # noqa: BLE001 -- a rank failed: record it, then let the caller exit non-zero
+        result.update(kept_training(output_dir))  # what training measured before a failure in the final pass
         result.update(failure_of(exc, output_dir))
         applies = MemoryMeter.LIMIT_APPLIES_TO[spec.device_type] if cfg.trainer.memory_limit_mib else None
         result.setdefault("memory", predicted_section(spec.prediction, applies))  # what was expected, still
         if result["status"] == "oom":  # what the ranks that ran out held (from their error records)
             result["memory"].update(oom_memory(rank_failures(output_dir)))
-        if isinstance(exc, Stopped):  # killed mid-way: the newest complete checkpoint is the one to resume
-            found = complete_checkpoints(spec.checkpoint.directory)
+        if spec.checkpoint.every or isinstance(exc, Stopped):
+            # stopped, killed or failed mid-way (in a save too): the newest complete checkpoint is the one to resume
+            directory = spec.checkpoint.directory
+            found = complete_checkpoints(directory) if directory and os.path.isdir(directory) else []
             result["checkpoint"] = found[-1][1] if found else None
     if is_writer:
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(output_dir, TRAINED))
         write_result(output_dir, result)
         log.info("finished: %s%s", result["status"], f" ({result['error']})" if result.get("error") else "")
         print(summary_table(result), flush=True)
@@ -363,6 +376,17 @@ class RankDied(RuntimeError):
         else:
             message = f"rank {rank}: process exited with code {exit_code}"
         super().__init__(message)
+
+
+def kept_training(output_dir: str) -> dict[str, Any]:
+    """Rank 0's training figures when the job failed after training (in the final evaluation),
+    without its status; {} when there are none."""
+    try:
+        with open(os.path.join(output_dir, TRAINED)) as f:
+            kept = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in kept.items() if k not in ("status", "error", "traceback", "timeline")}
 
 
 def failure_of(exc: BaseException, output_dir: str) -> dict[str, Any]:

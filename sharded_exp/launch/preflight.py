@@ -36,6 +36,23 @@ from sharded_exp.strategies import STRATEGIES
 from sharded_exp.train import faults
 
 
+def _check_param_dtype(cfg) -> None:
+    """FSDP's ``strategy.param_dtype`` (the gathered parameters' dtype) beside autocast's: a
+    half dtype that is not autocast's gives matmuls of two half dtypes, which torch's kernels
+    refuse in every rank ("mixed dtype (CPU): expect parameter to have scalar type of Float")."""
+    param = option_name(getattr(cfg.strategy, "param_dtype", None))
+    autocast = PRECISIONS[str(option_name(cfg.precision.name))]
+    if param is None or autocast is None or param in ("float32", str(autocast).removeprefix("torch.")):
+        return
+    half = str(autocast).removeprefix("torch.")
+    raise ConfigError(
+        f"strategy.param_dtype={param} is not precision={option_name(cfg.precision.name)}'s autocast dtype ({half}): "
+        f"autocast would compute in {half} with {param} parameters, which torch refuses; use "
+        f"strategy.param_dtype={half} (or null: from precision), or precision=32, where strategy.param_dtype "
+        "alone sets the compute dtype"
+    )
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
@@ -58,6 +75,7 @@ def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True)
     )
     strategy = STRATEGIES.builder(cfg.strategy.name)
     strategy.check(cfg.strategy, world_size, device_type)
+    _check_param_dtype(cfg)
     zero_grad = strategy.zero_grad_rule(ZeroGrad(cfg.trainer.zero_grad))  # what build_strategy applies
     try:
         module = meta_model(cfg.model, cfg.trainer.freeze)  # shapes a model refuses, or a _target_ that cannot be built
@@ -67,11 +85,18 @@ def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True)
         raise ConfigError(
             f"model={cfg.model.name} cannot be built with this config: {type(exc).__name__}: {exc}"
         ) from None
+    params = list(module.parameters())
+    _require(bool(params), f"model={cfg.model.name} has no parameters: there is nothing to train or to shard")
+    _require(
+        any(p.requires_grad for p in params),
+        f"trainer.freeze={list(cfg.trainer.freeze)} freezes every parameter of model={cfg.model.name}: "
+        "nothing would be trained; freeze fewer (e.g. trainer.freeze=[embed*])",
+    )
     levers = [f"trainer.activation_checkpointing={_accelerator(t)}" for t in [cfg.trainer.activation_checkpointing]
               if _accelerator(t) != "none"] + (["trainer.compile=true"] if cfg.trainer.compile else [])  # fmt: skip
     _require(
         not levers or bool(units(module)),
-        f"{' and '.join(levers)} act on the model's repeated units (blocks), and model={cfg.model.name} has none "
+        f"{' and '.join(levers)} {'act' if len(levers) > 1 else 'acts'} on the model's repeated units (blocks), and model={cfg.model.name} has none "
         "(no sharding_units(), no Hugging Face _no_split_modules, no ModuleList or Sequential)",
     )
     shapes = model_shapes(cfg.model, cfg.optimizer, module)

@@ -35,6 +35,8 @@ is ever downloaded: a name that is not a local directory is refused.
 from __future__ import annotations
 
 import inspect
+import json
+import os
 
 from torch import nn
 
@@ -204,6 +206,9 @@ def check_pretrained(model_cfg) -> None:
             f"model.pretrained={path} is not a directory written by save_pretrained: it needs config.json and the "
             f"weights ({' or '.join(WEIGHT_FILES[::2])}); it holds {', '.join(files[:8]) or 'nothing'}"
         )
+    for name in files:  # the headers (a read of a few bytes each): a corrupt file is named here, not in the ranks
+        if name.endswith(".safetensors"):
+            _readable_safetensors(os.path.join(path, name))
     config = pretrained_config(model_cfg)
     with open_dict(model_cfg):
         model_cfg.pretrained = os.path.abspath(path)
@@ -223,11 +228,48 @@ def check_pretrained(model_cfg) -> None:
         )
 
 
+def _readable_safetensors(file: str) -> None:
+    """A safetensors file's header parses and every tensor it lists lies inside the file."""
+    import struct
+
+    size = os.path.getsize(file)
+    try:
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > size - 8:
+                raise ValueError(f"its header claims {length} bytes; the file has {size}")
+            header = json.loads(f.read(length))
+        ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+        if ends and 8 + length + max(ends) > size:
+            raise ValueError(f"its tensors need {8 + length + max(ends)} bytes; the file has {size} (truncated?)")
+    except (ValueError, KeyError, TypeError, IndexError, struct.error) as exc:
+        raise ConfigError(f"model.pretrained: {file} is not a readable safetensors file: {exc}") from None
+
+
+def _unchanged_since_checked(data: dict) -> None:
+    """The ranks load the directory pre-flight checked: its config.json must still be the one the
+    parent read (and wrote into the job's config as ``model.config``), or the job would train
+    another model than its prediction, result.json and W&B name."""
+    import json
+
+    checked = data.get("config")
+    if not isinstance(checked, dict):
+        return
+    now = json.loads(pretrained_config(data).to_json_string(use_diff=True))
+    if {k: v for k, v in checked.items() if k != "_target_"} != now:
+        raise ConfigError(
+            f"model.pretrained={data['pretrained']} changed after the job was checked: its config.json is not the "
+            "one pre-flight read (the job would train another model than it predicted and records); keep the "
+            "directory unchanged while a job reads it, and start the job again"
+        )
+
+
 def _pretrained_model(data: dict, weights: bool) -> nn.Module:
     import torch
 
     cls = pretrained_class(data)
     if weights:
+        _unchanged_since_checked(data)
         from transformers.utils import logging
 
         logging.disable_progress_bar()  # one bar per rank, for a load of a second or two

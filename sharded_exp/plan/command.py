@@ -17,6 +17,11 @@ from sharded_exp.errors import ConfigError
 from sharded_exp.questions import is_query
 
 
+MAX_FAKED_RANKS = 16384
+"""The largest world size a model is faked at (65,536 ranks took 19 s for the CPU-sized GPT under
+fsdp and sharded_ddp, 10,000 took 113 s for a larger model; a million never finished)."""
+
+
 def check_plan(cfg, argv: list[str] = ()) -> None:
     """The planner's inputs, by the training entry point's rules (ConfigError names them).
     ``argv``: the command line, to tell a model the user chose from the default one."""
@@ -36,6 +41,12 @@ def check_plan(cfg, argv: list[str] = ()) -> None:
         )
     if not p.world_sizes or any(ws < 1 for ws in p.world_sizes):
         raise ConfigError(f"plan.world_sizes={list(p.world_sizes)} must be a non-empty list of integers >= 1")
+    if p.params is None and max(p.world_sizes) > MAX_FAKED_RANKS:
+        raise ConfigError(
+            f"plan.world_sizes={list(p.world_sizes)}: a model is planned by faking its step at each world size, "
+            f"up to {MAX_FAKED_RANKS:,} ranks (a fake step's sharded tensors grow with the ranks: minutes beyond); "
+            "plan more ranks as a raw parameter count (plan.params=..., plan.units=...), which extrapolates exactly"
+        )
     if not (math.isfinite(p.device_memory_gib) and p.device_memory_gib > 0):
         raise ConfigError(f"plan.device_memory_gib={p.device_memory_gib} must be a finite number > 0")
     if p.workers < 0:
@@ -53,8 +64,15 @@ def check_plan(cfg, argv: list[str] = ()) -> None:
             )
     if p.plot and (not str(p.plot).lower().endswith((".png", ".svg", ".pdf")) or os.path.isdir(p.plot)):
         raise ConfigError(f"plan.plot={p.plot} must name a .png, .svg or .pdf file to draw the plan into")
+    if p.plot:  # said now, not after minutes of planning
+        above = os.path.dirname(os.path.abspath(p.plot))
+        while not os.path.exists(above):
+            above = os.path.dirname(above)
+        if not os.path.isdir(above):
+            raise ConfigError(f"plan.plot={p.plot}: {above} is a file, not a directory; choose another plan.plot")
     if _value(p.find) == "depth" and (p.params is not None or "n_layers" not in cfg.model):
-        raise ConfigError("plan.find=depth needs a model with model.n_layers (e.g. model=gpt), not a raw count")
+        what = "a raw parameter count (plan.params)" if p.params is not None else f"model={cfg.model.name}"
+        raise ConfigError(f"plan.find=depth needs a model with model.n_layers (e.g. model=gpt); {what} has none")
 
 
 def answer_query(argv: list[str]) -> int:
@@ -80,6 +98,18 @@ def answer_query(argv: list[str]) -> int:
     return 0
 
 
+def buildable(cfg) -> None:
+    """The model builds (on the meta device: shapes only), or a ConfigError names what it said."""
+    from sharded_exp.predict.prediction import meta_model
+
+    try:
+        meta_model(cfg.model, cfg.trainer.freeze)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 -- the model's own complaint, named
+        raise ConfigError(f"model={cfg.model.name} cannot be built with this config: {type(exc).__name__}: {exc}") from None
+
+
 def preset_of(argv: list[str]) -> str:
     """The model preset the command line chose (``gpt_7b``, or the default ``mlp``) and the
     model keys it changed: ``gpt_7b model.n_layers=80``."""
@@ -103,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         check_plan(cfg, argv)
         if is_target_model(cfg.model):
             check_pretrained(cfg.model)  # its config.json is the architecture planned for
+        if cfg.plan.params is None:
+            buildable(cfg)
     except (ConfigError, HydraException, OmegaConfBaseException) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -25,6 +25,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from sharded_exp.errors import is_oom
 from tqdm import tqdm
 
 from sharded_exp.measure.profile import StepProfiler
@@ -302,9 +304,19 @@ class Evaluation(Component):
             with self.meter.paused():  # the last step's pass is the final one, at close
                 out.evals.append(self._evaluated(done))
 
-    def close(self, out: LoopOutcome) -> None:
-        if not out.stopped:
+    def final(self, out: LoopOutcome) -> None:
+        """The pass at the end of training, run by the trainer once the training's figures are
+        gathered and kept (:data:`sharded_exp.train.trainer.TRAINED`): an out-of-memory here
+        loses none of them, and says it happened in this pass."""
+        if out.stopped:
+            return
+        try:
             out.evals.append(self._evaluated(out.steps_done))
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            kind = torch.OutOfMemoryError if isinstance(exc, torch.OutOfMemoryError) else RuntimeError
+            raise kind(f"out of memory in the final evaluation, after training finished: {exc}") from exc
 
     def _evaluated(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from sharded_exp import checkpoint
 from sharded_exp.checkpoint import CheckpointManager, gather_model_state
 from sharded_exp.errors import is_oom
+from sharded_exp.job.result import TRAINED, write_json
 from sharded_exp.job.spec import JobSpec
 from sharded_exp.measure.flops import utilisation
 from sharded_exp.measure.profile import trace_path
@@ -39,7 +40,6 @@ from sharded_exp.train.build import build_run
 from sharded_exp.train.faults import Injector
 from sharded_exp.train.loop import LoopOutcome, LoopSettings, run_loop
 from sharded_exp.train.metrics import IntervalLog
-
 log = logging.getLogger(__name__)
 
 
@@ -206,39 +206,16 @@ def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: Me
     def evaluate(step: int) -> dict[str, float]:
         return evaluation.evaluate(strategy, task, autocast, device, batches, rank)
 
-    try:
-        meter.check_build()  # a build over the budget fails here, the logger recording it
-        checkpoints = CheckpointManager.create(spec.checkpoint, checkpoint_job(cfg), during_write=faults.in_save)
-        parts = [
-            components.Faults(Injector(rank, device)),
-            components.Checkpoints(checkpoints, strategy, meter, tc.steps),
-        ]
-        if batches > 0:
-            parts.append(components.Evaluation(evaluate, tc.eval_every, meter, intervals, tc.steps))
-        out = run_loop(strategy, task, autocast, loop, start=start, meter=meter, stopper=stopper, log=intervals,
-                       components=parts, profile_path=trace_path(output_dir, rank) if tc.profile else None,
-                       data_position=loaded.get("data"))  # fmt: skip
-        if history.mode == "always":
-            history.dump()
-        out.extra["memory_snapshot"] = history.record()  # before the gather, which sends it to rank 0
-        with meter.guard(strategy):  # untimed: the memory budget still holds
-            per_rank, digest, final_loss = gather_results(strategy, out, device)
-            # Only when asked: the full model, gathered one tensor at a time to rank 0.
-            final_state = gather_model_state(strategy) if tc.save_final_state and not out.stopped else None
-        history.stop()  # recorded through the gathers: an OOM there dumps its snapshot (train's handler)
-    except BaseException:
-        logger.finish(exit_code=1)
-        raise
-    payload = None
-    if per_rank is not None:
+    def result_of(out) -> dict[str, Any] | None:
+        """Rank 0's payload (result.json's training figures) from the loop's outcome."""
+        if per_rank is None:
+            return None
         flops = (spec.prediction.get("peak") or {}).get("flops_per_step")
         if out.throughput:  # model FLOPs from the parent's fake step over this run's step time
             world_size = dist.get_world_size()
             out.throughput["model_flops_per_step"] = flops * world_size if flops else None
             out.throughput.update(utilisation(flops, out.throughput["step_time_s_median"], device, cfg.precision.name))
-        if final_state is not None:
-            torch.save(final_state, os.path.join(output_dir, "model_final.pt"))
-        payload = training_result(
+        return training_result(
             out,
             per_rank,
             digest,
@@ -258,6 +235,41 @@ def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: Me
             timeline=timeline,
             device=device_info(device),
         )
+
+    try:
+        meter.check_build()  # a build over the budget fails here, the logger recording it
+        checkpoints = CheckpointManager.create(spec.checkpoint, checkpoint_job(cfg), during_write=faults.in_save)
+        parts = [
+            components.Faults(Injector(rank, device)),
+            components.Checkpoints(checkpoints, strategy, meter, tc.steps),
+        ]
+        evaluation_part = components.Evaluation(evaluate, tc.eval_every, meter, intervals, tc.steps)
+        if batches > 0:
+            parts.append(evaluation_part)
+        out = run_loop(strategy, task, autocast, loop, start=start, meter=meter, stopper=stopper, log=intervals,
+                       components=parts, profile_path=trace_path(output_dir, rank) if tc.profile else None,
+                       data_position=loaded.get("data"))  # fmt: skip
+        if history.mode == "always":
+            history.dump()
+        out.extra["memory_snapshot"] = history.record()  # before the gather, which sends it to rank 0
+        with meter.guard(strategy):  # untimed: the memory budget still holds
+            per_rank, digest, final_loss = gather_results(strategy, out, device)
+            # Only when asked: the full model, gathered one tensor at a time to rank 0.
+            final_state = gather_model_state(strategy) if tc.save_final_state and not out.stopped else None
+        history.stop()  # recorded through the gathers: an OOM there dumps its snapshot (train's handler)
+
+        if final_state is not None:
+            torch.save(final_state, os.path.join(output_dir, "model_final.pt"))
+        if batches > 0 and not out.stopped:
+            if rank == 0 and per_rank is not None:  # kept, should the pass run out of memory
+                write_json(os.path.join(output_dir, TRAINED), result_of(out))
+            with meter.paused():
+                evaluation_part.final(out)
+        payload = result_of(out)
+    except BaseException:
+        logger.finish(exit_code=1)
+        raise
+    if payload is not None:
         logger.summary(summary_values(payload, cfg.strategy.name))
     logger.finish(exit_code=1 if payload is not None and payload["status"] == "diverged" else 0)
     return payload
