@@ -147,3 +147,11 @@ class Counting(torch.utils.data.Dataset):
     def collate_fn(self, items: list) -> dict:
         ids = torch.stack(items)
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+
+class Tagged(Classes):
+    """Classes whose items also hold values that are no tensors: a name (a string) and a
+    span (a list of ints), which the model takes as they come."""
+
+    def __getitem__(self, i: int) -> dict:
+        return {**super().__getitem__(i), "name": f"item {i}", "span": [i, i + 1]}

@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from sharded_exp.data import Task, build_task, probe_batch
-from sharded_exp.data.loader import StepLoader
+from sharded_exp.data.files import CONLL2003_LABELS, read_conll, read_documents
+from sharded_exp.data.loader import StepLoader, data_changes
 from sharded_exp.errors import ConfigError
 from sharded_exp.launch import preflight
 from tests import data_files
-from tests.conftest import compose_cfg, launch_job, read_result
+from tests.conftest import compose_cfg, launch_job, read_result, saved_tiny_hf
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +132,7 @@ def test_each_rank_reads_its_own_shard_of_each_epoch_and_resumes_where_it_stoppe
     first = StepLoader(index_task(23), 1, 2, 3, 2, cpu)
     stream(first, 2)
     position = first.position()
-    assert position == {"epoch": 1, "samples": 6}
+    assert position == {"epoch": 1, "samples": 6, "length": 23}  # (and what the data is: its length)
     resumed = StepLoader(index_task(23, workers=2), 1, 2, 3, 2, cpu, start=2, position=position)
     assert stream(resumed, 4) == full[1][4:12]
     resumed.close()
@@ -166,6 +167,97 @@ def test_bad_data_is_refused_before_any_rank_starts(case, files, tmp_path):
         preflight.check(cfg, str(tmp_path), peak=False)
 
 
+def gpt(files: Path, *extra: str) -> list[str]:
+    return ["model=hf_gpt2", "model.seq_len=16", "data=text_file", f"data.path={files / 'corpus.txt'}",
+            f"data.tokenizer={files / 'tok'}", *extra]  # fmt: skip
+
+
+def refused(overrides: list[str], tmp_path: Path) -> str:
+    """The pre-flight's refusal of ``overrides`` (it must refuse them)."""
+    with pytest.raises(ConfigError) as err:
+        preflight.check(compose_cfg([*overrides, "logger=none"]), str(tmp_path / "out"), peak=False)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("data", ["conll", "text_file"])
+def test_a_tokenizer_that_cannot_encode_the_data_is_refused(data, files, tmp_path_factory, tmp_path):
+    """A directory a model's save_pretrained wrote (config.json and weights, no tokenizer
+    files) loads as a GPT2Tokenizer of one token that encodes every word to nothing: CoNLL
+    labels all -100 (loss NaN), text blocks of end-of-text tokens alone. Refused, naming the
+    directory and what it lacks. A real tokenizer that knows none of the data's words (another
+    script: each word [UNK]) is refused by its share of unknown tokens."""
+
+    def overrides(files, *extra):  # one sample a micro-batch: the empty tokenizer's data would fit
+        return (bert if data == "conll" else gpt)(files, "trainer.world_size=1", "trainer.batch_size=1", *extra)
+
+    model_dir = saved_tiny_hf(tmp_path_factory, "gpt2")
+    path = files / ("train.conll" if data == "conll" else "corpus.txt")
+    message = refused(overrides(files, f"data.tokenizer={model_dir}"), tmp_path)
+    assert message == (
+        f"data.tokenizer={model_dir} cannot encode data.path={path}: its words give no tokens at all "
+        "(GPT2Tokenizer, vocabulary of 1); the directory holds no tokenizer files (no tokenizer.json or "
+        "tokenizer_config.json; it has config.json, generation_config.json, model.safetensors), so transformers "
+        "made an empty tokenizer: save the data's tokenizer there with tokenizer.save_pretrained(DIR)"
+    )
+    foreign = tmp_path / f"foreign.{data}"
+    if data == "conll":
+        foreign.write_text("-DOCSTART- -X- -X- O\n\n" + "Пётр NN I-NP B-PER\nсказал NN I-NP O\n\n" * 8)
+    else:
+        foreign.write_text("Пётр сказал слово\n" * 40)
+    message = refused(overrides(files, f"data.path={foreign}"), tmp_path)
+    assert re.fullmatch(
+        rf"data\.tokenizer={re.escape(str(files / 'tok'))} cannot encode data\.path={re.escape(str(foreign))}: "
+        r"100% of its \d+ word tokens are special or unknown \(\w+, vocabulary of 120\): "
+        "use the tokenizer the data and the model were made with",
+        message,
+    ), message
+
+
+MALFORMED = {
+    # case: (data option, file name, its bytes (None: a directory), the message after data.path=<it>)
+    "an empty text file": ("text_file", "empty.txt", b"", "holds no samples (data=text_file: no documents)"),
+    "a CoNLL file of no sentence": ("conll", "empty.conll", b"-DOCSTART- -X- -X- O\n\n",
+                                    "holds no samples (data=conll: no sentences)"),
+    "a Latin-1 CoNLL file": ("conll", "latin1.conll",
+                             "-DOCSTART- -X- -X- O\n\nPeter NN I-NP B-PER\nJosé NN I-NP I-PER\n".encode("latin-1"),
+                             "is not UTF-8 (line 4): save it as UTF-8 (e.g. iconv -f latin1 -t utf-8)"),
+    "a Latin-1 text file": ("text_file", "latin1.txt", "Peter met Maria\nJosé said\n".encode("latin-1"),
+                            "is not UTF-8 (line 2)"),
+    "a null as text": ("hf_dataset", "null.jsonl", b'{"text": "Peter met Maria"}\n{"text": null}\n',
+                       "row 1 has no text (data.text_field=text holds None, not a string)"),
+    "a number as text": ("hf_dataset", "number.jsonl", b'{"text": 3}\n{"text": 4}\n',
+                         "row 0 has no text (data.text_field=text holds 3, not a string)"),
+    "a directory for a file": ("conll", "a_directory", None, "is a directory, not a file: give the CoNLL file itself"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_data_files_are_refused_naming_the_file(case, files, tmp_path):
+    """What the tokenizer or the reader would raise from inside a rank (IndexError on no
+    documents, UnicodeDecodeError, TypeError: TextEncodeInput, IsADirectoryError) is a
+    ConfigError of the pre-flight: exit 2 and no run directory, as every refused value."""
+    data, name, content, message = MALFORMED[case]
+    path = tmp_path / name
+    path.mkdir() if content is None else path.write_bytes(content)
+    overrides = {
+        "conll": bert(files, f"data.path={path}"),
+        "text_file": gpt(files, f"data.path={path}"),
+        "hf_dataset": gpt(files, "data=hf_dataset", "data.format=json", f"data.path={path}"),
+    }[data]
+    assert refused(overrides, tmp_path).startswith(f"data.path={path} {message}")
+
+
+def test_a_byte_order_mark_is_not_read_as_a_word(files, tmp_path):
+    """A UTF-8 byte order mark (an editor's) at the start of a file: the same sentences and
+    documents as without it (not a sentence ['\ufeff-DOCSTART-'])."""
+    bom = b"\xef\xbb\xbf"
+    conll, text = tmp_path / "bom.conll", tmp_path / "bom.txt"
+    conll.write_bytes(bom + (files / "train.conll").read_bytes())
+    text.write_bytes(bom + (files / "corpus.txt").read_bytes())
+    assert read_conll(str(conll), CONLL2003_LABELS) == read_conll(str(files / "train.conll"), CONLL2003_LABELS)
+    assert read_documents(str(text), "text") == read_documents(str(files / "corpus.txt"), "text")
+
+
 def test_a_custom_factory_that_is_no_dataset_is_refused(tmp_path):
     cfg = compose_cfg(["model=mlp", "data=custom", "data._target_=builtins.list", "logger=none"])
     with pytest.raises(ConfigError, match=r"data\._target_=builtins\.list returned list, not a map-style"):
@@ -180,7 +272,88 @@ def test_the_planner_needs_no_file():
     assert set(batch) == {"input_ids", "attention_mask", "labels"} and batch["input_ids"].shape == (1, 24)
 
 
+def test_values_of_a_custom_dataset_that_are_no_tensors_reach_the_model_unchanged():
+    """A custom item with a string and a list (default_collate makes them a list of strings
+    and a list of tensors): the training batches and evaluation pass them on as they are;
+    only tensors are copied to the device."""
+    from types import SimpleNamespace
+
+    from sharded_exp.train.evaluate import evaluate
+
+    task = task_of(["model=mlp", "data=custom", "data._target_=tests.data_files.Tagged", "+data.kwargs.n=16",
+                    "+data.kwargs.in_features=4", "+data.kwargs.classes=3", "data.labels=targets",
+                    "data.metric=accuracy", "data.num_classes=3"])  # fmt: skip
+    (batch,) = StepLoader(task, 0, 1, 4, 1, torch.device("cpu"), position={"epoch": 0, "samples": 0}).get(0)
+    assert len(batch["name"]) == 4 and all(n.startswith("item ") for n in batch["name"])
+    assert len(batch["span"]) == 2 and torch.equal(batch["span"][1], batch["span"][0] + 1)
+    seen = []
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(4, 3)
+
+        def forward(self, inputs, targets, name, span):
+            seen.append((name, span))
+            logits = self.head(inputs)
+            return {"logits": logits, "loss": torch.nn.functional.cross_entropy(logits, targets)}
+
+    values = evaluate(SimpleNamespace(model=Model()), task, torch.autocast("cpu", enabled=False),
+                      torch.device("cpu"), 2, 0)  # fmt: skip
+    assert "eval/accuracy" in values and len(seen) == 2 and all(isinstance(n, list) for n, _ in seen)
+
+
 # ---------------------------------------------------------------------- deterministic resume
+def test_the_data_position_records_the_data_and_a_change_is_told(files, tmp_path, monkeypatch):
+    """A checkpoint's data position holds the dataset's length, path and content (sha256);
+    resumed on another file, or on the same file edited, each difference is a resume change
+    (not a refusal). A position of an older checkpoint, without them, compares nothing."""
+    import hashlib
+
+    from sharded_exp.data import files as data_files_module
+
+    first, other = (
+        data_files.write_conll(tmp_path / "a.conll", n=64),
+        data_files.write_conll(tmp_path / "b.conll", n=20),
+    )
+    task = task_of(bert(files, f"data.path={first}"))
+    position = StepLoader(task, 0, 1, 4, 1, torch.device("cpu")).position()
+    digest = f"sha256:{hashlib.sha256(first.read_bytes()).hexdigest()}"
+    assert position == {"epoch": 0, "samples": 0, "length": 64, "path": str(first), "content": digest}
+    assert data_changes(position, task) == []
+    changed = task_of(bert(files, f"data.path={other}"))
+    assert data_changes(position, changed) == [
+        {"key": "data.length", "checkpoint": 64, "config": 20},
+        {"key": "data.path", "checkpoint": str(first), "config": str(other)},
+        {"key": "data.content", "checkpoint": digest, "config": changed.fingerprint["content"]},
+    ]
+    data_files.write_conll(first, n=64, seed=1)  # edited in place: as many sentences, other words
+    assert [c["key"] for c in data_changes(position, task_of(bert(files, f"data.path={first}")))] == ["data.content"]
+    assert data_changes({"epoch": 0, "samples": 8}, changed) == []
+    monkeypatch.setattr(data_files_module, "HASHED_UP_TO", 10)  # a large file: by size and modification time
+    assert data_files_module.fingerprint(str(first))["content"] == (
+        f"size:{first.stat().st_size},mtime_ns:{first.stat().st_mtime_ns}"
+    )
+
+
+@pytest.mark.slow  # two runs of one rank
+def test_a_run_resumed_on_other_data_records_the_change(files, tmp_path):
+    """Resumed with data.path switched from 64 sentences to 20: resumed, and result.json's
+    resume_changes says what changed in the data."""
+    first, other = (
+        data_files.write_conll(tmp_path / "a.conll", n=64),
+        data_files.write_conll(tmp_path / "b.conll", n=20),
+    )
+    common = bert(files, "trainer.world_size=1", "trainer.batch_size=4", "trainer.warmup_steps=1",
+                  "trainer.eval_batches=0", "trainer.checkpoint_every=2", f"trainer.checkpoint_dir={tmp_path / 'c'}")  # fmt: skip
+    launch_job([*common, f"data.path={first}", "trainer.steps=2"], tmp_path / "first")
+    resumed = launch_job([*common, f"data.path={other}", "trainer.steps=4", "trainer.resume=auto"], tmp_path / "again")
+    assert resumed["status"] == "ok" and resumed["start_step"] == 2
+    changes = {c["key"]: (c["checkpoint"], c["config"]) for c in read_result(tmp_path / "again")["resume_changes"]}
+    assert changes["data.length"] == (64, 20) and changes["data.path"] == (str(first), str(other))
+    assert set(changes) == {"data.length", "data.path", "data.content"}
+
+
 @pytest.mark.slow
 def test_a_resumed_run_sees_the_batches_of_the_uninterrupted_run(files, tmp_path):
     """2 ranks on the CoNLL file (40 sentences, 5 micro-batches per rank per epoch, 2 DataLoader
@@ -193,12 +366,13 @@ def test_a_resumed_run_sees_the_batches_of_the_uninterrupted_run(files, tmp_path
     whole = launch_job([*common, "trainer.steps=8", f"trainer.checkpoint_dir={tmp_path / 'a'}"], tmp_path / "whole")
     launch_job([*common, "trainer.steps=3", f"trainer.checkpoint_dir={tmp_path / 'b'}"], tmp_path / "first")
     meta = json.loads((tmp_path / "b" / "step_00000003" / "meta.json").read_text())
-    assert meta["data"] == {"epoch": 0, "samples": 24}
+    assert {k: meta["data"][k] for k in ("epoch", "samples", "length")} == {"epoch": 0, "samples": 24, "length": 40}
     resumed = launch_job(
         [*common, "trainer.steps=8", f"trainer.checkpoint_dir={tmp_path / 'b'}", "trainer.resume=auto"],
         tmp_path / "resumed",
     )
     assert resumed["start_step"] == 3 and read_result(tmp_path / "resumed")["steps_done"] == 8
+    assert read_result(tmp_path / "resumed")["resume_changes"] == []  # the same data
     losses = {h["step"]: h["loss"] for h in whole["history"]}
     again = {h["step"]: h["loss"] for h in resumed["history"]}
     assert sorted(again) == [4, 5, 6, 7, 8]
@@ -221,9 +395,9 @@ def test_files_not_given_are_named_with_what_to_set():
 
 @pytest.mark.slow  # a sweep of its own (the default tier's budget); the single run is its first half
 def test_a_path_that_is_a_directory_is_named_and_its_sweep_point_recorded(files, tmp_path):
-    """Issue 37, item 4: an OSError in a point's pre-flight (``data.path`` a directory) names
-    the key and the path, and in a sweep the point ends with a result.json the report counts
-    (it vanished, and the sweep exited 0)."""
+    """``data.path`` a directory where a file is needed: refused naming the key and the path
+    (exit 2, as every refused value), and in a sweep the point ends with a result.json the
+    report counts (it vanished, and the sweep exited 0)."""
     from tests.conftest import ROOT, run_cli
 
     (tmp_path / "some_dir").mkdir()
@@ -231,7 +405,9 @@ def test_a_path_that_is_a_directory_is_named_and_its_sweep_point_recorded(files,
             "trainer.world_size=1", "trainer.batch_size=4", "trainer.steps=2", "trainer.warmup_steps=1",
             "trainer.eval_batches=0"]  # fmt: skip
     one = run_cli([*tiny, f"data.path={tmp_path / 'some_dir'}", f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT)
-    assert one.returncode == 1 and f"data.path={tmp_path / 'some_dir'}: Is a directory" in one.stderr, one.stderr
+    assert one.returncode == 2, one.stderr
+    assert f"error: data.path={tmp_path / 'some_dir'} is a directory, not a file" in one.stderr, one.stderr
+    assert not (tmp_path / "run").exists()
     sweep = tmp_path / "sweep"
     proc = run_cli(["-m", *tiny, f"data.path={files / 'train.conll'},{tmp_path / 'some_dir'}",
                     f"hydra.sweep.dir={sweep}"], cwd=ROOT)  # fmt: skip
@@ -240,4 +416,4 @@ def test_a_path_that_is_a_directory_is_named_and_its_sweep_point_recorded(files,
     assert len(rows) == 2, rows
     failed = [json.loads(p.read_text()) for p in sweep.glob("*/result.json")]
     failed = [r for r in failed if r["status"] == "failed"]
-    assert len(failed) == 1 and "data.path=" in failed[0]["error"] and "Is a directory" in failed[0]["error"]
+    assert len(failed) == 1 and f"data.path={tmp_path / 'some_dir'} is a directory" in failed[0]["error"]

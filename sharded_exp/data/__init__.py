@@ -32,6 +32,13 @@ TASKS = Registry("data")
 Batch = dict[str, torch.Tensor]
 
 
+def each_tensor(batch: dict, move: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+    """``batch`` with ``move`` (a copy to the device) applied to its tensors; other values
+    (a list of strings, a flag) pass unchanged: a user's dataset may carry them for a model
+    that takes them."""
+    return {k: move(v) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
 def generator(seed: int, *keys: int) -> torch.Generator:
     """A distinct, reproducible stream per (seed, step, micro, rank); the mix keeps nearby
     keys from producing correlated streams."""
@@ -82,6 +89,10 @@ class Task:
     """Shuffle the dataset every epoch (False: file order)."""
     num_workers: int = 0
     """DataLoader worker processes per rank (0: batches are made in the rank's process)."""
+    fingerprint: dict[str, str] | None = None
+    """What the dataset was read from: ``path`` and ``content`` (a hash, or size and time).
+    A checkpoint's data position records it, so that a resume on other data is told (None:
+    a user's factory, whose data only its length tells)."""
 
     def __call__(self, step: int, micro: int, rank: int) -> Batch:
         return self.batch(step, micro, rank)

@@ -6,9 +6,11 @@
 returns a map-style Dataset whose items are dicts of tensors: the model's keyword
 arguments, labels included. They are batched by ``torch.utils.data.default_collate``
 (items of equal shapes), or by the dataset's own ``collate_fn`` attribute when it has one
-(padding of your own). What the model's output is scored by is said by ``data.metric``,
-``data.labels`` and, for classification, ``data.num_classes``. Training reads it through
-the DataLoader of :mod:`sharded_exp.data.loader` like every file task.
+(padding of your own). A value that is no tensor (a list, a string) reaches the model as
+the collation made it: only tensors are copied to the device. What the model's output is
+scored by is said by ``data.metric``, ``data.labels`` and, for classification,
+``data.num_classes``. Training reads it through the DataLoader of
+:mod:`sharded_exp.data.loader` like every file task.
 """
 
 from __future__ import annotations

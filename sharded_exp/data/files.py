@@ -29,6 +29,7 @@ the same data drawn at random (there is no held-out split).
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -105,8 +106,9 @@ class HFDatasetConfig(FileDataConfig):
 
 
 # ------------------------------------------------------------------------------ checks
-def local_path(cfg, key: str, what: str, directory: bool = False) -> str:
-    """``cfg[key]`` as an existing local path, or a ConfigError naming the value."""
+def local_path(cfg, key: str, what: str, directory: bool = False, file: bool = False) -> str:
+    """``cfg[key]`` as an existing local path (a directory, a file, or either), or a
+    ConfigError naming the value."""
     from omegaconf import OmegaConf
 
     if OmegaConf.is_missing(cfg, key) or cfg[key] is None:
@@ -119,6 +121,8 @@ def local_path(cfg, key: str, what: str, directory: bool = False) -> str:
         )
     if not os.path.exists(path):
         raise ConfigError(f"data.{key}={cfg[key]} does not exist: {what} must be a local file")
+    if file and os.path.isdir(path):  # open() would say only "Is a directory", naming no key
+        raise ConfigError(f"data.{key}={cfg[key]} is a directory, not a file: give {what} itself")
     return os.path.abspath(path)
 
 
@@ -152,6 +156,42 @@ def _bigger(model_cfg, key: str, needed: int) -> str:
     )
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+"""What ``tokenizer.save_pretrained`` always writes (a slow tokenizer's vocabulary files aside)."""
+
+
+UNENCODED_SHARE = 0.9
+"""A tokenizer that turns more than this share of the data's tokens into special or unknown
+ones cannot encode the data (a tokenizer of other text; an empty one)."""
+
+
+def check_encodes(cfg, tokenizer, directory: str, ids: torch.Tensor) -> None:
+    """Refuse a tokenizer that cannot encode the data: ``ids``, the tokens of the data's
+    words (labelled tokens for token classification), are none, or nearly all special or
+    unknown. transformers loads a directory without tokenizer files (a model's
+    save_pretrained) as a tokenizer of one token that encodes every word to nothing: training
+    would then run on end-of-text tokens alone, or on labels that are all -100 (loss NaN).
+    ``directory``: the tokenizer's (its files are named when it lacks a tokenizer's)."""
+    special = torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long)
+    unencoded = int(torch.isin(ids, special).sum()) if ids.numel() else 0
+    if ids.numel() and unencoded <= UNENCODED_SHARE * ids.numel():
+        return
+    found = (
+        "its words give no tokens at all" if not ids.numel()
+        else f"{unencoded / ids.numel():.0%} of its {ids.numel()} word tokens are special or unknown"
+    )  # fmt: skip
+    has = sorted(os.listdir(directory))
+    lacks = (
+        f"; the directory holds no tokenizer files (no {' or '.join(TOKENIZER_FILES)}; it has {', '.join(has)}), "
+        "so transformers made an empty tokenizer: save the data's tokenizer there with tokenizer.save_pretrained(DIR)"
+        if not set(TOKENIZER_FILES) & set(has) else ": use the tokenizer the data and the model were made with"
+    )  # fmt: skip
+    raise ConfigError(
+        f"data.tokenizer={cfg.tokenizer} cannot encode data.path={cfg.path}: {found} "
+        f"({type(tokenizer).__name__}, vocabulary of {len(tokenizer)}){lacks}"
+    )
+
+
 def _tokenizer_fits(cfg, model_cfg, tokenizer) -> None:
     if len(tokenizer) > model_cfg.vocab_size:
         raise ConfigError(
@@ -161,24 +201,46 @@ def _tokenizer_fits(cfg, model_cfg, tokenizer) -> None:
 
 
 # ------------------------------------------------------------------------------ reading
+def text_lines(path: str):
+    """(line number, line) of a UTF-8 text file; a byte order mark at its start is dropped
+    (``utf-8-sig``: an editor's BOM would otherwise glue itself to the first word). A file
+    in another encoding is refused naming its first line that is not UTF-8."""
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            yield from enumerate(f, 1)
+    except UnicodeDecodeError:
+        with open(path, "rb") as f:  # line by line: a UTF-8 character never spans a newline
+            n = next((n for n, raw in enumerate(f, 1) if not _is_utf8(raw)), "?")
+        raise ConfigError(
+            f"data.path={path} is not UTF-8 (line {n}): save it as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+        ) from None
+
+
+def _is_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def read_documents(path: str, text_field: str) -> list[str]:
     """Documents of a plain text file (a line each) or of a JSON lines file (.jsonl/.json)."""
     json_lines = path.endswith((".jsonl", ".json"))
     docs = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            if not json_lines:
-                docs.append(line.rstrip("\n"))
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"data.path={path} line {n} is not JSON ({exc})") from None
-            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                raise ConfigError(f"data.path={path} line {n} has no text field {text_field!r} (data.text_field)")
-            docs.append(record[text_field])
+    for n, line in text_lines(path):
+        if not line.strip():
+            continue
+        if not json_lines:
+            docs.append(line.rstrip("\n"))
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"data.path={path} line {n} is not JSON ({exc})") from None
+        if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+            raise ConfigError(f"data.path={path} line {n} has no text field {text_field!r} (data.text_field)")
+        docs.append(record[text_field])
     return docs
 
 
@@ -187,22 +249,21 @@ def read_conll(path: str, labels: list[str]) -> list[tuple[list[str], list[int]]
     the last column, a blank line between sentences, ``-DOCSTART-`` lines skipped."""
     ids = {tag: i for i, tag in enumerate(labels)}
     sentences, words, tags = [], [], []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            parts = line.split()
-            if not parts or parts[0] == "-DOCSTART-":
-                if words:
-                    sentences.append((words, tags))
-                words, tags = [], []
-                continue
-            if len(parts) < 2:
-                raise ConfigError(f"data.path={path} line {n} has one column; CoNLL lines are `word ... tag`")
-            if parts[-1] not in ids:
-                raise ConfigError(
-                    f"data.path={path} line {n} has the tag {parts[-1]!r}, not one of data.labels ({', '.join(labels)})"
-                )
-            words.append(parts[0])
-            tags.append(ids[parts[-1]])
+    for n, line in text_lines(path):
+        parts = line.split()
+        if not parts or parts[0] == "-DOCSTART-":
+            if words:
+                sentences.append((words, tags))
+            words, tags = [], []
+            continue
+        if len(parts) < 2:
+            raise ConfigError(f"data.path={path} line {n} has one column; CoNLL lines are `word ... tag`")
+        if parts[-1] not in ids:
+            raise ConfigError(
+                f"data.path={path} line {n} has the tag {parts[-1]!r}, not one of data.labels ({', '.join(labels)})"
+            )
+        words.append(parts[0])
+        tags.append(ids[parts[-1]])
     if words:
         sentences.append((words, tags))
     return sentences
@@ -219,10 +280,9 @@ def _needs(package: str, what: str):
         ) from None
 
 
-def _load_hf(cfg) -> "object":
+def _load_hf(cfg, path: str) -> "object":
     datasets = _needs("datasets", "data=hf_dataset")
 
-    path = local_path(cfg, "path", "a dataset directory written by save_to_disk, or local data files")
     try:
         if cfg.format is None:
             data = datasets.load_from_disk(path)
@@ -248,15 +308,23 @@ def _column(data, name: str, key: str, path: str) -> list:
     return data[name]
 
 
+def _held(value) -> str:
+    return f"{len(value)} values" if isinstance(value, list) else repr(value)[:40]
+
+
 # ------------------------------------------------------------------------------ samples
-def causal_blocks(docs: list[str], tokenizer, seq_len: int) -> torch.Tensor:
-    """The documents' tokens, joined by the end-of-text token, in (blocks, seq_len)."""
+def causal_blocks(docs: list[str], tokenizer, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The documents' tokens, joined by the end-of-text token, in (blocks, seq_len); and
+    the documents' own tokens (no end-of-text), for :func:`check_encodes`."""
     end = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
     ids: list[int] = []
+    own: list[int] = []
     for encoded in tokenizer(docs, add_special_tokens=False)["input_ids"]:
         ids += encoded + ([end] if end is not None else [])
+        own += encoded
     blocks = len(ids) // seq_len
-    return torch.tensor(ids[: blocks * seq_len], dtype=torch.long).reshape(blocks, seq_len)
+    blocked = torch.tensor(ids[: blocks * seq_len], dtype=torch.long).reshape(blocks, seq_len)
+    return blocked, torch.tensor(own, dtype=torch.long)
 
 
 def word_labels(sentences: list[tuple[list[str], list[int]]], tokenizer, seq_len: int) -> list[dict[str, torch.Tensor]]:
@@ -324,25 +392,48 @@ def dataset_task(cfg, source: str, dataset, collate, batch_size: int, **task) ->
     )  # fmt: skip
 
 
+HASHED_UP_TO = 64 * 2**20
+"""Data files up to this size are fingerprinted by their sha256 (a fraction of a second);
+larger ones, and directories, by size and modification time."""
+
+
+def fingerprint(path: str) -> dict[str, str]:
+    """``path`` and a cheap fingerprint of its content, which a checkpoint's data position
+    records: a run resumed on another file, or on the same file edited, is told so (its
+    position in the data would otherwise silently mean other samples)."""
+    if os.path.isfile(path) and os.path.getsize(path) <= HASHED_UP_TO:
+        with open(path, "rb") as f:
+            return {"path": path, "content": f"sha256:{hashlib.sha256(f.read()).hexdigest()}"}
+    files = [path] if os.path.isfile(path) else [os.path.join(d, n) for d, _, names in os.walk(path) for n in names]
+    stats = [os.stat(f) for f in files]
+    size, mtime = sum(s.st_size for s in stats), max((s.st_mtime_ns for s in stats), default=0)
+    return {"path": path, "content": f"size:{size},mtime_ns:{mtime}"}
+
+
 def _pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
 
-def causal_task(cfg, model_cfg, batch_size: int, docs_of) -> Task:
+def causal_task(cfg, model_cfg, batch_size: int, path: str, docs_of) -> Task:
     require_model_fields(
         cfg.name, "causal language models (model=hf_gpt2, hf_llama)", model_cfg, ("vocab_size", "seq_len")
     )
-    tokenizer = load_tokenizer(local_path(cfg, "tokenizer", "the tokenizer", directory=True))
+    directory = local_path(cfg, "tokenizer", "the tokenizer", directory=True)
+    tokenizer = load_tokenizer(directory)
     _tokenizer_fits(cfg, model_cfg, tokenizer)
-    blocks = causal_blocks(docs_of(), tokenizer, model_cfg.seq_len)
+    docs = docs_of()
+    if not docs:  # (the tokenizer itself fails on no documents, with an IndexError)
+        raise ConfigError(f"data.path={cfg.path} holds no samples (data={cfg.name}: no documents)")
+    blocks, own = causal_blocks(docs, tokenizer, model_cfg.seq_len)
+    check_encodes(cfg, tokenizer, directory, own)
     samples = Samples([{"input_ids": b, "labels": b} for b in blocks])
     return dataset_task(
         cfg, f"data.path={cfg.path}", samples, PadTo(_pad_id(tokenizer), model_cfg.seq_len), batch_size,
-        metric="perplexity", labels="labels", shift_labels=True,
+        metric="perplexity", labels="labels", shift_labels=True, fingerprint=fingerprint(path),
     )  # fmt: skip
 
 
-def token_task(cfg, model_cfg, batch_size: int, sentences_of) -> Task:
+def token_task(cfg, model_cfg, batch_size: int, path: str, sentences_of) -> Task:
     require_model_fields(
         cfg.name, "token classifiers (model=hf_bert)", model_cfg, ("vocab_size", "seq_len", "num_labels")
     )
@@ -351,12 +442,18 @@ def token_task(cfg, model_cfg, batch_size: int, sentences_of) -> Task:
             f"data={cfg.name} has {len(cfg.labels)} labels (data.labels) and model.num_labels={model_cfg.num_labels}: "
             f"{_bigger(model_cfg, 'num_labels', len(cfg.labels))}"
         )
-    tokenizer = load_tokenizer(local_path(cfg, "tokenizer", "the tokenizer", directory=True))
+    directory = local_path(cfg, "tokenizer", "the tokenizer", directory=True)
+    tokenizer = load_tokenizer(directory)
     _tokenizer_fits(cfg, model_cfg, tokenizer)
-    samples = Samples(word_labels(sentences_of(), tokenizer, model_cfg.seq_len))
+    sentences = sentences_of()
+    if not sentences:
+        raise ConfigError(f"data.path={cfg.path} holds no samples (data={cfg.name}: no sentences)")
+    samples = Samples(word_labels(sentences, tokenizer, model_cfg.seq_len))
+    # the words' first sub-tokens, those that carry a label
+    check_encodes(cfg, tokenizer, directory, torch.cat([s["input_ids"][s["labels"] != IGNORE] for s in samples]))
     return dataset_task(
         cfg, f"data.path={cfg.path}", samples, PadTo(_pad_id(tokenizer), model_cfg.seq_len), batch_size,
-        metric="token_accuracy", labels="labels", num_classes=model_cfg.num_labels,
+        metric="token_accuracy", labels="labels", num_classes=model_cfg.num_labels, fingerprint=fingerprint(path),
     )  # fmt: skip
 
 
@@ -364,32 +461,47 @@ def token_task(cfg, model_cfg, batch_size: int, sentences_of) -> Task:
 @TASKS.register("text_file", config=TextFileConfig)
 def text_file_task(cfg: TextFileConfig, model_cfg, batch_size: int) -> Task:
     """A plain text or JSON lines file, for causal language modelling."""
-    path = local_path(cfg, "path", "the text or JSON lines file")
-    return causal_task(cfg, model_cfg, batch_size, lambda: read_documents(path, cfg.text_field))
+    path = local_path(cfg, "path", "the text or JSON lines file", file=True)
+    return causal_task(cfg, model_cfg, batch_size, path, lambda: read_documents(path, cfg.text_field))
 
 
 @TASKS.register("conll", config=ConllConfig)
 def conll_task(cfg: ConllConfig, model_cfg, batch_size: int) -> Task:
     """A CoNLL-2003-format file, for token classification (NER)."""
-    path = local_path(cfg, "path", "the CoNLL file")
-    return token_task(cfg, model_cfg, batch_size, lambda: read_conll(path, list(cfg.labels)))
+    path = local_path(cfg, "path", "the CoNLL file", file=True)
+    return token_task(cfg, model_cfg, batch_size, path, lambda: read_conll(path, list(cfg.labels)))
 
 
 @TASKS.register("hf_dataset", config=HFDatasetConfig)
 def hf_dataset_task(cfg: HFDatasetConfig, model_cfg, batch_size: int) -> Task:
     """A ``datasets`` dataset from local files (save_to_disk's directory, or data files)."""
-    data = _load_hf(cfg)
+    path = local_path(cfg, "path", "a dataset directory written by save_to_disk, or local data files")
+    data = _load_hf(cfg, path)
     if option_name(cfg.kind) == "causal_lm":
-        return causal_task(
-            cfg, model_cfg, batch_size, lambda: list(_column(data, cfg.text_field, "text_field", cfg.path))
-        )
+
+        def texts():
+            column = list(_column(data, cfg.text_field, "text_field", cfg.path))
+            for row, text in enumerate(column):  # a null or a number: the tokenizer's TypeError otherwise
+                if not isinstance(text, str):
+                    raise ConfigError(
+                        f"data.path={cfg.path} row {row} has no text (data.text_field={cfg.text_field} holds "
+                        f"{text!r}, not a string)"
+                    )
+            return column
+
+        return causal_task(cfg, model_cfg, batch_size, path, texts)
     labels = list(cfg.labels)
 
     def sentences():
         words = _column(data, cfg.tokens_field, "tokens_field", cfg.path)
         tags = _column(data, cfg.labels_field, "labels_field", cfg.path)
         out = []
-        for w, t in zip(words, tags):
+        for row, (w, t) in enumerate(zip(words, tags)):
+            if not isinstance(w, list) or not isinstance(t, list) or len(w) != len(t):
+                raise ConfigError(
+                    f"data.path={cfg.path} row {row} has no tag per word: data.tokens_field={cfg.tokens_field} "
+                    f"holds {_held(w)}, data.labels_field={cfg.labels_field} {_held(t)}"
+                )
             ids = [labels.index(x) if isinstance(x, str) and x in labels else x for x in t]
             bad = [x for x in ids if not isinstance(x, int) or not 0 <= x < len(labels)]
             if bad:
@@ -400,4 +512,4 @@ def hf_dataset_task(cfg: HFDatasetConfig, model_cfg, batch_size: int) -> Task:
             out.append((list(w), ids))
         return out
 
-    return token_task(cfg, model_cfg, batch_size, sentences)
+    return token_task(cfg, model_cfg, batch_size, path, sentences)

@@ -14,7 +14,8 @@ ones its workers made ahead) as the position ``{"epoch", "samples"}`` (global sa
 that epoch), which a checkpoint stores. A resumed run starts its epoch's sampler at that
 sample and sees exactly the batches the uninterrupted run would have seen (same world size
 and batch size; another world size continues from the same epoch and sample count, with
-another split of the samples over the ranks).
+another split of the samples over the ranks). The position also records which data it is
+in (length, path, content: :func:`data_changes`), so a resume on changed data says so.
 
 The trainer times each :meth:`StepLoader.get` as the step's data time, apart from the step.
 """
@@ -28,7 +29,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.data import DataLoader, DistributedSampler
 
-from sharded_exp.data import Batch, Task
+from sharded_exp.data import Batch, Task, each_tensor
 from sharded_exp.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class StepLoader:
             task.dataset, num_replicas=world_size, rank=rank, shuffle=task.shuffle, seed=task.seed, drop_last=True
         )
         self.per_epoch = batches_per_epoch(len(task.dataset), world_size, batch_size)
+        self.identity = data_identity(task)
         if position is None:  # a fresh run, or a checkpoint without a data position: the step says it
             self.epoch, self.batch = divmod(start * grad_accum, self.per_epoch)
         else:
@@ -112,9 +114,10 @@ class StepLoader:
         )
         self._iter = None
 
-    def position(self) -> dict[str, int]:
-        """Where the training stands in the data: the epoch and the global samples consumed in it."""
-        return {"epoch": self.epoch, "samples": self.batch * self.global_batch}
+    def position(self) -> dict[str, int | str]:
+        """Where the training stands in the data: the epoch and the global samples consumed in
+        it; and which data that is (:func:`data_identity`)."""
+        return {"epoch": self.epoch, "samples": self.batch * self.global_batch, **self.identity}
 
     def _next(self) -> Batch:
         if self._iter is None:
@@ -136,12 +139,35 @@ class StepLoader:
         with _disable_current_modes():
             host = [self._next() for _ in range(self.grad_accum)]
         if self.device.type == "cpu":
-            return [{k: v.clone() for k, v in b.items()} for b in host]
-        return [{k: v.to(self.device, non_blocking=True) for k, v in b.items()} for b in host]
+            return [each_tensor(b, torch.clone) for b in host]
+        return [each_tensor(b, lambda v: v.to(self.device, non_blocking=True)) for b in host]
 
     def close(self) -> None:
         self._iter = None  # ends the workers (persistent ones with the loader)
         self.loader = None
+
+
+def data_identity(task: Task) -> dict[str, int | str]:
+    """What a checkpoint's data position records of the data: its length, and where it came
+    from and what it held (the task's fingerprint: path and content)."""
+    return {"length": len(task.dataset), **(task.fingerprint or {})}
+
+
+def data_changes(position: dict | None, task: Task) -> list[dict]:
+    """What differs between the data a checkpoint's position was in and this run's, as
+    result.json's ``resume_changes`` records it (``data.length``, ``data.path``,
+    ``data.content``; the checkpoint's value and this run's). Not refused: training on
+    more, fewer or edited samples may be the point; but the position then names other
+    samples, and a run that does not say so looks like a deterministic resume. A checkpoint
+    written before these were recorded compares nothing."""
+    if not position or task.dataset is None:
+        return []
+    now = data_identity(task)
+    return [
+        {"key": f"data.{key}", "checkpoint": position[key], "config": now[key]}
+        for key in ("length", "path", "content")
+        if key in position and key in now and position[key] != now[key]
+    ]
 
 
 def step_loader(

@@ -255,7 +255,7 @@ class Result(_Closed):
     resumed_from: str | None = None
     """The checkpoint a resumed run started from."""
     resume_changes: list[dict[str, Any]] | None = None
-    """Optimizer settings the config changed against the resumed checkpoint's."""
+    """Optimizer settings, and the data (data.length, path, content), changed against the resumed checkpoint's."""
     checkpoint: str | None = None
     """The newest complete checkpoint the job left (the one to resume)."""
     final_loss: float | None = None

@@ -234,6 +234,7 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
+    from sharded_exp.data import each_tensor
     from sharded_exp.measure.cuda_kernels import cuda_kernels
     from sharded_exp.train.build import build_run
     from sharded_exp.train.levers import without_checkpointing
@@ -325,12 +326,12 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
                 if step == 2:
                     tracker.__exit__(None, None, None)
                     tracking.clear()
-                # Made inside the window, as in a run, so counted like it.
+                # Made inside the window, as in a run, so counted like it (a value that is no
+                # tensor, a user's list or string, passes as the probe had it).
                 batches = [
-                    {
-                        k: torch.zeros((tc.batch_size, *v.shape[1:]), dtype=v.dtype, device=device)
-                        for k, v in sample.items()
-                    }
+                    each_tensor(
+                        sample, lambda v: torch.zeros((tc.batch_size, *v.shape[1:]), dtype=v.dtype, device=device)
+                    )
                     for _ in range(tc.grad_accum)
                 ]
                 counter = FlopCounterMode(display=False) if step == counted and flops else None
@@ -365,12 +366,12 @@ def _probe(data_cfg, model_cfg) -> dict:
     same layout), made once per data and model config: a plan fakes many steps of one."""
     from omegaconf import OmegaConf
 
-    from sharded_exp.data import probe_batch
+    from sharded_exp.data import each_tensor, probe_batch
 
     key = OmegaConf.to_yaml(data_cfg) + OmegaConf.to_yaml(model_cfg)
     if key not in _PROBES:
-        _PROBES[key] = {k: torch.empty((1, *v.shape[1:]), dtype=v.dtype, device="meta")
-                        for k, v in probe_batch(data_cfg, model_cfg, 0).items()}  # fmt: skip
+        _PROBES[key] = each_tensor(probe_batch(data_cfg, model_cfg, 0),
+                                   lambda v: torch.empty((1, *v.shape[1:]), dtype=v.dtype, device="meta"))  # fmt: skip
     return _PROBES[key]
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from sharded_exp.data import Task
+from sharded_exp.data import Task, each_tensor
 
 EVAL_STEP = 1_000_000_000
 """Held-out batches are those of steps EVAL_STEP, EVAL_STEP + 1, ...: a stream of their own."""
@@ -54,7 +54,7 @@ def evaluate(strategy, task: Task, autocast, device: torch.device, batches: int,
     try:
         with torch.no_grad():
             for i in range(batches):
-                batch = {k: v.to(device) for k, v in task.batch(EVAL_STEP + i, 0, rank).items()}
+                batch = each_tensor(task.batch(EVAL_STEP + i, 0, rank), lambda v: v.to(device))
                 with autocast:
                     out = model(**batch)
                 logits, labels = task.predictions(out, batch)

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from sharded_exp import checkpoint
 from sharded_exp.checkpoint import CheckpointManager, gather_model_state
+from sharded_exp.data.loader import data_changes
 from sharded_exp.errors import is_oom
 from sharded_exp.job.result import TRAINED, write_json
 from sharded_exp.job.spec import JobSpec
@@ -186,13 +187,20 @@ def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: Me
                     weights=resume is None)  # fmt: skip
     module, strategy, task = run.module, run.strategy, run.task
     loaded = checkpoint.load(spec.checkpoint, strategy, device)
-    start, resume_changes = loaded["step"], loaded["resume_changes"]
+    data_changed = data_changes(loaded.get("data"), task)  # another file, or an edited one: told, not refused
+    start, resume_changes = loaded["step"], loaded["resume_changes"] + data_changed
     if (resume or cfg.model.get("pretrained")) and device.type == "cpu":  # a key of some models only
         meter.reset_peak()  # the loading's own copies are not the training's peak
     if rank == 0:
-        for c in resume_changes:
+        for c in loaded["resume_changes"]:
             log.warning("warning: resuming with optimizer group %s %s=%s from the config (the checkpoint has %s)",
                         c["group"], c["key"], c["config"], c["checkpoint"])  # fmt: skip
+        if data_changed:
+            where = loaded["data"]
+            log.warning("warning: resuming on other data than the checkpoint's: %s; its data position (epoch %s, "
+                        "%s samples in) may name other samples now",
+                        "; ".join(f"{c['key']}={c['config']} (the checkpoint's: {c['checkpoint']})" for c in data_changed),
+                        where["epoch"], where["samples"])  # fmt: skip
     if device.type == "cuda":
         meter.start()  # peak counters reset once model and optimizer are built
     timeline["built"] = time.time()
