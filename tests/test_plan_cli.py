@@ -159,6 +159,7 @@ def test_planner_input_refused_before_planning(tmp_path, capsys):
         "model._target_=tests.user_models.build_none": "returned None (does it return the model?)",
         "plan.world_sizes=[1000000]": "up to 16,384 ranks",
         f"plan.plot={tmp_path / 'a_file' / 'plan.png'}": f"{tmp_path / 'a_file'} is a file, not a directory",
+        "trainer.freeze=[*]": "model=gpt has nothing to train",
     }
     for override, message in cases.items():
         model = ["model=custom"] if "_target_" in override else ["model=gpt"]

@@ -103,11 +103,16 @@ def buildable(cfg) -> None:
     from sharded_exp.predict.prediction import meta_model
 
     try:
-        meta_model(cfg.model, cfg.trainer.freeze)
+        module = meta_model(cfg.model, cfg.trainer.freeze)
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 -- the model's own complaint, named
         raise ConfigError(f"model={cfg.model.name} cannot be built with this config: {type(exc).__name__}: {exc}") from None
+    if not any(p.requires_grad for p in module.parameters()):  # as a run refuses it: nothing to train
+        raise ConfigError(
+            f"model={cfg.model.name} has nothing to train (no parameter, or trainer.freeze={list(cfg.trainer.freeze)} "
+            "freezes every one): there is nothing to plan"
+        )
 
 
 def preset_of(argv: list[str]) -> str:
