@@ -523,7 +523,9 @@ def _hand_made(strategy: str, peak: float, **changes) -> dict:
     point = {"status": "ok", "strategy": strategy, "precision": "32", "model": "mlp",
              "optimizer": "adam", "world_size": 2, "params": 100, "steps": 4, "output_dir": "",
              "config": {"trainer": {"batch_size": 8, "memory_limit_mib": None}}, "final_loss": 1.0,
-             "memory": {"peak_allocated_mib_max": peak, "per_rank": []}, "throughput": {"samples_per_s": 100.0},
+             "memory": {"peak_allocated_mib_max": peak, "predicted_peak_mib_max": peak + 1,
+                        "per_rank": [{"rank": 0, "peak_allocated_mib": peak, "predicted_peak_mib": peak + 1}]},
+             "throughput": {"samples_per_s": 100.0},
              "param_digest": {"sum": 1.0, "l2": 2.0}}  # fmt: skip
     for key, value in changes.items():  # memory__oom_breakdown: the memory section's oom_breakdown
         section, _, inner = key.partition("__")
@@ -570,6 +572,32 @@ def test_a_nan_peak_is_no_measurement():
     assert head == "At 2 ranks, only fsdp has a measured peak (6.00 MiB).", head
     head = headline(rows(_hand_made("ddp", math.nan)))
     assert "nan" not in head.lower(), head
+
+
+def test_an_interrupted_report_leaves_the_previous_one_whole(tmp_path, monkeypatch):
+    """Ctrl-C while a report is written (here: after its charts, before report.md) leaves the
+    previous report's files as they were, and no staging directory; the next report replaces
+    them all."""
+    from sharded_exp.output import comparison
+
+    files = ("report.md", "report.csv", *comparison.CHARTS)
+    _write_sweep(tmp_path, [_hand_made("ddp", 10.0), _hand_made("fsdp", 6.0)])
+    comparison.write_report(tmp_path)
+    before = {name: (tmp_path / name).read_bytes() for name in files}
+    _write_sweep(tmp_path / "more", [_hand_made("zero1", 8.0)])  # a new point: every file changes
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(comparison, "report_markdown", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            comparison.write_report(tmp_path)
+    assert {name: (tmp_path / name).read_bytes() for name in files} == before
+    assert not list(tmp_path.glob(".report-*"))
+    comparison.write_report(tmp_path)
+    assert [n for n in files if (tmp_path / n).read_bytes() != before[n]] == list(files)
+    assert "zero1" in (tmp_path / "report.md").read_text() and not list(tmp_path.glob(".report-*"))
 
 
 def test_the_report_of_an_empty_directory_writes_nothing(tmp_path):

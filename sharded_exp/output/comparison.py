@@ -14,8 +14,10 @@ import csv
 import hashlib
 import json
 import math
+import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -708,7 +710,8 @@ def report_markdown(rows: list[dict[str, Any]], name: str, note: str = "", drawn
 
 def write_report(sweep_dir: Path) -> list[dict[str, Any]]:
     """report.md, report.csv, the charts and the W&B report run; nothing when the
-    directory holds no result.json (returns the rows, empty then)."""
+    directory holds no result.json (returns the rows, empty then). The files are written in
+    a staging directory beside them and moved into place together (:func:`publish_report`)."""
     sweep_dir = Path(sweep_dir)
     stale: list[dict[str, Any]] = []
     points = load_points(sweep_dir, stale)
@@ -720,11 +723,37 @@ def write_report(sweep_dir: Path) -> list[dict[str, Any]]:
         names = ", ".join(sorted(_point_name(p) for p in stale))
         note = f"\n\n{len(stale)} point(s) left here by an earlier sweep are not in this report: {names}."
         print(f"report: {len(stale)} stale point(s) of an earlier sweep left out ({names})", file=sys.stderr)
-    charts_written = write_charts(rows, sweep_dir)
-    (sweep_dir / "report.md").write_text(report_markdown(rows, sweep_dir.name, note, {p.name for p in charts_written}))
-    with open(sweep_dir / "report.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns(rows), extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    log_to_wandb(rows, points, charts_written, sweep_dir)
+    staging = Path(tempfile.mkdtemp(prefix=".report-", dir=sweep_dir))
+    try:
+        drawn = {p.name for p in write_charts(rows, staging)}
+        (staging / "report.md").write_text(report_markdown(rows, sweep_dir.name, note, drawn))
+        with open(staging / "report.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns(rows), extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+        publish_report(staging, sweep_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    log_to_wandb(rows, points, [sweep_dir / name for name in CHARTS if name in drawn], sweep_dir)
     return rows
+
+
+def publish_report(staging: Path, sweep_dir: Path) -> None:
+    """Move the report's files from ``staging`` into ``sweep_dir``, replacing the previous
+    report's; a chart of the previous report not drawn this time goes (report.md no longer
+    links it). Each file is renamed in place (atomic), with SIGINT and SIGTERM held until the
+    last is in: a Ctrl-C leaves the previous complete set or the new one, never a mix."""
+    import signal
+
+    block = getattr(signal, "pthread_sigmask", None)  # not on Windows: the renames alone
+    held = block(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM}) if block else None
+    try:
+        for name in CHARTS:
+            if not (staging / name).exists():
+                (sweep_dir / name).unlink(missing_ok=True)
+        for name in (*CHARTS, "report.csv", "report.md"):
+            if (staging / name).exists():
+                os.replace(staging / name, sweep_dir / name)
+    finally:
+        if block:
+            block(signal.SIG_SETMASK, held)
