@@ -14,7 +14,9 @@ Optuna records it as a complete trial), so one bad point never ends the study.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import sys
 from typing import Any
 
@@ -94,6 +96,33 @@ def sweeper_direction(hydra_cfg) -> str | None:
     direction = hydra_cfg.sweeper.get("direction") if "sweeper" in hydra_cfg else None
     name = getattr(direction, "name", direction)
     return str(name).lower() if name is not None else None
+
+
+def hold_sweep_dir(sweep_dir) -> Any:
+    """Hold ``hydra.sweep.dir`` for this sweep, as a run directory is held (an exclusive lock
+    on ``<sweep dir>/.lock``, which names our pid; released when this process ends, however
+    it ends): two live sweeps in one directory would overwrite each other's ``.sweep_id`` and
+    each report the other's points. Another live sweep (or job) there: says so and exits 2,
+    before this sweep's first point; a lock file left by a process that has ended is no lock."""
+    from sharded_exp.checkpoint.storage import hold_directory
+
+    try:
+        return hold_directory(str(sweep_dir), lambda owner: ConfigError(
+            f"hydra.sweep.dir={sweep_dir} is in use by a running sweep (pid {owner}); wait for it to end "
+            "or choose another hydra.sweep.dir"
+        ))  # fmt: skip
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def release_sweep_dir(lock) -> None:
+    """Let the sweep directory go: the lock file is removed, then the lock released."""
+    if lock is None or lock.closed:
+        return
+    with contextlib.suppress(OSError):
+        os.remove(lock.name)
+    lock.close()
 
 
 def check_multirun(config) -> None:

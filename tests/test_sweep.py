@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pickle
 
 import pytest
@@ -77,6 +78,34 @@ def test_an_optimizing_sweeper_needs_an_objective(capsys):
     with pytest.raises(SystemExit):
         check_multirun(_hydra_config(["hydra/sweeper=optuna"]))
     assert "error: hydra/sweeper=optuna optimizes the value main returns: set objective=" in capsys.readouterr().err
+
+
+def test_a_sweep_directory_in_use_by_a_live_sweep_is_refused_before_its_first_point(tmp_path, capsys):
+    """Two sweeps in one hydra.sweep.dir would overwrite each other's .sweep_id and report each
+    other's points: the second is refused at its start (a second holder in this process stands
+    for another live sweep: the lock is per open file); a lock left by a dead process is none."""
+    from sharded_exp.report import ReportCallback
+
+    config = _hydra_config([f"hydra.sweep.dir={tmp_path}"])
+    first = ReportCallback()
+    first.on_multirun_start(config)
+    live_id = (tmp_path / ".sweep_id").read_text()
+    assert (tmp_path / ".lock").read_text() == f"{os.getpid()}\n"
+    with pytest.raises(SystemExit) as exit_:
+        ReportCallback().on_multirun_start(config)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (
+        f"error: hydra.sweep.dir={tmp_path} is in use by a running sweep (pid {os.getpid()}); wait for it to end "
+        "or choose another hydra.sweep.dir\n"
+    )
+    assert (tmp_path / ".sweep_id").read_text() == live_id  # the live sweep's points stay its own
+    first.on_multirun_end(config)  # no point ran: no report; the directory is free again
+    assert not (tmp_path / ".lock").exists()
+    (tmp_path / ".lock").write_text("999999999\n")  # a sweep killed with SIGKILL left its pid behind
+    again = ReportCallback()
+    again.on_multirun_start(config)
+    assert (tmp_path / ".sweep_id").read_text() != live_id
+    again.on_multirun_end(config)
 
 
 # ------------------------------------------------------------- precision, every syntax
