@@ -18,6 +18,7 @@ import contextlib
 import math
 import os
 import sys
+from collections.abc import MutableSequence
 from typing import Any
 
 from sharded_exp.errors import ConfigError
@@ -92,8 +93,11 @@ def result_at(result: dict[str, Any], path: str) -> Any:
 
 
 def sweeper_direction(hydra_cfg) -> str | None:
-    """The sweeper's direction (Optuna's ``direction``), if it has one: maximize or minimize."""
+    """The sweeper's direction (Optuna's ``direction``), if it has one: maximize or minimize
+    (a list of one direction is that direction; a longer one is refused by :func:`check_multirun`)."""
     direction = hydra_cfg.sweeper.get("direction") if "sweeper" in hydra_cfg else None
+    if isinstance(direction, MutableSequence):
+        direction = direction[0] if len(direction) == 1 else None
     name = getattr(direction, "name", direction)
     return str(name).lower() if name is not None else None
 
@@ -125,9 +129,40 @@ def release_sweep_dir(lock) -> None:
     lock.close()
 
 
+def check_sweeper(sweeper, objective: str | None) -> None:
+    """The sweeper's own settings that would fail every point, refused (ConfigError).
+
+    - A list of directions (Optuna's multi-objective study) wants a list of numbers back;
+      ``main`` returns one, ``objective``'s.
+    - A number naming a group option in the sweeper's params (YAML, or
+      ``hydra.sweeper.params={precision: choice(32,16)}``, which are no command-line
+      overrides of their own): the sweeper hands it back to Hydra as a number, which no group
+      option is (:func:`sharded_exp.compose.quote_numeric_choices` maps those on the command line).
+    """
+    from sharded_exp.compose import NUMBER, NUMBER_NAMES, numbers_named
+
+    direction = sweeper.get("direction")
+    if isinstance(direction, MutableSequence) and len(direction) > 1:
+        listed = ",".join(str(getattr(d, "name", d)) for d in direction)
+        raise ConfigError(
+            f"hydra.sweeper.direction=[{listed}] asks for {len(direction)} objectives, and main returns one number "
+            f"(objective={objective}): set hydra.sweeper.direction=maximize or hydra.sweeper.direction=minimize"
+        )
+    for key, value in (sweeper.get("params") or {}).items():
+        names = NUMBER_NAMES.get(str(key), {})
+        found = [n for _, n in NUMBER.findall(str(value)) if n in names]
+        if found:
+            raise ConfigError(
+                f"hydra.sweeper.params.{key}={value}: the sweeper hands {', '.join(found)} back to Hydra as "
+                f"numbers, which name no {key} option; use the names: hydra.sweeper.params.{key}="
+                f"{numbers_named(str(value), names)} ({', '.join(f'{names[n]} is {n}' for n in found)})"
+            )
+
+
 def check_multirun(config) -> None:
-    """Before the first point of a multirun: a launcher that can host the ranks, and a
-    valid objective (required by a sweeper that optimizes). Says why and exits 2."""
+    """Before the first point of a multirun: a launcher that can host the ranks, a valid
+    objective (required by a sweeper that optimizes), sweeper settings every point can run
+    with (:func:`check_sweeper`). Says why and exits 2."""
     target = config.hydra.launcher.get("_target_")
     choice = config.hydra.runtime.choices.get("hydra/launcher", target)
     try:
@@ -140,6 +175,7 @@ def check_multirun(config) -> None:
                 "(the default: no hydra/launcher override)"
             )
         check_objective(config.get("objective"))
+        check_sweeper(config.hydra.sweeper, config.get("objective"))
         optimizing = "optuna" in str(config.hydra.sweeper.get("_target_", ""))
         if optimizing and config.get("objective") is None:
             raise ConfigError(
