@@ -138,6 +138,47 @@ def test_a_sweep_directory_in_use_by_a_live_sweep_is_refused_before_its_first_po
     again.on_multirun_end(config)
 
 
+def test_a_point_that_cannot_write_its_result_still_counts_as_failed(tmp_path, monkeypatch, capsys):
+    """A sweep point whose pre-flight fails with an OSError records it in its result.json;
+    where even that cannot be written (its run directory's filesystem), the point has no row
+    in the report, so it is counted as failed on its own: the sweep exits 1, not 0."""
+    import errno
+
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import open_dict
+
+    import sharded_exp.__main__ as entry
+    from sharded_exp.launch import parent
+    from sharded_exp.report import ReportCallback
+
+    point = tmp_path / "0_point"
+    cfg = _hydra_config(["logger=none", f"hydra.sweep.dir={tmp_path}"])
+    with open_dict(cfg):
+        cfg.hydra.mode, cfg.hydra.runtime.output_dir = RunMode.MULTIRUN, str(point)
+    job = cfg.copy()
+    with open_dict(job):
+        del job["hydra"]
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(parent, "launch", full)
+    monkeypatch.setattr(parent, "record_config_error", full)
+    monkeypatch.setattr(ReportCallback, "failed_points", 0)
+    HydraConfig.instance().set_config(cfg)
+    try:
+        result = entry.check_and_launch(job)
+    finally:
+        HydraConfig.instance().cfg = None
+    assert result == {"status": "failed", "error": "No space left on device"}
+    assert ReportCallback.failed_points == 1
+    assert capsys.readouterr().err == (
+        "error: No space left on device; the job did not run\n"
+        f"error: {point}/result.json not written (No space left on device)\n"
+    )
+
+
 # ------------------------------------------------------------- precision, every syntax
 def _points(args: list[str]) -> list[list[str]]:
     """The jobs Hydra's basic sweeper makes of a command line (its own parser and split)."""
