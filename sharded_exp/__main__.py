@@ -201,8 +201,12 @@ def check_and_launch(cfg: DictConfig) -> dict | None:
             sys.exit(1)
         try:  # a sweep point still ends with a result.json, and the report counts it
             result = record_config_error(cfg, output_dir, OSError(message), identity=identity)
-        except OSError:  # the run directory's own filesystem: nothing can be written there
-            return {"status": "failed"}
+        except OSError as written:  # the run directory's own filesystem: nothing can be written there
+            from sharded_exp.report import ReportCallback
+
+            print(f"error: {output_dir}/result.json not written ({written.strerror or written})", file=sys.stderr)
+            ReportCallback.failed_points += 1  # no row in the report: counted here, so the sweep exits 1
+            return {"status": "failed", "error": message}
     except Exception as exc:  # noqa: BLE001 -- unforeseen, before or around the ranks
         if not multirun:
             raise  # its traceback is what a bug report needs

@@ -109,8 +109,8 @@ MAX_DIRNAME = 200
 
 
 def point_dirname(overrides: str) -> str:
-    """A sweep point's directory name from its overrides: ``precision=32``, not
-    ``precision='32'`` (the quotes :func:`quote_numeric_choices` adds for Hydra's parser),
+    """A sweep point's directory name from its overrides: ``precision=8``, not
+    ``precision='8'`` (the quotes :func:`quote_numeric_choices` adds for Hydra's parser),
     and cut to :data:`MAX_DIRNAME` bytes with a short hash of the whole when longer (many
     overrides: ``File name too long`` otherwise)."""
     import hashlib
@@ -122,24 +122,68 @@ def point_dirname(overrides: str) -> str:
     return name.encode()[: MAX_DIRNAME - 9].decode(errors="ignore") + "_" + digest
 
 
+NUMBER_NAMES = {"precision": {"32": "fp32", "16": "fp16"}}
+"""Group options named by a number, and the option that is the same one by a name
+(``conf/precision/fp32.yaml`` is ``32.yaml``; results name it ``32`` either way)."""
+NUMBER = re.compile(r"(?<![\w.])(['\"]?)([0-9][0-9.]*)\1(?![\w.])")
+"""A number in an override's value (``32`` in ``choice(32,bf16)``), quoted or not; not one
+inside a name (``gpt2``) or a longer number."""
+
+
 def quote_numeric_choices(args: list[str], conf_dir: str = CONF_DIR) -> list[str]:
     """Let ``precision=16`` (and sweeps like ``precision=32,16``) name a config group option.
 
-    Hydra parses an unquoted ``16`` as an int and refuses it as a group choice, so a user
-    would have to type ``precision="'16'"``. Numeric choices of config groups are quoted
-    here before Hydra parses the command line, also in a sweep's ``choice(32,16)``;
-    everything else passes through unchanged. (Sweeper params in YAML never pass through
-    here: there the options' string names serve, ``precision: fp32,fp16``.)
+    Hydra parses an unquoted ``16`` as an int and refuses it as a group choice ("Config
+    group override must be a string"), and quoting it is not enough in a sweep: Optuna
+    (``choice(32,bf16)``) formats its pick back into ``precision=32``, and so do Hydra's
+    ``sort()`` and ``glob(*)`` (the options 16 and 32). So before Hydra parses the command
+    line, a number naming an option with a name (:data:`NUMBER_NAMES`) becomes that name
+    (``precision=32,16`` -> ``precision=fp32,fp16``, also in ``choice()``, ``sort()``,
+    ``shuffle()`` and ``hydra.sweeper.params.precision=``), ``glob(...)`` over such a group
+    becomes the list of the names it matches, and any other number of a group is quoted
+    (``precision=8`` -> ``'8'``: Hydra then says no such option). Everything else passes
+    through unchanged. Sweeper params in YAML never pass through here:
+    :func:`sharded_exp.sweep.check_multirun` refuses a number there, naming the names.
     """
     out = []
     for arg in args:
-        m = re.fullmatch(r"([+~]{0,2}[\w/]+)=(choice\(([\w., ]+)\)|[\w.,]+)", arg)
-        if m and os.path.isdir(os.path.join(conf_dir, m.group(1).lstrip("+~"))):
-            items = [v.strip() for v in (m.group(3) or m.group(2)).split(",")]
-            quoted = ",".join(f"'{v}'" if re.fullmatch(r"[0-9.]+", v) else v for v in items)
-            arg = m.group(1) + "=" + (f"choice({quoted})" if m.group(3) else quoted)
+        m = re.fullmatch(r"([+~]{0,2})((?:hydra\.sweeper\.params\.)?([\w/]+))=(.+)", arg, re.DOTALL)
+        if m and "${" not in m.group(4) and os.path.isdir(os.path.join(conf_dir, m.group(3))):
+            prefix, key, group, value = m.groups()
+            names = {} if "~" in prefix else NUMBER_NAMES.get(group, {})  # ~precision=32 deletes the choice as set
+            if value.startswith("glob("):
+                value = (names and _glob_names(group, value, names, conf_dir)) or value
+            else:
+                value = numbers_named(value, names)
+            arg = f"{prefix}{key}={value}"
         out.append(arg)
     return out
+
+
+def numbers_named(value: str, names: dict[str, str]) -> str:
+    """``value`` with each number that ``names`` names replaced by its name, any other number quoted."""
+    return NUMBER.sub(lambda m: names.get(m.group(2)) or f"'{m.group(2)}'", value)
+
+
+def _glob_names(group: str, value: str, names: dict[str, str], conf_dir: str) -> str | None:
+    """The options ``glob(...)`` matches in ``group``, by their names (16 and fp16 are one
+    option: listed once, as fp16), sorted as Hydra sorts them; None when it matches nothing
+    or does not parse (Hydra then says so itself)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Glob
+
+    try:
+        found = OverridesParser.create().parse_override(f"{group}={value}").value()
+    except Exception:  # noqa: BLE001 -- Hydra's own message, when it parses the argument itself
+        return None
+    if not isinstance(found, Glob):
+        return None
+    options = sorted(os.path.splitext(n)[0] for n in os.listdir(os.path.join(conf_dir, group)) if n.endswith(".yaml"))
+    named = lambda patterns: [names.get(str(p), str(p)) for p in patterns]  # noqa: E731
+    chosen = Glob(include=named(found.include), exclude=named(found.exclude)).filter(
+        sorted(dict.fromkeys(names.get(o, o) for o in options))
+    )
+    return ",".join(chosen) or None
 
 
 def compose(overrides: list[str], config_name: str = "config"):

@@ -30,22 +30,33 @@ class ReportCallback(Callback):
     """
 
     failed_points = 0
+    lock = None
+    """The sweep directory's lock, held from the sweep's start to its report."""
 
     def on_multirun_start(self, config, **kwargs) -> None:
         import uuid
 
-        from sharded_exp.sweep import check_multirun
+        from sharded_exp.sweep import check_multirun, hold_sweep_dir
 
         check_multirun(config)  # a launcher that can host ranks, a valid objective: before any point
         sweep_dir = Path(config.hydra.sweep.dir)
         try:
             sweep_dir.mkdir(parents=True, exist_ok=True)
+            self.lock = hold_sweep_dir(sweep_dir)  # another live sweep there: refused (exit 2) before its id is touched
             (sweep_dir / SWEEP_ID).write_text(uuid.uuid4().hex + "\n")
         except OSError as exc:  # the points say so themselves; the report then takes every point
             print(f"warning: {sweep_dir / SWEEP_ID} not written ({exc.strerror or exc})", file=sys.stderr)
 
     def on_multirun_end(self, config, **kwargs) -> None:
-        sweep_dir = Path(config.hydra.sweep.dir)
+        from sharded_exp.sweep import release_sweep_dir
+
+        try:
+            self._report(Path(config.hydra.sweep.dir))
+        finally:
+            release_sweep_dir(self.lock)
+            self.lock = None
+
+    def _report(self, sweep_dir: Path) -> None:
         try:
             rows = write_report(sweep_dir)
         except OSError as exc:

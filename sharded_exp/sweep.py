@@ -14,8 +14,11 @@ Optuna records it as a complete trial), so one bad point never ends the study.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import sys
+from collections.abc import MutableSequence
 from typing import Any
 
 from sharded_exp.errors import ConfigError
@@ -90,15 +93,76 @@ def result_at(result: dict[str, Any], path: str) -> Any:
 
 
 def sweeper_direction(hydra_cfg) -> str | None:
-    """The sweeper's direction (Optuna's ``direction``), if it has one: maximize or minimize."""
+    """The sweeper's direction (Optuna's ``direction``), if it has one: maximize or minimize
+    (a list of one direction is that direction; a longer one is refused by :func:`check_multirun`)."""
     direction = hydra_cfg.sweeper.get("direction") if "sweeper" in hydra_cfg else None
+    if isinstance(direction, MutableSequence):
+        direction = direction[0] if len(direction) == 1 else None
     name = getattr(direction, "name", direction)
     return str(name).lower() if name is not None else None
 
 
+def hold_sweep_dir(sweep_dir) -> Any:
+    """Hold ``hydra.sweep.dir`` for this sweep, as a run directory is held (an exclusive lock
+    on ``<sweep dir>/.lock``, which names our pid; released when this process ends, however
+    it ends): two live sweeps in one directory would overwrite each other's ``.sweep_id`` and
+    each report the other's points. Another live sweep (or job) there: says so and exits 2,
+    before this sweep's first point; a lock file left by a process that has ended is no lock."""
+    from sharded_exp.checkpoint.storage import hold_directory
+
+    try:
+        return hold_directory(str(sweep_dir), lambda owner: ConfigError(
+            f"hydra.sweep.dir={sweep_dir} is in use by a running sweep (pid {owner}); wait for it to end "
+            "or choose another hydra.sweep.dir"
+        ))  # fmt: skip
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def release_sweep_dir(lock) -> None:
+    """Let the sweep directory go: the lock file is removed, then the lock released."""
+    if lock is None or lock.closed:
+        return
+    with contextlib.suppress(OSError):
+        os.remove(lock.name)
+    lock.close()
+
+
+def check_sweeper(sweeper, objective: str | None) -> None:
+    """The sweeper's own settings that would fail every point, refused (ConfigError).
+
+    - A list of directions (Optuna's multi-objective study) wants a list of numbers back;
+      ``main`` returns one, ``objective``'s.
+    - A number naming a group option in the sweeper's params (YAML, or
+      ``hydra.sweeper.params={precision: choice(32,16)}``, which are no command-line
+      overrides of their own): the sweeper hands it back to Hydra as a number, which no group
+      option is (:func:`sharded_exp.compose.quote_numeric_choices` maps those on the command line).
+    """
+    from sharded_exp.compose import NUMBER, NUMBER_NAMES, numbers_named
+
+    direction = sweeper.get("direction")
+    if isinstance(direction, MutableSequence) and len(direction) > 1:
+        listed = ",".join(str(getattr(d, "name", d)) for d in direction)
+        raise ConfigError(
+            f"hydra.sweeper.direction=[{listed}] asks for {len(direction)} objectives, and main returns one number "
+            f"(objective={objective}): set hydra.sweeper.direction=maximize or hydra.sweeper.direction=minimize"
+        )
+    for key, value in (sweeper.get("params") or {}).items():
+        names = NUMBER_NAMES.get(str(key), {})
+        found = [n for _, n in NUMBER.findall(str(value)) if n in names]
+        if found:
+            raise ConfigError(
+                f"hydra.sweeper.params.{key}={value}: the sweeper hands {', '.join(found)} back to Hydra as "
+                f"numbers, which name no {key} option; use the names: hydra.sweeper.params.{key}="
+                f"{numbers_named(str(value), names)} ({', '.join(f'{names[n]} is {n}' for n in found)})"
+            )
+
+
 def check_multirun(config) -> None:
-    """Before the first point of a multirun: a launcher that can host the ranks, and a
-    valid objective (required by a sweeper that optimizes). Says why and exits 2."""
+    """Before the first point of a multirun: a launcher that can host the ranks, a valid
+    objective (required by a sweeper that optimizes), sweeper settings every point can run
+    with (:func:`check_sweeper`). Says why and exits 2."""
     target = config.hydra.launcher.get("_target_")
     choice = config.hydra.runtime.choices.get("hydra/launcher", target)
     try:
@@ -111,6 +175,7 @@ def check_multirun(config) -> None:
                 "(the default: no hydra/launcher override)"
             )
         check_objective(config.get("objective"))
+        check_sweeper(config.hydra.sweeper, config.get("objective"))
         optimizing = "optuna" in str(config.hydra.sweeper.get("_target_", ""))
         if optimizing and config.get("objective") is None:
             raise ConfigError(

@@ -63,10 +63,11 @@ def test_every_option_of_every_group_composes():
 
 
 def test_precision_16_is_a_group_choice():
-    assert quote_numeric_choices(["precision=16", "trainer.steps=3", "precision=32,16"]) == [
-        "precision='16'",
+    assert quote_numeric_choices(["precision=16", "trainer.steps=3", "precision=32,16", "precision=8"]) == [
+        "precision=fp16",
         "trainer.steps=3",
-        "precision='32','16'",
+        "precision=fp32,fp16",
+        "precision='8'",  # no such option: Hydra says so (not "must be a string")
     ]
     assert compose_cfg(["precision=16"]).precision.name == "16"
 

@@ -136,6 +136,24 @@ def test_the_planner_refuses_bad_input_with_exit_2(override, message):
     assert "Traceback" not in proc.stderr and message in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("plan.world_sizes=[2.5]", "error: plan.world_sizes=[2.5] must be a non-empty list of integers >= 1\n"),
+        ("plan.world_sizes=4", "error: plan.world_sizes=4 must be a non-empty list of integers >= 1\n"),
+        ("plan.units=x", "error: Error merging override plan.units=x: Value 'x' of type 'str' could not be converted "
+                         "to Integer\n"),
+    ],
+)  # fmt: skip
+def test_a_value_hydra_refuses_is_said_with_its_reason(override, message, capsys):
+    """Hydra keeps why it refused an override in the exception's cause: the planner says it
+    (a world size that is no integer as one below 1 is said), in this process, before any plan."""
+    from sharded_exp.plan import command
+
+    assert command.main([override]) == 2
+    assert capsys.readouterr().err == message
+
+
 def test_a_model_beside_plan_params_is_refused():
     proc = run_cli(["model=gpt2_small", "plan.params=1e9"], cwd=ROOT, module="sharded_exp.plan")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -514,6 +515,89 @@ def test_a_bad_result_json_is_a_row_that_says_why(tmp_path):
     assert "1_truncated/result.json" in by_status["unreadable"]["error"]
     assert "still running or killed before it finished" in by_status["running"]["error"]
     assert by_status["ok"]["peak_allocated_mib_max"] > 0
+
+
+def _hand_made(strategy: str, peak: float, **changes) -> dict:
+    """A point's result.json as the schema has it, small: what a row needs and a few figures (no
+    schema_version: the session's check of what the product wrote leaves it out)."""
+    point = {"status": "ok", "strategy": strategy, "precision": "32", "model": "mlp",
+             "optimizer": "adam", "world_size": 2, "params": 100, "steps": 4, "output_dir": "",
+             "config": {"trainer": {"batch_size": 8, "memory_limit_mib": None}}, "final_loss": 1.0,
+             "memory": {"peak_allocated_mib_max": peak, "predicted_peak_mib_max": peak + 1,
+                        "per_rank": [{"rank": 0, "peak_allocated_mib": peak, "predicted_peak_mib": peak + 1}]},
+             "throughput": {"samples_per_s": 100.0},
+             "param_digest": {"sum": 1.0, "l2": 2.0}}  # fmt: skip
+    for key, value in changes.items():  # memory__oom_breakdown: the memory section's oom_breakdown
+        section, _, inner = key.partition("__")
+        point[section] = {**point[section], inner: value} if inner else value
+    return point
+
+
+WRONG_TYPES = {
+    "world_size": {"world_size": "two"},
+    "world_size null": {"world_size": None},
+    "peak": {"memory__peak_allocated_mib_max": "big"},
+    "config": {"config": "x"},
+    "eval": {"eval": "x"},
+    "throughput": {"throughput": "x"},
+    "param_digest": {"param_digest": "x"},
+    "oom_breakdown": {"memory__oom_breakdown": "x"},
+}
+
+
+@pytest.mark.parametrize("case", list(WRONG_TYPES))
+def test_a_value_of_the_wrong_type_is_a_row_that_says_why(case, tmp_path):
+    """One point's bad value never costs the others their report: its row names the file and
+    the key; the rest is compared as usual."""
+    from sharded_exp.output.comparison import write_report
+
+    _write_sweep(tmp_path, [_hand_made("ddp", 10.0), _hand_made("fsdp", 6.0, **WRONG_TYPES[case]),
+                            _hand_made("zero1", 8.0)])  # fmt: skip
+    rows = {r["strategy"]: r for r in write_report(tmp_path)}
+    assert (tmp_path / "report.md").exists() and (tmp_path / "report.csv").exists()
+    bad = next(r for r in rows.values() if r["status"] not in ("ok",))
+    key = case.split()[0]
+    assert "1_strategy=fsdp" in bad["error"] and key in bad["error"], bad["error"]
+    assert rows["zero1"]["peak_saving_pct"] == pytest.approx(20.0)  # the others, compared as usual
+    assert "1 point(s) left no usable result.json (point 1)" in (tmp_path / "report.md").read_text()
+
+
+def test_a_nan_peak_is_no_measurement():
+    from sharded_exp.output.comparison import build_rows, headline
+
+    def rows(*points):
+        return build_rows([{**p, "output_dir": f"/s/{i}_{p['strategy']}"} for i, p in enumerate(points)])
+
+    head = headline(rows(_hand_made("ddp", math.nan), _hand_made("fsdp", 6.0)))
+    assert head == "At 2 ranks, only fsdp has a measured peak (6.00 MiB).", head
+    head = headline(rows(_hand_made("ddp", math.nan)))
+    assert "nan" not in head.lower(), head
+
+
+def test_an_interrupted_report_leaves_the_previous_one_whole(tmp_path, monkeypatch):
+    """Ctrl-C while a report is written (here: after its charts, before report.md) leaves the
+    previous report's files as they were, and no staging directory; the next report replaces
+    them all."""
+    from sharded_exp.output import comparison
+
+    files = ("report.md", "report.csv", *comparison.CHARTS)
+    _write_sweep(tmp_path, [_hand_made("ddp", 10.0), _hand_made("fsdp", 6.0)])
+    comparison.write_report(tmp_path)
+    before = {name: (tmp_path / name).read_bytes() for name in files}
+    _write_sweep(tmp_path / "more", [_hand_made("zero1", 8.0)])  # a new point: every file changes
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(comparison, "report_markdown", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            comparison.write_report(tmp_path)
+    assert {name: (tmp_path / name).read_bytes() for name in files} == before
+    assert not list(tmp_path.glob(".report-*"))
+    comparison.write_report(tmp_path)
+    assert [n for n in files if (tmp_path / n).read_bytes() != before[n]] == list(files)
+    assert "zero1" in (tmp_path / "report.md").read_text() and not list(tmp_path.glob(".report-*"))
 
 
 def test_the_report_of_an_empty_directory_writes_nothing(tmp_path):

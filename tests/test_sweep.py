@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pickle
 
 import pytest
@@ -14,7 +15,14 @@ from omegaconf import OmegaConf
 
 from sharded_exp.compose import CONF_DIR, compose, quote_numeric_choices
 from sharded_exp.errors import ConfigError
-from sharded_exp.sweep import OBJECTIVES, check_multirun, check_objective, objective_value, result_at
+from sharded_exp.sweep import (
+    OBJECTIVES,
+    check_multirun,
+    check_objective,
+    objective_value,
+    result_at,
+    sweeper_direction,
+)
 from tests.conftest import ROOT, TINY, run_cli
 from tests.helpers.covering import RUNS
 
@@ -71,12 +79,104 @@ def test_launchers_that_cannot_host_ranks_are_refused_before_any_point(capsys):
     assert "hydra/launcher=submitit_local, hydra/launcher=submitit_slurm or the basic launcher" in err
 
 
+def test_sweeper_settings_that_would_fail_every_point_are_refused(capsys):
+    """A list of directions (Optuna's multi-objective study: main returns one number), and a
+    number naming a precision in sweeper params (YAML: no command line to name it on)."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    optuna = ["hydra/sweeper=optuna", "objective=final_loss"]
+    check_multirun(_hydra_config([*optuna, "hydra.sweeper.direction=[maximize]"]))  # one objective, as a list
+    assert sweeper_direction(_hydra_config([*optuna, "hydra.sweeper.direction=[maximize]"]).hydra) == "maximize"
+    for overrides, message in (
+        (["hydra.sweeper.direction=[maximize,minimize]"],
+         "error: hydra.sweeper.direction=[maximize,minimize] asks for 2 objectives, and main returns one number "
+         "(objective=final_loss): set hydra.sweeper.direction=maximize or hydra.sweeper.direction=minimize\n"),
+        (["hparams_search=fastest", "hydra.sweeper.params.precision='choice(32,16)'"],
+         "error: hydra.sweeper.params.precision=choice(32,16): the sweeper hands 32, 16 back to Hydra as numbers, "
+         "which name no precision option; use the names: hydra.sweeper.params.precision=choice(fp32,fp16) "
+         "(fp32 is 32, fp16 is 16)\n"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit) as exit_:
+            check_multirun(_hydra_config([*optuna, *overrides]))
+        assert exit_.value.code == 2
+        assert capsys.readouterr().err == message
+    check_multirun(_hydra_config(["hparams_search=fastest"]))  # its params name fp32
+
+
 def test_an_optimizing_sweeper_needs_an_objective(capsys):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
     check_multirun(_hydra_config(["hydra/sweeper=optuna", "objective=final_loss"]))
     with pytest.raises(SystemExit):
         check_multirun(_hydra_config(["hydra/sweeper=optuna"]))
     assert "error: hydra/sweeper=optuna optimizes the value main returns: set objective=" in capsys.readouterr().err
+
+
+def test_a_sweep_directory_in_use_by_a_live_sweep_is_refused_before_its_first_point(tmp_path, capsys):
+    """Two sweeps in one hydra.sweep.dir would overwrite each other's .sweep_id and report each
+    other's points: the second is refused at its start (a second holder in this process stands
+    for another live sweep: the lock is per open file); a lock left by a dead process is none."""
+    from sharded_exp.report import ReportCallback
+
+    config = _hydra_config([f"hydra.sweep.dir={tmp_path}"])
+    first = ReportCallback()
+    first.on_multirun_start(config)
+    live_id = (tmp_path / ".sweep_id").read_text()
+    assert (tmp_path / ".lock").read_text() == f"{os.getpid()}\n"
+    with pytest.raises(SystemExit) as exit_:
+        ReportCallback().on_multirun_start(config)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (
+        f"error: hydra.sweep.dir={tmp_path} is in use by a running sweep (pid {os.getpid()}); wait for it to end "
+        "or choose another hydra.sweep.dir\n"
+    )
+    assert (tmp_path / ".sweep_id").read_text() == live_id  # the live sweep's points stay its own
+    first.on_multirun_end(config)  # no point ran: no report; the directory is free again
+    assert not (tmp_path / ".lock").exists()
+    (tmp_path / ".lock").write_text("999999999\n")  # a sweep killed with SIGKILL left its pid behind
+    again = ReportCallback()
+    again.on_multirun_start(config)
+    assert (tmp_path / ".sweep_id").read_text() != live_id
+    again.on_multirun_end(config)
+
+
+def test_a_point_that_cannot_write_its_result_still_counts_as_failed(tmp_path, monkeypatch, capsys):
+    """A sweep point whose pre-flight fails with an OSError records it in its result.json;
+    where even that cannot be written (its run directory's filesystem), the point has no row
+    in the report, so it is counted as failed on its own: the sweep exits 1, not 0."""
+    import errno
+
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import open_dict
+
+    import sharded_exp.__main__ as entry
+    from sharded_exp.launch import parent
+    from sharded_exp.report import ReportCallback
+
+    point = tmp_path / "0_point"
+    cfg = _hydra_config(["logger=none", f"hydra.sweep.dir={tmp_path}"])
+    with open_dict(cfg):
+        cfg.hydra.mode, cfg.hydra.runtime.output_dir = RunMode.MULTIRUN, str(point)
+    job = cfg.copy()
+    with open_dict(job):
+        del job["hydra"]
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(parent, "launch", full)
+    monkeypatch.setattr(parent, "record_config_error", full)
+    monkeypatch.setattr(ReportCallback, "failed_points", 0)
+    HydraConfig.instance().set_config(cfg)
+    try:
+        result = entry.check_and_launch(job)
+    finally:
+        HydraConfig.instance().cfg = None
+    assert result == {"status": "failed", "error": "No space left on device"}
+    assert ReportCallback.failed_points == 1
+    assert capsys.readouterr().err == (
+        "error: No space left on device; the job did not run\n"
+        f"error: {point}/result.json not written (No space left on device)\n"
+    )
 
 
 # ------------------------------------------------------------- precision, every syntax
@@ -98,8 +198,34 @@ def _points(args: list[str]) -> list[list[str]]:
     ],
 )
 def test_precision_sweeps_with_every_syntax(args):
-    names = [str(compose(point).precision.name) for point in _points(args)]
+    names = [str(_job(point).precision.name) for point in _points(args)]
     assert names == ["32", "16"]  # one name per precision in results, whichever option name was typed
+
+
+def _job(point: list[str]):
+    """A sweep's job composed as Hydra composes it: its overrides as the sweeper made them
+    (no quote_numeric_choices: an unquoted 32 is an int there)."""
+    return _hydra_config(point)
+
+
+def test_precision_numbers_are_named_for_every_sweep_function():
+    """Hydra's sort() and glob() and Optuna's choice() hand each pick back as an override
+    (``precision=32``, an int Hydra refuses as a group choice): the numbers are named on the
+    command line (32 -> fp32, 16 -> fp16), a glob becomes the names it matches, each once."""
+    names = lambda args: [str(_job(point).precision.name) for point in _points(args)]  # noqa: E731
+    assert quote_numeric_choices(["precision=16", "precision=choice(32,bf16)", "precision=sort(32,16)",
+                                  "precision=glob(*)", "hydra.sweeper.params.precision='choice(32,16)'"]) == [
+        "precision=fp16", "precision=choice(fp32,bf16)", "precision=sort(fp32,fp16)", "precision=bf16,fp16,fp32",
+        "hydra.sweeper.params.precision='choice(fp32,fp16)'"]  # fmt: skip
+    assert names(["precision=sort(32,16)"]) == ["16", "32"]
+    assert names(["precision=glob(*)"]) == ["bf16", "16", "32"]
+    assert names(["precision=glob(*,exclude=[16,32])"]) == ["bf16"]
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides
+
+    space, fixed = create_params_from_overrides(quote_numeric_choices(["precision=choice(32,bf16)", "model=mlp"]))
+    picks = [[f"precision={choice}", *(f"{k}={v}" for k, v in fixed.items())] for choice in space["precision"].choices]
+    assert [str(_job(p).precision.name) for p in picks] == ["32", "bf16"]  # as Optuna's trials launch them
 
 
 def test_precision_in_yaml_sweeper_params():

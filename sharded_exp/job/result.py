@@ -290,12 +290,15 @@ def schema() -> dict[str, Any]:
     return out
 
 
-def problems(data: dict[str, Any]) -> list[str]:
-    """Where ``data`` does not match the schema (empty when it does)."""
+def problems(data: dict[str, Any], strict: bool = False, ignore: tuple[str, ...] = ()) -> list[str]:
+    """Where ``data`` does not match the schema (empty when it does). ``strict``: no value is
+    converted (``"2"`` is not an int); ``ignore``: pydantic's error types to leave out
+    (a reader may accept ``missing`` and ``extra_forbidden`` keys, as the report does)."""
     try:
-        Result.model_validate(data)
+        Result.model_validate(data, strict=strict)
     except ValidationError as exc:
-        return [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
+        found = [e for e in exc.errors() if e["type"] not in ignore]
+        return [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in found]
     return []
 
 

@@ -14,12 +14,15 @@ import csv
 import hashlib
 import json
 import math
+import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from sharded_exp.errors import ConfigError
+from sharded_exp.job.result import problems
 from sharded_exp.output import charts
 from sharded_exp.output.charts import ranks
 from sharded_exp.output.loggers import init_wandb_run
@@ -83,17 +86,23 @@ REQUIRED = ("status", "strategy", "world_size", "precision", "model")
 
 
 def _read_point(path: Path) -> dict[str, Any]:
-    """A point's result.json; one that cannot be read, or lacks what a row needs, becomes a
-    point that says why (the report is written either way)."""
+    """A point's result.json; one that cannot be read, holds a value of the wrong type for
+    its schema (:class:`sharded_exp.job.result.Result`, strictly: ``"world_size": "2"`` is
+    no number), or lacks what a row needs, becomes a point that says why (the report is
+    written either way). Missing and unknown keys are not type errors: an older or a newer
+    result.json still makes its row."""
     try:
         data = json.loads(path.read_text())
         if not isinstance(data, dict):
             raise ValueError(f"a JSON {type(data).__name__}, not an object")
+        wrong = problems(data, strict=True, ignore=("missing", "extra_forbidden"))
+        if wrong:
+            raise ValueError(f"does not match its schema: {'; '.join(wrong[:3])}")
     except (OSError, ValueError) as exc:
         return {"status": "unreadable", "error": f"{path}: {exc}", "output_dir": str(path.parent)}
-    missing = [k for k in REQUIRED if k not in data]
+    missing = [k for k in REQUIRED if data.get(k) is None]
     if missing:
-        status = data.get("status") if isinstance(data.get("status"), str) else "incomplete"
+        status = data.get("status") if data.get("status") not in (None, "ok") else "incomplete"
         why = "still running or killed before it finished" if status == "running" else "incomplete"
         return {
             **data,
@@ -137,7 +146,7 @@ def _row(r: dict[str, Any]) -> dict[str, Any]:
     tp = r.get("throughput") or {}
     return {
         "strategy": r.get("strategy", "?"),
-        "world_size": r.get("world_size", 0),
+        "world_size": r.get("world_size") or 0,  # null: no usable world size (an incomplete point)
         "precision": str(r.get("precision", "?")),
         "model": r.get("model", "?"),
         "params": r.get("params"),
@@ -220,8 +229,10 @@ def swept_keys(points: list[dict[str, Any]]) -> list[str]:
 
 
 def _measured(row: dict[str, Any]) -> bool:
-    """The point trained to a finite end and its peak was measured: it can be compared."""
-    return row["status"] == "ok" and row["peak_allocated_mib_max"] is not None
+    """The point trained to a finite end and its peak was measured (a finite number: a NaN
+    peak is no measurement): it can be compared."""
+    peak = row["peak_allocated_mib_max"]
+    return row["status"] == "ok" and peak is not None and math.isfinite(peak)
 
 
 def _choose_baseline(members: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, str | None]:
@@ -411,8 +422,11 @@ def _at_world_size(ws: int, members: list[dict[str, Any]]) -> str:
     fitting = [r for r in members if _measured(r)]
     oom = [r for r in members if r["status"] == "oom"]
     within = limit_text(next((r["memory_limit_mib"] for r in oom if r["memory_limit_mib"]), None))
+    unmeasured = [r for r in members if r["status"] == "ok" and not _measured(r)]  # ran, but no (finite) peak
     if not fitting:
-        return f"At {ranks(ws)}, nothing fits{within}." if oom else f"At {ranks(ws)}, no point ran to the end."
+        if oom:
+            return f"At {ranks(ws)}, nothing fits{within}."
+        return f"At {ranks(ws)}, " + ("no point's peak was measured." if unmeasured else "no point ran to the end.")
     if len(fitting) == 1:
         (only,) = fitting
         peak = f"{charts.num(only['peak_allocated_mib_max'])} MiB"
@@ -420,7 +434,7 @@ def _at_world_size(ws: int, members: list[dict[str, Any]]) -> str:
             return (
                 f"At {ranks(ws)}, {only['strategy']} peaks at {peak} ({charts.num(only['samples_per_s'])} samples/s)."
             )
-        verb = f"fits{within}" if oom else "ran to the end"
+        verb = f"fits{within}" if oom else "has a measured peak" if unmeasured else "ran to the end"
         return f"At {ranks(ws)}, only {only['strategy']} {verb} ({peak})."
     base = fitting[0]["_base"]
     lowest = min(fitting, key=lambda r: r["peak_allocated_mib_max"])
@@ -696,7 +710,8 @@ def report_markdown(rows: list[dict[str, Any]], name: str, note: str = "", drawn
 
 def write_report(sweep_dir: Path) -> list[dict[str, Any]]:
     """report.md, report.csv, the charts and the W&B report run; nothing when the
-    directory holds no result.json (returns the rows, empty then)."""
+    directory holds no result.json (returns the rows, empty then). The files are written in
+    a staging directory beside them and moved into place together (:func:`publish_report`)."""
     sweep_dir = Path(sweep_dir)
     stale: list[dict[str, Any]] = []
     points = load_points(sweep_dir, stale)
@@ -708,11 +723,37 @@ def write_report(sweep_dir: Path) -> list[dict[str, Any]]:
         names = ", ".join(sorted(_point_name(p) for p in stale))
         note = f"\n\n{len(stale)} point(s) left here by an earlier sweep are not in this report: {names}."
         print(f"report: {len(stale)} stale point(s) of an earlier sweep left out ({names})", file=sys.stderr)
-    charts_written = write_charts(rows, sweep_dir)
-    (sweep_dir / "report.md").write_text(report_markdown(rows, sweep_dir.name, note, {p.name for p in charts_written}))
-    with open(sweep_dir / "report.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns(rows), extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    log_to_wandb(rows, points, charts_written, sweep_dir)
+    staging = Path(tempfile.mkdtemp(prefix=".report-", dir=sweep_dir))
+    try:
+        drawn = {p.name for p in write_charts(rows, staging)}
+        (staging / "report.md").write_text(report_markdown(rows, sweep_dir.name, note, drawn))
+        with open(staging / "report.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns(rows), extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+        publish_report(staging, sweep_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    log_to_wandb(rows, points, [sweep_dir / name for name in CHARTS if name in drawn], sweep_dir)
     return rows
+
+
+def publish_report(staging: Path, sweep_dir: Path) -> None:
+    """Move the report's files from ``staging`` into ``sweep_dir``, replacing the previous
+    report's; a chart of the previous report not drawn this time goes (report.md no longer
+    links it). Each file is renamed in place (atomic), with SIGINT and SIGTERM held until the
+    last is in: a Ctrl-C leaves the previous complete set or the new one, never a mix."""
+    import signal
+
+    block = getattr(signal, "pthread_sigmask", None)  # not on Windows: the renames alone
+    held = block(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM}) if block else None
+    try:
+        for name in CHARTS:
+            if not (staging / name).exists():
+                (sweep_dir / name).unlink(missing_ok=True)
+        for name in (*CHARTS, "report.csv", "report.md"):
+            if (staging / name).exists():
+                os.replace(staging / name, sweep_dir / name)
+    finally:
+        if block:
+            block(signal.SIG_SETMASK, held)

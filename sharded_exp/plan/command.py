@@ -16,6 +16,23 @@ import sys
 from sharded_exp.errors import ConfigError
 from sharded_exp.questions import is_query
 
+WORLD_SIZES = "must be a non-empty list of integers >= 1"
+"""What plan.world_sizes must be: said of one below 1 (:func:`check_plan`) and of one that is
+no integer (Hydra's refusal, :func:`composition_error`)."""
+
+
+def composition_error(exc: Exception, argv: list[str]) -> str:
+    """Hydra's refusal of an override, with the reason it keeps in its cause ("Error merging
+    override plan.units=x" alone says what, not why); a world size that is no integer
+    (``plan.world_sizes=[2.5]``) is said as :func:`check_plan` says a world size below 1."""
+    cause = exc.__cause__
+    key = str(getattr(cause, "full_key", None) or "")
+    if key == "plan.world_sizes" or key.startswith("plan.world_sizes["):
+        typed = [a.partition("=")[2] for a in argv if a.lstrip("+").partition("=")[0] == "plan.world_sizes"]
+        return f"plan.world_sizes={typed[-1] if typed else '?'} {WORLD_SIZES}"
+    reason = str(cause).splitlines()[0] if cause is not None and str(cause) else ""
+    return f"{exc}: {reason}" if reason and reason not in str(exc) else str(exc)
+
 
 MAX_FAKED_RANKS = 16384
 """The largest world size a model is faked at (65,536 ranks took 19 s for the CPU-sized GPT under
@@ -40,7 +57,7 @@ def check_plan(cfg, argv: list[str] = ()) -> None:
             "plan.params (with plan.units) or a model, not both"
         )
     if not p.world_sizes or any(ws < 1 for ws in p.world_sizes):
-        raise ConfigError(f"plan.world_sizes={list(p.world_sizes)} must be a non-empty list of integers >= 1")
+        raise ConfigError(f"plan.world_sizes={list(p.world_sizes)} {WORLD_SIZES}")
     if p.params is None and max(p.world_sizes) > MAX_FAKED_RANKS:
         raise ConfigError(
             f"plan.world_sizes={list(p.world_sizes)}: a model is planned by faking its step at each world size, "
@@ -140,8 +157,11 @@ def main(argv: list[str] | None = None) -> int:
             check_pretrained(cfg.model)  # its config.json is the architecture planned for
         if cfg.plan.params is None:
             buildable(cfg)
-    except (ConfigError, HydraException, OmegaConfBaseException) as exc:
+    except (ConfigError, OmegaConfBaseException) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except HydraException as exc:
+        print(f"error: {composition_error(exc, argv)}", file=sys.stderr)
         return 2
     return plan(cfg, preset_of(argv))
 
