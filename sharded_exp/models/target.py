@@ -212,6 +212,8 @@ def check_pretrained(model_cfg) -> None:
     config = pretrained_config(model_cfg)
     with open_dict(model_cfg):
         model_cfg.pretrained = os.path.abspath(path)
+        # what the ranks compare before they load (the directory may change meanwhile)
+        model_cfg.pretrained_config_sha256 = _sha256(os.path.join(path, "config.json"))
         # What is built is the directory's architecture: result.json and W&B show it, not
         # the option's own model.config (ignored).
         kind = type(config)
@@ -226,6 +228,13 @@ def check_pretrained(model_cfg) -> None:
         raise ConfigError(
             f"model.seq_len={seq_len} is longer than model.pretrained's {positions} positions; use at most {positions}"
         )
+
+
+def _sha256(file: str) -> str:
+    import hashlib
+
+    with open(file, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
 
 
 def _readable_safetensors(file: str) -> None:
@@ -248,15 +257,13 @@ def _readable_safetensors(file: str) -> None:
 
 def _unchanged_since_checked(data: dict) -> None:
     """The ranks load the directory pre-flight checked: its config.json must still be the one the
-    parent read (and wrote into the job's config as ``model.config``), or the job would train
-    another model than its prediction, result.json and W&B name."""
-    import json
+    parent read (its sha256, ``model.pretrained_config_sha256``), or the job would train another
+    model than its prediction, result.json and W&B name."""
 
-    checked = data.get("config")
-    if not isinstance(checked, dict):
+    checked = data.get("pretrained_config_sha256")  # set by check_pretrained: a config that was not checked is not compared
+    if checked is None:
         return
-    now = json.loads(pretrained_config(data).to_json_string(use_diff=True))
-    if {k: v for k, v in checked.items() if k != "_target_"} != now:
+    if _sha256(os.path.join(data["pretrained"], "config.json")) != checked:
         raise ConfigError(
             f"model.pretrained={data['pretrained']} changed after the job was checked: its config.json is not the "
             "one pre-flight read (the job would train another model than it predicted and records); keep the "

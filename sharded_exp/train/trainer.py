@@ -273,6 +273,7 @@ def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: Me
                 write_json(os.path.join(output_dir, TRAINED), result_of(out))
             with meter.paused():
                 evaluation_part.final(out)
+            intervals.flush()  # its eval/... point, after the loop's own (the series' last: W&B's summary)
         payload = result_of(out)
     except BaseException:
         logger.finish(exit_code=1)
