@@ -374,6 +374,7 @@ def test_a_checkpoint_directory_that_fills_up_mid_run_keeps_the_last_checkpoint(
     assert result["checkpoint"] == str(small_fs / "ckpt" / "step_00000002")
 
 
+@pytest.mark.slow
 def test_a_save_that_never_finished_is_cleaned_by_the_next_job_in_its_directory(tmp_path):
     ckpts = tmp_path / "ckpts"
     args = ["trainer.steps=2", "trainer.checkpoint_every=2", f"trainer.checkpoint_dir={ckpts}"]

@@ -334,6 +334,7 @@ def test_a_rank_that_exits_0_without_a_result_is_the_named_failure(how, ranks, b
     assert not (tmp_path / ".lock").exists()
 
 
+@pytest.mark.slow
 def test_an_out_of_memory_in_the_final_evaluation_keeps_the_training_figures(tmp_path):
     """The training ran to its end: its steps, loss, history, speed and memory stay in result.json,
     the status is oom and the error names the final evaluation."""

@@ -163,6 +163,7 @@ def _agrees(run_dir: Path, independent: Path, predicted: bool = True) -> dict:
     return result
 
 
+@pytest.mark.slow
 def test_a_plain_ddp_loop_under_torchrun(tmp_path):
     _torchrun(str(RUNS), "plain", str(tmp_path / "independent.json"), "--", "--wrap", "ddp",
               "--run-dir", str(tmp_path / "ddp"), cwd=tmp_path)  # fmt: skip
