@@ -219,3 +219,27 @@ def test_a_hugging_face_trainer_under_torchrun(tmp_path):
     result = _agrees(tmp_path / "hf", tmp_path / "independent.json")
     assert result["source"] == "transformers" and result["strategy"] == "ddp" and result["model"] == "GPT2LMHeadModel"
     assert result["final_loss"] is not None and result["config"]["framework"]["name"] == "transformers"
+
+
+def test_fairscale_wrappers_are_named_and_not_faked(tmp_path, gloo_group):
+    """OSS + ShardedDDP found on the model is sharded_ddp; its step is not faked (its buckets and
+    gradient release are fairscale's), which the result says; the user's training is untouched."""
+    from fairscale.nn.data_parallel import ShardedDataParallel
+    from fairscale.optim import OSS
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    optimizer = OSS(net.parameters(), optim=torch.optim.Adam, lr=1e-3)
+    model = ShardedDataParallel(net, optimizer)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    with probe(model, optimizer, str(tmp_path / "run"), example=(x, y),
+               step_fn=lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1])) as p:  # fmt: skip
+        for _ in range(9):
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)  # fairscale ShardedDDP needs gradients zeroed in place
+            p.step()
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["strategy"] == "sharded_ddp" and result["model"] == "Sequential"
+    assert "ShardedDataParallel" in result["memory"]["peak_prediction"]["error"]
+    assert result["memory"]["peak_allocated_mib_max"] > 0

@@ -58,6 +58,10 @@ def detect_strategy(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple
     optimizer = getattr(optimizer, "optimizer", optimizer)  # Accelerate's and Lightning's wrappers
     found: dict[str, Any] = {"model_wrapper": type(model).__name__, "optimizer": type(optimizer).__name__}
     kinds = {type(m).__name__ for m in model.modules()}
+    if type(model).__name__ == "ShardedDataParallel":  # fairscale: OSS + ShardedDDP (ZeRO-2)
+        return "sharded_ddp", found
+    if type(optimizer).__name__ == "OSS":  # fairscale's ZeRO-1 under DDP
+        return "oss", found
     if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
         return "zero1", found
     if "FullyShardedDataParallel" in kinds:  # FSDP1: its sharding strategy says which ZeRO stage

@@ -96,9 +96,15 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, str | None]:
     """(the module to fake, why it cannot be faked or None): DDP is unwrapped; FSDP refused."""
     from torch.nn.parallel import DistributedDataParallel
 
-    if isinstance(model, DistributedDataParallel) or type(model).__name__ == "FullyShardedDataParallel":
+    kinds = {type(m).__name__ for m in model.modules()}  # the wrappers too
+    if isinstance(model, DistributedDataParallel) or type(model).__name__ in ("FullyShardedDataParallel",
+                                                                               "ShardedDataParallel"):
         model = model.module
-    kinds = {type(m).__name__ for m in model.modules()}
+    if "ShardedDataParallel" in kinds:
+        return model, (
+            "the model is under fairscale's ShardedDataParallel: its reduce buckets and gradient release are not "
+            "faked here; python -m sharded_exp.plan strategy=sharded_ddp predicts it for a model it can build"
+        )
     if "FullyShardedDataParallel" in kinds or any(k.startswith("FSDP") for k in kinds):
         return model, (
             "the model is sharded by FSDP: a fake copy of its flat or DTensor shards is not made here; "
