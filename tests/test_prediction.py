@@ -250,3 +250,97 @@ def test_a_float64_model_is_measured_and_predicted_in_its_own_dtype(tmp_path):
     assert memory["predicted_peak_mib_max"] == pytest.approx(memory["peak_allocated_mib_max"], rel=0.1)
     # a wrapped error's second line (what went wrong) is kept
     assert _short(RuntimeError("Error in call to target 'x':\nValueError('the cause')")).endswith("the cause')")
+
+
+# ------------------------------------------------------- gloo's reduce-scatter, a rule
+def _measure_reduce_scatter(rank: int, store: str, out_dir: str) -> None:
+    """A gloo rank: the tracker's peak over one reduce-scatter of 2 x 1,000 floats."""
+    import json
+
+    import torch.distributed as dist
+
+    from sharded_exp.measure.tracker import peak_tracker
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        tracker = peak_tracker()
+        with tracker:
+            inputs, output = torch.ones(2000), torch.empty(1000)
+            dist.reduce_scatter_single(output, inputs)
+            del inputs, output
+        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(peak, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_fake_reduce_scatter_holds_what_gloos_holds(tmp_path):
+    """gloo reduces a copy of a reduce-scatter's input (GlooReduceScatter's rule): real
+    ranks measure input + output + the copy, and a fake step's reduce-scatter the same."""
+    import json
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from sharded_exp.measure.tracker import peak_tracker
+    from sharded_exp.predict.fake_step import GlooReduceScatter, fake_process_group
+
+    mp.spawn(_measure_reduce_scatter, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    real = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert real == [8000 + 4000 + 8000] * 2  # input, output, and gloo's copy of the input
+
+    with fake_process_group(2, 0), FakeTensorMode(allow_non_fake_inputs=True), GlooReduceScatter() as rule:
+        tracker = peak_tracker()
+        with tracker:
+            inputs, output = torch.ones(2000), torch.empty(1000)
+            dist.reduce_scatter_single(output, inputs)
+            del inputs, output
+    assert tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] == real[0]
+    assert rule.count == 1
+    assert dist.reduce_scatter_single.__name__ == "reduce_scatter_single"  # put back on the way out
+
+
+def test_a_cpu_fsdp_prediction_holds_gloos_copy_at_its_peak(monkeypatch):
+    """Where FSDP's backward reduce-scatter is the peak (an MLP of 128 x 2, batch 8), a CPU
+    run's peak holds gloo's copy of the larger unit's whole gradient; a GPU run's (NCCL)
+    does not."""
+    from sharded_exp.models.mlp import MLP, MLPConfig
+    from sharded_exp.predict.fake_step import MIB, GlooReduceScatter
+
+    cfg = compose(["strategy=fsdp", "model=mlp", "model.hidden=128", "model.depth=2", "trainer.batch_size=8"])
+    held = fake_step(cfg, 2, 0, "cpu", flops=False)
+    gpu = fake_step(cfg, 2, 0, "cuda", flops=False)
+    monkeypatch.setattr(GlooReduceScatter, "NAMES", ())
+    without = fake_step(cfg, 2, 0, "cpu", flops=False)
+    copy = sum(p.numel() for p in MLP(MLPConfig(hidden=128, depth=2)).body[1].parameters()) * 4 / MIB  # 16,768 floats
+    # The peak moves to that reduce-scatter: higher, by at most the copy; live there are its
+    # input (the unit's whole gradient), gloo's copy of it and this rank's half, the output.
+    assert without.peak_mib < held.peak_mib <= without.peak_mib + copy
+    assert held.breakdown_mib["temporaries"] >= 2.5 * copy > without.breakdown_mib["temporaries"]
+    assert held.extra["gloo_reduce_scatters"] == 6  # three units, two steps
+    assert gpu.extra["gloo_reduce_scatters"] == 0 and without.extra["gloo_reduce_scatters"] == 0
+
+
+ISSUE_37_SHAPES = {
+    "mlp_128x2": ["model.hidden=128", "model.depth=2"],
+    "param_dtype_bf16_at_32": ["strategy.param_dtype=bfloat16", "precision=32", "model.hidden=256", "model.depth=3"],
+    "flat_custom_at_16": ["model=custom", "model._target_=tests.user_models.build_flat", "precision=16"],
+}
+"""FSDP runs whose peak is a backward reduce-scatter, predicted 6-11% low before the rule."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(ISSUE_37_SHAPES))
+def test_fsdp_runs_peaking_in_a_reduce_scatter_are_predicted_within_5_percent(case, tmp_path):
+    overrides = ["strategy=fsdp", *ISSUE_37_SHAPES[case], "trainer.steps=8", "trainer.warmup_steps=4",
+                 "trainer.eval_batches=0"]  # fmt: skip
+    result = launch(overrides, tmp_path)
+    assert result["status"] == "ok", result.get("error")
+    assert "gloo_reduce_scatter" in result["memory"]["peak_prediction"]["rules"]
+    for entry in result["memory"]["per_rank"]:
+        predicted, measured = entry["predicted_peak_mib"], entry["peak_allocated_mib"]
+        # gloo's worker thread now and then frees the copy after the training thread moved on
+        late = entry["freed_off_thread_max_mib"] if measured > predicted else 0.0
+        assert abs(predicted - measured) <= 0.05 * measured + late, (entry["rank"], predicted, measured, late)

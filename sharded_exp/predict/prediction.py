@@ -180,8 +180,12 @@ def predict_peak(
     per_rank = peaks_of_ranks(
         [(peak, resident(p)) for peak, p in phases.values()], prediction["model_states_mib"], rank
     )
-    # What no fake tensor holds, by rule (named in ``rules``): on CUDA, cuBLAS's workspace.
+    # The rules a prediction follows beyond the fake tensors, each named in ``rules``: gloo's
+    # reduce-scatter copy (held by fake tensors), and on CUDA cuBLAS's workspace (added).
     workspace, rules = 0.0, {}
+    if (est.extra or {}).get("gloo_reduce_scatters"):
+        rules["gloo_reduce_scatter"] = ("gloo reduces a copy of each reduce-scatter's input: the input's bytes more "
+                                        "while it runs (in the temporaries)")  # fmt: skip
     if device_type == "cuda":
         workspace, rules["workspace"] = cublas_workspace_mib()
     parts["workspace"] = workspace
