@@ -122,6 +122,9 @@ RULES = [
     # (seen: fsdp's rank 1 on a resume, 0.0137 MiB of Optstate at its peak in one recording,
     # none in the next, the peak itself equal within 10%). The peak is compared, not its parts.
     ("memory.per_rank.*.peak_breakdown_mib.*", "skip"),
+    # FSDP's parameters gathered at the measured peak: a part of the same instant (seen:
+    # fsdp_grad_op at 32, 0.0137 MiB in one recording, 0.0094 in the next of the same code).
+    ("memory.transient_params_mib_max", "skip"),
     ("memory.per_rank.*.build_breakdown_mib.*", "skip"),
     ("memory.per_rank.*.build_peak_mib", "measured_build"),
     ("memory.per_rank.*.peak_rel_error", "measured_error"),
