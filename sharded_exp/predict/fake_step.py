@@ -169,28 +169,34 @@ class GlooReduceScatter:
     """The kernel rule of gloo's reduce-scatter, in a fake step of a CPU run.
 
     torch's gloo backend reduces a copy of a reduce-scatter's input, not the input itself:
-    ``_reduce_scatter_base_`` (``dist.reduce_scatter_single`` / ``reduce_scatter_tensor``)
-    copies the input (in C++, out of the tracker's sight), splits the copy into one chunk
-    per rank, reduces them and copies this rank's chunk into the output; the copy is freed
-    once the collective returns. A CPU tracker sees the split chunks' storage, input-sized,
-    as a temporary (measured: +67,072 B, the whole of the unit's 2 x 8,384 float32
-    gradient, in the backward of ``strategy=fsdp model.hidden=128 model.depth=2``, which
-    is that run's peak; at 1, 2 and 3 ranks, float32 and bfloat16 alike: always the
-    input's bytes). The fake process group's collectives allocate nothing, so here each
-    reduce-scatter holds a fake copy of its input while it runs, counted as the real one
-    is. FSDP2's gradient reduce-scatter is the one our strategies issue; NCCL (a GPU run)
-    reduces in place, and all-gather and all-reduce on gloo copy nothing (checked the
-    same way)."""
+    ``c10d._reduce_scatter_base_`` copies the input (in C++, out of the tracker's sight),
+    splits the copy into one chunk per rank, reduces them and copies this rank's chunk into
+    the output. A CPU tracker sees the split chunks' storage, input-sized, as a temporary:
+    measured +67,072 B, the whole of the unit's 2 x 8,384 float32 gradient, in the backward
+    of ``strategy=fsdp model.hidden=128 model.depth=2``, which is that run's peak; and for a
+    bare ``dist.reduce_scatter_single`` at 1, 2 and 3 ranks, float32 and bfloat16 alike,
+    always the input's bytes. The copy goes when the collective's last reference does: most
+    often as it returns, now and then later, when gloo's worker thread drops it (the
+    tracker's ``freed_off_thread_max_mib``).
 
-    NAMES = ("reduce_scatter_single", "reduce_scatter_tensor")
+    The fake process group's collectives allocate nothing, so here each reduce-scatter holds
+    a fake copy of its input until it returns, tracked as the real one is (an asynchronous
+    one, ``async_op=True``, which FSDP2 does not issue, is held until it returns, not until
+    its wait). FSDP2's gradient reduce-scatter (HSDP's and ``fsdp_grad_op``'s too) is the
+    one our strategies issue. NCCL (a GPU run) allocates no such copy, and gloo's all-gather
+    and all-reduce copy nothing (checked the same way)."""
+
+    MODULES = ("torch.distributed", "torch.distributed.distributed_c10d")
+    """Where ``reduce_scatter_single`` is looked up: by ``dist.`` (FSDP2) and inside c10d
+    (``reduce_scatter_tensor`` and ``_reduce_scatter_base`` call it), once per collective."""
 
     def __init__(self) -> None:
         self.count = 0
         """Reduce-scatters that held their copy (a prediction names the rule when > 0)."""
-        self._saved: dict = {}
+        self._saved: list = []
 
     def _copying(self, collective):
-        def reduce_scatter(output, input, *args, **kwargs):
+        def reduce_scatter_single(output, input, *args, **kwargs):
             copy = input.clone()  # fake, and tracked: the bytes gloo's copy holds
             self.count += 1
             try:
@@ -198,18 +204,23 @@ class GlooReduceScatter:
             finally:
                 del copy
 
-        return reduce_scatter
+        return reduce_scatter_single
 
     def __enter__(self) -> "GlooReduceScatter":
-        for name in self.NAMES:
-            if hasattr(dist, name):
-                self._saved[name] = getattr(dist, name)
-                setattr(dist, name, self._copying(self._saved[name]))
+        import importlib
+
+        from torch.distributed import distributed_c10d
+
+        copying = self._copying(distributed_c10d.reduce_scatter_single)
+        for name in self.MODULES:
+            module = importlib.import_module(name)
+            self._saved.append((module, module.reduce_scatter_single))
+            module.reduce_scatter_single = copying
         return self
 
     def __exit__(self, *exc) -> None:
-        for name, collective in self._saved.items():
-            setattr(dist, name, collective)
+        for module, collective in reversed(self._saved):
+            module.reduce_scatter_single = collective
         self._saved.clear()
 
 
