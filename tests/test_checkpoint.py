@@ -458,3 +458,50 @@ def test_a_dcp_metadata_file_is_never_unpickled_beyond_dcps_own_classes(tmp_path
     with pytest.raises(pickle.UnpicklingError, match="io.open is not a part of dcp's metadata"):
         read_dcp_metadata(str(planted))
     assert not marker.exists()
+    # A dotted name is looked up attribute by attribute: an admitted module's os.system.
+    module, name = b"torch.distributed.checkpoint.filesystem", b"os.system"
+    dotted = (b"\x80\x04\x8c" + bytes([len(module)]) + module + b"\x8c" + bytes([len(name)]) + name + b"\x93"
+              + b"\x8c" + bytes([len(f"touch {marker}")]) + f"touch {marker}".encode() + b"\x85R.")  # fmt: skip
+    (planted / ".metadata").write_bytes(dotted)
+    with pytest.raises(pickle.UnpicklingError, match="filesystem.os.system is not a part of dcp's metadata"):
+        read_dcp_metadata(str(planted))
+    assert not marker.exists()
+
+
+class _PlantedEntry:
+    """A checkpoint entry whose unpickling makes a directory (and returns None: picklable)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def test_a_dcp_checkpoint_with_a_pickled_entry_is_refused_before_dcp_unpickles_it(tmp_path, capsys):
+    """DCP reads a non-tensor entry back with torch.load(weights_only=False); our checkpoints
+    hold tensors only, so one that holds another entry is refused by resume and by export
+    before DCP loads anything (without the check, export runs the entry's code: shown first)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from sharded_exp.checkpoint.export import main as export
+
+    golden = ROOT / "benchmarks" / "golden" / "checkpoints" / "formats" / "ddp" / "dcp" / "step_00000003"
+    dcp_to_torch_save(str(golden), str(tmp_path / "flat.pt"))
+    state = torch.load(tmp_path / "flat.pt", weights_only=True)
+    planted, marker = tmp_path / "planted", tmp_path / "ran"
+    planted.mkdir()
+    for name in ("meta.json", "train.pt"):
+        shutil.copyfile(golden / name, planted / name)
+    dcp.save({**state, "extra": _PlantedEntry(str(marker))}, checkpoint_id=str(planted), no_dist=True)
+    dcp_to_torch_save(str(planted), str(tmp_path / "unchecked.pt"))  # DCP alone: the entry's code runs
+    assert marker.is_dir()
+    marker.rmdir()
+
+    with pytest.raises(checkpoint.CheckpointError, match=r"holds non-tensor entries \(extra\), which DCP would unpickle"):
+        checkpoint.read_meta(str(planted))
+    assert export(["export", str(planted), str(tmp_path / "out")]) == 2
+    assert "holds non-tensor entries (extra)" in capsys.readouterr().err
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    checkpoint.read_meta(str(golden))  # the product's own: tensors only

@@ -138,8 +138,14 @@ class _MetadataUnpickler(pickle.Unpickler):
     BUILTINS = {"set", "frozenset", "tuple", "list", "dict", "slice"}
 
     def find_class(self, module: str, name: str):
-        if (
-            module.startswith("torch.distributed.checkpoint.")
+        if "." in name:  # pickle resolves a dotted name attribute by attribute: any module's os.system
+            raise pickle.UnpicklingError(f"{module}.{name} is not a part of dcp's metadata (refused: not unpickled)")
+        if module == "torch.distributed.checkpoint.metadata":  # its classes: plain records of shapes and offsets
+            found = super().find_class(module, name)
+            if isinstance(found, type) and found.__module__ == module:
+                return found
+        elif (
+            (module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo")  # a file's byte range
             or (module == "torch" and name in self.TORCH)
             or (module == "builtins" and name in self.BUILTINS)
             or (module == "collections" and name == "OrderedDict")
@@ -165,6 +171,15 @@ def _check_dcp_files(path: str, meta: dict[str, Any]) -> None:
         raise CheckpointError(
             f"checkpoint file {os.path.join(path, '.metadata')} is corrupt or unreadable: {exc}"
         ) from None
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    # DCP reads a non-tensor entry back with torch.load(weights_only=False); ours hold tensors only
+    pickled = sorted(k for k, v in metadata.state_dict_metadata.items() if not isinstance(v, TensorStorageMetadata))
+    if pickled:
+        raise CheckpointError(
+            f"checkpoint {path} holds non-tensor entries ({', '.join(pickled[:3])}), which DCP would unpickle "
+            "unrestricted; sharded_exp's dcp checkpoints hold tensors only: refused, nothing loaded"
+        )
     shapes = {
         k[len("model.") :]: list(v.size) for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")
     }
