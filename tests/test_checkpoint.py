@@ -143,6 +143,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint(tmp_path, fmt, writ
     assert killed["status"] == "failed"
     ckpts = run / "checkpoints"
     assert [s for s, _ in checkpoint.complete_checkpoints(str(ckpts))] == [2]
+    assert killed["checkpoint"] == str(ckpts / "step_00000002")  # the newest complete one, not null
     (half,) = ckpts.glob(".step_00000004.tmp.*")  # the half-written one, named for its job
     assert (half / written).exists() and not (half / "meta.json").exists()
     checkpoint.read_meta(str(ckpts / "step_00000002"))  # complete and readable

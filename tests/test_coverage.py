@@ -77,7 +77,8 @@ SWEEPS = {
                          "model.config.num_hidden_layers=1", "data.path=__data__train.conll",
                          "data.tokenizer=__data__tok", "strategy=oss", *SWEEP_SHRINK],
     # Optuna's preset, two trials of the smoke preset (the root's debug, hparams_search, objective).
-    "hparams_search": ["hparams_search=fastest", "debug=fast", "hydra.sweeper.n_trials=2"],
+    # precision in its number form, as users write it (Optuna formats its pick back into precision=32).
+    "hparams_search": ["hparams_search=fastest", "debug=fast", "hydra.sweeper.n_trials=2", "precision=choice(32,bf16)"],
 }  # fmt: skip
 # paths.output_dir places each sweep (a preset's own hydra.sweep.dir is made from it)
 SWEEPS = {name: [*o, f"paths.output_dir=__tmp__sweep_{name}"] for name, o in SWEEPS.items()}
@@ -231,6 +232,7 @@ def test_covering_sweep(name, placeholders):
         best = yaml.safe_load((sweep / "optimization_results.yaml").read_text())["best_value"]
         results = [json.loads(p.read_text()) for p in points]
         assert len(points) == 2 and all(r["config"]["trainer"]["steps"] == 2 for r in results)  # debug=fast
+        assert {r["config"]["precision"]["name"] for r in results} <= {"32", "bf16"}  # precision=choice(32,bf16)
         assert best == max(r["throughput"]["samples_per_s"] for r in results)
 
 

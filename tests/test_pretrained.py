@@ -135,6 +135,23 @@ def test_a_tokenizer_larger_than_the_saved_vocabulary_gets_advice_that_works(tmp
     assert "resize_token_embeddings(120)" in str(refused.value) and "set model.vocab_size" not in str(refused.value)
 
 
+def test_more_labels_than_the_saved_head_gets_advice_that_works(tmp_path_factory):
+    """model.num_labels cannot grow a saved model's head either: the refusal names a new head,
+    never 'set model.num_labels=...', which the saved config.json would override."""
+    from sharded_exp.launch import preflight
+    from tests import data_files
+
+    saved = saved_tiny_hf(tmp_path_factory, "bert")  # a head of 5 labels; CoNLL's tags are 9
+    files = tmp_path_factory.mktemp("conll")
+    cfg = compose_cfg(["model=hf_bert", f"model.pretrained={saved}", "model.seq_len=16", "model.num_labels=9",
+                       "data=conll", f"data.path={data_files.write_conll(files / 'train.conll')}",
+                       f"data.tokenizer={data_files.train_tokenizer(files / 'tok', vocab_size=96)}",
+                       "trainer.world_size=1"])  # fmt: skip
+    with pytest.raises(ConfigError, match="model.num_labels cannot override") as refused:
+        preflight.check(cfg, str(tmp_path_factory.mktemp("out")), peak=False)
+    assert "a new 9-label head" in str(refused.value) and "set model.num_labels" not in str(refused.value)
+
+
 def test_a_saved_directory_that_changes_after_pre_flight_is_refused_by_the_ranks(tmp_path_factory, tmp_path):
     """The ranks load what the parent checked: a config.json swapped in between is named, not trained."""
     import json

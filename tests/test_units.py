@@ -78,3 +78,15 @@ def test_a_model_with_a_blocks_modulelist_plans_and_shards_its_blocks():
     assert len(shapes.blocks) == 3 and shapes.root == sum(
         p.numel() for p in (*model.embed.parameters(), *model.head.parameters())
     )
+
+
+@pytest.mark.slow  # a 2-rank job
+def test_a_model_keeping_its_layers_in_self_blocks_trains_under_fsdp_with_checkpointing(tmp_path):
+    """Through pre-flight and the ranks: FSDP wraps each of ``self.blocks`` and activation
+    checkpointing (refused for a model without units) wraps them too."""
+    from tests.conftest import launch_job
+
+    result = launch_job(["model=custom", "model._target_=tests.user_models.build_blocks", "strategy=fsdp",
+                         "trainer.activation_checkpointing=full", "trainer.steps=3"], tmp_path)  # fmt: skip
+    assert result["status"] == "ok", result["error"]
+    assert result["steps_done"] == 3 and result["final_loss"] == result["final_loss"]  # not NaN

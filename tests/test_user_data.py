@@ -337,7 +337,7 @@ def test_the_data_position_records_the_data_and_a_change_is_told(files, tmp_path
 
 
 @pytest.mark.slow  # two runs of one rank
-def test_a_run_resumed_on_other_data_records_the_change(files, tmp_path):
+def test_a_run_resumed_on_other_data_records_the_change(files, tmp_path, capfd):
     """Resumed with data.path switched from 64 sentences to 20: resumed, and result.json's
     resume_changes says what changed in the data."""
     first, other = (
@@ -347,11 +347,14 @@ def test_a_run_resumed_on_other_data_records_the_change(files, tmp_path):
     common = bert(files, "trainer.world_size=1", "trainer.batch_size=4", "trainer.warmup_steps=1",
                   "trainer.eval_batches=0", "trainer.checkpoint_every=2", f"trainer.checkpoint_dir={tmp_path / 'c'}")  # fmt: skip
     launch_job([*common, f"data.path={first}", "trainer.steps=2"], tmp_path / "first")
+    capfd.readouterr()
     resumed = launch_job([*common, f"data.path={other}", "trainer.steps=4", "trainer.resume=auto"], tmp_path / "again")
+    said = capfd.readouterr().err  # rank 0's stderr (the log's handlers)
     assert resumed["status"] == "ok" and resumed["start_step"] == 2
     changes = {c["key"]: (c["checkpoint"], c["config"]) for c in read_result(tmp_path / "again")["resume_changes"]}
     assert changes["data.length"] == (64, 20) and changes["data.path"] == (str(first), str(other))
     assert set(changes) == {"data.length", "data.path", "data.content"}
+    assert "warning: resuming on other data than the checkpoint's: data.length=20 (the checkpoint's: 64)" in said
 
 
 @pytest.mark.slow
