@@ -40,7 +40,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from sharded_exp.measure.tracker import MIB, MemoryMeter, model_state_mib
+from sharded_exp.measure.tracker import MemoryMeter, model_state_mib
 from sharded_exp.probe import fake
 
 

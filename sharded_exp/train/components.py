@@ -25,10 +25,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-from sharded_exp.errors import is_oom
 from tqdm import tqdm
 
+from sharded_exp.errors import is_oom
 from sharded_exp.measure.profile import StepProfiler
 from sharded_exp.measure.tracker import MemoryMeter
 from sharded_exp.train import liveness

@@ -41,6 +41,7 @@ from sharded_exp.train.build import build_run
 from sharded_exp.train.faults import Injector
 from sharded_exp.train.loop import LoopOutcome, LoopSettings, run_loop
 from sharded_exp.train.metrics import IntervalLog
+
 log = logging.getLogger(__name__)
 
 
