@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -275,6 +276,7 @@ def _covering_configs() -> list[tuple[str, object, list[str]]]:
         points = [[]]
         for o in overrides:
             key, value = o.split("=", 1)
+            value = re.sub(r"^(?:choice|sort|shuffle)\((.*)\)$", r"\1", value)  # a sweep function's values
             points = [[*p, f"{key}={v}"] for p in points for v in value.split(",")]
         out += [(f"sweep {name}", compose_cfg(p), overrides) for p in points]
     return out
