@@ -305,8 +305,10 @@ def test_a_bad_model_value_exits_2_without_a_traceback(tmp_path):
     [
         (["model=custom", "model._target_=tests.user_models.build_none"],
          "model._target_=tests.user_models.build_none returned None (does it return the model?), not a torch.nn.Module"),
-        (["model=custom", "model._target_=tests.user_models.build_not_a_module"], "returned a dict, not a torch.nn.Module"),
-        (["model=custom"], "model._target_ must be set: no value was given (model=custom needs model._target_="),
+        pytest.param(["model=custom", "model._target_=tests.user_models.build_not_a_module"],
+                     "returned a dict, not a torch.nn.Module", marks=pytest.mark.slow),
+        pytest.param(["model=custom"], "model._target_ must be set: no value was given (model=custom needs model._target_=",
+                     marks=pytest.mark.slow),
         (["trainer.checkpoint_dir=${oc.env:SHARDED_EXP_SURELY_UNSET}"],
          "error: trainer.checkpoint_dir: KeyError raised while resolving interpolation: \"Environment variable "
          "'SHARDED_EXP_SURELY_UNSET' not found\""),

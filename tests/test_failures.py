@@ -206,7 +206,7 @@ def test_an_aborted_communicator_is_reported_in_the_step_that_hung(monkeypatch):
 
 
 # ------------ diverged runs, signals, dead parents and ranks that exit without a result
-def test_a_diverged_run_is_not_ok_and_gets_no_saving(tmp_path):
+def test_a_diverged_run_is_not_ok(tmp_path):
     proc = cli([*TINY, "trainer.steps=4"], tmp_path / "inf", env={"SHARDED_EXP_FAULT": "rank=1,step=1,kind=inf_grad"})
     assert proc.returncode == 1, proc.stderr[-3000:]
     result = read_result(tmp_path / "inf")
@@ -214,6 +214,9 @@ def test_a_diverged_run_is_not_ok_and_gets_no_saving(tmp_path):
     assert "diverged: final loss nan, loss first non-finite at step 3" in result["error"]
     assert "diverged" in proc.stderr
 
+
+@pytest.mark.slow  # the diverged run itself: the test above
+def test_a_diverged_point_of_a_sweep_gets_no_saving_in_the_report(tmp_path):
     sweep = tmp_path / "sweep"
     args = [
         "-m",

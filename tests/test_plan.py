@@ -108,14 +108,14 @@ def test_a_raw_plan_at_a_million_ranks_is_drawn_from_exact_plans():
     from sharded_exp.plan import points as plan
 
     cfg = compose(["plan.params=1e9"], config_name="plan")
-    drawn = {r["strategy"]: r for r in plan.plan_rows(cfg, [8192, 1_000_000])}
-    assert all("from the exact plans at 256, 512 and 1024 ranks" in r["note"] for r in drawn.values())
+    rows = plan.plan_rows(cfg, [8192, 1_000_000])
+    assert all("from the exact plans at 256, 512 and 1024 ranks" in r["note"] for r in rows)
     exact_up_to, plan.EXACT_UP_TO = plan.EXACT_UP_TO, 10**9
     try:
         exact = {(r["strategy"], r["world_size"]): r["total_gib"] for r in plan.plan_rows(cfg, [8192])}
     finally:
         plan.EXACT_UP_TO = exact_up_to
-    for row in plan.plan_rows(cfg, [8192]):
+    for row in (r for r in rows if r["world_size"] == 8192):
         assert row["total_gib"] == pytest.approx(exact[(row["strategy"], 8192)], rel=1e-3)
 
 

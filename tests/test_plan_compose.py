@@ -39,8 +39,10 @@ def assert_agree(composed, whole) -> None:
 
 
 @pytest.mark.parametrize("strategies", [
-    ["ddp", "fsdp", "zero1"], pytest.param(["fsdp_grad_op", "oss", "sharded_ddp"], marks=pytest.mark.slow),
-], ids=["ddp-fsdp-zero1", "the-others"])  # fmt: skip
+    ["ddp", "zero1"], pytest.param(["fsdp"], marks=pytest.mark.slow),
+    pytest.param(["fsdp_grad_op", "oss", "sharded_ddp"], marks=pytest.mark.slow),
+], ids=["ddp-zero1", "fsdp", "the-others"])  # fmt: skip
+# ddp and zero1 in the default tier (12 s; fsdp's lines, redrawn at each world size, take 25 s)
 def test_the_8_block_model_composed_equals_it_faked_whole(strategies):
     """CUDA's kernels (foreach Adam: the step's temporaries follow the state), 2 and 8 ranks:
     the first world size checks the lines, the second reuses (DDP), redraws (FSDP) or deals
@@ -48,14 +50,14 @@ def test_the_8_block_model_composed_equals_it_faked_whole(strategies):
     composed, whole = composed_and_whole(DEEP, [2, 8], "cuda", strategies)
     assert_agree(composed, whole)
     by = {(r["strategy"], r["world_size"]): r for r in composed}
-    if "ddp" not in strategies:
-        return
     # drawn by depth, not faked whole, wherever the lines hold
-    for name in ("ddp", "fsdp", "zero1"):
+    for name in {"ddp", "fsdp", "zero1"} & set(strategies):
         assert by[name, 2]["method"].startswith("composed by depth"), by[name, 2]
         assert by[name, 8]["method"].startswith("composed by depth"), by[name, 8]
-    assert "unchanged at 1 blocks" in by["ddp", 8]["note"]  # DDP's lines do not move with the world size
-    assert "redrawn at 8 ranks" in by["fsdp", 8]["note"]  # FSDP's do (the gradients mid-backward)
+    if "ddp" in strategies:
+        assert "unchanged at 1 blocks" in by["ddp", 8]["note"]  # DDP's lines do not move with the world size
+    if "fsdp" in strategies:
+        assert "redrawn at 8 ranks" in by["fsdp", 8]["note"]  # FSDP's do (the gradients mid-backward)
 
 
 @pytest.mark.slow
