@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from sharded_exp.data.files import CONLL2003_LABELS, read_conll, read_documents
 from sharded_exp.data.loader import StepLoader, data_changes
 from sharded_exp.errors import ConfigError
 from sharded_exp.launch import preflight
+from sharded_exp.logs import LOG_NAME
 from tests import data_files
 from tests.conftest import compose_cfg, launch_job, read_result, saved_tiny_hf
 
@@ -337,7 +339,7 @@ def test_the_data_position_records_the_data_and_a_change_is_told(files, tmp_path
 
 
 @pytest.mark.slow  # two runs of one rank
-def test_a_run_resumed_on_other_data_records_the_change(files, tmp_path, capfd):
+def test_a_run_resumed_on_other_data_records_the_change(files, tmp_path):
     """Resumed with data.path switched from 64 sentences to 20: resumed, and result.json's
     resume_changes says what changed in the data."""
     first, other = (
@@ -347,9 +349,16 @@ def test_a_run_resumed_on_other_data_records_the_change(files, tmp_path, capfd):
     common = bert(files, "trainer.world_size=1", "trainer.batch_size=4", "trainer.warmup_steps=1",
                   "trainer.eval_batches=0", "trainer.checkpoint_every=2", f"trainer.checkpoint_dir={tmp_path / 'c'}")  # fmt: skip
     launch_job([*common, f"data.path={first}", "trainer.steps=2"], tmp_path / "first")
-    capfd.readouterr()
-    resumed = launch_job([*common, f"data.path={other}", "trainer.steps=4", "trainer.resume=auto"], tmp_path / "again")
-    said = capfd.readouterr().err  # rank 0's stderr (the log's handlers)
+    # The ranks append to the job's log file, as under Hydra's job logging (their stderr is the
+    # fork server's, which an earlier test may have started: no capture here sees it reliably)
+    log = logging.FileHandler(tmp_path / LOG_NAME)
+    logging.getLogger().addHandler(log)
+    try:
+        resumed = launch_job([*common, f"data.path={other}", "trainer.steps=4", "trainer.resume=auto"], tmp_path / "again")
+    finally:
+        logging.getLogger().removeHandler(log)
+        log.close()
+    said = (tmp_path / LOG_NAME).read_text()
     assert resumed["status"] == "ok" and resumed["start_step"] == 2
     changes = {c["key"]: (c["checkpoint"], c["config"]) for c in read_result(tmp_path / "again")["resume_changes"]}
     assert changes["data.length"] == (64, 20) and changes["data.path"] == (str(first), str(other))
