@@ -65,7 +65,7 @@ def test_a_run_directory_that_is_a_file_or_read_only_is_refused(tmp_path, small_
 @pytest.mark.parametrize("bad", ["strategy=zero3", "trainer.stepz=3"])
 def test_a_composition_error_leaves_no_run_directory(bad, tmp_path):
     proc = run_cli([bad, f"hydra.run.dir={tmp_path / 'new' / 'run'}"], cwd=ROOT)
-    # exit 2, as every other mistake on the command line (an out-of-range value below)
+    # exit 2, as every other mistake on the command line (an out-of-range value: the next test)
     assert proc.returncode == 2 and ("zero3" in proc.stderr or "stepz" in proc.stderr), proc.stderr[-2000:]
     assert not (tmp_path / "new").exists()
 
