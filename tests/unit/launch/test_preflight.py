@@ -1,0 +1,323 @@
+"""sharded_exp.launch.preflight, its pure parts: every refusal made before any rank starts
+(each naming the bad value and what is allowed), the device decision, the host-memory
+check, and the JobSpec that check() decides (world size, launcher, decided config)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+
+import pytest
+from omegaconf import OmegaConf
+
+from sharded_exp.compose import compose
+from sharded_exp.errors import ConfigError, WontFit
+from sharded_exp.launch import preflight
+from sharded_exp.launch.layout import Layout
+from sharded_exp.launch.preflight import (
+    RANK_OVERHEAD_MIB,
+    available_host_mib,
+    check,
+    check_host_memory,
+    check_numbers,
+    check_values,
+    decide_device,
+)
+
+SMALL = ["logger=none", "model.hidden=16", "model.depth=2", "trainer.batch_size=4"]
+
+
+@pytest.fixture(scope="module")
+def composed():
+    return compose(SMALL)
+
+
+@pytest.fixture
+def cfg(composed):
+    return copy.deepcopy(composed)
+
+
+def refused(cfg, message: str, fn=check_values):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        fn(cfg)
+
+
+def test_the_default_config_passes_every_check(cfg):
+    check_values(cfg)
+
+
+@pytest.mark.parametrize("key", ["world_size", "steps", "batch_size", "grad_accum", "log_interval", "ac_every", "profile_steps"])
+def test_counts_below_one_are_refused_and_one_is_allowed(cfg, key):
+    cfg.trainer[key] = 1
+    if key == "steps":
+        cfg.trainer.warmup_steps = 0
+    check_values(cfg)
+    cfg.trainer[key] = 0
+    refused(cfg, f"trainer.{key}=0 must be >= 1")
+
+
+def test_warmup_must_leave_a_timed_step(cfg):
+    cfg.trainer.steps, cfg.trainer.warmup_steps = 5, 4
+    check_values(cfg)
+    cfg.trainer.warmup_steps = 5
+    refused(cfg, "trainer.warmup_steps=5 must be >= 0 and < trainer.steps=5")
+    cfg.trainer.warmup_steps = -1
+    refused(cfg, "trainer.warmup_steps=-1 must be >= 0")
+    cfg.trainer.warmup_steps = 0
+    check_values(cfg)
+
+
+def test_profiled_steps_must_fit_after_warmup(cfg):
+    cfg.trainer.update(profile=True, steps=6, warmup_steps=2, profile_steps=3)
+    check_values(cfg)  # 2 + 3 < 6
+    cfg.trainer.profile_steps = 4
+    refused(cfg, "trainer.profile_steps=4 needs trainer.steps=6 > trainer.warmup_steps=2 + profile_steps")
+    cfg.trainer.profile = False
+    check_values(cfg)  # not profiling: not checked
+
+
+@pytest.mark.parametrize(
+    "key, bad, fine, message",
+    [
+        ("min_timed_steps", -1, 0, "trainer.min_timed_steps=-1 must be >= 0"),
+        ("grad_clip", -0.5, 0.0, "trainer.grad_clip=-0.5 must be >= 0"),
+        ("timeout_s", 0.0, 0.1, "trainer.timeout_s=0.0 must be > 0"),
+        ("eval_every", -1, 0, "trainer.eval_every=-1 must be >= 0"),
+        ("eval_batches", -1, 0, "trainer.eval_batches=-1 must be >= 0"),
+        ("checkpoint_every", -1, 0, "trainer.checkpoint_every=-1 must be >= 0 (0 = off)"),
+        ("keep_checkpoints", -2, 0, "trainer.keep_checkpoints=-2 must be >= 0 (0 = keep all)"),
+        ("stop_grace_s", 0.0, 0.5, "trainer.stop_grace_s=0.0 must be > 0"),
+        ("memory_limit_mib", 0.0, None, "trainer.memory_limit_mib=0.0 must be > 0 (or null for no budget)"),
+    ],
+)
+def test_trainer_ranges_refuse_just_outside_and_allow_the_edge(cfg, key, bad, fine, message):
+    cfg.trainer[key] = fine
+    check_values(cfg)
+    cfg.trainer[key] = bad
+    refused(cfg, message)
+
+
+@pytest.mark.parametrize("key", ["grad_clip", "timeout_s", "stop_grace_s", "memory_limit_mib"])
+@pytest.mark.parametrize("value", [math.inf, math.nan])
+def test_non_finite_trainer_numbers_are_refused(cfg, key, value):
+    cfg.trainer[key] = value
+    refused(cfg, f"trainer.{key}={value} must be a finite number", check_numbers)
+
+
+def test_unknown_names_are_refused_naming_the_choices(cfg):
+    bad = copy.deepcopy(cfg)
+    bad.strategy.name = "zero9"
+    refused(bad, "unknown strategy 'zero9'; registered: ddp, fsdp, fsdp_grad_op, oss, sharded_ddp, zero1")
+    bad = copy.deepcopy(cfg)
+    bad.precision.name = "8"
+    refused(bad, "precision='8' is not one of 32, 16, bf16")
+    bad = copy.deepcopy(cfg)
+    bad.optimizer.name = "lamb"
+    refused(bad, "optimizer.name='lamb' is not one of adam, adamw, sgd")
+    bad = copy.deepcopy(cfg)
+    bad.data.name = "imagenet"
+    refused(bad, "unknown data 'imagenet'; registered:")
+
+
+def test_a_key_the_strategy_does_not_have_is_refused_naming_its_settings():
+    cfg = compose([*SMALL, "+strategy.bucket_size=3"])
+    with pytest.raises(ConfigError) as err:
+        check_values(cfg)
+    assert "strategy.bucket_size is not a setting of strategy=ddp" in str(err.value)
+    assert "its settings: " in str(err.value) and "name" not in str(err.value).split("its settings: ")[1].split(", ")
+
+
+@pytest.mark.parametrize(
+    "key, bad, fine, message",
+    [
+        ("lr", 0.0, 1e-9, "optimizer.lr=0.0 must be > 0"),
+        ("lr", math.inf, 1e-9, "optimizer.lr=inf must be a finite number"),
+        ("weight_decay", -0.1, 0.0, "optimizer.weight_decay=-0.1 must be a finite number >= 0"),
+        ("no_decay_lr_scale", math.nan, 0.0, "optimizer.no_decay_lr_scale=nan must be a finite number >= 0"),
+        ("eps", 0.0, 1e-12, "optimizer.eps=0.0 must be a finite number > 0"),
+        ("momentum", 1.0, 0.0, "optimizer.momentum=1.0 must be in [0, 1)"),
+        ("momentum", -0.1, 0.99, "optimizer.momentum=-0.1 must be in [0, 1)"),
+    ],
+)
+def test_optimizer_numbers_refused_outside_their_range(cfg, key, bad, fine, message):
+    cfg.optimizer[key] = fine
+    check_numbers(cfg)
+    cfg.optimizer[key] = bad
+    refused(cfg, message, check_numbers)
+
+
+@pytest.mark.parametrize("betas", [[0.9], [0.9, 1.0], [-0.1, 0.9], [0.9, math.nan], [0.9, 0.99, 0.999]])
+def test_betas_must_be_two_numbers_in_zero_one(cfg, betas):
+    cfg.optimizer.betas = betas
+    refused(cfg, f"optimizer.betas={betas} must be two numbers in [0, 1)", check_numbers)
+
+
+def test_betas_at_zero_are_allowed(cfg):
+    cfg.optimizer.betas = [0.0, 0.0]
+    check_numbers(cfg)
+
+
+@pytest.mark.parametrize(
+    "key, bad, fine, message",
+    [
+        ("init_scale", 0.0, 1.0, "precision.init_scale=0.0 must be > 0"),
+        ("backoff_factor", 1.0, 0.99, "precision.backoff_factor=1.0 must be in (0, 1)"),
+        ("backoff_factor", 0.0, 0.01, "precision.backoff_factor=0.0 must be in (0, 1)"),
+        ("growth_interval", 0, 1, "precision.growth_interval=0 must be >= 1"),
+    ],
+)
+def test_grad_scaler_settings_refused_outside_their_range(cfg, key, bad, fine, message):
+    cfg.precision[key] = fine
+    check_numbers(cfg)
+    cfg.precision[key] = bad
+    refused(cfg, message, check_numbers)
+
+
+def test_a_model_size_below_one_is_refused_naming_the_model(cfg):
+    cfg.model.depth = 1
+    check_numbers(cfg)
+    cfg.model.depth = 0
+    refused(cfg, "model.depth=0 must be >= 1 (model=mlp)", check_numbers)
+
+
+def test_a_malformed_fault_variable_is_refused_as_a_config_error(cfg, monkeypatch):
+    monkeypatch.setenv("SHARDED_EXP_FAULT", "explode@rank=x")
+    with pytest.raises(ConfigError):
+        check_values(cfg)
+
+
+@pytest.mark.parametrize(
+    "precision, param_dtype, ok",
+    [
+        ("32", "bfloat16", True),  # param_dtype alone sets the compute dtype
+        ("bf16", "bfloat16", True),
+        ("16", "float16", True),
+        ("16", "float32", True),
+        ("16", None, True),
+        ("16", "bfloat16", False),
+        ("bf16", "float16", False),
+    ],
+)
+def test_fsdp_param_dtype_must_be_autocasts_dtype(precision, param_dtype, ok):
+    cfg = compose(["strategy=fsdp", f"precision={precision}", f"strategy.param_dtype={param_dtype or 'null'}"])
+    if ok:
+        preflight._check_param_dtype(cfg)
+    else:
+        half = {"16": "float16", "bf16": "bfloat16"}[precision]
+        with pytest.raises(ConfigError, match=re.escape(f"use strategy.param_dtype={half}")):
+            preflight._check_param_dtype(cfg)
+
+
+# ------------------------------------------------------------------------ the device
+def _cuda(monkeypatch, available: bool, count: int = 0):
+    monkeypatch.setattr(preflight.torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(preflight.torch.cuda, "device_count", lambda: count)
+
+
+def test_cpu_is_chosen_when_asked_or_when_cuda_is_missing(monkeypatch):
+    _cuda(monkeypatch, True, 8)
+    assert decide_device("cpu", 4, "32") == "cpu"
+    _cuda(monkeypatch, False)
+    assert decide_device("auto", 4, "32") == "cpu"
+
+
+def test_gpu_without_cuda_is_refused(monkeypatch):
+    _cuda(monkeypatch, False)
+    with pytest.raises(ConfigError, match="trainer.accelerator=gpu but CUDA is not available here"):
+        decide_device("gpu", 1, "32")
+
+
+def test_one_gpu_per_local_rank_is_needed(monkeypatch):
+    _cuda(monkeypatch, True, 2)
+    assert decide_device("auto", 2, "32") == "cuda"
+    with pytest.raises(ConfigError, match=re.escape("trainer.world_size=3 is more than the 2 GPU(s) present")):
+        decide_device("gpu", 3, "32")
+
+
+def test_an_external_launcher_may_give_each_task_its_one_gpu(monkeypatch):
+    _cuda(monkeypatch, True, 1)
+    assert decide_device("gpu", 4, "32", per_task=True) == "cuda"
+    with pytest.raises(ConfigError):
+        decide_device("gpu", 4, "32", per_task=False)
+    _cuda(monkeypatch, True, 2)
+    with pytest.raises(ConfigError):
+        decide_device("gpu", 4, "32", per_task=True)  # two GPUs shared by four tasks
+
+
+# ------------------------------------------------------------------- host memory
+def test_host_memory_counts_the_largest_peaks_of_the_local_ranks_plus_their_processes(monkeypatch):
+    per_rank = [100.0, 300.0, 200.0, 50.0]
+    need = 300 + 200 + 2 * RANK_OVERHEAD_MIB  # two ranks here: the two largest peaks
+    monkeypatch.setattr(preflight, "available_host_mib", lambda: need)
+    check_host_memory(per_rank, 2)  # exactly enough
+    monkeypatch.setattr(preflight, "available_host_mib", lambda: need - 1)
+    with pytest.raises(WontFit, match=re.escape(f"needs about {need:,.0f} MiB of host memory (2 rank(s)")):
+        check_host_memory(per_rank, 2)
+
+
+def test_host_memory_is_not_checked_without_a_prediction_or_a_reading(monkeypatch):
+    monkeypatch.setattr(preflight, "available_host_mib", lambda: 1.0)
+    check_host_memory(None, 2)
+    check_host_memory([], 2)
+    monkeypatch.setattr(preflight, "available_host_mib", lambda: None)
+    check_host_memory([1e9], 2)
+
+
+def _files(monkeypatch, files: dict[str, str]):
+    import io
+
+    def fake_open(path, *a, **k):
+        if path not in files:
+            raise FileNotFoundError(path)
+        return io.StringIO(files[path])
+
+    monkeypatch.setattr(preflight, "open", fake_open, raising=False)
+
+
+def test_available_host_memory_is_the_smaller_of_meminfo_and_the_cgroup(monkeypatch):
+    meminfo = "MemTotal: 9000000 kB\nMemAvailable:    2097152 kB\n"  # 2048 MiB
+    cgroup = {"/sys/fs/cgroup/memory.max": str(3 * 2**30) + "\n", "/sys/fs/cgroup/memory.current": str(2**30)}
+    _files(monkeypatch, {"/proc/meminfo": meminfo, **cgroup})
+    assert available_host_mib() == 2048.0  # cgroup leaves 2048 too; make it smaller:
+    cgroup["/sys/fs/cgroup/memory.current"] = str(2 * 2**30)
+    _files(monkeypatch, {"/proc/meminfo": meminfo, **cgroup})
+    assert available_host_mib() == 1024.0
+    _files(monkeypatch, {"/proc/meminfo": meminfo, "/sys/fs/cgroup/memory.max": "max\n",
+                         "/sys/fs/cgroup/memory.current": "5"})  # fmt: skip
+    assert available_host_mib() == 2048.0
+    _files(monkeypatch, {})
+    assert available_host_mib() is None
+
+
+# ------------------------------------------------------------------------- check()
+def test_check_decides_a_job_spec_and_leaves_the_config_unchanged(composed, tmp_path):
+    before = OmegaConf.to_yaml(composed)
+    spec = check(composed, str(tmp_path / "run"), peak=False)
+    assert OmegaConf.to_yaml(composed) == before
+    assert (spec.world_size, spec.launcher, spec.device_type) == (2, "spawn", "cpu")
+    assert spec.config["trainer"]["checkpoint_dir"] == str(tmp_path / "run" / "checkpoints")
+    assert spec.config["trainer"]["checkpoint_format"] == "consolidated"  # ddp's auto
+    assert spec.config["trainer"]["accelerator"] == "auto"  # a plain name, not an enum
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_check_takes_the_world_size_and_launcher_of_an_external_layout(composed, tmp_path):
+    spec = check(composed, str(tmp_path), layout=Layout(0, 3, 0, 3, "torchrun"), peak=False)
+    assert spec.world_size == 3 and spec.launcher == "torchrun"
+    assert spec.config["trainer"]["world_size"] == 3
+    assert "world_size: 3" in spec.config_yaml
+
+
+def test_check_counts_the_models_parameters(composed, tmp_path):
+    cfg = composed.model  # MLP: in -> hidden (depth-1 times hidden -> hidden) -> classes, with biases
+    spec = check(composed, str(tmp_path), peak=False)
+    h, i, c, d = cfg.hidden, cfg.in_features, cfg.num_classes, cfg.depth
+    assert spec.params >= (i * h + h) + (d - 1) * (h * h + h) + (h * c + c) - 1  # at least the linear layers
+
+
+def test_freezing_every_parameter_is_refused(composed, tmp_path):
+    cfg = copy.deepcopy(composed)
+    cfg.trainer.freeze = ["*"]
+    with pytest.raises(ConfigError, match=re.escape("trainer.freeze=['*'] freezes every parameter of model=mlp")):
+        check(cfg, str(tmp_path), peak=False)

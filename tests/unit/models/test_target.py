@@ -1,0 +1,189 @@
+"""models/target.py: models given by ``_target_`` (a factory, or a Hugging Face-shaped class built
+from its config class), the refusals that name what is wrong, the attention-kernel and
+pretrained-directory checks, the safetensors header check and the batch-key check."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+
+import pytest
+from omegaconf import OmegaConf
+from torch import nn
+
+from sharded_exp.errors import ConfigError
+from sharded_exp.models import target
+from sharded_exp.models.target import (
+    _readable_safetensors,
+    _unchanged_since_checked,
+    build_target_model,
+    check_accepts,
+    check_attn_implementation,
+    check_pretrained,
+    is_target_model,
+    pretrained_class,
+)
+
+
+class TinyConfig:
+    """A Hugging Face-shaped config class: built by instantiate, read by the model."""
+
+    def __init__(self, width: int = 3):
+        self.width = width
+
+
+class TinyModel(nn.Module):
+    """A Hugging Face-shaped model class: ``cls(config=...)``, a ``_supports_sdpa`` flag."""
+
+    _supports_sdpa = False
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(config.width, 2)
+
+
+HERE = __name__
+
+
+def test_a_target_model_is_told_by_its_target_key_even_before_it_is_set():
+    assert is_target_model(OmegaConf.create({"name": "custom", "_target_": "???"}))
+    assert is_target_model({"_target_": "a.b"}) and not is_target_model(OmegaConf.create({"name": "mlp"}))
+
+
+def test_a_factory_is_called_with_every_key_but_the_name():
+    module = build_target_model({"name": "custom", "_target_": "torch.nn.Linear", "in_features": 5, "out_features": 3})
+    assert isinstance(module, nn.Linear) and module.weight.shape == (3, 5)
+
+
+def test_a_hugging_face_class_is_built_from_its_config_class_with_the_attention_kernel_set():
+    cfg = {"name": "tiny", "_target_": f"{HERE}.TinyModel", "attn_implementation": "eager",
+           "config": {"_target_": f"{HERE}.TinyConfig", "width": 7}}  # fmt: skip
+    module = build_target_model(OmegaConf.create(cfg))
+    assert isinstance(module, TinyModel) and module.fc.in_features == 7
+    assert module.config._attn_implementation == "eager"
+    plain = build_target_model({**cfg, "attn_implementation": None})
+    assert not hasattr(plain.config, "_attn_implementation")
+
+
+@pytest.mark.parametrize("cfg", [
+    OmegaConf.create({"name": "custom", "_target_": "???"}), {"name": "custom", "_target_": ""},
+    {"name": "custom", "_target_": None},
+])  # fmt: skip
+def test_a_missing_target_is_refused_naming_the_key(cfg):
+    with pytest.raises(ConfigError, match=r"model=custom needs model._target_=package.module.factory"):
+        build_target_model(cfg)
+
+
+def test_a_target_in_a_package_not_installed_is_named_and_transformers_gets_the_extras_hint(monkeypatch):
+    with pytest.raises(ConfigError, match=r"needs the package no_such_pkg_x, which is not installed here$"):
+        build_target_model({"name": "m", "_target_": "no_such_pkg_x.build"})
+    monkeypatch.setattr(target, "missing_packages", lambda names: list(names))
+    with pytest.raises(ConfigError, match=r"needs the package transformers.*pip install -e '\.\[hf\]'"):
+        build_target_model({"name": "m", "_target_": "transformers.GPT2LMHeadModel"})
+
+
+def test_a_failing_factory_is_named_with_what_it_raised():
+    with pytest.raises(ConfigError, match=r"(?s)model=custom: building torch.nn.Linear failed: .*TypeError.*out_features"):
+        build_target_model({"name": "custom", "_target_": "torch.nn.Linear", "in_features": 3})
+
+
+def test_a_factory_returning_no_module_is_refused_naming_what_it_returned():
+    with pytest.raises(ConfigError, match=r"returned a dict, not a torch.nn.Module"):
+        build_target_model({"name": "custom", "_target_": "builtins.dict", "a": 1})
+    with pytest.raises(ConfigError, match=r"returned None \(does it return the model\?\)"):
+        build_target_model({"name": "custom", "_target_": "builtins.print", "end": ""})
+
+
+def test_an_attention_kernel_for_a_factory_is_refused():
+    with pytest.raises(ConfigError, match="no Hugging Face model class"):
+        build_target_model({"name": "c", "_target_": "torch.nn.Linear", "in_features": 1, "out_features": 1,
+                            "attn_implementation": "eager"})  # fmt: skip
+
+
+def test_the_attention_kernel_must_be_known_and_supported_by_the_class():
+    check_attn_implementation({"_target_": "torch.nn.Linear"})  # null: nothing to check
+    with pytest.raises(ConfigError, match=r"'flash' is not one of null \(Hugging Face's default\), eager, sdpa"):
+        check_attn_implementation({"_target_": f"{HERE}.TinyModel", "attn_implementation": "flash"})
+    check_attn_implementation({"_target_": f"{HERE}.TinyModel", "attn_implementation": "eager"})
+    with pytest.raises(ConfigError, match="sdpa: TinyModel has no SDPA attention"):
+        check_attn_implementation({"_target_": f"{HERE}.TinyModel", "attn_implementation": "sdpa"})
+
+
+def test_pretrained_weights_need_a_hugging_face_class():
+    with pytest.raises(ConfigError, match=r"model._target_=torch.nn.Linear is not one"):
+        pretrained_class({"_target_": "torch.nn.Linear"})
+
+
+# ------------------------------------------------------------------ model.pretrained's directory
+def test_no_pretrained_is_nothing_to_check_and_a_missing_directory_is_refused(tmp_path):
+    check_pretrained(OmegaConf.create({"pretrained": None}))
+    with pytest.raises(ConfigError, match="is not a local directory"):
+        check_pretrained(OmegaConf.create({"pretrained": str(tmp_path / "absent")}))
+
+
+def test_a_directory_without_config_and_weights_is_refused_listing_what_it_holds(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "notes.txt").write_text("")
+    with pytest.raises(ConfigError, match=r"needs config.json and the weights.*it holds config.json, notes.txt"):
+        check_pretrained(OmegaConf.create({"pretrained": str(tmp_path)}))
+
+
+def _safetensors(path, header: dict, data: bytes) -> None:
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def test_a_whole_safetensors_file_reads(tmp_path):
+    file = tmp_path / "model.safetensors"
+    _safetensors(file, {"__metadata__": {}, "w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(8))
+    _readable_safetensors(str(file))
+
+
+def test_a_truncated_safetensors_file_is_named(tmp_path):
+    file = tmp_path / "model.safetensors"
+    _safetensors(file, {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(7))
+    with pytest.raises(ConfigError, match=r"not a readable safetensors file: its tensors need \d+ bytes.*truncated"):
+        _readable_safetensors(str(file))
+
+
+def test_a_safetensors_header_longer_than_the_file_is_named(tmp_path):
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(struct.pack("<Q", 100) + b"{}")
+    with pytest.raises(ConfigError, match="its header claims 100 bytes; the file has 10"):
+        _readable_safetensors(str(file))
+
+
+def test_a_corrupt_weights_file_is_named_before_the_config_is_read(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"\x01")
+    with pytest.raises(ConfigError, match="model.safetensors is not a readable safetensors file"):
+        check_pretrained(OmegaConf.create({"pretrained": str(tmp_path), "_target_": "torch.nn.Linear"}))
+
+
+def test_the_ranks_refuse_a_directory_whose_config_changed_since_it_was_checked(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text('{"a": 1}')
+    checked = hashlib.sha256(b'{"a": 1}').hexdigest()
+    _unchanged_since_checked({"pretrained": str(tmp_path), "pretrained_config_sha256": checked})
+    _unchanged_since_checked({"pretrained": str(tmp_path)})  # never checked: not compared
+    config.write_text('{"a": 2}')
+    with pytest.raises(ConfigError, match="changed after the job was checked"):
+        _unchanged_since_checked({"pretrained": str(tmp_path), "pretrained_config_sha256": checked})
+
+
+# ------------------------------------------------------------------ batch keys
+def test_a_forward_without_a_batch_key_is_refused_naming_it_and_kwargs_take_any():
+    class Only(nn.Module):
+        def forward(self, input_ids, labels=None):
+            return input_ids
+
+    class Any_(nn.Module):
+        def forward(self, **batch):
+            return batch
+
+    check_accepts(Only(), ["input_ids", "labels"], "m", "task")
+    check_accepts(Any_(), ["whatever"], "m", "task")
+    with pytest.raises(ConfigError, match=r"forward\(\) has no argument attention_mask \(the batch's keys"):
+        check_accepts(Only(), ["input_ids", "attention_mask"], "m", "task")

@@ -1,0 +1,191 @@
+"""sharded_exp.output.loggers without W&B itself (a stand-in ``wandb`` module where one is
+needed): the run's tags, the arguments of ``wandb.init``, a logger that gives up instead of
+stopping training, which rank logs, the summary's names and the band over ranks."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+from omegaconf import OmegaConf
+
+from sharded_exp.config import ActivationCheckpointing
+from sharded_exp.output import loggers
+
+
+def run_config(**trainer_and_strategy):
+    trainer = {"world_size": 2, "activation_checkpointing": None, "compile": False}
+    strategy = {"name": "fsdp", "replicate": 1, "cpu_offload": False}
+    for key, value in trainer_and_strategy.items():
+        (strategy if key in strategy else trainer)[key] = value
+    return {"trainer": trainer, "strategy": strategy, "precision": {"name": "bf16"}, "model": {"name": "gpt"}}
+
+
+class FakeRun:
+    def __init__(self, fail=()):
+        self.fail, self.logged, self.finished, self.metrics = set(fail), [], None, []
+        self.summary = types.SimpleNamespace(update=self._update)
+        self.summed = {}
+
+    def _update(self, values):
+        if "summary" in self.fail:
+            raise RuntimeError("summary broke")
+        self.summed.update(values)
+
+    def define_metric(self, name, summary):
+        self.metrics.append((name, summary))
+
+    def log(self, metrics, step):
+        if "log" in self.fail:
+            raise ConnectionError("gone")
+        self.logged.append((step, metrics))
+
+    def finish(self, exit_code=0):
+        self.finished = exit_code
+
+
+@pytest.fixture
+def fake_wandb(monkeypatch):
+    """A stand-in ``wandb`` module recording what ``wandb.init`` was given."""
+    module = types.ModuleType("wandb")
+    module.calls = []
+    module.Settings = lambda **kw: kw
+
+    def init(**kw):
+        module.calls.append(kw)
+        return FakeRun()
+
+    module.init = init
+    monkeypatch.setitem(sys.modules, "wandb", module)
+    return module
+
+
+# ------------------------------------------------------------------------ tags
+def test_tags_name_the_point_and_no_lever_when_none_is_on():
+    assert loggers.run_tags(run_config()) == ["strategy:fsdp", "precision:bf16", "model:gpt", "world_size:2"]
+
+
+def test_tags_name_each_lever_that_is_on():
+    tags = loggers.run_tags(run_config(activation_checkpointing=ActivationCheckpointing.full, compile=True,
+                                       replicate=2, cpu_offload=True, world_size=4))  # fmt: skip
+    assert tags == ["strategy:fsdp", "precision:bf16", "model:gpt", "world_size:4", "ac:full", "compile", "hsdp:2",
+                    "cpu_offload"]  # fmt: skip
+
+
+def test_activation_checkpointing_none_and_no_replicate_are_no_levers():
+    tags = loggers.run_tags(run_config(activation_checkpointing="none", replicate=None))
+    assert not [t for t in tags if t.startswith(("ac:", "hsdp:"))]
+
+
+# ------------------------------------------------------------------------ wandb.init
+def test_init_wandb_run_passes_the_logger_config(fake_wandb, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    cfg = OmegaConf.create({"project": "p", "entity": "e", "group": "g", "tags": ["a"], "mode": None})
+    loggers.init_wandb_run(cfg, job_type="train", name="n", config={"x": 1}, directory="/d", tags=["b"])
+    (kw,) = fake_wandb.calls
+    assert (kw["project"], kw["entity"], kw["group"], kw["job_type"], kw["name"], kw["dir"]) == (
+        "p",
+        "e",
+        "g",
+        "train",
+        "n",
+        "/d",
+    )
+    assert kw["tags"] == ["a", "b"] and kw["config"] == {"x": 1}
+    assert kw["mode"] == "offline"  # nothing set: never online by surprise
+    assert kw["id"] is None and kw["resume"] is None
+    assert kw["settings"]["init_timeout"] == 15.0
+
+
+def test_a_fixed_run_id_resumes_and_the_mode_comes_from_config_then_environment(fake_wandb, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    loggers.init_wandb_run(OmegaConf.create({}), job_type=None, name=None, config=None, directory="/d", run_id="r1")
+    loggers.init_wandb_run(OmegaConf.create({"mode": "online"}), job_type=None, name=None, config=None, directory="/d")
+    first, second = fake_wandb.calls
+    assert first["id"] == "r1" and first["resume"] == "allow" and first["mode"] == "disabled"
+    assert second["mode"] == "online"
+
+
+# ------------------------------------------------------------------------ the job's logger
+def test_only_rank_zero_of_a_wandb_job_logs(monkeypatch):
+    monkeypatch.setattr(loggers, "init_wandb_run", lambda *a, **kw: FakeRun())
+    cfg = OmegaConf.create({"name": "wandb", "job_type": "train", "run_name": None})
+    assert type(loggers.build_logger(cfg, run_config(), "/out", rank=1)) is loggers.NullLogger
+    assert (
+        type(loggers.build_logger(OmegaConf.create({"name": "none"}), run_config(), "/out", rank=0))
+        is loggers.NullLogger
+    )
+    logger = loggers.build_logger(cfg, run_config(), "/out", rank=0)
+    assert isinstance(logger, loggers.WandbLogger) and ("loss", "min") in logger.run.metrics
+    logger.log({"loss": 1.0}, step=3)
+    logger.summary({"x": 2})
+    run = logger.run
+    logger.finish(exit_code=1)
+    assert run.logged == [(3, {"loss": 1.0})] and run.summed == {"x": 2} and run.finished == 1
+    assert logger.run is None
+    logger.finish()  # twice: nothing left to finish
+
+
+def test_a_logger_that_cannot_start_warns_and_training_goes_on(monkeypatch):
+    def refuse(*a, **kw):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(loggers, "init_wandb_run", refuse)
+    with pytest.warns(UserWarning, match=r"W&B could not start \(ConnectionError: no network\)"):
+        logger = loggers.WandbLogger(OmegaConf.create({"job_type": None, "run_name": None}), run_config(), "/out")
+    assert logger.run is None
+    logger.log({"loss": 1.0}, step=1)
+    logger.summary({})
+    logger.finish()
+
+
+@pytest.mark.parametrize(
+    ("what", "call"), [("log", lambda lg: lg.log({"a": 1}, 0)), ("summary", lambda lg: lg.summary({"a": 1}))]
+)
+def test_a_logger_that_fails_later_gives_up_once(monkeypatch, what, call):
+    run = FakeRun(fail={what})
+    monkeypatch.setattr(loggers, "init_wandb_run", lambda *a, **kw: run)
+    logger = loggers.WandbLogger(OmegaConf.create({"job_type": None, "run_name": None}), run_config(), "/out")
+    with pytest.warns(UserWarning, match="training goes on without it"):
+        call(logger)
+    assert logger.run is None
+    call(logger)  # no second warning, no error
+
+
+# ------------------------------------------------------------------------ the summary
+def test_summary_values_name_each_number_by_its_path():
+    result = {
+        "world_size": 2, "params": 10, "final_loss": 0.5, "status": "ok",
+        "param_digest": {"l2": 3.0},
+        "throughput": {"samples_per_s": 100.0, "step_time_s": [0.1, 0.2], "fused": True, "note": "x"},
+        "device": {"threads_per_rank": 2, "type": "cpu"},
+        "memory": {"peak_allocated_mib_max": 4.0, "peak_prediction": {"breakdown_mib": {"params": 1.0}},
+                   "per_rank": [{"rank": 0, "peak_allocated_mib": 4.0, "model_states_mib": {"params": 1.0},
+                                 "peak_breakdown_mib": {"Parameter": 1.0}}]},
+    }  # fmt: skip
+    values = loggers.summary_values(result, "fsdp")
+    assert values == {
+        "world_size": 2, "params": 10, "final_loss": 0.5,
+        "param_digest/l2": 3.0, "throughput/samples_per_s": 100.0, "device/threads_per_rank": 2,
+        "memory/peak_allocated_mib_max": 4.0, "memory/peak_prediction/breakdown_mib/params": 1.0,
+        "memory/per_rank/0/peak_allocated_mib": 4.0, "memory/per_rank/0/model_states_mib/params": 1.0,
+        "by_strategy/fsdp/samples_per_s": 100.0, "by_strategy/fsdp/peak_allocated_mib_max": 4.0,
+    }  # fmt: skip
+
+
+def test_summary_values_of_a_result_without_figures():
+    assert loggers.summary_values({"status": "oom"}, "ddp") == {
+        "by_strategy/ddp/samples_per_s": None,
+        "by_strategy/ddp/peak_allocated_mib_max": None,
+    }
+
+
+@pytest.mark.parametrize(("values", "median"), [([3.0, 1.0, 2.0], 2.0), ([4.0, 1.0, 2.0, 3.0], 2.5), ([7.0], 7.0)])
+def test_across_ranks_is_the_smallest_median_and_largest(values, median):
+    assert loggers.across_ranks("peak", values) == {
+        "memory/peak_min": min(values),
+        "memory/peak_median": median,
+        "memory/peak_max": max(values),
+    }
+    assert loggers.across_ranks("peak", []) == {}

@@ -1,0 +1,450 @@
+"""sharded_exp/plan/points.py: the planned points (strategies x levers x world sizes).
+
+A raw parameter count's ideally divisible model and its rows (analytic: bytes per
+parameter times the count), the extrapolation beyond 1,024 ranks, which models are
+composed by depth, a model's row from a given peak, the cheapest point that fits, the
+search for the largest batch or depth (its fake steps replaced by a known line), the
+number of worker processes and the order of the rows. No fake step runs here.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+from omegaconf import OmegaConf
+
+from sharded_exp.plan import points
+from sharded_exp.plan.progress import Progress
+
+GIB, MIB = 2**30, 2**20
+N = 2**27
+"""A raw count that splits evenly into 32 units of up to 1,024 equal pieces (0.5 GiB in fp32)."""
+
+
+@pytest.fixture
+def raw_cfg(plan_cfg):
+    """A raw count of N parameters, fp32 Adam, 32 units, a 1 GiB device."""
+    c = plan_cfg.copy()
+    c.plan.params, c.plan.units, c.plan.device_memory_gib = float(N), 32, 1.0
+    return c
+
+
+# ----------------------------------------------------------------- names, levers, costs
+def test_every_registered_strategy_is_planned_unless_some_are_named(plan_cfg):
+    from sharded_exp.strategies import STRATEGIES
+
+    assert points.strategy_names(plan_cfg) == STRATEGIES.names()
+    c = plan_cfg.copy()
+    c.plan.strategies = ["fsdp", "ddp"]
+    assert points.strategy_names(c) == ["fsdp", "ddp"]
+
+
+def test_strategies_cost_more_the_more_they_shard():
+    cost = points.strategy_cost
+    assert cost("ddp") < cost("zero1") == cost("oss") < cost("sharded_ddp") < cost("fsdp_grad_op") < cost("fsdp")
+    assert cost("not_a_strategy") == 99
+
+
+def test_lever_combinations_are_names_joined_with_plus():
+    assert points.lever_names("none") == []
+    assert points.lever_names("ac") == ["ac"]
+    assert points.lever_names("ac_selective+offload") == ["ac_selective", "offload"]
+
+
+def test_offload_applies_to_the_strategies_that_shard_parameters_alone():
+    assert points.applies("fsdp", "offload") and points.applies("fsdp_grad_op", "ac+offload")
+    assert not points.applies("ddp", "offload") and not points.applies("zero1", "ac+offload")
+    assert points.applies("ddp", "ac") and points.applies("ddp", "none")
+
+
+def test_a_strategy_planned_takes_its_defaults_but_the_configured_one_keeps_its_settings(plan_cfg):
+    c = plan_cfg.copy()
+    c.strategy = points.STRATEGIES.config_class("fsdp")(replicate=2)
+    assert points.with_strategy(c, "fsdp").strategy.replicate == 2  # HSDP stays HSDP
+    ddp = points.with_strategy(c, "ddp")
+    assert ddp.strategy.name == "ddp" and "replicate" not in ddp.strategy
+    grad_op = points.with_strategy(c, "fsdp_grad_op")
+    assert grad_op.strategy.replicate == 1 and grad_op.strategy.reshard_after_forward is False
+    assert c.strategy.name == "fsdp"  # the caller's config is untouched
+
+
+def test_levers_set_what_they_name(plan_cfg):
+    c = points.with_strategy(plan_cfg, "fsdp", "ac+offload")
+    assert c.trainer.activation_checkpointing == "full" and c.strategy.cpu_offload is True
+    c = points.with_strategy(plan_cfg, "ddp", "ac_selective")
+    assert c.trainer.activation_checkpointing == "selective"
+    assert points.with_strategy(plan_cfg, "fsdp").strategy.cpu_offload is False
+    assert plan_cfg.trainer.activation_checkpointing != "full"
+
+
+def test_the_points_are_strategies_by_lever_combinations_that_apply(plan_cfg):
+    c = plan_cfg.copy()
+    c.plan.strategies, c.plan.levers = ["ddp", "fsdp"], ["none", "offload", "ac"]
+    assert points.lever_combos(c) == ["none", "offload", "ac"]
+    assert points.points(c) == [("ddp", "none"), ("ddp", "ac"), ("fsdp", "none"), ("fsdp", "offload"), ("fsdp", "ac")]
+    c.plan.params = 1e9  # a raw count has no levers
+    assert points.points(c) == [("ddp", "none"), ("fsdp", "none")]
+    c.plan.levers = []
+    assert points.lever_combos(c) == ["none"]
+
+
+# ------------------------------------------------------------------------- raw counts
+def test_a_raw_count_is_units_of_one_equal_piece_per_rank():
+    shapes = points.raw_shapes(1000, 4, 3)
+    size = math.ceil(1000 / 12)
+    assert shapes.groups == [[(size,)] * 12]
+    assert shapes.blocks == [size * 3] * 4 and shapes.root == 0
+    assert 1000 <= shapes.params < 1000 + 12
+
+
+def test_a_raw_count_sharded_by_rows_is_one_tensor_of_a_row_per_rank_per_unit():
+    shapes = points.raw_shapes(1000, 4, 3, row_sharded=True)
+    cols = math.ceil(1000 / 12)
+    assert shapes.groups == [[(3, cols)] * 4]
+    assert shapes.blocks == [3 * cols] * 4
+
+
+def test_a_raw_ddp_row_holds_every_state_whole_and_a_bucket_per_gradient(raw_cfg):
+    r = points.raw_row(raw_cfg, "ddp", 4)
+    half = N * 4 / GIB  # fp32
+    assert r["params_gib"] == pytest.approx(half) and r["grads_gib"] == pytest.approx(half)
+    assert r["optimizer_gib"] == pytest.approx(2 * half, rel=1e-5)  # Adam's two moments
+    assert r["buckets_gib"] == pytest.approx(half)  # all-reduce buckets beside the gradients
+    assert r["gathered_gib"] == 0.0 and r["activations_gib"] is None
+    assert r["total_gib"] == pytest.approx(5 * half, rel=1e-5) and r["mean_gib"] == r["total_gib"]
+    assert r["fits"] is False  # 2.5 GiB on a 1 GiB device
+    assert r["method"] == "raw parameter count (analytic, no activations)" and r["note"] == ""
+
+
+def test_a_raw_zero1_row_shards_the_optimizer_state_alone(raw_cfg):
+    r = points.raw_row(raw_cfg, "zero1", 4)
+    half = N * 4 / GIB
+    assert r["params_gib"] == pytest.approx(half) and r["grads_gib"] == pytest.approx(half)
+    assert r["optimizer_gib"] == pytest.approx(2 * half / 4, rel=1e-5)
+
+
+def test_a_raw_fsdp_row_shards_everything_and_gathers_one_unit(raw_cfg):
+    r = points.raw_row(raw_cfg, "fsdp", 4)
+    half = N * 4 / GIB
+    assert r["params_gib"] == pytest.approx(half / 4) and r["grads_gib"] == pytest.approx(half / 4)
+    assert r["optimizer_gib"] == pytest.approx(2 * half / 4, rel=1e-5)
+    assert r["gathered_gib"] == pytest.approx(half / 32)  # one of 32 units, whole
+    assert r["buckets_gib"] == 0.0
+    assert r["fits"] is True
+
+
+def test_raw_rows_up_to_1024_ranks_are_exact_and_beyond_drawn_from_exact_plans(raw_cfg):
+    assert points.raw_row(raw_cfg, "fsdp", points.EXACT_UP_TO)["note"] == ""
+    r = points.raw_row(raw_cfg, "fsdp", 4096)
+    assert r["note"] == "from the exact plans at 256, 512 and 1024 ranks (every figure is a + b/world_size)"
+    half = N * 4 / GIB
+    assert r["params_gib"] == pytest.approx(half / 4096, rel=1e-3)
+    assert r["optimizer_gib"] == pytest.approx(2 * half / 4096, rel=1e-3)
+    assert r["gathered_gib"] == pytest.approx(half / 32, rel=1e-6)
+
+
+def test_the_line_beyond_1024_ranks_is_a_plus_b_over_the_world_size(raw_cfg, monkeypatch):
+    seen = []
+
+    def exact(cfg, name, w):
+        seen.append(w)
+        return {"x": 3.0 + 512.0 / w, "y": 0.0 + 0.0 / w, "z": 1.0 - 2048.0 / w}
+
+    monkeypatch.setattr(points, "_raw_parts", exact)
+    line, note = points._raw_parts_at_scale(raw_cfg, "ddp", 4096)
+    assert seen == [256, 512, 1024]
+    assert line["x"] == pytest.approx(3.0 + 512.0 / 4096) and line["y"] == 0.0
+    assert line["z"] == pytest.approx(1.0 - 2048.0 / 4096)
+    assert "256, 512 and 1024" in note
+    line, _ = points._raw_parts_at_scale(raw_cfg, "ddp", 1025)
+    assert line["x"] == pytest.approx(3.0 + 512.0 / 1025)
+
+
+def test_a_figure_off_the_line_is_planned_exactly_instead(raw_cfg, monkeypatch):
+    seen = []
+
+    def exact(cfg, name, w):
+        seen.append(w)
+        return {"x": 1.0 / w**2}
+
+    monkeypatch.setattr(points, "_raw_parts", exact)
+    line, note = points._raw_parts_at_scale(raw_cfg, "ddp", 4096)
+    assert seen == [256, 512, 1024, 4096] and note == ""
+    assert line["x"] == pytest.approx(1.0 / 4096**2)
+
+
+def test_a_figure_drawn_below_zero_is_zero(raw_cfg, monkeypatch):
+    monkeypatch.setattr(points, "_raw_parts", lambda cfg, name, w: {"x": -1.0 + 512.0 / w})
+    line, _ = points._raw_parts_at_scale(raw_cfg, "ddp", 4096)
+    assert line["x"] == 0.0
+
+
+def test_a_row_totals_the_parts_that_hold_something(raw_cfg):
+    r = points._row(raw_cfg, "ddp", 2, {"params": 0.5, "activations": None, "grads": 0.25}, "m", "n")
+    assert r["total_gib"] == 0.75 and r["mean_gib"] == 0.75 and r["fits"] is True
+    assert r["params_gib"] == 0.5 and r["activations_gib"] is None
+    assert (r["strategy"], r["world_size"], r["method"], r["note"]) == ("ddp", 2, "m", "n")
+    assert points._row(raw_cfg, "ddp", 2, {"params": 1.0}, "m", "")["fits"] is True  # at the budget: fits
+    assert points._row(raw_cfg, "ddp", 2, {"params": 1.001}, "m", "")["fits"] is False
+
+
+# --------------------------------------------------------------------------- by depth
+def _model(cfg, *overrides):
+    c = cfg.copy()
+    for o in overrides:
+        key, value = o.split("=")
+        OmegaConf.update(c, key, int(value) if value.isdigit() else value == "true")
+    return c
+
+
+def test_a_model_deeper_than_three_fakes_is_composed_by_depth(gpt_cfg):
+    assert points.depth_of(gpt_cfg, "ddp") == ("n_layers", 6)
+    assert points.depth_of(_model(gpt_cfg, "model.n_layers=4"), "ddp") == ("n_layers", 4)
+    assert points.depth_of(_model(gpt_cfg, "model.n_layers=3"), "ddp") is None  # the three fakes are the model
+    assert points.depth_of(gpt_cfg, "fsdp") == ("n_layers", 6)  # fsdp fakes 3, 4, 5 blocks
+    assert points.depth_of(_model(gpt_cfg, "model.n_layers=5"), "fsdp") is None
+
+
+def test_a_model_is_faked_whole_when_asked_or_without_blocks(gpt_cfg, plan_cfg):
+    assert points.depth_of(_model(gpt_cfg, "plan.by_depth=false"), "ddp") is None
+    assert points.depth_of(plan_cfg, "ddp") is None  # the MLP has no n_layers
+
+
+def test_a_hugging_face_models_depth_is_its_configs():
+    from sharded_exp.compose import compose
+
+    cfg = compose(["model=hf_llama", "model.config.num_hidden_layers=7"], config_name="plan")
+    assert points._layer_key(cfg.model) == "config.num_hidden_layers"
+    assert points.depth_of(cfg, "ddp") == ("config.num_hidden_layers", 7)
+
+
+def test_composed_peaks_draw_the_strategy_with_its_levers(gpt_cfg, monkeypatch):
+    seen = []
+    monkeypatch.setattr(points, "peaks_by_depth", lambda c, ws, dev, key, layers: seen.append(
+        (c.strategy.name, c.strategy.cpu_offload, c.trainer.activation_checkpointing, ws, dev, key, layers))
+        or {w: {"w": w} for w in ws})  # fmt: skip
+    out = points.composed_peaks(gpt_cfg, "fsdp", (2, 8), "cuda", "ac+offload")
+    assert seen == [("fsdp", True, "full", [2, 8], "cuda", "n_layers", 6)]
+    assert out == {2: {"w": 2}, 8: {"w": 8}}
+    # a shallow model: every point faked whole, nothing drawn
+    assert points.composed_peaks(_model(gpt_cfg, "model.n_layers=2"), "ddp", [2, 8], "cpu") == {2: None, 8: None}
+    assert len(seen) == 1
+
+
+# ------------------------------------------------------------------- a model's row
+def _peak(per_rank, breakdown, phases=None):
+    return {"per_rank_mib": per_rank, "rank": 0, "breakdown_mib": breakdown, "method": "made up",
+            "note": "a note", "seconds": 1.5, "phases_mib": phases}  # fmt: skip
+
+
+def test_a_models_row_is_its_largest_ranks_peak_and_the_mean_over_ranks(raw_cfg):
+    shapes = points.raw_shapes(N, 32, 2)
+    c = raw_cfg.copy()
+    c.plan.params = None
+    phases = {"step": (2048.0, {}), "optimizer": (1024.0, {})}
+    r = points.model_row(c, "ddp", 2, shapes, "cpu", peak=_peak([2048.0, 1024.0], {"params": 512.0}, phases))
+    assert r["total_gib"] == 2.0 and r["mean_gib"] == 1.5
+    assert r["fits"] is False  # 2 GiB on a 1 GiB device
+    assert r["params_gib"] == 0.5 and r["seconds"] == 1.5
+    assert r["phases_gib"] == {"step": 2.0, "optimizer": 1.0}
+    assert r["model_states_gib"] == pytest.approx(4 * N * 4 / GIB, rel=1e-5)  # params, grads, two moments
+    assert (r["method"], r["note"], r["levers"], r["cost"]) == ("made up", "a note", "none", "")
+    assert "host_gib" not in r
+
+
+def test_a_row_offloaded_holds_the_ranks_states_in_host_memory(raw_cfg):
+    shapes = points.raw_shapes(N, 32, 2, row_sharded=True)
+    c = raw_cfg.copy()
+    c.plan.params = None
+    r = points.model_row(c, "fsdp", 2, shapes, "cpu", "offload", peak=_peak([512.0, 512.0], {"params": 1.0}))
+    states = 4 * N * 4 / 2 / GIB  # every state halved
+    assert r["host_gib"] == pytest.approx(states, rel=1e-5) and r["model_states_gib"] == r["host_gib"]
+    assert r["fits"] is True and r["phases_gib"] == {}
+    moved = 2 * N * 4 / 2 / GIB  # this rank's parameters in, gradients out
+    assert r["cost"] == f"offload: {moved:.2f} GiB host<->device per step (sharded parameters in, gradients out)"
+
+
+def test_a_point_without_a_peak_is_said_by_its_error(raw_cfg):
+    shapes = points.raw_shapes(N, 32, 2)
+    c = raw_cfg.copy()
+    c.plan.params = None
+    r = points.model_row(c, "ddp", 2, shapes, "cpu", peak={"per_rank_mib": None, "error": "too big"})
+    assert r["total_gib"] is None and r["mean_gib"] is None and r["fits"] is None
+    assert r["note"] == "too big" and r["method"] == "none"
+    assert all(r[f"{p}_gib"] is None for p in points.PARTS)
+    assert r["model_states_gib"] == pytest.approx(4 * N * 4 / GIB, rel=1e-5)
+
+
+def test_levers_say_what_they_cost():
+    prediction = {"model_states_mib": [{"params": 1024.0, "grads": 512.0, "optimizer": 4096.0},
+                                       {"params": 10.0, "grads": 10.0, "optimizer": 10.0}]}  # fmt: skip
+    assert points._cost_note("none", prediction) == ""
+    assert points._cost_note("ac", prediction).startswith("recompute: one more forward")
+    assert points._cost_note("ac_selective", prediction).startswith("recompute: the units' cheap ops")
+    assert points._cost_note("ac+offload", prediction).endswith(
+        "; offload: 1.50 GiB host<->device per step (sharded parameters in, gradients out)")
+
+
+# ------------------------------------------------------------------------ the cheapest
+def _fit(strategy, ws, total, levers="none", fits=True):
+    return {"strategy": strategy, "world_size": ws, "total_gib": total, "levers": levers, "fits": fits}
+
+
+def test_the_cheapest_point_that_fits_per_world_size():
+    rows = [_fit("ddp", 8, 90.0, fits=False), _fit("fsdp", 8, 10.0), _fit("zero1", 8, 60.0),
+            _fit("oss", 8, 59.0), _fit("ddp", 8, 70.0, levers="ac"),
+            _fit("fsdp", 2, 30.0, levers="ac"), _fit("fsdp", 2, 30.0, levers="offload"),
+            _fit("ddp", 64, 90.0, fits=False)]  # fmt: skip
+    best = points.cheapest(rows)
+    assert [(b["world_size"], b["strategy"], b["levers"]) for b in best] == [(2, "fsdp", "ac"), (8, "oss", "none")]
+
+
+# ---------------------------------------------------------------------- the search
+def test_the_crossing_of_a_line_with_the_budget_rounded_down():
+    assert points._crossing({1: 1.0, 2: 2.0}, {}, 5.5, 2, None) == 5  # peak = value
+    assert points._crossing({1: 1.0, 2: 2.0, 9: 9.0}, {}, 5.5, 2, 9) == 5  # the line to hi
+    assert points._crossing({2: 2.0}, {}, 5.5, 2, None) == 4  # no line: twice lo
+    assert points._crossing({1: 2.0, 2: 2.0}, {}, 5.5, 2, None) == 4  # flat: twice lo
+    assert points._crossing({1: 3.0, 2: 2.0}, {}, 5.5, 2, None) == 4  # falling: twice lo
+
+
+def test_the_first_phase_to_reach_the_budget_decides_the_crossing():
+    probes = {1: 2.0, 2: 3.0}
+    phases = {1: {"step": 2.0, "optimizer": 1.5}, 2: {"step": 3.0, "optimizer": 3.0}}
+    # step reaches 10 at 9, the optimizer step (1.5 per unit) at 6.67
+    assert points._crossing(probes, phases, 10.0, 2, None) == 6
+    # phases unknown at one probe: the peak's own line
+    assert points._crossing(probes, {1: {}, 2: phases[2]}, 10.0, 2, None) == 9
+
+
+def _search(monkeypatch, peak):
+    calls = []
+
+    def peak_gib(c, world_size, device_type, errors, combo="none"):
+        value = c.trainer.batch_size
+        calls.append(value)
+        gib = peak(value)
+        if gib is None:
+            errors.append(f"no fake at {value}")
+        return gib, {}
+
+    monkeypatch.setattr(points, "_peak_gib", peak_gib)
+    return calls
+
+
+def test_the_largest_batch_that_fits_is_bracketed_in_four_fake_steps(plan_cfg, monkeypatch):
+    c = plan_cfg.copy()
+    c.plan.device_memory_gib = 1.05
+    calls = _search(monkeypatch, lambda b: 0.3 + 0.1 * b)
+    found = points.largest(c, "ddp", 2, "trainer.batch_size", "cpu")
+    assert found["value"] == 7  # 1.0 GiB fits 1.05, 1.1 does not
+    assert sorted(calls) == [1, 2, 7, 8]
+    assert found["note"] == "checked by fake steps at 7 and 8"
+    assert set(found["probes"]) == {1, 2, 7, 8}
+
+
+def test_a_bending_peak_is_bracketed_all_the_same(plan_cfg, monkeypatch):
+    c = plan_cfg.copy()
+    c.plan.device_memory_gib = 100.0
+    _search(monkeypatch, lambda b: b * b / 10)  # fits up to 31 (96.1), not 32 (102.4)
+    found = points.largest(c, "ddp", 2, "trainer.batch_size", "cpu")
+    assert found["value"] == 31 and found["note"] == "checked by fake steps at 31 and 32"
+
+
+def test_a_knob_that_does_not_fit_at_one_is_zero(plan_cfg, monkeypatch):
+    c = plan_cfg.copy()
+    c.plan.device_memory_gib = 0.5
+    _search(monkeypatch, lambda b: 0.6 * b)
+    found = points.largest(c, "ddp", 2, "trainer.batch_size", "cpu")
+    assert found == {"value": 0, "probes": {1: 0.6, 2: 1.2}, "note": "trainer.batch_size=1 does not fit"}
+    c.plan.device_memory_gib = 1.0  # 1 fits, 2 does not
+    assert points.largest(c, "ddp", 2, "trainer.batch_size", "cpu")["value"] == 1
+
+
+def test_a_search_without_a_fake_step_says_why(plan_cfg, monkeypatch):
+    _search(monkeypatch, lambda b: None if b == 2 else 0.1)
+    found = points.largest(plan_cfg, "ddp", 2, "trainer.batch_size", "cpu")
+    assert found["value"] is None and found["note"] == "no fake step: no fake at 2"
+
+
+def test_a_knob_that_always_fits_stops_at_the_limit(plan_cfg, monkeypatch):
+    calls = _search(monkeypatch, lambda b: 0.001)
+    found = points.largest(plan_cfg, "ddp", 2, "trainer.batch_size", "cpu", limit=16)
+    assert found["value"] == 16 and found["note"] == "fits up to the limit 16"
+    assert max(calls) == 16
+
+
+def test_find_rows_search_every_point_and_name_their_probes(plan_cfg, monkeypatch):
+    seen = []
+
+    def largest(cfg, name, ws, knob, device_type, combo="none"):
+        seen.append((name, combo, ws, knob))
+        return {"value": ws, "probes": {1: 0.5, 2: 1.0}, "note": "n"}
+
+    monkeypatch.setattr(points, "largest", largest)
+    c = plan_cfg.copy()
+    c.plan.strategies, c.plan.levers, c.plan.find = ["ddp", "fsdp"], ["none", "offload"], "depth"
+    stream = io.StringIO()
+    rows = points.find_rows(c, [2, 8], "cpu", Progress(4, stream=stream))
+    assert seen == [("ddp", "none", 2, "model.n_layers"), ("ddp", "none", 8, "model.n_layers"),
+                    ("fsdp", "none", 2, "model.n_layers"), ("fsdp", "none", 8, "model.n_layers"),
+                    ("fsdp", "offload", 2, "model.n_layers"), ("fsdp", "offload", 8, "model.n_layers")]  # fmt: skip
+    assert rows[4] == {"strategy": "fsdp", "levers": "offload", "world_size": 2, "find": "depth", "value": 2,
+                       "probes": {"1": 0.5, "2": 1.0}, "note": "n"}  # fmt: skip
+    assert "depth of fsdp + offload x8: 8" in stream.getvalue().splitlines()[-1]
+    c.plan.find = "batch_size"
+    points.find_rows(c, [2], "cpu")
+    assert seen[-1][3] == "trainer.batch_size"
+
+
+# ------------------------------------------------------------------- workers and rows
+def test_a_raw_count_is_planned_in_this_process(raw_cfg):
+    c = raw_cfg.copy()
+    c.plan.workers = 8
+    assert points.workers(c, 6) == 1
+
+
+def test_workers_are_as_many_as_asked_but_no_more_than_the_points(plan_cfg):
+    c = plan_cfg.copy()
+    c.plan.workers = 4
+    assert points.workers(c, 6) == 4 and points.workers(c, 2) == 2
+    c.plan.workers = 1
+    assert points.workers(c, 6) == 1
+
+
+def test_workers_0_is_one_per_core_from_1e8_parameters(plan_cfg, monkeypatch):
+    import os
+    from types import SimpleNamespace
+
+    c = plan_cfg.copy()
+    c.plan.workers = 0
+    assert points.workers(c, 6) == 1  # the MLP: faster in this process
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    monkeypatch.setattr(points, "shapes_of", lambda cfg: SimpleNamespace(params=points.SIDE_BY_SIDE_FROM))
+    assert points.workers(c, 6) == 3 and points.workers(c, 2) == 2
+    monkeypatch.setattr(points, "shapes_of", lambda cfg: SimpleNamespace(params=points.SIDE_BY_SIDE_FROM - 1))
+    assert points.workers(c, 6) == 1
+
+
+def test_rows_come_in_the_order_of_the_points_then_the_world_sizes(raw_cfg):
+    c = raw_cfg.copy()
+    c.plan.strategies = ["fsdp", "ddp"]
+    stream = io.StringIO()
+    rows = points.plan_rows(c, [8, 2], "cpu", Progress(4, stream=stream))
+    assert [(r["strategy"], r["world_size"]) for r in rows] == [("fsdp", 8), ("fsdp", 2), ("ddp", 8), ("ddp", 2)]
+    lines = stream.getvalue().splitlines()
+    assert [line.split()[1:3] for line in lines] == [["2/4", "fsdp"], ["4/4", "ddp"]]
+    one = io.StringIO()
+    points.plan_rows(c, [64], "cpu", Progress(2, stream=one))
+    assert one.getvalue().splitlines()[0].split()[1:4] == ["1/2", "fsdp", "x64"]
+
+
+def test_what_the_fake_steps_stand_for(raw_cfg, plan_cfg):
+    c = raw_cfg.copy()
+    c.plan.device = "cpu"
+    assert points.faked(c) == "cpu (a raw count is analytic: nothing is faked)"
+    c = plan_cfg.copy()
+    c.plan.device = "cpu"
+    assert points.faked(c) == "cpu (the kernels a CPU run uses)"

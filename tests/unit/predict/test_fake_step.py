@@ -1,0 +1,328 @@
+"""sharded_exp.predict.fake_step: the tracker's categories and devices read into our
+breakdown, FSDP's lazy chunks, gloo's reduce-scatter rule, the fake process group, the
+error naming (which part failed, whose code raised), the fallbacks of ``fake_step``
+(here around a stub ``_run``) and one real fake step of a tiny MLP (an FSDP one takes
+about a second: the integration tests hold it)."""
+
+from __future__ import annotations
+
+from enum import Enum
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch._dynamo  # noqa: F401 -- FakeTensorMode imports it; paid at collection, not in a test
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from torch import nn
+
+from sharded_exp.predict import fake_step as module
+from sharded_exp.predict.fake_step import (
+    MIB,
+    FakeStepError,
+    GlooReduceScatter,
+    _blame,
+    _Chunks,
+    _data_dependent,
+    _on,
+    _parts,
+    _phases,
+    _probe,
+    _short,
+    fake_process_group,
+    fake_step,
+)
+from sharded_exp.strategies import STRATEGIES
+
+CPU, CUDA0, CUDA1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
+
+
+@pytest.fixture
+def base_cfg(tiny_job):
+    return tiny_job
+
+
+def job(base, strategy: str = "ddp", grad_clip: float = 0.0, **fields):
+    cfg = base.copy()
+    cfg.strategy = OmegaConf.structured(STRATEGIES.config_class(strategy)(**fields))
+    cfg.trainer.grad_clip = grad_clip
+    return cfg
+
+
+# --------------------------------------------------------------- breakdown by category
+class Kind(Enum):
+    UNSHARDED = "Unsharded Param"
+
+
+def test_parts_files_torchs_categories_under_ours_in_mib():
+    values = {
+        "Parameter": 1 * MIB,
+        "Sharded Param": 2 * MIB,
+        Kind.UNSHARDED: 3 * MIB,  # torch's enum keys: read by their value
+        "Gradient": 4 * MIB,
+        "OptState": 5 * MIB,
+        "Inputs": 6 * MIB,
+        "Bucket": 7 * MIB,
+        "Something new": 8 * MIB,
+        "Total": 100 * MIB,
+    }
+    total, parts = _parts(values)
+    assert total == 100.0  # the tracker's own total, not the sum of the parts
+    assert parts["params"] == 3.0 and parts["gathered"] == 3.0 and parts["grads"] == 4.0
+    assert parts["optimizer"] == 5.0 and parts["activations"] == 6.0 and parts["buckets"] == 7.0
+    assert parts["other"] == 8.0  # an unknown category is "other"
+    assert parts["temporaries"] == parts["communication"] == 0.0
+
+
+def test_on_picks_the_devices_snapshot_or_the_first_of_its_type():
+    snapshots = {CPU: {"Total": 1}, CUDA0: {"Total": 2}}
+    assert _on(snapshots, torch.device("cuda")) == {"Total": 2}
+    assert _on(snapshots, CPU) == {"Total": 1}
+    assert _on(snapshots, CUDA1) == {}
+    assert _on({CPU: {"Total": 1}}, torch.device("cuda")) == {}
+
+
+def test_phases_of_a_device_without_index_are_its_types_first_devices():
+    tracker = SimpleNamespace(
+        phase_peaks={
+            (CPU, "step"): {"Total": 8},
+            (CUDA1, "step"): {"Total": MIB},
+            (CUDA1, "optimizer"): {"Total": 2 * MIB},
+        }
+    )
+    phases = _phases(tracker, torch.device("cuda"))
+    assert {k: v[0] for k, v in phases.items()} == {"step": 1.0, "optimizer": 2.0}
+    assert _phases(SimpleNamespace(phase_peaks={}), CPU) == {}
+
+
+# ------------------------------------------------------------------ FSDP's lazy chunks
+@pytest.mark.parametrize(
+    "shape, n, dim", [((5, 3), 4, 0), ((8, 2), 3, 0), ((2, 7), 3, 1), ((1,), 4, 0), ((4, 0), 2, 0)]
+)
+def test_lazy_chunks_are_fsdps_padded_chunks_piece_by_piece(shape, n, dim):
+    tensor = torch.arange(int(torch.tensor(shape).prod())).reshape(shape).float()
+    eager = list(torch.chunk(tensor, n, dim=dim))
+    eager += [eager[0].new_empty(0)] * (n - len(eager))  # FSDP2's _chunk_with_empty
+    lazy = _Chunks(tensor, n, dim)
+    assert len(lazy) == n
+    assert [p.shape for p in lazy] == [p.shape for p in eager]
+    assert lazy[-1].shape == eager[-1].shape
+    for got, want in zip(lazy, eager):
+        if want.numel():
+            assert torch.equal(got, want) and got.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
+
+
+def test_lazy_chunks_refuse_an_index_out_of_range():
+    lazy = _Chunks(torch.zeros(4), 2, 0)
+    with pytest.raises(IndexError):
+        lazy[2]
+    with pytest.raises(IndexError):
+        lazy[-3]
+
+
+# --------------------------------------------------------------- the fake process group
+def test_the_fake_process_group_is_up_inside_and_gone_after():
+    work = torch._C._distributed_c10d.FakeWork
+    never = work.is_completed
+    with fake_process_group(4, 3):
+        assert dist.is_initialized() and dist.get_world_size() == 4 and dist.get_rank() == 3
+        assert work.is_completed(None) is True  # a fake collective is complete once issued
+        with pytest.raises(RuntimeError, match="needs a process without a process group"):
+            with fake_process_group(2, 0):
+                pass
+        assert dist.is_initialized()
+    assert not dist.is_initialized() and work.is_completed is never
+
+
+def test_glooss_reduce_scatter_holds_a_copy_of_its_input_while_it_runs():
+    from torch.distributed import distributed_c10d
+
+    from sharded_exp.measure.tracker import peak_breakdown_mib
+
+    saved = (dist.reduce_scatter_single, distributed_c10d.reduce_scatter_single)
+    inp, out = torch.zeros(2 * 1024), torch.zeros(1024)  # 8 KiB in, 4 KiB out
+    with fake_process_group(2, 0):
+        plain = peak_breakdown_mib(lambda: dist.reduce_scatter_single(out, inp), device=CPU)
+        with GlooReduceScatter() as rule:
+            held = peak_breakdown_mib(lambda: dist.reduce_scatter_single(out, inp), device=CPU)
+            dist.reduce_scatter_tensor(out, inp)  # looked up inside c10d: the same rule
+    assert rule.count == 2
+    assert (held["Total"] - plain["Total"]) * MIB == inp.numel() * 4  # a copy of the input on top
+    assert (dist.reduce_scatter_single, distributed_c10d.reduce_scatter_single) == saved
+
+
+# ------------------------------------------------------------------ naming a failure
+def test_a_fake_step_error_names_its_part_and_keeps_its_cause():
+    cause = ValueError("no shapes\n  for you")
+    err = FakeStepError("the model cannot be built under FakeTensorMode", cause)
+    assert str(err) == "the model cannot be built under FakeTensorMode: ValueError: no shapes for you"
+    assert err.part.startswith("the model") and err.cause is cause
+    assert str(FakeStepError("the tracker failed", cause, detail="KeyError: x")) == "the tracker failed: KeyError: x"
+
+
+def test_short_joins_the_lines_and_cuts_long_messages():
+    assert _short(RuntimeError("Error in call to target:\n\n  the real reason ")) == (
+        "RuntimeError: Error in call to target: the real reason"
+    )
+    assert _short(ValueError("x" * 1000)) == "ValueError: " + "x" * 400
+    inner = FakeStepError("part", ValueError("v"))
+    assert _short(inner) == "part: ValueError: v"
+
+
+def test_data_dependent_failures_are_recognised_also_inside_a_fake_step_error():
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    assert _data_dependent(RuntimeError("Data-dependent branching in forward"))
+    assert _data_dependent(FakeStepError("step", DataDependentOutputException(torch.ops.aten.item.default)))
+    assert not _data_dependent(ValueError("shape mismatch"))
+    assert not _data_dependent(FakeStepError("step", ValueError("shape mismatch")))
+
+
+class Broken(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.lin(x)  # raises inside torch: the deepest frame outside torch is here
+
+
+def raised(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001
+        return exc
+    raise AssertionError("no exception")
+
+
+def test_blame_names_the_model_when_its_own_code_raised():
+    model = Broken()
+    exc = raised(lambda: model(torch.zeros(2, 5)))
+    assert _blame(exc, model) == "the model cannot run under FakeTensorMode"
+
+
+def test_blame_names_the_strategy_or_the_step_by_the_deepest_file():
+    namespace: dict = {}
+    exec(compile("def step():\n    raise RuntimeError('x')\n", "/pkg/strategies/mine.py", "exec"), namespace)
+    strategy = _blame(raised(namespace["step"]), Broken())
+    assert strategy.format("oss") == "strategy=oss cannot run its step under FakeTensorMode"
+    exec(compile("def step():\n    raise RuntimeError('x')\n", "/pkg/train/step.py", "exec"), namespace)
+    assert _blame(raised(namespace["step"]), Broken()) == "the training step cannot run under FakeTensorMode"
+    assert _blame(raised(namespace["step"]), None) == "the training step cannot run under FakeTensorMode"
+
+
+# ----------------------------------------------------------- fake_step's fallbacks
+@pytest.fixture
+def runs(monkeypatch):
+    """_run replaced: ``outcome(cfg, clip)`` returns a result or raises; the calls are recorded."""
+    calls = []
+
+    def install(outcome):
+        def stub(cfg, world_size, rank, device_type, grad_clip, flops):
+            calls.append((cfg.strategy.name, grad_clip, cfg.strategy.get("cpu_offload")))
+            return outcome(cfg, grad_clip)
+
+        monkeypatch.setattr(module, "_run", stub)
+        return calls
+
+    return install
+
+
+RESULT = (10.0, {"params": 4.0, "grads": 4.0, "optimizer": 2.0}, 99, {"phases": {}})
+
+
+def test_a_step_that_runs_is_a_fake_step_with_its_clipping(base_cfg, runs):
+    calls = runs(lambda cfg, clip: RESULT)
+    est = fake_step(job(base_cfg, grad_clip=0.5), 2, 1)
+    assert calls == [("ddp", 0.5, None)]
+    assert (est.rank, est.peak_mib, est.flops_per_step, est.method, est.note) == (1, 10.0, 99, "fake step", "")
+
+
+def test_clipping_that_reads_values_is_faked_without_it_from_the_start(base_cfg, runs):
+    calls = runs(lambda cfg, clip: RESULT)
+    est = fake_step(job(base_cfg, "oss", grad_clip=1.0), 2, 0)
+    assert calls == [("oss", 0.0, None)]
+    assert est.method == "fake step without clipping"
+    assert est.note == "oss's clipping branches on the norm's value: step faked without it"
+
+
+def test_a_data_dependent_clipping_is_retried_without_it(base_cfg, runs):
+    def outcome(cfg, clip):
+        if clip:
+            raise RuntimeError("data-dependent branch in clip")
+        return RESULT
+
+    calls = runs(outcome)
+    est = fake_step(job(base_cfg, grad_clip=1.0), 2, 0)
+    assert [c[1] for c in calls] == [1.0, 0.0]
+    assert est.method == "fake step without clipping"
+    assert "on a value (RuntimeError: data-dependent branch in clip)" in est.note
+
+
+def test_another_failure_of_ddp_is_raised_without_a_retry(base_cfg, runs):
+    def outcome(cfg, clip):
+        raise TypeError("cannot fake")
+
+    calls = runs(outcome)
+    with pytest.raises(TypeError, match="cannot fake"):
+        fake_step(job(base_cfg, grad_clip=1.0), 2, 0)
+    assert len(calls) == 1
+
+
+def test_a_strategy_that_cannot_run_fake_gets_its_analytic_states_over_ddps_step(base_cfg, runs):
+    def outcome(cfg, clip):
+        if cfg.strategy.name != "ddp":
+            raise TypeError("wrapper refuses fake tensors")
+        return (20.0, {"params": 4.0, "grads": 4.0, "optimizer": 8.0, "activations": 4.0}, 77, {})
+
+    runs(outcome)
+    states = {
+        "ddp": {"params": 4.0, "grads": 4.0, "optimizer": 8.0},
+        "zero1": {"params": 4.0, "grads": 4.0, "optimizer": 4.0},
+    }
+    est = fake_step(job(base_cfg, "zero1"), 2, 1, states_mib=states.__getitem__)
+    assert est.method == "ddp fake step + analytic states"
+    assert est.peak_mib == pytest.approx(20.0 - 16.0 + 12.0)
+    assert est.breakdown_mib == {"params": 4.0, "grads": 4.0, "optimizer": 4.0, "activations": 4.0}
+    assert est.flops_per_step == 77 and est.rank == 1
+    assert est.note == "zero1 cannot run under FakeTensorMode (TypeError: wrapper refuses fake tensors)"
+
+
+def test_without_analytic_states_a_strategys_failure_is_raised(base_cfg, runs):
+    def outcome(cfg, clip):
+        raise TypeError("wrapper refuses fake tensors")
+
+    runs(outcome)
+    with pytest.raises(TypeError):
+        fake_step(job(base_cfg, "zero1"), 2, 0)
+
+
+def test_cpu_offload_is_faked_on_the_device_and_the_callers_config_kept(base_cfg, runs):
+    calls = runs(lambda cfg, clip: RESULT)
+    cfg = job(base_cfg, "fsdp", cpu_offload=True)
+    fake_step(cfg, 2, 0)
+    assert calls == [("fsdp", 0.0, False)]
+    assert cfg.strategy.cpu_offload is True
+
+
+# ------------------------------------------------------------------ real fake steps
+MLP_PARAMS = (64 * 16 + 16) + 2 * 16 + (16 * 16 + 16) + 2 * 16 + (16 * 10 + 10)  # Linear, LayerNorm, ..., head
+
+
+def test_the_probe_is_one_sample_on_meta_made_once_per_config(base_cfg):
+    probe = _probe(base_cfg.data, base_cfg.model)
+    assert probe["inputs"].shape == (1, 64) and probe["inputs"].device.type == "meta"
+    assert probe["targets"].dtype == torch.int64
+    assert _probe(base_cfg.data, base_cfg.model) is probe
+
+
+def test_a_ddp_fake_step_holds_the_whole_model_and_counts_the_mlps_flops(base_cfg):
+    est = fake_step(job(base_cfg), 2, 0)
+    assert est.method == "fake step" and est.rank == 0
+    assert est.breakdown_mib["params"] * MIB == MLP_PARAMS * 4
+    assert est.breakdown_mib["grads"] * MIB == MLP_PARAMS * 4
+    assert est.breakdown_mib["buckets"] * MIB == MLP_PARAMS * 4  # DDP's gradient bucket, not a view
+    # 2 FLOPs per multiply-add forward, twice that backward, but no gradient of the input
+    macs = 64 * 16 + 16 * 16 + 16 * 10
+    assert est.flops_per_step == 4 * (6 * macs - 2 * 64 * 16)
+    assert set(est.extra["phases"]) == {"step", "optimizer"} and est.extra["gloo_reduce_scatters"] == 0

@@ -1,0 +1,183 @@
+"""probe/__init__.py's pure parts: the strategy read from the wrappers, the precision and the
+launcher, the step counting that opens and closes the memory window, the step times taken
+from the marks, and a rank's figures (the prediction's relative error)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from sharded_exp.probe import Probe, _launcher, _precision, detect_strategy
+
+
+def _named(name: str, base: type = nn.Module, **attrs):
+    return type(name, (base,), attrs)
+
+
+def _sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_a_plain_model_without_a_group_is_single():
+    model = nn.Linear(2, 2)
+    name, found = detect_strategy(model, _sgd(model))
+    assert name == "single" and found == {"model_wrapper": "Linear", "optimizer": "SGD"}
+
+
+@pytest.mark.parametrize("model_cls, optimizer_cls, expected", [
+    ("ShardedDataParallel", "OSS", "sharded_ddp"),
+    ("Sequential", "OSS", "oss"),
+    ("Sequential", "ZeroRedundancyOptimizer", "zero1"),
+])  # fmt: skip
+def test_fairscale_and_zero_wrappers_are_named_by_their_class(model_cls, optimizer_cls, expected):
+    model = _named(model_cls)()
+    model.inner = nn.Linear(2, 2)
+    optimizer = _named(optimizer_cls, torch.optim.SGD)(model.parameters(), lr=0.1)
+    assert detect_strategy(model, optimizer)[0] == expected
+
+
+def test_an_optimizer_wrapper_is_looked_through():
+    model = nn.Linear(2, 2)
+    wrapper = type("AcceleratedOptimizer", (), {})()
+    wrapper.optimizer = _named("ZeroRedundancyOptimizer", torch.optim.SGD)(model.parameters(), lr=0.1)
+    assert detect_strategy(model, wrapper) == ("zero1", {"model_wrapper": "Linear",
+                                                         "optimizer": "ZeroRedundancyOptimizer"})  # fmt: skip
+
+
+@pytest.mark.parametrize("how, expected", [
+    ("ShardingStrategy.FULL_SHARD", "fsdp"), ("ShardingStrategy.SHARD_GRAD_OP", "fsdp_grad_op"),
+    ("ShardingStrategy.NO_SHARD", "ddp"), ("ShardingStrategy._HYBRID_SHARD_ZERO2", "fsdp_grad_op"),
+    ("ShardingStrategy.HYBRID_SHARD", "fsdp"),
+])  # fmt: skip
+def test_fsdp1s_sharding_strategy_says_its_zero_stage(how, expected):
+    inner = _named("FullyShardedDataParallel")()
+    inner.sharding_strategy = how
+    inner.fc = nn.Linear(2, 2)
+    model = nn.Sequential(inner)
+    name, found = detect_strategy(model, _sgd(model))
+    assert name == expected and found["sharding_strategy"] == how.rsplit(".", 1)[-1]
+
+
+def test_fsdp2s_generated_classes_are_fsdp():
+    model = nn.Sequential(_named("FSDPLinear", nn.Linear)(2, 2))
+    assert detect_strategy(model, _sgd(model))[0] == "fsdp"
+
+
+def test_ddp_is_found_with_its_bucket_view_setting(gloo_group):
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(nn.Linear(2, 2), gradient_as_bucket_view=True)
+    name, found = detect_strategy(model, _sgd(model))
+    assert name == "ddp" and found["gradient_as_bucket_view"] is True
+
+
+def test_an_unwrapped_model_among_several_ranks_is_unknown():
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = nn.Linear(2, 2)
+        assert detect_strategy(model, _sgd(model))[0] == "unknown"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_precision_is_the_parameters_dtype():
+    assert _precision(nn.Linear(1, 1)) == "32"
+    assert _precision(nn.Linear(1, 1).bfloat16()) == "bf16" and _precision(nn.Linear(1, 1).half()) == "16"
+    assert _precision(nn.Linear(1, 1).double()) == "torch.float64" and _precision(nn.GELU()) == "32"
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, "user"), ({"TORCHELASTIC_RUN_ID": "x"}, "torchrun"), ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}, "slurm"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, "user"), ({"SLURM_PROCID": "0"}, "user"),
+])  # fmt: skip
+def test_the_launcher_is_read_from_the_environment(monkeypatch, env, expected):
+    for key in ("TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert _launcher() == expected
+
+
+# ------------------------------------------------------------------ the probe's counting
+class Meter:
+    """Stands for MemoryMeter: records when the window opens and closes."""
+
+    source = "stub"
+    failure = None
+
+    def __init__(self):
+        self.tracking, self.calls = False, []
+
+    def start(self, *external):
+        self.tracking = True
+        self.calls.append("start")
+
+    def stop(self):
+        self.tracking = False
+        self.calls.append("stop")
+        return {"peak_allocated_mib": 10.0}
+
+
+def _probe(**kw):
+    model = nn.Linear(2, 2)
+    p = Probe(model, _sgd(model), "unused", **kw)
+    p.meter = Meter()
+    return p
+
+
+@pytest.mark.parametrize("warmup, track", [(0, 2), (2, 0)])
+def test_a_probe_needs_a_warmup_and_a_tracked_step(warmup, track):
+    with pytest.raises(ValueError, match="must be >= 1"):
+        _probe(warmup_steps=warmup, track_steps=track)
+
+
+def test_the_memory_window_opens_after_the_warmup_and_timing_starts_when_it_closes():
+    p = _probe(warmup_steps=2, track_steps=3)
+    calls_after = []
+    for _ in range(7):
+        p.step(torch.tensor(1.0, requires_grad=True) * 2)
+        calls_after.append(list(p.meter.calls))
+    assert calls_after[0] == [] and calls_after[1] == ["start"] and calls_after[3] == ["start"]
+    assert calls_after[4] == ["start", "stop"] and calls_after[6] == ["start", "stop"]
+    assert p._timed_from == 5 and p.steps == 7 and len(p.losses) == 1 and not p.losses[0].requires_grad
+
+
+def test_step_times_are_the_gaps_from_the_mark_before_the_first_timed_step():
+    p = _probe()
+    p._step_marks = [0.0, 1.0, 3.0, 6.0, 10.0]
+    p._timed_from = 2  # steps 3, 4 and 5 are timed: from the 2nd mark on
+    assert p._step_times() == [2.0, 3.0, 4.0]
+    p._timed_from = 5
+    assert p._step_times() == []
+    p._timed_from = None
+    assert p._step_times() == []
+
+
+def test_a_ranks_figures_carry_the_predictions_relative_error_and_no_build_figures():
+    p = _probe()
+    p._memory = {"peak_allocated_mib": 10.0, "build_peak_mib": 3.0}
+    p.prediction = {"peak_mib": 11.0}
+    figures = p._rank_figures()
+    assert figures["peak_rel_error"] == pytest.approx(0.1) and "build_peak_mib" not in figures
+    assert figures["unseen_buckets_mib"] == 0.0  # not under DDP
+    assert figures["model_states_mib"]["params"] == 6 * 4 / 2**20
+    p._memory, p.prediction = {"peak_allocated_mib": 10.0}, {"peak_mib": None}
+    assert p._rank_figures()["peak_rel_error"] is None
+
+
+def test_a_probe_that_saw_too_few_steps_has_no_peak_and_says_why():
+    p = _probe(warmup_steps=3, track_steps=2)
+    p.step()
+    figures = p._rank_figures()
+    assert figures["peak_allocated_mib"] is None
+    assert "saw 1 step(s)" in figures["peak_error"] and "warmup_steps=3 + track_steps=2" in figures["peak_error"]
+
+
+def test_without_an_example_there_is_no_prediction_and_the_reason_is_given():
+    p = _probe()
+    assert p.prediction == {"peak_mib": None, "error": "no example batch was given (example=)"}
+    assert p.strategy == "single" and p.precision == "32" and p.ddp == (False, False)

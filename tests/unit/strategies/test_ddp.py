@@ -1,0 +1,64 @@
+"""strategies/ddp.py: DDP's memory model (every state in full, one bucket place per trainable
+element, gradients as views of it or not) and its wrapping under a fake process group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from torch import nn
+
+from sharded_exp.strategies.ddp import DDP, DDPConfig, _Reducer, wrap_ddp
+
+
+def _cfg(**kw):
+    return OmegaConf.structured(DDPConfig(**kw))
+
+
+def test_ddp_holds_full_params_grads_and_optimizer_state_on_every_rank_as_4_bytes_each():
+    shapes = [(64, 32), (32,), (10, 64)]
+    numels = [2048, 32, 640]
+    for rank in range(4):
+        held = DDP.resident_numel(_cfg(), shapes, DDP.partition([numels], 4), rank, 4)
+        assert held["params"] * 4 == held["grads"] * 4 == sum(numels) * 4 == 10880
+        assert held["optimizer"] == numels
+
+
+@pytest.mark.parametrize("as_view", [False, True])
+def test_the_buckets_hold_every_trainable_element_and_alias_the_grads_only_as_views(as_view):
+    held, aliased = DDP.bucket_numel(_cfg(gradient_as_bucket_view=as_view), [100, 10, 1], [0, 0, 0], 1, 4)
+    assert held == 111 and aliased == (111 if as_view else 0)
+
+
+def test_ddp_shards_nothing_and_gathers_nothing():
+    assert DDP.sharding_level() == 0 and DDP.checkpoint_format_auto() == "consolidated"
+    assert DDP.optimizer_state_sharded is False and DDP.grads_differ_across_ranks is False
+    assert DDP.transient_param_numel(_cfg(), [5, 5], 3, 2) == 0
+
+
+def test_under_a_fake_group_ddp_keeps_its_first_bucket_order(fake_group):
+    fake_group(4, rank=3)
+    model = wrap_ddp(_cfg(find_unused_parameters=True, bucket_cap_mb=1.0), nn.Linear(4, 2), torch.device("cpu"))
+    assert isinstance(model.reducer, _Reducer) and model.reducer._rebuild_buckets() is False
+    assert model.find_unused_parameters is False  # its search reads values a fake step has not
+    assert dist.get_world_size() == 4
+
+
+def test_under_a_real_group_ddp_keeps_the_asked_settings_and_rebuilds_its_buckets(gloo_group):
+    model = wrap_ddp(_cfg(find_unused_parameters=True, gradient_as_bucket_view=True, broadcast_buffers=False),
+                     nn.Linear(4, 2), torch.device("cpu"))  # fmt: skip
+    assert model.find_unused_parameters is True and model.gradient_as_bucket_view is True
+    assert model.broadcast_buffers is False
+    assert isinstance(model.reducer, _Reducer) and model.reducer._rebuild is True
+
+
+def test_the_reducer_wrapper_passes_every_other_attribute_through():
+    class Inner:
+        answer = 42
+
+        def _rebuild_buckets(self):
+            return True
+
+    assert _Reducer(Inner()).answer == 42
+    assert _Reducer(Inner(), rebuild=False)._rebuild_buckets() is False
