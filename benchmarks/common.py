@@ -48,10 +48,6 @@ def save(name: str, data: Any) -> Path:
     return path
 
 
-def compose_cfg(overrides: List[str]):
-    return compose(overrides)
-
-
 def spawn_ranks(fn, world_size: int, *args) -> Any:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks, as a hand-written
     script would (forkserver processes, a TCP rendezvous, one thread share per rank, like
@@ -60,14 +56,15 @@ def spawn_ranks(fn, world_size: int, *args) -> Any:
 
     ctx = mp.get_context("forkserver")
     queue = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     mp.start_processes(
         _rank_entry, args=(world_size, port, fn, args, queue), nprocs=world_size, start_method="forkserver"
     )
     return queue.get()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this machine now (a rendezvous for ranks started by hand or by a test)."""
     import socket
 
     with socket.socket() as s:

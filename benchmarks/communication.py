@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from benchmarks.common import compose_cfg, markdown, save, spawn_ranks, strategy_names
+from benchmarks.common import markdown, save, spawn_ranks, strategy_names
+from sharded_exp.compose import compose
 
 STRATEGY_NAMES = strategy_names()
 # The ZeRO paper's per-rank volume per step, in units of Psi (fp32 parameter bytes).
@@ -128,7 +129,7 @@ def main() -> None:
     rows, data = [], []
     for strategy in args.strategies:
         overrides = [f"strategy={strategy}", f"trainer.world_size={args.world_size}", "logger=none", *args.overrides]
-        cfg_data = OmegaConf.to_container(compose_cfg(overrides), resolve=True, enum_to_str=True)
+        cfg_data = OmegaConf.to_container(compose(overrides), resolve=True, enum_to_str=True)
         ranks = spawn_ranks(profile_rank, args.world_size, cfg_data, 2, args.steps)
         psi = ranks[0]["params"] * 4
         barrier = 2 * 4  # one 1-element all-reduce per rank: dist.barrier() on gloo

@@ -24,7 +24,8 @@ import time
 
 import torch
 
-from benchmarks.common import OUT, compose_cfg, markdown, save
+from benchmarks.common import OUT, markdown, save
+from sharded_exp.compose import compose
 from sharded_exp.data import build_task
 
 MODELS = ["mlp", "gpt", "hf_gpt2", "hf_llama", "hf_bert"]
@@ -57,7 +58,7 @@ def main() -> None:
             raise RuntimeError(proc.stderr[-3000:])
         with open(os.path.join(out, "result.json")) as f:
             throughput = json.load(f)["throughput"]
-        cfg = compose_cfg(overrides)
+        cfg = compose(overrides)
         task = build_task(cfg.data, cfg.model, cfg.trainer.batch_size)
         point = {
             "model": model,
@@ -76,7 +77,7 @@ def main() -> None:
     print(markdown(["model", "data", "step", "data time", "data / step", "make, unhidden", "make / step",
                     "<= 5%"], rows))  # fmt: skip
 
-    gpt2_shape = compose_cfg(["model=gpt2_small"])
+    gpt2_shape = compose(["model=gpt2_small"])
     big = build_task(gpt2_shape.data, gpt2_shape.model, 8)
     chain_s = make_seconds(big, 1)
     print(f"\nMarkov chain at GPT-2 small's shape (8 x {gpt2_shape.model.seq_len + 1} tokens, vocabulary "

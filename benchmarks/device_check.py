@@ -43,7 +43,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import OUT, compose_cfg, markdown, save, strategy_names
+from benchmarks.common import OUT, markdown, save, strategy_names
+from sharded_exp.compose import compose
 
 STRATEGY_NAMES = strategy_names()
 MODEL = ["model=gpt", "model.d_model=512", "model.n_layers=8", "model.n_heads=8", "model.seq_len=256"]
@@ -77,7 +78,7 @@ def job(checks: Checks, overrides: list[str], name: str) -> dict:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    cfg = compose_cfg([*overrides, f"trainer.accelerator={checks.accelerator}", "logger=none",
+    cfg = compose([*overrides, f"trainer.accelerator={checks.accelerator}", "logger=none",
                        "trainer.progress_bar=false"])  # fmt: skip
     return launch(cfg, str(out))
 
@@ -101,7 +102,7 @@ def cli(checks: Checks, args: list[str], name: str, env: dict | None = None, tor
 def parent_cuda(checks: Checks) -> None:
     from sharded_exp.launch import preflight
 
-    cfg = compose_cfg([*MODEL, "precision=bf16", f"trainer.accelerator={checks.accelerator}"])
+    cfg = compose([*MODEL, "precision=bf16", f"trainer.accelerator={checks.accelerator}"])
     with tempfile.TemporaryDirectory() as tmp:
         checked = preflight.check(cfg, tmp)
     peak = checked.prediction["peak"]
@@ -148,7 +149,7 @@ def adam(checks: Checks) -> None:
     from sharded_exp.measure.cuda_kernels import cuda_kernels
     from sharded_exp.optim import optimizer_spec
 
-    cfg = compose_cfg(["optimizer=adam"]).optimizer
+    cfg = compose(["optimizer=adam"]).optimizer
     device = "cuda" if checks.accelerator == "gpu" else "cpu"
     run_opt = optimizer_spec(cfg, torch.nn.Linear(8, 8, device=device)).build()
     with FakeTensorMode(allow_non_fake_inputs=True), cuda_kernels():

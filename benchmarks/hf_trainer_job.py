@@ -15,8 +15,8 @@ import argparse
 import torch
 from omegaconf import OmegaConf
 
-from benchmarks.common import compose_cfg
 from benchmarks.peer import Clock, batches, write_peer_result
+from sharded_exp.compose import compose
 from sharded_exp.models import build_model
 
 
@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    cfg = OmegaConf.create(OmegaConf.to_container(compose_cfg(args.overrides), resolve=True, enum_to_str=True))
+    cfg = OmegaConf.create(OmegaConf.to_container(compose(args.overrides), resolve=True, enum_to_str=True))
     tc = cfg.trainer
     clock = Clock()
 

@@ -19,8 +19,8 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
-from benchmarks.common import compose_cfg
 from benchmarks.peer import Clock, batches, write_peer_result
+from sharded_exp.compose import compose
 from sharded_exp.models import build_model
 from sharded_exp.optim import optimizer_spec
 
@@ -55,7 +55,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    cfg = OmegaConf.create(OmegaConf.to_container(compose_cfg(args.overrides), resolve=True, enum_to_str=True))
+    cfg = OmegaConf.create(OmegaConf.to_container(compose(args.overrides), resolve=True, enum_to_str=True))
     tc = cfg.trainer
     precision = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}[str(cfg.precision.name)]
     clock = Clock()

@@ -32,7 +32,8 @@ import time
 import torch
 from omegaconf import OmegaConf
 
-from benchmarks.common import OUT, compose_cfg, markdown, save, spawn_ranks, strategy_names
+from benchmarks.common import OUT, markdown, save, spawn_ranks, strategy_names
+from sharded_exp.compose import compose
 
 STRATEGY_NAMES = strategy_names()
 
@@ -119,7 +120,7 @@ def job(strategy: str, args) -> list[str]:
 
 def measure(strategy: str, args) -> dict:
     overrides = job(strategy, args)
-    cfg_data = OmegaConf.to_container(compose_cfg(overrides), resolve=True, enum_to_str=True)
+    cfg_data = OmegaConf.to_container(compose(overrides), resolve=True, enum_to_str=True)
     out_dir = str(OUT / "overhead" / strategy)
     os.makedirs(out_dir, exist_ok=True)
     pairs = spawn_ranks(rounds, args.world_size, cfg_data, args.pairs, out_dir)

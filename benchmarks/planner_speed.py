@@ -70,7 +70,7 @@ def plan_once(args: list[str]) -> dict:
 
 SMOKE = ["model=gpt", "model.d_model=128", "model.n_heads=4", "model.n_layers=8", "model.seq_len=8",
          "model.vocab_size=64", "trainer.batch_size=2", "plan.strategies=[ddp,fsdp]"]  # fmt: skip
-"""``--smoke``: the 8-block model, two strategies (tests/test_benchmarks.py)."""
+"""``--smoke``: the 8-block model, two strategies (tests/integration/test_benchmarks.py)."""
 
 
 def agreement(overrides: list[str]) -> dict:

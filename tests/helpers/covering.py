@@ -1,11 +1,11 @@
-"""The covering runs of tests/test_coverage.py: real training jobs that together set every
+"""The covering runs of tests/integration/test_coverage.py: real training jobs that together set every
 field of every schema and choose every option of every group. Other test modules name a
 covering run (``RUNS[name]`` through the ``placeholders`` fixture) to share its job
 instead of running one of their own."""
 
 from __future__ import annotations
 
-from tests import data_files
+from tests.helpers import data_files
 
 GPT = ["model=gpt", "model.n_layers=1", "model.mlp_ratio=2", "data.seed=3", "data.branching=2"]
 WANDB = ["logger=wandb", "logger.mode=offline", "logger.project=coverage", "logger.entity=sharded-exp-tests",
@@ -74,7 +74,7 @@ RUNS = {
     "fsdp_grad_op": [
         "strategy=fsdp_grad_op", "strategy.reshard_after_forward=true", "strategy.broadcast_buffers=false",
         "strategy.replicate=2", "strategy.param_dtype=bfloat16", "strategy.reduce_dtype=float32",
-        "model=custom", "model._target_=tests.user_models.build", "+model.hidden=24", "optimizer.lr=1e-2", "trainer.steps=4",
+        "model=custom", "model._target_=tests.helpers.user_models.build", "+model.hidden=24", "optimizer.lr=1e-2", "trainer.steps=4",
         "trainer.checkpoint_every=2", "trainer.checkpoint_dir=__tmp__grad_op_ckpt", "trainer.host_memory_check=false",
     ],
     # Your data, beyond the CoNLL file (the sharded_ddp run's): plain text for GPT-2, in file order ...
@@ -98,26 +98,26 @@ RUNS = {
     ],
     # ... and your own Datasets: a classifier's (default_collate) and a causal LM's (its collate_fn).
     "custom_classes": [
-        "data=custom", "data._target_=tests.data_files.Classes", "+data.kwargs.n=256", "+data.kwargs.in_features=32",
+        "data=custom", "data._target_=tests.helpers.data_files.Classes", "+data.kwargs.n=256", "+data.kwargs.in_features=32",
         "+data.kwargs.classes=5", "data.metric=accuracy", "data.labels=targets", "data.num_classes=5",
         "data.seed=5", "data.shuffle=false", "model.in_features=32", "model.num_classes=5",
         "optimizer.lr=1e-2",
     ],
     "custom_lm": [
         "model=hf_gpt2", "model.seq_len=16", "trainer.batch_size=4", "optimizer.lr=3e-3", "data=custom",
-        "data._target_=tests.data_files.Counting", "+data.kwargs.n=64", "+data.kwargs.seq_len=16",
+        "data._target_=tests.helpers.data_files.Counting", "+data.kwargs.n=64", "+data.kwargs.seq_len=16",
         "+data.kwargs.vocab=64", "data.shift_labels=true", "data.metric=perplexity", "model.vocab_size=64",
         "data.num_workers=1",
     ],
     # ... then resumed (resume=auto) to step 8 from the newest of them.
     "fsdp_grad_op_resumed": [
         "strategy=fsdp_grad_op", "strategy.reshard_after_forward=true", "model=custom",
-        "model._target_=tests.user_models.build", "+model.hidden=24", "optimizer.lr=1e-2", "trainer.steps=8",
+        "model._target_=tests.helpers.user_models.build", "+model.hidden=24", "optimizer.lr=1e-2", "trainer.steps=8",
         "trainer.checkpoint_every=2", "trainer.checkpoint_dir=__tmp__grad_op_ckpt", "trainer.resume=auto",
         "trainer.existing_checkpoints=archive",
     ],
     # Your weights: FSDP from a directory save_pretrained wrote (rank 0 loads, each rank keeps
-    # its shard); step 0's loss is the saved model's (tests/test_pretrained.py).
+    # its shard); step 0's loss is the saved model's (tests/integration/test_pretrained.py).
     "pretrained": [
         "strategy=fsdp", "model=hf_gpt2", "model.pretrained=__saved__gpt2", "model.seq_len=16", "precision=fp32",
         "trainer.batch_size=4", "trainer.log_interval=1", "optimizer.lr=3e-3",
@@ -125,7 +125,7 @@ RUNS = {
 }  # fmt: skip
 """Training runs (``tiny`` adds the small shapes): one per strategy, each setting its knobs,
 and one per data option of a user's data. ``__tmp__NAME``: a directory of this session;
-``__data__NAME``: a file made by tests/data_files.py (:data:`DATA_FILES`)."""
+``__data__NAME``: a file made by tests/helpers/data_files.py (:data:`DATA_FILES`)."""
 
 DATA_FILES = {
     "train.conll": data_files.write_conll,

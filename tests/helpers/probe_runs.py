@@ -1,4 +1,4 @@
-"""The probe's examples run with an independent measurement beside them (tests/test_probe.py).
+"""The probe's examples run with an independent measurement beside them (tests/integration/test_probe.py).
 
     python tests/helpers/probe_runs.py lightning OUT_JSON -- <examples/lightning_probe.py's arguments>
     torchrun --nproc-per-node=2 tests/helpers/probe_runs.py hf OUT_JSON -- <hf_trainer_probe.py's arguments>

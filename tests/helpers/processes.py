@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from tests.conftest import ROOT, TINY
+from tests.helpers.jobs import ROOT, TINY
 
 LONG = [o for o in TINY if not o.startswith("trainer.steps")] + ["trainer.steps=100000"]
 """A job that runs until it is stopped (or a fault ends it)."""
@@ -79,10 +79,20 @@ def wait_until(ready, proc, log, timeout=120):
         time.sleep(0.1)
 
 
-def finish(proc, log, timeout=60) -> str:
+def finish(proc, log=None, timeout: float = 300) -> tuple[int, str]:
+    """Wait for ``proc`` and return its exit code and output: the ``log`` file it writes to, or
+    its piped stdout and stderr. Past ``timeout`` it is killed (with its process group when it
+    leads one, as :func:`start_job`'s jobs do) and the timeout raised."""
     try:
+        if log is None:
+            out, err = proc.communicate(timeout=timeout)
+            return proc.returncode, out + err
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        if os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.kill()
         raise
-    return log.read_text()
+    return proc.returncode, log.read_text()
+

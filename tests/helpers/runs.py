@@ -8,19 +8,12 @@ import math
 import pytest
 import torch
 
-from tests.conftest import ROOT, compose_cfg, run_cli, tiny
+from tests.helpers.jobs import ROOT, run_cli
 
 
 def cli(args, tmp_path, env=None, timeout=240):
     """``python -m sharded_exp ARGS`` with its run directory at ``tmp_path``."""
     return run_cli([*args, f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env, timeout=timeout)
-
-
-def launch(overrides, out):
-    """The job launched in this process (``tiny`` shapes), its result returned."""
-    from sharded_exp.launch.parent import launch as parent_launch
-
-    return parent_launch(compose_cfg(tiny(overrides)), str(out))
 
 
 def rank_errors(out) -> list[dict]:

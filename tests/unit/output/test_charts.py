@@ -1,6 +1,6 @@
 """sharded_exp.output.charts, lightly: how a figure and a world size are printed, what tells
 two lines apart, each peak's split into the chart's parts. Drawing a chart imports
-matplotlib (over a second on its own): tests/test_report.py reads the drawn charts."""
+matplotlib (over a second on its own): tests/integration/test_report.py reads the drawn charts."""
 
 from __future__ import annotations
 

@@ -14,7 +14,15 @@ from torch import nn
 
 from sharded_exp.config import PrecisionConfig
 from sharded_exp.errors import ConfigError
-from sharded_exp.strategies.fsdp import FSDP, DType, FSDPConfig, FSDPGradOp, FSDPGradOpConfig, _padded_numel, _shard_numel
+from sharded_exp.strategies.fsdp import (
+    FSDP,
+    DType,
+    FSDPConfig,
+    FSDPGradOp,
+    FSDPGradOpConfig,
+    _padded_numel,
+    _shard_numel,
+)
 
 
 def _cfg(**kw):

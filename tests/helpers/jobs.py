@@ -1,0 +1,162 @@
+"""Real jobs for the integration tests: the real config tree composed with shrinking overrides,
+launched in this process (the ranks are real child processes on gloo) or typed as a user types
+them (``python -m ...`` in a subprocess). The one in-process launcher of the suite is
+:func:`launch_job`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from sharded_exp.compose import compose
+from sharded_exp.strategies import STRATEGIES
+
+ROOT = Path(__file__).resolve().parents[2]
+
+STRATEGY_NAMES = [n for n in STRATEGIES.names() if (ROOT / "conf" / "strategy" / f"{n}.yaml").exists()]
+"""Every shipped strategy (registered, with its YAML): the tests parametrize over these, so a
+new strategy is held against DDP, resumed and measured without editing a test list."""
+
+# Small and fast on 2 cores; tests shrink further where they can.
+TINY = [
+    "trainer.steps=6",
+    "trainer.warmup_steps=1",
+    "trainer.batch_size=8",
+    "trainer.log_interval=2",
+    "trainer.progress_bar=false",
+    "trainer.timeout_s=60",
+    "logger=none",  # W&B has its own tests (test_wandb.py)
+    "model.hidden=32",
+    "model.depth=2",
+]
+TINY_GPT = [
+    "model=gpt",
+    "model.d_model=32",
+    "model.n_layers=2",
+    "model.n_heads=2",
+    "model.seq_len=16",
+    "model.vocab_size=64",
+]
+
+
+def tiny(overrides: list[str]) -> list[str]:
+    """TINY defaults; the MLP's model.* keys are dropped for other models (they have other fields)."""
+    if "model=gpt" in overrides:
+        base = [o for o in TINY if not o.startswith("model.")] + TINY_GPT
+        overrides = [o for o in overrides if o != "model=gpt"]
+    elif any(o.startswith("model=") and o != "model=mlp" for o in overrides):
+        base = [o for o in TINY if not o.startswith("model.")]  # another model: its own shapes
+    else:
+        base = TINY
+    return base + overrides
+
+
+def launch_job(overrides: list[str], out: Path, env: dict[str, str] | None = None) -> dict:
+    """The job (``tiny`` shapes plus ``overrides``) composed and launched in this process, with
+    ``env`` set for its duration; its result returned."""
+    from sharded_exp.launch.parent import launch
+
+    old = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        return launch(compose(tiny(overrides)), str(out))
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class SharedRuns:
+    """Jobs run once per test session and shared by every test that asks for the same
+    overrides (and environment): one run serves parity, states, peak and digest checks."""
+
+    def __init__(self, factory):
+        self._factory = factory
+        self._cache: dict = {}
+
+    def __call__(self, *overrides: str, env: dict[str, str] | None = None) -> tuple[Path, dict]:
+        key = (overrides, tuple(sorted((env or {}).items())))
+        if key not in self._cache:
+            out = self._factory.mktemp("shared")
+            self._cache[key] = (out, launch_job(list(overrides), out, env=env))
+        return self._cache[key]
+
+
+def run_cli(
+    args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 180, module: str = "sharded_exp"
+):
+    """``python -m MODULE ARGS`` (sharded_exp by default) in a subprocess, as a user types it."""
+    full_env = {**os.environ, **(env or {})}
+    full_env.pop("RANK", None)
+    full_env.pop("WORLD_SIZE", None)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def read_result(path: Path) -> dict:
+    return json.loads((path / "result.json").read_text())
+
+
+BLOCKER = """
+import sys
+
+class _Blocked:
+    def find_spec(self, name, path=None, target=None):
+        if name == {package!r} or name.startswith({package!r} + "."):
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+
+sys.meta_path.insert(0, _Blocked())
+"""
+
+
+def without_package(tmp_path: Path, package: str) -> dict[str, str]:
+    """Environment in which ``package`` cannot be imported by any process of a job (the parent,
+    the forkserver, the ranks), as if uninstalled: a sitecustomize on PYTHONPATH refuses it."""
+    site = tmp_path / f"without_{package}"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BLOCKER.format(package=package))
+    return {"PYTHONPATH": os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
+TINY_HF = {
+    "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    "llama": ("LlamaForCausalLM", "LlamaConfig", dict(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                                     num_hidden_layers=2, num_attention_heads=2,
+                                                     num_key_value_heads=2, max_position_embeddings=32)),
+    "bert": ("BertForTokenClassification", "BertConfig", dict(vocab_size=96, hidden_size=32, num_hidden_layers=2,
+                                                             num_attention_heads=2, intermediate_size=64,
+                                                             max_position_embeddings=32, num_labels=5,
+                                                             hidden_dropout_prob=0.0,
+                                                             attention_probs_dropout_prob=0.0)),
+}  # fmt: skip
+_saved: dict[str, str] = {}
+
+
+def saved_tiny_hf(factory, kind: str) -> str:
+    """A tiny Hugging Face model (``TINY_HF[kind]``, seeded random weights) written by
+    ``save_pretrained`` into a directory of this test session, once: a user's weights."""
+    if kind not in _saved:
+        import torch
+        import transformers
+
+        model_class, config_class, sizes = TINY_HF[kind]
+        torch.manual_seed(123)
+        model = getattr(transformers, model_class)(getattr(transformers, config_class)(**sizes))
+        directory = factory.mktemp(f"saved_{kind}")
+        model.save_pretrained(directory)
+        _saved[kind] = str(directory)
+    return _saved[kind]

@@ -1,0 +1,204 @@
+"""Smoke runs of every benchmark (one small config each, no thresholds): the scripts run,
+print their table and write JSON with the fields the closing tables are read from.
+The targets themselves live in the benchmarks, never in tests."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers.jobs import ROOT, run_cli
+
+pytestmark = pytest.mark.slow  # each runs a benchmark end to end (python -m benchmarks.NAME)
+
+
+def bench(name: str, *args: str, cwd, timeout: float = 300) -> dict:
+    # Run from an empty directory: outputs/ lands there; the repository is on the path.
+    proc = run_cli(list(args), cwd, env={"PYTHONPATH": str(ROOT)}, timeout=timeout, module=f"benchmarks.{name}")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "|---|" in proc.stdout  # the Markdown table
+    return json.loads((cwd / "outputs" / "benchmarks" / f"{name}.json").read_text())
+
+
+def test_overhead_smoke(tmp_path):
+    data = bench("overhead", "--smoke", cwd=tmp_path)
+    [result] = data["results"]
+    assert result["strategy"] == "ddp" and len(result["pairs"]) == 2
+    for pair in result["pairs"]:
+        assert pair["trainer"] > 0 and pair["hand"] > 0
+        assert pair["ratio"] == pytest.approx(pair["trainer"] / pair["hand"])
+
+
+def test_communication_smoke(tmp_path):
+    data = bench("communication", "--smoke", cwd=tmp_path)
+    [result] = data["results"]
+    # DDP all-reduces every gradient once per step: at least Psi of payload, on both ranks.
+    for rank in result["per_rank"]:
+        assert rank["all_reduce/payload"] >= result["psi_bytes"]
+    assert result["volume"] / result["psi_bytes"] == pytest.approx(2.0, rel=0.05)
+
+
+def test_startup_smoke(tmp_path):
+    data = bench("startup", "--repeats", "1", "logger=none", "trainer.steps=6", "trainer.warmup_steps=1", cwd=tmp_path)
+    [run] = data["runs"]
+    order = ["command", "main", "launch", "validated", "rank_start", "process_group_ready", "built", "logger_ready"]
+    times = [run[k] for k in order] + [run["first_step"], run["exit"]]
+    assert times == sorted(times)
+
+
+def test_faults_smoke(tmp_path):
+    data = bench("faults", "--kinds", "raise", "--repeats", "1", cwd=tmp_path)
+    [kind] = data
+    [run] = kind["runs"]
+    assert run["exit_code"] == 1 and run["status"] == "failed" and 0 < run["seconds"] < 30
+
+
+def test_gpu_check_dry_run_on_cpu(tmp_path):
+    args = ["--accelerator", "cpu", "--strategies", "ddp", "--precisions", "32", "--steps", "3", "--batch-size", "2"]
+    data = bench("gpu_check", *args, cwd=tmp_path)
+    [result] = data["results"]
+    assert result["result"]["memory"]["model_states_rel_error_max"] <= 0.02
+
+
+def bench_peer(name: str, tmp_path, *args: str, timeout: float = 600) -> dict:
+    """A peer comparison's smoke run. The peer's own ranks (Lightning's, the HF Trainer's,
+    a hand-written mp.spawn script, under gloo DDP) sometimes abort in their C++ teardown
+    after training ("terminate called without an active exception", seen in full slow-tier
+    sessions and CI, never alone): the peer's flake, not ours; one more try, and a second
+    failure fails the test."""
+    args = args or ("--smoke",)
+    try:
+        return bench(name, *args, cwd=tmp_path, timeout=timeout)
+    except AssertionError as exc:
+        if "terminate called without an active exception" not in str(exc):
+            raise
+        (tmp_path / "again").mkdir()
+        return bench(name, *args, cwd=tmp_path / "again", timeout=timeout)
+
+
+def test_lightning_smoke(tmp_path):
+    pytest.importorskip("pytorch_lightning")
+    data = bench_peer("lightning_vs", tmp_path)
+    for name in ("sharded_exp", "lightning"):
+        [run] = data["runs"][name]
+        assert run["step_time_s_median"] > 0 and run["to_first_step_s"] < run["to_exit_s"]
+        assert run["peak_rss_mib_max"] > 0
+
+
+def test_checkpoint_memory_smoke(tmp_path):
+    [point] = bench("checkpoint_memory", "--smoke", cwd=tmp_path)
+    assert (point["strategy"], point["format"]) == ("oss", "consolidated")
+    assert len(point["save_rss_mib"]) == 2 and all(m >= 0 for m in point["save_rss_mib"])
+    assert point["optimizer_state_mib"] > 0
+
+
+def test_hf_trainer_smoke(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    data = bench_peer("hf_trainer_vs", tmp_path)
+    for name in ("sharded_exp", "hf_trainer"):
+        [run] = data["runs"][name]
+        assert run["step_time_s_median"] > 0 and run["to_first_step_s"] < run["to_exit_s"]
+        assert run["peak_rss_mib_max"] > 0
+
+
+def test_prediction_smoke(tmp_path):
+    data = bench("prediction", "--models", "mlp", "--strategies", "ddp", "--world-sizes", "2",
+                 "--precisions", "32", cwd=tmp_path)  # fmt: skip
+    [point] = data["points"]
+    assert point["model"] == "mlp" and point["method"] == "fake step"
+    assert point["error"] == pytest.approx((point["predicted_mib"] - point["measured_mib"]) / point["measured_mib"])
+    assert data["summary"]["points"] == 1 and data["summary"]["median_abs_error"] == pytest.approx(abs(point["error"]))
+
+
+def test_job_vs_script_smoke(tmp_path):
+    data = bench_peer("job_vs_script", tmp_path, "--pairs", "1", "--steps", "4", "--depth", "2", "--hidden", "32")
+    [pair] = data["pairs"]
+    assert pair["ratio"] == pytest.approx(pair["job"] / pair["script"])
+    assert 0 < pair["to_first_step_s"] < pair["job"] and 0 < pair["last_step_to_exit_s"] < pair["job"]
+    assert pair["eval_s"] is not None and pair["eval_s"] >= 0
+
+
+def test_data_time_smoke(tmp_path):
+    data = bench("data_time", "--models", "gpt", "--steps", "8", cwd=tmp_path)
+    [point] = data["points"]
+    assert point["model"] == "gpt" and point["data"] == "markov"
+    assert point["data_fraction"] == pytest.approx(point["data_time_s"] / point["step_time_s"])
+    assert point["make_s"] > 0 and data["gpt2_small_chain_s"] > 0
+
+
+def test_timed_steps_smoke(tmp_path):
+    data = bench("timed_steps", "--models", "mlp", "--strategies", "ddp", "--timed", "12", cwd=tmp_path)
+    [job] = data["jobs"]
+    assert job["model"] == "mlp" and set(job["half_width_by_n"]) == {"6", "8", "10"}  # the windows 12 steps hold
+    assert all(w >= 0 for w in job["half_width_by_n"].values()) and data["timed"] == 12
+
+
+def test_device_check_dry_run_on_cpu(tmp_path):
+    """The device script's own code, on CPU (the GPU run is the device machine's)."""
+    data = bench("device_check", "--accelerator", "cpu", "--quick", "--only", "parent", "matrix", "adam", "limit",
+                 cwd=tmp_path)  # fmt: skip
+    checks = {c["check"]: c for c in data["checks"]}
+    assert len(checks) == 5 and all(c["ok"] for c in checks.values()), checks
+    assert len(checks["strategy x precision at world size 1"]["table"]) == 4
+    assert "CPU dry run: breakdown" in checks["OOM snapshot per rank"]["figures"]
+
+
+def test_profile_cost_smoke(tmp_path):
+    data = bench("profile_cost", "--smoke", cwd=tmp_path)
+    [point] = data["points"]
+    assert point["profiled_steps"] == 2 and point["trace_mib_per_rank"] > 0
+    assert point["cost_ratio"] == pytest.approx(point["profiled_step_s"] / point["unprofiled_step_s"])
+
+
+def test_memory_history_cost_says_why_not_on_cpu(tmp_path):
+    data = bench("memory_history_cost", "--quick", cwd=tmp_path)
+    assert data["cost_ratio"] is None and data["reason"].startswith("no CUDA device here")
+
+
+def test_cuda_prediction_smoke(tmp_path):
+    data = bench("cuda_prediction", "--quick", cwd=tmp_path)
+    points = {p["case"]: p for p in data["points"]}
+    assert len(points) == 5 and all(p["before_mib"] > 0 and p["after_mib"] > 0 for p in points.values())
+    attention = points["attention, hf_gpt2_small bf16 batch 8"]
+    assert attention["workspace_mib"] == 32.0
+
+
+def test_levers_smoke(tmp_path):
+    data = bench("levers", "--smoke", "--only", "ac", "hsdp", "plan", cwd=tmp_path, timeout=600)
+    [ac] = data["ac"]
+    assert ac["full"]["activations_mib"] < ac["none"]["activations_mib"]
+    assert data["hsdp"]["hsdp"]["states_mib"] > data["hsdp"]["fsdp"]["states_mib"]
+    assert {f["levers"] for f in data["plan"]["found"]} == {"none", "ac", "ac+offload"}
+
+
+def test_cli_queries_smoke(tmp_path):
+    data = bench("cli_queries", "--repeats", "1", cwd=tmp_path)
+    assert set(data["seconds"]) == {
+        "import hydra (floor)",
+        "import torch (floor)",
+        "--help",
+        "--cfg job",
+        "-sc query=bash",
+        "sharded-exp-plan --help",
+        "sharded-exp-plan --cfg job",
+        "sharded-exp-plan --info defaults",
+        "sharded-exp-plan -sc query=bash",
+    }
+    assert all(len(t) == 1 and t[0] > 0 for t in data["seconds"].values())
+    assert data["leftovers"] == []  # a question writes nothing where it is asked
+
+
+def test_planner_speed_smoke(tmp_path):
+    data = bench("planner_speed", "--smoke", cwd=tmp_path)
+    [plan] = data["plans"].values()
+    assert plan["wall_s"] > 0 and plan["import_torch_s"] > 0 and plan["points"] == 4 and plan["peak_rss_mib"] > 0
+    [agree] = data["agreement"].values()
+    assert agree["points"] == 4 and agree["peak"] < 0.01 and agree["mean"] < 0.01
+
+
+def test_probe_overhead_smoke(tmp_path):
+    data = bench("probe_overhead", "--pairs", "1", "--steps", "12", cwd=tmp_path)
+    [run] = data["pairs"]
+    assert run["bare_s"] > 0 and run["probed_s"] > 0 and data["median_overhead"] == run["overhead"]

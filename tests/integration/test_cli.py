@@ -1,0 +1,173 @@
+"""``python -m sharded_exp`` as a user runs it: subprocesses, real Hydra, real ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers.jobs import ROOT, TINY, read_result, run_cli
+from tests.helpers.overrides import SCALAR
+from tests.helpers.runs import cli
+
+RESULT_KEYS = {
+    "status",
+    "error",
+    "strategy",
+    "precision",
+    "model",
+    "optimizer",
+    "world_size",
+    "accelerator",
+    "params",
+    "steps",
+    "final_loss",
+    "param_digest",
+    "throughput",
+}
+
+
+def test_default_job_prints_table_and_writes_result(tmp_path):
+    proc = run_cli([f"hydra.run.dir={tmp_path}"], cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "strategy  precision  world_size" in proc.stdout
+    result = read_result(tmp_path)
+    assert RESULT_KEYS <= result.keys()
+    assert (result["status"], result["strategy"], result["precision"], result["world_size"]) == ("ok", "ddp", "32", 2)
+    assert result["accelerator"] == "auto" and result["model"] == "mlp"
+    assert set(result["param_digest"]) == {"sum", "l2"}
+    assert result["throughput"]["samples_per_s"] > 0
+    assert result["throughput"]["timed_steps"] == result["steps"] - 5
+    assert result["history"][-1]["loss"] < result["history"][0]["loss"]
+
+
+@pytest.mark.slow
+def test_sharded_ddp_at_precision_16(tmp_path):
+    proc = run_cli(["strategy=sharded_ddp", "precision=16", *TINY, f"hydra.run.dir={tmp_path}"], cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = read_result(tmp_path)
+    assert (result["status"], result["strategy"], result["precision"]) == ("ok", "sharded_ddp", "16")
+
+
+@pytest.mark.slow
+def test_failing_rank_fails_the_job_and_names_the_rank(tmp_path):
+    env = {"SHARDED_EXP_FAULT": "rank=1,step=2,kind=raise"}
+    proc = run_cli([*TINY, f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env)
+    assert proc.returncode == 1
+    result = read_result(tmp_path)
+    assert result["status"] == "failed"
+    assert result["error"] == "rank 1: RuntimeError: injected fault on rank 1 at step 2"
+    assert "injected fault" in result["traceback"]
+    assert "rank 1" in proc.stderr
+    # every failing rank keeps its traceback; the peer's is the lost connection, later
+    first = json.loads((tmp_path / "rank1_error.json").read_text())
+    assert "Traceback" in first["traceback"]
+
+
+def test_exiting_rank_fails_the_job(tmp_path):
+    env = {"SHARDED_EXP_FAULT": "rank=0,step=1,kind=exit"}
+    proc = run_cli([*TINY, f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env)
+    assert proc.returncode == 1
+    assert read_result(tmp_path)["error"] == "rank 0: process exited with code 3"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    shutil.which("torchrun") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchrun")),
+    reason="torchrun not installed",
+)
+def test_torchrun_provides_the_ranks(tmp_path):
+    """Under torchrun the ranks come from its environment and nothing is spawned."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "sharded_exp",
+            "strategy=oss",
+            "trainer.world_size=1",
+            *TINY,
+            f"hydra.run.dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = read_result(tmp_path)
+    assert result["status"] == "ok"
+    assert result["world_size"] == 2  # from torchrun, not from trainer.world_size=1
+    assert len(result["memory"]["per_rank"]) == 2
+
+
+# ----------------------------------------------- what a job prints and result.json says
+def test_a_resumed_bar_ends_full_and_the_output_directory_is_printed(tmp_path):
+    args = [*TINY, "trainer.steps=4", "trainer.checkpoint_every=2", "trainer.progress_bar=true"]
+    first = cli([*args, "trainer.steps=2"], tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    log_file = tmp_path / "sharded_exp.log"
+    first_log = log_file.read_text()
+    proc = cli([*args, "trainer.resume=auto", "hydra.verbose=true"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # Not a terminal: a plain line per log interval (no carriage returns), from step 2 to 4: full, not 50%
+    lines = [line for line in proc.stderr.splitlines() if ": step " in line]
+    assert "\r" not in proc.stderr and lines[-1].startswith("[rank 0] ddp x2: step 4/4 (100%), loss "), lines
+    # resumed at step 2 of 4, the CPU tracker takes two: one step is timed, said before it runs, by rank 0
+    assert "[rank 0] 1 timed step(s) (steps 3 to 3): fewer than trainer.min_timed_steps=30" in proc.stderr
+    # The end-of-run table and the output directory on stdout; messages on stderr and in the run's log
+    assert f"output: {tmp_path}" in proc.stdout and "strategy  precision" in proc.stdout
+    assert "[rank 0]" not in proc.stdout
+    check_log_lines(first_log)
+    assert "[DEBUG]" not in first_log and "][parent][sharded_exp.launch.parent][INFO] finished: ok" in first_log
+    second = log_file.read_text()[len(first_log) :]  # appended by the resumed run
+    check_log_lines(second)
+    for rank in (0, 1):  # hydra.verbose=true reaches the spawned ranks
+        assert f"][rank {rank}][sharded_exp.launch.rank][DEBUG] gloo process group of 2 ready" in second
+    assert "][rank 0][sharded_exp.train.components][INFO] ddp x2: step 4/4 (100%)" in second
+
+
+def check_log_lines(text: str) -> None:
+    """Every line of a run's log: time, who (the parent or a rank), logger, level, message."""
+    import re
+
+    lines = text.splitlines()
+    pattern = r"\[\d{4}-\d\d-\d\d [\d:,]+\]\[(parent|rank \d+)\]\[[\w.]+\]\[(DEBUG|INFO|WARNING|ERROR)\] \S"
+    assert lines and all(re.match(pattern, line) for line in lines), lines
+
+
+def test_the_log_formats_are_the_job_loggings():
+    """The ranks' handlers (sharded_exp.logs) format as Hydra's job logging (conf/hydra/job_logging)."""
+    import yaml
+
+    from sharded_exp import logs
+
+    conf = yaml.safe_load((ROOT / "sharded_exp" / "conf" / "hydra" / "job_logging" / "sharded_exp.yaml").read_text())
+    assert conf["formatters"]["file"]["format"] == logs.FILE_FORMAT
+    assert conf["formatters"]["console"]["format"] == logs.CONSOLE_FORMAT
+    handlers = conf["handlers"]
+    assert handlers["file"]["filename"].endswith("/" + logs.LOG_NAME) and handlers["console"]["stream"].endswith(
+        "stderr"
+    )
+
+
+def test_result_json_names_the_device_that_ran_the_job(shared_runs):
+    _, result = shared_runs("strategy=ddp", *SCALAR)
+    device = result["device"]
+    assert device["type"] == "cpu" and device["count"] == os.cpu_count() and device["threads_per_rank"] >= 1
+
+
+def test_the_docs_place_per_rank_under_memory():
+    page = (ROOT / "docs" / "concepts" / "how-a-job-runs.md").read_text()
+    assert "`memory.per_rank`" in page
+    assert "result.json`: `per_rank`" not in page and "top-level `per_rank`" not in page
