@@ -4,7 +4,7 @@ default and meaning (the docstring under the field), so the page cannot drift fr
     python -m sharded_exp.reference > docs/reference/config.md
     python -m sharded_exp.reference result > docs/reference/result.md   # result.json, from its models
 
-``tests/test_coverage.py`` reads the page: every field of every schema must be named there,
+``tests/integration/test_coverage.py`` reads the page: every field of every schema must be named there,
 and the page must equal what this module writes.
 """
 

@@ -27,7 +27,7 @@ the largest tensor a rank steps), they are drawn and checked anew at that world 
 full depth plus the lines drawn there; every rank's peak follows from the faked rank's
 (:func:`~sharded_exp.predict.prediction.peaks_of_ranks`).
 
-``tests/test_plan_compose.py`` holds the composed peaks within 1% of whole-model fake steps.
+``tests/integration/test_plan_compose.py`` holds the composed peaks within 1% of whole-model fake steps.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ and broadcasts the updated parameters to the others.
 
 Warning:
     fairscale is unmaintained (last release 0.4.13, Dec 2022). OSS + DDP has been checked
-    against DDP on torch 2.x (tests/test_parity.py); re-run that test after upgrading torch.
+    against DDP on torch 2.x (tests/integration/test_parity.py); re-run that test after upgrading torch.
     fairscale is imported only when the strategy is built: the other strategies run
     without it installed.
 """

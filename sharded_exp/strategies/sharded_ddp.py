@@ -12,7 +12,7 @@ Warning:
     ``ShardedDataParallel.zero_grad``, which also clears its buckets, whatever
     ``trainer.zero_grad`` asks: ``free`` is not honoured here, and result.json's
     ``zero_grad`` says so (requested free, applied zeros, and why). The parity test against
-    DDP (tests/test_parity.py) fails if that is changed.
+    DDP (tests/integration/test_parity.py) fails if that is changed.
 
 Warning:
     fairscale is unmaintained (last release 0.4.13, Dec 2022).
