@@ -10,7 +10,7 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "sharded_exp"
 
 
@@ -117,3 +117,60 @@ def test_every_package_directory_is_a_regular_package():
     data = ("conf", "docs")
     dirs = [p for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__" and not set(data) & set(p.parts)]
     assert [str(d) for d in dirs if not (d / "__init__.py").exists()] == []
+
+
+# ------------------------------------------------------------------ the test suite's shape
+TESTS = ROOT / "tests"
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module a file imports (function-local imports too), as dotted names."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def test_no_test_module_imports_another():
+    """What several test modules share lives in tests/helpers/ (or is a fixture)."""
+    offenders = {}
+    for path in TESTS.rglob("*.py"):
+        hits = sorted(m for m in _imports(path) if m.startswith("tests.") and m.rsplit(".", 1)[-1].startswith("test_"))
+        if hits:
+            offenders[str(path.relative_to(ROOT))] = hits
+    assert offenders == {}
+
+
+def test_conftest_files_hold_fixtures_and_hooks_only():
+    for path in TESTS.rglob("conftest.py"):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                decorators = [ast.unparse(d) for d in getattr(node, "decorator_list", [])]
+                is_fixture = any(d.startswith(("pytest.fixture", "fixture")) for d in decorators)
+                assert is_fixture or node.name.startswith("pytest_"), f"{path.relative_to(ROOT)}: {node.name}"
+
+
+def test_unit_test_files_mirror_the_source_tree():
+    """tests/unit/<package>/test_<module>.py tests sharded_exp/<package>/<module>.py (test_init.py:
+    the package's __init__.py), as Lightning's tests_fabric mirrors src/lightning/fabric."""
+    unmatched = []
+    for path in (TESTS / "unit").rglob("test_*.py"):
+        rel = path.relative_to(TESTS / "unit")
+        module = rel.name.removeprefix("test_")
+        source = PACKAGE / rel.parent / ("__init__.py" if module == "init.py" else module)
+        if not source.exists() and rel != Path("test_architecture.py"):
+            unmatched.append(str(rel))
+    assert unmatched == []
+
+
+def test_the_unit_tier_starts_no_process_and_no_job():
+    """Unit tests run in-process: a real job, a subprocess or a rank belongs to tests/integration/."""
+    banned = {"subprocess", "multiprocessing", "tests.helpers.jobs.launch_job", "tests.helpers.jobs.run_cli",
+              "sharded_exp.launch.parent.launch", "torch.multiprocessing"}  # fmt: skip
+    offenders = {str(p.relative_to(ROOT)): sorted(_imports(p) & banned) for p in (TESTS / "unit").rglob("*.py")}
+    assert {k: v for k, v in offenders.items() if v} == {}
