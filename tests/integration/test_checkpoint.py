@@ -489,7 +489,7 @@ def test_a_dcp_checkpoint_with_a_pickled_entry_is_refused_before_dcp_unpickles_i
 
     from sharded_exp.checkpoint.export import main as export
 
-    golden = ROOT / "benchmarks" / "golden" / "checkpoints" / "formats" / "ddp" / "dcp" / "step_00000003"
+    golden = ROOT / "tests" / "regression" / "golden" / "checkpoints" / "formats" / "ddp" / "dcp" / "step_00000003"
     dcp_to_torch_save(str(golden), str(tmp_path / "flat.pt"))
     state = torch.load(tmp_path / "flat.pt", weights_only=True)
     planted, marker = tmp_path / "planted", tmp_path / "ran"
