@@ -207,28 +207,6 @@ def test_fsdp_predicted_peak_per_rank_does_not_rise_at_every_size():
     assert all(later <= earlier * (1 + 1e-9) for earlier, later in zip(peaks, peaks[1:])), peaks
 
 
-def _drawn_and_whole(strategy: str, world_size: int, device: str) -> tuple[float, float]:
-    drawn = plan_rows(*DEEP, world_sizes=[world_size], strategies=[strategy], device=device)[0]
-    whole = plan_rows(*DEEP, "plan.by_depth=false", world_sizes=[world_size], strategies=[strategy], device=device)[0]
-    return drawn["total_gib"], whole["total_gib"]
-
-
-@pytest.mark.slow  # the default tier holds the same rule: test_plan_compose.py
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp", "fsdp_grad_op"])
-def test_depth_drawn_and_whole_model_fakes_agree(strategy):
-    drawn, whole = _drawn_and_whole(strategy, 8, "cuda")
-    assert drawn == pytest.approx(whole, rel=0.01)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("world_size", [1, 2, 8, 64])
-@pytest.mark.parametrize("strategy", ["ddp", "oss", "zero1", "fsdp", "fsdp_grad_op"])
-def test_depth_drawn_and_whole_model_fakes_agree_from_1_to_64_ranks(strategy, world_size):
-    for device in ("cpu", "cuda"):
-        drawn, whole = _drawn_and_whole(strategy, world_size, device)
-        assert drawn == pytest.approx(whole, rel=0.01), device
-
-
 # ------------------------------------------------------------ buckets and fairscale
 def test_communication_buckets_are_their_own_category():
     """DDP keeps one all-reduce bucket place per trainable element beside the gradients;
