@@ -17,9 +17,18 @@ How a model comes into being (``Run.build``):
   (FSDP) a unit is initialised whole in host memory, each rank keeps its shard, and the
   unit is freed: no rank ever holds more than its shards plus one unit. Every strategy
   initialises the same way, so every strategy starts from the same weights.
-- ``whole``: a user's ``_target_`` factory initialises its model in its own constructor,
-  which only a whole build reproduces; it is built whole on every rank, then wrapped. So
-  is a registered model with a parameter no ``reset_parameters`` covers.
+- ``whole``: a user's ``_target_`` factory, or a model registered by a plugin
+  (``SHARDED_EXP_PLUGINS``), initialises its model in its own constructor, which only a whole
+  build reproduces (a constructor may zero a head, set a bias, compute a buffer from a weight,
+  or leave a parameter its ``reset_parameters`` does not touch): it is built whole on every
+  rank, then wrapped. So is any model whose skeleton shows the same: a parameter no
+  ``reset_parameters`` covers, or a buffer computed from a parameter (a meta buffer).
+
+The ``units`` rule is checked as it runs, and refuses, naming the parameter, rather than
+change initial weights silently: every parameter a unit's initialisation should write is
+filled with NaN first and must hold no NaN after it (an initialisation that skipped it), and
+no unit's initialisation may write another unit's parameters (a root ``reset_parameters``
+that re-initialises its blocks would do so on FSDP's shards, and differ from DDP).
 - ``pretrained``: ``model.pretrained``'s weights; under FSDP rank 0 alone loads them and
   every rank keeps its shard (:func:`load_sharded_from_rank0`).
 """
@@ -64,9 +73,19 @@ def build_rule(model_cfg, weights: bool = True) -> str:
 
     if weights and model_cfg.get("pretrained"):
         return "pretrained"
-    if not is_target_model(model_cfg) or _is_hf_class(model_cfg):
-        return "units"
-    return "whole"
+    if is_target_model(model_cfg):
+        return "units" if _is_hf_class(model_cfg) else "whole"
+    return "units" if _is_builtin_model(model_cfg) else "whole"
+
+
+def _is_builtin_model(model_cfg) -> bool:
+    """True for the models of :mod:`sharded_exp.models` (their initialisation is their
+    modules' ``reset_parameters``, by construction); False for a model a plugin registered,
+    whose constructor only a whole build is known to reproduce."""
+    from sharded_exp.models import MODELS
+
+    builder = MODELS.builder(str(model_cfg.name))
+    return getattr(builder, "__module__", "").startswith("sharded_exp.models.")
 
 
 def _is_hf_class(model_cfg) -> bool:
@@ -153,6 +172,12 @@ def check_initialisable(module: nn.Module) -> None:
     device, it would keep uninitialised memory."""
     from sharded_exp.errors import ConfigError
 
+    for name, buffer in module.named_buffers():
+        if buffer.is_meta:  # computed from a (meta) parameter in the constructor: its value is lost
+            raise ConfigError(
+                f"model buffer {name} is computed from a parameter in the constructor: "
+                "a unit-by-unit build cannot reproduce it"
+            )
     if _hf_rule(module):
         return
     for name, mod in module.named_modules():
@@ -179,13 +204,18 @@ def materialise(module: nn.Module, device: torch.device) -> None:
                 if param is None or isinstance(param, DTensor) or not param.is_meta:
                     continue
                 if id(param) not in fresh:
-                    fresh[id(param)] = nn.Parameter(
-                        torch.empty_like(param, device=device), requires_grad=param.requires_grad
-                    )
+                    fresh[id(param)] = nn.Parameter(_unwritten(param, device), requires_grad=param.requires_grad)
                 mod._parameters[name] = fresh[id(param)]
             for name, buffer in mod._buffers.items():
                 if buffer is not None and buffer.device != device:
                     mod._buffers[name] = _moved(buffer, device)
+
+
+def _unwritten(like: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Storage for a parameter its unit's initialisation must write: NaN where the dtype has
+    one, so that a parameter the initialisation skipped is seen (:func:`_check_written`)."""
+    out = torch.empty_like(like, device=device)
+    return out.fill_(float("nan")) if out.is_floating_point() or out.is_complex() else out
 
 
 def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -201,6 +231,7 @@ def initialise_by_unit(module: nn.Module, seed: int, host: torch.device, groups=
     shard of it: one unit at a time is whole."""
     from torch.distributed.tensor import DTensor
 
+    names = _parameter_names(module)
     with torch.no_grad():
         for index, group in enumerate(init_groups(module) if groups is None else groups):
             torch.manual_seed(unit_seed(seed, index))
@@ -210,17 +241,73 @@ def initialise_by_unit(module: nn.Module, seed: int, host: torch.device, groups=
                 for name, param in mod._parameters.items():
                     if isinstance(param, DTensor):
                         if id(param) not in whole:
-                            tmp = torch.empty(param.shape, dtype=param.dtype, device=host)
+                            tmp = _unwritten(torch.empty(param.shape, dtype=param.dtype, device="meta"), host)
                             whole[id(param)] = (param, nn.Parameter(tmp, requires_grad=param.requires_grad))
                         mod._parameters[name] = whole[id(param)][1]
                         swapped.append((mod, name, param))
+            own = {id(p) for mod in group for p in mod._parameters.values() if p is not None}
+            others = {id(p): (p, _version(p)) for p in module.parameters() if id(p) not in own}
             for mod in group:
                 _init_module(module, mod)
+            _check_written(group, names)
+            _check_untouched(group, others, names)
             for param, full in whole.values():
                 param.to_local().copy_(local_shard(full.detach(), param))
             for mod, name, param in swapped:
                 mod._parameters[name] = param
             del whole, swapped
+
+
+def _parameter_names(module: nn.Module) -> dict[int, str]:
+    """Each parameter's name in ``module`` (FSDP's wrappers keep the names)."""
+    return {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
+
+
+def _version(param: torch.Tensor) -> int:
+    """How often ``param``'s values were written in place (a sharded DTensor: its shard's)."""
+    from torch.distributed.tensor import DTensor
+
+    return param.to_local()._version if isinstance(param, DTensor) else param._version
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return tensor.is_meta or is_fake(tensor)
+
+
+def _check_written(group: list[nn.Module], names: dict[int, str]) -> None:
+    """Raise ConfigError naming a parameter of ``group`` its initialisation left unwritten
+    (still the NaN :func:`_unwritten` filled it with): it would train from garbage."""
+    from sharded_exp.errors import ConfigError
+
+    for mod in group:
+        for attr, param in mod._parameters.items():
+            if param is None or _is_fake(param) or not (param.is_floating_point() or param.is_complex()):
+                continue
+            if torch.isnan(param).any():
+                name = names.get(id(param), attr)
+                raise ConfigError(
+                    f"model parameter {name} ({type(mod).__name__}) is not written by its initialisation "
+                    f"(reset_parameters or the model's _init_weights): it would start from uninitialised memory; "
+                    "initialise every parameter there, or register the model from a plugin (built whole)"
+                )
+
+
+def _check_untouched(group: list[nn.Module], others: dict, names: dict[int, str]) -> None:
+    """Raise ConfigError when ``group``'s initialisation wrote a parameter of another unit (a
+    root ``reset_parameters`` re-initialising its blocks): under FSDP it would write shards,
+    and the weights would differ from DDP's."""
+    from sharded_exp.errors import ConfigError
+
+    for param, before in others.values():
+        if _version(param) != before:
+            raise ConfigError(
+                f"the initialisation of {type(group[-1]).__name__} (reset_parameters) also writes model parameter "
+                f"{names.get(id(param), '?')}, which another unit initialises: a unit-by-unit build would give "
+                "different weights under FSDP than under DDP; initialise each module's own parameters only, or "
+                "register the model from a plugin (built whole)"
+            )
 
 
 def local_shard(full: torch.Tensor, like) -> torch.Tensor:
@@ -272,7 +359,7 @@ def keep_plain_parameters(module: nn.Module, device: torch.device) -> None:
         for mod in module.modules():
             for param in mod._parameters.values():
                 if param is not None and param.is_meta and not isinstance(param, DTensor):
-                    fresh = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                    fresh = nn.Parameter(_unwritten(param, device), requires_grad=param.requires_grad)
                     torch.utils.swap_tensors(param, fresh)
 
 
