@@ -73,17 +73,25 @@ def with_strategy(cfg, name: str, combo: str = "none"):
     return out
 
 
+def even_split(total: int, parts: int) -> list[int]:
+    """``total`` in ``parts`` integers that differ by at most one, the larger first."""
+    base, extra = divmod(total, parts)
+    return [base + 1] * extra + [base] * (parts - extra)
+
+
 def raw_shapes(params: int, units: int, world_size: int, row_sharded: bool = False) -> ModelShapes:
-    """``params`` as an ideally divisible model: ``units`` equal blocks of ``world_size``
-    equal 1-D tensors (every rank's owner share and bucket share come out equal), or, for
-    a strategy that shards every tensor by rows (``row_sharded``: FSDP), one tensor of
-    ``world_size`` rows per block (every rank's row shard comes out equal)."""
+    """``params`` as an ideally divisible model of exactly ``params`` elements: ``units``
+    blocks as equal as integers allow (no more blocks than elements), each split into one
+    1-D tensor per rank (no more tensors than its elements: every rank's owner share and
+    bucket share come out equal, up to one element), or, for a strategy that shards every
+    tensor (``row_sharded``: FSDP), each block one 1-D tensor that the strategy splits into
+    its padded shards as FSDP does. The first rank holds the largest share: rank 0 stands
+    for all."""
+    blocks = even_split(params, min(units, params))
     if row_sharded:
-        cols = math.ceil(params / (units * world_size))
-        return ModelShapes([[(world_size, cols)] * units], [world_size * cols] * units, 0, {})
-    pieces = units * world_size
-    size = math.ceil(params / pieces)
-    return ModelShapes([[(size,)] * pieces], [size * world_size] * units, 0, {})
+        return ModelShapes([[(n,) for n in blocks]], blocks, 0, {})
+    pieces = [(size,) for n in blocks for size in even_split(n, min(world_size, n))]
+    return ModelShapes([pieces], blocks, 0, {})
 
 
 def _raw_parts(cfg, name: str, world_size: int) -> dict[str, float]:

@@ -91,19 +91,32 @@ def test_the_points_are_strategies_by_lever_combinations_that_apply(plan_cfg):
 
 
 # ------------------------------------------------------------------------- raw counts
-def test_a_raw_count_is_units_of_one_equal_piece_per_rank():
+def test_a_raw_count_is_exactly_its_elements_in_blocks_and_one_piece_per_rank():
     shapes = points.raw_shapes(1000, 4, 3)
-    size = math.ceil(1000 / 12)
-    assert shapes.groups == [[(size,)] * 12]
-    assert shapes.blocks == [size * 3] * 4 and shapes.root == 0
-    assert 1000 <= shapes.params < 1000 + 12
+    assert shapes.blocks == [250] * 4 and shapes.root == 0 and shapes.params == 1000
+    assert shapes.groups == [[(84,), (83,), (83,)] * 4]  # 250 in 3 pieces, the larger first
 
 
-def test_a_raw_count_sharded_by_rows_is_one_tensor_of_a_row_per_rank_per_unit():
-    shapes = points.raw_shapes(1000, 4, 3, row_sharded=True)
-    cols = math.ceil(1000 / 12)
-    assert shapes.groups == [[(3, cols)] * 4]
-    assert shapes.blocks == [3 * cols] * 4
+def test_a_raw_count_sharded_by_rows_is_one_tensor_per_unit_that_the_strategy_shards():
+    shapes = points.raw_shapes(1001, 4, 3, row_sharded=True)
+    assert shapes.groups == [[(251,), (250,), (250,), (250,)]]
+    assert shapes.blocks == [251, 250, 250, 250] and shapes.params == 1001
+
+
+@pytest.mark.parametrize("params, units, world_size", [(1, 32, 64), (12345, 1000, 2048), (7, 3, 5), (10**6, 32, 1)])
+def test_a_raw_count_holds_no_padding_whatever_the_units_and_ranks(params, units, world_size):
+    for row_sharded in (False, True):
+        shapes = points.raw_shapes(params, units, world_size, row_sharded)
+        assert shapes.params == params
+        assert sum(math.prod(s) for g in shapes.groups for s in g) == params
+        assert all(math.prod(s) > 0 for g in shapes.groups for s in g)  # no empty tensor
+
+
+def test_a_one_parameter_model_holds_one_parameter_per_rank_at_64_ranks(raw_cfg):
+    c = raw_cfg.copy()
+    c.plan.params = 1
+    r = points.raw_row(c, "ddp", 64)
+    assert r["params_gib"] * GIB == pytest.approx(4.0)  # one float32 element, not 2,048
 
 
 def test_a_raw_ddp_row_holds_every_state_whole_and_a_bucket_per_gradient(raw_cfg):
