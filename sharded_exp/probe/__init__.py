@@ -133,6 +133,10 @@ class Probe:
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.meter = MemoryMeter(self.device)
         self.steps = 0
+        self.ignored_calls = 0  # step() calls with no optimizer step since the previous one
+        self._optimizer_steps = 0
+        self._steps_at_last_call = 0
+        self._hook = self._count_optimizer_steps()
         self.losses: list[torch.Tensor] = []
         self._step_marks: list[Any] = []  # perf_counter on CPU, CUDA events on a GPU
         self._timed_from: int | None = None
@@ -153,8 +157,34 @@ class Probe:
             buckets_seen=self.device.type == "cuda" or not self.wrapped_before, ddp=self.ddp,
         )  # fmt: skip
 
+    def _count_optimizer_steps(self):
+        """A post-step hook counting the optimizer's real steps, so that a second ``step()``
+        call for one optimizer step is not taken for a step (it would halve the step time)."""
+
+        def counted(*_):
+            self._optimizer_steps += 1
+
+        try:
+            return self.optimizer.register_step_post_hook(counted)
+        except Exception:  # noqa: BLE001 -- an optimizer without hooks: every call counts
+            return None
+
     def step(self, loss: torch.Tensor | None = None) -> None:
-        """After each optimizer step. ``loss``: the step's loss (read once, at ``close``)."""
+        """After each optimizer step. ``loss``: the step's loss (read once, at ``close``).
+
+        A call with no optimizer step since the previous call (``step()`` called twice per
+        step) is ignored and counted in ``ignored_calls``; once the optimizer has stepped at
+        least once, that is: an optimizer whose steps cannot be seen counts every call."""
+        if self._optimizer_steps and self._optimizer_steps == self._steps_at_last_call:
+            if not self.ignored_calls:
+                print(
+                    "warning: sharded_exp probe: step() called again with no optimizer step since the last call; "
+                    "ignored (call it once per optimizer step)",
+                    file=sys.stderr,
+                )
+            self.ignored_calls += 1
+            return
+        self._steps_at_last_call = self._optimizer_steps
         self.steps += 1
         if loss is not None:
             self.losses = [loss.detach()]  # the last one; no .item() here (no synchronisation)
@@ -202,12 +232,19 @@ class Probe:
         entry["peak_rel_error"] = (predicted - measured) / measured if measured and predicted is not None else None
         return entry
 
-    def close(self) -> dict[str, Any] | None:
+    def close(self, error: str | None = None) -> dict[str, Any] | None:
         """Gather every rank's figures (once) and write ``result.json`` on rank 0; returns the
-        result on rank 0, None elsewhere. Safe to call twice."""
+        result on rank 0, None elsewhere. Safe to call twice.
+
+        ``error``: the training loop raised (``with probe(...)`` left by an exception). The
+        result says ``failed`` with that error, and nothing is gathered: a peer may never
+        reach the gather (it may be waiting in a collective of the user's), so rank 0 writes
+        its own figures alone."""
         if self._closed:
             return None
         self._closed = True
+        if self._hook is not None:
+            self._hook.remove()
         try:
             mine = self._rank_figures()
         except Exception as exc:  # noqa: BLE001 -- measuring never breaks training
@@ -216,13 +253,15 @@ class Probe:
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
         mine["rank"] = rank
         gathered = [None] * world
-        if dist:
+        if dist and error is None:
             dist.all_gather_object(gathered, mine)
         else:
             gathered = [mine]
         if rank != 0:
             return None
         result = self._result(gathered, world)
+        if error is not None:
+            result.update(status="failed", error=f"rank {rank}: {error}"[:2000])
         from sharded_exp.job.result import write_result
 
         write_result(self.run_dir, result)
@@ -268,7 +307,8 @@ class Probe:
             "steps_done": self.steps,
             "output_dir": os.path.abspath(self.run_dir),
             "config": {"source": self.source, "framework": self.framework, "warmup_steps": self.warmup_steps,
-                       "track_steps": self.track_steps, "samples_per_step": self.samples_per_step},  # fmt: skip
+                       "track_steps": self.track_steps, "samples_per_step": self.samples_per_step,
+                       "ignored_step_calls": self.ignored_calls},  # fmt: skip
             "launcher": _launcher(),
             "final_loss": losses[-1] if losses else None,
             "memory": memory,
@@ -296,8 +336,8 @@ class Probe:
     def __enter__(self) -> "Probe":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(None if exc_type is None else f"{exc_type.__name__}: {exc}")
 
 
 def probe(model: nn.Module, optimizer: torch.optim.Optimizer, run_dir: str | None = None, **kwargs) -> Probe:

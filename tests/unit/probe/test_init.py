@@ -181,3 +181,53 @@ def test_without_an_example_there_is_no_prediction_and_the_reason_is_given():
     p = _probe()
     assert p.prediction == {"peak_mib": None, "error": "no example batch was given (example=)"}
     assert p.strategy == "single" and p.precision == "32" and p.ddp == (False, False)
+
+
+def _train(model, optimizer, p, steps: int, calls_per_step: int = 1, fail_at: int | None = None):
+    for i in range(steps):
+        if i == fail_at:
+            raise RuntimeError(f"boom at step {i}")
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        for _ in range(calls_per_step):
+            p.step(loss)
+
+
+def test_a_second_step_call_for_one_optimizer_step_is_not_a_step(tmp_path, capsys):
+    """step() called twice per step would count twice the steps at half the time each."""
+    import json
+
+    model = nn.Linear(8, 8)
+    optimizer = _sgd(model)
+    with Probe(model, optimizer, str(tmp_path), warmup_steps=1, track_steps=1, samples_per_step=4) as p:
+        _train(model, optimizer, p, steps=6, calls_per_step=2)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["steps"] == 6 and result["config"]["ignored_step_calls"] == 6
+    assert len(p._step_times()) == 6 - 2  # warm-up and tracked steps are not timed
+    assert "step() called again with no optimizer step" in capsys.readouterr().err
+
+
+def test_a_loop_that_raises_inside_the_probe_is_a_failed_result(tmp_path):
+    import json
+
+    model = nn.Linear(8, 8)
+    optimizer = _sgd(model)
+    with pytest.raises(RuntimeError, match="boom at step 9"):
+        with Probe(model, optimizer, str(tmp_path), warmup_steps=1, track_steps=1) as p:
+            _train(model, optimizer, p, steps=12, fail_at=9)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["status"] == "failed" and result["steps_done"] == 9
+    assert result["error"] == "rank 0: RuntimeError: boom at step 9"
+
+
+def test_a_loop_that_ends_normally_is_ok_and_counts_every_step(tmp_path):
+    import json
+
+    model = nn.Linear(8, 8)
+    optimizer = _sgd(model)
+    with Probe(model, optimizer, str(tmp_path), warmup_steps=1, track_steps=1) as p:
+        _train(model, optimizer, p, steps=5)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["status"] == "ok" and result["steps"] == 5 and result["config"]["ignored_step_calls"] == 0
