@@ -87,6 +87,17 @@ def check_plan(cfg, argv: list[str] = ()) -> None:
             above = os.path.dirname(above)
         if not os.path.isdir(above):
             raise ConfigError(f"plan.plot={p.plot}: {above} is a file, not a directory; choose another plan.plot")
+    if _value(p.find) == "batch_size" and p.params is not None:
+        raise ConfigError(
+            f"plan.find=batch_size needs a model: a raw parameter count (plan.params={p.params:g}) has no "
+            "activations, so no batch would ever stop fitting; plan a model (model=gpt_7b, ...) to find its batch"
+        )
+    builder = STRATEGIES.builder(cfg.strategy.name)
+    for ws in p.world_sizes:  # a layout training would refuse (strategy.replicate=2 at 3 ranks) is no plan
+        try:
+            builder.check(cfg.strategy, int(ws), _value(p.device) or "cuda")
+        except ConfigError as exc:
+            raise ConfigError(f"plan.world_sizes={list(p.world_sizes)}: at {ws} ranks, {exc}") from None
     if _value(p.find) == "depth" and (p.params is not None or "n_layers" not in cfg.model):
         what = "a raw parameter count (plan.params)" if p.params is not None else f"model={cfg.model.name}"
         raise ConfigError(f"plan.find=depth needs a model with model.n_layers (e.g. model=gpt); {what} has none")

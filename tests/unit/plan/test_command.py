@@ -47,6 +47,7 @@ def with_values(cfg, **values):
         ({"find": "depth", "params": 1e9}, "plan.find=depth needs a model with model.n_layers (e.g. model=gpt); "
                                           "a raw parameter count (plan.params) has none"),  # fmt: skip
         ({"trainer__batch_size": 0}, "trainer.batch_size=0 must be >= 1"),
+        ({"find": "batch_size", "params": 1e9}, "plan.find=batch_size needs a model: a raw parameter count"),
     ],
 )
 def test_input_the_planner_refuses(plan_cfg, values, message):
@@ -156,3 +157,15 @@ def test_a_raw_count_planned_as_a_table_says_its_count(plan_cfg, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("plan: raw parameter count 1.00 B params in 32 units")
     assert any(line.startswith("| ddp") for line in out)
+
+
+@pytest.mark.parametrize("world_sizes", [[1], [3], [4, 5]])
+def test_a_layout_training_refuses_is_refused_for_every_world_size_planned(world_sizes):
+    from sharded_exp.compose import compose
+
+    cfg = compose(["strategy=fsdp", "strategy.replicate=2", f"plan.world_sizes={world_sizes}"], config_name="plan")
+    with pytest.raises(ConfigError) as refused:
+        command.check_plan(cfg)
+    bad = next(ws for ws in world_sizes if ws % 2)
+    assert f"at {bad} ranks, strategy.replicate=2 must be >= 1 and divide trainer.world_size={bad}" in str(refused.value)
+    command.check_plan(compose(["strategy=fsdp", "strategy.replicate=2", "plan.world_sizes=[2,8]"], config_name="plan"))
