@@ -157,6 +157,17 @@ class Probe:
             buckets_seen=self.device.type == "cuda" or not self.wrapped_before, ddp=self.ddp,
         )  # fmt: skip
 
+    def _adopt_device(self) -> None:
+        """The device the model's parameters are on now, for a probe made while they were on
+        the meta device (a model built there and materialised with ``to_empty`` later)."""
+        device = next((p.device for p in self.model.parameters()), self.device)
+        if device.type == "meta":
+            return
+        self.device, self.meter = device, MemoryMeter(device)
+        if device.type == "cuda":
+            self.meter.start()
+            self._timed_from = self.warmup_steps + self.steps
+
     def _count_optimizer_steps(self):
         """A post-step hook counting the optimizer's real steps, so that a second ``step()``
         call for one optimizer step is not taken for a step (it would halve the step time)."""
@@ -185,9 +196,11 @@ class Probe:
             self.ignored_calls += 1
             return
         self._steps_at_last_call = self._optimizer_steps
+        if self.device.type == "meta":  # made on the meta device, then to_empty: measure where it trains
+            self._adopt_device()
         self.steps += 1
-        if loss is not None:
-            self.losses = [loss.detach()]  # the last one; no .item() here (no synchronisation)
+        if loss is not None:  # the last one; no .item() here (no synchronisation); a float is taken as it is
+            self.losses = [loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))]
         if self.device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -212,6 +225,8 @@ class Probe:
         return [marks[i + 1] - marks[i] for i in range(first, len(marks) - 1)]
 
     def _rank_figures(self) -> dict[str, Any]:
+        if self.device.type == "meta":
+            raise ValueError("the model's parameters are still on the meta device: nothing was trained to measure")
         if self._memory is None:
             self._memory = self.meter.stop() if (self.meter.tracking or self.device.type == "cuda") else {
                 "peak_allocated_mib": None,
@@ -262,11 +277,34 @@ class Probe:
         result = self._result(gathered, world)
         if error is not None:
             result.update(status="failed", error=f"rank {rank}: {error}"[:2000])
-        from sharded_exp.job.result import write_result
-
-        write_result(self.run_dir, result)
+        self._write(result)
         self._to_wandb(result)
         return result
+
+    def _write(self, result: dict[str, Any]) -> None:
+        """``result.json`` in ``run_dir``, an earlier one there moved to ``attempts/<n>/`` as a
+        run's is; a ``run_dir`` that cannot be written leaves the result in a new temporary
+        directory instead, said on stderr: the measurement is not lost, and training is not
+        failed after it ended."""
+        import tempfile
+
+        from sharded_exp.job.result import write_result
+        from sharded_exp.launch.parent import archive_previous_attempt
+
+        try:
+            archived = archive_previous_attempt(self.run_dir)
+            if archived:
+                print(f"sharded_exp probe: the earlier result.json in {self.run_dir} moved to {archived}", file=sys.stderr)
+            write_result(self.run_dir, result)
+        except OSError as exc:
+            fallback = tempfile.mkdtemp(prefix="sharded_exp_probe_")
+            result["output_dir"] = fallback
+            write_result(fallback, result)
+            print(
+                f"error: sharded_exp probe: run_dir={self.run_dir} cannot be written ({exc.strerror or exc}); "
+                f"the result is in {fallback}/result.json",
+                file=sys.stderr,
+            )
 
     def _result(self, per_rank: list[dict[str, Any]], world: int) -> dict[str, Any]:
         from sharded_exp.output.results import largest_and_mean
@@ -314,7 +352,7 @@ class Probe:
             "memory": memory,
             "throughput": throughput,
             "device": {
-                "type": self.device.type,
+                "type": "cuda" if self.device.type == "cuda" else "cpu",  # meta ops run on the host
                 "name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else platform.processor() or None,
                 "count": torch.cuda.device_count() if self.device.type == "cuda" else os.cpu_count(),
                 "threads_per_rank": torch.get_num_threads(),

@@ -231,3 +231,69 @@ def test_a_loop_that_ends_normally_is_ok_and_counts_every_step(tmp_path):
         _train(model, optimizer, p, steps=5)
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["status"] == "ok" and result["steps"] == 5 and result["config"]["ignored_step_calls"] == 0
+
+
+def test_a_float_loss_is_taken_as_it_is(tmp_path):
+    import json
+
+    model = nn.Linear(8, 8)
+    optimizer = _sgd(model)
+    with Probe(model, optimizer, str(tmp_path), warmup_steps=1, track_steps=1) as p:
+        for _ in range(3):
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            p.step(loss.item())  # a float, as many loops log it
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["final_loss"] == pytest.approx(loss.item())
+
+
+def test_an_earlier_result_in_the_run_dir_is_archived_not_overwritten(tmp_path):
+    import json
+
+    for n in range(2):
+        model = nn.Linear(8, 8)
+        optimizer = _sgd(model)
+        with Probe(model, optimizer, str(tmp_path), warmup_steps=1, track_steps=1) as p:
+            _train(model, optimizer, p, steps=3 + n)
+    assert json.loads((tmp_path / "result.json").read_text())["steps"] == 4
+    assert json.loads((tmp_path / "attempts" / "1" / "result.json").read_text())["steps"] == 3
+
+
+def test_a_run_dir_that_cannot_be_written_leaves_the_result_elsewhere_and_says_where(tmp_path, capsys):
+    import json
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    model = nn.Linear(8, 8)
+    optimizer = _sgd(model)
+    with Probe(model, optimizer, str(blocker / "run"), warmup_steps=1, track_steps=1) as p:
+        _train(model, optimizer, p, steps=3)
+    err = capsys.readouterr().err
+    assert f"run_dir={blocker / 'run'} cannot be written" in err
+    where = err.split("the result is in ")[1].split()[0]
+    assert json.loads(open(where).read())["steps"] == 3
+    __import__("shutil").rmtree(where.rsplit("/", 1)[0])
+
+
+def test_a_model_made_on_meta_and_materialised_later_is_measured_where_it_trains(tmp_path):
+    import json
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    p = Probe(model, _sgd(model), str(tmp_path), warmup_steps=1, track_steps=1)  # made before storage exists
+    model.to_empty(device="cpu")
+    for m in model:
+        if isinstance(m, nn.Linear):
+            m.reset_parameters()
+    optimizer = _sgd(model)  # over the materialised parameters
+    for _ in range(4):
+        model(torch.randn(4, 64)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        p.step()
+    p.close()
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["device"]["type"] == "cpu"
+    assert result["memory"]["per_rank"][0]["peak_allocated_mib"] > 0
