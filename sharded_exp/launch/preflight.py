@@ -28,7 +28,13 @@ from sharded_exp.errors import ConfigError, WontFit, missing_packages
 from sharded_exp.job.spec import JobSpec, decided_config
 from sharded_exp.launch.layout import Layout
 from sharded_exp.models import MODELS, units
-from sharded_exp.models.target import check_accepts, check_attn_implementation, check_pretrained, is_target_model
+from sharded_exp.models.target import (
+    check_accepts,
+    check_attn_implementation,
+    check_head_counts,
+    check_pretrained,
+    is_target_model,
+)
 from sharded_exp.optim import OPTIMIZERS
 from sharded_exp.precision import PRECISIONS
 from sharded_exp.predict.prediction import meta_model, model_shapes, predict, predict_peak
@@ -202,6 +208,7 @@ def check_values(cfg) -> None:
         MODELS.builder(cfg.model.name)
     else:
         check_attn_implementation(cfg.model)  # a kernel the Hugging Face class has, or null
+        check_head_counts(cfg.model)  # heads that divide as the attention's forward needs
         check_pretrained(cfg.model)  # a local save_pretrained directory, never a download
     TASKS.builder(cfg.data.name)
     name = str(cfg.precision.name)

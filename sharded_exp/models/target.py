@@ -106,6 +106,34 @@ def _with_attention(config, attention: str | None):
     return config
 
 
+HEAD_RULES = [
+    ("hidden_size", "num_attention_heads"),  # each head a slice of the hidden size
+    ("n_embd", "n_head"),  # GPT-2's names
+    ("num_attention_heads", "num_key_value_heads"),  # grouped-query attention: query heads per key/value head
+]
+"""(divided, divisor) pairs of a Hugging Face config that must divide evenly: the class builds
+with any numbers, and its forward fails on every rank."""
+
+
+def check_head_counts(model_cfg) -> None:
+    """The attention's head counts in ``model.config`` divide as the class's forward needs
+    (refused before any rank starts, naming both values)."""
+    from omegaconf import OmegaConf
+
+    config = model_cfg.get("config")
+    if config is None:
+        return
+    for big, small in HEAD_RULES:
+        a, b = OmegaConf.select(config, big, default=None), OmegaConf.select(config, small, default=None)
+        if not (isinstance(a, int) and isinstance(b, int)):
+            continue
+        if b < 1 or a % b:
+            raise ConfigError(
+                f"model.config.{big}={a} is not divisible by model.config.{small}={b} (model={model_cfg.get('name')}): "
+                f"the attention splits {big} into {small} equal parts"
+            )
+
+
 def check_attn_implementation(model_cfg) -> None:
     """``model.attn_implementation`` must be null or one of :data:`ATTN_IMPLEMENTATIONS`, on a
     Hugging Face model class that has that kernel: checked before any rank starts."""

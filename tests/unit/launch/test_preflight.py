@@ -321,3 +321,19 @@ def test_freezing_every_parameter_is_refused(composed, tmp_path):
     cfg.trainer.freeze = ["*"]
     with pytest.raises(ConfigError, match=re.escape("trainer.freeze=['*'] freezes every parameter of model=mlp")):
         check(cfg, str(tmp_path), peak=False)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model=hf_llama", "model.config.num_key_value_heads=3"],
+     "model.config.num_attention_heads=4 is not divisible by model.config.num_key_value_heads=3 (model=hf_llama)"),
+    (["model=hf_llama", "model.config.num_attention_heads=3"],
+     "model.config.hidden_size=128 is not divisible by model.config.num_attention_heads=3 (model=hf_llama)"),
+    (["model=hf_gpt2", "model.config.n_head=5"], "model.config.n_embd="),
+])  # fmt: skip
+def test_hugging_face_head_counts_that_do_not_divide_are_refused_before_any_rank(overrides, message):
+    from sharded_exp.compose import compose
+    from sharded_exp.errors import ConfigError
+    from sharded_exp.launch import preflight
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        preflight.check_values(compose(overrides))
