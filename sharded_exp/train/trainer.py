@@ -174,7 +174,33 @@ def checkpoint_job(cfg) -> dict[str, Any]:
         "optimizer": cfg.optimizer.name,
         # plain data, nested parts included (a Hugging Face model's ``config``)
         "model": OmegaConf.to_container(cfg.model, resolve=True),
+        "settings": trajectory_settings(cfg),
     }
+
+
+TRAJECTORY_SETTINGS = ("trainer.zero_grad", "optimizer.foreach", "model.attn_implementation")
+"""Settings a resumed run may change without being refused, but which change its numbers (the
+gradient zeroing rule, the optimizer's kernel, the attention's kernel): recorded in meta.json
+and, when a resumed run differs, in result.json's ``resume_changes``."""
+
+
+def trajectory_settings(cfg) -> dict[str, Any]:
+    out = {}
+    for key in TRAJECTORY_SETTINGS:
+        value = OmegaConf.select(cfg, key, default=None)
+        out[key] = getattr(value, "value", value)  # an enum by its name in the config
+    return out
+
+
+def setting_changes(loaded: dict[str, Any], cfg) -> list[dict[str, Any]]:
+    """The :data:`TRAJECTORY_SETTINGS` this run sets differently from the checkpoint it resumes
+    (a checkpoint written before they were recorded: its model config's attention only)."""
+    saved = dict(loaded.get("settings") or {})
+    model = loaded.get("model")
+    if "model.attn_implementation" not in saved and isinstance(model, dict) and "attn_implementation" in model:
+        saved["model.attn_implementation"] = model["attn_implementation"]
+    now = trajectory_settings(cfg)
+    return [{"key": k, "checkpoint": saved[k], "config": now[k]} for k in TRAJECTORY_SETTINGS if k in saved and saved[k] != now[k]]
 
 
 def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: MemoryHistory):
@@ -189,13 +215,17 @@ def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: Me
     module, strategy, task = run.module, run.strategy, run.task
     loaded = checkpoint.load(spec.checkpoint, strategy, device)
     data_changed = data_changes(loaded.get("data"), task)  # another file, or an edited one: told, not refused
-    start, resume_changes = loaded["step"], loaded["resume_changes"] + data_changed
+    changed_settings = setting_changes(loaded, cfg) if loaded["step"] else []
+    start, resume_changes = loaded["step"], loaded["resume_changes"] + changed_settings + data_changed
     if (resume or cfg.model.get("pretrained")) and device.type == "cpu":  # a key of some models only
         meter.reset_peak()  # the loading's own copies are not the training's peak
     if rank == 0:
         for c in loaded["resume_changes"]:
             log.warning("warning: resuming with optimizer group %s %s=%s from the config (the checkpoint has %s)",
                         c["group"], c["key"], c["config"], c["checkpoint"])  # fmt: skip
+        for c in changed_settings:
+            log.warning("warning: resuming with %s=%s from the config (the checkpoint was written with %s): "
+                        "the run's numbers follow another trajectory from here", c["key"], c["config"], c["checkpoint"])  # fmt: skip
         if data_changed:
             where = loaded["data"]
             log.warning("warning: resuming on other data than the checkpoint's: %s; its data position (epoch %s, "
