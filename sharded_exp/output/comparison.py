@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sharded_exp.errors import ConfigError
-from sharded_exp.job.result import problems
+from sharded_exp.job.result import SCHEMA_VERSION, problems
 from sharded_exp.output import charts
 from sharded_exp.output.charts import ranks
 from sharded_exp.output.loggers import init_wandb_run
@@ -95,6 +95,12 @@ def _read_point(path: Path) -> dict[str, Any]:
         data = json.loads(path.read_text())
         if not isinstance(data, dict):
             raise ValueError(f"a JSON {type(data).__name__}, not an object")
+        version = data.get("schema_version")
+        if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
+            raise ValueError(
+                f"schema_version {version} is newer than this sharded_exp reads ({SCHEMA_VERSION}): "
+                "its keys may mean other things; report it with the sharded_exp that wrote it"
+            )
         wrong = problems(data, strict=True, ignore=("missing", "extra_forbidden"))
         if wrong:
             raise ValueError(f"does not match its schema: {'; '.join(wrong[:3])}")

@@ -305,7 +305,9 @@ def test_a_sweep_id_file_that_is_empty_or_absent_is_no_id(tmp_path):
 @pytest.mark.parametrize(
     ("text", "why"),
     [("{not json", "Expecting property name"), ("[1, 2]", "a JSON list, not an object"),
-     ('{"status": "ok", "world_size": "2"}', "does not match its schema: world_size")],
+     ('{"status": "ok", "world_size": "2"}', "does not match its schema: world_size"),
+     ('{"schema_version": 99, "status": "ok", "strategy": "ddp", "world_size": 2, "precision": "32", "model": "mlp"}',
+      "schema_version 99 is newer than this sharded_exp reads (1)")],
 )  # fmt: skip
 def test_an_unreadable_result_becomes_a_point_that_says_why(tmp_path, text, why):
     path = write_point(tmp_path, "0_x", text)
