@@ -283,6 +283,11 @@ def run(started: float | None = None) -> None:
     check_output_dirs(sys.argv[1:])
     try:
         main()
+    except KeyboardInterrupt:
+        # Ctrl-C outside the job's own handling (before its ranks start, or after it ended and
+        # wrote its result.json): one line and the shell's exit code for SIGINT, no traceback.
+        print("error: interrupted (SIGINT); what the job had written is kept", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
     except SystemExit as exc:
         # Hydra reports what it cannot compose (an unknown key, option or group) and exits 1;
         # it is the user's mistake like any refused value: exit 2, as those do.

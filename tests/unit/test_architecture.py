@@ -157,12 +157,12 @@ def test_conftest_files_hold_fixtures_and_hooks_only():
 
 def test_unit_test_files_mirror_the_source_tree():
     """tests/unit/<package>/test_<module>.py tests sharded_exp/<package>/<module>.py (test_init.py:
-    the package's __init__.py), as Lightning's tests_fabric mirrors src/lightning/fabric."""
+    the package's __init__.py; test_main.py: its __main__.py), as Lightning's tests_fabric mirrors src/lightning/fabric."""
     unmatched = []
     for path in (TESTS / "unit").rglob("test_*.py"):
         rel = path.relative_to(TESTS / "unit")
         module = rel.name.removeprefix("test_")
-        source = PACKAGE / rel.parent / ("__init__.py" if module == "init.py" else module)
+        source = PACKAGE / rel.parent / {"init.py": "__init__.py", "main.py": "__main__.py"}.get(module, module)
         if not source.exists() and rel != Path("test_architecture.py"):
             unmatched.append(str(rel))
     assert unmatched == []
