@@ -196,7 +196,7 @@ def check_and_launch(cfg: DictConfig) -> dict | None:
         result = record_config_error(cfg, output_dir, exc, identity=identity)
     except OSError as exc:  # a path the job reads or writes: missing, a directory, full, read-only
         message = os_error(cfg, exc)
-        print(f"error: {message}; the job did not run", file=sys.stderr)
+        print(f"error: {message}; {what_ran(output_dir)}", file=sys.stderr)
         if not multirun:
             sys.exit(1)
         try:  # a sweep point still ends with a result.json, and the report counts it
@@ -234,6 +234,21 @@ def check_and_launch(cfg: DictConfig) -> dict | None:
         log.error("error: %s (details in %s/result.json)", result["error"], result["output_dir"])
         sys.exit(1)
     return result
+
+
+def what_ran(output_dir: str) -> str:
+    """What an OSError out of the launch left: nothing ran, or the job ran and its result (or
+    what followed it) could not be written; result.json says which, as the launcher left it."""
+    import json
+
+    try:
+        with open(os.path.join(output_dir, "result.json")) as f:
+            status = json.load(f).get("status")
+    except (OSError, ValueError, AttributeError):
+        return "the job did not run"
+    if status == "running":
+        return f"the job ran, but its result could not be written ({output_dir}/result.json still says running)"
+    return f"after the job ended (its result.json says {status})"
 
 
 def os_error(cfg: DictConfig, exc: OSError) -> str:

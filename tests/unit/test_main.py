@@ -19,3 +19,15 @@ def test_ctrl_c_after_the_job_is_one_line_and_exit_130(monkeypatch, capsys, tmp_
     assert ended.value.code == 130
     err = capsys.readouterr().err
     assert err == "error: interrupted (SIGINT); what the job had written is kept\n"
+
+
+def test_an_os_error_after_the_ranks_started_does_not_say_the_job_did_not_run(tmp_path):
+    import json
+
+    assert job.what_ran(str(tmp_path / "nothing_here")) == "the job did not run"
+    (tmp_path / "result.json").write_text(json.dumps({"status": "running"}))
+    assert job.what_ran(str(tmp_path)) == (
+        f"the job ran, but its result could not be written ({tmp_path}/result.json still says running)"
+    )
+    (tmp_path / "result.json").write_text(json.dumps({"status": "ok"}))
+    assert job.what_ran(str(tmp_path)) == "after the job ended (its result.json says ok)"
