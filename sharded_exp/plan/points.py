@@ -160,6 +160,8 @@ def depth_of(cfg, name: str) -> tuple[str, int] | None:
     strategy ``name`` (``plan.by_depth``), else None: it is faked whole."""
     key = _layer_key(cfg.model)
     layers = OmegaConf.select(cfg.model, key) if key else 0
+    if cfg.trainer.get("freeze"):  # patterns may name blocks a shallow fake has not got (blocks_.7.*)
+        return None
     if key and cfg.plan.by_depth and layers > first_depth(name) + 2:
         return key, layers
     return None

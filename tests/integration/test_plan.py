@@ -141,6 +141,19 @@ def test_a_deep_model_drawn_from_three_depths_equals_the_whole_model_faked(model
             assert drawn["method"].startswith("composed by depth"), drawn
 
 
+def test_a_deep_model_with_a_later_block_frozen_is_planned_whole():
+    """Freezing blocks the shallow fakes of a composition have not got (blocks_.5.*) plans the
+    model faked whole, with the frozen block holding no gradient, not a traceback."""
+    rows = plan_json("model=gpt", "model.n_layers=6", "model.d_model=32", "model.n_heads=2", "model.seq_len=8",
+                     "model.vocab_size=64", "trainer.freeze=[blocks_.5.*]", "plan.strategies=[ddp]",
+                     "plan.world_sizes=[2]", "plan.device=cpu")["rows"]  # fmt: skip
+    free = plan_json("model=gpt", "model.n_layers=6", "model.d_model=32", "model.n_heads=2", "model.seq_len=8",
+                     "model.vocab_size=64", "plan.strategies=[ddp]", "plan.world_sizes=[2]", "plan.device=cpu")["rows"]  # fmt: skip
+    assert not rows[0]["method"].startswith("composed") and free[0]["method"].startswith("composed")
+    assert rows[0]["total_gib"] is not None
+    assert rows[0]["model_states_gib"] < free[0]["model_states_gib"]  # no gradient or Adam state for the frozen block
+
+
 def test_find_brackets_the_answer_in_a_few_fake_steps():
     from sharded_exp.compose import compose
     from sharded_exp.plan import points as plan

@@ -222,6 +222,9 @@ def test_a_model_deeper_than_three_fakes_is_composed_by_depth(gpt_cfg):
 
 def test_a_model_is_faked_whole_when_asked_or_without_blocks(gpt_cfg, plan_cfg):
     assert points.depth_of(_model(gpt_cfg, "plan.by_depth=false"), "ddp") is None
+    frozen = gpt_cfg.copy()
+    frozen.trainer.freeze = ["blocks_.5.*"]  # a block the shallow fakes have not got
+    assert points.depth_of(frozen, "ddp") is None
     assert points.depth_of(plan_cfg, "ddp") is None  # the MLP has no n_layers
 
 
