@@ -43,7 +43,7 @@ def check_plan(cfg, argv: list[str] = ()) -> None:
     """The planner's inputs, by the training entry point's rules (ConfigError names them).
     ``argv``: the command line, to tell a model the user chose from the default one."""
     from sharded_exp.launch.preflight import check_values
-    from sharded_exp.plan.points import LEVERS, _value, lever_names
+    from sharded_exp.plan.points import LEVERS, MAX_UNITS, _value, lever_names
     from sharded_exp.strategies import STRATEGIES
 
     check_values(cfg)  # strategy, model, precision, optimizer, trainer values
@@ -68,8 +68,11 @@ def check_plan(cfg, argv: list[str] = ()) -> None:
         raise ConfigError(f"plan.device_memory_gib={p.device_memory_gib} must be a finite number > 0")
     if p.workers < 0:
         raise ConfigError(f"plan.workers={p.workers} must be >= 0 (0: one process per CPU core; 1: this process only)")
-    if p.units < 1:
-        raise ConfigError(f"plan.units={p.units} must be >= 1")
+    if not 1 <= p.units <= MAX_UNITS:
+        raise ConfigError(
+            f"plan.units={p.units} must be between 1 and {MAX_UNITS:,} (the model's repeated blocks, "
+            "a transformer's layers: each is a tensor per rank in the raw model)"
+        )
     for name in p.strategies or []:
         STRATEGIES.builder(name)  # raises, naming the registered ones
     for combo in p.get("levers", None) or []:

@@ -115,31 +115,54 @@ def _raw_parts(cfg, name: str, world_size: int) -> dict[str, float]:
 
 
 EXACT_UP_TO = 1024
-"""World sizes up to this are planned tensor by tensor; beyond it, from the line below."""
+"""World sizes up to this are planned tensor by tensor; beyond it, from a line."""
+LINE_WINDOWS = ((256, 512, 1024), (4096, 8192, 16384))
+"""Exact plans a line is drawn through (two) and checked at (the third): the first window whose
+check holds answers beyond it. A strategy whose figures change regime (ShardedDDP's buckets
+fill once a rank's share of each unit is small) is linear again past the change."""
+MAX_UNITS = 100_000
+"""plan.units at most: a unit is a tensor per rank in the raw model (a transformer's layers are
+tens to hundreds)."""
+
+
+class NoLine(ValueError):
+    """A strategy's figures for a raw count are not a + b / world_size in any window."""
 
 
 def _raw_parts_at_scale(cfg, name: str, world_size: int) -> tuple[dict[str, float], str]:
     """Each figure of an ideally divisible model is held whole or split evenly, so it is
-    a + b / world_size: two exact plans (256 and 512 ranks) give the line, a third (1024)
-    checks it, and the line answers for any world size in milliseconds. Where the check
-    fails (a strategy whose buckets change regime), the exact plan is made."""
-    w1, w2, w3 = EXACT_UP_TO // 4, EXACT_UP_TO // 2, EXACT_UP_TO
-    p1, p2, p3 = (_raw_parts(cfg, name, w) for w in (w1, w2, w3))
-    line = {}
-    for k in p1:
-        b = (p1[k] - p2[k]) / (1 / w1 - 1 / w2)
-        a = p1[k] - b / w1
-        if not math.isclose(a + b / w3, p3[k], rel_tol=1e-4, abs_tol=1e-9):  # rounding of the pieces: ~1e-5
+    a + b / world_size: two exact plans give the line, a third checks it, and the line
+    answers for any world size in milliseconds (:data:`LINE_WINDOWS`, seconds at most).
+    Where no window's check holds, :class:`NoLine` says so: an exact plan at millions of
+    ranks would take minutes and gigabytes."""
+    for w1, w2, w3 in LINE_WINDOWS:
+        if world_size <= w3:
             return _raw_parts(cfg, name, world_size), ""
-        line[k] = max(0.0, a + b / world_size)
-    return line, f"from the exact plans at {w1}, {w2} and {w3} ranks (every figure is a + b/world_size)"
+        p1, p2, p3 = (_raw_parts(cfg, name, w) for w in (w1, w2, w3))
+        line = {}
+        for k in p1:
+            b = (p1[k] - p2[k]) / (1 / w1 - 1 / w2)
+            a = p1[k] - b / w1
+            if not math.isclose(a + b / w3, p3[k], rel_tol=1e-4, abs_tol=1e-9):  # rounding of the pieces
+                break
+            line[k] = max(0.0, a + b / world_size)
+        else:
+            return line, f"from the exact plans at {w1}, {w2} and {w3} ranks (every figure is a + b/world_size)"
+    raise NoLine(
+        f"{name}: a raw count is planned up to {LINE_WINDOWS[-1][-1]:,} ranks for this strategy (its figures are not "
+        f"a + b/world_size there); {world_size:,} ranks was asked"
+    )
 
 
 def raw_row(cfg, name: str, world_size: int) -> dict[str, Any]:
     if world_size <= EXACT_UP_TO:
         states, note = _raw_parts(cfg, name, world_size), ""
     else:
-        states, note = _raw_parts_at_scale(cfg, name, world_size)
+        try:
+            states, note = _raw_parts_at_scale(cfg, name, world_size)
+        except NoLine as exc:  # said in its row, as a point without a peak is
+            row = _row(cfg, name, world_size, {k: None for k in PARTS}, "none", str(exc))
+            return row | {"total_gib": None, "mean_gib": None, "fits": None}
     parts = {k: 0.0 for k in PARTS} | states | {"activations": None}
     return _row(cfg, name, world_size, parts, "raw parameter count (analytic, no activations)", note)
 

@@ -464,3 +464,29 @@ def test_what_the_fake_steps_stand_for(raw_cfg, plan_cfg):
     c = plan_cfg.copy()
     c.plan.device = "cpu"
     assert points.faked(c) == "cpu (the kernels a CPU run uses)"
+
+
+def test_beyond_every_line_a_raw_count_is_said_not_planned_for_minutes(raw_cfg, monkeypatch):
+    """A strategy whose figures follow no line in any window gets a row saying so (seconds),
+    not an exact plan at millions of ranks (minutes, gigabytes)."""
+    calls = []
+
+    def curved(cfg, name, world_size):
+        calls.append(world_size)
+        return {"params": 1.0 / world_size**2}  # no a + b / world_size
+
+    monkeypatch.setattr(points, "_raw_parts", curved)
+    r = points.raw_row(raw_cfg, "ddp", 10**6)
+    assert r["total_gib"] is None and r["fits"] is None and r["method"] == "none"
+    assert "planned up to 16,384 ranks" in r["note"] and "1,000,000 ranks was asked" in r["note"]
+    assert max(calls) == 16384
+
+
+def test_a_line_that_holds_only_past_a_regime_change_answers_beyond_it(raw_cfg, monkeypatch):
+    def bent(cfg, name, world_size):
+        return {"params": 3.0 + 4096.0 / world_size if world_size >= 4096 else 1.0 / world_size**2}
+
+    monkeypatch.setattr(points, "_raw_parts", bent)
+    r = points.raw_row(raw_cfg, "ddp", 10**6)
+    assert r["params_gib"] == pytest.approx(3.0 + 4096.0 / 10**6)
+    assert r["note"] == "from the exact plans at 4096, 8192 and 16384 ranks (every figure is a + b/world_size)"
