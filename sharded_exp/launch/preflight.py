@@ -64,6 +64,85 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def shapes_model(cfg) -> torch.nn.Module:
+    """The configured model on the meta device (shapes, no memory); one whose constructor reads
+    a value (``Tensor.item()``, an orthogonal parametrization) cannot be built there, and is
+    built on the host instead, once: it builds in plain torch, and the ranks build it whole.
+    A model that cannot be built at all is refused, with its own complaint."""
+    try:
+        return meta_model(cfg.model, cfg.trainer.freeze)
+    except Exception:  # noqa: BLE001 -- tried on the host: a refused config is refused there again
+        pass
+    from sharded_exp.models import build_model
+
+    try:
+        with torch.device("cpu"):
+            return build_model(cfg.model, cfg.trainer.freeze)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 -- the model's own complaint, named
+        raise ConfigError(f"model={cfg.model.name} cannot be built with this config: {type(exc).__name__}: {exc}") from None
+
+
+def check_no_lazy(module: torch.nn.Module, model: str) -> None:
+    """A lazy module's parameter has no shape before a first forward: nothing can be predicted,
+    sharded or checkpointed from it. Refused, naming it."""
+    from torch.nn.parameter import UninitializedParameter
+
+    for name, param in module.named_parameters():
+        if isinstance(param, UninitializedParameter):
+            owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
+            raise ConfigError(
+                f"model={model}: parameter {name} ({type(owner).__name__}) has no shape until a first forward (a lazy "
+                "module): sharded_exp predicts, shards and checkpoints from shapes before training; give the module "
+                "its sizes (nn.Linear(in, out)), or run one forward in the factory"
+            )
+
+
+def check_units_shardable(module: torch.nn.Module, model: str, strategy: str) -> None:
+    """What FSDP cannot wrap, refused before any rank starts (the ranks would die with torch's
+    "already managed by another FSDP group" or "Invariant encountered"): a unit listed twice (a
+    block reused), a unit inside another, or a parameter shared by two units or by a unit and
+    the rest of the model (a tied weight across groups)."""
+    found = units(module)
+    names: dict[int, str] = {}
+    for n, m in module.named_modules(remove_duplicate=False):
+        names.setdefault(id(m), n)  # a module reused: its first place
+    seen: set[int] = set()
+    for unit in found:
+        _require(id(unit) not in seen, f"strategy={strategy}: model={model}'s unit {names.get(id(unit))} is listed twice "
+                 "(one block reused): FSDP wraps each unit once; use a block per position, or strategy=ddp")  # fmt: skip
+        seen.add(id(unit))
+    for a in found:
+        for b in found:
+            if a is not b and any(m is b for m in a.modules()):
+                raise ConfigError(
+                    f"strategy={strategy}: model={model}'s unit {names.get(id(b))} is inside its unit "
+                    f"{names.get(id(a))}: FSDP's units must not nest; return disjoint blocks from sharding_units()"
+                )
+    owner: dict[int, str] = {}
+    for unit in found:
+        for name, param in unit.named_parameters():
+            key = f"{names.get(id(unit))}.{name}"
+            if id(param) in owner and not owner[id(param)].startswith(f"{names.get(id(unit))}."):
+                raise ConfigError(
+                    f"strategy={strategy}: model={model}'s parameter {key} is also {owner[id(param)]} (one tensor in "
+                    "two units): FSDP shards each unit's parameters on their own; untie them, or use strategy=ddp"
+                )
+            owner.setdefault(id(param), key)
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in owner and not any(_within(name, names.get(id(u))) for u in found):
+            raise ConfigError(
+                f"strategy={strategy}: model={model}'s parameter {name} is also {owner[id(param)]} (a unit's tensor "
+                "tied to one outside the units): FSDP shards the unit's parameters apart from the rest; untie them, "
+                "or use strategy=ddp"
+            )
+
+
+def _within(name: str, prefix: str | None) -> bool:
+    return prefix is not None and (name == prefix or name.startswith(prefix + "."))
+
+
 def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True) -> JobSpec:
     """Check ``cfg`` and decide the job's device, world size, checkpoints and prediction:
     the job's spec, which the ranks receive. ``cfg`` is read, never changed.
@@ -83,14 +162,10 @@ def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True)
     strategy.check(cfg.strategy, world_size, device_type)
     _check_param_dtype(cfg)
     zero_grad = strategy.zero_grad_rule(ZeroGrad(cfg.trainer.zero_grad))  # what build_strategy applies
-    try:
-        module = meta_model(cfg.model, cfg.trainer.freeze)  # shapes a model refuses, or a _target_ that cannot be built
-    except ConfigError:
-        raise
-    except Exception as exc:  # noqa: BLE001 -- the model's own complaint, named
-        raise ConfigError(
-            f"model={cfg.model.name} cannot be built with this config: {type(exc).__name__}: {exc}"
-        ) from None
+    module = shapes_model(cfg)
+    check_no_lazy(module, cfg.model.name)
+    if strategy.shards_parameters:
+        check_units_shardable(module, cfg.model.name, cfg.strategy.name)
     params = list(module.parameters())
     _require(bool(params), f"model={cfg.model.name} has no parameters: there is nothing to train or to shard")
     _require(

@@ -451,11 +451,13 @@ def build_run(
     # their values (a fake step then moves them onto its fake device).
     sharded_load = rule == "pretrained" and shards
     if rule == "units":
-        with unset_fake_temporarily(), torch.device("cpu"), parameters_on_meta():
-            module = build_model(cfg.model, tc.freeze)
         try:
+            with unset_fake_temporarily(), torch.device("cpu"), parameters_on_meta():
+                module = build_model(cfg.model, tc.freeze)
             check_initialisable(module)
-        except ConfigError:  # a registered model with a parameter of its own making: built whole
+        except ConfigError:  # a parameter of its own making, a buffer computed from a weight: built whole
+            rule = "whole"
+        except Exception:  # noqa: BLE001 -- a constructor that reads a value (Tensor.item()) cannot run on meta
             rule = "whole"
     if rule != "units" and (sharded_load or meta_first):
         with unset_fake_temporarily(), torch.device("meta"):

@@ -229,3 +229,17 @@ class OutOfMemoryInEvaluation(Net):
 
 def build_oom_in_evaluation(in_features, num_classes):
     return OutOfMemoryInEvaluation(in_features, num_classes, 16)
+
+
+
+class ReadsAValue(Net):
+    """A constructor that reads a parameter's value (as torch's orthogonal parametrization
+    does, through Tensor.item()): it builds in plain torch, not on the meta device."""
+
+    def __init__(self, in_features, num_classes, hidden):
+        super().__init__(in_features, num_classes, hidden)
+        self.register_buffer("scale", torch.tensor(1.0 / max(1e-6, next(self.parameters()).abs().max().item())))
+
+
+def build_reading_a_value(in_features, num_classes, hidden=16):
+    return ReadsAValue(in_features, num_classes, hidden)

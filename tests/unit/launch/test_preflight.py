@@ -9,6 +9,7 @@ import math
 import re
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from sharded_exp.compose import compose
@@ -337,3 +338,73 @@ def test_hugging_face_head_counts_that_do_not_divide_are_refused_before_any_rank
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         preflight.check_values(compose(overrides))
+
+
+# ------------------------------------------------------------- models FSDP cannot wrap
+class _Blocks(torch.nn.Module):
+    def __init__(self, blocks, head=None):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(blocks)
+        self.head = head if head is not None else torch.nn.Linear(4, 2)
+
+    def sharding_units(self):
+        return list(self.blocks)
+
+
+def test_a_block_reused_as_two_units_is_refused_for_fsdp():
+    from sharded_exp.errors import ConfigError
+    from sharded_exp.launch.preflight import check_units_shardable
+
+    block = torch.nn.Linear(4, 4)
+    with pytest.raises(ConfigError, match=r"strategy=fsdp: model=mine's unit blocks.0 is listed twice"):
+        check_units_shardable(_Blocks([block, block]), "mine", "fsdp")
+
+
+def test_a_weight_tied_across_units_or_to_the_root_is_refused_for_fsdp():
+    from sharded_exp.errors import ConfigError
+    from sharded_exp.launch.preflight import check_units_shardable
+
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    b.weight = a.weight
+    with pytest.raises(ConfigError, match=r"parameter blocks.1.weight is also blocks.0.weight \(one tensor in two units\)"):
+        check_units_shardable(_Blocks([a, b]), "mine", "fsdp")
+    c = torch.nn.Linear(4, 4)
+    head = torch.nn.Linear(4, 4)
+    head.weight = c.weight
+    with pytest.raises(ConfigError, match=r"parameter head.weight is also blocks.0.weight \(a unit's tensor tied"):
+        check_units_shardable(_Blocks([c], head), "mine", "fsdp")
+    check_units_shardable(_Blocks([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]), "mine", "fsdp")  # sound
+
+
+def test_nested_units_are_refused_for_fsdp():
+    from sharded_exp.errors import ConfigError
+    from sharded_exp.launch.preflight import check_units_shardable
+
+    class Nested(_Blocks):
+        def sharding_units(self):
+            return [self.blocks[0], self.blocks[0][0]]
+
+    inner = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(ConfigError, match=r"unit blocks.0.0 is inside its unit blocks.0: FSDP's units must not nest"):
+        check_units_shardable(Nested([inner]), "mine", "fsdp")
+
+
+def test_a_lazy_module_is_refused_naming_its_parameter():
+    from sharded_exp.errors import ConfigError
+    from sharded_exp.launch.preflight import check_no_lazy
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LazyLinear(2))
+    with pytest.raises(ConfigError, match=r"model=mine: parameter 1.weight \(LazyLinear\) has no shape until a first"):
+        check_no_lazy(model, "mine")
+
+
+def test_a_model_whose_constructor_reads_a_value_is_built_on_the_host_for_its_shapes(tmp_path):
+    from sharded_exp.compose import compose
+    from sharded_exp.launch import preflight
+    from sharded_exp.predict.prediction import meta_model
+
+    cfg = compose(["model=custom", "model._target_=tests.helpers.user_models.build_reading_a_value"])
+    with pytest.raises(Exception, match="meta"):
+        meta_model(cfg.model)  # what refused it before
+    module = preflight.shapes_model(cfg)
+    assert module.scale.item() > 0 and all(p.device.type == "cpu" for p in module.parameters())
