@@ -86,8 +86,10 @@ def registry_schemas(query: bool = False) -> dict:
             pass
     from sharded_exp.data import TASKS
     from sharded_exp.models import MODELS
+    from sharded_exp.registry import import_plugins
     from sharded_exp.strategies import STRATEGIES
 
+    import_plugins()  # a plugin's model, strategy or task brings its schema: a YAML of its own may name it
     nodes = {}
     for group, registry in (("strategy", STRATEGIES), ("model", MODELS), ("data", TASKS)):
         for name in registry.names():

@@ -133,3 +133,27 @@ def test_the_sweep_subdirectory_resolver_is_registered():
 
     compose_mod.register_schemas()
     assert OmegaConf.create({"d": "${point_dirname:a/b}"}).d == "a_b"
+
+
+def test_a_plugins_schema_is_registered_so_its_yaml_can_name_it(tmp_path, monkeypatch):
+    """A model registered by a SHARDED_EXP_PLUGINS module brings its own schema: Hydra must
+    know ``schema_model_<name>`` before the plugin's YAML (``- /schema_model_odd@_here_``) is
+    composed, in training and in the planner alike (both compose through here)."""
+    import sys
+
+    from sharded_exp import compose as module
+    from sharded_exp.models import MODELS
+
+    (tmp_path / "odd_plugin.py").write_text(
+        "from dataclasses import dataclass\n"
+        "from sharded_exp.models import MODELS\n\n"
+        "@dataclass\nclass OddConfig:\n    name: str = 'odd'\n    width: int = 3\n\n"
+        "@MODELS.register('odd', config=OddConfig)\ndef build(cfg):\n    raise NotImplementedError\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("SHARDED_EXP_PLUGINS", "odd_plugin")
+    monkeypatch.setattr(MODELS, "_entries", dict(MODELS._entries))
+    monkeypatch.delitem(sys.modules, "odd_plugin", raising=False)
+    nodes = module.registry_schemas()
+    assert nodes["schema_model_odd"].__name__ == "OddConfig"
+    sys.modules.pop("odd_plugin", None)
