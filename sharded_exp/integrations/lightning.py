@@ -62,6 +62,7 @@ class MemoryProbe(pl.Callback):
                        "precision": str(trainer.precision), "devices": trainer.num_devices,
                        "num_nodes": trainer.num_nodes},  # fmt: skip
             source="lightning",
+            grad_accum=trainer.accumulate_grad_batches,
             **self.options,
         )
         self._global_step = trainer.global_step

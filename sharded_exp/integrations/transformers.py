@@ -51,6 +51,7 @@ class MemoryProbe(TrainerCallback):
             model, optimizer, self.run_dir,
             samples_per_step=args.per_device_train_batch_size * args.gradient_accumulation_steps,
             precision=precision, strategy=name, ddp=ddp, source="transformers",
+            grad_accum=args.gradient_accumulation_steps,
             framework={"name": "transformers", "version": transformers.__version__, "world_size": args.world_size,
                        "fsdp": str(args.fsdp or ""), "deepspeed": bool(args.deepspeed),
                        "gradient_accumulation_steps": args.gradient_accumulation_steps},  # fmt: skip

@@ -115,6 +115,7 @@ class Probe:
         autocast: contextlib.AbstractContextManager | None = None,
         wrapped_before: bool = True,
         ddp: tuple[bool, bool] | None = None,
+        grad_accum: int = 1,
     ):
         if warmup_steps < 1 or track_steps < 1:
             raise ValueError(f"warmup_steps={warmup_steps} and track_steps={track_steps} must be >= 1")
@@ -129,6 +130,7 @@ class Probe:
         self.strategy = strategy or found_strategy
         self.framework.setdefault("found", found)
         self.wrapped_before = wrapped_before
+        self.grad_accum = max(1, int(grad_accum))  # micro-batches per optimizer step (for the prediction)
         self.ddp = ddp or fake.ddp_of(model)  # (under DDP, gradients as bucket views)
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.meter = MemoryMeter(self.device)
@@ -155,6 +157,7 @@ class Probe:
         self.prediction = fake.predict_peak(
             self.model, self.optimizer, example, step_fn, autocast,
             buckets_seen=self.device.type == "cuda" or not self.wrapped_before, ddp=self.ddp,
+            grad_accum=self.grad_accum,
         )  # fmt: skip
 
     def _adopt_device(self) -> None:
@@ -346,6 +349,7 @@ class Probe:
             "output_dir": os.path.abspath(self.run_dir),
             "config": {"source": self.source, "framework": self.framework, "warmup_steps": self.warmup_steps,
                        "track_steps": self.track_steps, "samples_per_step": self.samples_per_step,
+                       "grad_accum": self.grad_accum,
                        "ignored_step_calls": self.ignored_calls},  # fmt: skip
             "launcher": _launcher(),
             "final_loss": losses[-1] if losses else None,

@@ -148,6 +148,7 @@ def predict_peak(
     autocast: contextlib.AbstractContextManager | None = None,
     buckets_seen: bool = True,
     ddp: tuple[bool, bool] | None = None,
+    grad_accum: int = 1,
 ) -> dict[str, Any]:
     """The predicted peak of one training step (MiB), its breakdown and how it was made, or a
     null figure and the reason: ``{"peak_mib", "breakdown_mib", "method", "error", "seconds"}``.
@@ -155,7 +156,9 @@ def predict_peak(
     ``batch``: a batch or its :func:`describe`; ``step_fn(model, batch) -> loss`` (default
     :func:`call_model`); ``autocast``: the context the user's forward runs in; ``ddp``: (under
     DDP, gradients as bucket views), read from ``model`` when not given (:func:`ddp_extra_mib`). ``optimizer`` may be a wrapper holding the torch optimizer as
-``.optimizer`` (Accelerate's, Lightning's)."""
+``.optimizer`` (Accelerate's, Lightning's). ``grad_accum``: micro-batches per optimizer step; from two
+    on, a micro-batch's forward runs beside the gradients the one before left, so two are faked
+    (more hold the same)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.utils.stateless import _reparametrize_module  # private torch API: re-check on upgrades
 
@@ -191,13 +194,14 @@ def predict_peak(
                 tracker.track_external(module, opt)
                 with tracker:
                     for _ in range(2):
-                        fake_batch = materialize(spec)
-                        with autocast or contextlib.nullcontext():
-                            loss = step_fn(module, fake_batch)
-                        loss.backward()
+                        for _ in range(min(max(1, int(grad_accum)), 2)):
+                            fake_batch = materialize(spec)
+                            with autocast or contextlib.nullcontext():
+                                loss = step_fn(module, fake_batch)
+                            loss.backward()
+                            del loss, fake_batch
                         opt.step()
                         opt.zero_grad(set_to_none=True)
-                        del loss, fake_batch
                         tracker.reset_mod_stats()
         if tracker.failure is not None:
             return {**out, "error": f"the memory tracker failed on the fake step: {tracker.failure}"}
