@@ -82,6 +82,30 @@ def check_plan(cfg, argv: list[str] = ()) -> None:
                 f"plan.levers entry {combo!r}: {', '.join(bad) or 'empty'} is not a lever; levers: none, or "
                 f"{', '.join(LEVERS)} joined with + (e.g. ac+offload)"
             )
+        names = lever_names(str(combo))
+        if len(set(names)) < len(names) or {"ac", "ac_selective"} <= set(names):
+            raise ConfigError(
+                f"plan.levers entry {combo!r} sets one lever twice (ac and ac_selective are two settings of "
+                "activation checkpointing): name each once, e.g. ac+offload"
+            )
+    for key in ("world_sizes", "strategies", "levers"):
+        values = [str(v) for v in (p.get(key, None) or [])]
+        twice = sorted({v for v in values if values.count(v) > 1})
+        if twice:
+            raise ConfigError(f"plan.{key} names {', '.join(twice)} twice: each is planned once; name it once")
+    combos = [str(c) for c in (p.get("levers", None) or [])]
+    if any("offload" in lever_names(c) for c in combos):
+        takers = [n for n in (p.strategies or STRATEGIES.names()) if STRATEGIES.builder(n).shards_parameters]
+        if not takers:
+            raise ConfigError(
+                f"plan.levers={combos}: offload moves FSDP's sharded states to the host, and plan.strategies="
+                f"{list(p.strategies)} has no FSDP strategy; add fsdp or fsdp_grad_op, or drop offload"
+            )
+        if _value(p.device) == "cpu":
+            raise ConfigError(
+                "plan.levers with offload and plan.device=cpu: offload moves states from a GPU to host memory, where a "
+                "CPU run holds them already (a CPU run refuses it); plan it for plan.device=cuda"
+            )
     if p.plot and (not str(p.plot).lower().endswith((".png", ".svg", ".pdf")) or os.path.isdir(p.plot)):
         raise ConfigError(f"plan.plot={p.plot} must name a .png, .svg or .pdf file to draw the plan into")
     if p.plot:  # said now, not after minutes of planning
@@ -90,6 +114,8 @@ def check_plan(cfg, argv: list[str] = ()) -> None:
             above = os.path.dirname(above)
         if not os.path.isdir(above):
             raise ConfigError(f"plan.plot={p.plot}: {above} is a file, not a directory; choose another plan.plot")
+        if not os.access(above, os.W_OK) or above.startswith(("/proc", "/sys")):
+            raise ConfigError(f"plan.plot={p.plot}: {above} cannot be written; choose another plan.plot")
     if _value(p.find) == "batch_size" and p.params is not None:
         raise ConfigError(
             f"plan.find=batch_size needs a model: a raw parameter count (plan.params={p.params:g}) has no "

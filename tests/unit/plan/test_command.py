@@ -49,6 +49,13 @@ def with_values(cfg, **values):
                                           "a raw parameter count (plan.params) has none"),  # fmt: skip
         ({"trainer__batch_size": 0}, "trainer.batch_size=0 must be >= 1"),
         ({"find": "batch_size", "params": 1e9}, "plan.find=batch_size needs a model: a raw parameter count"),
+        ({"levers": ["ac+ac_selective"]}, "plan.levers entry 'ac+ac_selective' sets one lever twice"),
+        ({"levers": ["ac+ac"]}, "plan.levers entry 'ac+ac' sets one lever twice"),
+        ({"world_sizes": [8, 8]}, "plan.world_sizes names 8 twice"),
+        ({"strategies": ["ddp", "ddp"]}, "plan.strategies names ddp twice"),
+        ({"levers": ["offload"], "strategies": ["ddp", "zero1"]}, "has no FSDP strategy; add fsdp or fsdp_grad_op"),
+        ({"levers": ["offload"], "device": "cpu"}, "plan.levers with offload and plan.device=cpu"),
+        ({"plot": "/proc/x.png"}, "plan.plot=/proc/x.png: /proc cannot be written"),
     ],
 )
 def test_input_the_planner_refuses(plan_cfg, values, message):
