@@ -170,6 +170,17 @@ def buildable(cfg) -> None:
             f"model={cfg.model.name} has nothing to train (no parameter, or trainer.freeze={list(cfg.trainer.freeze)} "
             "freezes every one): there is nothing to plan"
         )
+    from sharded_exp.launch.preflight import check_no_lazy, check_units_shardable
+    from sharded_exp.plan.points import strategy_names
+    from sharded_exp.strategies import STRATEGIES
+
+    check_no_lazy(module, cfg.model.name)
+    for name in strategy_names(cfg):  # a layout training refuses is no plan (a weight tied across FSDP's units)
+        if STRATEGIES.builder(name).shards_parameters:
+            try:
+                check_units_shardable(module, cfg.model.name, name)
+            except ConfigError as exc:
+                raise ConfigError(f"{exc}; or plan without it: plan.strategies=[ddp,zero1,...]") from None
 
 
 def preset_of(argv: list[str]) -> str:

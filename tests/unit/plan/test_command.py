@@ -177,3 +177,25 @@ def test_a_layout_training_refuses_is_refused_for_every_world_size_planned(world
     bad = next(ws for ws in world_sizes if ws % 2)
     assert f"at {bad} ranks, strategy.replicate=2 must be >= 1 and divide trainer.world_size={bad}" in str(refused.value)
     command.check_plan(compose(["strategy=fsdp", "strategy.replicate=2", "plan.world_sizes=[2,8]"], config_name="plan"))
+
+
+def test_a_model_fsdp_cannot_wrap_is_refused_for_a_plan_of_fsdp(monkeypatch):
+    import torch
+
+    from sharded_exp.compose import compose
+    from sharded_exp.plan import command as cmd
+    from sharded_exp.predict import prediction
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+            self.blocks[1].weight = self.blocks[0].weight
+
+        def sharding_units(self):
+            return list(self.blocks)
+
+    monkeypatch.setattr(prediction, "meta_model", lambda cfg, freeze=(): Tied())
+    with pytest.raises(ConfigError, match=r"strategy=fsdp: model=mlp's parameter blocks.1.weight is also blocks.0"):
+        cmd.buildable(compose(["plan.strategies=[ddp,fsdp]"], config_name="plan"))
+    cmd.buildable(compose(["plan.strategies=[ddp,zero1]"], config_name="plan"))  # FSDP not planned: no refusal
