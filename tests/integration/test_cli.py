@@ -111,6 +111,7 @@ def test_torchrun_provides_the_ranks(tmp_path):
     assert len(result["memory"]["per_rank"]) == 2
 
 
+@pytest.mark.slow  # the default tier's CLI job: test_default_job_prints_table_and_writes_result; resume: test_checkpoint
 # ----------------------------------------------- what a job prints and result.json says
 def test_a_resumed_bar_ends_full_and_the_output_directory_is_printed(tmp_path):
     args = [*TINY, "trainer.steps=4", "trainer.checkpoint_every=2", "trainer.progress_bar=true"]

@@ -303,8 +303,9 @@ def test_a_bad_model_value_exits_2_without_a_traceback(tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["model=custom", "model._target_=tests.helpers.user_models.build_none"],
-         "model._target_=tests.helpers.user_models.build_none returned None (does it return the model?), not a torch.nn.Module"),
+        pytest.param(["model=custom", "model._target_=tests.helpers.user_models.build_none"],
+                     "model._target_=tests.helpers.user_models.build_none returned None (does it return the model?), "
+                     "not a torch.nn.Module", marks=pytest.mark.slow),
         pytest.param(["model=custom", "model._target_=tests.helpers.user_models.build_not_a_module"],
                      "returned a dict, not a torch.nn.Module", marks=pytest.mark.slow),
         pytest.param(["model=custom"], "model._target_ must be set: no value was given (model=custom needs model._target_=",
@@ -322,6 +323,7 @@ def test_bad_models_and_values_get_an_error_line(overrides, message, tmp_path):
     assert not (tmp_path / "run").exists()  # nothing left behind
 
 
+@pytest.mark.slow  # unit: tests/unit/launch/test_preflight.py
 def test_find_unused_parameters_is_a_setting_and_unknown_strategy_keys_are_refused(tmp_path):
     unused = ["model=custom", "model._target_=tests.helpers.user_models.build_with_unused", "trainer.steps=3"]
     failed = launch_job(unused, tmp_path / "without")

@@ -83,7 +83,7 @@ SWEEPS = {
 }  # fmt: skip
 # paths.output_dir places each sweep (a preset's own hydra.sweep.dir is made from it)
 SWEEPS = {name: [*o, f"paths.output_dir=__tmp__sweep_{name}"] for name, o in SWEEPS.items()}
-SLOW_SWEEPS = {"seed_study_conll", "hparams_search"}
+SLOW_SWEEPS = {"seed_study_conll", "hparams_search", "seed_study", "seed_table"}  # the experiment presets: real sweeps, slow tier
 """Multirun sweeps (``python -m sharded_exp -m``, a real subprocess) ending in their report;
 a command-line sweep of a key replaces the preset's own values for it, as in Hydra."""
 

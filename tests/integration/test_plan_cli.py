@@ -53,6 +53,7 @@ def test_hydra_questions_are_answered_without_torch(tmp_path):
     assert proc.returncode == 0 and "plan.device=" in proc.stdout.split(), proc.stdout + proc.stderr
 
 
+@pytest.mark.slow  # unit: tests/unit/plan/test_table.py
 def test_every_format_has_the_same_columns(capsys):
     """table (aligned), md, csv and json: one plan, the same columns; the header names the
     model preset, sequence, precision, optimizer, per-rank batch and budget, the method once."""

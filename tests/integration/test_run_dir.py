@@ -70,6 +70,7 @@ def test_a_composition_error_leaves_no_run_directory(bad, tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.slow  # the default tier's: test_a_composition_error_leaves_no_run_directory
 def test_a_refused_config_or_a_run_directory_under_a_file_leaves_nothing(tmp_path):
     proc = run_cli(["trainer.steps=5", "logger=none"], cwd=tmp_path)  # warm-up 5 of 5 steps: refused
     assert proc.returncode == 2 and "trainer.warmup_steps=5 must be" in proc.stderr, proc.stderr[-2000:]
