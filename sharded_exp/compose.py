@@ -85,11 +85,15 @@ def registry_schemas(query: bool = False) -> dict:
         except (OSError, ValueError):
             pass
     from sharded_exp.data import TASKS
+    from sharded_exp.errors import ConfigError
     from sharded_exp.models import MODELS
     from sharded_exp.registry import import_plugins
     from sharded_exp.strategies import STRATEGIES
 
-    import_plugins()  # a plugin's model, strategy or task brings its schema: a YAML of its own may name it
+    try:  # a plugin's model, strategy or task brings its schema: a YAML of its own may name it
+        import_plugins()
+    except ConfigError:
+        pass  # a module that cannot be imported is refused by the job's own check (exit 2), said there
     nodes = {}
     for group, registry in (("strategy", STRATEGIES), ("model", MODELS), ("data", TASKS)):
         for name in registry.names():
