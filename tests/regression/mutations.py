@@ -132,11 +132,11 @@ MUTATIONS = [
     ),
     Mutation(
         11,
-        "sharded_exp/plan/points.py",
-        "if world_size <= EXACT_UP_TO:",
-        "if world_size < EXACT_UP_TO:",
-        "1024 ranks extrapolated instead of planned exactly (off by one)",
-        "tests/unit/plan/test_points.py::test_raw_rows_up_to_1024_ranks_are_exact_and_beyond_drawn_from_exact_plans",
+        'sharded_exp/plan/points.py',
+        'line[k] = max(0.0, a + b / world_size)',
+        'line[k] = max(0.0, a + b / w3)',
+        "a raw plan beyond 1024 ranks read off the line at the window's last world size, not the one asked",
+        'tests/unit/plan/test_points.py::test_a_line_that_holds_only_past_a_regime_change_answers_beyond_it',
     ),
     Mutation(
         12,
