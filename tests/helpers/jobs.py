@@ -105,6 +105,16 @@ def run_cli(
     )
 
 
+def run_measurement(module: str, *args: str, cwd: Path, timeout: float = 300) -> dict:
+    """``python -m MODULE ARGS`` (a benchmark or a regression gate) from an empty directory, the
+    repository on the path: it must exit 0 and print its Markdown table; the JSON it wrote to
+    ``outputs/benchmarks/<name>.json`` is returned."""
+    proc = run_cli(list(args), cwd, env={"PYTHONPATH": str(ROOT)}, timeout=timeout, module=module)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "|---|" in proc.stdout  # the Markdown table
+    return json.loads((cwd / "outputs" / "benchmarks" / f"{module.rsplit('.', 1)[-1]}.json").read_text())
+
+
 def read_result(path: Path) -> dict:
     return json.loads((path / "result.json").read_text())
 

@@ -4,21 +4,15 @@ The targets themselves live in the benchmarks, never in tests."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.helpers.jobs import ROOT, run_cli
+from tests.helpers.jobs import run_measurement
 
 pytestmark = pytest.mark.slow  # each runs a benchmark end to end (python -m benchmarks.NAME)
 
 
 def bench(name: str, *args: str, cwd, timeout: float = 300) -> dict:
-    # Run from an empty directory: outputs/ lands there; the repository is on the path.
-    proc = run_cli(list(args), cwd, env={"PYTHONPATH": str(ROOT)}, timeout=timeout, module=f"benchmarks.{name}")
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "|---|" in proc.stdout  # the Markdown table
-    return json.loads((cwd / "outputs" / "benchmarks" / f"{name}.json").read_text())
+    return run_measurement(f"benchmarks.{name}", *args, cwd=cwd, timeout=timeout)
 
 
 def test_overhead_smoke(tmp_path):

@@ -9,18 +9,13 @@ import json
 
 import pytest
 
-from tests.helpers.jobs import ROOT, run_cli
+from tests.helpers.jobs import ROOT, run_cli, run_measurement
 
 pytestmark = pytest.mark.slow  # each records real jobs end to end
 
 
 def gate(name: str, *args: str, cwd, timeout: float = 300) -> dict:
-    """``python -m tests.regression.NAME ARGS`` from an empty directory (its outputs/ lands
-    there), its JSON returned."""
-    proc = run_cli(list(args), cwd, env={"PYTHONPATH": str(ROOT)}, timeout=timeout, module=f"tests.regression.{name}")
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "|---|" in proc.stdout  # the Markdown table
-    return json.loads((cwd / "outputs" / "benchmarks" / f"{name}.json").read_text())
+    return run_measurement(f"tests.regression.{name}", *args, cwd=cwd, timeout=timeout)
 
 
 def test_digests_runs(tmp_path):
