@@ -235,6 +235,10 @@ def plan(cfg, preset: str) -> int:
     try:
         rows = points.plan_rows(cfg, world_sizes, device_type, progress)
         found = points.find_rows(cfg, world_sizes, device_type, progress) if cfg.plan.find else []
+    except ConfigError as exc:  # found by a fake step (a parameter made in forward): refused as a run would be
+        progress.close()
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     finally:
         progress.close()
     faked = points.faked(cfg)

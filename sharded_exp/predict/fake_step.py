@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from sharded_exp.config import option_name
+from sharded_exp.errors import ConfigError
 from sharded_exp.measure.tracker import peak_tracker
 from sharded_exp.strategies import STRATEGIES, offloads_to_host
 
@@ -264,6 +265,20 @@ class FakeStepError(RuntimeError):
         super().__init__(f"{part}: {detail or _short(exc)}")
 
 
+def refuse_parameters_made_in_forward(module: torch.nn.Module, known: set[int], model: str, strategy: str) -> None:
+    """A parameter that the model's forward registers (not its constructor) is in no
+    optimizer (never trained) and in no FSDP unit (a plain tensor among DTensors): refused,
+    naming it. ``known``: the ids of the parameters the build made."""
+    made = [name for name, param in module.named_parameters() if id(param) not in known]
+    if made:
+        raise ConfigError(
+            f"model={model}: its forward creates the parameter{'s' if len(made) > 1 else ''} {', '.join(made)} "
+            f"(not its constructor): the optimizer never sees {'them' if len(made) > 1 else 'it'}, so under "
+            f"strategy={strategy} {'they are' if len(made) > 1 else 'it is'} never trained (and FSDP cannot shard it); "
+            "create every parameter in __init__"
+        )
+
+
 def _blame(exc: BaseException, module) -> str:
     """Who raised ``exc`` inside a fake training step: the model's own code (the deepest
     frame outside torch lies in the model's module file), the strategy, or the step."""
@@ -377,6 +392,7 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
                 )
                 raise FakeStepError(part, exc) from exc
             module, strategy, autocast = run.module, run.strategy, run.autocast
+            known = {id(p) for p in module.parameters()}
             strategy.scaler = torch.amp.GradScaler(device.type, enabled=False)
             count = 0
             # FlopCounterMode's module hooks keep a checkpointed unit's recomputed tensors alive
@@ -405,7 +421,9 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
                     with counter or contextlib.nullcontext(), plain:
                         train_step(strategy, batches, autocast, grad_clip)
                 except Exception as exc:  # noqa: BLE001
+                    refuse_parameters_made_in_forward(module, known, cfg.model.name, name)  # the likelier cause
                     raise FakeStepError(_blame(exc, module).format(name), exc) from exc
+                refuse_parameters_made_in_forward(module, known, cfg.model.name, name)
                 if counter is not None:  # + fused attention's, which no aten op carries here
                     count = counter.get_total_flops() + (kernels.flops if kernels is not None else 0)
                 if tracking:
@@ -483,6 +501,8 @@ def fake_step(
         try:
             peak, parts, count, extra = _run(cfg, world_size, rank, device_type, clip, flops)
             return StepEstimate(rank, peak, parts, count, "fake step", seconds=time.perf_counter() - t0, extra=extra)
+        except ConfigError:  # the model itself is refused: no fallback can fake it
+            raise
         except Exception as exc:  # noqa: BLE001 -- decide below what a failure means
             first = exc
     if clip > 0 and (known or _data_dependent(first)):
@@ -495,6 +515,8 @@ def fake_step(
             return StepEstimate(
                 rank, peak, parts, count, method, note, seconds, extra=extra
             )
+        except ConfigError:
+            raise
         except Exception as exc:  # noqa: BLE001
             first = first or exc
     if cfg.strategy.name == "ddp" or states_mib is None:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from sharded_exp import precision
+from sharded_exp.errors import ConfigError
 from sharded_exp.models import build_model, units
 from sharded_exp.optim import optimizer_spec
 from sharded_exp.predict.memory_model import predict_model_states_mib
@@ -153,6 +154,8 @@ def predict_peak(
 
     try:
         est = fake_step(cfg, world_size, rank, device_type, states_of, flops=flops)
+    except ConfigError:  # the model is refused (a parameter made in forward), not just unpredictable
+        raise
     except Exception as exc:  # noqa: BLE001 -- recorded: the run goes on without a peak prediction
         from sharded_exp.predict.fake_step import FakeStepError
 

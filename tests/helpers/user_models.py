@@ -243,3 +243,18 @@ class ReadsAValue(Net):
 
 def build_reading_a_value(in_features, num_classes, hidden=16):
     return ReadsAValue(in_features, num_classes, hidden)
+
+
+class ParameterInForward(Net):
+    """A forward that registers a parameter the first time it runs (a scale made on demand):
+    the optimizer never sees it, and FSDP cannot shard it."""
+
+    def forward(self, inputs, targets=None):
+        if not hasattr(self, "late_scale"):
+            self.late_scale = nn.Parameter(torch.ones((), device=inputs.device))
+        out = super().forward(inputs, targets)
+        return {"logits": out["logits"] * self.late_scale, "loss": out["loss"] * self.late_scale}
+
+
+def build_parameter_in_forward(in_features, num_classes):
+    return ParameterInForward(in_features, num_classes, 16)

@@ -199,3 +199,14 @@ def test_a_model_fsdp_cannot_wrap_is_refused_for_a_plan_of_fsdp(monkeypatch):
     with pytest.raises(ConfigError, match=r"strategy=fsdp: model=mlp's parameter blocks.1.weight is also blocks.0"):
         cmd.buildable(compose(["plan.strategies=[ddp,fsdp]"], config_name="plan"))
     cmd.buildable(compose(["plan.strategies=[ddp,zero1]"], config_name="plan"))  # FSDP not planned: no refusal
+
+
+def test_a_refusal_a_fake_step_finds_ends_the_plan_with_exit_2_and_no_traceback(plan_cfg, capsys):
+    """A model whose forward registers a parameter builds fine; its fake step refuses it."""
+    from sharded_exp.compose import compose
+
+    cfg = compose(["model=custom", "model._target_=tests.helpers.user_models.build_parameter_in_forward",
+                   "plan.strategies=[ddp]", "plan.world_sizes=[2]", "plan.device=cpu"], config_name="plan")  # fmt: skip
+    assert command.plan(cfg, "custom") == 2
+    err = capsys.readouterr().err
+    assert "error: model=custom: its forward creates the parameter late_scale" in err and "Traceback" not in err

@@ -326,3 +326,32 @@ def test_a_ddp_fake_step_holds_the_whole_model_and_counts_the_mlps_flops(base_cf
     macs = 64 * 16 + 16 * 16 + 16 * 10
     assert est.flops_per_step == 4 * (6 * macs - 2 * 64 * 16)
     assert set(est.extra["phases"]) == {"step", "optimizer"} and est.extra["gloo_reduce_scatters"] == 0
+
+
+# ------------------------------------------------------- a parameter made in forward
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_parameter_made_in_forward_is_refused_naming_it(tiny_job, strategy):
+    """Under ddp such a parameter is silently never trained; under fsdp the ranks die with
+    torch's "mixed torch.Tensor and DTensor". Both are refused from the fake step."""
+    from sharded_exp.errors import ConfigError
+
+    from sharded_exp.compose import compose
+
+    cfg = compose(["model=custom", "model._target_=tests.helpers.user_models.build_parameter_in_forward",
+                   f"strategy={strategy}", "trainer.batch_size=4"])  # fmt: skip
+    with pytest.raises(ConfigError, match=rf"model=custom: its forward creates the parameter late_scale .*"
+                                          rf"strategy={strategy} it is never trained"):  # fmt: skip
+        fake_step(cfg, 2, 0, states_mib=lambda name: {})  # no fallback hides it either
+
+
+def test_refusing_parameters_made_in_forward_names_every_new_one_and_passes_the_built_ones():
+    from sharded_exp.errors import ConfigError
+    from sharded_exp.predict.fake_step import refuse_parameters_made_in_forward
+
+    model = nn.Sequential(nn.Linear(2, 2))
+    known = {id(p) for p in model.parameters()}
+    refuse_parameters_made_in_forward(model, known, "mine", "ddp")  # nothing new: passes
+    model.a = nn.Parameter(torch.ones(1))
+    model[0].b = nn.Parameter(torch.ones(1))
+    with pytest.raises(ConfigError, match=r"model=mine: its forward creates the parameters a, 0.b \(not"):
+        refuse_parameters_made_in_forward(model, known, "mine", "ddp")
