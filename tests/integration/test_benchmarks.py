@@ -196,3 +196,10 @@ def test_probe_overhead_smoke(tmp_path):
     data = bench("probe_overhead", "--pairs", "1", "--steps", "12", cwd=tmp_path)
     [run] = data["pairs"]
     assert run["bare_s"] > 0 and run["probed_s"] > 0 and data["median_overhead"] == run["overhead"]
+
+
+def test_hf_probe_warmup_smoke(tmp_path):
+    data = bench("hf_probe_warmup", "--steps", "8", cwd=tmp_path)
+    for accumulation in ("1", "4"):
+        assert len(data[accumulation]["bare_s"]) == len(data[accumulation]["probed_s"]) == 8
+        assert all(t > 0 for t in data[accumulation]["bare_s"] + data[accumulation]["probed_s"])

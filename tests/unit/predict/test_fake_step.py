@@ -333,9 +333,8 @@ def test_a_ddp_fake_step_holds_the_whole_model_and_counts_the_mlps_flops(base_cf
 def test_a_parameter_made_in_forward_is_refused_naming_it(tiny_job, strategy):
     """Under ddp such a parameter is silently never trained; under fsdp the ranks die with
     torch's "mixed torch.Tensor and DTensor". Both are refused from the fake step."""
-    from sharded_exp.errors import ConfigError
-
     from sharded_exp.compose import compose
+    from sharded_exp.errors import ConfigError
 
     cfg = compose(["model=custom", "model._target_=tests.helpers.user_models.build_parameter_in_forward",
                    f"strategy={strategy}", "trainer.batch_size=4"])  # fmt: skip
