@@ -1,4 +1,4 @@
-"""Fixtures of the checkpoint unit tests: a world-size-1 gloo group, a tiny strategy (the base
+"""Fixtures of the checkpoint unit tests (the gloo group is the root conftest's ``gloo_group``): a tiny strategy (the base
 Strategy around a two-layer model and torch.optim.Adam, one step taken so the optimizer has
 state), and a writer of small consolidated checkpoints on disk."""
 
@@ -10,21 +10,10 @@ import os
 import pytest
 import torch
 import torch._dynamo  # noqa: F401 -- torch.optim imports it on the first optimizer: paid at collection instead
-import torch.distributed as dist
 from torch import nn
 
 from sharded_exp.config import PrecisionConfig
 from sharded_exp.strategies.base import Strategy
-
-
-@pytest.fixture
-def gloo():
-    """A world-size-1 gloo process group, destroyed afterwards."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture

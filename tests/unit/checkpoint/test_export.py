@@ -21,7 +21,7 @@ JOB = {"strategy": "fsdp", "precision": "32", "optimizer": "adam", "model": {"na
 
 
 @pytest.fixture
-def dcp_checkpoint(gloo, make_strategy, tmp_path):
+def dcp_checkpoint(gloo_group, make_strategy, tmp_path):
     """(path, strategy): a dcp checkpoint at step 2 of a tiny strategy after two steps."""
     strategy = make_strategy(seed=1, steps=2)
     plan = CheckpointPlan(str(tmp_path / "ckpt"), "dcp", 1, 0, False, "refuse", None, 0)

@@ -45,7 +45,7 @@ def test_due_steps_are_the_multiples_of_every_and_the_last_step(every, steps, du
 
 
 # --------------------------------------------------------------------- the schedule
-def test_after_step_writes_exactly_the_due_checkpoints(gloo, make_strategy, tmp_path):
+def test_after_step_writes_exactly_the_due_checkpoints(gloo_group, make_strategy, tmp_path):
     strategy = make_strategy()
     manager = CheckpointManager.create(make_plan(tmp_path, every=3), JOB)
     returned = [manager.after_step(strategy, s, 7, CPU, lambda: None) for s in range(1, 8)]
@@ -56,7 +56,7 @@ def test_after_step_writes_exactly_the_due_checkpoints(gloo, make_strategy, tmp_
     assert manager.saved_step == 7
 
 
-def test_after_step_asks_the_data_position_only_when_saving_and_records_it(gloo, make_strategy, tmp_path):
+def test_after_step_asks_the_data_position_only_when_saving_and_records_it(gloo_group, make_strategy, tmp_path):
     strategy = make_strategy()
     manager = CheckpointManager.create(make_plan(tmp_path, every=2), JOB)
     asked = []
@@ -72,7 +72,7 @@ def test_after_step_asks_the_data_position_only_when_saving_and_records_it(gloo,
     assert read_meta(str(tmp_path / "step_00000002"))["data"] == {"epoch": 1, "samples": 40}
 
 
-def test_on_stop_saves_the_state_at_the_stop(gloo, make_strategy, tmp_path):
+def test_on_stop_saves_the_state_at_the_stop(gloo_group, make_strategy, tmp_path):
     strategy = make_strategy()
     manager = CheckpointManager.create(make_plan(tmp_path, every=5), JOB)
     manager.after_step(strategy, 4, 20, CPU, lambda: None)  # not due
@@ -81,7 +81,7 @@ def test_on_stop_saves_the_state_at_the_stop(gloo, make_strategy, tmp_path):
     assert saved_steps(tmp_path) == [4]
 
 
-def test_on_stop_right_after_a_checkpoint_writes_nothing_more(gloo, make_strategy, tmp_path):
+def test_on_stop_right_after_a_checkpoint_writes_nothing_more(gloo_group, make_strategy, tmp_path):
     strategy = make_strategy()
     manager = CheckpointManager.create(make_plan(tmp_path, every=5), JOB)
     manager.after_step(strategy, 5, 20, CPU, lambda: None)
@@ -90,7 +90,7 @@ def test_on_stop_right_after_a_checkpoint_writes_nothing_more(gloo, make_strateg
     assert manager.on_stop(strategy, 6, CPU, None) == str(tmp_path / "step_00000006")  # a step later: saved
 
 
-def test_a_job_without_checkpoints_never_saves(gloo, make_strategy, tmp_path):
+def test_a_job_without_checkpoints_never_saves(gloo_group, make_strategy, tmp_path):
     strategy = make_strategy()
     manager = CheckpointManager.create(make_plan(tmp_path / "ckpt", every=0), JOB)
     assert manager._group is None and manager._token == ""
@@ -104,7 +104,7 @@ def test_load_of_a_fresh_plan_starts_at_step_zero_without_changes(make_strategy,
 
 
 # ------------------------------------------------------------------- what a save writes
-def test_meta_json_records_the_job_the_step_and_every_shape(gloo, make_strategy, tmp_path):
+def test_meta_json_records_the_job_the_step_and_every_shape(gloo_group, make_strategy, tmp_path):
     strategy = make_strategy()
     manager = CheckpointManager.create(make_plan(tmp_path), JOB)
     path = manager.save(strategy, 3, CPU)
@@ -117,7 +117,7 @@ def test_meta_json_records_the_job_the_step_and_every_shape(gloo, make_strategy,
     assert set(os.listdir(path)) == {"model.pt", "optim.pt", "train.pt", "meta.json"}
 
 
-def test_an_existing_checkpoint_of_the_same_step_is_kept_not_overwritten(gloo, make_strategy, tmp_path, capsys):
+def test_an_existing_checkpoint_of_the_same_step_is_kept_not_overwritten(gloo_group, make_strategy, tmp_path, capsys):
     manager = CheckpointManager.create(make_plan(tmp_path), JOB)
     path = manager.save(make_strategy(seed=1), 3, CPU)
     before = torch.load(os.path.join(path, "model.pt"), weights_only=True)
@@ -127,7 +127,7 @@ def test_an_existing_checkpoint_of_the_same_step_is_kept_not_overwritten(gloo, m
     assert "exists already: kept, not overwritten" in capsys.readouterr().err
 
 
-def test_keep_leaves_the_newest_checkpoints(gloo, make_strategy, tmp_path):
+def test_keep_leaves_the_newest_checkpoints(gloo_group, make_strategy, tmp_path):
     strategy = make_strategy()
     manager = CheckpointManager.create(make_plan(tmp_path, every=2, keep=2), JOB)
     for step in range(1, 9):
@@ -135,7 +135,7 @@ def test_keep_leaves_the_newest_checkpoints(gloo, make_strategy, tmp_path):
     assert saved_steps(tmp_path) == [6, 8]
 
 
-def test_a_save_writes_into_a_temporary_directory_of_this_job_first(gloo, make_strategy, tmp_path):
+def test_a_save_writes_into_a_temporary_directory_of_this_job_first(gloo_group, make_strategy, tmp_path):
     seen = []
 
     def during_write(rank, step):
@@ -149,7 +149,7 @@ def test_a_save_writes_into_a_temporary_directory_of_this_job_first(gloo, make_s
     assert manager._token.startswith(f"{os.getpid()}-")
 
 
-def test_a_save_that_fails_midway_leaves_nothing_behind(gloo, make_strategy, tmp_path):
+def test_a_save_that_fails_midway_leaves_nothing_behind(gloo_group, make_strategy, tmp_path):
     def during_write(rank, step):
         raise OSError("disk gone")
 
@@ -159,7 +159,7 @@ def test_a_save_that_fails_midway_leaves_nothing_behind(gloo, make_strategy, tmp
     assert os.listdir(tmp_path) == []
 
 
-def test_a_consolidated_save_resumes_into_a_fresh_strategy(gloo, make_strategy, tmp_path):
+def test_a_consolidated_save_resumes_into_a_fresh_strategy(gloo_group, make_strategy, tmp_path):
     source = make_strategy(seed=1, steps=2)
     path = CheckpointManager.create(make_plan(tmp_path), JOB).save(source, 2, CPU)
     target = make_strategy(seed=2, steps=0)
@@ -180,7 +180,7 @@ def _assert_same_state(source, target):
             assert torch.equal(got[name][key], want[name][key]), (name, key)
 
 
-def test_a_dcp_save_is_published_complete_and_resumes(gloo, make_strategy, tmp_path):
+def test_a_dcp_save_is_published_complete_and_resumes(gloo_group, make_strategy, tmp_path):
     source = make_strategy(seed=1, steps=2)
     manager = CheckpointManager.create(make_plan(tmp_path, fmt="dcp"), JOB)
     path = manager.save(source, 2, CPU)
@@ -192,7 +192,7 @@ def test_a_dcp_save_is_published_complete_and_resumes(gloo, make_strategy, tmp_p
     _assert_same_state(source, target)
 
 
-def test_an_asynchronous_dcp_save_is_published_only_when_finished(gloo, make_strategy, tmp_path):
+def test_an_asynchronous_dcp_save_is_published_only_when_finished(gloo_group, make_strategy, tmp_path):
     source = make_strategy(seed=1, steps=1)
     manager = CheckpointManager.create(make_plan(tmp_path, fmt="dcp", asynchronous=True), JOB)
     path = manager.save(source, 1, CPU)
@@ -206,7 +206,7 @@ def test_an_asynchronous_dcp_save_is_published_only_when_finished(gloo, make_str
     assert saved_steps(tmp_path) == [1]
 
 
-def test_the_next_save_finishes_the_asynchronous_one_in_flight(gloo, make_strategy, tmp_path):
+def test_the_next_save_finishes_the_asynchronous_one_in_flight(gloo_group, make_strategy, tmp_path):
     source = make_strategy(seed=1, steps=1)
     manager = CheckpointManager.create(make_plan(tmp_path, fmt="dcp", asynchronous=True, keep=0), JOB)
     manager.save(source, 1, CPU)

@@ -52,7 +52,7 @@ def test_local_optimizer_state_leaves_out_parameters_without_state(make_strategy
     assert local_optimizer_state(make_strategy(steps=0)) == {}
 
 
-def test_gather_model_state_is_a_detached_copy_of_the_state_dict(gloo, make_strategy):
+def test_gather_model_state_is_a_detached_copy_of_the_state_dict(gloo_group, make_strategy):
     strategy = make_strategy()
     full = gather_model_state(strategy)
     assert set(full) == NAMES
@@ -62,7 +62,7 @@ def test_gather_model_state_is_a_detached_copy_of_the_state_dict(gloo, make_stra
     assert torch.equal(full["0.weight"], before)  # a copy, not a view of the parameter
 
 
-def test_gather_optimizer_state_names_state_and_groups(gloo, make_strategy):
+def test_gather_optimizer_state_names_state_and_groups(gloo_group, make_strategy):
     strategy = make_strategy(steps=2)
     gathered = gather_optimizer_state(strategy)
     params = _by_name(strategy)
@@ -155,7 +155,7 @@ def _write_consolidated(path, strategy, rng):
         json.dump(meta, f)
 
 
-def test_restore_brings_back_model_optimizer_and_the_rng_at_the_same_world_size(gloo, make_strategy, tmp_path):
+def test_restore_brings_back_model_optimizer_and_the_rng_at_the_same_world_size(gloo_group, make_strategy, tmp_path):
     source = make_strategy(seed=1, steps=2)
     target = make_strategy(seed=2, steps=0, lr=0.02)
     torch.manual_seed(1234)
@@ -175,7 +175,7 @@ def test_restore_brings_back_model_optimizer_and_the_rng_at_the_same_world_size(
         assert torch.equal(target.optimizer.state[params[name]]["exp_avg_sq"], state["exp_avg_sq"])
 
 
-def test_restore_leaves_the_rng_alone_at_another_world_size(gloo, make_strategy, tmp_path):
+def test_restore_leaves_the_rng_alone_at_another_world_size(gloo_group, make_strategy, tmp_path):
     source = make_strategy(seed=1)
     other = torch.Generator().manual_seed(5).get_state()
     _write_consolidated(tmp_path / "c", source, rng=[{"cpu": other}, {"cpu": other}])  # written by 2 ranks

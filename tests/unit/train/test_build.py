@@ -122,7 +122,7 @@ def _weights(module: nn.Module) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("cls", HOSTILE, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_plugin_model_starts_from_its_constructors_values_under_every_strategy(cls, strategy, registered, gloo1):
+def test_a_plugin_model_starts_from_its_constructors_values_under_every_strategy(cls, strategy, registered, gloo_group):
     cfg = registered(cls, strategy)
     torch.manual_seed(SEED)
     expected = _weights(cls())  # what the user's constructor makes, with the job's seed

@@ -274,7 +274,7 @@ def classifier_result(step, strategy, loss):
     return StepResult(step, torch.tensor(loss), {"logits": out["logits"].detach()}, [b], 0.1, 0.0)
 
 
-def test_metrics_publish_at_each_log_interval_and_at_the_last_step(gloo1):
+def test_metrics_publish_at_each_log_interval_and_at_the_last_step(gloo_group):
     strategy, logger = PlainStrategy(TinyClassifier()), ListLogger()
     log = IntervalLog(logger)
     m = parts.Metrics(strategy, tiny_task(), ProbeMeter(), log, loop_settings(steps=5, log_interval=2), 0, 0)
@@ -289,7 +289,7 @@ def test_metrics_publish_at_each_log_interval_and_at_the_last_step(gloo1):
     assert out.extra["first_nonfinite_step"] == -1
 
 
-def test_metrics_end_publishes_an_interval_cut_short_by_a_stop(gloo1):
+def test_metrics_end_publishes_an_interval_cut_short_by_a_stop(gloo_group):
     strategy = PlainStrategy(TinyClassifier())
     log = IntervalLog(ListLogger())
     m = parts.Metrics(strategy, tiny_task(), ProbeMeter(), log, loop_settings(steps=10, log_interval=4), 0, 0)
@@ -300,7 +300,7 @@ def test_metrics_end_publishes_an_interval_cut_short_by_a_stop(gloo1):
     assert [(r["step"], r["loss"]) for r in log.history] == [(4, 1.0), (6, 6.0)]
 
 
-def test_metrics_name_the_first_step_whose_loss_was_not_finite(gloo1):
+def test_metrics_name_the_first_step_whose_loss_was_not_finite(gloo_group):
     strategy = PlainStrategy(TinyClassifier())
     m = parts.Metrics(strategy, tiny_task(), ProbeMeter(), IntervalLog(ListLogger()),
                       loop_settings(steps=6, log_interval=3), 0, 0)  # fmt: skip
@@ -312,7 +312,7 @@ def test_metrics_name_the_first_step_whose_loss_was_not_finite(gloo1):
     assert out.extra["first_nonfinite_step"] == 5  # step index 4, counted from 1
 
 
-def test_metrics_write_a_line_per_interval_when_the_bar_is_not_on_a_terminal(gloo1, caplog):
+def test_metrics_write_a_line_per_interval_when_the_bar_is_not_on_a_terminal(gloo_group, caplog):
     strategy = PlainStrategy(TinyClassifier())
     m = parts.Metrics(strategy, tiny_task(), ProbeMeter(), IntervalLog(ListLogger()),
                       loop_settings(steps=4, log_interval=2, progress_bar=True), 0, 0)  # fmt: skip
@@ -326,7 +326,7 @@ def test_metrics_write_a_line_per_interval_when_the_bar_is_not_on_a_terminal(glo
     assert lines[1] == "ddp x2: step 4/4 (100%), loss 1.5000 at step 2"
 
 
-def test_metrics_show_no_lines_on_ranks_other_than_0(gloo1):
+def test_metrics_show_no_lines_on_ranks_other_than_0(gloo_group):
     strategy = PlainStrategy(TinyClassifier())
     m = parts.Metrics(strategy, tiny_task(), ProbeMeter(), IntervalLog(ListLogger()),
                       loop_settings(progress_bar=True), 0, rank=1)  # fmt: skip

@@ -94,7 +94,7 @@ def test_in_save_exits_only_on_the_faults_rank_and_step(fault_env, monkeypatch):
     assert exits == [3]
 
 
-def test_an_inf_grad_fault_poisons_this_ranks_gradient_for_its_step_only(fault_env, gloo1):
+def test_an_inf_grad_fault_poisons_this_ranks_gradient_for_its_step_only(fault_env, gloo_group):
     fault_env("rank=0,step=1,kind=inf_grad")
     strategy = PlainStrategy(TinyClassifier())
     injector = Injector(0, CPU)

@@ -39,7 +39,7 @@ def test_a_signal_only_records_a_stop_request_first_one_first(no_signal):
     assert liveness.requested_signal() == signal.SIGTERM
 
 
-def test_stop_agreement_checks_at_the_first_step_and_stops_at_the_check_after_a_signal(gloo1, no_signal,
+def test_stop_agreement_checks_at_the_first_step_and_stops_at_the_check_after_a_signal(gloo_group, no_signal,
                                                                                          monkeypatch):  # fmt: skip
     monkeypatch.setattr(liveness, "time", Clock(step_s=0.0))
     stopper = liveness.StopAgreement()
@@ -52,7 +52,7 @@ def test_stop_agreement_checks_at_the_first_step_and_stops_at_the_check_after_a_
     stopper.finish()
 
 
-def test_stop_agreement_spaces_its_checks_about_a_period_apart(gloo1, no_signal, monkeypatch):
+def test_stop_agreement_spaces_its_checks_about_a_period_apart(gloo_group, no_signal, monkeypatch):
     clock = Clock(step_s=0.0)
     monkeypatch.setattr(liveness, "time", clock)
     stopper = liveness.StopAgreement()
@@ -68,7 +68,7 @@ def test_stop_agreement_spaces_its_checks_about_a_period_apart(gloo1, no_signal,
     assert stopper._work is None
 
 
-def test_stop_agreement_proposes_at_most_10000_steps_between_checks(gloo1, no_signal, monkeypatch):
+def test_stop_agreement_proposes_at_most_10000_steps_between_checks(gloo_group, no_signal, monkeypatch):
     clock = Clock(step_s=0.0)
     monkeypatch.setattr(liveness, "time", clock)
     stopper = liveness.StopAgreement()
@@ -112,7 +112,7 @@ def test_raise_if_aborted_is_a_no_op_on_cpu():
     liveness.raise_if_aborted(torch.device("cpu"))
 
 
-def test_describe_timeout_names_the_ranks_that_never_reported(gloo1, monkeypatch):
+def test_describe_timeout_names_the_ranks_that_never_reported(gloo_group, monkeypatch):
     store = dist.HashStore()
     monkeypatch.setattr(distributed_c10d, "_get_default_store", lambda: store)
     monkeypatch.setattr(liveness.dist, "get_world_size", lambda: 3)
@@ -124,7 +124,7 @@ def test_describe_timeout_names_the_ranks_that_never_reported(gloo1, monkeypatch
                     "(ranks that were waiting: rank 0: step 7, rank 2: step 7)")  # fmt: skip
 
 
-def test_describe_timeout_when_every_rank_waited_blames_mismatched_collectives(gloo1, monkeypatch):
+def test_describe_timeout_when_every_rank_waited_blames_mismatched_collectives(gloo_group, monkeypatch):
     store = dist.HashStore()
     monkeypatch.setattr(distributed_c10d, "_get_default_store", lambda: store)
     monkeypatch.setattr(liveness.dist, "get_world_size", lambda: 2)

@@ -165,7 +165,7 @@ def loop_run(loop, *, start=0, stopper=None, components=(), logger=None, strateg
                     **kwargs)  # fmt: skip
 
 
-def test_run_loop_calls_each_components_hooks_in_order_for_every_step(gloo1):
+def test_run_loop_calls_each_components_hooks_in_order_for_every_step(gloo_group):
     rec = Recorder()
     out = loop_run(settings(3, 1), components=[rec])
     expected = []
@@ -175,7 +175,7 @@ def test_run_loop_calls_each_components_hooks_in_order_for_every_step(gloo1):
     assert (out.steps_done, out.stopped) == (3, False)
 
 
-def test_run_loop_resumed_runs_the_steps_from_start(gloo1):
+def test_run_loop_resumed_runs_the_steps_from_start(gloo_group):
     rec, stopper = Recorder(), StopAt()
     out = loop_run(settings(5, 1), start=3, components=[rec], stopper=stopper)
     assert [v for k, v in rec.calls if k == "before_step"] == [3, 4]
@@ -183,7 +183,7 @@ def test_run_loop_resumed_runs_the_steps_from_start(gloo1):
     assert out.steps_done == 5
 
 
-def test_run_loop_stops_where_the_ranks_agreed_and_says_so(gloo1):
+def test_run_loop_stops_where_the_ranks_agreed_and_says_so(gloo_group):
     rec, stopper = Recorder(), StopAt(2)
     out = loop_run(settings(6, 1), components=[rec], stopper=stopper)
     assert [v for k, v in rec.calls if k == "before_step"] == [0, 1]  # step 2 never started
@@ -192,14 +192,14 @@ def test_run_loop_stops_where_the_ranks_agreed_and_says_so(gloo1):
     assert stopper.finished == 1
 
 
-def test_run_loop_times_only_the_steps_after_the_warmup_window(gloo1):
+def test_run_loop_times_only_the_steps_after_the_warmup_window(gloo_group):
     out = loop_run(settings(6, 1))
     # CPU: steps 0 and 1 are the tracker's window, steps 2..5 are timed
     assert out.throughput["timed_steps"] == 4
     assert len(out.throughput["step_times_s"]) == 4
 
 
-def test_run_loop_logs_one_record_per_interval_and_the_last_step(gloo1):
+def test_run_loop_logs_one_record_per_interval_and_the_last_step(gloo_group):
     logger = ListLogger()
     out = loop_run(settings(5, 1, log_interval=2), logger=logger)
     assert [r["step"] for r in out.history] == [2, 4, 5]
@@ -208,7 +208,7 @@ def test_run_loop_logs_one_record_per_interval_and_the_last_step(gloo1):
     assert [s for s, _ in logger.logged] == sorted(s for s, _ in logger.logged)  # in step order
 
 
-def test_run_loop_returns_the_last_steps_loss(gloo1):
+def test_run_loop_returns_the_last_steps_loss(gloo_group):
     seen = []
 
     class Losses(parts.Component):
@@ -219,7 +219,7 @@ def test_run_loop_returns_the_last_steps_loss(gloo1):
     assert out.loss.item() == seen[-1]
 
 
-def test_run_loop_warns_when_fewer_steps_are_timed_than_min_timed_steps(gloo1, caplog):
+def test_run_loop_warns_when_fewer_steps_are_timed_than_min_timed_steps(gloo_group, caplog):
     with caplog.at_level(logging.WARNING, logger="sharded_exp.train.loop"):
         loop_run(settings(4, 1, min_timed=3))  # timed: steps 2, 3
     assert any("2 timed step(s) (steps 2 to 3)" in r.getMessage() for r in caplog.records)
@@ -242,7 +242,7 @@ class ScaleSequence:
         return next(self.scales)
 
 
-def test_run_loop_counts_the_steps_the_grad_scaler_skipped(gloo1):
+def test_run_loop_counts_the_steps_the_grad_scaler_skipped(gloo_group):
     strategy = PlainStrategy(TinyClassifier())
     # (before, after) each of steps 0..3: the scale drops in steps 1 and 3, as on an inf
     strategy.scaler = ScaleSequence(strategy.scaler, [4.0, 4.0, 4.0, 2.0, 2.0, 2.0, 2.0, 1.0])

@@ -30,7 +30,7 @@ def logits_for(predicted: list[int], classes=3):
 
 
 # --------------------------------------------------------------------------- IntervalMetrics
-def test_an_interval_record_arrives_at_the_end_of_the_next_interval(gloo1):
+def test_an_interval_record_arrives_at_the_end_of_the_next_interval(gloo_group):
     m = IntervalMetrics(CPU, task("perplexity"))
     m.update(torch.tensor(1.0), None, None)
     assert m.end_interval(1) is None  # nothing before
@@ -41,7 +41,7 @@ def test_an_interval_record_arrives_at_the_end_of_the_next_interval(gloo1):
     assert m.flush() is None
 
 
-def test_the_loss_is_the_intervals_mean_and_perplexity_its_exp(gloo1):
+def test_the_loss_is_the_intervals_mean_and_perplexity_its_exp(gloo_group):
     m = IntervalMetrics(CPU, task("perplexity"))
     for loss in (1.0, 2.0, 4.5):
         m.update(torch.tensor(loss), None, None)
@@ -52,14 +52,14 @@ def test_the_loss_is_the_intervals_mean_and_perplexity_its_exp(gloo1):
     assert "accuracy" not in record
 
 
-def test_perplexity_of_a_huge_loss_is_inf_not_an_overflow(gloo1):
+def test_perplexity_of_a_huge_loss_is_inf_not_an_overflow(gloo_group):
     m = IntervalMetrics(CPU, task("perplexity"))
     m.update(torch.tensor(800.0), None, None)
     m.end_interval(1)
     assert m.flush()["perplexity"] == math.inf
 
 
-def test_accuracy_counts_right_predictions_over_every_prediction_of_the_interval(gloo1):
+def test_accuracy_counts_right_predictions_over_every_prediction_of_the_interval(gloo_group):
     m = IntervalMetrics(CPU, task("accuracy"))
     m.update(torch.tensor(1.0), {"logits": logits_for([0, 1, 2, 0])}, {"targets": torch.tensor([0, 1, 1, 1])})
     m.update(torch.tensor(1.0), {"logits": logits_for([2, 2])}, {"targets": torch.tensor([2, 2])})
@@ -67,7 +67,7 @@ def test_accuracy_counts_right_predictions_over_every_prediction_of_the_interval
     assert m.flush()["accuracy"] == pytest.approx(4 / 6)
 
 
-def test_token_accuracy_leaves_out_padding(gloo1):
+def test_token_accuracy_leaves_out_padding(gloo_group):
     m = IntervalMetrics(CPU, task("token_accuracy", labels="labels"))
     logits = logits_for([0, 1, 2, 0]).reshape(1, 4, 3)
     labels = torch.tensor([[0, -100, 2, 1]])  # 2 right of 3 real positions; the padded one is not counted
@@ -76,7 +76,7 @@ def test_token_accuracy_leaves_out_padding(gloo1):
     assert m.flush()["accuracy"] == pytest.approx(2 / 3)
 
 
-def test_the_first_nonfinite_step_is_counted_from_one_across_intervals(gloo1):
+def test_the_first_nonfinite_step_is_counted_from_one_across_intervals(gloo_group):
     m = IntervalMetrics(CPU, task("perplexity"))
     for step, loss in enumerate([1.0, 1.0, 1.0, float("inf"), float("nan")], start=1):
         m.update(torch.tensor(loss), None, None)
@@ -86,7 +86,7 @@ def test_the_first_nonfinite_step_is_counted_from_one_across_intervals(gloo1):
     assert m.first_nonfinite == 4
 
 
-def test_each_ranks_memory_rides_along_in_the_record(gloo1):
+def test_each_ranks_memory_rides_along_in_the_record(gloo_group):
     m = IntervalMetrics(CPU, task("perplexity"), probe=lambda: (1.5, 2.5, -1.0))
     m.update(torch.tensor(1.0), None, None)
     m.end_interval(1)
