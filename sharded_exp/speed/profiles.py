@@ -215,7 +215,9 @@ def parse_device(data: Mapping[str, Any]) -> DeviceProfile:
     fractions = _table(data.get("achievable_fraction") or {}, "achievable_fraction", sources, name)
     for dtype, figure in fractions.items():
         if not 0 < figure.value <= 1:
-            raise ProfileError(f"device profile {name!r}: achievable_fraction.{dtype} must be in (0, 1], not {figure.value}")
+            raise ProfileError(
+                f"device profile {name!r}: achievable_fraction.{dtype} must be in (0, 1], not {figure.value}"
+            )
         if dtype not in peaks:
             raise ProfileError(f"device profile {name!r}: achievable_fraction.{dtype} has no peak_TFLOPs.{dtype}")
     curves = {}
