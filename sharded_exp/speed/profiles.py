@@ -70,7 +70,9 @@ class DeviceProfile:
     name: str
     title: str
     memory: Figure
-    """GB of device memory."""
+    """GB of device memory, as the datasheet writes it. Warning: what the driver reports and
+    a process can allocate differs from the marketing figure; a fit check should use a
+    measured or stated capacity where it has one."""
     memory_bandwidth: Figure
     """GB/s of device (HBM) memory bandwidth."""
     peak_tflops: Mapping[str, Figure]

@@ -255,14 +255,18 @@ def fsdp2(units: Units, price: Price, reshard_after_forward: bool = True) -> Sch
     overlapping the backward of the units before it. All-gathers and reduce-scatters share
     one link: one stream here, in issue order.
 
-    Not modelled: the root module's parameters outside the units, and FSDP2 keeping the last
-    unit unsharded between forward and backward (here every unit is re-gathered)."""
+    The last unit, resharded at the end of the forward, is gathered again at once and waits:
+    FSDP2's default. (torchtitan sets ``reshard_after_forward=False`` on its last block to
+    skip that; not modelled.) Not modelled either: the root module's parameters outside the
+    units."""
     segments = units.segments()
     index = {s.name: i for i, s in enumerate(segments)}
     events: list[tuple[int, Event]] = []  # (issue position, event)
 
     def gather(unit: int, target: str, tag: str) -> None:
         after = _prefetch_point(segments, index[target])
+        if tag == "bwd" and (after is None or index[after] < index[f"fwd:{unit}"]):
+            after = f"fwd:{unit}"  # a unit is re-gathered only once its forward has resharded it
         size = units.param_bytes[unit]
         event = Event(f"all_gather:{tag}:{unit}", "all_gather", price("all_gather", size), after, target, nbytes=size)
         events.append((index[after] if after else -1, event))
