@@ -356,3 +356,65 @@ def test_replay_is_fast_enough_for_a_7b_plan():
     r = Allocator().replay(events[:100_000])
     assert r.oom is None
     assert time.perf_counter() - t < 10.0
+
+
+def _check_invariants(a: Allocator) -> None:
+    """Blocks tile their segments; the counters equal what the blocks say."""
+    blocks = list(a._handles.values())
+    for pool in (a.small, a.large):
+        blocks += list(pool.by_addr.values()) + list(pool.unmapped_by_addr.values())
+    for q in a._events.values():
+        blocks += [b for _, b in q]
+    heads = {}
+    for b in blocks:
+        h = b
+        while h.prev is not None:
+            h = h.prev
+        heads[id(h)] = h
+    mapped = free_split = free_split_bytes = 0
+    for h in heads.values():
+        x, end = h, None
+        while x is not None:
+            assert end is None or x.addr == end, "blocks of a segment must be contiguous"
+            end = x.addr + x.size
+            mapped += x.size if x.mapped else 0
+            if x.seg is None and x.is_split() and not x.allocated and x.event_count == 0:
+                free_split += 1
+                free_split_bytes += x.size
+            x = x.next
+    s = a.stats()
+    assert s["reserved_bytes.all.current"] == mapped == a.total_reserved
+    assert s["allocated_bytes.all.current"] == sum(b.size for b in a._handles.values())
+    assert s["inactive_split.all.current"] == free_split
+    assert s["inactive_split_bytes.all.current"] == free_split_bytes
+
+
+@pytest.mark.parametrize("conf", ["", "expandable_segments:True", "max_split_size_mb:24", "roundup_power2_divisions:4"])
+def test_invariants_hold_on_random_sequences(conf):
+    """Random mallocs (512 B .. 48 MiB), frees, cross-stream frees, syncs and empty_cache on three
+    streams under a 1 GiB limit: after every step the blocks tile their segments and the
+    counters agree with them (reserved = mapped bytes, allocated = live blocks, inactive_split
+    = free split blocks)."""
+    import random
+
+    rng = random.Random(47)
+    a = Allocator(parse_alloc_conf(conf), device_bytes=1024 * MIB)
+    live = []
+    for _ in range(3000):
+        r = rng.random()
+        if r < 0.5 or not live:
+            size = rng.choice([rng.randint(1, 4096), rng.randint(4096, 2 * MIB), rng.randint(MIB, 48 * MIB)])
+            try:
+                live.append(a.malloc(size, stream=rng.randint(0, 2)))
+            except AllocatorOOM:
+                pass
+        elif r < 0.85:
+            h = live.pop(rng.randrange(len(live)))
+            if rng.random() < 0.2:
+                a.record_stream(h, rng.randint(0, 2))
+            a.free(h)
+        elif r < 0.97:
+            a.synchronize(rng.choice([None, 0, 1, 2]))
+        else:
+            a.empty_cache()
+        _check_invariants(a)
