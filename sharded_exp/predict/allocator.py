@@ -236,7 +236,9 @@ def parse_alloc_conf(conf: Optional[str]) -> AllocatorSettings:
                     else:
                         mb = integer(interval, key)
                         if not _is_pow2(mb):
-                            raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF: {key} intervals must be powers of 2 (MiB), got {mb}")
+                            raise ValueError(
+                                f"PYTORCH_CUDA_ALLOC_CONF: {key} intervals must be powers of 2 (MiB), got {mb}"
+                            )
                         index = min(mb.bit_length() - 1, ROUNDUP_INTERVALS - 1)
                         if first:
                             divs[:index] = [d] * index
@@ -331,8 +333,19 @@ class AllocatorOOM(MemoryError):
 
 class _Block:
     __slots__ = (
-        "addr", "size", "stream", "small", "allocated", "requested", "prev", "next", "mapped",
-        "seg", "stream_uses", "event_count", "gc_base",
+        "addr",
+        "size",
+        "stream",
+        "small",
+        "allocated",
+        "requested",
+        "prev",
+        "next",
+        "mapped",
+        "seg",
+        "stream_uses",
+        "event_count",
+        "gc_base",
     )
 
     def __init__(self, addr, size, stream, small, seg=None, mapped=True):
@@ -401,8 +414,15 @@ class _Stat:
 
 
 _STAT_NAMES = (
-    "allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
-    "active_bytes", "inactive_split_bytes", "requested_bytes",
+    "allocation",
+    "segment",
+    "active",
+    "inactive_split",
+    "allocated_bytes",
+    "reserved_bytes",
+    "active_bytes",
+    "inactive_split_bytes",
+    "requested_bytes",
 )
 
 
@@ -441,8 +461,13 @@ class Allocator:
         or unknown, raises KeyError.
     """
 
-    def __init__(self, settings: Optional[AllocatorSettings] = None, device_bytes: Optional[int] = None,
-                 memory_fraction: Optional[float] = None, device_total_bytes: Optional[int] = None):
+    def __init__(
+        self,
+        settings: Optional[AllocatorSettings] = None,
+        device_bytes: Optional[int] = None,
+        memory_fraction: Optional[float] = None,
+        device_total_bytes: Optional[int] = None,
+    ):
         self.settings = settings or AllocatorSettings()
         if self.settings.backend != "native":
             raise ValueError(f"the allocator model covers backend 'native' only, not {self.settings.backend!r}")
@@ -482,9 +507,13 @@ class Allocator:
             for t, st in per_type.items():
                 out[f"{name}.{t}.current"] = st.current
                 out[f"{name}.{t}.peak"] = st.peak
-        out.update(num_alloc_retries=self.num_alloc_retries, num_ooms=self.num_ooms,
-                   num_device_alloc=self.num_device_alloc, num_device_free=self.num_device_free,
-                   num_sync_all_streams=self.num_sync_all_streams)
+        out.update(
+            num_alloc_retries=self.num_alloc_retries,
+            num_ooms=self.num_ooms,
+            num_device_alloc=self.num_device_alloc,
+            num_device_free=self.num_device_free,
+            num_sync_all_streams=self.num_sync_all_streams,
+        )
         return out
 
     def reset_peak_stats(self) -> None:
@@ -602,12 +631,18 @@ class Allocator:
                 peak_seen = reserved.current
                 frag_at_peak = reserved.current - allocated.current
             else:
-                raise ValueError(f"unknown replay op {op!r}; ops: malloc, free, record_stream, sync, empty_cache, reset_peak")
+                raise ValueError(
+                    f"unknown replay op {op!r}; ops: malloc, free, record_stream, sync, empty_cache, reset_peak"
+                )
         return ReplayResult(
-            peak_allocated_bytes=allocated.peak, peak_reserved_bytes=reserved.peak,
+            peak_allocated_bytes=allocated.peak,
+            peak_reserved_bytes=reserved.peak,
             peak_active_bytes=self.stats_["active_bytes"]["all"].peak,
             peak_segments=self.stats_["segment"]["all"].peak,
-            fragmentation_at_peak_reserved_bytes=frag_at_peak, events=n, oom=oom, stats=self.stats(),
+            fragmentation_at_peak_reserved_bytes=frag_at_peak,
+            events=n,
+            oom=oom,
+            stats=self.stats(),
         )
 
     # --- the rules ---------------------------------------------------------------------------------

@@ -285,7 +285,10 @@ def test_parse_alloc_conf_good():
     assert s.roundup_power2_divisions == (1,) * 9 + (2,) + (8,) * 6
     assert parse_alloc_conf("roundup_power2_divisions:4").roundup_power2_divisions == (4,) * 16
     assert parse_alloc_conf(None) == parse_alloc_conf("")
-    assert parse_alloc_conf("expandable_segments:False,max_non_split_rounding_mb:64").max_non_split_rounding_size == 64 * MIB
+    assert (
+        parse_alloc_conf("expandable_segments:False,max_non_split_rounding_mb:64").max_non_split_rounding_size
+        == 64 * MIB
+    )
 
 
 @pytest.mark.parametrize(
@@ -332,7 +335,12 @@ def test_replay_reports_peaks_and_oom():
     10 MiB is the fragmentation sequence above: peak reserved 30 MiB, allocated peak 18 MiB,
     fragmentation at the reserved peak 30 - 18 = 12 MiB. With 20 MiB allowed, the 10 MiB
     request cannot be served (nothing is cached unsplit): the replay stops with the OOM."""
-    events = [("malloc", "a", 8 * MIB, 0), ("malloc", "b", 8 * MIB, 0), ("free", "a", 0, 0), ("malloc", "c", 10 * MIB, 0)]
+    events = [
+        ("malloc", "a", 8 * MIB, 0),
+        ("malloc", "b", 8 * MIB, 0),
+        ("free", "a", 0, 0),
+        ("malloc", "c", 10 * MIB, 0),
+    ]
     r = Allocator().replay(events)
     assert (r.peak_reserved_bytes, r.peak_allocated_bytes) == (30 * MIB, 18 * MIB)
     assert r.fragmentation_at_peak_reserved_bytes == 12 * MIB
