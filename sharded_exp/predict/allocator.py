@@ -78,8 +78,10 @@ Warning:
 from __future__ import annotations
 
 import bisect
+import json
 from collections import deque
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Iterable, Optional
 
 KIB = 1024
@@ -978,3 +980,12 @@ class Allocator:
         for q in events.values():
             for _, b in q:
                 self._complete(b)
+
+
+CUDA_CONTEXT_FILE = Path(__file__).with_name("cuda_context.json")
+
+
+def cuda_context_entries() -> list:
+    """Published CUDA context sizes (``cuda_context.json``), each with its source, torch version
+    and device; the memory nvidia-smi shows on top of ``reserved_bytes``."""
+    return json.loads(CUDA_CONTEXT_FILE.read_text())["entries"]

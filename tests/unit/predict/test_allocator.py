@@ -16,6 +16,7 @@ from sharded_exp.predict.allocator import (
     Allocator,
     AllocatorOOM,
     allocation_size,
+    cuda_context_entries,
     parse_alloc_conf,
     round_size,
 )
@@ -426,3 +427,12 @@ def test_invariants_hold_on_random_sequences(conf):
         else:
             a.empty_cache()
         _check_invariants(a)
+
+
+def test_cuda_context_figures_name_their_source():
+    """Every CUDA context figure says where it was published, for which torch and device."""
+    entries = cuda_context_entries()
+    assert entries
+    for e in entries:
+        assert e["source"].startswith("https://") and e["torch"] and e["device"] and e["figure"]
+        assert e["context_bytes"] is None or 100 * MIB < e["context_bytes"] < 2048 * MIB
