@@ -13,12 +13,15 @@ active blocks, segment count, inactive split blocks, each current and peak.
     alloc.free(h)
     alloc.stats()["reserved_bytes.all.peak"]
 
-Source read (not guessed): pytorch/pytorch ``c10/cuda/CUDACachingAllocator.cpp``
-(``DeviceCachingAllocator``; the stored snapshot at commit 001074d2, cross-checked for the
-newer ``AcceleratorAllocatorConfig`` getters), and ``c10/core/AllocatorConfig.cpp``
-(``AllocatorConfig::parseArgs``, the parser torch >= 2.9 uses for PYTORCH_CUDA_ALLOC_CONF;
-snapshot 065861fb). torch 2.13.0 is what the project installs; its C++ source is not
-installed, so the rules below are those snapshots'. Functions named below are the C++ ones.
+Source read (not guessed), pytorch/pytorch as stored for the ``read_file`` tool:
+``c10/cuda/CUDACachingAllocator.cpp`` (``DeviceCachingAllocator``; two snapshots: commit 001074d2,
+whose settings come from ``CUDAAllocatorConfig``, and the newest stored copy, whose settings come
+from ``AcceleratorAllocatorConfig`` and which adds ``large_segment_size_mb`` and an optional
+memory cap), ``c10/core/AllocatorConfig.{h,cpp}`` (``AcceleratorAllocatorConfig::parseArgs``;
+snapshot 065861fb and the newest, with ``large_segment_size_mb``) and
+``c10/cuda/CUDAAllocatorConfig.h`` (the CUDA-only keys). torch 2.13.0 is installed here without
+its C++ source; where the snapshots differ this module follows the newest, and says so.
+Functions named below are the C++ ones.
 
 The rules modelled
 ------------------
@@ -28,13 +31,13 @@ The rules modelled
   512 x divisions, up to the next division of that interval (``roundup_power2_next_division``).
 - ``get_pool``: rounded sizes <= 1 MiB (kSmallSize) use the small pool, others the large.
 - ``get_allocation_size``: a new segment is 2 MiB (kSmallBuffer) for the small pool,
-  20 MiB (kLargeBuffer) for sizes under 10 MiB (kMinLargeAlloc), else the size rounded up
-  to 2 MiB (kRoundLarge).
+  ``large_segment_size`` (default 20 MiB = kLargeBuffer; older torch: always kLargeBuffer) for
+  sizes under 10 MiB (kMinLargeAlloc), else the size rounded up to 2 MiB (kRoundLarge).
 - ``get_free_block``: best fit: the smallest cached block of the same stream and pool,
   ordered by (stream, size, address) (``BlockComparatorSize``). With ``max_split_size_mb``:
   a request below it never takes a block at or above it; a request at or above it takes a
   block only if the block is smaller than the request + ``max_non_split_rounding_mb``
-  (default 20 MiB = kLargeBuffer; torch < 2.5 hard-codes kLargeBuffer, same default).
+  (default: the large segment size, 20 MiB; torch < 2.5 hard-codes kLargeBuffer).
 - ``should_split``: the small pool (and every pool under expandable segments) splits when the
   remainder is >= 512 bytes; the large pool when the request is below ``max_split_size``
   and the remainder is > 1 MiB. An unsplit block is handed out whole and counts whole in
@@ -44,19 +47,21 @@ The rules modelled
   (unsplit) segments to the device.
 - ``malloc``: cached block, else (gc, see below) a new segment; if the device refuses it,
   ``release_available_cached_blocks`` (only with ``max_split_size_mb``: free the oversize
-  cached blocks of that stream, smallest one that covers the request, else the largest
+  cached blocks of that stream, the smallest one that covers the request, else the largest
   first) and retry; then ``release_cached_blocks`` (synchronise every stream, free every
-  unsplit cached segment) and retry; then OOM (:class:`AllocatorOOM`, naming the request).
-- ``garbage_collect_cached_blocks``: only when a memory fraction is set
-  (``set_per_process_memory_fraction``; the source gates it on ``set_fraction``) and the
-  threshold > 0: before a new segment, if reserved exceeds threshold x allowed memory,
-  free unsplit large-pool cached blocks whose age (``get_free_block`` calls on that pool
+  unsplit cached segment, unmap free expandable pages) and retry; then OOM
+  (:class:`AllocatorOOM`, naming the request).
+- memory cap: ``set_per_process_memory_fraction`` or ``per_process_memory_fraction`` below 1.0
+  caps reserved memory at that share of the device (``alloc_block``'s first check).
+- ``garbage_collect_cached_blocks``: only under a memory cap (the source gates it on one) and a
+  threshold > 0: before a new segment, if reserved exceeds threshold x the cap, free unsplit,
+  non-expandable large-pool cached blocks whose age (``get_free_block`` calls on that pool
   since they were cached) is at least the average, repeating until enough is reclaimed.
 - expandable segments (``try_allocate_expandable_block``, ``map_block``, ``unmap_block``):
   one virtual segment per stream and pool, 1 1/8 of the device's memory wide, mapped in
-  pages of 2 MiB (small pool) or 20 MiB (large pool) at the lowest address with room;
-  mapped pages count as reserved. The mapping adds no ``segment`` count and no
-  ``inactive_split`` (the source excludes both). ``release_cached_blocks`` unmaps whole
+  pages of 2 MiB (small pool) or the large segment size (20 MiB) at the lowest address with
+  room; mapped pages count as reserved. The mapping adds no ``segment`` count and no
+  ``inactive_split`` (the source counts neither). ``release_cached_blocks`` unmaps whole
   free pages.
 - streams: a freed block is reused only by its own stream. ``record_stream(h, s)`` on
   another stream makes ``free(h)`` record an event on ``s``; the block stays active (not
@@ -96,28 +101,41 @@ ROUNDUP_INTERVALS = 16  # kRoundUpPowerOfTwoIntervals: 1 MiB .. 64 GiB
 UNLIMITED = 2**64 - 1  # max_split_size's default: size_t max
 
 STAT_TYPES = ("all", "small_pool", "large_pool")
+
+# Boolean options: key -> AllocatorSettings field. The CUDA keys are those of
+# CUDAAllocatorConfig::getKeys (HIP spellings accepted too), the rest AcceleratorAllocatorConfig's.
 _BOOL_KEYS = {
     "expandable_segments": "expandable_segments",
+    "pinned_use_background_threads": "pinned_use_background_threads",
     "release_lock_on_cudamalloc": "release_lock_on_cudamalloc",
     "release_lock_on_hipmalloc": "release_lock_on_cudamalloc",
     "pinned_use_cuda_host_register": "pinned_use_host_register",
     "pinned_use_hip_host_register": "pinned_use_host_register",
-    "pinned_use_background_threads": "pinned_use_background_threads",
+    "graph_capture_record_stream_reuse": "graph_capture_record_stream_reuse",
+    "pinned_free_catch_all": "pinned_free_catch_all",
+    "throw_on_cudamalloc_oom": "throw_on_cudamalloc_oom",
 }
 ALLOC_CONF_KEYS = (
+    "large_segment_size_mb",
     "max_split_size_mb",
     "max_non_split_rounding_mb",
     "garbage_collection_threshold",
     "roundup_power2_divisions",
-    "backend",
     "expandable_segments",
+    "pinned_use_background_threads",
+    "backend",
     "release_lock_on_cudamalloc",
     "release_lock_on_hipmalloc",
     "pinned_use_cuda_host_register",
     "pinned_use_hip_host_register",
+    "graph_capture_record_stream_reuse",
+    "pinned_reserve_segment_size_mb",
     "pinned_num_register_threads",
-    "pinned_use_background_threads",
+    "per_process_memory_fraction",
+    "pinned_free_catch_all",
+    "throw_on_cudamalloc_oom",
 )
+"""Every option the parser knows (torch's AcceleratorAllocatorConfig and CUDAAllocatorConfig keys)."""
 
 
 @dataclass(frozen=True)
@@ -125,10 +143,14 @@ class AllocatorSettings:
     """The caching allocator's settings, as ``PYTORCH_CUDA_ALLOC_CONF`` sets them.
 
     Build one with :func:`parse_alloc_conf`; the defaults are torch's with the variable unset.
+    Only the fields above ``backend`` change what the model computes; the rest are parsed so a
+    valid string is accepted, and kept so a plan can echo them.
     """
 
+    large_segment_size: int = K_LARGE_BUFFER
+    """Bytes; the segment for 1-10 MiB requests and the large pool's expandable page (> 10 MiB)."""
     max_split_size: int = UNLIMITED
-    """Bytes; blocks at or above it are never split (``max_split_size_mb``, >= 20)."""
+    """Bytes; blocks at or above it are never split (``max_split_size_mb`` >= large segment)."""
     max_non_split_rounding_size: int = K_LARGE_BUFFER
     """Bytes; an oversize cached block serves a request only if smaller than request + this."""
     garbage_collection_threshold: float = 0.0
@@ -137,21 +159,27 @@ class AllocatorSettings:
     """Divisions per power-of-two interval [1 MiB, 2 MiB), [2, 4), ... (0 or 1: plain 512 rounding)."""
     expandable_segments: bool = False
     """One growing segment per stream and pool instead of one cudaMalloc per segment."""
+    per_process_memory_fraction: float = 1.0
+    """The allowed share of the device's memory; below 1.0 it caps reserved memory and enables gc."""
     backend: str = "native"
     """``native`` (this model) or ``cudaMallocAsync`` (not modelled)."""
     release_lock_on_cudamalloc: bool = False
     pinned_use_host_register: bool = False
     pinned_num_register_threads: int = 1
     pinned_use_background_threads: bool = False
+    pinned_reserve_segment_size_mb: int = 0
+    graph_capture_record_stream_reuse: bool = False
+    pinned_free_catch_all: bool = False
+    throw_on_cudamalloc_oom: bool = False
 
     def divisions(self, size: int) -> int:
-        """``AllocatorConfig::roundup_power2_divisions(size)``: the divisions of size's interval."""
+        """``AcceleratorAllocatorConfig::roundup_power2_divisions(size)``: the divisions of size's interval."""
         index = size.bit_length() - 1 - 20  # log2(size) - log2(1 MiB)
         return self.roundup_power2_divisions[min(max(index, 0), ROUNDUP_INTERVALS - 1)]
 
 
 def _lex(conf: str) -> list:
-    """``AllocatorConfig::lexArgs``: ',', ':', '[' and ']' are tokens; spaces are dropped."""
+    """``ConfigTokenizer``: ',', ':', '[' and ']' are tokens of their own; whitespace is dropped."""
     tokens, buf = [], []
     for ch in conf:
         if ch in ",:[]":
@@ -159,7 +187,7 @@ def _lex(conf: str) -> list:
                 tokens.append("".join(buf))
                 buf = []
             tokens.append(ch)
-        elif ch != " ":
+        elif not ch.isspace():
             buf.append(ch)
     if buf:
         tokens.append("".join(buf))
@@ -170,124 +198,177 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def parse_alloc_conf(conf: Optional[str]) -> AllocatorSettings:
-    """Parse a ``PYTORCH_CUDA_ALLOC_CONF`` string, as ``AllocatorConfig::parseArgs`` does.
+class _Tokens:
+    """The token list with the checks ``ConfigTokenizer`` makes, raising ValueError (torch: RuntimeError)."""
 
-    ``None`` or ``""`` gives torch's defaults. Raises ValueError naming the bad key or value
-    (torch raises at its first allocation; the planner wants to fail before any work).
+    def __init__(self, conf: str):
+        self.conf, self.tok = conf, _lex(conf)
+
+    def fail(self, message: str):
+        raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF {self.conf!r}: {message}")
+
+    def at(self, i: int, what: str) -> str:
+        if i >= len(self.tok):
+            self.fail(f"{what} is missing at the end")
+        return self.tok[i]
+
+    def expect(self, i: int, c: str) -> None:
+        if self.at(i, repr(c)) != c:
+            self.fail(f"expected {c!r} at token {i}, got {self.tok[i]!r}")
+
+    def integer(self, i: int, key: str) -> int:
+        text = self.at(i, f"the value of {key}")
+        if not text.isdigit():
+            self.fail(f"{key} takes a non-negative integer, got {text!r}")
+        return int(text)
+
+    def number(self, i: int, key: str) -> float:
+        text = self.at(i, f"the value of {key}")
+        try:
+            return float(text)
+        except ValueError:
+            self.fail(f"{key} takes a number, got {text!r}")
+
+    def boolean(self, i: int, key: str) -> bool:
+        text = self.at(i, f"the value of {key}")
+        if text not in ("True", "False"):
+            self.fail(f"{key} takes True or False, got {text!r}")
+        return text == "True"
+
+    def skip_value(self, i: int) -> int:
+        """``skipKey``: from a key to the index of its value (its closing ']' for a list)."""
+        self.expect(i + 1, ":")
+        i += 2
+        if self.at(i, "a value") == "[":
+            while i < len(self.tok) and self.tok[i] != "]":
+                i += 1
+            if i == len(self.tok):
+                self.fail("a list has no closing ']'")
+        return i
+
+
+def _parse_divisions(t: _Tokens, i: int, divs: list) -> int:
+    """``parseRoundUpPower2Divisions``: ``N`` for every interval, or ``[MiB:N, ..., >:N]``.
+
+    In the list form the first interval named also sets every interval below it, and ``>``
+    sets every interval after the last one named (torch < 2.9 started that fill at the last
+    one named, overwriting it; this follows the newer source).
+    """
+    key = "roundup_power2_divisions"
+    t.expect(i + 1, ":")
+    i += 2
+    if t.at(i, f"the value of {key}") != "[":
+        d = t.integer(i, key)
+        if not _is_pow2(d):
+            t.fail(f"{key} must be a power of 2, got {d}")
+        divs[:] = [d] * ROUNDUP_INTERVALS
+        return i
+    first, last_index = True, 0
+    i += 1
+    while i < len(t.tok) and t.tok[i] != "]":
+        boundary = t.tok[i]
+        t.expect(i + 1, ":")
+        i += 2
+        d = t.integer(i, key)
+        if d != 0 and not _is_pow2(d):
+            t.fail(f"{key} divisions must be 0 or a power of 2, got {d}")
+        if boundary == ">":
+            divs[last_index + 1 :] = [d] * (ROUNDUP_INTERVALS - last_index - 1)
+        else:
+            if not boundary.isdigit() or not _is_pow2(int(boundary)):
+                t.fail(f"{key} intervals must be powers of 2 (MiB) or '>', got {boundary!r}")
+            index = min(int(boundary).bit_length() - 1, ROUNDUP_INTERVALS - 1)
+            if first:
+                divs[:index] = [d] * index
+                first = False
+            divs[index] = d
+            last_index = index
+        if t.at(i + 1, "']'") != "]":
+            t.expect(i + 1, ",")
+            i += 1
+        i += 1
+    t.expect(i, "]")
+    return i
+
+
+def parse_alloc_conf(conf: Optional[str]) -> AllocatorSettings:
+    """Parse a ``PYTORCH_CUDA_ALLOC_CONF`` string as torch does (``AcceleratorAllocatorConfig::parseArgs``
+    then ``CUDAAllocatorConfig::parseArgs``).
+
+    ``None`` or ``""`` gives torch's defaults. ``large_segment_size_mb`` is read first, as torch
+    does, because it is the default of ``max_non_split_rounding_mb`` and the least
+    ``max_split_size_mb`` may be. Raises ValueError naming the bad option or value and, for an
+    unknown option, every known one (torch raises when CUDA starts; a plan should fail first).
     """
     s = AllocatorSettings()
     if not conf:
         return s
-    tok = _lex(conf)
-    n = len(tok)
+    t = _Tokens(conf)
+    n = len(t.tok)
+    large = K_LARGE_BUFFER
+    for i, tok in enumerate(t.tok):
+        if tok == "large_segment_size_mb" and (i == 0 or t.tok[i - 1] == ","):
+            t.expect(i + 1, ":")
+            mb = t.integer(i + 2, tok)
+            if mb <= K_MIN_LARGE_ALLOC // MIB:
+                t.fail(f"large_segment_size_mb must be > {K_MIN_LARGE_ALLOC // MIB}, got {mb}")
+            large = min(mb, UNLIMITED // MIB) * MIB
+    s = replace(s, large_segment_size=large, max_non_split_rounding_size=large)
+    divs = list(s.roundup_power2_divisions)
     i = 0
-
-    def expect(j: int, c: str) -> None:
-        if j >= n or tok[j] != c:
-            raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF {conf!r}: expected {c!r} at token {j}")
-
-    def value(j: int, key: str) -> str:
-        if j >= n:
-            raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF {conf!r}: {key} has no value")
-        return tok[j]
-
-    def integer(text: str, key: str) -> int:
-        try:
-            return int(text)
-        except ValueError:
-            raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF: {key} must be an integer, got {text!r}") from None
-
     while i < n:
-        key = tok[i]
-        if key in ("max_split_size_mb", "max_non_split_rounding_mb"):
-            expect(i + 1, ":")
+        key = t.tok[i]
+        if key == "large_segment_size_mb":
+            i = t.skip_value(i)  # read above
+        elif key in ("max_split_size_mb", "max_non_split_rounding_mb"):
+            t.expect(i + 1, ":")
             i += 2
-            mb = integer(value(i, key), key)
-            if mb < K_LARGE_BUFFER // MIB:
-                raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF: {key} must be >= {K_LARGE_BUFFER // MIB}, got {mb}")
-            field_name = "max_split_size" if key == "max_split_size_mb" else "max_non_split_rounding_size"
-            s = replace(s, **{field_name: min(mb, UNLIMITED // MIB) * MIB})
+            mb = t.integer(i, key)
+            if mb < large // MIB:
+                t.fail(f"{key} must be >= {large // MIB} (the large segment size in MiB), got {mb}")
+            name = "max_split_size" if key == "max_split_size_mb" else "max_non_split_rounding_size"
+            s = replace(s, **{name: min(mb, UNLIMITED // MIB) * MIB})
         elif key == "garbage_collection_threshold":
-            expect(i + 1, ":")
+            t.expect(i + 1, ":")
             i += 2
-            text = value(i, key)
-            try:
-                frac = float(text)
-            except ValueError:
-                raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF: {key} must be a number, got {text!r}") from None
+            frac = t.number(i, key)
             if not 0.0 < frac < 1.0:
-                raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF: {key} must lie in (0.0, 1.0), got {frac}")
+                t.fail(f"{key} must lie in (0.0, 1.0), got {frac}")
             s = replace(s, garbage_collection_threshold=frac)
+        elif key == "per_process_memory_fraction":
+            t.expect(i + 1, ":")
+            i += 2
+            frac = t.number(i, key)
+            if not 0.0 <= frac <= 1.0:
+                t.fail(f"{key} must lie in [0.0, 1.0], got {frac}")
+            s = replace(s, per_process_memory_fraction=frac)
         elif key == "roundup_power2_divisions":
-            expect(i + 1, ":")
-            i += 2
-            divs = list(s.roundup_power2_divisions)
-            if value(i, key) == "[":
-                first, last_index = True, 0
-                i += 1
-                while i < n and tok[i] != "]":
-                    interval = tok[i]
-                    expect(i + 1, ":")
-                    i += 2
-                    d = integer(value(i, key), key)
-                    if d != 0 and not _is_pow2(d):
-                        raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF: {key} divisions must be 0 or a power of 2, got {d}")
-                    if interval == ">":
-                        divs[last_index:] = [d] * (ROUNDUP_INTERVALS - last_index)
-                    else:
-                        mb = integer(interval, key)
-                        if not _is_pow2(mb):
-                            raise ValueError(
-                                f"PYTORCH_CUDA_ALLOC_CONF: {key} intervals must be powers of 2 (MiB), got {mb}"
-                            )
-                        index = min(mb.bit_length() - 1, ROUNDUP_INTERVALS - 1)
-                        if first:
-                            divs[:index] = [d] * index
-                            first = False
-                        divs[index] = d
-                        last_index = index
-                    if i + 1 < n and tok[i + 1] != "]":
-                        expect(i + 1, ",")
-                        i += 1
-                    i += 1
-                expect(i, "]")
-            else:
-                d = integer(tok[i], key)
-                if not _is_pow2(d):
-                    raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF: {key} must be a power of 2, got {d}")
-                divs = [d] * ROUNDUP_INTERVALS
-            s = replace(s, roundup_power2_divisions=tuple(divs))
+            i = _parse_divisions(t, i, divs)
         elif key == "backend":
-            expect(i + 1, ":")
+            t.expect(i + 1, ":")
             i += 2
-            b = value(i, key)
+            b = t.at(i, "the value of backend")
             if b not in ("native", "cudaMallocAsync"):
-                raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF: backend must be 'native' or 'cudaMallocAsync', got {b!r}")
+                t.fail(f"backend must be 'native' or 'cudaMallocAsync', got {b!r}")
             s = replace(s, backend=b)
         elif key in _BOOL_KEYS:
-            expect(i + 1, ":")
+            t.expect(i + 1, ":")
             i += 2
-            b = value(i, key)
-            if b not in ("True", "False"):
-                raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF: {key} takes True or False, got {b!r}")
-            s = replace(s, **{_BOOL_KEYS[key]: b == "True"})
-        elif key == "pinned_num_register_threads":
-            expect(i + 1, ":")
+            s = replace(s, **{_BOOL_KEYS[key]: t.boolean(i, key)})
+        elif key in ("pinned_num_register_threads", "pinned_reserve_segment_size_mb"):
+            t.expect(i + 1, ":")
             i += 2
-            t = integer(value(i, key), key)
-            if not _is_pow2(t):
-                raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF: {key} must be a power of 2, got {t}")
-            s = replace(s, pinned_num_register_threads=t)
+            v = t.integer(i, key)
+            if key == "pinned_num_register_threads" and not (_is_pow2(v) and v <= 128):
+                t.fail(f"{key} must be a power of 2 up to 128, got {v}")
+            s = replace(s, **{key: v})
         else:
-            raise ValueError(
-                f"PYTORCH_CUDA_ALLOC_CONF: unknown option {key!r}; the options are {', '.join(ALLOC_CONF_KEYS)}"
-            )
+            t.fail(f"unknown option {key!r}; the options are {', '.join(ALLOC_CONF_KEYS)}")
         if i + 1 < n:
-            expect(i + 1, ",")
+            t.expect(i + 1, ",")
             i += 1
         i += 1
-    return s
+    return replace(s, roundup_power2_divisions=tuple(divs))
 
 
 def round_size(size: int, settings: AllocatorSettings = AllocatorSettings()) -> int:
@@ -311,12 +392,12 @@ def _roundup_power2_next_division(size: int, divisions: int) -> int:
     return size if low == size else low + step
 
 
-def allocation_size(size: int) -> int:
+def allocation_size(size: int, settings: AllocatorSettings = AllocatorSettings()) -> int:
     """``get_allocation_size``: the segment cudaMalloc'd for a rounded size no cached block serves."""
     if size <= K_SMALL_SIZE:
         return K_SMALL_BUFFER
     if size < K_MIN_LARGE_ALLOC:
-        return K_LARGE_BUFFER
+        return settings.large_segment_size
     return -(-size // K_ROUND_LARGE) * K_ROUND_LARGE
 
 
@@ -448,13 +529,15 @@ class Allocator:
 
     Args:
         settings: from :func:`parse_alloc_conf`; defaults to torch's.
-        device_bytes: memory the allocator may reserve (device total minus context and other
-            users). ``None``: unlimited, no OOM.
-        memory_fraction: as ``torch.cuda.set_per_process_memory_fraction``: the allowed
-            memory is this fraction of ``device_bytes``; it also turns on
-            ``garbage_collection_threshold`` (the source runs gc only with a fraction set).
-        device_total_bytes: the device's memory, sizing expandable segments' address space
-            (1 1/8 of it); defaults to ``device_bytes`` or 2**40.
+        device_bytes: memory the allocator may reserve before cudaMalloc fails (the device's
+            total minus the CUDA context and other users). ``None``: unlimited, no OOM.
+        memory_fraction: as ``torch.cuda.set_per_process_memory_fraction`` (default: the
+            settings' ``per_process_memory_fraction``). Below 1.0 it caps reserved memory at
+            that share of ``device_total_bytes`` and turns ``garbage_collection_threshold`` on
+            (the source runs gc only with a cap); 1.0 sets no cap (torch >= 2.10; older torch
+            set a cap at 1.0 too).
+        device_total_bytes: the device's memory (``totalGlobalMem``): what the fraction is of;
+            defaults to ``device_bytes``.
 
     Every operation is O(log n) searches plus list inserts (bisect on sorted lists).
 
@@ -474,12 +557,17 @@ class Allocator:
         if self.settings.backend != "native":
             raise ValueError(f"the allocator model covers backend 'native' only, not {self.settings.backend!r}")
         self.device_bytes = device_bytes
-        self.set_fraction = memory_fraction is not None
+        self.device_total = device_total_bytes or device_bytes
+        fraction = self.settings.per_process_memory_fraction if memory_fraction is None else memory_fraction
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"memory_fraction must lie in [0, 1], got {fraction}")
+        self.set_fraction = fraction < 1.0  # setMemoryFraction: allowed_memory_maximum only below 1
+        self.allowed = None
         if self.set_fraction:
-            if device_bytes is None or not 0.0 <= memory_fraction <= 1.0:
-                raise ValueError("memory_fraction needs device_bytes and a value in [0, 1]")
-            self.allowed = int(memory_fraction * device_bytes)
-        self.device_total = device_total_bytes or device_bytes or 2**40
+            if self.device_total is None:
+                raise ValueError("a memory fraction below 1 needs device_total_bytes (or device_bytes)")
+            self.allowed = int(fraction * self.device_total)
+        self._space = self.device_total or 2**40  # sizes expandable segments' address space
         self.small = _Pool(True)
         self.large = _Pool(False)
         self.stats_ = {name: {t: _Stat() for t in STAT_TYPES} for name in _STAT_NAMES}
@@ -534,7 +622,7 @@ class Allocator:
         rsize = round_size(size, self.settings)
         small = rsize <= K_SMALL_SIZE
         pool = self.small if small else self.large
-        alloc_size = allocation_size(rsize)
+        alloc_size = allocation_size(rsize, self.settings)
         block = self._get_free_block(pool, stream, rsize)
         if block is None:
             if self._gc_on:
@@ -764,8 +852,9 @@ class Allocator:
 
     def _new_addr(self, span: int) -> int:
         addr = self._next_addr
-        # keep every base 20 MiB aligned so expandable pages line up with the segment base
-        self._next_addr += -(-span // K_LARGE_BUFFER) * K_LARGE_BUFFER + K_LARGE_BUFFER
+        # bases are whole large pages apart (pages are counted from each segment's base)
+        page = self.settings.large_segment_size
+        self._next_addr += -(-span // page) * page + page
         return addr
 
     def _device_refuses(self, nbytes: int) -> bool:
@@ -805,8 +894,8 @@ class Allocator:
             if room >= size:
                 return c
             i += 1
-        page = K_SMALL_BUFFER if pool.small else K_LARGE_BUFFER
-        span = -(-(self.device_total + self.device_total // 8) // page) * page
+        page = K_SMALL_BUFFER if pool.small else self.settings.large_segment_size
+        span = -(-(self._space + self._space // 8) // page) * page
         seg = _ExpandableSegment(self._new_addr(span), page, span)
         c = _Block(seg.base, span, stream, pool.small, seg, mapped=False)
         pool.insert_unmapped(c)
@@ -945,7 +1034,7 @@ class Allocator:
             freed = False
             for k in list(pool.keys):
                 b = pool.by_addr.get(k[2])
-                if b is None or b.is_split():
+                if b is None or b.is_split() or b.seg is not None:
                     continue
                 age = pool.calls - b.gc_base
                 if age >= avg:

@@ -274,8 +274,7 @@ def test_garbage_collection_threshold():
 def test_parse_alloc_conf_good():
     """The usual settings, spaces ignored. The bracket form follows parseRoundUpPower2Divisions:
     256 MiB is interval 8, so intervals 0..8 get 1; 512 -> interval 9 gets 2; 1024 -> 10 gets 4;
-    '>' fills from the last interval named (10, included) to the end with 8, so interval 10 ends
-    at 8 too (the source's own quirk)."""
+    '>' fills the intervals after the last one named (11..15) with 8."""
     s = parse_alloc_conf(
         "max_split_size_mb: 128,expandable_segments:True,garbage_collection_threshold:0.6,"
         "roundup_power2_divisions:[256:1,512:2,1024:4,>:8]"
@@ -283,24 +282,50 @@ def test_parse_alloc_conf_good():
     assert s.max_split_size == 128 * MIB
     assert s.expandable_segments is True
     assert s.garbage_collection_threshold == 0.6
-    assert s.roundup_power2_divisions == (1,) * 9 + (2,) + (8,) * 6
+    assert s.roundup_power2_divisions == (1,) * 9 + (2, 4) + (8,) * 5
     assert parse_alloc_conf("roundup_power2_divisions:4").roundup_power2_divisions == (4,) * 16
     assert parse_alloc_conf(None) == parse_alloc_conf("")
     assert (
         parse_alloc_conf("expandable_segments:False,max_non_split_rounding_mb:64").max_non_split_rounding_size
         == 64 * MIB
     )
+    cuda_only = parse_alloc_conf(
+        "per_process_memory_fraction:0.5,throw_on_cudamalloc_oom:True,pinned_num_register_threads:8"
+    )
+    assert cuda_only.per_process_memory_fraction == 0.5 and cuda_only.pinned_num_register_threads == 8
+
+
+def test_large_segment_size_mb():
+    """large_segment_size_mb:64 is read before the other options: max_non_split_rounding_mb
+    defaults to it (64 MiB) and max_split_size_mb must be at least 64. A 5 MiB request (1-10 MiB)
+    now gets a 64 MiB segment, and under expandable segments the large pool maps 64 MiB pages."""
+    s = parse_alloc_conf("max_split_size_mb:64,large_segment_size_mb:64")
+    assert (s.large_segment_size, s.max_non_split_rounding_size, s.max_split_size) == (64 * MIB,) * 3
+    assert allocation_size(5 * MIB, s) == 64 * MIB
+    a = Allocator(s)
+    a.malloc(5 * MIB)
+    assert _s(a, "reserved_bytes.all.current") == 64 * MIB
+    e = Allocator(parse_alloc_conf("large_segment_size_mb:64,expandable_segments:True"))
+    e.malloc(30 * MIB)
+    assert _s(e, "reserved_bytes.all.current") == 64 * MIB
+    with pytest.raises(ValueError, match="must be >= 64"):
+        parse_alloc_conf("large_segment_size_mb:64,max_split_size_mb:32")
+    with pytest.raises(ValueError, match="must be > 10"):
+        parse_alloc_conf("large_segment_size_mb:10")
 
 
 @pytest.mark.parametrize(
     "conf, message",
     [
-        ("max_split_mb:128", "unknown option 'max_split_mb'"),
+        ("max_split_mb:128", "unknown option 'max_split_mb'.*max_split_size_mb"),
         ("max_split_size_mb:10", "must be >= 20"),
         ("expandable_segments:true", "True or False"),
         ("garbage_collection_threshold:1.5", r"\(0.0, 1.0\)"),
+        ("per_process_memory_fraction:1.5", r"\[0.0, 1.0\]"),
         ("roundup_power2_divisions:3", "power of 2"),
+        ("roundup_power2_divisions:[256:1,512:2", "']'"),
         ("max_split_size_mb:128;expandable_segments:True", "integer"),
+        ("max_split_size_mb", "':'"),
         ("backend:cudaMalloc", "native"),
     ],
 )
@@ -308,6 +333,17 @@ def test_parse_alloc_conf_bad(conf, message):
     """A typo or a bad value is a ValueError that names it (and, for a key, lists the options)."""
     with pytest.raises(ValueError, match=message):
         parse_alloc_conf(conf)
+
+
+def test_memory_fraction_one_sets_no_cap():
+    """setMemoryFraction (torch >= 2.10) caps memory only below 1.0: at 1.0 a 40 MiB device still
+    OOMs through cudaMalloc (device_bytes), not through the cap, and gc stays off."""
+    a = Allocator(parse_alloc_conf("garbage_collection_threshold:0.5"), device_bytes=40 * MIB, memory_fraction=1.0)
+    assert a.allowed is None and not a._gc_on
+    half = Allocator(parse_alloc_conf("per_process_memory_fraction:0.5"), device_bytes=40 * MIB)
+    assert half.allowed == 20 * MIB
+    with pytest.raises(AllocatorOOM):
+        half.malloc(30 * MIB)
 
 
 def test_zero_recipe_335_mb_after_building():
