@@ -371,6 +371,16 @@ def parse_alloc_conf(conf: Optional[str]) -> AllocatorSettings:
     return replace(s, roundup_power2_divisions=tuple(divs))
 
 
+def alloc_conf_from_env(environ=None) -> Optional[str]:
+    """The allocator settings string a CUDA process would read: ``PYTORCH_CUDA_ALLOC_CONF``, else
+    ``PYTORCH_ALLOC_CONF`` (the order of ``CUDAAllocatorConfig::instance``); None if neither is set."""
+    import os
+
+    env = os.environ if environ is None else environ
+    conf = env.get("PYTORCH_CUDA_ALLOC_CONF")
+    return conf if conf is not None else env.get("PYTORCH_ALLOC_CONF")
+
+
 def round_size(size: int, settings: AllocatorSettings = AllocatorSettings()) -> int:
     """``round_size``: the block size the allocator hands out for a request of ``size`` bytes."""
     if size < K_MIN_BLOCK_SIZE:

@@ -15,6 +15,7 @@ from sharded_exp.predict.allocator import (
     MIB,
     Allocator,
     AllocatorOOM,
+    alloc_conf_from_env,
     allocation_size,
     cuda_context_entries,
     parse_alloc_conf,
@@ -333,6 +334,14 @@ def test_parse_alloc_conf_bad(conf, message):
     """A typo or a bad value is a ValueError that names it (and, for a key, lists the options)."""
     with pytest.raises(ValueError, match=message):
         parse_alloc_conf(conf)
+
+
+def test_alloc_conf_from_env_prefers_the_cuda_variable():
+    """CUDAAllocatorConfig reads PYTORCH_CUDA_ALLOC_CONF first, then PYTORCH_ALLOC_CONF."""
+    both = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "PYTORCH_ALLOC_CONF": "max_split_size_mb:64"}
+    assert alloc_conf_from_env(both) == "expandable_segments:True"
+    assert alloc_conf_from_env({"PYTORCH_ALLOC_CONF": "max_split_size_mb:64"}) == "max_split_size_mb:64"
+    assert alloc_conf_from_env({}) is None
 
 
 def test_memory_fraction_one_sets_no_cap():
