@@ -87,7 +87,7 @@ import json
 from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Hashable, Iterable, Optional
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -414,7 +414,7 @@ def allocation_size(size: int, settings: AllocatorSettings = AllocatorSettings()
 class AllocatorOOM(MemoryError):
     """The allocator could not serve a request even after freeing its cache (torch's OutOfMemoryError)."""
 
-    def __init__(self, size: int, alloc_size: int, stream: int, allocated: int, reserved: int, capacity):
+    def __init__(self, size: int, alloc_size: int, stream, allocated: int, reserved: int, capacity):
         self.size, self.alloc_size, self.stream = size, alloc_size, stream
         self.allocated, self.reserved, self.capacity = allocated, reserved, capacity
         super().__init__(
@@ -591,6 +591,7 @@ class Allocator:
         self._event_seq = 0
         self._synced: dict = {}  # stream -> last seq completed by synchronize
         self._sync_all_seq = 0
+        self._stream_ids: dict = {0: 0}
         self._gc_on = self.set_fraction and self.settings.garbage_collection_threshold > 0.0
 
     # --- statistics -------------------------------------------------------------------------------
@@ -623,11 +624,20 @@ class Allocator:
                 st.peak = st.current
 
     # --- the public operations ---------------------------------------------------------------------
-    def malloc(self, size: int, stream: int = 0) -> int:
+    def _sid(self, stream) -> int:
+        """A stream's sort key: any hashable name (0, "nccl", "all_gather") maps to a small int."""
+        sid = self._stream_ids.get(stream)
+        if sid is None:
+            sid = self._stream_ids[stream] = len(self._stream_ids)
+        return sid
+
+    def malloc(self, size: int, stream: Hashable = 0) -> int:
         """``DeviceCachingAllocator::malloc``: a handle to a block of at least ``size`` bytes on ``stream``.
 
-        Raises :class:`AllocatorOOM` when no segment can be had even after freeing the cache.
+        ``stream`` is any hashable name; 0 is the default stream. Raises :class:`AllocatorOOM`
+        when no segment can be had even after freeing the cache.
         """
+        name, stream = stream, self._sid(stream)
         self._process_events()
         rsize = round_size(size, self.settings)
         small = rsize <= K_SMALL_SIZE
@@ -648,7 +658,7 @@ class Allocator:
                 a = self.stats_["allocated_bytes"]["all"].current
                 r = self.stats_["reserved_bytes"]["all"].current
                 cap = self.allowed if self.set_fraction else self.device_bytes
-                raise AllocatorOOM(size, alloc_size, stream, a, r, cap)
+                raise AllocatorOOM(size, alloc_size, name, a, r, cap)
         block = self._alloc_found_block(pool, block, rsize, size, self._should_split(block, rsize))
         h = self._next_handle
         self._next_handle += 1
@@ -671,16 +681,17 @@ class Allocator:
         else:
             self._free_block(b)
 
-    def record_stream(self, handle: int, stream: int) -> None:
+    def record_stream(self, handle: int, stream: Hashable) -> None:
         """``recordStream``: the block is also used on ``stream``; uses on its own stream are ignored."""
         b = self._handles[handle]
+        stream = self._sid(stream)
         if stream == b.stream:
             return
         if b.stream_uses is None:
             b.stream_uses = set()
         b.stream_uses.add(stream)
 
-    def synchronize(self, stream: Optional[int] = None) -> None:
+    def synchronize(self, stream: Optional[Hashable] = None) -> None:
         """The work queued on ``stream`` (every stream if None) is done: its events complete.
 
         The blocks they held return to their pools at the next :meth:`malloc` (``process_events``).
@@ -688,7 +699,7 @@ class Allocator:
         if stream is None:
             self._sync_all_seq = self._event_seq
         else:
-            self._synced[stream] = self._event_seq
+            self._synced[self._sid(stream)] = self._event_seq
 
     def empty_cache(self) -> None:
         """``torch.cuda.empty_cache``: ``release_cached_blocks``."""
