@@ -13,15 +13,16 @@ active blocks, segment count, inactive split blocks, each current and peak.
     alloc.free(h)
     alloc.stats()["reserved_bytes.all.peak"]
 
-Source read (not guessed), pytorch/pytorch as stored for the ``read_file`` tool:
-``c10/cuda/CUDACachingAllocator.cpp`` (``DeviceCachingAllocator``; two snapshots: commit 001074d2,
-whose settings come from ``CUDAAllocatorConfig``, and the newest stored copy, whose settings come
-from ``AcceleratorAllocatorConfig`` and which adds ``large_segment_size_mb`` and an optional
-memory cap), ``c10/core/AllocatorConfig.{h,cpp}`` (``AcceleratorAllocatorConfig::parseArgs``;
-snapshot 065861fb and the newest, with ``large_segment_size_mb``) and
-``c10/cuda/CUDAAllocatorConfig.h`` (the CUDA-only keys). torch 2.13.0 is installed here without
-its C++ source; where the snapshots differ this module follows the newest, and says so.
-Functions named below are the C++ ones.
+Source read (not guessed). pytorch/pytorch as the ``read_file`` tool stores it:
+``c10/cuda/CUDACachingAllocator.cpp`` at commit 001074d2 (``DeviceCachingAllocator``, settings
+from ``CUDAAllocatorConfig``) and ``c10/core/AllocatorConfig.cpp`` at 065861fb
+(``AllocatorConfig::parseArgs``). Newer copies of the same files, found by content search (the
+search names no repository or commit), show the layout torch >= 2.10 uses:
+``AcceleratorAllocatorConfig`` (``c10/core/AllocatorConfig.h``/``.cpp``, with
+``large_segment_size_mb``), ``CUDAAllocatorConfig.h`` (the CUDA-only keys, among them
+``per_process_memory_fraction``) and a ``DeviceCachingAllocator`` whose memory cap is optional.
+torch 2.13.0 is installed here without its C++ source; where the copies differ this module
+follows the newer one and says so below. Functions named below are the C++ ones.
 
 The rules modelled
 ------------------
