@@ -41,6 +41,9 @@ TORCH_CATEGORIES = {
 """torch's tracker categories (MemTracker's; FSDPMemTracker's too) -> ours. The order of first
 appearance of each of ours is the order of the fake step's breakdown (result.json keeps it)."""
 
+MODEL_STATES = ("params", "grads", "optimizer")
+"""The model states (``model_states_mib``): what a rank holds between steps, by formula or measured."""
+
 OTHER = "other"
 """Ours for a tracker category this table does not know."""
 

@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from sharded_exp.vocabulary.memory import MODEL_STATES
+
 # ------------------------------------------------------------------ runs: group, id, name, tags
 
 
@@ -188,9 +190,6 @@ tokens_per_s are null where they do not apply, and then count as a failed point)
 PER_RANK_UP_TO = 8
 """Beyond this many ranks, per-rank panels give way to the band over ranks."""
 
-STATES = ("params", "grads", "optimizer")
-"""The model states a per-rank panel splits (``model_states_mib/<state>``)."""
-
 
 def panel_keys(world_size: int, strategies: list[str]) -> dict[str, list[str]]:
     """The metric keys each section plots (summary or history keys of the sweep's runs)."""
@@ -198,7 +197,7 @@ def panel_keys(world_size: int, strategies: list[str]) -> dict[str, list[str]]:
     return {
         "peak per rank": [per_rank_key(r, "peak_allocated_mib") for r in ranks]
         or [band_key("peak_allocated_mib", b) for b in BAND],
-        "model states per rank": [per_rank_key(r, f"model_states_mib/{part}") for r in ranks for part in STATES]
+        "model states per rank": [per_rank_key(r, f"model_states_mib/{part}") for r in ranks for part in MODEL_STATES]
         or ["memory/model_states_mib_max"],
         "memory over time per rank": [per_rank_key(r, "allocated_mib") for r in ranks],
         "memory over time across ranks": [band_key("allocated_mib", b) for b in BAND],

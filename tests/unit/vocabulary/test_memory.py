@@ -16,6 +16,7 @@ def test_torch_categories_map_into_our_parts():
     assert set(memory.TORCH_CATEGORIES.values()) <= set(memory.PARTS)
     assert memory.TORCH_CATEGORIES[memory.BUCKET] == "buckets" and memory.OTHER in memory.PARTS
     assert memory.TORCH_CATEGORIES["Unsharded Param"] == "gathered"  # FSDP's gathered units apart from params
+    assert set(memory.MODEL_STATES) <= set(memory.PARTS)
 
 
 def test_the_fake_steps_breakdown_keeps_its_order():
