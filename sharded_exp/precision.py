@@ -5,8 +5,8 @@ bf16 autocasts to bfloat16 and needs no scaler (its exponent range matches fp32)
 Parameters, gradients and optimizer state stay fp32 in all three (torch AMP keeps the
 fp32 master weights as the parameters themselves): :data:`STATE_BYTES`.
 
-Every spelling of a precision this project accepts is in :data:`SPELLINGS`, read by one
-parser, :meth:`Precision.parse`: the command line's ``precision=fp16`` (the config group's
+Every spelling of a precision this project accepts (its option name, its alias option, and
+:data:`SPELLINGS`) is read by one parser, :meth:`Precision.parse`: the command line's ``precision=fp16`` (the config group's
 alias options are stored from here, :func:`alias_options`), the probe's parameter dtype,
 Lightning's ``"16-mixed"`` and the Hugging Face Trainer's flags. What a run records is the
 option's own name, :attr:`Precision.value` (``"32"``, ``"16"``, ``"bf16"``).
@@ -49,24 +49,23 @@ class Precision(Enum):
         """The dtype autocast (or FSDP's MixedPrecisionPolicy) computes in; None for fp32."""
         import torch  # (see the module docstring)
 
-        return None if self is Precision.fp32 else getattr(torch, _DTYPE_NAMES[self])
+        return None if self is Precision.fp32 else getattr(torch, SPELLINGS[self][-1])
 
     @property
     def lightning(self) -> str:
         """Lightning's ``Trainer(precision=...)`` for this precision (mixed: fp32 weights)."""
-        return SPELLINGS[self][2]
+        return SPELLINGS[self][0]
 
 
 SPELLINGS: dict[Precision, tuple[str, ...]] = {
-    # option, alias, Lightning's (its default first), Lightning's other, torch's dtype name
-    Precision.fp32: ("32", "fp32", "32-true", "32", "float32"),
-    Precision.fp16: ("16", "fp16", "16-mixed", "16-true", "float16"),
-    Precision.bf16: ("bf16", "bf16", "bf16-mixed", "bf16-true", "bfloat16"),
+    Precision.fp32: ("32-true", "float32"),
+    Precision.fp16: ("16-mixed", "16-true", "float16"),
+    Precision.bf16: ("bf16-mixed", "bf16-true", "bfloat16"),
 }
-"""Every spelling of each precision: the one table of aliases (numbers such as ``16`` and
-torch dtypes such as ``torch.float16`` are read through their text)."""
-_BY_SPELLING = {s: p for p, spellings in SPELLINGS.items() for s in spellings}
-_DTYPE_NAMES = {p: spellings[-1] for p, spellings in SPELLINGS.items()}
+"""Each precision's spellings besides its option name and its member name (``16``, ``fp16``):
+Lightning's (the one it means first: mixed precision keeps fp32 weights), then torch's dtype
+name. Numbers (``16``) and torch dtypes (``torch.float16``) are read through their text."""
+_BY_SPELLING = {s: p for p in Precision for s in (p.value, p.name, *SPELLINGS[p])}
 
 PRECISIONS = tuple(p.value for p in Precision)
 """The precision options by name (``32``, ``16``, ``bf16``): what a run records. Their
