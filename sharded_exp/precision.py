@@ -6,10 +6,10 @@ Parameters, gradients and optimizer state stay fp32 in all three (torch AMP keep
 fp32 master weights as the parameters themselves): :data:`STATE_BYTES`.
 
 Every spelling of a precision this project accepts (its option name, its alias option, and
-:data:`SPELLINGS`) is read by one parser, :meth:`Precision.parse`: the command line's ``precision=fp16`` (the config group's
-alias options are stored from here, :func:`alias_options`), the probe's parameter dtype,
-Lightning's ``"16-mixed"`` and the Hugging Face Trainer's flags. What a run records is the
-option's own name, :attr:`Precision.value` (``"32"``, ``"16"``, ``"bf16"``).
+:data:`SPELLINGS`) is read by one parser, :meth:`Precision.parse`: the command line's
+alias options (``precision=fp16``, stored from :func:`alias_options`), the probe's parameter
+dtype, Lightning's ``"16-mixed"``; the Hugging Face Trainer's flags name a member. What a
+run records is the option's own name, :attr:`Precision.value` (``"32"``, ``"16"``, ``"bf16"``).
 
 torch is imported where a dtype or an autocast is made, not at the top: the command line
 composes the config (``--help``, tab completion) without importing torch.
