@@ -23,6 +23,7 @@ from benchmarks.peer import Clock, batches, write_peer_result
 from sharded_exp.compose import compose
 from sharded_exp.models import build_model
 from sharded_exp.optim import optimizer_spec
+from sharded_exp.precision import Precision
 
 
 class Module(pl.LightningModule):
@@ -57,7 +58,7 @@ def main() -> None:
     args = parser.parse_args()
     cfg = OmegaConf.create(OmegaConf.to_container(compose(args.overrides), resolve=True, enum_to_str=True))
     tc = cfg.trainer
-    precision = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}[str(cfg.precision.name)]
+    precision = Precision.parse(cfg.precision.name).lightning
     clock = Clock()
     trainer = pl.Trainer(
         accelerator="cpu",

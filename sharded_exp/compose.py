@@ -16,6 +16,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from sharded_exp import config
+from sharded_exp.precision import alias_options
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")  # shipped inside the package
 
@@ -37,6 +38,8 @@ def register_schemas(query: bool = False) -> None:
     cs.store(name="config_schema", node=config.Config)
     cs.store(name="plan_schema", node=config.PlanConfig)
     cs.store(name="schema_precision_precision", node=config.PrecisionConfig)
+    for alias, option in alias_options().items():  # precision=fp16 is precision=16 (Precision's names)
+        cs.store(group="precision", name=alias, node={"defaults": [option, "_self_"]})
     cs.store(name="schema_optimizer_optimizer", node=config.OptimizerConfig)
     cs.store(name="schema_trainer_trainer", node=config.TrainerConfig)
     cs.store(name="schema_logger_logger", node=config.LoggerConfig)
@@ -128,9 +131,10 @@ def point_dirname(overrides: str) -> str:
     return name.encode()[: MAX_DIRNAME - 9].decode(errors="ignore") + "_" + digest
 
 
-NUMBER_NAMES = {"precision": {"32": "fp32", "16": "fp16"}}
+NUMBER_NAMES = {"precision": {option: alias for alias, option in alias_options().items()}}
 """Group options named by a number, and the option that is the same one by a name
-(``conf/precision/fp32.yaml`` is ``32.yaml``; results name it ``32`` either way)."""
+(precision ``fp32`` is ``32``, :class:`sharded_exp.precision.Precision`; results name it
+``32`` either way)."""
 NUMBER = re.compile(r"(?<![\w.])(['\"]?)([0-9][0-9.]*)\1(?![\w.])")
 """A number in an override's value (``32`` in ``choice(32,bf16)``), quoted or not; not one
 inside a name (``gpt2``) or a longer number."""

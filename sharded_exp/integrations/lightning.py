@@ -21,11 +21,19 @@ try:
 except ImportError:  # the older package name
     import pytorch_lightning as pl
 
+from sharded_exp.errors import ConfigError
+from sharded_exp.precision import Precision
 from sharded_exp.probe import Probe
 from sharded_exp.probe.fake import loss_of
 
-PRECISIONS = {"32-true": "32", "32": "32", "16-mixed": "16", "16": "16", "bf16-mixed": "bf16", "bf16": "bf16",
-              "16-true": "16", "bf16-true": "bf16"}  # fmt: skip
+
+def _precision(lightning: str) -> str:
+    """sharded_exp's name for Lightning's precision (``16-mixed`` -> ``16``); one it has no
+    name for (``64-true``) as Lightning says it."""
+    try:
+        return Precision.parse(lightning).value
+    except ConfigError:
+        return str(lightning)
 
 
 def _batch_size(batch: Any) -> int | None:
@@ -57,7 +65,7 @@ class MemoryProbe(pl.Callback):
             trainer.optimizers[0],
             self.run_dir,
             samples_per_step=samples,
-            precision=PRECISIONS.get(str(trainer.precision), str(trainer.precision)),
+            precision=_precision(trainer.precision),
             framework={"name": "lightning", "version": pl.__version__, "strategy": type(strategy).__name__,
                        "precision": str(trainer.precision), "devices": trainer.num_devices,
                        "num_nodes": trainer.num_nodes},  # fmt: skip

@@ -19,6 +19,7 @@ from typing import Any
 import transformers
 from transformers import TrainerCallback
 
+from sharded_exp.precision import Precision
 from sharded_exp.probe import Probe
 from sharded_exp.probe.fake import loss_of
 
@@ -46,7 +47,7 @@ class MemoryProbe(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         name, ddp = _strategy(args)
-        precision = "bf16" if args.bf16 else "16" if args.fp16 else "32"
+        precision = (Precision.bf16 if args.bf16 else Precision.fp16 if args.fp16 else Precision.fp32).value
         self.probe = Probe(
             model, optimizer, self.run_dir,
             samples_per_step=args.per_device_train_batch_size * args.gradient_accumulation_steps,

@@ -36,7 +36,7 @@ from sharded_exp.models.target import (
     is_target_model,
 )
 from sharded_exp.optim import OPTIMIZERS
-from sharded_exp.precision import PRECISIONS
+from sharded_exp.precision import PRECISIONS, compute_dtype
 from sharded_exp.predict.prediction import meta_model, model_shapes, predict, predict_peak
 from sharded_exp.strategies import STRATEGIES
 from sharded_exp.train import faults
@@ -47,7 +47,7 @@ def _check_param_dtype(cfg) -> None:
     half dtype that is not autocast's gives matmuls of two half dtypes, which torch's kernels
     refuse in every rank ("mixed dtype (CPU): expect parameter to have scalar type of Float")."""
     param = option_name(getattr(cfg.strategy, "param_dtype", None))
-    autocast = PRECISIONS[str(option_name(cfg.precision.name))]
+    autocast = compute_dtype(option_name(cfg.precision.name))
     if param is None or autocast is None or param in ("float32", str(autocast).removeprefix("torch.")):
         return
     half = str(autocast).removeprefix("torch.")

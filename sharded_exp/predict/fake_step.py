@@ -121,7 +121,7 @@ class _Chunks:
         return self.n
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        from sharded_exp.train.build import chunk_of
+        from sharded_exp.models.materialise import chunk_of
 
         if not -self.n <= index < self.n:
             raise IndexError(index)

@@ -40,7 +40,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from sharded_exp.errors import ConfigError
 from sharded_exp.measure.tracker import MemoryMeter, model_state_mib
+from sharded_exp.precision import Precision
 from sharded_exp.probe import fake
 
 
@@ -81,8 +83,12 @@ def detect_strategy(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple
 
 
 def _precision(model: nn.Module) -> str:
+    """The precision the parameters' dtype names (another dtype, float64: its own name)."""
     dtype = next((p.dtype for p in model.parameters()), torch.float32)
-    return {torch.float32: "32", torch.float16: "16", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
+    try:
+        return Precision.parse(dtype).value
+    except ConfigError:
+        return str(dtype)
 
 
 def _launcher() -> str:

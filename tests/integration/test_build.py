@@ -1,7 +1,7 @@
 """How a model comes into being, and what the build and the training hold at scale.
 
 No rank builds the whole model: parameters start on the meta device and are initialised
-unit by unit, each rank keeping its shards of one whole unit at a time (sharded_exp.train.build).
+unit by unit, each rank keeping its shards of one whole unit at a time (sharded_exp.models.materialise).
 The predictions follow what a run holds: a prediction per rank that does not rise with
 world size where every state is sharded, depth-drawn and whole-model fakes that agree, the
 strategies' communication buckets as a category of their own, and fairscale's reduce
@@ -36,19 +36,18 @@ def test_initial_weights_are_the_models_own_rule_unit_by_unit():
     does (torch's reset_parameters; Hugging Face's _init_weights, rotary tables included):
     the same statistics as a whole build, the same values on a second build, and tied
     weights stay tied."""
-    from sharded_exp.models import build_model
-    from sharded_exp.train import build
+    from sharded_exp.models import build_model, materialise
 
     for model in ("model=gpt", "model=hf_gpt2", "model=hf_llama", "model=hf_bert"):
         cfg = compose([model], "config")
         whole = build_model(cfg.model)
         made = []
         for _ in range(2):
-            with build.parameters_on_meta():
+            with materialise.parameters_on_meta():
                 module = build_model(cfg.model)
             assert all(p.is_meta for p in module.parameters())
-            build.materialise(module, torch.device("cpu"))
-            build.initialise_by_unit(module, seed=3, host=torch.device("cpu"))
+            materialise.materialise(module, torch.device("cpu"))
+            materialise.initialise_by_unit(module, seed=3, host=torch.device("cpu"))
             made.append(module)
         first, again = (dict(m.named_parameters()) for m in made)
         assert len(first) == len(dict(whole.named_parameters())), model  # ties kept (GPT-2's LM head)
@@ -85,7 +84,7 @@ def test_a_parameter_no_initialisation_covers_is_named():
     from torch import nn
 
     from sharded_exp.errors import ConfigError
-    from sharded_exp.train.build import check_initialisable
+    from sharded_exp.models.materialise import check_initialisable
 
     class Scaled(nn.Module):
         def __init__(self):
@@ -102,6 +101,7 @@ def test_a_registered_model_with_a_parameter_of_its_own_is_built_whole(gloo_grou
     constructor's values: it is built whole (the ``whole`` rule), not refused."""
     from torch import nn
 
+    from sharded_exp.models import materialise
     from sharded_exp.train import build
 
     class Scaled(nn.Module):
@@ -113,7 +113,7 @@ def test_a_registered_model_with_a_parameter_of_its_own_is_built_whole(gloo_grou
         def forward(self, inputs, targets=None):
             return self.body(inputs) * self.scale
 
-    monkeypatch.setattr(build, "build_model", lambda cfg, freeze=(), weights=False: Scaled())
+    monkeypatch.setattr(materialise, "build_model", lambda cfg, freeze=(), weights=False: Scaled())
     run = build.build_run(compose([], "config"), torch.device("cpu"), with_task=False)
     assert run.build == "whole"
     assert torch.equal(run.module.scale.detach(), torch.full((10,), 0.5))
@@ -292,7 +292,7 @@ def test_every_rank_within_5_percent_of_a_gloo_run(strategy, world_size, tmp_pat
 def test_a_meta_built_fake_model_keeps_its_tied_weights_tied():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from sharded_exp.train.build import _tied_to_empty
+    from sharded_exp.models.materialise import _tied_to_empty
     from tests.helpers.user_models import build_tied_double
 
     with torch.device("meta"):

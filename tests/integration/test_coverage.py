@@ -338,18 +338,16 @@ def test_every_field_and_option_is_set_by_a_real_run():
 
 
 def _aliases(group: str, options: list[str]) -> dict[str, list[str]]:
-    """Options that are one another by another name: a YAML whose only content is a
-    defaults list naming a sibling option (``fp16.yaml``: ``- "16"``), both ways. They
-    compose to the same config (tests/integration/test_sweep.py::test_precision_aliases_compose_as_their_option)."""
-    from omegaconf import OmegaConf
+    """Options that are one another by another name (precision=fp16 is precision=16:
+    :func:`sharded_exp.precision.alias_options`), both ways. They compose to the same config
+    (tests/integration/test_sweep.py::test_precision_aliases_compose_as_their_option)."""
+    from sharded_exp.precision import alias_options
 
     out: dict[str, list[str]] = {}
-    for option in options:
-        node = OmegaConf.load(Path(CONF_DIR) / group / f"{option}.yaml")
-        entries = [str(e) for e in node.get("defaults", [])]
-        if set(node.keys()) == {"defaults"} and len(entries) == 2 and entries[1] == "_self_" and entries[0] in options:
-            out.setdefault(option, []).append(entries[0])
-            out.setdefault(entries[0], []).append(option)
+    for alias, option in (alias_options().items() if group == "precision" else ()):
+        if option in options:
+            out.setdefault(option, []).append(alias)
+            out.setdefault(alias, []).append(option)
     return out
 
 

@@ -104,7 +104,7 @@ def test_plain_parameters_fsdp_leaves_whole_keep_their_objects():
     materialising it for the rank-0 load keeps its Parameter object (the optimizer's)."""
     from torch import nn
 
-    from sharded_exp.train.build import keep_plain_parameters
+    from sharded_exp.models.materialise import keep_plain_parameters
 
     with torch.device("meta"):
         module = nn.Module()

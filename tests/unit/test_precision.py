@@ -1,5 +1,6 @@
-"""sharded_exp.precision: the compute dtype and bytes per value of each precision option,
-autocast, and which grad scaler each precision and sharding gets."""
+"""sharded_exp.precision: one parser for every spelling of a precision (option names, the
+aliases, numbers, Lightning's, torch dtypes) and its clear refusal; the compute dtype and
+bytes per value of each option, autocast, and which grad scaler each precision and sharding gets."""
 
 from __future__ import annotations
 
@@ -8,7 +9,18 @@ import torch
 from omegaconf import OmegaConf
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from sharded_exp.precision import PRECISIONS, STATE_BYTES, autocast, compute_bytes, compute_dtype, grad_scaler
+from sharded_exp.compose import NUMBER_NAMES, compose
+from sharded_exp.errors import ConfigError
+from sharded_exp.precision import (
+    PRECISIONS,
+    STATE_BYTES,
+    Precision,
+    alias_options,
+    autocast,
+    compute_bytes,
+    compute_dtype,
+    grad_scaler,
+)
 
 
 def cfg(name: str, **kw):
@@ -26,10 +38,40 @@ def test_a_number_names_its_precision_too():
     assert compute_dtype(16) is torch.float16 and compute_bytes(32) == 4
 
 
-def test_an_unknown_precision_is_a_key_error():
-    with pytest.raises(KeyError):
+def test_an_unknown_precision_is_refused_naming_it_and_every_spelling():
+    with pytest.raises(ConfigError, match=r"precision '8' is not one of: 32, fp32, 32-true, float32, 16, fp16, "):
         compute_dtype("8")
-    assert set(PRECISIONS) == {"32", "16", "bf16"}
+    with pytest.raises(ConfigError, match=r"precision torch\.float64 is not one of: .*bf16-mixed, bf16-true, bfloat16$"):
+        Precision.parse(torch.float64)
+    assert PRECISIONS == ("32", "16", "bf16")
+
+
+@pytest.mark.parametrize(
+    "spellings, precision",
+    [
+        ((32, "32", "fp32", "32-true", "float32", torch.float32), Precision.fp32),
+        ((16, "16", "fp16", "16-mixed", "16-true", "float16", torch.float16), Precision.fp16),
+        (("bf16", "bf16-mixed", "bf16-true", "bfloat16", torch.bfloat16), Precision.bf16),
+    ],
+)
+def test_every_spelling_parses_to_its_precision(spellings, precision):
+    for spelling in (*spellings, precision):
+        assert Precision.parse(spelling) is precision, spelling
+
+
+def test_a_precision_names_the_option_a_run_records_and_lightnings_precision():
+    assert [p.value for p in Precision] == ["32", "16", "bf16"]
+    assert [p.lightning for p in Precision] == ["32-true", "16-mixed", "bf16-mixed"]
+    assert compute_dtype("fp16") is torch.float16 and compute_dtype(torch.bfloat16) is torch.bfloat16
+
+
+def test_the_config_groups_alias_options_are_the_precisions_names():
+    """precision=fp16 composes as precision=16 (the option stored from Precision), and the
+    command line's numbers become these names (compose.NUMBER_NAMES)."""
+    assert alias_options() == {"fp32": "32", "fp16": "16"}
+    assert NUMBER_NAMES["precision"] == {"32": "fp32", "16": "fp16"}
+    for alias, option in alias_options().items():
+        assert compose([f"precision={alias}"]).precision.name == option
 
 
 def test_precision_32_runs_without_autocast():

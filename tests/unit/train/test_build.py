@@ -1,6 +1,6 @@
-"""The build's initial weights (sharded_exp/train/build.py): a model registered by a plugin
-starts from its constructor's own values under every strategy, and the unit-by-unit build
-refuses, naming the parameter, wherever it would change initial weights silently."""
+"""sharded_exp/train/build.py: build_run assembles a run (the task, the levers, the strategy,
+autocast) around the model's build; a model registered by a plugin starts from its
+constructor's own values under every strategy, and the hooks see the build where promised."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from sharded_exp.compose import compose
-from sharded_exp.errors import ConfigError
 from sharded_exp.models import MODELS, ModelOutput
 from sharded_exp.train import build
 
@@ -134,40 +133,16 @@ def test_a_plugin_model_starts_from_its_constructors_values_under_every_strategy
         assert torch.equal(got[name], expected[name]), (cls.__name__, strategy, name)
 
 
-def test_the_builtin_models_and_hugging_face_classes_keep_the_unit_by_unit_build():
-    assert build.build_rule(compose(["model=gpt"]).model) == "units"
-    assert build.build_rule(compose(["model=mlp"]).model) == "units"
-    assert build.build_rule(compose(["model=hf_llama"]).model) == "units"
-    assert build.build_rule(compose(["model=custom", "model._target_=torch.nn.Linear"]).model) == "whole"
-
-
-def _skeleton(cls) -> nn.Module:
-    with torch.device("cpu"), build.parameters_on_meta():
-        return cls()
-
-
-def test_a_parameter_its_reset_leaves_unwritten_is_refused_by_name():
-    module = _skeleton(HalfReset)
-    build.materialise(module, torch.device("cpu"))
-    with pytest.raises(ConfigError, match=r"model parameter head\.bias \(_HalfReset\) is not written by its init"):
-        build.initialise_by_unit(module, seed=SEED, host=torch.device("cpu"))
-
-
-def test_a_root_reset_that_writes_its_blocks_is_refused_by_name():
-    module = _skeleton(RootResets)
-    build.materialise(module, torch.device("cpu"))
-    with pytest.raises(ConfigError, match=r"RootResets \(reset_parameters\) also writes model parameter blocks\.0\."):
-        build.initialise_by_unit(module, seed=SEED, host=torch.device("cpu"))
-
-
-def test_a_buffer_computed_from_a_parameter_is_not_built_unit_by_unit():
-    with pytest.raises(ConfigError, match=r"model buffer scale is computed from a parameter"):
-        build.check_initialisable(_skeleton(BufferFromWeight))
-
-
-def test_the_unit_build_writes_every_parameter_of_a_sound_model():
-    module = _skeleton(_Base)
-    build.materialise(module, torch.device("cpu"))
-    assert all(torch.isnan(p).all() for p in module.parameters())  # the sentinel, before
-    build.initialise_by_unit(module, seed=SEED, host=torch.device("cpu"))
-    assert not any(torch.isnan(p).any() for p in module.parameters())
+def test_the_hooks_see_the_skeleton_before_wrapping_and_the_initial_weights_after(gloo_group):
+    cfg = compose(["strategy=ddp", "trainer.batch_size=4", f"trainer.seed={SEED}", "precision=bf16"], "config")
+    seen = {}
+    run = build.build_run(
+        cfg,
+        torch.device("cpu"),
+        before_wrap=lambda module: seen.update(before=all(p.is_meta for p in module.parameters())),
+        after_build=lambda strategy: seen.update(after=strategy),
+    )
+    assert seen == {"before": True, "after": run.strategy}
+    assert run.build == "units" and run.task is not None
+    with run.autocast:
+        assert torch.get_autocast_dtype("cpu") is torch.bfloat16
