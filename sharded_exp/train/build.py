@@ -433,7 +433,7 @@ def build_run(
     model that cannot be built under FakeTensorMode directly). The trainer's levers
     (activation checkpointing, compile: :mod:`sharded_exp.train.levers`) are applied to
     the model's units before it is wrapped; ``compile=False`` leaves the units eager.
-    Gradients are cleared by the strategy's rule for ``trainer.zero_grad`` (``Strategy.zero_grad_rule``).
+    Gradients are cleared by the strategy's rule for ``trainer.zero_grad`` (``Traits.zero_grad_rule``).
 
     ``weights=False``: shapes only (the fake step), ``model.pretrained``'s config without
     its weights. How the model is made is :func:`build_rule`'s (the module docstring).
@@ -445,7 +445,7 @@ def build_run(
     tc = cfg.trainer
     torch.manual_seed(tc.seed)  # identical on every rank
     rule = build_rule(cfg.model, weights)
-    shards = STRATEGIES.builder(cfg.strategy.name).shards_parameters
+    shards = STRATEGIES.builder(cfg.strategy.name).traits.shards_parameters
     offload = offloads_to_host(cfg.strategy)
     # Real meta tensors even inside a fake step: a skeleton costs nothing, and buffers keep
     # their values (a fake step then moves them onto its fake device).

@@ -88,7 +88,7 @@ def test_real_partition_is_the_predicted_one(strategy, model, tmp_path):
         module = build_model(cfg.model)
     groups = [[p.numel() for p in g["params"]] for g in optimizer_spec(cfg.optimizer, module).param_groups]
     numels = [n for g in groups for n in g]
-    owners = STRATEGIES.builder(strategy).partition(groups, 3)
+    owners = STRATEGIES.builder(strategy).memory.partition(groups, 3)
     predicted = [sum(n for n, o in zip(numels, owners) if o == r) for r in range(3)]
     assert [e["optimizer_shard_numel"] for e in result["memory"]["per_rank"]] == predicted
 
