@@ -62,3 +62,11 @@ def test_the_reducer_wrapper_passes_every_other_attribute_through():
 
     assert _Reducer(Inner()).answer == 42
     assert _Reducer(Inner(), rebuild=False)._rebuild_buckets() is False
+
+
+def test_ddps_bucket_rule_holds_every_trainable_gradient_and_aliases_them_only_as_views():
+    """The one bucket rule, in any unit: the prediction's elements and the probe's MiB."""
+    from sharded_exp.strategies.ddp import DDPMemory
+
+    assert DDPMemory.buckets(3.5, False) == (3.5, 0) and DDPMemory.buckets(3.5, True) == (3.5, 3.5)
+    assert DDP.memory is DDPMemory and DDP.traits.baseline and DDP.traits.sharding == 0
