@@ -48,11 +48,6 @@ def by_sharding(names) -> list[str]:
     return sorted(names, key=sharding_order)
 
 
-def sharding_of(name: str) -> int:
-    """``Traits.sharding`` of a registered strategy."""
-    return traits_of(name).sharding
-
-
 def baseline() -> str:
     """The name of the strategy every other one is compared with (``Traits.baseline``: DDP)."""
     return next(name for name in STRATEGIES.names() if traits_of(name).baseline)

@@ -16,7 +16,6 @@ from sharded_exp.strategies import (
     memory_of,
     name_of_wrapper,
     offloads_to_host,
-    sharding_of,
     sharding_order,
     traits_of,
 )
@@ -52,7 +51,7 @@ def test_an_unknown_strategy_is_a_config_error_naming_the_registered_ones():
     ("ddp", 0), ("oss", 1), ("zero1", 1), ("sharded_ddp", 2), ("fsdp_grad_op", 3), ("fsdp", 4),
 ])  # fmt: skip
 def test_each_strategy_shards_what_its_zero_stage_says(name, level):
-    assert sharding_of(name) == level
+    assert traits_of(name).sharding == level
 
 
 def test_strategies_are_ordered_least_sharded_first_by_name_among_equals_unknown_last():
