@@ -18,9 +18,9 @@ from omegaconf import OmegaConf
 from sharded_exp.config import option_name
 from sharded_exp.plan.depth import first_depth, peaks_by_depth, shapes_of
 from sharded_exp.plan.progress import Progress
-from sharded_exp.plan.table import PARTS
 from sharded_exp.predict.prediction import ModelShapes, model_shapes, predict, predict_peak
 from sharded_exp.strategies import STRATEGIES, memory_of, sharding_order, traits_of
+from sharded_exp.vocabulary.memory import PARTS
 
 GIB = 2**30
 MIB = 2**20

@@ -17,7 +17,7 @@ import pkgutil
 from sharded_exp.config import ZeroGrad
 from sharded_exp.errors import ConfigError
 from sharded_exp.registry import Registry
-from sharded_exp.strategies.memory import MemoryModel
+from sharded_exp.strategies.residency import MemoryModel
 from sharded_exp.strategies.traits import Traits, defines, wrapped_by
 
 STRATEGIES = Registry("strategy")
@@ -99,5 +99,5 @@ def build_strategy(cfg, module, optim_spec, precision_cfg, device, zero_grad=Non
 
 
 for _info in pkgutil.iter_modules(__path__):
-    if _info.name not in ("base", "memory", "traits"):
+    if _info.name not in ("base", "residency", "traits"):
         importlib.import_module(f"{__name__}.{_info.name}")

@@ -5,7 +5,7 @@ A strategy is a class made of parts (as Lightning Fabric's ``Strategy`` is of mi
 - ``Config``: its config schema (a dataclass; the registry reads it);
 - ``traits``: frozen facts about it (:class:`~.traits.Traits`: how much it shards, its
   checkpoint format, what it requires, which wrappers give it away);
-- ``memory``: which model states each rank holds (:class:`~.memory.MemoryModel`), read by
+- ``memory``: which model states each rank holds (:class:`~.residency.MemoryModel`), read by
   the prediction, the planner and the probe without building anything;
 - the runtime: what ``build`` returns, the object the trainer steps (zeroing, no-sync,
   clipping, stepping, state). The trainer never asks which strategy it runs.
@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from sharded_exp import precision
 from sharded_exp.config import ZeroGrad
-from sharded_exp.strategies.memory import MemoryModel
+from sharded_exp.strategies.residency import MemoryModel
 from sharded_exp.strategies.traits import GradZeroing, Traits
 
 
@@ -87,7 +87,7 @@ class Strategy:
     traits = Traits()
     """What this strategy is (:class:`~.traits.Traits`)."""
     memory = MemoryModel
-    """Which model states each rank holds (:class:`~.memory.MemoryModel`)."""
+    """Which model states each rank holds (:class:`~.residency.MemoryModel`)."""
 
     def __init__(self, model: nn.Module, module: nn.Module, optimizer: torch.optim.Optimizer, precision_cfg, device):
         self.model = model

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from sharded_exp.measure.tracker import communication_buffers
 from sharded_exp.strategies import STRATEGIES
 from sharded_exp.strategies.base import Strategy, StrategyConfig
-from sharded_exp.strategies.memory import MemoryModel
+from sharded_exp.strategies.residency import MemoryModel
 from sharded_exp.strategies.traits import Traits
 
 

@@ -37,7 +37,7 @@ from sharded_exp.errors import ConfigError
 from sharded_exp.models import units
 from sharded_exp.strategies import STRATEGIES
 from sharded_exp.strategies.base import Strategy, StrategyConfig
-from sharded_exp.strategies.memory import MemoryModel
+from sharded_exp.strategies.residency import MemoryModel
 from sharded_exp.strategies.traits import Traits
 
 

@@ -13,8 +13,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from sharded_exp.strategies import STRATEGIES
 from sharded_exp.strategies.ddp import DDP, DDPConfig, wrap_ddp
-from sharded_exp.strategies.memory import greedy_partition
 from sharded_exp.strategies.oss import OSSMemory
+from sharded_exp.strategies.residency import greedy_partition
 from sharded_exp.strategies.traits import Traits
 
 

@@ -10,7 +10,7 @@ from sharded_exp.models import build_model
 from sharded_exp.optim import optimizer_spec
 from sharded_exp.predict.memory_model import zero_paper_bytes_per_param
 from sharded_exp.strategies import STRATEGIES
-from sharded_exp.strategies.memory import greedy_partition
+from sharded_exp.strategies.residency import greedy_partition
 from sharded_exp.strategies.sharded_ddp import resident_grad_numel
 from tests.helpers.jobs import launch_job, tiny
 from tests.helpers.runs import rank_errors

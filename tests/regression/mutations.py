@@ -252,11 +252,11 @@ MUTATIONS = [
     ),
     Mutation(
         26,
-        "sharded_exp/strategies/memory.py",
+        "sharded_exp/strategies/residency.py",
         "order = sorted(range(len(group)), key=lambda i: -group[i]) if largest_first else range(len(group))",
         "order = sorted(range(len(group)), key=lambda i: group[i]) if largest_first else range(len(group))",
         "ZeRO-1's partition visits the smallest tensors first (flipped sign)",
-        "tests/unit/strategies/test_memory.py::test_largest_first_visits_each_group_by_size_but_reports_owners_in_parameter_order",
+        "tests/unit/strategies/test_residency.py::test_largest_first_visits_each_group_by_size_but_reports_owners_in_parameter_order",
     ),
     Mutation(
         27,

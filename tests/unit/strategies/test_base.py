@@ -8,7 +8,7 @@ from torch import nn
 
 from sharded_exp.strategies import STRATEGIES
 from sharded_exp.strategies.base import Strategy
-from sharded_exp.strategies.memory import MemoryModel
+from sharded_exp.strategies.residency import MemoryModel
 from sharded_exp.strategies.traits import Traits
 
 

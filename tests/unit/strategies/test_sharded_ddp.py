@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from sharded_exp.config import ZeroGrad
-from sharded_exp.strategies.memory import greedy_partition
+from sharded_exp.strategies.residency import greedy_partition
 from sharded_exp.strategies.sharded_ddp import ShardedDDP, ShardedDDPConfig, bucketed, resident_grad_numel
 
 

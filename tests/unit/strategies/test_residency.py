@@ -1,4 +1,4 @@
-"""strategies/memory.py: the greedy optimizer-state partition (held against fairscale OSS's own)
+"""strategies/residency.py: the greedy optimizer-state partition (held against fairscale OSS's own)
 and the base memory model (every state whole on every rank)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from sharded_exp.strategies.memory import MemoryModel, greedy_partition
+from sharded_exp.strategies.residency import MemoryModel, greedy_partition
 
 
 # ------------------------------------------------------------------ greedy_partition
