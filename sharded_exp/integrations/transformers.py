@@ -17,22 +17,27 @@ from __future__ import annotations
 from typing import Any
 
 import transformers
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
 from sharded_exp.precision import Precision
 from sharded_exp.probe import Probe
 from sharded_exp.probe.fake import loss_of
+from sharded_exp.strategies import name_of_wrapper_class
 
 
 def _strategy(args) -> tuple[str, tuple[bool, bool]]:
     """sharded_exp's name for the Trainer's strategy, and (under DDP, gradients as bucket views)."""
     fsdp = " ".join(str(o) for o in (args.fsdp or [])) if not isinstance(args.fsdp, str) else args.fsdp
-    if fsdp:
-        return ("fsdp_grad_op" if "shard_grad_op" in fsdp else "fsdp"), (False, False)
+    if fsdp:  # the Trainer's FSDP is FSDP1: its sharding strategy says which of ours
+        how = "SHARD_GRAD_OP" if "shard_grad_op" in fsdp else "FULL_SHARD"
+        return name_of_wrapper_class(FullyShardedDataParallel, how), (False, False)
     if args.deepspeed:
         return "deepspeed", (False, False)
     if args.world_size > 1:
-        return "ddp", (True, False)  # the Trainer does not ask DDP for bucket views
+        # the Trainer does not ask DDP for bucket views
+        return name_of_wrapper_class(DistributedDataParallel), (True, False)
     return "single", (False, False)
 
 

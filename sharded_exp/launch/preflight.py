@@ -161,10 +161,10 @@ def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True)
     strategy = STRATEGIES.builder(cfg.strategy.name)
     strategy.check(cfg.strategy, world_size, device_type)
     _check_param_dtype(cfg)
-    zero_grad = strategy.zero_grad_rule(ZeroGrad(cfg.trainer.zero_grad))  # what build_strategy applies
+    zero_grad = strategy.traits.zero_grad_rule(ZeroGrad(cfg.trainer.zero_grad))  # what build_strategy applies
     module = shapes_model(cfg)
     check_no_lazy(module, cfg.model.name)
-    if strategy.shards_parameters:
+    if strategy.traits.shards_parameters:
         check_units_shardable(module, cfg.model.name, cfg.strategy.name)
     params = list(module.parameters())
     _require(bool(params), f"model={cfg.model.name} has no parameters: there is nothing to train or to shard")
@@ -185,7 +185,7 @@ def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True)
     check_accepts(module, list(task(0, 0, 0)), cfg.model.name, cfg.data.name)  # keyword batch in
     if task.dataset is not None:  # a user's data: enough of it for one micro-batch per rank
         check_fits(task, world_size, cfg.trainer.batch_size, cfg.data.name)
-    plan = plan_checkpoints(cfg.trainer, strategy.checkpoint_format_auto(), output_dir, shapes.state_shapes,
+    plan = plan_checkpoints(cfg.trainer, strategy.traits.checkpoint_format_auto, output_dir, shapes.state_shapes,
                             cfg.optimizer.name)  # fmt: skip
     # The config the ranks, .hydra/ and W&B see holds the real world size (torchrun, SLURM)
     # and the checkpoint plan's paths; from here on every option is a plain name.
@@ -272,12 +272,12 @@ def check_values(cfg) -> None:
         f"{', '.join('strategy.' + k for k in unknown)} is not a setting of strategy={cfg.strategy.name}; "
         f"its settings: {', '.join(s for s in settings if s != 'name')}",
     )
-    missing = missing_packages(strategy.requires)
+    missing = missing_packages(strategy.traits.requires)
     _require(
         not missing,
         f"strategy={cfg.strategy.name} needs the package(s) {', '.join(missing)}, which are not installed here "
         f"(pip install -e . installs them; strategies without extra packages: "
-        f"{', '.join(n for n in STRATEGIES.names() if not STRATEGIES.builder(n).requires)})",
+        f"{', '.join(n for n in STRATEGIES.names() if not STRATEGIES.builder(n).traits.requires)})",
     )
     if not is_target_model(cfg.model):
         MODELS.builder(cfg.model.name)

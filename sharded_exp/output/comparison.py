@@ -20,13 +20,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from sharded_exp.errors import ConfigError
 from sharded_exp.job.result import SCHEMA_VERSION, problems
 from sharded_exp.output import charts
 from sharded_exp.output.charts import ranks
 from sharded_exp.output.loggers import init_wandb_run
 from sharded_exp.output.workspace import sweep_logger
-from sharded_exp.strategies import STRATEGIES, by_sharding, sharding_of
+from sharded_exp.strategies import STRATEGIES, baseline, by_sharding, sharding_order
 from sharded_exp.vocabulary.wandb_names import REPORT_JOB_TYPE, report_key, report_run_id, report_run_name
 
 COLUMNS = [
@@ -245,7 +244,7 @@ def _choose_baseline(members: list[dict[str, Any]]) -> tuple[dict[str, Any] | No
     """The baseline of points that differ only in the strategy, and why it is not DDP:
     DDP when it ran to the end; else the least sharded point that fits (``Strategy.sharding``), so a
     saving reads as what more sharding buys; None when fewer than two points fit."""
-    ddp = next((r for r in members if r["strategy"] == "ddp"), None)
+    ddp = next((r for r in members if r["strategy"] == baseline()), None)
     if ddp is not None and ddp["status"] == "ok":
         return ddp, None
     why = "no ddp point with the same settings" if ddp is None else f"ddp ({ddp['_dir']}) ended {ddp['status']}"
@@ -257,10 +256,7 @@ def _choose_baseline(members: list[dict[str, Any]]) -> tuple[dict[str, Any] | No
 
 def _order(strategy: str) -> tuple[int, str]:
     """Where a strategy stands from the least sharded to the most (the registry's ``sharding``)."""
-    try:
-        return sharding_of(strategy), strategy
-    except ConfigError:  # not registered here (a plugin's point of an older sweep): last
-        return 99, strategy
+    return sharding_order(strategy)
 
 
 def build_rows(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -411,8 +407,8 @@ def _ranks_list(sizes: list[int]) -> str:
 
 def _baseline_aside(base: dict[str, Any], members: list[dict[str, Any]]) -> str:
     """Why the baseline is not DDP, in the headline's words ("" when it is)."""
-    ddp = next((r for r in members if r["strategy"] == "ddp"), None)
-    if base["strategy"] == "ddp":
+    ddp = next((r for r in members if r["strategy"] == baseline()), None)
+    if base["strategy"] == baseline():
         return ""
     if ddp is None:
         return "the least sharded strategy here"

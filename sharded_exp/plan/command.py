@@ -95,7 +95,7 @@ def check_plan(cfg, argv: list[str] = ()) -> None:
             raise ConfigError(f"plan.{key} names {', '.join(twice)} twice: each is planned once; name it once")
     combos = [str(c) for c in (p.get("levers", None) or [])]
     if any("offload" in lever_names(c) for c in combos):
-        takers = [n for n in (p.strategies or STRATEGIES.names()) if STRATEGIES.builder(n).shards_parameters]
+        takers = [n for n in (p.strategies or STRATEGIES.names()) if STRATEGIES.builder(n).traits.shards_parameters]
         if not takers:
             raise ConfigError(
                 f"plan.levers={combos}: offload moves FSDP's sharded states to the host, and plan.strategies="
@@ -176,7 +176,7 @@ def buildable(cfg) -> None:
 
     check_no_lazy(module, cfg.model.name)
     for name in strategy_names(cfg):  # a layout training refuses is no plan (a weight tied across FSDP's units)
-        if STRATEGIES.builder(name).shards_parameters:
+        if STRATEGIES.builder(name).traits.shards_parameters:
             try:
                 check_units_shardable(module, cfg.model.name, name)
             except ConfigError as exc:

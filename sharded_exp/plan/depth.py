@@ -39,7 +39,7 @@ from omegaconf import OmegaConf
 
 from sharded_exp.predict.memory_model import largest_group_state_mib
 from sharded_exp.predict.prediction import model_shapes, peaks_of_ranks, predict, predict_peak
-from sharded_exp.strategies import STRATEGIES
+from sharded_exp.strategies import memory_of
 from sharded_exp.vocabulary.memory import MODEL_STATES, OPTIMIZER_STEP
 
 STATES = MODEL_STATES
@@ -65,7 +65,7 @@ class Fake:
     note: str = ""
     """What the fake step says of itself (clipping faked without, a rule applied)."""
     setup_clear: bool = True
-    """Whether the strategy's set-up moment (:meth:`Strategy.setup_transient_mib`) is clear
+    """Whether the strategy's set-up moment (:meth:`MemoryModel.setup_transient_mib`) is clear
     of the peak (:func:`_setup_clear`)."""
 
 
@@ -84,7 +84,7 @@ def shapes_of(cfg):
 
 def first_depth(name: str) -> int:
     """The shallowest depth whose peak lies on the model's line under strategy ``name``."""
-    return STRATEGIES.builder(name).depth_line_from
+    return memory_of(name).depth_line_from
 
 
 def fake_at(cfg_s, key: str, depth: int, world_size: int, device_type: str) -> Fake | str:
@@ -111,15 +111,14 @@ def fake_at(cfg_s, key: str, depth: int, world_size: int, device_type: str) -> F
 def _setup_clear(cfg_s, shapes, world_size: int, mine: dict[str, float], peaks: dict[str, float]) -> bool:
     """Whether the strategy's set-up moment (in the first forward: the "step" phase), with
     every state the rank holds, stays below that phase's peak: then it is not the peak."""
-    transient = STRATEGIES.builder(cfg_s.strategy.name).setup_transient_mib(cfg_s.strategy, shapes, world_size)
+    transient = memory_of(cfg_s.strategy.name).setup_transient_mib(cfg_s.strategy, shapes, world_size)
     return not transient or sum(mine.values()) + transient < peaks.get("step", max(peaks.values()))
 
 
 def _stepped_state(cfg_s, shapes, world_size: int, rank: int) -> float:
     """The optimizer state ``rank`` steps at once (MiB): its largest parameter group's."""
-    strategy = STRATEGIES.builder(cfg_s.strategy.name)
     return largest_group_state_mib(
-        strategy, cfg_s.strategy, cfg_s.optimizer, shapes.groups, world_size, rank, shapes.element_bytes
+        memory_of(cfg_s.strategy.name), cfg_s.strategy, cfg_s.optimizer, shapes.groups, world_size, rank, shapes.element_bytes
     )
 
 
@@ -194,7 +193,7 @@ def peaks_by_depth(cfg_s, world_sizes, device_type: str, key: str, layers: int) 
     one) of ``cfg_s`` at each world size; None where the model cannot be drawn by depth
     (a line bends, a shallow fake fails): the caller fakes the whole model there."""
     name = cfg_s.strategy.name
-    strategy = STRATEGIES.builder(name)
+    strategy = memory_of(name)  # its memory model: whether its lines move with the world size
     d0 = first_depth(name)
     depths = (d0, d0 + 1, d0 + 2)
     out: dict[int, dict | None] = {}

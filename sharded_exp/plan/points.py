@@ -16,11 +16,10 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from sharded_exp.config import option_name
-from sharded_exp.errors import ConfigError
 from sharded_exp.plan.depth import first_depth, peaks_by_depth, shapes_of
 from sharded_exp.plan.progress import Progress
 from sharded_exp.predict.prediction import ModelShapes, model_shapes, predict, predict_peak
-from sharded_exp.strategies import STRATEGIES
+from sharded_exp.strategies import STRATEGIES, memory_of, sharding_order, traits_of
 from sharded_exp.vocabulary.memory import PARTS
 
 GIB = 2**30
@@ -44,11 +43,8 @@ LEVER_COST = {"none": 0, "ac_selective": 1, "ac": 2, "offload": 3}
 
 def strategy_cost(name: str) -> int:
     """Extra communication per strategy, DDP < ZeRO-1 < ZeRO-2 < FSDP: how much it shards
-    (the registry's ``Strategy.sharding``)."""
-    try:
-        return STRATEGIES.builder(name).sharding_level()
-    except ConfigError:  # not registered: the costliest
-        return 99
+    (:func:`~sharded_exp.strategies.sharding_order`; not registered: the costliest)."""
+    return sharding_order(name)[0]
 
 
 def lever_names(combo: str) -> list[str]:
@@ -57,7 +53,7 @@ def lever_names(combo: str) -> list[str]:
 
 def applies(name: str, combo: str) -> bool:
     """Offload is FSDP's (fsdp, fsdp_grad_op); the others apply to every strategy."""
-    return "offload" not in lever_names(combo) or STRATEGIES.builder(name).shards_parameters
+    return "offload" not in lever_names(combo) or traits_of(name).shards_parameters
 
 
 def with_strategy(cfg, name: str, combo: str = "none"):
@@ -97,7 +93,7 @@ def raw_shapes(params: int, units: int, world_size: int, row_sharded: bool = Fal
 def _raw_parts(cfg, name: str, world_size: int) -> dict[str, float]:
     """Rank 0's model states (GiB) for ``plan.params`` as an ideally divisible model."""
     cfg_s = with_strategy(cfg, name)
-    row_sharded = STRATEGIES.builder(name).shards_parameters
+    row_sharded = traits_of(name).shards_parameters
     shapes = raw_shapes(int(cfg.plan.params), int(cfg.plan.units), world_size, row_sharded)
     # Every rank holds the same by construction: rank 0 stands for all.
     prediction = predict(cfg_s.strategy, cfg.optimizer, str(cfg.precision.name), shapes, world_size, ranks=[0])
@@ -105,10 +101,10 @@ def _raw_parts(cfg, name: str, world_size: int) -> dict[str, float]:
     parts = {k: states[k] * MIB / GIB for k in ("params", "grads", "optimizer")}
     # The strategy's communication buckets, as a model plan's fake step files them: beside
     # the gradients, or holding them (ShardedDDP's; DDP's with gradient_as_bucket_view).
-    strategy = STRATEGIES.builder(name)
+    memory = memory_of(name)
     numels = [math.prod(s) for g in shapes.groups for s in g]
-    owners = strategy.partition([[math.prod(s) for s in g] for g in shapes.groups], world_size)
-    held, aliased = strategy.bucket_numel(cfg_s.strategy, numels, owners, 0, world_size)
+    owners = memory.partition([[math.prod(s) for s in g] for g in shapes.groups], world_size)
+    held, aliased = memory.bucket_numel(cfg_s.strategy, numels, owners, 0, world_size)
     parts["grads"] -= aliased * shapes.element_bytes / GIB
     parts["buckets"] = held * shapes.element_bytes / GIB
     return parts | {"gathered": prediction["transient_params_mib"] * MIB / GIB}

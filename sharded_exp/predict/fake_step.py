@@ -39,7 +39,7 @@ import torch.distributed as dist
 from sharded_exp.config import option_name
 from sharded_exp.errors import ConfigError
 from sharded_exp.measure.tracker import peak_tracker
-from sharded_exp.strategies import STRATEGIES, offloads_to_host
+from sharded_exp.strategies import STRATEGIES, baseline, offloads_to_host, traits_of
 from sharded_exp.vocabulary.memory import OTHER, TORCH_CATEGORIES, TOTAL
 
 MIB = 2**20
@@ -476,7 +476,7 @@ def fake_step(
         cfg = cfg.copy()
         cfg.strategy.cpu_offload = False
     clip = float(cfg.trainer.grad_clip)
-    known = clip > 0 and STRATEGIES.builder(cfg.strategy.name).clip_reads_values
+    known = clip > 0 and traits_of(cfg.strategy.name).clip_reads_values
     first: Exception | None = None
     if not known:
         try:
@@ -500,13 +500,13 @@ def fake_step(
             raise
         except Exception as exc:  # noqa: BLE001
             first = first or exc
-    if cfg.strategy.name == "ddp" or states_mib is None:
+    if cfg.strategy.name == baseline() or states_mib is None:
         raise first
-    # The strategy cannot run fake: its own (analytic) model states, DDP's activations.
+    # The strategy cannot run fake: its own (analytic) model states, the baseline's (DDP's) activations.
     ddp_cfg = cfg.copy()
-    ddp_cfg.strategy = STRATEGIES.config_class("ddp")()
+    ddp_cfg.strategy = STRATEGIES.config_class(baseline())()
     base = fake_step(ddp_cfg, world_size, rank, device_type, flops=flops)
-    own, ddp = states_mib(cfg.strategy.name), states_mib("ddp")
+    own, ddp = states_mib(cfg.strategy.name), states_mib(baseline())
     note = f"{cfg.strategy.name} cannot run under FakeTensorMode ({_short(first)})"
     parts = {**base.breakdown_mib, **own}
     return StepEstimate(

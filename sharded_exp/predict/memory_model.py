@@ -2,7 +2,7 @@
 
 Model states are parameters, gradients and optimizer state (Rajbhandari et al. 2020).
 Which of them a rank holds in full and which only for its shard is each strategy's to
-say (``resident_numel`` on its class); this module turns element counts into
+say (``resident_numel`` on its memory model, ``Strategy.memory``); this module turns element counts into
 bytes. Two details make the prediction match the real tensors rather than the paper:
 
 - The shard is the real partition: fairscale OSS assigns each parameter, group by group,
@@ -36,7 +36,7 @@ def optimizer_state_bytes(optimizer_cfg, numels: Sequence[int], element: float =
 
 
 def predict_model_states_mib(
-    strategy,
+    memory,
     strategy_cfg,
     optimizer_cfg,
     group_shapes: Sequence[Sequence[tuple]],
@@ -47,18 +47,18 @@ def predict_model_states_mib(
 ) -> list[dict[str, float]]:
     """Predicted ``{"params", "grads", "optimizer"}`` MiB for every rank.
 
-    ``strategy``: the Strategy class; ``group_shapes``: the parameter shapes of each
+    ``memory``: the strategy's memory model (``Strategy.memory``); ``group_shapes``: the parameter shapes of each
     optimizer parameter group, in order; ``frozen``: the frozen parameters' shapes (held
     like the others, with no gradient and no optimizer state); ``element``: bytes per
     parameter element (gradients and optimizer state are in the parameters' dtype);
     ``ranks``: only these ranks (in that order), e.g. one when all are alike by construction.
     """
     shapes = [s for group in group_shapes for s in group]
-    owners = strategy.partition([[math.prod(s) for s in g] for g in group_shapes], world_size)
+    owners = memory.partition([[math.prod(s) for s in g] for g in group_shapes], world_size)
     out = []
     for rank in range(world_size) if ranks is None else ranks:
-        held = strategy.resident_numel(strategy_cfg, shapes, owners, rank, world_size)
-        frozen_held = strategy.resident_numel(strategy_cfg, frozen, [], rank, world_size)["params"] if frozen else 0
+        held = memory.resident_numel(strategy_cfg, shapes, owners, rank, world_size)
+        frozen_held = memory.resident_numel(strategy_cfg, frozen, [], rank, world_size)["params"] if frozen else 0
         out.append(
             {
                 "params": element * (held["params"] + frozen_held) / MIB,
@@ -70,17 +70,17 @@ def predict_model_states_mib(
 
 
 def largest_group_state_mib(
-    strategy, strategy_cfg, optimizer_cfg, group_shapes: Sequence[Sequence[tuple]], world_size: int, rank: int,
+    memory, strategy_cfg, optimizer_cfg, group_shapes: Sequence[Sequence[tuple]], world_size: int, rank: int,
     element: float = FP32,
 ) -> float:  # fmt: skip
     """The optimizer state ``rank`` holds for its largest parameter group (MiB): a foreach
     optimizer steps one group at a time, so its step's temporaries (Adam's ``sqrt(v)``)
     follow the largest group's state, not the total."""
-    owners = strategy.partition([[math.prod(s) for s in g] for g in group_shapes], world_size)
+    owners = memory.partition([[math.prod(s) for s in g] for g in group_shapes], world_size)
     largest, start = 0.0, 0
     for group in group_shapes:
         mine = owners[start : start + len(group)]
-        held = strategy.resident_numel(strategy_cfg, list(group), mine, rank, world_size)
+        held = memory.resident_numel(strategy_cfg, list(group), mine, rank, world_size)
         largest = max(largest, optimizer_state_bytes(optimizer_cfg, held["optimizer"], element) / MIB)
         start += len(group)
     return largest

@@ -17,7 +17,7 @@ from sharded_exp.errors import ConfigError
 from sharded_exp.models import build_model, units
 from sharded_exp.optim import optimizer_spec
 from sharded_exp.predict.memory_model import predict_model_states_mib
-from sharded_exp.strategies import STRATEGIES, offloads_to_host
+from sharded_exp.strategies import STRATEGIES, memory_of, offloads_to_host, traits_of
 
 MIB = 2**20
 
@@ -82,12 +82,12 @@ def predict(
 
     ``{"model_states_mib": [{"params", "grads", "optimizer"} per rank], "transient_params_mib": x}``
     """
-    strategy = STRATEGIES.builder(strategy_cfg.name)
+    memory = memory_of(strategy_cfg.name)
     states = predict_model_states_mib(
-        strategy, strategy_cfg, optimizer_cfg, shapes.groups, world_size, shapes.frozen, shapes.element_bytes, ranks
+        memory, strategy_cfg, optimizer_cfg, shapes.groups, world_size, shapes.frozen, shapes.element_bytes, ranks
     )
     gathered = (
-        strategy.transient_param_numel(strategy_cfg, shapes.blocks, shapes.root, world_size) if shapes.blocks else 0
+        memory.transient_param_numel(strategy_cfg, shapes.blocks, shapes.root, world_size) if shapes.blocks else 0
     )
     compute = shapes.element_bytes if precision_name == "32" else precision.compute_bytes(precision_name)
     return {"model_states_mib": states, "transient_params_mib": gathered * compute / MIB}
@@ -125,7 +125,7 @@ def _zero_grad_note(cfg) -> str:
     strategy applies, as the run does)."""
     from sharded_exp.config import ZeroGrad
 
-    rule = STRATEGIES.builder(cfg.strategy.name).zero_grad_rule(ZeroGrad(cfg.trainer.zero_grad))
+    rule = traits_of(cfg.strategy.name).zero_grad_rule(ZeroGrad(cfg.trainer.zero_grad))
     if rule.reason:
         return f"trainer.zero_grad={rule.requested.value} not honoured, faked as {rule.applied.value}: {rule.reason}"
     return ""

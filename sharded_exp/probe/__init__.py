@@ -44,6 +44,7 @@ from sharded_exp.errors import ConfigError
 from sharded_exp.measure.tracker import MemoryMeter, model_state_mib
 from sharded_exp.precision import Precision
 from sharded_exp.probe import fake
+from sharded_exp.strategies import name_of_wrapper, traits_of
 
 
 def _dist():
@@ -53,31 +54,21 @@ def _dist():
 
 
 def detect_strategy(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[str, dict[str, Any]]:
-    """The strategy in sharded_exp's names (``ddp``, ``zero1``, ``fsdp_grad_op``, ``fsdp``,
-    ``single``), read from the wrappers on the model and the optimizer, and what was found."""
+    """The strategy in sharded_exp's names, read from the wrappers on the model and the
+    optimizer (each strategy's ``Traits.wrappers``: :func:`sharded_exp.strategies.name_of_wrapper`),
+    ``single`` without a wrapper or a process group of more than one rank, ``unknown`` with
+    one; and what was found."""
     from torch.nn.parallel import DistributedDataParallel
 
     optimizer = getattr(optimizer, "optimizer", optimizer)  # Accelerate's and Lightning's wrappers
     found: dict[str, Any] = {"model_wrapper": type(model).__name__, "optimizer": type(optimizer).__name__}
-    kinds = {type(m).__name__ for m in model.modules()}
-    if type(model).__name__ == "ShardedDataParallel":  # fairscale: OSS + ShardedDDP (ZeRO-2)
-        return "sharded_ddp", found
-    if type(optimizer).__name__ == "OSS":  # fairscale's ZeRO-1 under DDP
-        return "oss", found
-    if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
-        return "zero1", found
-    if "FullyShardedDataParallel" in kinds:  # FSDP1: its sharding strategy says which ZeRO stage
-        inner = next(m for m in model.modules() if type(m).__name__ == "FullyShardedDataParallel")
-        how = str(getattr(inner, "sharding_strategy", "FULL_SHARD")).rsplit(".", 1)[-1]
-        found["sharding_strategy"] = how
-        return {"SHARD_GRAD_OP": "fsdp_grad_op", "NO_SHARD": "ddp", "_HYBRID_SHARD_ZERO2": "fsdp_grad_op"}.get(
-            how, "fsdp"
-        ), found
-    if any(k.startswith("FSDP") for k in kinds):  # FSDP2's fully_shard
-        return "fsdp", found
-    if isinstance(model, DistributedDataParallel):
+    name, sharding_strategy = name_of_wrapper(model, optimizer)
+    if sharding_strategy is not None:  # FSDP1: its sharding strategy says which ZeRO stage
+        found["sharding_strategy"] = sharding_strategy
+    if name is not None and traits_of(name).baseline and isinstance(model, DistributedDataParallel):
         found["gradient_as_bucket_view"] = bool(getattr(model, "gradient_as_bucket_view", False))
-        return "ddp", found
+    if name is not None:
+        return name, found
     dist = _dist()
     return ("single" if dist is None or dist.get_world_size() == 1 else "unknown"), found
 

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from sharded_exp.measure.tracker import MIB, peak_tracker
+from sharded_exp.strategies.ddp import DDPMemory
 from sharded_exp.vocabulary.memory import DDP_GRADIENT_COPIES, TOTAL
 
 
@@ -134,11 +135,15 @@ def ddp_extra_mib(grads_mib: float, ddp: tuple[bool, bool], buckets_seen: bool) 
     the reduced bucket; the unwrapped step holds one, so DDP adds two gradient-sized copies,
     one of them the bucket (not counted where the measurement cannot see it: a CPU probe
     started after DDP allocated its buckets). With ``gradient_as_bucket_view`` and gradients
-    zeroed in place, ``param.grad`` is the bucket: nothing is added."""
+    zeroed in place, ``param.grad`` is the bucket: nothing is added. How much of the bucket is
+    beside the gradients is DDP's own bucket rule (:meth:`DDPMemory.buckets`, which the
+    prediction of a sharded_exp run reads too)."""
     under_ddp, as_view = ddp
-    if not under_ddp or as_view:
+    if not under_ddp:
         return 0.0
-    return grads_mib + (grads_mib if buckets_seen else 0.0)
+    held, aliased = DDPMemory.buckets(grads_mib, as_view)
+    beside = held - aliased  # the bucket, where the gradients are no views into it
+    return beside + (beside if buckets_seen else 0.0)
 
 
 def predict_peak(

@@ -13,6 +13,8 @@ from torch.nn.parallel import DistributedDataParallel
 from sharded_exp.measure.tracker import communication_buffers
 from sharded_exp.strategies import STRATEGIES
 from sharded_exp.strategies.base import Strategy, StrategyConfig
+from sharded_exp.strategies.residency import MemoryModel
+from sharded_exp.strategies.traits import Traits
 
 
 def wrap_ddp(cfg, module, device) -> DistributedDataParallel:
@@ -90,20 +92,37 @@ class DDPConfig(StrategyConfig):
     found and left out of the all-reduce; costs a graph walk each step (torch default off)."""
 
 
+class DDPMemory(MemoryModel):
+    """Every state whole on every rank, and every gradient's place in an all-reduce bucket."""
+
+    @staticmethod
+    def buckets(trainable: float, gradient_as_bucket_view: bool) -> tuple[float, float]:
+        """DDP's bucket rule: (how much its all-reduce buckets hold, how much of that is also
+        the gradients), for ``trainable`` gradient elements (or bytes, or MiB). Every
+        trainable parameter's gradient has a place in one bucket (DDP's reducer;
+        bucket_cap_mb only decides how many buckets); with gradient_as_bucket_view the
+        gradients are those places."""
+        return trainable, trainable if gradient_as_bucket_view else 0
+
+    @classmethod
+    def bucket_numel(cls, cfg, numels, owners, rank, world_size):
+        return cls.buckets(sum(numels), cfg.gradient_as_bucket_view)
+
+
 @STRATEGIES.register("ddp")
 class DDP(Strategy):
     Config = DDPConfig
     # Gradients are identical on every rank after the all-reduce: a plain scaler agrees.
-    grads_differ_across_ranks = False
+    traits = Traits(
+        sharding=0,
+        baseline=True,
+        wrappers=(
+            "torch.nn.parallel.DistributedDataParallel",
+            "torch.distributed.fsdp.FullyShardedDataParallel:NO_SHARD",
+        ),
+    )
+    memory = DDPMemory
 
     @classmethod
     def build(cls, cfg, module, optim_spec, precision_cfg, device):
         return cls(wrap_ddp(cfg, module, device), module, optim_spec.build(), precision_cfg, device)
-
-    @classmethod
-    def bucket_numel(cls, cfg, numels, owners, rank, world_size):
-        # Every trainable parameter's gradient has a place in one all-reduce bucket (DDP's
-        # reducer; bucket_cap_mb only decides how many buckets); with gradient_as_bucket_view
-        # the gradients are those places.
-        total = sum(numels)
-        return total, total if cfg.gradient_as_bucket_view else 0

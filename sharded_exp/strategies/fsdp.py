@@ -19,6 +19,7 @@ and the sharded master weights in fp32.
 """
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
 from enum import Enum
@@ -36,6 +37,8 @@ from sharded_exp.errors import ConfigError
 from sharded_exp.models import units
 from sharded_exp.strategies import STRATEGIES
 from sharded_exp.strategies.base import Strategy, StrategyConfig
+from sharded_exp.strategies.residency import MemoryModel
+from sharded_exp.strategies.traits import Traits
 
 
 def _value(option) -> str:
@@ -78,6 +81,22 @@ def _broadcast_buffers_before_forward(module: torch.nn.Module) -> None:
     module.register_forward_pre_hook(broadcast, with_kwargs=True)
 
 
+def shard_group(cfg, world_size: int) -> int:
+    """Ranks a state is sharded over: all of them, or one HSDP replica group."""
+    return world_size // max(1, cfg.replicate)
+
+
+def policy(cfg, precision_cfg) -> MixedPrecisionPolicy:
+    """FSDP's mixed-precision policy: the asked dtypes, else the precision's compute dtype
+    for parameters and float32 for the reduction."""
+    half = precision.compute_dtype(precision_cfg.name)
+    param = getattr(torch, _value(cfg.param_dtype)) if cfg.param_dtype is not None else half
+    reduce = getattr(torch, _value(cfg.reduce_dtype)) if cfg.reduce_dtype is not None else torch.float32
+    if param is None and cfg.reduce_dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
+
+
 class DType(str, Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
@@ -113,15 +132,54 @@ class FSDPGradOpConfig(FSDPConfig):
     """Keep gathered parameters from forward to backward (ZeRO-2-like)."""
 
 
-@STRATEGIES.register("fsdp")
-class FSDP(Strategy):
-    Config = FSDPConfig
-    shards_parameters = True
-    sharding = 4
+class FSDPMemory(MemoryModel):
+    """Every state sharded by rows over the shard group; the root and one unit (or every
+    unit, without resharding) gathered on top at the peak."""
+
     # Forward prefetch gathers the next unit while one computes, and backward the one
     # before: only from three blocks on does each further block add the same.
     depth_line_from = 3
-    grads_differ_across_ranks = True  # sharded gradients: the scaler agrees on inf/nan
+
+    @staticmethod
+    def partition(group_numels, world_size):
+        return [-1 for group in group_numels for _ in group]  # every rank owns a slice of each
+
+    @classmethod
+    def transient_param_numel(cls, cfg, block_numels, root_numel, world_size):
+        # The root unit stays gathered from forward to backward (FSDP2 does not reshard the
+        # root). With resharding, one block is gathered on top at a time (measured peak on
+        # CPU; prefetching can add the next block); without it, every block stays gathered.
+        if cfg.reshard_after_forward:
+            return root_numel + max(block_numels, default=0)
+        return root_numel + sum(block_numels)
+
+    @classmethod
+    def resident_numel(cls, cfg, shapes, owners, rank, world_size):
+        # HSDP: sharded within a replica group (rank r is member r % group of its group)
+        world_size = shard_group(cfg, world_size)
+        rank = rank % world_size
+        rows = [_shard_numel(s, rank, world_size) for s in shapes]
+        # Sharded parameters and gradients live in storage padded to equal dim-0 chunks on
+        # every rank; optimizer state is allocated like the unpadded local shard.
+        padded = sum(_padded_numel(s, world_size) for s in shapes)
+        return {"params": padded, "grads": padded, "optimizer": rows}
+
+
+@STRATEGIES.register("fsdp")
+class FSDP(Strategy):
+    Config = FSDPConfig
+    traits = Traits(
+        sharding=4,
+        shards_parameters=True,
+        host_offload="cpu_offload",
+        wrappers=(
+            "torch.distributed.fsdp.FSDPModule",  # FSDP2's fully_shard
+            "torch.distributed.fsdp.FullyShardedDataParallel:FULL_SHARD",
+            "torch.distributed.fsdp.FullyShardedDataParallel:HYBRID_SHARD",
+        ),
+        grads_differ_across_ranks=True,  # sharded gradients: the scaler agrees on inf/nan
+    )
+    memory = FSDPMemory
 
     @classmethod
     def check(cls, cfg, world_size: int, device_type: str) -> None:
@@ -138,31 +196,17 @@ class FSDP(Strategy):
                 "(python -m sharded_exp.plan strategy.cpu_offload=true)"
             )
 
-    @staticmethod
-    def shard_group(cfg, world_size: int) -> int:
-        """Ranks a state is sharded over: all of them, or one HSDP replica group."""
-        return world_size // max(1, cfg.replicate)
-
-    @classmethod
-    def policy(cls, cfg, precision_cfg) -> MixedPrecisionPolicy:
-        half = precision.compute_dtype(precision_cfg.name)
-        param = getattr(torch, _value(cfg.param_dtype)) if cfg.param_dtype is not None else half
-        reduce = getattr(torch, _value(cfg.reduce_dtype)) if cfg.reduce_dtype is not None else torch.float32
-        if param is None and cfg.reduce_dtype is None:
-            return MixedPrecisionPolicy()
-        return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
-
     @classmethod
     def build(cls, cfg, module, optim_spec, precision_cfg, device):
         world_size = torch.distributed.get_world_size()
         with unset_fake_temporarily():  # a mesh is bookkeeping: real even in a fake step
             if cfg.replicate > 1:
-                shape, names = (cfg.replicate, cls.shard_group(cfg, world_size)), ("replicate", "shard")
+                shape, names = (cfg.replicate, shard_group(cfg, world_size)), ("replicate", "shard")
                 mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
             else:
                 mesh = init_device_mesh(device.type, (world_size,))
         half = precision.compute_dtype(precision_cfg.name)
-        policy = cls.policy(cfg, precision_cfg)
+        mp_policy = policy(cfg, precision_cfg)
         offload = {}
         if cfg.cpu_offload:
             from torch.distributed.fsdp import CPUOffloadPolicy
@@ -180,20 +224,22 @@ class FSDP(Strategy):
                 fully_shard(norm, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=fp32,
                             ignored_params=scalars, **offload)  # fmt: skip
         for block in units(module):
-            fully_shard(block, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy,
+            fully_shard(block, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=mp_policy,
                         ignored_params=scalars, **offload)  # fmt: skip
-        fully_shard(module, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy,
+        fully_shard(module, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=mp_policy,
                     ignored_params=scalars, **offload)  # fmt: skip
         if cfg.broadcast_buffers:
             _broadcast_buffers_before_forward(module)
         # fully_shard replaced the parameters by DTensors: group and build the optimizer now.
         self = cls(module, module, optim_spec.regroup(module).build(), precision_cfg, device)
-        self.replicated = [p for p in scalars or () if p.requires_grad]
+        self._replicated = [p for p in scalars or () if p.requires_grad]
         return self
 
-    replicated: list = []
-    """0-dim parameters, whole on every rank (not DTensors): gradients averaged by us."""
-    _reduced = False
+    def __init__(self, model, module, optimizer, precision_cfg, device):
+        super().__init__(model, module, optimizer, precision_cfg, device)
+        self._replicated: list = []
+        """0-dim parameters, whole on every rank (not DTensors): gradients averaged by us."""
+        self._reduced = False
 
     def zero_grad(self) -> None:
         super().zero_grad()
@@ -202,17 +248,17 @@ class FSDP(Strategy):
     def _reduce_replicated(self) -> None:
         """Average the replicated parameters' gradients over the ranks, once per step
         (after the last micro-batch: accumulation sums locally, as DDP's no_sync does)."""
-        if self._reduced or not self.replicated:
+        if self._reduced or not self._replicated:
             return
         world_size = torch.distributed.get_world_size()
-        for p in self.replicated:
+        for p in self._replicated:
             if p.grad is not None:
                 torch.distributed.all_reduce(p.grad)
                 p.grad.div_(world_size)
         self._reduced = True
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        if not self.replicated:
+        if not self._replicated:
             return super().clip_grad_norm_(max_norm)
         self._reduce_replicated()
         params = [p for p in self.module.parameters() if p.grad is not None]
@@ -243,33 +289,15 @@ class FSDP(Strategy):
         # every rank holds a slice of every trainable parameter's state
         return [p for p in self.module.parameters() if p.requires_grad]
 
-    # ----------------------------------------------------------------- memory model
-    @staticmethod
-    def partition(group_numels, world_size):
-        return [-1 for group in group_numels for _ in group]  # every rank owns a slice of each
-
-    @classmethod
-    def transient_param_numel(cls, cfg, block_numels, root_numel, world_size):
-        # The root unit stays gathered from forward to backward (FSDP2 does not reshard the
-        # root). With resharding, one block is gathered on top at a time (measured peak on
-        # CPU; prefetching can add the next block); without it, every block stays gathered.
-        if cfg.reshard_after_forward:
-            return root_numel + max(block_numels, default=0)
-        return root_numel + sum(block_numels)
-
-    @classmethod
-    def resident_numel(cls, cfg, shapes, owners, rank, world_size):
-        # HSDP: sharded within a replica group (rank r is member r % group of its group)
-        world_size = cls.shard_group(cfg, world_size)
-        rank = rank % world_size
-        rows = [_shard_numel(s, rank, world_size) for s in shapes]
-        # Sharded parameters and gradients live in storage padded to equal dim-0 chunks on
-        # every rank; optimizer state is allocated like the unpadded local shard.
-        padded = sum(_padded_numel(s, world_size) for s in shapes)
-        return {"params": padded, "grads": padded, "optimizer": rows}
-
 
 @STRATEGIES.register("fsdp_grad_op")
 class FSDPGradOp(FSDP):
     Config = FSDPGradOpConfig
-    sharding = 3
+    traits = dataclasses.replace(
+        FSDP.traits,
+        sharding=3,
+        wrappers=(
+            "torch.distributed.fsdp.FullyShardedDataParallel:SHARD_GRAD_OP",
+            "torch.distributed.fsdp.FullyShardedDataParallel:_HYBRID_SHARD_ZERO2",
+        ),
+    )

@@ -14,7 +14,8 @@ Warning:
 from dataclasses import dataclass
 
 from sharded_exp.strategies import STRATEGIES
-from sharded_exp.strategies.ddp import DDP, DDPConfig, wrap_ddp
+from sharded_exp.strategies.ddp import DDP, DDPConfig, DDPMemory, wrap_ddp
+from sharded_exp.strategies.traits import Traits
 
 
 @dataclass
@@ -30,16 +31,28 @@ def make_oss(spec, broadcast_fp16: bool):
     return OSS(spec.param_groups, optim=spec.cls, broadcast_fp16=broadcast_fp16, **spec.defaults)
 
 
+class OSSMemory(DDPMemory):
+    """DDP's, but each rank keeps the optimizer state of the parameters it owns only (ZeRO-1)."""
+
+    @classmethod
+    def optimizer_numels(cls, numels, owners, rank):
+        return cls.owned(numels, owners, rank)
+
+
 @STRATEGIES.register("oss")
 class OSS(DDP):
     Config = OSSConfig
-    requires = ("fairscale",)
-    optimizer_state_sharded = True
-    sharding = 1
-    clip_reads_values = True  # OSS.clip_grad_norm: ``if clip_coef < 1``
-    # Only the shard's gradients are unscaled and checked on each rank: the found-inf
-    # flag must be agreed across ranks.
-    grads_differ_across_ranks = True
+    traits = Traits(
+        sharding=1,
+        optimizer_state_sharded=True,
+        requires=("fairscale",),
+        wrappers=("fairscale.optim.OSS",),
+        clip_reads_values=True,  # OSS.clip_grad_norm: ``if clip_coef < 1``
+        # Only the shard's gradients are unscaled and checked on each rank: the found-inf
+        # flag must be agreed across ranks.
+        grads_differ_across_ranks=True,
+    )
+    memory = OSSMemory
 
     @classmethod
     def build(cls, cfg, module, optim_spec, precision_cfg, device):

@@ -25,7 +25,8 @@ from sharded_exp.config import ZeroGrad
 from sharded_exp.measure.tracker import communication_buffers
 from sharded_exp.strategies import STRATEGIES
 from sharded_exp.strategies.base import StrategyConfig
-from sharded_exp.strategies.oss import OSS, make_oss
+from sharded_exp.strategies.oss import OSS, OSSMemory, make_oss
+from sharded_exp.strategies.traits import Traits
 
 
 @dataclass
@@ -75,41 +76,13 @@ def resident_grad_numel(reduce_buffer_size, numels, owners, rank, world_size) ->
     return sum(n for n, b, o in zip(numels, in_bucket, owners) if b or o == rank)
 
 
-@STRATEGIES.register("sharded_ddp")
-class ShardedDDP(OSS):
-    Config = ShardedDDPConfig
-    sharding = 2
+class ShardedDDPMemory(OSSMemory):
+    """OSS's, with ShardedDataParallel's reduce buckets: a gradient is kept by its owner only
+    unless it lives in a bucket, which every rank keeps."""
+
     # How many reduce buckets there are, and how full, depends on the world size and the
     # depth: the planner checks its lines at every world size (and see setup_transient_mib).
     depth_lines_per_world_size = True
-    zero_grad_fixed = ZeroGrad.zeros
-    zero_grad_fixed_reason = (
-        "sharded_ddp zeroes gradients in place: fairscale ShardedDataParallel computes wrong gradients "
-        "from the second step on when they are freed (set_to_none=True)"
-    )
-
-    @classmethod
-    def build(cls, cfg, module, optim_spec, precision_cfg, device):
-        from fairscale.nn.data_parallel import ShardedDataParallel
-
-        optimizer = make_oss(optim_spec, cfg.broadcast_fp16)
-        model = ShardedDataParallel(
-            module, optimizer, reduce_buffer_size=cfg.reduce_buffer_size, broadcast_buffers=cfg.broadcast_buffers
-        )
-        # Its reduce buckets are (re)made at the first forward, and whenever which parameters
-        # train changes: filed as the communication buckets they are.
-        setup = model._setup_bucket_strategy
-
-        def setup_buckets() -> None:
-            with communication_buffers():
-                setup()
-
-        model._setup_bucket_strategy = setup_buckets
-        return cls(model, module, optimizer, precision_cfg, device)
-
-    def zero_grad(self) -> None:
-        # Never set_to_none here: see the module's warning.
-        self.model.zero_grad(set_to_none=False)
 
     @classmethod
     def setup_transient_mib(cls, cfg, shapes, world_size: int) -> float:
@@ -133,3 +106,45 @@ class ShardedDDP(OSS):
         held = super().resident_numel(cfg, shapes, owners, rank, world_size)
         numels = [math.prod(s) for s in shapes]
         return {**held, "grads": resident_grad_numel(cfg.reduce_buffer_size, numels, owners, rank, world_size)}
+
+
+@STRATEGIES.register("sharded_ddp")
+class ShardedDDP(OSS):
+    Config = ShardedDDPConfig
+    traits = Traits(
+        sharding=2,
+        optimizer_state_sharded=True,
+        requires=("fairscale",),
+        wrappers=("fairscale.nn.data_parallel.ShardedDataParallel",),
+        clip_reads_values=True,  # OSS.clip_grad_norm: ``if clip_coef < 1``
+        grads_differ_across_ranks=True,  # sharded gradients: the scaler agrees on inf/nan
+        zero_grad_fixed=ZeroGrad.zeros,
+        zero_grad_fixed_reason=(
+            "sharded_ddp zeroes gradients in place: fairscale ShardedDataParallel computes wrong gradients "
+            "from the second step on when they are freed (set_to_none=True)"
+        ),
+    )
+    memory = ShardedDDPMemory
+
+    @classmethod
+    def build(cls, cfg, module, optim_spec, precision_cfg, device):
+        from fairscale.nn.data_parallel import ShardedDataParallel
+
+        optimizer = make_oss(optim_spec, cfg.broadcast_fp16)
+        model = ShardedDataParallel(
+            module, optimizer, reduce_buffer_size=cfg.reduce_buffer_size, broadcast_buffers=cfg.broadcast_buffers
+        )
+        # Its reduce buckets are (re)made at the first forward, and whenever which parameters
+        # train changes: filed as the communication buckets they are.
+        setup = model._setup_bucket_strategy
+
+        def setup_buckets() -> None:
+            with communication_buffers():
+                setup()
+
+        model._setup_bucket_strategy = setup_buckets
+        return cls(model, module, optimizer, precision_cfg, device)
+
+    def zero_grad(self) -> None:
+        # Never set_to_none here: see the module's warning.
+        self.model.zero_grad(set_to_none=False)

@@ -12,8 +12,10 @@ import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from sharded_exp.strategies import STRATEGIES
-from sharded_exp.strategies.base import greedy_partition
 from sharded_exp.strategies.ddp import DDP, DDPConfig, wrap_ddp
+from sharded_exp.strategies.oss import OSSMemory
+from sharded_exp.strategies.residency import greedy_partition
+from sharded_exp.strategies.traits import Traits
 
 
 @dataclass
@@ -23,12 +25,25 @@ class ZeRO1Config(DDPConfig):
     """Pack each rank's parameters into one flat buffer for the broadcast (torch default off)."""
 
 
+class ZeRO1Memory(OSSMemory):
+    """OSS's, with ZeroRedundancyOptimizer's partition."""
+
+    @staticmethod
+    def partition(group_numels, world_size):
+        # ZeroRedundancyOptimizer sorts each group by size, largest first, then goes greedy.
+        return greedy_partition(group_numels, world_size, largest_first=True)
+
+
 @STRATEGIES.register("zero1")
 class ZeRO1(DDP):
     Config = ZeRO1Config
-    optimizer_state_sharded = True
-    sharding = 1
-    grads_differ_across_ranks = True  # each rank unscales and checks its own shard only
+    traits = Traits(
+        sharding=1,
+        optimizer_state_sharded=True,
+        wrappers=("torch.distributed.optim.ZeroRedundancyOptimizer",),
+        grads_differ_across_ranks=True,  # each rank unscales and checks its own shard only
+    )
+    memory = ZeRO1Memory
 
     @classmethod
     def build(cls, cfg, module, optim_spec, precision_cfg, device):
@@ -51,7 +66,3 @@ class ZeRO1(DDP):
     def local_shard(self) -> list:
         return [p for group in self.optimizer._partition_parameters()[self.optimizer.rank] for p in group["params"]]
 
-    @staticmethod
-    def partition(group_numels, world_size):
-        # ZeroRedundancyOptimizer sorts each group by size, largest first, then goes greedy.
-        return greedy_partition(group_numels, world_size, largest_first=True)

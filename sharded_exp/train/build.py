@@ -69,7 +69,7 @@ def build_run(
     model that cannot be built under FakeTensorMode directly). The trainer's levers
     (activation checkpointing, compile: :mod:`sharded_exp.train.levers`) are applied to
     the model's units before it is wrapped; ``compile=False`` leaves the units eager.
-    Gradients are cleared by the strategy's rule for ``trainer.zero_grad`` (``Strategy.zero_grad_rule``).
+    Gradients are cleared by the strategy's rule for ``trainer.zero_grad`` (``Traits.zero_grad_rule``).
 
     ``weights=False``: shapes only (the fake step), ``model.pretrained``'s config without
     its weights. How the model is made, and when it is wrapped, is
@@ -95,7 +95,7 @@ def build_run(
         device,
         seed=tc.seed,
         freeze=tc.freeze,
-        shards=STRATEGIES.builder(cfg.strategy.name).shards_parameters,
+        shards=STRATEGIES.builder(cfg.strategy.name).traits.shards_parameters,
         offload=offloads_to_host(cfg.strategy),
         wrap=wrap,
         prepare=prepare,

@@ -168,7 +168,7 @@ class Injector:
 def poison_gradient(strategy):
     """Fault ``inf_grad``: make one gradient element of this rank's own optimizer shard inf,
     before any communication. Returns a handle with ``remove()``."""
-    if not strategy.shards_parameters:
+    if not strategy.traits.shards_parameters:
         param = strategy.local_shard()[0]
         return param.register_hook(lambda g: torch.full_like(g, float("inf")))
     # Sharded parameters never see autograd: hook the gathered weight of the first layer

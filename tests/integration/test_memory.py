@@ -10,7 +10,7 @@ from sharded_exp.models import build_model
 from sharded_exp.optim import optimizer_spec
 from sharded_exp.predict.memory_model import zero_paper_bytes_per_param
 from sharded_exp.strategies import STRATEGIES
-from sharded_exp.strategies.base import greedy_partition
+from sharded_exp.strategies.residency import greedy_partition
 from sharded_exp.strategies.sharded_ddp import resident_grad_numel
 from tests.helpers.jobs import launch_job, tiny
 from tests.helpers.runs import rank_errors
@@ -88,7 +88,7 @@ def test_real_partition_is_the_predicted_one(strategy, model, tmp_path):
         module = build_model(cfg.model)
     groups = [[p.numel() for p in g["params"]] for g in optimizer_spec(cfg.optimizer, module).param_groups]
     numels = [n for g in groups for n in g]
-    owners = STRATEGIES.builder(strategy).partition(groups, 3)
+    owners = STRATEGIES.builder(strategy).memory.partition(groups, 3)
     predicted = [sum(n for n, o in zip(numels, owners) if o == r) for r in range(3)]
     assert [e["optimizer_shard_numel"] for e in result["memory"]["per_rank"]] == predicted
 

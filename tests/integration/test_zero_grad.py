@@ -48,7 +48,7 @@ def test_the_parent_decides_and_records_the_rule_the_strategy_applies(tmp_path):
     from sharded_exp.strategies import STRATEGIES
 
     for name in STRATEGY_NAMES:  # the shipped ones (a test may register broken ones beside them)
-        fixed = STRATEGIES.builder(name).zero_grad_fixed
+        fixed = STRATEGIES.builder(name).traits.zero_grad_fixed
         for asked in ZeroGrad:
             cfg = compose(tiny([f"strategy={name}", f"trainer.zero_grad={asked.value}"]))
             rule = preflight.check(cfg, str(tmp_path), peak=False).zero_grad

@@ -252,11 +252,11 @@ MUTATIONS = [
     ),
     Mutation(
         26,
-        "sharded_exp/strategies/base.py",
+        "sharded_exp/strategies/residency.py",
         "order = sorted(range(len(group)), key=lambda i: -group[i]) if largest_first else range(len(group))",
         "order = sorted(range(len(group)), key=lambda i: group[i]) if largest_first else range(len(group))",
         "ZeRO-1's partition visits the smallest tensors first (flipped sign)",
-        "tests/unit/strategies/test_base.py::test_largest_first_visits_each_group_by_size_but_reports_owners_in_parameter_order",
+        "tests/unit/strategies/test_residency.py::test_largest_first_visits_each_group_by_size_but_reports_owners_in_parameter_order",
     ),
     Mutation(
         27,
@@ -293,8 +293,8 @@ MUTATIONS = [
     Mutation(
         31,
         "sharded_exp/probe/fake.py",
-        "return grads_mib + (grads_mib if buckets_seen else 0.0)",
-        "return grads_mib + (grads_mib if not buckets_seen else 0.0)",
+        "return beside + (beside if buckets_seen else 0.0)",
+        "return beside + (beside if not buckets_seen else 0.0)",
         "DDP's bucket copy added only where the measurement cannot see it (wrong branch)",
         "tests/unit/probe/test_fake.py::test_ddp_adds_two_gradient_copies_one_of_them_the_bucket_only_where_it_is_seen",
     ),

@@ -223,7 +223,7 @@ def test_a_set_up_moment_below_the_first_phases_peak_is_clear_of_it(gpt_cfg):
     c = gpt_cfg.copy()
     c.strategy = STRATEGIES.config_class("sharded_ddp")()
     shapes = depth.shapes_of(c)
-    transient = STRATEGIES.builder("sharded_ddp").setup_transient_mib(c.strategy, shapes, 4)
+    transient = STRATEGIES.builder("sharded_ddp").memory.setup_transient_mib(c.strategy, shapes, 4)
     assert transient > 0
     mine = {"params": 1.0, "grads": 1.0, "optimizer": 2.0}
     top = 4.0 + transient

@@ -24,7 +24,8 @@ SGD_MOMENTUM = SimpleNamespace(name="sgd", momentum=0.9)
 
 
 def strategy(name: str):
-    return STRATEGIES.builder(name), STRATEGIES.config_class(name)()
+    """The strategy's memory model and its default config."""
+    return STRATEGIES.builder(name).memory, STRATEGIES.config_class(name)()
 
 
 def adam_bytes(numels, element=4):
@@ -151,7 +152,7 @@ def test_zero_paper_stages_at_one_gpu_are_all_the_full_16_bytes():
 
 def test_hsdp_shards_within_each_replica_group_only():
     # 4 ranks, 2 replicas: sharded over 2 (rank r is member r % 2); (9, 4) -> rows 5 and 4
-    cls = STRATEGIES.builder("fsdp")
+    cls = STRATEGIES.builder("fsdp").memory
     cfg = STRATEGIES.config_class("fsdp")(replicate=2)
     states = predict_model_states_mib(cls, cfg, ADAM, [[(9, 4)]], world_size=4)
     assert [s["params"] for s in states] == pytest.approx([4 * 5 * 4 / MIB] * 4)  # padded to 5 rows

@@ -11,8 +11,13 @@ from torch import nn
 from sharded_exp.probe import Probe, _launcher, _precision, detect_strategy
 
 
-def _named(name: str, base: type = nn.Module, **attrs):
-    return type(name, (base,), attrs)
+def _named(name: str, base: type = nn.Module, module: str = __name__, **attrs):
+    """A class called ``name``, said to be defined in ``module`` (a wrapper's stand-in)."""
+    return type(name, (base,), {"__module__": module, **attrs})
+
+
+FAIRSCALE_DDP, FAIRSCALE_OSS = "fairscale.nn.data_parallel.sharded_ddp", "fairscale.optim.oss"
+ZERO = "torch.distributed.optim.zero_redundancy_optimizer"
 
 
 def _sgd(model):
@@ -26,21 +31,22 @@ def test_a_plain_model_without_a_group_is_single():
 
 
 @pytest.mark.parametrize("model_cls, optimizer_cls, expected", [
-    ("ShardedDataParallel", "OSS", "sharded_ddp"),
-    ("Sequential", "OSS", "oss"),
-    ("Sequential", "ZeroRedundancyOptimizer", "zero1"),
+    (("ShardedDataParallel", FAIRSCALE_DDP), ("OSS", FAIRSCALE_OSS), "sharded_ddp"),
+    (("Sequential", "torch.nn"), ("OSS", FAIRSCALE_OSS), "oss"),
+    (("Sequential", "torch.nn"), ("ZeroRedundancyOptimizer", ZERO), "zero1"),
+    (("Sequential", "torch.nn"), ("OSS", "my_project.optim"), "single"),  # another package's OSS
 ])  # fmt: skip
 def test_fairscale_and_zero_wrappers_are_named_by_their_class(model_cls, optimizer_cls, expected):
-    model = _named(model_cls)()
+    model = _named(model_cls[0], module=model_cls[1])()
     model.inner = nn.Linear(2, 2)
-    optimizer = _named(optimizer_cls, torch.optim.SGD)(model.parameters(), lr=0.1)
+    optimizer = _named(optimizer_cls[0], torch.optim.SGD, optimizer_cls[1])(model.parameters(), lr=0.1)
     assert detect_strategy(model, optimizer)[0] == expected
 
 
 def test_an_optimizer_wrapper_is_looked_through():
     model = nn.Linear(2, 2)
     wrapper = type("AcceleratedOptimizer", (), {})()
-    wrapper.optimizer = _named("ZeroRedundancyOptimizer", torch.optim.SGD)(model.parameters(), lr=0.1)
+    wrapper.optimizer = _named("ZeroRedundancyOptimizer", torch.optim.SGD, ZERO)(model.parameters(), lr=0.1)
     assert detect_strategy(model, wrapper) == ("zero1", {"model_wrapper": "Linear",
                                                          "optimizer": "ZeroRedundancyOptimizer"})  # fmt: skip
 
@@ -51,7 +57,7 @@ def test_an_optimizer_wrapper_is_looked_through():
     ("ShardingStrategy.HYBRID_SHARD", "fsdp"),
 ])  # fmt: skip
 def test_fsdp1s_sharding_strategy_says_its_zero_stage(how, expected):
-    inner = _named("FullyShardedDataParallel")()
+    inner = _named("FullyShardedDataParallel", module="torch.distributed.fsdp.fully_sharded_data_parallel")()
     inner.sharding_strategy = how
     inner.fc = nn.Linear(2, 2)
     model = nn.Sequential(inner)
@@ -60,7 +66,11 @@ def test_fsdp1s_sharding_strategy_says_its_zero_stage(how, expected):
 
 
 def test_fsdp2s_generated_classes_are_fsdp():
-    model = nn.Sequential(_named("FSDPLinear", nn.Linear)(2, 2))
+    from torch.distributed.fsdp import FSDPModule
+
+    layer = nn.Linear(2, 2)
+    layer.__class__ = type("FSDPLinear", (FSDPModule, nn.Linear), {})  # as fully_shard makes it
+    model = nn.Sequential(layer)
     assert detect_strategy(model, _sgd(model))[0] == "fsdp"
 
 

@@ -20,21 +20,21 @@ def test_ddp_holds_full_params_grads_and_optimizer_state_on_every_rank_as_4_byte
     shapes = [(64, 32), (32,), (10, 64)]
     numels = [2048, 32, 640]
     for rank in range(4):
-        held = DDP.resident_numel(_cfg(), shapes, DDP.partition([numels], 4), rank, 4)
+        held = DDP.memory.resident_numel(_cfg(), shapes, DDP.memory.partition([numels], 4), rank, 4)
         assert held["params"] * 4 == held["grads"] * 4 == sum(numels) * 4 == 10880
         assert held["optimizer"] == numels
 
 
 @pytest.mark.parametrize("as_view", [False, True])
 def test_the_buckets_hold_every_trainable_element_and_alias_the_grads_only_as_views(as_view):
-    held, aliased = DDP.bucket_numel(_cfg(gradient_as_bucket_view=as_view), [100, 10, 1], [0, 0, 0], 1, 4)
+    held, aliased = DDP.memory.bucket_numel(_cfg(gradient_as_bucket_view=as_view), [100, 10, 1], [0, 0, 0], 1, 4)
     assert held == 111 and aliased == (111 if as_view else 0)
 
 
 def test_ddp_shards_nothing_and_gathers_nothing():
-    assert DDP.sharding_level() == 0 and DDP.checkpoint_format_auto() == "consolidated"
-    assert DDP.optimizer_state_sharded is False and DDP.grads_differ_across_ranks is False
-    assert DDP.transient_param_numel(_cfg(), [5, 5], 3, 2) == 0
+    assert DDP.traits.sharding == 0 and DDP.traits.checkpoint_format_auto == "consolidated"
+    assert DDP.traits.optimizer_state_sharded is False and DDP.traits.grads_differ_across_ranks is False
+    assert DDP.memory.transient_param_numel(_cfg(), [5, 5], 3, 2) == 0
 
 
 def test_under_a_fake_group_ddp_keeps_its_first_bucket_order(fake_group):
@@ -62,3 +62,11 @@ def test_the_reducer_wrapper_passes_every_other_attribute_through():
 
     assert _Reducer(Inner()).answer == 42
     assert _Reducer(Inner(), rebuild=False)._rebuild_buckets() is False
+
+
+def test_ddps_bucket_rule_holds_every_trainable_gradient_and_aliases_them_only_as_views():
+    """The one bucket rule, in any unit: the prediction's elements and the probe's MiB."""
+    from sharded_exp.strategies.ddp import DDPMemory
+
+    assert DDPMemory.buckets(3.5, False) == (3.5, 0) and DDPMemory.buckets(3.5, True) == (3.5, 3.5)
+    assert DDP.memory is DDPMemory and DDP.traits.baseline and DDP.traits.sharding == 0

@@ -22,6 +22,8 @@ from sharded_exp.strategies.fsdp import (
     FSDPGradOpConfig,
     _padded_numel,
     _shard_numel,
+    policy,
+    shard_group,
 )
 
 
@@ -50,37 +52,37 @@ SHAPES = [(5, 7), (5,), (3, 5), (3,), ()]
 
 def test_params_and_grads_are_padded_and_optimizer_state_follows_the_real_shard():
     # rank 2 of 3: rows 4..4 of 5 (chunks of 2), row 2 of 3 (chunks of 1)
-    held = FSDP.resident_numel(_cfg(), SHAPES, FSDP.partition([[35, 5, 15, 3, 1]], 3), 2, 3)
+    held = FSDP.memory.resident_numel(_cfg(), SHAPES, FSDP.memory.partition([[35, 5, 15, 3, 1]], 3), 2, 3)
     assert held["optimizer"] == [7, 1, 5, 1, 1]
     assert held["params"] == held["grads"] == 14 + 2 + 5 + 1 + 1
-    held0 = FSDP.resident_numel(_cfg(), SHAPES, [], 0, 3)
+    held0 = FSDP.memory.resident_numel(_cfg(), SHAPES, [], 0, 3)
     assert held0["optimizer"] == [14, 2, 5, 1, 1] and held0["params"] == 23
 
 
 def test_hsdp_shards_within_a_replica_group_only():
     # 4 ranks in 2 replica groups of 2: rank 3 is member 1 of its group
-    hsdp = FSDP.resident_numel(_cfg(replicate=2), SHAPES, [], 3, 4)
-    assert hsdp == FSDP.resident_numel(_cfg(), SHAPES, [], 1, 2)
+    hsdp = FSDP.memory.resident_numel(_cfg(replicate=2), SHAPES, [], 3, 4)
+    assert hsdp == FSDP.memory.resident_numel(_cfg(), SHAPES, [], 1, 2)
     assert hsdp["optimizer"] == [14, 2, 5, 1, 1] and hsdp["params"] == 21 + 3 + 10 + 2 + 1
-    assert FSDP.shard_group(_cfg(replicate=2), 8) == 4 and FSDP.shard_group(_cfg(), 8) == 8
+    assert shard_group(_cfg(replicate=2), 8) == 4 and shard_group(_cfg(), 8) == 8
 
 
 def test_every_rank_owns_a_slice_of_every_tensors_state():
-    assert FSDP.partition([[3, 4], [5]], 4) == [-1, -1, -1]
+    assert FSDP.memory.partition([[3, 4], [5]], 4) == [-1, -1, -1]
 
 
 def test_with_resharding_the_root_and_the_largest_unit_are_gathered_without_it_every_unit():
-    assert FSDP.transient_param_numel(_cfg(), [10, 30, 20], 7, 4) == 7 + 30
-    assert FSDP.transient_param_numel(_cfg(reshard_after_forward=False), [10, 30, 20], 7, 4) == 7 + 60
-    assert FSDP.transient_param_numel(_cfg(), [], 7, 4) == 7
-    assert FSDPGradOp.transient_param_numel(OmegaConf.structured(FSDPGradOpConfig), [10, 30], 7, 4) == 47
+    assert FSDP.memory.transient_param_numel(_cfg(), [10, 30, 20], 7, 4) == 7 + 30
+    assert FSDP.memory.transient_param_numel(_cfg(reshard_after_forward=False), [10, 30, 20], 7, 4) == 7 + 60
+    assert FSDP.memory.transient_param_numel(_cfg(), [], 7, 4) == 7
+    assert FSDPGradOp.memory.transient_param_numel(OmegaConf.structured(FSDPGradOpConfig), [10, 30], 7, 4) == 47
 
 
 def test_fsdp_facts():
-    assert FSDP.sharding_level() == 4 and FSDPGradOp.sharding_level() == 3
-    assert FSDP.checkpoint_format_auto() == FSDPGradOp.checkpoint_format_auto() == "dcp"
+    assert FSDP.traits.sharding == 4 and FSDPGradOp.traits.sharding == 3
+    assert FSDP.traits.checkpoint_format_auto == FSDPGradOp.traits.checkpoint_format_auto == "dcp"
     assert FSDPConfig().reshard_after_forward is True and FSDPGradOpConfig().reshard_after_forward is False
-    assert FSDP.depth_line_from == 3 and FSDP.grads_differ_across_ranks
+    assert FSDP.memory.depth_line_from == 3 and FSDP.traits.grads_differ_across_ranks
 
 
 @pytest.mark.parametrize("replicate, world_size", [(3, 4), (0, 4), (5, 6)])
@@ -103,19 +105,19 @@ def _precision(name):
 
 
 def test_the_policy_computes_in_the_precisions_dtype_and_reduces_in_float32():
-    plain = FSDP.policy(_cfg(), _precision("32"))
+    plain = policy(_cfg(), _precision("32"))
     assert plain.param_dtype is None and plain.reduce_dtype is None
-    bf16 = FSDP.policy(_cfg(), _precision("bf16"))
+    bf16 = policy(_cfg(), _precision("bf16"))
     assert bf16.param_dtype is torch.bfloat16 and bf16.reduce_dtype is torch.float32
-    assert FSDP.policy(_cfg(), _precision("16")).param_dtype is torch.float16
+    assert policy(_cfg(), _precision("16")).param_dtype is torch.float16
 
 
 def test_the_policy_takes_the_asked_dtypes_over_the_precisions():
-    asked = FSDP.policy(_cfg(param_dtype=DType.bfloat16), _precision("32"))
+    asked = policy(_cfg(param_dtype=DType.bfloat16), _precision("32"))
     assert asked.param_dtype is torch.bfloat16 and asked.reduce_dtype is torch.float32
-    reduce_only = FSDP.policy(_cfg(reduce_dtype=DType.float16), _precision("32"))
+    reduce_only = policy(_cfg(reduce_dtype=DType.float16), _precision("32"))
     assert reduce_only.param_dtype is None and reduce_only.reduce_dtype is torch.float16
-    both = FSDP.policy(_cfg(param_dtype=DType.float32, reduce_dtype=DType.bfloat16), _precision("bf16"))
+    both = policy(_cfg(param_dtype=DType.float32, reduce_dtype=DType.bfloat16), _precision("bf16"))
     assert both.param_dtype is torch.float32 and both.reduce_dtype is torch.bfloat16
 
 
@@ -129,7 +131,7 @@ def test_the_predicted_shards_are_real_fully_shard_shards(fake_group, world_size
     net = nn.Sequential(nn.Linear(7, 5), nn.Linear(5, 3), nn.Linear(3, 9))
     shapes = [tuple(p.shape) for p in net.parameters()]
     fully_shard(net, mesh=init_device_mesh("cpu", (world_size,)))
-    held = FSDP.resident_numel(_cfg(), shapes, FSDP.partition([[math.prod(s) for s in shapes]], world_size), rank,
+    held = FSDP.memory.resident_numel(_cfg(), shapes, FSDP.memory.partition([[math.prod(s) for s in shapes]], world_size), rank,
                                world_size)  # fmt: skip
     params = list(net.parameters())
     assert held["optimizer"] == [p.to_local().numel() for p in params]
@@ -149,4 +151,4 @@ def test_the_predicted_optimizer_state_is_a_real_adam_over_fully_shard(fake_grou
     net(torch.randn(2, 7)).sum().backward()
     optimizer.step()
     real = sum(t.to_local().numel() * 4 for s in optimizer.state.values() for k, t in s.items() if k != "step")
-    assert real == 2 * 4 * sum(FSDP.resident_numel(_cfg(), shapes, [], 2, 3)["optimizer"])
+    assert real == 2 * 4 * sum(FSDP.memory.resident_numel(_cfg(), shapes, [], 2, 3)["optimizer"])

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from sharded_exp.config import ZeroGrad
-from sharded_exp.strategies.base import greedy_partition
+from sharded_exp.strategies.residency import greedy_partition
 from sharded_exp.strategies.sharded_ddp import ShardedDDP, ShardedDDPConfig, bucketed, resident_grad_numel
 
 
@@ -56,36 +56,36 @@ def test_with_default_buckets_a_small_model_saves_no_gradient_memory():
 def test_the_resident_states_are_osss_with_the_gradients_of_the_bucketing():
     shapes = [(6,), (4,), (1,), (2,), (3,)]
     owners = [0, 0, 0, 1, 1]
-    held = ShardedDDP.resident_numel(_cfg(reduce_buffer_size=5), shapes, owners, 1, 2)
+    held = ShardedDDP.memory.resident_numel(_cfg(reduce_buffer_size=5), shapes, owners, 1, 2)
     assert held == {"params": 16, "grads": 6, "optimizer": [2, 3]}
 
 
 def test_every_rank_keeps_every_destinations_bucket_and_the_bucketed_grads_are_views_into_them():
     numels, owners = [6, 4, 1, 2, 3], [0, 0, 0, 1, 1]
-    assert ShardedDDP.bucket_numel(_cfg(reduce_buffer_size=7), numels, owners, 0, 2) == (10, 10)
-    assert ShardedDDP.bucket_numel(_cfg(reduce_buffer_size=0), numels, owners, 0, 2) == (0, 0)
+    assert ShardedDDP.memory.bucket_numel(_cfg(reduce_buffer_size=7), numels, owners, 0, 2) == (10, 10)
+    assert ShardedDDP.memory.bucket_numel(_cfg(reduce_buffer_size=0), numels, owners, 0, 2) == (0, 0)
 
 
 def test_setting_up_allocates_one_full_bucket_per_owning_destination_at_once():
     shapes = SimpleNamespace(groups=[[(100,), (50,)], [(10,)]], params=160, element_bytes=4.0)
     # greedy over 3 ranks: 100 r0, 50 r1, 10 r2: three destinations of min(64, 160) elements
-    assert ShardedDDP.setup_transient_mib(_cfg(reduce_buffer_size=64), shapes, 3) == 3 * 64 * 4 / 2**20
+    assert ShardedDDP.memory.setup_transient_mib(_cfg(reduce_buffer_size=64), shapes, 3) == 3 * 64 * 4 / 2**20
     # 8 ranks, 3 tensors: only 3 destinations; capacity capped at the model's 160 elements
-    assert ShardedDDP.setup_transient_mib(_cfg(reduce_buffer_size=2**23), shapes, 8) == 3 * 160 * 4 / 2**20
-    assert ShardedDDP.setup_transient_mib(_cfg(reduce_buffer_size=0), shapes, 3) == 0.0
-    assert ShardedDDP.setup_transient_mib(_cfg(), shapes, 1) == 0.0
+    assert ShardedDDP.memory.setup_transient_mib(_cfg(reduce_buffer_size=2**23), shapes, 8) == 3 * 160 * 4 / 2**20
+    assert ShardedDDP.memory.setup_transient_mib(_cfg(reduce_buffer_size=0), shapes, 3) == 0.0
+    assert ShardedDDP.memory.setup_transient_mib(_cfg(), shapes, 1) == 0.0
 
 
 def test_sharded_ddp_always_zeroes_in_place_and_says_why_when_free_was_asked():
-    rule = ShardedDDP.zero_grad_rule(ZeroGrad.free)
+    rule = ShardedDDP.traits.zero_grad_rule(ZeroGrad.free)
     assert rule.applied is ZeroGrad.zeros and rule.set_to_none is False and "sharded_ddp" in rule.reason
-    assert ShardedDDP.zero_grad_rule(ZeroGrad.zeros).reason == ""
+    assert ShardedDDP.traits.zero_grad_rule(ZeroGrad.zeros).reason == ""
 
 
 def test_sharded_ddp_facts():
-    assert ShardedDDP.sharding_level() == 2 and ShardedDDP.checkpoint_format_auto() == "dcp"
-    assert ShardedDDP.depth_lines_per_world_size is True and ShardedDDP.requires == ("fairscale",)
-    assert ShardedDDP.partition([[35, 5, 15]], 2) == [0, 1, 1]  # OSS's, in order
+    assert ShardedDDP.traits.sharding == 2 and ShardedDDP.traits.checkpoint_format_auto == "dcp"
+    assert ShardedDDP.memory.depth_lines_per_world_size is True and ShardedDDP.traits.requires == ("fairscale",)
+    assert ShardedDDP.memory.partition([[35, 5, 15]], 2) == [0, 1, 1]  # OSS's, in order
 
 
 @pytest.mark.parametrize("world_size, rank", [(2, 0), (3, 2), (4, 1)])
@@ -105,7 +105,7 @@ def test_bucketed_is_fairscale_sharded_data_parallels_own_choice(fake_group, wor
     for chosen, p in zip(model._should_bucket_grad, model._trainable_params):
         real[index[id(p)]] = chosen
     numels = [p.numel() for p in params]
-    owners = ShardedDDP.partition([numels], world_size)
+    owners = ShardedDDP.memory.partition([numels], world_size)
     assert bucketed(reduce_buffer_size, numels, owners, world_size) == real
-    held, _ = ShardedDDP.bucket_numel(_cfg(reduce_buffer_size=reduce_buffer_size), numels, owners, rank, world_size)
+    held, _ = ShardedDDP.memory.bucket_numel(_cfg(reduce_buffer_size=reduce_buffer_size), numels, owners, rank, world_size)
     assert held == sum(b.buffer.numel() for b in model._bucket_list)  # each shrunk to its fill
