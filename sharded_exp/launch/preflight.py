@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import os
 
 import torch
@@ -21,7 +20,7 @@ from omegaconf import OmegaConf
 
 from sharded_exp import logs
 from sharded_exp.checkpoint import plan_checkpoints
-from sharded_exp.config import ZeroGrad, option_name
+from sharded_exp.config import JobGroups, ZeroGrad, option_name, typed
 from sharded_exp.data import TASKS
 from sharded_exp.data.loader import check_fits
 from sharded_exp.errors import ConfigError, WontFit, missing_packages
@@ -256,9 +255,10 @@ def check_host_memory(per_rank_mib: list[float] | None, local_ranks: int) -> Non
         )
 
 
-def check_values(cfg) -> None:
-    """Names that must be registered, packages that must be there, values in range."""
-    t = cfg.trainer
+def check_values(cfg) -> JobGroups:
+    """Names that must be registered, packages that must be there, a model's sizes; then the
+    config made typed (:func:`sharded_exp.config.typed`), which checks every group's ranges.
+    Returns the typed config."""
     try:
         faults.from_env()  # a malformed testing aid fails here, not in every rank
     except ValueError as exc:
@@ -291,62 +291,15 @@ def check_values(cfg) -> None:
     _require(
         cfg.optimizer.name in OPTIMIZERS, f"optimizer.name={cfg.optimizer.name!r} is not one of {', '.join(OPTIMIZERS)}"
     )
-    for key in ("world_size", "steps", "batch_size", "grad_accum", "log_interval", "ac_every", "profile_steps"):
-        _require(t[key] >= 1, f"trainer.{key}={t[key]} must be >= 1")
-    _require(
-        0 <= t.warmup_steps < t.steps,
-        f"trainer.warmup_steps={t.warmup_steps} must be >= 0 and < trainer.steps={t.steps} "
-        "(steps after warm-up are the timed ones)",
-    )
-    _require(t.min_timed_steps >= 0, f"trainer.min_timed_steps={t.min_timed_steps} must be >= 0 (0: no check)")
-    _require(
-        not t.profile or t.warmup_steps + t.profile_steps < t.steps,
-        f"trainer.profile_steps={t.profile_steps} needs trainer.steps={t.steps} > trainer.warmup_steps="
-        f"{t.warmup_steps} + profile_steps (profiled steps come after warm-up and are not timed)",
-    )
-    _require(t.grad_clip >= 0, f"trainer.grad_clip={t.grad_clip} must be >= 0 (0 turns clipping off)")
-    _require(t.timeout_s > 0, f"trainer.timeout_s={t.timeout_s} must be > 0")
-    _require(t.eval_every >= 0, f"trainer.eval_every={t.eval_every} must be >= 0 (0 = only at the end)")
-    _require(t.eval_batches >= 0, f"trainer.eval_batches={t.eval_batches} must be >= 0 (0 = no evaluation)")
-    _require(t.checkpoint_every >= 0, f"trainer.checkpoint_every={t.checkpoint_every} must be >= 0 (0 = off)")
-    _require(t.keep_checkpoints >= 0, f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 0 (0 = keep all)")
-    _require(t.stop_grace_s > 0, f"trainer.stop_grace_s={t.stop_grace_s} must be > 0")
-    _require(
-        t.memory_limit_mib is None or t.memory_limit_mib > 0,
-        f"trainer.memory_limit_mib={t.memory_limit_mib} must be > 0 (or null for no budget)",
-    )
+    checked = typed(cfg)  # each group's __post_init__ checks its own ranges (config.py)
     check_numbers(cfg)
-
-
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
+    return checked
 
 
 def check_numbers(cfg) -> None:
-    """Every number in range and finite (inf and nan pass a plain comparison)."""
-    t, o, p = cfg.trainer, cfg.optimizer, cfg.precision
-    for key in ("grad_clip", "timeout_s", "stop_grace_s", "memory_limit_mib"):
-        value = t[key]
-        _require(value is None or _finite(value), f"trainer.{key}={value} must be a finite number")
-    _require(_finite(o.lr), f"optimizer.lr={o.lr} must be a finite number")
-    _require(o.lr > 0, f"optimizer.lr={o.lr} must be > 0")
-    for key in ("weight_decay", "no_decay_lr_scale"):
-        _require(_finite(o[key]) and o[key] >= 0, f"optimizer.{key}={o[key]} must be a finite number >= 0")
-    _require(_finite(o.eps) and o.eps > 0, f"optimizer.eps={o.eps} must be a finite number > 0")
-    _require(_finite(o.momentum) and 0 <= o.momentum < 1, f"optimizer.momentum={o.momentum} must be in [0, 1)")
-    betas = list(o.betas)
-    _require(
-        len(betas) == 2 and all(_finite(b) and 0 <= b < 1 for b in betas),
-        f"optimizer.betas={betas} must be two numbers in [0, 1) (e.g. [0.9, 0.999])",
-    )
-    _require(_finite(p.init_scale) and p.init_scale > 0, f"precision.init_scale={p.init_scale} must be > 0")
-    _require(
-        _finite(p.backoff_factor) and 0 < p.backoff_factor < 1,
-        f"precision.backoff_factor={p.backoff_factor} must be in (0, 1)",
-    )
-    _require(p.growth_interval >= 1, f"precision.growth_interval={p.growth_interval} must be >= 1")
-    # A model's sizes (widths, depths, heads, classes, sequence length, vocabulary) are
-    # counts: zero or negative ones build broken models or crash deep inside a rank.
+    """A model's sizes (widths, depths, heads, classes, sequence length, vocabulary) are
+    counts: zero or negative ones build broken models or crash deep inside a rank. Checked
+    here, across every model's schema (the schemas live beside their builders)."""
     for key, value in cfg.model.items():
         if isinstance(value, int) and not isinstance(value, bool):
             _require(value >= 1, f"model.{key}={value} must be >= 1 (model={cfg.model.name})")
