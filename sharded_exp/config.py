@@ -97,42 +97,54 @@ class OptimizerConfig:
 
 
 # ---------------------------------------------------------------------------- trainer
-class Accelerator(str, Enum):
+class Option(str, Enum):
+    """A config option: a member reads as its name wherever a string is wanted (``str()``, an
+    f-string), so code reads a composed config's members and a plain name alike, without a
+    conversion at each use. Every schema's choices derive from it."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class Accelerator(Option):
     auto = "auto"
     cpu = "cpu"
     gpu = "gpu"
 
 
-class CheckpointFormat(str, Enum):
+class CheckpointFormat(Option):
     auto = "auto"
     dcp = "dcp"
     consolidated = "consolidated"
 
 
-class ExistingCheckpoints(str, Enum):
+class ExistingCheckpoints(Option):
     refuse = "refuse"
     archive = "archive"
 
 
-class ActivationCheckpointing(str, Enum):
+class ActivationCheckpointing(Option):
     none = "none"
     full = "full"
     selective = "selective"
 
 
-class CompileMode(str, Enum):
+class CompileMode(Option):
     default = "default"
     reduce_overhead = "reduce_overhead"
     max_autotune = "max_autotune"
     max_autotune_no_cudagraphs = "max_autotune_no_cudagraphs"
 
 
-class ZeroGrad(str, Enum):
+class ZeroGrad(Option):
     free = "free"
     zeros = "zeros"
 
 
-class MemorySnapshot(str, Enum):
+class MemorySnapshot(Option):
     auto = "auto"
     oom = "oom"
     always = "always"
@@ -140,8 +152,8 @@ class MemorySnapshot(str, Enum):
 
 
 def option_name(value) -> str | None:
-    """A config option by its name. A composed config holds enum members (the schema's
-    types), a job spec's plain config their names: read alike through this one function."""
+    """A config option by its name, None for None: an :class:`Option` member or a plain name
+    (a number, for precision=16 written without quotes) alike."""
     return None if value is None else str(value.value if isinstance(value, Enum) else value)
 
 
@@ -361,19 +373,19 @@ class Config(JobGroups):
 
 
 # ------------------------------------------------------------------- root: the planner
-class PlanFind(str, Enum):
+class PlanFind(Option):
     batch_size = "batch_size"
     depth = "depth"
 
 
-class PlanFormat(str, Enum):
+class PlanFormat(Option):
     table = "table"
     md = "md"
     csv = "csv"
     json = "json"
 
 
-class PlanDevice(str, Enum):
+class PlanDevice(Option):
     cuda = "cuda"
     cpu = "cpu"
 

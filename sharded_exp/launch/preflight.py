@@ -187,9 +187,9 @@ def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True)
     plan = plan_checkpoints(cfg.trainer, strategy.checkpoint_format_auto(), output_dir, shapes.state_shapes,
                             cfg.optimizer.name)  # fmt: skip
     # The config the ranks, .hydra/ and W&B see holds the real world size (torchrun, SLURM)
-    # and the checkpoint plan's paths; from here on every option is a plain name.
-    config, config_yaml = decided_config(cfg, world_size, plan)
-    decided = OmegaConf.create(config)
+    # and the checkpoint plan's paths; the ranks and the fake step read it typed, as composed.
+    config, config_yaml, decided_typed = decided_config(cfg, world_size, plan)
+    decided = OmegaConf.structured(decided_typed)
     prediction = predict(decided.strategy, decided.optimizer, decided.precision.name, shapes, world_size)
     if peak:
         prediction["peak"] = predict_peak(decided, world_size, device_type, prediction, shapes)
@@ -198,6 +198,7 @@ def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True)
     return JobSpec(
         config=config,
         config_yaml=config_yaml,
+        typed=decided_typed,
         output_dir=output_dir,
         device_type=device_type,
         world_size=world_size,
