@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from sharded_exp.checkpoint.storage import CheckpointError, complete_checkpoints, next_numbered, read_meta
-from sharded_exp.config import option_name
 from sharded_exp.errors import ConfigError, NothingToDo
 
 log = logging.getLogger(__name__)
@@ -87,7 +86,7 @@ def plan_checkpoints(
 
 
 def _name(option) -> str:
-    return option_name(option)
+    return str(option)
 
 
 def check_no_later(directory: str, start: int) -> None:

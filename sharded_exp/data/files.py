@@ -33,13 +33,12 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import List, Optional
 
 import torch
 from omegaconf import MISSING
 
-from sharded_exp.config import option_name
+from sharded_exp.config import Option
 from sharded_exp.data import TASKS, Batch, Task, generator, require_model_fields
 from sharded_exp.errors import ConfigError
 
@@ -80,7 +79,7 @@ class ConllConfig(FileDataConfig):
     them is refused. model.num_labels must be at least their number."""
 
 
-class DatasetKind(str, Enum):
+class DatasetKind(Option):
     causal_lm = "causal_lm"
     token_classification = "token_classification"
 
@@ -477,7 +476,7 @@ def hf_dataset_task(cfg: HFDatasetConfig, model_cfg, batch_size: int) -> Task:
     """A ``datasets`` dataset from local files (save_to_disk's directory, or data files)."""
     path = local_path(cfg, "path", "a dataset directory written by save_to_disk, or local data files")
     data = _load_hf(cfg, path)
-    if option_name(cfg.kind) == "causal_lm":
+    if cfg.kind == "causal_lm":
 
         def texts():
             column = list(_column(data, cfg.text_field, "text_field", cfg.path))

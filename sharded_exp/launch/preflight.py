@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from sharded_exp import logs
 from sharded_exp.checkpoint import plan_checkpoints
-from sharded_exp.config import JobGroups, ZeroGrad, option_name, typed
+from sharded_exp.config import JobGroups, ZeroGrad, typed
 from sharded_exp.data import TASKS
 from sharded_exp.data.loader import check_fits
 from sharded_exp.errors import ConfigError, WontFit, missing_packages
@@ -45,13 +45,13 @@ def _check_param_dtype(cfg) -> None:
     """FSDP's ``strategy.param_dtype`` (the gathered parameters' dtype) beside autocast's: a
     half dtype that is not autocast's gives matmuls of two half dtypes, which torch's kernels
     refuse in every rank ("mixed dtype (CPU): expect parameter to have scalar type of Float")."""
-    param = option_name(getattr(cfg.strategy, "param_dtype", None))
-    autocast = PRECISIONS[str(option_name(cfg.precision.name))]
+    param = getattr(cfg.strategy, "param_dtype", None)
+    autocast = PRECISIONS[str(cfg.precision.name)]
     if param is None or autocast is None or param in ("float32", str(autocast).removeprefix("torch.")):
         return
     half = str(autocast).removeprefix("torch.")
     raise ConfigError(
-        f"strategy.param_dtype={param} is not precision={option_name(cfg.precision.name)}'s autocast dtype ({half}): "
+        f"strategy.param_dtype={param} is not precision={cfg.precision.name}'s autocast dtype ({half}): "
         f"autocast would compute in {half} with {param} parameters, which torch refuses; use "
         f"strategy.param_dtype={half} (or null: from precision), or precision=32, where strategy.param_dtype "
         "alone sets the compute dtype"
@@ -155,7 +155,7 @@ def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True)
     world_size = layout.world_size if layout is not None else cfg.trainer.world_size
     local_ranks = layout.local_world_size if layout is not None else world_size
     device_type = decide_device(
-        _accelerator(cfg.trainer.accelerator), local_ranks, str(cfg.precision.name), per_task=layout is not None
+        str(cfg.trainer.accelerator), local_ranks, cfg.precision.name, per_task=layout is not None
     )
     strategy = STRATEGIES.builder(cfg.strategy.name)
     strategy.check(cfg.strategy, world_size, device_type)
@@ -172,8 +172,8 @@ def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True)
         f"trainer.freeze={list(cfg.trainer.freeze)} freezes every parameter of model={cfg.model.name}: "
         "nothing would be trained; freeze fewer (e.g. trainer.freeze=[embed*])",
     )
-    levers = [f"trainer.activation_checkpointing={_accelerator(t)}" for t in [cfg.trainer.activation_checkpointing]
-              if _accelerator(t) != "none"] + (["trainer.compile=true"] if cfg.trainer.compile else [])  # fmt: skip
+    levers = [f"trainer.activation_checkpointing={t}" for t in [cfg.trainer.activation_checkpointing]
+              if t != "none"] + (["trainer.compile=true"] if cfg.trainer.compile else [])  # fmt: skip
     _require(
         not levers or bool(units(module)),
         f"{' and '.join(levers)} {'act' if len(levers) > 1 else 'acts'} on the model's repeated units (blocks), and model={cfg.model.name} has none "
@@ -304,10 +304,6 @@ def check_numbers(cfg) -> None:
     for key, value in cfg.model.items():
         if isinstance(value, int) and not isinstance(value, bool):
             _require(value >= 1, f"model.{key}={value} must be >= 1 (model={cfg.model.name})")
-
-
-def _accelerator(value) -> str:
-    return option_name(value)
 
 
 def decide_device(accelerator: str, local_ranks: int, precision_name: str, per_task: bool = False) -> str:

@@ -14,7 +14,6 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from sharded_exp.config import option_name
 from sharded_exp.strategies import offloads_to_host
 
 
@@ -33,7 +32,7 @@ def run_tags(run_config: dict[str, Any]) -> list[str]:
     """Tags that group and filter runs in the W&B UI: strategy, precision, model, world size,
     and each lever that is on (activation checkpointing, compile, HSDP, CPU offload)."""
     t, s = run_config["trainer"], run_config["strategy"]
-    ac = option_name(t.get("activation_checkpointing")) or "none"
+    ac = str(t.get("activation_checkpointing") or "none")
     levers = {
         f"ac:{ac}": ac != "none",
         "compile": bool(t.get("compile")),

@@ -15,7 +15,6 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from sharded_exp.config import option_name
 from sharded_exp.errors import ConfigError
 from sharded_exp.plan.depth import first_depth, peaks_by_depth, shapes_of
 from sharded_exp.plan.progress import Progress
@@ -28,7 +27,7 @@ MIB = 2**20
 
 
 def _value(option) -> str | None:
-    return option_name(option)
+    return None if option is None else str(option)
 
 
 def strategy_names(cfg) -> list[str]:

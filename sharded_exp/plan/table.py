@@ -15,8 +15,6 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from sharded_exp.config import option_name
-
 PARTS = (
     "params",
     "grads",
@@ -142,7 +140,7 @@ def _extras(rows, found, cfg, unit: str, scale: float) -> list[str]:
             lines.append(f"cheapest that fits at {best['world_size']} ranks: {label} ({best['total_gib'] * scale:.2f} "
                          f"{unit}{cost})")  # fmt: skip
     if found:
-        find = option_name(cfg.plan.find)
+        find = str(cfg.plan.find)
         label = {
             "batch_size": "largest batch per rank",
             "depth": f"largest depth at d_model={cfg.model.get('d_model')}",

@@ -36,7 +36,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sharded_exp.config import option_name
 from sharded_exp.errors import ConfigError
 from sharded_exp.measure.tracker import peak_tracker
 from sharded_exp.strategies import STRATEGIES, offloads_to_host
@@ -399,7 +398,7 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
             # longer (+25% on a GPT with full AC): with checkpointing, FLOPs are counted in a
             # third step, after the memory window, without recomputation (the model's FLOPs,
             # as MFU counts them); otherwise in the second.
-            checkpointing = option_name(tc.activation_checkpointing) != "none"
+            checkpointing = str(tc.activation_checkpointing) != "none"
             counted = 2 if checkpointing else 1
             for step in range(3 if flops and checkpointing else 2):
                 if step == 2:

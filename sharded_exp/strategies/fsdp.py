@@ -21,7 +21,6 @@ and the sharded master weights in fp32.
 import contextlib
 import math
 from dataclasses import dataclass
-from enum import Enum
 from typing import Optional
 
 import torch
@@ -31,7 +30,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from sharded_exp import precision
-from sharded_exp.config import option_name
+from sharded_exp.config import Option
 from sharded_exp.errors import ConfigError
 from sharded_exp.models import units
 from sharded_exp.strategies import STRATEGIES
@@ -39,7 +38,7 @@ from sharded_exp.strategies.base import Strategy, StrategyConfig
 
 
 def _value(option) -> str:
-    return option_name(option)
+    return str(option)
 
 
 def _shard_numel(shape: tuple, rank: int, world_size: int) -> int:
@@ -78,7 +77,7 @@ def _broadcast_buffers_before_forward(module: torch.nn.Module) -> None:
     module.register_forward_pre_hook(broadcast, with_kwargs=True)
 
 
-class DType(str, Enum):
+class DType(Option):
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"

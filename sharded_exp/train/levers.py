@@ -29,7 +29,6 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
-from sharded_exp.config import option_name
 from sharded_exp.measure.cuda_kernels import forward_kernels, makes_kernel_outputs
 from sharded_exp.models import units
 
@@ -48,7 +47,7 @@ SAVED_BY_SELECTIVE = {
 
 
 def _value(option) -> str:
-    return option_name(option)
+    return str(option)
 
 
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
