@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, List, Optional
 
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from sharded_exp.errors import ConfigError
 
@@ -453,7 +453,7 @@ class PlanConfig(JobGroups):
     plan: PlanSettings = field(default_factory=PlanSettings)
 
 
-def typed(cfg) -> JobGroups:
+def typed(cfg: DictConfig) -> JobGroups:
     """The composed config as its schemas' dataclasses: the one place a config becomes typed.
 
     OmegaConf checks keys and types when Hydra composes, but calls no ``__post_init__``;

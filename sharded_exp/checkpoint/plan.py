@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sharded_exp.checkpoint.storage import CheckpointError, complete_checkpoints, next_numbered, read_meta
+from sharded_exp.config import TrainerConfig
 from sharded_exp.errors import ConfigError, NothingToDo
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ class CheckpointPlan:
 
 
 def plan_checkpoints(
-    trainer_cfg, default_format: str, output_dir: str, state_shapes: dict, optimizer: str
+    trainer_cfg: TrainerConfig, default_format: str, output_dir: str, state_shapes: dict, optimizer: str
 ) -> CheckpointPlan:
     """The checkpoint plan of a job, checked: the checkpoint to resume is complete, readable
     and fits this model, optimizer and ``trainer.steps``. Raises ConfigError (NothingToDo

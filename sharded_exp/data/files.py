@@ -105,7 +105,7 @@ class HFDatasetConfig(FileDataConfig):
 
 
 # ------------------------------------------------------------------------------ checks
-def local_path(cfg, key: str, what: str, directory: bool = False, file: bool = False) -> str:
+def local_path(cfg: FileDataConfig, key: str, what: str, directory: bool = False, file: bool = False) -> str:
     """``cfg[key]`` as an existing local path (a directory, a file, or either), or a
     ConfigError naming the value."""
     from omegaconf import OmegaConf
@@ -164,7 +164,7 @@ UNENCODED_SHARE = 0.9
 ones cannot encode the data (a tokenizer of other text; an empty one)."""
 
 
-def check_encodes(cfg, tokenizer, directory: str, ids: torch.Tensor) -> None:
+def check_encodes(cfg: FileDataConfig, tokenizer, directory: str, ids: torch.Tensor) -> None:
     """Refuse a tokenizer that cannot encode the data: ``ids``, the tokens of the data's
     words (labelled tokens for token classification), are none, or nearly all special or
     unknown. transformers loads a directory without tokenizer files (a model's
@@ -191,7 +191,7 @@ def check_encodes(cfg, tokenizer, directory: str, ids: torch.Tensor) -> None:
     )
 
 
-def _tokenizer_fits(cfg, model_cfg, tokenizer) -> None:
+def _tokenizer_fits(cfg: FileDataConfig, model_cfg, tokenizer) -> None:
     if len(tokenizer) > model_cfg.vocab_size:
         raise ConfigError(
             f"data.tokenizer={cfg.tokenizer} has {len(tokenizer)} tokens, more than model.vocab_size="
@@ -279,7 +279,7 @@ def _needs(package: str, what: str):
         ) from None
 
 
-def _load_hf(cfg, path: str) -> "object":
+def _load_hf(cfg: HFDatasetConfig, path: str) -> "object":
     datasets = _needs("datasets", "data=hf_dataset")
 
     try:
@@ -413,7 +413,7 @@ def _pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
 
-def causal_task(cfg, model_cfg, batch_size: int, path: str, docs_of) -> Task:
+def causal_task(cfg: FileDataConfig, model_cfg, batch_size: int, path: str, docs_of) -> Task:
     require_model_fields(
         cfg.name, "causal language models (model=hf_gpt2, hf_llama)", model_cfg, ("vocab_size", "seq_len")
     )
@@ -432,7 +432,7 @@ def causal_task(cfg, model_cfg, batch_size: int, path: str, docs_of) -> Task:
     )  # fmt: skip
 
 
-def token_task(cfg, model_cfg, batch_size: int, path: str, sentences_of) -> Task:
+def token_task(cfg: FileDataConfig, model_cfg, batch_size: int, path: str, sentences_of) -> Task:
     require_model_fields(
         cfg.name, "token classifiers (model=hf_bert)", model_cfg, ("vocab_size", "seq_len", "num_labels")
     )

@@ -18,7 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from sharded_exp.checkpoint.plan import CheckpointPlan
-from sharded_exp.config import typed
+from sharded_exp.config import Config, typed
 from sharded_exp.strategies.base import GradZeroing
 
 
@@ -63,7 +63,7 @@ class JobSpec:
         return cfg
 
 
-def decided_config(cfg, world_size: int, checkpoint: CheckpointPlan) -> tuple[dict[str, Any], str, Any]:
+def decided_config(cfg: Config, world_size: int, checkpoint: CheckpointPlan) -> tuple[dict[str, Any], str, Any]:
     """The job's config with the parent's decisions in place of what they resolve (the world
     size, the checkpoint directory, format and resume): as plain data, options by name
     (``JobSpec.config``), as Hydra writes it, interpolations kept (``JobSpec.config_yaml``),

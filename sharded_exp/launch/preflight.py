@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from sharded_exp import logs
 from sharded_exp.checkpoint import plan_checkpoints
-from sharded_exp.config import JobGroups, ZeroGrad, typed
+from sharded_exp.config import Config, JobGroups, ZeroGrad, typed
 from sharded_exp.data import TASKS
 from sharded_exp.data.loader import check_fits
 from sharded_exp.errors import ConfigError, WontFit, missing_packages
@@ -41,7 +41,7 @@ from sharded_exp.strategies import STRATEGIES
 from sharded_exp.train import faults
 
 
-def _check_param_dtype(cfg) -> None:
+def _check_param_dtype(cfg: JobGroups) -> None:
     """FSDP's ``strategy.param_dtype`` (the gathered parameters' dtype) beside autocast's: a
     half dtype that is not autocast's gives matmuls of two half dtypes, which torch's kernels
     refuse in every rank ("mixed dtype (CPU): expect parameter to have scalar type of Float")."""
@@ -63,7 +63,7 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def shapes_model(cfg) -> torch.nn.Module:
+def shapes_model(cfg: JobGroups) -> torch.nn.Module:
     """The configured model on the meta device (shapes, no memory); one whose constructor reads
     a value (``Tensor.item()``, an orthogonal parametrization) cannot be built there, and is
     built on the host instead, once: it builds in plain torch, and the ranks build it whole.
@@ -142,7 +142,7 @@ def _within(name: str, prefix: str | None) -> bool:
     return prefix is not None and (name == prefix or name.startswith(prefix + "."))
 
 
-def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True) -> JobSpec:
+def check(cfg: Config, output_dir: str, layout: Layout | None = None, peak: bool = True) -> JobSpec:
     """Check ``cfg`` and decide the job's device, world size, checkpoints and prediction:
     the job's spec, which the ranks receive. ``cfg`` is read, never changed.
 
@@ -256,7 +256,7 @@ def check_host_memory(per_rank_mib: list[float] | None, local_ranks: int) -> Non
         )
 
 
-def check_values(cfg) -> JobGroups:
+def check_values(cfg: JobGroups) -> JobGroups:
     """Names that must be registered, packages that must be there, a model's sizes; then the
     config made typed (:func:`sharded_exp.config.typed`), which checks every group's ranges.
     Returns the typed config."""
@@ -297,7 +297,7 @@ def check_values(cfg) -> JobGroups:
     return checked
 
 
-def check_numbers(cfg) -> None:
+def check_numbers(cfg: JobGroups) -> None:
     """A model's sizes (widths, depths, heads, classes, sequence length, vocabulary) are
     counts: zero or negative ones build broken models or crash deep inside a rank. Checked
     here, across every model's schema (the schemas live beside their builders)."""

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sharded_exp.config import JobGroups
 from sharded_exp.errors import ConfigError
 from sharded_exp.measure.tracker import peak_tracker
 from sharded_exp.strategies import STRATEGIES, offloads_to_host
@@ -300,7 +301,7 @@ def _blame(exc: BaseException, module) -> str:
     return "the training step cannot run under FakeTensorMode"
 
 
-def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, flops: bool) -> tuple:
+def _run(cfg: JobGroups, world_size: int, rank: int, device_type: str, grad_clip: float, flops: bool) -> tuple:
     """Two fake steps of ``cfg`` on ``rank``: (peak MiB, breakdown, FLOPs of one step, extra:
     each phase's peak, the build's, and how many reduce-scatters held gloo's copy).
 
@@ -480,7 +481,7 @@ def _short(exc: BaseException) -> str:
 
 
 def fake_step(
-    cfg, world_size: int, rank: int = 0, device_type: str = "cpu", states_mib=None, flops: bool = True
+    cfg: JobGroups, world_size: int, rank: int = 0, device_type: str = "cpu", states_mib=None, flops: bool = True
 ) -> StepEstimate:
     """The peak of ``rank`` in a job of ``world_size`` ranks, from two fake steps.
 
