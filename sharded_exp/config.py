@@ -459,5 +459,18 @@ def typed(cfg: DictConfig) -> JobGroups:
     OmegaConf checks keys and types when Hydra composes, but calls no ``__post_init__``;
     ``OmegaConf.to_object`` builds each group's dataclass, and so runs each group's own range
     checks (a :class:`~sharded_exp.errors.ConfigError` naming the value and what is allowed).
-    Pre-flight and the planner's check call it, before any rank starts."""
+    Pre-flight calls it on the decided config (the JobSpec's ``typed``), before any rank starts."""
     return OmegaConf.to_object(cfg)
+
+
+def check_ranges(cfg: DictConfig) -> None:
+    """Each group's own range checks, run by making the group typed (:func:`typed`). A group
+    with a value still missing is left to its reader: ``data.path=???`` is stood in for by
+    the planner, and refused by name by pre-flight's task check (``to_object`` would only say
+    "missing mandatory value")."""
+    for key in cfg:
+        if OmegaConf.is_missing(cfg, key):
+            continue
+        node = cfg[key]
+        if OmegaConf.is_config(node) and not OmegaConf.missing_keys(node):
+            typed(node)

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from sharded_exp import logs
 from sharded_exp.checkpoint import plan_checkpoints
-from sharded_exp.config import Config, JobGroups, ZeroGrad, typed
+from sharded_exp.config import Config, JobGroups, ZeroGrad, check_ranges
 from sharded_exp.data import TASKS
 from sharded_exp.data.loader import check_fits
 from sharded_exp.errors import ConfigError, WontFit, missing_packages
@@ -256,10 +256,9 @@ def check_host_memory(per_rank_mib: list[float] | None, local_ranks: int) -> Non
         )
 
 
-def check_values(cfg: JobGroups) -> JobGroups:
-    """Names that must be registered, packages that must be there, a model's sizes; then the
-    config made typed (:func:`sharded_exp.config.typed`), which checks every group's ranges.
-    Returns the typed config."""
+def check_values(cfg: JobGroups) -> None:
+    """Names that must be registered, packages that must be there, every group's own ranges
+    (:func:`sharded_exp.config.check_ranges`: each group made typed), a model's sizes."""
     try:
         faults.from_env()  # a malformed testing aid fails here, not in every rank
     except ValueError as exc:
@@ -292,9 +291,8 @@ def check_values(cfg: JobGroups) -> JobGroups:
     _require(
         cfg.optimizer.name in OPTIMIZERS, f"optimizer.name={cfg.optimizer.name!r} is not one of {', '.join(OPTIMIZERS)}"
     )
-    checked = typed(cfg)  # each group's __post_init__ checks its own ranges (config.py)
+    check_ranges(cfg)  # each group's __post_init__ checks its own ranges (config.py)
     check_numbers(cfg)
-    return checked
 
 
 def check_numbers(cfg: JobGroups) -> None:

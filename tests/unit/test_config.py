@@ -226,3 +226,12 @@ def test_typed_builds_the_schemas_dataclasses_and_runs_their_checks():
     assert isinstance(made.trainer, config.TrainerConfig) and made.trainer.accelerator is config.Accelerator.auto
     cfg.trainer.grad_accum = 0  # OmegaConf takes it (an int); the dataclass refuses it
     refused(lambda: config.typed(cfg), "trainer.grad_accum=0 must be >= 1")
+    refused(lambda: config.check_ranges(cfg), "trainer.grad_accum=0 must be >= 1")
+
+
+def test_check_ranges_leaves_a_group_with_a_missing_value_to_its_reader():
+    cfg = compose(["logger=none", "data=conll", "trainer.grad_accum=0"])
+    assert OmegaConf.is_missing(cfg.data, "path")
+    refused(lambda: config.check_ranges(cfg), "trainer.grad_accum=0 must be >= 1")  # the others are checked
+    cfg.trainer.grad_accum = 1
+    config.check_ranges(cfg)  # data is skipped, not refused as "missing mandatory value"

@@ -64,11 +64,12 @@ def test_each_groups_own_range_checks_run_when_check_values_makes_the_config_typ
     refused(cfg, message)
 
 
-def test_check_values_returns_the_typed_config(cfg):
-    from sharded_exp.config import Config, TrainerConfig
+def test_the_spec_carries_the_decided_config_typed(cfg, tmp_path):
+    from sharded_exp.config import Config, TrainerConfig, ZeroGrad
 
-    typed = check_values(cfg)
-    assert isinstance(typed, Config) and isinstance(typed.trainer, TrainerConfig)
+    spec = check(cfg, str(tmp_path), peak=False)
+    assert isinstance(spec.typed, Config) and isinstance(spec.typed.trainer, TrainerConfig)
+    assert spec.cfg().trainer.zero_grad is ZeroGrad.free and spec.config["trainer"]["zero_grad"] == "free"
 
 
 def test_unknown_names_are_refused_naming_the_choices(cfg):
