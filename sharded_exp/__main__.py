@@ -34,8 +34,8 @@ from omegaconf import DictConfig, OmegaConf
 from sharded_exp.compose import quote_numeric_choices, register_schemas
 from sharded_exp.errors import ConfigError, NothingToDo, RunDirInUse
 from sharded_exp.launch.layout import with_shared_run_dir
-from sharded_exp.output.workspace import wandb_group
 from sharded_exp.questions import is_query
+from sharded_exp.vocabulary.wandb_names import job_type, run_name, wandb_group
 
 register_schemas(query=is_query(sys.argv[1:]))
 IMPORTED = time.time()
@@ -48,7 +48,7 @@ def name_the_run(cfg: DictConfig) -> None:
     """Fill the tracker's group, job type and run name from Hydra, in the parent.
 
     Ranks have no HydraConfig, so these are resolved here: group = the sweep directory under
-    -m (one group per sweep), else the run directory (:func:`~sharded_exp.output.workspace.wandb_group`);
+    -m (one group per sweep), else the run directory (:func:`~sharded_exp.vocabulary.wandb_names.wandb_group`);
     name = the overrides.
     """
     hc = HydraConfig.get()
@@ -56,9 +56,9 @@ def name_the_run(cfg: DictConfig) -> None:
     if cfg.logger.get("group", "missing") is None:
         cfg.logger.group = wandb_group(hc.sweep.dir if multirun else hc.run.dir)
     if cfg.logger.get("job_type", "missing") is None:
-        cfg.logger.job_type = cfg.strategy.name
+        cfg.logger.job_type = job_type(cfg.strategy.name)
     if cfg.logger.get("run_name", "missing") is None:
-        cfg.logger.run_name = hc.job.override_dirname or "defaults"
+        cfg.logger.run_name = run_name(hc.job.override_dirname)
 
 
 def check_resolvable(cfg: DictConfig) -> None:

@@ -22,22 +22,7 @@ from collections.abc import MutableSequence
 from typing import Any
 
 from sharded_exp.errors import ConfigError
-
-OBJECTIVES = (
-    "final_loss",
-    "throughput/samples_per_s",
-    "throughput/tokens_per_s",
-    "throughput/step_time_s_median",
-    "throughput/achieved_flops_per_s",
-    "throughput/mfu_pct",
-    "memory/peak_allocated_mib_max",
-    "memory/peak_allocated_mib_mean",
-    "memory/model_states_mib_max",
-    "memory/predicted_peak_mib_max",
-    "eval/final/eval/loss",
-)
-"""The result.json paths ``objective`` may name (numbers every finished job has; mfu_pct and
-tokens_per_s are null where they do not apply, and then count as a failed point)."""
+from sharded_exp.vocabulary.wandb_names import OBJECTIVES
 
 HOSTS = {
     "hydra._internal.core_plugins.basic_launcher.BasicLauncher": "basic",

@@ -27,6 +27,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from sharded_exp.vocabulary.memory import BUCKET, TOTAL
+
 MIB = 2**20
 TOP_MODULES = 5
 """Modules named in an out-of-memory breakdown (the rest are summed)."""
@@ -79,12 +81,6 @@ _GUARDED = (
 )
 """MemTracker's methods that run inside the training step (module hooks, the dispatch
 mode's bookkeeping, the optimizer hooks): a failure in one of them is the tracker's."""
-
-
-BUCKET = "Bucket"
-"""Our category beside torch's (Parameter, Gradient, Optstate, Activation, Temp, ...): the
-communication buckets a strategy allocates when it wraps the model (DDP's gradient
-all-reduce buckets, ShardedDDP's reduce buckets), live for the whole run."""
 
 
 _BUCKETS = contextvars.ContextVar("allocating_communication_buffers", default=False)
@@ -445,7 +441,7 @@ class MemoryMeter:
         tracker.track_external(strategy.module, *strategy.local_optimizers())
         with tracker:
             yield
-        peak = _breakdown_mib(tracker, self.device).get("Total", 0.0)
+        peak = _breakdown_mib(tracker, self.device).get(TOTAL, 0.0)
         if tracker.failure is None and peak > self.limit_mib:
             self.oom_breakdown = self._over_limit(tracker, None, "after training")
             at = self.oom_breakdown.get("tracked_mib", peak)  # the one number of this OOM, everywhere
@@ -469,8 +465,8 @@ class MemoryMeter:
                 torch.cuda.memory_reserved(self.device) / MIB,
             )
         if self._tracker is not None and self._tracker.failure is None:
-            current = self._tracker.get_tracker_snapshot("current").get(self.device, {}).get("Total", 0) / MIB
-            return current, self._tracker.get_tracker_snapshot("peak").get(self.device, {}).get("Total", 0) / MIB, -1.0
+            current = self._tracker.get_tracker_snapshot("current").get(self.device, {}).get(TOTAL, 0) / MIB
+            return current, self._tracker.get_tracker_snapshot("peak").get(self.device, {}).get(TOTAL, 0) / MIB, -1.0
         if self._live_states_mib is None:
             # Walked once: after the window (its first step made every optimizer state) the
             # sizes of the states a rank holds do not change, and the walk costs ~0.3 ms.
@@ -500,7 +496,7 @@ class MemoryMeter:
         except Exception as exc:  # noqa: BLE001 -- measuring never breaks training
             tracker.failure = f"{type(exc).__name__}: {exc}"[:300]
             return
-        total = found.pop("Total", sum(found.values()))
+        total = found.pop(TOTAL, sum(found.values()))
         self.build = {"peak_allocated_mib": total, "breakdown_mib": found}
         if self.limit_mib and total > self.limit_mib:
             self.oom_breakdown = self._over_limit(tracker, None, "building the model")
@@ -544,7 +540,7 @@ class MemoryMeter:
         # MemTracker keeps per-module stats that raise on a second iteration otherwise.
         self._tracker.reset_mod_stats()
         if self.limit_mib and self._tracker.failure is None:
-            peak = self._tracker.get_tracker_snapshot("peak").get(self.device, {}).get("Total", 0) / MIB
+            peak = self._tracker.get_tracker_snapshot("peak").get(self.device, {}).get(TOTAL, 0) / MIB
             if peak > self.limit_mib:
                 # The CPU stand-in for the CUDA allocator's budget (trainer.memory_limit_mib),
                 # checked against the tracked peak at the end of each tracked step; what was
@@ -582,7 +578,7 @@ class MemoryMeter:
             self.failure = f"the CPU memory tracker failed: {tracker.failure}"
             return {**none, "peak_error": self.failure}
         breakdown = _breakdown_mib(tracker, self.device)
-        total = breakdown.pop("Total", sum(breakdown.values()))
+        total = breakdown.pop(TOTAL, sum(breakdown.values()))
         self._cpu_peak_mib = total
         return {
             "peak_allocated_mib": total,

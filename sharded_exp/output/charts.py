@@ -12,21 +12,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from sharded_exp.vocabulary.memory import (
+    CHART_COLORS,
+    CHART_PARTS,
+    CHART_REST,
+    MEASURED_CHART_PARTS,
+    PREDICTED_CHART_PARTS,
+)
+
 STATUS_LABEL = {"oom": "OOM", "failed": "failed", "diverged": "diverged", "stopped": "stopped"}
 """How a point that has no measured figure is labelled in a chart."""
-PARTS = ("parameters", "gradients", "optimizer state", "activations", "temporaries, other")
-PART_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8C8C8C")
-MEASURED_PARTS = {  # torch's MemTracker categories (result.json per_rank peak_breakdown_mib)
-    "Parameter": "parameters", "Gradient": "gradients", "Optstate": "optimizer state", "Activation": "activations",
-    "Temp": "temporaries, other", "Buffer": "temporaries, other", "Other": "temporaries, other",
-}  # fmt: skip
-PREDICTED_PARTS = {  # the fake step's (result.json memory.peak_prediction.breakdown_mib)
-    # the optimizer step's temporaries with the state: the CPU tracker files both as optimizer memory
-    "params": "parameters", "gathered": "parameters", "grads": "gradients", "optimizer": "optimizer state",
-    "optimizer_step": "optimizer state",
-    "activations": "activations", "temporaries": "temporaries, other", "communication": "temporaries, other",
-    "other": "temporaries, other", "workspace": "temporaries, other",
-}  # fmt: skip
 BAND = 0.05
 """The predicted-vs-measured chart's band: a prediction within 5% of the measured peak."""
 
@@ -255,9 +250,9 @@ def measured_parts(row: dict[str, Any]) -> dict[str, float] | None:
         split = row["oom_categories"]
     else:
         return None
-    out = dict.fromkeys(PARTS, 0.0)
+    out = dict.fromkeys(CHART_PARTS, 0.0)
     for key, value in split.items():
-        out[MEASURED_PARTS.get(key, "temporaries, other")] += value or 0.0
+        out[MEASURED_CHART_PARTS.get(key, CHART_REST)] += value or 0.0
     return out
 
 
@@ -266,9 +261,9 @@ def predicted_parts(row: dict[str, Any]) -> dict[str, float] | None:
     breakdown = (row.get("peak_prediction") or {}).get("breakdown_mib")
     if not breakdown:
         return None
-    out = dict.fromkeys(PARTS, 0.0)
+    out = dict.fromkeys(CHART_PARTS, 0.0)
     for key, value in breakdown.items():
-        out[PREDICTED_PARTS.get(key, "temporaries, other")] += value or 0.0
+        out[PREDICTED_CHART_PARTS.get(key, CHART_REST)] += value or 0.0
     return out
 
 
@@ -293,7 +288,7 @@ def breakdown_chart(rows: list[dict[str, Any]], swept: list[str]):
                         fontweight="bold")  # fmt: skip
                 continue
             bottom = 0.0
-            for part, color in zip(PARTS, PART_COLORS):
+            for part, color in zip(CHART_PARTS, CHART_COLORS):
                 ax.bar(i + offset, parts[part], width, bottom=bottom, color=color, hatch=hatch, edgecolor="white")
                 bottom += parts[part]
             at_oom = hatch is None and row["status"] == "oom"  # measured when the budget was crossed
@@ -313,7 +308,7 @@ def breakdown_chart(rows: list[dict[str, Any]], swept: list[str]):
     ax.set_title(
         f"What the peak holds: measured (left, solid), predicted (right, hatched)\n{context(rows)}", fontsize=10
     )
-    handles = [Patch(color=c, label=p) for p, c in zip(PARTS, PART_COLORS)]
+    handles = [Patch(color=c, label=p) for p, c in zip(CHART_PARTS, CHART_COLORS)]
     handles.append(Patch(facecolor="white", edgecolor="gray", hatch="//", label="predicted"))
     ax.legend(handles=handles, fontsize=8)
     ax.grid(alpha=0.3, axis="y")

@@ -11,7 +11,6 @@ and the multirun callback are in :mod:`sharded_exp.report`.
 from __future__ import annotations
 
 import csv
-import hashlib
 import json
 import math
 import os
@@ -28,6 +27,7 @@ from sharded_exp.output.charts import ranks
 from sharded_exp.output.loggers import init_wandb_run
 from sharded_exp.output.workspace import sweep_logger
 from sharded_exp.strategies import STRATEGIES, by_sharding, sharding_of
+from sharded_exp.vocabulary.wandb_names import REPORT_JOB_TYPE, report_key, report_run_id, report_run_name
 
 COLUMNS = [
     "strategy", "world_size", "precision", "model", "params", "peak_allocated_mib_max", "peak_allocated_mib_mean",
@@ -609,18 +609,18 @@ def native_charts(rows: list[dict[str, Any]], points: list[dict[str, Any]]) -> d
     )  # fmt: skip
     plot = wandb.plot
     return {
-        "report/table": table,
-        "report/per_rank": per_rank,
-        "report/peak_per_rank": plot.bar(
+        report_key("table"): table,
+        report_key("per_rank"): per_rank,
+        report_key("peak_per_rank"): plot.bar(
             per_rank, "label", "peak_allocated_mib", title="Peak allocated per rank (MiB)"
         ),
-        "report/model_states_per_rank": plot.bar(
+        report_key("model_states_per_rank"): plot.bar(
             per_rank, "label", "model_states_mib", title="Model states per rank (MiB)"
         ),
-        "report/predicted_vs_measured": plot.scatter(
+        report_key("predicted_vs_measured"): plot.scatter(
             per_rank, "predicted_peak_mib", "peak_allocated_mib", title="Peak per rank: predicted vs measured (MiB)"
         ),
-        "report/samples_per_s": plot.bar(
+        report_key("samples_per_s"): plot.bar(
             speeds, "label", "samples_per_s", title="Throughput (samples/s, all ranks; points that finished)"
         ),
     }
@@ -637,14 +637,14 @@ def log_to_wandb(rows: list[dict[str, Any]], points: list[dict[str, Any]], image
 
         # One report run per sweep directory: a fixed id, and an earlier local copy removed,
         # so that reporting again replaces the run instead of adding one.
-        run_id = "report-" + hashlib.sha1(str(Path(sweep_dir).resolve()).encode()).hexdigest()[:12]
+        run_id = report_run_id(sweep_dir)
         for old in (Path(sweep_dir) / "wandb").glob(f"*-{run_id}"):
             shutil.rmtree(old, ignore_errors=True)
         run = init_wandb_run(
-            cfg, job_type="report", name=f"report {Path(sweep_dir).name}", config=None, directory=str(sweep_dir),
+            cfg, job_type=REPORT_JOB_TYPE, name=report_run_name(sweep_dir), config=None, directory=str(sweep_dir),
             run_id=run_id,
         )  # fmt: skip
-        run.log({**native_charts(rows, points), **{f"report/{p.stem}": wandb.Image(str(p)) for p in images}})
+        run.log({**native_charts(rows, points), **{report_key(p.stem): wandb.Image(str(p)) for p in images}})
         run.finish()
     except Exception as exc:  # noqa: BLE001 -- the report files are written regardless
         print(f"warning: W&B summary run not written ({type(exc).__name__}: {exc})", file=sys.stderr)

@@ -15,6 +15,11 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from sharded_exp.strategies import offloads_to_host
+from sharded_exp.vocabulary import wandb_names
+
+# across_ranks and summary_values make W&B names, so they live with them; the trainer and the probe
+# import them from here, beside the logger that writes what they make.
+from sharded_exp.vocabulary.wandb_names import HISTORY_SUMMARIES, across_ranks, summary_values  # noqa: F401
 
 
 class NullLogger:
@@ -29,22 +34,18 @@ class NullLogger:
 
 
 def run_tags(run_config: dict[str, Any]) -> list[str]:
-    """Tags that group and filter runs in the W&B UI: strategy, precision, model, world size,
-    and each lever that is on (activation checkpointing, compile, HSDP, CPU offload)."""
+    """A job's W&B tags (:func:`sharded_exp.vocabulary.wandb_names.run_tags`) from its resolved config."""
     t, s = run_config["trainer"], run_config["strategy"]
-    ac = str(t.get("activation_checkpointing") or "none")
-    levers = {
-        f"ac:{ac}": ac != "none",
-        "compile": bool(t.get("compile")),
-        f"hsdp:{s.get('replicate')}": (s.get("replicate") or 1) > 1,
-        "cpu_offload": offloads_to_host(OmegaConf.create(s)),
-    }
-    return [
-        f"strategy:{s['name']}",
-        f"precision:{run_config['precision']['name']}",
-        f"model:{run_config['model']['name']}",
-        f"world_size:{t['world_size']}",
-    ] + [tag for tag, on in levers.items() if on]
+    return wandb_names.run_tags(
+        s["name"],
+        run_config["precision"]["name"],
+        run_config["model"]["name"],
+        t["world_size"],
+        activation_checkpointing=str(t.get("activation_checkpointing") or "none"),
+        compile=bool(t.get("compile")),
+        replicate=s.get("replicate"),
+        cpu_offload=offloads_to_host(OmegaConf.create(s)),
+    )
 
 
 def init_wandb_run(
@@ -93,11 +94,8 @@ class WandbLogger(NullLogger):
                 directory=output_dir,
                 tags=run_tags(run_config),
             )
-            self.run.define_metric("loss", summary="min")
-            # Per-step and per-interval points; the summary holds result.json's figures under
-            # the same names instead (the median step time, each rank's peak).
-            self.run.define_metric("throughput/*", summary="none")
-            self.run.define_metric("memory/*", summary="none")
+            for key, summary in HISTORY_SUMMARIES.items():
+                self.run.define_metric(key, summary=summary)
         except Exception as exc:  # noqa: BLE001 -- tracking must never stop training
             self._give_up("start", exc)
 
@@ -133,57 +131,3 @@ def build_logger(cfg, run_config: dict[str, Any], output_dir: str, rank: int) ->
     if rank != 0 or cfg.name == "none":
         return NullLogger()
     return WandbLogger(cfg, run_config, output_dir)
-
-
-PER_RANK_FIGURES = (
-    "peak_allocated_mib", "peak_reserved_mib", "predicted_peak_mib", "peak_rel_error", "model_states_mib",
-    "predicted_model_states_mib",
-)  # fmt: skip
-"""The figures of ``memory.per_rank`` in the W&B summary (the rest stay in result.json)."""
-
-
-def summary_values(result: dict[str, Any], strategy: str) -> dict[str, Any]:
-    """The W&B summary of a job: each of result.json's numbers under its path there, the
-    keys joined by ``/`` (``memory/peak_allocated_mib_max``, ``memory/per_rank/0/peak_allocated_mib``,
-    ``throughput/samples_per_s``): one name per figure, the name ``objective=`` takes too.
-    Beside them, ``by_strategy/<strategy>/<figure>`` copies two figures for a panel per strategy."""
-    out: dict[str, Any] = {k: result[k] for k in ("world_size", "params", "final_loss") if k in result}
-
-    def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, dict):
-            for key, inner in value.items():
-                walk(f"{prefix}/{key}", inner)
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[prefix] = value  # lists (every step's time) stay in result.json and the history
-
-    for section in ("param_digest", "throughput", "device"):
-        walk(section, result.get(section) or {})
-    memory = result.get("memory") or {}
-    for key, value in memory.items():
-        if key != "per_rank":
-            walk(f"memory/{key}", value)
-    for index, entry in enumerate(memory.get("per_rank") or []):
-        for key in PER_RANK_FIGURES:
-            walk(f"memory/per_rank/{index}/{key}", entry.get(key))
-    # Keyed by strategy, so that a panel per strategy plots only that strategy's runs
-    # (memory and speed against world size, in the sweep's saved workspace).
-    out[f"by_strategy/{strategy}/samples_per_s"] = (result.get("throughput") or {}).get("samples_per_s")
-    out[f"by_strategy/{strategy}/peak_allocated_mib_max"] = memory.get("peak_allocated_mib_max")
-    # The final evaluation pass is the last point of the history's eval/... series: W&B's
-    # summary of each series is that value, under the series' own name.
-    return out
-
-
-def across_ranks(name: str, values: list[float]) -> dict[str, float]:
-    """min / median / max over ranks: one band a dashboard can draw at 64 ranks, where one
-    line per rank is unreadable."""
-    if not values:
-        return {}
-    ordered = sorted(values)
-    n = len(ordered)
-    median = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
-    return {
-        f"memory/{name}_min": ordered[0],
-        f"memory/{name}_median": median,
-        f"memory/{name}_max": ordered[-1],
-    }

@@ -18,52 +18,20 @@ W&B group.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
+# What the view plots and groups by is named in the vocabulary (wandb_group and PER_RANK_UP_TO are
+# read through here too).
+from sharded_exp.vocabulary.wandb_names import (  # noqa: F401
+    CONFIG_AXES,
+    GROUP_BY,
+    PER_RANK_UP_TO,
+    panel_keys,
+    wandb_group,
+)
+
 SPEC_FILE = "wandb_workspace.json"
-
-
-def wandb_group(directory: str | Path) -> str:
-    """The W&B group of a run or sweep directory: its name and a short hash of its absolute
-    path, so that two sweeps whose directories share a name (``a/sweep``, ``b/sweep``) never
-    share a group, and the same directory always gives the same one."""
-    import hashlib
-
-    path = os.path.abspath(directory)
-    return f"{os.path.basename(path)}-{hashlib.sha1(path.encode()).hexdigest()[:6]}"
-
-
-PER_RANK_UP_TO = 8
-"""Beyond this many ranks, per-rank panels give way to the band over ranks."""
-
-BAND = ["min", "median", "max"]
-STATES = ["params", "grads", "optimizer"]
-
-
-def panel_keys(world_size: int, strategies: list[str]) -> dict[str, list[str]]:
-    """The metric keys each section plots (summary or history keys of the sweep's runs)."""
-    ranks = range(world_size) if world_size <= PER_RANK_UP_TO else []
-    return {
-        "peak per rank": [f"memory/per_rank/{r}/peak_allocated_mib" for r in ranks]
-        or [f"memory/peak_allocated_mib_{b}" for b in BAND],
-        "model states per rank": [f"memory/per_rank/{r}/model_states_mib/{part}" for r in ranks for part in STATES]
-        or ["memory/model_states_mib_max"],
-        "memory over time per rank": [f"memory/per_rank/{r}/allocated_mib" for r in ranks],
-        "memory over time across ranks": [f"memory/allocated_mib_{b}" for b in BAND],
-        "memory vs world size": [f"by_strategy/{s}/peak_allocated_mib_max" for s in strategies],
-        "throughput vs world size": [f"by_strategy/{s}/samples_per_s" for s in strategies],
-        "predicted vs measured": ["memory/predicted_peak_mib_max", "memory/peak_allocated_mib_max"],
-        "parallel coordinates": ["memory/peak_allocated_mib_max", "throughput/samples_per_s", "final_loss"],
-    }
-
-
-CONFIG_AXES = ["strategy.name", "precision.name", "trainer.world_size", "model.name"]
-"""Run config keys the view groups and filters by (W&B flattens nested config with dots)."""
-
-GROUP_BY = ["strategy.name", "trainer.world_size", "precision.name"]
-"""One group per point: W&B aggregates only runs that differ in nothing else (seeds)."""
 
 
 def build(entity: str, project: str, group: str, world_size: int, strategies: list[str], name: str):

@@ -41,9 +41,10 @@ from sharded_exp.config import JobGroups
 from sharded_exp.predict.memory_model import largest_group_state_mib
 from sharded_exp.predict.prediction import model_shapes, peaks_of_ranks, predict, predict_peak
 from sharded_exp.strategies import STRATEGIES
+from sharded_exp.vocabulary.memory import MODEL_STATES, OPTIMIZER_STEP
 
-STATES = ("params", "grads", "optimizer")
-STEP_TEMPORARIES = "optimizer_step"
+STATES = MODEL_STATES
+STEP_TEMPORARIES = OPTIMIZER_STEP
 """The breakdown's part for the optimizer step's temporaries (apart from the state)."""
 REL, ABS = 1e-3, 1e-3
 """A line holds where the third depth's part is within REL of it plus ABS MiB."""

@@ -19,9 +19,9 @@ from sharded_exp.config import PlanConfig
 from sharded_exp.errors import ConfigError
 from sharded_exp.plan.depth import first_depth, peaks_by_depth, shapes_of
 from sharded_exp.plan.progress import Progress
-from sharded_exp.plan.table import PARTS
 from sharded_exp.predict.prediction import ModelShapes, model_shapes, predict, predict_peak
 from sharded_exp.strategies import STRATEGIES
+from sharded_exp.vocabulary.memory import PARTS
 
 GIB = 2**30
 MIB = 2**20

@@ -16,40 +16,16 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from sharded_exp.config import PlanConfig
+from sharded_exp.vocabulary.memory import HEADINGS, PARTS
+from sharded_exp.vocabulary.memory import MEANINGS as MEMORY_MEANINGS
 
-PARTS = (
-    "params",
-    "grads",
-    "optimizer",
-    "optimizer_step",
-    "gathered",
-    "buckets",
-    "activations",
-    "temporaries",
-    "communication",
-    "other",
-    "workspace",
-)
-"""The parts of a rank's peak (each row's ``<part>_gib``), as the report names them: optimizer
-state apart from the optimizer step's temporaries, communication buckets apart from
-activations."""
-HEADINGS = {"optimizer": "optim state", "optimizer_step": "optim step", "communication": "comm"}
-"""A part's column heading where it differs from its key."""
 MEANINGS = {
-    "params": "parameters this rank holds",
-    "grads": "gradients",
-    "optim state": "optimizer state (Adam's two moments)",
-    "optim step": "the optimizer step's temporaries (foreach Adam's sqrt(v))",
-    "gathered": "parameters gathered whole for a unit's compute (FSDP)",
-    "buckets": "communication buckets (DDP's all-reduce, ShardedDDP's reduce)",
-    "activations": "activations kept for the backward",
-    "temporaries": "forward/backward temporaries",
-    "comm": "collective buffers in flight",
-    "workspace": "cuBLAS workspace (CUDA)",
+    **MEMORY_MEANINGS,
     "peak": "the largest rank's peak",
     "mean": "the mean over ranks",
     "host": "host memory (CPU offload)",
 }
+"""What each column holds, by heading: the parts' (:mod:`sharded_exp.vocabulary.memory`) and the totals'."""
 COLUMNS = ("strategy", "levers", "ranks", *(HEADINGS.get(p, p) for p in PARTS), "peak", "mean", "host", "fits")
 """Every format's columns, in order."""
 

@@ -40,28 +40,9 @@ from sharded_exp.config import JobGroups
 from sharded_exp.errors import ConfigError
 from sharded_exp.measure.tracker import peak_tracker
 from sharded_exp.strategies import STRATEGIES, offloads_to_host
+from sharded_exp.vocabulary.memory import OTHER, TORCH_CATEGORIES, TOTAL
 
 MIB = 2**20
-
-# torch's tracker categories (MemTracker; FSDPMemTracker's too) -> ours
-CATEGORIES = {
-    "Parameter": "params",
-    "Sharded Param": "params",
-    "Unsharded Param": "gathered",
-    "Gradient": "grads",
-    "Sharded Grad": "grads",
-    "Unsharded Grad": "grads",
-    "Optstate": "optimizer",
-    "OptState": "optimizer",
-    "Activation": "activations",
-    "Inputs": "activations",
-    "Temp": "temporaries",
-    "All Gather": "communication",
-    "Reduce Scatter": "communication",
-    "Buffer": "other",
-    "Bucket": "buckets",
-    "Other": "other",
-}
 
 
 @dataclass
@@ -239,14 +220,14 @@ def _phases(tracker, device: torch.device) -> dict[str, tuple[float, dict[str, f
 
 
 def _parts(values: dict) -> tuple[float, dict[str, float]]:
-    out = {k: 0.0 for k in dict.fromkeys(CATEGORIES.values())}
+    out = {k: 0.0 for k in dict.fromkeys(TORCH_CATEGORIES.values())}
     total = 0.0
     for key, nbytes in values.items():
         name = str(getattr(key, "value", key))
-        if name == "Total":
+        if name == TOTAL:
             total = nbytes / MIB
         else:
-            out[CATEGORIES.get(name, "other")] += nbytes / MIB
+            out[TORCH_CATEGORIES.get(name, OTHER)] += nbytes / MIB
     return total, out
 
 

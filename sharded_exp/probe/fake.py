@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from sharded_exp.measure.tracker import MIB, peak_tracker
+from sharded_exp.vocabulary.memory import DDP_GRADIENT_COPIES, TOTAL
 
 
 class Spec:
@@ -208,9 +209,9 @@ def predict_peak(
         snap = tracker.get_tracker_snapshot("peak")
         parts = next(iter(snap.values()), {}) if snap else {}
         parts = {str(getattr(k, "value", k)): v / MIB for k, v in parts.items()}
-        total = parts.pop("Total", sum(parts.values()))
+        total = parts.pop(TOTAL, sum(parts.values()))
         if extra:
-            parts["DDP"] = extra
+            parts[DDP_GRADIENT_COPIES] = extra
         method = out["method"] + (" + DDP's gradient copies by its rule" if extra else "")
         return {**out, "peak_mib": total + extra, "breakdown_mib": parts, "method": method,
                 "seconds": time.perf_counter() - started}  # fmt: skip

@@ -33,6 +33,7 @@ from sharded_exp.measure.tracker import MemoryMeter
 from sharded_exp.train import liveness
 from sharded_exp.train.faults import Injector
 from sharded_exp.train.metrics import IntervalLog, IntervalMetrics, throughput_stats
+from sharded_exp.vocabulary.wandb_names import DATA_TIME_S, SAMPLES_PER_S, STEP_TIME_S
 
 log = logging.getLogger(__name__)
 
@@ -151,9 +152,9 @@ class Speed(Component):
             self.log.add(
                 result.step + 1,
                 {
-                    "throughput/step_time_s": result.step_time,
-                    "throughput/samples_per_s": self.samples_per_step / result.step_time,
-                    "throughput/data_time_s": result.data_time,
+                    STEP_TIME_S: result.step_time,
+                    SAMPLES_PER_S: self.samples_per_step / result.step_time,
+                    DATA_TIME_S: result.data_time,
                 },
             )
 

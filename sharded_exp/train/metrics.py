@@ -8,7 +8,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from sharded_exp.output.loggers import across_ranks
+from sharded_exp.vocabulary.wandb_names import across_ranks, per_rank_key
 
 
 class IntervalMetrics:
@@ -110,10 +110,10 @@ class IntervalMetrics:
             values = values[n:]
         for r in range(len(values) // 3):
             allocated, peak, reserved = values[3 * r : 3 * r + 3]
-            record[f"memory/per_rank/{r}/allocated_mib"] = allocated
-            record[f"memory/per_rank/{r}/peak_allocated_mib"] = peak
+            record[per_rank_key(r, "allocated_mib")] = allocated
+            record[per_rank_key(r, "peak_allocated_mib")] = peak
             if reserved >= 0:
-                record[f"memory/per_rank/{r}/reserved_mib"] = reserved
+                record[per_rank_key(r, "reserved_mib")] = reserved
         record.update(across_ranks("allocated_mib", values[0::3]))
         return record
 

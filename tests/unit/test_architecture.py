@@ -102,6 +102,13 @@ def test_prediction_is_beside_measurement_and_checkpoints_are_one_package():
     assert "sharded_exp.train" not in graph["sharded_exp.checkpoint"]  # the loop uses checkpoints, not the reverse
 
 
+def test_the_vocabularies_import_no_other_part_and_the_planner_reads_its_parts_there():
+    """Every part reads its names from sharded_exp.vocabulary, so it may import nothing of ours; the
+    planner's points took the table's parts from plan.table, which imports plan.points (a circle)."""
+    assert import_graph()["sharded_exp.vocabulary"] == set()
+    assert not {m for m in _imports(PACKAGE / "plan" / "points.py") if m.startswith("sharded_exp.plan.table")}
+
+
 def test_one_module_per_name():
     """Two modules of one name (two ``report``s) make a reader guess which one a name means."""
     names = defaultdict(list)

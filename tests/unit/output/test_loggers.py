@@ -1,6 +1,7 @@
 """sharded_exp.output.loggers without W&B itself (a stand-in ``wandb`` module where one is
 needed): the run's tags, the arguments of ``wandb.init``, a logger that gives up instead of
-stopping training, which rank logs, the summary's names and the band over ranks."""
+stopping training, which rank logs. The summary's names and the band over ranks are
+tests/unit/vocabulary/test_wandb_names.py's."""
 
 from __future__ import annotations
 
@@ -151,41 +152,3 @@ def test_a_logger_that_fails_later_gives_up_once(monkeypatch, what, call):
         call(logger)
     assert logger.run is None
     call(logger)  # no second warning, no error
-
-
-# ------------------------------------------------------------------------ the summary
-def test_summary_values_name_each_number_by_its_path():
-    result = {
-        "world_size": 2, "params": 10, "final_loss": 0.5, "status": "ok",
-        "param_digest": {"l2": 3.0},
-        "throughput": {"samples_per_s": 100.0, "step_time_s": [0.1, 0.2], "fused": True, "note": "x"},
-        "device": {"threads_per_rank": 2, "type": "cpu"},
-        "memory": {"peak_allocated_mib_max": 4.0, "peak_prediction": {"breakdown_mib": {"params": 1.0}},
-                   "per_rank": [{"rank": 0, "peak_allocated_mib": 4.0, "model_states_mib": {"params": 1.0},
-                                 "peak_breakdown_mib": {"Parameter": 1.0}}]},
-    }  # fmt: skip
-    values = loggers.summary_values(result, "fsdp")
-    assert values == {
-        "world_size": 2, "params": 10, "final_loss": 0.5,
-        "param_digest/l2": 3.0, "throughput/samples_per_s": 100.0, "device/threads_per_rank": 2,
-        "memory/peak_allocated_mib_max": 4.0, "memory/peak_prediction/breakdown_mib/params": 1.0,
-        "memory/per_rank/0/peak_allocated_mib": 4.0, "memory/per_rank/0/model_states_mib/params": 1.0,
-        "by_strategy/fsdp/samples_per_s": 100.0, "by_strategy/fsdp/peak_allocated_mib_max": 4.0,
-    }  # fmt: skip
-
-
-def test_summary_values_of_a_result_without_figures():
-    assert loggers.summary_values({"status": "oom"}, "ddp") == {
-        "by_strategy/ddp/samples_per_s": None,
-        "by_strategy/ddp/peak_allocated_mib_max": None,
-    }
-
-
-@pytest.mark.parametrize(("values", "median"), [([3.0, 1.0, 2.0], 2.0), ([4.0, 1.0, 2.0, 3.0], 2.5), ([7.0], 7.0)])
-def test_across_ranks_is_the_smallest_median_and_largest(values, median):
-    assert loggers.across_ranks("peak", values) == {
-        "memory/peak_min": min(values),
-        "memory/peak_median": median,
-        "memory/peak_max": max(values),
-    }
-    assert loggers.across_ranks("peak", []) == {}

@@ -1,53 +1,14 @@
-"""sharded_exp.output.workspace's pure parts: a sweep's W&B group name, the metric keys each
-section plots (per rank up to 8 ranks, the band beyond), the sweep's logger config, and
-the offline specification file (the W&B workspace object itself stubbed)."""
+"""sharded_exp.output.workspace's pure parts: the sweep's logger config and the offline
+specification file (the W&B workspace object itself stubbed). The group's name and the keys each
+section plots are tests/unit/vocabulary/test_wandb_names.py's."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 
 import pytest
 
 from sharded_exp.output import workspace as ws
-
-
-def test_a_group_is_the_directory_name_and_a_hash_of_its_absolute_path(tmp_path):
-    a, b = tmp_path / "a" / "sweep", tmp_path / "b" / "sweep"
-    expected = "sweep-" + hashlib.sha1(str(a).encode()).hexdigest()[:6]
-    assert ws.wandb_group(a) == expected == ws.wandb_group(str(a))
-    assert ws.wandb_group(b) != ws.wandb_group(a)
-
-
-def test_a_relative_directory_is_grouped_by_its_absolute_path(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    assert ws.wandb_group("sweep") == ws.wandb_group(os.path.join(str(tmp_path), "sweep"))
-
-
-def test_up_to_eight_ranks_each_rank_has_its_panels():
-    keys = ws.panel_keys(ws.PER_RANK_UP_TO, ["ddp", "fsdp"])
-    assert keys["peak per rank"] == [f"memory/per_rank/{r}/peak_allocated_mib" for r in range(8)]
-    assert len(keys["model states per rank"]) == 8 * 3
-    assert keys["model states per rank"][:3] == [
-        f"memory/per_rank/0/model_states_mib/{p}" for p in ("params", "grads", "optimizer")
-    ]
-    assert keys["memory over time per rank"][-1] == "memory/per_rank/7/allocated_mib"
-    assert keys["memory vs world size"] == [
-        "by_strategy/ddp/peak_allocated_mib_max",
-        "by_strategy/fsdp/peak_allocated_mib_max",
-    ]
-    assert keys["throughput vs world size"] == ["by_strategy/ddp/samples_per_s", "by_strategy/fsdp/samples_per_s"]
-
-
-def test_beyond_eight_ranks_the_band_over_ranks_replaces_them():
-    keys = ws.panel_keys(ws.PER_RANK_UP_TO + 1, ["fsdp"])
-    assert keys["peak per rank"] == ["memory/peak_allocated_mib_min", "memory/peak_allocated_mib_median",
-                                     "memory/peak_allocated_mib_max"]  # fmt: skip
-    assert keys["model states per rank"] == ["memory/model_states_mib_max"]
-    assert keys["memory over time per rank"] == []
-    assert keys["memory over time across ranks"] == ["memory/allocated_mib_min", "memory/allocated_mib_median",
-                                                     "memory/allocated_mib_max"]  # fmt: skip
 
 
 def test_the_sweeps_logger_is_the_first_wandb_one():

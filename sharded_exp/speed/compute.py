@@ -1,0 +1,129 @@
+"""How long one op takes on a device, and ops read from a FLOP counter's per-op records.
+
+An op is (class, FLOPs, bytes moved, dtype). Its time is
+
+- the profile's measured curve for that class and dtype where it has one: FLOPs / the
+  achieved rate at that size, read from (FLOPs, TFLOP/s) points by straight lines in log-log
+  space (clamped at both ends: no extrapolation past what was measured);
+- otherwise the roofline: ``max(FLOPs / matmul rate(dtype), bytes / memory bandwidth)``, where
+  the matmul rate is the datasheet peak times a published micro-benchmark's fraction when the
+  profile has one (:meth:`DeviceProfile.matmul_flops_per_s`). Attention is priced at the
+  matmul rate: a fused attention kernel's FLOPs are its two matmuls.
+- ``other`` ops (elementwise, norms, softmax, copies, reductions) are memory-bound:
+  ``bytes / memory bandwidth``.
+
+Warning: the roofline is an optimistic bound for small matmuls (a kernel launch, tile and
+wave quantization are not in it); a measured curve is what corrects it, where one exists.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+from sharded_exp.errors import ConfigError
+from sharded_exp.speed.profiles import DTYPES, Curve, DeviceProfile
+
+OP_KINDS = ("matmul", "attention", "other")
+
+MATMUL_OPS = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "matmul", "_scaled_mm", "linear",
+    "convolution", "_convolution", "convolution_backward", "cudnn_convolution", "conv2d", "conv1d",
+})  # fmt: skip
+"""aten op names (overload and namespace stripped) priced as matmuls: the ops torch's
+``FlopCounterMode`` counts FLOPs for, convolutions included (implicit GEMMs)."""
+ATTENTION_PREFIXES = ("_scaled_dot_product_", "_flash_attention_", "_efficient_attention_", "scaled_dot_product_")
+"""aten op name prefixes priced as attention (the SDPA kernels and their backwards)."""
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str
+    """One of :data:`OP_KINDS`."""
+    flops: float
+    bytes_moved: float
+    """Bytes read and written (inputs + outputs)."""
+    dtype: str
+    """Math dtype, one of :data:`sharded_exp.speed.profiles.DTYPES`."""
+    name: str = ""
+
+    def __post_init__(self):
+        if self.kind not in OP_KINDS:
+            raise ConfigError(f"op kind must be one of {OP_KINDS}, not {self.kind!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"op dtype must be one of {DTYPES}, not {self.dtype!r}")
+        if self.flops < 0 or self.bytes_moved < 0:
+            raise ConfigError(f"op {self.name or self.kind}: FLOPs and bytes must be >= 0")
+
+
+def achieved_flops_per_s(curve: Curve, flops: float) -> float:
+    """The curve's rate (FLOP/s) at an op of ``flops`` FLOPs: linear in (log FLOPs, log
+    TFLOP/s) between the two nearest points, the end point's rate outside them."""
+    points = curve.points
+    if flops <= points[0][0]:
+        return points[0][1] * 1e12
+    if flops >= points[-1][0]:
+        return points[-1][1] * 1e12
+    x = math.log(flops)
+    for (f0, t0), (f1, t1) in zip(points, points[1:]):
+        if f0 <= flops <= f1:
+            w = (x - math.log(f0)) / (math.log(f1) - math.log(f0)) if f1 > f0 else 0.0
+            return math.exp(math.log(t0) + w * (math.log(t1) - math.log(t0))) * 1e12
+    raise AssertionError("unreachable: the points are sorted")
+
+
+def op_time(op: Op, device: DeviceProfile) -> float:
+    """Seconds for ``op`` on ``device`` (see the module docstring)."""
+    memory_s = op.bytes_moved / device.memory_bandwidth_Bps
+    if op.kind == "other":
+        return memory_s
+    if op.flops == 0:
+        return memory_s
+    curve = device.curve(op.kind, op.dtype)
+    if curve is not None:
+        return op.flops / achieved_flops_per_s(curve, op.flops)
+    return max(op.flops / device.matmul_flops_per_s(op.dtype), memory_s)
+
+
+def compute_time(ops: Iterable[Op], device: DeviceProfile) -> float:
+    """Seconds for ``ops`` run one after another (one stream)."""
+    return sum(op_time(op, device) for op in ops)
+
+
+def classify(aten_name: str) -> str:
+    """``matmul``, ``attention`` or ``other`` for an aten op name in any of its spellings:
+    ``aten.mm.default``, ``aten::addmm``, ``mm`` (namespace and overload ignored)."""
+    parts = str(aten_name).replace("::", ".").split(".")
+    while len(parts) > 1 and parts[0] in ("torch", "ops", "aten", "prims"):
+        parts = parts[1:]
+    base = parts[0]
+    if base in MATMUL_OPS:
+        return "matmul"
+    if base.startswith(ATTENTION_PREFIXES):
+        return "attention"
+    return "other"
+
+
+def ops_from_records(records: Iterable[Mapping], dtype: str) -> list[Op]:
+    """Ops from FlopCounterMode-style per-op records, in order.
+
+    Each record is a mapping with ``op`` (the aten name), ``flops``, ``input_bytes`` and
+    ``output_bytes``; an optional ``dtype`` overrides ``dtype`` (the step's math dtype, e.g.
+    ``bf16`` under autocast). A record missing a field is refused, naming it."""
+    ops = []
+    for i, record in enumerate(records):
+        missing = [k for k in ("op", "flops", "input_bytes", "output_bytes") if k not in record]
+        if missing:
+            raise ConfigError(f"op record {i} ({record.get('op', '?')}) lacks {missing}")
+        kind = classify(record["op"])
+        ops.append(
+            Op(
+                kind=kind,
+                flops=float(record["flops"]),
+                bytes_moved=float(record["input_bytes"]) + float(record["output_bytes"]),
+                dtype=str(record.get("dtype", dtype)),
+                name=str(record["op"]),
+            )
+        )
+    return ops

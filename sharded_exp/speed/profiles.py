@@ -1,0 +1,325 @@
+"""Device and link profiles: the figures the time model prices work with, read from data files.
+
+Each GPU and each interconnect is one YAML file in ``profile_data/``. Every figure in a file
+is a mapping ``{value, source, note?}`` whose ``source`` names an entry of the file's
+``sources`` (a title and a URL: a datasheet, a vendor page, a published micro-benchmark). The
+loader refuses a figure without a source, a source without a title or URL, and an unknown
+field, so a number cannot slip in unexplained. Where no source was found a figure is left
+out, and asking for it is an error that says so (:class:`ProfileError`), never a guess.
+
+Units follow the datasheets: GB = 1e9 bytes, GB/s = 1e9 bytes/s, TFLOP/s = 1e12 FLOP/s. The
+dataclasses hold SI values (bytes, bytes/s, FLOP/s, seconds).
+
+    from sharded_exp.speed.profiles import load_device, load_link, network_link
+    h100 = load_device("h100_sxm"); h100.matmul_flops_per_s("bf16")   # 792.2e12: MAMF-measured
+    load_link("nvlink4").bandwidth_Bps                                  # 450e9 per direction
+    network_link(100).bandwidth_Bps                                     # 12.5e9
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, Mapping
+
+import yaml
+
+from sharded_exp.errors import ConfigError
+
+DTYPES = ("fp32", "tf32", "fp16", "bf16")
+"""The dtypes a device profile may give a peak for (matmul math mode, not storage)."""
+OP_CLASSES = ("matmul", "attention")
+"""Op classes a profile may give a measured curve for."""
+LINK_CLASSES = ("nvlink", "pcie", "network")
+
+
+class ProfileError(ConfigError):
+    """A profile file that breaks the rules above, an unknown profile name, or a figure the
+    profile does not have (the message names what is missing and what there is)."""
+
+
+@dataclass(frozen=True)
+class Source:
+    key: str
+    title: str
+    url: str
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One sourced number, in the file's unit (GB, GB/s, TFLOP/s, us or a fraction)."""
+
+    value: float
+    source: Source
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Curve:
+    """A measured size dependence: (FLOPs of one op, achieved TFLOP/s) points, sorted by
+    FLOPs; read in log-log space by :func:`sharded_exp.speed.compute.achieved_flops_per_s`."""
+
+    points: tuple[tuple[float, float], ...]
+    source: Source
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    title: str
+    memory: Figure
+    """GB of device memory, as the datasheet writes it. Warning: what the driver reports and
+    a process can allocate differs from the marketing figure; a fit check should use a
+    measured or stated capacity where it has one."""
+    memory_bandwidth: Figure
+    """GB/s of device (HBM) memory bandwidth."""
+    peak_tflops: Mapping[str, Figure]
+    """Dense peak TFLOP/s per dtype (no sparsity)."""
+    achievable_fraction: Mapping[str, Figure] = field(default_factory=dict)
+    """Per dtype, the fraction of the peak a published matmul micro-benchmark reached."""
+    curves: Mapping[tuple[str, str], Curve] = field(default_factory=dict)
+    """(op class, dtype) -> measured curve."""
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory.value * 1e9
+
+    @property
+    def memory_bandwidth_Bps(self) -> float:
+        return self.memory_bandwidth.value * 1e9
+
+    def peak_flops_per_s(self, dtype: str) -> float:
+        """The datasheet's dense peak for ``dtype``: the denominator of MFU."""
+        return self._figure(self.peak_tflops, dtype, "peak TFLOP/s").value * 1e12
+
+    def matmul_flops_per_s(self, dtype: str) -> float:
+        """What a large matmul reaches: the peak times the micro-benchmark's fraction where
+        one is published, else the peak itself (an upper bound, said by :meth:`is_measured`)."""
+        fraction = self.achievable_fraction.get(dtype)
+        return self.peak_flops_per_s(dtype) * (fraction.value if fraction else 1.0)
+
+    def is_measured(self, dtype: str) -> bool:
+        return dtype in self.achievable_fraction
+
+    def curve(self, op_class: str, dtype: str) -> Curve | None:
+        return self.curves.get((op_class, dtype))
+
+    def _figure(self, table: Mapping[str, Figure], dtype: str, what: str) -> Figure:
+        if dtype not in table:
+            raise ProfileError(
+                f"device profile {self.name!r} has no {what} for dtype {dtype!r} (no published figure "
+                f"was found, or the device lacks it); it has: {', '.join(sorted(table)) or 'none'}"
+            )
+        return table[dtype]
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    """One link class as a collective sees it from one rank: bandwidth in one direction and
+    NCCL's per-step latency for the ring and tree algorithms."""
+
+    name: str
+    title: str
+    link_class: str
+    bandwidth: Figure
+    """GB/s in one direction per GPU (what nccl-tests' bus bandwidth is compared with)."""
+    ring_step_latency: Figure
+    """us per ring step."""
+    tree_step_latency: Figure
+    """us per tree hop."""
+
+    @property
+    def bandwidth_Bps(self) -> float:
+        return self.bandwidth.value * 1e9
+
+    @property
+    def ring_step_latency_s(self) -> float:
+        return self.ring_step_latency.value * 1e-6
+
+    @property
+    def tree_step_latency_s(self) -> float:
+        return self.tree_step_latency.value * 1e-6
+
+
+# ------------------------------------------------------------------ reading the files
+_DEVICE_FIELDS = {"kind", "name", "title", "sources", "memory_GB", "memory_bandwidth_GBps", "peak_TFLOPs",
+                  "achievable_fraction", "curves"}  # fmt: skip
+_LINK_FIELDS = {"kind", "name", "title", "class", "sources", "total_bidirectional_GBps", "per_direction_GBps",
+                "ring_step_latency_us", "tree_step_latency_us"}  # fmt: skip
+
+
+def _files() -> dict[str, dict]:
+    folder = resources.files("sharded_exp.speed") / "profile_data"
+    found = {}
+    for entry in folder.iterdir():
+        if entry.name.endswith(".yaml"):
+            found[entry.name.removesuffix(".yaml")] = yaml.safe_load(entry.read_text())
+    return found
+
+
+def _names(kind: str) -> list[str]:
+    return sorted(name for name, data in _files().items() if data.get("kind") == kind)
+
+
+def device_names() -> list[str]:
+    return _names("device")
+
+
+def link_names() -> list[str]:
+    return _names("link")
+
+
+def _load(name: str, kind: str) -> dict:
+    data = _files().get(name)
+    if data is None or data.get("kind") != kind:
+        raise ProfileError(f"no {kind} profile named {name!r}; there are: {', '.join(_names(kind))}")
+    return data
+
+
+def load_device(name: str) -> DeviceProfile:
+    return parse_device(_load(name, "device"))
+
+
+def load_link(name: str) -> LinkProfile:
+    return parse_link(_load(name, "link"))
+
+
+def network_link(gbps: float, name: str = "network") -> LinkProfile:
+    """The inter-node link at ``gbps`` Gb/s per GPU, one direction (InfiniBand or RoCE).
+
+    The bandwidth is the caller's stated figure (``plan.inter_node_gbps``), converted
+    (/ 8); the per-step latencies come from ``network.yaml`` (NCCL's tuning table)."""
+    if not (isinstance(gbps, (int, float)) and math.isfinite(gbps) and gbps > 0):
+        raise ProfileError(f"the inter-node bandwidth must be a positive number of Gb/s, not {gbps!r}")
+    data = _load("network", "network")
+    sources = _sources(data, name)
+    stated = Source("stated", f"stated by the caller: {gbps:g} Gb/s per GPU", "(parameter)")
+    return LinkProfile(
+        name=f"{name}_{gbps:g}gbps",
+        title=f"{data['title']} at {gbps:g} Gb/s",
+        link_class="network",
+        bandwidth=Figure(gbps / 8, stated, "Gb/s / 8"),
+        ring_step_latency=_figure(data, "ring_step_latency_us", sources, name),
+        tree_step_latency=_figure(data, "tree_step_latency_us", sources, name),
+    )
+
+
+def parse_device(data: Mapping[str, Any]) -> DeviceProfile:
+    """A device profile from a file's mapping (checked: see the module docstring)."""
+    name = str(data.get("name", "?"))
+    _no_unknown(data, _DEVICE_FIELDS, name)
+    sources = _sources(data, name)
+    peaks = _table(data.get("peak_TFLOPs"), "peak_TFLOPs", sources, name)
+    if not peaks:
+        raise ProfileError(f"device profile {name!r} gives no peak_TFLOPs")
+    fractions = _table(data.get("achievable_fraction") or {}, "achievable_fraction", sources, name)
+    for dtype, figure in fractions.items():
+        if not 0 < figure.value <= 1:
+            raise ProfileError(
+                f"device profile {name!r}: achievable_fraction.{dtype} must be in (0, 1], not {figure.value}"
+            )
+        if dtype not in peaks:
+            raise ProfileError(f"device profile {name!r}: achievable_fraction.{dtype} has no peak_TFLOPs.{dtype}")
+    curves = {}
+    for op_class, per_dtype in (data.get("curves") or {}).items():
+        if op_class not in OP_CLASSES:
+            raise ProfileError(f"device profile {name!r}: curve op class {op_class!r} is not one of {OP_CLASSES}")
+        for dtype, raw in per_dtype.items():
+            curves[(op_class, _dtype(dtype, name))] = _curve(raw, f"curves.{op_class}.{dtype}", sources, name)
+    return DeviceProfile(
+        name=name,
+        title=str(data.get("title", name)),
+        memory=_figure(data, "memory_GB", sources, name),
+        memory_bandwidth=_figure(data, "memory_bandwidth_GBps", sources, name),
+        peak_tflops=peaks,
+        achievable_fraction=fractions,
+        curves=curves,
+    )
+
+
+def parse_link(data: Mapping[str, Any]) -> LinkProfile:
+    """A link profile from a file's mapping. Exactly one of ``per_direction_GBps`` and
+    ``total_bidirectional_GBps`` (NVLink datasheets quote the latter; a rank's collective
+    sends in one direction at half of it)."""
+    name = str(data.get("name", "?"))
+    _no_unknown(data, _LINK_FIELDS, name)
+    sources = _sources(data, name)
+    if data.get("class") not in LINK_CLASSES:
+        raise ProfileError(f"link profile {name!r}: class must be one of {LINK_CLASSES}, not {data.get('class')!r}")
+    given = [k for k in ("per_direction_GBps", "total_bidirectional_GBps") if k in data]
+    if len(given) != 1:
+        raise ProfileError(f"link profile {name!r} needs exactly one of per_direction_GBps, total_bidirectional_GBps")
+    bandwidth = _figure(data, given[0], sources, name)
+    if given[0] == "total_bidirectional_GBps":
+        bandwidth = Figure(bandwidth.value / 2, bandwidth.source, f"half of the {bandwidth.value:g} GB/s total")
+    return LinkProfile(
+        name=name,
+        title=str(data.get("title", name)),
+        link_class=data["class"],
+        bandwidth=bandwidth,
+        ring_step_latency=_figure(data, "ring_step_latency_us", sources, name),
+        tree_step_latency=_figure(data, "tree_step_latency_us", sources, name),
+    )
+
+
+def _no_unknown(data: Mapping, allowed: set[str], name: str) -> None:
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise ProfileError(f"profile {name!r}: unknown field(s) {unknown}; allowed: {sorted(allowed)}")
+
+
+def _sources(data: Mapping, name: str) -> dict[str, Source]:
+    sources = {}
+    for key, raw in (data.get("sources") or {}).items():
+        if not isinstance(raw, Mapping) or not raw.get("title") or not raw.get("url"):
+            raise ProfileError(f"profile {name!r}: source {key!r} needs a title and a url")
+        sources[key] = Source(key, str(raw["title"]), str(raw["url"]))
+    return sources
+
+
+def _sourced(raw: Any, where: str, sources: Mapping[str, Source], name: str) -> tuple[Source, str]:
+    if not isinstance(raw, Mapping) or "source" not in raw:
+        raise ProfileError(f"profile {name!r}: {where} has no source (every figure names one: {{value, source}})")
+    if raw["source"] not in sources:
+        raise ProfileError(
+            f"profile {name!r}: {where} names source {raw['source']!r}, which is not among its sources "
+            f"({', '.join(sources) or 'none'})"
+        )
+    return sources[raw["source"]], str(raw.get("note", ""))
+
+
+def _figure(data: Mapping, key: str, sources: Mapping[str, Source], name: str) -> Figure:
+    if key not in data:
+        raise ProfileError(f"profile {name!r} has no {key}")
+    raw = data[key]
+    source, note = _sourced(raw, key, sources, name)
+    value = raw.get("value")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+        raise ProfileError(f"profile {name!r}: {key} must have a non-negative number as value, not {value!r}")
+    return Figure(float(value), source, note)
+
+
+def _dtype(dtype: str, name: str) -> str:
+    if dtype not in DTYPES:
+        raise ProfileError(f"profile {name!r}: dtype {dtype!r} is not one of {DTYPES}")
+    return dtype
+
+
+def _table(raw: Any, key: str, sources: Mapping[str, Source], name: str) -> dict[str, Figure]:
+    if not isinstance(raw, Mapping):
+        raise ProfileError(f"profile {name!r}: {key} must map dtype to {{value, source}}")
+    return {_dtype(d, name): _figure(raw, d, sources, f"{name}.{key}") for d in raw} if raw else {}
+
+
+def _curve(raw: Any, where: str, sources: Mapping[str, Source], name: str) -> Curve:
+    source, note = _sourced(raw, where, sources, name)
+    points = raw.get("points") or []
+    try:
+        pts = tuple(sorted((float(f), float(t)) for f, t in points))
+    except (TypeError, ValueError) as e:
+        raise ProfileError(f"profile {name!r}: {where}.points must be [flops, TFLOP/s] pairs ({e})") from None
+    if len(pts) < 1 or any(f <= 0 or t <= 0 for f, t in pts):
+        raise ProfileError(f"profile {name!r}: {where}.points needs at least one pair of positive numbers")
+    return Curve(pts, source, note)

@@ -1,0 +1,382 @@
+"""A training step as data, one simulator, and how each strategy schedules its communication.
+
+A step is compute **segments** in program order on the compute stream (each unit's forward,
+each unit's backward in reverse, the optimizer step) and **events** on other streams: a
+collective, a host-device copy, the CPU's optimizer step. An event is issued when a segment
+(or an earlier event) ends, runs on its stream after the events before it there (a stream is
+a queue, as a CUDA stream or NCCL's communicator is), and may hold a later segment back until
+it ends (``before``): the forward of a unit waits for its all-gather, the optimizer step for
+the last gradient bucket. :func:`simulate` plays one step and says what it costs:
+
+- ``step_time_s``: when the last segment or event ends;
+- ``compute_s``: the segments' sum;
+- ``exposed_s``: ``step_time_s - compute_s``, the time the compute stream waits on another
+  stream or the step waits for one to drain (the exposed communication, copies and host step).
+
+The strategies below each build their event list from the model's units, as each really
+schedules its work (docstrings say what is and is not modelled); ``price(kind, nbytes)``
+gives a collective's seconds (:func:`sharded_exp.speed.collectives.pricer`).
+
+    price = pricer(8, Topology(8, load_link("nvlink4")))
+    result = simulate(fsdp2(units, price))
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from sharded_exp.errors import ConfigError
+
+Price = Callable[[str, float], float]
+DDP_BUCKET_BYTES = 25 * 2**20
+"""DDP's default ``bucket_cap_mb=25``."""
+
+
+class ScheduleError(ConfigError):
+    """A schedule that cannot run: an unknown or duplicate name, or a wait that can never end."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    name: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Event:
+    name: str
+    kind: str
+    """A collective kind, ``h2d``/``d2h`` (host-device copies) or ``host_step``."""
+    seconds: float
+    after: str | None
+    """The segment or earlier event whose end issues it; None: the step's start."""
+    before: str | None = None
+    """The segment that cannot start until it ends; None: only the step's end waits."""
+    stream: str = "comm"
+    nbytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class Schedule:
+    segments: tuple[Segment, ...]
+    events: tuple[Event, ...] = ()
+
+    def __post_init__(self):
+        seen: dict[str, int] = {}
+        for i, seg in enumerate(self.segments):
+            if seg.name in seen:
+                raise ScheduleError(f"two segments named {seg.name!r}")
+            if seg.seconds < 0:
+                raise ScheduleError(f"segment {seg.name!r} has negative time {seg.seconds}")
+            seen[seg.name] = i
+        events: set[str] = set()
+        for e in self.events:
+            if e.name in seen or e.name in events:
+                raise ScheduleError(f"the name {e.name!r} is used twice")
+            if e.seconds < 0:
+                raise ScheduleError(f"event {e.name!r} has negative time {e.seconds}")
+            if e.after is not None and e.after not in seen and e.after not in events:
+                raise ScheduleError(
+                    f"event {e.name!r} is issued after {e.after!r}, which is neither a segment nor an earlier event"
+                )
+            if e.before is not None and e.before not in seen:
+                raise ScheduleError(f"event {e.name!r} holds back {e.before!r}, which is not a segment")
+            events.add(e.name)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    step_time_s: float
+    compute_s: float
+    exposed_s: float
+    """Step time beyond compute: what communication, copies and the host step add."""
+    busy_s: dict[str, float]
+    """Seconds each non-compute stream was busy (its events' sum)."""
+    spans: dict[str, tuple[float, float]] = field(repr=False, default_factory=dict)
+    """(start, end) of every segment and event."""
+
+    @property
+    def comm_s(self) -> float:
+        """All collectives' seconds (the ``comm`` stream), hidden or not."""
+        return self.busy_s.get("comm", 0.0)
+
+
+def simulate(schedule: Schedule) -> StepTime:
+    """Play one step of ``schedule`` (see the module docstring); deterministic."""
+    segments, events = schedule.segments, schedule.events
+    queues: dict[str, list[int]] = defaultdict(list)
+    position = {}  # an event's place in its stream's queue
+    for i, e in enumerate(events):
+        position[i] = len(queues[e.stream])
+        queues[e.stream].append(i)
+    done = {s: 0 for s in queues}  # how many of a stream's events have a known end
+    spans: dict[str, tuple[float, float]] = {}
+    by_name = {e.name: i for i, e in enumerate(events)}
+
+    def end_of(name: str, waiting: str) -> float:
+        if name in spans:
+            return spans[name][1]
+        if name in by_name:
+            resolve(by_name[name], waiting)
+            return spans[name][1]
+        raise ScheduleError(f"{waiting} waits for {name!r}, which cannot end first: the schedule deadlocks")
+
+    def resolve(index: int, waiting: str) -> None:
+        stream = events[index].stream
+        queue = queues[stream]
+        while done[stream] <= position[index]:
+            e = events[queue[done[stream]]]
+            ready = 0.0 if e.after is None else end_of(e.after, waiting)
+            if done[stream]:
+                ready = max(ready, spans[events[queue[done[stream] - 1]].name][1])
+            spans[e.name] = (ready, ready + e.seconds)
+            done[stream] += 1
+
+    held: dict[str, list[int]] = defaultdict(list)
+    for i, e in enumerate(events):
+        if e.before is not None:
+            held[e.before].append(i)
+    t = 0.0
+    for seg in segments:
+        start = t
+        for i in held[seg.name]:
+            resolve(i, f"segment {seg.name!r}")
+            start = max(start, spans[events[i].name][1])
+        spans[seg.name] = (start, start + seg.seconds)
+        t = start + seg.seconds
+    for i in range(len(events)):
+        resolve(i, "the step's end")
+    step = max([t] + [spans[e.name][1] for e in events])
+    compute = sum(s.seconds for s in segments)
+    busy: dict[str, float] = defaultdict(float)
+    for e in events:
+        busy[e.stream] += e.seconds
+    return StepTime(step, compute, step - compute, dict(busy), spans)
+
+
+def mfu(flops_per_step: float, step_time_s: float, peak_flops: float) -> float:
+    """Model FLOPs utilization, in percent: ``100 * flops_per_step / (step_time_s * peak_flops)``.
+
+    - ``flops_per_step``: the model's FLOPs for one optimizer step on one device: forward and
+      backward of every sample this device processes in the step (all its micro-batches),
+      each counted once. Recomputation by activation checkpointing is not counted (counting it
+      gives hardware FLOPs utilization, HFU), nor the optimizer's elementwise work. This is
+      the PaLM paper's definition (Chowdhery et al. 2022, "PaLM: Scaling Language Modeling
+      with Pathways", Appendix B, https://arxiv.org/abs/2204.02311).
+    - ``step_time_s``: wall time of that step.
+    - ``peak_flops``: the device's dense peak FLOP/s for the math dtype, from its datasheet
+      (:meth:`sharded_exp.speed.profiles.DeviceProfile.peak_flops_per_s`), not a measured rate.
+    """
+    if step_time_s <= 0 or peak_flops <= 0:
+        raise ConfigError(f"MFU needs a positive step time and peak, not {step_time_s} s and {peak_flops} FLOP/s")
+    return 100.0 * flops_per_step / (step_time_s * peak_flops)
+
+
+# ------------------------------------------------------------------ strategies' schedules
+@dataclass(frozen=True)
+class Units:
+    """A model as its units (FSDP's wrapping units, DDP's parameters grouped the same way),
+    in forward order, with the times and sizes the schedules need."""
+
+    forward_s: Sequence[float]
+    backward_s: Sequence[float]
+    param_bytes: Sequence[float]
+    """Each unit's full (unsharded) parameters, in the dtype they are communicated in."""
+    grad_bytes: Sequence[float] | None = None
+    """Each unit's full gradients as reduced (default: ``param_bytes``)."""
+    optimizer_s: float = 0.0
+    """The optimizer step on this rank's device (a sharded optimizer: its shard's)."""
+
+    def __post_init__(self):
+        k = len(self.forward_s)
+        grads = self.param_bytes if self.grad_bytes is None else self.grad_bytes
+        if k == 0 or not (len(self.backward_s) == len(self.param_bytes) == len(grads) == k):
+            raise ConfigError("units need one forward time, backward time and size each (and at least one unit)")
+
+    @property
+    def grads(self) -> Sequence[float]:
+        return self.param_bytes if self.grad_bytes is None else self.grad_bytes
+
+    def segments(self) -> list[Segment]:
+        k = len(self.forward_s)
+        return (
+            [Segment(f"fwd:{i}", self.forward_s[i]) for i in range(k)]
+            + [Segment(f"bwd:{j}", self.backward_s[j]) for j in reversed(range(k))]
+            + [Segment("step", self.optimizer_s)]
+        )
+
+
+def _buckets(units: Units, bucket_bytes: float) -> list[tuple[str, float]]:
+    """(segment after which the bucket is ready, bytes), in backward order: gradients fill
+    buckets of ``bucket_bytes`` as the backward produces them, a unit at a time; the rest goes
+    in a last bucket, ready after the last backward segment."""
+    if bucket_bytes <= 0:
+        raise ConfigError(f"bucket_bytes must be positive, not {bucket_bytes}")
+    buckets, filled = [], 0.0
+    for j in reversed(range(len(units.forward_s))):
+        filled += units.grads[j]
+        while filled >= bucket_bytes:
+            buckets.append((f"bwd:{j}", bucket_bytes))
+            filled -= bucket_bytes
+    if filled > 0:
+        buckets.append(("bwd:0", filled))
+    return buckets
+
+
+def ddp(units: Units, price: Price, bucket_bytes: float = DDP_BUCKET_BYTES) -> Schedule:
+    """DDP: each gradient bucket is all-reduced as soon as the backward fills it, on the
+    communication stream, overlapping the rest of the backward; the optimizer step waits for
+    all of them. What the remaining backward cannot hide is exposed, the last bucket at least
+    (nothing computes after it).
+
+    Not modelled: DDP's smaller first bucket (1 MiB), the buckets' parameter-level (not
+    unit-level) filling order."""
+    events = [
+        Event(f"all_reduce:{b}", "all_reduce", price("all_reduce", size), after=seg, before="step", nbytes=size)
+        for b, (seg, size) in enumerate(_buckets(units, bucket_bytes))
+    ]
+    return Schedule(tuple(units.segments()), tuple(events))
+
+
+def _prefetch_point(segments: list[Segment], index: int) -> str | None:
+    """Where a prefetched collective for segment ``index`` is issued: when the segment before
+    it starts (the end of the one before that), as FSDP2 issues the next unit's all-gather
+    before running the current unit's compute."""
+    return segments[index - 2].name if index >= 2 else None
+
+
+def fsdp2(units: Units, price: Price, reshard_after_forward: bool = True) -> Schedule:
+    """FSDP2 (``fully_shard``): each unit's parameters are all-gathered before its forward,
+    the next unit's all-gather issued while the current unit computes (prefetch); with
+    ``reshard_after_forward`` they are gathered again, with the same prefetch, before the
+    unit's backward; each unit's gradients are reduce-scattered after its backward,
+    overlapping the backward of the units before it. All-gathers and reduce-scatters share
+    one link: one stream here, in issue order.
+
+    The last unit, resharded at the end of the forward, is gathered again at once and waits:
+    FSDP2's default. (torchtitan sets ``reshard_after_forward=False`` on its last block to
+    skip that; not modelled.) Not modelled either: the root module's parameters outside the
+    units."""
+    segments = units.segments()
+    index = {s.name: i for i, s in enumerate(segments)}
+    events: list[tuple[int, Event]] = []  # (issue position, event)
+
+    def gather(unit: int, target: str, tag: str) -> None:
+        after = _prefetch_point(segments, index[target])
+        if tag == "bwd" and (after is None or index[after] < index[f"fwd:{unit}"]):
+            after = f"fwd:{unit}"  # a unit is re-gathered only once its forward has resharded it
+        size = units.param_bytes[unit]
+        event = Event(f"all_gather:{tag}:{unit}", "all_gather", price("all_gather", size), after, target, nbytes=size)
+        events.append((index[after] if after else -1, event))
+
+    k = len(units.forward_s)
+    for i in range(k):
+        gather(i, f"fwd:{i}", "fwd")
+    for j in reversed(range(k)):
+        if reshard_after_forward:
+            gather(j, f"bwd:{j}", "bwd")
+        size = units.grads[j]
+        rs = Event(
+            f"reduce_scatter:{j}", "reduce_scatter", price("reduce_scatter", size), f"bwd:{j}", "step", nbytes=size
+        )
+        events.append((index[f"bwd:{j}"], rs))
+    events.sort(key=lambda pair: pair[0])  # stable: program order among events issued together
+    return Schedule(tuple(segments), tuple(e for _, e in events))
+
+
+def fsdp_grad_op(units: Units, price: Price) -> Schedule:
+    """FSDP with ``SHARD_GRAD_OP`` (FSDP2: ``reshard_after_forward=False``): parameters stay
+    gathered from forward to backward, so there is no re-gather in backward."""
+    return fsdp2(units, price, reshard_after_forward=False)
+
+
+def _param_sync(units: Units, price: Price, world_size: int, how: str) -> list[Event]:
+    total = float(sum(units.param_bytes))
+    if how == "all_gather":
+        return [Event("all_gather:params", "all_gather", price("all_gather", total), "step", nbytes=total)]
+    if how == "broadcast":
+        share = total / world_size
+        return [
+            Event(f"broadcast:{r}", "broadcast", price("broadcast", share), "step", nbytes=share)
+            for r in range(world_size)
+        ]
+    raise ConfigError(f"param_sync must be 'broadcast' or 'all_gather', not {how!r}")
+
+
+def zero1(
+    units: Units, price: Price, world_size: int, param_sync: str = "broadcast", bucket_bytes: float = DDP_BUCKET_BYTES
+) -> Schedule:
+    """ZeRO-1 (torch's ``ZeroRedundancyOptimizer``) and fairscale's OSS under DDP: DDP's
+    bucketed all-reduce during backward, each rank steps its shard of the optimizer
+    (``units.optimizer_s``: the shard's time), then every rank's updated parameters are sent
+    to all: ``world_size`` broadcasts of a 1/world_size share each (``param_sync="broadcast"``,
+    OSS and torch's default) or one all-gather. Nothing computes after the step, so the
+    parameter sync is exposed whole."""
+    base = ddp(units, price, bucket_bytes)
+    return Schedule(base.segments, base.events + tuple(_param_sync(units, price, world_size, param_sync)))
+
+
+def oss(units: Units, price: Price, world_size: int, bucket_bytes: float = DDP_BUCKET_BYTES) -> Schedule:
+    """fairscale OSS + DDP: :func:`zero1` with broadcasts."""
+    return zero1(units, price, world_size, "broadcast", bucket_bytes)
+
+
+def sharded_ddp(units: Units, price: Price, world_size: int, bucket_bytes: float = DDP_BUCKET_BYTES) -> Schedule:
+    """fairscale ShardedDDP + OSS: during backward each gradient bucket is reduced to the rank
+    that owns those parameters (a ``reduce``, 1x the bytes where all-reduce moves 2(n-1)/n x),
+    the owner steps its shard, then broadcasts its parameters to all after the step (exposed).
+
+    Not modelled: buckets formed per owner rank (here the backward's buckets, each reduced to
+    one owner)."""
+    events = [
+        Event(f"reduce:{b}", "reduce", price("reduce", size), after=seg, before="step", nbytes=size)
+        for b, (seg, size) in enumerate(_buckets(units, bucket_bytes))
+    ]
+    return Schedule(tuple(units.segments()), tuple(events) + tuple(_param_sync(units, price, world_size, "broadcast")))
+
+
+def host_step_time(bytes_touched: float, host_memory_Bps: float) -> float:
+    """The CPU optimizer step's seconds, as memory-bound: the bytes it reads and writes (for
+    Adam in fp32: parameters, gradients, two moments read, three written: 28 bytes per
+    element) over the host's memory bandwidth, a stated or measured figure."""
+    if host_memory_Bps <= 0:
+        raise ConfigError(f"the host's memory bandwidth must be positive, not {host_memory_Bps}")
+    return bytes_touched / host_memory_Bps
+
+
+def offload(
+    units: Units,
+    price: Price,
+    world_size: int,
+    pcie_Bps: float,
+    host_step_s: float,
+    reshard_after_forward: bool = True,
+) -> Schedule:
+    """FSDP2 with ``CPUOffloadPolicy``: parameters and gradients live on the host. Before each
+    all-gather its rank's parameter shard is copied host to device (``copy`` stream, PCIe);
+    after each reduce-scatter the gradient shard is copied device to host; the optimizer steps
+    on the CPU (``host`` stream, ``host_step_s``, see :func:`host_step_time`) once the last
+    gradient has arrived; the step ends when it does. ``units.optimizer_s`` should be 0 (no
+    device step).
+
+    Not modelled: pinned versus pageable memory (the copies are at ``pcie_Bps``), and the host
+    step overlapping the next step's forward (it does not in FSDP2: the forward needs the
+    updated parameters)."""
+    if pcie_Bps <= 0:
+        raise ConfigError(f"the PCIe bandwidth must be positive, not {pcie_Bps}")
+    base = fsdp2(units, price, reshard_after_forward)
+    events: list[Event] = []
+    for e in base.events:
+        unit = int(e.name.rsplit(":", 1)[1])
+        if e.kind == "all_gather":
+            share = units.param_bytes[unit] / world_size
+            h2d = Event(f"h2d:{e.name}", "h2d", share / pcie_Bps, e.after, stream="copy", nbytes=share)
+            events += [h2d, Event(e.name, e.kind, e.seconds, h2d.name, e.before, e.stream, e.nbytes)]
+        else:
+            share = units.grads[unit] / world_size
+            events += [e, Event(f"d2h:{e.name}", "d2h", share / pcie_Bps, e.name, stream="copy", nbytes=share)]
+    last_copy = [e.name for e in events if e.kind == "d2h"][-1]
+    events.append(Event("host_step", "host_step", host_step_s, last_copy, stream="host"))
+    return Schedule(base.segments, tuple(events))

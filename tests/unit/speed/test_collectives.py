@@ -1,0 +1,98 @@
+"""Collective costs against numbers worked by hand from nccl-tests' formulas and NCCL's
+latency model (``sharded_exp.speed.collectives``' docstring)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sharded_exp.errors import ConfigError
+from sharded_exp.speed.collectives import (
+    Link,
+    Topology,
+    bus_factor,
+    collective_time,
+    group_time,
+    hsdp_gradient_time,
+    pricer,
+    ring_steps,
+)
+from sharded_exp.speed.profiles import load_link, network_link
+
+GIB = 2**30
+FAST = Link("100GBps", bandwidth_Bps=100e9)  # no per-step latency: bandwidth + NCCL's 8.4 us ring base
+BASE = 8.4e-6
+
+
+def test_ring_all_reduce_of_1_gib_on_8_ranks_at_100_gb_s():
+    """S = 2^30 B, factor 2 (8 - 1) / 8 = 1.75: 1.75 * 1,073,741,824 / 1e11 = 18.7905 ms,
+    plus NCCL's ring base latency, 8.4 us: 18.7989 ms."""
+    assert collective_time("all_reduce", GIB, 8, FAST) == pytest.approx(0.0187905 + BASE, rel=1e-5)
+
+
+def test_the_ring_latency_is_the_base_plus_one_per_step():
+    """All-reduce on 8 ranks: 2 (8 - 1) = 14 steps; 8.4 us + 14 * 5 us = 78.4 us."""
+    slow = Link("lat", bandwidth_Bps=100e9, ring_step_latency_s=5e-6)
+    assert collective_time("all_reduce", 8, 8, slow) - collective_time("all_reduce", 8, 8, FAST) == pytest.approx(
+        14 * 5e-6, rel=1e-6
+    )
+    assert collective_time("all_reduce", 8, 8, slow) == pytest.approx(8.4e-6 + 14 * 5e-6 + 8 * 1.75 / 100e9)
+
+
+def test_all_gather_reduce_scatter_broadcast_and_reduce_use_nccl_tests_factors():
+    """(n - 1)/n = 0.875 for all-gather and reduce-scatter: 9.3952 ms; 1 for broadcast and
+    reduce: 2^30 / 1e11 = 10.7374 ms (each + 8.4 us)."""
+    for kind in ("all_gather", "reduce_scatter"):
+        assert collective_time(kind, GIB, 8, FAST) == pytest.approx(0.0093952 + BASE, rel=1e-5)
+    for kind in ("broadcast", "reduce"):
+        assert collective_time(kind, GIB, 8, FAST) == pytest.approx(0.0107374 + BASE, rel=1e-5)
+    assert [bus_factor(k, 4) for k in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")] == [
+        1.5, 0.75, 0.75, 1.0, 1.0]  # fmt: skip
+    assert [ring_steps(k, 4) for k in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")] == [
+        6, 3, 3, 4, 4]  # fmt: skip
+
+
+def test_tree_all_reduce_is_priced_as_nccl_does():
+    """Half the bus bandwidth: 2 * 2^30 / 1e11 = 21.475 ms; one node of 8: latency
+    2 * (8 - 1) * 28 us = 392 us."""
+    tree = Link("t", bandwidth_Bps=100e9, tree_step_latency_s=28e-6)
+    assert collective_time("all_reduce", GIB, 8, tree, algorithm="tree") == pytest.approx(0.021475 + 392e-6, rel=1e-4)
+    with pytest.raises(ConfigError, match="ring only"):
+        collective_time("all_gather", GIB, 8, tree, algorithm="tree")
+
+
+def test_one_rank_or_no_bytes_cost_nothing_and_bad_arguments_are_refused():
+    assert collective_time("all_reduce", GIB, 1, FAST) == 0.0
+    assert collective_time("all_reduce", 0, 8, FAST) == 0.0
+    with pytest.raises(ConfigError, match="all_to_all"):
+        collective_time("all_to_all", GIB, 8, FAST)
+    with pytest.raises(ConfigError, match="algorithm"):
+        collective_time("all_reduce", GIB, 8, FAST, algorithm="butterfly")
+
+
+def test_a_flat_group_spanning_nodes_is_bottlenecked_by_the_network():
+    """16 ranks on 2 nodes of 8 over 100 Gb/s (12.5 GB/s) per GPU: 2 * 15/16 = 1.875;
+    1.875 * 2^30 / 12.5e9 = 161.06 ms. Latency: 30 steps, 2 (2 - 1) = 2 cross nodes:
+    8.4 + 28 * 3.4 + 2 * 9.6 = 122.8 us."""
+    topo = Topology(8, load_link("nvlink4"), network_link(100))
+    assert group_time("all_reduce", GIB, 16, topo) == pytest.approx(0.161061 + 122.8e-6, rel=1e-4)
+    assert group_time("all_reduce", GIB, 8, topo) == pytest.approx(1.75 * GIB / 450e9 + 8.4e-6 + 14 * 3.4e-6)
+    with pytest.raises(ConfigError, match="no inter-node link"):
+        group_time("all_reduce", GIB, 16, Topology(8, FAST))
+
+
+def test_hsdp_prices_its_two_levels_apart():
+    """2 nodes of 8, shard 8 (in a node, NVLink 4: 450 GB/s), replicate 2 (across, 12.5 GB/s),
+    1 GiB of gradients: reduce-scatter 0.875 * 2^30 / 450e9 = 2.088 ms (+ 8.4 + 7 * 3.4 us);
+    all-reduce of 2^30 / 8 = 128 MiB between 2 replicas: factor 1, 134,217,728 / 12.5e9 =
+    10.737 ms (+ 8.4 + 2 * 9.6 us). A flat all-reduce of the same over 16 ranks: 161 ms."""
+    topo = Topology(8, load_link("nvlink4"), network_link(100))
+    reduce_scatter, all_reduce = hsdp_gradient_time(GIB, shard=8, replicate=2, topology=topo)
+    assert reduce_scatter == pytest.approx(0.875 * GIB / 450e9 + 8.4e-6 + 7 * 3.4e-6)
+    assert all_reduce == pytest.approx(GIB / 8 / 12.5e9 + 8.4e-6 + 2 * 9.6e-6)
+    assert reduce_scatter + all_reduce < group_time("all_reduce", GIB, 16, topo) / 10
+
+
+def test_the_pricer_prices_a_flat_group_for_the_schedules():
+    price = pricer(8, Topology(8, FAST))
+    assert price("all_reduce", GIB) == pytest.approx(0.0187905 + BASE, rel=1e-5)
+    assert price("broadcast", GIB) == pytest.approx(0.0107374 + BASE, rel=1e-5)

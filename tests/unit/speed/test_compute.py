@@ -1,0 +1,83 @@
+"""Op timing against hand-worked numbers, and aten ops classified."""
+
+from __future__ import annotations
+
+import pytest
+
+from sharded_exp.errors import ConfigError
+from sharded_exp.speed.compute import Op, achieved_flops_per_s, classify, compute_time, op_time, ops_from_records
+from sharded_exp.speed.profiles import ProfileError, load_device, parse_device
+
+H100 = load_device("h100_sxm")
+
+
+def _device_with_curve():
+    src = {"m": {"title": "a test measurement", "url": "https://example.org/m"}}
+    return parse_device({
+        "kind": "device", "name": "curved", "sources": src,
+        "memory_GB": {"value": 1, "source": "m"}, "memory_bandwidth_GBps": {"value": 1000, "source": "m"},
+        "peak_TFLOPs": {"bf16": {"value": 1000, "source": "m"}},
+        "curves": {"matmul": {"bf16": {"points": [[1e12, 100], [1e9, 10]], "source": "m"}}},
+    })  # fmt: skip
+
+
+def test_a_large_matmul_is_compute_bound_at_the_measured_rate():
+    """H100 bf16: 989 TFLOP/s * 0.801 (MAMF) = 792.19 TFLOP/s; 1e12 FLOPs take 1.2623 ms
+    (1 MB moved takes 0.3 us at 3.35 TB/s)."""
+    assert op_time(Op("matmul", 1e12, 1e6, "bf16"), H100) == pytest.approx(1e12 / 792.189e12)
+    assert op_time(Op("matmul", 1e12, 1e6, "bf16"), H100) == pytest.approx(1.2623e-3, rel=1e-4)
+
+
+def test_a_thin_matmul_is_memory_bound_and_other_ops_always_are():
+    """1e9 FLOPs but 1e10 bytes: 1e10 / 3.35e12 = 2.985 ms > 1.26 us of math."""
+    assert op_time(Op("matmul", 1e9, 1e10, "bf16"), H100) == pytest.approx(1e10 / 3.35e12)
+    assert op_time(Op("other", 1e12, 3.35e9, "bf16"), H100) == pytest.approx(1e-3)
+
+
+def test_without_a_published_fraction_the_peak_is_used():
+    """H200 has no MAMF row: 1e12 / 989e12 = 1.0111 ms."""
+    assert op_time(Op("attention", 1e12, 0, "bf16"), load_device("h200")) == pytest.approx(1e12 / 989e12)
+
+
+def test_a_measured_curve_is_read_in_log_space_and_clamped():
+    """Points (1e9 FLOPs, 10 TFLOP/s) and (1e12, 100): at 10^10.5 FLOPs, halfway in log,
+    10^1.5 = 31.62 TFLOP/s, so 10^10.5 / 10^13.5 = 1 ms. Below the first point: its rate,
+    1e8 / 10e12 = 10 us."""
+    device = _device_with_curve()
+    assert achieved_flops_per_s(device.curve("matmul", "bf16"), 10**10.5) == pytest.approx(10**13.5)
+    assert op_time(Op("matmul", 10**10.5, 0, "bf16"), device) == pytest.approx(1e-3)
+    assert op_time(Op("matmul", 1e8, 0, "bf16"), device) == pytest.approx(1e-5)
+    assert op_time(Op("matmul", 1e14, 0, "bf16"), device) == pytest.approx(1.0)
+
+
+def test_a_dtype_the_device_has_no_figure_for_is_refused_by_name():
+    with pytest.raises(ProfileError, match=r"v100_32gb.*'bf16'.*fp16, fp32"):
+        op_time(Op("matmul", 1e12, 0, "bf16"), load_device("v100_32gb"))
+    with pytest.raises(ConfigError, match="op kind"):
+        Op("conv", 1, 1, "bf16")
+
+
+@pytest.mark.parametrize(
+    "name, kind",
+    [("aten.mm.default", "matmul"), ("aten::addmm", "matmul"), ("torch.ops.aten.bmm.default", "matmul"),
+     ("baddbmm", "matmul"), ("aten.convolution.default", "matmul"),
+     ("aten._scaled_dot_product_flash_attention.default", "attention"),
+     ("aten._scaled_dot_product_efficient_attention_backward.default", "attention"),
+     ("aten.add.Tensor", "other"), ("aten.gelu.default", "other"), ("aten._softmax.default", "other")],
+)  # fmt: skip
+def test_aten_ops_are_classified(name, kind):
+    assert classify(name) == kind
+
+
+def test_flop_counter_records_become_ops():
+    """mm: 2 * 64 * 128 * 256 = 4,194,304 FLOPs; bytes = inputs + outputs."""
+    records = [
+        {"op": "aten.mm.default", "flops": 4194304, "input_bytes": 81920, "output_bytes": 32768},
+        {"op": "aten.add.Tensor", "flops": 0, "input_bytes": 200, "output_bytes": 100, "dtype": "fp32"},
+    ]
+    mm, add = ops_from_records(records, "bf16")
+    assert (mm.kind, mm.flops, mm.bytes_moved, mm.dtype) == ("matmul", 4194304, 114688, "bf16")
+    assert (add.kind, add.bytes_moved, add.dtype) == ("other", 300, "fp32")
+    assert compute_time([mm, add], H100) == pytest.approx(op_time(mm, H100) + 300 / 3.35e12)
+    with pytest.raises(ConfigError, match="output_bytes"):
+        ops_from_records([{"op": "aten.mm.default", "flops": 1, "input_bytes": 1}], "bf16")

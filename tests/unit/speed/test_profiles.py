@@ -1,0 +1,109 @@
+"""The shipped profiles load, every figure names a source, and a file that breaks the rules
+is refused with a message that says what is wrong."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from sharded_exp.speed.profiles import (
+    ProfileError,
+    device_names,
+    link_names,
+    load_device,
+    load_link,
+    network_link,
+    parse_device,
+    parse_link,
+)
+
+GOOD = {
+    "kind": "device", "name": "toy", "title": "a toy GPU",
+    "sources": {"sheet": {"title": "Toy datasheet", "url": "https://example.org/toy.pdf"}},
+    "memory_GB": {"value": 16, "source": "sheet"},
+    "memory_bandwidth_GBps": {"value": 1000, "source": "sheet"},
+    "peak_TFLOPs": {"bf16": {"value": 100, "source": "sheet"}},
+    "achievable_fraction": {"bf16": {"value": 0.8, "source": "sheet"}},
+}  # fmt: skip
+
+
+def test_the_named_gpus_and_links_ship_and_every_figure_has_a_source():
+    assert device_names() == ["a100_40gb", "a100_80gb", "h100_sxm", "h200", "v100_32gb"]
+    assert link_names() == ["nvlink2", "nvlink3", "nvlink4", "pcie3", "pcie4", "pcie5"]
+    for name in device_names():
+        device = load_device(name)
+        figures = [device.memory, device.memory_bandwidth, *device.peak_tflops.values(),
+                   *device.achievable_fraction.values()]  # fmt: skip
+        assert all(f.source.url.startswith("https://") and f.source.title for f in figures), name
+    for name in link_names():
+        link = load_link(name)
+        assert all(f.source.url.startswith("https://") for f in (link.bandwidth, link.ring_step_latency))
+
+
+def test_datasheet_figures_read_as_si_units():
+    """A100 80 GB: 2,039 GB/s; H100 bf16: 989 TFLOP/s peak, 0.801 of it measured (792.1);
+    NVLink 4: 900 GB/s both ways, 450 GB/s one way; PCIe 4 x16: 31.5 GB/s one way."""
+    assert load_device("a100_80gb").memory_bandwidth_Bps == 2039e9
+    h100 = load_device("h100_sxm")
+    assert h100.peak_flops_per_s("bf16") == 989e12 and h100.is_measured("bf16")
+    assert h100.matmul_flops_per_s("bf16") == pytest.approx(792.2e12, rel=1e-3)
+    assert load_link("nvlink4").bandwidth_Bps == 450e9
+    assert load_link("pcie4").bandwidth_Bps == 31.5e9 and load_link("pcie4").ring_step_latency_s == pytest.approx(
+        5.7e-6
+    )
+
+
+def test_the_network_is_a_stated_gb_s():
+    """100 Gb/s / 8 = 12.5 GB/s; NCCL's network ring step: 9.6 us."""
+    net = network_link(100)
+    assert net.bandwidth_Bps == 12.5e9 and net.ring_step_latency_s == pytest.approx(9.6e-6)
+    assert "stated" in net.bandwidth.source.title
+    with pytest.raises(ProfileError, match="Gb/s"):
+        network_link(0)
+
+
+def test_an_unknown_name_lists_the_known_ones():
+    with pytest.raises(ProfileError, match="no device profile named 'h100'.*h100_sxm"):
+        load_device("h100")
+    with pytest.raises(ProfileError, match="no link profile"):
+        load_link("a100_80gb")
+
+
+def _broken(edit):
+    data = copy.deepcopy(GOOD)
+    edit(data)
+    return data
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: d["memory_GB"].pop("source"), "memory_GB has no source"),
+        (lambda d: d["peak_TFLOPs"]["bf16"].update(source="blog"), "names source 'blog'"),
+        (lambda d: d["sources"]["sheet"].pop("url"), "needs a title and a url"),
+        (lambda d: d.update(memory_GB=16), "memory_GB has no source"),
+        (lambda d: d.update(fudge_factor={"value": 1.3, "source": "sheet"}), "unknown field"),
+        (lambda d: d["achievable_fraction"]["bf16"].update(value=1.2), r"in \(0, 1\]"),
+        (lambda d: d["peak_TFLOPs"].update(fp8={"value": 1, "source": "sheet"}), "'fp8' is not one of"),
+        (lambda d: d.pop("memory_bandwidth_GBps"), "has no memory_bandwidth_GBps"),
+    ],
+)
+def test_a_profile_breaking_the_rules_is_refused(edit, message):
+    assert parse_device(GOOD).matmul_flops_per_s("bf16") == 80e12
+    with pytest.raises(ProfileError, match=message):
+        parse_device(_broken(edit))
+
+
+def test_a_link_gives_exactly_one_bandwidth():
+    link = {
+        "kind": "link", "name": "l", "class": "pcie",
+        "sources": {"s": {"title": "spec", "url": "https://example.org"}},
+        "per_direction_GBps": {"value": 10, "source": "s"},
+        "ring_step_latency_us": {"value": 1, "source": "s"}, "tree_step_latency_us": {"value": 1, "source": "s"},
+    }  # fmt: skip
+    assert parse_link(link).bandwidth_Bps == 10e9
+    with pytest.raises(ProfileError, match="exactly one"):
+        parse_link({**link, "total_bidirectional_GBps": {"value": 20, "source": "s"}})
+    with pytest.raises(ProfileError, match="class"):
+        parse_link({**link, "class": "carrier_pigeon"})

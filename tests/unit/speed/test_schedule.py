@@ -1,0 +1,143 @@
+"""The step simulator and each strategy's schedule against timelines worked by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from sharded_exp.speed.schedule import (
+    Event,
+    Schedule,
+    ScheduleError,
+    Segment,
+    Units,
+    ddp,
+    fsdp2,
+    fsdp_grad_op,
+    host_step_time,
+    mfu,
+    offload,
+    oss,
+    sharded_ddp,
+    simulate,
+    zero1,
+)
+
+MS = 1e-3
+
+
+def constant(**seconds):
+    """A price that gives each collective kind a fixed time (ms)."""
+    return lambda kind, nbytes: seconds[kind] * MS
+
+
+def test_ddp_hides_every_bucket_but_the_last():
+    """4 units: forward 5 ms, backward 10 ms each, 100 B of gradients each, 100 B buckets,
+    optimizer 2 ms; an all-reduce takes 4 ms. Buckets ready after bwd:3, 2, 1, 0; each of the
+    first three ends under the next 10 ms backward; the last has nothing to hide under.
+    Compute 20 + 40 + 2 = 62 ms; step 66 ms; exposed 4 ms (one bucket)."""
+    units = Units([5 * MS] * 4, [10 * MS] * 4, [100] * 4, optimizer_s=2 * MS)
+    result = simulate(ddp(units, constant(all_reduce=4), bucket_bytes=100))
+    assert result.compute_s == pytest.approx(62 * MS)
+    assert result.step_time_s == pytest.approx(66 * MS)
+    assert result.exposed_s == pytest.approx(4 * MS) and result.comm_s == pytest.approx(16 * MS)
+
+
+def test_ddp_exposes_what_the_backward_cannot_hide():
+    """The same with 15 ms all-reduces: the first starts at 30 ms (end of bwd:3) and the four
+    run back to back to 90 ms; the step (2 ms) ends at 92: exposed 30 ms."""
+    units = Units([5 * MS] * 4, [10 * MS] * 4, [100] * 4, optimizer_s=2 * MS)
+    result = simulate(ddp(units, constant(all_reduce=15), bucket_bytes=100))
+    assert result.step_time_s == pytest.approx(92 * MS) and result.exposed_s == pytest.approx(30 * MS)
+
+
+def test_ddp_buckets_split_a_large_unit_and_keep_the_rest_for_last():
+    """250 B and 100 B units (backward order: unit 1 then 0), 100 B buckets: two buckets after
+    bwd:1, then 150 B more: one after bwd:0, and a 50 B rest after bwd:0."""
+    units = Units([MS] * 2, [MS] * 2, [100, 250])
+    events = ddp(units, constant(all_reduce=1), bucket_bytes=100).events
+    assert [(e.after, e.nbytes) for e in events] == [("bwd:1", 100), ("bwd:1", 100), ("bwd:0", 100), ("bwd:0", 50)]
+
+
+def test_fsdp_prefetch_hides_behind_long_compute():
+    """3 units: forward 10 ms, backward 20 ms, all-gather and reduce-scatter 4 ms each. Every
+    all-gather is issued a segment ahead and ends before it is needed, every reduce-scatter but
+    the last ends under a later backward. Exposed: the first all-gather (0-4 ms), the last
+    unit's re-gather, issued when its forward ends (34-38), and the last reduce-scatter
+    (98-102). Compute 90 ms, step 102 ms, exposed 12."""
+    units = Units([10 * MS] * 3, [20 * MS] * 3, [100] * 3)
+    result = simulate(fsdp2(units, constant(all_gather=4, reduce_scatter=4)))
+    assert result.compute_s == pytest.approx(90 * MS)
+    assert result.step_time_s == pytest.approx(102 * MS) and result.exposed_s == pytest.approx(12 * MS)
+    assert result.spans["fwd:0"][0] == pytest.approx(4 * MS)
+    assert result.spans["all_gather:bwd:2"] == pytest.approx((34 * MS, 38 * MS))
+    assert result.spans["all_gather:bwd:1"] == pytest.approx((38 * MS, 42 * MS))  # hidden under bwd:2 (38-58)
+
+
+def test_fsdp_with_compute_too_short_to_hide_is_communication_bound():
+    """The same with forward 1 ms, backward 2 ms, worked event by event: AG0 0-4, fwd0 4-5,
+    AG1 4-8, fwd1 8-9, AG2 8-12, fwd2 12-13, AGb2 13-17, bwd2 17-19, AGb1 17-21, bwd1 21-23,
+    RS2 21-25, AGb0 25-29, bwd0 29-31, RS1 29-33, RS0 33-37: step 37 ms, of which the link is
+    busy 36; compute 9, exposed 28."""
+    units = Units([MS] * 3, [2 * MS] * 3, [100] * 3)
+    result = simulate(fsdp2(units, constant(all_gather=4, reduce_scatter=4)))
+    assert result.step_time_s == pytest.approx(37 * MS) and result.comm_s == pytest.approx(36 * MS)
+    assert result.exposed_s == pytest.approx(28 * MS)
+
+
+def test_fsdp_grad_op_does_not_gather_again_in_backward():
+    """Forward 1 ms, backward 2 ms, 4 ms collectives: AG0 0-4, fwd0 4-5, AG1 4-8, fwd1 8-9,
+    AG2 8-12, fwd2 12-13, bwd2 13-15, RS2 15-19, bwd1 15-17, RS1 19-23, bwd0 17-19, RS0 23-27:
+    step 27 ms, 6 collectives."""
+    units = Units([MS] * 3, [2 * MS] * 3, [100] * 3)
+    schedule = fsdp_grad_op(units, constant(all_gather=4, reduce_scatter=4))
+    assert [e.name for e in schedule.events if ":bwd:" in e.name] == []
+    assert simulate(schedule).step_time_s == pytest.approx(27 * MS)
+
+
+def test_zero1_and_oss_send_the_parameters_after_the_step_exposed():
+    """2 units: forward 10 ms, backward 20 ms, one bucket (all-reduce 6 ms after bwd:0),
+    optimizer shard 5 ms, then 4 broadcasts of 2 ms: 60 + 6 + 5 + 8 = 79 ms, exposed 14."""
+    units = Units([10 * MS] * 2, [20 * MS] * 2, [100] * 2, optimizer_s=5 * MS)
+    price = constant(all_reduce=6, broadcast=2, all_gather=3)
+    for schedule in (zero1(units, price, world_size=4), oss(units, price, world_size=4)):
+        result = simulate(schedule)
+        assert result.step_time_s == pytest.approx(79 * MS) and result.exposed_s == pytest.approx(14 * MS)
+    assert simulate(zero1(units, price, 4, param_sync="all_gather")).step_time_s == pytest.approx(74 * MS)
+
+
+def test_sharded_ddp_reduces_each_bucket_to_its_owner():
+    """The same model with reduces (3 ms each, 100 B buckets: after bwd:1 and bwd:0): the
+    first (40-43 ms) hides under bwd:0 (40-60), the second (60-63) is exposed, then the step
+    (63-68) and 4 broadcasts of 2 ms: 76 ms, exposed 16."""
+    units = Units([10 * MS] * 2, [20 * MS] * 2, [100] * 2, optimizer_s=5 * MS)
+    schedule = sharded_ddp(units, constant(reduce=3, broadcast=2), world_size=4, bucket_bytes=100)
+    assert [e.kind for e in schedule.events] == ["reduce", "reduce"] + ["broadcast"] * 4
+    assert simulate(schedule).step_time_s == pytest.approx(76 * MS)
+
+
+def test_offload_copies_over_pcie_and_steps_on_the_host():
+    """1 unit of 400 B on 4 ranks: 100 B shards at 100 B/s = 1 s a copy; collectives 0.5 s;
+    forward 1 s, backward 2 s, host step 3 s. h2d 0-1, AG 1-1.5, fwd 1.5-2.5; the re-gather's
+    h2d once the forward has resharded, 2.5-3.5, AG 3.5-4, bwd 4-6, RS 6-6.5, d2h 6.5-7.5,
+    host step 7.5-10.5: step 10.5 s, exposed 7.5 s."""
+    units = Units([1.0], [2.0], [400])
+    price = lambda kind, nbytes: 0.5
+    result = simulate(offload(units, price, world_size=4, pcie_Bps=100, host_step_s=3.0))
+    assert result.step_time_s == pytest.approx(10.5) and result.exposed_s == pytest.approx(7.5)
+    assert result.busy_s == {"copy": 3.0, "comm": 1.5, "host": 3.0}
+    assert host_step_time(28 * 1e9, 100e9) == pytest.approx(0.28)  # Adam fp32, 1e9 elements
+
+
+def test_a_wait_that_can_never_end_is_a_deadlock():
+    schedule = Schedule((Segment("a", 1), Segment("b", 1)), (Event("x", "all_gather", 1, after="b", before="a"),))
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(schedule)
+    with pytest.raises(ScheduleError, match="twice"):
+        Schedule((Segment("a", 1),), (Event("a", "all_gather", 1, after=None),))
+    with pytest.raises(ScheduleError, match="neither a segment nor an earlier event"):
+        Schedule((Segment("a", 1),), (Event("x", "all_gather", 1, after="y"),))
+
+
+def test_mfu_is_model_flops_over_time_times_peak():
+    """1e15 FLOPs in 2 s on a 989 TFLOP/s peak: 1e15 / (2 * 989e12) = 50.56 %."""
+    assert mfu(1e15, 2.0, 989e12) == pytest.approx(50.556, rel=1e-4)
