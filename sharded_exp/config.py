@@ -11,11 +11,24 @@ Every field is documented right under it; the same names appear in ``result.json
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, List, Optional
 
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from sharded_exp.errors import ConfigError
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _finite(value) -> bool:
+    """A plain comparison lets inf and nan through: a number must also be finite."""
+    return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 # -------------------------------------------------------------------------- precision
@@ -29,6 +42,16 @@ class PrecisionConfig:
     """Steps without inf/nan before the loss scale is doubled (torch default 2000)."""
     backoff_factor: float = 0.5
     """Factor applied to the loss scale when an inf/nan gradient is found (torch default)."""
+
+    def __post_init__(self) -> None:
+        """The grad scaler's settings, checked when the config is made typed (:func:`typed`)."""
+        scale = self.init_scale
+        _require(_finite(scale) and scale > 0, f"precision.init_scale={scale} must be > 0")
+        _require(
+            _finite(self.backoff_factor) and 0 < self.backoff_factor < 1,
+            f"precision.backoff_factor={self.backoff_factor} must be in (0, 1)",
+        )
+        _require(self.growth_interval >= 1, f"precision.growth_interval={self.growth_interval} must be >= 1")
 
 
 # -------------------------------------------------------------------------- optimizer
@@ -55,44 +78,73 @@ class OptimizerConfig:
     optimizers written before them did, e.g. transformers' AdamW of 2020). null: torch's own
     choice for the parameters' device, foreach on CUDA and per tensor on CPU."""
 
+    def __post_init__(self) -> None:
+        """Every number in range and finite (the name is checked against the registry in pre-flight)."""
+        _require(_finite(self.lr), f"optimizer.lr={self.lr} must be a finite number")
+        _require(self.lr > 0, f"optimizer.lr={self.lr} must be > 0")
+        for key in ("weight_decay", "no_decay_lr_scale"):
+            value = getattr(self, key)
+            _require(_finite(value) and value >= 0, f"optimizer.{key}={value} must be a finite number >= 0")
+        _require(_finite(self.eps) and self.eps > 0, f"optimizer.eps={self.eps} must be a finite number > 0")
+        _require(
+            _finite(self.momentum) and 0 <= self.momentum < 1, f"optimizer.momentum={self.momentum} must be in [0, 1)"
+        )
+        betas = list(self.betas)
+        _require(
+            len(betas) == 2 and all(_finite(b) and 0 <= b < 1 for b in betas),
+            f"optimizer.betas={betas} must be two numbers in [0, 1) (e.g. [0.9, 0.999])",
+        )
+
 
 # ---------------------------------------------------------------------------- trainer
-class Accelerator(str, Enum):
+class Option(str, Enum):
+    """A config option: a member reads as its name wherever a string is wanted (``str()``, an
+    f-string), so code reads a composed config's members and a plain name alike, without a
+    conversion at each use. Every schema's choices derive from it."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class Accelerator(Option):
     auto = "auto"
     cpu = "cpu"
     gpu = "gpu"
 
 
-class CheckpointFormat(str, Enum):
+class CheckpointFormat(Option):
     auto = "auto"
     dcp = "dcp"
     consolidated = "consolidated"
 
 
-class ExistingCheckpoints(str, Enum):
+class ExistingCheckpoints(Option):
     refuse = "refuse"
     archive = "archive"
 
 
-class ActivationCheckpointing(str, Enum):
+class ActivationCheckpointing(Option):
     none = "none"
     full = "full"
     selective = "selective"
 
 
-class CompileMode(str, Enum):
+class CompileMode(Option):
     default = "default"
     reduce_overhead = "reduce_overhead"
     max_autotune = "max_autotune"
     max_autotune_no_cudagraphs = "max_autotune_no_cudagraphs"
 
 
-class ZeroGrad(str, Enum):
+class ZeroGrad(Option):
     free = "free"
     zeros = "zeros"
 
 
-class MemorySnapshot(str, Enum):
+class MemorySnapshot(Option):
     auto = "auto"
     oom = "oom"
     always = "always"
@@ -100,8 +152,8 @@ class MemorySnapshot(str, Enum):
 
 
 def option_name(value) -> str | None:
-    """A config option by its name. A composed config holds enum members (the schema's
-    types), a job spec's plain config their names: read alike through this one function."""
+    """A config option by its name, None for None: an :class:`Option` member or a plain name
+    (a number, for precision=16 written without quotes) alike."""
     return None if value is None else str(value.value if isinstance(value, Enum) else value)
 
 
@@ -209,6 +261,45 @@ class TrainerConfig:
     get ``requires_grad=False``, hence no gradient and no optimizer state. A pattern
     that matches nothing is an error."""
 
+    def __post_init__(self) -> None:
+        """Counts, ranges, then finiteness (a nan fails its range first, as it always did)."""
+        for key in ("world_size", "steps", "batch_size", "grad_accum", "log_interval", "ac_every", "profile_steps"):
+            value = getattr(self, key)
+            _require(value >= 1, f"trainer.{key}={value} must be >= 1")
+        _require(
+            0 <= self.warmup_steps < self.steps,
+            f"trainer.warmup_steps={self.warmup_steps} must be >= 0 and < trainer.steps={self.steps} "
+            "(steps after warm-up are the timed ones)",
+        )
+        _require(
+            self.min_timed_steps >= 0, f"trainer.min_timed_steps={self.min_timed_steps} must be >= 0 (0: no check)"
+        )
+        _require(
+            not self.profile or self.warmup_steps + self.profile_steps < self.steps,
+            f"trainer.profile_steps={self.profile_steps} needs trainer.steps={self.steps} > trainer.warmup_steps="
+            f"{self.warmup_steps} + profile_steps (profiled steps come after warm-up and are not timed)",
+        )
+        _require(self.grad_clip >= 0, f"trainer.grad_clip={self.grad_clip} must be >= 0 (0 turns clipping off)")
+        _require(self.timeout_s > 0, f"trainer.timeout_s={self.timeout_s} must be > 0")
+        _require(self.eval_every >= 0, f"trainer.eval_every={self.eval_every} must be >= 0 (0 = only at the end)")
+        _require(
+            self.eval_batches >= 0, f"trainer.eval_batches={self.eval_batches} must be >= 0 (0 = no evaluation)"
+        )
+        _require(
+            self.checkpoint_every >= 0, f"trainer.checkpoint_every={self.checkpoint_every} must be >= 0 (0 = off)"
+        )
+        _require(
+            self.keep_checkpoints >= 0, f"trainer.keep_checkpoints={self.keep_checkpoints} must be >= 0 (0 = keep all)"
+        )
+        _require(self.stop_grace_s > 0, f"trainer.stop_grace_s={self.stop_grace_s} must be > 0")
+        _require(
+            self.memory_limit_mib is None or self.memory_limit_mib > 0,
+            f"trainer.memory_limit_mib={self.memory_limit_mib} must be > 0 (or null for no budget)",
+        )
+        for key in ("grad_clip", "timeout_s", "stop_grace_s", "memory_limit_mib"):
+            value = getattr(self, key)
+            _require(value is None or _finite(value), f"trainer.{key}={value} must be a finite number")
+
 
 # ----------------------------------------------------------------------------- logger
 @dataclass
@@ -282,19 +373,19 @@ class Config(JobGroups):
 
 
 # ------------------------------------------------------------------- root: the planner
-class PlanFind(str, Enum):
+class PlanFind(Option):
     batch_size = "batch_size"
     depth = "depth"
 
 
-class PlanFormat(str, Enum):
+class PlanFormat(Option):
     table = "table"
     md = "md"
     csv = "csv"
     json = "json"
 
 
-class PlanDevice(str, Enum):
+class PlanDevice(Option):
     cuda = "cuda"
     cpu = "cpu"
 
@@ -337,6 +428,22 @@ class PlanSettings:
     """Also draw the plan into this PNG file: the peak per rank vs world size, a line per
     strategy (and lever combination), the device memory as a line (null: no chart)."""
 
+    def __post_init__(self) -> None:
+        """The settings checked on their own; those that need the planner's limits or the
+        command line are checked by :func:`sharded_exp.plan.command.check_plan`."""
+        _require(
+            self.params is None or (_finite(self.params) and self.params >= 1),
+            f"plan.params={self.params} must be a finite number >= 1 (a parameter count, e.g. 7.5e9)",
+        )
+        _require(
+            _finite(self.device_memory_gib) and self.device_memory_gib > 0,
+            f"plan.device_memory_gib={self.device_memory_gib} must be a finite number > 0",
+        )
+        _require(
+            self.workers >= 0,
+            f"plan.workers={self.workers} must be >= 0 (0: one process per CPU core; 1: this process only)",
+        )
+
 
 @dataclass
 class PlanConfig(JobGroups):
@@ -344,3 +451,26 @@ class PlanConfig(JobGroups):
     (the model, precision, optimizer and per-rank batch are planned for) plus ``plan``."""
 
     plan: PlanSettings = field(default_factory=PlanSettings)
+
+
+def typed(cfg: DictConfig) -> JobGroups:
+    """The composed config as its schemas' dataclasses: the one place a config becomes typed.
+
+    OmegaConf checks keys and types when Hydra composes, but calls no ``__post_init__``;
+    ``OmegaConf.to_object`` builds each group's dataclass, and so runs each group's own range
+    checks (a :class:`~sharded_exp.errors.ConfigError` naming the value and what is allowed).
+    Pre-flight calls it on the decided config (the JobSpec's ``typed``), before any rank starts."""
+    return OmegaConf.to_object(cfg)
+
+
+def check_ranges(cfg: DictConfig) -> None:
+    """Each group's own range checks, run by making the group typed (:func:`typed`). A group
+    with a value still missing is left to its reader: ``data.path=???`` is stood in for by
+    the planner, and refused by name by pre-flight's task check (``to_object`` would only say
+    "missing mandatory value")."""
+    for key in cfg:
+        if OmegaConf.is_missing(cfg, key):
+            continue
+        node = cfg[key]
+        if OmegaConf.is_config(node) and not OmegaConf.missing_keys(node):
+            typed(node)

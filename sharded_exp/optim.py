@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from sharded_exp.config import OptimizerConfig
+
 OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
 
 
@@ -33,7 +35,7 @@ class OptimizerSpec:
         return optimizer_spec(self.cfg, module, self.device)
 
 
-def param_groups(cfg, module: nn.Module) -> list[dict[str, Any]]:
+def param_groups(cfg: OptimizerConfig, module: nn.Module) -> list[dict[str, Any]]:
     """Two parameter groups, as nanoGPT does: 2-D weights decay, biases and norms don't.
 
     The second group's learning rate is ``lr * no_decay_lr_scale``.
@@ -47,7 +49,7 @@ def param_groups(cfg, module: nn.Module) -> list[dict[str, Any]]:
     return [g for g in groups if g["params"]]
 
 
-def optimizer_spec(cfg, module: nn.Module, device: torch.device | None = None) -> OptimizerSpec:
+def optimizer_spec(cfg: OptimizerConfig, module: nn.Module, device: torch.device | None = None) -> OptimizerSpec:
     """The configured optimizer over ``module``'s trainable parameters (on their device).
 
     The implementation is explicit: torch picks ``foreach`` (one kernel over a whole group,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sharded_exp.checkpoint.storage import CheckpointError, complete_checkpoints, next_numbered, read_meta
-from sharded_exp.config import option_name
+from sharded_exp.config import TrainerConfig
 from sharded_exp.errors import ConfigError, NothingToDo
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class CheckpointPlan:
 
 
 def plan_checkpoints(
-    trainer_cfg, default_format: str, output_dir: str, state_shapes: dict, optimizer: str
+    trainer_cfg: TrainerConfig, default_format: str, output_dir: str, state_shapes: dict, optimizer: str
 ) -> CheckpointPlan:
     """The checkpoint plan of a job, checked: the checkpoint to resume is complete, readable
     and fits this model, optimizer and ``trainer.steps``. Raises ConfigError (NothingToDo
@@ -87,7 +87,7 @@ def plan_checkpoints(
 
 
 def _name(option) -> str:
-    return option_name(option)
+    return str(option)
 
 
 def check_no_later(directory: str, start: int) -> None:

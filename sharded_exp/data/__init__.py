@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from sharded_exp.config import option_name
 from sharded_exp.errors import ConfigError
 from sharded_exp.registry import Registry
 
@@ -144,7 +143,7 @@ def probe_batch(cfg, model_cfg, rank: int) -> Batch:
 
     name = cfg.name
     if "path" in cfg.keys() and OmegaConf.is_missing(cfg, "path"):  # keys(): also a missing value
-        kind = str(option_name(cfg.get("kind")))
+        kind = str(cfg.get("kind"))
         stand_in = STAND_INS.get(name) or (kind if name == "hf_dataset" else None)
         if stand_in is not None:
             return TASKS.builder(stand_in)(TASKS.config_class(stand_in)(), model_cfg, 1)(0, 0, rank)

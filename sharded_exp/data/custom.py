@@ -16,19 +16,18 @@ scored by is said by ``data.metric``, ``data.labels`` and, for classification,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Dict
 
 import torch
 from omegaconf import MISSING, OmegaConf
 
-from sharded_exp.config import option_name
+from sharded_exp.config import Option
 from sharded_exp.data import TASKS, Task
 from sharded_exp.data.files import dataset_task
 from sharded_exp.errors import ConfigError
 
 
-class Metric(str, Enum):
+class Metric(Option):
     accuracy = "accuracy"
     token_accuracy = "token_accuracy"
     perplexity = "perplexity"
@@ -84,7 +83,7 @@ def custom_task(cfg: CustomDataConfig, model_cfg, batch_size: int) -> Task:
             f"under data.labels={cfg.labels!r}; a batch of item 0 is {type(batch).__name__}"
             + (f" with keys {', '.join(batch)}" if isinstance(batch, dict) else "")
         )
-    metric = option_name(cfg.metric)
+    metric = str(cfg.metric)
     if metric != "perplexity" and cfg.num_classes < 1:
         raise ConfigError(f"data=custom with data.metric={metric} needs data.num_classes (the number of classes)")
     return dataset_task(

@@ -33,13 +33,12 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import List, Optional
 
 import torch
 from omegaconf import MISSING
 
-from sharded_exp.config import option_name
+from sharded_exp.config import Option
 from sharded_exp.data import TASKS, Batch, Task, generator, require_model_fields
 from sharded_exp.errors import ConfigError
 
@@ -80,7 +79,7 @@ class ConllConfig(FileDataConfig):
     them is refused. model.num_labels must be at least their number."""
 
 
-class DatasetKind(str, Enum):
+class DatasetKind(Option):
     causal_lm = "causal_lm"
     token_classification = "token_classification"
 
@@ -106,7 +105,7 @@ class HFDatasetConfig(FileDataConfig):
 
 
 # ------------------------------------------------------------------------------ checks
-def local_path(cfg, key: str, what: str, directory: bool = False, file: bool = False) -> str:
+def local_path(cfg: FileDataConfig, key: str, what: str, directory: bool = False, file: bool = False) -> str:
     """``cfg[key]`` as an existing local path (a directory, a file, or either), or a
     ConfigError naming the value."""
     from omegaconf import OmegaConf
@@ -165,7 +164,7 @@ UNENCODED_SHARE = 0.9
 ones cannot encode the data (a tokenizer of other text; an empty one)."""
 
 
-def check_encodes(cfg, tokenizer, directory: str, ids: torch.Tensor) -> None:
+def check_encodes(cfg: FileDataConfig, tokenizer, directory: str, ids: torch.Tensor) -> None:
     """Refuse a tokenizer that cannot encode the data: ``ids``, the tokens of the data's
     words (labelled tokens for token classification), are none, or nearly all special or
     unknown. transformers loads a directory without tokenizer files (a model's
@@ -192,7 +191,7 @@ def check_encodes(cfg, tokenizer, directory: str, ids: torch.Tensor) -> None:
     )
 
 
-def _tokenizer_fits(cfg, model_cfg, tokenizer) -> None:
+def _tokenizer_fits(cfg: FileDataConfig, model_cfg, tokenizer) -> None:
     if len(tokenizer) > model_cfg.vocab_size:
         raise ConfigError(
             f"data.tokenizer={cfg.tokenizer} has {len(tokenizer)} tokens, more than model.vocab_size="
@@ -280,7 +279,7 @@ def _needs(package: str, what: str):
         ) from None
 
 
-def _load_hf(cfg, path: str) -> "object":
+def _load_hf(cfg: HFDatasetConfig, path: str) -> "object":
     datasets = _needs("datasets", "data=hf_dataset")
 
     try:
@@ -414,7 +413,7 @@ def _pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
 
-def causal_task(cfg, model_cfg, batch_size: int, path: str, docs_of) -> Task:
+def causal_task(cfg: FileDataConfig, model_cfg, batch_size: int, path: str, docs_of) -> Task:
     require_model_fields(
         cfg.name, "causal language models (model=hf_gpt2, hf_llama)", model_cfg, ("vocab_size", "seq_len")
     )
@@ -433,7 +432,7 @@ def causal_task(cfg, model_cfg, batch_size: int, path: str, docs_of) -> Task:
     )  # fmt: skip
 
 
-def token_task(cfg, model_cfg, batch_size: int, path: str, sentences_of) -> Task:
+def token_task(cfg: FileDataConfig, model_cfg, batch_size: int, path: str, sentences_of) -> Task:
     require_model_fields(
         cfg.name, "token classifiers (model=hf_bert)", model_cfg, ("vocab_size", "seq_len", "num_labels")
     )
@@ -477,7 +476,7 @@ def hf_dataset_task(cfg: HFDatasetConfig, model_cfg, batch_size: int) -> Task:
     """A ``datasets`` dataset from local files (save_to_disk's directory, or data files)."""
     path = local_path(cfg, "path", "a dataset directory written by save_to_disk, or local data files")
     data = _load_hf(cfg, path)
-    if option_name(cfg.kind) == "causal_lm":
+    if cfg.kind == "causal_lm":
 
         def texts():
             column = list(_column(data, cfg.text_field, "text_field", cfg.path))

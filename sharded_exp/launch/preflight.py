@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import os
 
 import torch
@@ -21,7 +20,7 @@ from omegaconf import OmegaConf
 
 from sharded_exp import logs
 from sharded_exp.checkpoint import plan_checkpoints
-from sharded_exp.config import ZeroGrad, option_name
+from sharded_exp.config import Config, JobGroups, ZeroGrad, check_ranges
 from sharded_exp.data import TASKS
 from sharded_exp.data.loader import check_fits
 from sharded_exp.errors import ConfigError, WontFit, missing_packages
@@ -42,17 +41,17 @@ from sharded_exp.strategies import STRATEGIES
 from sharded_exp.train import faults
 
 
-def _check_param_dtype(cfg) -> None:
+def _check_param_dtype(cfg: JobGroups) -> None:
     """FSDP's ``strategy.param_dtype`` (the gathered parameters' dtype) beside autocast's: a
     half dtype that is not autocast's gives matmuls of two half dtypes, which torch's kernels
     refuse in every rank ("mixed dtype (CPU): expect parameter to have scalar type of Float")."""
-    param = option_name(getattr(cfg.strategy, "param_dtype", None))
-    autocast = compute_dtype(option_name(cfg.precision.name))
+    param = getattr(cfg.strategy, "param_dtype", None)
+    autocast = compute_dtype(cfg.precision.name)
     if param is None or autocast is None or param in ("float32", str(autocast).removeprefix("torch.")):
         return
     half = str(autocast).removeprefix("torch.")
     raise ConfigError(
-        f"strategy.param_dtype={param} is not precision={option_name(cfg.precision.name)}'s autocast dtype ({half}): "
+        f"strategy.param_dtype={param} is not precision={cfg.precision.name}'s autocast dtype ({half}): "
         f"autocast would compute in {half} with {param} parameters, which torch refuses; use "
         f"strategy.param_dtype={half} (or null: from precision), or precision=32, where strategy.param_dtype "
         "alone sets the compute dtype"
@@ -64,7 +63,7 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def shapes_model(cfg) -> torch.nn.Module:
+def shapes_model(cfg: JobGroups) -> torch.nn.Module:
     """The configured model on the meta device (shapes, no memory); one whose constructor reads
     a value (``Tensor.item()``, an orthogonal parametrization) cannot be built there, and is
     built on the host instead, once: it builds in plain torch, and the ranks build it whole.
@@ -143,7 +142,7 @@ def _within(name: str, prefix: str | None) -> bool:
     return prefix is not None and (name == prefix or name.startswith(prefix + "."))
 
 
-def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True) -> JobSpec:
+def check(cfg: Config, output_dir: str, layout: Layout | None = None, peak: bool = True) -> JobSpec:
     """Check ``cfg`` and decide the job's device, world size, checkpoints and prediction:
     the job's spec, which the ranks receive. ``cfg`` is read, never changed.
 
@@ -156,7 +155,7 @@ def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True)
     world_size = layout.world_size if layout is not None else cfg.trainer.world_size
     local_ranks = layout.local_world_size if layout is not None else world_size
     device_type = decide_device(
-        _accelerator(cfg.trainer.accelerator), local_ranks, str(cfg.precision.name), per_task=layout is not None
+        str(cfg.trainer.accelerator), local_ranks, cfg.precision.name, per_task=layout is not None
     )
     strategy = STRATEGIES.builder(cfg.strategy.name)
     strategy.check(cfg.strategy, world_size, device_type)
@@ -173,8 +172,8 @@ def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True)
         f"trainer.freeze={list(cfg.trainer.freeze)} freezes every parameter of model={cfg.model.name}: "
         "nothing would be trained; freeze fewer (e.g. trainer.freeze=[embed*])",
     )
-    levers = [f"trainer.activation_checkpointing={_accelerator(t)}" for t in [cfg.trainer.activation_checkpointing]
-              if _accelerator(t) != "none"] + (["trainer.compile=true"] if cfg.trainer.compile else [])  # fmt: skip
+    levers = [f"trainer.activation_checkpointing={t}" for t in [cfg.trainer.activation_checkpointing]
+              if t != "none"] + (["trainer.compile=true"] if cfg.trainer.compile else [])  # fmt: skip
     _require(
         not levers or bool(units(module)),
         f"{' and '.join(levers)} {'act' if len(levers) > 1 else 'acts'} on the model's repeated units (blocks), and model={cfg.model.name} has none "
@@ -188,9 +187,9 @@ def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True)
     plan = plan_checkpoints(cfg.trainer, strategy.traits.checkpoint_format_auto, output_dir, shapes.state_shapes,
                             cfg.optimizer.name)  # fmt: skip
     # The config the ranks, .hydra/ and W&B see holds the real world size (torchrun, SLURM)
-    # and the checkpoint plan's paths; from here on every option is a plain name.
-    config, config_yaml = decided_config(cfg, world_size, plan)
-    decided = OmegaConf.create(config)
+    # and the checkpoint plan's paths; the ranks and the fake step read it typed, as composed.
+    config, config_yaml, decided_typed = decided_config(cfg, world_size, plan)
+    decided = OmegaConf.structured(decided_typed)
     prediction = predict(decided.strategy, decided.optimizer, decided.precision.name, shapes, world_size)
     if peak:
         prediction["peak"] = predict_peak(decided, world_size, device_type, prediction, shapes)
@@ -199,6 +198,7 @@ def check(cfg, output_dir: str, layout: Layout | None = None, peak: bool = True)
     return JobSpec(
         config=config,
         config_yaml=config_yaml,
+        typed=decided_typed,
         output_dir=output_dir,
         device_type=device_type,
         world_size=world_size,
@@ -256,9 +256,9 @@ def check_host_memory(per_rank_mib: list[float] | None, local_ranks: int) -> Non
         )
 
 
-def check_values(cfg) -> None:
-    """Names that must be registered, packages that must be there, values in range."""
-    t = cfg.trainer
+def check_values(cfg: JobGroups) -> None:
+    """Names that must be registered, packages that must be there, every group's own ranges
+    (:func:`sharded_exp.config.check_ranges`: each group made typed), a model's sizes."""
     try:
         faults.from_env()  # a malformed testing aid fails here, not in every rank
     except ValueError as exc:
@@ -291,69 +291,17 @@ def check_values(cfg) -> None:
     _require(
         cfg.optimizer.name in OPTIMIZERS, f"optimizer.name={cfg.optimizer.name!r} is not one of {', '.join(OPTIMIZERS)}"
     )
-    for key in ("world_size", "steps", "batch_size", "grad_accum", "log_interval", "ac_every", "profile_steps"):
-        _require(t[key] >= 1, f"trainer.{key}={t[key]} must be >= 1")
-    _require(
-        0 <= t.warmup_steps < t.steps,
-        f"trainer.warmup_steps={t.warmup_steps} must be >= 0 and < trainer.steps={t.steps} "
-        "(steps after warm-up are the timed ones)",
-    )
-    _require(t.min_timed_steps >= 0, f"trainer.min_timed_steps={t.min_timed_steps} must be >= 0 (0: no check)")
-    _require(
-        not t.profile or t.warmup_steps + t.profile_steps < t.steps,
-        f"trainer.profile_steps={t.profile_steps} needs trainer.steps={t.steps} > trainer.warmup_steps="
-        f"{t.warmup_steps} + profile_steps (profiled steps come after warm-up and are not timed)",
-    )
-    _require(t.grad_clip >= 0, f"trainer.grad_clip={t.grad_clip} must be >= 0 (0 turns clipping off)")
-    _require(t.timeout_s > 0, f"trainer.timeout_s={t.timeout_s} must be > 0")
-    _require(t.eval_every >= 0, f"trainer.eval_every={t.eval_every} must be >= 0 (0 = only at the end)")
-    _require(t.eval_batches >= 0, f"trainer.eval_batches={t.eval_batches} must be >= 0 (0 = no evaluation)")
-    _require(t.checkpoint_every >= 0, f"trainer.checkpoint_every={t.checkpoint_every} must be >= 0 (0 = off)")
-    _require(t.keep_checkpoints >= 0, f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 0 (0 = keep all)")
-    _require(t.stop_grace_s > 0, f"trainer.stop_grace_s={t.stop_grace_s} must be > 0")
-    _require(
-        t.memory_limit_mib is None or t.memory_limit_mib > 0,
-        f"trainer.memory_limit_mib={t.memory_limit_mib} must be > 0 (or null for no budget)",
-    )
+    check_ranges(cfg)  # each group's __post_init__ checks its own ranges (config.py)
     check_numbers(cfg)
 
 
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
-
-
-def check_numbers(cfg) -> None:
-    """Every number in range and finite (inf and nan pass a plain comparison)."""
-    t, o, p = cfg.trainer, cfg.optimizer, cfg.precision
-    for key in ("grad_clip", "timeout_s", "stop_grace_s", "memory_limit_mib"):
-        value = t[key]
-        _require(value is None or _finite(value), f"trainer.{key}={value} must be a finite number")
-    _require(_finite(o.lr), f"optimizer.lr={o.lr} must be a finite number")
-    _require(o.lr > 0, f"optimizer.lr={o.lr} must be > 0")
-    for key in ("weight_decay", "no_decay_lr_scale"):
-        _require(_finite(o[key]) and o[key] >= 0, f"optimizer.{key}={o[key]} must be a finite number >= 0")
-    _require(_finite(o.eps) and o.eps > 0, f"optimizer.eps={o.eps} must be a finite number > 0")
-    _require(_finite(o.momentum) and 0 <= o.momentum < 1, f"optimizer.momentum={o.momentum} must be in [0, 1)")
-    betas = list(o.betas)
-    _require(
-        len(betas) == 2 and all(_finite(b) and 0 <= b < 1 for b in betas),
-        f"optimizer.betas={betas} must be two numbers in [0, 1) (e.g. [0.9, 0.999])",
-    )
-    _require(_finite(p.init_scale) and p.init_scale > 0, f"precision.init_scale={p.init_scale} must be > 0")
-    _require(
-        _finite(p.backoff_factor) and 0 < p.backoff_factor < 1,
-        f"precision.backoff_factor={p.backoff_factor} must be in (0, 1)",
-    )
-    _require(p.growth_interval >= 1, f"precision.growth_interval={p.growth_interval} must be >= 1")
-    # A model's sizes (widths, depths, heads, classes, sequence length, vocabulary) are
-    # counts: zero or negative ones build broken models or crash deep inside a rank.
+def check_numbers(cfg: JobGroups) -> None:
+    """A model's sizes (widths, depths, heads, classes, sequence length, vocabulary) are
+    counts: zero or negative ones build broken models or crash deep inside a rank. Checked
+    here, across every model's schema (the schemas live beside their builders)."""
     for key, value in cfg.model.items():
         if isinstance(value, int) and not isinstance(value, bool):
             _require(value >= 1, f"model.{key}={value} must be >= 1 (model={cfg.model.name})")
-
-
-def _accelerator(value) -> str:
-    return option_name(value)
 
 
 def decide_device(accelerator: str, local_ranks: int, precision_name: str, per_task: bool = False) -> str:

@@ -23,8 +23,6 @@ from typing import Any
 
 import torch
 
-from sharded_exp.config import option_name
-
 MAX_ENTRIES = 100_000
 """Allocator events kept (a ring buffer): a few KB each with their stacks, so a snapshot
 file is some tens of MB at most."""
@@ -35,7 +33,7 @@ def snapshot_path(output_dir: str, rank: int) -> str:
 
 
 def _mode(setting: Any, limit_mib: float | None) -> str:
-    setting = option_name(setting)
+    setting = str(setting)
     if setting == "auto":
         return "oom" if limit_mib else "off"
     return setting
@@ -45,7 +43,7 @@ class MemoryHistory:
     """The CUDA allocator's history on one rank, from before the model is built."""
 
     def __init__(self, setting: Any, device: torch.device, limit_mib: float | None, output_dir: str, rank: int):
-        self.setting = option_name(setting)
+        self.setting = str(setting)
         self.mode = _mode(setting, limit_mib)
         self.path = snapshot_path(output_dir, rank)
         self.recording = False

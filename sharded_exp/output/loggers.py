@@ -14,7 +14,6 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from sharded_exp.config import option_name
 from sharded_exp.strategies import offloads_to_host
 from sharded_exp.vocabulary import wandb_names
 
@@ -42,7 +41,7 @@ def run_tags(run_config: dict[str, Any]) -> list[str]:
         run_config["precision"]["name"],
         run_config["model"]["name"],
         t["world_size"],
-        activation_checkpointing=option_name(t.get("activation_checkpointing")) or "none",
+        activation_checkpointing=str(t.get("activation_checkpointing") or "none"),
         compile=bool(t.get("compile")),
         replicate=s.get("replicate"),
         cpu_offload=offloads_to_host(OmegaConf.create(s)),

@@ -13,6 +13,7 @@ import math
 import os
 import sys
 
+from sharded_exp.config import PlanConfig
 from sharded_exp.errors import ConfigError
 from sharded_exp.questions import is_query
 
@@ -39,17 +40,15 @@ MAX_FAKED_RANKS = 16384
 fsdp and sharded_ddp, 10,000 took 113 s for a larger model; a million never finished)."""
 
 
-def check_plan(cfg, argv: list[str] = ()) -> None:
+def check_plan(cfg: PlanConfig, argv: list[str] = ()) -> None:
     """The planner's inputs, by the training entry point's rules (ConfigError names them).
     ``argv``: the command line, to tell a model the user chose from the default one."""
     from sharded_exp.launch.preflight import check_values
     from sharded_exp.plan.points import LEVERS, MAX_UNITS, _value, lever_names
     from sharded_exp.strategies import STRATEGIES
 
-    check_values(cfg)  # strategy, model, precision, optimizer, trainer values
+    check_values(cfg)  # names and packages; made typed, every group's own ranges (plan.params and others)
     p = cfg.plan
-    if p.params is not None and not (math.isfinite(p.params) and p.params >= 1):
-        raise ConfigError(f"plan.params={p.params} must be a finite number >= 1 (a parameter count, e.g. 7.5e9)")
     chosen = [a for a in argv if a.lstrip("+").startswith(("model=", "model."))]
     if p.params is not None and chosen:
         raise ConfigError(
@@ -64,10 +63,6 @@ def check_plan(cfg, argv: list[str] = ()) -> None:
             f"up to {MAX_FAKED_RANKS:,} ranks (a fake step's sharded tensors grow with the ranks: minutes beyond); "
             "plan more ranks as a raw parameter count (plan.params=..., plan.units=...), which extrapolates exactly"
         )
-    if not (math.isfinite(p.device_memory_gib) and p.device_memory_gib > 0):
-        raise ConfigError(f"plan.device_memory_gib={p.device_memory_gib} must be a finite number > 0")
-    if p.workers < 0:
-        raise ConfigError(f"plan.workers={p.workers} must be >= 0 (0: one process per CPU core; 1: this process only)")
     if not 1 <= p.units <= MAX_UNITS:
         raise ConfigError(
             f"plan.units={p.units} must be between 1 and {MAX_UNITS:,} (the model's repeated blocks, "
@@ -141,7 +136,7 @@ def answer_query(argv: list[str]) -> int:
     register_schemas(query=True)
 
     @hydra.main(version_base="1.3", config_path="../conf", config_name="plan")
-    def app(cfg) -> None:  # never called: a question is answered before the job runs
+    def app(cfg: PlanConfig) -> None:  # never called: a question is answered before the job runs
         pass
 
     program = sys.argv[0]
@@ -155,7 +150,7 @@ def answer_query(argv: list[str]) -> int:
     return 0
 
 
-def buildable(cfg) -> None:
+def buildable(cfg: PlanConfig) -> None:
     """The model builds (on the meta device: shapes only), or a ConfigError names what it said."""
     from sharded_exp.predict.prediction import meta_model
 
@@ -217,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     return plan(cfg, preset_of(argv))
 
 
-def plan(cfg, preset: str) -> int:
+def plan(cfg: PlanConfig, preset: str) -> int:
     """Plan the composed, checked ``cfg`` and print it in ``plan.format``."""
     from sharded_exp.plan import points, table
     from sharded_exp.plan.depth import shapes_of
@@ -262,7 +257,7 @@ def plan(cfg, preset: str) -> int:
     return 0
 
 
-def write_chart(rows, cfg, params: int) -> str:
+def write_chart(rows, cfg: PlanConfig, params: int) -> str:
     """``plan.plot``: the plan drawn (:func:`sharded_exp.output.charts.plan_chart`)."""
     from pathlib import Path
 

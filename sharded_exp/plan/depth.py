@@ -37,6 +37,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from sharded_exp.config import JobGroups
 from sharded_exp.predict.memory_model import largest_group_state_mib
 from sharded_exp.predict.prediction import model_shapes, peaks_of_ranks, predict, predict_peak
 from sharded_exp.strategies import memory_of
@@ -72,7 +73,7 @@ class Fake:
 _SHAPES: dict[str, Any] = {}
 
 
-def shapes_of(cfg):
+def shapes_of(cfg: JobGroups):
     """The configured model's shapes (:func:`~sharded_exp.predict.prediction.model_shapes`),
     built once per model, optimizer and freeze config: a plan asks for the same ones for
     every strategy and world size (a 7B model on the meta device takes most of a second)."""

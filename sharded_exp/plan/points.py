@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from sharded_exp.config import option_name
+from sharded_exp.config import PlanConfig
 from sharded_exp.plan.depth import first_depth, peaks_by_depth, shapes_of
 from sharded_exp.plan.progress import Progress
 from sharded_exp.predict.prediction import ModelShapes, model_shapes, predict, predict_peak
@@ -27,10 +27,10 @@ MIB = 2**20
 
 
 def _value(option) -> str | None:
-    return option_name(option)
+    return None if option is None else str(option)
 
 
-def strategy_names(cfg) -> list[str]:
+def strategy_names(cfg: PlanConfig) -> list[str]:
     return list(cfg.plan.strategies) if cfg.plan.strategies else STRATEGIES.names()
 
 
@@ -56,7 +56,7 @@ def applies(name: str, combo: str) -> bool:
     return "offload" not in lever_names(combo) or traits_of(name).shards_parameters
 
 
-def with_strategy(cfg, name: str, combo: str = "none"):
+def with_strategy(cfg: PlanConfig, name: str, combo: str = "none"):
     out = cfg.copy()
     if cfg.strategy.name != name:  # the configured strategy keeps its settings (strategy.replicate=2: HSDP)
         out.strategy = STRATEGIES.config_class(name)()
@@ -90,7 +90,7 @@ def raw_shapes(params: int, units: int, world_size: int, row_sharded: bool = Fal
     return ModelShapes([pieces], blocks, 0, {})
 
 
-def _raw_parts(cfg, name: str, world_size: int) -> dict[str, float]:
+def _raw_parts(cfg: PlanConfig, name: str, world_size: int) -> dict[str, float]:
     """Rank 0's model states (GiB) for ``plan.params`` as an ideally divisible model."""
     cfg_s = with_strategy(cfg, name)
     row_sharded = traits_of(name).shards_parameters
@@ -125,7 +125,7 @@ class NoLine(ValueError):
     """A strategy's figures for a raw count are not a + b / world_size in any window."""
 
 
-def _raw_parts_at_scale(cfg, name: str, world_size: int) -> tuple[dict[str, float], str]:
+def _raw_parts_at_scale(cfg: PlanConfig, name: str, world_size: int) -> tuple[dict[str, float], str]:
     """Each figure of an ideally divisible model is held whole or split evenly, so it is
     a + b / world_size: two exact plans give the line, a third checks it, and the line
     answers for any world size in milliseconds (:data:`LINE_WINDOWS`, seconds at most).
@@ -150,7 +150,7 @@ def _raw_parts_at_scale(cfg, name: str, world_size: int) -> tuple[dict[str, floa
     )
 
 
-def raw_row(cfg, name: str, world_size: int) -> dict[str, Any]:
+def raw_row(cfg: PlanConfig, name: str, world_size: int) -> dict[str, Any]:
     if world_size <= EXACT_UP_TO:
         states, note = _raw_parts(cfg, name, world_size), ""
     else:
@@ -174,7 +174,7 @@ def _layer_key(model_cfg) -> str | None:
     return None
 
 
-def depth_of(cfg, name: str) -> tuple[str, int] | None:
+def depth_of(cfg: PlanConfig, name: str) -> tuple[str, int] | None:
     """(key, blocks) when ``cfg``'s model is deep enough to be composed by depth under
     strategy ``name`` (``plan.by_depth``), else None: it is faked whole."""
     key = _layer_key(cfg.model)
@@ -186,7 +186,9 @@ def depth_of(cfg, name: str) -> tuple[str, int] | None:
     return None
 
 
-def composed_peaks(cfg, name: str, world_sizes, device_type: str, combo: str = "none") -> dict[int, dict | None]:
+def composed_peaks(
+    cfg: PlanConfig, name: str, world_sizes, device_type: str, combo: str = "none"
+) -> dict[int, dict | None]:
     """The peaks of strategy ``name`` (with lever ``combo``) at every world size, composed
     by depth where the model allows it (None where it is to be faked whole)."""
     deep = depth_of(cfg, name)
@@ -195,7 +197,7 @@ def composed_peaks(cfg, name: str, world_sizes, device_type: str, combo: str = "
     return peaks_by_depth(with_strategy(cfg, name, combo), list(world_sizes), device_type, *deep)
 
 
-def model_row(cfg, name: str, world_size: int, shapes: ModelShapes, device_type: str, combo: str = "none",
+def model_row(cfg: PlanConfig, name: str, world_size: int, shapes: ModelShapes, device_type: str, combo: str = "none",
               peak: dict | None = None):  # fmt: skip
     """One planned point; ``peak``: its composed peak (:func:`composed_peaks`), else one
     fake step of the whole model."""
@@ -243,7 +245,7 @@ def _cost_note(combo: str, prediction) -> str:
     return "; ".join(notes)
 
 
-def _row(cfg, name, world_size, parts, method, note) -> dict[str, Any]:
+def _row(cfg: PlanConfig, name, world_size, parts, method, note) -> dict[str, Any]:
     total = sum(v for v in parts.values() if v is not None)
     return {
         "strategy": name,
@@ -257,17 +259,19 @@ def _row(cfg, name, world_size, parts, method, note) -> dict[str, Any]:
     }
 
 
-def lever_combos(cfg) -> list[str]:
+def lever_combos(cfg: PlanConfig) -> list[str]:
     return [str(c) for c in cfg.plan.get("levers", None) or ["none"]]
 
 
-def points(cfg) -> list[tuple[str, str]]:
+def points(cfg: PlanConfig) -> list[tuple[str, str]]:
     """The (strategy, lever combination) pairs planned, in order."""
     combos = lever_combos(cfg) if cfg.plan.params is None else ["none"]
     return [(name, combo) for name in strategy_names(cfg) for combo in combos if applies(name, combo)]
 
 
-def plan_rows(cfg, world_sizes, device_type: str = "cpu", progress: Progress | None = None) -> list[dict[str, Any]]:
+def plan_rows(
+    cfg: PlanConfig, world_sizes, device_type: str = "cpu", progress: Progress | None = None
+) -> list[dict[str, Any]]:
     """Every planned point's row, in the order of :func:`points` then ``world_sizes``; the
     strategies are faked side by side in ``plan.workers`` processes (:func:`workers`)."""
     world_sizes = list(world_sizes)
@@ -304,7 +308,7 @@ SIDE_BY_SIDE_FROM = 10**8
 take less than the second or two a worker process takes to start."""
 
 
-def workers(cfg, tasks: int) -> int:
+def workers(cfg: PlanConfig, tasks: int) -> int:
     """How many processes fake side by side: ``plan.workers``, or (0) one per CPU core this
     process may use for a model of :data:`SIDE_BY_SIDE_FROM` parameters or more; never more
     than there are strategies to fake (a raw count fakes none)."""
@@ -319,7 +323,7 @@ def workers(cfg, tasks: int) -> int:
     return max(1, min(wanted, tasks))
 
 
-def task_rows(cfg, name: str, combo: str, world_sizes, device_type: str) -> list[dict[str, Any]]:
+def task_rows(cfg: PlanConfig, name: str, combo: str, world_sizes, device_type: str) -> list[dict[str, Any]]:
     """The rows of one strategy and lever combination at every world size."""
     if cfg.plan.params is not None:
         return [raw_row(cfg, name, ws) for ws in world_sizes]
@@ -342,7 +346,7 @@ def cheapest(rows) -> list[dict[str, Any]]:
     return out
 
 
-def _peak_gib(cfg, world_size: int, device_type: str, errors: list[str], combo: str = "none"):
+def _peak_gib(cfg: PlanConfig, world_size: int, device_type: str, errors: list[str], combo: str = "none"):
     """The largest rank's predicted peak in GiB, or None (why is appended to ``errors``),
     and the faked rank's peak in each phase."""
     shapes = model_shapes(cfg.model, cfg.optimizer, freeze=cfg.trainer.freeze)
@@ -353,7 +357,7 @@ def _peak_gib(cfg, world_size: int, device_type: str, errors: list[str], combo: 
 
 
 def largest(
-    cfg, name: str, world_size: int, knob: str, device_type: str, limit: int = 1 << 20, combo: str = "none"
+    cfg: PlanConfig, name: str, world_size: int, knob: str, device_type: str, limit: int = 1 << 20, combo: str = "none"
 ) -> dict[str, Any]:
     """The largest value of ``knob`` (``trainer.batch_size`` or ``model.n_layers``) at which
     ``name`` fits ``plan.device_memory_gib`` on ``world_size`` ranks.
@@ -411,7 +415,7 @@ def _crossing(probes, phases, budget: float, lo: int, hi: int | None) -> int:
     return int(min(crossings)) if crossings else 2 * lo
 
 
-def find_rows(cfg, world_sizes, device_type: str, progress: Progress | None = None) -> list[dict[str, Any]]:
+def find_rows(cfg: PlanConfig, world_sizes, device_type: str, progress: Progress | None = None) -> list[dict[str, Any]]:
     find = _value(cfg.plan.find)
     knob = {"batch_size": "trainer.batch_size", "depth": "model.n_layers"}[find]
     out = []
@@ -429,7 +433,7 @@ def find_rows(cfg, world_sizes, device_type: str, progress: Progress | None = No
     return out
 
 
-def faked(cfg) -> str:
+def faked(cfg: PlanConfig) -> str:
     """What the fake steps stand for (the device and its kernels)."""
     if cfg.plan.params is not None:
         return f"{_value(cfg.plan.device)} (a raw count is analytic: nothing is faked)"

@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from sharded_exp.config import option_name
+from sharded_exp.config import PlanConfig
 from sharded_exp.vocabulary.memory import HEADINGS, PARTS
 from sharded_exp.vocabulary.memory import MEANINGS as MEMORY_MEANINGS
 
@@ -44,7 +44,7 @@ def _unit(rows) -> tuple[str, float]:
     return ("GiB", 1.0) if big else ("MiB", 1024.0)
 
 
-def header(cfg, params: int, preset: str, faked: str) -> list[str]:
+def header(cfg: PlanConfig, params: int, preset: str, faked: str) -> list[str]:
     """What was planned, in two lines."""
     count = f"{params / 1e9:.2f} B" if params >= 1e8 else f"{params:,}"
     what = (f"raw parameter count {count} params in {cfg.plan.units} units" if cfg.plan.params is not None
@@ -83,7 +83,7 @@ def _body(rows, scale: float) -> tuple[list[str], list[list[Any]]]:
     return head, body
 
 
-def text(rows, found, cfg, params: int, preset: str, faked: str, markdown: bool = False) -> str:
+def text(rows, found, cfg: PlanConfig, params: int, preset: str, faked: str, markdown: bool = False) -> str:
     """``plan.format=table`` (aligned columns) or ``md`` (a GitHub Markdown table)."""
     from tabulate import tabulate
 
@@ -107,7 +107,7 @@ def text(rows, found, cfg, params: int, preset: str, faked: str, markdown: bool 
     return "\n".join(lines + _extras(rows, found, cfg, unit, scale))
 
 
-def _extras(rows, found, cfg, unit: str, scale: float) -> list[str]:
+def _extras(rows, found, cfg: PlanConfig, unit: str, scale: float) -> list[str]:
     from sharded_exp.plan.points import cheapest, lever_combos
 
     lines = []
@@ -118,7 +118,7 @@ def _extras(rows, found, cfg, unit: str, scale: float) -> list[str]:
             lines.append(f"cheapest that fits at {best['world_size']} ranks: {label} ({best['total_gib'] * scale:.2f} "
                          f"{unit}{cost})")  # fmt: skip
     if found:
-        find = option_name(cfg.plan.find)
+        find = str(cfg.plan.find)
         label = {
             "batch_size": "largest batch per rank",
             "depth": f"largest depth at d_model={cfg.model.get('d_model')}",

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sharded_exp.config import option_name
+from sharded_exp.config import JobGroups
 from sharded_exp.errors import ConfigError
 from sharded_exp.measure.tracker import peak_tracker
 from sharded_exp.strategies import STRATEGIES, baseline, offloads_to_host, traits_of
@@ -282,7 +282,7 @@ def _blame(exc: BaseException, module) -> str:
     return "the training step cannot run under FakeTensorMode"
 
 
-def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, flops: bool) -> tuple:
+def _run(cfg: JobGroups, world_size: int, rank: int, device_type: str, grad_clip: float, flops: bool) -> tuple:
     """Two fake steps of ``cfg`` on ``rank``: (peak MiB, breakdown, FLOPs of one step, extra:
     each phase's peak, the build's, and how many reduce-scatters held gloo's copy).
 
@@ -380,7 +380,7 @@ def _run(cfg, world_size: int, rank: int, device_type: str, grad_clip: float, fl
             # longer (+25% on a GPT with full AC): with checkpointing, FLOPs are counted in a
             # third step, after the memory window, without recomputation (the model's FLOPs,
             # as MFU counts them); otherwise in the second.
-            checkpointing = option_name(tc.activation_checkpointing) != "none"
+            checkpointing = str(tc.activation_checkpointing) != "none"
             counted = 2 if checkpointing else 1
             for step in range(3 if flops and checkpointing else 2):
                 if step == 2:
@@ -462,7 +462,7 @@ def _short(exc: BaseException) -> str:
 
 
 def fake_step(
-    cfg, world_size: int, rank: int = 0, device_type: str = "cpu", states_mib=None, flops: bool = True
+    cfg: JobGroups, world_size: int, rank: int = 0, device_type: str = "cpu", states_mib=None, flops: bool = True
 ) -> StepEstimate:
     """The peak of ``rank`` in a job of ``world_size`` ranks, from two fake steps.
 

@@ -13,11 +13,13 @@ from typing import Any
 import torch
 
 from sharded_exp import precision
+from sharded_exp.config import JobGroups, OptimizerConfig
 from sharded_exp.errors import ConfigError
 from sharded_exp.models import build_model, units
 from sharded_exp.optim import optimizer_spec
 from sharded_exp.predict.memory_model import predict_model_states_mib
 from sharded_exp.strategies import STRATEGIES, memory_of, offloads_to_host, traits_of
+from sharded_exp.strategies.base import StrategyConfig
 
 MIB = 2**20
 
@@ -52,7 +54,9 @@ def meta_model(model_cfg, freeze=()) -> torch.nn.Module:
         return build_model(model_cfg, freeze)
 
 
-def model_shapes(model_cfg, optimizer_cfg, module: torch.nn.Module | None = None, freeze=()) -> ModelShapes:
+def model_shapes(
+    model_cfg, optimizer_cfg: OptimizerConfig, module: torch.nn.Module | None = None, freeze=()
+) -> ModelShapes:
     """Shapes of the configured model (or of ``module``, its meta-device build, frozen as
     configured) and its optimizer groups. A parameter shared by two modules (a tied LM
     head) counts once."""
@@ -75,7 +79,12 @@ def _element_bytes(module: torch.nn.Module) -> float:
 
 
 def predict(
-    strategy_cfg, optimizer_cfg, precision_name: str, shapes: ModelShapes, world_size: int, ranks=None
+    strategy_cfg: StrategyConfig,
+    optimizer_cfg: OptimizerConfig,
+    precision_name: str,
+    shapes: ModelShapes,
+    world_size: int,
+    ranks=None,
 ) -> dict[str, Any]:
     """Predicted model states of every rank (or of ``ranks``) and the parameters gathered
     on top at the peak.
@@ -93,7 +102,7 @@ def predict(
     return {"model_states_mib": states, "transient_params_mib": gathered * compute / MIB}
 
 
-def _compile_note(cfg) -> str:
+def _compile_note(cfg: JobGroups) -> str:
     if not cfg.trainer.get("compile", False):
         return ""
     return "trainer.compile: the units are faked eager (inductor's fusions can only lower the peak)"
@@ -120,7 +129,7 @@ def peaks_of_ranks(phases, states: list[dict[str, float]], rank: int) -> list[fl
     ]
 
 
-def _zero_grad_note(cfg) -> str:
+def _zero_grad_note(cfg: JobGroups) -> str:
     """What the fake step counts of trainer.zero_grad (it clears gradients by the rule the
     strategy applies, as the run does)."""
     from sharded_exp.config import ZeroGrad
@@ -132,7 +141,12 @@ def _zero_grad_note(cfg) -> str:
 
 
 def predict_peak(
-    cfg, world_size: int, device_type: str, prediction: dict[str, Any], shapes: ModelShapes, flops: bool = True
+    cfg: JobGroups,
+    world_size: int,
+    device_type: str,
+    prediction: dict[str, Any],
+    shapes: ModelShapes,
+    flops: bool = True,
 ) -> dict[str, Any]:
     """The peak of every rank from one fake step (:mod:`sharded_exp.predict.fake_step`).
 

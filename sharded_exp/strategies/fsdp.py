@@ -22,7 +22,6 @@ import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
-from enum import Enum
 from typing import Optional
 
 import torch
@@ -32,7 +31,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from sharded_exp import precision
-from sharded_exp.config import option_name
+from sharded_exp.config import Option
 from sharded_exp.errors import ConfigError
 from sharded_exp.models import units
 from sharded_exp.strategies import STRATEGIES
@@ -42,7 +41,7 @@ from sharded_exp.strategies.traits import Traits
 
 
 def _value(option) -> str:
-    return option_name(option)
+    return str(option)
 
 
 def _shard_numel(shape: tuple, rank: int, world_size: int) -> int:
@@ -97,7 +96,7 @@ def policy(cfg, precision_cfg) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
 
 
-class DType(str, Enum):
+class DType(Option):
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"

@@ -29,7 +29,7 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
-from sharded_exp.config import option_name
+from sharded_exp.config import TrainerConfig
 from sharded_exp.measure.cuda_kernels import forward_kernels, makes_kernel_outputs
 from sharded_exp.models import units
 
@@ -48,7 +48,7 @@ SAVED_BY_SELECTIVE = {
 
 
 def _value(option) -> str:
-    return option_name(option)
+    return str(option)
 
 
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -132,7 +132,7 @@ def compile_units(module: nn.Module, mode) -> list[nn.Module]:
     return found
 
 
-def apply_levers(module: nn.Module, trainer_cfg, compile: bool = True) -> None:
+def apply_levers(module: nn.Module, trainer_cfg: TrainerConfig, compile: bool = True) -> None:
     """The configured levers on ``module``'s units: checkpointing first, then compile (a
     compiled unit traces through its checkpoint). ``compile=False``: eager (a fake step)."""
     checkpointed_units(module, trainer_cfg.activation_checkpointing, trainer_cfg.ac_every)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sharded_exp.config import TrainerConfig
 from sharded_exp.data import Task
 from sharded_exp.data.loader import step_loader
 from sharded_exp.measure.tracker import MemoryMeter
@@ -58,7 +59,7 @@ class LoopSettings:
     """Timed steps a stable median needs (trainer.min_timed_steps); fewer are warned of."""
 
     @classmethod
-    def from_config(cls, trainer_cfg, label: str = "") -> "LoopSettings":
+    def from_config(cls, trainer_cfg: TrainerConfig, label: str = "") -> "LoopSettings":
         t = trainer_cfg
         return cls(
             t.steps, t.warmup_steps, t.batch_size, t.grad_accum, t.grad_clip, t.log_interval, t.progress_bar, label,

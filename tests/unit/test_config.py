@@ -1,8 +1,12 @@
 """sharded_exp.config: the typed schemas (defaults live in the dataclasses; the composed
 config refuses a typo, a wrong type or a value outside an enum) and option_name, which
-reads an option alike from an enum member or a plain name."""
+reads an option alike from an enum member or a plain name; each schema's own range checks
+(``__post_init__``), which run when :func:`sharded_exp.config.typed` makes a composed config typed."""
 
 from __future__ import annotations
+
+import math
+import re
 
 import pytest
 from hydra.errors import ConfigCompositionException
@@ -11,6 +15,7 @@ from omegaconf import OmegaConf
 from sharded_exp import config
 from sharded_exp.compose import compose
 from sharded_exp.config import Accelerator, CheckpointFormat, ZeroGrad, option_name
+from sharded_exp.errors import ConfigError
 
 
 @pytest.mark.parametrize(
@@ -83,3 +88,150 @@ def test_the_planner_root_has_the_job_groups_and_plan_defaults():
     assert list(cfg.plan.world_sizes) == [1, 2, 4, 8, 64]
     assert cfg.plan.device == config.PlanDevice.cuda and cfg.plan.levers == ["none"]
     assert "logger" not in cfg
+
+
+# ------------------------------------------------------ each schema checks its own ranges
+def refused(make, message: str):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        make()
+
+
+@pytest.mark.parametrize(
+    "key", ["world_size", "steps", "batch_size", "grad_accum", "log_interval", "ac_every", "profile_steps"]
+)
+def test_trainer_counts_below_one_are_refused_and_one_is_allowed(key):
+    fine = {key: 1, "warmup_steps": 0} if key == "steps" else {key: 1}
+    config.TrainerConfig(**fine)
+    refused(lambda: config.TrainerConfig(**{key: 0}), f"trainer.{key}=0 must be >= 1")
+
+
+def test_trainer_warmup_must_leave_a_timed_step():
+    config.TrainerConfig(steps=5, warmup_steps=4)
+    config.TrainerConfig(steps=5, warmup_steps=0)
+    refused(
+        lambda: config.TrainerConfig(steps=5, warmup_steps=5),
+        "trainer.warmup_steps=5 must be >= 0 and < trainer.steps=5",
+    )
+    refused(lambda: config.TrainerConfig(warmup_steps=-1), "trainer.warmup_steps=-1 must be >= 0")
+
+
+def test_trainer_profiled_steps_must_fit_after_warmup():
+    config.TrainerConfig(profile=True, steps=6, warmup_steps=2, profile_steps=3)  # 2 + 3 < 6
+    config.TrainerConfig(profile=False, steps=6, warmup_steps=2, profile_steps=4)  # not profiling: not checked
+    refused(
+        lambda: config.TrainerConfig(profile=True, steps=6, warmup_steps=2, profile_steps=4),
+        "trainer.profile_steps=4 needs trainer.steps=6 > trainer.warmup_steps=2 + profile_steps",
+    )
+
+
+@pytest.mark.parametrize(
+    "key, bad, fine, message",
+    [
+        ("min_timed_steps", -1, 0, "trainer.min_timed_steps=-1 must be >= 0 (0: no check)"),
+        ("grad_clip", -0.5, 0.0, "trainer.grad_clip=-0.5 must be >= 0 (0 turns clipping off)"),
+        ("timeout_s", 0.0, 0.1, "trainer.timeout_s=0.0 must be > 0"),
+        ("eval_every", -1, 0, "trainer.eval_every=-1 must be >= 0 (0 = only at the end)"),
+        ("eval_batches", -1, 0, "trainer.eval_batches=-1 must be >= 0 (0 = no evaluation)"),
+        ("checkpoint_every", -1, 0, "trainer.checkpoint_every=-1 must be >= 0 (0 = off)"),
+        ("keep_checkpoints", -2, 0, "trainer.keep_checkpoints=-2 must be >= 0 (0 = keep all)"),
+        ("stop_grace_s", 0.0, 0.5, "trainer.stop_grace_s=0.0 must be > 0"),
+        ("memory_limit_mib", 0.0, None, "trainer.memory_limit_mib=0.0 must be > 0 (or null for no budget)"),
+    ],
+)
+def test_trainer_ranges_refuse_just_outside_and_allow_the_edge(key, bad, fine, message):
+    config.TrainerConfig(**{key: fine})
+    refused(lambda: config.TrainerConfig(**{key: bad}), message)
+
+
+@pytest.mark.parametrize(
+    "key, message",
+    [
+        ("grad_clip", "must be >= 0 (0 turns clipping off)"),
+        ("timeout_s", "must be > 0"),
+        ("stop_grace_s", "must be > 0"),
+        ("memory_limit_mib", "must be > 0 (or null for no budget)"),
+    ],
+)
+def test_non_finite_trainer_numbers_are_refused_nan_by_its_range_inf_as_not_finite(key, message):
+    refused(lambda: config.TrainerConfig(**{key: math.inf}), f"trainer.{key}=inf must be a finite number")
+    refused(lambda: config.TrainerConfig(**{key: math.nan}), f"trainer.{key}=nan {message}")
+
+
+@pytest.mark.parametrize(
+    "key, bad, fine, message",
+    [
+        ("lr", 0.0, 1e-9, "optimizer.lr=0.0 must be > 0"),
+        ("lr", math.inf, 1e-9, "optimizer.lr=inf must be a finite number"),
+        ("weight_decay", -0.1, 0.0, "optimizer.weight_decay=-0.1 must be a finite number >= 0"),
+        ("no_decay_lr_scale", math.nan, 0.0, "optimizer.no_decay_lr_scale=nan must be a finite number >= 0"),
+        ("eps", 0.0, 1e-12, "optimizer.eps=0.0 must be a finite number > 0"),
+        ("momentum", 1.0, 0.0, "optimizer.momentum=1.0 must be in [0, 1)"),
+        ("momentum", -0.1, 0.99, "optimizer.momentum=-0.1 must be in [0, 1)"),
+    ],
+)
+def test_optimizer_numbers_refused_outside_their_range(key, bad, fine, message):
+    config.OptimizerConfig(name="adam", **{key: fine})
+    refused(lambda: config.OptimizerConfig(name="adam", **{key: bad}), message)
+
+
+@pytest.mark.parametrize("betas", [[0.9], [0.9, 1.0], [-0.1, 0.9], [0.9, math.nan], [0.9, 0.99, 0.999]])
+def test_betas_must_be_two_numbers_in_zero_one(betas):
+    refused(
+        lambda: config.OptimizerConfig(name="adam", betas=betas),
+        f"optimizer.betas={betas} must be two numbers in [0, 1) (e.g. [0.9, 0.999])",
+    )
+
+
+def test_betas_at_zero_are_allowed():
+    config.OptimizerConfig(name="adam", betas=[0.0, 0.0])
+
+
+@pytest.mark.parametrize(
+    "key, bad, fine, message",
+    [
+        ("init_scale", 0.0, 1.0, "precision.init_scale=0.0 must be > 0"),
+        ("init_scale", math.inf, 1.0, "precision.init_scale=inf must be > 0"),
+        ("backoff_factor", 1.0, 0.99, "precision.backoff_factor=1.0 must be in (0, 1)"),
+        ("backoff_factor", 0.0, 0.01, "precision.backoff_factor=0.0 must be in (0, 1)"),
+        ("growth_interval", 0, 1, "precision.growth_interval=0 must be >= 1"),
+    ],
+)
+def test_grad_scaler_settings_refused_outside_their_range(key, bad, fine, message):
+    config.PrecisionConfig(**{key: fine})
+    refused(lambda: config.PrecisionConfig(**{key: bad}), message)
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"params": 0.5}, "plan.params=0.5 must be a finite number >= 1 (a parameter count, e.g. 7.5e9)"),
+        ({"params": math.nan}, "plan.params=nan must be a finite number >= 1"),
+        ({"device_memory_gib": 0.0}, "plan.device_memory_gib=0.0 must be a finite number > 0"),
+        ({"device_memory_gib": math.inf}, "plan.device_memory_gib=inf must be a finite number > 0"),
+        ({"workers": -1}, "plan.workers=-1 must be >= 0 (0: one process per CPU core; 1: this process only)"),
+    ],
+)
+def test_plan_settings_refused_outside_their_range(values, message):
+    refused(lambda: config.PlanSettings(**values), message)
+
+
+def test_plan_settings_at_their_edges_pass():
+    config.PlanSettings(params=1.0, device_memory_gib=0.1, workers=0)
+
+
+def test_typed_builds_the_schemas_dataclasses_and_runs_their_checks():
+    cfg = compose(["logger=none"])
+    made = config.typed(cfg)
+    assert isinstance(made, config.Config)
+    assert isinstance(made.trainer, config.TrainerConfig) and made.trainer.accelerator is config.Accelerator.auto
+    cfg.trainer.grad_accum = 0  # OmegaConf takes it (an int); the dataclass refuses it
+    refused(lambda: config.typed(cfg), "trainer.grad_accum=0 must be >= 1")
+    refused(lambda: config.check_ranges(cfg), "trainer.grad_accum=0 must be >= 1")
+
+
+def test_check_ranges_leaves_a_group_with_a_missing_value_to_its_reader():
+    cfg = compose(["logger=none", "data=conll", "trainer.grad_accum=0"])
+    assert OmegaConf.is_missing(cfg.data, "path")
+    refused(lambda: config.check_ranges(cfg), "trainer.grad_accum=0 must be >= 1")  # the others are checked
+    cfg.trainer.grad_accum = 1
+    config.check_ranges(cfg)  # data is skipped, not refused as "missing mandatory value"

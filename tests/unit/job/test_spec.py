@@ -1,6 +1,6 @@
-"""sharded_exp.job.spec: the JobSpec (frozen, picklable, its config as a read-only tree) and
-decided_config (the parent's decisions in place, options by name, interpolations kept in
-the YAML)."""
+"""sharded_exp.job.spec: the JobSpec (frozen, picklable, its typed config as a read-only tree)
+and decided_config (the parent's decisions in place: options by name, interpolations kept in
+the YAML, and typed)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ReadonlyConfigError
 
 from sharded_exp.checkpoint.plan import CheckpointPlan
-from sharded_exp.config import ZeroGrad
+from sharded_exp.config import Config, TrainerConfig, ZeroGrad
 from sharded_exp.job.spec import JobSpec, decided_config
 from sharded_exp.strategies.base import GradZeroing
 
@@ -24,7 +24,8 @@ def plan(**kw) -> CheckpointPlan:
 
 
 def spec(**kw) -> JobSpec:
-    values = dict(config={"trainer": {"steps": 3, "freeze": ["a"]}, "model": {"name": "mlp"}}, output_dir="/out",
+    typed = Config(trainer=TrainerConfig(steps=3, warmup_steps=0, freeze=["a"]))
+    values = dict(config={"trainer": {"steps": 3, "freeze": ["a"]}, "model": {"name": "mlp"}}, typed=typed, output_dir="/out",
                   device_type="cpu", world_size=2, params=10, prediction={}, checkpoint=plan(),
                   zero_grad=GradZeroing(ZeroGrad.free, ZeroGrad.free))  # fmt: skip
     return JobSpec(**{**values, **kw})
@@ -45,13 +46,14 @@ def test_a_job_spec_survives_pickling():
     assert pickle.loads(pickle.dumps(s)) == s
 
 
-def test_cfg_is_a_read_only_copy_of_the_config():
+def test_cfg_is_a_read_only_copy_of_the_typed_config_with_its_enums():
     s = spec()
     cfg = s.cfg()
     assert cfg.trainer.steps == 3 and list(cfg.trainer.freeze) == ["a"]
+    assert cfg.trainer.zero_grad is ZeroGrad.free  # typed as the composed config is
     with pytest.raises(ReadonlyConfigError):
         cfg.trainer.steps = 4
-    s.config["trainer"]["freeze"].append("b")  # the tree is a deep copy, made at each call
+    s.typed.trainer.freeze.append("b")  # the tree is a deep copy, made at each call
     assert list(cfg.trainer.freeze) == ["a"]
 
 
@@ -59,7 +61,7 @@ def test_decided_config_puts_the_world_size_and_checkpoint_plan_in_place():
     cfg = OmegaConf.create({"paths": {"output_dir": "outs"},
                             "trainer": {"world_size": 2, "checkpoint_dir": None, "checkpoint_format": "auto",
                                         "resume": "auto", "log_dir": "${paths.output_dir}/logs"}})  # fmt: skip
-    config, yaml = decided_config(cfg, 8, plan(directory="/abs/ckpt", format="consolidated", resume="/abs/ckpt/s4"))
+    config, yaml, _ = decided_config(cfg, 8, plan(directory="/abs/ckpt", format="consolidated", resume="/abs/ckpt/s4"))
     assert config["trainer"] == {"world_size": 8, "checkpoint_dir": "/abs/ckpt", "checkpoint_format": "consolidated",
                                  "resume": "/abs/ckpt/s4", "log_dir": "outs/logs"}  # fmt: skip
     assert "${paths.output_dir}/logs" in yaml and "world_size: 8" in yaml  # interpolations kept
@@ -69,6 +71,7 @@ def test_decided_config_gives_options_by_name_not_as_enums():
     from sharded_exp.config import TrainerConfig
 
     cfg = OmegaConf.create({"trainer": OmegaConf.structured(TrainerConfig)})
-    config, _ = decided_config(cfg, 2, plan())
+    config, _, typed = decided_config(cfg, 2, plan())
     assert config["trainer"]["zero_grad"] == "free" and type(config["trainer"]["zero_grad"]) is str
+    assert typed["trainer"].zero_grad is ZeroGrad.free and typed["trainer"].world_size == 2
     assert config["trainer"]["checkpoint_format"] == "dcp"
