@@ -21,6 +21,7 @@ try:
 except ImportError:  # the older package name
     import pytorch_lightning as pl
 
+from sharded_exp.job.result import Result
 from sharded_exp.probe import Probe
 from sharded_exp.probe.fake import loss_of
 
@@ -44,7 +45,7 @@ class MemoryProbe(pl.Callback):
         self.options = {"warmup_steps": warmup_steps, "track_steps": track_steps}
         self.samples_per_step = samples_per_step
         self.probe: Probe | None = None
-        self.result: dict[str, Any] | None = None
+        self.result: Result | None = None
         self._global_step = 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
