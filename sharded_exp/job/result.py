@@ -319,6 +319,27 @@ class Result(_Closed):
         return name in (self._as_given if self._as_given is not None else self.model_fields_set)
 
 
+class PartialResult(Result):
+    """A result.json as far as it goes, as a reader of other runs' files (the report) takes it: a
+    file left by a run killed while running, or by an older sharded_exp, may lack keys a finished
+    one has, and one from a newer sharded_exp of the same ``schema_version`` may hold keys this
+    one does not know (kept as they are)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    status: Literal["running", "ok", "stopped", "diverged", "oom", "failed"] | None = None
+    strategy: str | None = None
+    precision: str | None = None
+    model: str | None = None
+    optimizer: str | None = None
+    output_dir: str | None = None
+    config: dict[str, Any] | None = None
+
+    def as_written(self) -> dict[str, Any]:
+        """What the file held (an older file without ``schema_version`` gets none)."""
+        return self.model_dump(exclude_unset=True)
+
+
 def schema() -> dict[str, Any]:
     """result.json's JSON Schema (draft 2020-12), generated from :class:`Result`."""
     out = Result.model_json_schema()
@@ -376,10 +397,29 @@ def read_json(path: str) -> Any:
         return json.load(f)
 
 
-def read_result(path: str) -> Result:
-    """A result.json as its model. Raises OSError when it cannot be read and ValueError
-    (pydantic's ValidationError among them) when it is no JSON or does not match the schema."""
-    return Result.model_validate(read_json(path))
+def read_result(path: str, partial: bool = False) -> Result:
+    """A result.json as its model: the one reader of result.json. Raises OSError when it cannot
+    be read and ValueError (pydantic's ValidationError among them) when it is no JSON or does not
+    match the schema.
+
+    ``partial``: another run's file, read as far as it goes (a :class:`PartialResult`): missing
+    and unknown keys are no error, but a value of the wrong type is, strictly (``"world_size":
+    "2"`` is no number), and so is a newer ``schema_version``, whose keys may mean other things."""
+    data = read_json(path)
+    if not partial:
+        return Result.model_validate(data)
+    if not isinstance(data, dict):
+        raise ValueError(f"a JSON {type(data).__name__}, not an object")
+    version = data.get("schema_version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
+        raise ValueError(
+            f"schema_version {version} is newer than this sharded_exp reads ({SCHEMA_VERSION}): "
+            "its keys may mean other things; report it with the sharded_exp that wrote it"
+        )
+    wrong = problems(data, strict=True, ignore=("missing", "extra_forbidden"))
+    if wrong:
+        raise ValueError(f"does not match its schema: {'; '.join(wrong[:3])}")
+    return PartialResult.model_validate(data)
 
 
 if __name__ == "__main__":

@@ -187,3 +187,26 @@ def test_the_published_schema_is_the_generated_one():
 
     published = Path(result_mod.__file__).resolve().parents[1] / "docs" / "result.schema.json"
     assert json.loads(published.read_text()) == schema()
+
+
+def test_a_partial_read_takes_an_unfinished_or_older_file_as_far_as_it_goes(tmp_path):
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps({"status": "running", "strategy": "ddp", "future_key": {"a": 1},
+                                "memory": {"per_rank": [{"rank": 0, "peak_allocated_mib": 2}]}}))  # fmt: skip
+    point = read_result(str(path), partial=True)
+    assert (point.status, point.strategy, point.model) == ("running", "ddp", None)
+    assert point.memory.per_rank[0].peak_allocated_mib == 2
+    assert point.as_written() == json.loads(path.read_text())  # nothing added (no schema_version), nothing lost
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[1]", "a JSON list, not an object"),
+    (json.dumps({"schema_version": SCHEMA_VERSION + 1, "status": "ok"}), f"schema_version {SCHEMA_VERSION + 1} is newer"),
+    (json.dumps({"status": "ok", "world_size": "2"}), "does not match its schema: world_size"),
+    ("{", "Expecting"),
+])  # fmt: skip
+def test_a_partial_read_still_refuses_what_it_cannot_trust(tmp_path, content, message):
+    path = tmp_path / "result.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        read_result(str(path), partial=True)
