@@ -312,7 +312,7 @@ class Result(_Closed):
 
     def updated(self, **fields: Any) -> Result:
         """This result with ``fields`` laid over it (a section given replaces the old one whole)."""
-        return Result.of({**self.as_written(), **fields})
+        return type(self).of({**self.as_written(), **fields})
 
     def has(self, name: str) -> bool:
         """Whether the field was set (to null, too): an older or a failed run's file lacks some."""
@@ -320,10 +320,11 @@ class Result(_Closed):
 
 
 class PartialResult(Result):
-    """A result.json as far as it goes, as a reader of other runs' files (the report) takes it: a
-    file left by a run killed while running, or by an older sharded_exp, may lack keys a finished
-    one has, and one from a newer sharded_exp of the same ``schema_version`` may hold keys this
-    one does not know (kept as they are)."""
+    """Part of a result: what rank 0 measured, which the parent lays over what it knows of the
+    job; or a result.json as far as it goes, as a reader of other runs' files (the report) takes
+    it: a file left by a run killed while running, or by an older sharded_exp, may lack keys a
+    finished one has, and one from a newer sharded_exp of the same ``schema_version`` may hold
+    keys this one does not know (kept as they are)."""
 
     model_config = ConfigDict(extra="allow")
 

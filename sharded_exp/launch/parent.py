@@ -36,7 +36,7 @@ from sharded_exp.checkpoint.storage import (
     remove_unfinished_saves,
 )
 from sharded_exp.errors import OOM_SIGNS, RunDirInUse, WontFit, writing
-from sharded_exp.job.result import TRAINED, Result, write_result
+from sharded_exp.job.result import TRAINED, PartialResult, Result, read_json, write_result
 from sharded_exp.job.spec import JobSpec
 from sharded_exp.launch import forkserver, preflight
 from sharded_exp.launch.layout import Layout, external_layout, rendezvous_env
@@ -191,7 +191,7 @@ def record_config_error(
     return result
 
 
-def run_ranks(job: JobSpec, layout: Layout | None) -> dict[str, Any] | None:
+def run_ranks(job: JobSpec, layout: Layout | None) -> PartialResult | None:
     """Run the job's ranks: spawn them, or be the one rank an external launcher started."""
     if layout is None:
         return spawn(job, job.world_size)
@@ -206,7 +206,7 @@ def run_ranks(job: JobSpec, layout: Layout | None) -> dict[str, Any] | None:
     return entry(job, layout.rank, layout.world_size, layout.local_rank, layout.local_world_size)
 
 
-def spawn(job: JobSpec, world_size: int) -> dict[str, Any]:
+def spawn(job: JobSpec, world_size: int) -> PartialResult:
     """Run ``world_size`` ranks as child processes; return rank 0's payload or raise."""
     # forkserver: children fork from a clean server process that imported torch once, so a
     # sweep pays the import once; plain fork would inherit the parent's OpenMP pool (and
@@ -268,8 +268,8 @@ def spawn(job: JobSpec, world_size: int) -> dict[str, Any]:
     if early is not None:  # every rank exited with code 0, and this one never finished
         raise RankDied(early, 0)
     payload = finished[0]
-    if payload.get("status") == "stopped" and stop.signum is not None:
-        payload["signal"] = stop.signum  # the job's signal (ranks may also see Ctrl-C's SIGINT)
+    if payload.status == "stopped" and stop.signum is not None:
+        payload = payload.updated(signal=stop.signum)  # the job's signal (ranks may also see Ctrl-C's SIGINT)
     return payload
 
 
@@ -379,8 +379,7 @@ def kept_training(output_dir: str) -> dict[str, Any]:
     """Rank 0's training figures when the job failed after training (in the final evaluation),
     without its status; {} when there are none."""
     try:
-        with open(os.path.join(output_dir, TRAINED)) as f:
-            kept = json.load(f)
+        kept = read_json(os.path.join(output_dir, TRAINED))
     except (OSError, ValueError):
         return {}
     return {k: v for k, v in kept.items() if k not in ("status", "error", "traceback", "timeline")}

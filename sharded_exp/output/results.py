@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sharded_exp.job.result import Result
+from sharded_exp.job.result import PartialResult, Result
 
 
 def base_result(
@@ -45,49 +45,48 @@ def training_result(
     memory: dict[str, Any],
     timeline: dict[str, float],
     device: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+) -> PartialResult:
     """What rank 0 sends the parent when training ended: result.json's training part,
     which the parent lays over :func:`base_result`. ``out``: the trainer's LoopOutcome."""
     import math
 
     nonfinite = [e.get("first_nonfinite_step", -1) for e in per_rank if e.get("first_nonfinite_step", -1) >= 0]
     diverged = not math.isfinite(final_loss) or any(e["nonfinite_params"] for e in per_rank)
-    return {
-        "status": "stopped" if out.stopped else ("diverged" if diverged else "ok"),
-        "error": _divergence(final_loss, per_rank, nonfinite) if diverged else None,
-        "first_nonfinite_step": min(nonfinite) if nonfinite else None,
-        "signal": signal if out.stopped else None,
-        "start_step": start,
-        "steps_done": out.steps_done,
-        "world_size": world_size,
-        "resumed_from": resumed_from,
-        "resume_changes": resume_changes,
-        "checkpoint": out.checkpoint,
-        "params": params,
-        "final_loss": final_loss,
-        "final_metrics": out.history[-1],
-        "param_digest": digest,
-        "throughput": out.throughput,
-        "history": out.history,
-        "eval": _eval_section(out.evals),
-        "memory": memory,
-        "profile": profile_section(per_rank, out.throughput),
-        "timeline": {**timeline, "first_step": out.first_step_unix, "last_step": out.last_step_unix},
-        "device": device,  # what ran it, where ``accelerator`` says what was asked for
-    }
+    return PartialResult.build(
+        status="stopped" if out.stopped else ("diverged" if diverged else "ok"),
+        error=_divergence(final_loss, per_rank, nonfinite) if diverged else None,
+        first_nonfinite_step=min(nonfinite) if nonfinite else None,
+        signal=signal if out.stopped else None,
+        start_step=start,
+        steps_done=out.steps_done,
+        world_size=world_size,
+        resumed_from=resumed_from,
+        resume_changes=resume_changes,
+        checkpoint=out.checkpoint,
+        params=params,
+        final_loss=final_loss,
+        final_metrics=out.history[-1],
+        param_digest=digest,
+        throughput=out.throughput,
+        history=out.history,
+        eval=_eval_section(out.evals),
+        memory=memory,
+        profile=profile_section(per_rank, out.throughput),
+        timeline={**timeline, "first_step": out.first_step_unix, "last_step": out.last_step_unix},
+        device=device,  # what ran it, where ``accelerator`` says what was asked for
+    )
 
 
 def finished_result(
-    result: Result, payload: dict[str, Any] | None, parent_times: dict[str, float | None]
+    result: Result, payload: PartialResult | None, parent_times: dict[str, float | None]
 ) -> Result:
     """The result of a job whose ranks ended: :func:`base_result` with rank 0's
     :func:`training_result` laid over it (None: a torchrun rank other than 0, status "ok"),
     and one timeline in Unix times: main -> imported -> launch -> validated (the parent's),
     then rank_start -> process_group_ready -> built -> logger_ready -> first_step ->
     last_step (rank 0's)."""
-    payload = payload or {"status": "ok"}
-    timeline = {**parent_times, **payload.get("timeline", {})}
-    return result.updated(**{**payload, "timeline": timeline})
+    payload = payload or PartialResult.build(status="ok")
+    return result.updated(**payload.as_written()).updated(timeline={**parent_times, **(payload.timeline or {})})
 
 
 def _eval_section(evals: list[dict[str, Any]]) -> dict[str, Any] | None:

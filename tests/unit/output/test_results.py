@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sharded_exp.job.result import Result
+from sharded_exp.job.result import PartialResult, Result
 from sharded_exp.output import results as res
 
 
@@ -21,7 +21,7 @@ def outcome(**kw):
 def training(out=None, per_rank=None, final_loss=0.5, signal=None):
     per_rank = per_rank if per_rank is not None else [{"rank": 0, "nonfinite_params": False}]
     return res.training_result(
-        out or outcome(), per_rank, {"l2": 1.0}, final_loss, start=0, world_size=2, resumed_from=None,
+        out or outcome(), per_rank, {"sum": 2.0, "l2": 1.0}, final_loss, start=0, world_size=2, resumed_from=None,
         resume_changes=[], params=10, signal=signal, memory={}, timeline={"rank_start": 1.0},
     )  # fmt: skip
 
@@ -54,10 +54,10 @@ def test_base_result_reads_the_config():
 
 def test_a_finished_run_is_ok_with_its_last_metrics_and_timeline():
     r = training()
-    assert r["status"] == "ok" and r["error"] is None and r["first_nonfinite_step"] is None and r["signal"] is None
-    assert r["final_metrics"] == {"loss": 0.5}
-    assert r["timeline"] == {"rank_start": 1.0, "first_step": 100.0, "last_step": 110.0}
-    assert r["eval"] is None and r["profile"] is None
+    assert r.status == "ok" and r.error is None and r.first_nonfinite_step is None and r.signal is None
+    assert r.final_metrics == {"loss": 0.5}
+    assert r.timeline == {"rank_start": 1.0, "first_step": 100.0, "last_step": 110.0}
+    assert r.eval is None and r.profile is None
 
 
 def test_a_non_finite_loss_is_a_divergence_at_the_first_bad_step_of_any_rank():
@@ -65,37 +65,39 @@ def test_a_non_finite_loss_is_a_divergence_at_the_first_bad_step_of_any_rank():
                 {"rank": 1, "nonfinite_params": True, "first_nonfinite_step": 3},
                 {"rank": 2, "nonfinite_params": True, "first_nonfinite_step": -1}]  # fmt: skip
     r = training(per_rank=per_rank, final_loss=float("nan"))
-    assert r["status"] == "diverged" and r["first_nonfinite_step"] == 3
+    assert r.status == "diverged" and r.first_nonfinite_step == 3
     assert (
-        r["error"] == "diverged: final loss nan, loss first non-finite at step 3, non-finite parameters on rank(s) 1, 2"
+        r.error == "diverged: final loss nan, loss first non-finite at step 3, non-finite parameters on rank(s) 1, 2"
     )
 
 
 def test_non_finite_parameters_alone_are_a_divergence():
     r = training(per_rank=[{"rank": 0, "nonfinite_params": True}], final_loss=0.25)
-    assert r["status"] == "diverged" and r["first_nonfinite_step"] is None
-    assert r["error"] == "diverged: final loss 0.25, loss finite at every step, non-finite parameters on rank(s) 0"
+    assert r.status == "diverged" and r.first_nonfinite_step is None
+    assert r.error == "diverged: final loss 0.25, loss finite at every step, non-finite parameters on rank(s) 0"
 
 
 def test_a_stopped_run_is_stopped_even_when_diverged_and_keeps_its_signal():
     r = training(out=outcome(stopped=True), final_loss=float("inf"), signal=15)
-    assert r["status"] == "stopped" and r["signal"] == 15
-    assert training(signal=15)["signal"] is None  # not stopped: no signal recorded
+    assert r.status == "stopped" and r.signal == 15
+    assert training(signal=15).signal is None  # not stopped: no signal recorded
 
 
 def test_the_eval_section_keeps_the_last_pass_and_sums_the_time():
     evals = [{"eval/loss": 2.0, "eval/accuracy": 0.5, "step": 2, "seconds": 0.25},
              {"eval/loss": 1.0, "eval/accuracy": 0.75, "step": 4, "seconds": 0.5}]  # fmt: skip
-    section = training(out=outcome(evals=evals))["eval"]
-    assert section["final"] == {"eval/loss": 1.0, "eval/accuracy": 0.75}
-    assert section["history"] == [{"eval/loss": 2.0, "eval/accuracy": 0.5, "step": 2},
+    section = training(out=outcome(evals=evals)).eval
+    assert section.final == {"eval/loss": 1.0, "eval/accuracy": 0.75}
+    assert section.history == [{"eval/loss": 2.0, "eval/accuracy": 0.5, "step": 2},
                                   {"eval/loss": 1.0, "eval/accuracy": 0.75, "step": 4}]  # fmt: skip
-    assert section["seconds"] == 0.75
+    assert section.seconds == 0.75
 
 
 def test_a_finished_result_lays_rank_zeros_payload_over_the_base_and_joins_the_timelines():
     base = job(status="running", timeline={"main": 1.0})
-    done = res.finished_result(base, {"status": "ok", "timeline": {"first_step": 3.0}}, {"main": 1.0, "launch": 2.0})
+    payload = PartialResult.build(status="ok", steps_done=4, timeline={"first_step": 3.0})
+    done = res.finished_result(base, payload, {"main": 1.0, "launch": 2.0})
+    assert done.steps_done == 4 and isinstance(done, Result) and not isinstance(done, PartialResult)
     assert done.status == "ok" and done.strategy == "ddp"
     assert done.timeline == {"main": 1.0, "launch": 2.0, "first_step": 3.0}
     assert res.finished_result(base, None, {"main": 1.0}).status == "ok"  # a torchrun rank other than 0
