@@ -285,38 +285,46 @@ class Result(_Closed):
     """What ran the job."""
 
     _as_given: dict[str, Any] | None = PrivateAttr(default=None)
+    """The fields as the builders gave them, in their order: what result.json holds (None: a
+    result read back or validated directly, written from its fields that were set)."""
 
     @classmethod
     def of(cls, fields: dict[str, Any]) -> Result:
-        """A result from its fields (sections as plain data are validated into their models).
-        Fields that do not match the schema are our mistake, not the run's: the result keeps
-        them as given, and :func:`write_result` writes them with a warning."""
+        """A result from its fields (sections as plain data are validated into their models),
+        written later exactly as given, in the order given. Fields that do not match the
+        schema are our mistake, not the run's: the result keeps them, and :func:`write_result`
+        writes them with a warning."""
         try:
-            return cls.model_validate(fields)
+            result = cls.model_validate(fields)
         except ValidationError:
-            kept = cls.model_construct(**{k: v for k, v in fields.items() if k in cls.model_fields})
-            kept._as_given = dict(fields)
-            return kept
+            result = cls.model_construct(**{k: v for k, v in fields.items() if k in cls.model_fields})
+        result._as_given = {k: v.model_dump(exclude_unset=True) if isinstance(v, BaseModel) else v
+                            for k, v in fields.items()}  # fmt: skip
+        return result
 
     @classmethod
     def build(cls, **fields: Any) -> Result:
         """:meth:`of`, field by field."""
         return cls.of(fields)
 
+    def given(self) -> dict[str, Any]:
+        """The fields that were set, as plain data: in the order the builders gave them, or,
+        for a result read back, in the file's order (a field never set is left out, one set
+        to null is kept as null; numbers keep their type)."""
+        return dict(self._as_given) if self._as_given is not None else self.model_dump(exclude_unset=True)
+
     def as_written(self) -> dict[str, Any]:
-        """What result.json holds: ``schema_version`` first, then the fields that were set, as
-        plain data in the schema's order (a field never set is left out, one set to null is
-        written as null; numbers keep their type)."""
-        given = self._as_given if self._as_given is not None else self.model_dump(exclude_unset=True)
-        return {"schema_version": SCHEMA_VERSION, **given}
+        """What result.json holds: ``schema_version`` first, then :meth:`given`."""
+        return {"schema_version": SCHEMA_VERSION, **self.given()}
 
     def updated(self, **fields: Any) -> Result:
-        """This result with ``fields`` laid over it (a section given replaces the old one whole)."""
+        """This result with ``fields`` laid over it (a section given replaces the old one whole;
+        a field already set keeps its place)."""
         return type(self).of({**self.as_written(), **fields})
 
     def has(self, name: str) -> bool:
         """Whether the field was set (to null, too): an older or a failed run's file lacks some."""
-        return name in (self._as_given if self._as_given is not None else self.model_fields_set)
+        return name in self.given()
 
 
 class PartialResult(Result):
@@ -337,8 +345,8 @@ class PartialResult(Result):
     config: dict[str, Any] | None = None
 
     def as_written(self) -> dict[str, Any]:
-        """What the file held (an older file without ``schema_version`` gets none)."""
-        return self.model_dump(exclude_unset=True)
+        """What the file held, or rank 0 sent (an older file without ``schema_version`` gets none)."""
+        return self.given()
 
 
 def schema() -> dict[str, Any]:
@@ -408,7 +416,7 @@ def read_result(path: str, partial: bool = False) -> Result:
     "2"`` is no number), and so is a newer ``schema_version``, whose keys may mean other things."""
     data = read_json(path)
     if not partial:
-        return Result.model_validate(data)
+        return _as_read(Result.model_validate(data), data)
     if not isinstance(data, dict):
         raise ValueError(f"a JSON {type(data).__name__}, not an object")
     version = data.get("schema_version")
@@ -420,7 +428,13 @@ def read_result(path: str, partial: bool = False) -> Result:
     wrong = problems(data, strict=True, ignore=("missing", "extra_forbidden"))
     if wrong:
         raise ValueError(f"does not match its schema: {'; '.join(wrong[:3])}")
-    return PartialResult.model_validate(data)
+    return _as_read(PartialResult.model_validate(data), data)
+
+
+def _as_read(result: Result, data: dict[str, Any]) -> Result:
+    """``result`` that, written again, holds what the file held, in its order."""
+    result._as_given = data
+    return result
 
 
 if __name__ == "__main__":

@@ -119,7 +119,7 @@ def test_a_result_is_written_as_built_numbers_keep_their_type_and_unset_fields_s
     assert result.memory.per_rank[0].peak_allocated_mib == 3 and result.eval.seconds == 0
     write_result(str(tmp_path), result)
     text = (tmp_path / "result.json").read_text()
-    assert json.loads(text) == {"schema_version": SCHEMA_VERSION, **given}
+    assert text == json.dumps({"schema_version": SCHEMA_VERSION, **given}, indent=2) + "\n"  # in the order given
     assert '"peak_allocated_mib": 3,' in text and "3.0" not in text  # an int stays an int
     assert "traceback" not in json.loads(text)  # never set: not written (null only when set so)
 
@@ -131,6 +131,7 @@ def test_updated_lays_fields_over_and_keeps_the_rest():
     assert later.as_written()["memory"] == {"peak_error": "x"}  # a section replaced whole
     assert result.status == "ok"  # the first result is left as it was
     assert later.has("error") and not later.has("traceback")
+    assert list(later.as_written()) == ["schema_version", *minimal(), "memory", "error"]  # places kept, new ones last
 
 
 def test_a_result_off_the_schema_is_kept_as_given():
