@@ -25,6 +25,7 @@ import os
 import signal
 import sys
 import tempfile
+from typing import TYPE_CHECKING
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -33,10 +34,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from sharded_exp.compose import quote_numeric_choices, register_schemas
 from sharded_exp.errors import ConfigError, NothingToDo, RunDirInUse
-from sharded_exp.job.result import Result, read_json, read_result
 from sharded_exp.launch.layout import with_shared_run_dir
 from sharded_exp.output.workspace import wandb_group
 from sharded_exp.questions import is_query
+
+if TYPE_CHECKING:
+    from sharded_exp.job.result import Result
 
 register_schemas(query=is_query(sys.argv[1:]))
 IMPORTED = time.time()
@@ -156,9 +159,10 @@ def main(cfg: DictConfig) -> float | None:
     return objective_value(result.as_written() if result else {}, cfg.objective, sweeper_direction(HydraConfig.get()))
 
 
-def check_and_launch(cfg: DictConfig) -> Result | None:
+def check_and_launch(cfg: DictConfig) -> "Result | None":
     """Check and launch the job; its result (None when nothing ran). Exits on a refused
     config or a failure outside a sweep."""
+    from sharded_exp.job.result import Result
     from sharded_exp.launch.parent import launch, record_config_error
     from sharded_exp.output.comparison import sweep_id
     from sharded_exp.sweep import check_objective
@@ -240,6 +244,8 @@ def check_and_launch(cfg: DictConfig) -> Result | None:
 def what_ran(output_dir: str) -> str:
     """What an OSError out of the launch left: nothing ran, or the job ran and its result (or
     what followed it) could not be written; result.json says which, as the launcher left it."""
+    from sharded_exp.job.result import read_json  # pydantic: not for the commands that run no job
+
     try:
         status = read_json(os.path.join(output_dir, "result.json")).get("status")
     except (OSError, ValueError, AttributeError):
@@ -276,8 +282,10 @@ def _leaves(node, prefix: str = ""):
         yield prefix[:-1], node
 
 
-def read_result_in(output_dir: str) -> Result | None:
+def read_result_in(output_dir: str) -> "Result | None":
     """The result.json a finished job left in ``output_dir``; None when it cannot be read."""
+    from sharded_exp.job.result import read_result  # pydantic: not for the commands that run no job
+
     try:
         return read_result(os.path.join(output_dir, "result.json"))
     except (OSError, ValueError):  # pydantic's ValidationError is a ValueError

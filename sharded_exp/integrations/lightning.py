@@ -21,7 +21,6 @@ try:
 except ImportError:  # the older package name
     import pytorch_lightning as pl
 
-from sharded_exp.job.result import Result
 from sharded_exp.probe import Probe
 from sharded_exp.probe.fake import loss_of
 
@@ -45,7 +44,7 @@ class MemoryProbe(pl.Callback):
         self.options = {"warmup_steps": warmup_steps, "track_steps": track_steps}
         self.samples_per_step = samples_per_step
         self.probe: Probe | None = None
-        self.result: Result | None = None
+        self.result: Any = None  # rank 0: the probe's result (sharded_exp.job.result.Result) once training ended
         self._global_step = 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:

@@ -14,10 +14,11 @@ summary keys into the W&B run the Trainer's ``WandbCallback`` opened, if any.
 
 from __future__ import annotations
 
+from typing import Any
+
 import transformers
 from transformers import TrainerCallback
 
-from sharded_exp.job.result import Result
 from sharded_exp.probe import Probe
 from sharded_exp.probe.fake import loss_of
 
@@ -40,7 +41,7 @@ class MemoryProbe(TrainerCallback):
         self.run_dir, self.predict = run_dir, predict
         self.options = {"warmup_steps": warmup_steps, "track_steps": track_steps}
         self.probe: Probe | None = None
-        self.result: Result | None = None
+        self.result: Any = None  # rank 0: the probe's result (sharded_exp.job.result.Result) once training ended
         self._hook = None
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):

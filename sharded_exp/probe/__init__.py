@@ -35,14 +35,16 @@ import os
 import platform
 import sys
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
-from sharded_exp.job.result import Device, Result, write_result
 from sharded_exp.measure.tracker import MemoryMeter, model_state_mib
 from sharded_exp.probe import fake
+
+if TYPE_CHECKING:
+    from sharded_exp.job.result import Result
 
 
 def _dist():
@@ -292,6 +294,7 @@ class Probe:
         failed after it ended. Returns the result as written (its ``output_dir`` the fallback's)."""
         import tempfile
 
+        from sharded_exp.job.result import write_result  # pydantic: loaded when a result is written, not at import
         from sharded_exp.launch.parent import archive_previous_attempt
 
         try:
@@ -308,8 +311,10 @@ class Probe:
                 f"the result is in {fallback}/result.json",
                 file=sys.stderr,
             )
+        return result
 
     def _result(self, per_rank: list[dict[str, Any]], world: int) -> Result:
+        from sharded_exp.job.result import Device, Result  # pydantic: loaded when a result is built, not at import
         from sharded_exp.output.results import largest_and_mean
         from sharded_exp.train.metrics import throughput_stats
 
