@@ -66,9 +66,7 @@ def test_a_non_finite_loss_is_a_divergence_at_the_first_bad_step_of_any_rank():
                 {"rank": 2, "nonfinite_params": True, "first_nonfinite_step": -1}]  # fmt: skip
     r = training(per_rank=per_rank, final_loss=float("nan"))
     assert r.status == "diverged" and r.first_nonfinite_step == 3
-    assert (
-        r.error == "diverged: final loss nan, loss first non-finite at step 3, non-finite parameters on rank(s) 1, 2"
-    )
+    assert r.error == "diverged: final loss nan, loss first non-finite at step 3, non-finite parameters on rank(s) 1, 2"
 
 
 def test_non_finite_parameters_alone_are_a_divergence():
