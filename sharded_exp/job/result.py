@@ -1,13 +1,17 @@
-"""result.json: its schema (the models below) and its one writer (:func:`write_result`).
+"""result.json: its schema (the models below), its one writer (:func:`write_result`) and its
+one reader (:func:`read_result`).
 
 A job's ``result.json`` is written by the parent three times at most: ``running`` with the
 prediction before any rank starts, then the end (``ok``, ``stopped``, ``diverged``, ``oom``
-or ``failed``). Each write goes through :func:`write_result`, which checks the content
-against :class:`Result`: a key no model declares is an error of ours, found by the tests
-(every result.json the test suite writes is validated against the published schema,
-``docs/result.schema.json``: ``python -m sharded_exp.job.result > docs/result.schema.json``).
-A result that does not match is still written, with a warning: measuring never loses a
-run.
+or ``failed``). Whoever builds a result (the parent, rank 0's training part, the probe)
+builds a :class:`Result` (:meth:`Result.build`, :meth:`Result.updated`); readers use its
+attributes. A result keeps its fields as they were given, in their order, so the file holds
+exactly what its builders measured. Each write goes through :func:`write_result`, which
+checks the content against :class:`Result`: a key no model declares is an error of ours,
+found by the tests (every result.json the test suite writes is validated against the
+published schema, ``docs/result.schema.json``: ``python -m sharded_exp.job.result >
+docs/result.schema.json``). A result that does not match is still written, with a warning:
+measuring never loses a run.
 
 The top level is closed (every key declared here); sections whose keys depend on the
 model, the device or the task (per-rank memory, history records, the config) are typed
@@ -35,7 +39,8 @@ STATUSES = ("running", "ok", "stopped", "diverged", "oom", "failed")
 
 Number = Annotated[Union[int, float], WithJsonSchema({"type": "number"})]
 """A figure kept as it was measured: pydantic turns an int given to a ``float`` field into a
-float (3 becomes 3.0), and result.json's bytes would change with the model in between."""
+float (3 becomes 3.0), so a section dumped from its model would no longer be what was written.
+The JSON Schema still says ``number``."""
 
 
 class _Closed(BaseModel):

@@ -8,9 +8,13 @@ from sharded_exp.job.result import PartialResult, Result
 
 
 def base_result(
-    cfg_data: dict[str, Any], params: int | None, output_dir: str, status: str = "running", error: str | None = None,
+    cfg_data: dict[str, Any],
+    params: int | None,
+    output_dir: str,
+    status: str = "running",
+    error: str | None = None,
     **fields: Any,
-) -> Result:  # fmt: skip
+) -> Result:
     """What a job is, before it runs (``fields``: more of :class:`Result`'s, its place in a sweep)."""
     t = cfg_data["trainer"]
     return Result.build(
