@@ -147,7 +147,7 @@ def _launch(cfg, output_dir, job_files, started, layout, is_writer, launched, lo
         result = finished_result(result, payload, parent_times)
     except Exception as exc:  # noqa: BLE001 -- a rank failed: record it, then let the caller exit non-zero
         # what training measured before a failure in the final pass, then how it failed
-        result = result.updated(**kept_training(output_dir)).updated(**failure_of(exc, output_dir))
+        result = failed(result.updated(**kept_training(output_dir)), exc, output_dir)
         applies = MemoryMeter.LIMIT_APPLIES_TO[spec.device_type] if cfg.trainer.memory_limit_mib else None
         if not result.has("memory"):  # what was expected, still
             result = result.updated(memory=predicted_section(spec.prediction, applies))
@@ -385,18 +385,18 @@ def kept_training(output_dir: str) -> dict[str, Any]:
     return {k: v for k, v in kept.items() if k not in ("status", "error", "traceback", "timeline")}
 
 
-def failure_of(exc: BaseException, output_dir: str) -> dict[str, Any]:
-    """result.json's status and error for a job whose ranks failed or were stopped."""
+def failed(result: Result, exc: BaseException, output_dir: str) -> Result:
+    """``result`` with the status and error of a job whose ranks failed or were stopped."""
     first = None if isinstance(exc, (RankDied, Stopped)) else first_rank_failure(output_dir)
     if first is not None:
-        out = {"status": "failed", "error": first["error"], "traceback": first["traceback"]}
+        result = result.updated(status="failed", error=first["error"], traceback=first["traceback"])
     else:
-        out = {"status": "failed", "error": describe_failure(exc)}
+        result = result.updated(status="failed", error=describe_failure(exc))
     if isinstance(exc, Stopped):
-        out.update(status="stopped", signal=exc.signum)
-    if any(sign in out["error"] for sign in OOM_SIGNS):
-        out["status"] = "oom"  # a result, not a crash: this point does not fit
-    return out
+        result = result.updated(status="stopped", signal=exc.signum)
+    if any(sign in result.error for sign in OOM_SIGNS):
+        result = result.updated(status="oom")  # a result, not a crash: this point does not fit
+    return result
 
 
 def rank_failures(output_dir: str) -> list[dict[str, Any]]:
