@@ -29,7 +29,7 @@ def run(overrides: List[str], name: str, root: Path = OUT, check: bool = True) -
     cfg = compose(overrides)
     out = root / name
     out.mkdir(parents=True, exist_ok=True)
-    result = launch(cfg, str(out))
+    result = launch(cfg, str(out)).as_written()
     if check and result["status"] != "ok":
         raise RuntimeError(f"{name}: {result['error']}")
     return result

@@ -80,7 +80,7 @@ def job(checks: Checks, overrides: list[str], name: str) -> dict:
     out.mkdir(parents=True)
     cfg = compose([*overrides, f"trainer.accelerator={checks.accelerator}", "logger=none",
                        "trainer.progress_bar=false"])  # fmt: skip
-    return launch(cfg, str(out))
+    return launch(cfg, str(out)).as_written()
 
 
 def cli(checks: Checks, args: list[str], name: str, env: dict | None = None, torchrun: bool = False, timeout=300):

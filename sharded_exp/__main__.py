@@ -25,6 +25,7 @@ import os
 import signal
 import sys
 import tempfile
+from typing import TYPE_CHECKING
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -36,6 +37,9 @@ from sharded_exp.errors import ConfigError, NothingToDo, RunDirInUse
 from sharded_exp.launch.layout import with_shared_run_dir
 from sharded_exp.questions import is_query
 from sharded_exp.vocabulary.wandb_names import job_type, run_name, wandb_group
+
+if TYPE_CHECKING:
+    from sharded_exp.job.result import Result
 
 register_schemas(query=is_query(sys.argv[1:]))
 IMPORTED = time.time()
@@ -152,12 +156,13 @@ def main(cfg: DictConfig) -> float | None:
     result = check_and_launch(cfg)
     if cfg.get("objective") is None:
         return None
-    return objective_value(result or {}, cfg.objective, sweeper_direction(HydraConfig.get()))
+    return objective_value(result.as_written() if result else {}, cfg.objective, sweeper_direction(HydraConfig.get()))
 
 
-def check_and_launch(cfg: DictConfig) -> dict | None:
+def check_and_launch(cfg: DictConfig) -> "Result | None":
     """Check and launch the job; its result (None when nothing ran). Exits on a refused
     config or a failure outside a sweep."""
+    from sharded_exp.job.result import Result
     from sharded_exp.launch.parent import launch, record_config_error
     from sharded_exp.output.comparison import sweep_id
     from sharded_exp.sweep import check_objective
@@ -183,7 +188,7 @@ def check_and_launch(cfg: DictConfig) -> dict | None:
         result = launch(cfg, output_dir, job_files, started=(STARTED, IMPORTED), identity=identity)
     except NothingToDo as exc:  # a requeued job that had finished: result.json stays as it is
         log.info("%s", exc)
-        return read_result(output_dir)
+        return read_result_in(output_dir)
     except ConfigError as exc:  # raised before any rank starts
         if not multirun:
             print(f"error: {exc}", file=sys.stderr)  # not logged: no run directory is left behind
@@ -206,23 +211,23 @@ def check_and_launch(cfg: DictConfig) -> dict | None:
 
             print(f"error: {output_dir}/result.json not written ({written.strerror or written})", file=sys.stderr)
             ReportCallback.failed_points += 1  # no row in the report: counted here, so the sweep exits 1
-            return {"status": "failed", "error": message}
+            return Result.build(status="failed", error=message)  # not written: what the objective reads
     except Exception as exc:  # noqa: BLE001 -- unforeseen, before or around the ranks
         if not multirun:
             raise  # its traceback is what a bug report needs
         # A sweep point still ends with a result.json, and the sweep (and its report) go on.
         log.error("error: %s: %s", type(exc).__name__, exc)
         result = record_config_error(cfg, output_dir, exc, what="unexpected", identity=identity)
-    if result["status"] == "stopped":
+    if result.status == "stopped":
         # SIGTERM/SIGINT: exit like a terminated process (143 / 130); a sweep stops here,
         # with the report of its points so far.
         if multirun:
             from sharded_exp.output.comparison import write_report
 
             write_report(hc.sweep.dir)
-        signum = result.get("signal") or signal.SIGTERM
-        done = result.get("steps_done")
-        where = f" after step {done}" if done is not None else f": {result.get('error')}"
+        signum = result.signal or signal.SIGTERM
+        done = result.steps_done
+        where = f" after step {done}" if done is not None else f": {result.error}"
         log.error("stopped by signal %s%s", signum, where)
         sys.exit(128 + signum)
     if hc.mode == RunMode.MULTIRUN:
@@ -230,8 +235,8 @@ def check_and_launch(cfg: DictConfig) -> dict | None:
         # sweeper would stop at the first exception and never call on_multirun_end, where
         # sharded_exp.report.ReportCallback writes the report).
         return result
-    if result["status"] != "ok":
-        log.error("error: %s (details in %s/result.json)", result["error"], result["output_dir"])
+    if result.status != "ok":
+        log.error("error: %s (details in %s/result.json)", result.error, result.output_dir)
         sys.exit(1)
     return result
 
@@ -239,11 +244,10 @@ def check_and_launch(cfg: DictConfig) -> dict | None:
 def what_ran(output_dir: str) -> str:
     """What an OSError out of the launch left: nothing ran, or the job ran and its result (or
     what followed it) could not be written; result.json says which, as the launcher left it."""
-    import json
+    from sharded_exp.job.result import read_json  # pydantic: not for the commands that run no job
 
     try:
-        with open(os.path.join(output_dir, "result.json")) as f:
-            status = json.load(f).get("status")
+        status = read_json(os.path.join(output_dir, "result.json")).get("status")
     except (OSError, ValueError, AttributeError):
         return "the job did not run"
     if status == "running":
@@ -278,13 +282,13 @@ def _leaves(node, prefix: str = ""):
         yield prefix[:-1], node
 
 
-def read_result(output_dir: str) -> dict | None:
-    import json
+def read_result_in(output_dir: str) -> "Result | None":
+    """The result.json a finished job left in ``output_dir``; None when it cannot be read."""
+    from sharded_exp.job.result import read_result  # pydantic: not for the commands that run no job
 
     try:
-        with open(os.path.join(output_dir, "result.json")) as f:
-            return json.load(f)
-    except (OSError, ValueError):
+        return read_result(os.path.join(output_dir, "result.json"))
+    except (OSError, ValueError):  # pydantic's ValidationError is a ValueError
         return None
 
 

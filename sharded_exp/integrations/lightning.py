@@ -52,7 +52,7 @@ class MemoryProbe(pl.Callback):
         self.options = {"warmup_steps": warmup_steps, "track_steps": track_steps}
         self.samples_per_step = samples_per_step
         self.probe: Probe | None = None
-        self.result: dict[str, Any] | None = None
+        self.result: Any = None  # rank 0: the probe's result (sharded_exp.job.result.Result) once training ended
         self._global_step = 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:

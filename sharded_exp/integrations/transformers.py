@@ -47,7 +47,7 @@ class MemoryProbe(TrainerCallback):
         self.run_dir, self.predict = run_dir, predict
         self.options = {"warmup_steps": warmup_steps, "track_steps": track_steps}
         self.probe: Probe | None = None
-        self.result: dict[str, Any] | None = None
+        self.result: Any = None  # rank 0: the probe's result (sharded_exp.job.result.Result) once training ended
         self._hook = None
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):

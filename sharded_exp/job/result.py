@@ -1,13 +1,17 @@
-"""result.json: its schema (the models below) and its one writer (:func:`write_result`).
+"""result.json: its schema (the models below), its one writer (:func:`write_result`) and its
+one reader (:func:`read_result`).
 
 A job's ``result.json`` is written by the parent three times at most: ``running`` with the
 prediction before any rank starts, then the end (``ok``, ``stopped``, ``diverged``, ``oom``
-or ``failed``). Each write goes through :func:`write_result`, which checks the content
-against :class:`Result`: a key no model declares is an error of ours, found by the tests
-(every result.json the test suite writes is validated against the published schema,
-``docs/result.schema.json``: ``python -m sharded_exp.job.result > docs/result.schema.json``).
-A result that does not match is still written, with a warning: measuring never loses a
-run.
+or ``failed``). Whoever builds a result (the parent, rank 0's training part, the probe)
+builds a :class:`Result` (:meth:`Result.build`, :meth:`Result.updated`); readers use its
+attributes. A result keeps its fields as they were given, in their order, so the file holds
+exactly what its builders measured. Each write goes through :func:`write_result`, which
+checks the content against :class:`Result`: a key no model declares is an error of ours,
+found by the tests (every result.json the test suite writes is validated against the
+published schema, ``docs/result.schema.json``: ``python -m sharded_exp.job.result >
+docs/result.schema.json``). A result that does not match is still written, with a warning:
+measuring never loses a run.
 
 The top level is closed (every key declared here); sections whose keys depend on the
 model, the device or the task (per-rank memory, history records, the config) are typed
@@ -20,9 +24,9 @@ import contextlib
 import json
 import os
 import sys
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, WithJsonSchema
 
 from sharded_exp.errors import is_no_space, no_space
 
@@ -32,6 +36,11 @@ TRAINED = "training.partial.json"
 """Rank 0's training figures, written into the run directory before the final evaluation: an
 out-of-memory in that pass keeps them (the parent lays them under the failure and removes the file)."""
 STATUSES = ("running", "ok", "stopped", "diverged", "oom", "failed")
+
+Number = Annotated[Union[int, float], WithJsonSchema({"type": "number"})]
+"""A figure kept as it was measured: pydantic turns an int given to a ``float`` field into a
+float (3 becomes 3.0), so a section dumped from its model would no longer be what was written.
+The JSON Schema still says ``number``."""
 
 
 class _Closed(BaseModel):
@@ -45,9 +54,9 @@ class _Open(BaseModel):
 class Digest(_Closed):
     """float64 sum and L2 norm of a model's state (the same for every strategy)."""
 
-    sum: float
+    sum: Number
     """Sum of every element, in float64."""
-    l2: float
+    l2: Number
     """L2 norm over every element, in float64."""
 
 
@@ -71,7 +80,7 @@ class Device(_Open):
     """GPUs visible, or CPU cores."""
     threads_per_rank: int | None = None
     """Intra-op threads each rank ran (CPU: the cores shared among the ranks)."""
-    memory_gib: float | None = None
+    memory_gib: Number | None = None
     """The GPU's memory."""
     capability: str | None = None
     """CUDA compute capability."""
@@ -84,62 +93,62 @@ class Device(_Open):
 class Throughput(_Open):
     """Speed of the timed steps (the steps after warm-up, the memory tracker and profiling)."""
 
-    samples_per_s: float | None = None
+    samples_per_s: Number | None = None
     """Samples per second of all ranks at the median step."""
-    tokens_per_s: float | None = None
+    tokens_per_s: Number | None = None
     """Tokens per second (language models)."""
-    step_time_s_median: float | None = None
+    step_time_s_median: Number | None = None
     """The median timed step."""
-    step_time_s_iqr: float | None = None
+    step_time_s_iqr: Number | None = None
     """Its interquartile range."""
-    step_time_s_ci95_low: float | None = None
+    step_time_s_ci95_low: Number | None = None
     """The median step time's 95% confidence interval (order statistics; None under 6 steps)."""
-    step_time_s_ci95_high: float | None = None
+    step_time_s_ci95_high: Number | None = None
     """The median's 95% interval, upper end (order statistics; null under 6 steps)."""
-    samples_per_s_ci95_low: float | None = None
+    samples_per_s_ci95_low: Number | None = None
     """samples_per_s's 95% interval, lower end."""
-    samples_per_s_ci95_high: float | None = None
+    samples_per_s_ci95_high: Number | None = None
     """samples_per_s's 95% interval, upper end."""
-    step_time_s_mean: float | None = None
+    step_time_s_mean: Number | None = None
     """The mean timed step."""
     timed_steps: int | None = None
     """Steps timed (after warm-up, the CPU tracker's and the profiler's steps)."""
-    step_times_s: list[float] | None = None
+    step_times_s: list[Number] | None = None
     """Every timed step's time, in order."""
-    load_avg_1m: float | None = None
+    load_avg_1m: Number | None = None
     """The machine's 1-minute load average over the timed steps (the larger of its start and end)."""
     cpu_count: int | None = None
     """Cores of the machine."""
-    loop_time_s_per_step: float | None = None
+    loop_time_s_per_step: Number | None = None
     """Whole loop iterations, harness included."""
-    data_time_s_per_step: float | None = None
+    data_time_s_per_step: Number | None = None
     """The median wait for a step's batches plus their copy to the device."""
     data_prefetched: bool | int | None = None
     """Whether batches were made one step ahead in a background thread."""
-    first_step_s: float | None = None
+    first_step_s: Number | None = None
     """The first step's time."""
-    compile_s: float | None = None
+    compile_s: Number | None = None
     """trainer.compile's extra time in the step that compiled."""
-    model_flops_per_step: float | None = None
+    model_flops_per_step: Number | None = None
     """The model's FLOPs per step, all ranks."""
-    model_flops_per_step_per_rank: float | None = None
+    model_flops_per_step_per_rank: Number | None = None
     """The same, per rank."""
-    achieved_flops_per_s: float | None = None
+    achieved_flops_per_s: Number | None = None
     """model FLOPs per second per rank at the median step."""
-    peak_flops_per_s: float | None = None
+    peak_flops_per_s: Number | None = None
     """The device's peak FLOPs per second."""
     peak_flops_source: str | None = None
     """Where that peak comes from (a table, or a matmul measured on this CPU)."""
-    mfu_pct: float | None = None
+    mfu_pct: Number | None = None
     """Model FLOPs utilisation, in percent."""
 
 
 class Evaluation(_Closed):
-    final: dict[str, float]
+    final: dict[str, Number]
     """The last pass: eval/loss and the task's metrics (eval/accuracy, eval/f1, eval/perplexity)."""
     history: list[dict[str, float | int]]
     """Every pass, with its step."""
-    seconds: float
+    seconds: Number
     """Time the passes took (untimed steps)."""
 
 
@@ -149,22 +158,22 @@ class RankMemory(_Open):
 
     rank: int
     """The rank."""
-    peak_allocated_mib: float | None = None
+    peak_allocated_mib: Number | None = None
     """This rank's peak of live tensors over the measured steps."""
-    peak_reserved_mib: float | None = None
+    peak_reserved_mib: Number | None = None
     """CUDA: the caching allocator's peak reserved bytes."""
     peak_error: str | None = None
     """Why this rank's peak is null."""
-    freed_off_thread_max_mib: float | None = None
+    freed_off_thread_max_mib: Number | None = None
     """CPU: the largest tensor a thread other than the training one freed while memory was
     tracked (gloo's worker, dropping a collective's buffer after the training thread moved
     on): the measured peak may hold one such buffer more than the prediction (program
     order); None on CUDA, whose allocator counters need no such note."""
-    predicted_peak_mib: float | None = None
+    predicted_peak_mib: Number | None = None
     """This rank's predicted peak."""
-    model_states_mib: dict[str, float] | None = None
+    model_states_mib: dict[str, Number] | None = None
     """params, grads, optimizer: what this rank holds, from the real tensors."""
-    predicted_model_states_mib: dict[str, float] | None = None
+    predicted_model_states_mib: dict[str, Number] | None = None
     """The same, predicted."""
 
 
@@ -177,19 +186,19 @@ class Memory(_Open):
     """cuda_allocator or torch_mem_tracker (CPU)."""
     memory_limit_applies_to: str | None = None
     """What trainer.memory_limit_mib bounded: reserved bytes (CUDA) or live tensors (CPU)."""
-    peak_allocated_mib_max: float | None = None
+    peak_allocated_mib_max: Number | None = None
     """The largest per-rank peak of live tensors: what must fit."""
-    peak_allocated_mib_mean: float | None = None
+    peak_allocated_mib_mean: Number | None = None
     """The per-rank peak averaged over ranks (the seed study's figure)."""
-    predicted_peak_mib_max: float | None = None
+    predicted_peak_mib_max: Number | None = None
     """The largest predicted per-rank peak (one fake step)."""
-    predicted_peak_mib_mean: float | None = None
+    predicted_peak_mib_mean: Number | None = None
     """The predicted peak averaged over ranks."""
-    predicted_model_states_mib_max: float | None = None
+    predicted_model_states_mib_max: Number | None = None
     """The largest predicted parameters + gradients + optimizer state of a rank."""
-    model_states_mib_max: float | None = None
+    model_states_mib_max: Number | None = None
     """The largest measured parameters + gradients + optimizer state of a rank."""
-    peak_rel_error_max: float | None = None
+    peak_rel_error_max: Number | None = None
     """The largest signed (predicted - measured) / measured over ranks."""
     peak_error: str | None = None
     """Why a rank's peak is null (its tracker could not measure)."""
@@ -258,7 +267,7 @@ class Result(_Closed):
     """Optimizer settings, and the data (data.length, path, content), changed against the resumed checkpoint's."""
     checkpoint: str | None = None
     """The newest complete checkpoint the job left (the one to resume)."""
-    final_loss: float | None = None
+    final_loss: Number | None = None
     """The mean loss over ranks of the last logged interval."""
     final_metrics: dict[str, float | int] | None = None
     """The last interval's record (the history's names)."""
@@ -275,10 +284,74 @@ class Result(_Closed):
     """Speed of the timed steps."""
     profile: dict[str, Any] | None = None
     """Where trainer.profile's traces went."""
-    timeline: dict[str, float | None] | None = None
+    timeline: dict[str, Number | None] | None = None
     """Wall-clock times of the job's phases (start, ranks ready, first step, end)."""
     device: Device | None = None
     """What ran the job."""
+
+    _as_given: dict[str, Any] | None = PrivateAttr(default=None)
+    """The fields as the builders gave them, in their order: what result.json holds (None: a
+    result read back or validated directly, written from its fields that were set)."""
+
+    @classmethod
+    def of(cls, fields: dict[str, Any]) -> Result:
+        """A result from its fields (sections as plain data are validated into their models),
+        written later exactly as given, in the order given. Fields that do not match the
+        schema are our mistake, not the run's: the result keeps them, and :func:`write_result`
+        writes them with a warning."""
+        try:
+            result = cls.model_validate(fields)
+        except ValidationError:
+            result = cls.model_construct(**{k: v for k, v in fields.items() if k in cls.model_fields})
+        result._as_given = {k: v.model_dump(exclude_unset=True) if isinstance(v, BaseModel) else v
+                            for k, v in fields.items()}  # fmt: skip
+        return result
+
+    @classmethod
+    def build(cls, **fields: Any) -> Result:
+        """:meth:`of`, field by field."""
+        return cls.of(fields)
+
+    def given(self) -> dict[str, Any]:
+        """The fields that were set, as plain data: in the order the builders gave them, or,
+        for a result read back, in the file's order (a field never set is left out, one set
+        to null is kept as null; numbers keep their type)."""
+        return dict(self._as_given) if self._as_given is not None else self.model_dump(exclude_unset=True)
+
+    def as_written(self) -> dict[str, Any]:
+        """What result.json holds: ``schema_version`` first, then :meth:`given`."""
+        return {"schema_version": SCHEMA_VERSION, **self.given()}
+
+    def updated(self, **fields: Any) -> Result:
+        """This result with ``fields`` laid over it (a section given replaces the old one whole;
+        a field already set keeps its place)."""
+        return type(self).of({**self.as_written(), **fields})
+
+    def has(self, name: str) -> bool:
+        """Whether the field was set (to null, too): an older or a failed run's file lacks some."""
+        return name in self.given()
+
+
+class PartialResult(Result):
+    """Part of a result: what rank 0 measured, which the parent lays over what it knows of the
+    job; or a result.json as far as it goes, as a reader of other runs' files (the report) takes
+    it: a file left by a run killed while running, or by an older sharded_exp, may lack keys a
+    finished one has, and one from a newer sharded_exp of the same ``schema_version`` may hold
+    keys this one does not know (kept as they are)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    status: Literal["running", "ok", "stopped", "diverged", "oom", "failed"] | None = None
+    strategy: str | None = None
+    precision: str | None = None
+    model: str | None = None
+    optimizer: str | None = None
+    output_dir: str | None = None
+    config: dict[str, Any] | None = None
+
+    def as_written(self) -> dict[str, Any]:
+        """What the file held, or rank 0 sent (an older file without ``schema_version`` gets none)."""
+        return self.given()
 
 
 def schema() -> dict[str, Any]:
@@ -319,10 +392,10 @@ def write_json(path: str, data: dict[str, Any]) -> None:
         raise
 
 
-def write_result(output_dir: str, result: dict[str, Any]) -> None:
-    """``<output_dir>/result.json``, atomically, with its ``schema_version``: the one place a
-    job's result is written."""
-    data = {"schema_version": SCHEMA_VERSION, **result}
+def write_result(output_dir: str, result: Result) -> None:
+    """``<output_dir>/result.json``, atomically, with its ``schema_version`` first: the one
+    place a job's result is serialised."""
+    data = result.as_written()
     found = problems(data)
     if found:  # our mistake, not the user's: the result is still kept
         print(f"warning: {output_dir}/result.json does not match its schema: {'; '.join(found[:5])}",
@@ -331,10 +404,42 @@ def write_result(output_dir: str, result: dict[str, Any]) -> None:
     write_json(os.path.join(output_dir, "result.json"), data)
 
 
-def read_result(path: str) -> Result:
-    """A result.json as its model (raises ValidationError when it does not match)."""
+def read_json(path: str) -> Any:
+    """A result.json's content as written (a reader that accepts older or foreign files checks
+    it with :func:`problems` itself)."""
     with open(path) as f:
-        return Result.model_validate(json.load(f))
+        return json.load(f)
+
+
+def read_result(path: str, partial: bool = False) -> Result:
+    """A result.json as its model: the one reader of result.json. Raises OSError when it cannot
+    be read and ValueError (pydantic's ValidationError among them) when it is no JSON or does not
+    match the schema.
+
+    ``partial``: another run's file, read as far as it goes (a :class:`PartialResult`): missing
+    and unknown keys are no error, but a value of the wrong type is, strictly (``"world_size":
+    "2"`` is no number), and so is a newer ``schema_version``, whose keys may mean other things."""
+    data = read_json(path)
+    if not partial:
+        return _as_read(Result.model_validate(data), data)
+    if not isinstance(data, dict):
+        raise ValueError(f"a JSON {type(data).__name__}, not an object")
+    version = data.get("schema_version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
+        raise ValueError(
+            f"schema_version {version} is newer than this sharded_exp reads ({SCHEMA_VERSION}): "
+            "its keys may mean other things; report it with the sharded_exp that wrote it"
+        )
+    wrong = problems(data, strict=True, ignore=("missing", "extra_forbidden"))
+    if wrong:
+        raise ValueError(f"does not match its schema: {'; '.join(wrong[:3])}")
+    return _as_read(PartialResult.model_validate(data), data)
+
+
+def _as_read(result: Result, data: dict[str, Any]) -> Result:
+    """``result`` that, written again, holds what the file held, in its order."""
+    result._as_given = data
+    return result
 
 
 if __name__ == "__main__":

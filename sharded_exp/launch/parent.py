@@ -36,7 +36,7 @@ from sharded_exp.checkpoint.storage import (
     remove_unfinished_saves,
 )
 from sharded_exp.errors import OOM_SIGNS, RunDirInUse, WontFit, writing
-from sharded_exp.job.result import SCHEMA_VERSION, TRAINED, write_result
+from sharded_exp.job.result import TRAINED, PartialResult, Result, read_json, write_result
 from sharded_exp.job.spec import JobSpec
 from sharded_exp.launch import forkserver, preflight
 from sharded_exp.launch.layout import Layout, external_layout, rendezvous_env
@@ -62,7 +62,7 @@ def launch(
     job_files: dict[str, Any] | None = None,
     started: tuple[float, float] | None = None,
     identity: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+) -> Result:
     """Check, run every rank, write ``result.json`` and print the summary table.
 
     Returns the result; its ``status`` is "ok", "stopped" (by a signal), "oom" or
@@ -108,15 +108,11 @@ def hold_run_dir(output_dir: str):
     ))  # fmt: skip
 
 
-def _launch(cfg, output_dir, job_files, started, layout, is_writer, launched, lock, identity) -> dict[str, Any]:
+def _launch(cfg, output_dir, job_files, started, layout, is_writer, launched, lock, identity) -> Result:
     spec = preflight.check(cfg, output_dir, layout, peak=is_writer)  # raises ConfigError before any rank starts
-    result = {
-        "schema_version": SCHEMA_VERSION,  # as written: the result returned is the file's
-        **base_result(spec.config, spec.params, output_dir),
-        **identity,
-        "launcher": spec.launcher,
-        "zero_grad": spec.zero_grad.record(),
-    }
+    result = base_result(
+        spec.config, spec.params, output_dir, **identity, launcher=spec.launcher, zero_grad=spec.zero_grad.record()
+    )
     if is_writer and spec.zero_grad.reason:  # trainer.zero_grad not honoured: said, not silent
         log.warning(
             "note: trainer.zero_grad=%s is not honoured: %s", spec.zero_grad.requested.value, spec.zero_grad.reason
@@ -136,7 +132,7 @@ def _launch(cfg, output_dir, job_files, started, layout, is_writer, launched, lo
             job_files = {**job_files, "config.yaml": OmegaConf.create(spec.config_yaml)}
         write_job_files(output_dir, job_files or {})
         # Status "running" with the prediction: what to expect is on disk before any rank starts.
-        write_result(output_dir, {**result, "memory": predicted_section(spec.prediction)})
+        write_result(output_dir, result.updated(memory=predicted_section(spec.prediction)))
     if is_writer:
         peaks = (spec.prediction.get("peak") or {}).get("per_rank_mib")
         peak = f", predicted peak {max(peaks):.2f} MiB per rank" if peaks else ""
@@ -150,22 +146,24 @@ def _launch(cfg, output_dir, job_files, started, layout, is_writer, launched, lo
         parent_times = {"main": main, "imported": imported, "launch": launched, "validated": validated}
         result = finished_result(result, payload, parent_times)
     except Exception as exc:  # noqa: BLE001 -- a rank failed: record it, then let the caller exit non-zero
-        result.update(kept_training(output_dir))  # what training measured before a failure in the final pass
-        result.update(failure_of(exc, output_dir))
+        # what training measured before a failure in the final pass, then how it failed
+        result = failed(result.updated(**kept_training(output_dir)), exc, output_dir)
         applies = MemoryMeter.LIMIT_APPLIES_TO[spec.device_type] if cfg.trainer.memory_limit_mib else None
-        result.setdefault("memory", predicted_section(spec.prediction, applies))  # what was expected, still
-        if result["status"] == "oom":  # what the ranks that ran out held (from their error records)
-            result["memory"].update(oom_memory(rank_failures(output_dir)))
+        if not result.has("memory"):  # what was expected, still
+            result = result.updated(memory=predicted_section(spec.prediction, applies))
+        if result.status == "oom":  # what the ranks that ran out held (from their error records)
+            memory = result.as_written()["memory"]
+            result = result.updated(memory={**memory, **oom_memory(rank_failures(output_dir))})
         if spec.checkpoint.every or isinstance(exc, Stopped):
             # stopped, killed or failed mid-way (in a save too): the newest complete checkpoint is the one to resume
             directory = spec.checkpoint.directory
             found = complete_checkpoints(directory) if directory and os.path.isdir(directory) else []
-            result["checkpoint"] = found[-1][1] if found else None
+            result = result.updated(checkpoint=found[-1][1] if found else None)
     if is_writer:
         with contextlib.suppress(OSError):
             os.remove(os.path.join(output_dir, TRAINED))
         write_result(output_dir, result)
-        log.info("finished: %s%s", result["status"], f" ({result['error']})" if result.get("error") else "")
+        log.info("finished: %s%s", result.status, f" ({result.error})" if result.error else "")
         print(summary_table(result), flush=True)
         for line in memory_lines(result):
             print(line, flush=True)
@@ -175,7 +173,7 @@ def _launch(cfg, output_dir, job_files, started, layout, is_writer, launched, lo
 
 def record_config_error(
     cfg: DictConfig, output_dir: str, exc: Exception, what: str = "config", identity: dict[str, Any] | None = None
-) -> dict[str, Any]:
+) -> Result:
     """A sweep point whose config was refused (``what`` "config"), or that failed
     unexpectedly around its ranks ("unexpected", with the traceback): recorded as a
     failed point, so that every point of a sweep ends with a result.json."""
@@ -186,15 +184,14 @@ def record_config_error(
         data = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
     error = f"config: {exc}" if what == "config" else f"unexpected: {type(exc).__name__}: {exc}"
     status = "oom" if isinstance(exc, WontFit) else "failed"  # predicted not to fit: a result
-    result = {"schema_version": SCHEMA_VERSION, **base_result(data, None, output_dir), **(identity or {}),
-              "status": status, "error": error}  # fmt: skip
+    result = base_result(data, None, output_dir, status, error, **(identity or {}))
     if what != "config":
-        result["traceback"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        result = result.updated(traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
     write_result(output_dir, result)
     return result
 
 
-def run_ranks(job: JobSpec, layout: Layout | None) -> dict[str, Any] | None:
+def run_ranks(job: JobSpec, layout: Layout | None) -> PartialResult | None:
     """Run the job's ranks: spawn them, or be the one rank an external launcher started."""
     if layout is None:
         return spawn(job, job.world_size)
@@ -209,7 +206,7 @@ def run_ranks(job: JobSpec, layout: Layout | None) -> dict[str, Any] | None:
     return entry(job, layout.rank, layout.world_size, layout.local_rank, layout.local_world_size)
 
 
-def spawn(job: JobSpec, world_size: int) -> dict[str, Any]:
+def spawn(job: JobSpec, world_size: int) -> PartialResult:
     """Run ``world_size`` ranks as child processes; return rank 0's payload or raise."""
     # forkserver: children fork from a clean server process that imported torch once, so a
     # sweep pays the import once; plain fork would inherit the parent's OpenMP pool (and
@@ -271,8 +268,8 @@ def spawn(job: JobSpec, world_size: int) -> dict[str, Any]:
     if early is not None:  # every rank exited with code 0, and this one never finished
         raise RankDied(early, 0)
     payload = finished[0]
-    if payload.get("status") == "stopped" and stop.signum is not None:
-        payload["signal"] = stop.signum  # the job's signal (ranks may also see Ctrl-C's SIGINT)
+    if payload.status == "stopped" and stop.signum is not None:
+        payload = payload.updated(signal=stop.signum)  # the job's signal (ranks may also see Ctrl-C's SIGINT)
     return payload
 
 
@@ -382,25 +379,24 @@ def kept_training(output_dir: str) -> dict[str, Any]:
     """Rank 0's training figures when the job failed after training (in the final evaluation),
     without its status; {} when there are none."""
     try:
-        with open(os.path.join(output_dir, TRAINED)) as f:
-            kept = json.load(f)
+        kept = read_json(os.path.join(output_dir, TRAINED))
     except (OSError, ValueError):
         return {}
     return {k: v for k, v in kept.items() if k not in ("status", "error", "traceback", "timeline")}
 
 
-def failure_of(exc: BaseException, output_dir: str) -> dict[str, Any]:
-    """result.json's status and error for a job whose ranks failed or were stopped."""
+def failed(result: Result, exc: BaseException, output_dir: str) -> Result:
+    """``result`` with the status and error of a job whose ranks failed or were stopped."""
     first = None if isinstance(exc, (RankDied, Stopped)) else first_rank_failure(output_dir)
     if first is not None:
-        out = {"status": "failed", "error": first["error"], "traceback": first["traceback"]}
+        result = result.updated(status="failed", error=first["error"], traceback=first["traceback"])
     else:
-        out = {"status": "failed", "error": describe_failure(exc)}
+        result = result.updated(status="failed", error=describe_failure(exc))
     if isinstance(exc, Stopped):
-        out.update(status="stopped", signal=exc.signum)
-    if any(sign in out["error"] for sign in OOM_SIGNS):
-        out["status"] = "oom"  # a result, not a crash: this point does not fit
-    return out
+        result = result.updated(status="stopped", signal=exc.signum)
+    if any(sign in result.error for sign in OOM_SIGNS):
+        result = result.updated(status="oom")  # a result, not a crash: this point does not fit
+    return result
 
 
 def rank_failures(output_dir: str) -> list[dict[str, Any]]:

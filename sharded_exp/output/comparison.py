@@ -11,7 +11,6 @@ and the multirun callback are in :mod:`sharded_exp.report`.
 from __future__ import annotations
 
 import csv
-import json
 import math
 import os
 import shutil
@@ -20,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from sharded_exp.job.result import SCHEMA_VERSION, problems
+from sharded_exp.job.result import read_result
 from sharded_exp.output import charts
 from sharded_exp.output.charts import ranks
 from sharded_exp.output.loggers import init_wandb_run
@@ -91,18 +90,7 @@ def _read_point(path: Path) -> dict[str, Any]:
     written either way). Missing and unknown keys are not type errors: an older or a newer
     result.json still makes its row."""
     try:
-        data = json.loads(path.read_text())
-        if not isinstance(data, dict):
-            raise ValueError(f"a JSON {type(data).__name__}, not an object")
-        version = data.get("schema_version")
-        if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
-            raise ValueError(
-                f"schema_version {version} is newer than this sharded_exp reads ({SCHEMA_VERSION}): "
-                "its keys may mean other things; report it with the sharded_exp that wrote it"
-            )
-        wrong = problems(data, strict=True, ignore=("missing", "extra_forbidden"))
-        if wrong:
-            raise ValueError(f"does not match its schema: {'; '.join(wrong[:3])}")
+        data = read_result(str(path), partial=True).as_written()
     except (OSError, ValueError) as exc:
         return {"status": "unreadable", "error": f"{path}: {exc}", "output_dir": str(path.parent)}
     missing = [k for k in REQUIRED if data.get(k) is None]

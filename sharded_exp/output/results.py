@@ -4,23 +4,34 @@ from __future__ import annotations
 
 from typing import Any
 
+from sharded_exp.job.result import PartialResult, Result
 
-def base_result(cfg_data: dict[str, Any], params: int, output_dir: str) -> dict[str, Any]:
+
+def base_result(
+    cfg_data: dict[str, Any],
+    params: int | None,
+    output_dir: str,
+    status: str = "running",
+    error: str | None = None,
+    **fields: Any,
+) -> Result:
+    """What a job is, before it runs (``fields``: more of :class:`Result`'s, its place in a sweep)."""
     t = cfg_data["trainer"]
-    return {
-        "status": "running",
-        "error": None,
-        "strategy": cfg_data["strategy"]["name"],
-        "precision": str(cfg_data["precision"]["name"]),
-        "model": cfg_data["model"]["name"],
-        "optimizer": cfg_data["optimizer"]["name"],
-        "world_size": t["world_size"],
-        "accelerator": t["accelerator"],
-        "params": params,
-        "steps": t["steps"],
-        "output_dir": output_dir,
-        "config": cfg_data,
-    }
+    return Result.build(
+        status=status,
+        error=error,
+        strategy=cfg_data["strategy"]["name"],
+        precision=str(cfg_data["precision"]["name"]),
+        model=cfg_data["model"]["name"],
+        optimizer=cfg_data["optimizer"]["name"],
+        world_size=t["world_size"],
+        accelerator=t["accelerator"],
+        params=params,
+        steps=t["steps"],
+        output_dir=output_dir,
+        config=cfg_data,
+        **fields,
+    )
 
 
 def training_result(
@@ -38,48 +49,48 @@ def training_result(
     memory: dict[str, Any],
     timeline: dict[str, float],
     device: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+) -> PartialResult:
     """What rank 0 sends the parent when training ended: result.json's training part,
     which the parent lays over :func:`base_result`. ``out``: the trainer's LoopOutcome."""
     import math
 
     nonfinite = [e.get("first_nonfinite_step", -1) for e in per_rank if e.get("first_nonfinite_step", -1) >= 0]
     diverged = not math.isfinite(final_loss) or any(e["nonfinite_params"] for e in per_rank)
-    return {
-        "status": "stopped" if out.stopped else ("diverged" if diverged else "ok"),
-        "error": _divergence(final_loss, per_rank, nonfinite) if diverged else None,
-        "first_nonfinite_step": min(nonfinite) if nonfinite else None,
-        "signal": signal if out.stopped else None,
-        "start_step": start,
-        "steps_done": out.steps_done,
-        "world_size": world_size,
-        "resumed_from": resumed_from,
-        "resume_changes": resume_changes,
-        "checkpoint": out.checkpoint,
-        "params": params,
-        "final_loss": final_loss,
-        "final_metrics": out.history[-1],
-        "param_digest": digest,
-        "throughput": out.throughput,
-        "history": out.history,
-        "eval": _eval_section(out.evals),
-        "memory": memory,
-        "profile": profile_section(per_rank, out.throughput),
-        "timeline": {**timeline, "first_step": out.first_step_unix, "last_step": out.last_step_unix},
-        "device": device,  # what ran it, where ``accelerator`` says what was asked for
-    }
+    return PartialResult.build(
+        status="stopped" if out.stopped else ("diverged" if diverged else "ok"),
+        error=_divergence(final_loss, per_rank, nonfinite) if diverged else None,
+        first_nonfinite_step=min(nonfinite) if nonfinite else None,
+        signal=signal if out.stopped else None,
+        start_step=start,
+        steps_done=out.steps_done,
+        world_size=world_size,
+        resumed_from=resumed_from,
+        resume_changes=resume_changes,
+        checkpoint=out.checkpoint,
+        params=params,
+        final_loss=final_loss,
+        final_metrics=out.history[-1],
+        param_digest=digest,
+        throughput=out.throughput,
+        history=out.history,
+        eval=_eval_section(out.evals),
+        memory=memory,
+        profile=profile_section(per_rank, out.throughput),
+        timeline={**timeline, "first_step": out.first_step_unix, "last_step": out.last_step_unix},
+        device=device,  # what ran it, where ``accelerator`` says what was asked for
+    )
 
 
 def finished_result(
-    result: dict[str, Any], payload: dict[str, Any] | None, parent_times: dict[str, float | None]
-) -> dict[str, Any]:
-    """result.json of a job whose ranks ended: :func:`base_result` with rank 0's
+    result: Result, payload: PartialResult | None, parent_times: dict[str, float | None]
+) -> Result:
+    """The result of a job whose ranks ended: :func:`base_result` with rank 0's
     :func:`training_result` laid over it (None: a torchrun rank other than 0, status "ok"),
     and one timeline in Unix times: main -> imported -> launch -> validated (the parent's),
     then rank_start -> process_group_ready -> built -> logger_ready -> first_step ->
     last_step (rank 0's)."""
-    payload = payload or {"status": "ok"}
-    return {**result, **payload, "timeline": {**parent_times, **payload.get("timeline", {})}}
+    payload = payload or PartialResult.build(status="ok")
+    return result.updated(**payload.as_written()).updated(timeline={**parent_times, **(payload.timeline or {})})
 
 
 def _eval_section(evals: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -106,22 +117,22 @@ def format_table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
-def _eval_cell(result: dict[str, Any]) -> str:
+def _eval_cell(result: Result) -> str:
     """The final evaluation in short, with what its passes cost: ``acc 0.91 f1 0.88 (0.21 s)``."""
-    evaluation = result.get("eval") or {}
-    final = evaluation.get("final") or {}
+    if result.eval is None:
+        return "-"
+    final = result.eval.final
     short = {"eval/accuracy": "acc", "eval/f1": "f1", "eval/perplexity": "ppl"}
     cells = [f"{name} {final[key]:.3g}" for key, name in short.items() if key in final]
-    if cells and evaluation.get("seconds") is not None:
-        cells.append(f"({evaluation['seconds']:.2f} s)")
+    if cells:
+        cells.append(f"({result.eval.seconds:.2f} s)")
     return " ".join(cells) or "-"
 
 
-def summary_table(result: dict[str, Any]) -> str:
+def summary_table(result: Result) -> str:
     """The short end-of-run table printed by the parent."""
-    tp = result.get("throughput") or {}
-    mem = result.get("memory") or {}
-    mib = lambda key: f"{mem[key]:.2f}" if mem.get(key) is not None else "-"
+    tp, mem = result.throughput, result.memory
+    mib = lambda key: f"{getattr(mem, key):.2f}" if mem is not None and getattr(mem, key, None) is not None else "-"
     header = [
         "strategy",
         "precision",
@@ -140,23 +151,24 @@ def summary_table(result: dict[str, Any]) -> str:
         "eval",
         "status",
     ]
+    timed = tp is not None and bool(tp.model_dump(exclude_unset=True))  # {} when no step was timed
     row = [
-        result["strategy"],
-        result["precision"],
-        result["world_size"],
-        result["model"],
-        f"{result['params']:,}",
-        f"{result['final_loss']:.4f}" if result.get("final_loss") is not None else "-",
-        f"{tp['samples_per_s']:.1f}" if tp else "-",
-        f"{1000 * tp['step_time_s_median']:.1f}" if tp else "-",
+        result.strategy,
+        result.precision,
+        result.world_size,
+        result.model,
+        f"{result.params:,}",
+        f"{result.final_loss:.4f}" if result.final_loss is not None else "-",
+        f"{tp.samples_per_s:.1f}" if timed else "-",
+        f"{1000 * tp.step_time_s_median:.1f}" if timed else "-",
         mib("peak_allocated_mib_max"),
         mib("peak_allocated_mib_mean"),
         mib("predicted_peak_mib_max"),
         mib("model_states_mib_max"),
         mib("predicted_model_states_mib_max"),
-        f"{tp['mfu_pct']:.1f}" if tp.get("mfu_pct") is not None else "-",
+        f"{tp.mfu_pct:.1f}" if tp is not None and tp.mfu_pct is not None else "-",
         _eval_cell(result),
-        result["status"],
+        result.status,
     ]
     return format_table([row], header)
 
@@ -364,12 +376,12 @@ def profile_section(per_rank: list[dict[str, Any]], throughput: dict[str, Any]) 
     }
 
 
-def memory_lines(result: dict[str, Any]) -> list[str]:
+def memory_lines(result: Result) -> list[str]:
     """Lines printed under the summary table: the out-of-memory breakdown, the snapshot
     files, the profiler's traces."""
     lines = []
-    mem = result.get("memory") or {}
-    oom = mem.get("oom_breakdown")
+    mem = result.memory
+    oom = mem.oom_breakdown if mem is not None else None
     if oom and not oom.get("error"):
         cats = ", ".join(f"{k} {v:.2f}" for k, v in oom["by_category_mib"].items() if v)
         mods = ", ".join(f"{k} {v:.2f}" for k, v in oom["top_modules_mib"].items()) or "none"
@@ -379,12 +391,12 @@ def memory_lines(result: dict[str, Any]) -> list[str]:
             f"live over the {oom['limit_mib']:g} MiB budget: {cats}; top modules (MiB): {mods}; outside any "
             f"module {oom['outside_modules_mib']:.2f}"
         )
-    elif result.get("status") == "oom" and mem.get("oom_breakdown_error"):
-        lines.append(f"no out-of-memory breakdown: {mem['oom_breakdown_error']}")
-    snapshot = mem.get("memory_snapshot") or {}
+    elif result.status == "oom" and mem is not None and mem.oom_breakdown_error:
+        lines.append(f"no out-of-memory breakdown: {mem.oom_breakdown_error}")
+    snapshot = (getattr(mem, "memory_snapshot", None) if mem is not None else None) or {}
     if snapshot.get("files"):
         lines.append(f"memory snapshots (open at https://pytorch.org/memory_viz): {', '.join(snapshot['files'])}")
-    profile = result.get("profile") or {}
+    profile = result.profile or {}
     if profile.get("files"):
         ms = lambda v: f"{v * 1e3:.1f} ms" if v is not None else "-"
         lines.append(

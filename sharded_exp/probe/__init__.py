@@ -35,7 +35,7 @@ import os
 import platform
 import sys
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -45,6 +45,9 @@ from sharded_exp.measure.tracker import MemoryMeter, model_state_mib
 from sharded_exp.precision import Precision
 from sharded_exp.probe import fake
 from sharded_exp.strategies import name_of_wrapper, traits_of
+
+if TYPE_CHECKING:
+    from sharded_exp.job.result import Result
 
 
 def _dist():
@@ -247,7 +250,7 @@ class Probe:
         entry["peak_rel_error"] = (predicted - measured) / measured if measured and predicted is not None else None
         return entry
 
-    def close(self, error: str | None = None) -> dict[str, Any] | None:
+    def close(self, error: str | None = None) -> Result | None:
         """Gather every rank's figures (once) and write ``result.json`` on rank 0; returns the
         result on rank 0, None elsewhere. Safe to call twice.
 
@@ -276,19 +279,19 @@ class Probe:
             return None
         result = self._result(gathered, world)
         if error is not None:
-            result.update(status="failed", error=f"rank {rank}: {error}"[:2000])
-        self._write(result)
+            result = result.updated(status="failed", error=f"rank {rank}: {error}"[:2000])
+        result = self._write(result)
         self._to_wandb(result)
         return result
 
-    def _write(self, result: dict[str, Any]) -> None:
+    def _write(self, result: Result) -> Result:
         """``result.json`` in ``run_dir``, an earlier one there moved to ``attempts/<n>/`` as a
         run's is; a ``run_dir`` that cannot be written leaves the result in a new temporary
         directory instead, said on stderr: the measurement is not lost, and training is not
-        failed after it ended."""
+        failed after it ended. Returns the result as written (its ``output_dir`` the fallback's)."""
         import tempfile
 
-        from sharded_exp.job.result import write_result
+        from sharded_exp.job.result import write_result  # pydantic: loaded when a result is written, not at import
         from sharded_exp.launch.parent import archive_previous_attempt
 
         try:
@@ -298,15 +301,17 @@ class Probe:
             write_result(self.run_dir, result)
         except OSError as exc:
             fallback = tempfile.mkdtemp(prefix="sharded_exp_probe_")
-            result["output_dir"] = fallback
+            result = result.updated(output_dir=fallback)
             write_result(fallback, result)
             print(
                 f"error: sharded_exp probe: run_dir={self.run_dir} cannot be written ({exc.strerror or exc}); "
                 f"the result is in {fallback}/result.json",
                 file=sys.stderr,
             )
+        return result
 
-    def _result(self, per_rank: list[dict[str, Any]], world: int) -> dict[str, Any]:
+    def _result(self, per_rank: list[dict[str, Any]], world: int) -> Result:
+        from sharded_exp.job.result import Device, Result  # pydantic: loaded when a result is built, not at import
         from sharded_exp.output.results import largest_and_mean
         from sharded_exp.train.metrics import throughput_stats
 
@@ -331,36 +336,36 @@ class Probe:
             )
         losses = [float(t) for t in self.losses]
         params = sum(p.numel() for p in fake.unwrap(self.model)[0].parameters())
-        return {
-            "status": "ok",
-            "source": self.source,
-            "strategy": self.strategy,
-            "precision": self.precision,
-            "model": fake.model_name(self.model),
-            "optimizer": type(self.optimizer).__name__.lower(),
-            "world_size": world,
-            "accelerator": self.device.type,
-            "params": params,
-            "steps": self.steps,
-            "steps_done": self.steps,
-            "output_dir": os.path.abspath(self.run_dir),
-            "config": {"source": self.source, "framework": self.framework, "warmup_steps": self.warmup_steps,
-                       "track_steps": self.track_steps, "samples_per_step": self.samples_per_step,
-                       "grad_accum": self.grad_accum,
-                       "ignored_step_calls": self.ignored_calls},  # fmt: skip
-            "launcher": _launcher(),
-            "final_loss": losses[-1] if losses else None,
-            "memory": memory,
-            "throughput": throughput,
-            "device": {
-                "type": "cuda" if self.device.type == "cuda" else "cpu",  # meta ops run on the host
-                "name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else platform.processor() or None,
-                "count": torch.cuda.device_count() if self.device.type == "cuda" else os.cpu_count(),
-                "threads_per_rank": torch.get_num_threads(),
-            },
-        }
+        cuda = self.device.type == "cuda"
+        return Result.build(
+            status="ok",
+            source=self.source,
+            strategy=self.strategy,
+            precision=self.precision,
+            model=fake.model_name(self.model),
+            optimizer=type(self.optimizer).__name__.lower(),
+            world_size=world,
+            accelerator=self.device.type,
+            params=params,
+            steps=self.steps,
+            steps_done=self.steps,
+            output_dir=os.path.abspath(self.run_dir),
+            config={"source": self.source, "framework": self.framework, "warmup_steps": self.warmup_steps,
+                    "track_steps": self.track_steps, "samples_per_step": self.samples_per_step,
+                    "grad_accum": self.grad_accum, "ignored_step_calls": self.ignored_calls},  # fmt: skip
+            launcher=_launcher(),
+            final_loss=losses[-1] if losses else None,
+            memory=memory,
+            throughput=throughput,
+            device=Device(
+                type="cuda" if cuda else "cpu",  # meta ops run on the host
+                name=torch.cuda.get_device_name(self.device) if cuda else platform.processor() or None,
+                count=torch.cuda.device_count() if cuda else os.cpu_count(),
+                threads_per_rank=torch.get_num_threads(),
+            ),
+        )
 
-    def _to_wandb(self, result: dict[str, Any]) -> None:
+    def _to_wandb(self, result: Result) -> None:
         wandb = sys.modules.get("wandb")  # never imported here: only a run the user opened
         run = getattr(wandb, "run", None) if wandb is not None else None
         if run is None:
@@ -368,7 +373,7 @@ class Probe:
         try:
             from sharded_exp.output.loggers import summary_values
 
-            run.summary.update({k: v for k, v in summary_values(result, self.strategy).items() if v is not None})
+            run.summary.update({k: v for k, v in summary_values(result.as_written(), self.strategy).items() if v is not None})
         except Exception as exc:  # noqa: BLE001 -- W&B never fails the user's training
             print(f"warning: sharded_exp probe: W&B summary not written: {exc}", file=sys.stderr)
 

@@ -26,7 +26,7 @@ from sharded_exp import checkpoint
 from sharded_exp.checkpoint import CheckpointManager, gather_model_state
 from sharded_exp.data.loader import data_changes
 from sharded_exp.errors import is_oom
-from sharded_exp.job.result import TRAINED, write_json
+from sharded_exp.job.result import TRAINED, PartialResult, write_json
 from sharded_exp.job.spec import JobSpec
 from sharded_exp.measure.flops import utilisation
 from sharded_exp.measure.profile import trace_path
@@ -245,7 +245,7 @@ def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: Me
     def evaluate(step: int) -> dict[str, float]:
         return evaluation.evaluate(strategy, task, autocast, device, batches, rank)
 
-    def result_of(out) -> dict[str, Any] | None:
+    def result_of(out) -> PartialResult | None:
         """Rank 0's payload (result.json's training figures) from the loop's outcome."""
         if per_rank is None:
             return None
@@ -301,7 +301,7 @@ def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: Me
             torch.save(final_state, os.path.join(output_dir, "model_final.pt"))
         if batches > 0 and not out.stopped:
             if rank == 0 and per_rank is not None:  # kept, should the pass run out of memory
-                write_json(os.path.join(output_dir, TRAINED), result_of(out))
+                write_json(os.path.join(output_dir, TRAINED), result_of(out).as_written())
             with meter.paused():
                 evaluation_part.final(out)
             intervals.flush()  # its eval/... point, after the loop's own (the series' last: W&B's summary)
@@ -310,6 +310,6 @@ def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: Me
         logger.finish(exit_code=1)
         raise
     if payload is not None:
-        logger.summary(summary_values(payload, cfg.strategy.name))
-    logger.finish(exit_code=1 if payload is not None and payload["status"] == "diverged" else 0)
+        logger.summary(summary_values(payload.as_written(), cfg.strategy.name))
+    logger.finish(exit_code=1 if payload is not None and payload.status == "diverged" else 0)
     return payload

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from sharded_exp.compose import compose
+from sharded_exp.job import result as job_result
 from sharded_exp.strategies import STRATEGIES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,13 +57,13 @@ def tiny(overrides: list[str]) -> list[str]:
 
 def launch_job(overrides: list[str], out: Path, env: dict[str, str] | None = None) -> dict:
     """The job (``tiny`` shapes plus ``overrides``) composed and launched in this process, with
-    ``env`` set for its duration; its result returned."""
+    ``env`` set for its duration; its result returned as result.json holds it."""
     from sharded_exp.launch.parent import launch
 
     old = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
     try:
-        return launch(compose(tiny(overrides)), str(out))
+        return launch(compose(tiny(overrides)), str(out)).as_written()
     finally:
         for k, v in old.items():
             if v is None:
@@ -116,7 +117,9 @@ def run_measurement(module: str, *args: str, cwd: Path, timeout: float = 300) ->
 
 
 def read_result(path: Path) -> dict:
-    return json.loads((path / "result.json").read_text())
+    """``path``'s result.json, read by the product's reader (so it matches the schema), as the
+    file holds it."""
+    return job_result.read_result(str(path / "result.json")).as_written()
 
 
 BLOCKER = """

@@ -183,7 +183,7 @@ def saved(tmp_path_factory):
 def start(overrides, out):
     from sharded_exp.launch.parent import launch
 
-    return launch(compose(tiny(overrides)), str(out))
+    return launch(compose(tiny(overrides)), str(out)).as_written()
 
 
 def test_missing_checkpoint_is_named(tmp_path):

@@ -156,7 +156,7 @@ def test_every_allocation_failure_is_oom(message, tmp_path):
     with open_dict(cfg.model):
         cfg.model.message = message  # any text, as a CUDA library would raise it
     result = launch(cfg, str(tmp_path))
-    assert result["status"] == "oom", result["error"]
+    assert result.status == "oom", result.error
 
 
 def test_the_nccl_process_group_is_bound_to_the_ranks_gpu(monkeypatch):

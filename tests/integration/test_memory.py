@@ -132,7 +132,7 @@ def test_prediction_is_on_disk_before_any_rank_starts(tmp_path, monkeypatch, mea
 
     monkeypatch.setattr(parent, "run_ranks", instead_of_the_ranks)
     result = parent.launch(compose(tiny(["strategy=fsdp", "model=gpt", *ADAM_FP32])), str(tmp_path))
-    assert result["status"] == "failed" and "no ranks in this test" in result["error"]
+    assert result.status == "failed" and "no ranks in this test" in result.error
     assert seen["status"] == "running"
     final = measured("fsdp")["memory"]  # the same job, run for real
     assert seen["memory"]["predicted_model_states_mib_max"] == final["predicted_model_states_mib_max"]

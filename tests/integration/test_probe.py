@@ -53,13 +53,13 @@ def test_a_probed_loop_trains_exactly_as_the_unprobed_one(tmp_path):
     assert torch.equal(rng_bare, torch.get_rng_state())
     for (name, a), b in zip(bare.state_dict().items(), probed.state_dict().values()):
         assert torch.equal(a, b), name
-    assert result["status"] == "ok" and result["steps"] == 12
+    assert result.status == "ok" and result.steps == 12
 
 
 def test_the_probe_writes_a_result_json_the_schema_and_report_accept(tmp_path):
     _, result = _loop(14, tmp_path / "run")
     written = json.loads((tmp_path / "run" / "result.json").read_text())
-    assert written == json.loads(json.dumps({"schema_version": 1, **result}))
+    assert written == json.loads(json.dumps(result.as_written()))
     assert not problems(written)
     assert written["source"] == "probe" and written["strategy"] == "single" and written["world_size"] == 1
     memory, speed = written["memory"], written["throughput"]
@@ -110,16 +110,16 @@ class _Branchy(nn.Module):
 
 def test_what_cannot_be_predicted_or_measured_is_null_with_the_reason_and_training_goes_on(tmp_path):
     _, result = _loop(10, tmp_path / "branchy", model=_Branchy())
-    assert result["status"] == "ok" and result["steps"] == 10
-    memory = result["memory"]
-    assert memory["predicted_peak_mib_max"] is None and memory["peak_allocated_mib_max"] > 0
-    assert "fake tensors" in memory["peak_prediction"]["error"]
+    assert result.status == "ok" and result.steps == 10
+    memory = result.memory
+    assert memory.predicted_peak_mib_max is None and memory.peak_allocated_mib_max > 0
+    assert "fake tensors" in memory.peak_prediction["error"]
     # Fewer steps than the memory window: the peak is null, and says why; the speed is empty.
     _, short = _loop(3, tmp_path / "short", example=False)
-    assert short["memory"]["peak_allocated_mib_max"] is None
-    assert "needs warmup_steps=5 + track_steps=2" in short["memory"]["peak_error"]
-    assert short["memory"]["peak_prediction"]["error"].startswith("no example batch")
-    assert short["throughput"] == {}
+    assert short.memory.peak_allocated_mib_max is None
+    assert "needs warmup_steps=5 + track_steps=2" in short.memory.peak_error
+    assert short.memory.peak_prediction["error"].startswith("no example batch")
+    assert short.as_written()["throughput"] == {}
 
 
 def test_the_probe_writes_into_the_users_open_wandb_run_and_opens_none(tmp_path, monkeypatch, capfd):
@@ -133,13 +133,13 @@ def test_the_probe_writes_into_the_users_open_wandb_run_and_opens_none(tmp_path,
         _, result = _loop(10, tmp_path / "run")
     finally:
         run.finish()
-    assert result["memory"]["peak_allocated_mib_max"] is not None, result["memory"]
+    assert result.memory.peak_allocated_mib_max is not None, result.memory
     (found,) = find_runs(tmp_path)  # the user's run, and no second one
     summary = read_run(found)["summary"]
     logs = sorted(found.parent.glob("logs/debug*.log"))
     why = f"stderr {capfd.readouterr().err[-1500:]!r}; summary keys {sorted(summary)}; " + " | ".join(p.read_text()[-1500:] for p in logs)
-    assert summary.get("memory/peak_allocated_mib_max") == pytest.approx(result["memory"]["peak_allocated_mib_max"]), why
-    assert summary["throughput/step_time_s_median"] == pytest.approx(result["throughput"]["step_time_s_median"])
+    assert summary.get("memory/peak_allocated_mib_max") == pytest.approx(result.memory.peak_allocated_mib_max), why
+    assert summary["throughput/step_time_s_median"] == pytest.approx(result.throughput.step_time_s_median)
 
 
 def _env():

@@ -459,6 +459,7 @@ def test_the_report_shows_the_average_over_ranks_beside_the_largest():
     """The seed study reported the average over ranks of each rank's peak; what must fit is
     the largest. result.json carries both, and the report's tables and the end-of-run table
     show both (an older result.json without the average gets it from its ranks)."""
+    from sharded_exp.job.result import Result
     from sharded_exp.output.comparison import build_rows, columns, compact, markdown
     from sharded_exp.output.results import memory_section, summary_table
 
@@ -494,7 +495,7 @@ def test_the_report_shows_the_average_over_ranks_beside_the_largest():
     assert "| peak_allocated_mib_max | peak_allocated_mib_mean |" in compact(table) and "| 90.00 | 70.00 |" in compact(
         table
     )
-    end = summary_table({**sharded, "params": 10, "memory": mem}).splitlines()
+    end = summary_table(Result.of({**sharded, "optimizer": "adam", "config": {}, "memory": mem})).splitlines()
     assert "peak_MiB  peak_mean_MiB" in end[0] and "70.00" in end[2]
 
 

@@ -36,7 +36,7 @@ def test_the_result_reference_page_is_generated_and_names_every_key():
 def test_a_result_with_a_key_no_model_declares_is_written_with_a_warning(tmp_path, capsys):
     result = {"status": "ok", "strategy": "ddp", "precision": "32", "model": "mlp", "optimizer": "adam",
               "output_dir": str(tmp_path), "config": {}, "surprise": 1}  # fmt: skip
-    job_result.write_result(str(tmp_path), result)
+    job_result.write_result(str(tmp_path), job_result.Result.of(result))
     written = json.loads((tmp_path / "result.json").read_text())
     assert written["surprise"] == 1 and written["schema_version"] == job_result.SCHEMA_VERSION  # kept, not lost
     assert "surprise: Extra inputs are not permitted" in capsys.readouterr().err

@@ -171,7 +171,7 @@ def test_a_point_that_cannot_write_its_result_still_counts_as_failed(tmp_path, m
         result = entry.check_and_launch(job)
     finally:
         HydraConfig.instance().cfg = None
-    assert result == {"status": "failed", "error": "No space left on device"}
+    assert (result.status, result.error) == ("failed", "No space left on device")
     assert ReportCallback.failed_points == 1
     assert capsys.readouterr().err == (
         "error: No space left on device; the job did not run\n"

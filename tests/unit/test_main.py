@@ -1,5 +1,5 @@
 """__main__.py's entry point: an interrupt outside the job's own handling is one line and
-exit 130, not a traceback."""
+exit 130, not a traceback; what an OSError left is said; a finished job's result is read back."""
 
 from __future__ import annotations
 
@@ -31,3 +31,17 @@ def test_an_os_error_after_the_ranks_started_does_not_say_the_job_did_not_run(tm
     )
     (tmp_path / "result.json").write_text(json.dumps({"status": "ok"}))
     assert job.what_ran(str(tmp_path)) == "after the job ended (its result.json says ok)"
+
+
+def test_a_finished_jobs_result_is_read_back_as_its_model_or_none(tmp_path):
+    """A requeued job that had finished returns the result.json it left (job.result.read_result)."""
+    from sharded_exp.job.result import Result, write_result
+
+    assert job.read_result_in(str(tmp_path)) is None  # nothing there
+    (tmp_path / "result.json").write_text("{not json")
+    assert job.read_result_in(str(tmp_path)) is None
+    fields = {"status": "ok", "strategy": "ddp", "precision": "32", "model": "mlp", "optimizer": "adam",
+              "output_dir": str(tmp_path), "config": {}, "final_loss": 0.5}  # fmt: skip
+    write_result(str(tmp_path), Result.of(fields))
+    back = job.read_result_in(str(tmp_path))
+    assert (back.status, back.final_loss) == ("ok", 0.5)

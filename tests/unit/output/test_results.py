@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from sharded_exp.job.result import PartialResult, Result
 from sharded_exp.output import results as res
 
 
@@ -20,33 +21,43 @@ def outcome(**kw):
 def training(out=None, per_rank=None, final_loss=0.5, signal=None):
     per_rank = per_rank if per_rank is not None else [{"rank": 0, "nonfinite_params": False}]
     return res.training_result(
-        out or outcome(), per_rank, {"l2": 1.0}, final_loss, start=0, world_size=2, resumed_from=None,
+        out or outcome(), per_rank, {"sum": 2.0, "l2": 1.0}, final_loss, start=0, world_size=2, resumed_from=None,
         resume_changes=[], params=10, signal=signal, memory={}, timeline={"rank_start": 1.0},
     )  # fmt: skip
+
+
+def job(**fields) -> Result:
+    """A result with what every result.json holds, and ``fields``."""
+    what = {"status": "ok", "strategy": "ddp", "precision": "32", "model": "mlp", "optimizer": "adam",
+            "world_size": 2, "params": 10, "output_dir": "/out", "config": {}}  # fmt: skip
+    return Result.of({**what, **fields})
 
 
 # ------------------------------------------------------------------------ the training part
 def test_base_result_reads_the_config():
     cfg = {"trainer": {"world_size": 4, "accelerator": "cpu", "steps": 7}, "strategy": {"name": "fsdp"},
            "precision": {"name": 32}, "model": {"name": "mlp"}, "optimizer": {"name": "adamw"}}  # fmt: skip
-    r = res.base_result(cfg, 123, "/out")
-    assert r["status"] == "running" and r["precision"] == "32" and r["world_size"] == 4 and r["steps"] == 7
-    assert (r["strategy"], r["model"], r["optimizer"], r["params"], r["output_dir"]) == (
+    r = res.base_result(cfg, 123, "/out", sweep_id="s1")
+    assert r.status == "running" and r.error is None and r.precision == "32" and r.world_size == 4 and r.steps == 7
+    assert (r.strategy, r.model, r.optimizer, r.params, r.output_dir, r.sweep_id) == (
         "fsdp",
         "mlp",
         "adamw",
         123,
         "/out",
+        "s1",
     )
-    assert r["config"] is cfg
+    assert r.config == cfg
+    refused = res.base_result(cfg, None, "/out", "failed", "config: bad")
+    assert (refused.status, refused.error, refused.params) == ("failed", "config: bad", None)
 
 
 def test_a_finished_run_is_ok_with_its_last_metrics_and_timeline():
     r = training()
-    assert r["status"] == "ok" and r["error"] is None and r["first_nonfinite_step"] is None and r["signal"] is None
-    assert r["final_metrics"] == {"loss": 0.5}
-    assert r["timeline"] == {"rank_start": 1.0, "first_step": 100.0, "last_step": 110.0}
-    assert r["eval"] is None and r["profile"] is None
+    assert r.status == "ok" and r.error is None and r.first_nonfinite_step is None and r.signal is None
+    assert r.final_metrics == {"loss": 0.5}
+    assert r.timeline == {"rank_start": 1.0, "first_step": 100.0, "last_step": 110.0}
+    assert r.eval is None and r.profile is None
 
 
 def test_a_non_finite_loss_is_a_divergence_at_the_first_bad_step_of_any_rank():
@@ -54,40 +65,40 @@ def test_a_non_finite_loss_is_a_divergence_at_the_first_bad_step_of_any_rank():
                 {"rank": 1, "nonfinite_params": True, "first_nonfinite_step": 3},
                 {"rank": 2, "nonfinite_params": True, "first_nonfinite_step": -1}]  # fmt: skip
     r = training(per_rank=per_rank, final_loss=float("nan"))
-    assert r["status"] == "diverged" and r["first_nonfinite_step"] == 3
-    assert (
-        r["error"] == "diverged: final loss nan, loss first non-finite at step 3, non-finite parameters on rank(s) 1, 2"
-    )
+    assert r.status == "diverged" and r.first_nonfinite_step == 3
+    assert r.error == "diverged: final loss nan, loss first non-finite at step 3, non-finite parameters on rank(s) 1, 2"
 
 
 def test_non_finite_parameters_alone_are_a_divergence():
     r = training(per_rank=[{"rank": 0, "nonfinite_params": True}], final_loss=0.25)
-    assert r["status"] == "diverged" and r["first_nonfinite_step"] is None
-    assert r["error"] == "diverged: final loss 0.25, loss finite at every step, non-finite parameters on rank(s) 0"
+    assert r.status == "diverged" and r.first_nonfinite_step is None
+    assert r.error == "diverged: final loss 0.25, loss finite at every step, non-finite parameters on rank(s) 0"
 
 
 def test_a_stopped_run_is_stopped_even_when_diverged_and_keeps_its_signal():
     r = training(out=outcome(stopped=True), final_loss=float("inf"), signal=15)
-    assert r["status"] == "stopped" and r["signal"] == 15
-    assert training(signal=15)["signal"] is None  # not stopped: no signal recorded
+    assert r.status == "stopped" and r.signal == 15
+    assert training(signal=15).signal is None  # not stopped: no signal recorded
 
 
 def test_the_eval_section_keeps_the_last_pass_and_sums_the_time():
     evals = [{"eval/loss": 2.0, "eval/accuracy": 0.5, "step": 2, "seconds": 0.25},
              {"eval/loss": 1.0, "eval/accuracy": 0.75, "step": 4, "seconds": 0.5}]  # fmt: skip
-    section = training(out=outcome(evals=evals))["eval"]
-    assert section["final"] == {"eval/loss": 1.0, "eval/accuracy": 0.75}
-    assert section["history"] == [{"eval/loss": 2.0, "eval/accuracy": 0.5, "step": 2},
+    section = training(out=outcome(evals=evals)).eval
+    assert section.final == {"eval/loss": 1.0, "eval/accuracy": 0.75}
+    assert section.history == [{"eval/loss": 2.0, "eval/accuracy": 0.5, "step": 2},
                                   {"eval/loss": 1.0, "eval/accuracy": 0.75, "step": 4}]  # fmt: skip
-    assert section["seconds"] == 0.75
+    assert section.seconds == 0.75
 
 
 def test_a_finished_result_lays_rank_zeros_payload_over_the_base_and_joins_the_timelines():
-    base = {"status": "running", "strategy": "ddp", "timeline": {"main": 1.0}}
-    done = res.finished_result(base, {"status": "ok", "timeline": {"first_step": 3.0}}, {"main": 1.0, "launch": 2.0})
-    assert done["status"] == "ok" and done["strategy"] == "ddp"
-    assert done["timeline"] == {"main": 1.0, "launch": 2.0, "first_step": 3.0}
-    assert res.finished_result(base, None, {"main": 1.0})["status"] == "ok"  # a torchrun rank other than 0
+    base = job(status="running", timeline={"main": 1.0})
+    payload = PartialResult.build(status="ok", steps_done=4, timeline={"first_step": 3.0})
+    done = res.finished_result(base, payload, {"main": 1.0, "launch": 2.0})
+    assert done.steps_done == 4 and isinstance(done, Result) and not isinstance(done, PartialResult)
+    assert done.status == "ok" and done.strategy == "ddp"
+    assert done.timeline == {"main": 1.0, "launch": 2.0, "first_step": 3.0}
+    assert res.finished_result(base, None, {"main": 1.0}).status == "ok"  # a torchrun rank other than 0
 
 
 # ------------------------------------------------------------------------ the end-of-run table
@@ -100,14 +111,13 @@ def test_format_table_right_aligns_each_column_to_its_widest_cell():
 
 
 def test_the_summary_table_prints_each_figure_in_its_unit():
-    result = {
-        "strategy": "fsdp", "precision": "bf16", "world_size": 2, "model": "mlp", "params": 1234567,
-        "final_loss": 0.123456, "status": "ok",
-        "throughput": {"samples_per_s": 123.45, "step_time_s_median": 0.0125, "mfu_pct": 3.21},
-        "memory": {"peak_allocated_mib_max": 3.456, "peak_allocated_mib_mean": 3.0, "predicted_peak_mib_max": None,
-                   "model_states_mib_max": 1.0, "predicted_model_states_mib_max": 1.01},
-        "eval": {"final": {"eval/accuracy": 0.91234, "eval/f1": 0.88}, "seconds": 0.21},
-    }  # fmt: skip
+    result = job(
+        strategy="fsdp", precision="bf16", world_size=2, model="mlp", params=1234567, final_loss=0.123456,
+        throughput={"samples_per_s": 123.45, "step_time_s_median": 0.0125, "mfu_pct": 3.21},
+        memory={"peak_allocated_mib_max": 3.456, "peak_allocated_mib_mean": 3.0, "predicted_peak_mib_max": None,
+                "model_states_mib_max": 1.0, "predicted_model_states_mib_max": 1.01},
+        eval={"final": {"eval/accuracy": 0.91234, "eval/f1": 0.88}, "history": [], "seconds": 0.21},
+    )  # fmt: skip
     header, _, row = res.summary_table(result).splitlines()
     assert header.split() == ["strategy", "precision", "world_size", "model", "params", "final_loss", "samples/s",
                               "step_ms", "peak_MiB", "peak_mean_MiB", "pred_peak_MiB", "states_MiB",
@@ -117,14 +127,17 @@ def test_the_summary_table_prints_each_figure_in_its_unit():
 
 
 def test_the_summary_table_of_a_run_that_never_trained():
-    result = {"strategy": "ddp", "precision": "32", "world_size": 2, "model": "mlp", "params": 10, "status": "oom"}
+    result = job(status="oom", throughput={})  # {}: no step was timed
     row = res.summary_table(result).splitlines()[2].split()
     assert row == ["ddp", "32", "2", "mlp", "10", *["-"] * 10, "oom"]
 
 
-def test_the_eval_cell_without_a_time_or_a_pass():
-    assert res._eval_cell({"eval": {"final": {"eval/perplexity": 12.3456}}}) == "ppl 12.3"
-    assert res._eval_cell({}) == "-"
+def test_the_eval_cell_of_a_pass_without_the_named_metrics_or_of_no_pass():
+    assert res._eval_cell(job(eval={"final": {"eval/perplexity": 12.3456}, "history": [], "seconds": 0.5})) == (
+        "ppl 12.3 (0.50 s)"
+    )
+    assert res._eval_cell(job(eval={"final": {"eval/loss": 1.0}, "history": [], "seconds": 0.5})) == "-"
+    assert res._eval_cell(job()) == "-"
 
 
 # ------------------------------------------------------------------------ the memory section
@@ -263,13 +276,13 @@ def test_the_profile_section_compares_a_profiled_step_with_the_timed_ones():
 
 
 def test_memory_lines_name_the_oom_breakdown_snapshots_and_traces():
-    result = {"status": "oom", "memory": {
+    result = job(status="oom", memory={
         "oom_breakdown": {"rank": 1, "step": 2, "phase": "forward", "tracked_mib": 5.5, "limit_mib": 5.0,
                           "by_category_mib": {"Activation": 3.0, "Gradient": 0.0}, "top_modules_mib": {"fc1": 2.5},
                           "outside_modules_mib": 0.25},
         "memory_snapshot": {"files": ["/a.pickle"]}},
-        "profile": {"files": ["/t.json"], "steps": [3], "size_mib_per_rank": 1.5, "step_time_s_median": 0.02,
-                    "unprofiled_step_time_s_median": None}}  # fmt: skip
+        profile={"files": ["/t.json"], "steps": [3], "size_mib_per_rank": 1.5, "step_time_s_median": 0.02,
+                 "unprofiled_step_time_s_median": None})  # fmt: skip
     oom, snap, prof = res.memory_lines(result)
     assert oom == ("out of memory on rank 1 at step 2 (forward): 5.50 MiB live over the 5 MiB budget: Activation 3.00; "
                    "top modules (MiB): fc1 2.50; outside any module 0.25")  # fmt: skip
@@ -278,10 +291,11 @@ def test_memory_lines_name_the_oom_breakdown_snapshots_and_traces():
 
 
 def test_memory_lines_say_why_an_oom_has_no_breakdown():
-    result = {"status": "oom", "memory": {"oom_breakdown": None, "oom_breakdown_error": "no rank recorded"},
-              "profile": {"error": "rank 0: boom"}}  # fmt: skip
+    result = job(status="oom", memory={"oom_breakdown": None, "oom_breakdown_error": "no rank recorded"},
+                 profile={"error": "rank 0: boom"})  # fmt: skip
     assert res.memory_lines(result) == [
         "no out-of-memory breakdown: no rank recorded",
         "no profiler trace: rank 0: boom",
     ]
-    assert res.memory_lines({"status": "ok", "memory": {"oom_breakdown_error": "x"}}) == []
+    assert res.memory_lines(job(memory={"oom_breakdown_error": "x"})) == []
+    assert res.memory_lines(job()) == []
