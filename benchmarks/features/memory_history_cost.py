@@ -1,7 +1,7 @@
 """What recording the CUDA allocator's history costs a step (``trainer.memory_snapshot``).
 
-    python -m benchmarks.memory_history_cost              # on a GPU: 3 pairs of jobs, GPT 512x8 bf16
-    python -m benchmarks.memory_history_cost --quick      # fewer steps (also the device check's)
+    python -m benchmarks.features.memory_history_cost              # on a GPU: 3 pairs of jobs, GPT 512x8 bf16
+    python -m benchmarks.features.memory_history_cost --quick      # fewer steps (also the device check's)
 
 Pairs of real jobs at world size 1, the same but for ``trainer.memory_snapshot``: ``off``
 (nothing recorded) and ``always`` (the history recorded over the whole run, as ``oom``

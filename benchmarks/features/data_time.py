@@ -1,7 +1,7 @@
 """Data time against step time for every shipped task at its model's default shape.
 
-    python -m benchmarks.data_time                       # mlp, gpt, hf_gpt2, hf_llama, hf_bert
-    python -m benchmarks.data_time --models gpt --steps 8   # smoke
+    python -m benchmarks.features.data_time                       # mlp, gpt, hf_gpt2, hf_llama, hf_bert
+    python -m benchmarks.features.data_time --models gpt --steps 8   # smoke
 
 For each model, one job (``python -m sharded_exp model=NAME``, 2 ranks, W&B off) and its
 result.json: ``data_time_s_per_step`` (waiting for the prefetched batches plus their copy

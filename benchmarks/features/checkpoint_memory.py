@@ -1,7 +1,7 @@
 """Host memory a checkpoint save costs each rank, as the optimizer state grows.
 
-    python -m benchmarks.checkpoint_memory                  # oss and fsdp, two model sizes, both formats
-    python -m benchmarks.checkpoint_memory --smoke          # CI: one small point
+    python -m benchmarks.features.checkpoint_memory                  # oss and fsdp, two model sizes, both formats
+    python -m benchmarks.features.checkpoint_memory --smoke          # CI: one small point
 
 Runs real jobs (2 CPU ranks, Adam) that save one checkpoint at the end and reads each
 rank's ``checkpoint_rss_growth_mib`` from result.json: the host memory the save added at

@@ -1,7 +1,7 @@
 """How fast the planner answers, beside ``import torch`` measured in the same run.
 
-    python -m benchmarks.planner_speed            # both targets and the agreement check
-    python -m benchmarks.planner_speed --quick    # the 7B plan only
+    python -m benchmarks.harness.planner_speed            # both targets and the agreement check
+    python -m benchmarks.harness.planner_speed --quick    # the 7B plan only
 
 Each plan runs as a user runs it (``python -m sharded_exp.plan ... plan.format=json``, a
 fresh process), with its wall time and peak resident memory; ``import torch`` alone is

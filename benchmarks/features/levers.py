@@ -1,8 +1,8 @@
 """What each lever beyond sharding buys and costs, measured side by side (issue 24).
 
-    python -m benchmarks.levers                 # everything below (about 15 minutes on 2 cores)
-    python -m benchmarks.levers --only ac       # one part: ac, hsdp, compile, plan
-    python -m benchmarks.levers --smoke         # tiny shapes, one strategy (CI's smoke run)
+    python -m benchmarks.features.levers                 # everything below (about 15 minutes on 2 cores)
+    python -m benchmarks.features.levers --only ac       # one part: ac, hsdp, compile, plan
+    python -m benchmarks.features.levers --smoke         # tiny shapes, one strategy (CI's smoke run)
 
 - ``ac``: ``model=gpt`` at sequence 512, batch 8, 2 CPU ranks, every strategy with
   ``trainer.activation_checkpointing`` none and full: measured peak (CPU tracker), the

@@ -1,7 +1,7 @@
 """How many timed steps a stable median needs: the default of ``trainer.min_timed_steps``.
 
-    python -m benchmarks.timed_steps                        # mlp and gpt, ddp and fsdp, 2 ranks, 80 timed steps
-    python -m benchmarks.timed_steps --timed 30 --models mlp   # smoke
+    python -m benchmarks.accuracy.timed_steps                        # mlp and gpt, ddp and fsdp, 2 ranks, 80 timed steps
+    python -m benchmarks.accuracy.timed_steps --timed 30 --models mlp   # smoke
 
 Each job runs its model's default shape on 2 ranks (W&B off) and times ``--timed`` steps
 after warm-up. Its step times are cut into consecutive windows of n steps; in each window

@@ -1,7 +1,7 @@
 """What the probe costs a user's step: the same loop probed and unprobed, alternating, in one process.
 
-    python -m benchmarks.probe_overhead                 # examples/plain_loop_probe.py's model, 5 runs
-    python -m benchmarks.probe_overhead --pairs 2 --steps 20   # a smoke run
+    python -m benchmarks.harness.probe_overhead                 # examples/plain_loop_probe.py's model, 5 runs
+    python -m benchmarks.harness.probe_overhead --pairs 2 --steps 20   # a smoke run
 
 Each run holds two copies of the loop from the same seed, one bare and one inside
 ``probe(...)`` with ``p.step(loss)`` after every optimizer step, and steps them in turn, so each

@@ -1,8 +1,8 @@
 """Predicted vs measured peak memory per rank, over a matrix of models, strategies, world
 sizes and precisions.
 
-    python -m benchmarks.prediction                                 # the whole matrix (CPU sizes)
-    python -m benchmarks.prediction --models gpt hf_llama --world-sizes 2 --precisions 32
+    python -m benchmarks.accuracy.prediction                                 # the whole matrix (CPU sizes)
+    python -m benchmarks.accuracy.prediction --models gpt hf_llama --world-sizes 2 --precisions 32
 
 Each point is one real run: its parent predicts every rank's peak with a fake step before
 the ranks start (sharded_exp.predict.fake_step), and the ranks measure it (CPU: torch's

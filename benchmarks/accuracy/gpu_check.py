@@ -1,7 +1,7 @@
 """The CUDA path on a GPU machine: every strategy and precision at world size 1.
 
-    python -m benchmarks.gpu_check                         # on a machine with CUDA (NCCL, 1 GPU)
-    python -m benchmarks.gpu_check --accelerator cpu --steps 3 --strategies ddp fsdp   # dry run
+    python -m benchmarks.accuracy.gpu_check                         # on a machine with CUDA (NCCL, 1 GPU)
+    python -m benchmarks.accuracy.gpu_check --accelerator cpu --steps 3 --strategies ddp fsdp   # dry run
 
 One job per (strategy, precision), each through the real launcher: CUDA allocator
 statistics (peak allocated and reserved MiB, allocation retries, OOMs), model states
@@ -11,7 +11,7 @@ error: below zero the prediction was too low), and MFU against the device's tabl
 Prints one Markdown table; writes outputs/benchmarks/gpu_check.json. Exit code 1 if any
 job failed or a model-state prediction is off by more than 2%.
 
-    python -m benchmarks.gpu_check --hang                  # NCCL hang diagnosis on one GPU
+    python -m benchmarks.accuracy.gpu_check --hang                  # NCCL hang diagnosis on one GPU
 
 ``--hang`` runs one job whose rank stalls its GPU at step 3 (fault ``stall``: the step's
 collectives wait behind a sleeping kernel past ``trainer.timeout_s``), and reports how

@@ -1,7 +1,7 @@
 """What a prediction for a GPU changed (issue 23, items 2, 4 and 5), before and after, side by side.
 
-    python -m benchmarks.cuda_prediction            # GPT-2 small shapes (about 2 minutes on 2 cores)
-    python -m benchmarks.cuda_prediction --quick    # smoke: tiny shapes
+    python -m benchmarks.accuracy.cuda_prediction            # GPT-2 small shapes (about 2 minutes on 2 cores)
+    python -m benchmarks.accuracy.cuda_prediction --quick    # smoke: tiny shapes
 
 Every figure is a fake step for a GPU (``predict_peak(..., "cuda")``), run on fake CPU
 tensors as every GPU run's parent does; "before" turns one correction off at a time:

@@ -1,7 +1,7 @@
-"""The same job in PyTorch Lightning, for benchmarks/lightning_vs.py (optional extra:
+"""The same job in PyTorch Lightning, for benchmarks/harness/lightning_vs.py (optional extra:
 ``pip install -e ".[lightning]"``).
 
-    python -m benchmarks.lightning_job --out outputs/benchmarks/lightning.json [overrides ...]
+    python -m benchmarks.harness.lightning_job --out outputs/benchmarks/lightning.json [overrides ...]
 
 Same model and data as ``python -m sharded_exp`` with the same overrides (built by the
 same registries from the same composed config), Adam with the same two parameter groups,
@@ -19,7 +19,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
-from benchmarks.peer import Clock, batches, write_peer_result
+from benchmarks.harness.peer import Clock, batches, write_peer_result
 from sharded_exp.compose import compose
 from sharded_exp.models import build_model
 from sharded_exp.optim import optimizer_spec

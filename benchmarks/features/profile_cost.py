@@ -1,7 +1,7 @@
 """What ``trainer.profile=true`` costs: trace size and step time, profiled vs unprofiled.
 
-    python -m benchmarks.profile_cost                 # two models, 2 CPU ranks, 5 profiled steps each
-    python -m benchmarks.profile_cost --smoke         # CI: one small point
+    python -m benchmarks.features.profile_cost                 # two models, 2 CPU ranks, 5 profiled steps each
+    python -m benchmarks.features.profile_cost --smoke         # CI: one small point
 
 Each point is one real job: the steps right after warm-up are profiled (torch.profiler,
 CPU activities; CUDA's too on a GPU) and left out of the timing, the rest are timed. From

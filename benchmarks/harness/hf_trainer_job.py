@@ -1,6 +1,6 @@
-"""The BERT job of benchmarks/hf_trainer_vs.py under the Hugging Face Trainer (DDP, gloo, CPU).
+"""The BERT job of benchmarks/harness/hf_trainer_vs.py under the Hugging Face Trainer (DDP, gloo, CPU).
 
-    torchrun --standalone --nproc-per-node=2 -m benchmarks.hf_trainer_job --out t.json model=hf_bert ...
+    torchrun --standalone --nproc-per-node=2 -m benchmarks.harness.hf_trainer_job --out t.json model=hf_bert ...
 
 The same model (built from sharded_exp's config, same seed), the same batches (the
 token-classification task's, per rank), AdamW with the same learning rate, clipping and
@@ -15,7 +15,7 @@ import argparse
 import torch
 from omegaconf import OmegaConf
 
-from benchmarks.peer import Clock, batches, write_peer_result
+from benchmarks.harness.peer import Clock, batches, write_peer_result
 from sharded_exp.compose import compose
 from sharded_exp.models import build_model
 

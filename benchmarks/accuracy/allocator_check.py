@@ -1,7 +1,7 @@
 """The allocator model against the real CUDA caching allocator, sequence by sequence.
 
-    python -m benchmarks.allocator_check             # on a machine with CUDA: exit 1 on any mismatch
-    python -m benchmarks.allocator_check --list      # the sequences, without running them
+    python -m benchmarks.accuracy.allocator_check             # on a machine with CUDA: exit 1 on any mismatch
+    python -m benchmarks.accuracy.allocator_check --list      # the sequences, without running them
 
 Each sequence (the unit tests' sequences, ``tests/unit/predict/test_allocator.py``) runs in its
 own process, with its ``PYTORCH_CUDA_ALLOC_CONF`` set before torch starts, as real tensors
@@ -168,7 +168,7 @@ def main() -> int:
         if not conf:
             env.pop("PYTORCH_CUDA_ALLOC_CONF")
         proc = subprocess.run(
-            [sys.executable, "-m", "benchmarks.allocator_check", "--one", name],
+            [sys.executable, "-m", "benchmarks.accuracy.allocator_check", "--one", name],
             env=env,
             capture_output=True,
             text=True,

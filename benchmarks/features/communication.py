@@ -1,8 +1,8 @@
 """Bytes each strategy's collectives move per step, measured with the torch profiler.
 
-    python -m benchmarks.communication                     # GPT, fp32, 2 ranks, every strategy
-    python -m benchmarks.communication --world-size 4 --strategies ddp fsdp
-    python -m benchmarks.communication --smoke             # CI: one strategy, one step
+    python -m benchmarks.features.communication                     # GPT, fp32, 2 ranks, every strategy
+    python -m benchmarks.features.communication --world-size 4 --strategies ddp fsdp
+    python -m benchmarks.features.communication --smoke             # CI: one strategy, one step
 
 Each rank builds the strategy through the registry, runs warm-up steps with the
 trainer's own ``train_step``, then records a few steps under ``torch.profiler`` with

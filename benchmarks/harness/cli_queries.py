@@ -1,8 +1,8 @@
 """How long Hydra's questions take: ``--help``, ``--cfg job``, ``-sc query=bash``, of the
 trainer (``sharded-exp``) and of the planner (``sharded-exp-plan``).
 
-    python -m benchmarks.cli_queries               # 3 runs of each, side by side
-    python -m benchmarks.cli_queries --repeats 5
+    python -m benchmarks.harness.cli_queries               # 3 runs of each, side by side
+    python -m benchmarks.harness.cli_queries --repeats 5
 
 Each is run as a user does (``sharded-exp`` from the venv, else ``python -m sharded_exp``)
 from an empty directory, next to ``python -c 'import torch'`` and

@@ -1,7 +1,7 @@
 """Model-state memory per rank: measured vs predicted, and the saving vs DDP.
 
-    python -m benchmarks.memory_table                      # GPT, Adam, fp32, world size 2 and 4
-    python -m benchmarks.memory_table --world-sizes 2 --strategies ddp oss
+    python -m benchmarks.accuracy.memory_table                      # GPT, Adam, fp32, world size 2 and 4
+    python -m benchmarks.accuracy.memory_table --world-sizes 2 --strategies ddp oss
 
 One run per (strategy, world size), all in this one invocation. Measured = the real
 tensors a rank holds after a step (parameters, gradients, optimizer state); peak = live

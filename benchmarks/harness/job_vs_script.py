@@ -1,7 +1,7 @@
 """The whole job against a hand-written DDP script: what a user pays around the loop.
 
-    python -m benchmarks.job_vs_script                  # 5 paired runs, 8 x 1024 MLP, 40 steps
-    python -m benchmarks.job_vs_script --pairs 1 --steps 5 --depth 2 --hidden 64   # smoke
+    python -m benchmarks.harness.job_vs_script                  # 5 paired runs, 8 x 1024 MLP, 40 steps
+    python -m benchmarks.harness.job_vs_script --pairs 1 --steps 5 --depth 2 --hidden 64   # smoke
 
 Each pair runs, back to back and in alternating order, ``python -m sharded_exp`` (DDP, 2
 ranks, Adam, the teacher task, W&B off, everything else as configured: the parent's

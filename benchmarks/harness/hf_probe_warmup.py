@@ -1,7 +1,7 @@
 """Where the probe's time goes in a Hugging Face Trainer run, with and without gradient accumulation.
 
-    python -m benchmarks.hf_probe_warmup              # GPT-2 (4 x 256), batch 4 x 128 tokens, 12 steps
-    python -m benchmarks.hf_probe_warmup --steps 9    # a smoke run
+    python -m benchmarks.harness.hf_probe_warmup              # GPT-2 (4 x 256), batch 4 x 128 tokens, 12 steps
+    python -m benchmarks.harness.hf_probe_warmup --steps 9    # a smoke run
 
 One process, four Trainer runs in turn (gradient_accumulation_steps 1 and 4, each bare and
 with ``MemoryProbe``), every step timed by a callback of the benchmark's own. The probed

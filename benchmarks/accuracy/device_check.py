@@ -1,8 +1,8 @@
 """The CUDA path checked on one GPU, in one prepared run (at most about 8 minutes).
 
     scripts/device_check.sh                                  # on the GPU machine (sets up, then runs this)
-    python -m benchmarks.device_check                        # on a machine with CUDA, set up already
-    python -m benchmarks.device_check --accelerator cpu --quick   # a dry run of the script itself, here
+    python -m benchmarks.accuracy.device_check                        # on a machine with CUDA, set up already
+    python -m benchmarks.accuracy.device_check --accelerator cpu --quick   # a dry run of the script itself, here
 
 Each check runs the real thing (jobs through the real launcher, in this process as their
 parent, or as a user's command) and adds a row to one summary table:
@@ -21,7 +21,7 @@ parent, or as a user's command) and adds a row to one summary table:
 8. ``trainer.memory_limit_mib`` on CUDA: a job over it ends ``oom``, and says what it bounds;
    the snapshot of the allocator's history it leaves (``memory_snapshot_rank0.pickle``) loads;
 9. FSDP's CPU offload (``strategy.cpu_offload=true``): device peak with and without, predicted;
-10. the step time recording the allocator's history costs (``benchmarks/memory_history_cost.py``).
+10. the step time recording the allocator's history costs (``benchmarks/features/memory_history_cost.py``).
 
 Prints the summary table (and each check's own); writes outputs/benchmarks/device_check.json
 (and copies it to $OUT when that is set, as on the device machine). Exit code 1 when a
@@ -289,9 +289,9 @@ def oom_snapshot(checks: Checks, result: dict) -> None:
 
 
 def history_cost(checks: Checks, quick: bool) -> None:
-    """The step time that recording the allocator's history costs (benchmarks/memory_history_cost.py)."""
-    from benchmarks.memory_history_cost import MODEL as HISTORY_MODEL
-    from benchmarks.memory_history_cost import measure
+    """The step time that recording the allocator's history costs (benchmarks/features/memory_history_cost.py)."""
+    from benchmarks.features.memory_history_cost import MODEL as HISTORY_MODEL
+    from benchmarks.features.memory_history_cost import measure
 
     data = measure(1 if quick else 2, 12 if quick else 30, MODEL if quick else HISTORY_MODEL)
     ratio = data["cost_ratio"]

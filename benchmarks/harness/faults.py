@@ -1,7 +1,7 @@
 """Time from an injected fault to the job's exit, as a user would see it.
 
-    python -m benchmarks.faults                 # raise, oom, exit, hang (timeout_s=5), 3 runs each
-    python -m benchmarks.faults --kinds hang --timeout-s 10 --repeats 1
+    python -m benchmarks.harness.faults                 # raise, oom, exit, hang (timeout_s=5), 3 runs each
+    python -m benchmarks.harness.faults --kinds hang --timeout-s 10 --repeats 1
 
 Each run is ``python -m sharded_exp`` in a subprocess (2 ranks, small MLP, gloo) with
 ``SHARDED_EXP_FAULT=rank=1,step=3,kind=K``. The fault time is the one the rank prints when

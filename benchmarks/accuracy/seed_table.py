@@ -1,7 +1,7 @@
 """The seed's own table, predicted: per-GPU peak memory of its study before any GPU runs.
 
-    python -m benchmarks.seed_table                     # the four cells, CUDA's kernels
-    python -m benchmarks.seed_table --extra trainer.zero_grad=free   # what-if: one setting changed
+    python -m benchmarks.accuracy.seed_table                     # the four cells, CUDA's kernels
+    python -m benchmarks.accuracy.seed_table --extra trainer.zero_grad=free   # what-if: one setting changed
 
 The seed (the Lightning team's fairscale integration, late 2020) measured, per GPU, the
 average over ranks of ``torch.cuda.max_memory_allocated`` after the first epoch of Hugging

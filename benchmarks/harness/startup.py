@@ -1,7 +1,7 @@
 """Command to first step and command to exit for the default job, with where the time goes.
 
-    python -m benchmarks.startup                 # the default job (W&B offline), 3 runs
-    python -m benchmarks.startup --repeats 5 logger=none
+    python -m benchmarks.harness.startup                 # the default job (W&B offline), 3 runs
+    python -m benchmarks.harness.startup --repeats 5 logger=none
 
 Runs ``python -m sharded_exp [overrides]`` as a user does and reads the timeline that
 ``result.json`` keeps (Unix times: the entry point before its imports, the launch,

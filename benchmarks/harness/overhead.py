@@ -1,8 +1,8 @@
 """What the harness costs: the trainer's loop against a minimal hand-written loop.
 
-    python -m benchmarks.overhead                          # every strategy, MLP, fp32, 2 ranks
-    python -m benchmarks.overhead --strategies ddp --logger wandb
-    python -m benchmarks.overhead --smoke                  # CI: one strategy, one short round
+    python -m benchmarks.harness.overhead                          # every strategy, MLP, fp32, 2 ranks
+    python -m benchmarks.harness.overhead --strategies ddp --logger wandb
+    python -m benchmarks.harness.overhead --smoke                  # CI: one strategy, one short round
 
 Both loops run in the same rank processes, on the same model, data, strategy objects
 (built once by the registry), precision and thread count, alternately: round r runs the
