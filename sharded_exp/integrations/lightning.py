@@ -14,12 +14,28 @@ do nothing while it runs fake). Rank 0 writes ``<run_dir>/result.json`` when tra
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-try:
-    import lightning.pytorch as pl
-except ImportError:  # the older package name
-    import pytorch_lightning as pl
+
+def _lightning_packages() -> list:
+    """Lightning's trainer packages that are installed: ``lightning.pytorch`` (the unified
+    package) and ``pytorch_lightning`` (the older name). They are separate class trees: a
+    ``pytorch_lightning.Trainer`` refuses a ``lightning.pytorch.Callback``, and both are often
+    installed side by side."""
+    found = []
+    for name in ("lightning.pytorch", "pytorch_lightning"):
+        try:
+            found.append(importlib.import_module(name))
+        except ImportError:
+            pass
+    if not found:
+        raise ImportError("sharded_exp.integrations.lightning needs lightning or pytorch_lightning (pip install lightning)")
+    return found
+
+
+_PACKAGES = _lightning_packages()
+pl = _PACKAGES[0]
 
 from sharded_exp.errors import ConfigError
 from sharded_exp.precision import Precision
@@ -45,7 +61,7 @@ def _batch_size(batch: Any) -> int | None:
     return next((v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim() > 0), None)
 
 
-class MemoryProbe(pl.Callback):
+class MemoryProbe(*(package.Callback for package in _PACKAGES)):  # a Callback of each installed tree
     def __init__(self, run_dir: str | None = None, *, warmup_steps: int = 5, track_steps: int = 2,
                  samples_per_step: int | None = None, predict: bool = True):  # fmt: skip
         self.run_dir, self.predict = run_dir, predict

@@ -73,7 +73,7 @@ def bench_peer(name: str, tmp_path, *args: str, timeout: float = 600) -> dict:
 
 def test_lightning_smoke(tmp_path):
     pytest.importorskip("pytorch_lightning")
-    data = bench_peer("lightning_vs", tmp_path)
+    data = bench_peer("harness.lightning_vs", tmp_path)
     for name in ("sharded_exp", "lightning"):
         [run] = data["runs"][name]
         assert run["step_time_s_median"] > 0 and run["to_first_step_s"] < run["to_exit_s"]
@@ -90,7 +90,7 @@ def test_checkpoint_memory_smoke(tmp_path):
 def test_hf_trainer_smoke(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    data = bench_peer("hf_trainer_vs", tmp_path)
+    data = bench_peer("harness.hf_trainer_vs", tmp_path)
     for name in ("sharded_exp", "hf_trainer"):
         [run] = data["runs"][name]
         assert run["step_time_s_median"] > 0 and run["to_first_step_s"] < run["to_exit_s"]
