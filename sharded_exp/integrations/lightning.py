@@ -17,6 +17,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from sharded_exp.errors import ConfigError
+from sharded_exp.precision import Precision
+from sharded_exp.probe import Probe
+from sharded_exp.probe.fake import loss_of
+
 
 def _lightning_packages() -> list:
     """Lightning's trainer packages that are installed: ``lightning.pytorch`` (the unified
@@ -36,11 +41,6 @@ def _lightning_packages() -> list:
 
 _PACKAGES = _lightning_packages()
 pl = _PACKAGES[0]
-
-from sharded_exp.errors import ConfigError
-from sharded_exp.precision import Precision
-from sharded_exp.probe import Probe
-from sharded_exp.probe.fake import loss_of
 
 
 def _precision(lightning: str) -> str:
