@@ -22,6 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from sharded_exp.job.result import PartialResult
 from sharded_exp.job.spec import JobSpec
@@ -41,9 +42,6 @@ def run_ranks(job: JobSpec, layout: Layout | None) -> PartialResult | None:
     entry = run_rank
     if layout.launcher == "torchrun":
         # torchrun's own error file: its summary then names this rank's exception as the root cause.
-        # lazy: torch.distributed.elastic is only needed under torchrun
-        from torch.distributed.elastic.multiprocessing.errors import record
-
         entry = record(run_rank)
     return entry(job, layout.rank, layout.world_size, layout.local_rank, layout.local_world_size)
 

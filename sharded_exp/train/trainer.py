@@ -14,6 +14,7 @@ import contextlib
 import logging
 import math
 import os
+import platform
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -125,8 +126,6 @@ def gather_results(strategy: Strategy, out: LoopOutcome, device: torch.device) -
 def device_info(device: torch.device) -> dict[str, Any]:
     """What the job ran on, as result.json's ``device`` (``accelerator`` is only what was
     asked for): type, model, count, and the CUDA and NCCL versions on a GPU."""
-    import platform
-
     if device.type != "cuda":
         return {"type": "cpu", "name": platform.processor() or platform.machine(), "count": os.cpu_count(),
                 "threads_per_rank": torch.get_num_threads()}  # fmt: skip
