@@ -23,7 +23,9 @@ On a torch upgrade, check that these still exist and mean the same:
   ``_WINFO``, ``_ref_class``, ``_param_to_grad_hook_handles``, ``memory_tracking``, and its
   ``_mod_tracker`` (ModTracker): ``parents``, ``is_bw``, ``_known_modules``, ``get_known_fqn``;
 - public methods used: ``track_external``, ``get_tracker_snapshot``, ``reset_mod_stats``, and
-  the context manager.
+  the context manager;
+- for the testing aid ``SHARDED_EXP_FAULT=tracker_error`` (:func:`fail_in_hooks`):
+  ``_track_inputs_or_outputs``, which every module's forward hooks call.
 
 ``tests/unit/measure/test_memtracker.py`` and ``tests/unit/measure/test_tracker.py`` exercise
 each of these on tiny tensors; run them first after an upgrade.
@@ -251,3 +253,14 @@ class PeakTracker(mem_tracker.MemTracker):
                 self._update_and_maybe_create_winfos(grad, mem_tracker._MemRefType.GRAD)
             except Exception as exc:  # noqa: BLE001 -- as in _guarded
                 self.failure = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+
+
+def fail_in_hooks(message: str) -> None:
+    """Make every MemTracker in this process raise ``message`` inside its forward hooks from
+    now on (the testing aid ``SHARDED_EXP_FAULT=tracker_error``, :mod:`sharded_exp.train.faults`):
+    the tracker must switch itself off and the run go on."""
+
+    def broken(self, args):
+        raise RuntimeError(message)
+
+    mem_tracker.MemTracker._track_inputs_or_outputs = broken  # this process only

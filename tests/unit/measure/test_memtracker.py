@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sharded_exp.measure.memtracker import MIB, PeakTracker
+from sharded_exp.measure.memtracker import MIB, PeakTracker, fail_in_hooks
 
 CPU = torch.device("cpu")
 
@@ -82,3 +82,19 @@ def test_what_is_allocated_for_buckets_is_filed_as_bucket():
         kept.append(torch.zeros(64))
     peak = {str(getattr(k, "value", k)): v for k, v in tracker.get_tracker_snapshot("peak")[CPU].items()}
     assert peak["Bucket"] == 256 * 4 and peak["Total"] == (256 + 64) * 4
+
+
+def test_an_injected_hook_failure_switches_the_tracker_off_and_the_forward_runs(monkeypatch):
+    from torch.distributed._tools import mem_tracker
+
+    monkeypatch.setattr(
+        mem_tracker.MemTracker, "_track_inputs_or_outputs", mem_tracker.MemTracker._track_inputs_or_outputs
+    )
+    fail_in_hooks("injected")  # undone by monkeypatch at the end of the test
+    model = nn.Sequential(nn.Linear(4, 4))
+    tracker = PeakTracker()
+    tracker.track_external(model)
+    with tracker:
+        out = model(torch.ones(1, 4))
+    assert out.shape == (1, 4)
+    assert tracker.failure == "RuntimeError: injected"
