@@ -17,6 +17,7 @@ import os
 
 import torch
 from omegaconf import OmegaConf
+from torch.nn.parameter import UninitializedParameter
 
 from sharded_exp import logs
 from sharded_exp.checkpoint import plan_checkpoints
@@ -26,7 +27,7 @@ from sharded_exp.data.loader import check_fits
 from sharded_exp.errors import ConfigError, WontFit, missing_packages
 from sharded_exp.job.spec import JobSpec, decided_config
 from sharded_exp.launch.layout import Layout
-from sharded_exp.models import MODELS, units
+from sharded_exp.models import MODELS, build_model, units
 from sharded_exp.models.target import (
     check_accepts,
     check_attn_implementation,
@@ -72,22 +73,20 @@ def shapes_model(cfg: JobGroups) -> torch.nn.Module:
         return meta_model(cfg.model, cfg.trainer.freeze)
     except Exception:  # noqa: BLE001 -- tried on the host: a refused config is refused there again
         pass
-    from sharded_exp.models import build_model
-
     try:
         with torch.device("cpu"):
             return build_model(cfg.model, cfg.trainer.freeze)
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 -- the model's own complaint, named
-        raise ConfigError(f"model={cfg.model.name} cannot be built with this config: {type(exc).__name__}: {exc}") from None
+        raise ConfigError(
+            f"model={cfg.model.name} cannot be built with this config: {type(exc).__name__}: {exc}"
+        ) from None
 
 
 def check_no_lazy(module: torch.nn.Module, model: str) -> None:
     """A lazy module's parameter has no shape before a first forward: nothing can be predicted,
     sharded or checkpointed from it. Refused, naming it."""
-    from torch.nn.parameter import UninitializedParameter
-
     for name, param in module.named_parameters():
         if isinstance(param, UninitializedParameter):
             owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module

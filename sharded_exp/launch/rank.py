@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import threading
 import time
 import traceback
 from typing import Any
@@ -69,7 +70,8 @@ def run_rank(
               torch.get_num_threads())  # fmt: skip
     try:
         timeline["process_group_ready"] = time.time()
-        from sharded_exp.train.trainer import train  # here, not at the top: the parent never trains
+        # lazy: the parent imports this module to spawn ranks and never trains: the training stack stays out of it
+        from sharded_exp.train.trainer import train
 
         return train(job, device, timeline)
     except BaseException as exc:
@@ -180,7 +182,6 @@ def watch_parent(pid: int, rank: int, period_s: float = 1.0) -> None:
     parent cannot pass on): nobody waits for the job any more, so it must not train on and
     write checkpoints. A daemon thread; the rank's parent process is the forkserver, so
     the kernel's parent-death signal would not see the launcher go."""
-    import threading
 
     def watch() -> None:
         while _alive(pid):

@@ -292,7 +292,7 @@ class Probe:
         import tempfile
 
         from sharded_exp.job.result import write_result  # pydantic: loaded when a result is written, not at import
-        from sharded_exp.launch.parent import archive_previous_attempt
+        from sharded_exp.launch.run_dir import archive_previous_attempt
 
         try:
             archived = archive_previous_attempt(self.run_dir)

@@ -21,6 +21,7 @@ EVAL_STEP = 1_000_000_000
 
 def task_metrics(task: Task):
     """The torchmetrics collection of a task (metric names without the ``eval/`` prefix)."""
+    # lazy: torchmetrics takes seconds to import; only a run that evaluates (trainer.eval_batches > 0) needs it
     from torchmetrics import MetricCollection
     from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
     from torchmetrics.text import Perplexity
@@ -44,7 +45,7 @@ def task_metrics(task: Task):
 
 def evaluate(strategy, task: Task, autocast, device: torch.device, batches: int, rank: int) -> dict[str, Any]:
     """Collective: every rank runs its share of held-out batches; returns ``eval/*`` values."""
-    from torchmetrics import MeanMetric
+    from torchmetrics import MeanMetric  # lazy: as in task_metrics
 
     metrics = task_metrics(task).to(device)
     loss = MeanMetric().to(device)
