@@ -164,7 +164,7 @@ def check_and_launch(cfg: DictConfig) -> "Result | None":
     config or a failure outside a sweep."""
     from sharded_exp.job.result import Result
     from sharded_exp.launch.parent import launch, record_config_error
-    from sharded_exp.output.comparison import sweep_id
+    from sharded_exp.report.sweep_points import sweep_id
     from sharded_exp.sweep import check_objective
 
     hc = HydraConfig.get()
@@ -207,7 +207,7 @@ def check_and_launch(cfg: DictConfig) -> "Result | None":
         try:  # a sweep point still ends with a result.json, and the report counts it
             result = record_config_error(cfg, output_dir, OSError(message), identity=identity)
         except OSError as written:  # the run directory's own filesystem: nothing can be written there
-            from sharded_exp.report import ReportCallback
+            from sharded_exp.report.command import ReportCallback
 
             print(f"error: {output_dir}/result.json not written ({written.strerror or written})", file=sys.stderr)
             ReportCallback.failed_points += 1  # no row in the report: counted here, so the sweep exits 1
@@ -222,7 +222,7 @@ def check_and_launch(cfg: DictConfig) -> "Result | None":
         # SIGTERM/SIGINT: exit like a terminated process (143 / 130); a sweep stops here,
         # with the report of its points so far.
         if multirun:
-            from sharded_exp.output.comparison import write_report
+            from sharded_exp.report.publish import write_report
 
             write_report(hc.sweep.dir)
         signum = result.signal or signal.SIGTERM
@@ -233,7 +233,7 @@ def check_and_launch(cfg: DictConfig) -> "Result | None":
     if hc.mode == RunMode.MULTIRUN:
         # A failed point is data: it is recorded and the sweep goes on (Hydra's basic
         # sweeper would stop at the first exception and never call on_multirun_end, where
-        # sharded_exp.report.ReportCallback writes the report).
+        # sharded_exp.report.command.ReportCallback writes the report).
         return result
     if result.status != "ok":
         log.error("error: %s (details in %s/result.json)", result.error, result.output_dir)
@@ -315,7 +315,7 @@ def run(started: float | None = None) -> None:
         raise
     if is_query(sys.argv[1:]):
         return
-    from sharded_exp.report import ReportCallback
+    from sharded_exp.report.command import ReportCallback
 
     # Non-zero when a sweep point failed for a reason other than running out of memory.
     exit_now(1 if ReportCallback.failed_points else 0)

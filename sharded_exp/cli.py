@@ -32,7 +32,7 @@ def plan() -> int:
 
 def report() -> int:
     """``sharded-exp-report``: ``python -m sharded_exp.report``."""
-    from sharded_exp.report import main
+    from sharded_exp.report.command import main
 
     return main()
 

@@ -6,7 +6,7 @@
     python -m sharded_exp.report outputs/six --wandb-workspace    # + the W&B workspace view
 
 Reads every ``result.json`` under SWEEP_DIR (a finished or interrupted multirun) and
-writes ``report.md``, ``report.csv`` and the charts there (:mod:`sharded_exp.output.comparison`).
+writes ``report.md``, ``report.csv`` and the charts there (:func:`sharded_exp.report.publish.write_report`).
 A multirun writes its report itself, through :class:`ReportCallback` (conf/config.yaml).
 """
 
@@ -18,8 +18,10 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
-from sharded_exp.output import workspace
-from sharded_exp.output.comparison import SWEEP_ID, compact, headline, load_points, write_report
+from sharded_exp.report import workspace
+from sharded_exp.report.publish import write_report
+from sharded_exp.report.sweep_points import SWEEP_ID, load_points
+from sharded_exp.report.text import compact, headline
 
 
 class ReportCallback(Callback):
