@@ -23,14 +23,31 @@ from enum import Enum
 from sharded_exp.errors import ConfigError
 
 
-class Precision(Enum):
+class Precision(str, Enum):
     """A precision, by the option name a run records (``Precision.fp16.value == "16"``).
     The member names are the group's alias options: Hydra reads a bare ``16`` on the command
-    line as an int, which no group option can be, so ``fp16`` names the same option."""
+    line as an int, which no group option can be, so ``fp16`` names the same option.
+
+    A member reads as its option name wherever a string is wanted (``str()``, an f-string,
+    ``== "16"``, a dict keyed by names), as the config's :class:`~sharded_exp.config.Option`
+    members do: code handed one never unwraps it."""
 
     fp32 = "32"
     fp16 = "16"
     bf16 = "bf16"
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+    @classmethod
+    def of(cls, cfg) -> Precision:
+        """The precision a job's config runs at: the whole config (``cfg.precision`` is its
+        group), composed or typed. The one reader of ``precision.name`` outside pre-flight's
+        check of it: every other module asks here."""
+        return cls.parse(cfg.precision.name)
 
     @classmethod
     def parse(cls, value) -> Precision:

@@ -34,6 +34,7 @@ from sharded_exp.measure.snapshot import MemoryHistory
 from sharded_exp.measure.tracker import MemoryMeter, model_state_mib, process_peak_rss_mib
 from sharded_exp.output.loggers import build_logger, summary_values
 from sharded_exp.output.results import memory_section, training_result
+from sharded_exp.precision import Precision
 from sharded_exp.strategies.base import Strategy
 from sharded_exp.train import components, faults, liveness
 from sharded_exp.train import evaluate as evaluation
@@ -170,7 +171,7 @@ def checkpoint_job(cfg) -> dict[str, Any]:
     """What a checkpoint's meta.json records about the job that wrote it."""
     return {
         "strategy": cfg.strategy.name,
-        "precision": str(cfg.precision.name),
+        "precision": str(Precision.of(cfg)),
         "optimizer": cfg.optimizer.name,
         # plain data, nested parts included (a Hugging Face model's ``config``)
         "model": OmegaConf.to_container(cfg.model, resolve=True),
@@ -253,7 +254,7 @@ def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: Me
         if out.throughput:  # model FLOPs from the parent's fake step over this run's step time
             world_size = dist.get_world_size()
             out.throughput["model_flops_per_step"] = flops * world_size if flops else None
-            out.throughput.update(utilisation(flops, out.throughput["step_time_s_median"], device, cfg.precision.name))
+            out.throughput.update(utilisation(flops, out.throughput["step_time_s_median"], device, Precision.of(cfg)))
         return training_result(
             out,
             per_rank,
