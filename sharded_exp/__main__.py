@@ -117,8 +117,10 @@ def check_output_dirs(argv: list[str]) -> None:
         existing = os.path.abspath(value)
         while not os.path.isdir(existing):  # nothing is made here: a config error leaves no directory
             if os.path.exists(existing):
-                print(f"error: {key}={value}: {existing} is a file, not a directory; choose another {key}",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"error: {key}={value}: {existing} is a file, not a directory; choose another {key}",
+                    file=sys.stderr,
+                )
                 sys.exit(2)
             existing = os.path.dirname(existing)
         try:

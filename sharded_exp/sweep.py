@@ -96,10 +96,13 @@ def hold_sweep_dir(sweep_dir) -> Any:
     from sharded_exp.checkpoint.storage import hold_directory
 
     try:
-        return hold_directory(str(sweep_dir), lambda owner: ConfigError(
-            f"hydra.sweep.dir={sweep_dir} is in use by a running sweep (pid {owner}); wait for it to end "
-            "or choose another hydra.sweep.dir"
-        ))  # fmt: skip
+        return hold_directory(
+            str(sweep_dir),
+            lambda owner: ConfigError(
+                f"hydra.sweep.dir={sweep_dir} is in use by a running sweep (pid {owner}); wait for it to end "
+                "or choose another hydra.sweep.dir"
+            ),
+        )
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -132,9 +132,28 @@ class _MetadataUnpickler(pickle.Unpickler):
     reads it with plain ``pickle``, which runs whatever a planted file names; here nothing
     runs in the parent before the checkpoint is refused."""
 
-    TORCH = {"Size", "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
-             "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "strided", "sparse_coo",
-             "contiguous_format", "channels_last", "preserve_format"}  # fmt: skip
+    TORCH = {
+        "Size",
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "bool",
+        "complex64",
+        "complex128",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "strided",
+        "sparse_coo",
+        "contiguous_format",
+        "channels_last",
+        "preserve_format",
+    }
     BUILTINS = {"set", "frozenset", "tuple", "list", "dict", "slice"}
 
     def find_class(self, module: str, name: str):
@@ -288,10 +307,13 @@ def hold_checkpoint_dir(directory: str):
     write checkpoints into one directory (the second is refused before its ranks start)."""
     try:
         os.makedirs(directory, exist_ok=True)
-        return hold_directory(directory, lambda owner: ConfigError(
-            f"trainer.checkpoint_dir={directory} is in use by a running job (pid {owner}); wait for it to end "
-            "or choose another trainer.checkpoint_dir"
-        ))  # fmt: skip
+        return hold_directory(
+            directory,
+            lambda owner: ConfigError(
+                f"trainer.checkpoint_dir={directory} is in use by a running job (pid {owner}); wait for it to end "
+                "or choose another trainer.checkpoint_dir"
+            ),
+        )
     except OSError as exc:
         raise ConfigError(
             f"trainer.checkpoint_dir={directory} cannot be written ({exc.strerror or exc}); "

@@ -90,8 +90,12 @@ def _blocks(module: torch.nn.Module) -> bool:
     """A Sequential of repeated blocks (timm's ``blocks``): two or more children, all of one
     type, each with parameters; not a layer's own Linear-activation-Linear."""
     children = list(module.children())
-    return (isinstance(module, torch.nn.Sequential) and len(children) > 1 and len({type(c) for c in children}) == 1
-            and all(any(True for _ in c.parameters()) for c in children))  # fmt: skip
+    return (
+        isinstance(module, torch.nn.Sequential)
+        and len(children) > 1
+        and len({type(c) for c in children}) == 1
+        and all(any(True for _ in c.parameters()) for c in children)
+    )
 
 
 def _contains(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:

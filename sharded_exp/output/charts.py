@@ -79,8 +79,14 @@ def _end_labels(ax, fig, x: float, ends: dict[str, list[str]], gap: float = 0.04
     for frac, value in spots:
         at = max(frac, placed[-1] + gap) if placed else frac
         placed.append(at)
-        ax.annotate(f"{value} ({', '.join(ends[value])})", (x, float(value.replace(",", ""))),
-                    textcoords="offset points", xytext=(8, (at - frac) * height_pt), fontsize=7, va="center")  # fmt: skip
+        ax.annotate(
+            f"{value} ({', '.join(ends[value])})",
+            (x, float(value.replace(",", ""))),
+            textcoords="offset points",
+            xytext=(8, (at - frac) * height_pt),
+            fontsize=7,
+            va="center",
+        )
 
 
 def plan_chart(rows: list[dict[str, Any]], budget_gib: float, title: str):
@@ -113,9 +119,15 @@ def plan_chart(rows: list[dict[str, Any]], budget_gib: float, title: str):
     ax.set_yscale("log")
     _end_labels(ax, fig, len(world_sizes) - 1, ends)
     ax.set_xlim(-0.5, len(world_sizes) + 0.6)  # room for the labels at the right
-    ax.annotate(f"device memory {budget_gib * scale:g} {unit}", (0, budget_gib * scale),
-                xycoords=("axes fraction", "data"), xytext=(4, -11), textcoords="offset points", fontsize=8,
-                color="crimson")  # fmt: skip
+    ax.annotate(
+        f"device memory {budget_gib * scale:g} {unit}",
+        (0, budget_gib * scale),
+        xycoords=("axes fraction", "data"),
+        xytext=(4, -11),
+        textcoords="offset points",
+        fontsize=8,
+        color="crimson",
+    )
     from matplotlib.ticker import FuncFormatter
 
     for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):

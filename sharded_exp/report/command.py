@@ -79,9 +79,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m sharded_exp.report", description=__doc__.splitlines()[0])
     parser.add_argument("sweep_dir", type=Path)
     parser.add_argument(
-        "--wandb-workspace", action="store_true",
+        "--wandb-workspace",
+        action="store_true",
         help="also build the sweep's W&B workspace view (offline: its JSON specification beside the report)",
-    )  # fmt: skip
+    )
     parser.add_argument("--online", action="store_true", help="save the workspace in W&B (needs the runs synced)")
     parser.add_argument("--entity", help="W&B entity of the workspace (default: the logger's, or your default)")
     return parser.parse_args(argv)
@@ -113,8 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 -- W&B's own refusals (no API key, no network)
             if not type(exc).__module__.startswith("wandb"):
                 raise
-            print(f"error: W&B: {exc} (without --online the workspace is written as a file beside the report)",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"error: W&B: {exc} (without --online the workspace is written as a file beside the report)",
+                file=sys.stderr,
+            )
             return 2
     return 0
 

@@ -60,8 +60,15 @@ def place_labels(ax, texts: list) -> None:
         from adjustText import adjust_text
 
         xs, ys = [t.get_position()[0] for t in texts], [t.get_position()[1] for t in texts]
-        adjust_text(texts, x=xs, y=ys, ax=ax, expand=(1.4, 1.8), ensure_inside_axes=True,
-                    arrowprops={"arrowstyle": "-", "color": "gray", "lw": 0.5})  # fmt: skip
+        adjust_text(
+            texts,
+            x=xs,
+            y=ys,
+            ax=ax,
+            expand=(1.4, 1.8),
+            ensure_inside_axes=True,
+            arrowprops={"arrowstyle": "-", "color": "gray", "lw": 0.5},
+        )
 
 
 def context(rows: list[dict[str, Any]]) -> str:
@@ -95,8 +102,11 @@ def memory_chart(rows: list[dict[str, Any]], swept: list[str]):
 
     rows, keys, groups, fig, ax, xpos = _world_size_axes(rows, swept)
     limits = sorted({r["memory_limit_mib"] for r in rows if r.get("memory_limit_mib")})
-    top = max([v for r in rows for v in (r["peak_allocated_mib_max"], r["predicted_peak_mib_max"], r.get("oom_at_mib"))
-               if v] + limits, default=1.0)  # fmt: skip
+    top = max(
+        [v for r in rows for v in (r["peak_allocated_mib_max"], r["predicted_peak_mib_max"], r.get("oom_at_mib")) if v]
+        + limits,
+        default=1.0,
+    )
     colors = palette(groups)
     texts, drew_prediction, drew_miss = [], False, False
     for i, (label, members) in enumerate(groups.items()):
@@ -113,35 +123,74 @@ def memory_chart(rows: list[dict[str, Any]], swept: list[str]):
         predicted = [r for r in members if r["predicted_peak_mib_max"] is not None]
         if predicted:
             drew_prediction = True
-            ax.plot([xpos[r["world_size"]] + shift for r in predicted], [r["predicted_peak_mib_max"] for r in predicted],
-                    "--", color=color, alpha=0.9, marker=".", markersize=5, linewidth=1.6, zorder=3,
-                    **({} if ok else {"label": f"{label} (predicted only)"}))  # fmt: skip
+            ax.plot(
+                [xpos[r["world_size"]] + shift for r in predicted],
+                [r["predicted_peak_mib_max"] for r in predicted],
+                "--",
+                color=color,
+                alpha=0.9,
+                marker=".",
+                markersize=5,
+                linewidth=1.6,
+                zorder=3,
+                **({} if ok else {"label": f"{label} (predicted only)"}),
+            )
         for r in members:
             if r in ok:
                 continue
             drew_miss = True
             # its value when it ran out; else its measured peak; else (no figure: a CUDA OOM) its
             # budget, which it crossed; else its prediction
-            y = (r.get("oom_at_mib") or r["peak_allocated_mib_max"] or r.get("memory_limit_mib")
-                 or r["predicted_peak_mib_max"] or top)  # fmt: skip
+            y = (
+                r.get("oom_at_mib")
+                or r["peak_allocated_mib_max"]
+                or r.get("memory_limit_mib")
+                or r["predicted_peak_mib_max"]
+                or top
+            )
             x = xpos[r["world_size"]] + shift
             ax.plot(
                 [x], [y], marker="X", markersize=10, color=color, markeredgecolor="black", linestyle="none", zorder=4
             )
             status = STATUS_LABEL.get(r["status"], r["status"])
-            texts.append(ax.text(x, y, f"{status} {num(y)}" if r.get("oom_at_mib") else status, fontsize=8,
-                                 fontweight="bold", color=color))  # fmt: skip
+            texts.append(
+                ax.text(
+                    x,
+                    y,
+                    f"{status} {num(y)}" if r.get("oom_at_mib") else status,
+                    fontsize=8,
+                    fontweight="bold",
+                    color=color,
+                )
+            )
     for limit in limits:
         ax.axhline(limit, color="crimson", linestyle=":", linewidth=1.2)
-        ax.annotate(f"memory limit {limit:g} MiB", (1, limit), xycoords=("axes fraction", "data"),
-                    xytext=(-4, -11), textcoords="offset points", ha="right", fontsize=8, color="crimson")  # fmt: skip
+        ax.annotate(
+            f"memory limit {limit:g} MiB",
+            (1, limit),
+            xycoords=("axes fraction", "data"),
+            xytext=(-4, -11),
+            textcoords="offset points",
+            ha="right",
+            fontsize=8,
+            color="crimson",
+        )
     ax.set_ylim(0, top * 1.25)
     ax.set_ylabel("peak per rank (MiB, max over ranks)")
     ax.set_title(f"Peak memory per rank: measured (solid), predicted (dashed)\n{context(rows)}", fontsize=10)
     extra = [Line2D([], [], color="gray", linestyle="--", label="predicted")] if drew_prediction else []
     if drew_miss:
-        extra.append(Line2D([], [], color="gray", marker="X", markeredgecolor="black", linestyle="none",
-                            label="did not finish: at its value when it ran out"))  # fmt: skip
+        extra.append(
+            Line2D(
+                [],
+                [],
+                color="gray",
+                marker="X",
+                markeredgecolor="black",
+                linestyle="none",
+                label="did not finish: at its value when it ran out",
+            )
+        )
     _legend_extra(ax, extra)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -167,13 +216,29 @@ def throughput_chart(rows: list[dict[str, Any]], swept: list[str]):
             high = [(r.get("samples_per_s_ci95_high") or y) - y for r, y in zip(ok, ys)]
             ax.errorbar(xs, ys, yerr=[low, high], fmt="-o", color=color, label=label, capsize=3)
             texts += [ax.text(x, y, num(y), fontsize=7, color=color) for x, y in zip(xs, ys)]
-        missing += [f"{label} at {ranks(r['world_size'])}: {STATUS_LABEL.get(r['status'], r['status'])}"
-                    for r in members if r not in ok]  # fmt: skip
+        missing += [
+            f"{label} at {ranks(r['world_size'])}: {STATUS_LABEL.get(r['status'], r['status'])}"
+            for r in members
+            if r not in ok
+        ]
     if missing:
-        ax.text(0.01, 0.99, "no throughput:\n" + "\n".join(missing), transform=ax.transAxes, va="top", fontsize=8,
-                bbox={"facecolor": "white", "edgecolor": "gray", "boxstyle": "round,pad=0.3", "alpha": 0.9})  # fmt: skip
-    top = max((r.get("samples_per_s_ci95_high") or r["samples_per_s"] for r in rows
-               if r["status"] == "ok" and r["samples_per_s"]), default=1.0)  # fmt: skip
+        ax.text(
+            0.01,
+            0.99,
+            "no throughput:\n" + "\n".join(missing),
+            transform=ax.transAxes,
+            va="top",
+            fontsize=8,
+            bbox={"facecolor": "white", "edgecolor": "gray", "boxstyle": "round,pad=0.3", "alpha": 0.9},
+        )
+    top = max(
+        (
+            r.get("samples_per_s_ci95_high") or r["samples_per_s"]
+            for r in rows
+            if r["status"] == "ok" and r["samples_per_s"]
+        ),
+        default=1.0,
+    )
     ax.set_ylim(0, top * 1.25)
     ax.set_ylabel("samples/s (all ranks, median step; bars: its 95% interval)")
     ax.set_title(f"Throughput\n{context(rows)}", fontsize=10)
@@ -228,23 +293,45 @@ def breakdown_chart(rows: list[dict[str, Any]], swept: list[str]):
         for offset, parts, hatch in ((-width / 2, measured_parts(row), None), (width / 2, predicted_parts(row), "//")):
             if parts is None:
                 why = STATUS_LABEL.get(row["status"], "not split") if row["status"] != "ok" else "not split"
-                ax.text(i + offset, 0.02, why, transform=_blend(ax), rotation=90, ha="center", va="bottom", fontsize=8,
-                        fontweight="bold")  # fmt: skip
+                ax.text(
+                    i + offset,
+                    0.02,
+                    why,
+                    transform=_blend(ax),
+                    rotation=90,
+                    ha="center",
+                    va="bottom",
+                    fontsize=8,
+                    fontweight="bold",
+                )
                 continue
             bottom = 0.0
             for part, color in zip(CHART_PARTS, CHART_COLORS):
                 ax.bar(i + offset, parts[part], width, bottom=bottom, color=color, hatch=hatch, edgecolor="white")
                 bottom += parts[part]
             at_oom = hatch is None and row["status"] == "oom"  # measured when the budget was crossed
-            ax.annotate(num(bottom) + (" OOM" if at_oom else ""), (i + offset, bottom), textcoords="offset points",
-                        xytext=(0, 2), ha="center", fontsize=7, fontweight="bold" if at_oom else None)  # fmt: skip
+            ax.annotate(
+                num(bottom) + (" OOM" if at_oom else ""),
+                (i + offset, bottom),
+                textcoords="offset points",
+                xytext=(0, 2),
+                ha="center",
+                fontsize=7,
+                fontweight="bold" if at_oom else None,
+            )
             top = max(top, bottom)
     labels = [f"{series_label(r, keys)}\n{ranks(r['world_size'])}" for r in rows]
     if (
         max((len(line) for label in labels for line in label.split("\n")), default=0) > 14
     ):  # long labels: one line, slanted
-        ax.set_xticks(range(len(rows)), [label.replace("\n", ", ") for label in labels], fontsize=8, rotation=25,
-                      ha="right", rotation_mode="anchor")  # fmt: skip
+        ax.set_xticks(
+            range(len(rows)),
+            [label.replace("\n", ", ") for label in labels],
+            fontsize=8,
+            rotation=25,
+            ha="right",
+            rotation_mode="anchor",
+        )
     else:
         ax.set_xticks(range(len(rows)), labels, fontsize=8)
     ax.set_ylim(0, (top or 1.0) * 1.15)
@@ -288,15 +375,28 @@ def prediction_chart(rows: list[dict[str, Any]], swept: list[str]):
     values = [v for pts in (*points.values(), *misses.values()) for p in pts for v in p]
     lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
     span = [max(0.0, lo - 0.1 * (hi - lo + 1e-9) - 0.05 * hi), hi + 0.1 * (hi - lo) + 0.05 * hi]
-    ax.fill_between(span, [s * (1 - BAND) for s in span], [s * (1 + BAND) for s in span], color="green", alpha=0.12,
-                    label=f"within ±{BAND:.0%}")  # fmt: skip
+    ax.fill_between(
+        span,
+        [s * (1 - BAND) for s in span],
+        [s * (1 + BAND) for s in span],
+        color="green",
+        alpha=0.12,
+        label=f"within ±{BAND:.0%}",
+    )
     ax.plot(span, span, color="green", linewidth=1, label="predicted = measured")
     for label, pts in points.items():
         ax.scatter([p[0] for p in pts], [p[1] for p in pts], color=colors[label], label=label, s=30, zorder=3)
     for i, (label, pts) in enumerate(misses.items()):  # larger first: equal points show as rings, none hidden
-        ax.scatter([p[0] for p in pts], [p[1] for p in pts], color=colors[label], marker="X", s=max(40, 200 - 60 * i),
-                   zorder=4 + i,
-                   edgecolors="black", label=f"{label}: ran out (measured when it crossed its budget)")  # fmt: skip
+        ax.scatter(
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            color=colors[label],
+            marker="X",
+            s=max(40, 200 - 60 * i),
+            zorder=4 + i,
+            edgecolors="black",
+            label=f"{label}: ran out (measured when it crossed its budget)",
+        )
     ax.set_xlim(span)
     ax.set_ylim(span)
     ax.set_xlabel("measured peak per rank (MiB)")

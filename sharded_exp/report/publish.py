@@ -87,22 +87,44 @@ def native_charts(rows: list[dict[str, Any]], points: list[dict[str, Any]]) -> d
     columns = ["label", *COLUMNS]
     table = wandb.Table(columns=columns, data=[[_label(row), *(row[c] for c in COLUMNS)] for row in rows])
     per_rank = wandb.Table(
-        columns=["label", "strategy", "world_size", "precision", "model", "rank", "peak_allocated_mib",
-                 "predicted_peak_mib", "model_states_mib"],
-        data=[
-            [f"{_label(point_row(p))} | rank {e['rank']}", p["strategy"], p["world_size"], p["precision"], p["model"],
-             e["rank"], e.get("peak_allocated_mib"), e.get("predicted_peak_mib"),
-             sum(e["model_states_mib"].values()) if e.get("model_states_mib") else None]
-            for p in points if p.get("status") == "ok" for e in (p.get("memory") or {}).get("per_rank", [])
+        columns=[
+            "label",
+            "strategy",
+            "world_size",
+            "precision",
+            "model",
+            "rank",
+            "peak_allocated_mib",
+            "predicted_peak_mib",
+            "model_states_mib",
         ],
-    )  # fmt: skip
+        data=[
+            [
+                f"{_label(point_row(p))} | rank {e['rank']}",
+                p["strategy"],
+                p["world_size"],
+                p["precision"],
+                p["model"],
+                e["rank"],
+                e.get("peak_allocated_mib"),
+                e.get("predicted_peak_mib"),
+                sum(e["model_states_mib"].values()) if e.get("model_states_mib") else None,
+            ]
+            for p in points
+            if p.get("status") == "ok"
+            for e in (p.get("memory") or {}).get("per_rank", [])
+        ],
+    )
     # Bars only for the points that finished: a point that ran out of memory has no
     # throughput, and a bar of 0 would read as the slowest (report/table names it).
     speeds = wandb.Table(
         columns=["label", "samples_per_s"],
-        data=[[_label(row), row["samples_per_s"]] for row in rows
-              if row.get("status") == "ok" and row.get("samples_per_s") is not None],
-    )  # fmt: skip
+        data=[
+            [_label(row), row["samples_per_s"]]
+            for row in rows
+            if row.get("status") == "ok" and row.get("samples_per_s") is not None
+        ],
+    )
     plot = wandb.plot
     return {
         report_key("table"): table,
@@ -137,9 +159,13 @@ def log_to_wandb(rows: list[dict[str, Any]], points: list[dict[str, Any]], image
         for old in (Path(sweep_dir) / "wandb").glob(f"*-{run_id}"):
             shutil.rmtree(old, ignore_errors=True)
         run = init_wandb_run(
-            cfg, job_type=REPORT_JOB_TYPE, name=report_run_name(sweep_dir), config=None, directory=str(sweep_dir),
+            cfg,
+            job_type=REPORT_JOB_TYPE,
+            name=report_run_name(sweep_dir),
+            config=None,
+            directory=str(sweep_dir),
             run_id=run_id,
-        )  # fmt: skip
+        )
         run.log({**native_charts(rows, points), **{report_key(p.stem): wandb.Image(str(p)) for p in images}})
         run.finish()
     except Exception as exc:  # noqa: BLE001 -- the report files are written regardless

@@ -16,15 +16,45 @@ from sharded_exp.report.sweep_points import overrides, point_name, swept_keys
 from sharded_exp.strategies import baseline, sharding_order
 
 COLUMNS = [
-    "strategy", "world_size", "precision", "model", "params", "peak_allocated_mib_max", "peak_allocated_mib_mean",
-    "predicted_peak_mib_max", "predicted_peak_mib_mean", "peak_rel_error_max", "model_states_mib_max",
-    "predicted_model_states_mib_max", "memory_limit_mib", "peak_saving_pct", "peak_mean_saving_pct",
-    "states_saving_pct", "samples_per_s", "samples_per_s_ci95_low", "samples_per_s_ci95_high", "speed_vs_baseline",
-    "speed_vs_baseline_ci95_low", "speed_vs_baseline_ci95_high", "speed_within_noise", "timed_steps", "device",
-    "threads_per_rank", "load_avg_1m", "cpu_count", "mfu_pct", "final_loss",
-    "eval/accuracy", "eval/f1", "eval/perplexity", "parity_vs_baseline", "status", "first_nonfinite_step", "error",
+    "strategy",
+    "world_size",
+    "precision",
+    "model",
+    "params",
+    "peak_allocated_mib_max",
+    "peak_allocated_mib_mean",
+    "predicted_peak_mib_max",
+    "predicted_peak_mib_mean",
+    "peak_rel_error_max",
+    "model_states_mib_max",
+    "predicted_model_states_mib_max",
+    "memory_limit_mib",
+    "peak_saving_pct",
+    "peak_mean_saving_pct",
+    "states_saving_pct",
+    "samples_per_s",
+    "samples_per_s_ci95_low",
+    "samples_per_s_ci95_high",
+    "speed_vs_baseline",
+    "speed_vs_baseline_ci95_low",
+    "speed_vs_baseline_ci95_high",
+    "speed_within_noise",
+    "timed_steps",
+    "device",
+    "threads_per_rank",
+    "load_avg_1m",
+    "cpu_count",
+    "mfu_pct",
+    "final_loss",
+    "eval/accuracy",
+    "eval/f1",
+    "eval/perplexity",
+    "parity_vs_baseline",
+    "status",
+    "first_nonfinite_step",
+    "error",
     "oom_breakdown",
-]  # fmt: skip
+]
 """Every column of report.csv and the full table (the swept overrides follow ``model``,
 ``baseline`` comes last)."""
 REPEATS = ("trainer.seed",)
@@ -161,8 +191,11 @@ def build_rows(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _compare(row: dict[str, Any], base: dict[str, Any] | None) -> None:
     """Savings, speed and parity only between points that trained to a finite end."""
-    for col, metric in (("peak_saving_pct", "peak_allocated_mib_max"), ("peak_mean_saving_pct", "peak_allocated_mib_mean"),
-                        ("states_saving_pct", "model_states_mib_max")):  # fmt: skip
+    for col, metric in (
+        ("peak_saving_pct", "peak_allocated_mib_max"),
+        ("peak_mean_saving_pct", "peak_allocated_mib_mean"),
+        ("states_saving_pct", "model_states_mib_max"),
+    ):
         ok = base and row[metric] is not None and base[metric]
         row[col] = 100 * (1 - row[metric] / base[metric]) if ok else None
     ok = base and row["samples_per_s"] and base["samples_per_s"]

@@ -18,12 +18,18 @@ from sharded_exp.report.statistics import BAND
 from sharded_exp.strategies import STRATEGIES, baseline, by_sharding
 
 COMPACT = {
-    "strategy": "strategy", "world_size": "world_size", "precision": "precision",
-    "peak_allocated_mib_max": "peak_allocated_mib_max", "peak_allocated_mib_mean": "peak_allocated_mib_mean",
-    "predicted_peak_mib_max": "predicted_peak_mib_max", "peak_saving_pct": "peak_saving_pct",
-    "samples_per_s": "samples_per_s", "speed_vs_baseline": "speed_vs_baseline", "status": "status",
+    "strategy": "strategy",
+    "world_size": "world_size",
+    "precision": "precision",
+    "peak_allocated_mib_max": "peak_allocated_mib_max",
+    "peak_allocated_mib_mean": "peak_allocated_mib_mean",
+    "predicted_peak_mib_max": "predicted_peak_mib_max",
+    "peak_saving_pct": "peak_saving_pct",
+    "samples_per_s": "samples_per_s",
+    "speed_vs_baseline": "speed_vs_baseline",
+    "status": "status",
     "baseline_short": "baseline",
-}  # fmt: skip
+}
 """The table a reader reads first: column -> header (the end-of-run table's abbreviations)."""
 
 
@@ -123,20 +129,24 @@ def _at_world_size(ws: int, members: list[dict[str, Any]]) -> str:
     base = fitting[0]["_base"]
     lowest = min(fitting, key=lambda r: r["peak_allocated_mib_max"])
     if lowest is base or base is None or lowest["peak_saving_pct"] is None:  # (a baseline without a peak)
-        text = (f"At {ranks(ws)}, {lowest['strategy']} has the lowest peak "
-                f"({num(lowest['peak_allocated_mib_max'])} MiB)")  # fmt: skip
+        text = f"At {ranks(ws)}, {lowest['strategy']} has the lowest peak ({num(lowest['peak_allocated_mib_max'])} MiB)"
     else:
         aside = _baseline_aside(base, members)
-        text = (f"At {ranks(ws)}, {lowest['strategy']} peaks {lowest['peak_saving_pct']:.0f}% below {base['strategy']} "
-                f"({num(lowest['peak_allocated_mib_max'])} vs {num(base['peak_allocated_mib_max'])} MiB)"
-                + (f", {aside}" if aside else ""))  # fmt: skip
+        text = (
+            f"At {ranks(ws)}, {lowest['strategy']} peaks {lowest['peak_saving_pct']:.0f}% below {base['strategy']} "
+            f"({num(lowest['peak_allocated_mib_max'])} vs {num(base['peak_allocated_mib_max'])} MiB)"
+            + (f", {aside}" if aside else "")
+        )
         if lowest["speed_vs_baseline"]:
             text += ("," if aside else "") + _speed_clause(lowest)
     fastest = max(fitting, key=lambda r: r["samples_per_s"] or 0)
     if fastest is not lowest and fastest is not base and fastest["samples_per_s"] and not fastest["speed_within_noise"]:
         text += f"; {fastest['strategy']} is the fastest ({num(fastest['samples_per_s'])} samples/s)"
-    repeats = [r for r in fitting if r is not base and r["strategy"] == base["strategy"] and r["speed_vs_baseline"]] \
-        if base is not None else []  # fmt: skip
+    repeats = (
+        [r for r in fitting if r is not base and r["strategy"] == base["strategy"] and r["speed_vs_baseline"]]
+        if base is not None
+        else []
+    )
     for r in repeats:  # the same settings again (another trainer.seed): the noise itself
         text += f"; a repeat of {base['strategy']} ({r['_dir']}) runs at {speed_text(r)} its speed"
     return text + "."
@@ -169,8 +179,11 @@ def _did_not_finish(members: list[dict[str, Any]]) -> str:
             if not parts:
                 verb = {"failed": "failed", "diverged": "diverged", "stopped": "was stopped"}.get(status)
                 if status == "oom":
-                    verb = ("does not fit" if len(names) == 1 else "do not fit") + limit_text(limit) if limit else (
-                        "runs out of memory" if len(names) == 1 else "run out of memory")  # fmt: skip
+                    verb = (
+                        ("does not fit" if len(names) == 1 else "do not fit") + limit_text(limit)
+                        if limit
+                        else ("runs out of memory" if len(names) == 1 else "run out of memory")
+                    )
                     said_limit = limit
                 parts.append(f"{who} {verb} at {_ranks_list(list(sizes))}")
             else:  # the verb said once
@@ -195,8 +208,10 @@ def headline(rows: list[dict[str, Any]]) -> str:
     sentences = []
     for members in groups.values():
         prefix = ", ".join(series_label(members[0], varying).split(", ")[1:])
-        said = [_at_world_size(ws, [r for r in members if r["world_size"] == ws])
-                for ws in sorted({r["world_size"] for r in members})]  # fmt: skip
+        said = [
+            _at_world_size(ws, [r for r in members if r["world_size"] == ws])
+            for ws in sorted({r["world_size"] for r in members})
+        ]
         text = " ".join([*said, _did_not_finish(members)]).strip()
         sentences.append((f"**{prefix}**: " if prefix and len(groups) > 1 else "") + text)
     bad = [r for r in rows if not r["world_size"]]
@@ -215,8 +230,10 @@ def headline(rows: list[dict[str, Any]]) -> str:
                 f"Every rank's predicted peak is within {abs(err):.1%} of its measured one (largest: {where})."
             )
         else:
-            sentences.append(f"At {len(off)} of {len(errors)} points that ran, a rank's predicted peak is more than "
-                             f"{BAND:.0%} off its measured one (worst: {where}).")  # fmt: skip
+            sentences.append(
+                f"At {len(off)} of {len(errors)} points that ran, a rank's predicted peak is more than "
+                f"{BAND:.0%} off its measured one (worst: {where})."
+            )
     return " ".join(sentences)
 
 
@@ -244,8 +261,10 @@ def speed_notes(rows: list[dict[str, Any]]) -> str:
     for r in timed:
         threads = f", {r['threads_per_rank']} thread(s) per rank" if r.get("threads_per_rank") else ""
         load = f", load {r['load_avg_1m']:.1f} on {r['cpu_count']} cores" if r.get("load_avg_1m") is not None else ""
-        where.append(f"{r['_dir']} ({r['strategy']} x{r['world_size']}: {r.get('device') or '?'}{threads}{load}, "
-                     f"{r.get('timed_steps') or 0} timed steps)")  # fmt: skip
+        where.append(
+            f"{r['_dir']} ({r['strategy']} x{r['world_size']}: {r.get('device') or '?'}{threads}{load}, "
+            f"{r.get('timed_steps') or 0} timed steps)"
+        )
     text = (
         "Speed: samples/s at the median step, with its 95% interval (order statistics); a ratio's interval "
         "is the two intervals' extremes, and a ratio whose interval holds 1.0 is within noise. On CPU the "
@@ -253,16 +272,25 @@ def speed_notes(rows: list[dict[str, Any]]) -> str:
     )
     few = [r for r in timed if r.get("min_timed_steps") and (r.get("timed_steps") or 0) < r["min_timed_steps"]]
     if few:
-        text += ("\n\n**Few timed steps:** " +
-                 ", ".join(f"{r['_dir']} ({r.get('timed_steps') or 0} of trainer.min_timed_steps={r['min_timed_steps']})"
-                           for r in few) +
-                 ": their intervals are wide, and a difference among them may read as within noise.")  # fmt: skip
-    loaded = [r for r in timed if r.get("load_avg_1m") is not None and r.get("cpu_count")
-              and r["load_avg_1m"] > r["cpu_count"]]  # fmt: skip
+        text += (
+            "\n\n**Few timed steps:** "
+            + ", ".join(
+                f"{r['_dir']} ({r.get('timed_steps') or 0} of trainer.min_timed_steps={r['min_timed_steps']})"
+                for r in few
+            )
+            + ": their intervals are wide, and a difference among them may read as within noise."
+        )
+    loaded = [
+        r
+        for r in timed
+        if r.get("load_avg_1m") is not None and r.get("cpu_count") and r["load_avg_1m"] > r["cpu_count"]
+    ]
     if loaded:
-        text += ("\n\n**Warning:** the machine's load exceeded its cores while " +
-                 ", ".join(f"{r['_dir']} ({r['load_avg_1m']:.1f} on {r['cpu_count']})" for r in loaded) +
-                 " ran: their speeds include waiting for other work.")  # fmt: skip
+        text += (
+            "\n\n**Warning:** the machine's load exceeded its cores while "
+            + ", ".join(f"{r['_dir']} ({r['load_avg_1m']:.1f} on {r['cpu_count']})" for r in loaded)
+            + " ran: their speeds include waiting for other work."
+        )
     return text
 
 

@@ -40,8 +40,11 @@ def build(entity: str, project: str, group: str, world_size: int, strategies: li
     import wandb_workspaces.workspaces as ws
 
     keys = panel_keys(world_size, strategies)
-    over_time = [wr.LinePlot(title="allocated (MiB): min / median / max over ranks", x="Step",
-                             y=keys["memory over time across ranks"])]  # fmt: skip
+    over_time = [
+        wr.LinePlot(
+            title="allocated (MiB): min / median / max over ranks", x="Step", y=keys["memory over time across ranks"]
+        )
+    ]
     over_time += [
         wr.LinePlot(title=f"rank {r}: allocated (MiB)", x="Step", y=[key])
         for r, key in enumerate(keys["memory over time per rank"])
@@ -72,7 +75,7 @@ def build(entity: str, project: str, group: str, world_size: int, strategies: li
                     x=keys["predicted vs measured"][0],
                     y=keys["predicted vs measured"][1],
                 ),
-            ],  # fmt: skip
+            ],
         ),
         ws.Section(
             name="Strategy, precision, world size, model",
@@ -85,7 +88,7 @@ def build(entity: str, project: str, group: str, world_size: int, strategies: li
                         wr.ParallelCoordinatesPlotColumn(metric=wr.SummaryMetric(k))
                         for k in keys["parallel coordinates"]
                     ],
-                )  # fmt: skip
+                )
             ],
         ),
     ]

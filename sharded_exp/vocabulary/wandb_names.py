@@ -131,9 +131,13 @@ def across_ranks(name: str, values: list[float]) -> dict[str, float]:
 
 
 PER_RANK_FIGURES = (
-    "peak_allocated_mib", "peak_reserved_mib", "predicted_peak_mib", "peak_rel_error", "model_states_mib",
+    "peak_allocated_mib",
+    "peak_reserved_mib",
+    "predicted_peak_mib",
+    "peak_rel_error",
+    "model_states_mib",
     "predicted_model_states_mib",
-)  # fmt: skip
+)
 """The figures of ``memory.per_rank`` in the W&B summary (the rest stay in result.json)."""
 
 
