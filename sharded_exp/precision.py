@@ -64,7 +64,7 @@ class Precision(str, Enum):
     @property
     def autocast_dtype(self):
         """The dtype autocast (or FSDP's MixedPrecisionPolicy) computes in; None for fp32."""
-        import torch  # (see the module docstring)
+        import torch  # lazy: torch, not before Hydra's questions are answered (see the module docstring)
 
         return None if self is Precision.fp32 else getattr(torch, SPELLINGS[self][-1])
 
@@ -109,7 +109,7 @@ def compute_bytes(name) -> int:
 
 
 def autocast(cfg, device_type: str) -> contextlib.AbstractContextManager:
-    import torch  # (see the module docstring)
+    import torch  # lazy: torch, not before Hydra's questions are answered (see the module docstring)
 
     dtype = compute_dtype(cfg.name)
     if dtype is None:
@@ -127,7 +127,7 @@ def grad_scaler(cfg, device_type: str, sharded_grads: bool):
         which all-reduces the found-inf flag so every rank makes the same decision.
         fairscale's own ShardedGradScaler is not used: it disables itself without CUDA.
     """
-    import torch  # (see the module docstring)
+    import torch  # lazy: torch, not before Hydra's questions are answered (see the module docstring)
 
     kwargs = {
         "init_scale": cfg.init_scale,
@@ -136,7 +136,7 @@ def grad_scaler(cfg, device_type: str, sharded_grads: bool):
         "enabled": cfg.name == "16",
     }
     if sharded_grads and kwargs["enabled"]:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # lazy: torch (as above)
 
         return ShardedGradScaler(device=device_type, **kwargs)
     return torch.amp.GradScaler(device_type, **kwargs)

@@ -8,15 +8,17 @@ The sweep report's charts are in :mod:`sharded_exp.report.figures`; the planner'
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 
 def pyplot():
-    import matplotlib
+    """matplotlib's pyplot on the Agg backend (files only, no display)."""
+    import matplotlib  # lazy: matplotlib takes over a second to import; only a drawn chart needs it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: (as above), after the backend is chosen
 
     return plt
 
@@ -70,8 +72,6 @@ MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 def _end_labels(ax, fig, x: float, ends: dict[str, list[str]], gap: float = 0.04) -> None:
     """Label each line's last point ("77.16 (oss)") at the right, pushed apart where two
     lines end close together (at least ``gap`` of the axes' height between labels)."""
-    import math
-
     lo, hi = (math.log(v) for v in ax.get_ylim())
     height_pt = fig.get_figheight() * ax.get_position().height * 72
     spots = sorted(((math.log(float(v.replace(",", ""))) - lo) / (hi - lo), v) for v in ends)
@@ -128,7 +128,7 @@ def plan_chart(rows: list[dict[str, Any]], budget_gib: float, title: str):
         fontsize=8,
         color="crimson",
     )
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter  # lazy: matplotlib
 
     for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
         axis(FuncFormatter(lambda v, _: f"{v:g}"))  # 60, not 6 x 10^1

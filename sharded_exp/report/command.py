@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+import uuid
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
+from sharded_exp import sweep
 from sharded_exp.report import workspace
 from sharded_exp.report.publish import write_report
 from sharded_exp.report.sweep_points import SWEEP_ID, load_points
@@ -36,26 +38,22 @@ class ReportCallback(Callback):
     """The sweep directory's lock, held from the sweep's start to its report."""
 
     def on_multirun_start(self, config, **kwargs) -> None:
-        import uuid
-
-        from sharded_exp.sweep import check_multirun, hold_sweep_dir
-
-        check_multirun(config)  # a launcher that can host ranks, a valid objective: before any point
+        sweep.check_multirun(config)  # a launcher that can host ranks, a valid objective: before any point
         sweep_dir = Path(config.hydra.sweep.dir)
         try:
             sweep_dir.mkdir(parents=True, exist_ok=True)
-            self.lock = hold_sweep_dir(sweep_dir)  # another live sweep there: refused (exit 2) before its id is touched
+            self.lock = sweep.hold_sweep_dir(
+                sweep_dir
+            )  # another live sweep there: refused (exit 2) before its id is touched
             (sweep_dir / SWEEP_ID).write_text(uuid.uuid4().hex + "\n")
         except OSError as exc:  # the points say so themselves; the report then takes every point
             print(f"warning: {sweep_dir / SWEEP_ID} not written ({exc.strerror or exc})", file=sys.stderr)
 
     def on_multirun_end(self, config, **kwargs) -> None:
-        from sharded_exp.sweep import release_sweep_dir
-
         try:
             self._report(Path(config.hydra.sweep.dir))
         finally:
-            release_sweep_dir(self.lock)
+            sweep.release_sweep_dir(self.lock)
             self.lock = None
 
     def _report(self, sweep_dir: Path) -> None:

@@ -57,7 +57,7 @@ def place_labels(ax, texts: list) -> None:
             text.remove()
         return
     if texts:
-        from adjustText import adjust_text
+        from adjustText import adjust_text  # lazy: it imports matplotlib
 
         xs, ys = [t.get_position()[0] for t in texts], [t.get_position()[1] for t in texts]
         adjust_text(
@@ -98,7 +98,7 @@ def memory_chart(rows: list[dict[str, Any]], swept: list[str]):
     not finish is a cross labelled with its status at its measured value: where it ran out
     of memory, what was live when it crossed its budget (the limit a dotted line); else its
     measured peak; else its budget; else its prediction."""
-    from matplotlib.lines import Line2D
+    from matplotlib.lines import Line2D  # lazy: matplotlib
 
     rows, keys, groups, fig, ax, xpos = _world_size_axes(rows, swept)
     limits = sorted({r["memory_limit_mib"] for r in rows if r.get("memory_limit_mib")})
@@ -281,7 +281,7 @@ def breakdown_chart(rows: list[dict[str, Any]], swept: list[str]):
     activations and temporaries: measured (solid, where the CPU tracker split it; for a
     point that ran out of memory, what was live when it crossed its budget, marked OOM) and
     predicted (hatched) side by side."""
-    from matplotlib.patches import Patch
+    from matplotlib.patches import Patch  # lazy: matplotlib
 
     plt = pyplot()
     rows = [r for r in rows if r["world_size"]]
@@ -348,7 +348,7 @@ def breakdown_chart(rows: list[dict[str, Any]], swept: list[str]):
 
 
 def _blend(ax):
-    import matplotlib.transforms as transforms
+    import matplotlib.transforms as transforms  # lazy: matplotlib
 
     return transforms.blended_transform_factory(ax.transData, ax.transAxes)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -58,8 +59,6 @@ def publish_report(staging: Path, sweep_dir: Path) -> None:
     report's; a chart of the previous report not drawn this time goes (report.md no longer
     links it). Each file is renamed in place (atomic), with SIGINT and SIGTERM held until the
     last is in: a Ctrl-C leaves the previous complete set or the new one, never a mix."""
-    import signal
-
     block = getattr(signal, "pthread_sigmask", None)  # not on Windows: the renames alone
     held = block(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM}) if block else None
     try:
@@ -82,7 +81,7 @@ def native_charts(rows: list[dict[str, Any]], points: list[dict[str, Any]]) -> d
     """The comparison as W&B tables and W&B's own charts built from them (filterable and
     regroupable in the UI): bars of per-rank peak and model states by strategy, labelled
     and ordered by world size and precision; predicted vs measured peak; samples/s."""
-    import wandb
+    import wandb  # lazy: wandb takes about half a second to import; only a sweep that logged to W&B needs it
 
     columns = ["label", *COLUMNS]
     table = wandb.Table(columns=columns, data=[[_label(row), *(row[c] for c in COLUMNS)] for row in rows])
@@ -151,7 +150,7 @@ def log_to_wandb(rows: list[dict[str, Any]], points: list[dict[str, Any]], image
     if cfg is None:
         return
     try:
-        import wandb
+        import wandb  # lazy: (as above)
 
         # One report run per sweep directory: a fixed id, and an earlier local copy removed,
         # so that reporting again replaces the run instead of adding one.

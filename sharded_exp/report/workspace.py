@@ -36,8 +36,8 @@ SPEC_FILE = "wandb_workspace.json"
 
 def build(entity: str, project: str, group: str, world_size: int, strategies: list[str], name: str):
     """The workspace object (nothing is sent anywhere)."""
-    import wandb_workspaces.reports.v2 as wr
-    import wandb_workspaces.workspaces as ws
+    import wandb_workspaces.reports.v2 as wr  # lazy: wandb_workspaces imports wandb; only --wandb-workspace needs it
+    import wandb_workspaces.workspaces as ws  # lazy: (as above)
 
     keys = panel_keys(world_size, strategies)
     over_time = [
@@ -123,7 +123,7 @@ def write_or_save(sweep_dir: Path, points: list[dict[str, Any]], entity: str | N
     name = f"sharded_exp sweep {group}"
     if online:
         if not entity:
-            import wandb
+            import wandb  # lazy: only to ask W&B for the default entity
 
             entity = wandb.Api().default_entity
         workspace = build(entity, project, group, world_size, strategies, name)
