@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 try:
     import lightning.pytorch as pl
 except ImportError:  # the older package name
@@ -37,8 +39,6 @@ def _precision(lightning: str) -> str:
 
 
 def _batch_size(batch: Any) -> int | None:
-    import torch
-
     if isinstance(batch, torch.Tensor):
         return batch.shape[0]
     values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else []

@@ -205,7 +205,7 @@ class MemoryWindow(Component):
         if result.step + 1 == self.windows.memory_end:
             self.memory = self.meter.stop()
             if self.compiled and self.meter.device.type == "cpu":
-                from torch import _dynamo
+                from torch import _dynamo  # lazy: slow to import; only a compiled run on CPU needs it
 
                 _dynamo.reset()
 
