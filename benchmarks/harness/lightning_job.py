@@ -58,7 +58,7 @@ def main() -> None:
     args = parser.parse_args()
     cfg = OmegaConf.create(OmegaConf.to_container(compose(args.overrides), resolve=True, enum_to_str=True))
     tc = cfg.trainer
-    precision = Precision.parse(cfg.precision.name).lightning
+    precision = Precision.of(cfg).lightning
     clock = Clock()
     trainer = pl.Trainer(
         accelerator="cpu",

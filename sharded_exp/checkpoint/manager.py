@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from tqdm import tqdm
 
 from sharded_exp.checkpoint.plan import CheckpointPlan
@@ -61,8 +62,11 @@ def _dcp_failure(tmp: str):
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        full = is_no_space(exc, os.path.join(tmp, "__0_0.distcp")) or "Errno 28" in str(exc) \
-            or "No space left on device" in str(exc)  # fmt: skip
+        full = (
+            is_no_space(exc, os.path.join(tmp, "__0_0.distcp"))
+            or "Errno 28" in str(exc)
+            or "No space left on device" in str(exc)
+        )
         shutil.rmtree(tmp, ignore_errors=True)
         if full:
             raise no_space(tmp) from None
@@ -210,8 +214,6 @@ class CheckpointManager:
         }
 
     def _save_dcp(self, strategy, tmp, path, small, meta) -> None:
-        import torch.distributed.checkpoint as dcp
-
         state = {"model": strategy.module.state_dict(), "optim": {"state": local_optimizer_state(strategy)}}
         writer = dcp.FileSystemWriter(tmp, sync_files=True)
         if self.plan.asynchronous:

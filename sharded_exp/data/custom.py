@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict
 
 import torch
+from hydra.utils import get_object
 from omegaconf import MISSING, OmegaConf
 
 from sharded_exp.config import Option
@@ -60,8 +61,6 @@ class CustomDataConfig:
 @TASKS.register("custom", config=CustomDataConfig)
 def custom_task(cfg: CustomDataConfig, model_cfg, batch_size: int) -> Task:
     """A user's Dataset, from ``data._target_(**data.kwargs)``."""
-    from hydra.utils import get_object
-
     if OmegaConf.is_missing(cfg, "_target_"):
         raise ConfigError("data=custom needs data._target_=package.module.factory (a torch Dataset factory)")
     target = cfg._target_
@@ -87,6 +86,13 @@ def custom_task(cfg: CustomDataConfig, model_cfg, batch_size: int) -> Task:
     if metric != "perplexity" and cfg.num_classes < 1:
         raise ConfigError(f"data=custom with data.metric={metric} needs data.num_classes (the number of classes)")
     return dataset_task(
-        cfg, f"data._target_={target}", dataset, collate, batch_size,
-        metric=metric, labels=str(cfg.labels), num_classes=int(cfg.num_classes), shift_labels=bool(cfg.shift_labels),
-    )  # fmt: skip
+        cfg,
+        f"data._target_={target}",
+        dataset,
+        collate,
+        batch_size,
+        metric=metric,
+        labels=str(cfg.labels),
+        num_classes=int(cfg.num_classes),
+        shift_labels=bool(cfg.shift_labels),
+    )

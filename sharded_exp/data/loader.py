@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.data import DataLoader, DistributedSampler
 
 from sharded_exp.data import Batch, Task, each_tensor
+from sharded_exp.data.prefetch import Prefetcher
 from sharded_exp.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -96,8 +97,11 @@ class StepLoader:
                 log.warning(
                     "warning: the checkpoint's data position (%s samples into epoch %d) is not a whole number "
                     "of this run's global micro-batches (%d); resuming from micro-batch %d",
-                    position["samples"], self.epoch, self.global_batch, self.batch,
-                )  # fmt: skip
+                    position["samples"],
+                    self.epoch,
+                    self.global_batch,
+                    self.batch,
+                )
             self.epoch, self.batch = self.epoch + self.batch // self.per_epoch, self.batch % self.per_epoch
         self.loader = DataLoader(
             task.dataset,
@@ -178,6 +182,4 @@ def step_loader(
     ahead beside a step before ``quiet_until`` (the CPU memory tracker's)."""
     if task.dataset is not None:
         return StepLoader(task, rank, world_size, loop.batch_size, loop.grad_accum, device, start, position)
-    from sharded_exp.data.prefetch import Prefetcher
-
     return Prefetcher(task, rank, loop.grad_accum, device, loop.steps, quiet_until)

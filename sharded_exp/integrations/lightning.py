@@ -17,6 +17,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+import torch
+
 from sharded_exp.errors import ConfigError
 from sharded_exp.precision import Precision
 from sharded_exp.probe import Probe
@@ -53,8 +55,6 @@ def _precision(lightning: str) -> str:
 
 
 def _batch_size(batch: Any) -> int | None:
-    import torch
-
     if isinstance(batch, torch.Tensor):
         return batch.shape[0]
     values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else []
@@ -62,8 +62,15 @@ def _batch_size(batch: Any) -> int | None:
 
 
 class MemoryProbe(*(package.Callback for package in _PACKAGES)):  # a Callback of each installed tree
-    def __init__(self, run_dir: str | None = None, *, warmup_steps: int = 5, track_steps: int = 2,
-                 samples_per_step: int | None = None, predict: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        run_dir: str | None = None,
+        *,
+        warmup_steps: int = 5,
+        track_steps: int = 2,
+        samples_per_step: int | None = None,
+        predict: bool = True,
+    ):
         self.run_dir, self.predict = run_dir, predict
         self.options = {"warmup_steps": warmup_steps, "track_steps": track_steps}
         self.samples_per_step = samples_per_step
@@ -82,17 +89,25 @@ class MemoryProbe(*(package.Callback for package in _PACKAGES)):  # a Callback o
             self.run_dir,
             samples_per_step=samples,
             precision=_precision(trainer.precision),
-            framework={"name": "lightning", "version": pl.__version__, "strategy": type(strategy).__name__,
-                       "precision": str(trainer.precision), "devices": trainer.num_devices,
-                       "num_nodes": trainer.num_nodes},  # fmt: skip
+            framework={
+                "name": "lightning",
+                "version": pl.__version__,
+                "strategy": type(strategy).__name__,
+                "precision": str(trainer.precision),
+                "devices": trainer.num_devices,
+                "num_nodes": trainer.num_nodes,
+            },
             source="lightning",
             grad_accum=trainer.accumulate_grad_batches,
             **self.options,
         )
         self._global_step = trainer.global_step
         if self.predict:
-            self.probe.predict(batch, lambda module, b: loss_of(module.training_step(b, batch_idx)),
-                               trainer.precision_plugin.forward_context())  # fmt: skip
+            self.probe.predict(
+                batch,
+                lambda module, b: loss_of(module.training_step(b, batch_idx)),
+                trainer.precision_plugin.forward_context(),
+            )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.probe is None or trainer.global_step == self._global_step:

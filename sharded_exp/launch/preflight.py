@@ -36,7 +36,7 @@ from sharded_exp.models.target import (
     is_target_model,
 )
 from sharded_exp.optim import OPTIMIZERS
-from sharded_exp.precision import PRECISIONS, compute_dtype
+from sharded_exp.precision import PRECISIONS, Precision
 from sharded_exp.predict.prediction import meta_model, model_shapes, predict, predict_peak
 from sharded_exp.strategies import STRATEGIES
 from sharded_exp.train import faults
@@ -47,12 +47,12 @@ def _check_param_dtype(cfg: JobGroups) -> None:
     half dtype that is not autocast's gives matmuls of two half dtypes, which torch's kernels
     refuse in every rank ("mixed dtype (CPU): expect parameter to have scalar type of Float")."""
     param = getattr(cfg.strategy, "param_dtype", None)
-    autocast = compute_dtype(cfg.precision.name)
+    autocast = Precision.of(cfg).autocast_dtype
     if param is None or autocast is None or param in ("float32", str(autocast).removeprefix("torch.")):
         return
     half = str(autocast).removeprefix("torch.")
     raise ConfigError(
-        f"strategy.param_dtype={param} is not precision={cfg.precision.name}'s autocast dtype ({half}): "
+        f"strategy.param_dtype={param} is not precision={Precision.of(cfg)}'s autocast dtype ({half}): "
         f"autocast would compute in {half} with {param} parameters, which torch refuses; use "
         f"strategy.param_dtype={half} (or null: from precision), or precision=32, where strategy.param_dtype "
         "alone sets the compute dtype"
@@ -154,7 +154,7 @@ def check(cfg: Config, output_dir: str, layout: Layout | None = None, peak: bool
     world_size = layout.world_size if layout is not None else cfg.trainer.world_size
     local_ranks = layout.local_world_size if layout is not None else world_size
     device_type = decide_device(
-        str(cfg.trainer.accelerator), local_ranks, cfg.precision.name, per_task=layout is not None
+        str(cfg.trainer.accelerator), local_ranks, Precision.of(cfg), per_task=layout is not None
     )
     strategy = STRATEGIES.builder(cfg.strategy.name)
     strategy.check(cfg.strategy, world_size, device_type)
@@ -189,7 +189,7 @@ def check(cfg: Config, output_dir: str, layout: Layout | None = None, peak: bool
     # and the checkpoint plan's paths; the ranks and the fake step read it typed, as composed.
     config, config_yaml, decided_typed = decided_config(cfg, world_size, plan)
     decided = OmegaConf.structured(decided_typed)
-    prediction = predict(decided.strategy, decided.optimizer, decided.precision.name, shapes, world_size)
+    prediction = predict(decided.strategy, decided.optimizer, Precision.of(decided), shapes, world_size)
     if peak:
         prediction["peak"] = predict_peak(decided, world_size, device_type, prediction, shapes)
         if device_type == "cpu" and cfg.trainer.host_memory_check:

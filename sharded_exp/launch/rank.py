@@ -22,6 +22,7 @@ import torch.distributed as dist
 from sharded_exp import logs
 from sharded_exp.job.result import write_json
 from sharded_exp.job.spec import JobSpec
+from sharded_exp.precision import Precision
 from sharded_exp.registry import import_plugins
 from sharded_exp.train import liveness
 
@@ -45,7 +46,7 @@ def run_rank(
     if job.device_type == "cuda":
         device = rank_device(local_rank)
         torch.cuda.set_device(device)
-        check_bf16(str(cfg.precision.name), device)
+        check_bf16(Precision.of(cfg), device)
     else:
         device = torch.device("cpu")
         # Ranks share the cores: without this each would start one thread per core.

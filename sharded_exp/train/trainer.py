@@ -36,6 +36,7 @@ from sharded_exp.measure.snapshot import MemoryHistory
 from sharded_exp.measure.tracker import MemoryMeter, model_state_mib, process_peak_rss_mib
 from sharded_exp.output.loggers import build_logger, summary_values
 from sharded_exp.output.results import memory_section, training_result
+from sharded_exp.precision import Precision
 from sharded_exp.strategies.base import Strategy
 from sharded_exp.train import components, faults, liveness
 from sharded_exp.train import evaluate as evaluation
@@ -170,7 +171,7 @@ def checkpoint_job(cfg) -> dict[str, Any]:
     """What a checkpoint's meta.json records about the job that wrote it."""
     return {
         "strategy": cfg.strategy.name,
-        "precision": str(cfg.precision.name),
+        "precision": str(Precision.of(cfg)),
         "optimizer": cfg.optimizer.name,
         # plain data, nested parts included (a Hugging Face model's ``config``)
         "model": OmegaConf.to_container(cfg.model, resolve=True),
@@ -343,7 +344,7 @@ class _Report:
         if out.throughput:  # model FLOPs from the parent's fake step over this run's step time
             out.throughput["model_flops_per_step"] = flops * world_size if flops else None
             step_time = out.throughput["step_time_s_median"]
-            out.throughput.update(utilisation(flops, step_time, device, self.cfg.precision.name))
+            out.throughput.update(utilisation(flops, step_time, device, Precision.of(self.cfg)))
         limit_applies = MemoryMeter.LIMIT_APPLIES_TO[device.type] if self.cfg.trainer.memory_limit_mib else None
         return training_result(
             out,

@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from sharded_exp.output.comparison import build_rows, headline, speed_notes
+from sharded_exp.report.rows import build_rows
+from sharded_exp.report.text import headline, speed_notes
 from sharded_exp.train.metrics import median_ci95, throughput_stats
 from tests.helpers.jobs import ROOT, TINY, run_cli
 

@@ -1,4 +1,4 @@
-"""sharded_exp.output.workspace's pure parts: the sweep's logger config and the offline
+"""sharded_exp.report.workspace's pure parts: the sweep's logger config and the offline
 specification file (the W&B workspace object itself stubbed). The group's name and the keys each
 section plots are tests/unit/vocabulary/test_wandb_names.py's."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from sharded_exp.output import workspace as ws
+from sharded_exp.report import workspace as ws
 
 
 def test_the_sweeps_logger_is_the_first_wandb_one():

@@ -6,7 +6,7 @@
     python -m sharded_exp.report outputs/six --wandb-workspace    # + the W&B workspace view
 
 Reads every ``result.json`` under SWEEP_DIR (a finished or interrupted multirun) and
-writes ``report.md``, ``report.csv`` and the charts there (:mod:`sharded_exp.output.comparison`).
+writes ``report.md``, ``report.csv`` and the charts there (:func:`sharded_exp.report.publish.write_report`).
 A multirun writes its report itself, through :class:`ReportCallback` (conf/config.yaml).
 """
 
@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+import uuid
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
-from sharded_exp.output import workspace
-from sharded_exp.output.comparison import SWEEP_ID, compact, headline, load_points, write_report
+from sharded_exp import sweep
+from sharded_exp.report import workspace
+from sharded_exp.report.publish import write_report
+from sharded_exp.report.sweep_points import SWEEP_ID, load_points
+from sharded_exp.report.text import compact, headline
 
 
 class ReportCallback(Callback):
@@ -34,26 +38,22 @@ class ReportCallback(Callback):
     """The sweep directory's lock, held from the sweep's start to its report."""
 
     def on_multirun_start(self, config, **kwargs) -> None:
-        import uuid
-
-        from sharded_exp.sweep import check_multirun, hold_sweep_dir
-
-        check_multirun(config)  # a launcher that can host ranks, a valid objective: before any point
+        sweep.check_multirun(config)  # a launcher that can host ranks, a valid objective: before any point
         sweep_dir = Path(config.hydra.sweep.dir)
         try:
             sweep_dir.mkdir(parents=True, exist_ok=True)
-            self.lock = hold_sweep_dir(sweep_dir)  # another live sweep there: refused (exit 2) before its id is touched
+            self.lock = sweep.hold_sweep_dir(
+                sweep_dir
+            )  # another live sweep there: refused (exit 2) before its id is touched
             (sweep_dir / SWEEP_ID).write_text(uuid.uuid4().hex + "\n")
         except OSError as exc:  # the points say so themselves; the report then takes every point
             print(f"warning: {sweep_dir / SWEEP_ID} not written ({exc.strerror or exc})", file=sys.stderr)
 
     def on_multirun_end(self, config, **kwargs) -> None:
-        from sharded_exp.sweep import release_sweep_dir
-
         try:
             self._report(Path(config.hydra.sweep.dir))
         finally:
-            release_sweep_dir(self.lock)
+            sweep.release_sweep_dir(self.lock)
             self.lock = None
 
     def _report(self, sweep_dir: Path) -> None:
@@ -77,9 +77,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m sharded_exp.report", description=__doc__.splitlines()[0])
     parser.add_argument("sweep_dir", type=Path)
     parser.add_argument(
-        "--wandb-workspace", action="store_true",
+        "--wandb-workspace",
+        action="store_true",
         help="also build the sweep's W&B workspace view (offline: its JSON specification beside the report)",
-    )  # fmt: skip
+    )
     parser.add_argument("--online", action="store_true", help="save the workspace in W&B (needs the runs synced)")
     parser.add_argument("--entity", help="W&B entity of the workspace (default: the logger's, or your default)")
     return parser.parse_args(argv)
@@ -111,8 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 -- W&B's own refusals (no API key, no network)
             if not type(exc).__module__.startswith("wandb"):
                 raise
-            print(f"error: W&B: {exc} (without --online the workspace is written as a file beside the report)",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"error: W&B: {exc} (without --online the workspace is written as a file beside the report)",
+                file=sys.stderr,
+            )
             return 2
     return 0
 

@@ -36,12 +36,15 @@ SPEC_FILE = "wandb_workspace.json"
 
 def build(entity: str, project: str, group: str, world_size: int, strategies: list[str], name: str):
     """The workspace object (nothing is sent anywhere)."""
-    import wandb_workspaces.reports.v2 as wr
-    import wandb_workspaces.workspaces as ws
+    import wandb_workspaces.reports.v2 as wr  # lazy: wandb_workspaces imports wandb; only --wandb-workspace needs it
+    import wandb_workspaces.workspaces as ws  # lazy: (as above)
 
     keys = panel_keys(world_size, strategies)
-    over_time = [wr.LinePlot(title="allocated (MiB): min / median / max over ranks", x="Step",
-                             y=keys["memory over time across ranks"])]  # fmt: skip
+    over_time = [
+        wr.LinePlot(
+            title="allocated (MiB): min / median / max over ranks", x="Step", y=keys["memory over time across ranks"]
+        )
+    ]
     over_time += [
         wr.LinePlot(title=f"rank {r}: allocated (MiB)", x="Step", y=[key])
         for r, key in enumerate(keys["memory over time per rank"])
@@ -72,7 +75,7 @@ def build(entity: str, project: str, group: str, world_size: int, strategies: li
                     x=keys["predicted vs measured"][0],
                     y=keys["predicted vs measured"][1],
                 ),
-            ],  # fmt: skip
+            ],
         ),
         ws.Section(
             name="Strategy, precision, world size, model",
@@ -85,7 +88,7 @@ def build(entity: str, project: str, group: str, world_size: int, strategies: li
                         wr.ParallelCoordinatesPlotColumn(metric=wr.SummaryMetric(k))
                         for k in keys["parallel coordinates"]
                     ],
-                )  # fmt: skip
+                )
             ],
         ),
     ]
@@ -120,7 +123,7 @@ def write_or_save(sweep_dir: Path, points: list[dict[str, Any]], entity: str | N
     name = f"sharded_exp sweep {group}"
     if online:
         if not entity:
-            import wandb
+            import wandb  # lazy: only to ask W&B for the default entity
 
             entity = wandb.Api().default_entity
         workspace = build(entity, project, group, world_size, strategies, name)
