@@ -110,71 +110,11 @@ def memory_chart(rows: list[dict[str, Any]], swept: list[str]):
     colors = palette(groups)
     texts, drew_prediction, drew_miss = [], False, False
     for i, (label, members) in enumerate(groups.items()):
-        color = colors[label]
-        members = sorted(members, key=lambda r: r["world_size"])
         shift = (i - (len(groups) - 1) / 2) * 0.08  # side by side where two lines meet
-        ok = [r for r in members if r["status"] == "ok" and r["peak_allocated_mib_max"] is not None]
-        xs = [xpos[r["world_size"]] + shift for r in ok]
-        ys = [r["peak_allocated_mib_max"] for r in ok]
-        if ok:
-            ax.plot(xs, ys, "-o", color=color, label=label, zorder=2)
-        for x, y in zip(xs, ys):
-            texts.append(ax.text(x, y, num(y), fontsize=7, color=color))
-        predicted = [r for r in members if r["predicted_peak_mib_max"] is not None]
-        if predicted:
-            drew_prediction = True
-            ax.plot(
-                [xpos[r["world_size"]] + shift for r in predicted],
-                [r["predicted_peak_mib_max"] for r in predicted],
-                "--",
-                color=color,
-                alpha=0.9,
-                marker=".",
-                markersize=5,
-                linewidth=1.6,
-                zorder=3,
-                **({} if ok else {"label": f"{label} (predicted only)"}),
-            )
-        for r in members:
-            if r in ok:
-                continue
-            drew_miss = True
-            # its value when it ran out; else its measured peak; else (no figure: a CUDA OOM) its
-            # budget, which it crossed; else its prediction
-            y = (
-                r.get("oom_at_mib")
-                or r["peak_allocated_mib_max"]
-                or r.get("memory_limit_mib")
-                or r["predicted_peak_mib_max"]
-                or top
-            )
-            x = xpos[r["world_size"]] + shift
-            ax.plot(
-                [x], [y], marker="X", markersize=10, color=color, markeredgecolor="black", linestyle="none", zorder=4
-            )
-            status = STATUS_LABEL.get(r["status"], r["status"])
-            texts.append(
-                ax.text(
-                    x,
-                    y,
-                    f"{status} {num(y)}" if r.get("oom_at_mib") else status,
-                    fontsize=8,
-                    fontweight="bold",
-                    color=color,
-                )
-            )
-    for limit in limits:
-        ax.axhline(limit, color="crimson", linestyle=":", linewidth=1.2)
-        ax.annotate(
-            f"memory limit {limit:g} MiB",
-            (1, limit),
-            xycoords=("axes fraction", "data"),
-            xytext=(-4, -11),
-            textcoords="offset points",
-            ha="right",
-            fontsize=8,
-            color="crimson",
-        )
+        line = _MemoryLine(ax, label, colors[label], shift, xpos, texts)
+        drew_prediction |= line.draw(sorted(members, key=lambda r: r["world_size"]), top)
+        drew_miss |= line.missed
+    _draw_limits(ax, limits)
     ax.set_ylim(0, top * 1.25)
     ax.set_ylabel("peak per rank (MiB, max over ranks)")
     ax.set_title(f"Peak memory per rank: measured (solid), predicted (dashed)\n{context(rows)}", fontsize=10)
@@ -196,6 +136,78 @@ def memory_chart(rows: list[dict[str, Any]], swept: list[str]):
     fig.tight_layout()
     place_labels(ax, texts)
     return fig
+
+
+class _MemoryLine:
+    """One group's line of :func:`memory_chart`: measured, predicted and the points that did not finish."""
+
+    def __init__(self, ax, label: str, color, shift: float, xpos: dict, texts: list):
+        self.ax, self.label, self.color, self.shift, self.xpos, self.texts = ax, label, color, shift, xpos, texts
+        self.missed = False
+
+    def draw(self, members: list[dict[str, Any]], top: float) -> bool:
+        """Draw the group's points; True when it drew a prediction."""
+        ax, color, shift, xpos = self.ax, self.color, self.shift, self.xpos
+        ok = [r for r in members if r["status"] == "ok" and r["peak_allocated_mib_max"] is not None]
+        xs = [xpos[r["world_size"]] + shift for r in ok]
+        ys = [r["peak_allocated_mib_max"] for r in ok]
+        if ok:
+            ax.plot(xs, ys, "-o", color=color, label=self.label, zorder=2)
+        for x, y in zip(xs, ys):
+            self.texts.append(ax.text(x, y, num(y), fontsize=7, color=color))
+        predicted = [r for r in members if r["predicted_peak_mib_max"] is not None]
+        if predicted:
+            ax.plot(
+                [xpos[r["world_size"]] + shift for r in predicted],
+                [r["predicted_peak_mib_max"] for r in predicted],
+                "--",
+                color=color,
+                alpha=0.9,
+                marker=".",
+                markersize=5,
+                linewidth=1.6,
+                zorder=3,
+                **({} if ok else {"label": f"{self.label} (predicted only)"}),
+            )
+        for r in members:
+            if r not in ok:
+                self._missed(r, top)
+        return bool(predicted)
+
+    def _missed(self, r: dict[str, Any], top: float) -> None:
+        self.missed = True
+        # its value when it ran out; else its measured peak; else (no figure: a CUDA OOM) its
+        # budget, which it crossed; else its prediction
+        y = (
+            r.get("oom_at_mib")
+            or r["peak_allocated_mib_max"]
+            or r.get("memory_limit_mib")
+            or r["predicted_peak_mib_max"]
+            or top
+        )
+        x = self.xpos[r["world_size"]] + self.shift
+        self.ax.plot(
+            [x], [y], marker="X", markersize=10, color=self.color, markeredgecolor="black", linestyle="none", zorder=4
+        )
+        status = STATUS_LABEL.get(r["status"], r["status"])
+        label = f"{status} {num(y)}" if r.get("oom_at_mib") else status
+        self.texts.append(self.ax.text(x, y, label, fontsize=8, fontweight="bold", color=self.color))
+
+
+def _draw_limits(ax, limits: list[float]) -> None:
+    """Each memory budget as a dotted line, named at the right edge."""
+    for limit in limits:
+        ax.axhline(limit, color="crimson", linestyle=":", linewidth=1.2)
+        ax.annotate(
+            f"memory limit {limit:g} MiB",
+            (1, limit),
+            xycoords=("axes fraction", "data"),
+            xytext=(-4, -11),
+            textcoords="offset points",
+            ha="right",
+            fontsize=8,
+            color="crimson",
+        )
 
 
 def throughput_chart(rows: list[dict[str, Any]], swept: list[str]):
