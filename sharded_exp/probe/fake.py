@@ -183,38 +183,7 @@ def predict_peak(
     step_fn = step_fn or call_model
     spec = describe(batch)
     try:
-        mode = FakeTensorMode(allow_non_fake_inputs=False)
-        named = list(module.named_parameters(remove_duplicate=False))  # a tied weight under each name
-        buffers = list(module.named_buffers(remove_duplicate=False))
-        by_id: dict[int, torch.Tensor] = {}
-        with torch.no_grad():  # the real tensors are only read for their shapes
-            for _, t in named + buffers:
-                if id(t) not in by_id:
-                    by_id[id(t)] = mode.from_tensor(t)
-        with mode:
-            for _, p in named:
-                if not isinstance(by_id[id(p)], nn.Parameter):
-                    by_id[id(p)] = nn.Parameter(by_id[id(p)], requires_grad=p.requires_grad)
-            fakes = {n: by_id[id(t)] for n, t in named + buffers}
-            groups = [
-                {**{k: v for k, v in g.items() if k != "params"}, "params": [by_id[id(p)] for p in g["params"]]}
-                for g in optimizer.param_groups
-            ]
-            opt = _like(optimizer, groups)
-            tracker = peak_tracker()
-            with _reparametrize_module(module, fakes), _quiet(module):
-                tracker.track_external(module, opt)
-                with tracker:
-                    for _ in range(2):
-                        for _ in range(min(max(1, int(grad_accum)), 2)):
-                            fake_batch = materialize(spec)
-                            with autocast or contextlib.nullcontext():
-                                loss = step_fn(module, fake_batch)
-                            loss.backward()
-                            del loss, fake_batch
-                        opt.step()
-                        opt.zero_grad(set_to_none=True)
-                        tracker.reset_mod_stats()
+        tracker = _fake_steps(module, optimizer, spec, step_fn, autocast, grad_accum)
         if tracker.failure is not None:
             return {**out, "error": f"the memory tracker failed on the fake step: {tracker.failure}"}
         snap = tracker.get_tracker_snapshot("peak")
@@ -237,6 +206,45 @@ def predict_peak(
             "error": f"the step could not run on fake tensors: {type(exc).__name__}: {exc}"[:400],
             "seconds": time.perf_counter() - started,
         }
+
+
+def _fake_steps(module: nn.Module, optimizer, spec, step_fn, autocast, grad_accum: int):
+    """Two of the user's steps on fake copies of ``module``'s parameters and buffers and of
+    ``optimizer`` (a fresh one of its class over the same groups), under a peak tracker; the
+    tracker is returned. The real tensors are only read for their shapes."""
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    named = list(module.named_parameters(remove_duplicate=False))  # a tied weight under each name
+    buffers = list(module.named_buffers(remove_duplicate=False))
+    by_id: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for _, t in named + buffers:
+            if id(t) not in by_id:
+                by_id[id(t)] = mode.from_tensor(t)
+    with mode:
+        for _, p in named:
+            if not isinstance(by_id[id(p)], nn.Parameter):
+                by_id[id(p)] = nn.Parameter(by_id[id(p)], requires_grad=p.requires_grad)
+        fakes = {n: by_id[id(t)] for n, t in named + buffers}
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [by_id[id(p)] for p in g["params"]]}
+            for g in optimizer.param_groups
+        ]
+        opt = _like(optimizer, groups)
+        tracker = peak_tracker()
+        with _reparametrize_module(module, fakes), _quiet(module):
+            tracker.track_external(module, opt)
+            with tracker:
+                for _ in range(2):
+                    for _ in range(min(max(1, int(grad_accum)), 2)):
+                        fake_batch = materialize(spec)
+                        with autocast or contextlib.nullcontext():
+                            loss = step_fn(module, fake_batch)
+                        loss.backward()
+                        del loss, fake_batch
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    tracker.reset_mod_stats()
+    return tracker
 
 
 def _like(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
