@@ -137,15 +137,14 @@ def test_the_add_a_memory_category_walkthrough_measures_and_plans_a_new_category
     result = read_result(out)
     assert result["status"] == "ok"
     assert result["config"]["strategy"]["name"] == "staged_ddp"
-    ranks = result["per_rank"]
-    assert len(ranks) == 2
-    for rank in ranks:
+    memory = result["memory"]
+    assert memory["source"] == "torch_mem_tracker" and len(memory["per_rank"]) == 2
+    for rank in memory["per_rank"]:
         peak = rank["peak_breakdown_mib"]
         # a flat copy of the parameters: as large as they are, and filed apart from the activations
         assert peak["Staging"] == pytest.approx(peak["Parameter"]) and peak["Staging"] > 0
-    predicted = (result.get("memory") or {}).get("peak_prediction") or {}
-    if predicted.get("breakdown_mib") is not None:  # the run's own fake step, where it ran
-        assert predicted["breakdown_mib"]["staging"] == pytest.approx(predicted["breakdown_mib"]["params"])
+    predicted = memory["peak_prediction"]["breakdown_mib"]  # the run's own fake step
+    assert predicted["staging"] == pytest.approx(predicted["params"]) and predicted["staging"] > 0
 
     plan = run_cli(
         ["model.hidden=32", "model.depth=2", "plan.strategies=[ddp,staged_ddp]", "plan.world_sizes=[2]",
