@@ -11,7 +11,7 @@ tracker is first made (:func:`sharded_exp.measure.tracker.peak_tracker`), not be
 
 On a torch upgrade, check that these still exist and mean the same:
 
-- module level: ``MemTracker``, ``_RefType`` (subclassed for :data:`BUCKET`), ``_MemRefType``
+- module level: ``MemTracker``, ``_RefType`` (extended with our categories, :data:`OWN_CATEGORIES`), ``_MemRefType``
   (``ACT``, ``TEMP``, ``OTH``, ``GRAD``), ``_UpdateType`` (``ADD``, ``REF``), ``_TOTAL_KEY``,
   ``get_untyped_storages``; a ``_WeakRefInfo`` has ``reftype``, ``device``, ``mem_consumed``
   (and takes our ``owner``);
@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.distributed._tools import mem_tracker
 
-from sharded_exp.vocabulary.memory import BUCKET
+from sharded_exp.vocabulary.memory import BUCKET, OWN_CATEGORIES
 
 MIB = 2**20
 TOP_MODULES = 5
@@ -59,10 +59,11 @@ _GUARDED = (
 mode's bookkeeping, the optimizer hooks): a failure in one of them is the tracker's."""
 
 
-class _Bucket(mem_tracker._RefType):
-    """Our category beside torch's: a strategy's communication buckets."""
-
-    BUCKET = BUCKET
+_Own = mem_tracker._RefType("_Own", {name: name for name in OWN_CATEGORIES})
+"""Our categories beside torch's (:data:`OWN_CATEGORIES`), as torch's tracker files tensors:
+members of a ``_RefType``, whose value is the name the snapshots and result.json show."""
+_BUCKET = _Own(BUCKET)
+"""A strategy's communication buckets (DDP's all-reduce, ShardedDDP's reduce)."""
 
 
 class PeakTracker(mem_tracker.MemTracker):
@@ -72,8 +73,8 @@ class PeakTracker(mem_tracker.MemTracker):
     over it, what was live then is kept in :attr:`over_limit` (by category, by module, and
     the phase); each new storage is then filed under the module whose forward or backward
     allocated it (the innermost one running), which costs a little per allocation.
-    ``allocating_buckets``: says whether the tensors made now are a strategy's communication
-    buckets (filed as :data:`BUCKET`); :func:`sharded_exp.measure.tracker.communication_buffers`
+    ``filed_as``: which of our categories (:data:`OWN_CATEGORIES`) the tensors made now are
+    filed under, or None for torch's own filing; :func:`sharded_exp.measure.tracker.filed_as`
     sets what it reads.
 
     - Its per-module peaks walk every module at every op (7x slower on a 32-layer model)
@@ -87,9 +88,9 @@ class PeakTracker(mem_tracker.MemTracker):
       step goes on untouched. The op itself (the real work) is never run twice.
     """
 
-    def __init__(self, limit_mib: float | None = None, allocating_buckets: Callable[[], bool] = lambda: False):
+    def __init__(self, limit_mib: float | None = None, filed_as: Callable[[], str | None] = lambda: None):
         super().__init__()
-        self._allocating_buckets = allocating_buckets
+        self._filed_as = filed_as
         self.phase_peaks: dict[tuple, dict] = {}
         """The peak snapshot of each phase, by (device, "optimizer" or "step"): another
         rank's peak may fall in the other phase (a fake step reads both)."""
@@ -148,7 +149,7 @@ class PeakTracker(mem_tracker.MemTracker):
     def _update_snap(self, u_type, winfo, *args, **kwargs) -> None:
         with self._lock:
             snap = self._curr_mem_snap.setdefault(winfo.device, dict.fromkeys(self._ref_class, 0))
-            snap.setdefault(winfo.reftype, 0)  # our own category (BUCKET) beside torch's
+            snap.setdefault(winfo.reftype, 0)  # our own categories (_Own) beside torch's
             super()._update_snap(u_type, winfo, *args, **kwargs)
         if self.limit_bytes is not None and u_type == mem_tracker._UpdateType.ADD:
             # The deepest module running (names are dotted paths from the root), or Global
@@ -166,7 +167,7 @@ class PeakTracker(mem_tracker.MemTracker):
         loose = {mem_tracker._MemRefType.ACT, mem_tracker._MemRefType.TEMP, mem_tracker._MemRefType.OTH}
         for winfo, _ in list(self._WINFO.values()):
             if winfo.reftype in loose:
-                old, winfo.reftype = winfo.reftype, _Bucket.BUCKET
+                old, winfo.reftype = winfo.reftype, _BUCKET
                 self._update_snap(mem_tracker._UpdateType.REF, winfo, old_reftype=old)
         self.restart_peak()
         return found
@@ -181,15 +182,16 @@ class PeakTracker(mem_tracker.MemTracker):
     def _update_and_maybe_create_winfos(self, t, reftype, update_existing: bool = False):
         # A gradient that is a view into a communication bucket (ShardedDDP's; DDP's with
         # gradient_as_bucket_view) stays filed as the bucket it lives in: one storage.
-        if reftype != _Bucket.BUCKET:
+        if reftype != _BUCKET:
             for st in mem_tracker.get_untyped_storages(t):
                 winfo, _ = self._WINFO.get(st, (None, None))
-                if winfo is not None and winfo.reftype == _Bucket.BUCKET:
+                if winfo is not None and winfo.reftype == _BUCKET:
                     return {winfo}
         return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
 
     def _track(self, reftype, tensor) -> None:
-        super()._track(_Bucket.BUCKET if self._allocating_buckets() else reftype, tensor)
+        category = self._filed_as()
+        super()._track(reftype if category is None else _Own(category), tensor)
 
     def name_modules(self, model: nn.Module) -> None:
         """Name modules as the model does (``layers.0.attn``), not by the wrapper's path."""

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from sharded_exp.vocabulary.memory import TOTAL
+from sharded_exp.vocabulary.memory import BUCKET, OWN_CATEGORIES, TOTAL
 
 if TYPE_CHECKING:
     from sharded_exp.measure.memtracker import PeakTracker
@@ -71,19 +71,32 @@ def model_state_mib(module: nn.Module, local_optimizers: Iterable[torch.optim.Op
     return {"params": params / MIB, "grads": grads / MIB, "optimizer": optim / MIB}
 
 
-_BUCKETS = contextvars.ContextVar("allocating_communication_buffers", default=False)
+_FILED_AS: contextvars.ContextVar[str | None] = contextvars.ContextVar("filed_as", default=None)
 
 
 @contextlib.contextmanager
+def filed_as(category: str):
+    """Tensors allocated inside are filed as ``category`` by the CPU tracker, not as torch
+    would file them (an activation, a temporary): ``category`` is one of ours
+    (:data:`OWN_CATEGORIES`), and shows in the measured and predicted peak breakdowns under
+    its name. The innermost one holds where they nest."""
+    if category not in OWN_CATEGORIES:
+        raise ValueError(
+            f"filed_as({category!r}): not one of our tracker categories; "
+            f"sharded_exp.vocabulary.memory.OWN_CATEGORIES lists {', '.join(map(repr, OWN_CATEGORIES))}"
+        )
+    token = _FILED_AS.set(category)
+    try:
+        yield
+    finally:
+        _FILED_AS.reset(token)
+
+
 def communication_buffers():
     """Tensors allocated inside are a strategy's communication buckets (:data:`BUCKET`) to
     the CPU tracker: a strategy wraps what (re)allocates its buckets during training in it
     (DDP's bucket rebuild). What a strategy allocates while wrapping is filed so anyway."""
-    token = _BUCKETS.set(True)
-    try:
-        yield
-    finally:
-        _BUCKETS.reset(token)
+    return filed_as(BUCKET)
 
 
 def peak_tracker(limit_mib: float | None = None) -> PeakTracker:
@@ -92,13 +105,13 @@ def peak_tracker(limit_mib: float | None = None) -> PeakTracker:
 
     ``limit_mib``: a budget (``trainer.memory_limit_mib``): what was live when the total
     first went over it is kept in the tracker's ``over_limit``. Tensors allocated inside
-    :func:`communication_buffers` are filed as :data:`BUCKET`. A failure inside the tracker
+    :func:`filed_as` are filed under its category (:func:`communication_buffers`: :data:`BUCKET`). A failure inside the tracker
     switches it off and is kept in its ``failure``; the training step goes on untouched.
     """
     # lazy: torch's private mem_tracker imports torch._inductor and dynamo (about 3 s); paid by a run that tracks
     from sharded_exp.measure.memtracker import PeakTracker
 
-    return PeakTracker(limit_mib, allocating_buckets=_BUCKETS.get)
+    return PeakTracker(limit_mib, filed_as=_FILED_AS.get)
 
 
 def _breakdown_mib(tracker, device: torch.device) -> dict[str, float]:

@@ -16,6 +16,15 @@ BUCKET = "Bucket"
 communication buckets a strategy allocates when it wraps the model (DDP's gradient
 all-reduce buckets, ShardedDDP's reduce buckets), live for the whole run."""
 
+OWN_CATEGORIES = (
+    BUCKET,  # a strategy's communication buckets
+)
+"""Our tracker categories beside torch's. The CPU tracker files a tensor allocated inside
+``filed_as(name)`` (:func:`sharded_exp.measure.tracker.filed_as`) under ``name``, which must be
+one of these. A new one also needs its line in :data:`TORCH_CATEGORIES` (ours for it), a
+part in :data:`PARTS` with a meaning in :data:`MEANINGS`, and a chart bar
+(docs/development/add-a-memory-category.md walks through it)."""
+
 DDP_GRADIENT_COPIES = "DDP"
 """The probe's extra category: DDP's gradient copies, added by its rule to a fake step that
 ran without DDP (a Lightning or Hugging Face script's model is not wrapped in the fake step)."""

@@ -74,7 +74,7 @@ def test_a_frozen_parameter_takes_no_gradient_hook_and_trains_untouched():
 
 def test_what_is_allocated_for_buckets_is_filed_as_bucket():
     allocating = [True]
-    tracker = PeakTracker(allocating_buckets=lambda: allocating[0])
+    tracker = PeakTracker(filed_as=lambda: "Bucket" if allocating[0] else None)
     kept = []
     with tracker:
         kept.append(torch.zeros(256))

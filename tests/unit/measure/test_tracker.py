@@ -20,6 +20,7 @@ from sharded_exp.measure.tracker import (
     _status_mib,
     _storage_bytes,
     communication_buffers,
+    filed_as,
     host_peak,
     model_state_mib,
     peak_breakdown_mib,
@@ -104,7 +105,31 @@ def test_tensors_made_for_communication_are_filed_as_buckets():
     peak = peak_breakdown_mib(region)
     assert peak["Bucket"] * MIB == 256 * 4
     assert peak["Total"] * MIB == (256 + 64) * 4
-    assert tracker_module._BUCKETS.get() is False  # reset on the way out
+    assert tracker_module._FILED_AS.get() is None  # reset on the way out
+
+
+def test_the_innermost_filing_holds_and_each_is_undone_on_the_way_out():
+    kept = []
+
+    def region():
+        with filed_as("Bucket"):
+            kept.append(torch.zeros(256))
+            with communication_buffers():
+                kept.append(torch.zeros(64))
+            assert tracker_module._FILED_AS.get() == "Bucket"
+        kept.append(torch.zeros(32))
+
+    peak = peak_breakdown_mib(region)
+    assert peak["Bucket"] * MIB == (256 + 64) * 4
+    assert peak["Total"] * MIB == (256 + 64 + 32) * 4
+    assert tracker_module._FILED_AS.get() is None
+
+
+def test_a_category_the_vocabulary_does_not_list_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"filed_as\('Staging'\).*OWN_CATEGORIES lists 'Bucket'"):
+        with filed_as("Staging"):
+            pass
+    assert tracker_module._FILED_AS.get() is None
 
 
 def test_breakdown_mib_reads_the_devices_peak_by_category_name():

@@ -16,6 +16,8 @@ def test_torch_categories_map_into_our_parts():
     assert set(memory.TORCH_CATEGORIES.values()) <= set(memory.PARTS)
     assert memory.TORCH_CATEGORIES[memory.BUCKET] == "buckets" and memory.OTHER in memory.PARTS
     assert memory.TORCH_CATEGORIES["Unsharded Param"] == "gathered"  # FSDP's gathered units apart from params
+    # our own tracker categories (filed_as) are mapped too, else a breakdown would call them "other"
+    assert memory.BUCKET in memory.OWN_CATEGORIES and set(memory.OWN_CATEGORIES) <= set(memory.TORCH_CATEGORIES)
     assert set(memory.MODEL_STATES) <= set(memory.PARTS)
 
 
