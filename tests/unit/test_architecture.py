@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "sharded_exp"
 
 
-def _module(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def _module(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -84,6 +84,45 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def _runs_later(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    """Whether an import runs after its module is loaded: inside a function, or never (``if TYPE_CHECKING``)."""
+    while (node := parents.get(node)) is not None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return True
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return True
+    return False
+
+
+def module_graph(package: Path = PACKAGE, *, later: bool = False) -> dict[str, set[str]]:
+    """module -> the modules of ``package`` it imports while it is loaded (with ``later``: every
+    import it names, those inside functions and under ``TYPE_CHECKING`` too).
+
+    ``from pkg import name`` is an edge to ``pkg.name`` where that is a module, else to ``pkg``
+    (its ``__init__.py``). A package's implicit import of its ``__init__`` is not an edge.
+    """
+    root = package.parent
+    modules = {_module(path, root): path for path in package.rglob("*.py")}
+    graph: dict[str, set[str]] = defaultdict(set)
+    for module, path in modules.items():
+        here = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        tree = ast.parse(path.read_text())
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)) or (not later and _runs_later(node, parents)):
+                continue
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    up = here.split(".")[: len(here.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            graph[module] |= {t for t in targets if t in modules and t != module}
+    return graph
+
+
 def test_no_import_circle_between_the_parts_of_the_package():
     graph = import_graph()
     assert graph["sharded_exp.train"], "the graph is read (train imports other parts)"
@@ -93,6 +132,39 @@ def test_no_import_circle_between_the_parts_of_the_package():
 def test_the_circle_finder_finds_a_circle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+# Circles with an import that runs later (inside a function, or under TYPE_CHECKING for the types only):
+# not a failure when the modules load, but the two files still lean on each other. Known, to be undone:
+# train.loop's step types (LoopOutcome, LoopSettings, StepResult, Windows) belong below train.components.
+KNOWN_LATER_CIRCLES = [["sharded_exp.train.components", "sharded_exp.train.loop"]]
+
+
+def test_no_import_circle_between_the_files_of_the_package():
+    """Between modules, not only packages: a circle between two files breaks as soon as one of them
+    imports a name the other has not defined yet, and neither can be read without the other."""
+    graph = module_graph()
+    assert graph["sharded_exp.train.trainer"], "the graph is read (the trainer imports other modules)"
+    assert cycles(graph) == [], {v: sorted(graph[v]) for group in cycles(graph) for v in group}
+    later = cycles(module_graph(later=True))
+    assert [c for c in later if c not in KNOWN_LATER_CIRCLES] == [], "a new circle through a later import"
+
+
+def test_the_module_graph_finds_a_planted_circle(tmp_path):
+    """A file circle made on purpose is found: at load time through a top-level import, and through a
+    function-local one only when later imports are counted."""
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    for init in (package / "__init__.py", package / "sub" / "__init__.py"):
+        init.write_text("")
+    (package / "a.py").write_text("from pkg.sub import b\n")
+    (package / "sub" / "b.py").write_text("from ..a import name\n\ndef f():\n    from pkg import c\n")
+    (package / "c.py").write_text("import pkg.sub.b\n")
+    (package / "d.py").write_text("import pkg.a\n")
+    assert cycles(module_graph(package)) == [["pkg.a", "pkg.sub.b"]]
+    assert cycles(module_graph(package, later=True)) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
+    (package / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.sub import b\n")
+    assert cycles(module_graph(package)) == []
 
 
 def test_prediction_is_beside_measurement_and_checkpoints_are_one_package():
