@@ -47,7 +47,7 @@ class Precision(Enum):
     @property
     def autocast_dtype(self):
         """The dtype autocast (or FSDP's MixedPrecisionPolicy) computes in; None for fp32."""
-        import torch  # (see the module docstring)
+        import torch  # lazy: the command line composes the config without torch
 
         return None if self is Precision.fp32 else getattr(torch, SPELLINGS[self][-1])
 
@@ -92,7 +92,7 @@ def compute_bytes(name) -> int:
 
 
 def autocast(cfg, device_type: str) -> contextlib.AbstractContextManager:
-    import torch  # (see the module docstring)
+    import torch  # lazy: the command line composes the config without torch
 
     dtype = compute_dtype(cfg.name)
     if dtype is None:
@@ -110,7 +110,7 @@ def grad_scaler(cfg, device_type: str, sharded_grads: bool):
         which all-reduces the found-inf flag so every rank makes the same decision.
         fairscale's own ShardedGradScaler is not used: it disables itself without CUDA.
     """
-    import torch  # (see the module docstring)
+    import torch  # lazy: the command line composes the config without torch
 
     kwargs = {
         "init_scale": cfg.init_scale,
@@ -119,7 +119,7 @@ def grad_scaler(cfg, device_type: str, sharded_grads: bool):
         "enabled": cfg.name == "16",
     }
     if sharded_grads and kwargs["enabled"]:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # lazy: as torch
 
         return ShardedGradScaler(device=device_type, **kwargs)
     return torch.amp.GradScaler(device_type, **kwargs)

@@ -21,6 +21,7 @@ import sys
 from collections.abc import MutableSequence
 from typing import Any
 
+from sharded_exp.compose import NUMBER, NUMBER_NAMES, numbers_named
 from sharded_exp.errors import ConfigError
 from sharded_exp.vocabulary.wandb_names import OBJECTIVES
 
@@ -93,7 +94,7 @@ def hold_sweep_dir(sweep_dir) -> Any:
     it ends): two live sweeps in one directory would overwrite each other's ``.sweep_id`` and
     each report the other's points. Another live sweep (or job) there: says so and exits 2,
     before this sweep's first point; a lock file left by a process that has ended is no lock."""
-    from sharded_exp.checkpoint.storage import hold_directory
+    from sharded_exp.checkpoint.storage import hold_directory  # lazy: torch; sweep is read before any job runs
 
     try:
         return hold_directory(str(sweep_dir), lambda owner: ConfigError(
@@ -124,8 +125,6 @@ def check_sweeper(sweeper, objective: str | None) -> None:
       overrides of their own): the sweeper hands it back to Hydra as a number, which no group
       option is (:func:`sharded_exp.compose.quote_numeric_choices` maps those on the command line).
     """
-    from sharded_exp.compose import NUMBER, NUMBER_NAMES, numbers_named
-
     direction = sweeper.get("direction")
     if isinstance(direction, MutableSequence) and len(direction) > 1:
         listed = ",".join(str(getattr(d, "name", d)) for d in direction)

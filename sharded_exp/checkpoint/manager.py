@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from tqdm import tqdm
 
 from sharded_exp.checkpoint.plan import CheckpointPlan
@@ -210,8 +211,6 @@ class CheckpointManager:
         }
 
     def _save_dcp(self, strategy, tmp, path, small, meta) -> None:
-        import torch.distributed.checkpoint as dcp
-
         state = {"model": strategy.module.state_dict(), "optim": {"state": local_optimizer_state(strategy)}}
         writer = dcp.FileSystemWriter(tmp, sync_files=True)
         if self.plan.asynchronous:

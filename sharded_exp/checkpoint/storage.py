@@ -4,6 +4,7 @@ the directory lock. Nothing here knows a strategy or a process group."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import pickle
@@ -12,6 +13,7 @@ import shutil
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from sharded_exp.errors import ConfigError, is_no_space, no_space, writing
 
@@ -171,8 +173,6 @@ def _check_dcp_files(path: str, meta: dict[str, Any]) -> None:
         raise CheckpointError(
             f"checkpoint file {os.path.join(path, '.metadata')} is corrupt or unreadable: {exc}"
         ) from None
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     # DCP reads a non-tensor entry back with torch.load(weights_only=False); ours hold tensors only
     pickled = sorted(k for k, v in metadata.state_dict_metadata.items() if not isinstance(v, TensorStorageMetadata))
     if pickled:
@@ -252,8 +252,6 @@ def hold_directory(directory: str, refusal):
     """Hold ``directory`` for this process (an exclusive lock on ``<directory>/.lock``, which
     names our pid; released when the process ends, however it ends). Held by another live
     process: ``refusal(owner pid)`` is raised at once."""
-    import fcntl
-
     f = open(os.path.join(directory, ".lock"), "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict
 
 import torch
+from hydra.utils import get_object
 from omegaconf import MISSING, OmegaConf
 
 from sharded_exp.config import Option
@@ -60,8 +61,6 @@ class CustomDataConfig:
 @TASKS.register("custom", config=CustomDataConfig)
 def custom_task(cfg: CustomDataConfig, model_cfg, batch_size: int) -> Task:
     """A user's Dataset, from ``data._target_(**data.kwargs)``."""
-    from hydra.utils import get_object
-
     if OmegaConf.is_missing(cfg, "_target_"):
         raise ConfigError("data=custom needs data._target_=package.module.factory (a torch Dataset factory)")
     target = cfg._target_

@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import json
 import os
 from dataclasses import dataclass, field
 from typing import List, Optional
 
 import torch
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from sharded_exp.config import Option
 from sharded_exp.data import TASKS, Batch, Task, generator, require_model_fields
@@ -108,8 +109,6 @@ class HFDatasetConfig(FileDataConfig):
 def local_path(cfg: FileDataConfig, key: str, what: str, directory: bool = False, file: bool = False) -> str:
     """``cfg[key]`` as an existing local path (a directory, a file, or either), or a
     ConfigError naming the value."""
-    from omegaconf import OmegaConf
-
     if OmegaConf.is_missing(cfg, key) or cfg[key] is None:
         raise ConfigError(f"data={cfg.name} needs data.{key}=... ({what})")
     path = os.path.expanduser(str(cfg[key]))
@@ -269,8 +268,6 @@ def read_conll(path: str, labels: list[str]) -> list[tuple[list[str], list[int]]
 
 
 def _needs(package: str, what: str):
-    import importlib
-
     try:
         return importlib.import_module(package)
     except ImportError:

@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.data import DataLoader, DistributedSampler
 
 from sharded_exp.data import Batch, Task, each_tensor
+from sharded_exp.data.prefetch import Prefetcher
 from sharded_exp.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -178,6 +179,4 @@ def step_loader(
     ahead beside a step before ``quiet_until`` (the CPU memory tracker's)."""
     if task.dataset is not None:
         return StepLoader(task, rank, world_size, loop.batch_size, loop.grad_accum, device, start, position)
-    from sharded_exp.data.prefetch import Prefetcher
-
     return Prefetcher(task, rank, loop.grad_accum, device, loop.steps, quiet_until)

@@ -21,6 +21,8 @@ try:
 except ImportError:  # the older package name
     import pytorch_lightning as pl
 
+import torch
+
 from sharded_exp.errors import ConfigError
 from sharded_exp.precision import Precision
 from sharded_exp.probe import Probe
@@ -37,8 +39,6 @@ def _precision(lightning: str) -> str:
 
 
 def _batch_size(batch: Any) -> int | None:
-    import torch
-
     if isinstance(batch, torch.Tensor):
         return batch.shape[0]
     values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else []

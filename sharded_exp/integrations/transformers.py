@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import transformers
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
@@ -86,7 +87,5 @@ class MemoryProbe(TrainerCallback):
             return
         losses = [r["loss"] for r in state.log_history if "loss" in r]
         if losses:
-            import torch
-
             self.probe.losses = [torch.tensor(losses[-1])]
         self.result = self.probe.close()

@@ -10,12 +10,15 @@ given), the way Hugging Face models do; strategies must pass keyword arguments t
 their wrappers unchanged.
 """
 
+import fnmatch
 import importlib
 import pkgutil
 from typing import NamedTuple
 
 import torch
 
+from sharded_exp.errors import ConfigError
+from sharded_exp.models.target import build_target_model, is_target_model
 from sharded_exp.registry import Registry
 
 MODELS = Registry("model")
@@ -31,8 +34,6 @@ def build_model(cfg, freeze=(), weights: bool = False) -> torch.nn.Module:
     user's factory, :mod:`sharded_exp.models.target`); parameters named by the ``freeze``
     patterns are frozen (:func:`freeze_parameters`). ``weights``: load ``model.pretrained``'s
     weights (when it is set); without, the model is only built from its config."""
-    from sharded_exp.models.target import build_target_model, is_target_model
-
     module = build_target_model(cfg, weights) if is_target_model(cfg) else MODELS.builder(cfg.name)(cfg)
     if freeze:
         freeze_parameters(module, freeze)
@@ -43,9 +44,6 @@ def freeze_parameters(module: torch.nn.Module, patterns) -> list[str]:
     """Set ``requires_grad=False`` on the parameters whose names match one of the shell
     ``patterns`` (fnmatch); returns their names. Raises ConfigError, naming the parameters
     there are, when a pattern matches none (a typo would otherwise train everything)."""
-    import fnmatch
-
-    from sharded_exp.errors import ConfigError
 
     names = [n for n, _ in module.named_parameters()]
     frozen = []

@@ -9,6 +9,7 @@ at zero.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +28,11 @@ BAND = 0.05
 
 
 def pyplot():
-    import matplotlib
+    """matplotlib's pyplot on the Agg backend (no display)."""
+    import matplotlib  # lazy: matplotlib (about 0.8 s) only when a chart is drawn
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: as above
 
     return plt
 
@@ -113,7 +115,7 @@ def place_labels(ax, texts: list) -> None:
             text.remove()
         return
     if texts:
-        from adjustText import adjust_text
+        from adjustText import adjust_text  # lazy: it imports matplotlib
 
         xs, ys = [t.get_position()[0] for t in texts], [t.get_position()[1] for t in texts]
         adjust_text(texts, x=xs, y=ys, ax=ax, expand=(1.4, 1.8), ensure_inside_axes=True,
@@ -147,7 +149,7 @@ def memory_chart(rows: list[dict[str, Any]], swept: list[str]):
     not finish is a cross labelled with its status at its measured value: where it ran out
     of memory, what was live when it crossed its budget (the limit a dotted line); else its
     measured peak; else its budget; else its prediction."""
-    from matplotlib.lines import Line2D
+    from matplotlib.lines import Line2D  # lazy: matplotlib only when a chart is drawn
 
     rows, keys, groups, fig, ax, xpos = _world_size_axes(rows, swept)
     limits = sorted({r["memory_limit_mib"] for r in rows if r.get("memory_limit_mib")})
@@ -272,7 +274,7 @@ def breakdown_chart(rows: list[dict[str, Any]], swept: list[str]):
     activations and temporaries: measured (solid, where the CPU tracker split it; for a
     point that ran out of memory, what was live when it crossed its budget, marked OOM) and
     predicted (hatched) side by side."""
-    from matplotlib.patches import Patch
+    from matplotlib.patches import Patch  # lazy: matplotlib only when a chart is drawn
 
     plt = pyplot()
     rows = [r for r in rows if r["world_size"]]
@@ -284,7 +286,7 @@ def breakdown_chart(rows: list[dict[str, Any]], swept: list[str]):
         for offset, parts, hatch in ((-width / 2, measured_parts(row), None), (width / 2, predicted_parts(row), "//")):
             if parts is None:
                 why = STATUS_LABEL.get(row["status"], "not split") if row["status"] != "ok" else "not split"
-                ax.text(i + offset, 0.02, why, transform=_blend(ax), rotation=90, ha="center", va="bottom", fontsize=8,
+                ax.text(i + offset, 0.02, why, transform=ax.get_xaxis_transform(), rotation=90, ha="center", va="bottom", fontsize=8,
                         fontweight="bold")  # fmt: skip
                 continue
             bottom = 0.0
@@ -314,12 +316,6 @@ def breakdown_chart(rows: list[dict[str, Any]], swept: list[str]):
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     return fig
-
-
-def _blend(ax):
-    import matplotlib.transforms as transforms
-
-    return transforms.blended_transform_factory(ax.transData, ax.transAxes)
 
 
 def prediction_chart(rows: list[dict[str, Any]], swept: list[str]):
@@ -379,8 +375,6 @@ MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 def _end_labels(ax, fig, x: float, ends: dict[str, list[str]], gap: float = 0.04) -> None:
     """Label each line's last point ("77.16 (oss)") at the right, pushed apart where two
     lines end close together (at least ``gap`` of the axes' height between labels)."""
-    import math
-
     lo, hi = (math.log(v) for v in ax.get_ylim())
     height_pt = fig.get_figheight() * ax.get_position().height * 72
     spots = sorted(((math.log(float(v.replace(",", ""))) - lo) / (hi - lo), v) for v in ends)
@@ -425,10 +419,8 @@ def plan_chart(rows: list[dict[str, Any]], budget_gib: float, title: str):
     ax.annotate(f"device memory {budget_gib * scale:g} {unit}", (0, budget_gib * scale),
                 xycoords=("axes fraction", "data"), xytext=(4, -11), textcoords="offset points", fontsize=8,
                 color="crimson")  # fmt: skip
-    from matplotlib.ticker import FuncFormatter
-
     for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
-        axis(FuncFormatter(lambda v, _: f"{v:g}"))  # 60, not 6 x 10^1
+        axis(lambda v, _: f"{v:g}")  # 60, not 6 x 10^1 (a function is wrapped in a FuncFormatter)
     ax.set_ylabel(f"peak per rank ({unit}, log scale)")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, title="filled: fits; hollow: does not", title_fontsize=8, loc="lower left")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import statistics
 from typing import Any
 
 from sharded_exp.job.result import PartialResult, Result
@@ -52,8 +54,6 @@ def training_result(
 ) -> PartialResult:
     """What rank 0 sends the parent when training ended: result.json's training part,
     which the parent lays over :func:`base_result`. ``out``: the trainer's LoopOutcome."""
-    import math
-
     nonfinite = [e.get("first_nonfinite_step", -1) for e in per_rank if e.get("first_nonfinite_step", -1) >= 0]
     diverged = not math.isfinite(final_loss) or any(e["nonfinite_params"] for e in per_rank)
     return PartialResult.build(
@@ -354,8 +354,6 @@ def oom_memory(failures: list[dict[str, Any]]) -> dict[str, Any]:
 def profile_section(per_rank: list[dict[str, Any]], throughput: dict[str, Any]) -> dict[str, Any] | None:
     """result.json's ``profile`` (trainer.profile): the traces, and a profiled step's time
     beside the unprofiled (timed) steps' median, both rank 0's."""
-    import statistics
-
     records = [r["profile"] for r in per_rank if r.get("profile")]
     if not records:
         return None

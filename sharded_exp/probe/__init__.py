@@ -34,25 +34,27 @@ import contextlib
 import os
 import platform
 import sys
+import tempfile
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from sharded_exp.errors import ConfigError
+from sharded_exp.job.result import Device, Result, write_result
 from sharded_exp.measure.tracker import MemoryMeter, model_state_mib
+from sharded_exp.output.loggers import summary_values
+from sharded_exp.output.results import largest_and_mean
 from sharded_exp.precision import Precision
 from sharded_exp.probe import fake
 from sharded_exp.strategies import name_of_wrapper, traits_of
-
-if TYPE_CHECKING:
-    from sharded_exp.job.result import Result
+from sharded_exp.train.metrics import throughput_stats
 
 
 def _dist():
-    import torch.distributed as dist
-
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
@@ -61,8 +63,6 @@ def detect_strategy(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple
     optimizer (each strategy's ``Traits.wrappers``: :func:`sharded_exp.strategies.name_of_wrapper`),
     ``single`` without a wrapper or a process group of more than one rank, ``unknown`` with
     one; and what was found."""
-    from torch.nn.parallel import DistributedDataParallel
-
     optimizer = getattr(optimizer, "optimizer", optimizer)  # Accelerate's and Lightning's wrappers
     found: dict[str, Any] = {"model_wrapper": type(model).__name__, "optimizer": type(optimizer).__name__}
     name, sharding_strategy = name_of_wrapper(model, optimizer)
@@ -289,9 +289,7 @@ class Probe:
         run's is; a ``run_dir`` that cannot be written leaves the result in a new temporary
         directory instead, said on stderr: the measurement is not lost, and training is not
         failed after it ended. Returns the result as written (its ``output_dir`` the fallback's)."""
-        import tempfile
-
-        from sharded_exp.job.result import write_result  # pydantic: loaded when a result is written, not at import
+        # lazy: launch.parent brings Hydra and the launcher into the user's script (about 1 s)
         from sharded_exp.launch.parent import archive_previous_attempt
 
         try:
@@ -311,10 +309,6 @@ class Probe:
         return result
 
     def _result(self, per_rank: list[dict[str, Any]], world: int) -> Result:
-        from sharded_exp.job.result import Device, Result  # pydantic: loaded when a result is built, not at import
-        from sharded_exp.output.results import largest_and_mean
-        from sharded_exp.train.metrics import throughput_stats
-
         times = per_rank[0].pop("step_times_s", [])
         for r in per_rank[1:]:
             r.pop("step_times_s", None)
@@ -371,8 +365,6 @@ class Probe:
         if run is None:
             return
         try:
-            from sharded_exp.output.loggers import summary_values
-
             run.summary.update({k: v for k, v in summary_values(result.as_written(), self.strategy).items() if v is not None})
         except Exception as exc:  # noqa: BLE001 -- W&B never fails the user's training
             print(f"warning: sharded_exp probe: W&B summary not written: {exc}", file=sys.stderr)

@@ -18,12 +18,16 @@ defaults. What DDP adds (its reduce bucket and gradient copies) is added by DDP'
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from typing import Any, Callable
 from unittest import mock
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.parallel import DistributedDataParallel
+from torch.nn.utils.stateless import _reparametrize_module  # private torch API: re-check on upgrades
 
 from sharded_exp.measure.tracker import MIB, peak_tracker
 from sharded_exp.strategies.ddp import DDPMemory
@@ -96,8 +100,6 @@ def call_model(model: nn.Module, batch: Any) -> torch.Tensor:
 
 def unwrap(model: nn.Module) -> tuple[nn.Module, str | None]:
     """(the module to fake, why it cannot be faked or None): DDP is unwrapped; FSDP refused."""
-    from torch.nn.parallel import DistributedDataParallel
-
     kinds = {type(m).__name__ for m in model.modules()}  # the wrappers too
     if isinstance(model, DistributedDataParallel) or type(model).__name__ in ("FullyShardedDataParallel",
                                                                                "ShardedDataParallel"):
@@ -117,8 +119,6 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, str | None]:
 
 def ddp_of(model: nn.Module) -> tuple[bool, bool]:
     """(is the model under DDP, are its gradients views into the buckets)."""
-    from torch.nn.parallel import DistributedDataParallel
-
     if not isinstance(model, DistributedDataParallel):
         return False, False
     return True, bool(getattr(model, "gradient_as_bucket_view", False))
@@ -165,9 +165,6 @@ def predict_peak(
 ``.optimizer`` (Accelerate's, Lightning's). ``grad_accum``: micro-batches per optimizer step; from two
     on, a micro-batch's forward runs beside the gradients the one before left, so two are faked
     (more hold the same)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.nn.utils.stateless import _reparametrize_module  # private torch API: re-check on upgrades
-
     started = time.perf_counter()
     out: dict[str, Any] = {"peak_mib": None, "breakdown_mib": None, "method": "fake step of the user's step",
                            "error": None, "seconds": None}  # fmt: skip
@@ -228,8 +225,6 @@ def predict_peak(
 def _like(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
     """A fresh optimizer of ``optimizer``'s class over ``groups`` (each group carries every
     setting); the defaults its constructor takes are passed too, for keys a group lacks."""
-    import inspect
-
     takes = inspect.signature(type(optimizer).__init__).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in takes}
     return type(optimizer)(groups, **defaults)

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from sharded_exp import precision
@@ -208,8 +208,6 @@ class FSDP(Strategy):
         mp_policy = policy(cfg, precision_cfg)
         offload = {}
         if cfg.cpu_offload:
-            from torch.distributed.fsdp import CPUOffloadPolicy
-
             offload = {"offload_policy": CPUOffloadPolicy(pin_memory=True)}
         # fully_shard refuses 0-dim parameters (a learnable temperature or scale): they stay
         # whole on every rank, outside FSDP, and their gradients are averaged here, as DDP would.

@@ -204,7 +204,7 @@ class MemoryWindow(Component):
         if result.step + 1 == self.windows.memory_end:
             self.memory = self.meter.stop()
             if self.compiled and self.meter.device.type == "cpu":
-                from torch import _dynamo
+                from torch import _dynamo  # lazy: torch._dynamo (about 1 s) only in a compiled run
 
                 _dynamo.reset()
 

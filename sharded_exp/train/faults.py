@@ -35,10 +35,12 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 log = logging.getLogger(__name__)
@@ -93,7 +95,7 @@ def trigger(fault: Fault, rank: int, device: torch.device) -> None:
     if fault.kind == "exit_in_save":
         return
     if fault.kind == "tracker_error":
-        from torch.distributed._tools import mem_tracker
+        from torch.distributed._tools import mem_tracker  # lazy: about 0.7 s, for this one fault
 
         def broken(self, args):
             raise RuntimeError(f"injected tracker failure on rank {rank} at step {fault.step}")
@@ -109,8 +111,6 @@ def trigger(fault: Fault, rank: int, device: torch.device) -> None:
     if fault.kind == "exit":
         os._exit(3)
     if fault.kind in ("kill", "sigterm"):
-        import signal
-
         os.kill(os.getpid(), signal.SIGKILL if fault.kind == "kill" else signal.SIGTERM)
         if fault.kind == "kill":
             time.sleep(60)  # SIGKILL is delivered before this returns
@@ -124,8 +124,6 @@ def trigger(fault: Fault, rank: int, device: torch.device) -> None:
             torch.cuda._sleep(int(seconds * 2e9))  # about 2 GHz: cycles for ``seconds``
             # A collective queued behind the sleep, before any host sync: the watchdog has
             # something to time out even at world size 1 (no peer to wait for otherwise).
-            import torch.distributed as dist
-
             if dist.is_initialized():
                 dist.all_reduce(torch.zeros(1, device=device), async_op=True)
         else:
