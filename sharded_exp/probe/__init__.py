@@ -45,6 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sharded_exp.errors import ConfigError
 from sharded_exp.job.result import Device, Result, write_result
+from sharded_exp.launch.parent import archive_previous_attempt
 from sharded_exp.measure.tracker import MemoryMeter, model_state_mib
 from sharded_exp.output.loggers import summary_values
 from sharded_exp.output.results import largest_and_mean
@@ -289,9 +290,6 @@ class Probe:
         run's is; a ``run_dir`` that cannot be written leaves the result in a new temporary
         directory instead, said on stderr: the measurement is not lost, and training is not
         failed after it ended. Returns the result as written (its ``output_dir`` the fallback's)."""
-        # lazy: launch.parent brings Hydra and the launcher into the user's script (about 1 s)
-        from sharded_exp.launch.parent import archive_previous_attempt
-
         try:
             archived = archive_previous_attempt(self.run_dir)
             if archived:
