@@ -35,6 +35,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from sharded_exp.compose import quote_numeric_choices, register_schemas
 from sharded_exp.errors import ConfigError, NothingToDo, RunDirInUse
+from sharded_exp.launch import forkserver
 from sharded_exp.launch.layout import with_shared_run_dir
 from sharded_exp.questions import is_query
 from sharded_exp.sweep import check_objective, objective_value, sweeper_direction
@@ -117,8 +118,10 @@ def check_output_dirs(argv: list[str]) -> None:
         existing = os.path.abspath(value)
         while not os.path.isdir(existing):  # nothing is made here: a config error leaves no directory
             if os.path.exists(existing):
-                print(f"error: {key}={value}: {existing} is a file, not a directory; choose another {key}",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"error: {key}={value}: {existing} is a file, not a directory; choose another {key}",
+                    file=sys.stderr,
+                )
                 sys.exit(2)
             existing = os.path.dirname(existing)
         try:
@@ -134,8 +137,6 @@ def exit_now(code: int) -> None:
     transformers, ...: most of a second, after all the work is done). Everything the job
     writes is closed by now (result.json, .hydra/, the report, W&B runs are finished);
     what is left to do is flush the log and the streams and end the rank server."""
-    from sharded_exp.launch import forkserver  # lazy: multiprocessing, not for Hydra's questions
-
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -158,10 +159,9 @@ def main(cfg: DictConfig) -> float | None:
 def check_and_launch(cfg: DictConfig) -> "Result | None":
     """Check and launch the job; its result (None when nothing ran). Exits on a refused
     config or a failure outside a sweep."""
-    # lazy: these import torch and pydantic, which Hydra's questions (--help, --cfg) never need
-    from sharded_exp.job.result import Result
-    from sharded_exp.launch.parent import launch, record_config_error
-    from sharded_exp.output.comparison import sweep_id
+    from sharded_exp.job.result import Result  # lazy: pydantic, not for Hydra's questions (--help, --cfg)
+    from sharded_exp.launch.parent import launch, record_config_error  # lazy: torch, not for Hydra's questions
+    from sharded_exp.report.sweep_points import sweep_id  # lazy: pydantic (as above)
 
     hc = HydraConfig.get()
     output_dir = hc.runtime.output_dir
@@ -203,7 +203,7 @@ def check_and_launch(cfg: DictConfig) -> "Result | None":
         try:  # a sweep point still ends with a result.json, and the report counts it
             result = record_config_error(cfg, output_dir, OSError(message), identity=identity)
         except OSError as written:  # the run directory's own filesystem: nothing can be written there
-            from sharded_exp.report import ReportCallback  # lazy: torch, not for Hydra's questions
+            from sharded_exp.report.command import ReportCallback  # lazy: torch, not for Hydra's questions
 
             print(f"error: {output_dir}/result.json not written ({written.strerror or written})", file=sys.stderr)
             ReportCallback.failed_points += 1  # no row in the report: counted here, so the sweep exits 1
@@ -218,7 +218,7 @@ def check_and_launch(cfg: DictConfig) -> "Result | None":
         # SIGTERM/SIGINT: exit like a terminated process (143 / 130); a sweep stops here,
         # with the report of its points so far.
         if multirun:
-            from sharded_exp.output.comparison import write_report  # lazy: torch, not for Hydra's questions
+            from sharded_exp.report.publish import write_report  # lazy: torch, not for Hydra's questions
 
             write_report(hc.sweep.dir)
         signum = result.signal or signal.SIGTERM
@@ -229,7 +229,7 @@ def check_and_launch(cfg: DictConfig) -> "Result | None":
     if hc.mode == RunMode.MULTIRUN:
         # A failed point is data: it is recorded and the sweep goes on (Hydra's basic
         # sweeper would stop at the first exception and never call on_multirun_end, where
-        # sharded_exp.report.ReportCallback writes the report).
+        # sharded_exp.report.command.ReportCallback writes the report).
         return result
     if result.status != "ok":
         log.error("error: %s (details in %s/result.json)", result.error, result.output_dir)
@@ -240,7 +240,7 @@ def check_and_launch(cfg: DictConfig) -> "Result | None":
 def what_ran(output_dir: str) -> str:
     """What an OSError out of the launch left: nothing ran, or the job ran and its result (or
     what followed it) could not be written; result.json says which, as the launcher left it."""
-    from sharded_exp.job.result import read_json  # lazy: pydantic, not for Hydra's questions
+    from sharded_exp.job.result import read_json  # lazy: pydantic, not for the commands that run no job
 
     try:
         status = read_json(os.path.join(output_dir, "result.json")).get("status")
@@ -280,7 +280,7 @@ def _leaves(node, prefix: str = ""):
 
 def read_result_in(output_dir: str) -> "Result | None":
     """The result.json a finished job left in ``output_dir``; None when it cannot be read."""
-    from sharded_exp.job.result import read_result  # lazy: pydantic, not for Hydra's questions
+    from sharded_exp.job.result import read_result  # lazy: pydantic, not for the commands that run no job
 
     try:
         return read_result(os.path.join(output_dir, "result.json"))
@@ -311,7 +311,7 @@ def run(started: float | None = None) -> None:
         raise
     if is_query(sys.argv[1:]):
         return
-    from sharded_exp.report import ReportCallback  # lazy: torch, not for Hydra's questions
+    from sharded_exp.report.command import ReportCallback  # lazy: torch, not for Hydra's questions
 
     # Non-zero when a sweep point failed for a reason other than running out of memory.
     exit_now(1 if ReportCallback.failed_points else 0)

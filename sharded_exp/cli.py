@@ -18,27 +18,27 @@ def train() -> None:
     """``sharded-exp``: ``python -m sharded_exp``."""
     started = time.time()
     start_rank_server(sys.argv[1:])
-    from sharded_exp import __main__ as job  # lazy: each command loads only its own modules
+    from sharded_exp import __main__ as job  # lazy: after the rank server starts, before anything heavy
 
     job.run(started=started)
 
 
 def plan() -> int:
     """``sharded-exp-plan``: ``python -m sharded_exp.plan``."""
-    from sharded_exp.plan.command import main  # lazy: as above
+    from sharded_exp.plan.command import main  # lazy: each console script imports only its own command
 
     return main()
 
 
 def report() -> int:
     """``sharded-exp-report``: ``python -m sharded_exp.report``."""
-    from sharded_exp.report import main  # lazy: as above (the report imports torch)
+    from sharded_exp.report.command import main  # lazy: (as above)
 
     return main()
 
 
 def docs() -> int:
     """``sharded-exp-docs``: ``python -m sharded_exp.pages``."""
-    from sharded_exp.pages import main  # lazy: as above
+    from sharded_exp.pages import main  # lazy: (as above)
 
     return main()

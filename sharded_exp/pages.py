@@ -10,6 +10,7 @@ who installed the package without the repository reads the same guide.
 
 from __future__ import annotations
 
+import difflib
 import sys
 from pathlib import Path
 
@@ -39,7 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     matches = [n for n in known if n == wanted] or [n for n in known if wanted in n]
     if len(matches) != 1:
         how = "matches no page" if not matches else f"matches {len(matches)} pages ({', '.join(matches)})"
-        print(f"error: {wanted!r} {how}; pages: {', '.join(known)}", file=sys.stderr)
+        # a misspelled page name: the closest (difflib, as Python's own "did you mean"), by whole name or last part
+        by_part = {n.rsplit("/", 1)[-1]: n for n in known}
+        meant = difflib.get_close_matches(wanted, [*known, *by_part], n=1, cutoff=0.6) if not matches else []
+        hint = f"; did you mean {by_part.get(meant[0], meant[0])}?" if meant else ""
+        print(f"error: {wanted!r} {how}{hint}; pages: {', '.join(known)}", file=sys.stderr)
         return 2
     sys.stdout.write((DOCS_DIR / f"{matches[0]}.md").read_text())
     return 0

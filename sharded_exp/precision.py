@@ -23,14 +23,31 @@ from enum import Enum
 from sharded_exp.errors import ConfigError
 
 
-class Precision(Enum):
+class Precision(str, Enum):
     """A precision, by the option name a run records (``Precision.fp16.value == "16"``).
     The member names are the group's alias options: Hydra reads a bare ``16`` on the command
-    line as an int, which no group option can be, so ``fp16`` names the same option."""
+    line as an int, which no group option can be, so ``fp16`` names the same option.
+
+    A member reads as its option name wherever a string is wanted (``str()``, an f-string,
+    ``== "16"``, a dict keyed by names), as the config's :class:`~sharded_exp.config.Option`
+    members do: code handed one never unwraps it."""
 
     fp32 = "32"
     fp16 = "16"
     bf16 = "bf16"
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+    @classmethod
+    def of(cls, cfg) -> Precision:
+        """The precision a job's config runs at: the whole config (``cfg.precision`` is its
+        group), composed or typed. The one reader of ``precision.name`` outside pre-flight's
+        check of it: every other module asks here."""
+        return cls.parse(cfg.precision.name)
 
     @classmethod
     def parse(cls, value) -> Precision:
@@ -47,7 +64,7 @@ class Precision(Enum):
     @property
     def autocast_dtype(self):
         """The dtype autocast (or FSDP's MixedPrecisionPolicy) computes in; None for fp32."""
-        import torch  # lazy: the command line composes the config without torch
+        import torch  # lazy: torch, not before Hydra's questions are answered (see the module docstring)
 
         return None if self is Precision.fp32 else getattr(torch, SPELLINGS[self][-1])
 
@@ -92,7 +109,7 @@ def compute_bytes(name) -> int:
 
 
 def autocast(cfg, device_type: str) -> contextlib.AbstractContextManager:
-    import torch  # lazy: the command line composes the config without torch
+    import torch  # lazy: torch, not before Hydra's questions are answered (see the module docstring)
 
     dtype = compute_dtype(cfg.name)
     if dtype is None:
@@ -110,7 +127,7 @@ def grad_scaler(cfg, device_type: str, sharded_grads: bool):
         which all-reduces the found-inf flag so every rank makes the same decision.
         fairscale's own ShardedGradScaler is not used: it disables itself without CUDA.
     """
-    import torch  # lazy: the command line composes the config without torch
+    import torch  # lazy: torch, not before Hydra's questions are answered (see the module docstring)
 
     kwargs = {
         "init_scale": cfg.init_scale,
@@ -119,7 +136,7 @@ def grad_scaler(cfg, device_type: str, sharded_grads: bool):
         "enabled": cfg.name == "16",
     }
     if sharded_grads and kwargs["enabled"]:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # lazy: as torch
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # lazy: torch (as above)
 
         return ShardedGradScaler(device=device_type, **kwargs)
     return torch.amp.GradScaler(device_type, **kwargs)

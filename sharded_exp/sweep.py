@@ -94,13 +94,16 @@ def hold_sweep_dir(sweep_dir) -> Any:
     it ends): two live sweeps in one directory would overwrite each other's ``.sweep_id`` and
     each report the other's points. Another live sweep (or job) there: says so and exits 2,
     before this sweep's first point; a lock file left by a process that has ended is no lock."""
-    from sharded_exp.checkpoint.storage import hold_directory  # lazy: torch; sweep is read before any job runs
+    from sharded_exp.checkpoint.storage import hold_directory  # lazy: torch, not for Hydra's questions
 
     try:
-        return hold_directory(str(sweep_dir), lambda owner: ConfigError(
-            f"hydra.sweep.dir={sweep_dir} is in use by a running sweep (pid {owner}); wait for it to end "
-            "or choose another hydra.sweep.dir"
-        ))  # fmt: skip
+        return hold_directory(
+            str(sweep_dir),
+            lambda owner: ConfigError(
+                f"hydra.sweep.dir={sweep_dir} is in use by a running sweep (pid {owner}); wait for it to end "
+                "or choose another hydra.sweep.dir"
+            ),
+        )
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)

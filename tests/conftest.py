@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 # Tests run on CPU (gloo), also on a GPU machine: trainer.accelerator=auto would otherwise
-# take the CUDA path with one GPU per rank. The GPU checks are benchmarks/gpu_check.py's.
+# take the CUDA path with one GPU per rank. The GPU checks are benchmarks/accuracy/gpu_check.py's.
 # Set before torch looks at CUDA; inherited by the rank server, the ranks and subprocesses.
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 

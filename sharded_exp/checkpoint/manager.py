@@ -62,8 +62,11 @@ def _dcp_failure(tmp: str):
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        full = is_no_space(exc, os.path.join(tmp, "__0_0.distcp")) or "Errno 28" in str(exc) \
-            or "No space left on device" in str(exc)  # fmt: skip
+        full = (
+            is_no_space(exc, os.path.join(tmp, "__0_0.distcp"))
+            or "Errno 28" in str(exc)
+            or "No space left on device" in str(exc)
+        )
         shutil.rmtree(tmp, ignore_errors=True)
         if full:
             raise no_space(tmp) from None

@@ -82,8 +82,9 @@ def plan_checkpoints(
             check_compatible(resume, meta, state_shapes, optimizer, t.steps)
     except CheckpointError as exc:
         raise ConfigError(str(exc)) from None
-    return CheckpointPlan(directory, fmt, t.checkpoint_every, t.keep_checkpoints, bool(t.checkpoint_async), existing,
-                          resume, start)  # fmt: skip
+    return CheckpointPlan(
+        directory, fmt, t.checkpoint_every, t.keep_checkpoints, bool(t.checkpoint_async), existing, resume, start
+    )
 
 
 def _name(option) -> str:

@@ -4,7 +4,6 @@ the directory lock. Nothing here knows a strategy or a process group."""
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import pickle
@@ -134,9 +133,28 @@ class _MetadataUnpickler(pickle.Unpickler):
     reads it with plain ``pickle``, which runs whatever a planted file names; here nothing
     runs in the parent before the checkpoint is refused."""
 
-    TORCH = {"Size", "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
-             "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "strided", "sparse_coo",
-             "contiguous_format", "channels_last", "preserve_format"}  # fmt: skip
+    TORCH = {
+        "Size",
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "bool",
+        "complex64",
+        "complex128",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "strided",
+        "sparse_coo",
+        "contiguous_format",
+        "channels_last",
+        "preserve_format",
+    }
     BUILTINS = {"set", "frozenset", "tuple", "list", "dict", "slice"}
 
     def find_class(self, module: str, name: str):
@@ -252,6 +270,8 @@ def hold_directory(directory: str, refusal):
     """Hold ``directory`` for this process (an exclusive lock on ``<directory>/.lock``, which
     names our pid; released when the process ends, however it ends). Held by another live
     process: ``refusal(owner pid)`` is raised at once."""
+    import fcntl  # lazy: POSIX only; the module imports on a system without it
+
     f = open(os.path.join(directory, ".lock"), "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -286,10 +306,13 @@ def hold_checkpoint_dir(directory: str):
     write checkpoints into one directory (the second is refused before its ranks start)."""
     try:
         os.makedirs(directory, exist_ok=True)
-        return hold_directory(directory, lambda owner: ConfigError(
-            f"trainer.checkpoint_dir={directory} is in use by a running job (pid {owner}); wait for it to end "
-            "or choose another trainer.checkpoint_dir"
-        ))  # fmt: skip
+        return hold_directory(
+            directory,
+            lambda owner: ConfigError(
+                f"trainer.checkpoint_dir={directory} is in use by a running job (pid {owner}); wait for it to end "
+                "or choose another trainer.checkpoint_dir"
+            ),
+        )
     except OSError as exc:
         raise ConfigError(
             f"trainer.checkpoint_dir={directory} cannot be written ({exc.strerror or exc}); "

@@ -86,6 +86,13 @@ def custom_task(cfg: CustomDataConfig, model_cfg, batch_size: int) -> Task:
     if metric != "perplexity" and cfg.num_classes < 1:
         raise ConfigError(f"data=custom with data.metric={metric} needs data.num_classes (the number of classes)")
     return dataset_task(
-        cfg, f"data._target_={target}", dataset, collate, batch_size,
-        metric=metric, labels=str(cfg.labels), num_classes=int(cfg.num_classes), shift_labels=bool(cfg.shift_labels),
-    )  # fmt: skip
+        cfg,
+        f"data._target_={target}",
+        dataset,
+        collate,
+        batch_size,
+        metric=metric,
+        labels=str(cfg.labels),
+        num_classes=int(cfg.num_classes),
+        shift_labels=bool(cfg.shift_labels),
+    )

@@ -175,15 +175,17 @@ def check_encodes(cfg: FileDataConfig, tokenizer, directory: str, ids: torch.Ten
     if ids.numel() and unencoded <= UNENCODED_SHARE * ids.numel():
         return
     found = (
-        "its words give no tokens at all" if not ids.numel()
+        "its words give no tokens at all"
+        if not ids.numel()
         else f"{unencoded / ids.numel():.0%} of its {ids.numel()} word tokens are special or unknown"
-    )  # fmt: skip
+    )
     has = sorted(os.listdir(directory))
     lacks = (
         f"; the directory holds no tokenizer files (no {' or '.join(TOKENIZER_FILES)}; it has {', '.join(has)}), "
         "so transformers made an empty tokenizer: save the data's tokenizer there with tokenizer.save_pretrained(DIR)"
-        if not set(TOKENIZER_FILES) & set(has) else ": use the tokenizer the data and the model were made with"
-    )  # fmt: skip
+        if not set(TOKENIZER_FILES) & set(has)
+        else ": use the tokenizer the data and the model were made with"
+    )
     raise ConfigError(
         f"data.tokenizer={cfg.tokenizer} cannot encode data.path={cfg.path}: {found} "
         f"({type(tokenizer).__name__}, vocabulary of {len(tokenizer)}){lacks}"
@@ -383,9 +385,14 @@ def dataset_task(cfg, source: str, dataset, collate, batch_size: int, **task) ->
         return collate([dataset[int(i)] for i in picks])
 
     return Task(
-        batch, dataset=dataset, collate=collate, seed=seed, shuffle=bool(cfg.shuffle),
-        num_workers=int(cfg.num_workers), **task,
-    )  # fmt: skip
+        batch,
+        dataset=dataset,
+        collate=collate,
+        seed=seed,
+        shuffle=bool(cfg.shuffle),
+        num_workers=int(cfg.num_workers),
+        **task,
+    )
 
 
 HASHED_UP_TO = 64 * 2**20
@@ -424,9 +431,16 @@ def causal_task(cfg: FileDataConfig, model_cfg, batch_size: int, path: str, docs
     check_encodes(cfg, tokenizer, directory, own)
     samples = Samples([{"input_ids": b, "labels": b} for b in blocks])
     return dataset_task(
-        cfg, f"data.path={cfg.path}", samples, PadTo(_pad_id(tokenizer), model_cfg.seq_len), batch_size,
-        metric="perplexity", labels="labels", shift_labels=True, fingerprint=fingerprint(path),
-    )  # fmt: skip
+        cfg,
+        f"data.path={cfg.path}",
+        samples,
+        PadTo(_pad_id(tokenizer), model_cfg.seq_len),
+        batch_size,
+        metric="perplexity",
+        labels="labels",
+        shift_labels=True,
+        fingerprint=fingerprint(path),
+    )
 
 
 def token_task(cfg: FileDataConfig, model_cfg, batch_size: int, path: str, sentences_of) -> Task:
@@ -448,9 +462,16 @@ def token_task(cfg: FileDataConfig, model_cfg, batch_size: int, path: str, sente
     # the words' first sub-tokens, those that carry a label
     check_encodes(cfg, tokenizer, directory, torch.cat([s["input_ids"][s["labels"] != IGNORE] for s in samples]))
     return dataset_task(
-        cfg, f"data.path={cfg.path}", samples, PadTo(_pad_id(tokenizer), model_cfg.seq_len), batch_size,
-        metric="token_accuracy", labels="labels", num_classes=model_cfg.num_labels, fingerprint=fingerprint(path),
-    )  # fmt: skip
+        cfg,
+        f"data.path={cfg.path}",
+        samples,
+        PadTo(_pad_id(tokenizer), model_cfg.seq_len),
+        batch_size,
+        metric="token_accuracy",
+        labels="labels",
+        num_classes=model_cfg.num_labels,
+        fingerprint=fingerprint(path),
+    )
 
 
 # ------------------------------------------------------------------------------ the tasks

@@ -97,8 +97,11 @@ class StepLoader:
                 log.warning(
                     "warning: the checkpoint's data position (%s samples into epoch %d) is not a whole number "
                     "of this run's global micro-batches (%d); resuming from micro-batch %d",
-                    position["samples"], self.epoch, self.global_batch, self.batch,
-                )  # fmt: skip
+                    position["samples"],
+                    self.epoch,
+                    self.global_batch,
+                    self.batch,
+                )
             self.epoch, self.batch = self.epoch + self.batch // self.per_epoch, self.batch % self.per_epoch
         self.loader = DataLoader(
             task.dataset,

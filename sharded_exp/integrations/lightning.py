@@ -14,12 +14,8 @@ do nothing while it runs fake). Rank 0 writes ``<run_dir>/result.json`` when tra
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
-
-try:
-    import lightning.pytorch as pl
-except ImportError:  # the older package name
-    import pytorch_lightning as pl
 
 import torch
 
@@ -27,6 +23,26 @@ from sharded_exp.errors import ConfigError
 from sharded_exp.precision import Precision
 from sharded_exp.probe import Probe
 from sharded_exp.probe.fake import loss_of
+
+
+def _lightning_packages() -> list:
+    """Lightning's trainer packages that are installed: ``lightning.pytorch`` (the unified
+    package) and ``pytorch_lightning`` (the older name). They are separate class trees: a
+    ``pytorch_lightning.Trainer`` refuses a ``lightning.pytorch.Callback``, and both are often
+    installed side by side."""
+    found = []
+    for name in ("lightning.pytorch", "pytorch_lightning"):
+        try:
+            found.append(importlib.import_module(name))
+        except ImportError:
+            pass
+    if not found:
+        raise ImportError("sharded_exp.integrations.lightning needs lightning or pytorch_lightning (pip install lightning)")
+    return found
+
+
+_PACKAGES = _lightning_packages()
+pl = _PACKAGES[0]
 
 
 def _precision(lightning: str) -> str:
@@ -45,9 +61,16 @@ def _batch_size(batch: Any) -> int | None:
     return next((v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim() > 0), None)
 
 
-class MemoryProbe(pl.Callback):
-    def __init__(self, run_dir: str | None = None, *, warmup_steps: int = 5, track_steps: int = 2,
-                 samples_per_step: int | None = None, predict: bool = True):  # fmt: skip
+class MemoryProbe(*(package.Callback for package in _PACKAGES)):  # a Callback of each installed tree
+    def __init__(
+        self,
+        run_dir: str | None = None,
+        *,
+        warmup_steps: int = 5,
+        track_steps: int = 2,
+        samples_per_step: int | None = None,
+        predict: bool = True,
+    ):
         self.run_dir, self.predict = run_dir, predict
         self.options = {"warmup_steps": warmup_steps, "track_steps": track_steps}
         self.samples_per_step = samples_per_step
@@ -66,17 +89,25 @@ class MemoryProbe(pl.Callback):
             self.run_dir,
             samples_per_step=samples,
             precision=_precision(trainer.precision),
-            framework={"name": "lightning", "version": pl.__version__, "strategy": type(strategy).__name__,
-                       "precision": str(trainer.precision), "devices": trainer.num_devices,
-                       "num_nodes": trainer.num_nodes},  # fmt: skip
+            framework={
+                "name": "lightning",
+                "version": pl.__version__,
+                "strategy": type(strategy).__name__,
+                "precision": str(trainer.precision),
+                "devices": trainer.num_devices,
+                "num_nodes": trainer.num_nodes,
+            },
             source="lightning",
             grad_accum=trainer.accumulate_grad_batches,
             **self.options,
         )
         self._global_step = trainer.global_step
         if self.predict:
-            self.probe.predict(batch, lambda module, b: loss_of(module.training_step(b, batch_idx)),
-                               trainer.precision_plugin.forward_context())  # fmt: skip
+            self.probe.predict(
+                batch,
+                lambda module, b: loss_of(module.training_step(b, batch_idx)),
+                trainer.precision_plugin.forward_context(),
+            )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.probe is None or trainer.global_step == self._global_step:

@@ -43,8 +43,9 @@ def _strategy(args) -> tuple[str, tuple[bool, bool]]:
 
 
 class MemoryProbe(TrainerCallback):
-    def __init__(self, run_dir: str | None = None, *, warmup_steps: int = 5, track_steps: int = 2,
-                 predict: bool = True):  # fmt: skip
+    def __init__(
+        self, run_dir: str | None = None, *, warmup_steps: int = 5, track_steps: int = 2, predict: bool = True
+    ):
         self.run_dir, self.predict = run_dir, predict
         self.options = {"warmup_steps": warmup_steps, "track_steps": track_steps}
         self.probe: Probe | None = None
@@ -55,15 +56,25 @@ class MemoryProbe(TrainerCallback):
         name, ddp = _strategy(args)
         precision = (Precision.bf16 if args.bf16 else Precision.fp16 if args.fp16 else Precision.fp32).value
         self.probe = Probe(
-            model, optimizer, self.run_dir,
+            model,
+            optimizer,
+            self.run_dir,
             samples_per_step=args.per_device_train_batch_size * args.gradient_accumulation_steps,
-            precision=precision, strategy=name, ddp=ddp, source="transformers",
+            precision=precision,
+            strategy=name,
+            ddp=ddp,
+            source="transformers",
             grad_accum=args.gradient_accumulation_steps,
-            framework={"name": "transformers", "version": transformers.__version__, "world_size": args.world_size,
-                       "fsdp": str(args.fsdp or ""), "deepspeed": bool(args.deepspeed),
-                       "gradient_accumulation_steps": args.gradient_accumulation_steps},  # fmt: skip
+            framework={
+                "name": "transformers",
+                "version": transformers.__version__,
+                "world_size": args.world_size,
+                "fsdp": str(args.fsdp or ""),
+                "deepspeed": bool(args.deepspeed),
+                "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            },
             **self.options,
-        )  # fmt: skip
+        )
         if self.predict:
             self._hook = model.register_forward_pre_hook(self._first_call, with_kwargs=True)
 

@@ -303,8 +303,9 @@ class Result(_Closed):
             result = cls.model_validate(fields)
         except ValidationError:
             result = cls.model_construct(**{k: v for k, v in fields.items() if k in cls.model_fields})
-        result._as_given = {k: v.model_dump(exclude_unset=True) if isinstance(v, BaseModel) else v
-                            for k, v in fields.items()}  # fmt: skip
+        result._as_given = {
+            k: v.model_dump(exclude_unset=True) if isinstance(v, BaseModel) else v for k, v in fields.items()
+        }
         return result
 
     @classmethod
@@ -398,8 +399,11 @@ def write_result(output_dir: str, result: Result) -> None:
     data = result.as_written()
     found = problems(data)
     if found:  # our mistake, not the user's: the result is still kept
-        print(f"warning: {output_dir}/result.json does not match its schema: {'; '.join(found[:5])}",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"warning: {output_dir}/result.json does not match its schema: {'; '.join(found[:5])}",
+            file=sys.stderr,
+            flush=True,
+        )
     os.makedirs(output_dir, exist_ok=True)
     write_json(os.path.join(output_dir, "result.json"), data)
 

@@ -1,11 +1,15 @@
 """Starting and supervising the ranks of one job.
 
-- :mod:`.parent`: the Hydra job's side: pre-flight, spawn, supervise, first failure,
-  signals, ``result.json``.
+- :mod:`.parent`: the Hydra job's side, top to bottom: pre-flight, the ranks, ``result.json``.
+- :mod:`.preflight`: every check and decision made once, before any rank; the JobSpec.
+- :mod:`.run_dir`: the run and checkpoint directories held by one live job; earlier attempts moved aside.
+- :mod:`.supervise`: spawning and watching the ranks: the first failure, signals passed on, no orphans.
+- :mod:`.diagnose`: a failed rank turned into the failure laid over the result.
 - :mod:`.rank`: a rank's entry: device, process group, the trainer.
 - :mod:`.layout`: where ranks come from (spawned here, torchrun, SLURM).
 - :mod:`.forkserver`: the process ranks are forked from, started before heavy imports.
-- :mod:`.liveness`: on the rank side, stopping together on a signal and naming a rank that hangs.
+- :mod:`sharded_exp.train.liveness`: on the rank side, stopping together on a signal and naming a
+  rank that hangs.
 
 This package's ``__init__`` imports nothing: the entry point reads :mod:`.layout` before
 torch is imported.

@@ -17,6 +17,7 @@ import os
 
 import torch
 from omegaconf import OmegaConf
+from torch.nn.parameter import UninitializedParameter
 
 from sharded_exp import logs
 from sharded_exp.checkpoint import plan_checkpoints
@@ -26,7 +27,7 @@ from sharded_exp.data.loader import check_fits
 from sharded_exp.errors import ConfigError, WontFit, missing_packages
 from sharded_exp.job.spec import JobSpec, decided_config
 from sharded_exp.launch.layout import Layout
-from sharded_exp.models import MODELS, units
+from sharded_exp.models import MODELS, build_model, units
 from sharded_exp.models.target import (
     check_accepts,
     check_attn_implementation,
@@ -35,7 +36,7 @@ from sharded_exp.models.target import (
     is_target_model,
 )
 from sharded_exp.optim import OPTIMIZERS
-from sharded_exp.precision import PRECISIONS, compute_dtype
+from sharded_exp.precision import PRECISIONS, Precision
 from sharded_exp.predict.prediction import meta_model, model_shapes, predict, predict_peak
 from sharded_exp.strategies import STRATEGIES
 from sharded_exp.train import faults
@@ -46,12 +47,12 @@ def _check_param_dtype(cfg: JobGroups) -> None:
     half dtype that is not autocast's gives matmuls of two half dtypes, which torch's kernels
     refuse in every rank ("mixed dtype (CPU): expect parameter to have scalar type of Float")."""
     param = getattr(cfg.strategy, "param_dtype", None)
-    autocast = compute_dtype(cfg.precision.name)
+    autocast = Precision.of(cfg).autocast_dtype
     if param is None or autocast is None or param in ("float32", str(autocast).removeprefix("torch.")):
         return
     half = str(autocast).removeprefix("torch.")
     raise ConfigError(
-        f"strategy.param_dtype={param} is not precision={cfg.precision.name}'s autocast dtype ({half}): "
+        f"strategy.param_dtype={param} is not precision={Precision.of(cfg)}'s autocast dtype ({half}): "
         f"autocast would compute in {half} with {param} parameters, which torch refuses; use "
         f"strategy.param_dtype={half} (or null: from precision), or precision=32, where strategy.param_dtype "
         "alone sets the compute dtype"
@@ -72,22 +73,20 @@ def shapes_model(cfg: JobGroups) -> torch.nn.Module:
         return meta_model(cfg.model, cfg.trainer.freeze)
     except Exception:  # noqa: BLE001 -- tried on the host: a refused config is refused there again
         pass
-    from sharded_exp.models import build_model
-
     try:
         with torch.device("cpu"):
             return build_model(cfg.model, cfg.trainer.freeze)
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 -- the model's own complaint, named
-        raise ConfigError(f"model={cfg.model.name} cannot be built with this config: {type(exc).__name__}: {exc}") from None
+        raise ConfigError(
+            f"model={cfg.model.name} cannot be built with this config: {type(exc).__name__}: {exc}"
+        ) from None
 
 
 def check_no_lazy(module: torch.nn.Module, model: str) -> None:
     """A lazy module's parameter has no shape before a first forward: nothing can be predicted,
     sharded or checkpointed from it. Refused, naming it."""
-    from torch.nn.parameter import UninitializedParameter
-
     for name, param in module.named_parameters():
         if isinstance(param, UninitializedParameter):
             owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
@@ -155,7 +154,7 @@ def check(cfg: Config, output_dir: str, layout: Layout | None = None, peak: bool
     world_size = layout.world_size if layout is not None else cfg.trainer.world_size
     local_ranks = layout.local_world_size if layout is not None else world_size
     device_type = decide_device(
-        str(cfg.trainer.accelerator), local_ranks, cfg.precision.name, per_task=layout is not None
+        str(cfg.trainer.accelerator), local_ranks, Precision.of(cfg), per_task=layout is not None
     )
     strategy = STRATEGIES.builder(cfg.strategy.name)
     strategy.check(cfg.strategy, world_size, device_type)
@@ -190,7 +189,7 @@ def check(cfg: Config, output_dir: str, layout: Layout | None = None, peak: bool
     # and the checkpoint plan's paths; the ranks and the fake step read it typed, as composed.
     config, config_yaml, decided_typed = decided_config(cfg, world_size, plan)
     decided = OmegaConf.structured(decided_typed)
-    prediction = predict(decided.strategy, decided.optimizer, decided.precision.name, shapes, world_size)
+    prediction = predict(decided.strategy, decided.optimizer, Precision.of(decided), shapes, world_size)
     if peak:
         prediction["peak"] = predict_peak(decided, world_size, device_type, prediction, shapes)
         if device_type == "cpu" and cfg.trainer.host_memory_check:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import threading
 import time
 import traceback
 from typing import Any
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from sharded_exp import logs
 from sharded_exp.job.result import write_json
 from sharded_exp.job.spec import JobSpec
+from sharded_exp.precision import Precision
 from sharded_exp.registry import import_plugins
 from sharded_exp.train import liveness
 
@@ -44,7 +46,7 @@ def run_rank(
     if job.device_type == "cuda":
         device = rank_device(local_rank)
         torch.cuda.set_device(device)
-        check_bf16(str(cfg.precision.name), device)
+        check_bf16(Precision.of(cfg), device)
     else:
         device = torch.device("cpu")
         # Ranks share the cores: without this each would start one thread per core.
@@ -69,7 +71,8 @@ def run_rank(
               torch.get_num_threads())  # fmt: skip
     try:
         timeline["process_group_ready"] = time.time()
-        from sharded_exp.train.trainer import train  # here, not at the top: the parent never trains
+        # lazy: the parent imports this module to spawn ranks and never trains: the training stack stays out of it
+        from sharded_exp.train.trainer import train
 
         return train(job, device, timeline)
     except BaseException as exc:
@@ -180,7 +183,6 @@ def watch_parent(pid: int, rank: int, period_s: float = 1.0) -> None:
     parent cannot pass on): nobody waits for the job any more, so it must not train on and
     write checkpoints. A daemon thread; the rank's parent process is the forkserver, so
     the kernel's parent-death signal would not see the launcher go."""
-    import threading
 
     def watch() -> None:
         while _alive(pid):

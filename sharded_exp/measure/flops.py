@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from sharded_exp.precision import compute_dtype
+
 TERA = 1e12
 
 # Dense tensor-core peaks (FLOP/s); fp32 is the plain (non-TF32) figure, torch's default
@@ -70,8 +72,6 @@ def measure_cpu_matmul(dtype: torch.dtype, n: int = 1024, seconds: float = 0.5) 
 def cpu_peak(precision_name: str) -> float:
     """This CPU's measured matmul peak at the precision's compute dtype, cached per CPU
     model, thread count and dtype (the first call measures for about half a second)."""
-    from sharded_exp.precision import compute_dtype
-
     dtype = compute_dtype(precision_name) or torch.float32
     key = f"{platform.processor() or platform.machine()}|{os.cpu_count()}|threads={torch.get_num_threads()}|{dtype}"
     path = _cache_path()

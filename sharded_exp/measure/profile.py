@@ -47,13 +47,11 @@ class StepProfiler:
     def before_step(self, step: int) -> None:
         if step != self.first or self.error is not None:
             return
-        from torch.profiler import ProfilerActivity, profile
-
-        activities = [ProfilerActivity.CPU]
+        activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
-            activities.append(ProfilerActivity.CUDA)
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
         try:
-            self._prof = profile(activities=activities)
+            self._prof = torch.profiler.profile(activities=activities)
             self._prof.start()
         except Exception as exc:  # noqa: BLE001 -- measuring never breaks training
             self._fail("start", exc)

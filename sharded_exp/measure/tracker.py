@@ -7,7 +7,8 @@ Two sources, one meaning of ``peak_allocated_mib`` (bytes of live tensors at the
 - CPU has no allocator counters, so live tensors are tracked with torch's ``MemTracker``
   (a TorchDispatchMode that follows every storage from allocation to free and files it as
   parameter, gradient, optimizer state, activation or temporary). It slows every op, so
-  on CPU memory is tracked over the warm-up steps only, which are never timed.
+  on CPU memory is tracked over the warm-up steps only, which are never timed. MemTracker
+  is private torch API: everything that reaches into it is in :mod:`.memtracker`.
 
 The peak resident set of each rank's process is reported beside it (``peak_rss_mib``,
 host memory that any framework can compare), but never as the headline: on CPU it is
@@ -19,19 +20,19 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import resource
-import threading
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from sharded_exp.vocabulary.memory import BUCKET, TOTAL
+from sharded_exp.vocabulary.memory import TOTAL
+
+if TYPE_CHECKING:
+    from sharded_exp.measure.memtracker import PeakTracker
 
 MIB = 2**20
-TOP_MODULES = 5
-"""Modules named in an out-of-memory breakdown (the rest are summed)."""
 
 
 def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set) -> int:
@@ -70,19 +71,6 @@ def model_state_mib(module: nn.Module, local_optimizers: Iterable[torch.optim.Op
     return {"params": params / MIB, "grads": grads / MIB, "optimizer": optim / MIB}
 
 
-_GUARDED = (
-    "_pre_fw_hook",
-    "_post_fw_hook",
-    "_pre_bw_hook",
-    "_post_bw_hook",
-    "_track",
-    "_update_peak_stats",
-    "_track_optimizer_states",
-)
-"""MemTracker's methods that run inside the training step (module hooks, the dispatch
-mode's bookkeeping, the optimizer hooks): a failure in one of them is the tracker's."""
-
-
 _BUCKETS = contextvars.ContextVar("allocating_communication_buffers", default=False)
 
 
@@ -98,197 +86,19 @@ def communication_buffers():
         _BUCKETS.reset(token)
 
 
-def peak_tracker(limit_mib: float | None = None):
-    """torch's MemTracker, keeping the overall peak only, and made safe to train under.
+def peak_tracker(limit_mib: float | None = None) -> PeakTracker:
+    """torch's MemTracker, keeping the overall peak only, and made safe to train under
+    (:class:`sharded_exp.measure.memtracker.PeakTracker`, the adapter over its private API).
 
-    ``limit_mib``: a budget (``trainer.memory_limit_mib``). When the live total first goes
-    over it, what was live then is kept in :attr:`over_limit` (by category, by module, and
-    the phase); each new storage is then filed under the module whose forward or backward
-    allocated it (the innermost one running), which costs a little per allocation.
-
-    - Its per-module peaks walk every module at every op (7x slower on a 32-layer model)
-      and nothing here reads them: only the overall peak is kept.
-    - Gradient accumulation calls the root module again before the step ends, which torch
-      refuses ("multiple iterative calls"): the per-module stats are dropped instead.
-    - A frozen parameter (``requires_grad=False``) cannot take the gradient hook torch puts
-      on every parameter: only trainable ones are hooked (a frozen one has no gradient).
-    - Measuring never breaks training: a failure inside any of its hooks switches the
-      tracker off for the rest of the region and is kept in :attr:`failure`; the training
-      step goes on untouched. The op itself (the real work) is never run twice.
+    ``limit_mib``: a budget (``trainer.memory_limit_mib``): what was live when the total
+    first went over it is kept in the tracker's ``over_limit``. Tensors allocated inside
+    :func:`communication_buffers` are filed as :data:`BUCKET`. A failure inside the tracker
+    switches it off and is kept in its ``failure``; the training step goes on untouched.
     """
-    from torch.distributed._tools import mem_tracker  # private torch API: re-check on torch upgrades
+    # lazy: torch's private mem_tracker imports torch._inductor and dynamo (about 3 s); paid by a run that tracks
+    from sharded_exp.measure.memtracker import PeakTracker
 
-    class _Bucket(mem_tracker._RefType):
-        BUCKET = BUCKET
-
-    class PeakTracker(mem_tracker.MemTracker):
-        def __init__(self) -> None:
-            super().__init__()
-            self.phase_peaks: dict[tuple, dict] = {}
-            """The peak snapshot of each phase, by (device, "optimizer" or "step"): another
-            rank's peak may fall in the other phase (a fake step reads both)."""
-            self.failure: str | None = None
-            """Why the tracker stopped measuring (``Type: message``), or None."""
-            self.limit_bytes = limit_mib * MIB if limit_mib else None
-            self.over_limit: dict | None = None
-            """What was live when the total first went over ``limit_mib`` (see :meth:`_capture`)."""
-            self.module_names: dict[int, str] = {}
-            """id(module) -> its name in the model (filled by :meth:`name_modules`)."""
-            self.freed_off_thread_max = 0
-            """Bytes of the largest tensor another thread freed (see :meth:`_delete_callback`)."""
-            self._thread = threading.get_ident()
-            self._lock = threading.RLock()
-            for name in _GUARDED:
-                setattr(self, name, self._guarded(getattr(self, name)))
-
-        def _guarded(self, method):
-            def call(*args, **kwargs):
-                if self.failure is not None:
-                    return None
-                try:
-                    return method(*args, **kwargs)
-                except Exception as exc:  # noqa: BLE001 -- the measurement fails, not the step
-                    first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
-                    self.failure = f"{type(exc).__name__}: {first}"
-                    return None
-
-            return call
-
-        def _update_peak_stats(self, peak_state) -> None:
-            phase = "optimizer" if self._in_opt else "step"
-            for dev, snap in self._curr_mem_snap.items():
-                total = snap[mem_tracker._TOTAL_KEY]
-                if self._peak_mem.get(dev, 0) < total:
-                    self._peak_mem[dev] = total
-                    self._peak_mem_snap[dev] = dict(snap)
-                if self.phase_peaks.get((dev, phase), {}).get(mem_tracker._TOTAL_KEY, 0) < total:
-                    self.phase_peaks[(dev, phase)] = dict(snap)
-                if self.limit_bytes is not None and self.over_limit is None and total > self.limit_bytes:
-                    try:
-                        self.over_limit = self._capture(dev, snap)
-                    except Exception as exc:  # noqa: BLE001 -- the breakdown fails, not the peak
-                        self.over_limit = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-
-        def _delete_callback(self, winfo, w_st) -> None:
-            # A tensor handed to a collective is freed by whichever thread drops it last: on
-            # gloo, now and then its worker thread, after the training thread moved on. Until
-            # then it is live (really: its memory is not free), so a peak can hold one such
-            # buffer more than the program's order says; the largest is kept as a figure.
-            if threading.get_ident() != self._thread:
-                self.freed_off_thread_max = max(self.freed_off_thread_max, winfo.mem_consumed)
-            with self._lock:  # the snapshot's sums are read-modify-write, from two threads
-                super()._delete_callback(winfo, w_st)
-
-        def _update_snap(self, u_type, winfo, *args, **kwargs) -> None:
-            with self._lock:
-                snap = self._curr_mem_snap.setdefault(winfo.device, dict.fromkeys(self._ref_class, 0))
-                snap.setdefault(winfo.reftype, 0)  # our own category (BUCKET) beside torch's
-                super()._update_snap(u_type, winfo, *args, **kwargs)
-            if self.limit_bytes is not None and u_type == mem_tracker._UpdateType.ADD:
-                # The deepest module running (names are dotted paths from the root), or Global
-                # when none runs (Global ranks below the root, which has no dot either).
-                winfo.owner = max(self._mod_tracker.parents, key=lambda name: (name.count("."), name != "Global"))
-
-        def end_of_build(self, module: nn.Module, optimizers) -> dict[str, float]:
-            """The build is over: its peak by category (bytes, ``Total`` included), then the
-            model's states filed as such (built inside the window, torch filed them as
-            activations), every other tensor still live filed as :data:`BUCKET` (what the
-            strategy allocated to communicate), and the peak started afresh."""
-            found = {dev: {str(getattr(k, "value", k)): v for k, v in snap.items()}
-                     for dev, snap in self.get_tracker_snapshot("peak").items()}  # fmt: skip
-            self.track_external(module, *optimizers)
-            loose = {mem_tracker._MemRefType.ACT, mem_tracker._MemRefType.TEMP, mem_tracker._MemRefType.OTH}
-            for winfo, _ in list(self._WINFO.values()):
-                if winfo.reftype in loose:
-                    old, winfo.reftype = winfo.reftype, _Bucket.BUCKET
-                    self._update_snap(mem_tracker._UpdateType.REF, winfo, old_reftype=old)
-            self.restart_peak()
-            return found
-
-        def restart_peak(self) -> None:
-            """The peak starts afresh from what is live now."""
-            current = self.get_tracker_snapshot("current")
-            self._peak_mem_snap = current
-            self._peak_mem = {dev: snap.get(mem_tracker._TOTAL_KEY, 0) for dev, snap in current.items()}
-            self.phase_peaks.clear()
-
-        def _update_and_maybe_create_winfos(self, t, reftype, update_existing: bool = False):
-            # A gradient that is a view into a communication bucket (ShardedDDP's; DDP's with
-            # gradient_as_bucket_view) stays filed as the bucket it lives in: one storage.
-            if reftype != _Bucket.BUCKET:
-                for st in mem_tracker.get_untyped_storages(t):
-                    winfo, _ = self._WINFO.get(st, (None, None))
-                    if winfo is not None and winfo.reftype == _Bucket.BUCKET:
-                        return {winfo}
-            return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
-
-        def _track(self, reftype, tensor) -> None:
-            super()._track(_Bucket.BUCKET if _BUCKETS.get() else reftype, tensor)
-
-        def name_modules(self, model: nn.Module) -> None:
-            """Name modules as the model does (``layers.0.attn``), not by the wrapper's path."""
-            self.module_names = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
-
-        def _capture(self, dev, snap) -> dict:
-            """Live bytes now: by category, and by the module that allocated them."""
-            if self._in_opt:
-                phase = "optimizer"
-            elif self._mod_tracker.is_bw:
-                phase = "backward"
-            elif set(self._mod_tracker.parents) - {"Global"}:
-                phase = "forward"
-            else:
-                phase = "other"  # outside any module and the optimizer: the loss, clipping, communication
-            # ModTracker's names run from the root it saw first (the wrapper): map them back.
-            ours = {name: self.module_names.get(id(m), name) for m, name in self._mod_tracker._known_modules.items()}
-            by_module: dict[str, int] = {}
-            for winfo, _ in list(self._WINFO.values()):
-                if winfo.device == dev:
-                    owner = getattr(winfo, "owner", "Global")
-                    by_module[owner] = by_module.get(owner, 0) + winfo.mem_consumed
-            outside = by_module.pop("Global", 0)
-            top = sorted(by_module.items(), key=lambda kv: -kv[1])[:TOP_MODULES]
-            return {
-                "phase": phase,
-                "tracked_mib": snap[mem_tracker._TOTAL_KEY] / MIB,
-                "by_category_mib": {
-                    str(getattr(k, "value", k)): v / MIB for k, v in snap.items() if k != mem_tracker._TOTAL_KEY
-                },
-                "top_modules_mib": {ours.get(name, name): b / MIB for name, b in top},
-                "other_modules_mib": sum(by_module.values()) / MIB - sum(b for _, b in top) / MIB,
-                "outside_modules_mib": outside / MIB,
-            }
-
-        def _pre_fw_hook(self, module, inputs) -> None:
-            # The root module called again in forward: the next micro-batch of the same step
-            # (gradient accumulation). Its per-module stats are not read: start them afresh.
-            if module in self.memory_tracking and not self._mod_tracker.is_bw:
-                name = self._mod_tracker.get_known_fqn(module)
-                if set(self._mod_tracker.parents) - {name} == {"Global"}:
-                    self.reset_mod_stats()
-            super()._pre_fw_hook(module, inputs)
-
-        def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
-            # torch would hook every parameter, and a frozen one refuses a hook: hook only
-            # the trainable ones, the way torch does (the gradient made, then accumulated).
-            found = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
-            if install_grad_hooks:
-                for param in module.parameters():
-                    if param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
-                        self._param_to_grad_hook_handles[param] = (
-                            param.register_hook(self._grad_seen),
-                            param.register_post_accumulate_grad_hook(lambda p: self._grad_seen(p.grad)),
-                        )
-            return found
-
-        def _grad_seen(self, grad: torch.Tensor) -> None:
-            if self.failure is None:
-                try:
-                    self._update_and_maybe_create_winfos(grad, mem_tracker._MemRefType.GRAD)
-                except Exception as exc:  # noqa: BLE001 -- as in _guarded
-                    self.failure = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
-
-    return PeakTracker()
+    return PeakTracker(limit_mib, allocating_buckets=_BUCKETS.get)
 
 
 def _breakdown_mib(tracker, device: torch.device) -> dict[str, float]:

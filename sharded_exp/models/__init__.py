@@ -44,7 +44,6 @@ def freeze_parameters(module: torch.nn.Module, patterns) -> list[str]:
     """Set ``requires_grad=False`` on the parameters whose names match one of the shell
     ``patterns`` (fnmatch); returns their names. Raises ConfigError, naming the parameters
     there are, when a pattern matches none (a typo would otherwise train everything)."""
-
     names = [n for n, _ in module.named_parameters()]
     frozen = []
     for pattern in patterns:
@@ -88,8 +87,12 @@ def _blocks(module: torch.nn.Module) -> bool:
     """A Sequential of repeated blocks (timm's ``blocks``): two or more children, all of one
     type, each with parameters; not a layer's own Linear-activation-Linear."""
     children = list(module.children())
-    return (isinstance(module, torch.nn.Sequential) and len(children) > 1 and len({type(c) for c in children}) == 1
-            and all(any(True for _ in c.parameters()) for c in children))  # fmt: skip
+    return (
+        isinstance(module, torch.nn.Sequential)
+        and len(children) > 1
+        and len({type(c) for c in children}) == 1
+        and all(any(True for _ in c.parameters()) for c in children)
+    )
 
 
 def _contains(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:

@@ -81,9 +81,7 @@ def training_result(
     )
 
 
-def finished_result(
-    result: Result, payload: PartialResult | None, parent_times: dict[str, float | None]
-) -> Result:
+def finished_result(result: Result, payload: PartialResult | None, parent_times: dict[str, float | None]) -> Result:
     """The result of a job whose ranks ended: :func:`base_result` with rank 0's
     :func:`training_result` laid over it (None: a torchrun rank other than 0, status "ok"),
     and one timeline in Unix times: main -> imported -> launch -> validated (the parent's),
@@ -191,7 +189,7 @@ def _peak_summary(peak: dict[str, Any] | None) -> dict[str, Any] | None:
             "host_mib",
             "seconds",
             "error",
-        )  # fmt: skip
+        )
     }
 
 
@@ -250,8 +248,9 @@ def largest_and_mean(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "peak_allocated_mib_min": peak_min,
         "peak_allocated_mib_median": peak_median,
         "peak_error": next((f"rank {r['rank']}: {r['peak_error']}" for r in per_rank if r.get("peak_error")), None),
-        "model_states_mib_max": max((sum(r["model_states_mib"].values()) for r in per_rank if r.get("model_states_mib")),
-                                    default=None),  # fmt: skip
+        "model_states_mib_max": max(
+            (sum(r["model_states_mib"].values()) for r in per_rank if r.get("model_states_mib")), default=None
+        ),
         "predicted_peak_mib_max": largest("predicted_peak_mib"),
         "predicted_peak_mib_mean": average("predicted_peak_mib"),
         "peak_rel_error_max": max(
@@ -347,8 +346,11 @@ def oom_memory(failures: list[dict[str, Any]]) -> dict[str, Any]:
         reason = "the allocation failed where the CPU tracker kept no record (not over trainer.memory_limit_mib)"
     else:
         reason = "no rank recorded its memory at the failure"
-    return {"oom_breakdown": breakdowns[0] if breakdowns else None, "oom_breakdown_error": reason,
-            "memory_snapshot": snapshot}  # fmt: skip
+    return {
+        "oom_breakdown": breakdowns[0] if breakdowns else None,
+        "oom_breakdown_error": reason,
+        "memory_snapshot": snapshot,
+    }
 
 
 def profile_section(per_rank: list[dict[str, Any]], throughput: dict[str, Any]) -> dict[str, Any] | None:

@@ -15,6 +15,7 @@ import sys
 
 from sharded_exp.config import PlanConfig
 from sharded_exp.errors import ConfigError
+from sharded_exp.precision import Precision
 from sharded_exp.questions import is_query
 
 WORLD_SIZES = "must be a non-empty list of integers >= 1"
@@ -267,7 +268,7 @@ def write_chart(rows, cfg: PlanConfig, params: int) -> str:
     count = f"{params / 1e9:.3g} B" if params >= 1e8 else f"{params:,}"
     what = (f"raw parameter count ({count} params, no activations)" if cfg.plan.params is not None
             else f"model={cfg.model.name} ({count} params), batch {cfg.trainer.batch_size}/rank")  # fmt: skip
-    title = f"Planned peak per rank: {what}, precision {cfg.precision.name}, {cfg.optimizer.name}, {_value(cfg.plan.device)}"
+    title = f"Planned peak per rank: {what}, precision {Precision.of(cfg)}, {cfg.optimizer.name}, {_value(cfg.plan.device)}"
     cost = lambda r: sum(LEVER_COST[x] for x in lever_names(r.get("levers", "none")))  # noqa: E731
     order = sorted(rows, key=lambda r: (cost(r), strategy_cost(r["strategy"])))  # the legend: cheapest first
     path = Path(cfg.plan.plot)

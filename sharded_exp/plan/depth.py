@@ -38,6 +38,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from sharded_exp.config import JobGroups
+from sharded_exp.precision import Precision
 from sharded_exp.predict.memory_model import largest_group_state_mib
 from sharded_exp.predict.prediction import model_shapes, peaks_of_ranks, predict, predict_peak
 from sharded_exp.strategies import memory_of
@@ -93,7 +94,7 @@ def fake_at(cfg_s, key: str, depth: int, world_size: int, device_type: str) -> F
     c = cfg_s.copy()
     OmegaConf.update(c.model, key, depth)
     shapes = shapes_of(c)
-    prediction = predict(c.strategy, c.optimizer, str(c.precision.name), shapes, world_size)
+    prediction = predict(c.strategy, c.optimizer, Precision.of(c), shapes, world_size)
     peak = predict_peak(c, world_size, device_type, prediction, shapes, flops=False)
     if peak["per_rank_mib"] is None:
         return peak["error"]
@@ -217,7 +218,7 @@ def peaks_by_depth(cfg_s, world_sizes, device_type: str, key: str, layers: int) 
             how = f"checked at {depths[2]}" if first is None else f"redrawn at {ws} ranks, checked at {depths[2]}"
             if first is None:
                 first, first_ws, rules = pair, ws, found
-        prediction = predict(cfg_s.strategy, cfg_s.optimizer, str(cfg_s.precision.name), full_shapes, ws)
+        prediction = predict(cfg_s.strategy, cfg_s.optimizer, Precision.of(cfg_s), full_shapes, ws)
         states = prediction["model_states_mib"]
         rank = max(range(len(states)), key=lambda r: sum(states[r].values()))
         phases = compose(*pair, layers, prediction, here, _stepped_state(cfg_s, full_shapes, ws, rank))

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from sharded_exp.config import PlanConfig
 from sharded_exp.plan.depth import first_depth, peaks_by_depth, shapes_of
 from sharded_exp.plan.progress import Progress
+from sharded_exp.precision import Precision
 from sharded_exp.predict.prediction import ModelShapes, model_shapes, predict, predict_peak
 from sharded_exp.strategies import STRATEGIES, memory_of, sharding_order, traits_of
 from sharded_exp.vocabulary.memory import PARTS
@@ -96,7 +97,7 @@ def _raw_parts(cfg: PlanConfig, name: str, world_size: int) -> dict[str, float]:
     row_sharded = traits_of(name).shards_parameters
     shapes = raw_shapes(int(cfg.plan.params), int(cfg.plan.units), world_size, row_sharded)
     # Every rank holds the same by construction: rank 0 stands for all.
-    prediction = predict(cfg_s.strategy, cfg.optimizer, str(cfg.precision.name), shapes, world_size, ranks=[0])
+    prediction = predict(cfg_s.strategy, cfg.optimizer, Precision.of(cfg), shapes, world_size, ranks=[0])
     states = prediction["model_states_mib"][0]
     parts = {k: states[k] * MIB / GIB for k in ("params", "grads", "optimizer")}
     # The strategy's communication buckets, as a model plan's fake step files them: beside
@@ -202,7 +203,7 @@ def model_row(cfg: PlanConfig, name: str, world_size: int, shapes: ModelShapes, 
     """One planned point; ``peak``: its composed peak (:func:`composed_peaks`), else one
     fake step of the whole model."""
     cfg_s = with_strategy(cfg, name, combo)
-    prediction = predict(cfg_s.strategy, cfg.optimizer, str(cfg.precision.name), shapes, world_size)
+    prediction = predict(cfg_s.strategy, cfg.optimizer, Precision.of(cfg), shapes, world_size)
     if peak is None:
         peak = composed_peaks(cfg, name, [world_size], device_type, combo)[world_size]
     if peak is None:

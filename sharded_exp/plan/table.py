@@ -16,6 +16,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from sharded_exp.config import PlanConfig
+from sharded_exp.precision import Precision
 from sharded_exp.vocabulary.memory import HEADINGS, PARTS
 from sharded_exp.vocabulary.memory import MEANINGS as MEMORY_MEANINGS
 
@@ -51,7 +52,7 @@ def header(cfg: PlanConfig, params: int, preset: str, faked: str) -> list[str]:
             else f"model={preset} ({count} params)")  # fmt: skip
     seq = OmegaConf.select(cfg.model, "seq_len", default=None) if cfg.plan.params is None else None
     return [
-        f"plan: {what}" + (f", sequence {seq}" if seq else "") + f", precision {cfg.precision.name}, optimizer "
+        f"plan: {what}" + (f", sequence {seq}" if seq else "") + f", precision {Precision.of(cfg)}, optimizer "
         f"{cfg.optimizer.name}, batch {cfg.trainer.batch_size} per rank, device budget "
         f"{cfg.plan.device_memory_gib:g} GiB",
         f"device: {faked}",

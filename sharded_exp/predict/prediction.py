@@ -160,7 +160,7 @@ def predict_peak(
 
     states = [sum(p.values()) for p in prediction["model_states_mib"]]
     rank = states.index(max(states))
-    precision_name = str(cfg.precision.name)
+    precision_name = precision.Precision.of(cfg)
 
     def states_of(name: str) -> dict[str, float]:  # for a strategy that cannot run fake
         other = predict(STRATEGIES.config_class(name)(), cfg.optimizer, precision_name, shapes, world_size)

@@ -45,7 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sharded_exp.errors import ConfigError
 from sharded_exp.job.result import Device, Result, write_result
-from sharded_exp.launch.parent import archive_previous_attempt
+from sharded_exp.launch.run_dir import archive_previous_attempt
 from sharded_exp.measure.tracker import MemoryMeter, model_state_mib
 from sharded_exp.output.loggers import summary_values
 from sharded_exp.output.results import largest_and_mean
@@ -156,10 +156,15 @@ class Probe:
     def predict(self, example: Any, step_fn=None, autocast=None) -> None:
         """The fake step's peak for a batch like ``example`` (kept as shapes only)."""
         self.prediction = fake.predict_peak(
-            self.model, self.optimizer, example, step_fn, autocast,
-            buckets_seen=self.device.type == "cuda" or not self.wrapped_before, ddp=self.ddp,
+            self.model,
+            self.optimizer,
+            example,
+            step_fn,
+            autocast,
+            buckets_seen=self.device.type == "cuda" or not self.wrapped_before,
+            ddp=self.ddp,
             grad_accum=self.grad_accum,
-        )  # fmt: skip
+        )
 
     def _adopt_device(self) -> None:
         """The device the model's parameters are on now, for a probe made while they were on
@@ -232,12 +237,16 @@ class Probe:
         if self.device.type == "meta":
             raise ValueError("the model's parameters are still on the meta device: nothing was trained to measure")
         if self._memory is None:
-            self._memory = self.meter.stop() if (self.meter.tracking or self.device.type == "cuda") else {
-                "peak_allocated_mib": None,
-                "peak_error": self.meter.failure
-                or f"the probe saw {self.steps} step(s): the memory window needs warmup_steps={self.warmup_steps} "
-                f"+ track_steps={self.track_steps} on CPU",
-            }
+            self._memory = (
+                self.meter.stop()
+                if (self.meter.tracking or self.device.type == "cuda")
+                else {
+                    "peak_allocated_mib": None,
+                    "peak_error": self.meter.failure
+                    or f"the probe saw {self.steps} step(s): the memory window needs warmup_steps={self.warmup_steps} "
+                    f"+ track_steps={self.track_steps} on CPU",
+                }
+            )
         states = model_state_mib(fake.unwrap(self.model)[0], [self.optimizer])
         buckets_unseen = self.device.type != "cuda" and self.wrapped_before
         entry = {
@@ -293,7 +302,9 @@ class Probe:
         try:
             archived = archive_previous_attempt(self.run_dir)
             if archived:
-                print(f"sharded_exp probe: the earlier result.json in {self.run_dir} moved to {archived}", file=sys.stderr)
+                print(
+                    f"sharded_exp probe: the earlier result.json in {self.run_dir} moved to {archived}", file=sys.stderr
+                )
             write_result(self.run_dir, result)
         except OSError as exc:
             fallback = tempfile.mkdtemp(prefix="sharded_exp_probe_")
@@ -342,9 +353,15 @@ class Probe:
             steps=self.steps,
             steps_done=self.steps,
             output_dir=os.path.abspath(self.run_dir),
-            config={"source": self.source, "framework": self.framework, "warmup_steps": self.warmup_steps,
-                    "track_steps": self.track_steps, "samples_per_step": self.samples_per_step,
-                    "grad_accum": self.grad_accum, "ignored_step_calls": self.ignored_calls},  # fmt: skip
+            config={
+                "source": self.source,
+                "framework": self.framework,
+                "warmup_steps": self.warmup_steps,
+                "track_steps": self.track_steps,
+                "samples_per_step": self.samples_per_step,
+                "grad_accum": self.grad_accum,
+                "ignored_step_calls": self.ignored_calls,
+            },
             launcher=_launcher(),
             final_loss=losses[-1] if losses else None,
             memory=memory,
@@ -363,7 +380,9 @@ class Probe:
         if run is None:
             return
         try:
-            run.summary.update({k: v for k, v in summary_values(result.as_written(), self.strategy).items() if v is not None})
+            run.summary.update(
+                {k: v for k, v in summary_values(result.as_written(), self.strategy).items() if v is not None}
+            )
         except Exception as exc:  # noqa: BLE001 -- W&B never fails the user's training
             print(f"warning: sharded_exp probe: W&B summary not written: {exc}", file=sys.stderr)
 

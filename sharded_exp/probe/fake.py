@@ -101,8 +101,10 @@ def call_model(model: nn.Module, batch: Any) -> torch.Tensor:
 def unwrap(model: nn.Module) -> tuple[nn.Module, str | None]:
     """(the module to fake, why it cannot be faked or None): DDP is unwrapped; FSDP refused."""
     kinds = {type(m).__name__ for m in model.modules()}  # the wrappers too
-    if isinstance(model, DistributedDataParallel) or type(model).__name__ in ("FullyShardedDataParallel",
-                                                                               "ShardedDataParallel"):
+    if isinstance(model, DistributedDataParallel) or type(model).__name__ in (
+        "FullyShardedDataParallel",
+        "ShardedDataParallel",
+    ):
         model = model.module
     if "ShardedDataParallel" in kinds:
         return model, (
@@ -161,13 +163,18 @@ def predict_peak(
 
     ``batch``: a batch or its :func:`describe`; ``step_fn(model, batch) -> loss`` (default
     :func:`call_model`); ``autocast``: the context the user's forward runs in; ``ddp``: (under
-    DDP, gradients as bucket views), read from ``model`` when not given (:func:`ddp_extra_mib`). ``optimizer`` may be a wrapper holding the torch optimizer as
-``.optimizer`` (Accelerate's, Lightning's). ``grad_accum``: micro-batches per optimizer step; from two
-    on, a micro-batch's forward runs beside the gradients the one before left, so two are faked
-    (more hold the same)."""
+    DDP, gradients as bucket views), read from ``model`` when not given (:func:`ddp_extra_mib`).
+    ``optimizer`` may be a wrapper holding the torch optimizer as ``.optimizer`` (Accelerate's,
+    Lightning's). ``grad_accum``: micro-batches per optimizer step; from two on, a micro-batch's
+    forward runs beside the gradients the one before left, so two are faked (more hold the same)."""
     started = time.perf_counter()
-    out: dict[str, Any] = {"peak_mib": None, "breakdown_mib": None, "method": "fake step of the user's step",
-                           "error": None, "seconds": None}  # fmt: skip
+    out: dict[str, Any] = {
+        "peak_mib": None,
+        "breakdown_mib": None,
+        "method": "fake step of the user's step",
+        "error": None,
+        "seconds": None,
+    }
     optimizer = getattr(optimizer, "optimizer", optimizer)  # Accelerate's AcceleratedOptimizer
     module, refused = unwrap(model)
     if refused:
@@ -189,8 +196,10 @@ def predict_peak(
                 if not isinstance(by_id[id(p)], nn.Parameter):
                     by_id[id(p)] = nn.Parameter(by_id[id(p)], requires_grad=p.requires_grad)
             fakes = {n: by_id[id(t)] for n, t in named + buffers}
-            groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [by_id[id(p)] for p in g["params"]]}
-                      for g in optimizer.param_groups]  # fmt: skip
+            groups = [
+                {**{k: v for k, v in g.items() if k != "params"}, "params": [by_id[id(p)] for p in g["params"]]}
+                for g in optimizer.param_groups
+            ]
             opt = _like(optimizer, groups)
             tracker = peak_tracker()
             with _reparametrize_module(module, fakes), _quiet(module):
@@ -215,11 +224,19 @@ def predict_peak(
         if extra:
             parts[DDP_GRADIENT_COPIES] = extra
         method = out["method"] + (" + DDP's gradient copies by its rule" if extra else "")
-        return {**out, "peak_mib": total + extra, "breakdown_mib": parts, "method": method,
-                "seconds": time.perf_counter() - started}  # fmt: skip
+        return {
+            **out,
+            "peak_mib": total + extra,
+            "breakdown_mib": parts,
+            "method": method,
+            "seconds": time.perf_counter() - started,
+        }
     except Exception as exc:  # noqa: BLE001 -- a prediction that cannot be made is a null figure
-        return {**out, "error": f"the step could not run on fake tensors: {type(exc).__name__}: {exc}"[:400],
-                "seconds": time.perf_counter() - started}  # fmt: skip
+        return {
+            **out,
+            "error": f"the step could not run on fake tensors: {type(exc).__name__}: {exc}"[:400],
+            "seconds": time.perf_counter() - started,
+        }
 
 
 def _like(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
@@ -234,8 +251,11 @@ def _like(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.O
 def _quiet(module: nn.Module):
     """A LightningModule's ``log``/``log_dict`` do nothing while its step runs fake (a fake value
     must never reach the user's logs)."""
-    patches = [mock.patch.object(module, name, lambda *a, **k: None)
-               for name in ("log", "log_dict") if callable(getattr(module, name, None))]  # fmt: skip
+    patches = [
+        mock.patch.object(module, name, lambda *a, **k: None)
+        for name in ("log", "log_dict")
+        if callable(getattr(module, name, None))
+    ]
     with contextlib.ExitStack() as stack:
         for p in patches:
             stack.enter_context(p)

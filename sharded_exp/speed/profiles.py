@@ -144,10 +144,28 @@ class LinkProfile:
 
 
 # ------------------------------------------------------------------ reading the files
-_DEVICE_FIELDS = {"kind", "name", "title", "sources", "memory_GB", "memory_bandwidth_GBps", "peak_TFLOPs",
-                  "achievable_fraction", "curves"}  # fmt: skip
-_LINK_FIELDS = {"kind", "name", "title", "class", "sources", "total_bidirectional_GBps", "per_direction_GBps",
-                "ring_step_latency_us", "tree_step_latency_us"}  # fmt: skip
+_DEVICE_FIELDS = {
+    "kind",
+    "name",
+    "title",
+    "sources",
+    "memory_GB",
+    "memory_bandwidth_GBps",
+    "peak_TFLOPs",
+    "achievable_fraction",
+    "curves",
+}
+_LINK_FIELDS = {
+    "kind",
+    "name",
+    "title",
+    "class",
+    "sources",
+    "total_bidirectional_GBps",
+    "per_direction_GBps",
+    "ring_step_latency_us",
+    "tree_step_latency_us",
+}
 
 
 def _files() -> dict[str, dict]:

@@ -66,9 +66,11 @@ def _broadcast_buffers_before_forward(module: torch.nn.Module) -> None:
 
     def persistent():
         return [
-            b for m in module.modules() for name, b in m._buffers.items()
+            b
+            for m in module.modules()
+            for name, b in m._buffers.items()
             if b is not None and name not in m._non_persistent_buffers_set
-        ]  # fmt: skip
+        ]
 
     if not persistent():
         return
@@ -218,13 +220,31 @@ class FSDP(Strategy):
             # It is a unit of its own in fp32, as autocast runs it under DDP.
             fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
             for norm in [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]:
-                fully_shard(norm, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=fp32,
-                            ignored_params=scalars, **offload)  # fmt: skip
+                fully_shard(
+                    norm,
+                    mesh=mesh,
+                    reshard_after_forward=cfg.reshard_after_forward,
+                    mp_policy=fp32,
+                    ignored_params=scalars,
+                    **offload,
+                )
         for block in units(module):
-            fully_shard(block, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=mp_policy,
-                        ignored_params=scalars, **offload)  # fmt: skip
-        fully_shard(module, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=mp_policy,
-                    ignored_params=scalars, **offload)  # fmt: skip
+            fully_shard(
+                block,
+                mesh=mesh,
+                reshard_after_forward=cfg.reshard_after_forward,
+                mp_policy=mp_policy,
+                ignored_params=scalars,
+                **offload,
+            )
+        fully_shard(
+            module,
+            mesh=mesh,
+            reshard_after_forward=cfg.reshard_after_forward,
+            mp_policy=mp_policy,
+            ignored_params=scalars,
+            **offload,
+        )
         if cfg.broadcast_buffers:
             _broadcast_buffers_before_forward(module)
         # fully_shard replaced the parameters by DTensors: group and build the optimizer now.

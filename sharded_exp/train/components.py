@@ -161,8 +161,9 @@ class Speed(Component):
     def stats(self, steps_done: int, data_prefetched) -> dict[str, Any]:
         timed = steps_done - self.windows.timed_from
         loop_time = (self._end - self._start) / timed if self._start is not None and timed > 0 else None
-        stats = throughput_stats(self.step_times, self.samples_per_step, self.tokens_per_step, loop_time,
-                                 self.data_times)  # fmt: skip
+        stats = throughput_stats(
+            self.step_times, self.samples_per_step, self.tokens_per_step, loop_time, self.data_times
+        )
         if stats:
             stats["data_prefetched"] = data_prefetched
             stats["first_step_s"] = self.first_step_s  # the first step (with compile: the compiling one)
@@ -204,7 +205,7 @@ class MemoryWindow(Component):
         if result.step + 1 == self.windows.memory_end:
             self.memory = self.meter.stop()
             if self.compiled and self.meter.device.type == "cpu":
-                from torch import _dynamo  # lazy: torch._dynamo (about 1 s) only in a compiled run
+                from torch import _dynamo  # lazy: dynamo takes seconds to import; only a compiled CPU run needs it
 
                 _dynamo.reset()
 
@@ -278,8 +279,9 @@ class Checkpoints(Component):
         if not self.manager.due(out.steps_done, self.steps):
             return
         with self.meter.guard(self.strategy):  # untimed: the memory budget still holds
-            out.checkpoint = self.manager.after_step(self.strategy, out.steps_done, self.steps, self.meter.device,
-                                                     position)  # fmt: skip
+            out.checkpoint = self.manager.after_step(
+                self.strategy, out.steps_done, self.steps, self.meter.device, position
+            )
 
     def end(self, out: LoopOutcome, position) -> None:
         if not self.manager.every:

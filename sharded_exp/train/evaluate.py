@@ -21,39 +21,34 @@ EVAL_STEP = 1_000_000_000
 
 def task_metrics(task: Task):
     """The torchmetrics collection of a task (metric names without the ``eval/`` prefix)."""
-    import torchmetrics  # lazy: torchmetrics (about 2 s) only in a run that evaluates
+    # lazy: torchmetrics takes seconds to import; only a run that evaluates (trainer.eval_batches > 0) needs it
+    from torchmetrics import MetricCollection
+    from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
+    from torchmetrics.text import Perplexity
 
     if task.metric == "token_accuracy":
         n = task.num_classes
-        return torchmetrics.MetricCollection(
+        return MetricCollection(
             {
                 # micro: the share of (non-padding) tokens labelled right; macro F1 over the labels,
                 # what the seed's NER script reported
-                "accuracy": torchmetrics.classification.MulticlassAccuracy(
-                    n, average="micro", ignore_index=-100, validate_args=False
-                ),
-                "f1": torchmetrics.classification.MulticlassF1Score(
-                    n, average="macro", ignore_index=-100, validate_args=False
-                ),
+                "accuracy": MulticlassAccuracy(n, average="micro", ignore_index=-100, validate_args=False),
+                "f1": MulticlassF1Score(n, average="macro", ignore_index=-100, validate_args=False),
             }
         )
     if task.metric == "accuracy":
-        return torchmetrics.MetricCollection(
-            {
-                "accuracy": torchmetrics.classification.MulticlassAccuracy(
-                    task.num_classes, average="micro", validate_args=False
-                )
-            }
+        return MetricCollection(
+            {"accuracy": MulticlassAccuracy(task.num_classes, average="micro", validate_args=False)}
         )
-    return torchmetrics.MetricCollection({"perplexity": torchmetrics.text.Perplexity(ignore_index=-100)})
+    return MetricCollection({"perplexity": Perplexity(ignore_index=-100)})
 
 
 def evaluate(strategy, task: Task, autocast, device: torch.device, batches: int, rank: int) -> dict[str, Any]:
     """Collective: every rank runs its share of held-out batches; returns ``eval/*`` values."""
-    import torchmetrics  # lazy: torchmetrics (about 2 s) only in a run that evaluates
+    from torchmetrics import MeanMetric  # lazy: as in task_metrics
 
     metrics = task_metrics(task).to(device)
-    loss = torchmetrics.MeanMetric().to(device)
+    loss = MeanMetric().to(device)
     model = strategy.model
     was_training = model.training
     model.eval()

@@ -95,12 +95,10 @@ def trigger(fault: Fault, rank: int, device: torch.device) -> None:
     if fault.kind == "exit_in_save":
         return
     if fault.kind == "tracker_error":
-        from torch.distributed._tools import mem_tracker  # lazy: about 0.7 s, for this one fault
+        # lazy: the MemTracker adapter imports torch's private mem_tracker (inductor, about 3 s); only this fault needs it
+        from sharded_exp.measure.memtracker import fail_in_hooks
 
-        def broken(self, args):
-            raise RuntimeError(f"injected tracker failure on rank {rank} at step {fault.step}")
-
-        mem_tracker.MemTracker._track_inputs_or_outputs = broken  # this rank's process only
+        fail_in_hooks(f"injected tracker failure on rank {rank} at step {fault.step}")  # this rank's process only
         return
     # When it happened, for measuring fault-to-exit times (tests, README figures).
     log.warning("%s: %s on rank %d at step %d, time %.3f", ENV, fault.kind, rank, fault.step, time.time())

@@ -175,11 +175,8 @@ def run_loop(
     """
     rank, world_size, device = dist.get_rank(), dist.get_world_size(), meter.device
     windows = Windows.plan(loop, start, device, profiling=profile_path is not None)
-    timed = loop.steps - windows.timed_from
-    if rank == 0 and timed < loop.min_timed_steps:
-        _log.warning("%d timed step(s) (steps %d to %d): fewer than trainer.min_timed_steps=%d, so the median "
-                    "step's interval is wide; more trainer.steps time more", timed, windows.timed_from,
-                    loop.steps - 1, loop.min_timed_steps)  # fmt: skip
+    if rank == 0:
+        _warn_if_few_timed(loop, windows)
     # A DataLoader over a user's dataset, or the synthetic tasks' prefetcher; timed here.
     # No batch made in another thread beside a step the CPU tracker measures: it would not see it.
     quiet_until = windows.memory_end if device.type == "cpu" else start
@@ -206,25 +203,7 @@ def run_loop(
         if stopper.should_stop(step):  # a signal reached some rank: all stop here, together
             break
         liveness.current_step = step  # a hang is named by its step
-        if profiler is not None:
-            profiler.start(step)
-        t_data = time.perf_counter()
-        batches = data.get(step)
-        data_time = time.perf_counter() - t_data
-        for hook in before:
-            hook(step, strategy)
-        sync(device)
-        t0 = time.perf_counter()
-        with profiler.label(step) if profiler is not None else contextlib.nullcontext():
-            loss, output = train_step(strategy, batches, autocast, loop.grad_clip)
-        sync(device)
-        result = StepResult(step, loss, output, batches, time.perf_counter() - t0, data_time)
-        del output, batches
-        for hook in after:
-            hook(result)
-        # Let go of this step's output and batch now: otherwise the logits (batch x time x
-        # vocab for a language model) stay alive through a checkpoint and the next step's peak.
-        del result
+        loss = _take_step(step, strategy, autocast, loop, data, device, profiler, hooks=(before, after))
         out.steps_done, out.loss = step + 1, loss
         for hook in between:
             hook(out, data.position)
@@ -243,3 +222,42 @@ def run_loop(
     metrics.log.flush()
     out.throughput = speed.stats(out.steps_done, data.ahead)
     return out
+
+
+def _warn_if_few_timed(loop: LoopSettings, windows: Windows) -> None:
+    """Fewer timed steps than trainer.min_timed_steps: the median step is said to be unsteady."""
+    timed = loop.steps - windows.timed_from
+    if timed < loop.min_timed_steps:
+        _log.warning("%d timed step(s) (steps %d to %d): fewer than trainer.min_timed_steps=%d, so the median "
+                     "step's interval is wide; more trainer.steps time more", timed, windows.timed_from,
+                     loop.steps - 1, loop.min_timed_steps)  # fmt: skip
+
+
+def _take_step(
+    step: int, strategy: Strategy, autocast, loop: LoopSettings, data, device, profiler, hooks
+) -> torch.Tensor:
+    """One step, with the hooks around it (``hooks``: the components' ``before_step`` and
+    ``after_step``): its batches fetched (timed apart), the optimizer step timed between two
+    synchronisations, and profiled when the profiler's window is on. Returns the step's loss.
+
+    The step's output and batches are let go when this returns: otherwise the logits (batch x
+    time x vocab for a language model) stay alive through a checkpoint and the next step's peak.
+    """
+    before, after = hooks
+    if profiler is not None:
+        profiler.start(step)
+    t_data = time.perf_counter()
+    batches = data.get(step)
+    data_time = time.perf_counter() - t_data
+    for hook in before:
+        hook(step, strategy)
+    sync(device)
+    t0 = time.perf_counter()
+    with profiler.label(step) if profiler is not None else contextlib.nullcontext():
+        loss, output = train_step(strategy, batches, autocast, loop.grad_clip)
+    sync(device)
+    result = StepResult(step, loss, output, batches, time.perf_counter() - t0, data_time)
+    del output, batches  # the result holds the only references
+    for hook in after:
+        hook(result)
+    return loss

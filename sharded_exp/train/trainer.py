@@ -14,7 +14,9 @@ import contextlib
 import logging
 import math
 import os
+import platform
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,10 +36,11 @@ from sharded_exp.measure.snapshot import MemoryHistory
 from sharded_exp.measure.tracker import MemoryMeter, model_state_mib, process_peak_rss_mib
 from sharded_exp.output.loggers import build_logger, summary_values
 from sharded_exp.output.results import memory_section, training_result
+from sharded_exp.precision import Precision
 from sharded_exp.strategies.base import Strategy
 from sharded_exp.train import components, faults, liveness
 from sharded_exp.train import evaluate as evaluation
-from sharded_exp.train.build import build_run
+from sharded_exp.train.build import Run, build_run
 from sharded_exp.train.faults import Injector
 from sharded_exp.train.loop import LoopOutcome, LoopSettings, run_loop
 from sharded_exp.train.metrics import IntervalLog
@@ -124,8 +127,6 @@ def gather_results(strategy: Strategy, out: LoopOutcome, device: torch.device) -
 def device_info(device: torch.device) -> dict[str, Any]:
     """What the job ran on, as result.json's ``device`` (``accelerator`` is only what was
     asked for): type, model, count, and the CUDA and NCCL versions on a GPU."""
-    import platform
-
     if device.type != "cuda":
         return {"type": "cpu", "name": platform.processor() or platform.machine(), "count": os.cpu_count(),
                 "threads_per_rank": torch.get_num_threads()}  # fmt: skip
@@ -170,7 +171,7 @@ def checkpoint_job(cfg) -> dict[str, Any]:
     """What a checkpoint's meta.json records about the job that wrote it."""
     return {
         "strategy": cfg.strategy.name,
-        "precision": str(cfg.precision.name),
+        "precision": str(Precision.of(cfg)),
         "optimizer": cfg.optimizer.name,
         # plain data, nested parts included (a Hugging Face model's ``config``)
         "model": OmegaConf.to_container(cfg.model, resolve=True),
@@ -200,38 +201,20 @@ def setting_changes(loaded: dict[str, Any], cfg) -> list[dict[str, Any]]:
     if "model.attn_implementation" not in saved and isinstance(model, dict) and "attn_implementation" in model:
         saved["model.attn_implementation"] = model["attn_implementation"]
     now = trajectory_settings(cfg)
-    return [{"key": k, "checkpoint": saved[k], "config": now[k]} for k in TRAJECTORY_SETTINGS if k in saved and saved[k] != now[k]]
+    return [
+        {"key": k, "checkpoint": saved[k], "config": now[k]}
+        for k in TRAJECTORY_SETTINGS
+        if k in saved and saved[k] != now[k]
+    ]
 
 
 def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: MemoryHistory):
+    """:func:`train`'s steps, top to bottom: build and load, the logger, the loop with the
+    job's parts, the gather, the final evaluation, rank 0's payload."""
     stopper = liveness.StopAgreement()  # SIGTERM/SIGINT now ask for a stop, which ranks agree on
     rank, tc, output_dir = dist.get_rank(), cfg.trainer, spec.output_dir
-    resume = spec.checkpoint.resume
-    # On CPU only tensors the tracker sees are counted: it starts before the strategy
-    # allocates its communication buffers, as the CUDA allocator would count them.
-    # model.pretrained's weights are loaded, unless a checkpoint's replace them at once.
-    run = build_run(cfg, device, before_wrap=meter.start if device.type == "cpu" else None, after_build=meter.built,
-                    weights=resume is None)  # fmt: skip
-    module, strategy, task = run.module, run.strategy, run.task
-    loaded = checkpoint.load(spec.checkpoint, strategy, device)
-    data_changed = data_changes(loaded.get("data"), task)  # another file, or an edited one: told, not refused
-    changed_settings = setting_changes(loaded, cfg) if loaded["step"] else []
-    start, resume_changes = loaded["step"], loaded["resume_changes"] + changed_settings + data_changed
-    if (resume or cfg.model.get("pretrained")) and device.type == "cpu":  # a key of some models only
-        meter.reset_peak()  # the loading's own copies are not the training's peak
-    if rank == 0:
-        for c in loaded["resume_changes"]:
-            log.warning("warning: resuming with optimizer group %s %s=%s from the config (the checkpoint has %s)",
-                        c["group"], c["key"], c["config"], c["checkpoint"])  # fmt: skip
-        for c in changed_settings:
-            log.warning("warning: resuming with %s=%s from the config (the checkpoint was written with %s): "
-                        "the run's numbers follow another trajectory from here", c["key"], c["config"], c["checkpoint"])  # fmt: skip
-        if data_changed:
-            where = loaded["data"]
-            log.warning("warning: resuming on other data than the checkpoint's: %s; its data position (epoch %s, "
-                        "%s samples in) may name other samples now",
-                        "; ".join(f"{c['key']}={c['config']} (the checkpoint's: {c['checkpoint']})" for c in data_changed),
-                        where["epoch"], where["samples"])  # fmt: skip
+    run, loaded, resume_changes = _build_and_load(spec, cfg, device, meter)
+    strategy, task, autocast, batches = run.strategy, run.task, run.autocast, tc.eval_batches
     if device.type == "cuda":
         meter.start()  # peak counters reset once model and optimizer are built
     timeline["built"] = time.time()
@@ -239,41 +222,10 @@ def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: Me
     intervals = IntervalLog(logger)  # the history of interval records, in step order
     timeline["logger_ready"] = time.time()
     loop = LoopSettings.from_config(tc, label=f"{cfg.strategy.name} x{dist.get_world_size()}")
-    autocast = run.autocast
-    batches = tc.eval_batches
+    report = _Report(spec, cfg, device, meter, run.module, stopper, timeline, loaded["step"], resume_changes)
 
     def evaluate(step: int) -> dict[str, float]:
         return evaluation.evaluate(strategy, task, autocast, device, batches, rank)
-
-    def result_of(out) -> PartialResult | None:
-        """Rank 0's payload (result.json's training figures) from the loop's outcome."""
-        if per_rank is None:
-            return None
-        flops = (spec.prediction.get("peak") or {}).get("flops_per_step")
-        if out.throughput:  # model FLOPs from the parent's fake step over this run's step time
-            world_size = dist.get_world_size()
-            out.throughput["model_flops_per_step"] = flops * world_size if flops else None
-            out.throughput.update(utilisation(flops, out.throughput["step_time_s_median"], device, cfg.precision.name))
-        return training_result(
-            out,
-            per_rank,
-            digest,
-            final_loss,
-            start=start,
-            world_size=dist.get_world_size(),
-            resumed_from=resume,
-            resume_changes=resume_changes,
-            params=sum(p.numel() for p in module.parameters()),
-            signal=stopper.signum,
-            memory=memory_section(
-                spec.prediction,
-                per_rank,
-                meter.source,
-                MemoryMeter.LIMIT_APPLIES_TO[device.type] if tc.memory_limit_mib else None,
-            ),
-            timeline=timeline,
-            device=device_info(device),
-        )
 
     try:
         meter.check_build()  # a build over the budget fails here, the logger recording it
@@ -285,27 +237,18 @@ def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: Me
         evaluation_part = components.Evaluation(evaluate, tc.eval_every, meter, intervals, tc.steps)
         if batches > 0:
             parts.append(evaluation_part)
-        out = run_loop(strategy, task, autocast, loop, start=start, meter=meter, stopper=stopper, log=intervals,
-                       components=parts, profile_path=trace_path(output_dir, rank) if tc.profile else None,
+        out = run_loop(strategy, task, autocast, loop, start=loaded["step"], meter=meter, stopper=stopper,
+                       log=intervals, components=parts,
+                       profile_path=trace_path(output_dir, rank) if tc.profile else None,
                        data_position=loaded.get("data"))  # fmt: skip
-        if history.mode == "always":
-            history.dump()
-        out.extra["memory_snapshot"] = history.record()  # before the gather, which sends it to rank 0
-        with meter.guard(strategy):  # untimed: the memory budget still holds
-            per_rank, digest, final_loss = gather_results(strategy, out, device)
-            # Only when asked: the full model, gathered one tensor at a time to rank 0.
-            final_state = gather_model_state(strategy) if tc.save_final_state and not out.stopped else None
-        history.stop()  # recorded through the gathers: an OOM there dumps its snapshot (train's handler)
-
-        if final_state is not None:
-            torch.save(final_state, os.path.join(output_dir, "model_final.pt"))
+        gathered = _gather(strategy, out, spec, meter, history, device)
         if batches > 0 and not out.stopped:
-            if rank == 0 and per_rank is not None:  # kept, should the pass run out of memory
-                write_json(os.path.join(output_dir, TRAINED), result_of(out).as_written())
+            if rank == 0 and gathered[0] is not None:  # kept, should the pass run out of memory
+                write_json(os.path.join(output_dir, TRAINED), report.payload(out, gathered).as_written())
             with meter.paused():
                 evaluation_part.final(out)
             intervals.flush()  # its eval/... point, after the loop's own (the series' last: W&B's summary)
-        payload = result_of(out)
+        payload = report.payload(out, gathered)
     except BaseException:
         logger.finish(exit_code=1)
         raise
@@ -313,3 +256,108 @@ def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: Me
         logger.summary(summary_values(payload.as_written(), cfg.strategy.name))
     logger.finish(exit_code=1 if payload is not None and payload.status == "diverged" else 0)
     return payload
+
+
+def _build_and_load(spec: JobSpec, cfg, device: torch.device, meter: MemoryMeter) -> tuple[Run, dict, list]:
+    """The run built on this rank and the planned checkpoint restored into it. Returns the
+    run, what was loaded (``step`` 0 for a fresh start) and the resume changes: what this
+    run sets differently from the checkpoint it resumes (warned of on rank 0, not refused)."""
+    resume = spec.checkpoint.resume
+    # On CPU only tensors the tracker sees are counted: it starts before the strategy
+    # allocates its communication buffers, as the CUDA allocator would count them.
+    # model.pretrained's weights are loaded, unless a checkpoint's replace them at once.
+    run = build_run(cfg, device, before_wrap=meter.start if device.type == "cpu" else None, after_build=meter.built,
+                    weights=resume is None)  # fmt: skip
+    loaded = checkpoint.load(spec.checkpoint, run.strategy, device)
+    data_changed = data_changes(loaded.get("data"), run.task)  # another file, or an edited one: told, not refused
+    changed_settings = setting_changes(loaded, cfg) if loaded["step"] else []
+    if (resume or cfg.model.get("pretrained")) and device.type == "cpu":  # a key of some models only
+        meter.reset_peak()  # the loading's own copies are not the training's peak
+    if dist.get_rank() == 0:
+        _warn_resume_changes(loaded, changed_settings, data_changed)
+    return run, loaded, loaded["resume_changes"] + changed_settings + data_changed
+
+
+def _warn_resume_changes(loaded: dict, changed_settings: list, data_changed: list) -> None:
+    """Say what a resumed run changes: optimizer settings, trajectory settings, the data."""
+    for c in loaded["resume_changes"]:
+        log.warning("warning: resuming with optimizer group %s %s=%s from the config (the checkpoint has %s)",
+                    c["group"], c["key"], c["config"], c["checkpoint"])  # fmt: skip
+    for c in changed_settings:
+        log.warning("warning: resuming with %s=%s from the config (the checkpoint was written with %s): "
+                    "the run's numbers follow another trajectory from here", c["key"], c["config"], c["checkpoint"])  # fmt: skip
+    if data_changed:
+        where = loaded["data"]
+        log.warning("warning: resuming on other data than the checkpoint's: %s; its data position (epoch %s, "
+                    "%s samples in) may name other samples now",
+                    "; ".join(f"{c['key']}={c['config']} (the checkpoint's: {c['checkpoint']})" for c in data_changed),
+                    where["epoch"], where["samples"])  # fmt: skip
+
+
+def _gather(
+    strategy: Strategy,
+    out: LoopOutcome,
+    spec: JobSpec,
+    meter: MemoryMeter,
+    history: MemoryHistory,
+    device: torch.device,
+) -> tuple[list | None, dict, float]:
+    """After the loop (collective): every rank's figures gathered to rank 0 (see
+    :func:`gather_results`) under the memory budget, the CUDA memory history recorded, and
+    the full model saved when ``trainer.save_final_state`` asks for it."""
+    if history.mode == "always":
+        history.dump()
+    out.extra["memory_snapshot"] = history.record()  # before the gather, which sends it to rank 0
+    with meter.guard(strategy):  # untimed: the memory budget still holds
+        gathered = gather_results(strategy, out, device)
+        # Only when asked: the full model, gathered one tensor at a time to rank 0.
+        save = spec.config["trainer"]["save_final_state"] and not out.stopped
+        final_state = gather_model_state(strategy) if save else None
+    history.stop()  # recorded through the gathers: an OOM there dumps its snapshot (train's handler)
+    if final_state is not None:
+        torch.save(final_state, os.path.join(spec.output_dir, "model_final.pt"))
+    return gathered
+
+
+@dataclass
+class _Report:
+    """What rank 0's payload says about the run besides the loop's outcome and the gathered
+    figures: the job, where it started, what changed on resuming, how it was stopped."""
+
+    spec: JobSpec
+    cfg: Any
+    device: torch.device
+    meter: MemoryMeter
+    module: torch.nn.Module
+    stopper: liveness.StopAgreement
+    timeline: dict[str, float]
+    start: int
+    resume_changes: list[dict[str, Any]]
+
+    def payload(self, out: LoopOutcome, gathered: tuple[list | None, dict, float]) -> PartialResult | None:
+        """Rank 0's payload (result.json's training figures) from the loop's outcome; None on other ranks."""
+        per_rank, digest, final_loss = gathered
+        if per_rank is None:
+            return None
+        spec, device, world_size = self.spec, self.device, dist.get_world_size()
+        flops = (spec.prediction.get("peak") or {}).get("flops_per_step")
+        if out.throughput:  # model FLOPs from the parent's fake step over this run's step time
+            out.throughput["model_flops_per_step"] = flops * world_size if flops else None
+            step_time = out.throughput["step_time_s_median"]
+            out.throughput.update(utilisation(flops, step_time, device, Precision.of(self.cfg)))
+        limit_applies = MemoryMeter.LIMIT_APPLIES_TO[device.type] if self.cfg.trainer.memory_limit_mib else None
+        return training_result(
+            out,
+            per_rank,
+            digest,
+            final_loss,
+            start=self.start,
+            world_size=world_size,
+            resumed_from=spec.checkpoint.resume,
+            resume_changes=self.resume_changes,
+            params=sum(p.numel() for p in self.module.parameters()),
+            signal=self.stopper.signum,
+            memory=memory_section(spec.prediction, per_rank, self.meter.source, limit_applies),
+            timeline=self.timeline,
+            device=device_info(device),
+        )

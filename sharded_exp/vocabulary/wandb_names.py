@@ -3,7 +3,7 @@
 A figure has one name everywhere (result.json's path with ``/`` between keys, the W&B history
 and summary key, ``objective=``, a workspace panel), and a run's group, id, name and tags are
 derived from the same inputs wherever they are made: the job (``__main__``, the loggers), the
-sweep report's run (``output.comparison``) and the saved workspace (``output.workspace``). The
+sweep report's run (``report.publish``) and the saved workspace (``report.workspace``). The
 modules that write W&B runs read their names here; nothing here imports wandb.
 """
 
@@ -131,9 +131,13 @@ def across_ranks(name: str, values: list[float]) -> dict[str, float]:
 
 
 PER_RANK_FIGURES = (
-    "peak_allocated_mib", "peak_reserved_mib", "predicted_peak_mib", "peak_rel_error", "model_states_mib",
+    "peak_allocated_mib",
+    "peak_reserved_mib",
+    "predicted_peak_mib",
+    "peak_rel_error",
+    "model_states_mib",
     "predicted_model_states_mib",
-)  # fmt: skip
+)
 """The figures of ``memory.per_rank`` in the W&B summary (the rest stay in result.json)."""
 
 

@@ -1,5 +1,5 @@
 """Hand-written sweep points (result.json dicts) for the unit tests of the sweep report
-(tests/unit/output/, tests/unit/test_report.py): only the fields a row reads, values chosen
+(tests/unit/report/): only the fields a row reads, values chosen
 so that every saving, ratio and interval can be worked out by hand."""
 
 from __future__ import annotations
@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+from sharded_exp.report.rows import build_rows
 
 
 def point(
@@ -83,3 +85,15 @@ def write_point(sweep: Path, name: str, data: Any) -> Path:
     path = directory / "result.json"
     path.write_text(data if isinstance(data, str) else json.dumps(data))
     return path
+
+
+def rows_by(rows, *keys):
+    """The report's rows by the value of ``keys`` (a tuple of them when more than one)."""
+    return {tuple(r[k] for k in keys) if len(keys) > 1 else r[keys[0]]: r for r in rows}
+
+
+def pair(ddp=None, fsdp=None):
+    """DDP (point 1: 4 MiB, 10 samples/s in 8-12) and FSDP (point 2: 1 MiB, 5 samples/s in 4-6)."""
+    a = {"n": 1, "peak": 4.0, "mean": 3.0, "states": 2.0, "sps": 10.0, "ci": (8.0, 12.0), "l2": 2.0, **(ddp or {})}
+    b = {"n": 2, "peak": 1.0, "mean": 0.75, "states": 0.5, "sps": 5.0, "ci": (4.0, 6.0), "l2": 2.002, **(fsdp or {})}
+    return build_rows([point("ddp", **a), point("fsdp", **b)])

@@ -16,7 +16,7 @@ def bench(name: str, *args: str, cwd, timeout: float = 300) -> dict:
 
 
 def test_overhead_smoke(tmp_path):
-    data = bench("overhead", "--smoke", cwd=tmp_path)
+    data = bench("harness.overhead", "--smoke", cwd=tmp_path)
     [result] = data["results"]
     assert result["strategy"] == "ddp" and len(result["pairs"]) == 2
     for pair in result["pairs"]:
@@ -25,7 +25,7 @@ def test_overhead_smoke(tmp_path):
 
 
 def test_communication_smoke(tmp_path):
-    data = bench("communication", "--smoke", cwd=tmp_path)
+    data = bench("features.communication", "--smoke", cwd=tmp_path)
     [result] = data["results"]
     # DDP all-reduces every gradient once per step: at least Psi of payload, on both ranks.
     for rank in result["per_rank"]:
@@ -34,7 +34,7 @@ def test_communication_smoke(tmp_path):
 
 
 def test_startup_smoke(tmp_path):
-    data = bench("startup", "--repeats", "1", "logger=none", "trainer.steps=6", "trainer.warmup_steps=1", cwd=tmp_path)
+    data = bench("harness.startup", "--repeats", "1", "logger=none", "trainer.steps=6", "trainer.warmup_steps=1", cwd=tmp_path)
     [run] = data["runs"]
     order = ["command", "main", "launch", "validated", "rank_start", "process_group_ready", "built", "logger_ready"]
     times = [run[k] for k in order] + [run["first_step"], run["exit"]]
@@ -42,7 +42,7 @@ def test_startup_smoke(tmp_path):
 
 
 def test_faults_smoke(tmp_path):
-    data = bench("faults", "--kinds", "raise", "--repeats", "1", cwd=tmp_path)
+    data = bench("harness.faults", "--kinds", "raise", "--repeats", "1", cwd=tmp_path)
     [kind] = data
     [run] = kind["runs"]
     assert run["exit_code"] == 1 and run["status"] == "failed" and 0 < run["seconds"] < 30
@@ -50,7 +50,7 @@ def test_faults_smoke(tmp_path):
 
 def test_gpu_check_dry_run_on_cpu(tmp_path):
     args = ["--accelerator", "cpu", "--strategies", "ddp", "--precisions", "32", "--steps", "3", "--batch-size", "2"]
-    data = bench("gpu_check", *args, cwd=tmp_path)
+    data = bench("accuracy.gpu_check", *args, cwd=tmp_path)
     [result] = data["results"]
     assert result["result"]["memory"]["model_states_rel_error_max"] <= 0.02
 
@@ -73,7 +73,7 @@ def bench_peer(name: str, tmp_path, *args: str, timeout: float = 600) -> dict:
 
 def test_lightning_smoke(tmp_path):
     pytest.importorskip("pytorch_lightning")
-    data = bench_peer("lightning_vs", tmp_path)
+    data = bench_peer("harness.lightning_vs", tmp_path)
     for name in ("sharded_exp", "lightning"):
         [run] = data["runs"][name]
         assert run["step_time_s_median"] > 0 and run["to_first_step_s"] < run["to_exit_s"]
@@ -81,7 +81,7 @@ def test_lightning_smoke(tmp_path):
 
 
 def test_checkpoint_memory_smoke(tmp_path):
-    [point] = bench("checkpoint_memory", "--smoke", cwd=tmp_path)
+    [point] = bench("features.checkpoint_memory", "--smoke", cwd=tmp_path)
     assert (point["strategy"], point["format"]) == ("oss", "consolidated")
     assert len(point["save_rss_mib"]) == 2 and all(m >= 0 for m in point["save_rss_mib"])
     assert point["optimizer_state_mib"] > 0
@@ -90,7 +90,7 @@ def test_checkpoint_memory_smoke(tmp_path):
 def test_hf_trainer_smoke(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    data = bench_peer("hf_trainer_vs", tmp_path)
+    data = bench_peer("harness.hf_trainer_vs", tmp_path)
     for name in ("sharded_exp", "hf_trainer"):
         [run] = data["runs"][name]
         assert run["step_time_s_median"] > 0 and run["to_first_step_s"] < run["to_exit_s"]
@@ -98,7 +98,7 @@ def test_hf_trainer_smoke(tmp_path):
 
 
 def test_prediction_smoke(tmp_path):
-    data = bench("prediction", "--models", "mlp", "--strategies", "ddp", "--world-sizes", "2",
+    data = bench("accuracy.prediction", "--models", "mlp", "--strategies", "ddp", "--world-sizes", "2",
                  "--precisions", "32", cwd=tmp_path)  # fmt: skip
     [point] = data["points"]
     assert point["model"] == "mlp" and point["method"] == "fake step"
@@ -115,7 +115,7 @@ def test_job_vs_script_smoke(tmp_path):
 
 
 def test_data_time_smoke(tmp_path):
-    data = bench("data_time", "--models", "gpt", "--steps", "8", cwd=tmp_path)
+    data = bench("features.data_time", "--models", "gpt", "--steps", "8", cwd=tmp_path)
     [point] = data["points"]
     assert point["model"] == "gpt" and point["data"] == "markov"
     assert point["data_fraction"] == pytest.approx(point["data_time_s"] / point["step_time_s"])
@@ -123,7 +123,7 @@ def test_data_time_smoke(tmp_path):
 
 
 def test_timed_steps_smoke(tmp_path):
-    data = bench("timed_steps", "--models", "mlp", "--strategies", "ddp", "--timed", "12", cwd=tmp_path)
+    data = bench("accuracy.timed_steps", "--models", "mlp", "--strategies", "ddp", "--timed", "12", cwd=tmp_path)
     [job] = data["jobs"]
     assert job["model"] == "mlp" and set(job["half_width_by_n"]) == {"6", "8", "10"}  # the windows 12 steps hold
     assert all(w >= 0 for w in job["half_width_by_n"].values()) and data["timed"] == 12
@@ -131,7 +131,7 @@ def test_timed_steps_smoke(tmp_path):
 
 def test_device_check_dry_run_on_cpu(tmp_path):
     """The device script's own code, on CPU (the GPU run is the device machine's)."""
-    data = bench("device_check", "--accelerator", "cpu", "--quick", "--only", "parent", "matrix", "adam", "limit",
+    data = bench("accuracy.device_check", "--accelerator", "cpu", "--quick", "--only", "parent", "matrix", "adam", "limit",
                  cwd=tmp_path)  # fmt: skip
     checks = {c["check"]: c for c in data["checks"]}
     assert len(checks) == 5 and all(c["ok"] for c in checks.values()), checks
@@ -140,19 +140,19 @@ def test_device_check_dry_run_on_cpu(tmp_path):
 
 
 def test_profile_cost_smoke(tmp_path):
-    data = bench("profile_cost", "--smoke", cwd=tmp_path)
+    data = bench("features.profile_cost", "--smoke", cwd=tmp_path)
     [point] = data["points"]
     assert point["profiled_steps"] == 2 and point["trace_mib_per_rank"] > 0
     assert point["cost_ratio"] == pytest.approx(point["profiled_step_s"] / point["unprofiled_step_s"])
 
 
 def test_memory_history_cost_says_why_not_on_cpu(tmp_path):
-    data = bench("memory_history_cost", "--quick", cwd=tmp_path)
+    data = bench("features.memory_history_cost", "--quick", cwd=tmp_path)
     assert data["cost_ratio"] is None and data["reason"].startswith("no CUDA device here")
 
 
 def test_cuda_prediction_smoke(tmp_path):
-    data = bench("cuda_prediction", "--quick", cwd=tmp_path)
+    data = bench("accuracy.cuda_prediction", "--quick", cwd=tmp_path)
     points = {p["case"]: p for p in data["points"]}
     assert len(points) == 5 and all(p["before_mib"] > 0 and p["after_mib"] > 0 for p in points.values())
     attention = points["attention, hf_gpt2_small bf16 batch 8"]
@@ -160,7 +160,7 @@ def test_cuda_prediction_smoke(tmp_path):
 
 
 def test_levers_smoke(tmp_path):
-    data = bench("levers", "--smoke", "--only", "ac", "hsdp", "plan", cwd=tmp_path, timeout=600)
+    data = bench("features.levers", "--smoke", "--only", "ac", "hsdp", "plan", cwd=tmp_path, timeout=600)
     [ac] = data["ac"]
     assert ac["full"]["activations_mib"] < ac["none"]["activations_mib"]
     assert data["hsdp"]["hsdp"]["states_mib"] > data["hsdp"]["fsdp"]["states_mib"]
@@ -168,7 +168,7 @@ def test_levers_smoke(tmp_path):
 
 
 def test_cli_queries_smoke(tmp_path):
-    data = bench("cli_queries", "--repeats", "1", cwd=tmp_path)
+    data = bench("harness.cli_queries", "--repeats", "1", cwd=tmp_path)
     assert set(data["seconds"]) == {
         "import hydra (floor)",
         "import torch (floor)",
@@ -185,7 +185,7 @@ def test_cli_queries_smoke(tmp_path):
 
 
 def test_planner_speed_smoke(tmp_path):
-    data = bench("planner_speed", "--smoke", cwd=tmp_path)
+    data = bench("harness.planner_speed", "--smoke", cwd=tmp_path)
     [plan] = data["plans"].values()
     assert plan["wall_s"] > 0 and plan["import_torch_s"] > 0 and plan["points"] == 4 and plan["peak_rss_mib"] > 0
     [agree] = data["agreement"].values()
@@ -193,13 +193,13 @@ def test_planner_speed_smoke(tmp_path):
 
 
 def test_probe_overhead_smoke(tmp_path):
-    data = bench("probe_overhead", "--pairs", "1", "--steps", "12", cwd=tmp_path)
+    data = bench("harness.probe_overhead", "--pairs", "1", "--steps", "12", cwd=tmp_path)
     [run] = data["pairs"]
     assert run["bare_s"] > 0 and run["probed_s"] > 0 and data["median_overhead"] == run["overhead"]
 
 
 def test_hf_probe_warmup_smoke(tmp_path):
-    data = bench("hf_probe_warmup", "--steps", "8", cwd=tmp_path)
+    data = bench("harness.hf_probe_warmup", "--steps", "8", cwd=tmp_path)
     for accumulation in ("1", "4"):
         assert len(data[accumulation]["bare_s"]) == len(data[accumulation]["probed_s"]) == 8
         assert all(t > 0 for t in data[accumulation]["bare_s"] + data[accumulation]["probed_s"])

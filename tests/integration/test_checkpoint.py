@@ -414,7 +414,7 @@ def test_later_checkpoints_of_another_trajectory_are_refused_or_archived(tmp_pat
 
 def test_a_checkpoint_directory_is_held_by_one_job(tmp_path):
     from sharded_exp.checkpoint.storage import hold_checkpoint_dir
-    from sharded_exp.launch.parent import release_run_dir
+    from sharded_exp.launch.run_dir import release_run_dir
 
     ckpts = tmp_path / "ckpts"
     held = hold_checkpoint_dir(str(ckpts))  # as a live job holds it

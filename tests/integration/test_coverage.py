@@ -88,12 +88,12 @@ SLOW_SWEEPS = {"seed_study_conll", "hparams_search", "seed_study", "seed_table"}
 a command-line sweep of a key replaces the preset's own values for it, as in Hydra."""
 
 NOT_HERE = {
-    ("experiment", "seed_study_gpu"): "needs GPUs (trainer.accelerator=gpu): benchmarks/gpu_check.py's machine",
+    ("experiment", "seed_study_gpu"): "needs GPUs (trainer.accelerator=gpu): benchmarks/accuracy/gpu_check.py's machine",
 }
 """Options no run on this CPU-only machine can choose, and why."""
 FIELDS_NOT_HERE = {
     ("strategy:fsdp", "cpu_offload"): "GPU runs only (a CPU run refuses it: tests/integration/test_levers.py); planned by "
-    "plan.levers=[offload] (test_levers); run by benchmarks/device_check.py's offload check",
+    "plan.levers=[offload] (test_levers); run by benchmarks/accuracy/device_check.py's offload check",
     ("strategy:fsdp_grad_op", "cpu_offload"): "as for fsdp",
 }
 """Fields no run on this CPU-only machine can set, and why."""

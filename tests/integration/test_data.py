@@ -49,7 +49,7 @@ def test_the_markov_chain_follows_its_successor_table():
 
 def test_the_chain_at_gpt2_small_shape_is_vectorised():
     """8 x 1025 tokens of a 50257-token vocabulary: a loop of draws per token took 130 ms;
-    a generous bound here (the figure is benchmarks/data_time.py's), to catch a return to it."""
+    a generous bound here (the figure is benchmarks/features/data_time.py's), to catch a return to it."""
     task = markov(vocab=50257, seq_len=1024)
     task(0, 0, 0)
     t0 = time.perf_counter()

@@ -175,9 +175,9 @@ def test_the_memory_limit_says_what_it_bounds_and_caps_cuda_before_the_build(tmp
     assert f"out of memory on rank {b['rank']} at step {b['step']} ({b['phase']})" in printed
     assert next(iter(b["top_modules_mib"])) in printed
     # ... and the report's row for the point says it in one cell.
-    from sharded_exp.output.comparison import _row
+    from sharded_exp.report.rows import point_row
 
-    cell = _row(oom)["oom_breakdown"]
+    cell = point_row(oom)["oom_breakdown"]
     assert cell.startswith(f"rank {b['rank']} step {b['step']} ({b['phase']}): {b['tracked_mib']:.2f} MiB over {limit}")
     assert next(iter(b["top_modules_mib"])) in cell and "Parameter" in cell
     # On CUDA the cap is set when the meter is made, before the model and optimizer are built.

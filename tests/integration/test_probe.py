@@ -68,7 +68,7 @@ def test_the_probe_writes_a_result_json_the_schema_and_report_accept(tmp_path):
     assert set(rank["peak_breakdown_mib"]) >= {"Parameter", "Gradient", "Optstate", "Activation"}
     assert speed["timed_steps"] == 14 - 5 - 2 and speed["samples_per_s"] == pytest.approx(8 / speed["step_time_s_median"])
     assert abs(rank["peak_rel_error"]) < 0.10, memory
-    from sharded_exp.output.comparison import write_report
+    from sharded_exp.report.publish import write_report
 
     rows = write_report(tmp_path)
     assert rows[0]["strategy"] == "single" and rows[0]["peak_allocated_mib_max"] == memory["peak_allocated_mib_max"]

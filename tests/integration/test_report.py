@@ -81,7 +81,7 @@ def test_oom_and_crashed_points_are_data(tmp_path):
 
 @pytest.mark.slow
 def test_oom_alone_does_not_fail_the_sweep_and_wandb_gets_the_report(tmp_path):
-    from sharded_exp.output.workspace import wandb_group
+    from sharded_exp.report.workspace import wandb_group
 
     sweep = tmp_path / "sweep"
     args = ["-m", *TINY, "logger=wandb", "trainer.memory_limit_mib=0.01,null", f"hydra.sweep.dir={sweep}"]
@@ -159,7 +159,7 @@ def test_each_row_is_compared_with_the_ddp_point_of_its_own_settings(tmp_path):
 
 
 def test_a_point_without_a_ddp_twin_says_so():
-    from sharded_exp.output.comparison import build_rows
+    from sharded_exp.report.rows import build_rows
 
     def point(strategy, target, status="ok"):
         return {"status": status, "strategy": strategy, "world_size": 2, "precision": "32", "model": "custom",
@@ -271,7 +271,11 @@ def test_report_marks_what_did_not_finish_and_compares_with_the_least_sharded_th
     labelled markers, never zeros; the 4-rank rows are compared with the least
     sharded point that fits; the headline says so in numbers computed from the files."""
     from sharded_exp.output import charts
-    from sharded_exp.output.comparison import CHARTS, build_rows, load_points, swept_of, write_report
+    from sharded_exp.report import figures
+    from sharded_exp.report.figures import CHARTS
+    from sharded_exp.report.publish import write_report
+    from sharded_exp.report.rows import build_rows, swept_of
+    from sharded_exp.report.sweep_points import load_points
     from tests.helpers.overrides import SCALAR
 
     _, ddp = shared_runs("strategy=ddp", *SCALAR)
@@ -322,7 +326,7 @@ def test_report_marks_what_did_not_finish_and_compares_with_the_least_sharded_th
     # (1) memory: the OOM point (no measured figure: a pre-flight record) is a labelled cross
     # at the limit it crossed, the diverged one at its measured peak; the limit is a line;
     # nothing is drawn at zero. (Labels are moved apart: the crosses hold the positions.)
-    ax = charts.memory_chart(table, swept).axes[0]
+    ax = figures.memory_chart(table, swept).axes[0]
     texts = _texts(ax)
     crosses = sorted(y for line in ax.get_lines() if line.get_marker() == "X" for y in line.get_ydata())
     assert crosses == sorted([limit, ddp_peak])  # it ran: the diverged one at its measured peak
@@ -332,33 +336,33 @@ def test_report_marks_what_did_not_finish_and_compares_with_the_least_sharded_th
     assert charts.num(fsdp_peak) in [t for t, _ in texts]  # each measured point labelled
     assert [t.get_text() for t in ax.get_xticklabels()] == ["2 ranks", "4 ranks"]
     # (2) throughput: the points without one are named, not drawn at zero.
-    ax = charts.throughput_chart(table, swept).axes[0]
+    ax = figures.throughput_chart(table, swept).axes[0]
     (box,) = [t for t, _ in _texts(ax) if t.startswith("no throughput:")]
     assert box.splitlines()[1:] == ["ddp at 4 ranks: OOM", "zero1 at 4 ranks: diverged"]
     assert all(v > 0 for _, _, ys in _lines(ax) for v in ys)
     # (3) breakdown: measured parts add up to the measured peak, predicted to the prediction.
     for real in (ddp, fsdp):
         row = rows[(real["strategy"], 2)]
-        assert sum(charts.measured_parts(row).values()) == pytest.approx(real["memory"]["peak_allocated_mib_max"])
+        assert sum(figures.measured_parts(row).values()) == pytest.approx(real["memory"]["peak_allocated_mib_max"])
         pred = real["memory"]["peak_prediction"]
         rank_peak = real["memory"]["per_rank"][pred["rank"]]["predicted_peak_mib"]
-        assert sum(charts.predicted_parts(row).values()) == pytest.approx(rank_peak)
-    assert charts.measured_parts(rows[("ddp", 4)]) is None
-    assert "OOM" in [t for t, _ in _texts(charts.breakdown_chart(table, swept).axes[0])]
+        assert sum(figures.predicted_parts(row).values()) == pytest.approx(rank_peak)
+    assert figures.measured_parts(rows[("ddp", 4)]) is None
+    assert "OOM" in [t for t, _ in _texts(figures.breakdown_chart(table, swept).axes[0])]
     # (4) predicted vs measured: one dot per rank of each point that ran, the ±5% band.
-    ax = charts.prediction_chart(table, swept).axes[0]
+    ax = figures.prediction_chart(table, swept).axes[0]
     dots = sum(len(c.get_offsets()) for c in ax.collections[1:])
     assert dots == sum(len(r["per_rank"]) for r in table if r["status"] == "ok")
 
 
 def test_figures_read_with_two_decimals_and_plain_words():
     from sharded_exp.output.charts import num, ranks
-    from sharded_exp.output.comparison import _ranks_list
+    from sharded_exp.report.text import _ranks_list
 
     assert (num(3.66), num(2.94), num(0.08656), num(6184.26), num(None)) == ("3.66", "2.94", "0.0866", "6,184", "-")
     assert (ranks(1), ranks(2), _ranks_list([2, 1]), _ranks_list([1, 2, 4])) == (
         "1 rank", "2 ranks", "1 or 2 ranks", "1, 2 or 4 ranks")  # fmt: skip
-    from sharded_exp.output.comparison import _label  # W&B's report tables and bars
+    from sharded_exp.report.publish import _label  # W&B's report tables and bars
 
     assert (
         _label({"strategy": "ddp", "world_size": 1, "precision": "32", "model": "mlp"})
@@ -374,7 +378,9 @@ def test_the_oom_sweep_reports_what_fits(tmp_path):
     OOM points are markers at the limit and the rows are compared with the least sharded
     point that fits."""
     from sharded_exp.output import charts
-    from sharded_exp.output.comparison import build_rows, load_points, swept_of
+    from sharded_exp.report import figures
+    from sharded_exp.report.rows import build_rows, swept_of
+    from sharded_exp.report.sweep_points import load_points
     from tests.helpers.runs import plan_json
 
     model = [o for o in TINY if o.startswith("model.")]
@@ -407,7 +413,7 @@ def test_the_oom_sweep_reports_what_fits(tmp_path):
 
     # Each OOM is a cross at its one number, what was live when it crossed its budget (above
     # it), labelled with it; the same number as its error says.
-    ax = charts.memory_chart(rows, swept_of(rows)).axes[0]
+    ax = figures.memory_chart(rows, swept_of(rows)).axes[0]
     crosses = sorted(y for line in ax.get_lines() if line.get_marker() == "X" for y in line.get_ydata())
     at = sorted(r["oom_at_mib"] for r in rows if r["status"] == "oom")
     assert len(at) == list(status.values()).count("oom") and crosses == at and all(y > limit for y in at)
@@ -422,7 +428,7 @@ def test_the_oom_sweep_reports_what_fits(tmp_path):
 def test_a_sweep_with_no_usable_result_still_gets_its_report(tmp_path):
     """A sweep killed mid-run can leave only unreadable result.json files: the report says
     so, draws no chart and links none."""
-    from sharded_exp.output.comparison import write_report
+    from sharded_exp.report.publish import write_report
 
     for name in ("0_strategy=ddp", "1_strategy=fsdp"):
         (tmp_path / name).mkdir()
@@ -437,21 +443,21 @@ def test_a_sweep_with_no_usable_result_still_gets_its_report(tmp_path):
 
 def test_a_cpu_oom_point_shows_what_was_live_when_it_crossed_its_budget():
     """The breakdown chart draws a CPU OOM point's measured bar from its oom_breakdown, marked OOM."""
-    from sharded_exp.output import charts
-    from sharded_exp.output.comparison import _row
+    from sharded_exp.report import figures
+    from sharded_exp.report.rows import point_row
 
     oom = {"strategy": "ddp", "world_size": 2, "precision": "32", "model": "mlp", "status": "oom",
            "memory": {"per_rank": [], "peak_prediction": {"breakdown_mib": {"params": 1.0, "activations": 3.0}},
                       "oom_breakdown": {"rank": 1, "step": 0, "phase": "forward", "limit_mib": 3.0, "tracked_mib": 3.5,
                                         "by_category_mib": {"Parameter": 1.0, "Activation": 2.5},
                                         "top_modules_mib": {"body.0": 2.0}}}}  # fmt: skip
-    row = _row(oom)
-    assert charts.measured_parts(row)["activations"] == 2.5 and charts.measured_parts(row)["parameters"] == 1.0
+    row = point_row(oom)
+    assert figures.measured_parts(row)["activations"] == 2.5 and figures.measured_parts(row)["parameters"] == 1.0
     assert (
         row["oom_breakdown"]
         == "rank 1 step 0 (forward): 3.50 MiB over 3.0; Activation 2.50, Parameter 1.00; top modules body.0 2.00"
     )
-    texts = [t for t, _ in _texts(charts.breakdown_chart([row], []).axes[0])]
+    texts = [t for t, _ in _texts(figures.breakdown_chart([row], []).axes[0])]
     assert "3.50 OOM" in texts and "4.00" in texts  # measured at the crossing, beside the predicted peak
 
 
@@ -460,8 +466,9 @@ def test_the_report_shows_the_average_over_ranks_beside_the_largest():
     the largest. result.json carries both, and the report's tables and the end-of-run table
     show both (an older result.json without the average gets it from its ranks)."""
     from sharded_exp.job.result import Result
-    from sharded_exp.output.comparison import build_rows, columns, compact, markdown
     from sharded_exp.output.results import memory_section, summary_table
+    from sharded_exp.report.rows import build_rows, columns
+    from sharded_exp.report.text import compact, markdown
 
     def point(strategy: str, peaks: list[float], old: bool = False) -> dict:
         states = [{"params": 1.0, "grads": 1.0, "optimizer": 1.0} for _ in peaks]
@@ -501,7 +508,7 @@ def test_the_report_shows_the_average_over_ranks_beside_the_largest():
 
 # ------------------------------------------ bad points, empty and read-only directories
 def test_a_bad_result_json_is_a_row_that_says_why(tmp_path):
-    from sharded_exp.output.comparison import write_report
+    from sharded_exp.report.publish import write_report
 
     sweep = tmp_path / "sweep"
     good = launch_job(["trainer.steps=2"], sweep / "0_good")
@@ -550,7 +557,7 @@ WRONG_TYPES = {
 def test_a_value_of_the_wrong_type_is_a_row_that_says_why(case, tmp_path):
     """One point's bad value never costs the others their report: its row names the file and
     the key; the rest is compared as usual."""
-    from sharded_exp.output.comparison import write_report
+    from sharded_exp.report.publish import write_report
 
     _write_sweep(tmp_path, [_hand_made("ddp", 10.0), _hand_made("fsdp", 6.0, **WRONG_TYPES[case]),
                             _hand_made("zero1", 8.0)])  # fmt: skip
@@ -564,7 +571,8 @@ def test_a_value_of_the_wrong_type_is_a_row_that_says_why(case, tmp_path):
 
 
 def test_a_nan_peak_is_no_measurement():
-    from sharded_exp.output.comparison import build_rows, headline
+    from sharded_exp.report.rows import build_rows
+    from sharded_exp.report.text import headline
 
     def rows(*points):
         return build_rows([{**p, "output_dir": f"/s/{i}_{p['strategy']}"} for i, p in enumerate(points)])
@@ -579,11 +587,12 @@ def test_an_interrupted_report_leaves_the_previous_one_whole(tmp_path, monkeypat
     """Ctrl-C while a report is written (here: after its charts, before report.md) leaves the
     previous report's files as they were, and no staging directory; the next report replaces
     them all."""
-    from sharded_exp.output import comparison
+    from sharded_exp.report import publish
+    from sharded_exp.report.figures import CHARTS
 
-    files = ("report.md", "report.csv", *comparison.CHARTS)
+    files = ("report.md", "report.csv", *CHARTS)
     _write_sweep(tmp_path, [_hand_made("ddp", 10.0), _hand_made("fsdp", 6.0)])
-    comparison.write_report(tmp_path)
+    publish.write_report(tmp_path)
     before = {name: (tmp_path / name).read_bytes() for name in files}
     _write_sweep(tmp_path / "more", [_hand_made("zero1", 8.0)])  # a new point: every file changes
 
@@ -591,12 +600,12 @@ def test_an_interrupted_report_leaves_the_previous_one_whole(tmp_path, monkeypat
         raise KeyboardInterrupt
 
     with monkeypatch.context() as m:
-        m.setattr(comparison, "report_markdown", interrupted)
+        m.setattr(publish, "report_markdown", interrupted)
         with pytest.raises(KeyboardInterrupt):
-            comparison.write_report(tmp_path)
+            publish.write_report(tmp_path)
     assert {name: (tmp_path / name).read_bytes() for name in files} == before
     assert not list(tmp_path.glob(".report-*"))
-    comparison.write_report(tmp_path)
+    publish.write_report(tmp_path)
     assert [n for n in files if (tmp_path / n).read_bytes() != before[n]] == list(files)
     assert "zero1" in (tmp_path / "report.md").read_text() and not list(tmp_path.glob(".report-*"))
 

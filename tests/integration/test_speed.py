@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from sharded_exp.output.comparison import build_rows, headline, speed_notes
+from sharded_exp.report.rows import build_rows
+from sharded_exp.report.text import headline, speed_notes
 from sharded_exp.train.metrics import median_ci95, throughput_stats
 from tests.helpers.jobs import ROOT, TINY, run_cli
 
@@ -95,7 +96,7 @@ def test_two_identical_points_read_within_noise_and_a_slowed_point_does_not(tmp_
 
 
 def test_points_with_fewer_timed_steps_than_the_setting_are_named():
-    """trainer.min_timed_steps (measured: benchmarks/timed_steps.py): a point timed on fewer
+    """trainer.min_timed_steps (measured: benchmarks/accuracy/timed_steps.py): a point timed on fewer
     steps is named in the report's speed notes; one timed on enough is not."""
     few, enough = _point(0, 1, 100.0, 0.1), _point(1, 2, 101.0, 0.1)
     for point, timed in ((few, 12), (enough, 30)):

@@ -114,7 +114,7 @@ def test_a_sweep_directory_in_use_by_a_live_sweep_is_refused_before_its_first_po
     """Two sweeps in one hydra.sweep.dir would overwrite each other's .sweep_id and report each
     other's points: the second is refused at its start (a second holder in this process stands
     for another live sweep: the lock is per open file); a lock left by a dead process is none."""
-    from sharded_exp.report import ReportCallback
+    from sharded_exp.report.command import ReportCallback
 
     config = _hydra_config([f"hydra.sweep.dir={tmp_path}"])
     first = ReportCallback()
@@ -150,7 +150,7 @@ def test_a_point_that_cannot_write_its_result_still_counts_as_failed(tmp_path, m
 
     import sharded_exp.__main__ as entry
     from sharded_exp.launch import parent
-    from sharded_exp.report import ReportCallback
+    from sharded_exp.report.command import ReportCallback
 
     point = tmp_path / "0_point"
     cfg = _hydra_config(["logger=none", f"hydra.sweep.dir={tmp_path}"])

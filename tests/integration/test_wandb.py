@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from sharded_exp.output.workspace import wandb_group
+from sharded_exp.report.workspace import wandb_group
 from tests.helpers.jobs import ROOT, TINY, read_result, run_cli
 from tests.helpers.wandb_file import find_runs, read_run
 
@@ -84,7 +84,8 @@ def test_one_name_per_figure_in_result_json_wandb_and_the_report(offline_job):
     paths are those names."""
     import csv
 
-    from sharded_exp.output.comparison import COLUMNS, write_report
+    from sharded_exp.report.publish import write_report
+    from sharded_exp.report.rows import COLUMNS
     from sharded_exp.sweep import OBJECTIVES, result_at
 
     result, run, out = offline_job
@@ -192,7 +193,7 @@ def test_sweep_report_run_and_saved_workspace(tmp_path):
     groups by the config and is filtered to the sweep's group."""
     import json
 
-    from sharded_exp.output.workspace import CONFIG_AXES
+    from sharded_exp.report.workspace import CONFIG_AXES
 
     sweep = tmp_path / "sweep"
     proc = run_cli(["-m", "strategy=ddp,zero1", *WANDB_TINY, f"hydra.sweep.dir={sweep}"], cwd=ROOT, timeout=300)
@@ -238,7 +239,7 @@ def test_sweep_report_run_and_saved_workspace(tmp_path):
 def test_workspace_stays_readable_at_64_ranks_and_groups_are_per_directory(tmp_path):
     """At 64 ranks the view draws min / median / max bands over ranks, not 64 lines or bars;
     two sweep directories with one name get two W&B groups."""
-    from sharded_exp.output.workspace import build, panel_keys
+    from sharded_exp.report.workspace import build, panel_keys
 
     keys = panel_keys(64, ["ddp", "fsdp"])
     assert keys["peak per rank"] == [f"memory/peak_allocated_mib_{b}" for b in ("min", "median", "max")]

@@ -157,3 +157,11 @@ def test_a_plugins_schema_is_registered_so_its_yaml_can_name_it(tmp_path, monkey
     nodes = module.registry_schemas()
     assert nodes["schema_model_odd"].__name__ == "OddConfig"
     sys.modules.pop("odd_plugin", None)
+
+
+@pytest.mark.parametrize("preset", ["gpt_7b", "hf_llama_7b"])
+def test_the_7b_presets_plan_bf16_unless_the_command_line_says_otherwise(preset):
+    # Nobody trains a 7B model in fp32 (issue 48): the preset picks bf16, the command line wins.
+    assert str(compose([f"model={preset}"]).precision.name) == "bf16"
+    assert str(compose([f"model={preset}", "precision=32"]).precision.name) == "32"
+    assert str(compose(["model=gpt"]).precision.name) == "32"

@@ -27,7 +27,9 @@ def cfg(name: str, **kw):
     return OmegaConf.create({"name": name, "init_scale": 2.0**16, "growth_interval": 2000, "backoff_factor": 0.5, **kw})
 
 
-@pytest.mark.parametrize("name, dtype, nbytes", [("32", None, 4), ("16", torch.float16, 2), ("bf16", torch.bfloat16, 2)])
+@pytest.mark.parametrize(
+    "name, dtype, nbytes", [("32", None, 4), ("16", torch.float16, 2), ("bf16", torch.bfloat16, 2)]
+)
 def test_each_precision_computes_in_its_dtype_and_bytes(name, dtype, nbytes):
     assert compute_dtype(name) is dtype
     assert compute_bytes(name) == nbytes
@@ -41,7 +43,9 @@ def test_a_number_names_its_precision_too():
 def test_an_unknown_precision_is_refused_naming_it_and_every_spelling():
     with pytest.raises(ConfigError, match=r"precision '8' is not one of: 32, fp32, 32-true, float32, 16, fp16, "):
         compute_dtype("8")
-    with pytest.raises(ConfigError, match=r"precision torch\.float64 is not one of: .*bf16-mixed, bf16-true, bfloat16$"):
+    with pytest.raises(
+        ConfigError, match=r"precision torch\.float64 is not one of: .*bf16-mixed, bf16-true, bfloat16$"
+    ):
         Precision.parse(torch.float64)
     assert PRECISIONS == ("32", "16", "bf16")
 
@@ -63,6 +67,19 @@ def test_a_precision_names_the_option_a_run_records_and_lightnings_precision():
     assert [p.value for p in Precision] == ["32", "16", "bf16"]
     assert [p.lightning for p in Precision] == ["32-true", "16-mixed", "bf16-mixed"]
     assert compute_dtype("fp16") is torch.float16 and compute_dtype(torch.bfloat16) is torch.bfloat16
+
+
+def test_a_config_answers_its_precision_as_a_member_that_reads_as_its_option_name():
+    """Precision.of is how every module outside pre-flight's check reads a config's precision:
+    composed or typed alike, and the member stands wherever the option's name did."""
+    cfg = compose(["precision=fp16"])
+    assert Precision.of(cfg) is Precision.fp16
+    assert Precision.of(OmegaConf.create({"precision": {"name": "bf16"}})) is Precision.bf16
+    member = Precision.fp16
+    assert (str(member), f"{member}", f"{member:>3}") == ("16", "16", " 16")
+    assert member == "16" and {"16": "found"}[member] == "found" and member in PRECISIONS
+    with pytest.raises(ConfigError, match="'fp8'"):
+        Precision.of(OmegaConf.create({"precision": {"name": "fp8"}}))
 
 
 def test_the_config_groups_alias_options_are_the_precisions_names():

@@ -1,7 +1,7 @@
 """The CUDA caching allocator model: small sequences whose outcome follows from torch's rules.
 
 Each docstring works the outcome by hand from the rules in ``sharded_exp/predict/allocator.py``
-(which cites the C++ functions). MiB = 1,048,576 bytes. ``benchmarks/allocator_check.py``
+(which cites the C++ functions). MiB = 1,048,576 bytes. ``benchmarks/accuracy/allocator_check.py``
 replays the same sequences on a real GPU and compares ``torch.cuda.memory_stats()``.
 """
 

@@ -1,0 +1,132 @@
+"""The whole job against a hand-written DDP script: what a user pays around the loop.
+
+    python -m benchmarks.harness.job_vs_script                  # 5 paired runs, 8 x 1024 MLP, 40 steps
+    python -m benchmarks.harness.job_vs_script --pairs 1 --steps 5 --depth 2 --hidden 64   # smoke
+
+Each pair runs, back to back and in alternating order, ``python -m sharded_exp`` (DDP, 2
+ranks, Adam, the teacher task, W&B off, everything else as configured: the parent's
+peak prediction, the evaluation pass, result.json, the table) and a 40-line script of
+the kind a user types: ``mp.spawn``, gloo, DDP, the same MLP and the same batches, a plain
+loop, no measuring. Both are timed from the command to its exit, as whole processes. The
+ratio of each pair (job / script) is reported, with its median; so are the job's
+command-to-first-step and last-step-to-exit times from its result.json timeline.
+Prints a Markdown table and writes outputs/benchmarks/job_vs_script.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks.common import OUT, markdown, save
+
+SCRIPT = """
+import os, sys, time
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+import torch.nn as nn, torch.nn.functional as F
+
+DEPTH, HIDDEN, BATCH, STEPS = (int(a) for a in sys.argv[1:5])
+
+def mlp():
+    layers, width = [], 64
+    for _ in range(DEPTH):
+        layers += [nn.Sequential(nn.Linear(width, HIDDEN), nn.GELU(), nn.LayerNorm(HIDDEN))]
+        width = HIDDEN
+    return nn.Sequential(*layers, nn.Linear(width, 10))
+
+def worker(rank, world_size, port):
+    torch.set_num_threads(max(1, os.cpu_count() // world_size))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(mlp())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1234)
+    w1, w2 = torch.randn(64, 32, generator=g), torch.randn(32, 10, generator=g)
+    for step in range(STEPS):
+        x = torch.randn(BATCH, 64, generator=torch.Generator().manual_seed(step * 7919 + rank))
+        y = (torch.tanh(x @ w1) @ w2).argmax(1)
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    dist.barrier()
+    del model, opt
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    mp.spawn(worker, args=(2, 29500 + os.getpid() % 1000), nprocs=2)
+"""
+
+
+def timed(cmd: list[str]) -> float:
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-3000:])
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--depth", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=40)
+    args = parser.parse_args()
+
+    workdir = tempfile.mkdtemp(prefix="job_vs_script_")
+    script = os.path.join(workdir, "hand_ddp.py")
+    with open(script, "w") as f:
+        f.write(SCRIPT)
+    sizes = [str(args.depth), str(args.hidden), str(args.batch_size), str(args.steps)]
+    pairs = []
+    for i in range(args.pairs):
+        out = os.path.join(workdir, f"job{i}")
+        job = [sys.executable, "-m", "sharded_exp", "strategy=ddp", "model=mlp", f"model.depth={args.depth}",
+               f"model.hidden={args.hidden}", f"trainer.batch_size={args.batch_size}", f"trainer.steps={args.steps}", f"trainer.warmup_steps={min(5, args.steps - 1)}",
+               "trainer.world_size=2", "trainer.accelerator=cpu", "logger=none", "trainer.progress_bar=false",
+               f"hydra.run.dir={out}"]  # fmt: skip
+        hand = [sys.executable, script, *sizes]
+        t = {}
+        for side in ("job", "script") if i % 2 == 0 else ("script", "job"):
+            t0 = time.time()
+            t[side] = timed(job if side == "job" else hand)
+            if side == "job":
+                t["job_started"] = t0
+        with open(os.path.join(out, "result.json")) as f:
+            result = json.load(f)
+        timeline = result["timeline"]
+        pairs.append(
+            {
+                **t,
+                "ratio": t["job"] / t["script"],
+                "to_first_step_s": timeline["first_step"] - t["job_started"],
+                "last_step_to_exit_s": t["job_started"] + t["job"] - timeline["last_step"],
+                "eval_s": (result.get("eval") or {}).get("seconds"),
+                "last_step": timeline["last_step"],
+            }
+        )  # fmt: skip
+    rows = [[i, f"{p['job']:.2f}", f"{p['script']:.2f}", f"{p['ratio']:.2f}", f"{p['to_first_step_s']:.2f}",
+             f"{p['last_step_to_exit_s']:.2f}", f"{p['eval_s'] or 0:.2f}"] for i, p in enumerate(pairs)]  # fmt: skip
+    ratios = [p["ratio"] for p in pairs]
+    rows.append(["**median**", "", "", f"**{statistics.median(ratios):.2f}**", "", "", ""])
+    print(f"MLP {args.depth} x {args.hidden}, batch {args.batch_size}, {args.steps} steps, 2 ranks (seconds)")
+    print(
+        markdown(
+            ["pair", "job", "script", "job/script", "command to first step", "last step to exit", "of it evaluation"],
+            rows,
+        )
+    )
+    print(f"wrote {save('job_vs_script', {'args': vars(args), 'pairs': pairs})}")
+
+
+if __name__ == "__main__":
+    OUT.mkdir(parents=True, exist_ok=True)
+    main()

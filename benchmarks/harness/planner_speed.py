@@ -1,0 +1,134 @@
+"""How fast the planner answers, beside ``import torch`` measured in the same run.
+
+    python -m benchmarks.harness.planner_speed            # both targets and the agreement check
+    python -m benchmarks.harness.planner_speed --quick    # the 7B plan only
+
+Each plan runs as a user runs it (``python -m sharded_exp.plan ... plan.format=json``, a
+fresh process), with its wall time and peak resident memory; ``import torch`` alone is
+timed the same way, just before, so a loaded machine slows both. Targets on a 2-core
+machine: a 7B GPT, six strategies x [8,64], within 20 s; a 65B-class GPT (80 layers,
+d_model 8192, 64 heads, bf16), six strategies x [8,16,32,64], within 60 s; under 2 GiB
+of RSS (``plan.workers``, by default one per core, fakes strategies side by side; the
+65B-class plan in one process, ``plan.workers=1``, shows what one process holds doing all
+of it). Then the composed plans (sharded_exp/plan/depth.py) are held against whole-model
+fake steps on models that can be faked whole: the largest relative difference of the peak
+and of the mean over ranks. Prints Markdown; writes outputs/benchmarks/planner_speed.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+from benchmarks.common import markdown, save
+
+PLANS = {
+    "7B GPT, six strategies x [8,64]": (
+        ["model=gpt_7b", "trainer.batch_size=1", "plan.world_sizes=[8,64]"], 20.0),
+    "65B-class GPT (80 x 8192, 64 heads, bf16), six strategies x [8,16,32,64]": (
+        ["model=gpt_7b", "model.n_layers=80", "model.d_model=8192", "model.n_heads=64", "precision=bf16",
+         "trainer.batch_size=1", "plan.world_sizes=[8,16,32,64]"], 60.0),
+    "the same 65B-class plan in one process (plan.workers=1)": (
+        ["model=gpt_7b", "model.n_layers=80", "model.d_model=8192", "model.n_heads=64", "precision=bf16",
+         "trainer.batch_size=1", "plan.world_sizes=[8,16,32,64]", "plan.workers=1"], 60.0),
+}  # fmt: skip
+AGREEMENT = {
+    "the 8-block model of the scale tests": ["model=gpt", "model.d_model=128", "model.n_heads=4", "model.n_layers=8",
+                                             "model.seq_len=8", "model.vocab_size=64", "trainer.batch_size=2"],
+    "a 7B-wide GPT cut to 8 blocks": ["model=gpt_7b", "model.n_layers=8", "trainer.batch_size=1"],
+}  # fmt: skip
+RUN = (
+    "import resource, sys, time; t = time.perf_counter(); from sharded_exp.plan.command import main; "
+    "code = main(sys.argv[1:]); "
+    "rss = max(resource.getrusage(w).ru_maxrss for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)); "
+    "print('BENCH', time.perf_counter() - t, rss, file=sys.stderr); "
+    "sys.exit(code)"
+)
+
+
+def import_torch_seconds() -> float:
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True)
+    return time.perf_counter() - t
+
+
+def plan_once(args: list[str]) -> dict:
+    t = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", RUN, *args, "plan.format=json"], capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-3000:])
+    line = next(x for x in proc.stderr.splitlines() if x.startswith("BENCH "))
+    rss_kib = int(line.split()[2])
+    doc = json.loads(proc.stdout)
+    return {"wall_s": wall, "peak_rss_mib": rss_kib / 1024, "points": len(doc["rows"]),
+            "composed": sum(r["method"].startswith("composed") for r in doc["rows"]), "rows": doc["rows"]}  # fmt: skip
+
+
+SMOKE = ["model=gpt", "model.d_model=128", "model.n_heads=4", "model.n_layers=8", "model.seq_len=8",
+         "model.vocab_size=64", "trainer.batch_size=2", "plan.strategies=[ddp,fsdp]"]  # fmt: skip
+"""``--smoke``: the 8-block model, two strategies (tests/integration/test_benchmarks.py)."""
+
+
+def agreement(overrides: list[str]) -> dict:
+    """The composed plan beside the whole model faked, in this process (one composition
+    over both world sizes: the first checks the lines, the second reuses or redraws them)."""
+    from sharded_exp.compose import compose
+    from sharded_exp.plan import points
+
+    cfg = compose([*overrides, "plan.world_sizes=[2,8]"], "plan")
+    t = time.perf_counter()
+    composed = points.plan_rows(cfg, [2, 8], "cuda")
+    t_composed = time.perf_counter() - t
+    cfg.plan.by_depth = False
+    t = time.perf_counter()
+    whole = points.plan_rows(cfg, [2, 8], "cuda")
+    t_whole = time.perf_counter() - t
+    diff = lambda k: max(abs(c[k] - w[k]) / w[k] for c, w in zip(composed, whole))  # noqa: E731
+    return {"peak": diff("total_gib"), "mean": diff("mean_gib"), "composed_s": t_composed, "whole_s": t_whole,
+            "composed_points": sum(r["method"].startswith("composed") for r in composed), "points": len(composed)}  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the 7B plan only, no agreement check")
+    parser.add_argument("--smoke", action="store_true", help="a small model, two strategies: that the script runs")
+    args = parser.parse_args()
+    plans = dict(list(PLANS.items())[:1]) if args.quick else PLANS
+    agreements = AGREEMENT
+    if args.smoke:
+        plans = {"smoke: the 8-block model, ddp and fsdp x [2,8]": ([*SMOKE, "plan.world_sizes=[2,8]"], 600.0)}
+        agreements = {"smoke: the 8-block model, ddp and fsdp": SMOKE}
+    rows, out = [], {"plans": {}, "agreement": {}}
+    for name, (overrides, target) in plans.items():
+        torch_s = import_torch_seconds()
+        got = plan_once(overrides)
+        out["plans"][name] = {
+            "import_torch_s": torch_s,
+            "target_s": target,
+            **{k: v for k, v in got.items() if k != "rows"},
+        }
+        rows.append([name, f"{got['wall_s']:.1f}", f"{torch_s:.1f}", f"{got['wall_s'] / torch_s:.1f}", f"{target:g}",
+                     "yes" if got["wall_s"] <= target else "no", f"{got['peak_rss_mib']:.0f}",
+                     f"{got['composed']}/{got['points']}"])  # fmt: skip
+    print(markdown(["plan", "wall s", "import torch s", "x import torch", "target s", "within", "peak RSS MiB",
+                    "composed points"], rows))  # fmt: skip
+    if not args.quick:
+        agree = []
+        for name, overrides in agreements.items():
+            a = agreement(overrides)
+            out["agreement"][name] = a
+            agree.append([name, f"{a['peak']:.2e}", f"{a['mean']:.2e}", f"{a['composed_points']}/{a['points']}",
+                          f"{a['composed_s']:.1f}", f"{a['whole_s']:.1f}"])  # fmt: skip
+        print()
+        print(markdown(["composed vs whole (x [2,8], cuda)", "peak: largest rel. diff", "mean: largest",
+                        "composed points", "composed s", "whole s"], agree))  # fmt: skip
+    print(f"\nwritten: {save('planner_speed', out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

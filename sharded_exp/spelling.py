@@ -1,0 +1,155 @@
+"""A mistyped override refused before torch is imported, with the closest valid name.
+
+Hydra refuses an unknown key (``trainer.wold_size=4``), group (``strateg=fsdp``) or option
+(``strategy=fdsp``) only once it composes, and a run imports torch and every registry before
+that (the typed schemas). Its message offers ``+key`` (adding a key is never what a typo
+wants), the config search path and the ``HYDRA_FULL_ERROR`` line, but not the name meant.
+
+:func:`refuse_misspelled` composes the command line's overrides first, as Hydra's questions
+are answered (from the schema cache, no torch), and answers what it cannot compose in one
+line with difflib's closest match; a value a group's schema refuses (``trainer.world_size=0``)
+is said the same way, since those range checks need no torch either. Anything it does not
+recognise is left to Hydra, which says it as before.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import sys
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+from omegaconf import OmegaConf
+
+from sharded_exp.compose import CONF_DIR, quote_numeric_choices, register_schemas
+from sharded_exp.config import check_ranges
+from sharded_exp.errors import ConfigError
+
+UNKNOWN_KEY = re.compile(r"Could not override '([^']+)'")
+UNKNOWN_OPTION = re.compile(r"Could not find '([^']+)/([^'/]+)'")
+OWN_CONFIG = ("-cp", "-cn", "-cd", "--config-path", "--config-name", "--config-dir")
+"""Flags that compose another config than ours: left to Hydra."""
+
+
+def closest(name: str, candidates) -> str | None:
+    """The candidate ``name`` most likely meant (difflib, as Python's own "did you mean"), or None."""
+    found = difflib.get_close_matches(name, sorted(set(candidates)), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def keys_of(cfg, prefix: str = "") -> list[str]:
+    """Every key of ``cfg`` as a dotted path (``trainer.world_size``), groups included."""
+    out = []
+    for key in cfg:
+        path = f"{prefix}{key}"
+        out.append(path)
+        node = cfg._get_node(key)
+        if OmegaConf.is_dict(node):
+            out += keys_of(node, f"{path}.")
+    return out
+
+
+def parse(overrides: list[str]) -> list | None:
+    """Hydra's reading of the overrides, or None when they do not parse (Hydra then says why)."""
+    try:
+        return OverridesParser.create().parse_overrides(overrides)
+    except OverrideParseException:
+        return None
+
+
+def first_values(parsed: list) -> list[str] | None:
+    """The overrides with a sweep (``a=1,2``, ``choice(...)``) replaced by its first value,
+    and Hydra's own (``hydra.*``, ``hydra/...``) left out."""
+    out = []
+    for override in parsed:
+        key = override.get_key_element()
+        if key.lstrip("+~").startswith("hydra"):
+            continue
+        if override.is_sweep_override():
+            values = list(override.sweep_string_iterator())
+            if not values:
+                return None
+            out.append(f"{key}={values[0]}")
+        else:
+            out.append(override.input_line)
+    return out
+
+
+def _compose(config_name: str, overrides: list[str]):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return compose(config_name, overrides=overrides)
+
+
+def _unknown_key(key: str, config_name: str, overrides: list[str]) -> str:
+    others = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != key]
+    try:
+        keys = keys_of(_compose(config_name, others))
+    except Exception:  # noqa: BLE001 -- the suggestion is a courtesy: the refusal stands without it
+        keys = []
+    meant = closest(key, keys)
+    hint = f"; did you mean {meant}?" if meant else ""
+    return f"{key} is not a setting of this config{hint} (--cfg job prints every setting; +{key}=... adds a new one)"
+
+
+def group_options(group: str) -> list[str]:
+    """The options of config group ``group`` (files and stored nodes), [] for no group."""
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+            return GlobalHydra.instance().config_loader().get_group_options(group)
+    except Exception:  # noqa: BLE001 -- a courtesy, as above
+        return []
+
+
+def _unknown_option(group: str, option: str, options: list[str] | None = None) -> str:
+    options = group_options(group) if options is None else options
+    meant = closest(option, options)
+    hint = f"; did you mean {group}={meant}?" if meant else ""
+    listed = f" (options: {', '.join(options)})" if options else ""
+    return f"{group}={option} is not an option of {group}{hint}{listed}"
+
+
+def misspelled(argv: list[str], config_name: str = "config") -> str | None:
+    """What is wrong with the command line's overrides, in one line, or None when they
+    compose (or when this check cannot tell: Hydra decides then)."""
+    if any(a.split("=", 1)[0] in OWN_CONFIG for a in argv):
+        return None
+    parsed = parse(quote_numeric_choices([a for a in argv if not a.startswith("-")]))
+    overrides = first_values(parsed) if parsed else None
+    if not overrides:
+        return None
+    register_schemas(query=True)
+    for override in parsed:  # every value of a swept group, not only the first that is composed
+        if override.is_sweep_override() and not override.get_key_element().startswith("hydra"):
+            group = override.get_key_element().lstrip("+~")
+            options = group_options(group)
+            wrong = [v for v in override.sweep_string_iterator() if options and v not in options]
+            if wrong:
+                return _unknown_option(group, wrong[0], options)
+    try:
+        cfg = _compose(config_name, overrides)
+    except MissingConfigException as exc:
+        found = UNKNOWN_OPTION.search(str(exc))
+        return _unknown_option(found.group(1), found.group(2)) if found else None
+    except ConfigCompositionException as exc:
+        found = UNKNOWN_KEY.search(str(exc))
+        return _unknown_key(found.group(1), config_name, overrides) if found else None
+    except Exception:  # noqa: BLE001 -- anything else (a plugin's launcher, an interpolation) is Hydra's to say
+        return None
+    try:
+        check_ranges(cfg)
+    except ConfigError as exc:
+        return str(exc)
+    except Exception:  # noqa: BLE001 -- a group that is not ready to be typed here is checked later
+        return None
+    return None
+
+
+def refuse_misspelled(argv: list[str], config_name: str = "config") -> None:
+    """Exit 2 with one ``error:`` line when :func:`misspelled` finds something."""
+    problem = misspelled(argv, config_name)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)

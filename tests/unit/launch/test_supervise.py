@@ -1,0 +1,101 @@
+"""sharded_exp.launch.supervise, in-process with fake rank processes: which rank is named as
+the first failure, how a rank's death is said, and how the parent stops its ranks. Real
+ranks, signals and timeouts are tests/integration/test_failures.py's."""
+
+from __future__ import annotations
+
+import signal
+from types import SimpleNamespace
+
+from sharded_exp.launch import supervise
+
+
+class Queue:
+    """The ranks' "finished" queue: what they sent, in order."""
+
+    def __init__(self, *messages):
+        self.messages = list(messages)
+
+    def empty(self):
+        return not self.messages
+
+    def get(self):
+        return self.messages.pop(0)
+
+
+class Proc:
+    def __init__(self, exitcode=None, pid=0):
+        self.exitcode, self.pid, self.killed = exitcode, pid, False
+
+    def is_alive(self):
+        return self.exitcode is None and not self.killed
+
+    def kill(self):
+        self.killed = True
+
+
+def test_a_rank_death_is_said_with_its_signal_or_exit_code():
+    killed = str(supervise.RankDied(1, -signal.SIGKILL))
+    assert killed.startswith("rank 1: killed by signal 9 (SIGKILL)") and "OOM killer" in killed
+    assert str(supervise.RankDied(0, -signal.SIGTERM)) == "rank 0: killed by signal 15 (SIGTERM)"
+    assert "exited with code 0 before it finished training" in str(supervise.RankDied(2, 0))
+    assert str(supervise.RankDied(3, 1)) == "rank 3: process exited with code 1"
+
+
+def test_a_rank_that_exited_0_without_finishing_is_found_after_reading_what_it_sent():
+    finished = {}
+    processes = [Proc(exitcode=0), Proc(exitcode=0), Proc()]
+    # rank 0 sent its payload, then exited: read now, it is not blamed; rank 1 sent nothing
+    assert supervise._exited_unfinished(processes, finished, Queue((0, "payload"))) == 1
+    assert finished == {0: "payload"}
+    assert supervise._exited_unfinished(processes, {0: "p", 1: None}, Queue()) is None
+
+
+def test_the_rank_without_a_record_is_the_first_failure(tmp_path):
+    context = SimpleNamespace(processes=[Proc(exitcode=1), Proc(exitcode=1)])
+    (tmp_path / "rank0_error.json").write_text("{}")
+    first = supervise._first_failure(RuntimeError("x"), context, Queue(), {}, str(tmp_path))
+    assert str(first) == "rank 1: process exited with code 1"
+    (tmp_path / "rank1_error.json").write_text("{}")  # both recorded: their records say it
+    assert supervise._first_failure(RuntimeError("x"), context, Queue(), {}, str(tmp_path)) is None
+
+
+def test_a_rank_killed_after_losing_its_peer_is_blamed_only_when_it_lost_one(tmp_path):
+    context = SimpleNamespace(processes=[Proc(exitcode=-signal.SIGTERM), Proc(exitcode=1)])
+    (tmp_path / "rank1_error.json").write_text("{}")
+    lost = supervise._first_failure(RuntimeError("Connection reset by peer"), context, Queue(), {}, str(tmp_path))
+    assert str(lost) == "rank 0: killed by signal 15 (SIGTERM)"
+    assert supervise._first_failure(RuntimeError("ValueError"), context, Queue(), {}, str(tmp_path)) is None
+
+
+def test_a_signal_death_torch_noticed_is_named_and_nothing_started_names_nothing(tmp_path):
+    exited = supervise.mp.ProcessExitedException("died", error_index=2, error_pid=1, exit_code=-signal.SIGKILL)
+    first = supervise._first_failure(exited, None, Queue(), {}, str(tmp_path))
+    assert str(first).startswith("rank 2: killed by signal 9 (SIGKILL)")
+    assert supervise._first_failure(OSError("no fork"), None, Queue(), {}, str(tmp_path)) is None
+
+
+def test_a_second_signal_kills_the_ranks_and_the_first_reason_stays():
+    stop = supervise.ParentStop(grace_s=60.0)
+    alive, done = Proc(), Proc(exitcode=0)
+    stop.processes = [alive, done]
+    stop._kill("at a second signal, SIGINT")
+    stop._kill("later")
+    assert alive.killed and not done.killed
+    assert stop.killed == "at a second signal, SIGINT"
+
+
+def test_ranks_alive_past_the_grace_period_are_killed():
+    stop = supervise.ParentStop(grace_s=5.0)
+    rank = Proc()
+    stop.processes = [rank]
+    stop.enforce_deadline()  # no signal yet: no deadline
+    assert not rank.killed
+    stop.deadline = 0.0  # the signal came long ago
+    stop.enforce_deadline()
+    assert rank.killed and stop.killed == "still running trainer.stop_grace_s=5 s after the signal"
+
+
+def test_stopped_says_the_signal_and_whether_ranks_were_killed():
+    assert str(supervise.Stopped(signal.SIGTERM, None)) == "stopped by SIGTERM: ranks stopped"
+    assert str(supervise.Stopped(signal.SIGINT, "why")) == "stopped by SIGINT: ranks were killed (why)"

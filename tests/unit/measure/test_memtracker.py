@@ -1,0 +1,100 @@
+"""sharded_exp.measure.memtracker, in this process on tiny tensors: the adapter over torch's
+private MemTracker. Its guarded hooks, a peak restarted, what it keeps the first time a
+budget is exceeded, gradient accumulation, frozen parameters and buckets filed as such.
+After a torch upgrade, run this file first."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sharded_exp.measure.memtracker import MIB, PeakTracker, fail_in_hooks
+
+CPU = torch.device("cpu")
+
+
+def test_a_failing_hook_switches_the_tracker_off_and_keeps_why():
+    tracker = PeakTracker()
+    broken = tracker._guarded(lambda: 1 / 0)
+    assert broken() is None
+    assert tracker.failure == "ZeroDivisionError: division by zero"
+    assert tracker._guarded(lambda: "ran")() is None  # every hook is off from then on
+
+
+def test_restarting_the_peak_forgets_what_was_freed():
+    tracker = PeakTracker()
+    with tracker:
+        big = torch.ones(4096)
+        del big
+        small = torch.ones(256)
+        tracker.restart_peak()
+        assert tracker.get_tracker_snapshot("peak")[CPU]["Total"] == small.numel() * 4
+        assert tracker.phase_peaks == {}
+
+
+def test_the_first_moment_over_the_budget_is_kept_by_phase_and_module():
+    model = nn.Sequential(nn.Linear(4, 512))
+    limit_mib = ((512 * 4 + 512) * 4 + 1024) / MIB  # the parameters + 1 KiB
+    tracker = PeakTracker(limit_mib)
+    tracker.name_modules(model)
+    tracker.track_external(model)
+    with tracker:
+        model(torch.ones(1, 4))  # a 2 KiB output, made by the Linear in forward
+    over = tracker.over_limit
+    assert over["phase"] == "forward"
+    assert over["tracked_mib"] > limit_mib
+    assert over["by_category_mib"]["Parameter"] * MIB == (512 * 4 + 512) * 4
+    assert set(over["top_modules_mib"]) == {"0"}  # named as the model names it
+    assert over["top_modules_mib"]["0"] * MIB >= 512 * 4
+
+
+def test_a_second_forward_before_the_step_ends_is_accumulation_not_a_failure():
+    model = nn.Sequential(nn.Linear(4, 4))
+    tracker = PeakTracker()
+    tracker.track_external(model)
+    with tracker:
+        for _ in range(2):  # two micro-batches: torch would refuse the second root call
+            model(torch.ones(2, 4)).sum().backward()
+    assert tracker.failure is None
+    assert tracker.get_tracker_snapshot("peak")[CPU]["Gradient"] == (4 * 4 + 4) * 4
+
+
+def test_a_frozen_parameter_takes_no_gradient_hook_and_trains_untouched():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    tracker = PeakTracker()
+    tracker.track_external(model)
+    with tracker:
+        model(torch.ones(1, 4)).sum().backward()
+        live = tracker.get_tracker_snapshot("current")[CPU]
+    assert tracker.failure is None
+    assert live["Gradient"] == (4 * 2 + 2) * 4  # the trainable layer's only
+    assert model[0].weight.grad is None and model[1].weight.grad is not None
+
+
+def test_what_is_allocated_for_buckets_is_filed_as_bucket():
+    allocating = [True]
+    tracker = PeakTracker(allocating_buckets=lambda: allocating[0])
+    kept = []
+    with tracker:
+        kept.append(torch.zeros(256))
+        allocating[0] = False
+        kept.append(torch.zeros(64))
+    peak = {str(getattr(k, "value", k)): v for k, v in tracker.get_tracker_snapshot("peak")[CPU].items()}
+    assert peak["Bucket"] == 256 * 4 and peak["Total"] == (256 + 64) * 4
+
+
+def test_an_injected_hook_failure_switches_the_tracker_off_and_the_forward_runs(monkeypatch):
+    from torch.distributed._tools import mem_tracker
+
+    monkeypatch.setattr(
+        mem_tracker.MemTracker, "_track_inputs_or_outputs", mem_tracker.MemTracker._track_inputs_or_outputs
+    )
+    fail_in_hooks("injected")  # undone by monkeypatch at the end of the test
+    model = nn.Sequential(nn.Linear(4, 4))
+    tracker = PeakTracker()
+    tracker.track_external(model)
+    with tracker:
+        out = model(torch.ones(1, 4))
+    assert out.shape == (1, 4)
+    assert tracker.failure == "RuntimeError: injected"

@@ -1,0 +1,65 @@
+"""A mistyped override is refused in one line with the name meant, from the config alone (no torch)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sharded_exp.spelling import closest, misspelled, refuse_misspelled
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (
+            ["trainer.wold_size=4"],
+            "trainer.wold_size is not a setting of this config; did you mean trainer.world_size?",
+        ),
+        (["model.hiden=3"], "model.hiden is not a setting of this config; did you mean model.hidden?"),
+        (["strateg=fsdp"], "strateg is not a setting of this config; did you mean strategy?"),
+        (["strategy=fdsp"], "strategy=fdsp is not an option of strategy; did you mean strategy=fsdp?"),
+        (["precision=fp17"], "precision=fp17 is not an option of precision; did you mean precision=fp16?"),
+        # every value of a sweep, not only the first
+        (["-m", "strategy=ddp,fdsp"], "strategy=fdsp is not an option of strategy; did you mean strategy=fsdp?"),
+        # a group's own range check, which needs no torch
+        (["trainer.world_size=0"], "trainer.world_size=0 must be >= 1"),
+    ],
+)
+def test_a_typo_is_named_with_the_closest_valid_name(argv, said):
+    assert misspelled(argv).startswith(said)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["--cfg", "job"],
+        ["strategy=fsdp", "trainer.world_size=2", "precision=bf16"],
+        ["-m", "strategy=ddp,fsdp", "trainer.world_size=1,2"],
+        ["-m", "precision=choice(32,bf16)"],
+        ["model=gpt", "model.d_model=64"],
+        ["+trainer.new_key=1"],  # adding a key on purpose is Hydra's to judge
+        ["hydra/launcher=submitit_local", "hydra.run.dir=x"],  # Hydra's own groups are not ours to check
+        ["-cn", "plan"],  # another config: left to Hydra
+    ],
+)
+def test_what_composes_is_let_through(argv):
+    assert misspelled(argv) is None
+
+
+def test_the_planner_config_is_checked_with_its_own_keys():
+    assert misspelled(["plan.wrld_sizes=[8]"], "plan").startswith("plan.wrld_sizes is not a setting")
+    assert misspelled(["plan.world_sizes=[8]"], "plan") is None
+
+
+def test_closest_suggests_only_a_near_name():
+    assert closest("world_sise", ["world_size", "batch_size"]) == "world_size"
+    assert closest("zzz", ["world_size", "batch_size"]) is None
+
+
+def test_the_refusal_is_one_error_line_and_exit_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        refuse_misspelled(["strategy=fdsp"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: strategy=fdsp is not an option") and err.count("\n") == 1
+    assert "search path" not in err and "HYDRA_FULL_ERROR" not in err
