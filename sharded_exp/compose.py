@@ -13,10 +13,14 @@ import tempfile
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Glob
 from omegaconf import OmegaConf
 
-from sharded_exp import config
+from sharded_exp import __version__, config
+from sharded_exp.errors import ConfigError
 from sharded_exp.precision import alias_options
+from sharded_exp.registry import PLUGINS_ENV, import_plugins
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")  # shipped inside the package
 
@@ -56,9 +60,6 @@ def schemas_cache_file() -> str | None:
     """Where the registries' schemas are cached for Hydra's questions, named by a hash of
     the registry packages' sources (any edit makes a new name); None with out-of-tree
     plugins, whose schemas are always imported."""
-    from sharded_exp import __version__
-    from sharded_exp.registry import PLUGINS_ENV
-
     if os.environ.get(PLUGINS_ENV):
         return None
     package = os.path.dirname(os.path.abspath(__file__))
@@ -87,10 +88,9 @@ def registry_schemas(query: bool = False) -> dict:
                 return json.load(f)
         except (OSError, ValueError):
             pass
+    # lazy: the registries import torch, which a query answered from the cache never needs
     from sharded_exp.data import TASKS
-    from sharded_exp.errors import ConfigError
     from sharded_exp.models import MODELS
-    from sharded_exp.registry import import_plugins
     from sharded_exp.strategies import STRATEGIES
 
     try:  # a plugin's model, strategy or task brings its schema: a YAML of its own may name it
@@ -122,8 +122,6 @@ def point_dirname(overrides: str) -> str:
     ``precision='8'`` (the quotes :func:`quote_numeric_choices` adds for Hydra's parser),
     and cut to :data:`MAX_DIRNAME` bytes with a short hash of the whole when longer (many
     overrides: ``File name too long`` otherwise)."""
-    import hashlib
-
     name = str(overrides).replace("'", "").replace("/", "_")
     if len(name.encode()) <= MAX_DIRNAME:
         return name
@@ -179,9 +177,6 @@ def _glob_names(group: str, value: str, names: dict[str, str], conf_dir: str) ->
     """The options ``glob(...)`` matches in ``group``, by their names (16 and fp16 are one
     option: listed once, as fp16), sorted as Hydra sorts them; None when it matches nothing
     or does not parse (Hydra then says so itself)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.core.override_parser.types import Glob
-
     try:
         found = OverridesParser.create().parse_override(f"{group}={value}").value()
     except Exception:  # noqa: BLE001 -- Hydra's own message, when it parses the argument itself

@@ -7,7 +7,10 @@ build; the parent's pre-flight (:mod:`sharded_exp.launch.preflight`) turns it in
 
 from __future__ import annotations
 
+import errno
 import importlib.util
+import os
+import shutil
 
 OOM_SIGNS = (
     "OutOfMemoryError",
@@ -61,18 +64,12 @@ class RunDirInUse(ConfigError):
 
 def no_space(file: str) -> OSError:
     """The error a full filesystem gives, naming the file being written."""
-    import errno
-
     return OSError(errno.ENOSPC, f"no space left on device while writing {file}")
 
 
 def is_no_space(exc: BaseException, file: str) -> bool:
     """Did writing ``file`` fail because its filesystem is full? (torch.save reports a full
     disk as a zip writer error, "unexpected pos ...", so the free space is asked too.)"""
-    import errno
-    import os
-    import shutil
-
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return True
     try:

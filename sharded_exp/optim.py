@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from sharded_exp.config import OptimizerConfig
+from sharded_exp.measure.cuda_kernels import target_device
 
 OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
 
@@ -59,8 +60,6 @@ def optimizer_spec(cfg: OptimizerConfig, module: nn.Module, device: torch.device
     CPU (torch's choice for real tensors on each); a fake step for a GPU, run on CPU
     tensors, gets CUDA's (``cuda_kernels.target_device``). ``optimizer.foreach`` true or
     false overrides that choice, for the run and its fake step alike."""
-    from sharded_exp.measure.cuda_kernels import target_device
-
     if device is None:
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
     foreach = cfg.get("foreach")

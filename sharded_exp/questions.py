@@ -19,6 +19,6 @@ def start_rank_server(args: list[str]) -> None:
     """Start the rank server now (it imports torch while this process imports too), unless
     the command only asks Hydra a question."""
     if not is_query(args):
-        from sharded_exp.launch import forkserver
+        from sharded_exp.launch import forkserver  # lazy: multiprocessing, not for Hydra's questions
 
         forkserver.start_early(args)

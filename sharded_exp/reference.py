@@ -17,16 +17,19 @@ import inspect
 import textwrap
 import typing
 
+from omegaconf import MISSING
+
+from sharded_exp import config
+from sharded_exp.data import TASKS
+from sharded_exp.job import result
+from sharded_exp.models import MODELS
+from sharded_exp.registry import import_plugins
+from sharded_exp.strategies import STRATEGIES
+
 
 def config_schemas() -> dict[str, type]:
     """Every schema by where its fields live: ``""`` (the root's own fields, ``objective``),
     ``trainer``, or ``strategy:oss`` (the oss option's schema under ``strategy``)."""
-    from sharded_exp import config
-    from sharded_exp.data import TASKS
-    from sharded_exp.models import MODELS
-    from sharded_exp.registry import import_plugins
-    from sharded_exp.strategies import STRATEGIES
-
     import_plugins()
     out: dict[str, type] = {
         "": config.Config,
@@ -81,8 +84,6 @@ def _type(t) -> str:
 def own_fields(cls: type) -> list[dataclasses.Field]:
     """A schema's settings: its fields but the config groups a root holds (``strategy``,
     ``trainer``: no default of their own, each a schema of its own here)."""
-    from omegaconf import MISSING
-
     return [f for f in dataclasses.fields(cls) if f.default != MISSING]
 
 
@@ -143,8 +144,6 @@ def _json_type(spec: dict) -> str:
 def result_markdown() -> str:
     """result.json's reference: each section (a model of :mod:`sharded_exp.job.result`), its keys,
     their types (from the published JSON Schema) and meanings (the docstrings under them)."""
-    from sharded_exp.job import result
-
     schema = result.Result.model_json_schema()
     sections = {"Result": schema, **schema["$defs"]}
     lines = [

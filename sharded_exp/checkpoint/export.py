@@ -9,6 +9,7 @@ import sys
 import tempfile
 
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from sharded_exp.checkpoint.storage import (
     CheckpointError,
@@ -22,8 +23,6 @@ from sharded_exp.checkpoint.storage import (
 
 def export(src: str, dst: str) -> None:
     """Convert a dcp checkpoint directory into a consolidated one (one process, no ranks)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
     meta = read_meta(src)
     # read_meta checked .metadata through a restricted unpickler before DCP's own load below
     if checkpoint_format(meta) != "dcp":

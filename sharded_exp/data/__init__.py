@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
 from sharded_exp.errors import ConfigError
 from sharded_exp.registry import Registry
@@ -139,8 +140,6 @@ def probe_batch(cfg, model_cfg, rank: int) -> Batch:
     """One sample of the configured task: its keys, dtypes and per-sample shapes (the fake
     step's). The planner needs shapes only: a user's data whose ``data.path`` is not given
     is stood in for by the synthetic task of the same layout (padded to model.seq_len)."""
-    from omegaconf import OmegaConf
-
     name = cfg.name
     if "path" in cfg.keys() and OmegaConf.is_missing(cfg, "path"):  # keys(): also a missing value
         kind = str(cfg.get("kind"))

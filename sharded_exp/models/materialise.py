@@ -38,7 +38,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from hydra.utils import get_class
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from sharded_exp.errors import ConfigError, missing_packages
 from sharded_exp.models import MODELS, build_model, units
@@ -68,8 +73,7 @@ def _is_hf_class(model_cfg) -> bool:
     target = str(model_cfg.get("_target_") or "")
     if not target.startswith("transformers.") or missing_packages(["transformers"]):
         return False
-    from hydra.utils import get_class
-    from transformers import PreTrainedModel
+    from transformers import PreTrainedModel  # lazy: transformers is optional ([hf])
 
     try:
         cls = get_class(target)
@@ -165,8 +169,6 @@ def materialise(module: nn.Module, device: torch.device) -> None:
     """Uninitialised storage on ``device`` for every meta parameter that is not a DTensor
     (parameters shared by two modules stay shared), and the buffers on ``device``. New
     Parameter objects replace the meta ones: build the optimizer after this."""
-    from torch.distributed.tensor import DTensor
-
     fresh: dict[int, nn.Parameter] = {}
     with torch.no_grad():
         for mod in module.modules():
@@ -199,8 +201,6 @@ def initialise_by_unit(module: nn.Module, seed: int, host: torch.device, groups=
     Face's ``_no_split_modules`` names), each group from :func:`unit_seed`. A sharded
     (DTensor) parameter is drawn whole in a temporary on ``host`` and this rank keeps its
     shard of it: one unit at a time is whole."""
-    from torch.distributed.tensor import DTensor
-
     names = _parameter_names(module)
     with torch.no_grad():
         for index, group in enumerate(init_groups(module) if groups is None else groups):
@@ -235,14 +235,10 @@ def _parameter_names(module: nn.Module) -> dict[int, str]:
 
 def _version(param: torch.Tensor) -> int:
     """How often ``param``'s values were written in place (a sharded DTensor: its shard's)."""
-    from torch.distributed.tensor import DTensor
-
     return param.to_local()._version if isinstance(param, DTensor) else param._version
 
 
 def _is_fake(tensor: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
     return tensor.is_meta or is_fake(tensor)
 
 
@@ -319,8 +315,6 @@ def keep_plain_parameters(module: nn.Module, device: torch.device) -> None:
     """Materialise, on ``device``, the meta parameters FSDP left whole (0-dim ones it does
     not shard), keeping each Parameter object: the optimizer and the strategy were built
     with these objects, and ``to_empty`` alone would replace them with new ones."""
-    from torch.distributed.tensor import DTensor
-
     with torch.no_grad():
         for mod in module.modules():
             for param in mod._parameters.values():
@@ -358,9 +352,6 @@ def load_sharded_from_rank0(module: nn.Module, model_cfg, device: torch.device, 
         Buffers that are no state-dict entries (a rotary embedding's ``inv_freq``) have no
         value after a meta-device build: they are rank 0's, broadcast too.
     """
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
     rank0 = dist.get_rank() == 0
     full = build_model(model_cfg, weights=True) if rank0 else None
     materialise_shards(module, device, offload)
@@ -414,8 +405,6 @@ def materialise_model(
     directly). ``weights=False``: shapes only (the fake step), ``model.pretrained``'s config
     without its weights.
     """
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     torch.manual_seed(seed)  # identical on every rank
     rule = build_rule(model_cfg, weights)
     # Real meta tensors even inside a fake step: a skeleton costs nothing, and buffers keep

@@ -34,10 +34,15 @@ is ever downloaded: a name that is not a local directory is refused.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import os
+import struct
 
+import torch
+from hydra.utils import get_class, instantiate
+from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
 from sharded_exp.errors import ConfigError, missing_packages
@@ -53,8 +58,6 @@ def is_target_model(cfg) -> bool:
 
 
 def _plain(cfg) -> dict:
-    from omegaconf import DictConfig, OmegaConf
-
     return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
 
 
@@ -62,9 +65,6 @@ def build_target_model(cfg, weights: bool = False) -> nn.Module:
     """The model of a ``_target_`` config (see the module docstring). With
     ``model.pretrained``: built from the directory's config.json, with its weights loaded
     only when ``weights`` (else initialised as the class does: random, or nothing on meta)."""
-    from hydra.utils import get_class, instantiate
-    from omegaconf import DictConfig, OmegaConf
-
     if isinstance(cfg, DictConfig) and OmegaConf.is_missing(cfg, "_target_"):
         raise ConfigError(f"model={cfg.get('name')} needs model._target_=package.module.factory (the model to build)")
     data = _plain(cfg)
@@ -118,8 +118,6 @@ with any numbers, and its forward fails on every rank."""
 def check_head_counts(model_cfg) -> None:
     """The attention's head counts in ``model.config`` divide as the class's forward needs
     (refused before any rank starts, naming both values)."""
-    from omegaconf import OmegaConf
-
     config = model_cfg.get("config")
     if config is None:
         return
@@ -137,8 +135,6 @@ def check_head_counts(model_cfg) -> None:
 def check_attn_implementation(model_cfg) -> None:
     """``model.attn_implementation`` must be null or one of :data:`ATTN_IMPLEMENTATIONS`, on a
     Hugging Face model class that has that kernel: checked before any rank starts."""
-    from hydra.utils import get_class
-
     value = model_cfg.get("attn_implementation")
     if value is None:
         return
@@ -175,8 +171,6 @@ WEIGHT_FILES = (
 def pretrained_class(model_cfg):
     """The Hugging Face class ``model._target_`` names, or ConfigError: pretrained weights
     load into a transformers ``PreTrainedModel`` (or an ``AutoModel...`` class) only."""
-    from hydra.utils import get_class
-
     target = model_cfg.get("_target_")
     try:
         cls = get_class(target)
@@ -192,7 +186,7 @@ def pretrained_class(model_cfg):
 
 def pretrained_config(model_cfg):
     """The Hugging Face config of ``model.pretrained``'s directory (its config.json)."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # lazy: transformers is optional ([hf])
 
     cls = pretrained_class(model_cfg)
     path = model_cfg.get("pretrained")
@@ -213,11 +207,6 @@ def check_pretrained(model_cfg) -> None:
     takes the data task's sizes the directory's config defines (``vocab_size``, and
     ``num_labels`` where the model has that key: set from it), so the batches fit
     the saved model. ``seq_len`` must fit its positions."""
-    import json
-    import os
-
-    from omegaconf import open_dict
-
     path = model_cfg.get("pretrained")
     if not path:
         return
@@ -259,16 +248,12 @@ def check_pretrained(model_cfg) -> None:
 
 
 def _sha256(file: str) -> str:
-    import hashlib
-
     with open(file, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
 
 
 def _readable_safetensors(file: str) -> None:
     """A safetensors file's header parses and every tensor it lists lies inside the file."""
-    import struct
-
     size = os.path.getsize(file)
     try:
         with open(file, "rb") as f:
@@ -300,12 +285,10 @@ def _unchanged_since_checked(data: dict) -> None:
 
 
 def _pretrained_model(data: dict, weights: bool) -> nn.Module:
-    import torch
-
     cls = pretrained_class(data)
     if weights:
         _unchanged_since_checked(data)
-        from transformers.utils import logging
+        from transformers.utils import logging  # lazy: transformers is optional ([hf])
 
         logging.disable_progress_bar()  # one bar per rank, for a load of a second or two
         attention = data.get("attn_implementation")

@@ -128,10 +128,9 @@ def plan_chart(rows: list[dict[str, Any]], budget_gib: float, title: str):
         fontsize=8,
         color="crimson",
     )
-    from matplotlib.ticker import FuncFormatter  # lazy: matplotlib
 
     for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
-        axis(FuncFormatter(lambda v, _: f"{v:g}"))  # 60, not 6 x 10^1
+        axis(lambda v, _: f"{v:g}")  # 60, not 6 x 10^1 (a function is wrapped in a FuncFormatter)
     ax.set_ylabel(f"peak per rank ({unit}, log scale)")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, title="filled: fits; hollow: does not", title_fontsize=8, loc="lower left")

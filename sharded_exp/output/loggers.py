@@ -61,7 +61,7 @@ def init_wandb_run(
     """Start a W&B run from a logger config: the one place sharded_exp calls ``wandb.init``
     (each job's run, and the sweep report's run). ``tags`` join ``logger.tags``; ``run_id``:
     a fixed id, so that starting the run again replaces it (the sweep report's)."""
-    import wandb
+    import wandb  # lazy: wandb (about 0.8 s) only when a run logs to W&B
 
     return wandb.init(
         id=run_id,

@@ -36,7 +36,7 @@ import platform
 import sys
 import tempfile
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -44,15 +44,15 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from sharded_exp.errors import ConfigError
+from sharded_exp.job.result import Device, Result, write_result
+from sharded_exp.launch.run_dir import archive_previous_attempt
 from sharded_exp.measure.tracker import MemoryMeter, model_state_mib
 from sharded_exp.output.loggers import summary_values
+from sharded_exp.output.results import largest_and_mean
 from sharded_exp.precision import Precision
 from sharded_exp.probe import fake
 from sharded_exp.strategies import name_of_wrapper, traits_of
 from sharded_exp.train.metrics import throughput_stats
-
-if TYPE_CHECKING:
-    from sharded_exp.job.result import Result
 
 
 def _dist():
@@ -299,9 +299,6 @@ class Probe:
         run's is; a ``run_dir`` that cannot be written leaves the result in a new temporary
         directory instead, said on stderr: the measurement is not lost, and training is not
         failed after it ended. Returns the result as written (its ``output_dir`` the fallback's)."""
-        from sharded_exp.job.result import write_result  # lazy: pydantic, when a result is written, not at import
-        from sharded_exp.launch.run_dir import archive_previous_attempt  # lazy: pydantic (as above)
-
         try:
             archived = archive_previous_attempt(self.run_dir)
             if archived:
@@ -321,9 +318,6 @@ class Probe:
         return result
 
     def _result(self, per_rank: list[dict[str, Any]], world: int) -> Result:
-        from sharded_exp.job.result import Device, Result  # lazy: pydantic, when a result is built, not at import
-        from sharded_exp.output.results import largest_and_mean  # lazy: pydantic (as above)
-
         times = per_rank[0].pop("step_times_s", [])
         for r in per_rank[1:]:
             r.pop("step_times_s", None)

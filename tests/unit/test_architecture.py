@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "sharded_exp"
 
 
-def _module(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def _module(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -84,6 +84,45 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def _runs_later(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    """Whether an import runs after its module is loaded: inside a function, or never (``if TYPE_CHECKING``)."""
+    while (node := parents.get(node)) is not None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return True
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return True
+    return False
+
+
+def module_graph(package: Path = PACKAGE, *, later: bool = False) -> dict[str, set[str]]:
+    """module -> the modules of ``package`` it imports while it is loaded (with ``later``: every
+    import it names, those inside functions and under ``TYPE_CHECKING`` too).
+
+    ``from pkg import name`` is an edge to ``pkg.name`` where that is a module, else to ``pkg``
+    (its ``__init__.py``). A package's implicit import of its ``__init__`` is not an edge.
+    """
+    root = package.parent
+    modules = {_module(path, root): path for path in package.rglob("*.py")}
+    graph: dict[str, set[str]] = defaultdict(set)
+    for module, path in modules.items():
+        here = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        tree = ast.parse(path.read_text())
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)) or (not later and _runs_later(node, parents)):
+                continue
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    up = here.split(".")[: len(here.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            graph[module] |= {t for t in targets if t in modules and t != module}
+    return graph
+
+
 def test_no_import_circle_between_the_parts_of_the_package():
     graph = import_graph()
     assert graph["sharded_exp.train"], "the graph is read (train imports other parts)"
@@ -93,6 +132,102 @@ def test_no_import_circle_between_the_parts_of_the_package():
 def test_the_circle_finder_finds_a_circle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+# Circles with an import that runs later (inside a function, or under TYPE_CHECKING for the types only):
+# not a failure when the modules load, but the two files still lean on each other. Known, to be undone:
+# train.loop's step types (LoopOutcome, LoopSettings, StepResult, Windows) belong below train.components.
+KNOWN_LATER_CIRCLES = [["sharded_exp.train.components", "sharded_exp.train.loop"]]
+
+
+def test_no_import_circle_between_the_files_of_the_package():
+    """Between modules, not only packages: a circle between two files breaks as soon as one of them
+    imports a name the other has not defined yet, and neither can be read without the other."""
+    graph = module_graph()
+    assert graph["sharded_exp.train.trainer"], "the graph is read (the trainer imports other modules)"
+    assert cycles(graph) == [], {v: sorted(graph[v]) for group in cycles(graph) for v in group}
+    later = cycles(module_graph(later=True))
+    assert [c for c in later if c not in KNOWN_LATER_CIRCLES] == [], "a new circle through a later import"
+
+
+def test_the_module_graph_finds_a_planted_circle(tmp_path):
+    """A file circle made on purpose is found: at load time through a top-level import, and through a
+    function-local one only when later imports are counted."""
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    for init in (package / "__init__.py", package / "sub" / "__init__.py"):
+        init.write_text("")
+    (package / "a.py").write_text("from pkg.sub import b\n")
+    (package / "sub" / "b.py").write_text("from ..a import name\n\ndef f():\n    from pkg import c\n")
+    (package / "c.py").write_text("import pkg.sub.b\n")
+    (package / "d.py").write_text("import pkg.a\n")
+    assert cycles(module_graph(package)) == [["pkg.a", "pkg.sub.b"]]
+    assert cycles(module_graph(package, later=True)) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
+    (package / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.sub import b\n")
+    assert cycles(module_graph(package)) == []
+
+
+def function_local_imports(package: Path = PACKAGE) -> list[tuple[Path, ast.stmt, list[str]]]:
+    """Every import inside a function: (file, the import, the file's lines)."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        tree = ast.parse("\n".join(lines))
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                inside = node
+                while (inside := parents.get(inside)) is not None:
+                    if isinstance(inside, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        found.append((path, node, lines))
+                        break
+    return found
+
+
+def _says_why(node: ast.stmt, lines: list[str]) -> bool:
+    """A ``# lazy: <reason>`` on the import's own lines, or on a comment line above the group of
+    imports it belongs to."""
+    if any("# lazy:" in line for line in lines[node.lineno - 1 : node.end_lineno]):
+        return True
+    above = node.lineno - 2
+    while above >= 0 and lines[above].strip().startswith(("import ", "from ")):
+        above -= 1
+    return above >= 0 and lines[above].strip().startswith("# lazy:")
+
+
+# Files whose function-local imports are still being sorted out (issue 46): to be emptied.
+LAZY_REASONS_PENDING = ("launch/", "measure/", "plan/", "predict/", "train/trainer.py", "train/loop.py",
+                        "output/comparison.py", "report.py")  # fmt: skip
+
+
+def test_an_import_inside_a_function_says_why_it_waits():
+    """Imports sit at the top of their module; one that waits (torch before Hydra's questions are
+    answered, an optional or heavy framework) says why, so the next reader does not move it up."""
+    silent = [f"{path.relative_to(ROOT)}:{node.lineno}" for path, node, lines in function_local_imports()
+              if not str(path.relative_to(PACKAGE)).startswith(LAZY_REASONS_PENDING) and not _says_why(node, lines)]  # fmt: skip
+    assert silent == []
+
+
+def test_at_most_12_percent_of_the_imports_wait_inside_functions():
+    """Issue 46's bound: at most 12% of the package's imports are function-local."""
+    total = sum(
+        isinstance(n, (ast.Import, ast.ImportFrom))
+        for p in PACKAGE.rglob("*.py")
+        for n in ast.walk(ast.parse(p.read_text()))
+    )
+    local = len(function_local_imports())
+    assert local <= 0.12 * total, f"{local} of {total} imports are inside functions"
+
+
+def test_the_lazy_import_checks_read_a_planted_file(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "m.py").write_text(
+        "import os\n\ndef f():\n    import json\n\ndef g():\n    # lazy: heavy\n    import a\n    import b\n\n"
+        "def h():\n    import c  # lazy: heavy\n    if True:\n        import d\n"
+    )
+    found = {node.lineno: _says_why(node, lines) for _, node, lines in function_local_imports(package)}
+    assert found == {4: False, 8: True, 9: True, 12: True, 14: False}
 
 
 def test_prediction_is_beside_measurement_and_checkpoints_are_one_package():
