@@ -33,13 +33,13 @@ from sharded_exp.measure.tracker import MemoryMeter
 from sharded_exp.train import liveness
 from sharded_exp.train.faults import Injector
 from sharded_exp.train.metrics import IntervalLog, IntervalMetrics, throughput_stats
+from sharded_exp.train.records import LoopOutcome, LoopSettings, StepResult, Windows
 from sharded_exp.vocabulary.wandb_names import DATA_TIME_S, SAMPLES_PER_S, STEP_TIME_S
 
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # the loop imports this module
     from sharded_exp.checkpoint import CheckpointManager
-    from sharded_exp.train.loop import LoopOutcome, LoopSettings, StepResult, Windows
 
 
 class Component:

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from sharded_exp.train import components as parts
-from sharded_exp.train.loop import LoopOutcome, LoopSettings, StepResult, Windows
 from sharded_exp.train.metrics import IntervalLog
+from sharded_exp.train.records import LoopOutcome, LoopSettings, StepResult, Windows
 from tests.helpers.unit_train import ListLogger, PlainStrategy, TinyClassifier, batch, tiny_task
 
 CPU = torch.device("cpu")
