@@ -16,8 +16,12 @@ STARTED = time.time()  # before the heavy imports: for the startup timeline in r
 if __name__ == "__main__":
     import sys as _sys
 
+    from sharded_exp.questions import is_query as _is_query
     from sharded_exp.questions import start_rank_server
+    from sharded_exp.spelling import refuse_misspelled
 
+    if not _is_query(_sys.argv[1:]):  # a typo is refused in a second, before torch (Hydra answers a question itself)
+        refuse_misspelled(_sys.argv[1:], "config")
     start_rank_server(_sys.argv[1:])
 
 import logging
