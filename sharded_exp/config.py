@@ -282,12 +282,8 @@ class TrainerConfig:
         _require(self.grad_clip >= 0, f"trainer.grad_clip={self.grad_clip} must be >= 0 (0 turns clipping off)")
         _require(self.timeout_s > 0, f"trainer.timeout_s={self.timeout_s} must be > 0")
         _require(self.eval_every >= 0, f"trainer.eval_every={self.eval_every} must be >= 0 (0 = only at the end)")
-        _require(
-            self.eval_batches >= 0, f"trainer.eval_batches={self.eval_batches} must be >= 0 (0 = no evaluation)"
-        )
-        _require(
-            self.checkpoint_every >= 0, f"trainer.checkpoint_every={self.checkpoint_every} must be >= 0 (0 = off)"
-        )
+        _require(self.eval_batches >= 0, f"trainer.eval_batches={self.eval_batches} must be >= 0 (0 = no evaluation)")
+        _require(self.checkpoint_every >= 0, f"trainer.checkpoint_every={self.checkpoint_every} must be >= 0 (0 = off)")
         _require(
             self.keep_checkpoints >= 0, f"trainer.keep_checkpoints={self.keep_checkpoints} must be >= 0 (0 = keep all)"
         )
@@ -427,6 +423,11 @@ class PlanSettings:
     plot: Optional[str] = None
     """Also draw the plan into this PNG file: the peak per rank vs world size, a line per
     strategy (and lever combination), the device memory as a line (null: no chart)."""
+    alloc_conf: Optional[str] = None
+    """The CUDA caching allocator's settings a ``plan.device=cuda`` plan models, as
+    ``PYTORCH_CUDA_ALLOC_CONF`` spells them (``expandable_segments:True``,
+    ``max_split_size_mb:512``, ...; "" : torch's defaults); null: the variable from this
+    environment, as a run's ranks would inherit it. A CPU plan has no caching allocator."""
 
     def __post_init__(self) -> None:
         """The settings checked on their own; those that need the planner's limits or the
@@ -439,6 +440,13 @@ class PlanSettings:
             _finite(self.device_memory_gib) and self.device_memory_gib > 0,
             f"plan.device_memory_gib={self.device_memory_gib} must be a finite number > 0",
         )
+        if self.alloc_conf:
+            from sharded_exp.predict.allocator import parse_alloc_conf
+
+            try:
+                parse_alloc_conf(self.alloc_conf)
+            except ValueError as exc:
+                _require(False, f"plan.alloc_conf={self.alloc_conf!r}: {exc}")
         _require(
             self.workers >= 0,
             f"plan.workers={self.workers} must be >= 0 (0: one process per CPU core; 1: this process only)",

@@ -68,6 +68,8 @@ class Fake:
     setup_clear: bool = True
     """Whether the strategy's set-up moment (:meth:`MemoryModel.setup_transient_mib`) is clear
     of the peak (:func:`_setup_clear`)."""
+    allocator: dict | None = None
+    """CUDA: the caching allocator's figures at this depth (:func:`~sharded_exp.predict.alloc_trace.point_figures`)."""
 
 
 _SHAPES: dict[str, Any] = {}
@@ -106,7 +108,7 @@ def fake_at(cfg_s, key: str, depth: int, world_size: int, device_type: str) -> F
         temporaries = parts.get(STEP_TEMPORARIES, 0.0)
         ratios[phase] = temporaries / stepped if stepped > 0 else None
     clear = _setup_clear(c, shapes, world_size, mine, {k: p for k, (p, _) in peak["phases_mib"].items()})
-    return Fake(depth, lines, ratios, raw, peak["seconds"] or 0.0, peak["note"], clear)
+    return Fake(depth, lines, ratios, raw, peak["seconds"] or 0.0, peak["note"], clear, peak.get("allocator"))
 
 
 def _setup_clear(cfg_s, shapes, world_size: int, mine: dict[str, float], peaks: dict[str, float]) -> bool:
@@ -119,7 +121,13 @@ def _setup_clear(cfg_s, shapes, world_size: int, mine: dict[str, float], peaks: 
 def _stepped_state(cfg_s, shapes, world_size: int, rank: int) -> float:
     """The optimizer state ``rank`` steps at once (MiB): its largest parameter group's."""
     return largest_group_state_mib(
-        memory_of(cfg_s.strategy.name), cfg_s.strategy, cfg_s.optimizer, shapes.groups, world_size, rank, shapes.element_bytes
+        memory_of(cfg_s.strategy.name),
+        cfg_s.strategy,
+        cfg_s.optimizer,
+        shapes.groups,
+        world_size,
+        rank,
+        shapes.element_bytes,
     )
 
 
@@ -189,6 +197,23 @@ def compose(a: Fake, b: Fake, layers: int, prediction: dict[str, Any], rules, st
     return phases
 
 
+ALLOCATOR_LINES = ("allocated_extra_mib", "reserved_extra_mib", "fragmentation_mib")
+"""The allocator's figures drawn on a line in depth (each block adds its tensors' rounding and
+its share of the cache); the rest (the context, the streams) are the deeper fake's."""
+
+
+def compose_allocator(a: Fake, b: Fake, layers: int) -> dict | None:
+    """The caching allocator's figures at ``layers`` blocks, on the line through ``a`` and ``b``
+    (never below zero: the allocator never holds less than the tensors' bytes); None on CPU."""
+    if a.allocator is None or b.allocator is None:
+        return None
+    steps = (layers - b.depth) / (b.depth - a.depth)
+    out = dict(b.allocator)
+    for k in ALLOCATOR_LINES:
+        out[k] = max(0.0, b.allocator[k] + steps * (b.allocator[k] - a.allocator[k]))
+    return out
+
+
 def peaks_by_depth(cfg_s, world_sizes, device_type: str, key: str, layers: int) -> dict[int, dict | None]:
     """The composed peak (as :func:`~sharded_exp.predict.prediction.predict_peak` returns
     one) of ``cfg_s`` at each world size; None where the model cannot be drawn by depth
@@ -240,6 +265,7 @@ def peaks_by_depth(cfg_s, world_sizes, device_type: str, key: str, layers: int) 
                 )
                 if n
             ),
+            "allocator": compose_allocator(*pair, layers),
             "seconds": sum(f.seconds for f in fakes if isinstance(f, Fake)),
             "fakes": len(fakes),
         }

@@ -259,3 +259,39 @@ def recording(device_type: str, side_streams: tuple[str, ...] = ()):
     trace = AllocTrace(side_streams)
     with trace.streams(torch.cpu):
         yield trace
+
+
+def alloc_conf_of(cfg) -> Optional[str]:
+    """The allocator setting a prediction replays: ``plan.alloc_conf`` where the config is a
+    plan's and sets one ("" : torch's defaults), else ``PYTORCH_CUDA_ALLOC_CONF`` (or
+    ``PYTORCH_ALLOC_CONF``) from this process's environment, as the run's ranks inherit it."""
+    from omegaconf import OmegaConf
+
+    from sharded_exp.predict.allocator import alloc_conf_from_env
+
+    plan = OmegaConf.select(cfg, "plan.alloc_conf", default=None) if OmegaConf.is_config(cfg) else None
+    return alloc_conf_from_env() if plan is None else str(plan)
+
+
+def point_figures(events: list, alloc_conf: Optional[str], workspace_mib: float) -> Optional[dict[str, Any]]:
+    """What a planned point (or a run's prediction) adds to the tensors' peak on CUDA: the
+    allocator's rounding (``allocated_extra_mib``: allocated as torch counts it, less the
+    tensors' bytes), its cache (``reserved_extra_mib``: reserved less the tensors' bytes),
+    the fragmentation at the peak and the CUDA context (nvidia-smi's figure is reserved +
+    context). Extras rather than totals: a rank's peak, a host offload or a deeper model
+    (sharded_exp.plan.depth) moves the tensors' bytes, and the extras ride on top."""
+    if parse_alloc_conf(alloc_conf).backend != "native":
+        return None  # cudaMallocAsync: the driver's pool, not the caching allocator modelled here
+    figures = replay(events, alloc_conf, int(round(workspace_mib * MIB)))
+    context = cuda_context()
+    return {
+        "allocated_extra_mib": figures.allocated_mib - figures.tracked_peak_mib,
+        "reserved_extra_mib": figures.reserved_mib - figures.tracked_peak_mib,
+        "fragmentation_mib": figures.fragmentation_mib,
+        "segments": figures.segments,
+        "streams": list(figures.streams),
+        "alloc_conf": figures.alloc_conf,
+        "context_mib": context["mib"],
+        "context_source": f"{context['source']} (torch {context['torch']}, {context['device']}; matched: "
+        f"{context['matched']})",
+    }
