@@ -282,8 +282,12 @@ class TrainerConfig:
         _require(self.grad_clip >= 0, f"trainer.grad_clip={self.grad_clip} must be >= 0 (0 turns clipping off)")
         _require(self.timeout_s > 0, f"trainer.timeout_s={self.timeout_s} must be > 0")
         _require(self.eval_every >= 0, f"trainer.eval_every={self.eval_every} must be >= 0 (0 = only at the end)")
-        _require(self.eval_batches >= 0, f"trainer.eval_batches={self.eval_batches} must be >= 0 (0 = no evaluation)")
-        _require(self.checkpoint_every >= 0, f"trainer.checkpoint_every={self.checkpoint_every} must be >= 0 (0 = off)")
+        _require(
+            self.eval_batches >= 0, f"trainer.eval_batches={self.eval_batches} must be >= 0 (0 = no evaluation)"
+        )
+        _require(
+            self.checkpoint_every >= 0, f"trainer.checkpoint_every={self.checkpoint_every} must be >= 0 (0 = off)"
+        )
         _require(
             self.keep_checkpoints >= 0, f"trainer.keep_checkpoints={self.keep_checkpoints} must be >= 0 (0 = keep all)"
         )
