@@ -137,12 +137,10 @@ def _extras(rows, found, cfg: PlanConfig, unit: str, scale: float) -> list[str]:
 
 def allocator_lines(rows) -> list[str]:
     """What the allocator columns were modelled with (said once): the allocator setting and
-    the CUDA context's figure and source; on CPU, that there is no caching allocator."""
+    the CUDA context's figure and source. Nothing on CPU (no caching allocator: no reserved
+    column, allocated is the tensors' bytes, fits compares the peak) or for a raw count."""
     modelled = [r for r in rows if r.get("context_source")]
     if not modelled:
-        if any(r.get("total_gib") is not None for r in rows):
-            return ["allocator: none modelled (a CPU run has no caching allocator; a raw count fakes nothing): "
-                    "allocated is the tensors' bytes, fits compares the peak"]  # fmt: skip
         return []
     conf = modelled[0]["alloc_conf"] or "unset (torch's defaults)"
     return [
