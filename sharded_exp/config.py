@@ -444,13 +444,6 @@ class PlanSettings:
             _finite(self.device_memory_gib) and self.device_memory_gib > 0,
             f"plan.device_memory_gib={self.device_memory_gib} must be a finite number > 0",
         )
-        if self.alloc_conf:
-            from sharded_exp.predict.allocator import parse_alloc_conf
-
-            try:
-                parse_alloc_conf(self.alloc_conf)
-            except ValueError as exc:
-                _require(False, f"plan.alloc_conf={self.alloc_conf!r}: {exc}")
         _require(
             self.workers >= 0,
             f"plan.workers={self.workers} must be >= 0 (0: one process per CPU core; 1: this process only)",
