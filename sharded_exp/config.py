@@ -130,6 +130,7 @@ class ActivationCheckpointing(Option):
     none = "none"
     full = "full"
     selective = "selective"
+    selective_op = "selective_op"
 
 
 class CompileMode(Option):
@@ -179,7 +180,9 @@ class TrainerConfig:
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
     """Recompute activations in the backward instead of keeping them, per unit of the model
     (its blocks), before the strategy wraps it: none; full (a unit keeps only its inputs);
-    selective (a unit keeps the outputs of its matmuls and attention, recomputes the rest)."""
+    selective (a unit keeps the outputs of its matmuls and attention, recomputes the rest);
+    selective_op (torchtitan's per-op policy: as selective, but every second matmul of a
+    unit is recomputed too)."""
     ac_every: int = 1
     """Checkpoint every N-th unit (1: every unit)."""
     compile: bool = False
@@ -408,7 +411,8 @@ class PlanSettings:
     """Memory per device; rows that fit are marked."""
     levers: List[str] = field(default_factory=lambda: ["none"])
     """Lever combinations planned for each strategy: none, ac (full activation
-    checkpointing), ac_selective, offload (FSDP's CPU offload: fsdp, fsdp_grad_op only),
+    checkpointing), ac_selective, ac_selective_op (torchtitan's per-op selective policy),
+    offload (FSDP's CPU offload: fsdp, fsdp_grad_op only),
     joined with + (``[none,ac,ac+offload]``). The output names the cheapest combination that
     fits per world size (DDP < ZeRO-1 < ZeRO-2 < FSDP < + AC < + offload) and its cost."""
     device: PlanDevice = PlanDevice.cuda

@@ -91,10 +91,10 @@ def check_plan(cfg: PlanConfig, argv: list[str] = ()) -> None:
                 f"{', '.join(LEVERS)} joined with + (e.g. ac+offload)"
             )
         names = lever_names(str(combo))
-        if len(set(names)) < len(names) or {"ac", "ac_selective"} <= set(names):
+        if len(set(names)) < len(names) or len({"ac", "ac_selective", "ac_selective_op"} & set(names)) > 1:
             raise ConfigError(
-                f"plan.levers entry {combo!r} sets one lever twice (ac and ac_selective are two settings of "
-                "activation checkpointing): name each once, e.g. ac+offload"
+                f"plan.levers entry {combo!r} sets one lever twice (ac, ac_selective and ac_selective_op are "
+                "settings of activation checkpointing): name each once, e.g. ac+offload"
             )
     for key in ("world_sizes", "strategies", "levers"):
         values = [str(v) for v in (p.get(key, None) or [])]

@@ -35,9 +35,9 @@ def strategy_names(cfg: PlanConfig) -> list[str]:
 
 
 LEVERS = {"ac": ("activation_checkpointing", "full"), "ac_selective": ("activation_checkpointing", "selective"),
-          "offload": ("cpu_offload", True)}  # fmt: skip
+          "ac_selective_op": ("activation_checkpointing", "selective_op"), "offload": ("cpu_offload", True)}  # fmt: skip
 """The planner's lever names (``plan.levers`` entries join them with +) and what each sets."""
-LEVER_COST = {"none": 0, "ac_selective": 1, "ac": 2, "offload": 3}
+LEVER_COST = {"none": 0, "ac_selective": 1, "ac_selective_op": 1, "ac": 2, "offload": 3}
 """Extra recompute or traffic each lever costs, in the order a user would reach for them."""
 
 
@@ -240,6 +240,10 @@ def _cost_note(combo: str, prediction) -> str:
         notes.append("recompute: one more forward of every unit (about +1/3 of the step's FLOPs)")
     if "ac_selective" in levers:
         notes.append("recompute: the units' cheap ops (norms, activations) again in the backward")
+    if "ac_selective_op" in levers:
+        notes.append(
+            "recompute: the units' cheap ops and every second matmul again in the backward (torchtitan's op policy)"
+        )
     if "offload" in levers:
         mine = max(prediction["model_states_mib"], key=lambda p: sum(p.values()))
         moved = (mine["params"] + mine["grads"]) * MIB / GIB
