@@ -18,8 +18,11 @@ The streams, as a CUDA run uses them:
   (:attr:`~sharded_exp.strategies.residency.MemoryModel.side_streams`);
 - NCCL's stream: a tensor handed to a collective (``torch.distributed``'s functions) is
   used on it (ProcessGroupNCCL's ``recordStream``): freed, it is not reused before that
-  stream's work is done. A training step ends with the loss read on the host (a device
+  stream's work is done, taken as done when the next collective is issued (NCCL runs them
+  one after another). A training step ends with the loss read on the host (a device
   synchronisation): every stream's work is then done.
+- the build: a run builds its model on the meta device or in host memory, so the trace
+  starts when the build ends, from the tensors then allocated (:meth:`AllocTrace.restart`).
 
 Two steps are recorded, so the second shows the steady state's caching.
 """
@@ -70,6 +73,7 @@ class AllocTrace:
         self._keep: list = []  # the stream objects named, so that their ids stay theirs
         self._ids = itertools.count()
         self._tracker = None
+        self._live: dict[int, tuple[int, str]] = {}  # id -> (size, stream) of what is allocated now
 
     # --- what is recorded -----------------------------------------------------------------------
     def attach(self, tracker) -> None:
@@ -80,15 +84,29 @@ class AllocTrace:
         self._tracker = tracker
 
         def recorded(u_type, winfo, *args, **kwargs):
-            if u_type == _UpdateType.ADD:
-                winfo.alloc_trace_id = next(self._ids)
-                stream = DEFAULT_STREAM if self._stream is None else self._name(self._stream)
-                self.events.append(("malloc", winfo.alloc_trace_id, int(winfo.size), stream))
-            elif u_type == _UpdateType.DEL and hasattr(winfo, "alloc_trace_id"):
-                self.events.append(("free", winfo.alloc_trace_id, 0, None))
+            # A storage resized (FSDP2 frees and re-allocates its unsharded parameters so)
+            # is a free of the old block and, unless now empty, a new allocation.
+            if u_type in (_UpdateType.DEL, _UpdateType.SIZE):
+                if self._live.pop(getattr(winfo, "alloc_trace_id", None), None):
+                    self.events.append(("free", winfo.alloc_trace_id, 0, None))
+            if u_type == _UpdateType.ADD or (u_type == _UpdateType.SIZE and winfo.mem_consumed > 0):
+                self._malloc(winfo)
             return update(u_type, winfo, *args, **kwargs)
 
         tracker._update_snap = recorded
+
+    def _malloc(self, winfo) -> None:
+        winfo.alloc_trace_id = next(self._ids)
+        stream = DEFAULT_STREAM if self._stream is None else self._name(self._stream)
+        self._live[winfo.alloc_trace_id] = (int(winfo.mem_consumed), stream)
+        self.events.append(("malloc", winfo.alloc_trace_id, int(winfo.mem_consumed), stream))
+
+    def restart(self) -> None:
+        """The model is built: the trace starts afresh from what is allocated now, in the order
+        it was allocated. A run builds its model on the meta device or in host memory
+        (sharded_exp/models/materialise.py; FSDP a unit at a time), so the device's allocator
+        first sees the wrapped model's states, not the fake build's whole-model tensors."""
+        self.events = [("malloc", i, size, stream) for i, (size, stream) in sorted(self._live.items())]
 
     def step_end(self) -> None:
         """A training step is over: its loss read on the host, every stream's work done."""
@@ -140,6 +158,9 @@ class AllocTrace:
         def on_nccl(fn):
             def call(*args, **kwargs):
                 tensors = _tensors_in(list(args) + list(kwargs.values()))
+                # NCCL runs its collectives one after another on its stream: the one before is
+                # taken as done when the next is issued (its blocks reusable from then on).
+                trace.events.append(("sync", None, 0, NCCL_STREAM))
                 trace._used_on(NCCL_STREAM, tensors)
                 return fn(*args, **kwargs)
 
@@ -178,7 +199,7 @@ class AllocatorFigures:
     reserved_mib: float
     """Peak ``reserved_bytes.all.peak``: the segments cached."""
     fragmentation_mib: float
-    """Reserved minus allocated when reserved reached its peak."""
+    """Peak reserved minus peak allocated: what the cache holds beyond the blocks at the peak."""
     segments: int
     streams: tuple[str, ...]
     alloc_conf: str
@@ -206,7 +227,7 @@ def replay(events: list, alloc_conf: Optional[str] = None, workspace_bytes: int 
         tracked_peak_mib=(peak + workspace_bytes) / MIB,
         allocated_mib=result.peak_allocated_bytes / MIB,
         reserved_mib=result.peak_reserved_bytes / MIB,
-        fragmentation_mib=result.fragmentation_at_peak_reserved_bytes / MIB,
+        fragmentation_mib=(result.peak_reserved_bytes - result.peak_allocated_bytes) / MIB,
         segments=result.peak_segments,
         streams=streams,
         alloc_conf=alloc_conf or "",

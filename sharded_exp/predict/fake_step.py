@@ -325,6 +325,8 @@ def _run(cfg: JobGroups, world_size: int, rank: int, device_type: str, grad_clip
         def end_of_build(strategy):
             # The build's peak apart (a sharded build: the shards and one whole unit), then
             # the strategy's buckets filed as such, and the training's peak from here.
+            if trace is not None:
+                trace.restart()
             if tracking:
                 found = tracker.end_of_build(strategy.module, strategy.local_optimizers())
                 build.update(zip(("peak_mib", "breakdown_mib"), _parts(_on(found, device))))

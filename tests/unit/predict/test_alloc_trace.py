@@ -40,7 +40,7 @@ def test_a_trace_records_allocations_on_the_stream_entered_and_frees_in_order():
     trace = AllocTrace(side_streams=("copy-in",))
     tracker = StubTracker()
     trace.attach(tracker)
-    a, b = SimpleNamespace(size=100), SimpleNamespace(size=300)
+    a, b = SimpleNamespace(mem_consumed=100), SimpleNamespace(mem_consumed=300)
     with trace.streams(torch.cpu):
         tracker._update_snap(_UpdateType.ADD, a)
         with torch.cpu.stream(torch.cpu.Stream()):
@@ -68,7 +68,7 @@ def test_a_side_stream_is_named_at_its_first_allocation_and_unnamed_ones_are_num
             pass
         for i, s in enumerate((s2, s3)):
             with torch.cpu.stream(s):
-                tracker._update_snap(_UpdateType.ADD, SimpleNamespace(size=1))
+                tracker._update_snap(_UpdateType.ADD, SimpleNamespace(mem_consumed=1))
     assert [e[3] for e in trace.events] == ["first", "stream 2"]
 
 
@@ -77,7 +77,7 @@ def test_a_collectives_tensors_are_recorded_on_nccls_stream(monkeypatch):
     tracker = StubTracker()
     trace.attach(tracker)
     t = torch.zeros(4)
-    winfo = SimpleNamespace(size=16)
+    winfo = SimpleNamespace(mem_consumed=16)
     tracker._update_snap(_UpdateType.ADD, winfo)
     tracker._WINFO[t.untyped_storage()] = (winfo, None)
     calls = []
