@@ -58,6 +58,26 @@ def test_a_trace_records_allocations_on_the_stream_entered_and_frees_in_order():
     assert torch.cpu.stream.__module__ == "torch.cpu"  # restored
 
 
+def test_a_resized_storage_is_a_free_and_a_new_block_and_a_restart_keeps_what_is_live():
+    """FSDP2 frees an unsharded parameter by resizing its storage to 0 and gathers it again
+    by resizing it back: to the allocator, a free and a new block each time."""
+    trace = AllocTrace()
+    tracker = StubTracker()
+    trace.attach(tracker)
+    kept, unit = SimpleNamespace(mem_consumed=10), SimpleNamespace(mem_consumed=400)
+    tracker._update_snap(_UpdateType.ADD, kept)
+    tracker._update_snap(_UpdateType.ADD, unit)
+    unit.mem_consumed = 0
+    tracker._update_snap(_UpdateType.SIZE, unit, old_mem_consumed=400)
+    unit.mem_consumed = 400
+    tracker._update_snap(_UpdateType.SIZE, unit, old_mem_consumed=0)
+    assert trace.events[2:] == [("free", 1, 0, None), ("malloc", 2, 400, DEFAULT_STREAM)]
+    trace.restart()  # the build is over: what is allocated now, in order
+    assert trace.events == [("malloc", 0, 10, DEFAULT_STREAM), ("malloc", 2, 400, DEFAULT_STREAM)]
+    tracker._update_snap(_UpdateType.DEL, unit)
+    assert trace.events[-1] == ("free", 2, 0, None)
+
+
 def test_a_side_stream_is_named_at_its_first_allocation_and_unnamed_ones_are_numbered():
     trace = AllocTrace(side_streams=("first",))
     tracker = StubTracker()
