@@ -197,21 +197,20 @@ def compose(a: Fake, b: Fake, layers: int, prediction: dict[str, Any], rules, st
     return phases
 
 
-ALLOCATOR_LINES = ("allocated_extra_mib", "reserved_extra_mib", "fragmentation_mib")
-"""The allocator's figures drawn on a line in depth (each block adds its tensors' rounding and
-its share of the cache); the rest (the context, the streams) are the deeper fake's."""
+ALLOCATOR_SHARES = ("allocated_extra_mib", "reserved_extra_mib", "fragmentation_mib")
+"""The allocator's figures that grow with the peak: each block repeats the same allocations,
+so its rounding and the cache it leaves are the same share of what it holds."""
 
 
-def compose_allocator(a: Fake, b: Fake, layers: int) -> dict | None:
-    """The caching allocator's figures at ``layers`` blocks, on the line through ``a`` and ``b``
-    (never below zero: the allocator never holds less than the tensors' bytes); None on CPU."""
-    if a.allocator is None or b.allocator is None:
+def compose_allocator(b: Fake, peak_mib: float) -> dict | None:
+    """The caching allocator's figures at full depth (``peak_mib``: the composed peak): the
+    deeper shallow fake's, each in the same proportion to the peak as there. (Drawn on a line
+    in depth instead, the cache's share swung with which block's activations happened to reuse
+    a cached segment, and went below zero.) None on CPU."""
+    if b.allocator is None or not b.allocator.get("tracked_peak_mib"):
         return None
-    steps = (layers - b.depth) / (b.depth - a.depth)
-    out = dict(b.allocator)
-    for k in ALLOCATOR_LINES:
-        out[k] = max(0.0, b.allocator[k] + steps * (b.allocator[k] - a.allocator[k]))
-    return out
+    scale = peak_mib / b.allocator["tracked_peak_mib"]
+    return {**b.allocator, **{k: b.allocator[k] * scale for k in ALLOCATOR_SHARES}}
 
 
 def peaks_by_depth(cfg_s, world_sizes, device_type: str, key: str, layers: int) -> dict[int, dict | None]:
@@ -265,7 +264,7 @@ def peaks_by_depth(cfg_s, world_sizes, device_type: str, key: str, layers: int) 
                 )
                 if n
             ),
-            "allocator": compose_allocator(*pair, layers),
+            "allocator": compose_allocator(pair[1], top[0]),
             "seconds": sum(f.seconds for f in fakes if isinstance(f, Fake)),
             "fakes": len(fakes),
         }

@@ -306,6 +306,7 @@ def point_figures(events: list, alloc_conf: Optional[str], workspace_mib: float)
     figures = replay(events, alloc_conf, int(round(workspace_mib * MIB)))
     context = cuda_context()
     return {
+        "tracked_peak_mib": figures.tracked_peak_mib,
         "allocated_extra_mib": figures.allocated_mib - figures.tracked_peak_mib,
         "reserved_extra_mib": figures.reserved_mib - figures.tracked_peak_mib,
         "fragmentation_mib": figures.fragmentation_mib,
