@@ -130,6 +130,7 @@ class ActivationCheckpointing(Option):
     none = "none"
     full = "full"
     selective = "selective"
+    selective_op = "selective_op"
 
 
 class CompileMode(Option):
@@ -170,7 +171,7 @@ class TrainerConfig:
     min_timed_steps: int = 30
     """Timed steps (after warm-up) a stable median needs: fewer are warned of before the run and
     named in a sweep's report (their speed intervals are wide). 30 is measured
-    (``python -m benchmarks.timed_steps``): the median step's 95% interval within +-5% for the
+    (``python -m benchmarks.accuracy.timed_steps``): the median step's 95% interval within +-5% for the
     GPT at 2 ranks, ddp and fsdp, on 2 shared CPU cores; 0 turns the check off."""
     batch_size: int = 32
     """Samples per rank per micro-batch; the global batch is batch_size*grad_accum*world_size."""
@@ -179,7 +180,9 @@ class TrainerConfig:
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
     """Recompute activations in the backward instead of keeping them, per unit of the model
     (its blocks), before the strategy wraps it: none; full (a unit keeps only its inputs);
-    selective (a unit keeps the outputs of its matmuls and attention, recomputes the rest)."""
+    selective (a unit keeps the outputs of its matmuls and attention, recomputes the rest);
+    selective_op (torchtitan's per-op policy: as selective, but every second matmul of a
+    unit is recomputed too)."""
     ac_every: int = 1
     """Checkpoint every N-th unit (1: every unit)."""
     compile: bool = False
@@ -219,7 +222,7 @@ class TrainerConfig:
     dump it to memory_snapshot_rank<r>.pickle in the run directory (open it at
     https://pytorch.org/memory_viz). auto: recorded when memory_limit_mib is set, dumped on
     out-of-memory; oom: recorded always, dumped on out-of-memory; always: also dumped at the
-    end of a run; off. Recording costs step time (benchmarks/memory_history_cost.py). CPU runs
+    end of a run; off. Recording costs step time (benchmarks/features/memory_history_cost.py). CPU runs
     record nothing: their out-of-memory breakdown is memory.oom_breakdown in result.json."""
     profile: bool = False
     """Write a torch.profiler trace (trace_rank<r>.json, for https://ui.perfetto.dev) of
@@ -408,7 +411,8 @@ class PlanSettings:
     """Memory per device; rows that fit are marked."""
     levers: List[str] = field(default_factory=lambda: ["none"])
     """Lever combinations planned for each strategy: none, ac (full activation
-    checkpointing), ac_selective, offload (FSDP's CPU offload: fsdp, fsdp_grad_op only),
+    checkpointing), ac_selective, ac_selective_op (torchtitan's per-op selective policy),
+    offload (FSDP's CPU offload: fsdp, fsdp_grad_op only),
     joined with + (``[none,ac,ac+offload]``). The output names the cheapest combination that
     fits per world size (DDP < ZeRO-1 < ZeRO-2 < FSDP < + AC < + offload) and its cost."""
     device: PlanDevice = PlanDevice.cuda
@@ -427,6 +431,11 @@ class PlanSettings:
     plot: Optional[str] = None
     """Also draw the plan into this PNG file: the peak per rank vs world size, a line per
     strategy (and lever combination), the device memory as a line (null: no chart)."""
+    alloc_conf: Optional[str] = None
+    """The CUDA caching allocator's settings a ``plan.device=cuda`` plan models, as
+    ``PYTORCH_CUDA_ALLOC_CONF`` spells them (``expandable_segments:True``,
+    ``max_split_size_mb:512``, ...; "" : torch's defaults); null: the variable from this
+    environment, as a run's ranks would inherit it. A CPU plan has no caching allocator."""
 
     def __post_init__(self) -> None:
         """The settings checked on their own; those that need the planner's limits or the

@@ -2,6 +2,15 @@
 
     python -m benchmarks.accuracy.allocator_check             # on a machine with CUDA: exit 1 on any mismatch
     python -m benchmarks.accuracy.allocator_check --list      # the sequences, without running them
+    python -m benchmarks.accuracy.allocator_check --no-steps  # the sequences only
+
+Then one training job per strategy at world size 1 (``python -m sharded_exp``, a GPT of 8
+blocks, precision 32, trainer.accelerator=gpu): its result.json holds the
+measured ``torch.cuda.memory_stats()`` peaks (``peak_allocated_mib``, ``peak_reserved_mib``)
+beside the prediction the parent made before the ranks started, the fake step's allocations
+replayed through the allocator model (``predicted_peak_reserved_mib``; allocated as torch counts
+it is the predicted peak plus ``memory.peak_prediction.allocator.allocated_extra_mib``). Each
+must agree within 3% (``STEP_TOLERANCE``).
 
 Each sequence (the unit tests' sequences, ``tests/unit/predict/test_allocator.py``) runs in its
 own process, with its ``PYTORCH_CUDA_ALLOC_CONF`` set before torch starts, as real tensors
@@ -144,10 +153,59 @@ def _run_model(name: str, total: int) -> dict:
     return {"oom": None if r.oom is None else str(r.oom), "stats": {k: int(r.stats[k]) for k in KEYS}}
 
 
+STEP_TOLERANCE = 0.03
+"""How far a training step's predicted allocated and reserved peaks may be from the measured."""
+STEP_MODEL = ["model=gpt", "model.d_model=512", "model.n_layers=8", "model.n_heads=8", "model.seq_len=256"]
+
+
+def _step_job(strategy: str, accelerator: str = "gpu", model: list[str] = STEP_MODEL) -> dict:
+    """One short training job of ``strategy`` on one GPU (``accelerator``); its result.json."""
+    import shutil
+
+    out = OUT / "allocator_check" / strategy
+    if out.exists():
+        shutil.rmtree(out)
+    args = [*model, f"strategy={strategy}", f"trainer.accelerator={accelerator}", "trainer.world_size=1",
+            "trainer.steps=4", "trainer.warmup_steps=1", "trainer.batch_size=8", "trainer.eval_batches=0",
+            "logger=none", "trainer.progress_bar=false", f"hydra.run.dir={out}"]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "sharded_exp", *args], capture_output=True, text=True, timeout=600)
+    path = out / "result.json"
+    if not path.exists():
+        return {"status": "failed", "error": proc.stderr[-2000:]}
+    return json.loads(path.read_text())
+
+
+def _step_rows() -> tuple[list[dict], int]:
+    """Each strategy's step: measured against predicted allocated and reserved peaks."""
+    from benchmarks.common import strategy_names
+
+    rows, bad = [], 0
+    for name in strategy_names():
+        result = _step_job(name)
+        mem = result.get("memory") or {}
+        rank = (mem.get("per_rank") or [{}])[0]
+        extra = ((mem.get("peak_prediction") or {}).get("allocator") or {}).get("allocated_extra_mib")
+        pairs = {
+            "allocated": (None if rank.get("predicted_peak_mib") is None or extra is None
+                          else rank["predicted_peak_mib"] + extra, rank.get("peak_allocated_mib")),
+            "reserved": (rank.get("predicted_peak_reserved_mib"), rank.get("peak_reserved_mib")),
+        }  # fmt: skip
+        errors = {k: None if None in (p, m) or not m else (p - m) / m for k, (p, m) in pairs.items()}
+        ok = result.get("status") == "ok" and all(e is not None and abs(e) <= STEP_TOLERANCE for e in errors.values())
+        bad += not ok
+        rows.append({"strategy": name, "status": result.get("status"), "pairs_mib": pairs, "errors": errors,
+                     "error": result.get("error"), "why": mem.get("predicted_peak_reserved_error")})  # fmt: skip
+        shown = ", ".join(f"{k} predicted {p} measured {m} ({'-' if e is None else f'{e:+.1%}'})"
+                          for (k, (p, m)), e in zip(pairs.items(), errors.values()))  # fmt: skip
+        print(f"step {name:14s} {result.get('status')}: {shown}  {'ok' if ok else 'OUTSIDE 3%'}")
+    return rows, bad
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--one", help=argparse.SUPPRESS)  # child mode: one sequence on the real allocator
     p.add_argument("--list", action="store_true", help="print the sequences and exit")
+    p.add_argument("--no-steps", action="store_true", help="the sequences only, no training step per strategy")
     args = p.parse_args()
     seqs = _sequences()
     if args.list:
@@ -195,9 +253,13 @@ def main() -> int:
         )
     OUT.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0)}
-    (OUT / "allocator_check.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+    steps, bad_steps = ([], 0) if args.no_steps else _step_rows()
+    doc = {"meta": meta, "rows": rows, "steps": steps}
+    (OUT / "allocator_check.json").write_text(json.dumps(doc, indent=1, default=str))
     print(f"{len(seqs) - bad}/{len(seqs)} sequences agree exactly ({meta['device']}, torch {meta['torch']})")
-    return 1 if bad else 0
+    if not args.no_steps:
+        print(f"{len(steps) - bad_steps}/{len(steps)} strategies' steps within {STEP_TOLERANCE:.0%}")
+    return 1 if bad or bad_steps else 0
 
 
 if __name__ == "__main__":

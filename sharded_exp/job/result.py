@@ -171,6 +171,10 @@ class RankMemory(_Open):
     order); None on CUDA, whose allocator counters need no such note."""
     predicted_peak_mib: Number | None = None
     """This rank's predicted peak."""
+    predicted_peak_reserved_mib: Number | None = None
+    """CUDA: this rank's predicted peak reserved bytes (the fake step's allocations replayed
+    through a model of torch's caching allocator), beside the measured ``peak_reserved_mib``;
+    null on CPU (no caching allocator) or where nothing was predicted (``memory.predicted_peak_reserved_error``)."""
     model_states_mib: dict[str, Number] | None = None
     """params, grads, optimizer: what this rank holds, from the real tensors."""
     predicted_model_states_mib: dict[str, Number] | None = None
@@ -194,6 +198,12 @@ class Memory(_Open):
     """The largest predicted per-rank peak (one fake step)."""
     predicted_peak_mib_mean: Number | None = None
     """The predicted peak averaged over ranks."""
+    peak_reserved_mib_max: Number | None = None
+    """CUDA: the largest per-rank peak reserved by the caching allocator (null on CPU)."""
+    predicted_peak_reserved_mib_max: Number | None = None
+    """CUDA: the largest predicted per-rank peak reserved (null on CPU)."""
+    predicted_peak_reserved_error: str | None = None
+    """Why there is no predicted reserved peak (a CPU run has no caching allocator; no fake step)."""
     predicted_model_states_mib_max: Number | None = None
     """The largest predicted parameters + gradients + optimizer state of a rank."""
     model_states_mib_max: Number | None = None

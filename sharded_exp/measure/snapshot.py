@@ -10,7 +10,7 @@ timeline up to the failure.
 ``trainer.memory_snapshot``: ``auto`` records when ``trainer.memory_limit_mib`` is set (a
 run that asks whether it fits) and dumps on OOM; ``oom`` records always and dumps on OOM;
 ``always`` also dumps at the end of a run that fits; ``off`` never records. Recording costs
-a few microseconds per allocation (``benchmarks/memory_history_cost.py`` measures it).
+a few microseconds per allocation (``benchmarks/features/memory_history_cost.py`` measures it).
 
 Measuring never breaks training: every call is guarded; a failure leaves a null path and
 its reason.

@@ -168,6 +168,11 @@ def summary_table(result: Result) -> str:
         _eval_cell(result),
         result.status,
     ]
+    if mem is not None and (mem.peak_reserved_mib_max is not None or mem.predicted_peak_reserved_mib_max is not None):
+        # CUDA: the caching allocator's reserved bytes, measured and predicted (a CPU run has none)
+        at = header.index("pred_peak_MiB") + 1
+        header[at:at] = ["reserved_MiB", "pred_reserved_MiB"]
+        row[at:at] = [mib("peak_reserved_mib_max"), mib("predicted_peak_reserved_mib_max")]
     return format_table([row], header)
 
 
@@ -187,10 +192,28 @@ def _peak_summary(peak: dict[str, Any] | None) -> dict[str, Any] | None:
             "kernels",
             "rules",
             "host_mib",
+            "allocator",
             "seconds",
             "error",
         )
     }
+
+
+def predicted_reserved(prediction: dict[str, Any]) -> tuple[list[float] | None, str | None]:
+    """Each rank's predicted peak reserved bytes (MiB) on CUDA: its predicted peak plus what the
+    caching allocator's model adds to the faked rank's (sharded_exp.predict.alloc_trace); or
+    None and why (CPU: no caching allocator)."""
+    peak = prediction.get("peak") or {}
+    peaks = peak.get("per_rank_mib")
+    if not peaks:
+        return None, "no predicted peak: " + (peak.get("error") or "nothing was faked")
+    allocator = peak.get("allocator")
+    if allocator is None:
+        kernels = str(peak.get("kernels") or "")
+        if kernels.startswith("cuda"):
+            return None, "the caching allocator was not modelled (backend:cudaMallocAsync, or no fake step's trace)"
+        return None, "a CPU run has no caching allocator: nothing is reserved beyond the tensors"
+    return [p + allocator["reserved_extra_mib"] for p in peaks], None
 
 
 def predicted_section(prediction: dict[str, Any], limit_applies_to: str | None = None) -> dict[str, Any]:
@@ -201,12 +224,17 @@ def predicted_section(prediction: dict[str, Any], limit_applies_to: str | None =
     if peaks:
         for entry, peak in zip(per_rank, peaks):
             entry["predicted_peak_mib"] = peak
+    reserved, why = predicted_reserved(prediction)
+    for entry, value in zip(per_rank, reserved or []):
+        entry["predicted_peak_reserved_mib"] = value
     return {
         "per_rank": per_rank,
         "predicted_model_states_mib_max": max(sum(p.values()) for p in prediction["model_states_mib"]),
         "predicted_transient_params_mib": prediction["transient_params_mib"],
         "predicted_peak_mib_max": max(peaks) if peaks else None,
         "predicted_peak_mib_mean": sum(peaks) / len(peaks) if peaks else None,
+        "predicted_peak_reserved_mib_max": max(reserved) if reserved else None,
+        "predicted_peak_reserved_error": why,
         "peak_prediction": _peak_summary(prediction.get("peak")),
         "memory_limit_applies_to": limit_applies_to,
     }
@@ -272,6 +300,9 @@ def memory_section(
         entry["predicted_peak_mib"] = peak
         # signed: below zero the prediction was too low (the dangerous direction)
         entry["peak_rel_error"] = (peak - measured) / measured if peak is not None and measured else None
+    reserved, why = predicted_reserved(prediction)
+    for entry, value in zip(per_rank, reserved or [None] * len(per_rank)):
+        entry["predicted_peak_reserved_mib"] = value  # beside the measured peak_reserved_mib (CUDA)
 
     largest, average = _largest(per_rank), _average(per_rank)
     peak_min, peak_median = _band(per_rank, "peak_allocated_mib")
@@ -303,6 +334,9 @@ def memory_section(
         "transient_params_mib_max": max(measured_transient) if measured_transient else None,
         "predicted_peak_mib_max": max(p for p in peaks) if all(p is not None for p in peaks) else None,
         "predicted_peak_mib_mean": average("predicted_peak_mib"),
+        "peak_reserved_mib_max": largest("peak_reserved_mib"),
+        "predicted_peak_reserved_mib_max": largest("predicted_peak_reserved_mib"),
+        "predicted_peak_reserved_error": why,
         "peak_rel_error_max": max(
             (r["peak_rel_error"] for r in per_rank if r["peak_rel_error"] is not None), key=abs, default=None
         ),

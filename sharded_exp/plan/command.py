@@ -41,6 +41,18 @@ MAX_FAKED_RANKS = 16384
 fsdp and sharded_ddp, 10,000 took 113 s for a larger model; a million never finished)."""
 
 
+def check_alloc_conf(conf: str | None) -> None:
+    """``plan.alloc_conf`` read as torch reads ``PYTORCH_CUDA_ALLOC_CONF`` (ConfigError naming the
+    bad option or value, and every known one), before anything is faked."""
+    from sharded_exp.predict.allocator import parse_alloc_conf
+
+    if conf:
+        try:
+            parse_alloc_conf(conf)
+        except ValueError as exc:
+            raise ConfigError(f"plan.alloc_conf={conf!r}: {exc}") from None
+
+
 def check_plan(cfg: PlanConfig, argv: list[str] = ()) -> None:
     """The planner's inputs, by the training entry point's rules (ConfigError names them).
     ``argv``: the command line, to tell a model the user chose from the default one."""
@@ -71,6 +83,7 @@ def check_plan(cfg: PlanConfig, argv: list[str] = ()) -> None:
         )
     for name in p.strategies or []:
         STRATEGIES.builder(name)  # raises, naming the registered ones
+    check_alloc_conf(p.get("alloc_conf", None))
     for combo in p.get("levers", None) or []:
         bad = [x for x in lever_names(str(combo)) if x not in LEVERS]
         if bad or not str(combo):
@@ -79,10 +92,10 @@ def check_plan(cfg: PlanConfig, argv: list[str] = ()) -> None:
                 f"{', '.join(LEVERS)} joined with + (e.g. ac+offload)"
             )
         names = lever_names(str(combo))
-        if len(set(names)) < len(names) or {"ac", "ac_selective"} <= set(names):
+        if len(set(names)) < len(names) or len({"ac", "ac_selective", "ac_selective_op"} & set(names)) > 1:
             raise ConfigError(
-                f"plan.levers entry {combo!r} sets one lever twice (ac and ac_selective are two settings of "
-                "activation checkpointing): name each once, e.g. ac+offload"
+                f"plan.levers entry {combo!r} sets one lever twice (ac, ac_selective and ac_selective_op are "
+                "settings of activation checkpointing): name each once, e.g. ac+offload"
             )
     for key in ("world_sizes", "strategies", "levers"):
         values = [str(v) for v in (p.get(key, None) or [])]
@@ -160,7 +173,9 @@ def buildable(cfg: PlanConfig) -> None:
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 -- the model's own complaint, named
-        raise ConfigError(f"model={cfg.model.name} cannot be built with this config: {type(exc).__name__}: {exc}") from None
+        raise ConfigError(
+            f"model={cfg.model.name} cannot be built with this config: {type(exc).__name__}: {exc}"
+        ) from None
     if not any(p.requires_grad for p in module.parameters()):  # as a run refuses it: nothing to train
         raise ConfigError(
             f"model={cfg.model.name} has nothing to train (no parameter, or trainer.freeze={list(cfg.trainer.freeze)} "

@@ -69,6 +69,8 @@ class Fake:
     setup_clear: bool = True
     """Whether the strategy's set-up moment (:meth:`MemoryModel.setup_transient_mib`) is clear
     of the peak (:func:`_setup_clear`)."""
+    allocator: dict | None = None
+    """CUDA: the caching allocator's figures at this depth (:func:`~sharded_exp.predict.alloc_trace.point_figures`)."""
 
 
 _SHAPES: dict[str, Any] = {}
@@ -107,7 +109,7 @@ def fake_at(cfg_s, key: str, depth: int, world_size: int, device_type: str) -> F
         temporaries = parts.get(STEP_TEMPORARIES, 0.0)
         ratios[phase] = temporaries / stepped if stepped > 0 else None
     clear = _setup_clear(c, shapes, world_size, mine, {k: p for k, (p, _) in peak["phases_mib"].items()})
-    return Fake(depth, lines, ratios, raw, peak["seconds"] or 0.0, peak["note"], clear)
+    return Fake(depth, lines, ratios, raw, peak["seconds"] or 0.0, peak["note"], clear, peak.get("allocator"))
 
 
 def _setup_clear(cfg_s, shapes, world_size: int, mine: dict[str, float], peaks: dict[str, float]) -> bool:
@@ -120,7 +122,13 @@ def _setup_clear(cfg_s, shapes, world_size: int, mine: dict[str, float], peaks: 
 def _stepped_state(cfg_s, shapes, world_size: int, rank: int) -> float:
     """The optimizer state ``rank`` steps at once (MiB): its largest parameter group's."""
     return largest_group_state_mib(
-        memory_of(cfg_s.strategy.name), cfg_s.strategy, cfg_s.optimizer, shapes.groups, world_size, rank, shapes.element_bytes
+        memory_of(cfg_s.strategy.name),
+        cfg_s.strategy,
+        cfg_s.optimizer,
+        shapes.groups,
+        world_size,
+        rank,
+        shapes.element_bytes,
     )
 
 
@@ -190,6 +198,22 @@ def compose(a: Fake, b: Fake, layers: int, prediction: dict[str, Any], rules, st
     return phases
 
 
+ALLOCATOR_SHARES = ("allocated_extra_mib", "reserved_extra_mib", "fragmentation_mib")
+"""The allocator's figures that grow with the peak: each block repeats the same allocations,
+so its rounding and the cache it leaves are the same share of what it holds."""
+
+
+def compose_allocator(b: Fake, peak_mib: float) -> dict | None:
+    """The caching allocator's figures at full depth (``peak_mib``: the composed peak): the
+    deeper shallow fake's, each in the same proportion to the peak as there. (Drawn on a line
+    in depth instead, the cache's share swung with which block's activations happened to reuse
+    a cached segment, and went below zero.) None on CPU."""
+    if b.allocator is None or not b.allocator.get("tracked_peak_mib"):
+        return None
+    scale = peak_mib / b.allocator["tracked_peak_mib"]
+    return {**b.allocator, **{k: b.allocator[k] * scale for k in ALLOCATOR_SHARES}}
+
+
 def peaks_by_depth(cfg_s, world_sizes, device_type: str, key: str, layers: int) -> dict[int, dict | None]:
     """The composed peak (as :func:`~sharded_exp.predict.prediction.predict_peak` returns
     one) of ``cfg_s`` at each world size; None where the model cannot be drawn by depth
@@ -241,6 +265,7 @@ def peaks_by_depth(cfg_s, world_sizes, device_type: str, key: str, layers: int) 
                 )
                 if n
             ),
+            "allocator": compose_allocator(pair[1], top[0]),
             "seconds": sum(f.seconds for f in fakes if isinstance(f, Fake)),
             "fakes": len(fakes),
         }

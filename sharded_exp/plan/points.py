@@ -36,9 +36,9 @@ def strategy_names(cfg: PlanConfig) -> list[str]:
 
 
 LEVERS = {"ac": ("activation_checkpointing", "full"), "ac_selective": ("activation_checkpointing", "selective"),
-          "offload": ("cpu_offload", True)}  # fmt: skip
+          "ac_selective_op": ("activation_checkpointing", "selective_op"), "offload": ("cpu_offload", True)}  # fmt: skip
 """The planner's lever names (``plan.levers`` entries join them with +) and what each sets."""
-LEVER_COST = {"none": 0, "ac_selective": 1, "ac": 2, "offload": 3}
+LEVER_COST = {"none": 0, "ac_selective": 1, "ac_selective_op": 1, "ac": 2, "offload": 3}
 """Extra recompute or traffic each lever costs, in the order a user would reach for them."""
 
 
@@ -159,7 +159,7 @@ def raw_row(cfg: PlanConfig, name: str, world_size: int) -> dict[str, Any]:
             states, note = _raw_parts_at_scale(cfg, name, world_size)
         except NoLine as exc:  # said in its row, as a point without a peak is
             row = _row(cfg, name, world_size, {k: None for k in PARTS}, "none", str(exc))
-            return row | {"total_gib": None, "mean_gib": None, "fits": None}
+            return row | {"total_gib": None, "mean_gib": None, "fits": None, **allocator_columns(None, None)}
     parts = {k: 0.0 for k in PARTS} | states | {"activations": None}
     return _row(cfg, name, world_size, parts, "raw parameter count (analytic, no activations)", note)
 
@@ -213,6 +213,7 @@ def model_row(cfg: PlanConfig, name: str, world_size: int, shapes: ModelShapes, 
         parts = {k: None for k in PARTS}
         row = _row(cfg, name, world_size, parts, "none", peak["error"])
         row["total_gib"], row["mean_gib"], row["fits"] = None, None, None
+        row |= allocator_columns(None, None)
     else:
         parts = {k: v * MIB / GIB for k, v in peak["breakdown_mib"].items()}
         row = _row(cfg, name, world_size, parts, peak["method"], peak["note"])
@@ -221,7 +222,8 @@ def model_row(cfg: PlanConfig, name: str, world_size: int, shapes: ModelShapes, 
         row["mean_gib"] = sum(peak["per_rank_mib"]) / len(peak["per_rank_mib"]) * MIB / GIB
         if "offload" in lever_names(combo):  # CPU offload: the rank's states are in host memory
             row["host_gib"] = states * MIB / GIB
-        row["fits"] = row["total_gib"] <= cfg.plan.device_memory_gib
+        row |= allocator_columns(row["total_gib"], peak.get("allocator"))
+        row["fits"] = fits(row, cfg.plan.device_memory_gib)
         row["seconds"] = peak["seconds"]
         # each phase's peak (forward/backward "step", "optimizer"): plan.find follows them
         row["phases_gib"] = {name: v[0] * MIB / GIB for name, v in (peak.get("phases_mib") or {}).items()}
@@ -239,6 +241,10 @@ def _cost_note(combo: str, prediction) -> str:
         notes.append("recompute: one more forward of every unit (about +1/3 of the step's FLOPs)")
     if "ac_selective" in levers:
         notes.append("recompute: the units' cheap ops (norms, activations) again in the backward")
+    if "ac_selective_op" in levers:
+        notes.append(
+            "recompute: the units' cheap ops and every second matmul again in the backward (torchtitan's op policy)"
+        )
     if "offload" in levers:
         mine = max(prediction["model_states_mib"], key=lambda p: sum(p.values()))
         moved = (mine["params"] + mine["grads"]) * MIB / GIB
@@ -248,16 +254,52 @@ def _cost_note(combo: str, prediction) -> str:
 
 def _row(cfg: PlanConfig, name, world_size, parts, method, note) -> dict[str, Any]:
     total = sum(v for v in parts.values() if v is not None)
-    return {
+    row = {
         "strategy": name,
         "world_size": world_size,
         **{f"{k}_gib": v for k, v in parts.items()},
         "total_gib": total,
         "mean_gib": total,  # every rank alike (a raw count's ideally divisible model); a model's row sets its own
-        "fits": total <= cfg.plan.device_memory_gib,
+        **allocator_columns(total, None),
         "method": method,
         "note": note,
     }
+    row["fits"] = fits(row, cfg.plan.device_memory_gib)
+    return row
+
+
+def allocator_columns(total_gib: float | None, allocator: dict | None) -> dict[str, Any]:
+    """A row's allocator columns from its peak (``total_gib``) and the caching allocator's
+    figures (:func:`~sharded_exp.predict.alloc_trace.point_figures`). Without them (a CPU plan:
+    no caching allocator; a raw count: nothing faked) allocated is the tensors' bytes and
+    there is no reserved or device total."""
+    if total_gib is None or allocator is None:
+        return {"allocated_gib": total_gib, "reserved_gib": None, "device_total_gib": None}
+    reserved = total_gib + allocator["reserved_extra_mib"] * MIB / GIB
+    return {
+        "allocated_gib": total_gib + allocator["allocated_extra_mib"] * MIB / GIB,
+        "reserved_gib": reserved,
+        "device_total_gib": reserved + allocator["context_mib"] * MIB / GIB,
+        "fragmentation_gib": allocator["fragmentation_mib"] * MIB / GIB,
+        "context_gib": allocator["context_mib"] * MIB / GIB,
+        "context_source": allocator["context_source"],
+        "alloc_conf": allocator["alloc_conf"],
+        "streams": allocator["streams"],
+    }
+
+
+def fit_basis(row: dict[str, Any]) -> float | None:
+    """The figure a row is held against the device's memory with: the device total (what
+    nvidia-smi shows, what a CUDA run OOMs on) where the allocator was modelled, else the
+    tensors' peak; None without a peak."""
+    return row["device_total_gib"] if row.get("device_total_gib") is not None else row.get("total_gib")
+
+
+def fits(row: dict[str, Any], device_memory_gib: float) -> bool | None:
+    """Whether a planned point fits ``plan.device_memory_gib`` (:func:`fit_basis`); None when it
+    has no peak. The table, ``plan.find`` and the cheapest-that-fits search all ask this."""
+    basis = fit_basis(row)
+    return None if basis is None else basis <= device_memory_gib
 
 
 def lever_combos(cfg: PlanConfig) -> list[str]:
@@ -354,7 +396,10 @@ def _peak_gib(cfg: PlanConfig, world_size: int, device_type: str, errors: list[s
     row = model_row(cfg, cfg.strategy.name, world_size, shapes, device_type, combo)  # drawn by depth where it can be
     if row["total_gib"] is None:
         errors.append(row["note"])
-    return row["total_gib"], row.get("phases_gib") or {}
+        return None, {}
+    # held against the budget as fits() holds it: each phase's line shifted by the allocator's share
+    basis = fit_basis(row)
+    return basis, {k: v + basis - row["total_gib"] for k, v in (row.get("phases_gib") or {}).items()}
 
 
 def largest(

@@ -25,9 +25,13 @@ MEANINGS = {
     "peak": "the largest rank's peak",
     "mean": "the mean over ranks",
     "host": "host memory (CPU offload)",
+    "allocated": "the largest rank's peak as torch's CUDA allocator counts it (rounded blocks; CPU: the peak)",
+    "reserved": "the largest rank's peak reserved by torch's CUDA caching allocator (its cached segments)",
+    "device_total": "reserved + the CUDA context: what nvidia-smi shows; fits compares it with the device",
 }
 """What each column holds, by heading: the parts' (:mod:`sharded_exp.vocabulary.memory`) and the totals'."""
-COLUMNS = ("strategy", "levers", "ranks", *(HEADINGS.get(p, p) for p in PARTS), "peak", "mean", "host", "fits")
+COLUMNS = ("strategy", "levers", "ranks", *(HEADINGS.get(p, p) for p in PARTS), "peak", "mean", "host", "allocated",
+           "reserved", "device_total", "fits")  # fmt: skip
 """Every format's columns, in order."""
 
 
@@ -37,7 +41,8 @@ def cells(row: dict[str, Any], scale: float) -> list[Any]:
     fits = None if row["fits"] is None else ("yes" if row["fits"] else "no")
     return [row["strategy"], row.get("levers", "none"), row["world_size"],
             *(mib(row.get(f"{k}_gib")) for k in PARTS), mib(row["total_gib"]), mib(row.get("mean_gib")),
-            mib(row.get("host_gib")), fits]  # fmt: skip
+            mib(row.get("host_gib")), mib(row.get("allocated_gib")), mib(row.get("reserved_gib")),
+            mib(row.get("device_total_gib")), fits]  # fmt: skip
 
 
 def _unit(rows) -> tuple[str, float]:
@@ -67,7 +72,7 @@ def shown(rows) -> list[str]:
     """The columns this plan shows: every column, less the parts (and host memory) no row
     holds anything in (a 7B DDP plan has no gathered parameters): the same in every format."""
     empty = lambda i: all(not v for v in (cells(r, 1.0)[i] for r in rows))  # noqa: E731
-    optional = {HEADINGS.get(p, p) for p in PARTS} | {"host"}
+    optional = {HEADINGS.get(p, p) for p in PARTS} | {"host", "reserved", "device_total"}
     return [c for i, c in enumerate(COLUMNS) if c not in optional or not empty(i)]
 
 
@@ -96,6 +101,7 @@ def text(rows, found, cfg: PlanConfig, params: int, preset: str, faked: str, mar
         lines.append(f"method: {kinds[0]}")
     else:
         lines += [f"method {i}: {m}" for i, m in enumerate(kinds, 1)]
+    lines += allocator_lines(rows)
     lines.append(f"{unit} per rank at the peak; - : not applicable")
     if markdown:
         lines = [f"{line}  " for line in lines]  # Markdown line breaks
@@ -130,6 +136,21 @@ def _extras(rows, found, cfg: PlanConfig, unit: str, scale: float) -> list[str]:
     return lines
 
 
+def allocator_lines(rows) -> list[str]:
+    """What the allocator columns were modelled with (said once): the allocator setting and
+    the CUDA context's figure and source. Nothing on CPU (no caching allocator: no reserved
+    column, allocated is the tensors' bytes, fits compares the peak) or for a raw count."""
+    modelled = [r for r in rows if r.get("context_source")]
+    if not modelled:
+        return []
+    conf = modelled[0]["alloc_conf"] or "unset (torch's defaults)"
+    return [
+        f"allocator: torch's CUDA caching allocator modelled, PYTORCH_CUDA_ALLOC_CONF {conf}; fits compares "
+        f"device_total (reserved + CUDA context {modelled[0]['context_gib'] * 1024:.0f} MiB: "
+        f"{modelled[0]['context_source']})"
+    ]
+
+
 def csv_text(rows) -> str:
     """``plan.format=csv``: the table's columns, memory in GiB, one line per row."""
     out = io.StringIO()
@@ -152,4 +173,5 @@ def column_keys(rows) -> dict[str, str]:
     keys = {"strategy": "strategy", "levers": "levers", "ranks": "world_size"}
     keys |= {HEADINGS.get(p, p): f"{p}_gib" for p in PARTS}
     keys |= {"peak": "total_gib", "mean": "mean_gib", "host": "host_gib", "fits": "fits"}
+    keys |= {"allocated": "allocated_gib", "reserved": "reserved_gib", "device_total": "device_total_gib"}
     return {c: keys[c] for c in shown(rows)}

@@ -39,7 +39,8 @@ import torch.distributed as dist
 from sharded_exp.config import JobGroups
 from sharded_exp.errors import ConfigError
 from sharded_exp.measure.tracker import peak_tracker
-from sharded_exp.strategies import STRATEGIES, baseline, offloads_to_host, traits_of
+from sharded_exp.predict.alloc_trace import recording
+from sharded_exp.strategies import STRATEGIES, baseline, memory_of, offloads_to_host, traits_of
 from sharded_exp.vocabulary.memory import OTHER, TORCH_CATEGORIES, TOTAL
 
 MIB = 2**20
@@ -313,6 +314,7 @@ def _run(cfg: JobGroups, world_size: int, rank: int, device_type: str, grad_clip
         _separate_propagation_mode(),
         _lazy_fsdp_chunks(),
         gloo as gloo_rule,
+        recording(device_type, memory_of(name).side_streams) as trace,  # what the CUDA allocator is asked
         mode,
         on_gpu as kernels,
     ):
@@ -323,6 +325,8 @@ def _run(cfg: JobGroups, world_size: int, rank: int, device_type: str, grad_clip
         def end_of_build(strategy):
             # The build's peak apart (a sharded build: the shards and one whole unit), then
             # the strategy's buckets filed as such, and the training's peak from here.
+            if trace is not None:
+                trace.restart()
             if tracking:
                 found = tracker.end_of_build(strategy.module, strategy.local_optimizers())
                 build.update(zip(("peak_mib", "breakdown_mib"), _parts(_on(found, device))))
@@ -330,6 +334,8 @@ def _run(cfg: JobGroups, world_size: int, rank: int, device_type: str, grad_clip
         def start_tracker(module):
             built.append(module)
             try:
+                if trace is not None:
+                    trace.attach(tracker)
                 tracker.track_external(module)
                 tracker.__enter__()
             except Exception as exc:  # noqa: BLE001
@@ -410,6 +416,8 @@ def _run(cfg: JobGroups, world_size: int, rank: int, device_type: str, grad_clip
                 if tracking:
                     tracker.reset_mod_stats()
                 del batches
+                if trace is not None and step < 2:
+                    trace.step_end()
         finally:
             if tracking:
                 tracker.__exit__(None, None, None)
@@ -418,7 +426,8 @@ def _run(cfg: JobGroups, world_size: int, rank: int, device_type: str, grad_clip
         raise FakeStepError("the memory tracker (torch MemTracker) failed", failure, detail=tracker.failure)
     peak, parts = _breakdown(tracker, device)
     copies = gloo_rule.count if gloo_rule is not None else 0
-    return peak, parts, int(count), {"phases": _phases(tracker, device), "build": build, "gloo_reduce_scatters": copies}
+    extra = {"phases": _phases(tracker, device), "build": build, "gloo_reduce_scatters": copies}
+    return peak, parts, int(count), extra | ({"alloc_events": trace.events} if trace is not None else {})
 
 
 _PROBES: dict[str, dict] = {}

@@ -224,6 +224,11 @@ def predict_peak(
             phases_mib[phase] = (peak - moved, {**p, **{k: 0.0 for k in states}})
         parts = {**parts, **{k: 0.0 for k in states}}
     build = (est.extra or {}).get("build") or {}
+    allocator = None
+    if (est.extra or {}).get("alloc_events") is not None:  # CUDA: the caching allocator's view
+        from sharded_exp.predict.alloc_trace import alloc_conf_of, point_figures
+
+        allocator = point_figures(est.extra["alloc_events"], alloc_conf_of(cfg), workspace)
     return {
         "per_rank_mib": per_rank,
         # the faked rank's peak while the model is built (a sharded build: its shards plus one
@@ -242,5 +247,8 @@ def predict_peak(
         + (", with CUDA's kernel choices (fused attention, foreach optimizer)" if device_type == "cuda" else ""),
         "rules": rules,
         "host_mib": host_mib,  # per rank, where the strategy keeps states in host memory (CPU offload)
+        # CUDA: the allocator's rounding and cache on top of the peak, fragmentation, the context
+        # (sharded_exp.predict.alloc_trace.point_figures); None on CPU (no caching allocator)
+        "allocator": allocator,
         "error": None,
     }

@@ -140,6 +140,10 @@ class FSDPMemory(MemoryModel):
     # Forward prefetch gathers the next unit while one computes, and backward the one
     # before: only from three blocks on does each further block add the same.
     depth_line_from = 3
+    # FSDP2 allocates its all-gather buffers in the copy-in stream (forward first), the
+    # reduce-scatter outputs (the new sharded gradients) in the reduce-scatter stream, and
+    # HSDP's all-reduce outputs in the all-reduce stream (torch's _fsdp_collectives.py).
+    side_streams = ("fsdp all-gather copy-in", "fsdp reduce-scatter", "fsdp all-reduce")
 
     @staticmethod
     def partition(group_numels, world_size):

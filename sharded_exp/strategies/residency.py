@@ -42,6 +42,11 @@ class MemoryModel:
     depth_lines_per_world_size = False
     """True when whether the peak lies on a line in depth depends on the world size (the
     planner then checks the line at every world size, not at the first alone)."""
+    side_streams: tuple[str, ...] = ()
+    """The CUDA streams besides the default one on which the strategy allocates, in order of
+    their first allocation in a step (entered through the device's stream context): the
+    caching allocator keeps a pool per stream (sharded_exp.predict.alloc_trace). NCCL's own
+    stream is every strategy's and is not listed."""
 
     @staticmethod
     def partition(group_numels, world_size: int) -> list[int]:
@@ -92,4 +97,3 @@ class MemoryModel:
         """
         numels = [math.prod(s) for s in shapes]
         return {"params": sum(numels), "grads": sum(numels), "optimizer": cls.optimizer_numels(numels, owners, rank)}
-

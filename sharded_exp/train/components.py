@@ -63,7 +63,7 @@ class Component:
 
 def hooks(parts: list[Component], name: str) -> list:
     """The parts' ``name`` hooks, in order, leaving out those that do nothing (a call per
-    part and step is a visible share of a small model's step: benchmarks/overhead.py)."""
+    part and step is a visible share of a small model's step: benchmarks/harness/overhead.py)."""
     return [getattr(p, name) for p in parts if getattr(type(p), name) is not getattr(Component, name)]
 
 
@@ -115,7 +115,7 @@ class Liveness(Component):
 class Speed(Component):
     """Step and data times of the timed steps, and the loop's wall time per step (data,
     checks, metrics, logging included: what the harness costs on top of the step, see
-    benchmarks/overhead.py)."""
+    benchmarks/harness/overhead.py)."""
 
     def __init__(self, device: torch.device, windows: Windows, loop: LoopSettings, world_size: int, log: IntervalLog):
         self.device, self.windows, self.log, self.compiled = device, windows, log, loop.compiled

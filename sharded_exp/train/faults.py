@@ -13,7 +13,7 @@ A testing aid, documented in the README; never set it in real runs. Kinds:
 - ``stall``: the rank's device stalls for ``SHARDED_EXP_STALL_S`` seconds (default 60) at
   the start of that step: on CUDA a kernel that sleeps on the compute stream with a
   collective queued behind it, so it times out even at world size 1 (the NCCL hang check
-  of ``benchmarks/gpu_check.py --hang``); on CPU the process sleeps.
+  of ``benchmarks/accuracy/gpu_check.py --hang``); on CPU the process sleeps.
 - ``kill``: the rank's process sends itself SIGKILL at the start of that step (as
   ``kill -9`` or the kernel's OOM killer would: no exception, no record).
 - ``sigterm``: the rank's process sends itself SIGTERM at the start of that step (a

@@ -10,6 +10,12 @@ setting), and FSDP still wraps the same units.
   state, so dropout recomputes the same mask: parameters are bit-identical to no AC).
 - ``selective``: the outputs of the matmuls and attention are kept and the cheap ops
   (activations, norms, dropout, casts) recomputed (torch's selective checkpoint policy).
+- ``selective_op``: torchtitan's per-op policy (``activation_checkpoint.mode="selective"``,
+  ``selective_ac_option="op"``): as ``selective``, but of a unit's matmuls (``mm``, and
+  ``addmm`` for a linear with a bias) only the odd ones (1st, 3rd, ...) are kept; every
+  second one is recomputed in the backward.
+  torchtitan's per-layer option (``selective_ac_option="2"``: full AC on every second
+  layer) is ``full`` with ``trainer.ac_every=2``.
 - ``trainer.ac_every=N``: only every N-th unit (0, N, 2N, ...).
 - ``trainer.compile=true``: each unit's forward is compiled (``torch.compile``, inductor).
 """
@@ -58,6 +64,39 @@ def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+MATMULS = {aten.mm.default, aten.addmm.default}
+"""The matmuls torchtitan's op policy counts: its models' linears (no bias) run ``mm``; a
+linear with a bias runs ``addmm``, counted alike."""
+
+
+def torchtitan_op_policy():
+    """torchtitan's per-op policy, made afresh for each checkpointed call: matmul and
+    attention outputs kept, except every second matmul (:data:`MATMULS`, counted apart in the forward and in
+    the recomputation, so that both decide alike)."""
+    counts = {False: 0, True: 0}
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op in MATMULS:
+            counts[ctx.is_recompute] += 1
+            if counts[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return _keep_matmuls(ctx, op, *args, **kwargs)
+
+    return policy
+
+
+def _torchtitan_op_contexts():
+    return create_selective_checkpoint_contexts(torchtitan_op_policy())
+
+
+POLICIES = {
+    "full": None,
+    "selective": functools.partial(create_selective_checkpoint_contexts, _keep_matmuls),
+    "selective_op": _torchtitan_op_contexts,
+}
+"""Each checkpointing mode's ``context_fn`` (None: full checkpointing, torch's default)."""
+
+
 _EAGER = contextvars.ContextVar("activation_checkpointing_off", default=False)
 
 
@@ -84,8 +123,8 @@ def _recomputed_under(kernels, context_fn):
     return forward_context, _both(kernels, recompute_context)
 
 
-def _checkpointed(forward, selective: bool):
-    context_fn = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls) if selective else None
+def _checkpointed(forward, mode: str):
+    context_fn = POLICIES[mode]
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
@@ -106,7 +145,7 @@ def _checkpointed(forward, selective: bool):
 
 def checkpointed_units(module: nn.Module, mode, every: int = 1) -> list[nn.Module]:
     """Wrap every ``every``-th unit's forward in activation checkpointing (``mode``: none,
-    full or selective); returns the units wrapped."""
+    full, selective or selective_op); returns the units wrapped."""
     mode = _value(mode)
     if mode == "none":
         return []
@@ -117,7 +156,7 @@ def checkpointed_units(module: nn.Module, mode, every: int = 1) -> list[nn.Modul
         config.use_cache = False
     chosen = units(module)[::every]
     for unit in chosen:
-        unit.forward = _checkpointed(unit.forward, selective=mode == "selective")
+        unit.forward = _checkpointed(unit.forward, mode)
     return chosen
 
 

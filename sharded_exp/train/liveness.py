@@ -1,6 +1,6 @@
 """Liveness on the rank side: stopping together on a signal, and naming a rank that hangs.
 
-Both cost (next to) nothing per step; ``benchmarks/overhead.py`` measures the loop.
+Both cost (next to) nothing per step; ``benchmarks/harness/overhead.py`` measures the loop.
 
 Stopping: SIGTERM (cluster preemption, ``scancel``, torchrun passing one on) or SIGINT
 (Ctrl-C) only sets a flag. Ranks must agree on the step at which they stop, or one would

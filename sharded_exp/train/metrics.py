@@ -17,7 +17,7 @@ class IntervalMetrics:
 
     Kept on the device every step: the detached loss and, for classifiers, the count of
     correct predictions (padding excluded). Nothing else: on a small model each tiny op
-    costs a visible share of the step (benchmarks/overhead.py), so everything else happens
+    costs a visible share of the step (benchmarks/harness/overhead.py), so everything else happens
     once per interval. At its end one vector -- every step's loss and count, then host
     numbers -- is all-reduced *asynchronously* and read at the end of the next interval,
     when the reduction finished long ago: a blocking collective every interval made ranks

@@ -134,6 +134,7 @@ PER_RANK_FIGURES = (
     "peak_allocated_mib",
     "peak_reserved_mib",
     "predicted_peak_mib",
+    "predicted_peak_reserved_mib",
     "peak_rel_error",
     "model_states_mib",
     "predicted_model_states_mib",
@@ -208,6 +209,10 @@ def panel_keys(world_size: int, strategies: list[str]) -> dict[str, list[str]]:
         "memory vs world size": [by_strategy_key(s, "peak_allocated_mib_max") for s in strategies],
         "throughput vs world size": [by_strategy_key(s, "samples_per_s") for s in strategies],
         "predicted vs measured": ["memory/predicted_peak_mib_max", "memory/peak_allocated_mib_max"],
+        "reserved: predicted vs measured (CUDA)": [
+            "memory/predicted_peak_reserved_mib_max",
+            "memory/peak_reserved_mib_max",
+        ],
         "parallel coordinates": ["memory/peak_allocated_mib_max", SAMPLES_PER_S, "final_loss"],
     }
 

@@ -48,6 +48,7 @@ PLANS = {
                    "plan.workers=2"],  # two strategies faked side by side
     "gpt2_xl": ["model=gpt2_xl", "model.n_layers=2", "plan.world_sizes=[8]", "plan.strategies=[fsdp]"],
     "gpt_7b": ["model=gpt_7b", "model.n_layers=2", "plan.world_sizes=[64]", "plan.strategies=[fsdp]",
+               "plan.alloc_conf=expandable_segments:True",
                "trainer.batch_size=1"],
     "hf_bert_base": ["model=hf_bert_base", "model.config.num_hidden_layers=2", "plan.world_sizes=[4]",
                      "plan.strategies=[ddp]"],

@@ -126,6 +126,17 @@ def test_the_summary_table_prints_each_figure_in_its_unit():
                            "1.00", "1.01", "3.2", "acc", "0.912", "f1", "0.88", "(0.21", "s)", "ok"]  # fmt: skip
 
 
+def test_the_summary_table_of_a_cuda_run_shows_reserved_measured_and_predicted():
+    result = job(
+        memory={"peak_allocated_mib_max": 3.0, "peak_reserved_mib_max": 4.0, "predicted_peak_reserved_mib_max": 4.5},
+        throughput={},
+    )
+    header, _, row = res.summary_table(result).splitlines()
+    at = header.split().index("pred_peak_MiB")
+    assert header.split()[at + 1 : at + 3] == ["reserved_MiB", "pred_reserved_MiB"]
+    assert row.split()[at + 1 : at + 3] == ["4.00", "4.50"]
+
+
 def test_the_summary_table_of_a_run_that_never_trained():
     result = job(status="oom", throughput={})  # {}: no step was timed
     row = res.summary_table(result).splitlines()[2].split()
@@ -213,6 +224,30 @@ def test_the_memory_section_without_a_peak_prediction():
     section = res.memory_section({"model_states_mib": [{"params": 1.0}], "transient_params_mib": 0.0}, per_rank, "x")
     assert section["predicted_peak_mib_max"] is None and per_rank[0]["peak_rel_error"] is None
     assert section["peak_rel_error_max"] is None and section["transient_params_mib_max"] is None
+
+
+def test_a_cuda_prediction_gives_each_rank_a_reserved_peak_beside_the_measured_one():
+    states = [{"params": 1.0}, {"params": 1.0}]
+    allocator = {"reserved_extra_mib": 2.5, "allocated_extra_mib": 0.1}
+    prediction = {"model_states_mib": states, "transient_params_mib": 0.0,
+                  "peak": {"per_rank_mib": [9.0, 6.0], "kernels": "cuda: ...", "allocator": allocator}}  # fmt: skip
+    per_rank = [{"rank": r, "peak_allocated_mib": 8.0, "peak_reserved_mib": 10.0 + r, "model_states_mib": states[r]}
+                for r in range(2)]  # fmt: skip
+    section = res.memory_section(prediction, per_rank, "cuda_allocator")
+    assert [r["predicted_peak_reserved_mib"] for r in per_rank] == [11.5, 8.5]
+    assert section["predicted_peak_reserved_mib_max"] == 11.5 and section["peak_reserved_mib_max"] == 11.0
+    assert section["predicted_peak_reserved_error"] is None
+    assert res.predicted_section(prediction)["predicted_peak_reserved_mib_max"] == 11.5
+
+
+def test_a_cpu_prediction_has_no_reserved_peak_and_says_why():
+    prediction = {"model_states_mib": [{"params": 1.0}], "transient_params_mib": 0.0,
+                  "peak": {"per_rank_mib": [9.0], "kernels": "cpu: ...", "allocator": None}}  # fmt: skip
+    per_rank = [{"rank": 0, "peak_allocated_mib": 8.0, "model_states_mib": {"params": 1.0}}]
+    section = res.memory_section(prediction, per_rank, "torch_mem_tracker")
+    assert per_rank[0]["predicted_peak_reserved_mib"] is None and section["predicted_peak_reserved_mib_max"] is None
+    assert "CPU run has no caching allocator" in section["predicted_peak_reserved_error"]
+    assert "no predicted peak" in res.predicted_reserved({"peak": {"error": "the model cannot run fake"}})[1]
 
 
 def test_relative_error_over_the_three_states_together():

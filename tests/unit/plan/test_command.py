@@ -45,8 +45,11 @@ def with_values(cfg, **values):
         ({"levers": [""]}, "plan.levers entry '': empty is not a lever"),
         ({"plot": "plan.txt"}, "plan.plot=plan.txt must name a .png, .svg or .pdf file"),
         ({"find": "depth"}, "plan.find=depth needs a model with model.n_layers (e.g. model=gpt); model=mlp has none"),
-        ({"find": "depth", "params": 1e9}, "plan.find=depth needs a model with model.n_layers (e.g. model=gpt); "
-                                          "a raw parameter count (plan.params) has none"),  # fmt: skip
+        (
+            {"find": "depth", "params": 1e9},
+            "plan.find=depth needs a model with model.n_layers (e.g. model=gpt); "
+            "a raw parameter count (plan.params) has none",
+        ),  # fmt: skip
         ({"trainer__batch_size": 0}, "trainer.batch_size=0 must be >= 1"),
         ({"find": "batch_size", "params": 1e9}, "plan.find=batch_size needs a model: a raw parameter count"),
         ({"levers": ["ac+ac_selective"]}, "plan.levers entry 'ac+ac_selective' sets one lever twice"),
@@ -56,6 +59,8 @@ def with_values(cfg, **values):
         ({"levers": ["offload"], "strategies": ["ddp", "zero1"]}, "has no FSDP strategy; add fsdp or fsdp_grad_op"),
         ({"levers": ["offload"], "device": "cpu"}, "plan.levers with offload and plan.device=cpu"),
         ({"plot": "/proc/x.png"}, "plan.plot=/proc/x.png: /proc cannot be written"),
+        ({"alloc_conf": "expandable:True"}, "plan.alloc_conf='expandable:True': PYTORCH_CUDA_ALLOC_CONF"),
+        ({"alloc_conf": "max_split_size_mb:abc"}, "plan.alloc_conf='max_split_size_mb:abc'"),
     ],
 )
 def test_input_the_planner_refuses(plan_cfg, values, message):
@@ -71,6 +76,8 @@ def test_input_the_planner_takes(plan_cfg, gpt_cfg, tmp_path):
     command.check_plan(with_values(plan_cfg, levers=["none", "ac+offload", "ac_selective"], workers=0, units=1))
     command.check_plan(with_values(gpt_cfg, find="depth"))
     command.check_plan(with_values(plan_cfg, plot=str(tmp_path / "not" / "yet" / "plan.PNG")))
+    command.check_plan(with_values(plan_cfg, alloc_conf="expandable_segments:True,max_split_size_mb:512"))
+    command.check_plan(with_values(plan_cfg, alloc_conf=""))  # torch's defaults
 
 
 def test_a_model_chosen_beside_a_raw_count_is_refused(plan_cfg):
@@ -147,8 +154,13 @@ def test_a_raw_count_planned_as_csv_has_a_row_per_point(plan_cfg, capsys):
     assert command.plan(_raw(plan_cfg, "csv"), "mlp") == 0
     out, err = capsys.readouterr()
     lines = list(csv.reader(io.StringIO(out)))
-    assert [line[:3] for line in lines] == [["strategy", "levers", "ranks"], ["ddp", "none", "8"],
-                                            ["ddp", "none", "64"], ["fsdp", "none", "8"], ["fsdp", "none", "64"]]
+    assert [line[:3] for line in lines] == [
+        ["strategy", "levers", "ranks"],
+        ["ddp", "none", "8"],
+        ["ddp", "none", "64"],
+        ["fsdp", "none", "8"],
+        ["fsdp", "none", "64"],
+    ]
     assert [line.split()[1] for line in err.splitlines() if line.startswith("plan: ")] == ["2/4", "4/4"]
 
 
@@ -175,7 +187,9 @@ def test_a_layout_training_refuses_is_refused_for_every_world_size_planned(world
     with pytest.raises(ConfigError) as refused:
         command.check_plan(cfg)
     bad = next(ws for ws in world_sizes if ws % 2)
-    assert f"at {bad} ranks, strategy.replicate=2 must be >= 1 and divide trainer.world_size={bad}" in str(refused.value)
+    assert f"at {bad} ranks, strategy.replicate=2 must be >= 1 and divide trainer.world_size={bad}" in str(
+        refused.value
+    )
     command.check_plan(compose(["strategy=fsdp", "strategy.replicate=2", "plan.world_sizes=[2,8]"], config_name="plan"))
 
 

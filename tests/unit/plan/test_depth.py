@@ -358,3 +358,15 @@ def test_shapes_are_built_once_per_model_optimizer_and_freeze(gpt_cfg, monkeypat
     other = gpt_cfg.copy()
     OmegaConf.update(other.model, "n_layers", 2)
     assert depth.shapes_of(other).params < first.params and len(calls) == 2
+
+
+def test_the_allocators_figures_at_full_depth_keep_their_share_of_the_peak():
+    from sharded_exp.plan.depth import Fake, compose_allocator
+
+    allocator = {"tracked_peak_mib": 100.0, "allocated_extra_mib": 1.0, "reserved_extra_mib": 40.0,
+                 "fragmentation_mib": 39.0, "context_mib": 426.0, "streams": ["default"]}  # fmt: skip
+    b = Fake(5, {}, {}, {}, 0.0, allocator=allocator)
+    out = compose_allocator(b, 250.0)
+    assert (out["allocated_extra_mib"], out["reserved_extra_mib"], out["fragmentation_mib"]) == (2.5, 100.0, 97.5)
+    assert out["context_mib"] == 426.0 and out["streams"] == ["default"]  # not shares of the peak
+    assert compose_allocator(Fake(5, {}, {}, {}, 0.0), 250.0) is None  # CPU: no allocator

@@ -300,7 +300,8 @@ def test_levers_say_what_they_cost():
     assert points._cost_note("ac", prediction).startswith("recompute: one more forward")
     assert points._cost_note("ac_selective", prediction).startswith("recompute: the units' cheap ops")
     assert points._cost_note("ac+offload", prediction).endswith(
-        "; offload: 1.50 GiB host<->device per step (sharded parameters in, gradients out)")
+        "; offload: 1.50 GiB host<->device per step (sharded parameters in, gradients out)"
+    )
 
 
 # ------------------------------------------------------------------------ the cheapest
@@ -490,3 +491,39 @@ def test_a_line_that_holds_only_past_a_regime_change_answers_beyond_it(raw_cfg, 
     r = points.raw_row(raw_cfg, "ddp", 10**6)
     assert r["params_gib"] == pytest.approx(3.0 + 4096.0 / 10**6)
     assert r["note"] == "from the exact plans at 4096, 8192 and 16384 ranks (every figure is a + b/world_size)"
+
+
+# ------------------------------------------------------------------ the allocator's columns and fits
+ALLOCATOR = {"allocated_extra_mib": 10.24, "reserved_extra_mib": 1024.0, "fragmentation_mib": 512.0, "segments": 3,
+             "streams": ["default"], "alloc_conf": "", "context_mib": 512.0, "context_source": "s"}  # fmt: skip
+
+
+def test_allocator_columns_ride_on_the_peak_and_add_the_context():
+    cols = points.allocator_columns(10.0, ALLOCATOR)
+    assert cols["allocated_gib"] == pytest.approx(10.01)
+    assert cols["reserved_gib"] == 11.0 and cols["device_total_gib"] == 11.5
+    assert cols["fragmentation_gib"] == 0.5 and cols["context_gib"] == 0.5
+
+
+def test_without_an_allocator_allocated_is_the_peak_and_nothing_is_reserved():
+    assert points.allocator_columns(10.0, None) == {
+        "allocated_gib": 10.0,
+        "reserved_gib": None,
+        "device_total_gib": None,
+    }
+    assert points.allocator_columns(None, ALLOCATOR)["allocated_gib"] is None
+
+
+def test_fits_holds_the_device_total_where_modelled_else_the_peak():
+    cuda = {"total_gib": 10.0, **points.allocator_columns(10.0, ALLOCATOR)}
+    assert points.fits(cuda, 11.5) is True and points.fits(cuda, 11.4) is False  # the peak alone would fit
+    cpu = {"total_gib": 10.0, **points.allocator_columns(10.0, None)}
+    assert points.fits(cpu, 10.0) is True and points.fits(cpu, 9.9) is False
+    assert points.fits({"total_gib": None, "device_total_gib": None}, 80.0) is None
+
+
+def test_cheapest_asks_fits_not_the_peak():
+    near = {"strategy": "ddp", "world_size": 8, "levers": "none", "total_gib": 79.0}
+    near |= points.allocator_columns(79.0, ALLOCATOR)
+    near["fits"] = points.fits(near, 80.0)
+    assert near["fits"] is False and points.cheapest([near]) == []

@@ -22,6 +22,7 @@ def row(strategy="ddp", world_size=2, total=0.5, method="fake step", note="", fi
     """A planned point: ``parts`` are GiB by part name; any part not given holds nothing."""
     out = {f"{p}_gib": 0.0 for p in PARTS} | {f"{k}_gib": v for k, v in parts.items()}
     return out | {"strategy": strategy, "world_size": world_size, "total_gib": total, "mean_gib": total,
+                  "allocated_gib": total, "reserved_gib": None, "device_total_gib": None,  # a CPU plan's
                   "fits": fits, "method": method, "note": note, "levers": levers}  # fmt: skip
 
 
@@ -71,7 +72,19 @@ def test_memory_is_in_gib_from_one_gib_and_in_mib_below():
 def test_columns_no_row_holds_anything_in_are_not_shown():
     rows = [row(params=1.0, grads=1.0, optimizer=2.0), row(world_size=8, params=1.0, buckets=0.25)]
     head = table.shown(rows)
-    assert head == ["strategy", "levers", "ranks", "params", "grads", "optim state", "buckets", "peak", "mean", "fits"]
+    assert head == [
+        "strategy",
+        "levers",
+        "ranks",
+        "params",
+        "grads",
+        "optim state",
+        "buckets",
+        "peak",
+        "mean",
+        "allocated",
+        "fits",
+    ]
 
 
 def test_host_memory_is_shown_where_a_row_holds_some():
@@ -95,8 +108,11 @@ def test_a_method_column_numbers_the_methods_only_where_they_differ():
 def test_the_body_holds_the_shown_columns_of_each_row_scaled():
     rows = [row(params=1.0, total=1.0), row(strategy="fsdp", params=0.25, total=0.25)]
     head, body = table._body(rows, 1024.0)
-    assert head == ["strategy", "levers", "ranks", "params", "peak", "mean", "fits"]
-    assert body == [["ddp", "none", 2, 1024.0, 1024.0, 1024.0, "yes"], ["fsdp", "none", 2, 256.0, 256.0, 256.0, "yes"]]
+    assert head == ["strategy", "levers", "ranks", "params", "peak", "mean", "allocated", "fits"]
+    assert body == [
+        ["ddp", "none", 2, 1024.0, 1024.0, 1024.0, 1024.0, "yes"],
+        ["fsdp", "none", 2, 256.0, 256.0, 256.0, 256.0, "yes"],
+    ]
 
 
 # ------------------------------------------------------------------------------- text
@@ -124,8 +140,8 @@ def test_the_table_says_its_method_once_and_its_unit():
     assert out[2] == "method: fake step"
     assert out[3] == "MiB per rank at the peak; - : not applicable"
     assert out[4] == ""
-    assert out[5].split() == ["strategy", "levers", "ranks", "params", "peak", "mean", "fits"]
-    assert out[7].split() == ["ddp", "none", "2", "512.00", "512.00", "512.00", "yes"]  # 0.5 GiB in MiB
+    assert out[5].split() == ["strategy", "levers", "ranks", "params", "peak", "mean", "allocated", "fits"]
+    assert out[7].split() == ["ddp", "none", "2", "512.00", "512.00", "512.00", "512.00", "yes"]  # 0.5 GiB in MiB
 
 
 def test_a_table_of_several_methods_numbers_them():
@@ -156,8 +172,11 @@ def test_notes_follow_the_table_each_once_in_order():
 
 
 def test_the_cheapest_point_that_fits_is_named_where_levers_are_planned():
-    rows = [row(strategy="fsdp", total=0.5, params=0.5), row(strategy="ddp", total=0.75, params=0.75),
-            row(strategy="ddp", levers="ac", total=0.25, params=0.25)]
+    rows = [
+        row(strategy="fsdp", total=0.5, params=0.5),
+        row(strategy="ddp", total=0.75, params=0.75),
+        row(strategy="ddp", levers="ac", total=0.25, params=0.25),
+    ]
     rows[2]["cost"] = "recompute"
     out = table.text(rows, [], config(levers=["none", "ac"]), 10, "gpt", "cpu").splitlines()
     assert out[-1] == "cheapest that fits at 2 ranks: ddp (768.00 MiB)"
@@ -185,9 +204,9 @@ def test_csv_holds_the_shown_columns_in_gib_with_empty_cells_for_none():
     rows = [row(params=0.123456789, activations=None, total=0.123456789),
             row(strategy="fsdp", world_size=8, params=1.0, activations=2.0, total=3.0, fits=False)]  # fmt: skip
     lines = list(csv.reader(io.StringIO(table.csv_text(rows))))
-    assert lines[0] == ["strategy", "levers", "ranks", "params", "activations", "peak", "mean", "fits"]
-    assert lines[1] == ["ddp", "none", "2", "0.123457", "", "0.123457", "0.123457", "yes"]
-    assert lines[2] == ["fsdp", "none", "8", "1", "2", "3", "3", "no"]
+    assert lines[0] == ["strategy", "levers", "ranks", "params", "activations", "peak", "mean", "allocated", "fits"]
+    assert lines[1] == ["ddp", "none", "2", "0.123457", "", "0.123457", "0.123457", "0.123457", "yes"]
+    assert lines[2] == ["fsdp", "none", "8", "1", "2", "3", "3", "3", "no"]
     assert not table.csv_text(rows).endswith("\n")
 
 
@@ -203,7 +222,7 @@ def test_each_shown_column_has_its_key_in_a_json_row():
     keys = table.column_keys(rows)
     assert keys == {"strategy": "strategy", "levers": "levers", "ranks": "world_size", "params": "params_gib",
                     "optim step": "optimizer_step_gib", "comm": "communication_gib", "peak": "total_gib",
-                    "mean": "mean_gib", "host": "host_gib", "fits": "fits"}  # fmt: skip
+                    "mean": "mean_gib", "host": "host_gib", "allocated": "allocated_gib", "fits": "fits"}  # fmt: skip
     assert all(k in rows[0] for k in keys.values())
 
 
@@ -212,3 +231,28 @@ def test_every_part_has_a_meaning_under_its_heading(part):
     heading = table.HEADINGS.get(part, part)
     assert heading in COLUMNS
     assert heading in table.MEANINGS or part == "other"
+
+
+# ------------------------------------------------------------------ the allocator's columns
+def cuda_row(**kw):
+    r = row(params=1.0, total=1.0, **kw)
+    return r | {"allocated_gib": 1.01, "reserved_gib": 1.25, "device_total_gib": 1.75, "context_gib": 0.5,
+                "context_source": "a published figure", "alloc_conf": "expandable_segments:True"}  # fmt: skip
+
+
+def test_a_cuda_plan_shows_allocated_reserved_and_the_device_total_and_says_what_it_modelled():
+    rows = [cuda_row()]
+    assert table.shown(rows)[-4:] == ["allocated", "reserved", "device_total", "fits"]
+    values = dict(zip(COLUMNS, table.cells(rows[0], 1.0)))
+    assert (values["allocated"], values["reserved"], values["device_total"]) == (1.01, 1.25, 1.75)
+    out = table.text(rows, [], config(), 10, "gpt", "cuda")
+    assert "PYTORCH_CUDA_ALLOC_CONF expandable_segments:True" in out and "CUDA context 512 MiB: a published" in out
+    assert table.column_keys(rows)["device_total"] == "device_total_gib"
+    csv_head = next(csv.reader(io.StringIO(table.csv_text(rows))))
+    assert csv_head[-4:] == ["allocated", "reserved", "device_total", "fits"]
+
+
+def test_a_cpu_plan_shows_no_reserved_and_says_nothing_of_an_allocator():
+    rows = [row(params=1.0, total=1.0)]
+    assert "reserved" not in table.shown(rows) and "device_total" not in table.shown(rows)
+    assert "allocator" not in table.text(rows, [], config(), 10, "gpt", "cpu")

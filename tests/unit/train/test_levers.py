@@ -81,6 +81,28 @@ def test_the_selective_policy_keeps_matmuls_and_recomputes_the_rest():
     assert levers._keep_matmuls(None, aten.relu.default) is CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def test_torchtitans_op_policy_recomputes_every_second_matmul_counting_forward_and_recompute_apart():
+    policy = levers.torchtitan_op_policy()
+    forward, recompute = types.SimpleNamespace(is_recompute=False), types.SimpleNamespace(is_recompute=True)
+    ops = [aten.mm.default, aten.tanh.default, aten.mm.default, aten.addmm.default, aten.mm.default]
+    keep, again = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    assert [policy(forward, op) for op in ops] == [keep, again, again, keep, again]  # addmm counts as a matmul
+    assert [policy(recompute, op) for op in ops] == [keep, again, again, keep, again]  # the same choice again
+    assert levers.torchtitan_op_policy()(forward, aten.mm.default) is keep  # a new call counts afresh
+
+
+def test_torchtitans_op_policy_computes_the_same_gradients():
+    torch.manual_seed(0)
+    plain, ac = Stack(), Stack()
+    ac.load_state_dict(plain.state_dict())
+    levers.checkpointed_units(ac, ActivationCheckpointing.selective_op)
+    x = torch.randn(3, 4)
+    plain(x).sum().backward()
+    ac(x).sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), ac.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
 def test_without_checkpointing_a_wrapped_unit_runs_plainly_and_the_switch_is_restored(monkeypatch):
     calls = []
     monkeypatch.setattr(levers, "checkpoint", lambda fn, *a, **kw: calls.append("checkpoint") or fn(*a))

@@ -1,0 +1,177 @@
+"""sharded_exp.predict.alloc_trace: the events recorded from a memory tracker (allocations
+on the stream entered, frees, collectives' tensors on NCCL's stream, step ends), a fake CUDA
+step's trace, the replay's figures worked by hand, and the CUDA context's choice."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from torch.distributed._tools.mem_tracker import _UpdateType
+
+from sharded_exp.predict.alloc_trace import (
+    DEFAULT_STREAM,
+    NCCL_STREAM,
+    AllocTrace,
+    cuda_context,
+    recording,
+    replay,
+)
+from sharded_exp.predict.allocator import cuda_context_entries
+
+MIB = 2**20
+
+
+class StubTracker:
+    """What AllocTrace reads of torch's MemTracker: ``_update_snap`` and ``_WINFO``."""
+
+    def __init__(self):
+        self.calls = []
+        self._WINFO = {}
+
+    def _update_snap(self, u_type, winfo, *args, **kwargs):
+        self.calls.append(u_type)
+
+
+def test_a_trace_records_allocations_on_the_stream_entered_and_frees_in_order():
+    trace = AllocTrace(side_streams=("copy-in",))
+    tracker = StubTracker()
+    trace.attach(tracker)
+    a, b = SimpleNamespace(mem_consumed=100), SimpleNamespace(mem_consumed=300)
+    with trace.streams(torch.cpu):
+        tracker._update_snap(_UpdateType.ADD, a)
+        with torch.cpu.stream(torch.cpu.Stream()):
+            tracker._update_snap(_UpdateType.ADD, b)
+        tracker._update_snap(_UpdateType.DEL, a)
+        tracker._update_snap(_UpdateType.REF, b)  # recategorised: no event
+    trace.step_end()
+    assert trace.events == [
+        ("malloc", 0, 100, DEFAULT_STREAM),
+        ("malloc", 1, 300, "copy-in"),
+        ("free", 0, 0, None),
+        ("sync", None, 0, None),
+    ]
+    assert tracker.calls == [_UpdateType.ADD, _UpdateType.ADD, _UpdateType.DEL, _UpdateType.REF]  # passed on
+    assert torch.cpu.stream.__module__ == "torch.cpu"  # restored
+
+
+def test_a_resized_storage_is_a_free_and_a_new_block_and_a_restart_keeps_what_is_live():
+    """FSDP2 frees an unsharded parameter by resizing its storage to 0 and gathers it again
+    by resizing it back: to the allocator, a free and a new block each time."""
+    trace = AllocTrace()
+    tracker = StubTracker()
+    trace.attach(tracker)
+    kept, unit = SimpleNamespace(mem_consumed=10), SimpleNamespace(mem_consumed=400)
+    tracker._update_snap(_UpdateType.ADD, kept)
+    tracker._update_snap(_UpdateType.ADD, unit)
+    unit.mem_consumed = 0
+    tracker._update_snap(_UpdateType.SIZE, unit, old_mem_consumed=400)
+    unit.mem_consumed = 400
+    tracker._update_snap(_UpdateType.SIZE, unit, old_mem_consumed=0)
+    assert trace.events[2:] == [("free", 1, 0, None), ("malloc", 2, 400, DEFAULT_STREAM)]
+    trace.restart()  # the build is over: what is allocated now, in order
+    assert trace.events == [("malloc", 0, 10, DEFAULT_STREAM), ("malloc", 2, 400, DEFAULT_STREAM)]
+    tracker._update_snap(_UpdateType.DEL, unit)
+    assert trace.events[-1] == ("free", 2, 0, None)
+
+
+def test_a_side_stream_is_named_at_its_first_allocation_and_unnamed_ones_are_numbered():
+    trace = AllocTrace(side_streams=("first",))
+    tracker = StubTracker()
+    trace.attach(tracker)
+    quiet, s2, s3 = torch.cpu.Stream(), torch.cpu.Stream(), torch.cpu.Stream()
+    with trace.streams(torch.cpu):
+        with torch.cpu.stream(quiet):  # communicates only: takes no name
+            pass
+        for i, s in enumerate((s2, s3)):
+            with torch.cpu.stream(s):
+                tracker._update_snap(_UpdateType.ADD, SimpleNamespace(mem_consumed=1))
+    assert [e[3] for e in trace.events] == ["first", "stream 2"]
+
+
+def test_a_collectives_tensors_are_recorded_on_nccls_stream(monkeypatch):
+    trace = AllocTrace()
+    tracker = StubTracker()
+    trace.attach(tracker)
+    t = torch.zeros(4)
+    winfo = SimpleNamespace(mem_consumed=16)
+    tracker._update_snap(_UpdateType.ADD, winfo)
+    tracker._WINFO[t.untyped_storage()] = (winfo, None)
+    calls = []
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, **kw: calls.append(tensor))
+    with trace.streams(torch.cpu):
+        dist.all_reduce(t)
+    assert calls == [t]
+    assert trace.events[-1] == ("record_stream", 0, 0, NCCL_STREAM)
+    assert dist.all_reduce.__name__ == "<lambda>"  # the function found on entry is put back
+
+
+def test_recording_is_none_on_cpu():
+    with recording("cpu") as trace:
+        assert trace is None
+
+
+def test_replay_rounds_each_large_weight_to_its_2_mib_segment():
+    """20 weights of 16,000,000 bytes (Linear(2000, 2000), the ZeroRedundancyOptimizer
+    recipe): each is a multiple of 512, large (> 1 MiB) and >= 10 MiB, so its segment is
+    the size rounded up to 2 MiB: 16 MiB; the 777,216 bytes left are under 1 MiB, so the
+    block is not split and counts 16 MiB allocated. 20 x 16 MiB = 320 MiB (335.5 MB)
+    allocated and reserved, against 305.2 MiB tracked; no fragmentation."""
+    events = [("malloc", i, 16_000_000, DEFAULT_STREAM) for i in range(20)]
+    figures = replay(events)
+    assert figures.allocated_mib == 320
+    assert figures.reserved_mib == 320
+    assert figures.tracked_peak_mib == pytest.approx(20 * 16_000_000 / MIB)
+    assert figures.fragmentation_mib == 0
+    assert figures.segments == 20
+
+
+def test_replay_keeps_a_freed_block_of_another_stream_out_of_reach():
+    """A 4 MiB tensor on a side stream, freed, then 4 MiB asked on the default stream: the
+    cached block is the side stream's (a 20 MiB segment: 1-10 MiB requests), so a second
+    20 MiB segment is reserved. With the workspace (1 MiB, small pool, a 2 MiB segment)
+    first: 42 MiB reserved; 4 + 1 MiB allocated at most."""
+    events = [("malloc", 0, 4 * MIB, "side"), ("free", 0, 0, None), ("malloc", 1, 4 * MIB, DEFAULT_STREAM)]
+    figures = replay(events, workspace_bytes=MIB)
+    assert figures.reserved_mib == 42
+    assert figures.allocated_mib == 5
+    assert figures.streams == ("side", DEFAULT_STREAM)
+
+
+def test_expandable_segments_map_pages_not_segments():
+    """Three 11 MiB tensors. By default each (>= 10 MiB) gets its own segment, rounded to
+    2 MiB: 3 x 12 = 36 MiB reserved. Under expandable_segments they lie end to end in one
+    segment mapped in 20 MiB pages: 33 MiB needs 2 pages, 40 MiB reserved."""
+    events = [("malloc", i, 11 * MIB, DEFAULT_STREAM) for i in range(3)]
+    assert replay(events).reserved_mib == 36
+    expandable = replay(events, "expandable_segments:True")
+    assert expandable.reserved_mib == 40
+    assert expandable.alloc_conf == "expandable_segments:True"
+
+
+def test_cuda_context_prefers_the_device_and_torch_published_else_the_newest_torchs():
+    entries = [e for e in cuda_context_entries() if e.get("context_bytes")]
+    newest = cuda_context(torch_version="9.9")
+    assert newest["matched"].startswith("none")
+    assert newest["source"]
+    first = entries[0]
+    found = cuda_context(device_name=first["device"], torch_version=first["torch"])
+    assert found["mib"] == first["context_bytes"] / MIB
+    assert found["matched"] == "device and torch"
+
+
+@pytest.mark.parametrize("strategy", ["ddp"])
+def test_a_fake_cuda_step_records_two_steps_of_allocations(tiny_job, strategy):
+    from sharded_exp.predict.fake_step import fake_step
+    from sharded_exp.strategies import STRATEGIES
+
+    cfg = tiny_job.copy()
+    cfg.strategy = OmegaConf.structured(STRATEGIES.config_class(strategy)())
+    events = fake_step(cfg, 2, 0, "cuda", flops=False).extra["alloc_events"]
+    assert [e for e in events if e[0] == "sync"] == [("sync", None, 0, None)] * 2
+    made = {e[1] for e in events if e[0] == "malloc"}
+    assert {e[1] for e in events if e[0] == "free"} <= made
+    assert fake_step(cfg, 2, 0, "cpu", flops=False).extra.get("alloc_events") is None
