@@ -10,12 +10,16 @@ analytic memory model, without activations.
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
+import multiprocessing
+import os
 from typing import Any
 
 from omegaconf import OmegaConf
 
 from sharded_exp.config import PlanConfig
+from sharded_exp.measure.cuda_kernels import cublas_workspace_mib
 from sharded_exp.plan.depth import first_depth, peaks_by_depth, shapes_of
 from sharded_exp.plan.progress import Progress
 from sharded_exp.predict.prediction import ModelShapes, model_shapes, predict, predict_peak
@@ -286,9 +290,6 @@ def plan_rows(
 
     count = workers(cfg, len(tasks))
     if count > 1:
-        import concurrent.futures
-        import multiprocessing
-
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(["sharded_exp.plan.points"])
         # the costliest first (FSDP's fake steps), so that the last to finish is a short one
@@ -312,7 +313,6 @@ def workers(cfg: PlanConfig, tasks: int) -> int:
     """How many processes fake side by side: ``plan.workers``, or (0) one per CPU core this
     process may use for a model of :data:`SIDE_BY_SIDE_FROM` parameters or more; never more
     than there are strategies to fake (a raw count fakes none)."""
-    import os
 
     if cfg.plan.params is not None:
         return 1
@@ -438,8 +438,6 @@ def faked(cfg: PlanConfig) -> str:
     if cfg.plan.params is not None:
         return f"{_value(cfg.plan.device)} (a raw count is analytic: nothing is faked)"
     if _value(cfg.plan.device) == "cuda":
-        from sharded_exp.measure.cuda_kernels import cublas_workspace_mib
-
         workspace, source = cublas_workspace_mib()
         return (f"cuda (fake tensors with the kernels CUDA chooses: fused attention, foreach optimizer; "
                 f"+ {workspace:g} MiB cuBLAS workspace: {source})")  # fmt: skip

@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 from omegaconf import OmegaConf
+from tabulate import tabulate
 
 from sharded_exp.config import PlanConfig
 from sharded_exp.vocabulary.memory import HEADINGS, PARTS
@@ -85,7 +86,6 @@ def _body(rows, scale: float) -> tuple[list[str], list[list[Any]]]:
 
 def text(rows, found, cfg: PlanConfig, params: int, preset: str, faked: str, markdown: bool = False) -> str:
     """``plan.format=table`` (aligned columns) or ``md`` (a GitHub Markdown table)."""
-    from tabulate import tabulate
 
     unit, scale = _unit(rows)
     head, body = _body(rows, scale)
@@ -108,7 +108,7 @@ def text(rows, found, cfg: PlanConfig, params: int, preset: str, faked: str, mar
 
 
 def _extras(rows, found, cfg: PlanConfig, unit: str, scale: float) -> list[str]:
-    from sharded_exp.plan.points import cheapest, lever_combos
+    from sharded_exp.plan.points import cheapest, lever_combos  # lazy: points imports torch; a table needs none
 
     lines = []
     if cfg.plan.params is None and (len(lever_combos(cfg)) > 1 or any(r.get("levers", "none") != "none" for r in rows)):
