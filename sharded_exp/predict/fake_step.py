@@ -50,7 +50,9 @@ from sharded_exp.data import each_tensor, probe_batch
 from sharded_exp.errors import ConfigError
 from sharded_exp.measure.cuda_kernels import cuda_kernels
 from sharded_exp.measure.tracker import peak_tracker
+from sharded_exp.models import units
 from sharded_exp.models.materialise import chunk_of
+from sharded_exp.predict.op_trace import Trace, tracing
 from sharded_exp.strategies import STRATEGIES, baseline, offloads_to_host, traits_of
 from sharded_exp.train.build import build_run
 from sharded_exp.train.levers import without_checkpointing
@@ -343,9 +345,10 @@ def _build(cfg: JobGroups, device: torch.device, watch: _Watch):
         raise FakeStepError(part, exc) from exc
 
 
-def _steps(cfg: JobGroups, run, sample: dict, watch: _Watch, kernels, grad_clip: float, flops: bool) -> int:
+def _steps(cfg: JobGroups, run, sample: dict, watch: _Watch, kernels, grad_clip: float, flops: bool, trace=None) -> int:
     """Two fake training steps of ``run`` (three with checkpointing and ``flops``); returns
-    the FLOPs of one step (0 when not counted)."""
+    the FLOPs of one step (0 when not counted). ``trace``: a :class:`Trace` the second (steady)
+    step's ops are recorded into, recomputation included."""
     tc, device, name = cfg.trainer, watch.device, cfg.strategy.name
     module, strategy, autocast = run.module, run.strategy, run.autocast
     known = {id(p) for p in module.parameters()}
@@ -370,8 +373,9 @@ def _steps(cfg: JobGroups, run, sample: dict, watch: _Watch, kernels, grad_clip:
         if kernels is not None:
             kernels.flops = 0
         plain = without_checkpointing() if step == 2 else contextlib.nullcontext()
+        traced = tracing(trace if step == 1 else None, units(module), kernels)
         try:
-            with counter or contextlib.nullcontext(), plain:
+            with counter or contextlib.nullcontext(), plain, traced:
                 train_step(strategy, batches, autocast, grad_clip)
         except Exception as exc:  # noqa: BLE001
             refuse_parameters_made_in_forward(module, known, cfg.model.name, name)  # the likelier cause
@@ -385,7 +389,9 @@ def _steps(cfg: JobGroups, run, sample: dict, watch: _Watch, kernels, grad_clip:
     return int(count)
 
 
-def _run(cfg: JobGroups, world_size: int, rank: int, device_type: str, grad_clip: float, flops: bool) -> tuple:
+def _run(
+    cfg: JobGroups, world_size: int, rank: int, device_type: str, grad_clip: float, flops: bool, trace=None
+) -> tuple:
     """Two fake steps of ``cfg`` on ``rank``: (peak MiB, breakdown, FLOPs of one step, extra:
     each phase's peak, the build's, and how many reduce-scatters held gloo's copy).
 
@@ -411,7 +417,7 @@ def _run(cfg: JobGroups, world_size: int, rank: int, device_type: str, grad_clip
     ):
         torch.manual_seed(cfg.trainer.seed)
         try:
-            count = _steps(cfg, _build(cfg, device, watch), sample, watch, kernels, grad_clip, flops)
+            count = _steps(cfg, _build(cfg, device, watch), sample, watch, kernels, grad_clip, flops, trace)
         finally:
             watch.stop()
     tracker = watch.tracker
@@ -463,14 +469,22 @@ def _short(exc: BaseException) -> str:
 
 
 def fake_step(
-    cfg: JobGroups, world_size: int, rank: int = 0, device_type: str = "cpu", states_mib=None, flops: bool = True
+    cfg: JobGroups,
+    world_size: int,
+    rank: int = 0,
+    device_type: str = "cpu",
+    states_mib=None,
+    flops: bool = True,
+    trace: bool = False,
 ) -> StepEstimate:
     """The peak of ``rank`` in a job of ``world_size`` ranks, from two fake steps.
 
     ``states_mib(strategy_name) -> MiB``: the analytic model states of ``rank`` under a
     strategy, used only by the fallback for a strategy that cannot run fake. Raises when
     the model itself cannot run fake (the caller records why). ``flops``: also count the
-    FLOPs (about a third of the time on a large model; the planner needs none).
+    FLOPs (about a third of the time on a large model; the planner needs none). ``trace``:
+    also record the steady step's ops (:mod:`~sharded_exp.predict.op_trace`), in
+    ``extra["trace"]`` (not for the fallback of a strategy that cannot run fake).
     """
     t0 = time.perf_counter()
     if offloads_to_host(cfg.strategy):  # faked on the device; the states' move to the host is a rule
@@ -481,7 +495,9 @@ def fake_step(
     first: Exception | None = None
     if not known:
         try:
-            peak, parts, count, extra = _run(cfg, world_size, rank, device_type, clip, flops)
+            recorded = Trace() if trace else None
+            peak, parts, count, extra = _run(cfg, world_size, rank, device_type, clip, flops, recorded)
+            extra["trace"] = recorded
             return StepEstimate(rank, peak, parts, count, "fake step", seconds=time.perf_counter() - t0, extra=extra)
         except ConfigError:  # the model itself is refused: no fallback can fake it
             raise
@@ -489,7 +505,9 @@ def fake_step(
             first = exc
     if clip > 0 and (known or _data_dependent(first)):
         try:
-            peak, parts, count, extra = _run(cfg, world_size, rank, device_type, 0.0, flops)
+            recorded = Trace() if trace else None
+            peak, parts, count, extra = _run(cfg, world_size, rank, device_type, 0.0, flops, recorded)
+            extra["trace"] = recorded
             why = "on the norm's value" if known else f"on a value ({_short(first)})"
             note = f"{cfg.strategy.name}'s clipping branches {why}: step faked without it"
             seconds = time.perf_counter() - t0
