@@ -52,6 +52,15 @@ def _timed(fn, seconds: float) -> float:
             return elapsed / count
 
 
+def _counted(fn, count: int) -> float:
+    """Seconds per call of ``fn`` over ``count`` calls (after one warm-up call)."""
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(count):
+        fn()
+    return (time.perf_counter() - t0) / count
+
+
 def measure_matmul(dtype: torch.dtype, seconds: float = 0.15) -> list[tuple[float, float]]:
     """(FLOPs of one matmul, TFLOP/s achieved) at each of :data:`MATMUL_SIZES`, up to the
     first size whose one call takes longer than ``seconds`` (an emulated dtype: fp16 on
@@ -82,8 +91,9 @@ def _all_reduce_rank(rank: int, path: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
     small, large = torch.ones(1), torch.ones(ALL_REDUCE_BYTES // 4)
-    latency = _timed(lambda: dist.all_reduce(small), 0.1)
-    per_call = _timed(lambda: dist.all_reduce(large), 0.3)
+    # a fixed number of calls on both ranks (a time limit would let them disagree on it)
+    latency = _counted(lambda: dist.all_reduce(small), 50)
+    per_call = _counted(lambda: dist.all_reduce(large), 5)
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"latency_s": latency, "per_call_s": per_call}, f)

@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
 def plan(cfg: PlanConfig, preset: str) -> int:
     """Plan the composed, checked ``cfg`` and print it in ``plan.format``."""
     # lazy: these import torch, which Hydra's questions (answered by this module) never need
-    from sharded_exp.plan import points
+    from sharded_exp.plan import points, speed
     from sharded_exp.plan.depth import shapes_of
 
     device_type = points._value(cfg.plan.device)
@@ -259,16 +259,18 @@ def plan(cfg: PlanConfig, preset: str) -> int:
         progress.close()
     faked = points.faked(cfg)
     form = points._value(cfg.plan.format)
+    machine = speed.describe(cfg)
     if form == "json":
         doc = {"params": params, "model": preset if cfg.plan.params is None else None, "device": device_type,
-               "device_faked": faked, "columns": table.column_keys(rows), "rows": rows, "found": found,
+               "device_faked": faked, "speed_profile": machine, "columns": table.column_keys(rows), "rows": rows,
+               "found": found,
                "cheapest": [{k: r[k] for k in ("strategy", "levers", "world_size", "total_gib")}
                             for r in points.cheapest(rows)] if cfg.plan.params is None else []}  # fmt: skip
         print(table.json_text(doc))
     elif form == "csv":
         print(table.csv_text(rows))
     else:
-        print(table.text(rows, found, cfg, params, preset, faked, markdown=form == "md"))
+        print(table.text(rows, found, cfg, params, preset, faked, markdown=form == "md", speed=machine))
     if cfg.plan.plot:
         try:
             print(f"plan: chart {write_chart(rows, cfg, params)}", file=sys.stderr)

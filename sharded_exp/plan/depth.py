@@ -119,7 +119,13 @@ def _setup_clear(cfg_s, shapes, world_size: int, mine: dict[str, float], peaks: 
 def _stepped_state(cfg_s, shapes, world_size: int, rank: int) -> float:
     """The optimizer state ``rank`` steps at once (MiB): its largest parameter group's."""
     return largest_group_state_mib(
-        memory_of(cfg_s.strategy.name), cfg_s.strategy, cfg_s.optimizer, shapes.groups, world_size, rank, shapes.element_bytes
+        memory_of(cfg_s.strategy.name),
+        cfg_s.strategy,
+        cfg_s.optimizer,
+        shapes.groups,
+        world_size,
+        rank,
+        shapes.element_bytes,
     )
 
 

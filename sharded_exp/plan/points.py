@@ -22,6 +22,7 @@ from sharded_exp.config import PlanConfig
 from sharded_exp.measure.cuda_kernels import cublas_workspace_mib
 from sharded_exp.plan.depth import first_depth, peaks_by_depth, shapes_of
 from sharded_exp.plan.progress import Progress
+from sharded_exp.plan.speed import SPEED_KEYS, speed_columns, traced
 from sharded_exp.predict.prediction import ModelShapes, model_shapes, predict, predict_peak
 from sharded_exp.strategies import STRATEGIES, memory_of, sharding_order, traits_of
 from sharded_exp.vocabulary.memory import PARTS
@@ -202,9 +203,10 @@ def composed_peaks(
 
 
 def model_row(cfg: PlanConfig, name: str, world_size: int, shapes: ModelShapes, device_type: str, combo: str = "none",
-              peak: dict | None = None):  # fmt: skip
+              peak: dict | None = None, traced: dict | None = None):  # fmt: skip
     """One planned point; ``peak``: its composed peak (:func:`composed_peaks`), else one
-    fake step of the whole model."""
+    fake step of the whole model; ``traced``: the strategy's traced step
+    (:func:`sharded_exp.plan.speed.traced`) its speed columns come from (None: none)."""
     cfg_s = with_strategy(cfg, name, combo)
     prediction = predict(cfg_s.strategy, cfg.optimizer, str(cfg.precision.name), shapes, world_size)
     if peak is None:
@@ -224,13 +226,15 @@ def model_row(cfg: PlanConfig, name: str, world_size: int, shapes: ModelShapes, 
         row["mean_gib"] = sum(peak["per_rank_mib"]) / len(peak["per_rank_mib"]) * MIB / GIB
         if "offload" in lever_names(combo):  # CPU offload: the rank's states are in host memory
             row["host_gib"] = states * MIB / GIB
-        row["fits"] = row["total_gib"] <= cfg.plan.device_memory_gib
+        row["fits"] = fits(row["total_gib"], cfg)
         row["seconds"] = peak["seconds"]
         # each phase's peak (forward/backward "step", "optimizer"): plan.find follows them
         row["phases_gib"] = {name: v[0] * MIB / GIB for name, v in (peak.get("phases_mib") or {}).items()}
     row["model_states_gib"] = states * MIB / GIB  # analytic: what every run predicts and checks
     row["levers"] = combo
     row["cost"] = _cost_note(combo, prediction)
+    if traced is not None:
+        row.update(speed_columns(cfg_s, world_size, traced, prediction))
     return row
 
 
@@ -257,10 +261,17 @@ def _row(cfg: PlanConfig, name, world_size, parts, method, note) -> dict[str, An
         **{f"{k}_gib": v for k, v in parts.items()},
         "total_gib": total,
         "mean_gib": total,  # every rank alike (a raw count's ideally divisible model); a model's row sets its own
-        "fits": total <= cfg.plan.device_memory_gib,
+        "fits": fits(total, cfg),
         "method": method,
         "note": note,
+        **{k: None for k in SPEED_KEYS},  # a model's row sets them from its traced step
     }
+
+
+def fits(peak_gib: float | None, cfg: PlanConfig) -> bool | None:
+    """Does a point whose largest rank peaks at ``peak_gib`` fit ``plan.device_memory_gib``?
+    (None: no peak.) The one test the table, ``cheapest`` and ``plan.find`` share."""
+    return None if peak_gib is None else peak_gib <= cfg.plan.device_memory_gib
 
 
 def lever_combos(cfg: PlanConfig) -> list[str]:
@@ -329,7 +340,8 @@ def task_rows(cfg: PlanConfig, name: str, combo: str, world_sizes, device_type: 
         return [raw_row(cfg, name, ws) for ws in world_sizes]
     shapes = shapes_of(cfg)
     composed = composed_peaks(cfg, name, world_sizes, device_type, combo)
-    return [model_row(cfg, name, ws, shapes, device_type, combo, peak=composed[ws]) for ws in world_sizes]
+    found = traced(with_strategy(cfg, name, combo), device_type, _layer_key(cfg.model))
+    return [model_row(cfg, name, ws, shapes, device_type, combo, composed[ws], found) for ws in world_sizes]
 
 
 def cheapest(rows) -> list[dict[str, Any]]:
@@ -384,14 +396,14 @@ def largest(
     one, two = peak(1), peak(2)
     if one is None or two is None:
         return {"value": None, "probes": probes, "note": f"no fake step: {errors[0]}"}
-    if one > budget:
+    if not fits(one, cfg):
         return {"value": 0, "probes": probes, "note": f"{knob}=1 does not fit"}
-    lo, hi = (2, None) if two <= budget else (1, 2)  # largest known to fit, smallest known not to
+    lo, hi = (2, None) if fits(two, cfg) else (1, 2)  # largest known to fit, smallest known not to
     while (hi is None or hi > lo + 1) and lo < limit:
         guess = _crossing(probes, phases, budget, lo, hi)
         guess = min(max(guess, lo + 1), hi - 1 if hi is not None else limit)
         p = peak(guess)
-        lo, hi = (guess, hi) if p is not None and p <= budget else (lo, guess)
+        lo, hi = (guess, hi) if fits(p, cfg) else (lo, guess)
     note = f"checked by fake steps at {lo} and {hi}" if hi is not None else f"fits up to the limit {limit}"
     return {"value": lo, "probes": probes, "note": note}
 

@@ -27,7 +27,10 @@ MEANINGS = {
     "host": "host memory (CPU offload)",
 }
 """What each column holds, by heading: the parts' (:mod:`sharded_exp.vocabulary.memory`) and the totals'."""
-COLUMNS = ("strategy", "levers", "ranks", *(HEADINGS.get(p, p) for p in PARTS), "peak", "mean", "host", "fits")
+SPEED = ("step_time_s", "exposed_comm_s", "tokens_per_s_per_device", "mfu_pct")
+"""The speed columns (:mod:`sharded_exp.plan.speed`), headed by their JSON keys in every format."""
+SPEED_FORMATS = {"step_time_s": ".4g", "exposed_comm_s": ".3g", "tokens_per_s_per_device": ".4g", "mfu_pct": ".1f"}
+COLUMNS = ("strategy", "levers", "ranks", *(HEADINGS.get(p, p) for p in PARTS), "peak", "mean", "host", "fits", *SPEED)
 """Every format's columns, in order."""
 
 
@@ -37,7 +40,7 @@ def cells(row: dict[str, Any], scale: float) -> list[Any]:
     fits = None if row["fits"] is None else ("yes" if row["fits"] else "no")
     return [row["strategy"], row.get("levers", "none"), row["world_size"],
             *(mib(row.get(f"{k}_gib")) for k in PARTS), mib(row["total_gib"]), mib(row.get("mean_gib")),
-            mib(row.get("host_gib")), fits]  # fmt: skip
+            mib(row.get("host_gib")), fits, *(row.get(k) for k in SPEED)]  # fmt: skip
 
 
 def _unit(rows) -> tuple[str, float]:
@@ -45,8 +48,8 @@ def _unit(rows) -> tuple[str, float]:
     return ("GiB", 1.0) if big else ("MiB", 1024.0)
 
 
-def header(cfg: PlanConfig, params: int, preset: str, faked: str) -> list[str]:
-    """What was planned, in two lines."""
+def header(cfg: PlanConfig, params: int, preset: str, faked: str, speed: str = "") -> list[str]:
+    """What was planned, in two lines (three with the speed columns' machine, ``speed``)."""
     count = f"{params / 1e9:.2f} B" if params >= 1e8 else f"{params:,}"
     what = (f"raw parameter count {count} params in {cfg.plan.units} units" if cfg.plan.params is not None
             else f"model={preset} ({count} params)")  # fmt: skip
@@ -56,6 +59,7 @@ def header(cfg: PlanConfig, params: int, preset: str, faked: str) -> list[str]:
         f"{cfg.optimizer.name}, batch {cfg.trainer.batch_size} per rank, device budget "
         f"{cfg.plan.device_memory_gib:g} GiB",
         f"device: {faked}",
+        *([speed] if speed else []),
     ]
 
 
@@ -84,13 +88,14 @@ def _body(rows, scale: float) -> tuple[list[str], list[list[Any]]]:
     return head, body
 
 
-def text(rows, found, cfg: PlanConfig, params: int, preset: str, faked: str, markdown: bool = False) -> str:
+def text(
+    rows, found, cfg: PlanConfig, params: int, preset: str, faked: str, markdown: bool = False, speed: str = ""
+) -> str:
     """``plan.format=table`` (aligned columns) or ``md`` (a GitHub Markdown table)."""
-
     unit, scale = _unit(rows)
     head, body = _body(rows, scale)
     kinds = methods(rows)
-    lines = header(cfg, params, preset, faked)
+    lines = header(cfg, params, preset, faked, speed)
     if len(kinds) == 1:
         lines.append(f"method: {kinds[0]}")
     else:
@@ -99,7 +104,8 @@ def text(rows, found, cfg: PlanConfig, params: int, preset: str, faked: str, mar
     if markdown:
         lines = [f"{line}  " for line in lines]  # Markdown line breaks
     lines.append("")
-    lines.append(tabulate(body, headers=head, tablefmt="github" if markdown else "simple", floatfmt=".2f",
+    formats = [SPEED_FORMATS.get(c, ".2f") for c in head]
+    lines.append(tabulate(body, headers=head, tablefmt="github" if markdown else "simple", floatfmt=formats,
                           missingval="-"))  # fmt: skip
     notes = sorted({f"{r['strategy']}: {r['note']}" for r in rows if r["note"]})
     if notes:
@@ -150,5 +156,5 @@ def column_keys(rows) -> dict[str, str]:
     """Each shown column's key in a JSON row."""
     keys = {"strategy": "strategy", "levers": "levers", "ranks": "world_size"}
     keys |= {HEADINGS.get(p, p): f"{p}_gib" for p in PARTS}
-    keys |= {"peak": "total_gib", "mean": "mean_gib", "host": "host_gib", "fits": "fits"}
+    keys |= {"peak": "total_gib", "mean": "mean_gib", "host": "host_gib", "fits": "fits"} | {k: k for k in SPEED}
     return {c: keys[c] for c in shown(rows)}

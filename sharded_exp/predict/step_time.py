@@ -21,19 +21,20 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 from omegaconf import OmegaConf
 
 from sharded_exp import precision
 from sharded_exp.predict.op_trace import Trace
 from sharded_exp.speed.collectives import Topology
-from sharded_exp.speed.compute import ops_from_records, op_time
+from sharded_exp.speed.compute import op_time, ops_from_records
 from sharded_exp.speed.profiles import DeviceProfile, LinkProfile
 from sharded_exp.speed.schedule import Units, mfu, simulate
 from sharded_exp.strategies import timing_of
 from sharded_exp.strategies.timing import Fabric, TimeUnknown
 
-MATH_DTYPES = {"32": "fp32", "bf16": "bf16", "16": "fp16"}
-"""The profile dtype a precision computes in (its autocast dtype; fp32 without one)."""
+MATH_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+"""The profile dtype a precision computes in, by its autocast dtype (fp32 without one)."""
 
 
 @dataclass(frozen=True)
@@ -110,12 +111,12 @@ def step_compute(trace: Trace, device: DeviceProfile, model_flops: float) -> Ste
     return StepCompute(tuple(forward), back, optimizer, float(model_flops))
 
 
-def tokens_per_step(cfg) -> tuple[float, str]:
-    """Samples one device processes per step, times the model's sequence length where it has
-    one: (count, ``tokens`` or ``samples``)."""
+def per_step(cfg) -> tuple[int, int | None]:
+    """(samples, tokens) one device processes per step (tokens: samples times the model's
+    sequence length; None for a model without one)."""
     samples = int(cfg.trainer.batch_size) * int(cfg.trainer.get("grad_accum", 1))
     seq = OmegaConf.select(cfg.model, "seq_len", default=None) or OmegaConf.select(cfg.data, "seq_len", default=None)
-    return (samples * int(seq), "tokens") if seq else (float(samples), "samples")
+    return samples, (samples * int(seq) if seq else None)
 
 
 def units_of(compute: StepCompute, shapes, param_bpe: float, grad_bpe: float) -> Units:
@@ -153,12 +154,13 @@ def predict_step_time(cfg, world_size: int, compute: StepCompute, shapes, machin
         played = simulate(model.schedule(strategy, units, model.price(strategy, fabric), fabric))
     except TimeUnknown as exc:
         return {"step_time_s": None, "error": f"{machine.device.name}: {exc}"}
-    count, unit = tokens_per_step(cfg)
-    dtype = MATH_DTYPES.get(name, "fp32") if precision.compute_dtype(name) is not None else "fp32"
+    samples, tokens = per_step(cfg)
+    dtype = MATH_DTYPES.get(precision.compute_dtype(name), "fp32")
     try:
         peak = machine.device.peak_flops_per_s(dtype)
     except ValueError:
         peak = None
+    step = played.step_time_s
     flops = compute.model_flops * (sum(units.forward_s) / sum(compute.forward_s) if sum(compute.forward_s) else 1.0)
     return {
         "compute_s": played.compute_s,
@@ -166,8 +168,9 @@ def predict_step_time(cfg, world_size: int, compute: StepCompute, shapes, machin
         "exposed_comm_s": played.exposed_s,
         "optimizer_s": units.optimizer_s,
         "step_time_s": played.step_time_s,
-        f"{unit}_per_s_per_device": count / played.step_time_s if played.step_time_s else None,
-        "mfu_pct": mfu(flops, played.step_time_s, peak) if peak and flops and played.step_time_s else None,
+        "samples_per_s_per_device": samples / step if step else None,
+        "tokens_per_s_per_device": tokens / step if step and tokens else None,
+        "mfu_pct": mfu(flops, step, peak) if peak and flops and step else None,
         "profile": machine.device.name,
         "error": None,
     }
