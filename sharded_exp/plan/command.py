@@ -82,6 +82,11 @@ def check_plan(cfg: PlanConfig, argv: list[str] = ()) -> None:
         STRATEGIES.builder(name)  # raises, naming the registered ones
     _check_levers(p)
     _check_plot(p)
+    if _value(p.find) == "fastest" and p.params is not None:
+        raise ConfigError(
+            f"plan.find=fastest needs a model: a raw parameter count (plan.params={p.params:g}) has no step to "
+            "time; plan a model (model=gpt_7b, ...)"
+        )
     if _value(p.find) == "batch_size" and p.params is not None:
         raise ConfigError(
             f"plan.find=batch_size needs a model: a raw parameter count (plan.params={p.params:g}) has no "
@@ -236,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
 def plan(cfg: PlanConfig, preset: str) -> int:
     """Plan the composed, checked ``cfg`` and print it in ``plan.format``."""
     # lazy: these import torch, which Hydra's questions (answered by this module) never need
-    from sharded_exp.plan import points, speed
+    from sharded_exp.plan import fastest, points, speed
     from sharded_exp.plan.depth import shapes_of
 
     device_type = points._value(cfg.plan.device)
@@ -250,7 +255,11 @@ def plan(cfg: PlanConfig, preset: str) -> int:
     progress = Progress(total)
     try:
         rows = points.plan_rows(cfg, world_sizes, device_type, progress)
-        found = points.find_rows(cfg, world_sizes, device_type, progress) if cfg.plan.find else []
+        found = []
+        if points._value(cfg.plan.find) == "fastest":
+            found = fastest.fastest_rows(cfg, world_sizes, device_type, progress, "model=" + preset)
+        elif cfg.plan.find:
+            found = points.find_rows(cfg, world_sizes, device_type, progress)
     except ConfigError as exc:  # found by a fake step (a parameter made in forward): refused as a run would be
         progress.close()
         print(f"error: {exc}", file=sys.stderr)

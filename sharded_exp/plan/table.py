@@ -123,7 +123,11 @@ def _extras(rows, found, cfg: PlanConfig, unit: str, scale: float) -> list[str]:
             cost = f"; {best['cost']}" if best.get("cost") else ""
             lines.append(f"cheapest that fits at {best['world_size']} ranks: {label} ({best['total_gib'] * scale:.2f} "
                          f"{unit}{cost})")  # fmt: skip
-    if found:
+    if found and str(cfg.plan.find) == "fastest":
+        lines.append(f"\nfastest that fits {cfg.plan.device_memory_gib:g} GiB (global batch fixed; grad_accum makes up "
+                     "the rest):")  # fmt: skip
+        lines += [_fastest_line(f, unit, scale) for f in found]
+    elif found:
         find = str(cfg.plan.find)
         label = {
             "batch_size": "largest batch per rank",
@@ -133,6 +137,18 @@ def _extras(rows, found, cfg: PlanConfig, unit: str, scale: float) -> list[str]:
         lines += [f"  {f['strategy']}{'' if f.get('levers', 'none') == 'none' else ' + ' + f['levers']} "
                   f"x{f['world_size']}: {f['value']} ({f['note']})" for f in found]  # fmt: skip
     return lines
+
+
+def _fastest_line(f: dict[str, Any], unit: str, scale: float) -> str:
+    if f.get("command") is None:
+        return f"  x{f['world_size']}: {f['note']}"
+    label = f["strategy"] + ("" if f.get("levers", "none") == "none" else f" + {f['levers']}")
+    replicate = f", replicate {f['replicate']}" if f.get("replicate", 1) > 1 else ""
+    tokens = f", {f['tokens_per_s_per_device']:.4g} tokens/s/device" if f.get("tokens_per_s_per_device") else ""
+    mfu = f", MFU {f['mfu_pct']:.1f}%" if f.get("mfu_pct") is not None else ""
+    return (f"  x{f['world_size']}: {label}, batch {f['batch_size']} x grad_accum {f['grad_accum']}{replicate}: "
+            f"{f['step_time_s']:.4g} s/step{tokens}{mfu}, peak {f['total_gib'] * scale:.2f} {unit} ({f['note']})\n"
+            f"    {f['command']}")  # fmt: skip
 
 
 def csv_text(rows) -> str:
