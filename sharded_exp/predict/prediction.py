@@ -20,6 +20,7 @@ from sharded_exp.models import build_model, units
 from sharded_exp.optim import optimizer_spec
 from sharded_exp.predict.fake_step import FakeStepError, fake_step
 from sharded_exp.predict.memory_model import predict_model_states_mib
+from sharded_exp.predict.step_time import run_step_time
 from sharded_exp.strategies import STRATEGIES, memory_of, offloads_to_host, traits_of
 from sharded_exp.strategies.base import StrategyConfig
 
@@ -141,6 +142,7 @@ def _zero_grad_note(cfg: JobGroups) -> str:
 
 
 def _fake_rank(cfg: JobGroups, world_size: int, device_type: str, prediction, shapes: ModelShapes, rank: int, flops):
+    # a run (which counts FLOPs) also records the op trace its step time is predicted from
     """The fake step of ``rank`` (:func:`fake_step`), or the reason there is none (a str)."""
     precision_name = str(cfg.precision.name)
 
@@ -149,7 +151,7 @@ def _fake_rank(cfg: JobGroups, world_size: int, device_type: str, prediction, sh
         return {**other["model_states_mib"][rank], "gathered": other["transient_params_mib"]}
 
     try:
-        return fake_step(cfg, world_size, rank, device_type, states_of, flops=flops)
+        return fake_step(cfg, world_size, rank, device_type, states_of, flops=flops, trace=flops)
     except ConfigError:  # the model is refused (a parameter made in forward), not just unpredictable
         raise
     except Exception as exc:  # noqa: BLE001 -- recorded: the run goes on without a peak prediction
@@ -256,5 +258,7 @@ def predict_peak(
         + (", with CUDA's kernel choices (fused attention, foreach optimizer)" if device_type == "cuda" else ""),
         "rules": rules,
         "host_mib": host_mib,  # per rank, where the strategy keeps states in host memory (CPU offload)
+        # a run's step time, predicted from this step's op trace (predict/step_time.py)
+        "speed": run_step_time(cfg, world_size, device_type, est, shapes, prediction) if flops else None,
         "error": None,
     }

@@ -18,6 +18,7 @@ strategy's collectives scheduled against it.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -174,3 +175,25 @@ def predict_step_time(cfg, world_size: int, compute: StepCompute, shapes, machin
         "profile": machine.device.name,
         "error": None,
     }
+
+
+def run_step_time(cfg, world_size: int, device_type: str, est, shapes, prediction) -> dict[str, Any]:
+    """A training run's predicted step time, from its own fake step's trace (``est``: the
+    faked rank's :class:`~sharded_exp.predict.fake_step.StepEstimate`): on CPU priced on the
+    ``this`` profile with the threads a rank gets, every rank on this machine. Never raises:
+    a prediction that cannot be made is ``{"step_time_s": None, "error": why}``."""
+    if device_type != "cpu":
+        return {"step_time_s": None, "error": "a GPU run's this profile is not measured yet (CPU runs only)"}
+    trace = (est.extra or {}).get("trace")
+    if trace is None or not trace.records:
+        return {"step_time_s": None, "error": f"no op trace ({est.method})"}
+    try:
+        from sharded_exp.measure.machine import this_profile  # lazy: measuring starts processes
+
+        threads = max(1, (os.cpu_count() or 1) // world_size)  # as a CPU rank sets its threads
+        device, local = this_profile(threads)
+        machine = Machine(device, local, None, world_size, None, device.memory_bandwidth_Bps)
+        compute = step_compute(trace, device, est.flops_per_step)
+        return predict_step_time(cfg, world_size, compute, shapes, machine) | {"threads_per_rank": threads}
+    except Exception as exc:  # noqa: BLE001 -- measuring never breaks training: null and why
+        return {"step_time_s": None, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}

@@ -34,6 +34,7 @@ from sharded_exp.measure.snapshot import MemoryHistory
 from sharded_exp.measure.tracker import MemoryMeter, model_state_mib, process_peak_rss_mib
 from sharded_exp.output.loggers import build_logger, summary_values
 from sharded_exp.output.results import memory_section, training_result
+from sharded_exp.speed.figures import step_time_figures
 from sharded_exp.strategies.base import Strategy
 from sharded_exp.train import components, faults, liveness
 from sharded_exp.train import evaluate as evaluation
@@ -254,6 +255,8 @@ def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: Me
             world_size = dist.get_world_size()
             out.throughput["model_flops_per_step"] = flops * world_size if flops else None
             out.throughput.update(utilisation(flops, out.throughput["step_time_s_median"], device, cfg.precision.name))
+            speed = (spec.prediction.get("peak") or {}).get("speed")
+            out.throughput.update(step_time_figures(speed, out.throughput["step_time_s_median"]))
         return training_result(
             out,
             per_rank,

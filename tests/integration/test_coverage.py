@@ -48,7 +48,8 @@ PLANS = {
                    "plan.workers=2"],  # two strategies faked side by side
     "gpt2_xl": ["model=gpt2_xl", "model.n_layers=2", "plan.world_sizes=[8]", "plan.strategies=[fsdp]"],
     "gpt_7b": ["model=gpt_7b", "model.n_layers=2", "plan.world_sizes=[64]", "plan.strategies=[fsdp]",
-               "trainer.batch_size=1"],
+               "trainer.batch_size=1", "plan.device_profile=a100_80gb", "plan.gpus_per_node=4",
+               "plan.inter_node_gbps=200"],
     "hf_bert_base": ["model=hf_bert_base", "model.config.num_hidden_layers=2", "plan.world_sizes=[4]",
                      "plan.strategies=[ddp]"],
     # The seed study's model (experiment=seed_study_gpu needs GPUs) under its sharded strategy.
@@ -62,6 +63,8 @@ PLANS = {
     "raw_count": ["plan.params=7.5e9", "plan.units=16", "plan.world_sizes=[64]", "plan.plot=raw_count.png"],
     "find_depth": ["model=gpt", "plan.find=depth", "plan.device=cpu", "plan.levers=[none,ac_selective]", "plan.world_sizes=[2]", "plan.strategies=[ddp]",
                    "plan.device_memory_gib=0.05"],
+    "find_fastest": ["model=gpt", "plan.find=fastest", "plan.device=cpu", "plan.remeasure=true", "plan.world_sizes=[2]",
+                     "plan.strategies=[ddp,fsdp]", "trainer.batch_size=2"],
 }  # fmt: skip
 """Planner runs (``python -m sharded_exp.plan``), in this process."""
 
@@ -210,6 +213,12 @@ def test_covering_plan(name, capsys, tmp_path, monkeypatch):
     out = json.loads(capsys.readouterr().out)
     assert out["rows"] and all(r["total_gib"] > 0 for r in out["rows"])
     assert all(0 < r["mean_gib"] <= r["total_gib"] * (1 + 1e-12) for r in out["rows"])  # the average over ranks
+    if not any(o.startswith("plan.params=") for o in PLANS[name]):  # a model: every point timed
+        assert all(r["step_time_s"] > 0 and r["mfu_pct"] > 0 for r in out["rows"]), out["rows"]
+    if "plan.find=fastest" in PLANS[name]:
+        (best,) = out["found"]
+        assert best["strategy"] in ("ddp", "fsdp") and best["command"].startswith("sharded-exp model=gpt ")
+        assert best["batch_size"] * best["grad_accum"] == 2  # the global batch is kept
     if "plan.find=depth" in PLANS[name]:
         plain, selective = out["found"]  # one per lever combination
         assert plain["levers"] == "none" and selective["levers"] == "ac_selective"
