@@ -169,7 +169,7 @@ def stub_step(monkeypatch):
     calls = []
     box = {}
 
-    def stub(cfg, world_size, rank, device_type, states_of, flops=True):
+    def stub(cfg, world_size, rank, device_type, states_of, flops=True, trace=False):
         calls.append({"world_size": world_size, "rank": rank, "device_type": device_type})
         if isinstance(box["est"], BaseException):
             raise box["est"]
