@@ -196,4 +196,7 @@ def run_step_time(cfg, world_size: int, device_type: str, est, shapes, predictio
         compute = step_compute(trace, device, est.flops_per_step)
         return predict_step_time(cfg, world_size, compute, shapes, machine) | {"threads_per_rank": threads}
     except Exception as exc:  # noqa: BLE001 -- measuring never breaks training: null and why
-        return {"step_time_s": None, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
+        return {
+            "step_time_s": None,
+            "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}",
+        }

@@ -60,7 +60,7 @@ class TimeModel:
 
     @classmethod
     def schedule(cls, cfg, units: Units, price: Price, fabric: Fabric) -> Schedule:
-        return schedule.ddp(units, price, bucket_bytes=float(cfg.get("bucket_cap_mb", 25.0)) * MB)
+        return schedule.ddp(units, price, bucket_bytes=float(getattr(cfg, "bucket_cap_mb", 25.0)) * MB)
 
 
 class ZeRO1Time(TimeModel):
@@ -69,7 +69,7 @@ class ZeRO1Time(TimeModel):
 
     @classmethod
     def schedule(cls, cfg, units: Units, price: Price, fabric: Fabric) -> Schedule:
-        bucket = float(cfg.get("bucket_cap_mb", 25.0)) * MB
+        bucket = float(getattr(cfg, "bucket_cap_mb", 25.0)) * MB
         return schedule.zero1(units, price, fabric.world_size, "broadcast", bucket_bytes=bucket)
 
 
@@ -79,11 +79,11 @@ class OSSTime(ZeRO1Time):
 
     @classmethod
     def param_bytes_per_element(cls, cfg, precision_name: str, element_bytes: float) -> float:
-        return 2.0 if cfg.get("broadcast_fp16", False) else element_bytes
+        return 2.0 if getattr(cfg, "broadcast_fp16", False) else element_bytes
 
     @classmethod
     def schedule(cls, cfg, units: Units, price: Price, fabric: Fabric) -> Schedule:
-        return schedule.oss(units, price, fabric.world_size, float(cfg.get("bucket_cap_mb", 25.0)) * MB)
+        return schedule.oss(units, price, fabric.world_size, float(getattr(cfg, "bucket_cap_mb", 25.0)) * MB)
 
 
 class ShardedDDPTime(OSSTime):
@@ -93,7 +93,7 @@ class ShardedDDPTime(OSSTime):
 
     @classmethod
     def schedule(cls, cfg, units: Units, price: Price, fabric: Fabric) -> Schedule:
-        elements = int(cfg.get("reduce_buffer_size", 2**23))
+        elements = int(getattr(cfg, "reduce_buffer_size", 2**23))
         bucket = elements * 4.0  # float32 gradients: the parameters' dtype, under autocast too
         if elements <= 0:
             bucket = min(g for g in units.grads if g > 0) if any(units.grads) else 1.0
@@ -114,19 +114,19 @@ class FSDPTime(TimeModel):
 
     @classmethod
     def param_bytes_per_element(cls, cfg, precision_name: str, element_bytes: float) -> float:
-        chosen = cfg.get("param_dtype")
+        chosen = getattr(cfg, "param_dtype", None)
         if chosen is not None:
             return cls.DTYPE_BYTES[str(getattr(chosen, "value", chosen))]
         return element_bytes if str(precision_name) == "32" else float(compute_bytes(precision_name))
 
     @classmethod
     def grad_bytes_per_element(cls, cfg, precision_name: str, element_bytes: float) -> float:
-        chosen = cfg.get("reduce_dtype")
+        chosen = getattr(cfg, "reduce_dtype", None)
         return cls.DTYPE_BYTES[str(getattr(chosen, "value", chosen))] if chosen is not None else 4.0
 
     @classmethod
     def price(cls, cfg, fabric: Fabric) -> Price:
-        replicate = max(1, int(cfg.get("replicate", 1)))
+        replicate = max(1, int(getattr(cfg, "replicate", 1)))
         shard = fabric.world_size // replicate
         topology = fabric.topology
 
@@ -139,12 +139,12 @@ class FSDPTime(TimeModel):
 
     @classmethod
     def schedule(cls, cfg, units: Units, price: Price, fabric: Fabric) -> Schedule:
-        reshard = bool(cfg.get("reshard_after_forward", True))
-        if not cfg.get("cpu_offload", False):
+        reshard = bool(getattr(cfg, "reshard_after_forward", True))
+        if not getattr(cfg, "cpu_offload", False):
             return schedule.fsdp2(units, price, reshard_after_forward=reshard)
         if fabric.pcie_Bps is None or fabric.host_memory_Bps is None:
             raise TimeUnknown("cpu_offload's copies and host step need the host link and host memory bandwidth")
-        shard = fabric.world_size // max(1, int(cfg.get("replicate", 1)))
+        shard = fabric.world_size // max(1, int(getattr(cfg, "replicate", 1)))
         # Adam in float32 on the host: parameters, gradients, two moments read; three written
         host_s = schedule.host_step_time(28 * fabric.params / shard, fabric.host_memory_Bps)
         return schedule.offload(units, price, shard, fabric.pcie_Bps, host_s, reshard_after_forward=reshard)

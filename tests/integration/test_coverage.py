@@ -86,7 +86,12 @@ SWEEPS = {
 }  # fmt: skip
 # paths.output_dir places each sweep (a preset's own hydra.sweep.dir is made from it)
 SWEEPS = {name: [*o, f"paths.output_dir=__tmp__sweep_{name}"] for name, o in SWEEPS.items()}
-SLOW_SWEEPS = {"seed_study_conll", "hparams_search", "seed_study", "seed_table"}  # the experiment presets: real sweeps, slow tier
+SLOW_SWEEPS = {
+    "seed_study_conll",
+    "hparams_search",
+    "seed_study",
+    "seed_table",
+}  # the experiment presets: real sweeps, slow tier
 """Multirun sweeps (``python -m sharded_exp -m``, a real subprocess) ending in their report;
 a command-line sweep of a key replaces the preset's own values for it, as in Hydra."""
 
@@ -95,7 +100,10 @@ NOT_HERE = {
 }
 """Options no run on this CPU-only machine can choose, and why."""
 FIELDS_NOT_HERE = {
-    ("strategy:fsdp", "cpu_offload"): "GPU runs only (a CPU run refuses it: tests/integration/test_levers.py); planned by "
+    (
+        "strategy:fsdp",
+        "cpu_offload",
+    ): "GPU runs only (a CPU run refuses it: tests/integration/test_levers.py); planned by "
     "plan.levers=[offload] (test_levers); run by benchmarks/device_check.py's offload check",
     ("strategy:fsdp_grad_op", "cpu_offload"): "as for fsdp",
 }
@@ -330,7 +338,9 @@ def test_every_field_and_option_is_set_by_a_real_run():
                 and _plain((cfg[group] if group else cfg)[f.name]) != _plain(_default(f))
             ]
             if not covered_by:
-                missing.append(f"field {group + '.' if group else ''}{f.name}" + (f" (of {group}={option})" if option else ""))
+                missing.append(
+                    f"field {group + '.' if group else ''}{f.name}" + (f" (of {group}={option})" if option else "")
+                )
     # The Hugging Face and custom models have no schema (their YAML is the model's config):
     # each of their settings that is off by default (null, e.g. model.pretrained) is turned
     # on by some covering job with that kind of model.
@@ -342,7 +352,8 @@ def test_every_field_and_option_is_set_by_a_real_run():
             if not any("_target_" in cfg.model and cfg.model.get(key) is not None for _, cfg, _ in configs):
                 missing.append(f"field model.{key} (of model={option})")
     assert not missing, (
-        "set by no covering run in tests/helpers/covering.py or tests/integration/test_coverage.py:\n  " + "\n  ".join(missing)
+        "set by no covering run in tests/helpers/covering.py or tests/integration/test_coverage.py:\n  "
+        + "\n  ".join(missing)
     )
 
 
@@ -353,7 +364,7 @@ def _aliases(group: str, options: list[str]) -> dict[str, list[str]]:
     from sharded_exp.precision import alias_options
 
     out: dict[str, list[str]] = {}
-    for alias, option in (alias_options().items() if group == "precision" else ()):
+    for alias, option in alias_options().items() if group == "precision" else ():
         if option in options:
             out.setdefault(option, []).append(alias)
             out.setdefault(alias, []).append(option)

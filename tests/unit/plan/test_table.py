@@ -169,8 +169,11 @@ def test_notes_follow_the_table_each_once_in_order():
 
 
 def test_the_cheapest_point_that_fits_is_named_where_levers_are_planned():
-    rows = [row(strategy="fsdp", total=0.5, params=0.5), row(strategy="ddp", total=0.75, params=0.75),
-            row(strategy="ddp", levers="ac", total=0.25, params=0.25)]
+    rows = [
+        row(strategy="fsdp", total=0.5, params=0.5),
+        row(strategy="ddp", total=0.75, params=0.75),
+        row(strategy="ddp", levers="ac", total=0.25, params=0.25),
+    ]
     rows[2]["cost"] = "recompute"
     out = table.text(rows, [], config(levers=["none", "ac"]), 10, "gpt", "cpu").splitlines()
     assert out[-1] == "cheapest that fits at 2 ranks: ddp (768.00 MiB)"
