@@ -67,4 +67,3 @@ class ZeRO1(DDP):
 
     def local_shard(self) -> list:
         return [p for group in self.optimizer._partition_parameters()[self.optimizer.rank] for p in group["params"]]
-
