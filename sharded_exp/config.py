@@ -285,12 +285,8 @@ class TrainerConfig:
         _require(self.grad_clip >= 0, f"trainer.grad_clip={self.grad_clip} must be >= 0 (0 turns clipping off)")
         _require(self.timeout_s > 0, f"trainer.timeout_s={self.timeout_s} must be > 0")
         _require(self.eval_every >= 0, f"trainer.eval_every={self.eval_every} must be >= 0 (0 = only at the end)")
-        _require(
-            self.eval_batches >= 0, f"trainer.eval_batches={self.eval_batches} must be >= 0 (0 = no evaluation)"
-        )
-        _require(
-            self.checkpoint_every >= 0, f"trainer.checkpoint_every={self.checkpoint_every} must be >= 0 (0 = off)"
-        )
+        _require(self.eval_batches >= 0, f"trainer.eval_batches={self.eval_batches} must be >= 0 (0 = no evaluation)")
+        _require(self.checkpoint_every >= 0, f"trainer.checkpoint_every={self.checkpoint_every} must be >= 0 (0 = off)")
         _require(
             self.keep_checkpoints >= 0, f"trainer.keep_checkpoints={self.keep_checkpoints} must be >= 0 (0 = keep all)"
         )
@@ -379,6 +375,7 @@ class Config(JobGroups):
 class PlanFind(Option):
     batch_size = "batch_size"
     depth = "depth"
+    fastest = "fastest"
 
 
 class PlanFormat(Option):
@@ -421,7 +418,21 @@ class PlanSettings:
     a GPU; ``cpu`` fakes a CPU run's kernels (what a run on this CPU measures)."""
     find: Optional[PlanFind] = None
     """Also find the largest ``batch_size`` (per rank) or GPT ``depth`` that fits, per
-    strategy and world size."""
+    strategy and world size; or the ``fastest`` configuration that fits per world size
+    (strategy x lever x per-rank batch at the fixed global batch, trainer.grad_accum making up
+    the rest, x HSDP replicate), with the command line that runs it."""
+    device_profile: Optional[str] = None
+    """The device the speed columns are predicted for: a named GPU profile (v100_32gb,
+    a100_40gb, a100_80gb, h100_sxm, h200; sharded_exp/speed/profile_data) or ``this`` (this
+    machine, measured). null: h100_sxm for plan.device=cuda, this for cpu (said in the header)."""
+    gpus_per_node: int = 8
+    """GPUs per node: ranks within a node talk over the profile's NVLink, nodes (world size /
+    this) over the network."""
+    inter_node_gbps: float = 100.0
+    """The network between nodes, in Gb/s per GPU, one direction (InfiniBand or RoCE; eight
+    GPUs sharing two 100 Gb/s NICs: 25)."""
+    remeasure: bool = False
+    """Measure the ``this`` profile again (it is cached per machine in the user cache dir)."""
     workers: int = 0
     """Processes that fake steps side by side, one strategy (and lever combination) each:
     0 (default) one per CPU core for a model of 1e8 parameters or more, at most one per
@@ -447,6 +458,11 @@ class PlanSettings:
         _require(
             _finite(self.device_memory_gib) and self.device_memory_gib > 0,
             f"plan.device_memory_gib={self.device_memory_gib} must be a finite number > 0",
+        )
+        _require(self.gpus_per_node >= 1, f"plan.gpus_per_node={self.gpus_per_node} must be >= 1")
+        _require(
+            _finite(self.inter_node_gbps) and self.inter_node_gbps > 0,
+            f"plan.inter_node_gbps={self.inter_node_gbps} must be a finite number of Gb/s > 0",
         )
         _require(
             self.workers >= 0,

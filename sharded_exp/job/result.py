@@ -141,6 +141,14 @@ class Throughput(_Open):
     """Where that peak comes from (a table, or a matmul measured on this CPU)."""
     mfu_pct: Number | None = None
     """Model FLOPs utilisation, in percent."""
+    predicted_step_time_s: Number | None = None
+    """The step time the time model predicted before the run (its fake step's op trace priced
+    on the ``this`` profile on CPU); None where it could not: ``step_time_prediction.error``."""
+    step_time_rel_error: Number | None = None
+    """(predicted - measured median) / measured median step time."""
+    step_time_prediction: dict[str, Any] | None = None
+    """The prediction's parts: compute_s, comm_s, exposed_comm_s, optimizer_s, the profile,
+    its predicted MFU and throughput per device, or the error that left it null."""
 
 
 class Evaluation(_Closed):

@@ -97,6 +97,9 @@ class _AsOnCuda(TorchFunctionMode):
         super().__init__()
         self.flops = 0
         """FLOPs of the attention calls since the last reset (torch's sdpa formulas)."""
+        self.calls: list[tuple[int, int, int, str]] = []
+        """Each call's (forward FLOPs, backward FLOPs, bytes of q, k and v, math dtype): the
+        op trace (:mod:`sharded_exp.predict.op_trace`) times them."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -104,10 +107,13 @@ class _AsOnCuda(TorchFunctionMode):
             q, k, v = args[:3]
             mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
             shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape))
-            self.flops += flop_counter.sdpa_flop_count(*shapes)
+            forward, backward = flop_counter.sdpa_flop_count(*shapes), 0
             if q.requires_grad or k.requires_grad or v.requires_grad:
                 out_shape = (*q.shape[:-1], v.shape[-1])
-                self.flops += flop_counter.sdpa_backward_flop_count(out_shape, *shapes)
+                backward = flop_counter.sdpa_backward_flop_count(out_shape, *shapes)
+            self.flops += forward + backward
+            dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(q.dtype, "fp32")
+            self.calls.append((forward, backward, sum(t.numel() * t.element_size() for t in (q, k, v)), dtype))
             out, _ = _FusedAttention.apply(q, k, v, mask)
             return out
         return func(*args, **kwargs)

@@ -16,11 +16,16 @@ assumption) under each strategy's analytic memory model, without activations.
 
 ``plan.find=batch_size`` adds the largest per-rank batch that fits
 ``plan.device_memory_gib``; ``plan.find=depth`` the deepest GPT at the configured width.
+``plan.find=fastest`` names the fastest configuration that fits per world size (strategy x
+lever x micro-batch x HSDP replicate) with the command that runs it. Every point also has
+its predicted step time (``step_time_s``, ``exposed_comm_s``, ``tokens_per_s_per_device``,
+``mfu_pct``) on ``plan.device_profile`` (:mod:`~sharded_exp.plan.speed`).
 ``plan.plot=plan.png`` also draws the plan (peak per rank vs world size per strategy,
 the device memory as a line).
 
 The package: :mod:`~sharded_exp.plan.command` (the command line, Hydra's questions without
 torch), :mod:`~sharded_exp.plan.points` (the planned points), :mod:`~sharded_exp.plan.depth`
 (a deep model composed from shallow fake steps), :mod:`~sharded_exp.plan.table` (the
-formats), :mod:`~sharded_exp.plan.progress` (the progress bar).
+formats), :mod:`~sharded_exp.plan.speed` (the speed columns), :mod:`~sharded_exp.plan.fastest`
+(``plan.find=fastest``), :mod:`~sharded_exp.plan.progress` (the progress bar).
 """

@@ -12,9 +12,18 @@ from __future__ import annotations
 import math
 import os
 import sys
+from pathlib import Path
 
+import hydra
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from sharded_exp.compose import compose, quote_numeric_choices, register_schemas
 from sharded_exp.config import PlanConfig
 from sharded_exp.errors import ConfigError
+from sharded_exp.output import charts
+from sharded_exp.plan import table
+from sharded_exp.plan.progress import Progress
 from sharded_exp.precision import Precision
 from sharded_exp.questions import is_query
 
@@ -56,8 +65,9 @@ def check_alloc_conf(conf: str | None) -> None:
 def check_plan(cfg: PlanConfig, argv: list[str] = ()) -> None:
     """The planner's inputs, by the training entry point's rules (ConfigError names them).
     ``argv``: the command line, to tell a model the user chose from the default one."""
+    # lazy: these import torch, which Hydra's questions (answered by this module) never need
     from sharded_exp.launch.preflight import check_values
-    from sharded_exp.plan.points import LEVERS, MAX_UNITS, _value, lever_names
+    from sharded_exp.plan.points import MAX_UNITS, _value
     from sharded_exp.strategies import STRATEGIES
 
     check_values(cfg)  # names and packages; made typed, every group's own ranges (plan.params and others)
@@ -84,6 +94,36 @@ def check_plan(cfg: PlanConfig, argv: list[str] = ()) -> None:
     for name in p.strategies or []:
         STRATEGIES.builder(name)  # raises, naming the registered ones
     check_alloc_conf(p.get("alloc_conf", None))
+    _check_levers(p)
+    _check_plot(p)
+    if _value(p.find) == "fastest" and p.params is not None:
+        raise ConfigError(
+            f"plan.find=fastest needs a model: a raw parameter count (plan.params={p.params:g}) has no step to "
+            "time; plan a model (model=gpt_7b, ...)"
+        )
+    if _value(p.find) == "batch_size" and p.params is not None:
+        raise ConfigError(
+            f"plan.find=batch_size needs a model: a raw parameter count (plan.params={p.params:g}) has no "
+            "activations, so no batch would ever stop fitting; plan a model (model=gpt_7b, ...) to find its batch"
+        )
+    builder = STRATEGIES.builder(cfg.strategy.name)
+    for ws in p.world_sizes:  # a layout training would refuse (strategy.replicate=2 at 3 ranks) is no plan
+        try:
+            builder.check(cfg.strategy, int(ws), _value(p.device) or "cuda")
+        except ConfigError as exc:
+            raise ConfigError(f"plan.world_sizes={list(p.world_sizes)}: at {ws} ranks, {exc}") from None
+    if _value(p.find) == "depth" and (p.params is not None or "n_layers" not in cfg.model):
+        what = "a raw parameter count (plan.params)" if p.params is not None else f"model={cfg.model.name}"
+        raise ConfigError(f"plan.find=depth needs a model with model.n_layers (e.g. model=gpt); {what} has none")
+
+
+def _check_levers(p) -> None:
+    """plan.levers: known levers, each once; no list named twice; offload only with an FSDP
+    strategy and a GPU."""
+    # lazy: these import torch, which Hydra's questions (answered by this module) never need
+    from sharded_exp.plan.points import LEVERS, _value, lever_names
+    from sharded_exp.strategies import STRATEGIES
+
     for combo in p.get("levers", None) or []:
         bad = [x for x in lever_names(str(combo)) if x not in LEVERS]
         if bad or not str(combo):
@@ -115,9 +155,14 @@ def check_plan(cfg: PlanConfig, argv: list[str] = ()) -> None:
                 "plan.levers with offload and plan.device=cpu: offload moves states from a GPU to host memory, where a "
                 "CPU run holds them already (a CPU run refuses it); plan it for plan.device=cuda"
             )
+
+
+def _check_plot(p) -> None:
+    """plan.plot names an image file in a directory that can be written (said now, not after
+    minutes of planning)."""
     if p.plot and (not str(p.plot).lower().endswith((".png", ".svg", ".pdf")) or os.path.isdir(p.plot)):
         raise ConfigError(f"plan.plot={p.plot} must name a .png, .svg or .pdf file to draw the plan into")
-    if p.plot:  # said now, not after minutes of planning
+    if p.plot:
         above = os.path.dirname(os.path.abspath(p.plot))
         while not os.path.exists(above):
             above = os.path.dirname(above)
@@ -125,28 +170,10 @@ def check_plan(cfg: PlanConfig, argv: list[str] = ()) -> None:
             raise ConfigError(f"plan.plot={p.plot}: {above} is a file, not a directory; choose another plan.plot")
         if not os.access(above, os.W_OK) or above.startswith(("/proc", "/sys")):
             raise ConfigError(f"plan.plot={p.plot}: {above} cannot be written; choose another plan.plot")
-    if _value(p.find) == "batch_size" and p.params is not None:
-        raise ConfigError(
-            f"plan.find=batch_size needs a model: a raw parameter count (plan.params={p.params:g}) has no "
-            "activations, so no batch would ever stop fitting; plan a model (model=gpt_7b, ...) to find its batch"
-        )
-    builder = STRATEGIES.builder(cfg.strategy.name)
-    for ws in p.world_sizes:  # a layout training would refuse (strategy.replicate=2 at 3 ranks) is no plan
-        try:
-            builder.check(cfg.strategy, int(ws), _value(p.device) or "cuda")
-        except ConfigError as exc:
-            raise ConfigError(f"plan.world_sizes={list(p.world_sizes)}: at {ws} ranks, {exc}") from None
-    if _value(p.find) == "depth" and (p.params is not None or "n_layers" not in cfg.model):
-        what = "a raw parameter count (plan.params)" if p.params is not None else f"model={cfg.model.name}"
-        raise ConfigError(f"plan.find=depth needs a model with model.n_layers (e.g. model=gpt); {what} has none")
 
 
 def answer_query(argv: list[str]) -> int:
     """Hydra's own questions, by a Hydra app over ``conf/plan.yaml`` (no torch)."""
-    import hydra
-
-    from sharded_exp.compose import quote_numeric_choices, register_schemas
-
     register_schemas(query=True)
 
     @hydra.main(version_base="1.3", config_path="../conf", config_name="plan")
@@ -166,7 +193,11 @@ def answer_query(argv: list[str]) -> int:
 
 def buildable(cfg: PlanConfig) -> None:
     """The model builds (on the meta device: shapes only), or a ConfigError names what it said."""
+    # lazy: these import torch, which Hydra's questions (answered by this module) never need
+    from sharded_exp.launch.preflight import check_no_lazy, check_units_shardable
+    from sharded_exp.plan.points import strategy_names
     from sharded_exp.predict.prediction import meta_model
+    from sharded_exp.strategies import STRATEGIES
 
     try:
         module = meta_model(cfg.model, cfg.trainer.freeze)
@@ -181,10 +212,6 @@ def buildable(cfg: PlanConfig) -> None:
             f"model={cfg.model.name} has nothing to train (no parameter, or trainer.freeze={list(cfg.trainer.freeze)} "
             "freezes every one): there is nothing to plan"
         )
-    from sharded_exp.launch.preflight import check_no_lazy, check_units_shardable
-    from sharded_exp.plan.points import strategy_names
-    from sharded_exp.strategies import STRATEGIES
-
     check_no_lazy(module, cfg.model.name)
     for name in strategy_names(cfg):  # a layout training refuses is no plan (a weight tied across FSDP's units)
         if STRATEGIES.builder(name).traits.shards_parameters:
@@ -206,10 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if is_query(argv):
         return answer_query(argv)
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from sharded_exp.compose import compose
+    # lazy: checking a model imports torch; a question (above) never does
     from sharded_exp.models.target import check_pretrained, is_target_model
 
     try:
@@ -230,9 +254,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def plan(cfg: PlanConfig, preset: str) -> int:
     """Plan the composed, checked ``cfg`` and print it in ``plan.format``."""
-    from sharded_exp.plan import points, table
+    # lazy: these import torch, which Hydra's questions (answered by this module) never need
+    from sharded_exp.plan import fastest, points, speed
     from sharded_exp.plan.depth import shapes_of
-    from sharded_exp.plan.progress import Progress
 
     device_type = points._value(cfg.plan.device)
     if cfg.plan.params is not None:
@@ -245,7 +269,11 @@ def plan(cfg: PlanConfig, preset: str) -> int:
     progress = Progress(total)
     try:
         rows = points.plan_rows(cfg, world_sizes, device_type, progress)
-        found = points.find_rows(cfg, world_sizes, device_type, progress) if cfg.plan.find else []
+        found = []
+        if points._value(cfg.plan.find) == "fastest":
+            found = fastest.fastest_rows(cfg, world_sizes, device_type, progress, "model=" + preset)
+        elif cfg.plan.find:
+            found = points.find_rows(cfg, world_sizes, device_type, progress)
     except ConfigError as exc:  # found by a fake step (a parameter made in forward): refused as a run would be
         progress.close()
         print(f"error: {exc}", file=sys.stderr)
@@ -254,16 +282,18 @@ def plan(cfg: PlanConfig, preset: str) -> int:
         progress.close()
     faked = points.faked(cfg)
     form = points._value(cfg.plan.format)
+    machine = speed.describe(cfg)
     if form == "json":
         doc = {"params": params, "model": preset if cfg.plan.params is None else None, "device": device_type,
-               "device_faked": faked, "columns": table.column_keys(rows), "rows": rows, "found": found,
+               "device_faked": faked, "speed_profile": machine, "columns": table.column_keys(rows), "rows": rows,
+               "found": found,
                "cheapest": [{k: r[k] for k in ("strategy", "levers", "world_size", "total_gib")}
                             for r in points.cheapest(rows)] if cfg.plan.params is None else []}  # fmt: skip
         print(table.json_text(doc))
     elif form == "csv":
         print(table.csv_text(rows))
     else:
-        print(table.text(rows, found, cfg, params, preset, faked, markdown=form == "md"))
+        print(table.text(rows, found, cfg, params, preset, faked, markdown=form == "md", speed=machine))
     if cfg.plan.plot:
         try:
             print(f"plan: chart {write_chart(rows, cfg, params)}", file=sys.stderr)
@@ -275,9 +305,7 @@ def plan(cfg: PlanConfig, preset: str) -> int:
 
 def write_chart(rows, cfg: PlanConfig, params: int) -> str:
     """``plan.plot``: the plan drawn (:func:`sharded_exp.output.charts.plan_chart`)."""
-    from pathlib import Path
-
-    from sharded_exp.output import charts
+    # lazy: points imports torch, which Hydra's questions (answered by this module) never need
     from sharded_exp.plan.points import LEVER_COST, _value, lever_names, strategy_cost
 
     count = f"{params / 1e9:.3g} B" if params >= 1e8 else f"{params:,}"

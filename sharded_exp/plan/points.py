@@ -10,14 +10,19 @@ analytic memory model, without activations.
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
+import multiprocessing
+import os
 from typing import Any
 
 from omegaconf import OmegaConf
 
 from sharded_exp.config import PlanConfig
+from sharded_exp.measure.cuda_kernels import cublas_workspace_mib
 from sharded_exp.plan.depth import first_depth, peaks_by_depth, shapes_of
 from sharded_exp.plan.progress import Progress
+from sharded_exp.plan.speed import SPEED_KEYS, speed_columns, traced
 from sharded_exp.precision import Precision
 from sharded_exp.predict.prediction import ModelShapes, model_shapes, predict, predict_peak
 from sharded_exp.strategies import STRATEGIES, memory_of, sharding_order, traits_of
@@ -199,9 +204,10 @@ def composed_peaks(
 
 
 def model_row(cfg: PlanConfig, name: str, world_size: int, shapes: ModelShapes, device_type: str, combo: str = "none",
-              peak: dict | None = None):  # fmt: skip
+              peak: dict | None = None, traced: dict | None = None):  # fmt: skip
     """One planned point; ``peak``: its composed peak (:func:`composed_peaks`), else one
-    fake step of the whole model."""
+    fake step of the whole model; ``traced``: the strategy's traced step
+    (:func:`sharded_exp.plan.speed.traced`) its speed columns come from (None: none)."""
     cfg_s = with_strategy(cfg, name, combo)
     prediction = predict(cfg_s.strategy, cfg.optimizer, Precision.of(cfg), shapes, world_size)
     if peak is None:
@@ -230,6 +236,8 @@ def model_row(cfg: PlanConfig, name: str, world_size: int, shapes: ModelShapes, 
     row["model_states_gib"] = states * MIB / GIB  # analytic: what every run predicts and checks
     row["levers"] = combo
     row["cost"] = _cost_note(combo, prediction)
+    if traced is not None:
+        row.update(speed_columns(cfg_s, world_size, traced, prediction))
     return row
 
 
@@ -263,6 +271,7 @@ def _row(cfg: PlanConfig, name, world_size, parts, method, note) -> dict[str, An
         **allocator_columns(total, None),
         "method": method,
         "note": note,
+        **{k: None for k in SPEED_KEYS},  # a model's row sets them from its traced step
     }
     row["fits"] = fits(row, cfg.plan.device_memory_gib)
     return row
@@ -297,9 +306,14 @@ def fit_basis(row: dict[str, Any]) -> float | None:
 
 def fits(row: dict[str, Any], device_memory_gib: float) -> bool | None:
     """Whether a planned point fits ``plan.device_memory_gib`` (:func:`fit_basis`); None when it
-    has no peak. The table, ``plan.find`` and the cheapest-that-fits search all ask this."""
-    basis = fit_basis(row)
-    return None if basis is None else basis <= device_memory_gib
+    has no peak. The table, ``plan.find`` (batch size, depth, fastest) and the cheapest-that-fits
+    search all ask this (``plan.find``'s probes through :func:`within`, on the same basis)."""
+    return within(fit_basis(row), device_memory_gib)
+
+
+def within(basis_gib: float | None, device_memory_gib: float) -> bool | None:
+    """The budget test itself, on a row's :func:`fit_basis`; None without a figure."""
+    return None if basis_gib is None else basis_gib <= device_memory_gib
 
 
 def lever_combos(cfg: PlanConfig) -> list[str]:
@@ -329,9 +343,6 @@ def plan_rows(
 
     count = workers(cfg, len(tasks))
     if count > 1:
-        import concurrent.futures
-        import multiprocessing
-
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(["sharded_exp.plan.points"])
         # the costliest first (FSDP's fake steps), so that the last to finish is a short one
@@ -355,7 +366,6 @@ def workers(cfg: PlanConfig, tasks: int) -> int:
     """How many processes fake side by side: ``plan.workers``, or (0) one per CPU core this
     process may use for a model of :data:`SIDE_BY_SIDE_FROM` parameters or more; never more
     than there are strategies to fake (a raw count fakes none)."""
-    import os
 
     if cfg.plan.params is not None:
         return 1
@@ -372,7 +382,8 @@ def task_rows(cfg: PlanConfig, name: str, combo: str, world_sizes, device_type: 
         return [raw_row(cfg, name, ws) for ws in world_sizes]
     shapes = shapes_of(cfg)
     composed = composed_peaks(cfg, name, world_sizes, device_type, combo)
-    return [model_row(cfg, name, ws, shapes, device_type, combo, peak=composed[ws]) for ws in world_sizes]
+    found = traced(with_strategy(cfg, name, combo), device_type, _layer_key(cfg.model))
+    return [model_row(cfg, name, ws, shapes, device_type, combo, composed[ws], found) for ws in world_sizes]
 
 
 def cheapest(rows) -> list[dict[str, Any]]:
@@ -430,14 +441,14 @@ def largest(
     one, two = peak(1), peak(2)
     if one is None or two is None:
         return {"value": None, "probes": probes, "note": f"no fake step: {errors[0]}"}
-    if one > budget:
+    if not within(one, budget):
         return {"value": 0, "probes": probes, "note": f"{knob}=1 does not fit"}
-    lo, hi = (2, None) if two <= budget else (1, 2)  # largest known to fit, smallest known not to
+    lo, hi = (2, None) if within(two, budget) else (1, 2)  # largest known to fit, smallest known not to
     while (hi is None or hi > lo + 1) and lo < limit:
         guess = _crossing(probes, phases, budget, lo, hi)
         guess = min(max(guess, lo + 1), hi - 1 if hi is not None else limit)
         p = peak(guess)
-        lo, hi = (guess, hi) if p is not None and p <= budget else (lo, guess)
+        lo, hi = (guess, hi) if within(p, budget) else (lo, guess)
     note = f"checked by fake steps at {lo} and {hi}" if hi is not None else f"fits up to the limit {limit}"
     return {"value": lo, "probes": probes, "note": note}
 
@@ -484,8 +495,6 @@ def faked(cfg: PlanConfig) -> str:
     if cfg.plan.params is not None:
         return f"{_value(cfg.plan.device)} (a raw count is analytic: nothing is faked)"
     if _value(cfg.plan.device) == "cuda":
-        from sharded_exp.measure.cuda_kernels import cublas_workspace_mib
-
         workspace, source = cublas_workspace_mib()
         return (f"cuda (fake tensors with the kernels CUDA chooses: fused attention, foreach optimizer; "
                 f"+ {workspace:g} MiB cuBLAS workspace: {source})")  # fmt: skip

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 import time
 
+from tqdm import tqdm
+
 
 class Progress:
     """Points done of ``total``, the time so far and the time left (from the mean time per
@@ -17,8 +19,6 @@ class Progress:
         self.started = time.perf_counter()
         self.bar = None
         if self.stream.isatty():
-            from tqdm import tqdm
-
             self.bar = tqdm(total=total, file=self.stream, unit="point", desc="plan", dynamic_ncols=True, leave=False)
 
     def done(self, n: int, what: str) -> None:

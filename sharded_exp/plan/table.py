@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 from omegaconf import OmegaConf
+from tabulate import tabulate
 
 from sharded_exp.config import PlanConfig
 from sharded_exp.precision import Precision
@@ -30,8 +31,11 @@ MEANINGS = {
     "device_total": "reserved + the CUDA context: what nvidia-smi shows; fits compares it with the device",
 }
 """What each column holds, by heading: the parts' (:mod:`sharded_exp.vocabulary.memory`) and the totals'."""
+SPEED = ("step_time_s", "exposed_comm_s", "tokens_per_s_per_device", "mfu_pct")
+"""The speed columns (:mod:`sharded_exp.plan.speed`), headed by their JSON keys in every format."""
+SPEED_FORMATS = {"step_time_s": ".4g", "exposed_comm_s": ".3g", "tokens_per_s_per_device": ".4g", "mfu_pct": ".1f"}
 COLUMNS = ("strategy", "levers", "ranks", *(HEADINGS.get(p, p) for p in PARTS), "peak", "mean", "host", "allocated",
-           "reserved", "device_total", "fits")  # fmt: skip
+           "reserved", "device_total", "fits", *SPEED)  # fmt: skip
 """Every format's columns, in order."""
 
 
@@ -42,7 +46,7 @@ def cells(row: dict[str, Any], scale: float) -> list[Any]:
     return [row["strategy"], row.get("levers", "none"), row["world_size"],
             *(mib(row.get(f"{k}_gib")) for k in PARTS), mib(row["total_gib"]), mib(row.get("mean_gib")),
             mib(row.get("host_gib")), mib(row.get("allocated_gib")), mib(row.get("reserved_gib")),
-            mib(row.get("device_total_gib")), fits]  # fmt: skip
+            mib(row.get("device_total_gib")), fits, *(row.get(k) for k in SPEED)]  # fmt: skip
 
 
 def _unit(rows) -> tuple[str, float]:
@@ -50,8 +54,8 @@ def _unit(rows) -> tuple[str, float]:
     return ("GiB", 1.0) if big else ("MiB", 1024.0)
 
 
-def header(cfg: PlanConfig, params: int, preset: str, faked: str) -> list[str]:
-    """What was planned, in two lines."""
+def header(cfg: PlanConfig, params: int, preset: str, faked: str, speed: str = "") -> list[str]:
+    """What was planned, in two lines (three with the speed columns' machine, ``speed``)."""
     count = f"{params / 1e9:.2f} B" if params >= 1e8 else f"{params:,}"
     what = (f"raw parameter count {count} params in {cfg.plan.units} units" if cfg.plan.params is not None
             else f"model={preset} ({count} params)")  # fmt: skip
@@ -61,6 +65,7 @@ def header(cfg: PlanConfig, params: int, preset: str, faked: str) -> list[str]:
         f"{cfg.optimizer.name}, batch {cfg.trainer.batch_size} per rank, device budget "
         f"{cfg.plan.device_memory_gib:g} GiB",
         f"device: {faked}",
+        *([speed] if speed else []),
     ]
 
 
@@ -89,14 +94,14 @@ def _body(rows, scale: float) -> tuple[list[str], list[list[Any]]]:
     return head, body
 
 
-def text(rows, found, cfg: PlanConfig, params: int, preset: str, faked: str, markdown: bool = False) -> str:
+def text(
+    rows, found, cfg: PlanConfig, params: int, preset: str, faked: str, markdown: bool = False, speed: str = ""
+) -> str:
     """``plan.format=table`` (aligned columns) or ``md`` (a GitHub Markdown table)."""
-    from tabulate import tabulate
-
     unit, scale = _unit(rows)
     head, body = _body(rows, scale)
     kinds = methods(rows)
-    lines = header(cfg, params, preset, faked)
+    lines = header(cfg, params, preset, faked, speed)
     if len(kinds) == 1:
         lines.append(f"method: {kinds[0]}")
     else:
@@ -106,7 +111,8 @@ def text(rows, found, cfg: PlanConfig, params: int, preset: str, faked: str, mar
     if markdown:
         lines = [f"{line}  " for line in lines]  # Markdown line breaks
     lines.append("")
-    lines.append(tabulate(body, headers=head, tablefmt="github" if markdown else "simple", floatfmt=".2f",
+    formats = [SPEED_FORMATS.get(c, ".2f") for c in head]
+    lines.append(tabulate(body, headers=head, tablefmt="github" if markdown else "simple", floatfmt=formats,
                           missingval="-"))  # fmt: skip
     notes = sorted({f"{r['strategy']}: {r['note']}" for r in rows if r["note"]})
     if notes:
@@ -115,7 +121,7 @@ def text(rows, found, cfg: PlanConfig, params: int, preset: str, faked: str, mar
 
 
 def _extras(rows, found, cfg: PlanConfig, unit: str, scale: float) -> list[str]:
-    from sharded_exp.plan.points import cheapest, lever_combos
+    from sharded_exp.plan.points import cheapest, lever_combos  # lazy: points imports torch; a table needs none
 
     lines = []
     if cfg.plan.params is None and (len(lever_combos(cfg)) > 1 or any(r.get("levers", "none") != "none" for r in rows)):
@@ -124,7 +130,11 @@ def _extras(rows, found, cfg: PlanConfig, unit: str, scale: float) -> list[str]:
             cost = f"; {best['cost']}" if best.get("cost") else ""
             lines.append(f"cheapest that fits at {best['world_size']} ranks: {label} ({best['total_gib'] * scale:.2f} "
                          f"{unit}{cost})")  # fmt: skip
-    if found:
+    if found and str(cfg.plan.find) == "fastest":
+        lines.append(f"\nfastest that fits {cfg.plan.device_memory_gib:g} GiB (global batch fixed; grad_accum makes up "
+                     "the rest):")  # fmt: skip
+        lines += [_fastest_line(f, unit, scale) for f in found]
+    elif found:
         find = str(cfg.plan.find)
         label = {
             "batch_size": "largest batch per rank",
@@ -151,6 +161,18 @@ def allocator_lines(rows) -> list[str]:
     ]
 
 
+def _fastest_line(f: dict[str, Any], unit: str, scale: float) -> str:
+    if f.get("command") is None:
+        return f"  x{f['world_size']}: {f['note']}"
+    label = f["strategy"] + ("" if f.get("levers", "none") == "none" else f" + {f['levers']}")
+    replicate = f", replicate {f['replicate']}" if f.get("replicate", 1) > 1 else ""
+    tokens = f", {f['tokens_per_s_per_device']:.4g} tokens/s/device" if f.get("tokens_per_s_per_device") else ""
+    mfu = f", MFU {f['mfu_pct']:.1f}%" if f.get("mfu_pct") is not None else ""
+    return (f"  x{f['world_size']}: {label}, batch {f['batch_size']} x grad_accum {f['grad_accum']}{replicate}: "
+            f"{f['step_time_s']:.4g} s/step{tokens}{mfu}, peak {f['total_gib'] * scale:.2f} {unit} ({f['note']})\n"
+            f"    {f['command']}")  # fmt: skip
+
+
 def csv_text(rows) -> str:
     """``plan.format=csv``: the table's columns, memory in GiB, one line per row."""
     out = io.StringIO()
@@ -172,6 +194,6 @@ def column_keys(rows) -> dict[str, str]:
     """Each shown column's key in a JSON row."""
     keys = {"strategy": "strategy", "levers": "levers", "ranks": "world_size"}
     keys |= {HEADINGS.get(p, p): f"{p}_gib" for p in PARTS}
-    keys |= {"peak": "total_gib", "mean": "mean_gib", "host": "host_gib", "fits": "fits"}
+    keys |= {"peak": "total_gib", "mean": "mean_gib", "host": "host_gib", "fits": "fits"} | {k: k for k in SPEED}
     keys |= {"allocated": "allocated_gib", "reserved": "reserved_gib", "device_total": "device_total_gib"}
     return {c: keys[c] for c in shown(rows)}

@@ -27,6 +27,8 @@ What a fake step cannot do, it says (:attr:`StepEstimate.method`, ``note``):
 from __future__ import annotations
 
 import contextlib
+import importlib
+import inspect
 import sys
 import time
 import traceback
@@ -35,12 +37,27 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch.distributed import distributed_c10d
+from torch.distributed.fsdp._fully_shard import _fsdp_param  # private torch API: re-check on torch upgrades
+from torch.distributed.tensor import _sharding_prop  # private torch API: re-check on torch upgrades
+from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+from torch.utils.flop_counter import FlopCounterMode
 
 from sharded_exp.config import JobGroups
+from sharded_exp.data import each_tensor, probe_batch
 from sharded_exp.errors import ConfigError
+from sharded_exp.measure.cuda_kernels import cuda_kernels
 from sharded_exp.measure.tracker import peak_tracker
+from sharded_exp.models import units
+from sharded_exp.models.materialise import chunk_of
 from sharded_exp.predict.alloc_trace import recording
+from sharded_exp.predict.op_trace import Trace, tracing
 from sharded_exp.strategies import STRATEGIES, baseline, memory_of, offloads_to_host, traits_of
+from sharded_exp.train.build import build_run
+from sharded_exp.train.levers import without_checkpointing
+from sharded_exp.train.step import train_step
 from sharded_exp.vocabulary.memory import OTHER, TORCH_CATEGORIES, TOTAL
 
 MIB = 2**20
@@ -69,8 +86,6 @@ class StepEstimate:
 @contextlib.contextmanager
 def fake_process_group(world_size: int, rank: int):
     """A process group of ``world_size`` ranks whose collectives do nothing, in this process."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
     if dist.is_initialized():
         raise RuntimeError("a fake step needs a process without a process group (one is initialised here)")
     hook = sys.excepthook  # init_process_group prefixes tracebacks with "[rank<r>]:", once per call
@@ -97,9 +112,6 @@ def _separate_propagation_mode():
     which MemTracker ignores; in a fake step that would be ours, and each such run would be
     counted as memory (optimizer steps over FSDP's DTensors: +50% of optimizer state). So it
     gets a fake mode of its own here too."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.tensor import _sharding_prop  # private torch API: re-check on torch upgrades
-
     own = FakeTensorMode()
     detect = _sharding_prop.detect_fake_mode
     _sharding_prop.detect_fake_mode = lambda *args: own
@@ -122,8 +134,6 @@ class _Chunks:
         return self.n
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        from sharded_exp.models.materialise import chunk_of
-
         if not -self.n <= index < self.n:
             raise IndexError(index)
         piece = chunk_of(self.tensor, self.n, self.dim, index % self.n)
@@ -138,8 +148,6 @@ def _lazy_fsdp_chunks():
     """FSDP2 cuts each parameter into one piece per rank when it shards it; in a fake step
     only the pieces it reads are made (:class:`_Chunks`: the same shapes, views of the same
     storage, so the same memory)."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param  # private torch API: re-check on torch upgrades
-
     eager = _fsdp_param._chunk_with_empty
     _fsdp_param._chunk_with_empty = _Chunks
     try:
@@ -190,10 +198,6 @@ class GlooReduceScatter:
         return reduce_scatter_single
 
     def __enter__(self) -> "GlooReduceScatter":
-        import importlib
-
-        from torch.distributed import distributed_c10d
-
         copying = self._copying(distributed_c10d.reduce_scatter_single)
         for name in self.MODULES:
             module = importlib.import_module(name)
@@ -264,9 +268,6 @@ def refuse_parameters_made_in_forward(module: torch.nn.Module, known: set[int], 
 def _blame(exc: BaseException, module) -> str:
     """Who raised ``exc`` inside a fake training step: the model's own code (the deepest
     frame outside torch lies in the model's module file), the strategy, or the step."""
-    import inspect
-    import traceback
-
     model_files = set()
     for cls in type(module).__mro__ if module is not None else ():
         try:
@@ -283,30 +284,135 @@ def _blame(exc: BaseException, module) -> str:
     return "the training step cannot run under FakeTensorMode"
 
 
-def _run(cfg: JobGroups, world_size: int, rank: int, device_type: str, grad_clip: float, flops: bool) -> tuple:
+class _Watch:
+    """The memory tracker of one fake step and the build's hooks that start it and mark the
+    build's end (as a CPU run measures: from before the strategy allocates its buffers)."""
+
+    def __init__(self, device: torch.device, allocs=None):
+        self.device = device
+        self.allocs = allocs
+        """What the CUDA allocator is asked (:func:`sharded_exp.predict.alloc_trace.recording`), or None."""
+        self.tracker = peak_tracker()
+        self.built: list = []
+        self.tracking = False
+        self.build: dict = {}
+
+    def start_tracker(self, module) -> None:
+        self.built.append(module)
+        try:
+            if self.allocs is not None:
+                self.allocs.attach(self.tracker)
+            self.tracker.track_external(module)
+            self.tracker.__enter__()
+        except Exception as exc:  # noqa: BLE001
+            raise FakeStepError("the memory tracker (torch MemTracker) could not start", exc) from exc
+        self.tracking = True
+
+    def end_of_build(self, strategy) -> None:
+        # The build's peak apart (a sharded build: the shards and one whole unit), then the
+        # strategy's buckets filed as such, and the training's peak from here.
+        if self.allocs is not None:
+            self.allocs.restart()  # a run builds on meta or in host memory: the device's trace starts here
+        if self.tracking:
+            found = self.tracker.end_of_build(strategy.module, strategy.local_optimizers())
+            self.build.update(zip(("peak_mib", "breakdown_mib"), _parts(_on(found, self.device))))
+
+    def stop(self) -> None:
+        if self.tracking:
+            self.tracker.__exit__(None, None, None)
+            self.tracking = False
+
+
+def _build(cfg: JobGroups, device: torch.device, watch: _Watch):
+    """The run built under the fake mode (shapes only: model.pretrained's config, never its
+    weights); a model that converts itself while built is built on meta first. Raises
+    :class:`FakeStepError` naming the part that failed."""
+    hooks = dict(before_wrap=watch.start_tracker, after_build=watch.end_of_build, compile=False, weights=False)
+    try:
+        try:
+            with device:  # built on the (fake) device, as a real run's model ends up
+                return build_run(cfg, device, with_task=False, **hooks)
+        except Exception as exc:  # noqa: BLE001
+            text = "".join(traceback.format_exception(exc))
+            if watch.built or not any(sign in text for sign in META_FIRST_SIGNS):
+                raise
+            # A model that converts itself while being built (``.double()``) cannot under
+            # FakeTensorMode (torch's _apply cannot swap a fake parameter): built on meta,
+            # its tensors then made fake.
+            with device:
+                return build_run(cfg, device, with_task=False, meta_first=True, **hooks)
+    except FakeStepError:
+        raise
+    except Exception as exc:  # noqa: BLE001 -- which part failed is named
+        part = (
+            f"strategy={cfg.strategy.name} cannot wrap the model under FakeTensorMode"
+            if watch.built
+            else "the model cannot be built under FakeTensorMode"
+        )
+        raise FakeStepError(part, exc) from exc
+
+
+def _steps(cfg: JobGroups, run, sample: dict, watch: _Watch, kernels, grad_clip: float, flops: bool, trace=None) -> int:
+    """Two fake training steps of ``run`` (three with checkpointing and ``flops``); returns
+    the FLOPs of one step (0 when not counted). ``trace``: a :class:`Trace` the second (steady)
+    step's ops are recorded into, recomputation included."""
+    tc, device, name = cfg.trainer, watch.device, cfg.strategy.name
+    module, strategy, autocast = run.module, run.strategy, run.autocast
+    known = {id(p) for p in module.parameters()}
+    strategy.scaler = torch.amp.GradScaler(device.type, enabled=False)
+    count = 0
+    # FlopCounterMode's module hooks keep a checkpointed unit's recomputed tensors alive
+    # longer (+25% on a GPT with full AC): with checkpointing, FLOPs are counted in a third
+    # step, after the memory window, without recomputation (the model's FLOPs, as MFU counts
+    # them); otherwise in the second.
+    checkpointing = str(tc.activation_checkpointing) != "none"
+    counted = 2 if checkpointing else 1
+    for step in range(3 if flops and checkpointing else 2):
+        if step == 2:
+            watch.stop()
+        # Made inside the window, as in a run, so counted like it (a value that is no
+        # tensor, a user's list or string, passes as the probe had it).
+        batches = [
+            each_tensor(sample, lambda v: torch.zeros((tc.batch_size, *v.shape[1:]), dtype=v.dtype, device=device))
+            for _ in range(tc.grad_accum)
+        ]
+        counter = FlopCounterMode(display=False) if step == counted and flops else None
+        if kernels is not None:
+            kernels.flops = 0
+        plain = without_checkpointing() if step == 2 else contextlib.nullcontext()
+        traced = tracing(trace if step == 1 else None, units(module), kernels)
+        try:
+            with counter or contextlib.nullcontext(), plain, traced:
+                train_step(strategy, batches, autocast, grad_clip)
+        except Exception as exc:  # noqa: BLE001
+            refuse_parameters_made_in_forward(module, known, cfg.model.name, name)  # the likelier cause
+            raise FakeStepError(_blame(exc, module).format(name), exc) from exc
+        refuse_parameters_made_in_forward(module, known, cfg.model.name, name)
+        if counter is not None:  # + fused attention's, which no aten op carries here
+            count = counter.get_total_flops() + (kernels.flops if kernels is not None else 0)
+        if watch.tracking:
+            watch.tracker.reset_mod_stats()
+        del batches
+        if watch.allocs is not None and step < 2:
+            watch.allocs.step_end()
+    return int(count)
+
+
+def _run(
+    cfg: JobGroups, world_size: int, rank: int, device_type: str, grad_clip: float, flops: bool, trace=None
+) -> tuple:
     """Two fake steps of ``cfg`` on ``rank``: (peak MiB, breakdown, FLOPs of one step, extra:
     each phase's peak, the build's, and how many reduce-scatters held gloo's copy).
 
     Raises :class:`FakeStepError` naming the part that failed."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from sharded_exp.data import each_tensor
-    from sharded_exp.measure.cuda_kernels import cuda_kernels
-    from sharded_exp.train.build import build_run
-    from sharded_exp.train.levers import without_checkpointing
-    from sharded_exp.train.step import train_step
-
     # Always fake CPU tensors: a step for a GPU runs as CUDA would (cuda_kernels), without
     # starting CUDA in this process (or aborting it, on a torch built without CUDA).
     device = torch.device("cpu")
     on_gpu = cuda_kernels() if device_type == "cuda" else contextlib.nullcontext(None)
-    tc = cfg.trainer
     # One real sample says each batch tensor's dtype and per-sample shape; the batches
     # themselves are made fake (a batch too large for this machine is planned, not made).
     sample = _probe(cfg.data, cfg.model)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    name = cfg.strategy.name
     # A CPU run communicates over gloo, whose reduce-scatter holds a copy of its input.
     gloo = GlooReduceScatter() if device_type == "cpu" else contextlib.nullcontext(None)
     with (
@@ -314,120 +420,24 @@ def _run(cfg: JobGroups, world_size: int, rank: int, device_type: str, grad_clip
         _separate_propagation_mode(),
         _lazy_fsdp_chunks(),
         gloo as gloo_rule,
-        recording(device_type, memory_of(name).side_streams) as trace,  # what the CUDA allocator is asked
+        recording(device_type, memory_of(cfg.strategy.name).side_streams) as allocs,  # what the CUDA allocator is asked
         mode,
         on_gpu as kernels,
     ):
-        torch.manual_seed(tc.seed)
-        # As a CPU run measures: from before the strategy allocates its buffers.
-        tracker, built, tracking, build = peak_tracker(), [], [], {}
-
-        def end_of_build(strategy):
-            # The build's peak apart (a sharded build: the shards and one whole unit), then
-            # the strategy's buckets filed as such, and the training's peak from here.
-            if trace is not None:
-                trace.restart()
-            if tracking:
-                found = tracker.end_of_build(strategy.module, strategy.local_optimizers())
-                build.update(zip(("peak_mib", "breakdown_mib"), _parts(_on(found, device))))
-
-        def start_tracker(module):
-            built.append(module)
-            try:
-                if trace is not None:
-                    trace.attach(tracker)
-                tracker.track_external(module)
-                tracker.__enter__()
-            except Exception as exc:  # noqa: BLE001
-                raise FakeStepError("the memory tracker (torch MemTracker) could not start", exc) from exc
-            tracking.append(True)
-
+        watch = _Watch(device, allocs)
+        torch.manual_seed(cfg.trainer.seed)
         try:
-            try:
-                try:
-                    with device:  # built on the (fake) device, as a real run's model ends up
-                        # shapes only: model.pretrained's config, never its weights
-                        run = build_run(
-                            cfg, device, with_task=False, before_wrap=start_tracker, after_build=end_of_build,
-                            compile=False, weights=False,
-                        )  # fmt: skip
-                except Exception as exc:  # noqa: BLE001
-                    text = "".join(traceback.format_exception(exc))
-                    if built or not any(sign in text for sign in META_FIRST_SIGNS):
-                        raise
-                    # A model that converts itself while being built (``.double()``) cannot
-                    # under FakeTensorMode (torch's _apply cannot swap a fake parameter):
-                    # built on meta, its tensors then made fake.
-                    with device:
-                        run = build_run(
-                            cfg,
-                            device,
-                            with_task=False,
-                            before_wrap=start_tracker,
-                            after_build=end_of_build,
-                            meta_first=True,
-                            compile=False,
-                            weights=False,
-                        )
-            except FakeStepError:
-                raise
-            except Exception as exc:  # noqa: BLE001 -- which part failed is named
-                part = (
-                    f"strategy={name} cannot wrap the model under FakeTensorMode"
-                    if built
-                    else "the model cannot be built under FakeTensorMode"
-                )
-                raise FakeStepError(part, exc) from exc
-            module, strategy, autocast = run.module, run.strategy, run.autocast
-            known = {id(p) for p in module.parameters()}
-            strategy.scaler = torch.amp.GradScaler(device.type, enabled=False)
-            count = 0
-            # FlopCounterMode's module hooks keep a checkpointed unit's recomputed tensors alive
-            # longer (+25% on a GPT with full AC): with checkpointing, FLOPs are counted in a
-            # third step, after the memory window, without recomputation (the model's FLOPs,
-            # as MFU counts them); otherwise in the second.
-            checkpointing = str(tc.activation_checkpointing) != "none"
-            counted = 2 if checkpointing else 1
-            for step in range(3 if flops and checkpointing else 2):
-                if step == 2:
-                    tracker.__exit__(None, None, None)
-                    tracking.clear()
-                # Made inside the window, as in a run, so counted like it (a value that is no
-                # tensor, a user's list or string, passes as the probe had it).
-                batches = [
-                    each_tensor(
-                        sample, lambda v: torch.zeros((tc.batch_size, *v.shape[1:]), dtype=v.dtype, device=device)
-                    )
-                    for _ in range(tc.grad_accum)
-                ]
-                counter = FlopCounterMode(display=False) if step == counted and flops else None
-                if kernels is not None:
-                    kernels.flops = 0
-                plain = without_checkpointing() if step == 2 else contextlib.nullcontext()
-                try:
-                    with counter or contextlib.nullcontext(), plain:
-                        train_step(strategy, batches, autocast, grad_clip)
-                except Exception as exc:  # noqa: BLE001
-                    refuse_parameters_made_in_forward(module, known, cfg.model.name, name)  # the likelier cause
-                    raise FakeStepError(_blame(exc, module).format(name), exc) from exc
-                refuse_parameters_made_in_forward(module, known, cfg.model.name, name)
-                if counter is not None:  # + fused attention's, which no aten op carries here
-                    count = counter.get_total_flops() + (kernels.flops if kernels is not None else 0)
-                if tracking:
-                    tracker.reset_mod_stats()
-                del batches
-                if trace is not None and step < 2:
-                    trace.step_end()
+            count = _steps(cfg, _build(cfg, device, watch), sample, watch, kernels, grad_clip, flops, trace)
         finally:
-            if tracking:
-                tracker.__exit__(None, None, None)
+            watch.stop()
+    tracker = watch.tracker
     if tracker.failure is not None:
         failure = RuntimeError(tracker.failure)
         raise FakeStepError("the memory tracker (torch MemTracker) failed", failure, detail=tracker.failure)
     peak, parts = _breakdown(tracker, device)
     copies = gloo_rule.count if gloo_rule is not None else 0
-    extra = {"phases": _phases(tracker, device), "build": build, "gloo_reduce_scatters": copies}
-    return peak, parts, int(count), extra | ({"alloc_events": trace.events} if trace is not None else {})
+    extra = {"phases": _phases(tracker, device), "build": watch.build, "gloo_reduce_scatters": copies}
+    return peak, parts, count, extra | ({"alloc_events": watch.allocs.events} if watch.allocs is not None else {})
 
 
 _PROBES: dict[str, dict] = {}
@@ -436,10 +446,6 @@ _PROBES: dict[str, dict] = {}
 def _probe(data_cfg, model_cfg) -> dict:
     """One sample's keys, dtypes and per-sample shapes (rank 0's: every rank's batch has the
     same layout), made once per data and model config: a plan fakes many steps of one."""
-    from omegaconf import OmegaConf
-
-    from sharded_exp.data import each_tensor, probe_batch
-
     key = OmegaConf.to_yaml(data_cfg) + OmegaConf.to_yaml(model_cfg)
     if key not in _PROBES:
         _PROBES[key] = each_tensor(probe_batch(data_cfg, model_cfg, 0),
@@ -455,8 +461,6 @@ def _on(snapshots: dict, device: torch.device) -> dict:
 
 
 def _data_dependent(exc: BaseException) -> bool:
-    from torch._subclasses.fake_tensor import DataDependentOutputException
-
     exc = getattr(exc, "cause", exc)
     return isinstance(exc, DataDependentOutputException) or "data-dependent" in str(exc).lower()
 
@@ -471,14 +475,22 @@ def _short(exc: BaseException) -> str:
 
 
 def fake_step(
-    cfg: JobGroups, world_size: int, rank: int = 0, device_type: str = "cpu", states_mib=None, flops: bool = True
+    cfg: JobGroups,
+    world_size: int,
+    rank: int = 0,
+    device_type: str = "cpu",
+    states_mib=None,
+    flops: bool = True,
+    trace: bool = False,
 ) -> StepEstimate:
     """The peak of ``rank`` in a job of ``world_size`` ranks, from two fake steps.
 
     ``states_mib(strategy_name) -> MiB``: the analytic model states of ``rank`` under a
     strategy, used only by the fallback for a strategy that cannot run fake. Raises when
     the model itself cannot run fake (the caller records why). ``flops``: also count the
-    FLOPs (about a third of the time on a large model; the planner needs none).
+    FLOPs (about a third of the time on a large model; the planner needs none). ``trace``:
+    also record the steady step's ops (:mod:`~sharded_exp.predict.op_trace`), in
+    ``extra["trace"]`` (not for the fallback of a strategy that cannot run fake).
     """
     t0 = time.perf_counter()
     if offloads_to_host(cfg.strategy):  # faked on the device; the states' move to the host is a rule
@@ -489,7 +501,9 @@ def fake_step(
     first: Exception | None = None
     if not known:
         try:
-            peak, parts, count, extra = _run(cfg, world_size, rank, device_type, clip, flops)
+            recorded = Trace() if trace else None
+            peak, parts, count, extra = _run(cfg, world_size, rank, device_type, clip, flops, recorded)
+            extra["trace"] = recorded
             return StepEstimate(rank, peak, parts, count, "fake step", seconds=time.perf_counter() - t0, extra=extra)
         except ConfigError:  # the model itself is refused: no fallback can fake it
             raise
@@ -497,14 +511,14 @@ def fake_step(
             first = exc
     if clip > 0 and (known or _data_dependent(first)):
         try:
-            peak, parts, count, extra = _run(cfg, world_size, rank, device_type, 0.0, flops)
+            recorded = Trace() if trace else None
+            peak, parts, count, extra = _run(cfg, world_size, rank, device_type, 0.0, flops, recorded)
+            extra["trace"] = recorded
             why = "on the norm's value" if known else f"on a value ({_short(first)})"
             note = f"{cfg.strategy.name}'s clipping branches {why}: step faked without it"
             seconds = time.perf_counter() - t0
             method = "fake step without clipping"
-            return StepEstimate(
-                rank, peak, parts, count, method, note, seconds, extra=extra
-            )
+            return StepEstimate(rank, peak, parts, count, method, note, seconds, extra=extra)
         except ConfigError:
             raise
         except Exception as exc:  # noqa: BLE001

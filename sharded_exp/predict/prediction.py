@@ -13,11 +13,15 @@ from typing import Any
 import torch
 
 from sharded_exp import precision
-from sharded_exp.config import JobGroups, OptimizerConfig
+from sharded_exp.config import JobGroups, OptimizerConfig, ZeroGrad
 from sharded_exp.errors import ConfigError
+from sharded_exp.measure.cuda_kernels import cublas_workspace_mib
 from sharded_exp.models import build_model, units
 from sharded_exp.optim import optimizer_spec
+from sharded_exp.predict.alloc_trace import alloc_conf_of, point_figures
+from sharded_exp.predict.fake_step import FakeStepError, fake_step
 from sharded_exp.predict.memory_model import predict_model_states_mib
+from sharded_exp.predict.step_time import run_step_time
 from sharded_exp.strategies import STRATEGIES, memory_of, offloads_to_host, traits_of
 from sharded_exp.strategies.base import StrategyConfig
 
@@ -132,12 +136,64 @@ def peaks_of_ranks(phases, states: list[dict[str, float]], rank: int) -> list[fl
 def _zero_grad_note(cfg: JobGroups) -> str:
     """What the fake step counts of trainer.zero_grad (it clears gradients by the rule the
     strategy applies, as the run does)."""
-    from sharded_exp.config import ZeroGrad
-
     rule = traits_of(cfg.strategy.name).zero_grad_rule(ZeroGrad(cfg.trainer.zero_grad))
     if rule.reason:
         return f"trainer.zero_grad={rule.requested.value} not honoured, faked as {rule.applied.value}: {rule.reason}"
     return ""
+
+
+def _fake_rank(cfg: JobGroups, world_size: int, device_type: str, prediction, shapes: ModelShapes, rank: int, flops):
+    # a run (which counts FLOPs) also records the op trace its step time is predicted from
+    """The fake step of ``rank`` (:func:`fake_step`), or the reason there is none (a str)."""
+    precision_name = precision.Precision.of(cfg)
+
+    def states_of(name: str) -> dict[str, float]:  # for a strategy that cannot run fake
+        other = predict(STRATEGIES.config_class(name)(), cfg.optimizer, precision_name, shapes, world_size)
+        return {**other["model_states_mib"][rank], "gathered": other["transient_params_mib"]}
+
+    try:
+        return fake_step(cfg, world_size, rank, device_type, states_of, flops=flops, trace=flops)
+    except ConfigError:  # the model is refused (a parameter made in forward), not just unpredictable
+        raise
+    except Exception as exc:  # noqa: BLE001 -- recorded: the run goes on without a peak prediction
+        reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        if not isinstance(exc, FakeStepError):  # not inside the step: the prediction's own code
+            reason = f"the fake step failed: {type(exc).__name__}: {reason}"
+        return reason
+
+
+def _resident(parts: dict[str, float], mine: dict[str, float]) -> dict[str, float]:
+    """A tracked breakdown filed against the rank's own model states ``mine``."""
+    parts = dict(parts)
+    # Parameters tracked beyond the resident ones are gathered (unsharded) copies: FSDP's units.
+    if parts["params"] > mine["params"]:
+        parts["gathered"] += parts["params"] - mine["params"]
+        parts["params"] = mine["params"]
+    # What the optimizer step allocates beyond the rank's state is its temporaries
+    # (foreach Adam's sqrt(v)): the tracker files both as optimizer memory.
+    parts["optimizer_step"] = max(0.0, parts["optimizer"] - mine["optimizer"])
+    parts["optimizer"] -= parts["optimizer_step"]
+    return parts
+
+
+HOST_STATES = ("params", "grads", "optimizer", "optimizer_step")
+"""What FSDP's CPU offload keeps in (and steps on) host memory."""
+
+
+def _offloaded(all_states, mine, parts, per_rank, phases_mib, rules) -> tuple:
+    """FSDP's CPU offload: the resident (sharded) parameters, gradients and optimizer state
+    live in host memory; the device holds what is gathered and computed. Returns (host MiB
+    per rank, device peak per rank, breakdown, phases), ``rules`` told why."""
+    states = HOST_STATES
+    rules["cpu_offload"] = ("the sharded parameters, gradients and optimizer state in host memory, and the "
+                            "optimizer step on the host, by rule")  # fmt: skip
+    host_mib = [sum(other[k] for k in states[:3]) for other in all_states]
+    per_rank = [x - sum(min(mine.get(k, parts[k]), parts[k]) for k in states) for x in per_rank]
+    for phase, (peak, p) in list(phases_mib.items()):
+        moved = sum(p[k] for k in states)
+        phases_mib[phase] = (peak - moved, {**p, **{k: 0.0 for k in states}})
+    parts = {**parts, **{k: 0.0 for k in states}}
+    return host_mib, per_rank, parts, phases_mib
 
 
 def predict_peak(
@@ -155,47 +211,17 @@ def predict_peak(
     "rank", "breakdown_mib", "flops_per_step" (one rank), "method", "note", "seconds",
     "error"}``; ``error`` says why there is no prediction (the model cannot run fake).
     """
-    from sharded_exp.measure.cuda_kernels import cublas_workspace_mib
-    from sharded_exp.predict.fake_step import fake_step
-
     states = [sum(p.values()) for p in prediction["model_states_mib"]]
     rank = states.index(max(states))
-    precision_name = precision.Precision.of(cfg)
-
-    def states_of(name: str) -> dict[str, float]:  # for a strategy that cannot run fake
-        other = predict(STRATEGIES.config_class(name)(), cfg.optimizer, precision_name, shapes, world_size)
-        return {**other["model_states_mib"][rank], "gathered": other["transient_params_mib"]}
-
-    try:
-        est = fake_step(cfg, world_size, rank, device_type, states_of, flops=flops)
-    except ConfigError:  # the model is refused (a parameter made in forward), not just unpredictable
-        raise
-    except Exception as exc:  # noqa: BLE001 -- recorded: the run goes on without a peak prediction
-        from sharded_exp.predict.fake_step import FakeStepError
-
-        reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
-        if not isinstance(exc, FakeStepError):  # not inside the step: the prediction's own code
-            reason = f"the fake step failed: {type(exc).__name__}: {reason}"
-        return {"per_rank_mib": None, "error": reason}
+    est = _fake_rank(cfg, world_size, device_type, prediction, shapes, rank, flops)
+    if isinstance(est, str):
+        return {"per_rank_mib": None, "error": est}
     mine = prediction["model_states_mib"][rank]
-
-    def resident(parts: dict[str, float]) -> dict[str, float]:
-        # Parameters tracked beyond the resident ones are gathered (unsharded) copies: FSDP's units.
-        parts = dict(parts)
-        if parts["params"] > mine["params"]:
-            parts["gathered"] += parts["params"] - mine["params"]
-            parts["params"] = mine["params"]
-        # What the optimizer step allocates beyond the rank's state is its temporaries
-        # (foreach Adam's sqrt(v)): the tracker files both as optimizer memory.
-        parts["optimizer_step"] = max(0.0, parts["optimizer"] - mine["optimizer"])
-        parts["optimizer"] -= parts["optimizer_step"]
-        return parts
-
-    parts = resident(est.breakdown_mib)
+    parts = _resident(est.breakdown_mib, mine)
     # Another rank's peak: the faked one's, lowered by its smaller states (peaks_of_ranks).
     phases = (est.extra or {}).get("phases") or {"all": (est.peak_mib, est.breakdown_mib)}
     per_rank = peaks_of_ranks(
-        [(peak, resident(p)) for peak, p in phases.values()], prediction["model_states_mib"], rank
+        [(peak, _resident(p, mine)) for peak, p in phases.values()], prediction["model_states_mib"], rank
     )
     # The rules a prediction follows beyond the fake tensors, each named in ``rules``: gloo's
     # reduce-scatter copy (held by fake tensors), and on CUDA cuBLAS's workspace (added).
@@ -209,25 +235,14 @@ def predict_peak(
     per_rank = [x + workspace for x in per_rank]
     phases_mib = {}
     for phase, (peak, p) in phases.items():
-        phases_mib[str(phase)] = (peak + workspace, {**resident(p), "workspace": workspace})
+        phases_mib[str(phase)] = (peak + workspace, {**_resident(p, mine), "workspace": workspace})
     host_mib = None
     if offloads_to_host(cfg.strategy):
-        # FSDP's CPU offload: the resident (sharded) parameters, gradients and optimizer
-        # state live in host memory; the device holds what is gathered and computed.
-        states = ("params", "grads", "optimizer", "optimizer_step")
-        rules["cpu_offload"] = ("the sharded parameters, gradients and optimizer state in host memory, and the "
-                                "optimizer step on the host, by rule")  # fmt: skip
-        host_mib = [sum(other[k] for k in states[:3]) for other in prediction["model_states_mib"]]
-        per_rank = [x - sum(min(mine.get(k, parts[k]), parts[k]) for k in states) for x in per_rank]
-        for phase, (peak, p) in list(phases_mib.items()):
-            moved = sum(p[k] for k in states)
-            phases_mib[phase] = (peak - moved, {**p, **{k: 0.0 for k in states}})
-        parts = {**parts, **{k: 0.0 for k in states}}
+        all_states = prediction["model_states_mib"]
+        host_mib, per_rank, parts, phases_mib = _offloaded(all_states, mine, parts, per_rank, phases_mib, rules)
     build = (est.extra or {}).get("build") or {}
     allocator = None
     if (est.extra or {}).get("alloc_events") is not None:  # CUDA: the caching allocator's view
-        from sharded_exp.predict.alloc_trace import alloc_conf_of, point_figures
-
         allocator = point_figures(est.extra["alloc_events"], alloc_conf_of(cfg), workspace)
     return {
         "per_rank_mib": per_rank,
@@ -250,5 +265,7 @@ def predict_peak(
         # CUDA: the allocator's rounding and cache on top of the peak, fragmentation, the context
         # (sharded_exp.predict.alloc_trace.point_figures); None on CPU (no caching allocator)
         "allocator": allocator,
+        # a run's step time, predicted from this step's op trace (predict/step_time.py)
+        "speed": run_step_time(cfg, world_size, device_type, est, shapes, prediction) if flops else None,
         "error": None,
     }

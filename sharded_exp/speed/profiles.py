@@ -81,6 +81,13 @@ class DeviceProfile:
     """Per dtype, the fraction of the peak a published matmul micro-benchmark reached."""
     curves: Mapping[tuple[str, str], Curve] = field(default_factory=dict)
     """(op class, dtype) -> measured curve."""
+    links: Mapping[str, str] = field(default_factory=dict)
+    """The link profiles this device's GPUs use: ``intra_node`` (between GPUs of a node) and
+    ``host`` (to the host), by name, as its datasheet states them."""
+    op_overhead_s: float = 0.0
+    """Seconds each op costs beyond its roofline (dispatch and launch): measured for the
+    ``this`` profile of a CPU, where it dominates small ops; 0 for a named GPU (launches
+    overlap the kernels before them)."""
 
     @property
     def memory_bytes(self) -> float:
@@ -154,7 +161,10 @@ _DEVICE_FIELDS = {
     "peak_TFLOPs",
     "achievable_fraction",
     "curves",
+    "links",
 }
+LINK_ROLES = ("intra_node", "host")
+"""What a device's ``links`` name: the link between its GPUs in a node, and to the host."""
 _LINK_FIELDS = {
     "kind",
     "name",
@@ -254,7 +264,23 @@ def parse_device(data: Mapping[str, Any]) -> DeviceProfile:
         peak_tflops=peaks,
         achievable_fraction=fractions,
         curves=curves,
+        links=_links(data.get("links"), sources, name),
     )
+
+
+def _links(raw: Any, sources: Mapping[str, Source], name: str) -> dict[str, str]:
+    """A device's ``links``: ``{intra_node, host}`` link profile names and their source."""
+    if raw is None:
+        return {}
+    _sourced(raw, "links", sources, name)
+    links = {k: str(v) for k, v in raw.items() if k in LINK_ROLES}
+    unknown = sorted(set(raw) - set(LINK_ROLES) - {"source", "note"})
+    if unknown:
+        raise ProfileError(f"device profile {name!r}: links has unknown role(s) {unknown}; roles: {LINK_ROLES}")
+    missing = sorted(v for v in links.values() if v not in link_names())
+    if missing:
+        raise ProfileError(f"device profile {name!r}: links names {missing}, not link profiles ({link_names()})")
+    return links
 
 
 def parse_link(data: Mapping[str, Any]) -> LinkProfile:

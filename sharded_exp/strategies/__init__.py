@@ -18,6 +18,7 @@ from sharded_exp.config import ZeroGrad
 from sharded_exp.errors import ConfigError
 from sharded_exp.registry import Registry
 from sharded_exp.strategies.residency import MemoryModel
+from sharded_exp.strategies.timing import TimeModel
 from sharded_exp.strategies.traits import Traits, defines, wrapped_by
 
 STRATEGIES = Registry("strategy")
@@ -32,6 +33,11 @@ def traits_of(name: str) -> Traits:
 def memory_of(name: str) -> type[MemoryModel]:
     """The memory model of the registered strategy ``name``."""
     return STRATEGIES.builder(name).memory
+
+
+def timing_of(name: str) -> type[TimeModel]:
+    """The time model of the registered strategy ``name``."""
+    return STRATEGIES.builder(name).timing
 
 
 def sharding_order(name: str) -> tuple[int, str]:
@@ -99,5 +105,5 @@ def build_strategy(cfg, module, optim_spec, precision_cfg, device, zero_grad=Non
 
 
 for _info in pkgutil.iter_modules(__path__):
-    if _info.name not in ("base", "residency", "traits"):
+    if _info.name not in ("base", "residency", "timing", "traits"):
         importlib.import_module(f"{__name__}.{_info.name}")

@@ -7,6 +7,8 @@ A strategy is a class made of parts (as Lightning Fabric's ``Strategy`` is of mi
   checkpoint format, what it requires, which wrappers give it away);
 - ``memory``: which model states each rank holds (:class:`~.residency.MemoryModel`), read by
   the prediction, the planner and the probe without building anything;
+- ``timing``: which collectives a step issues and how they overlap the compute
+  (:class:`~.timing.TimeModel`), read by the time model the same way;
 - the runtime: what ``build`` returns, the object the trainer steps (zeroing, no-sync,
   clipping, stepping, state). The trainer never asks which strategy it runs.
 
@@ -27,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from sharded_exp import precision
 from sharded_exp.config import ZeroGrad
 from sharded_exp.strategies.residency import MemoryModel
+from sharded_exp.strategies.timing import TimeModel
 from sharded_exp.strategies.traits import GradZeroing, Traits
 
 
@@ -88,6 +91,8 @@ class Strategy:
     """What this strategy is (:class:`~.traits.Traits`)."""
     memory = MemoryModel
     """Which model states each rank holds (:class:`~.residency.MemoryModel`)."""
+    timing = TimeModel
+    """Which collectives a step issues and how they overlap (:class:`~.timing.TimeModel`)."""
 
     def __init__(self, model: nn.Module, module: nn.Module, optimizer: torch.optim.Optimizer, precision_cfg, device):
         self.model = model

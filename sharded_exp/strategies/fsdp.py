@@ -37,6 +37,7 @@ from sharded_exp.models import units
 from sharded_exp.strategies import STRATEGIES
 from sharded_exp.strategies.base import Strategy, StrategyConfig
 from sharded_exp.strategies.residency import MemoryModel
+from sharded_exp.strategies.timing import FSDPTime
 from sharded_exp.strategies.traits import Traits
 
 
@@ -185,6 +186,7 @@ class FSDP(Strategy):
         grads_differ_across_ranks=True,  # sharded gradients: the scaler agrees on inf/nan
     )
     memory = FSDPMemory
+    timing = FSDPTime
 
     @classmethod
     def check(cls, cfg, world_size: int, device_type: str) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from sharded_exp.strategies import STRATEGIES
 from sharded_exp.strategies.ddp import DDP, DDPConfig, DDPMemory, wrap_ddp
+from sharded_exp.strategies.timing import OSSTime
 from sharded_exp.strategies.traits import Traits
 
 
@@ -53,6 +54,7 @@ class OSS(DDP):
         grads_differ_across_ranks=True,
     )
     memory = OSSMemory
+    timing = OSSTime
 
     @classmethod
     def build(cls, cfg, module, optim_spec, precision_cfg, device):

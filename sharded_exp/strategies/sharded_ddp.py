@@ -26,6 +26,7 @@ from sharded_exp.measure.tracker import communication_buffers
 from sharded_exp.strategies import STRATEGIES
 from sharded_exp.strategies.base import StrategyConfig
 from sharded_exp.strategies.oss import OSS, OSSMemory, make_oss
+from sharded_exp.strategies.timing import ShardedDDPTime
 from sharded_exp.strategies.traits import Traits
 
 
@@ -125,6 +126,7 @@ class ShardedDDP(OSS):
         ),
     )
     memory = ShardedDDPMemory
+    timing = ShardedDDPTime
 
     @classmethod
     def build(cls, cfg, module, optim_spec, precision_cfg, device):

@@ -15,6 +15,7 @@ from sharded_exp.strategies import STRATEGIES
 from sharded_exp.strategies.ddp import DDP, DDPConfig, wrap_ddp
 from sharded_exp.strategies.oss import OSSMemory
 from sharded_exp.strategies.residency import greedy_partition
+from sharded_exp.strategies.timing import ZeRO1Time
 from sharded_exp.strategies.traits import Traits
 
 
@@ -44,6 +45,7 @@ class ZeRO1(DDP):
         grads_differ_across_ranks=True,  # each rank unscales and checks its own shard only
     )
     memory = ZeRO1Memory
+    timing = ZeRO1Time
 
     @classmethod
     def build(cls, cfg, module, optim_spec, precision_cfg, device):
@@ -65,4 +67,3 @@ class ZeRO1(DDP):
 
     def local_shard(self) -> list:
         return [p for group in self.optimizer._partition_parameters()[self.optimizer.rank] for p in group["params"]]
-

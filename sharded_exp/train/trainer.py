@@ -37,6 +37,7 @@ from sharded_exp.measure.tracker import MemoryMeter, model_state_mib, process_pe
 from sharded_exp.output.loggers import build_logger, summary_values
 from sharded_exp.output.results import memory_section, training_result
 from sharded_exp.precision import Precision
+from sharded_exp.speed.figures import step_time_figures
 from sharded_exp.strategies.base import Strategy
 from sharded_exp.train import components, faults, liveness
 from sharded_exp.train import evaluate as evaluation
@@ -345,6 +346,8 @@ class _Report:
             out.throughput["model_flops_per_step"] = flops * world_size if flops else None
             step_time = out.throughput["step_time_s_median"]
             out.throughput.update(utilisation(flops, step_time, device, Precision.of(self.cfg)))
+            speed = (self.spec.prediction.get("peak") or {}).get("speed")
+            out.throughput.update(step_time_figures(speed, step_time))
         limit_applies = MemoryMeter.LIMIT_APPLIES_TO[device.type] if self.cfg.trainer.memory_limit_mib else None
         return training_result(
             out,

@@ -87,6 +87,10 @@ def run_tags(
 LOSS = "loss"
 STEP_TIME_S = "throughput/step_time_s"
 SAMPLES_PER_S = "throughput/samples_per_s"
+STEP_TIME = "throughput/step_time_s_median"
+"""The measured median step time's W&B key."""
+PREDICTED_STEP_TIME = "throughput/predicted_step_time_s"
+"""The time model's predicted step time (result.json's ``throughput.predicted_step_time_s``)."""
 DATA_TIME_S = "throughput/data_time_s"
 """The per-step history points of a timed step."""
 
@@ -178,7 +182,7 @@ OBJECTIVES = (
     "final_loss",
     SAMPLES_PER_S,
     "throughput/tokens_per_s",
-    "throughput/step_time_s_median",
+    STEP_TIME,
     "throughput/achieved_flops_per_s",
     "throughput/mfu_pct",
     "memory/peak_allocated_mib_max",
@@ -213,6 +217,7 @@ def panel_keys(world_size: int, strategies: list[str]) -> dict[str, list[str]]:
             "memory/predicted_peak_reserved_mib_max",
             "memory/peak_reserved_mib_max",
         ],
+        "predicted vs measured step time": [PREDICTED_STEP_TIME, STEP_TIME],
         "parallel coordinates": ["memory/peak_allocated_mib_max", SAMPLES_PER_S, "final_loss"],
     }
 

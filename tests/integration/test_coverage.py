@@ -49,7 +49,8 @@ PLANS = {
     "gpt2_xl": ["model=gpt2_xl", "model.n_layers=2", "plan.world_sizes=[8]", "plan.strategies=[fsdp]"],
     "gpt_7b": ["model=gpt_7b", "model.n_layers=2", "plan.world_sizes=[64]", "plan.strategies=[fsdp]",
                "plan.alloc_conf=expandable_segments:True",
-               "trainer.batch_size=1"],
+               "trainer.batch_size=1", "plan.device_profile=a100_80gb", "plan.gpus_per_node=4",
+               "plan.inter_node_gbps=200"],
     "hf_bert_base": ["model=hf_bert_base", "model.config.num_hidden_layers=2", "plan.world_sizes=[4]",
                      "plan.strategies=[ddp]"],
     # The seed study's model (experiment=seed_study_gpu needs GPUs) under its sharded strategy.
@@ -63,6 +64,8 @@ PLANS = {
     "raw_count": ["plan.params=7.5e9", "plan.units=16", "plan.world_sizes=[64]", "plan.plot=raw_count.png"],
     "find_depth": ["model=gpt", "plan.find=depth", "plan.device=cpu", "plan.levers=[none,ac_selective]", "plan.world_sizes=[2]", "plan.strategies=[ddp]",
                    "plan.device_memory_gib=0.05"],
+    "find_fastest": ["model=gpt", "plan.find=fastest", "plan.device=cpu", "plan.remeasure=true", "plan.world_sizes=[2]",
+                     "plan.strategies=[ddp,fsdp]", "trainer.batch_size=2"],
 }  # fmt: skip
 """Planner runs (``python -m sharded_exp.plan``), in this process."""
 
@@ -84,7 +87,12 @@ SWEEPS = {
 }  # fmt: skip
 # paths.output_dir places each sweep (a preset's own hydra.sweep.dir is made from it)
 SWEEPS = {name: [*o, f"paths.output_dir=__tmp__sweep_{name}"] for name, o in SWEEPS.items()}
-SLOW_SWEEPS = {"seed_study_conll", "hparams_search", "seed_study", "seed_table"}  # the experiment presets: real sweeps, slow tier
+SLOW_SWEEPS = {
+    "seed_study_conll",
+    "hparams_search",
+    "seed_study",
+    "seed_table",
+}  # the experiment presets: real sweeps, slow tier
 """Multirun sweeps (``python -m sharded_exp -m``, a real subprocess) ending in their report;
 a command-line sweep of a key replaces the preset's own values for it, as in Hydra."""
 
@@ -211,6 +219,12 @@ def test_covering_plan(name, capsys, tmp_path, monkeypatch):
     out = json.loads(capsys.readouterr().out)
     assert out["rows"] and all(r["total_gib"] > 0 for r in out["rows"])
     assert all(0 < r["mean_gib"] <= r["total_gib"] * (1 + 1e-12) for r in out["rows"])  # the average over ranks
+    if not any(o.startswith("plan.params=") for o in PLANS[name]):  # a model: every point timed
+        assert all(r["step_time_s"] > 0 and r["mfu_pct"] > 0 for r in out["rows"]), out["rows"]
+    if "plan.find=fastest" in PLANS[name]:
+        (best,) = out["found"]
+        assert best["strategy"] in ("ddp", "fsdp") and best["command"].startswith("sharded-exp model=gpt ")
+        assert best["batch_size"] * best["grad_accum"] == 2  # the global batch is kept
     if "plan.find=depth" in PLANS[name]:
         plain, selective = out["found"]  # one per lever combination
         assert plain["levers"] == "none" and selective["levers"] == "ac_selective"
@@ -322,7 +336,9 @@ def test_every_field_and_option_is_set_by_a_real_run():
                 and _plain((cfg[group] if group else cfg)[f.name]) != _plain(_default(f))
             ]
             if not covered_by:
-                missing.append(f"field {group + '.' if group else ''}{f.name}" + (f" (of {group}={option})" if option else ""))
+                missing.append(
+                    f"field {group + '.' if group else ''}{f.name}" + (f" (of {group}={option})" if option else "")
+                )
     # The Hugging Face and custom models have no schema (their YAML is the model's config):
     # each of their settings that is off by default (null, e.g. model.pretrained) is turned
     # on by some covering job with that kind of model.
@@ -334,7 +350,8 @@ def test_every_field_and_option_is_set_by_a_real_run():
             if not any("_target_" in cfg.model and cfg.model.get(key) is not None for _, cfg, _ in configs):
                 missing.append(f"field model.{key} (of model={option})")
     assert not missing, (
-        "set by no covering run in tests/helpers/covering.py or tests/integration/test_coverage.py:\n  " + "\n  ".join(missing)
+        "set by no covering run in tests/helpers/covering.py or tests/integration/test_coverage.py:\n  "
+        + "\n  ".join(missing)
     )
 
 
@@ -345,7 +362,7 @@ def _aliases(group: str, options: list[str]) -> dict[str, list[str]]:
     from sharded_exp.precision import alias_options
 
     out: dict[str, list[str]] = {}
-    for alias, option in (alias_options().items() if group == "precision" else ()):
+    for alias, option in alias_options().items() if group == "precision" else ():
         if option in options:
             out.setdefault(option, []).append(alias)
             out.setdefault(alias, []).append(option)

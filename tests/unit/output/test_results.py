@@ -113,16 +113,17 @@ def test_format_table_right_aligns_each_column_to_its_widest_cell():
 def test_the_summary_table_prints_each_figure_in_its_unit():
     result = job(
         strategy="fsdp", precision="bf16", world_size=2, model="mlp", params=1234567, final_loss=0.123456,
-        throughput={"samples_per_s": 123.45, "step_time_s_median": 0.0125, "mfu_pct": 3.21},
+        throughput={"samples_per_s": 123.45, "step_time_s_median": 0.0125, "mfu_pct": 3.21,
+                    "predicted_step_time_s": 0.0111},
         memory={"peak_allocated_mib_max": 3.456, "peak_allocated_mib_mean": 3.0, "predicted_peak_mib_max": None,
                 "model_states_mib_max": 1.0, "predicted_model_states_mib_max": 1.01},
         eval={"final": {"eval/accuracy": 0.91234, "eval/f1": 0.88}, "history": [], "seconds": 0.21},
     )  # fmt: skip
     header, _, row = res.summary_table(result).splitlines()
     assert header.split() == ["strategy", "precision", "world_size", "model", "params", "final_loss", "samples/s",
-                              "step_ms", "peak_MiB", "peak_mean_MiB", "pred_peak_MiB", "states_MiB",
+                              "step_ms", "pred_step_ms", "peak_MiB", "peak_mean_MiB", "pred_peak_MiB", "states_MiB",
                               "pred_states_MiB", "mfu_pct", "eval", "status"]  # fmt: skip
-    assert row.split() == ["fsdp", "bf16", "2", "mlp", "1,234,567", "0.1235", "123.5", "12.5", "3.46", "3.00", "-",
+    assert row.split() == ["fsdp", "bf16", "2", "mlp", "1,234,567", "0.1235", "123.5", "12.5", "11.1", "3.46", "3.00", "-",
                            "1.00", "1.01", "3.2", "acc", "0.912", "f1", "0.88", "(0.21", "s)", "ok"]  # fmt: skip
 
 
@@ -140,7 +141,7 @@ def test_the_summary_table_of_a_cuda_run_shows_reserved_measured_and_predicted()
 def test_the_summary_table_of_a_run_that_never_trained():
     result = job(status="oom", throughput={})  # {}: no step was timed
     row = res.summary_table(result).splitlines()[2].split()
-    assert row == ["ddp", "32", "2", "mlp", "10", *["-"] * 10, "oom"]
+    assert row == ["ddp", "32", "2", "mlp", "10", *["-"] * 11, "oom"]
 
 
 def test_the_eval_cell_of_a_pass_without_the_named_metrics_or_of_no_pass():

@@ -19,8 +19,9 @@ from sharded_exp.plan.table import COLUMNS, PARTS
 
 
 def row(strategy="ddp", world_size=2, total=0.5, method="fake step", note="", fits=True, levers="none", **parts):
-    """A planned point: ``parts`` are GiB by part name; any part not given holds nothing."""
-    out = {f"{p}_gib": 0.0 for p in PARTS} | {f"{k}_gib": v for k, v in parts.items()}
+    """A planned point: ``parts`` are GiB by part name; any part not given holds nothing; no
+    speed predicted."""
+    out = {f"{p}_gib": 0.0 for p in PARTS} | {f"{k}_gib": v for k, v in parts.items()} | dict.fromkeys(table.SPEED)
     return out | {"strategy": strategy, "world_size": world_size, "total_gib": total, "mean_gib": total,
                   "allocated_gib": total, "reserved_gib": None, "device_total_gib": None,  # a CPU plan's
                   "fits": fits, "method": method, "note": note, "levers": levers}  # fmt: skip
@@ -72,19 +73,17 @@ def test_memory_is_in_gib_from_one_gib_and_in_mib_below():
 def test_columns_no_row_holds_anything_in_are_not_shown():
     rows = [row(params=1.0, grads=1.0, optimizer=2.0), row(world_size=8, params=1.0, buckets=0.25)]
     head = table.shown(rows)
-    assert head == [
-        "strategy",
-        "levers",
-        "ranks",
-        "params",
-        "grads",
-        "optim state",
-        "buckets",
-        "peak",
-        "mean",
-        "allocated",
-        "fits",
-    ]
+    assert head == ["strategy", "levers", "ranks", "params", "grads", "optim state", "buckets", "peak", "mean",
+                    "allocated", "fits", *table.SPEED]  # fmt: skip
+
+
+def test_the_speed_columns_are_shown_in_every_format_under_their_json_keys():
+    rows = [row(params=1.0) | {"step_time_s": 0.5, "exposed_comm_s": 0.1, "tokens_per_s_per_device": 800.0,
+                               "mfu_pct": 41.0}]  # fmt: skip
+    keys = table.column_keys(rows)
+    assert all(keys[k] == k for k in table.SPEED)
+    head, *lines = table.csv_text(rows).splitlines()
+    assert head.split(",")[-4:] == list(table.SPEED) and lines[0].split(",")[-4:] == ["0.5", "0.1", "800", "41"]
 
 
 def test_host_memory_is_shown_where_a_row_holds_some():
@@ -108,11 +107,10 @@ def test_a_method_column_numbers_the_methods_only_where_they_differ():
 def test_the_body_holds_the_shown_columns_of_each_row_scaled():
     rows = [row(params=1.0, total=1.0), row(strategy="fsdp", params=0.25, total=0.25)]
     head, body = table._body(rows, 1024.0)
-    assert head == ["strategy", "levers", "ranks", "params", "peak", "mean", "allocated", "fits"]
-    assert body == [
-        ["ddp", "none", 2, 1024.0, 1024.0, 1024.0, 1024.0, "yes"],
-        ["fsdp", "none", 2, 256.0, 256.0, 256.0, 256.0, "yes"],
-    ]
+    assert head == ["strategy", "levers", "ranks", "params", "peak", "mean", "allocated", "fits", *table.SPEED]
+    speed = [None] * len(table.SPEED)  # no speed predicted for these rows: "-" in the table
+    assert body == [["ddp", "none", 2, 1024.0, 1024.0, 1024.0, 1024.0, "yes", *speed],
+                    ["fsdp", "none", 2, 256.0, 256.0, 256.0, 256.0, "yes", *speed]]  # fmt: skip
 
 
 # ------------------------------------------------------------------------------- text
@@ -140,8 +138,8 @@ def test_the_table_says_its_method_once_and_its_unit():
     assert out[2] == "method: fake step"
     assert out[3] == "MiB per rank at the peak; - : not applicable"
     assert out[4] == ""
-    assert out[5].split() == ["strategy", "levers", "ranks", "params", "peak", "mean", "allocated", "fits"]
-    assert out[7].split() == ["ddp", "none", "2", "512.00", "512.00", "512.00", "512.00", "yes"]  # 0.5 GiB in MiB
+    assert out[5].split() == ["strategy", "levers", "ranks", "params", "peak", "mean", "allocated", "fits", *table.SPEED]
+    assert out[7].split() == ["ddp", "none", "2", "512.00", "512.00", "512.00", "512.00", "yes", "-", "-", "-", "-"]
 
 
 def test_a_table_of_several_methods_numbers_them():
@@ -204,9 +202,10 @@ def test_csv_holds_the_shown_columns_in_gib_with_empty_cells_for_none():
     rows = [row(params=0.123456789, activations=None, total=0.123456789),
             row(strategy="fsdp", world_size=8, params=1.0, activations=2.0, total=3.0, fits=False)]  # fmt: skip
     lines = list(csv.reader(io.StringIO(table.csv_text(rows))))
-    assert lines[0] == ["strategy", "levers", "ranks", "params", "activations", "peak", "mean", "allocated", "fits"]
-    assert lines[1] == ["ddp", "none", "2", "0.123457", "", "0.123457", "0.123457", "0.123457", "yes"]
-    assert lines[2] == ["fsdp", "none", "8", "1", "2", "3", "3", "3", "no"]
+    assert lines[0] == ["strategy", "levers", "ranks", "params", "activations", "peak", "mean", "allocated", "fits",
+                        *table.SPEED]  # fmt: skip
+    assert lines[1] == ["ddp", "none", "2", "0.123457", "", "0.123457", "0.123457", "0.123457", "yes", "", "", "", ""]
+    assert lines[2] == ["fsdp", "none", "8", "1", "2", "3", "3", "3", "no", "", "", "", ""]
     assert not table.csv_text(rows).endswith("\n")
 
 
@@ -222,7 +221,8 @@ def test_each_shown_column_has_its_key_in_a_json_row():
     keys = table.column_keys(rows)
     assert keys == {"strategy": "strategy", "levers": "levers", "ranks": "world_size", "params": "params_gib",
                     "optim step": "optimizer_step_gib", "comm": "communication_gib", "peak": "total_gib",
-                    "mean": "mean_gib", "host": "host_gib", "allocated": "allocated_gib", "fits": "fits"}  # fmt: skip
+                    "mean": "mean_gib", "host": "host_gib", "allocated": "allocated_gib", "fits": "fits",
+                    **{k: k for k in table.SPEED}}  # fmt: skip
     assert all(k in rows[0] for k in keys.values())
 
 

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from sharded_exp.config import OptimizerConfig
-from sharded_exp.predict import fake_step as fake_step_module
+from sharded_exp.predict import prediction as prediction_module
 from sharded_exp.predict.fake_step import FakeStepError, StepEstimate
 from sharded_exp.predict.prediction import (
     MIB,
@@ -169,13 +169,13 @@ def stub_step(monkeypatch):
     calls = []
     box = {}
 
-    def stub(cfg, world_size, rank, device_type, states_of, flops=True):
+    def stub(cfg, world_size, rank, device_type, states_of, flops=True, trace=False):
         calls.append({"world_size": world_size, "rank": rank, "device_type": device_type})
         if isinstance(box["est"], BaseException):
             raise box["est"]
         return box["est"]
 
-    monkeypatch.setattr(fake_step_module, "fake_step", stub)
+    monkeypatch.setattr(prediction_module, "fake_step", stub)  # as prediction calls it
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
 
     def set_estimate(est):

@@ -1,0 +1,184 @@
+"""The ``this`` device profile: the machine at hand, measured in a few seconds and cached.
+
+What the time model needs of a device, measured the way a rank would see it (with the
+threads one rank gets):
+
+- matmul throughput per dtype at a few sizes (a measured curve: small matmuls are slower
+  per FLOP than large ones);
+- memory bandwidth (a large tensor copied: bytes read plus written over the time);
+- the overhead of one op (a one-element add: on a CPU this dispatch cost dominates small ops);
+- on CPU, the local "link": an all-reduce between two gloo processes on this machine.
+
+Cached per machine in the user cache dir (``$XDG_CACHE_HOME`` or ``~/.cache``), keyed by
+host name, torch version, device and threads; ``plan.remeasure=true`` measures again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from sharded_exp.speed.profiles import Curve, DeviceProfile, Figure, LinkProfile, Source
+
+MATMUL_SIZES = (128, 256, 512, 1024)
+"""Square matmul sizes measured (n x n by n x n)."""
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+COPY_BYTES = 64 * 2**20
+ALL_REDUCE_BYTES = 16 * 2**20
+SOURCE = Source("measured", "measured on this machine by sharded_exp.measure.machine", "(this machine)")
+
+
+def cache_path() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "sharded_exp", "this_profile.json")
+
+
+def _timed(fn, seconds: float) -> float:
+    """Seconds per call of ``fn`` over about ``seconds`` (after one warm-up call)."""
+    fn()
+    count, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        count += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds:
+            return elapsed / count
+
+
+def _counted(fn, count: int) -> float:
+    """Seconds per call of ``fn`` over ``count`` calls (after one warm-up call)."""
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(count):
+        fn()
+    return (time.perf_counter() - t0) / count
+
+
+def measure_matmul(dtype: torch.dtype, seconds: float = 0.15) -> list[tuple[float, float]]:
+    """(FLOPs of one matmul, TFLOP/s achieved) at each of :data:`MATMUL_SIZES`, up to the
+    first size whose one call takes longer than ``seconds`` (an emulated dtype: fp16 on
+    most CPUs is 50x slower than fp32, and its larger sizes would take seconds each)."""
+    points = []
+    for n in MATMUL_SIZES:
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        per_call = _timed(lambda: torch.mm(a, b), seconds)
+        points.append((2.0 * n**3, 2.0 * n**3 / per_call / 1e12))
+        if per_call > seconds:
+            break
+    return points
+
+
+def measure_bandwidth(seconds: float = 0.2) -> float:
+    """GB/s of a large copy (read + write)."""
+    src, dst = torch.ones(COPY_BYTES // 4), torch.empty(COPY_BYTES // 4)
+    return 2 * COPY_BYTES / _timed(lambda: dst.copy_(src), seconds) / 1e9
+
+
+def measure_op_overhead(seconds: float = 0.1) -> float:
+    """Seconds of one elementwise op on one element: what every op costs at least."""
+    x = torch.ones(1)
+    return _timed(lambda: torch.add(x, x), seconds)
+
+
+def _all_reduce_rank(rank: int, path: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+    small, large = torch.ones(1), torch.ones(ALL_REDUCE_BYTES // 4)
+    # a fixed number of calls on both ranks (a time limit would let them disagree on it)
+    latency = _counted(lambda: dist.all_reduce(small), 50)
+    per_call = _counted(lambda: dist.all_reduce(large), 5)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"latency_s": latency, "per_call_s": per_call}, f)
+    dist.destroy_process_group()
+
+
+def measure_local_link() -> dict[str, float]:
+    """Two gloo processes on this machine: a small all-reduce's time (its latency) and a
+    large one's bandwidth, as nccl-tests' bus bandwidth (2 (n-1)/n S / t, n = 2)."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "link.json")
+        mp.start_processes(_all_reduce_rank, args=(os.path.join(folder, "store"), out), nprocs=2, start_method="spawn")
+        with open(out) as f:
+            found = json.load(f)
+    bus = ALL_REDUCE_BYTES / max(found["per_call_s"] - found["latency_s"], 1e-9)
+    # a 2-rank ring all-reduce is 2 steps: each pays half the small collective's time
+    return {"bandwidth_GBps": bus / 1e9, "step_latency_us": found["latency_s"] / 2 * 1e6}
+
+
+def measure(threads: int) -> dict:
+    """Every figure of the ``this`` profile, with ``threads`` torch threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        figures = {
+            "matmul": {name: measure_matmul(dtype) for name, dtype in DTYPES.items()},
+            "memory_bandwidth_GBps": measure_bandwidth(),
+            "op_overhead_s": measure_op_overhead(),
+        }
+    finally:
+        torch.set_num_threads(before)
+    figures["link"] = measure_local_link()
+    return figures
+
+
+def _key(threads: int) -> str:
+    return f"{socket.gethostname()}|torch {torch.__version__}|cpu|threads={threads}"
+
+
+def this_figures(threads: int, remeasure: bool = False) -> dict:
+    """The cached figures of this machine at ``threads`` threads, measured when absent."""
+    path, key = cache_path(), _key(threads)
+    try:
+        with open(path) as f:
+            cache = json.load(f)
+    except (OSError, ValueError):
+        cache = {}
+    cache = cache if isinstance(cache, dict) else {}
+    if remeasure or key not in cache:
+        cache[key] = measure(threads) | {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump(cache, f, indent=1)
+            os.replace(tmp, path)
+        except OSError:
+            pass  # not cached: measured again next time
+    return cache[key]
+
+
+def this_profile(threads: int, remeasure: bool = False) -> tuple[DeviceProfile, LinkProfile]:
+    """The ``this`` device and its local link (see the module docstring)."""
+    found = this_figures(threads, remeasure)
+    when = found.get("measured_at", "?")
+    source = Source("measured", f"measured on {socket.gethostname()} at {when}, {threads} thread(s)", cache_path())
+    curves = {("matmul", d): Curve(tuple(tuple(p) for p in pts), source) for d, pts in found["matmul"].items()}
+    curves |= {("attention", d): c for (k, d), c in list(curves.items())}
+    peaks = {d: Figure(max(t for _, t in pts), source, "the best measured size") for d, pts in found["matmul"].items()}
+    device = DeviceProfile(
+        name="this",
+        title=f"this machine (CPU, {threads} thread(s))",
+        memory=Figure(0.0, source, "not measured"),
+        memory_bandwidth=Figure(found["memory_bandwidth_GBps"], source),
+        peak_tflops=peaks,
+        curves=curves,
+        op_overhead_s=found["op_overhead_s"],
+    )
+    link = found["link"]
+    local = LinkProfile(
+        name="this_local",
+        title="this machine's local gloo link",
+        link_class="pcie",
+        bandwidth=Figure(link["bandwidth_GBps"], source),
+        ring_step_latency=Figure(link["step_latency_us"], source),
+        tree_step_latency=Figure(link["step_latency_us"], source),
+    )
+    return device, local

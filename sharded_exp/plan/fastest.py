@@ -1,0 +1,119 @@
+"""``plan.find=fastest``: per world size, the fastest configuration that fits, and the command
+line that runs it.
+
+The search: every planned strategy x lever combination x per-rank micro-batch x HSDP
+replicate (for a strategy whose config has ``replicate``). The global batch is fixed at what
+the configured ``trainer.batch_size`` x ``trainer.grad_accum`` gives each rank: a micro-batch
+``b`` is a power-of-two divisor of those samples, and ``trainer.grad_accum`` makes up the rest.
+HSDP is tried with one replica per node (shard within a node, replicate across nodes) where
+the world spans nodes of ``plan.gpus_per_node``. Each candidate is a planned point (its peak
+from fake steps, its speed from a traced step: :mod:`sharded_exp.plan.speed`); a candidate
+fits by the table's own test (:func:`sharded_exp.plan.points.fits`), and the fastest by step
+time wins (samples per step are the same for all).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sharded_exp.config import PlanConfig
+from sharded_exp.errors import ConfigError
+from sharded_exp.plan.depth import shapes_of
+from sharded_exp.plan.points import (
+    LEVERS,
+    _layer_key,
+    applies,
+    lever_combos,
+    lever_names,
+    model_row,
+    strategy_names,
+    with_strategy,
+)
+from sharded_exp.plan.progress import Progress
+from sharded_exp.plan.speed import traced
+from sharded_exp.strategies import STRATEGIES
+
+
+def micro_batches(samples: int) -> list[int]:
+    """The power-of-two divisors of ``samples`` (and ``samples`` itself), largest first."""
+    found = {b for b in (2**i for i in range(samples.bit_length())) if samples % b == 0} | {samples}
+    return sorted(found, reverse=True)
+
+
+def replicas(cfg: PlanConfig, name: str, world_size: int) -> list[int]:
+    """HSDP replica counts tried for strategy ``name`` at ``world_size``: 1, and one replica per
+    node where the world spans whole nodes and the strategy has ``replicate``."""
+    out = [1]
+    per_node = int(cfg.plan.gpus_per_node)
+    has = hasattr(STRATEGIES.config_class(name)(), "replicate")
+    if has and world_size > per_node and world_size % per_node == 0:
+        out.append(world_size // per_node)
+    return out
+
+
+def command(model: str, cfg: PlanConfig, c: PlanConfig, combo: str, world_size: int) -> str:
+    """The ``sharded-exp`` command line that runs candidate ``c``."""
+    parts = ["sharded-exp", *model.split(), f"precision={c.precision.name}", f"optimizer={c.optimizer.name}",
+             f"strategy={c.strategy.name}", f"trainer.world_size={world_size}",
+             f"trainer.batch_size={c.trainer.batch_size}", f"trainer.grad_accum={c.trainer.grad_accum}"]  # fmt: skip
+    for lever in lever_names(combo):
+        key, value = LEVERS[lever]
+        parts.append(f"strategy.{key}={str(value).lower()}" if key == "cpu_offload" else f"trainer.{key}={value}")
+    if int(c.strategy.get("replicate", 1) or 1) > 1:
+        parts.append(f"strategy.replicate={c.strategy.replicate}")
+    return " ".join(parts)
+
+
+def candidates(cfg: PlanConfig, world_size: int):
+    """(strategy, lever combination, config) of every candidate at ``world_size``."""
+    samples = int(cfg.trainer.batch_size) * int(cfg.trainer.grad_accum)
+    for name in strategy_names(cfg):
+        for combo in lever_combos(cfg):
+            if not applies(name, combo):
+                continue
+            for b in micro_batches(samples):
+                for r in replicas(cfg, name, world_size):
+                    c = with_strategy(cfg, name, combo)
+                    c.trainer.batch_size, c.trainer.grad_accum = b, samples // b
+                    if r > 1:
+                        c.strategy.replicate = r
+                    try:
+                        STRATEGIES.builder(name).check(c.strategy, world_size, str(cfg.plan.device))
+                    except ConfigError:
+                        continue
+                    yield name, combo, c
+
+
+def fastest_rows(
+    cfg: PlanConfig, world_sizes, device_type: str, progress: Progress | None = None, model: str = ""
+) -> list[dict[str, Any]]:
+    """Per world size, the fastest candidate that fits (see the module docstring)."""
+    shapes, key, out = shapes_of(cfg), _layer_key(cfg.model), []
+    model = model or f"model={cfg.model.name}"
+    traces: dict[str, dict] = {}
+    for ws in world_sizes:
+        best, tried = None, 0
+        for name, combo, c in candidates(cfg, ws):
+            trace_key = f"{name}|{combo}|{c.trainer.batch_size}|{c.trainer.grad_accum}"
+            if trace_key not in traces:
+                traces[trace_key] = traced(c, device_type, key)
+            row = model_row(c, name, ws, shapes, device_type, combo, traced=traces[trace_key])
+            tried += 1
+            if row["fits"] and row.get("step_time_s") and (best is None or row["step_time_s"] < best[0]["step_time_s"]):
+                best = (row, command(model, cfg, c, combo, ws), c)
+        if progress is not None:
+            progress.done(1, f"fastest x{ws}: {best[0]['strategy'] if best else 'none fits'}")
+        out.append(_found(ws, best, tried))
+    return out
+
+
+def _found(world_size: int, best, tried: int) -> dict[str, Any]:
+    if best is None:
+        return {"find": "fastest", "world_size": world_size, "value": None, "command": None,
+                "note": f"none of {tried} candidates fits with a predicted step time"}  # fmt: skip
+    row, line, c = best
+    keys = ("strategy", "levers", "step_time_s", "exposed_comm_s", "tokens_per_s_per_device", "mfu_pct", "total_gib")
+    return {"find": "fastest", "world_size": world_size, **{k: row.get(k) for k in keys},
+            "batch_size": int(c.trainer.batch_size), "grad_accum": int(c.trainer.grad_accum),
+            "replicate": int(c.strategy.get("replicate", 1) or 1), "value": row["strategy"], "command": line,
+            "note": f"fastest of {tried} candidates"}  # fmt: skip

@@ -1,0 +1,162 @@
+"""The op trace of a fake step: every aten op one rank runs, for the time model.
+
+:class:`OpTrace` is a ``TorchDispatchMode`` entered inside the fake step's ``FakeTensorMode``
+(as torch's ``FlopCounterMode`` is). For each aten op it records plain numbers only (no
+tensor is kept, so the memory the step tracks is not changed):
+
+- ``op``: the aten name (``aten.mm.default``);
+- ``flops``: from ``torch.utils.flop_counter``'s registry, the formulas ``FlopCounterMode``
+  uses (0 for an op it has none for: elementwise ops, norms, copies);
+- ``input_bytes`` and ``output_bytes``: the bytes of the tensors it reads and writes;
+- ``dtype``: the time model's math dtype of its first floating input (``bf16``, ``fp16``,
+  ``fp32``);
+- ``phase``: ``forward``, ``backward`` (inside autograd's backward, which is where
+  activation checkpointing's recomputation runs: it is counted) or ``optimizer`` (after the
+  step's last backward op: clipping and the optimizer step);
+- ``unit``: the index of the model's unit (:func:`sharded_exp.models.units`) whose forward
+  is running, or None (the root: embeddings, the head, the loss); backward ops carry None.
+
+The records feed :func:`sharded_exp.speed.compute.ops_from_records`. Collectives (c10d ops)
+are left out: the strategy's schedule prices communication. Views and metadata ops move no
+bytes and are left out too.
+
+Under ``cuda_kernels`` (a step faked as CUDA runs it) fused attention is one
+``torch.autograd.Function`` whose aten ops are empty allocations; its FLOPs are those the
+kernels' mode counts (``kernels.calls``): each call is recorded as one ``attention`` op in
+the forward and one in the backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+SKIPPED_NAMESPACES = ("c10d", "_c10d_functional", "_dtensor", "profiler", "prim", "prims")
+"""Op namespaces not timed as compute (collectives, DTensor's and the profiler's markers)."""
+NO_BYTES = ("empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "detach", "alias", "lift_fresh")
+"""Ops that allocate or alias without reading or writing data."""
+MATH_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+"""Math dtypes by torch dtype; any other floating dtype is timed as fp32."""
+
+
+@dataclass
+class Trace:
+    """A step's op records (see the module docstring) and how many units the model has."""
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+    units: int = 0
+
+    def phased(self) -> list[dict[str, Any]]:
+        """The records with ``phase`` set: forward ops after the step's last backward op are
+        the optimizer's (clipping and step)."""
+        last = max((i for i, r in enumerate(self.records) if r["backward"]), default=-1)
+        out = []
+        for i, r in enumerate(self.records):
+            phase = "backward" if r["backward"] else ("forward" if i < last else "optimizer")
+            # a recomputed unit (checkpointing) that stops early leaves its mark set: only a
+            # forward op belongs to a unit
+            out.append({**r, "phase": phase, "unit": r["unit"] if phase == "forward" else None})
+        return out
+
+
+def _bytes(tree) -> int:
+    leaves, _ = tree_flatten(tree)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+def _dtype(args) -> str:
+    leaves, _ = tree_flatten(args)
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return MATH_DTYPES.get(t.dtype, "fp32")
+    return "fp32"
+
+
+class OpTrace(TorchDispatchMode):
+    """Records each aten op into ``trace`` (see the module docstring)."""
+
+    def __init__(self, trace: Trace, kernels=None):
+        super().__init__()
+        self.trace = trace
+        self.unit: int | None = None
+        self.kernels = kernels
+        self._calls = len(getattr(kernels, "calls", ()))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self._attention()
+        namespace, _, base = func.name().partition("::")  # "aten::mm"
+        if namespace in SKIPPED_NAMESPACES or func.is_view or base in NO_BYTES:
+            return out
+        packet = func._overloadpacket
+        flops = flop_registry[packet](*args, **kwargs, out_val=out) if packet in flop_registry else 0
+        self._record(str(func), int(flops), _bytes((args, kwargs)), _bytes(out), _dtype(args))
+        return out
+
+    def _record(self, op: str, flops: int, input_bytes: int, output_bytes: int, dtype: str) -> None:
+        backward = torch._C._current_graph_task_id() != -1
+        unit = None if backward else self.unit
+        self.trace.records.append(
+            {"op": op, "flops": flops, "input_bytes": input_bytes, "output_bytes": output_bytes, "dtype": dtype,
+             "backward": backward, "unit": unit}
+        )  # fmt: skip
+
+    def _attention(self) -> None:
+        """Fused attention calls the kernels' mode counted since the last op (forward and
+        backward FLOPs of each, recorded where they run: the backward's after the forward's,
+        as one op in the backward phase)."""
+        calls = getattr(self.kernels, "calls", None)
+        while calls is not None and self._calls < len(calls):
+            forward, backward, nbytes, dtype = calls[self._calls]
+            self._calls += 1
+            self._record("attention.forward", forward, nbytes, nbytes // 4, dtype)
+            self.trace.records.append(
+                {"op": "attention.backward", "flops": backward, "input_bytes": nbytes, "output_bytes": nbytes,
+                 "dtype": dtype, "backward": True, "unit": None, "deferred": True}
+            )  # fmt: skip
+
+
+@contextlib.contextmanager
+def unit_marks(recorder: OpTrace, units: list[torch.nn.Module]):
+    """Forward hooks that tell ``recorder`` which unit is running (no tensor is touched)."""
+    handles = []
+    for i, unit in enumerate(units):
+
+        def enter(module, args, i=i):
+            recorder.unit = i
+
+        def leave(module, args, output):
+            recorder.unit = None
+
+        handles += [unit.register_forward_pre_hook(enter), unit.register_forward_hook(leave)]
+    recorder.trace.units = len(units)
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def tracing(trace: Trace | None, units: list[torch.nn.Module], kernels=None):
+    """Record the ops run inside into ``trace`` (None: record nothing)."""
+    if trace is None:
+        yield
+        return
+    recorder = OpTrace(trace, kernels)
+    with unit_marks(recorder, units), recorder:
+        yield
+    # a deferred attention backward runs in the backward: moved to just before the optimizer
+    deferred = [r for r in trace.records if r.pop("deferred", False)]
+    if deferred:
+        moved = {id(r) for r in deferred}
+        rest = [r for r in trace.records if id(r) not in moved]
+        last = max((i for i, r in enumerate(rest) if r["backward"]), default=len(rest) - 1)
+        trace.records[:] = rest[: last + 1] + deferred + rest[last + 1 :]

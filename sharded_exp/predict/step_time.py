@@ -1,0 +1,202 @@
+"""A step's predicted time on a device profile: the fake step's op trace priced, the
+strategy's collectives scheduled against it.
+
+- **Compute** (:class:`StepCompute`): the trace's ops (:mod:`~sharded_exp.predict.op_trace`)
+  each timed by :func:`sharded_exp.speed.compute.op_time` (plus the profile's per-op
+  overhead), summed per unit's forward; the backward (recomputation included) split over
+  the units in proportion to their forward; the optimizer phase (clipping and the step) apart.
+  The root's forward (embeddings before the units, head and loss after) goes to the first and
+  last unit.
+- **Communication**: the strategy's time model (:class:`~sharded_exp.strategies.timing.TimeModel`)
+  turns the model's units (their parameter and gradient bytes, from the model's shapes) into
+  a schedule, priced on the machine's links, played by
+  :func:`sharded_exp.speed.schedule.simulate`.
+- **MFU**: :func:`sharded_exp.speed.schedule.mfu`: the model's FLOPs per step on one device
+  (recomputation not counted) over the step time and the device's peak for the math dtype:
+  the definition a trained run's ``mfu_pct`` uses (:func:`sharded_exp.measure.flops.utilisation`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from sharded_exp import precision
+from sharded_exp.predict.op_trace import Trace
+from sharded_exp.speed.collectives import Topology
+from sharded_exp.speed.compute import op_time, ops_from_records
+from sharded_exp.speed.profiles import DeviceProfile, LinkProfile
+from sharded_exp.speed.schedule import Units, mfu, simulate
+from sharded_exp.strategies import timing_of
+from sharded_exp.strategies.timing import Fabric, TimeUnknown
+
+MATH_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+"""The profile dtype a precision computes in, by its autocast dtype (fp32 without one)."""
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a step runs on: the device, its links, and how many GPUs share a node."""
+
+    device: DeviceProfile
+    intra: LinkProfile
+    inter: LinkProfile | None = None
+    gpus_per_node: int = 8
+    host: LinkProfile | None = None
+    host_memory_Bps: float | None = None
+
+    def fabric(self, world_size: int, params: int = 0) -> Fabric:
+        topology = Topology(self.gpus_per_node, self.intra, self.inter)
+        pcie = self.host.bandwidth_Bps if self.host is not None else None
+        return Fabric(world_size, topology, pcie, self.host_memory_Bps, params)
+
+
+@dataclass(frozen=True)
+class StepCompute:
+    """One step's compute on one device, from its trace: seconds per unit's forward and
+    backward, the root's forward before and after the units, the optimizer phase, and the
+    model FLOPs of the step (recomputation not counted)."""
+
+    forward_s: tuple[float, ...]
+    backward_s: tuple[float, ...]
+    optimizer_s: float
+    model_flops: float
+
+    @property
+    def compute_s(self) -> float:
+        return sum(self.forward_s) + sum(self.backward_s) + self.optimizer_s
+
+    def at_depth(self, units: int) -> "StepCompute":
+        """The same model with ``units`` identical units (a deep model from a shallow
+        trace): the middle units' mean stands for each, the first and last keep the root's
+        share; the model's FLOPs scale with the forward's seconds."""
+        have = len(self.forward_s)
+        if units == have or have < 3 or units < 3:
+            return self
+        mid_f = sum(self.forward_s[1:-1]) / (have - 2)
+        mid_b = sum(self.backward_s[1:-1]) / (have - 2)
+        forward = (self.forward_s[0], *[mid_f] * (units - 2), self.forward_s[-1])
+        backward = (self.backward_s[0], *[mid_b] * (units - 2), self.backward_s[-1])
+        scale = sum(forward) / sum(self.forward_s) if sum(self.forward_s) else 1.0
+        return replace(self, forward_s=forward, backward_s=backward, model_flops=self.model_flops * scale)
+
+    def optimizer_scaled(self, fraction: float) -> "StepCompute":
+        """The optimizer phase for a rank that steps ``fraction`` of what the trace stepped."""
+        return replace(self, optimizer_s=self.optimizer_s * fraction)
+
+
+def step_compute(trace: Trace, device: DeviceProfile, model_flops: float) -> StepCompute:
+    """The trace's compute priced on ``device`` (see the module docstring)."""
+    records = trace.phased()
+    seconds = [op_time(op, device) + device.op_overhead_s for op in ops_from_records(records, "fp32")]
+    count = max(1, trace.units)
+    forward = [0.0] * count
+    backward = optimizer = 0.0
+    seen_unit = False
+    for record, s in zip(records, seconds):
+        if record["phase"] == "backward":
+            backward += s
+        elif record["phase"] == "optimizer":
+            optimizer += s
+        elif record["unit"] is not None:
+            forward[record["unit"]] += s
+            seen_unit = True
+        else:  # the root: before the first unit (embeddings), else after (head, loss)
+            forward[-1 if seen_unit else 0] += s
+    total = sum(forward)
+    back = tuple(backward * f / total if total else backward / count for f in forward)
+    return StepCompute(tuple(forward), back, optimizer, float(model_flops))
+
+
+def per_step(cfg) -> tuple[int, int | None]:
+    """(samples, tokens) one device processes per step (tokens: samples times the model's
+    sequence length; None for a model without one)."""
+    samples = int(cfg.trainer.batch_size) * int(cfg.trainer.get("grad_accum", 1))
+    seq = OmegaConf.select(cfg.model, "seq_len", default=None) or OmegaConf.select(cfg.data, "seq_len", default=None)
+    return samples, (samples * int(seq) if seq else None)
+
+
+def units_of(compute: StepCompute, shapes, param_bpe: float, grad_bpe: float) -> Units:
+    """The schedule's units: the trace's times, the model's unit sizes (the root's
+    parameters with the first unit: the embeddings' gradients are the backward's last)."""
+    blocks = list(shapes.blocks) or [0]
+    if len(compute.forward_s) != len(blocks):
+        compute = compute.at_depth(len(blocks))
+    if len(compute.forward_s) != len(blocks):  # no units traced: the whole model as one
+        compute = StepCompute((sum(compute.forward_s),), (sum(compute.backward_s),), compute.optimizer_s, 0.0)
+        blocks = [sum(blocks)]
+    elements = [float(n) for n in blocks]
+    elements[0] += shapes.root
+    return Units(
+        forward_s=compute.forward_s,
+        backward_s=compute.backward_s,
+        param_bytes=[n * param_bpe for n in elements],
+        grad_bytes=[n * grad_bpe for n in elements],
+        optimizer_s=compute.optimizer_s,
+    )
+
+
+def predict_step_time(cfg, world_size: int, compute: StepCompute, shapes, machine: Machine) -> dict[str, Any]:
+    """One point's step time: compute, communication (all of it, and the exposed part),
+    optimizer step, step time, throughput per device and MFU; ``error`` (and nulls) where a
+    figure the schedule needs is missing."""
+    strategy = cfg.strategy
+    model = timing_of(strategy.name)
+    name = str(cfg.precision.name)
+    param_bpe = model.param_bytes_per_element(strategy, name, shapes.element_bytes)
+    grad_bpe = model.grad_bytes_per_element(strategy, name, shapes.element_bytes)
+    units = units_of(compute, shapes, param_bpe, grad_bpe)
+    fabric = machine.fabric(world_size, shapes.params)
+    try:
+        played = simulate(model.schedule(strategy, units, model.price(strategy, fabric), fabric))
+    except TimeUnknown as exc:
+        return {"step_time_s": None, "error": f"{machine.device.name}: {exc}"}
+    samples, tokens = per_step(cfg)
+    dtype = MATH_DTYPES.get(precision.compute_dtype(name), "fp32")
+    try:
+        peak = machine.device.peak_flops_per_s(dtype)
+    except ValueError:
+        peak = None
+    step = played.step_time_s
+    flops = compute.model_flops * (sum(units.forward_s) / sum(compute.forward_s) if sum(compute.forward_s) else 1.0)
+    return {
+        "compute_s": played.compute_s,
+        "comm_s": played.comm_s,
+        "exposed_comm_s": played.exposed_s,
+        "optimizer_s": units.optimizer_s,
+        "step_time_s": played.step_time_s,
+        "samples_per_s_per_device": samples / step if step else None,
+        "tokens_per_s_per_device": tokens / step if step and tokens else None,
+        "mfu_pct": mfu(flops, step, peak) if peak and flops and step else None,
+        "profile": machine.device.name,
+        "error": None,
+    }
+
+
+def run_step_time(cfg, world_size: int, device_type: str, est, shapes, prediction) -> dict[str, Any]:
+    """A training run's predicted step time, from its own fake step's trace (``est``: the
+    faked rank's :class:`~sharded_exp.predict.fake_step.StepEstimate`): on CPU priced on the
+    ``this`` profile with the threads a rank gets, every rank on this machine. Never raises:
+    a prediction that cannot be made is ``{"step_time_s": None, "error": why}``."""
+    if device_type != "cpu":
+        return {"step_time_s": None, "error": "a GPU run's this profile is not measured yet (CPU runs only)"}
+    trace = (est.extra or {}).get("trace")
+    if trace is None or not trace.records:
+        return {"step_time_s": None, "error": f"no op trace ({est.method})"}
+    try:
+        from sharded_exp.measure.machine import this_profile  # lazy: measuring starts processes
+
+        threads = max(1, (os.cpu_count() or 1) // world_size)  # as a CPU rank sets its threads
+        device, local = this_profile(threads)
+        machine = Machine(device, local, None, world_size, None, device.memory_bandwidth_Bps)
+        compute = step_compute(trace, device, est.flops_per_step)
+        return predict_step_time(cfg, world_size, compute, shapes, machine) | {"threads_per_rank": threads}
+    except Exception as exc:  # noqa: BLE001 -- measuring never breaks training: null and why
+        return {
+            "step_time_s": None,
+            "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}",
+        }

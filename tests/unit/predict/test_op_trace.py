@@ -1,0 +1,70 @@
+"""The op trace: each aten op's FLOPs, bytes, dtype, phase and unit, recorded as plain numbers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import FlopCounterMode
+
+from sharded_exp.predict.op_trace import Trace, tracing
+
+
+class Two(nn.Module):
+    def __init__(self, recompute: bool = False):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)) for _ in range(2)])
+        self.recompute = recompute
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.recompute else block(x)
+        return x.sum()
+
+
+def step(model, trace=None):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tracing(trace, list(model.blocks)):
+        model(torch.ones(4, 8)).backward()
+        opt.step()
+
+
+def test_the_trace_counts_the_flops_torchs_counter_counts():
+    model, trace = Two(), Trace()
+    step(model, trace)
+    with FlopCounterMode(display=False) as counter:
+        model(torch.ones(4, 8)).backward()
+    assert sum(r["flops"] for r in trace.records) == counter.get_total_flops() > 0
+
+
+def test_ops_are_phased_and_the_forwards_attributed_to_their_units():
+    model, trace = Two(), Trace()
+    step(model, trace)
+    records = trace.phased()
+    phases = [r["phase"] for r in records]
+    assert phases[0] == "forward" and "backward" in phases and phases[-1] == "optimizer"
+    assert phases.index("optimizer") > max(i for i, p in enumerate(phases) if p == "backward")
+    units = {r["unit"] for r in records if r["phase"] == "forward" and r["flops"]}
+    assert units == {0, 1} and trace.units == 2
+    matmul = next(r for r in records if r["flops"])
+    assert (
+        matmul["dtype"] == "fp32" and matmul["input_bytes"] > 0 and matmul["output_bytes"] == 4 * 8 * 4
+    )  # float32 4 x 8
+
+
+def test_recomputation_under_checkpointing_is_counted_in_the_backward():
+    plain, recomputed = Trace(), Trace()
+    step(Two(), plain)
+    step(Two(recompute=True), recomputed)
+    flops = lambda t, phase: sum(r["flops"] for r in t.phased() if r["phase"] == phase)  # noqa: E731
+    assert flops(recomputed, "forward") == flops(plain, "forward")
+    # each block's first Linear (4 x 8 x 8 multiply-adds) runs again to remake the tanh's output
+    # the second one saves (torch stops recomputing once every saved tensor is remade)
+    assert flops(recomputed, "backward") == flops(plain, "backward") + 2 * (2 * 4 * 8 * 8)
+    assert all(r["unit"] is None for r in recomputed.phased() if r["phase"] != "forward")
+
+
+def test_no_trace_records_nothing_and_leaves_no_hook():
+    model = Two()
+    step(model, None)
+    assert not model.blocks[0]._forward_pre_hooks and not model.blocks[0]._forward_hooks

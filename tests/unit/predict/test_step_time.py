@@ -1,0 +1,88 @@
+"""A step's predicted time: the trace priced per unit, the strategy's collectives scheduled."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from sharded_exp.predict.op_trace import Trace
+from sharded_exp.predict.prediction import ModelShapes
+from sharded_exp.predict.step_time import Machine, StepCompute, predict_step_time, run_step_time, step_compute
+from sharded_exp.speed.profiles import load_device, load_link, network_link
+from sharded_exp.strategies import STRATEGIES
+
+H100 = load_device("h100_sxm")
+
+
+def record(op, flops, phase, unit=None, nbytes=1e6):
+    return {"op": op, "flops": flops, "input_bytes": nbytes, "output_bytes": nbytes, "dtype": "bf16",
+            "backward": phase == "backward", "unit": unit}  # fmt: skip
+
+
+def trace(units=2):
+    """An embedding, one matmul per unit, the head; the backward twice the forward; a step."""
+    records = [record("aten.embedding.default", 0, "forward")]
+    records += [record("aten.mm.default", 1e12, "forward", u) for u in range(units)]
+    records += [record("aten.mm.default", 1e12, "forward")]
+    records += [record("aten.mm.default", 2e12, "backward") for _ in range(units + 1)]
+    records += [record("aten.add_.Tensor", 0, "forward")]  # after the last backward op: the optimizer's
+    return Trace(records, units)
+
+
+def test_the_forward_is_per_unit_with_the_root_at_both_ends_and_the_backward_in_proportion():
+    compute = step_compute(trace(), H100, 6e12)
+    matmul = 1e12 / H100.matmul_flops_per_s("bf16")
+    assert compute.forward_s[0] == pytest.approx(matmul + 2e6 / H100.memory_bandwidth_Bps)  # + the embedding
+    assert compute.forward_s[1] == pytest.approx(2 * matmul)  # its unit and the head
+    assert sum(compute.backward_s) == pytest.approx(6 * matmul)
+    assert compute.backward_s[0] / compute.backward_s[1] == pytest.approx(compute.forward_s[0] / compute.forward_s[1])
+    assert compute.optimizer_s == pytest.approx(2e6 / H100.memory_bandwidth_Bps)
+
+
+def test_a_deep_model_repeats_the_middle_units_and_scales_its_flops():
+    shallow = StepCompute((1.0, 2.0, 2.0, 1.5), (2.0, 4.0, 4.0, 3.0), 0.5, 100.0)
+    deep = shallow.at_depth(6)
+    assert deep.forward_s == (1.0, 2.0, 2.0, 2.0, 2.0, 1.5) and deep.backward_s[1:5] == (4.0,) * 4
+    assert deep.model_flops == pytest.approx(100.0 * 10.5 / 6.5)
+    assert shallow.optimizer_scaled(0.25).optimizer_s == 0.125
+
+
+def cfg(strategy="ddp", batch=4, seq=128):
+    return OmegaConf.create({"strategy": OmegaConf.structured(STRATEGIES.config_class(strategy)()),
+                             "precision": {"name": "bf16"}, "trainer": {"batch_size": batch, "grad_accum": 2},
+                             "model": {"seq_len": seq}, "data": {}})  # fmt: skip
+
+
+SHAPES = ModelShapes([[(10**9,)]], [4 * 10**8, 4 * 10**8], 2 * 10**8, {})
+
+
+def machine(per_node=8):
+    return Machine(H100, load_link("nvlink4"), network_link(100), per_node)
+
+
+def test_a_point_has_its_step_its_exposed_communication_throughput_and_mfu():
+    compute = step_compute(trace(), H100, 6e12)
+    one = predict_step_time(cfg(), 1, compute, SHAPES, machine())
+    eight = predict_step_time(cfg(), 8, compute, SHAPES, machine())
+    assert one["exposed_comm_s"] == pytest.approx(0.0, abs=1e-12) and one["comm_s"] == 0.0
+    assert eight["step_time_s"] > one["step_time_s"] and eight["exposed_comm_s"] > 0
+    assert eight["tokens_per_s_per_device"] == pytest.approx(4 * 2 * 128 / eight["step_time_s"])
+    assert one["mfu_pct"] == pytest.approx(100 * 6e12 / (one["step_time_s"] * H100.peak_flops_per_s("bf16")))
+    # across nodes over 100 Gb/s the all-reduce is slower than over NVLink
+    assert predict_step_time(cfg(), 16, compute, SHAPES, machine(per_node=8))["comm_s"] > eight["comm_s"]
+
+
+def test_a_model_without_a_sequence_has_samples_not_tokens():
+    out = predict_step_time(cfg(seq=None), 2, step_compute(trace(), H100, 6e12), SHAPES, machine())
+    assert out["tokens_per_s_per_device"] is None and out["samples_per_s_per_device"] > 0
+
+
+def test_a_run_without_a_trace_or_on_a_gpu_gets_null_and_why():
+    class Est:
+        extra, method, flops_per_step = {}, "fake step", 0
+
+    assert run_step_time(cfg(), 2, "cuda", Est(), SHAPES, {})["error"].startswith("a GPU run")
+    assert run_step_time(cfg(), 2, "cpu", Est(), SHAPES, {}) == {
+        "step_time_s": None,
+        "error": "no op trace (fake step)",
+    }

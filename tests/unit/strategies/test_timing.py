@@ -1,0 +1,77 @@
+"""Each strategy's time model: its collectives, their dtype and how they overlap."""
+
+from __future__ import annotations
+
+import pytest
+
+from sharded_exp.speed.collectives import Link, Topology
+from sharded_exp.speed.schedule import Units, simulate
+from sharded_exp.strategies import STRATEGIES, timing_of
+from sharded_exp.strategies.timing import Fabric, TimeUnknown
+
+LINK = Link("test", bandwidth_Bps=1e9)
+UNITS = Units(forward_s=[0.01] * 4, backward_s=[0.02] * 4, param_bytes=[4e6] * 4, optimizer_s=0.005)
+
+
+def fabric(world_size=8, per_node=8, **kw):
+    return Fabric(world_size, Topology(per_node, LINK, Link("net", bandwidth_Bps=1e8)), **kw)
+
+
+def played(name, world_size=8, **settings):
+    cfg = STRATEGIES.config_class(name)()
+    for key, value in settings.items():
+        setattr(cfg, key, value)
+    model, f = timing_of(name), fabric(world_size)
+    return simulate(model.schedule(cfg, UNITS, model.price(cfg, f), f))
+
+
+def kinds(name, **settings):
+    cfg = STRATEGIES.config_class(name)()
+    for key, value in settings.items():
+        setattr(cfg, key, value)
+    model, f = timing_of(name), fabric()
+    return {e.kind for e in model.schedule(cfg, UNITS, model.price(cfg, f), f).events}
+
+
+def test_each_strategy_issues_its_own_collectives():
+    assert kinds("ddp") == {"all_reduce"}
+    assert kinds("zero1") == kinds("oss") == {"all_reduce", "broadcast"}
+    assert kinds("sharded_ddp") == {"reduce", "broadcast"}
+    assert kinds("fsdp") == kinds("fsdp_grad_op") == {"all_gather", "reduce_scatter"}
+
+
+def test_one_rank_communicates_nothing_and_its_step_is_its_compute():
+    for name in STRATEGIES.names():
+        out = played(name, world_size=1)
+        assert out.exposed_s == pytest.approx(0.0, abs=1e-12) and out.step_time_s == pytest.approx(0.125), name
+
+
+def test_fsdp_without_resharding_gathers_less_than_with():
+    assert played("fsdp_grad_op").comm_s < played("fsdp").comm_s
+
+
+def test_hsdp_prices_the_replicas_all_reduce_across_nodes():
+    cfg = STRATEGIES.config_class("fsdp")()
+    flat = timing_of("fsdp").price(cfg, fabric(16))
+    cfg.replicate = 2
+    hsdp = timing_of("fsdp").price(cfg, fabric(16))
+    # HSDP's gathers stay inside a node; the flat group's cross the slower network
+    assert hsdp("all_gather", 4e6) < flat("all_gather", 4e6)
+
+
+def test_parameters_travel_in_the_compute_dtype_under_fsdp_and_gradients_in_float32():
+    cfg = STRATEGIES.config_class("fsdp")()
+    assert timing_of("fsdp").param_bytes_per_element(cfg, "bf16", 4.0) == 2.0
+    assert timing_of("fsdp").grad_bytes_per_element(cfg, "bf16", 4.0) == 4.0
+    assert timing_of("ddp").grad_bytes_per_element(STRATEGIES.config_class("ddp")(), "bf16", 4.0) == 4.0
+
+
+def test_offload_without_the_host_figures_is_unknown_and_says_which():
+    cfg = STRATEGIES.config_class("fsdp")()
+    cfg.cpu_offload = True
+    f = fabric()
+    with pytest.raises(TimeUnknown, match="host link"):
+        timing_of("fsdp").schedule(cfg, UNITS, timing_of("fsdp").price(cfg, f), f)
+    f = fabric(pcie_Bps=1e9, host_memory_Bps=1e10, params=4_000_000)
+    events = timing_of("fsdp").schedule(cfg, UNITS, timing_of("fsdp").price(cfg, f), f).events
+    assert {"h2d", "d2h", "host_step"} <= {e.kind for e in events}
