@@ -156,7 +156,7 @@ MUTATIONS = [
     ),
     Mutation(
         14,
-        "sharded_exp/train/loop.py",
+        "sharded_exp/train/records.py",
         "memory_end = start + min(max(warmup, 2), left)",
         "memory_end = start + min(max(warmup, 1), left)",
         "the CPU tracker's window covers one step, not two at least",
