@@ -26,6 +26,7 @@ from sharded_exp.plan import table
 from sharded_exp.plan.progress import Progress
 from sharded_exp.precision import Precision
 from sharded_exp.questions import is_query
+from sharded_exp.spelling import misspelled
 
 WORLD_SIZES = "must be a non-empty list of integers >= 1"
 """What plan.world_sizes must be: said of one below 1 (:func:`check_plan`) and of one that is
@@ -233,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if is_query(argv):
         return answer_query(argv)
+    problem = misspelled(argv, "plan")  # a typo refused with the name meant, before torch
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     # lazy: checking a model imports torch; a question (above) never does
     from sharded_exp.models.target import check_pretrained, is_target_model
 

@@ -37,7 +37,7 @@ from sharded_exp.measure.tracker import MemoryMeter, model_state_mib, process_pe
 from sharded_exp.output.loggers import build_logger, summary_values
 from sharded_exp.output.results import memory_section, training_result
 from sharded_exp.precision import Precision
-from sharded_exp.speed.figures import step_time_figures
+from sharded_exp.speed.against_measured import step_time_figures
 from sharded_exp.strategies.base import Strategy
 from sharded_exp.train import components, faults, liveness
 from sharded_exp.train import evaluate as evaluation

@@ -1,6 +1,6 @@
 """A run's predicted step time beside its measured median."""
 
-from sharded_exp.speed.figures import step_time_figures
+from sharded_exp.speed.against_measured import step_time_figures
 
 
 def test_the_error_is_relative_to_the_measured_median():
