@@ -66,6 +66,8 @@ def _sequences() -> dict:
     for i in range(20):
         recipe += [_m(("w", i), 2000 * 2000 * 4), _m(("b", i), 2000 * 4)]
     cross = [_m("a", 8 * MIB), ("record_stream", "a", 0, 1), _f("a"), _m("b", 8 * MIB)]
+    # freed on a side stream, asked for on the default one: a segment per stream, whole pages
+    other_stream = [_m("a", 90 * MIB, 1), _f("a"), _m("b", 90 * MIB, 0), ("empty_cache", 0, 0, 0)]
     return {
         "small_and_large_pools": ("", None, [_m(1, MIB), _m(2, MIB + 1), _m(3, 1024), _m(4, 1024)]),
         "split_and_non_split": ("", None, [_m(1, 12 * MIB), _f(1), _m(2, 5 * MIB), _f(2), _m(3, 11 * MIB)]),
@@ -93,6 +95,8 @@ def _sequences() -> dict:
                 ("empty_cache", 0, 0, 0),
             ],
         ),
+        "other_stream_plain": ("", None, other_stream),
+        "other_stream_expandable": ("expandable_segments:True", None, other_stream),
         "record_stream_synced": ("", None, cross + [("sync", 0, 0, 1), _m("c", 8 * MIB)]),
         "record_stream_pending": ("", None, cross + [_m("c", 8 * MIB)]),
         "other_stream_no_reuse": ("", None, [_m(1, 8 * MIB, 0), _f(1), _m(2, 8 * MIB, 1)]),

@@ -199,6 +199,38 @@ def test_expandable_segments_unmap_whole_free_pages():
     assert _s(a, "reserved_bytes.all.current") == 0
 
 
+def test_expandable_segments_one_per_stream_keep_freed_pages_mapped():
+    """Where expandable segments reserve more than plain ones: 90 MiB on a side stream
+    (FSDP2's all-gather copy-in), freed, then 90 MiB on the default stream.
+
+    Plain segments: ``get_allocation_size`` gives the request itself (>= 10 MiB, a multiple of
+    2 MiB): cudaMalloc(90 MiB) for the side stream; freed, it stays cached under that stream,
+    and ``get_free_block`` only matches blocks of the request's stream, so the default stream
+    gets a second 90 MiB segment: 180 MiB reserved, 90 MiB allocated.
+
+    expandable_segments:True: ``find_expandable_block`` also looks only at the request's
+    stream, so each stream gets a segment of its own. ``map_block`` maps whole 20 MiB pages:
+    90 MiB maps 5 pages (100 MiB) and ``should_split`` splits off the free 10 MiB tail
+    (>= 512 B). ``free_block`` merges the two again and unmaps nothing, so the side stream keeps
+    100 MiB; the default stream's 90 MiB maps another 100 MiB: 200 MiB reserved against
+    plain's 180.
+
+    ``empty_cache`` (``release_cached_blocks`` -> ``release_blocks`` -> ``unmap_block``, whole
+    pages only): the side stream's 5 pages go; the default stream's free tail [90, 100) MiB
+    covers no whole page, so 100 MiB stay reserved. Plain releases the side stream's unsplit
+    90 MiB segment: 90 MiB.
+    """
+    for conf, reserved, after in (("", 180 * MIB, 90 * MIB), ("expandable_segments:True", 200 * MIB, 100 * MIB)):
+        a = Allocator(parse_alloc_conf(conf))
+        a.free(a.malloc(90 * MIB, stream="all-gather"))
+        assert _s(a, "reserved_bytes.all.current") == (reserved // 2), conf  # freed, still reserved
+        a.malloc(90 * MIB, stream=0)
+        assert _s(a, "allocated_bytes.all.current") == 90 * MIB, conf
+        assert _s(a, "reserved_bytes.all.current") == reserved, conf
+        a.empty_cache()
+        assert _s(a, "reserved_bytes.all.current") == after, conf
+
+
 def test_cross_stream_free_waits_for_the_stream():
     """A = 8 MiB on stream 0 splits a 20 MiB segment; record_stream(A, 1); free(A).
 
