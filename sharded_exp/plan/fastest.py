@@ -31,6 +31,7 @@ from sharded_exp.plan.points import (
 )
 from sharded_exp.plan.progress import Progress
 from sharded_exp.plan.speed import traced
+from sharded_exp.precision import Precision
 from sharded_exp.strategies import STRATEGIES
 
 
@@ -53,7 +54,7 @@ def replicas(cfg: PlanConfig, name: str, world_size: int) -> list[int]:
 
 def command(model: str, cfg: PlanConfig, c: PlanConfig, combo: str, world_size: int) -> str:
     """The ``sharded-exp`` command line that runs candidate ``c``."""
-    parts = ["sharded-exp", *model.split(), f"precision={c.precision.name}", f"optimizer={c.optimizer.name}",
+    parts = ["sharded-exp", *model.split(), f"precision={Precision.of(c)}", f"optimizer={c.optimizer.name}",
              f"strategy={c.strategy.name}", f"trainer.world_size={world_size}",
              f"trainer.batch_size={c.trainer.batch_size}", f"trainer.grad_accum={c.trainer.grad_accum}"]  # fmt: skip
     for lever in lever_names(combo):

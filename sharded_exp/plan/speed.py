@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 from sharded_exp.config import PlanConfig
 from sharded_exp.measure.machine import this_profile
 from sharded_exp.plan.depth import shapes_of
+from sharded_exp.precision import Precision
 from sharded_exp.predict.fake_step import fake_step
 from sharded_exp.predict.prediction import predict
 from sharded_exp.predict.step_time import Machine, StepCompute, predict_step_time, step_compute
@@ -90,7 +91,7 @@ def traced(cfg_s: PlanConfig, device_type: str, layer_key: str | None) -> dict[s
         est = fake_step(c, 1, 0, device_type, flops=True, trace=True)
     except Exception as exc:  # noqa: BLE001 -- a point without a speed says why
         return {"error": f"no op trace: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}"}
-    states = predict(cfg_s.strategy, cfg_s.optimizer, str(cfg_s.precision.name), shapes_of(cfg_s), 1)
+    states = predict(cfg_s.strategy, cfg_s.optimizer, str(Precision.of(cfg_s)), shapes_of(cfg_s), 1)
     return {"trace": est.extra["trace"], "flops": est.flops_per_step,
             "optimizer_mib": states["model_states_mib"][0]["optimizer"]}  # fmt: skip
 

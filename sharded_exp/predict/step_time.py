@@ -146,7 +146,7 @@ def predict_step_time(cfg, world_size: int, compute: StepCompute, shapes, machin
     figure the schedule needs is missing."""
     strategy = cfg.strategy
     model = timing_of(strategy.name)
-    name = str(cfg.precision.name)
+    name = str(precision.Precision.of(cfg))
     param_bpe = model.param_bytes_per_element(strategy, name, shapes.element_bytes)
     grad_bpe = model.grad_bytes_per_element(strategy, name, shapes.element_bytes)
     units = units_of(compute, shapes, param_bpe, grad_bpe)
