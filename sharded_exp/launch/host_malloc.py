@@ -18,7 +18,6 @@ blocks stay mapped and go back to the kernel when torch frees them.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 M_MMAP_THRESHOLD = -3
@@ -41,7 +40,7 @@ def fix_mmap_threshold(env=os.environ) -> int | None:
     if "MALLOC_MMAP_THRESHOLD_" in env or "glibc.malloc" in env.get("GLIBC_TUNABLES", ""):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)  # the process's own symbols: its C library, no search for a file
         libc.gnu_get_libc_version  # only glibc has it
         mallopt = libc.mallopt
     except (OSError, AttributeError):
