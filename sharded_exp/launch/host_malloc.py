@@ -26,9 +26,6 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 128 * 1024
 """glibc's own default threshold, now fixed instead of rising."""
 
-USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
-"""Where a user sets glibc's malloc themselves (read by glibc at process start); ours then stays out."""
-
 
 def fix_mmap_threshold(env=os.environ) -> int | None:
     """Fix this process's mmap threshold at :data:`MMAP_THRESHOLD_BYTES`; the bytes set, or None.
