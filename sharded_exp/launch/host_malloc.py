@@ -1,0 +1,47 @@
+"""A rank's host allocator: glibc's mmap threshold held at its default, so freed large blocks go back.
+
+glibc serves a request of at least ``M_MMAP_THRESHOLD`` bytes (128 KiB by default) with a
+mapping of its own and unmaps it on ``free``. Left to itself the threshold is *dynamic*
+(mallopt(3)): when a mapped block is freed, the threshold rises to that block's size (up to
+32 MiB on 64-bit) and the trim threshold to twice it. From then on every block of that size
+or smaller comes from the heap, and a freed heap block stays resident until it sits at the
+heap's top above the trim threshold, which blocks freed out of order seldom do.
+
+A FSDP rank frees one unit's gathered parameters and gradients after every unit, each
+several MiB: after the first, the threshold has risen past them, and each later gather is
+carved from the heap around blocks still live, so the rank's resident set grows by
+hundreds of MiB that no live tensor holds (docs/concepts/memory.md, "On CPU: resident
+memory"). Setting the threshold explicitly turns the adjustment off (mallopt(3)): large
+blocks stay mapped and go back to the kernel when torch frees them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+M_MMAP_THRESHOLD = -3
+"""mallopt's parameter number for the mmap threshold (<malloc.h>)."""
+
+MMAP_THRESHOLD_BYTES = 128 * 1024
+"""glibc's own default threshold, now fixed instead of rising."""
+
+
+def fix_mmap_threshold(env=os.environ) -> int | None:
+    """Fix this process's mmap threshold at :data:`MMAP_THRESHOLD_BYTES`; the bytes set, or None.
+
+    None when the process's environment sets glibc's malloc itself (``MALLOC_MMAP_THRESHOLD_``,
+    or ``glibc.malloc`` in ``GLIBC_TUNABLES``: your setting stands, dynamic or not), or when the
+    C library is not glibc (musl, macOS: no dynamic threshold to turn off).
+    """
+    if "MALLOC_MMAP_THRESHOLD_" in env or "glibc.malloc" in env.get("GLIBC_TUNABLES", ""):
+        return None
+    try:
+        libc = ctypes.CDLL(None)  # the process's own symbols: its C library, no search for a file
+        libc.gnu_get_libc_version  # only glibc has it
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return None
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return MMAP_THRESHOLD_BYTES if mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1 else None
