@@ -25,6 +25,7 @@ from sharded_exp.output import charts
 from sharded_exp.plan import table
 from sharded_exp.plan.progress import Progress
 from sharded_exp.precision import Precision
+from sharded_exp.predict.allocator import parse_alloc_conf
 from sharded_exp.questions import is_query
 from sharded_exp.spelling import misspelled
 
@@ -54,8 +55,6 @@ fsdp and sharded_ddp, 10,000 took 113 s for a larger model; a million never fini
 def check_alloc_conf(conf: str | None) -> None:
     """``plan.alloc_conf`` read as torch reads ``PYTORCH_CUDA_ALLOC_CONF`` (ConfigError naming the
     bad option or value, and every known one), before anything is faked."""
-    from sharded_exp.predict.allocator import parse_alloc_conf
-
     if conf:
         try:
             parse_alloc_conf(conf)

@@ -36,8 +36,9 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
-from sharded_exp.predict.allocator import Allocator, cuda_context_entries, parse_alloc_conf
+from sharded_exp.predict.allocator import Allocator, alloc_conf_from_env, cuda_context_entries, parse_alloc_conf
 
 MIB = 2**20
 DEFAULT_STREAM = "default"
@@ -78,6 +79,7 @@ class AllocTrace:
     # --- what is recorded -----------------------------------------------------------------------
     def attach(self, tracker) -> None:
         """Record every storage ``tracker`` adds or deletes from now on."""
+        # lazy: torch's private mem_tracker imports torch._inductor and dynamo (seconds); only a CUDA fake step records
         from torch.distributed._tools.mem_tracker import _UpdateType
 
         update = tracker._update_snap
@@ -116,6 +118,7 @@ class AllocTrace:
         """Each tracked storage among ``tensors`` is used on ``stream`` as well."""
         if self._tracker is None:
             return
+        # lazy: torch's private mem_tracker (as in attach)
         from torch.distributed._tools.mem_tracker import get_untyped_storages
 
         for t in tensors:
@@ -286,10 +289,6 @@ def alloc_conf_of(cfg) -> Optional[str]:
     """The allocator setting a prediction replays: ``plan.alloc_conf`` where the config is a
     plan's and sets one ("" : torch's defaults), else ``PYTORCH_CUDA_ALLOC_CONF`` (or
     ``PYTORCH_ALLOC_CONF``) from this process's environment, as the run's ranks inherit it."""
-    from omegaconf import OmegaConf
-
-    from sharded_exp.predict.allocator import alloc_conf_from_env
-
     plan = OmegaConf.select(cfg, "plan.alloc_conf", default=None) if OmegaConf.is_config(cfg) else None
     return alloc_conf_from_env() if plan is None else str(plan)
 

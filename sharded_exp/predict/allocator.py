@@ -85,6 +85,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import os
 from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -375,8 +376,6 @@ def parse_alloc_conf(conf: Optional[str]) -> AllocatorSettings:
 def alloc_conf_from_env(environ=None) -> Optional[str]:
     """The allocator settings string a CUDA process would read: ``PYTORCH_CUDA_ALLOC_CONF``, else
     ``PYTORCH_ALLOC_CONF`` (the order of ``CUDAAllocatorConfig::instance``); None if neither is set."""
-    import os
-
     env = os.environ if environ is None else environ
     conf = env.get("PYTORCH_CUDA_ALLOC_CONF")
     return conf if conf is not None else env.get("PYTORCH_ALLOC_CONF")

@@ -190,16 +190,11 @@ def _says_why(node: ast.stmt, lines: list[str]) -> bool:
     return above >= 0 and lines[above].strip().startswith("# lazy:")
 
 
-# Files whose function-local imports are still being sorted out (issue 46): to be emptied.
-LAZY_REASONS_PENDING = ("launch/", "measure/", "plan/", "predict/", "train/trainer.py", "train/loop.py",
-                        "output/comparison.py", "report.py")  # fmt: skip
-
-
 def test_an_import_inside_a_function_says_why_it_waits():
     """Imports sit at the top of their module; one that waits (torch before Hydra's questions are
     answered, an optional or heavy framework) says why, so the next reader does not move it up."""
     silent = [f"{path.relative_to(ROOT)}:{node.lineno}" for path, node, lines in function_local_imports()
-              if not str(path.relative_to(PACKAGE)).startswith(LAZY_REASONS_PENDING) and not _says_why(node, lines)]  # fmt: skip
+              if not _says_why(node, lines)]  # fmt: skip
     assert silent == []
 
 
@@ -212,6 +207,30 @@ def test_at_most_12_percent_of_the_imports_wait_inside_functions():
     )
     local = len(function_local_imports())
     assert local <= 0.12 * total, f"{local} of {total} imports are inside functions"
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def long_functions(package: Path = PACKAGE) -> list[str]:
+    """Functions (and methods) of ``package`` longer than :data:`MAX_FUNCTION_LINES` lines, as ``path:line name (n)``."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    found.append(f"{path.relative_to(package.parent)}:{node.lineno} {node.name} ({n})")
+    return found
+
+
+def test_no_function_is_longer_than_80_lines(tmp_path):
+    """Issue 46's bound: a function a newcomer reads whole, on one screen or two."""
+    assert long_functions() == []
+    planted = tmp_path / "pkg"
+    planted.mkdir()
+    (planted / "m.py").write_text("def short():\n    pass\n\n\ndef long():\n" + "    x = 1\n" * 80)
+    assert long_functions(planted) == ["pkg/m.py:5 long (81)"]
 
 
 def test_the_lazy_import_checks_read_a_planted_file(tmp_path):
