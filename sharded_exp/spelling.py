@@ -113,7 +113,16 @@ def _unknown_option(group: str, option: str, options: list[str] | None = None) -
 
 def misspelled(argv: list[str], config_name: str = "config") -> str | None:
     """What is wrong with the command line's overrides, in one line, or None when they
-    compose (or when this check cannot tell: Hydra decides then)."""
+    compose (or when this check cannot tell: Hydra decides then). Never raises: a check that
+    cannot read a command line (a sweeper's ``interval(...)``, a plugin's syntax) leaves it
+    to Hydra, which says what it says today."""
+    try:
+        return _misspelled(argv, config_name)
+    except Exception:  # noqa: BLE001 -- the check is a courtesy in front of Hydra's own, never a new failure
+        return None
+
+
+def _misspelled(argv: list[str], config_name: str) -> str | None:
     if any(a.split("=", 1)[0] in OWN_CONFIG for a in argv):
         return None
     parsed = parse(quote_numeric_choices([a for a in argv if not a.startswith("-")]))
