@@ -64,8 +64,9 @@ PLANS = {
     "raw_count": ["plan.params=7.5e9", "plan.units=16", "plan.world_sizes=[64]", "plan.plot=raw_count.png"],
     "find_depth": ["model=gpt", "plan.find=depth", "plan.device=cpu", "plan.levers=[none,ac_selective]", "plan.world_sizes=[2]", "plan.strategies=[ddp]",
                    "plan.device_memory_gib=0.05"],
-    "find_fastest": ["model=gpt", "plan.find=fastest", "plan.device=cpu", "plan.remeasure=true", "plan.world_sizes=[2]",
-                     "plan.strategies=[ddp,fsdp]", "trainer.batch_size=2"],
+    "find_fastest": ["model=gpt", "model.n_layers=2", "model.d_model=64", "model.seq_len=32", "plan.find=fastest",
+                     "plan.device=cpu", "plan.remeasure=true", "plan.world_sizes=[2]", "plan.strategies=[ddp,fsdp]",
+                     "trainer.batch_size=2"],
 }  # fmt: skip
 """Planner runs (``python -m sharded_exp.plan``), in this process."""
 
@@ -97,11 +98,17 @@ SLOW_SWEEPS = {
 a command-line sweep of a key replaces the preset's own values for it, as in Hydra."""
 
 NOT_HERE = {
-    ("experiment", "seed_study_gpu"): "needs GPUs (trainer.accelerator=gpu): benchmarks/accuracy/gpu_check.py's machine",
+    (
+        "experiment",
+        "seed_study_gpu",
+    ): "needs GPUs (trainer.accelerator=gpu): benchmarks/accuracy/gpu_check.py's machine",
 }
 """Options no run on this CPU-only machine can choose, and why."""
 FIELDS_NOT_HERE = {
-    ("strategy:fsdp", "cpu_offload"): "GPU runs only (a CPU run refuses it: tests/integration/test_levers.py); planned by "
+    (
+        "strategy:fsdp",
+        "cpu_offload",
+    ): "GPU runs only (a CPU run refuses it: tests/integration/test_levers.py); planned by "
     "plan.levers=[offload] (test_levers); run by benchmarks/accuracy/device_check.py's offload check",
     ("strategy:fsdp_grad_op", "cpu_offload"): "as for fsdp",
 }
@@ -207,7 +214,10 @@ CHECKS = {
 }
 
 
-@pytest.mark.parametrize("name", list(PLANS))
+SLOW_PLANS = {"find_fastest"}  # a search over strategies x levers x batches, each point traced: the slow tier
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_PLANS else n for n in PLANS])
 def test_covering_plan(name, capsys, tmp_path, monkeypatch):
     from sharded_exp.plan import command
 

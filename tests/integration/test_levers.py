@@ -127,6 +127,7 @@ def test_a_lever_that_cannot_apply_is_refused_before_spawn(overrides, message, t
         preflight.check(cfg, str(tmp_path))
 
 
+@pytest.mark.slow  # two CUDA plans of five points, whole (each replayed through the allocator and timed)
 def test_plan_levers_and_the_cheapest_combination_that_fits(capsys):
     """The planner per lever combination: AC lowers the activations, offload moves the
     states to the host (a GPU plan, by rule); the cheapest combination that fits is named."""
