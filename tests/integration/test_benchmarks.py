@@ -107,7 +107,7 @@ def test_prediction_smoke(tmp_path):
 
 
 def test_job_vs_script_smoke(tmp_path):
-    data = bench_peer("job_vs_script", tmp_path, "--pairs", "1", "--steps", "4", "--depth", "2", "--hidden", "32")
+    data = bench_peer("harness.job_vs_script", tmp_path, "--pairs", "1", "--steps", "4", "--depth", "2", "--hidden", "32")
     [pair] = data["pairs"]
     assert pair["ratio"] == pytest.approx(pair["job"] / pair["script"])
     assert 0 < pair["to_first_step_s"] < pair["job"] and 0 < pair["last_step_to_exit_s"] < pair["job"]
