@@ -91,7 +91,7 @@ def traced(cfg_s: PlanConfig, device_type: str, layer_key: str | None) -> dict[s
         est = fake_step(c, 1, 0, device_type, flops=True, trace=True)
     except Exception as exc:  # noqa: BLE001 -- a point without a speed says why
         return {"error": f"no op trace: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}"}
-    states = predict(cfg_s.strategy, cfg_s.optimizer, str(Precision.of(cfg_s)), shapes_of(cfg_s), 1)
+    states = predict(c.strategy, c.optimizer, str(Precision.of(c)), shapes_of(cfg_s), 1)  # one rank, one replica
     return {"trace": est.extra["trace"], "flops": est.flops_per_step,
             "optimizer_mib": states["model_states_mib"][0]["optimizer"]}  # fmt: skip
 

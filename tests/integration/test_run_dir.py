@@ -76,5 +76,7 @@ def test_a_refused_config_or_a_run_directory_under_a_file_leaves_nothing(tmp_pat
     assert proc.returncode == 2 and "trainer.warmup_steps=5 must be" in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "outputs").exists(), "a refused config leaves no outputs/runs/ behind"
     (tmp_path / "afile").write_text("x")
-    proc = run_cli(["trainer.steps=2", f"hydra.run.dir={tmp_path / 'afile' / 'run'}"], cwd=ROOT)
+    proc = run_cli(
+        ["trainer.steps=2", "trainer.warmup_steps=1", f"hydra.run.dir={tmp_path / 'afile' / 'run'}"], cwd=ROOT
+    )
     assert proc.returncode == 2 and "afile is a file, not a directory" in proc.stderr, proc.stderr[-2000:]
