@@ -83,14 +83,7 @@ def cpu_peak(precision_name: str) -> float:
     if not isinstance(cache, dict) or not isinstance(cache.get(key), (int, float)):
         cache = cache if isinstance(cache, dict) else {}
         cache[key] = measure_cpu_matmul(dtype)
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump(cache, f, indent=1)
-            os.replace(tmp, path)
-        except OSError:
-            pass  # not cached: measured again next time
+        save_cache(path, cache)
     return float(cache[key])
 
 
@@ -125,3 +118,16 @@ def utilisation(flops_per_step: int | None, step_time_s: float | None, device: t
         "peak_flops_source": source,  # where the peak comes from, or why mfu_pct is null
         "mfu_pct": None if mfu is None else 100 * mfu,  # in percent everywhere: result.json, W&B, tables
     }
+
+
+def save_cache(path: str, cache: dict) -> None:
+    """A measurement cache written whole and atomically (a temporary file, then renamed); a
+    home that cannot be written leaves it uncached: measured again next time."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(cache, f, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        pass

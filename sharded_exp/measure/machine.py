@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from sharded_exp.measure.flops import save_cache
 from sharded_exp.speed.profiles import Curve, DeviceProfile, Figure, LinkProfile, Source
 
 MATMUL_SIZES = (128, 256, 512, 1024)
@@ -144,14 +145,7 @@ def this_figures(threads: int, remeasure: bool = False) -> dict:
     cache = cache if isinstance(cache, dict) else {}
     if remeasure or key not in cache:
         cache[key] = measure(threads) | {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump(cache, f, indent=1)
-            os.replace(tmp, path)
-        except OSError:
-            pass  # not cached: measured again next time
+        save_cache(path, cache)
     return cache[key]
 
 
