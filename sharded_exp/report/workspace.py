@@ -27,6 +27,7 @@ from sharded_exp.vocabulary.wandb_names import (  # noqa: F401
     CONFIG_AXES,
     GROUP_BY,
     PER_RANK_UP_TO,
+    RESERVED_SECTION,
     panel_keys,
     wandb_group,
 )
@@ -34,12 +35,13 @@ from sharded_exp.vocabulary.wandb_names import (  # noqa: F401
 SPEC_FILE = "wandb_workspace.json"
 
 
-def build(entity: str, project: str, group: str, world_size: int, strategies: list[str], name: str):
-    """The workspace object (nothing is sent anywhere)."""
+def build(entity: str, project: str, group: str, world_size: int, strategies: list[str], name: str, cuda: bool):
+    """The workspace object (nothing is sent anywhere). ``cuda``: a point ran on CUDA (reserved
+    memory is then plotted too)."""
     import wandb_workspaces.reports.v2 as wr  # lazy: wandb_workspaces imports wandb; only --wandb-workspace needs it
     import wandb_workspaces.workspaces as ws  # lazy: (as above)
 
-    keys = panel_keys(world_size, strategies)
+    keys = panel_keys(world_size, strategies, cuda)
     over_time = [
         wr.LinePlot(
             title="allocated (MiB): min / median / max over ranks", x="Step", y=keys["memory over time across ranks"]
@@ -70,11 +72,13 @@ def build(entity: str, project: str, group: str, world_size: int, strategies: li
             name="Predicted vs measured",
             is_open=True,
             panels=[
-                wr.ScatterPlot(
-                    title="Peak per rank: predicted (fake step) vs measured (MiB)",
-                    x=keys["predicted vs measured"][0],
-                    y=keys["predicted vs measured"][1],
-                ),
+                wr.ScatterPlot(title=title, x=keys[section][0], y=keys[section][1])
+                for section, title in (
+                    ("predicted vs measured", "Peak per rank: predicted (fake step) vs measured (MiB)"),
+                    ("predicted vs measured step time", "Step time: predicted vs measured median (s)"),
+                    (RESERVED_SECTION, "Peak reserved per rank: predicted (allocator model) vs measured (MiB)"),
+                )
+                if section in keys
             ],
         ),
         ws.Section(
@@ -119,6 +123,7 @@ def write_or_save(sweep_dir: Path, points: list[dict[str, Any]], entity: str | N
     project = cfg.get("project") or "sharded_exp"
     world_size = max(int(p.get("world_size") or 1) for p in points)
     strategies = sorted({p["strategy"] for p in points if p.get("strategy")})
+    cuda = any((p.get("device") or {}).get("type") == "cuda" for p in points)
     entity = entity or cfg.get("entity")
     name = f"sharded_exp sweep {group}"
     if online:
@@ -126,10 +131,10 @@ def write_or_save(sweep_dir: Path, points: list[dict[str, Any]], entity: str | N
             import wandb  # lazy: only to ask W&B for the default entity
 
             entity = wandb.Api().default_entity
-        workspace = build(entity, project, group, world_size, strategies, name)
+        workspace = build(entity, project, group, world_size, strategies, name, cuda)
         workspace.save()
         return f"workspace saved: {workspace.url}"
-    workspace = build(entity or "ENTITY", project, group, world_size, strategies, name)
+    workspace = build(entity or "ENTITY", project, group, world_size, strategies, name, cuda)
     spec = json.loads(workspace._to_model().model_dump_json())  # the view as W&B stores it
     path = Path(sweep_dir) / SPEC_FILE
     path.write_text(
@@ -139,7 +144,7 @@ def write_or_save(sweep_dir: Path, points: list[dict[str, Any]], entity: str | N
                 "project": project,
                 "group": group,
                 "name": name,
-                "panel_keys": panel_keys(world_size, strategies),
+                "panel_keys": panel_keys(world_size, strategies, cuda),
                 "group_by": GROUP_BY,
                 "config_axes": CONFIG_AXES,
                 "spec": spec,

@@ -200,10 +200,11 @@ PER_RANK_UP_TO = 8
 """Beyond this many ranks, per-rank panels give way to the band over ranks."""
 
 
-def panel_keys(world_size: int, strategies: list[str]) -> dict[str, list[str]]:
-    """The metric keys each section plots (summary or history keys of the sweep's runs)."""
+def panel_keys(world_size: int, strategies: list[str], cuda: bool = False) -> dict[str, list[str]]:
+    """The metric keys each section plots (summary or history keys of the sweep's runs). Reserved
+    memory is a CUDA caching allocator's figure: its section is there only when a point ran on CUDA."""
     ranks = range(world_size) if world_size <= PER_RANK_UP_TO else []
-    return {
+    keys = {
         "peak per rank": [per_rank_key(r, "peak_allocated_mib") for r in ranks]
         or [band_key("peak_allocated_mib", b) for b in BAND],
         "model states per rank": [per_rank_key(r, f"model_states_mib/{part}") for r in ranks for part in MODEL_STATES]
@@ -213,13 +214,15 @@ def panel_keys(world_size: int, strategies: list[str]) -> dict[str, list[str]]:
         "memory vs world size": [by_strategy_key(s, "peak_allocated_mib_max") for s in strategies],
         "throughput vs world size": [by_strategy_key(s, "samples_per_s") for s in strategies],
         "predicted vs measured": ["memory/predicted_peak_mib_max", "memory/peak_allocated_mib_max"],
-        "reserved: predicted vs measured (CUDA)": [
-            "memory/predicted_peak_reserved_mib_max",
-            "memory/peak_reserved_mib_max",
-        ],
         "predicted vs measured step time": [PREDICTED_STEP_TIME, STEP_TIME],
         "parallel coordinates": ["memory/peak_allocated_mib_max", SAMPLES_PER_S, "final_loss"],
     }
+    if cuda:
+        keys[RESERVED_SECTION] = ["memory/predicted_peak_reserved_mib_max", "memory/peak_reserved_mib_max"]
+    return keys
+
+
+RESERVED_SECTION = "reserved: predicted vs measured (CUDA)"
 
 
 CONFIG_AXES = ["strategy.name", "precision.name", "trainer.world_size", "model.name"]

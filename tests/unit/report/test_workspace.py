@@ -38,7 +38,7 @@ def test_offline_the_specification_is_written_with_the_commands_that_save_it(tmp
               {"status": "unreadable"}]  # fmt: skip
     told = ws.write_or_save(tmp_path, points, None, online=False)
     group = ws.wandb_group(tmp_path)
-    assert built == [("ENTITY", "sharded_exp", group, 4, ["ddp", "fsdp"], f"sharded_exp sweep {group}")]
+    assert built == [("ENTITY", "sharded_exp", group, 4, ["ddp", "fsdp"], f"sharded_exp sweep {group}", False)]
     spec = json.loads((tmp_path / ws.SPEC_FILE).read_text())
     assert spec["entity"] is None and spec["project"] == "sharded_exp" and spec["group"] == group
     assert spec["panel_keys"] == ws.panel_keys(4, ["ddp", "fsdp"]) and spec["spec"] == {"sections": []}
