@@ -206,6 +206,26 @@ def _load(name: str, kind: str) -> dict:
     return data
 
 
+DEVICE_NAMES = (
+    (("H200",), ("NVL",), "h200"),
+    (("H100",), ("NVL", "PCIe"), "h100_sxm"),
+    (("A100", "80GB"), (), "a100_80gb"),
+    (("A100",), (), "a100_40gb"),
+    (("V100",), (), "v100_32gb"),
+)
+"""(words a CUDA device name holds, words it must not hold, the profile): the more specific
+first. 'NVIDIA H200' is the SXM part; NVL and PCIe parts have other links and clocks."""
+
+
+def profile_for_device_name(device_name: str) -> str | None:
+    """The sourced profile of a CUDA device by the name torch reports, or None."""
+    words = set(device_name.replace("-", " ").replace("(", " ").replace(")", " ").split())
+    for wanted, excluded, profile in DEVICE_NAMES:
+        if set(wanted) <= words and not words & set(excluded):
+            return profile
+    return None
+
+
 def load_device(name: str) -> DeviceProfile:
     return parse_device(_load(name, "device"))
 

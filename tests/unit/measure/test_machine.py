@@ -34,3 +34,32 @@ def test_remeasure_measures_again_and_caches_it(tmp_path, monkeypatch):
     machine.this_figures(2)
     machine.this_figures(2, remeasure=True)
     assert calls == [2, 2]
+
+
+def test_the_gpu_profile_is_built_from_the_cache_with_the_datasheet_peak_where_the_name_is_known(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    figures = {"matmul": {"bf16": [[1e9, 100.0], [1e12, 700.0]], "fp32": [[1e12, 50.0]]}, "memory_GB": 150.0,
+               "memory_bandwidth_GBps": 4000.0, "op_overhead_s": 8e-6, "device_name": "NVIDIA H200"}  # fmt: skip
+    path = tmp_path / "sharded_exp" / "this_profile.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({machine._key(1, "cuda"): figures}))
+    monkeypatch.setattr(machine, "measure_cuda_in_child", lambda: pytest.fail("measured although cached"))
+    gpu = machine.this_cuda_profile()
+    assert gpu.title == "this machine (NVIDIA H200)" and gpu.op_overhead_s == 8e-6
+    assert gpu.peak_flops_per_s("bf16") == pytest.approx(989e12)  # the datasheet's: MFU as a run counts it
+    assert gpu.curve("matmul", "bf16").points[-1] == (1e12, 700.0)
+    figures["device_name"] = "Some GPU"
+    path.write_text(json.dumps({machine._key(1, "cuda"): figures}))
+    assert machine.this_cuda_profile().peak_flops_per_s("fp32") == pytest.approx(50e12)  # no table: the best measured
+
+
+@pytest.mark.parametrize(
+    "name, profile",
+    [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100_sxm"), ("NVIDIA H100 PCIe", None),
+     ("NVIDIA A100-SXM4-80GB", "a100_80gb"), ("NVIDIA A100-SXM4-40GB", "a100_40gb"), ("NVIDIA H200 NVL", None),
+     ("NVIDIA GeForce RTX 4090", None)],
+)  # fmt: skip
+def test_a_cuda_device_name_finds_its_sourced_profile(name, profile):
+    from sharded_exp.speed.profiles import profile_for_device_name
+
+    assert profile_for_device_name(name) == profile

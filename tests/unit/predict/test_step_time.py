@@ -77,12 +77,31 @@ def test_a_model_without_a_sequence_has_samples_not_tokens():
     assert out["tokens_per_s_per_device"] is None and out["samples_per_s_per_device"] > 0
 
 
-def test_a_run_without_a_trace_or_on_a_gpu_gets_null_and_why():
+def test_a_run_without_a_trace_gets_null_and_why():
     class Est:
         extra, method, flops_per_step = {}, "fake step", 0
 
-    assert run_step_time(cfg(), 2, "cuda", Est(), SHAPES, {})["error"].startswith("a GPU run")
-    assert run_step_time(cfg(), 2, "cpu", Est(), SHAPES, {}) == {
-        "step_time_s": None,
-        "error": "no op trace (fake step)",
-    }
+    for device in ("cpu", "cuda"):
+        assert run_step_time(cfg(), 2, device, Est(), SHAPES, {}) == {
+            "step_time_s": None,
+            "error": "no op trace (fake step)",
+        }
+
+
+def test_a_gpu_run_is_priced_on_its_measured_gpu_and_its_sourced_link(monkeypatch):
+    from sharded_exp.measure import machine as this
+
+    class Est:
+        extra, method, flops_per_step = {"trace": trace()}, "fake step", 6e12
+
+    gpu = H100.__class__(**{**H100.__dict__, "name": "this", "title": "this machine (NVIDIA H100 80GB HBM3)"})
+    monkeypatch.setattr(this, "this_cuda_profile", lambda remeasure=False: gpu)
+    one = run_step_time(cfg(), 1, "cuda", Est(), SHAPES, {})
+    two = run_step_time(cfg(), 2, "cuda", Est(), SHAPES, {})
+    assert one["error"] is None and one["comm_s"] == 0.0 and one["profile"] == "this"
+    assert two["comm_s"] > 0  # over the H100 SXM's NVLink 4, as its profile states
+    unknown = H100.__class__(**{**H100.__dict__, "title": "this machine (Some GPU)"})
+    monkeypatch.setattr(this, "this_cuda_profile", lambda remeasure=False: unknown)
+    assert run_step_time(cfg(), 1, "cuda", Est(), SHAPES, {})["error"] is None  # one GPU needs no link
+    refused = run_step_time(cfg(), 2, "cuda", Est(), SHAPES, {})
+    assert refused["step_time_s"] is None and "no sourced link profile for this machine (Some GPU)" in refused["error"]
