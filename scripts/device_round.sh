@@ -1,20 +1,26 @@
 #!/usr/bin/env bash
-# On the GPU machine, one prepared run of about 6 minutes: what the planner and every run
-# predict against what one GPU measures (issues 47 and 49), at world size 1.
-#   1. every strategy x precision (bf16, 16, 32): peak allocated and reserved against the fake
-#      step replayed through the allocator model, step time against the run's own prediction
-#      (the GPU measured as the `this` profile) and the planner's on the sourced profile
-#      (benchmarks/accuracy/gpu_check_sourced.json, written before the run);
-#   2. the allocator model's sequences against torch.cuda.memory_stats(), exactly.
+# On the GPU machine, one prepared run of at most about 7 minutes: what the planner and every
+# run predict against what one GPU measures (issues 47 and 49), at world size 1.
+#   small: every strategy x precision (bf16, 16, 32), a GPT of ~100M parameters (a step of
+#          tens of ms: the host's cost per op shows): peak allocated and reserved against the
+#          fake step replayed through the allocator model, step time against the run's own
+#          prediction (the GPU measured as the `this` profile) and the planner's on the
+#          sourced h200 profile (benchmarks/accuracy/gpu_check_sourced.json, written before);
+#   big:   every strategy in bf16, a GPT of ~400M parameters and 8k tokens a step (the
+#          kernels' time dominates), the same comparisons;
+#   alloc: the allocator model's sequences against torch.cuda.memory_stats(), exactly.
+# PARTS chooses (default: all three); SMALL_PRECISIONS the small model's precisions.
 # Set-up: scripts/device_wheels.sh here first (the packages that machine lacks, into .whl/),
-# then the device run carries .whl and runs this script. Outputs (the two JSON files, their
-# logs, the measured profile) go to $OUT when it is set, else stay under outputs/benchmarks.
-#   scripts/device_round.sh                  # on the GPU machine
-#   scripts/device_round.sh --accelerator cpu --steps 4 --strategies ddp --precisions bf16   # dry run here
+# then the device run carries .whl and runs this script. Outputs (JSON files, logs, the
+# measured profile) go to $OUT when it is set, else stay under outputs/benchmarks.
+#   scripts/device_round.sh                         # on the GPU machine
+#   PARTS="small big" SMALL_PRECISIONS="bf16 32" scripts/device_round.sh
+#   PYTHON=.venv/bin/python scripts/device_round.sh --accelerator cpu --steps 4 --strategies ddp   # dry run here
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
+PARTS=${PARTS:-small big alloc}
 if ls .whl/*.whl >/dev/null 2>&1 && [ -z "${PYTHON:-}" ]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
@@ -24,18 +30,32 @@ LOGS=${OUT:-outputs/benchmarks}
 mkdir -p "$LOGS" outputs/benchmarks
 "$PY" -c "import torch; print('torch', torch.__version__, '| cuda', torch.version.cuda, '|', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader 2>/dev/null || true
-echo "PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-(unset)}"
+echo "PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-(unset)}; parts: $PARTS"
 start=$(date +%s)
-timeout 330 "$PY" -m benchmarks.accuracy.gpu_check "$@" 2>&1 | tee "$LOGS/gpu_check.log" | grep -v "^output:"
-gpu=${PIPESTATUS[0]}
-echo "gpu_check: exit $gpu after $(( $(date +%s) - start )) s"
-cp outputs/benchmarks/gpu_check.json "$LOGS"/ 2>/dev/null || true
+status=0
+check() {  # NAME SECONDS ARGS...: one gpu_check run, its log and JSON kept
+  local name=$1 seconds=$2
+  shift 2
+  timeout "$seconds" "$PY" -m benchmarks.accuracy.gpu_check --name "$name" "$@" 2>&1 | tee "$LOGS/$name.log" \
+    | grep -E "^\||done in|FAILED|^NVIDIA|^cpu;|wrote"
+  local rc=${PIPESTATUS[0]}
+  echo "$name: exit $rc after $(( $(date +%s) - start )) s"
+  cp "outputs/benchmarks/$name.json" "$LOGS"/ 2>/dev/null || true
+  [ "$rc" = 0 ] || status=1
+}
+case " $PARTS " in *" small "*)
+  # shellcheck disable=SC2086
+  check gpu_check 240 --precisions ${SMALL_PRECISIONS:-bf16 16 32} "$@" ;;
+esac
+case " $PARTS " in *" big "*)
+  check gpu_check_big 150 --model model=gpt model.d_model=2048 model.n_layers=8 model.n_heads=16 \
+    model.seq_len=1024 --precisions bf16 "$@" ;;
+esac
 cp "${XDG_CACHE_HOME:-$HOME/.cache}/sharded_exp/this_profile.json" "$LOGS"/ 2>/dev/null || true
-if [ "${1:-}" != "--accelerator" ]; then
+case " $PARTS " in *" alloc "*)
   timeout 100 "$PY" -m benchmarks.accuracy.allocator_check --no-steps 2>&1 | tee "$LOGS/allocator_check.log"
-  alloc=${PIPESTATUS[0]}
-  echo "allocator_check: exit $alloc"
-  cp outputs/benchmarks/allocator_check.json "$LOGS"/ 2>/dev/null || true
-fi
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  cp outputs/benchmarks/allocator_check.json "$LOGS"/ 2>/dev/null || true ;;
+esac
 echo "device round: $(( $(date +%s) - start )) s"
-exit $(( gpu != 0 ))
+exit $status

@@ -52,12 +52,12 @@ GPU ran them (``--predict PROFILE``): step time, allocated and reserved, per pre
 strategy."""
 
 
-def predict_sourced(profile: str) -> int:
-    """Run the planner (fake CUDA steps, on this machine's CPU) for every job of the check and
-    write its figures on ``profile`` to :data:`SOURCED`."""
+def predict_sourced(profile: str, model: list[str], precisions: list[str]) -> int:
+    """Run the planner (fake CUDA steps, on this machine's CPU) for the check's jobs of
+    ``model`` and write its figures on ``profile`` into :data:`SOURCED` (one entry per model)."""
     figures = {}
-    for prec in PRECISIONS:
-        cmd = [sys.executable, "-m", "sharded_exp.plan", *MODEL, f"precision={prec}", f"trainer.batch_size={BATCH}",
+    for prec in precisions:
+        cmd = [sys.executable, "-m", "sharded_exp.plan", *model, f"precision={prec}", f"trainer.batch_size={BATCH}",
                "plan.device=cuda", f"plan.device_profile={profile}", "plan.world_sizes=[1]", "plan.alloc_conf=",
                "plan.format=json"]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
@@ -69,8 +69,14 @@ def predict_sourced(profile: str) -> int:
         print(
             f"precision {prec}: " + ", ".join(f"{k} {v['step_time_s'] * 1e3:.2f} ms" for k, v in figures[prec].items())
         )
-    doc = {"profile": profile, "model": MODEL, "batch_size": BATCH, "made": time.strftime("%Y-%m-%d"),
-           "command": f"python -m benchmarks.accuracy.gpu_check --predict {profile}", "figures": figures}  # fmt: skip
+    doc = (
+        json.loads(SOURCED.read_text()) if SOURCED.exists() else {"profile": profile, "batch_size": BATCH, "cases": {}}
+    )
+    if doc["profile"] != profile:
+        raise SystemExit(f"{SOURCED} holds profile {doc['profile']}, not {profile}: move it aside first")
+    doc["cases"][" ".join(model)] = {"made": time.strftime("%Y-%m-%d"), "figures": figures,
+                                     "command": f"python -m benchmarks.accuracy.gpu_check --predict {profile} "
+                                                f"--model {' '.join(model)} --precisions {' '.join(precisions)}"}  # fmt: skip
     SOURCED.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {SOURCED}")
     return 0
@@ -95,19 +101,21 @@ def main() -> int:
     parser.add_argument("--precisions", nargs="+", default=PRECISIONS)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--model", nargs="+", default=MODEL, help="the model's overrides")
+    parser.add_argument("--name", default="gpu_check", help="the output's name (outputs/benchmarks/NAME.json)")
     parser.add_argument("--hang", action="store_true", help="only the NCCL hang case")
     parser.add_argument("--predict", metavar="PROFILE", help="only write the planner's figures on PROFILE")
     parser.add_argument("--timeout-s", type=float, default=20.0, help="trainer.timeout_s of the hang case")
     args = parser.parse_args()
     if args.predict:
-        return predict_sourced(args.predict)
+        return predict_sourced(args.predict, args.model, args.precisions)
     if args.accelerator == "gpu" and not torch.cuda.is_available():
         print("error: no CUDA device here; run on a GPU machine, or --accelerator cpu for a dry run", file=sys.stderr)
         return 2
     if args.hang:
         return hang_case(args)
     device = torch.cuda.get_device_name(0) if args.accelerator == "gpu" else "cpu"
-    sourced = json.loads(SOURCED.read_text()) if SOURCED.exists() and args.model == MODEL else None
+    sourced = json.loads(SOURCED.read_text()) if SOURCED.exists() else {}
+    case = sourced.get("cases", {}).get(" ".join(args.model), {})
 
     rows, data, bad = [], [], 0
     for prec in args.precisions:
@@ -118,7 +126,7 @@ def main() -> int:
                          "trainer.progress_bar=false", "logger=none"]  # fmt: skip
             t0 = time.perf_counter()
             try:
-                result = run(overrides, f"gpu_check/{strategy}_{prec}")
+                result = run(overrides, f"{args.name}/{strategy}_{prec}")
             except Exception as exc:  # noqa: BLE001 -- one failed job is a row, the check goes on
                 bad += 1
                 rows.append([strategy, prec, "failed", str(exc).replace("\n", " ")[:120]] + [""] * 11)
@@ -132,7 +140,7 @@ def main() -> int:
             )
             measured_step = speed.get("step_time_s_median")
             this_step = speed.get("predicted_step_time_s")
-            source = ((sourced or {}).get("figures") or {}).get(prec, {}).get(strategy) or {}
+            source = case.get("figures", {}).get(prec, {}).get(strategy) or {}
             sourced_step = source.get("step_time_s")
             entry = {
                 "strategy": strategy, "precision": prec, "job_s": time.perf_counter() - t0,
@@ -145,7 +153,7 @@ def main() -> int:
                 "step_time_s_median": measured_step, "step_time_s_ci95": [speed.get("step_time_s_ci95_low"),
                                                                          speed.get("step_time_s_ci95_high")],
                 "predicted_step_time_s_this": this_step, "step_time_prediction": speed.get("step_time_prediction"),
-                "predicted_step_time_s_sourced": sourced_step, "sourced_profile": (sourced or {}).get("profile"),
+                "predicted_step_time_s_sourced": sourced_step, "sourced_profile": sourced.get("profile"),
                 "sourced": source, "mfu_pct": speed.get("mfu_pct"), "tokens_per_s": speed.get("tokens_per_s"),
             }  # fmt: skip
             data.append(entry)
@@ -161,15 +169,15 @@ def main() -> int:
                 _pct(_rel(sourced_step, measured_step)), _num(entry["mfu_pct"]),
             ])  # fmt: skip
             print(f"{strategy} {prec}: done in {entry['job_s']:.1f} s", flush=True)
-            save("gpu_check", {"device": device, "torch": torch.__version__, "args": vars(args), "results": data})
+            save(args.name, {"device": device, "torch": torch.__version__, "args": vars(args), "results": data})
     print(
         f"{device}; torch {torch.__version__}; world size 1; {' '.join(args.model)}; batch {BATCH}; {args.steps} steps"
     )
     header = ["strategy", "precision", "alloc MiB", "pred alloc", "err", "reserved MiB", "pred reserved", "err",
-              "retries", "states err", "step ms", "pred ms (this)", "err", f"pred ms ({(sourced or {}).get('profile')})",
+              "retries", "states err", "step ms", "pred ms (this)", "err", f"pred ms ({sourced.get('profile')})",
               "err", "MFU %"]  # fmt: skip
     print(markdown(header, rows))
-    path = save("gpu_check", {"device": device, "torch": torch.__version__, "args": vars(args), "results": data})
+    path = save(args.name, {"device": device, "torch": torch.__version__, "args": vars(args), "results": data})
     print(f"wrote {path}")
     return 1 if bad else 0
 

@@ -7,6 +7,11 @@ threads one rank gets):
   per FLOP than large ones);
 - memory bandwidth (a large tensor copied: bytes read plus written over the time);
 - the overhead of one op (a one-element add: on a CPU this dispatch cost dominates small ops);
+- the host's cost per op of a training step, per math dtype (fp32, and bf16/fp16 under
+  autocast): a tiny model's step (8 x Linear(32, 32) + GELU, Adam, batch 8), whose ops do no
+  work to speak of, timed and divided by its number of ops (those the time model counts,
+  :func:`sharded_exp.speed.compute.timed_op`). A step's module calls, autograd's engine,
+  autocast's casts and the optimizer's dispatch are in it, which a lone add is not;
 - on CPU, the local "link": an all-reduce between two gloo processes on this machine.
 
 On a CUDA device (:func:`measure_cuda`) the same figures are measured on the GPU, in a child
@@ -31,8 +36,10 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from sharded_exp.measure.flops import gpu_peak, save_cache
+from sharded_exp.speed.compute import timed_op
 from sharded_exp.speed.profiles import Curve, DeviceProfile, Figure, LinkProfile, Source
 
 MATMUL_SIZES = (128, 256, 512, 1024)
@@ -95,6 +102,45 @@ def measure_op_overhead(seconds: float = 0.1) -> float:
     return _timed(lambda: torch.add(x, x), seconds)
 
 
+class _OpCount(TorchDispatchMode):
+    """Counts the ops the time model counts (:func:`timed_op`) while it is entered."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += timed_op(func)
+        return func(*args, **(kwargs or {}))
+
+
+def measure_step_op_overhead(device: str, dtype: str, seconds: float = 0.3) -> float:
+    """Seconds per op of a tiny model's training step on ``device`` in ``dtype`` (see the
+    module docstring): Adam as torch picks it on that device, gradients freed after the step."""
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(8):
+        layers += [torch.nn.Linear(32, 32), torch.nn.GELU()]
+    model = torch.nn.Sequential(*layers).to(device)
+    optimizer = torch.optim.Adam(model.parameters())
+    x = torch.randn(8, 32, device=device)
+    autocast = None if dtype == "fp32" else DTYPES[dtype]
+
+    def step():
+        with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
+            loss = model(x).float().square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    counter = _OpCount()
+    with counter:
+        step()
+    per_step = _timed_cuda(step, seconds) if device == "cuda" else _timed(step, seconds)
+    return per_step / max(counter.count, 1)
+
+
 def _all_reduce_rank(rank: int, path: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
@@ -121,6 +167,8 @@ def measure_local_link() -> dict[str, float]:
     return {"bandwidth_GBps": bus / 1e9, "step_latency_us": found["latency_s"] / 2 * 1e6}
 
 
+CPU_STEP_DTYPES = ("fp32", "bf16")
+"""The dtypes a CPU run computes in (autocast on CPU takes bf16; precision 16 is a GPU's)."""
 GPU_MATMUL_SIZES = (256, 1024, 2048, 4096, 8192)
 GPU_COPY_BYTES = 2**30
 
@@ -158,6 +206,7 @@ def measure_cuda() -> dict:
         "matmul": matmul,
         "memory_bandwidth_GBps": bandwidth,
         "op_overhead_s": _timed_cuda(lambda: torch.add(x, x), 0.1),
+        "step_op_overhead_s": {name: measure_step_op_overhead("cuda", name) for name in DTYPES},
         "device_name": torch.cuda.get_device_name(0),
         "memory_GB": torch.cuda.get_device_properties(0).total_memory / 1e9,
         "tf32": bool(torch.backends.cuda.matmul.allow_tf32),
@@ -187,6 +236,7 @@ def measure(threads: int) -> dict:
             "matmul": {name: measure_matmul(dtype) for name, dtype in DTYPES.items()},
             "memory_bandwidth_GBps": measure_bandwidth(),
             "op_overhead_s": measure_op_overhead(),
+            "step_op_overhead_s": {name: measure_step_op_overhead("cpu", name) for name in CPU_STEP_DTYPES},
         }
     finally:
         torch.set_num_threads(before)
@@ -194,10 +244,14 @@ def measure(threads: int) -> dict:
     return figures
 
 
+FIGURES_VERSION = 2
+"""Bumped when the figures measured change (2: the step's host cost per op): older entries are
+measured again."""
+
+
 def _key(threads: int, device: str = "cpu") -> str:
-    if device == "cuda":
-        return f"{socket.gethostname()}|torch {torch.__version__}|cuda"
-    return f"{socket.gethostname()}|torch {torch.__version__}|cpu|threads={threads}"
+    where = "cuda" if device == "cuda" else f"cpu|threads={threads}"
+    return f"{socket.gethostname()}|torch {torch.__version__}|{where}|v{FIGURES_VERSION}"
 
 
 def this_figures(threads: int, remeasure: bool = False, device: str = "cpu") -> dict:
@@ -241,6 +295,8 @@ def this_cuda_profile(remeasure: bool = False) -> DeviceProfile:
         peak_tflops=peaks,
         curves=curves,
         op_overhead_s=found["op_overhead_s"],
+        step_op_overhead_s=found["step_op_overhead_s"],
+        asynchronous=True,
     )
 
 
@@ -260,6 +316,7 @@ def this_profile(threads: int, remeasure: bool = False) -> tuple[DeviceProfile, 
         peak_tflops=peaks,
         curves=curves,
         op_overhead_s=found["op_overhead_s"],
+        step_op_overhead_s=found["step_op_overhead_s"],
     )
     link = found["link"]
     local = LinkProfile(

@@ -38,6 +38,11 @@ MATH_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 """The profile dtype a precision computes in, by its autocast dtype (fp32 without one)."""
 
 
+def math_dtype(cfg) -> str:
+    """The profile dtype ``cfg``'s precision computes in."""
+    return MATH_DTYPES.get(precision.compute_dtype(str(precision.Precision.of(cfg))), "fp32")
+
+
 @dataclass(frozen=True)
 class Machine:
     """What a step runs on: the device, its links, and how many GPUs share a node."""
@@ -90,10 +95,18 @@ class StepCompute:
         return replace(self, optimizer_s=self.optimizer_s * fraction)
 
 
-def step_compute(trace: Trace, device: DeviceProfile, model_flops: float) -> StepCompute:
-    """The trace's compute priced on ``device`` (see the module docstring)."""
+def step_compute(trace: Trace, device: DeviceProfile, model_flops: float, math_dtype: str = "fp32") -> StepCompute:
+    """The trace's compute priced on ``device`` (see the module docstring). Each op costs its
+    kernel time and the host's cost per op (:meth:`DeviceProfile.host_cost_s`, for
+    ``math_dtype`` in the forward and backward, autocast's, and fp32 in the optimizer): their
+    sum where ops run one after the other (CPU), the larger where the host launches ahead of
+    the device (CUDA: a launch-bound step is the host's time, a compute-bound one the kernels')."""
     records = trace.phased()
-    seconds = [op_time(op, device) + device.op_overhead_s for op in ops_from_records(records, "fp32")]
+    seconds = []
+    for record, op in zip(records, ops_from_records(records, "fp32")):
+        host = device.host_cost_s("fp32" if record["phase"] == "optimizer" else math_dtype)
+        kernel = op_time(op, device)
+        seconds.append(max(kernel, host) if device.asynchronous else kernel + host)
     count = max(1, trace.units)
     forward = [0.0] * count
     backward = optimizer = 0.0
@@ -157,7 +170,7 @@ def predict_step_time(cfg, world_size: int, compute: StepCompute, shapes, machin
     except TimeUnknown as exc:
         return {"step_time_s": None, "error": f"{machine.device.name}: {exc}"}
     samples, tokens = per_step(cfg)
-    dtype = MATH_DTYPES.get(precision.compute_dtype(name), "fp32")
+    dtype = math_dtype(cfg)
     try:
         peak = machine.device.peak_flops_per_s(dtype)
     except ValueError:
@@ -201,7 +214,7 @@ def run_step_time(cfg, world_size: int, device_type: str, est, shapes, predictio
             device, link = this.this_profile(threads)
             machine = Machine(device, link, None, world_size, None, device.memory_bandwidth_Bps)
             extra = {"threads_per_rank": threads}
-        compute = step_compute(trace, device, est.flops_per_step)
+        compute = step_compute(trace, device, est.flops_per_step, math_dtype(cfg))
         return predict_step_time(cfg, world_size, compute, shapes, machine) | extra
     except Exception as exc:  # noqa: BLE001 -- measuring never breaks training: null and why
         return {

@@ -86,8 +86,21 @@ class DeviceProfile:
     ``host`` (to the host), by name, as its datasheet states them."""
     op_overhead_s: float = 0.0
     """Seconds each op costs beyond its roofline (dispatch and launch): measured for the
-    ``this`` profile of a CPU, where it dominates small ops; 0 for a named GPU (launches
-    overlap the kernels before them)."""
+    ``this`` profile, where it dominates small ops; 0 for a named GPU (launches overlap the
+    kernels before them)."""
+    step_op_overhead_s: Mapping[str, float] = field(default_factory=dict)
+    """Per math dtype (``fp32``; ``bf16``/``fp16`` under autocast), the host's seconds per op of a
+    training step (the module call, autograd's engine, autocast's casts and the optimizer's
+    dispatch spread over the step's ops), measured on a tiny model's step where every op is
+    that cost and no work (:func:`sharded_exp.measure.machine.measure_step_op_overhead`). Where
+    present it replaces :attr:`op_overhead_s` for a training step's ops."""
+    asynchronous: bool = False
+    """Ops are launched ahead of the device (CUDA): an op then takes the larger of its kernel
+    time and the host's cost per op, not their sum (a CPU runs them one after the other)."""
+
+    def host_cost_s(self, dtype: str) -> float:
+        """The host's seconds per op of a training step in ``dtype`` (see above)."""
+        return self.step_op_overhead_s.get(dtype, self.op_overhead_s)
 
     @property
     def memory_bytes(self) -> float:

@@ -39,6 +39,23 @@ def test_the_forward_is_per_unit_with_the_root_at_both_ends_and_the_backward_in_
     assert compute.optimizer_s == pytest.approx(2e6 / H100.memory_bandwidth_Bps)
 
 
+def test_the_hosts_cost_per_op_adds_on_a_cpu_and_overlaps_on_a_gpu():
+    from dataclasses import replace
+
+    kernel = step_compute(trace(), H100, 6e12)
+    host = {"fp32": 1e-3, "bf16": 2e-3}
+    cpu = step_compute(trace(), replace(H100, step_op_overhead_s=host), 6e12, "bf16")
+    gpu = step_compute(trace(), replace(H100, step_op_overhead_s=host, asynchronous=True), 6e12, "bf16")
+    assert cpu.forward_s[0] == pytest.approx(
+        kernel.forward_s[0] + 2 * 2e-3
+    )  # the embedding and a matmul, each + bf16's
+    assert cpu.optimizer_s == pytest.approx(kernel.optimizer_s + 1e-3)  # the optimizer's op pays fp32's
+    # launched ahead: each op is the larger of its kernel and the host's cost
+    matmul = 1e12 / H100.matmul_flops_per_s("bf16")
+    assert gpu.forward_s[0] == pytest.approx(max(matmul, 2e-3) + 2e-3)
+    assert gpu.optimizer_s == pytest.approx(1e-3)
+
+
 def test_a_deep_model_repeats_the_middle_units_and_scales_its_flops():
     shallow = StepCompute((1.0, 2.0, 2.0, 1.5), (2.0, 4.0, 4.0, 3.0), 0.5, 100.0)
     deep = shallow.at_depth(6)
