@@ -8,8 +8,11 @@
 #          sourced h200 profile (benchmarks/accuracy/gpu_check_sourced.json, written before);
 #   big:   every strategy in bf16, a GPT of ~400M parameters and 8k tokens a step (the
 #          kernels' time dominates), the same comparisons;
-#   alloc: the allocator model's sequences against torch.cuda.memory_stats(), exactly.
-# PARTS chooses (default: all three); SMALL_PRECISIONS the small model's precisions.
+#   alloc: the allocator model's sequences against torch.cuda.memory_stats(), exactly;
+#   plan:  (not in the default) the planner's fake CUDA step of the small model's ddp and fsdp
+#          in bf16 on this machine, with its GPU visible and hidden (CUDA_VISIBLE_DEVICES=''):
+#          whether a fake step depends on a GPU being present.
+# PARTS chooses (default: small big alloc); SMALL_PRECISIONS the small model's precisions.
 # Set-up: scripts/device_wheels.sh here first (the packages that machine lacks, into .whl/),
 # then the device run carries .whl and runs this script. Outputs (JSON files, logs, the
 # measured profile) go to $OUT when it is set, else stay under outputs/benchmarks.
@@ -56,6 +59,16 @@ case " $PARTS " in *" alloc "*)
   timeout 100 "$PY" -m benchmarks.accuracy.allocator_check --no-steps 2>&1 | tee "$LOGS/allocator_check.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   cp outputs/benchmarks/allocator_check.json "$LOGS"/ 2>/dev/null || true ;;
+esac
+case " $PARTS " in *" plan "*)
+  for visible in yes no; do
+    if [ $visible = no ]; then export CUDA_VISIBLE_DEVICES=''; fi
+    echo "planner, GPU visible: $visible"
+    timeout 120 "$PY" -m sharded_exp.plan model=gpt model.d_model=1024 model.n_layers=8 model.n_heads=16 \
+      model.seq_len=512 precision=bf16 trainer.batch_size=8 plan.device=cuda 'plan.world_sizes=[1]' \
+      'plan.strategies=[ddp,fsdp]' plan.alloc_conf= plan.format=csv 2>&1 | grep -v "^plan:" | tee -a "$LOGS/plan.log"
+  done
+  unset CUDA_VISIBLE_DEVICES ;;
 esac
 echo "device round: $(( $(date +%s) - start )) s"
 exit $status
