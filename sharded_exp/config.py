@@ -354,7 +354,8 @@ class ReportConfig:
     def __post_init__(self) -> None:
         if self.device_profile is None:
             return
-        from sharded_exp.speed.profiles import device_names  # lazy: reads the profile files
+        # lazy: the profile files are read only when a profile is named
+        from sharded_exp.speed.profiles import device_names
 
         names = device_names()
         _require(

@@ -14,6 +14,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from omegaconf import OmegaConf
+
+from sharded_exp.config import PlanConfig
 from sharded_exp.report.sweep_points import point_name
 
 GROUPS = ("strategy", "precision", "model", "optimizer", "data", "trainer")
@@ -32,10 +35,6 @@ def profile_of(points: list[dict[str, Any]]) -> str | None:
 
 def plan_config(config: dict[str, Any], profile: str):
     """A point's resolved config as the planner's config, planned for ``profile`` (CUDA's kernels)."""
-    from omegaconf import OmegaConf
-
-    from sharded_exp.config import PlanConfig
-
     groups = {k: config[k] for k in GROUPS if k in config}
     return OmegaConf.merge(
         OmegaConf.structured(PlanConfig), groups, {"plan": {"device": "cuda", "device_profile": profile}}
@@ -68,6 +67,7 @@ def _priced(point: dict[str, Any], profile: str, traces: dict[str, dict[str, Any
     if missing or world_size < 1:
         return {"step_time_s": None, "note": f"its result.json has no {', '.join(missing) or 'world size'}"}
     try:
+        # lazy: the planner imports torch, which every job's Hydra callback (this module's importer) would pay
         from sharded_exp.plan.depth import shapes_of
         from sharded_exp.plan.points import _layer_key
         from sharded_exp.plan.speed import speed_columns, traced
