@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from benchmarks.common import markdown, save
+from sharded_exp.config import PlanSettings
 
 TARGET = 0.20
 """The issue's target: predicted within 20% of the published figure."""
@@ -130,18 +131,31 @@ def command(overrides: List[str]) -> str:
     return "python -m sharded_exp.plan " + " ".join(f"'{o}'" if "[" in o else o for o in overrides)
 
 
-def evaluate(case: Case) -> dict:
+def network(case: Case, what_if_gbps: Optional[float]) -> tuple[List[str], str]:
+    """``case``'s overrides and the network they plan, in words: the source's figure where it
+    states one; otherwise ``what_if_gbps`` (``--inter-node-gbps``) or the planner's default."""
+    if any(o.startswith("plan.inter_node_gbps=") for o in case.overrides):
+        gbps = next(o for o in case.overrides if o.startswith("plan.inter_node_gbps=")).split("=")[1]
+        return case.overrides, f"{gbps} Gb/s per GPU (stated)"
+    if what_if_gbps is not None:
+        return [*case.overrides, f"plan.inter_node_gbps={what_if_gbps:g}"], f"{what_if_gbps:g} Gb/s per GPU (what-if)"
+    default = PlanSettings().inter_node_gbps
+    return case.overrides, f"{default:g} Gb/s per GPU (not stated; the planner's default)"
+
+
+def evaluate(case: Case, what_if_gbps: Optional[float] = None) -> dict:
     """Plan ``case``; its predicted figures and signed error against the published TPS."""
-    row = plan(case.overrides)
+    overrides, net = network(case, what_if_gbps)
+    row = plan(overrides)
     predicted = row["tokens_per_s_per_device"]
     if predicted is None:
         raise RuntimeError(f"{case.name}: the planner gave no speed ({row.get('speed_note')})")
     error = (predicted - case.tokens_per_s) / case.tokens_per_s
     return {
-        "case": case.name, "source": case.source, "url": case.url, "held_out": case.held_out,
+        "case": case.name, "source": case.source, "url": case.url, "held_out": case.held_out, "network": net,
         "published_tokens_per_s": case.tokens_per_s, "published_mfu_pct": case.mfu_pct,
         "predicted_tokens_per_s": predicted, "rel_error": error, "within_target": abs(error) <= TARGET,
-        "command": command(case.overrides),
+        "command": command(overrides),
         **{k: row.get(k) for k in ("step_time_s", "compute_s", "comm_s", "exposed_comm_s", "optimizer_s", "mfu_pct",
                                    "profile", "fits", "device_total_gib")},
     }  # fmt: skip
@@ -166,16 +180,22 @@ def table(points: List[dict]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"one case only: {QUICK.name}")
+    parser.add_argument(
+        "--inter-node-gbps", type=float, default=None,
+        help="a what-if network (Gb/s per GPU) for the cases whose source does not state one (default: the "
+        "planner's default); the sources' own figures are kept",
+    )  # fmt: skip
     args = parser.parse_args()
     cases = [QUICK] if args.quick else CASES
-    points = [evaluate(c) for c in cases]
+    points = [evaluate(c, args.inter_node_gbps) for c in cases]
     used, held = [p for p in points if not p["held_out"]], [p for p in points if p["held_out"]]
     print(table(used))
     if held:
         print("\nHeld out (planned the same way; nothing was chosen by looking at them):\n")
         print(table(held))
+    print("\nNetwork between nodes, as planned:\n" + "\n".join(f"- {p['case']}: {p['network']}" for p in points))
     print("\nCommands:\n" + "\n".join(f"- {p['case']}: `{p['command']}`" for p in points))
-    save("step_time_published", {"target": TARGET, "points": points})
+    save("step_time_published", {"target": TARGET, "inter_node_gbps_what_if": args.inter_node_gbps, "points": points})
     return 0
 
 
