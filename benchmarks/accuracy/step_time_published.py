@@ -49,6 +49,13 @@ Llama 3 with FSDP2 on 64 A100 80 GB. It does not name the network between the 8 
 A100_CONFIGS = f"{TITAN}/6a6f755d2d7fd65ea6013324ae130306a0761e2c/train_configs"
 """The train configs beside that page: sequence 4096 (Llama 2), 8192 (Llama 3); bf16 parameters
 with fp32 gradient reduction (torchtitan's default mixed precision); no torch.compile."""
+FMS_DOC = "https://github.com/foundation-model-stack/fms-fsdp/blob/5a296afe42f9932f590783cb053fa0f9384e01fc/README.md"
+"""IBM's fms-fsdp (FSDP1, SDPA flash attention, no torch.compile), README table "Training
+Throughput (128 GPUs)" (added 2024-02-20): Llama 2 shapes on 128 A100s, sequence 4096
+(``seq_length`` in ``fms_fsdp/config/training.py``), bf16 parameters and bf16 gradient reduction
+(``bfSixteen`` in ``fms_fsdp/policies/mixed_precision.py``); "AC True" with
+``selective_checkpointing=1`` checkpoints every block (full AC). It names neither the A100's
+memory nor the network: the a100_80gb profile and the planner's default network are planned."""
 
 
 def llama(dim: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab: int, seq: int, theta: float) -> List[str]:
@@ -67,6 +74,7 @@ def llama(dim: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab: int
 LLAMA31_8B = llama(4096, 32, 32, 8, 14336, 128256, 8192, 500000.0)
 LLAMA3_8B = LLAMA31_8B  # the same shapes; Llama 3.1 changed the context length, not the model
 LLAMA3_70B = llama(8192, 80, 64, 8, 28672, 128256, 8192, 500000.0)
+LLAMA2_7B = llama(4096, 32, 32, 32, 11008, 32000, 4096, 10000.0)
 LLAMA2_13B = llama(5120, 40, 40, 40, 13824, 32000, 4096, 10000.0)
 LLAMA2_70B = llama(8192, 80, 64, 8, 28672, 32000, 4096, 10000.0)
 
@@ -78,6 +86,11 @@ def fsdp(ranks: int, batch: int, lever: str, profile: str, gbps: Optional[float]
     out = [f"trainer.batch_size={batch}", f"plan.world_sizes=[{ranks}]", "plan.strategies=[fsdp]",
            f"plan.levers=[{lever}]", f"plan.device_profile={profile}", "plan.gpus_per_node=8"]  # fmt: skip
     return out + ([f"plan.inter_node_gbps={gbps:g}"] if gbps is not None else [])
+
+
+FMS_REDUCE = "strategy.reduce_dtype=bfloat16"
+FMS_HSDP = [FMS_REDUCE, "strategy.replicate=16"]
+"""fms-fsdp's HSDP on 128 GPUs: sharded within each 8-GPU node, replicated over the 16 nodes."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +126,13 @@ CASES = [
          A100_DOC, [*LLAMA2_70B, *fsdp(64, 1, "ac_selective_op", "a100_80gb")], 355, 50.8, held_out=True),
     Case("Llama 3 70B, FSDP x64 A100 80GB, batch 1, seq 8192, full AC", "torchtitan docs/performance.md, Llama 3",
          A100_DOC, [*LLAMA3_70B, *fsdp(64, 1, "ac", "a100_80gb")], 331, 51.7, held_out=True),
+    Case("Llama 2 7B, HSDP x128 A100 (8 a shard group), batch 2, seq 4096, no AC, bf16 reduction", "IBM fms-fsdp README",
+         FMS_DOC, [*LLAMA2_7B, *fsdp(128, 2, "none", "a100_80gb"), *FMS_HSDP], 3760, held_out=True),
+    Case("Llama 2 13B, HSDP x128 A100 (8 a shard group), batch 1, seq 4096, no AC, bf16 reduction",
+         "IBM fms-fsdp README", FMS_DOC, [*LLAMA2_13B, *fsdp(128, 1, "none", "a100_80gb"), *FMS_HSDP], 1700,
+         held_out=True),
+    Case("Llama 2 70B, FSDP x128 A100, batch 6, seq 4096, full AC, bf16 reduction", "IBM fms-fsdp README",
+         FMS_DOC, [*LLAMA2_70B, *fsdp(128, 6, "ac", "a100_80gb"), FMS_REDUCE], 380, held_out=True),
 ]  # fmt: skip
 QUICK = CASES[0]
 
@@ -134,6 +154,8 @@ def command(overrides: List[str]) -> str:
 def network(case: Case, what_if_gbps: Optional[float]) -> tuple[List[str], str]:
     """``case``'s overrides and the network they plan, in words: the source's figure where it
     states one; otherwise ``what_if_gbps`` (``--inter-node-gbps``) or the planner's default."""
+    if "plan.world_sizes=[8]" in case.overrides:
+        return case.overrides, "one node: none"
     if any(o.startswith("plan.inter_node_gbps=") for o in case.overrides):
         gbps = next(o for o in case.overrides if o.startswith("plan.inter_node_gbps=")).split("=")[1]
         return case.overrides, f"{gbps} Gb/s per GPU (stated)"
