@@ -3,6 +3,7 @@ others measured on GPUs and published with their whole configuration.
 
     python -m benchmarks.accuracy.step_time_published            # every case (minutes on 2 cores)
     python -m benchmarks.accuracy.step_time_published --quick    # one case (Llama 3.1 8B on 8 H100s)
+    python -m benchmarks.accuracy.step_time_published --inter-node-gbps 200   # a what-if network where none is named
 
 Each case is data: the published figure, its source (file and commit), and the planner overrides
 that state the same run (model shape, local batch, sequence, precision, activation
@@ -45,10 +46,10 @@ HBM2e at 2.4 TB/s, 500 W power limit, 400 Gb/s RDMA per GPU), torch 1963fc8 (202
 TPS/GPU read at the 90th iteration."""
 A100_DOC = f"{TITAN}/6a6f755d2d7fd65ea6013324ae130306a0761e2c/docs/performance.md"
 """torchtitan's performance page as of 2024-12 (before Llama 2 was deprecated): Llama 2 and
-Llama 3 with FSDP2 on 64 A100 80 GB. It does not name the network between the 8 hosts."""
-A100_CONFIGS = f"{TITAN}/6a6f755d2d7fd65ea6013324ae130306a0761e2c/train_configs"
-"""The train configs beside that page: sequence 4096 (Llama 2), 8192 (Llama 3); bf16 parameters
-with fp32 gradient reduction (torchtitan's default mixed precision); no torch.compile."""
+Llama 3 with FSDP2 on 64 A100 80 GB. It does not name the network between the 8 hosts. The
+train configs beside it (``train_configs/*.toml``, same commit) give what the table does not:
+sequence 4096 (Llama 2) and 8192 (Llama 3), bf16 parameters with fp32 gradient reduction
+(``mixed_precision_reduce``), no torch.compile."""
 FMS_DOC = "https://github.com/foundation-model-stack/fms-fsdp/blob/5a296afe42f9932f590783cb053fa0f9384e01fc/README.md"
 """IBM's fms-fsdp (FSDP1, SDPA flash attention, no torch.compile), README table "Training
 Throughput (128 GPUs)" (added 2024-02-20): Llama 2 shapes on 128 A100s, sequence 4096
@@ -79,12 +80,16 @@ LLAMA2_13B = llama(5120, 40, 40, 40, 13824, 32000, 4096, 10000.0)
 LLAMA2_70B = llama(8192, 80, 64, 8, 28672, 32000, 4096, 10000.0)
 
 
+GPUS_PER_NODE = 8
+"""Every source's hosts: 8 GPUs over NVLink."""
+
+
 def fsdp(ranks: int, batch: int, lever: str, profile: str, gbps: Optional[float] = None) -> List[str]:
     """One FSDP point: ``ranks`` GPUs, 8 a node, local ``batch``, ``lever`` (none, ac,
     ac_selective_op), priced on ``profile``; ``gbps`` the network per GPU (None: the planner's
     default, for a source that does not say)."""
     out = [f"trainer.batch_size={batch}", f"plan.world_sizes=[{ranks}]", "plan.strategies=[fsdp]",
-           f"plan.levers=[{lever}]", f"plan.device_profile={profile}", "plan.gpus_per_node=8"]  # fmt: skip
+           f"plan.levers=[{lever}]", f"plan.device_profile={profile}", f"plan.gpus_per_node={GPUS_PER_NODE}"]  # fmt: skip
     return out + ([f"plan.inter_node_gbps={gbps:g}"] if gbps is not None else [])
 
 
@@ -154,7 +159,7 @@ def command(overrides: List[str]) -> str:
 def network(case: Case, what_if_gbps: Optional[float]) -> tuple[List[str], str]:
     """``case``'s overrides and the network they plan, in words: the source's figure where it
     states one; otherwise ``what_if_gbps`` (``--inter-node-gbps``) or the planner's default."""
-    if "plan.world_sizes=[8]" in case.overrides:
+    if f"plan.world_sizes=[{GPUS_PER_NODE}]" in case.overrides:
         return case.overrides, "one node: none"
     if any(o.startswith("plan.inter_node_gbps=") for o in case.overrides):
         gbps = next(o for o in case.overrides if o.startswith("plan.inter_node_gbps=")).split("=")[1]
