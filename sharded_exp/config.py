@@ -11,6 +11,7 @@ Every field is documented right under it; the same names appear in ``result.json
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from enum import Enum
@@ -31,9 +32,42 @@ def _finite(value) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
+class Sealed:
+    """A schema whose instances :func:`typed` makes are read-only: the typed config the JobSpec
+    carries to the ranks cannot be changed on the way (set a value in the DictConfig before
+    :func:`typed`, or make a changed copy with :func:`dataclasses.replace`).
+
+    Not ``@dataclass(frozen=True)``: Hydra refuses every command-line override of a frozen
+    schema's fields ("Cannot change read-only config container"), so a schema is built mutable
+    and sealed once built (:func:`seal`). Every schema derives from this (a test holds it)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_sealed", False):
+            raise dataclasses.FrozenInstanceError(
+                f"cannot set {type(self).__name__}.{name}: a typed config is read-only once made "
+                "(change the DictConfig before typed(), or copy it with dataclasses.replace)"
+            )
+        object.__setattr__(self, name, value)
+
+
+def seal(obj: Any) -> Any:
+    """Seal ``obj`` and every schema inside it (fields, lists, dicts); returns ``obj``."""
+    if isinstance(obj, Sealed):
+        for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+            seal(getattr(obj, f.name))
+        object.__setattr__(obj, "_sealed", True)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            seal(value)
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            seal(value)
+    return obj
+
+
 # -------------------------------------------------------------------------- precision
 @dataclass
-class PrecisionConfig:
+class PrecisionConfig(Sealed):
     name: str = "32"
     """32: no autocast. 16: float16 autocast + dynamic loss scaling. bf16: bfloat16 autocast."""
     init_scale: float = 2.0**16
@@ -56,7 +90,7 @@ class PrecisionConfig:
 
 # -------------------------------------------------------------------------- optimizer
 @dataclass
-class OptimizerConfig:
+class OptimizerConfig(Sealed):
     name: str = MISSING
     """adam, adamw or sgd (torch.optim classes)."""
     lr: float = 1e-3
@@ -159,7 +193,7 @@ def option_name(value) -> str | None:
 
 
 @dataclass
-class TrainerConfig:
+class TrainerConfig(Sealed):
     world_size: int = 2
     """Ranks to start (ignored when launched by torchrun/SLURM, which set the ranks)."""
     accelerator: Accelerator = Accelerator.auto
@@ -302,7 +336,7 @@ class TrainerConfig:
 
 # ----------------------------------------------------------------------------- logger
 @dataclass
-class LoggerConfig:
+class LoggerConfig(Sealed):
     name: str = "none"
     """none or wandb."""
     mode: Optional[str] = None
@@ -325,7 +359,7 @@ class LoggerConfig:
 
 # ------------------------------------------------------------------------------ paths
 @dataclass
-class PathsConfig:
+class PathsConfig(Sealed):
     output_dir: str = "outputs"
     """Where jobs write: a run in ``<output_dir>/runs/<time>``, a sweep in
     ``<output_dir>/multirun/<time>``, a job under torchrun or SLURM in
@@ -339,7 +373,7 @@ class PathsConfig:
 
 # ----------------------------------------------------------------------------- report
 @dataclass
-class ReportConfig:
+class ReportConfig(Sealed):
     """What a sweep's report adds to its measured figures (the report reads it from its points'
     result.json, so ``python -m sharded_exp.report`` says the same later)."""
 
@@ -367,7 +401,7 @@ class ReportConfig:
 
 # ------------------------------------------------------------------------- the roots
 @dataclass
-class JobGroups:
+class JobGroups(Sealed):
     """The config groups a job is made of, shared by training and the planner."""
 
     strategy: Any = MISSING
@@ -421,7 +455,7 @@ class PlanDevice(Option):
 
 
 @dataclass
-class PlanSettings:
+class PlanSettings(Sealed):
     params: Optional[float] = None
     """Plan for a raw parameter count (e.g. 7.5e9) instead of the configured model."""
     units: int = 32
@@ -514,8 +548,9 @@ def typed(cfg: DictConfig) -> JobGroups:
     OmegaConf checks keys and types when Hydra composes, but calls no ``__post_init__``;
     ``OmegaConf.to_object`` builds each group's dataclass, and so runs each group's own range
     checks (a :class:`~sharded_exp.errors.ConfigError` naming the value and what is allowed).
-    Pre-flight calls it on the decided config (the JobSpec's ``typed``), before any rank starts."""
-    return OmegaConf.to_object(cfg)
+    Pre-flight calls it on the decided config (the JobSpec's ``typed``), before any rank starts.
+    The objects are sealed (:class:`Sealed`): read-only from here to the ranks."""
+    return seal(OmegaConf.to_object(cfg))
 
 
 def check_ranges(cfg: DictConfig) -> None:

@@ -22,7 +22,7 @@ import torch
 from hydra.utils import get_object
 from omegaconf import MISSING, OmegaConf
 
-from sharded_exp.config import Option
+from sharded_exp.config import Option, Sealed
 from sharded_exp.data import TASKS, Task
 from sharded_exp.data.files import dataset_task
 from sharded_exp.errors import ConfigError
@@ -35,7 +35,7 @@ class Metric(Option):
 
 
 @dataclass
-class CustomDataConfig:
+class CustomDataConfig(Sealed):
     name: str = "custom"
     _target_: str = MISSING
     """The factory (or Dataset class), as package.module.name; importable by every rank."""

@@ -39,7 +39,7 @@ from typing import List, Optional
 import torch
 from omegaconf import MISSING, OmegaConf
 
-from sharded_exp.config import Option
+from sharded_exp.config import Option, Sealed
 from sharded_exp.data import TASKS, Batch, Task, generator, require_model_fields
 from sharded_exp.errors import ConfigError
 
@@ -50,7 +50,7 @@ CONLL2003_LABELS = ["O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "
 
 # ------------------------------------------------------------------------------ configs
 @dataclass
-class FileDataConfig:
+class FileDataConfig(Sealed):
     name: str = MISSING
     path: str = MISSING
     """The data: a local file (or, for hf_dataset, a directory written by save_to_disk)."""

@@ -11,11 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
+from sharded_exp.config import Sealed
 from sharded_exp.data import TASKS, Batch, Task, generator, require_model_fields
 
 
 @dataclass
-class MarkovConfig:
+class MarkovConfig(Sealed):
     name: str = "markov"
     seed: int = 1234
     """Seed of the task (the transition matrix), not of the batches."""

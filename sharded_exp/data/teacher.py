@@ -6,11 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
+from sharded_exp.config import Sealed
 from sharded_exp.data import TASKS, Batch, Task, generator, require_model_fields
 
 
 @dataclass
-class TeacherConfig:
+class TeacherConfig(Sealed):
     name: str = "teacher"
     seed: int = 1234
     """Seed of the task (the teacher's weights), not of the batches."""

@@ -9,13 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
+from sharded_exp.config import Sealed
 from sharded_exp.data import TASKS, Task, generator, require_model_fields
 
 IGNORE = -100
 
 
 @dataclass
-class TokenClassificationConfig:
+class TokenClassificationConfig(Sealed):
     name: str = "token_classification"
     seed: int = 1234
     """Seed of the task (the labelling rule), not of the batches."""

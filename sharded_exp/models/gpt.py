@@ -10,12 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sharded_exp.config import Sealed
 from sharded_exp.errors import ConfigError
 from sharded_exp.models import MODELS, ModelOutput
 
 
 @dataclass
-class GPTConfig:
+class GPTConfig(Sealed):
     name: str = "gpt"
     vocab_size: int = 256
     """Token vocabulary; the Markov task draws tokens from it."""

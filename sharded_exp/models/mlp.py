@@ -6,11 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sharded_exp.config import Sealed
 from sharded_exp.models import MODELS, ModelOutput
 
 
 @dataclass
-class MLPConfig:
+class MLPConfig(Sealed):
     name: str = "mlp"
     in_features: int = 64
     """Input width; the teacher task draws vectors of this size."""

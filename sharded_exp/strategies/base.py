@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from sharded_exp import precision
-from sharded_exp.config import ZeroGrad
+from sharded_exp.config import Sealed, ZeroGrad
 from sharded_exp.strategies.residency import MemoryModel
 from sharded_exp.strategies.timing import TimeModel
 from sharded_exp.strategies.traits import GradZeroing, Traits
@@ -63,7 +63,7 @@ def _gather_owned_state(local: dict[str, dict], params: dict[str, Any]) -> dict[
 
 
 @dataclass
-class StrategyConfig:
+class StrategyConfig(Sealed):
     name: str = "ddp"
     """Key in the strategy registry."""
 

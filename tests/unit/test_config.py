@@ -247,3 +247,30 @@ def test_check_ranges_leaves_a_group_with_a_missing_value_to_its_reader():
     refused(lambda: config.check_ranges(cfg), "trainer.grad_accum=0 must be >= 1")  # the others are checked
     cfg.trainer.grad_accum = 1
     config.check_ranges(cfg)  # data is skipped, not refused as "missing mandatory value"
+
+
+def test_a_typed_config_is_read_only_from_typed_to_the_ranks():
+    """Every schema derives from Sealed; typed() seals the whole tree: a field cannot be set,
+    pickling (the JobSpec's way to a spawned rank) and deepcopy keep it sealed, and
+    dataclasses.replace makes a changed, unsealed copy."""
+    import copy
+    import dataclasses
+    import pickle
+
+    from sharded_exp.compose import compose, registry_schemas
+    from sharded_exp.config import Sealed, typed
+
+    schemas = [node for node in registry_schemas(None).values() if isinstance(node, type)]
+    assert schemas and all(issubclass(node, Sealed) for node in schemas), [
+        n for n in schemas if not issubclass(n, Sealed)
+    ]
+    cfg = typed(compose(["strategy=fsdp"]))
+    for obj, field in ((cfg.trainer, "steps"), (cfg.strategy, "reshard_after_forward"), (cfg, "trainer")):
+        with pytest.raises(dataclasses.FrozenInstanceError, match="read-only"):
+            setattr(obj, field, getattr(obj, field))
+    for again in (pickle.loads(pickle.dumps(cfg)), copy.deepcopy(cfg)):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            again.trainer.steps = 3
+    changed = dataclasses.replace(cfg.trainer, steps=cfg.trainer.steps + 10)
+    changed.steps += 1  # a copy made by replace is the caller's own
+    assert changed.steps == cfg.trainer.steps + 11
