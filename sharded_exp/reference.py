@@ -114,14 +114,17 @@ def markdown() -> str:
         for f in own_fields(cls):
             meaning = docs.get(f.name) or (f"the option chosen (`{group}={option}`)" if f.name == "name" else "-")
             kind = _type(hints.get(f.name, f.type)).replace("|", "\\|")
-            lines.append(f"| `{group + '.' if group else ''}{f.name}` | {kind} | `{_default(f)}` | {meaning.replace('|', chr(92) + '|')} |")
+            lines.append(
+                f"| `{group + '.' if group else ''}{f.name}` | {kind} | `{_default(f)}` | {meaning.replace('|', chr(92) + '|')} |"
+            )
     lines += [
         "",
         "## Hugging Face and your own models",
         "",
         "`model=hf_*` and `model=custom` have no schema of their own: their YAML holds the arguments of the",
         "model's config class (`model.config.*`) or of your `model._target_`, plus `model.pretrained` (a local",
-        "`save_pretrained` directory) and `model.attn_implementation`; see the YAML files in `conf/model/`.",
+        "`save_pretrained` directory), `model.config_file` (a `config.json` to build from, random weights) and",
+        "`model.attn_implementation`; see the YAML files in `conf/model/`.",
     ]
     return "\n".join(lines) + "\n"
 
