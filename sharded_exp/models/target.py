@@ -133,7 +133,8 @@ def _config_of(node: dict):
 def _from_config(cls, config) -> nn.Module:
     """``cls`` built from a Hugging Face ``config``: a model class by its constructor, an
     ``AutoModel...`` class by ``from_config`` (it has no constructor)."""
-    return cls.from_config(config) if not hasattr(cls, "config_class") else cls(config=config)
+    auto = hasattr(cls, "from_config") and not hasattr(cls, "config_class")
+    return cls.from_config(config) if auto else cls(config=config)
 
 
 def _with_attention(config, attention: str | None):
