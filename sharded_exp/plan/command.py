@@ -298,7 +298,10 @@ def plan(cfg: PlanConfig, preset: str) -> int:
     elif form == "csv":
         print(table.csv_text(rows))
     else:
-        print(table.text(rows, found, cfg, params, preset, faked, markdown=form == "md", speed=machine))
+        columns = points._value(cfg.plan.columns)
+        print(
+            table.text(rows, found, cfg, params, preset, faked, markdown=form == "md", speed=machine, columns=columns)
+        )
     if cfg.plan.plot:
         try:
             print(f"plan: chart {write_chart(rows, cfg, params)}", file=sys.stderr)
