@@ -65,6 +65,9 @@ PLANS = {
     "hf_causal": ["model=hf_causal", "model.config_file=__config__gpt_neox", "plan.world_sizes=[2]",
                   "plan.strategies=[fsdp]", "trainer.batch_size=2"],
     "raw_count": ["plan.params=7.5e9", "plan.units=16", "plan.world_sizes=[64]", "plan.plot=raw_count.png"],
+    # Every column in the terminal's table, under the full headings (json, md and csv always hold them).
+    "table_all": ["model=gpt", "model.n_layers=1", "plan.device=cpu", "plan.world_sizes=[2]", "plan.strategies=[ddp]",
+                  "plan.format=table", "plan.columns=all"],
     "find_depth": ["model=gpt", "plan.find=depth", "plan.device=cpu", "plan.levers=[none,ac_selective]", "plan.world_sizes=[2]", "plan.strategies=[ddp]",
                    "plan.device_memory_gib=0.05"],
     "find_fastest": ["model=gpt", "model.n_layers=2", "model.d_model=64", "model.seq_len=32", "plan.find=fastest",
@@ -234,6 +237,11 @@ def test_covering_plan(name, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # where plan.plot draws
     overrides = [_tiny_config(o, tmp_path) for o in PLANS[name]]
     assert command.main(["plan.format=json", *overrides]) == 0
+    if "plan.format=table" in overrides:  # a person's table: every column, under its full heading
+        out = capsys.readouterr().out.splitlines()
+        head = next(line for line in out if line.startswith("strategy"))
+        assert all(c in head for c in ("levers", "allocated", "step_time_s", "tokens_per_s_per_device")), head
+        return
     for o in PLANS[name]:
         if o.startswith("plan.plot="):
             assert (tmp_path / o.split("=", 1)[1]).stat().st_size > 0
