@@ -113,14 +113,19 @@ HF_KEYS = ("pretrained", "config_file", "attn_implementation")
 """The Hugging Face options' own keys, which a factory (``model=custom``) is not called with."""
 
 
-def _is_auto_class(target) -> bool:
+def _is_auto(cls) -> bool:
     """``transformers.AutoModel...``: a class that picks the architecture from a config and
     has no constructor of its own (``from_config`` builds it)."""
+    return hasattr(cls, "from_config") and not hasattr(cls, "config_class")
+
+
+def _is_auto_class(target) -> bool:
+    """``model._target_`` names an ``AutoModel...`` class (:func:`_is_auto`)."""
     try:
         cls = get_class(target)
     except Exception:  # noqa: BLE001 -- not a class: a factory function, or nothing
         return False
-    return hasattr(cls, "from_config") and not hasattr(cls, "config_class")
+    return _is_auto(cls)
 
 
 def _config_of(node: dict):
@@ -133,8 +138,7 @@ def _config_of(node: dict):
 def _from_config(cls, config) -> nn.Module:
     """``cls`` built from a Hugging Face ``config``: a model class by its constructor, an
     ``AutoModel...`` class by ``from_config`` (it has no constructor)."""
-    auto = hasattr(cls, "from_config") and not hasattr(cls, "config_class")
-    return cls.from_config(config) if auto else cls(config=config)
+    return cls.from_config(config) if _is_auto(cls) else cls(config=config)
 
 
 def _with_attention(config, attention: str | None):
