@@ -52,12 +52,13 @@ SHORT = {"optim state": "optim", "optim step": "opt_step", "gathered": "gather",
          "tokens_per_s_per_device": "tok/s/dev", "mfu_pct": "mfu%"}  # fmt: skip
 """The short table's headings where they differ from the full ones (docs/guide/planner.md
 lists them)."""
-PRIORITY = ("strategy", "ranks", "levers", "method", "peak", "fits", "params", "grads", "optim state", "gathered",
-            "buckets", "activations", "step_time_s", "mfu_pct", "temporaries", "device_total", "mean", "optim step",
+PRIORITY = ("strategy", "ranks", "levers", "method", "peak", "fits", "device_total", "params", "grads", "optim state",
+            "gathered", "buckets", "activations", "step_time_s", "mfu_pct", "temporaries", "mean", "optim step",
             "comm", "other", "workspace", "tokens_per_s_per_device", "exposed_comm_s", "host", "allocated",
             "reserved")  # fmt: skip
 """The short table's columns, most telling first: what a plan is read for (the peak, whether
-it fits, how the largest parts shrink with the strategy, the step time) before the rest."""
+it fits and the figure fits compares on CUDA, how the largest parts shrink with the strategy,
+the step time) before the rest."""
 TEXT = ("strategy", "levers", "fits")
 """Left-aligned columns (the others are numbers, right-aligned)."""
 
