@@ -53,6 +53,7 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
+from sharded_exp.config_file import read_config_file
 from sharded_exp.errors import ConfigError, missing_packages
 
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
@@ -338,22 +339,7 @@ def check_config_file(model_cfg) -> None:
             f"model.config_file={path} and model.pretrained={model_cfg.get('pretrained')} both give the architecture: "
             "model.pretrained's directory has its own config.json; set one of them"
         )
-    if not os.path.isfile(path):
-        what = "a directory" if os.path.isdir(path) else "no file"
-        raise ConfigError(
-            f"model.config_file={path} is {what}: give the path of a Hugging Face config.json "
-            "(read from this machine; nothing is downloaded)"
-        )
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"model.config_file={path} is not readable JSON: {exc}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
-        raise ConfigError(
-            f"model.config_file={path} is no Hugging Face config: it has no model_type (the architecture, "
-            "e.g. llama), which every config.json that save_pretrained writes has"
-        )
+    read_config_file(path)  # a file, JSON, with a model_type: each refused naming the path
     from transformers import AutoConfig  # lazy: transformers is optional ([hf])
 
     try:
