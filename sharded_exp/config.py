@@ -337,6 +337,34 @@ class PathsConfig:
     names it; relative to the working directory."""
 
 
+# ----------------------------------------------------------------------------- report
+@dataclass
+class ReportConfig:
+    """What a sweep's report adds to its measured figures (the report reads it from its points'
+    result.json, so ``python -m sharded_exp.report`` says the same later)."""
+
+    device_profile: Optional[str] = None
+    """A named GPU profile (v100_32gb, a100_40gb, a100_80gb, h100_sxm, h200;
+    sharded_exp/speed/profile_data) to plan each CPU point's speed on: the headline then puts
+    the planned ratio beside the measured one, since a CPU's speed ratios (gloo on shared cores)
+    are not a GPU's. Priced by the planner's time model at the point's own world size
+    (plan.gpus_per_node and plan.inter_node_gbps at their defaults); one fake step per strategy.
+    null: measured figures only."""
+
+    def __post_init__(self) -> None:
+        if self.device_profile is None:
+            return
+        # lazy: the profile files are read only when a profile is named
+        from sharded_exp.speed.profiles import device_names
+
+        names = device_names()
+        _require(
+            self.device_profile in names,
+            f"report.device_profile={self.device_profile} is not a named GPU profile; "
+            f"use one of {', '.join(names)} (or null)",
+        )
+
+
 # ------------------------------------------------------------------------- the roots
 @dataclass
 class JobGroups:
@@ -356,6 +384,8 @@ class Config(JobGroups):
 
     logger: Any = MISSING
     paths: PathsConfig = MISSING
+    report: ReportConfig = field(default_factory=ReportConfig)
+    """What a sweep's report adds (``report.device_profile``)."""
     experiment: Optional[str] = None
     """Name of the experiment preset, if one was chosen (set by the preset)."""
     hparams_search: Optional[str] = None

@@ -39,6 +39,7 @@ def config_schemas() -> dict[str, type]:
         "logger": config.LoggerConfig,
         "plan": config.PlanSettings,
         "paths": config.PathsConfig,
+        "report": config.ReportConfig,
     }
     for group, registry in (("strategy", STRATEGIES), ("model", MODELS), ("data", TASKS)):
         for name in registry.names():
@@ -82,9 +83,14 @@ def _type(t) -> str:
 
 
 def own_fields(cls: type) -> list[dataclasses.Field]:
-    """A schema's settings: its fields but the config groups a root holds (``strategy``,
-    ``trainer``: no default of their own, each a schema of its own here)."""
-    return [f for f in dataclasses.fields(cls) if f.default != MISSING]
+    """A schema's settings: its fields but the config groups and sections a root holds
+    (``strategy``, ``trainer``: no default of their own; ``report``: a schema as its default),
+    each a schema of its own here."""
+    return [f for f in dataclasses.fields(cls) if f.default != MISSING and not _section(f)]
+
+
+def _section(f: dataclasses.Field) -> bool:
+    return f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory())
 
 
 def _default(f: dataclasses.Field) -> str:

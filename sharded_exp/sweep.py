@@ -21,6 +21,8 @@ import sys
 from collections.abc import MutableSequence
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from sharded_exp.compose import NUMBER, NUMBER_NAMES, numbers_named
 from sharded_exp.errors import ConfigError
 from sharded_exp.vocabulary.wandb_names import OBJECTIVES
@@ -163,6 +165,8 @@ def check_multirun(config) -> None:
             )
         check_objective(config.get("objective"))
         check_sweeper(config.hydra.sweeper, config.get("objective"))
+        if config.get("report") is not None:  # the report's settings: its own checks, before the first point
+            OmegaConf.to_object(config.report)
         optimizing = "optuna" in str(config.hydra.sweeper.get("_target_", ""))
         if optimizing and config.get("objective") is None:
             raise ConfigError(

@@ -7,7 +7,19 @@ threads one rank gets):
   per FLOP than large ones);
 - memory bandwidth (a large tensor copied: bytes read plus written over the time);
 - the overhead of one op (a one-element add: on a CPU this dispatch cost dominates small ops);
+- the host's cost per op of a training step, per math dtype (fp32, and bf16/fp16 under
+  autocast): a tiny model's step (8 x Linear(32, 32) + GELU, Adam, batch 8), whose ops do no
+  work to speak of, timed and divided by its number of ops (those the time model counts,
+  :func:`sharded_exp.speed.compute.timed_op`). A step's module calls, autograd's engine,
+  autocast's casts and the optimizer's dispatch are in it, which a lone add is not;
 - on CPU, the local "link": an all-reduce between two gloo processes on this machine.
+
+On a CUDA device (:func:`measure_cuda`) the same figures are measured on the GPU, in a child
+process (the parent of a run never initialises CUDA): matmuls up to 8192 x 8192, a 1 GiB
+device-to-device copy, and one small op's time (what a launch-bound op costs). Its MFU peaks
+are the datasheet's for the device's name where it is known (the definition a run's
+``mfu_pct`` uses), else the best matmul measured. A single GPU has no link to measure: a run on
+several GPUs takes its link from the sourced profile of its device (``speed/profile_data``).
 
 Cached per machine in the user cache dir (``$XDG_CACHE_HOME`` or ``~/.cache``), keyed by
 host name, torch version, device and threads; ``plan.remeasure=true`` measures again.
@@ -24,8 +36,10 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from sharded_exp.measure.flops import save_cache
+from sharded_exp.measure.flops import gpu_peak, save_cache
+from sharded_exp.speed.compute import timed_op
 from sharded_exp.speed.profiles import Curve, DeviceProfile, Figure, LinkProfile, Source
 
 MATMUL_SIZES = (128, 256, 512, 1024)
@@ -88,6 +102,45 @@ def measure_op_overhead(seconds: float = 0.1) -> float:
     return _timed(lambda: torch.add(x, x), seconds)
 
 
+class _OpCount(TorchDispatchMode):
+    """Counts the ops the time model counts (:func:`timed_op`) while it is entered."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += timed_op(func)
+        return func(*args, **(kwargs or {}))
+
+
+def measure_step_op_overhead(device: str, dtype: str, seconds: float = 0.3) -> float:
+    """Seconds per op of a tiny model's training step on ``device`` in ``dtype`` (see the
+    module docstring): Adam as torch picks it on that device, gradients freed after the step."""
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(8):
+        layers += [torch.nn.Linear(32, 32), torch.nn.GELU()]
+    model = torch.nn.Sequential(*layers).to(device)
+    optimizer = torch.optim.Adam(model.parameters())
+    x = torch.randn(8, 32, device=device)
+    autocast = None if dtype == "fp32" else DTYPES[dtype]
+
+    def step():
+        with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
+            loss = model(x).float().square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    counter = _OpCount()
+    with counter:
+        step()
+    per_step = _timed_cuda(step, seconds) if device == "cuda" else _timed(step, seconds)
+    return per_step / max(counter.count, 1)
+
+
 def _all_reduce_rank(rank: int, path: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
@@ -114,6 +167,66 @@ def measure_local_link() -> dict[str, float]:
     return {"bandwidth_GBps": bus / 1e9, "step_latency_us": found["latency_s"] / 2 * 1e6}
 
 
+CPU_STEP_DTYPES = ("fp32", "bf16")
+"""The dtypes a CPU run computes in (autocast on CPU takes bf16; precision 16 is a GPU's)."""
+GPU_MATMUL_SIZES = (256, 1024, 2048, 4096, 8192)
+GPU_COPY_BYTES = 2**30
+
+
+def _timed_cuda(fn, seconds: float) -> float:
+    """Seconds per call of ``fn`` on the current CUDA stream over about ``seconds`` (calls in
+    batches of 10, each batch waited for: a GPU runs them asynchronously)."""
+    fn()
+    torch.cuda.synchronize()
+    count, t0 = 0, time.perf_counter()
+    while True:
+        for _ in range(10):
+            fn()
+        count += 10
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds:
+            return elapsed / count
+
+
+def measure_cuda() -> dict:
+    """Every figure of the CUDA device's ``this`` profile, measured in this process."""
+    matmul = {}
+    for name, dtype in DTYPES.items():
+        points = []
+        for n in GPU_MATMUL_SIZES:
+            a, b = (torch.randn(n, n, device="cuda").to(dtype) for _ in range(2))
+            points.append((2.0 * n**3, 2.0 * n**3 / _timed_cuda(lambda: torch.mm(a, b), 0.1) / 1e12))
+        matmul[name] = points
+    src = torch.ones(GPU_COPY_BYTES // 4, device="cuda")
+    dst = torch.empty_like(src)
+    bandwidth = 2 * GPU_COPY_BYTES / _timed_cuda(lambda: dst.copy_(src), 0.2) / 1e9
+    x = torch.ones(1, device="cuda")
+    return {
+        "matmul": matmul,
+        "memory_bandwidth_GBps": bandwidth,
+        "op_overhead_s": _timed_cuda(lambda: torch.add(x, x), 0.1),
+        "step_op_overhead_s": {name: measure_step_op_overhead("cuda", name) for name in DTYPES},
+        "device_name": torch.cuda.get_device_name(0),
+        "memory_GB": torch.cuda.get_device_properties(0).total_memory / 1e9,
+        "tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+    }
+
+
+def _cuda_child(rank: int, out: str) -> None:
+    with open(out, "w") as f:
+        json.dump(measure_cuda(), f)
+
+
+def measure_cuda_in_child() -> dict:
+    """:func:`measure_cuda` in a spawned process: the caller's CUDA stays uninitialised."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "cuda.json")
+        mp.start_processes(_cuda_child, args=(out,), nprocs=1, start_method="spawn")
+        with open(out) as f:
+            return json.load(f)
+
+
 def measure(threads: int) -> dict:
     """Every figure of the ``this`` profile, with ``threads`` torch threads."""
     before = torch.get_num_threads()
@@ -123,6 +236,7 @@ def measure(threads: int) -> dict:
             "matmul": {name: measure_matmul(dtype) for name, dtype in DTYPES.items()},
             "memory_bandwidth_GBps": measure_bandwidth(),
             "op_overhead_s": measure_op_overhead(),
+            "step_op_overhead_s": {name: measure_step_op_overhead("cpu", name) for name in CPU_STEP_DTYPES},
         }
     finally:
         torch.set_num_threads(before)
@@ -130,13 +244,20 @@ def measure(threads: int) -> dict:
     return figures
 
 
-def _key(threads: int) -> str:
-    return f"{socket.gethostname()}|torch {torch.__version__}|cpu|threads={threads}"
+FIGURES_VERSION = 2
+"""Bumped when the figures measured change (2: the step's host cost per op): older entries are
+measured again."""
 
 
-def this_figures(threads: int, remeasure: bool = False) -> dict:
-    """The cached figures of this machine at ``threads`` threads, measured when absent."""
-    path, key = cache_path(), _key(threads)
+def _key(threads: int, device: str = "cpu") -> str:
+    where = "cuda" if device == "cuda" else f"cpu|threads={threads}"
+    return f"{socket.gethostname()}|torch {torch.__version__}|{where}|v{FIGURES_VERSION}"
+
+
+def this_figures(threads: int, remeasure: bool = False, device: str = "cpu") -> dict:
+    """The cached figures of this machine (its CPU at ``threads`` threads, or its GPU),
+    measured when absent."""
+    path, key = cache_path(), _key(threads, device)
     try:
         with open(path) as f:
             cache = json.load(f)
@@ -144,9 +265,39 @@ def this_figures(threads: int, remeasure: bool = False) -> dict:
         cache = {}
     cache = cache if isinstance(cache, dict) else {}
     if remeasure or key not in cache:
-        cache[key] = measure(threads) | {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        found = measure_cuda_in_child() if device == "cuda" else measure(threads)
+        cache[key] = found | {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         save_cache(path, cache)
     return cache[key]
+
+
+def this_cuda_profile(remeasure: bool = False) -> DeviceProfile:
+    """The ``this`` profile of the CUDA device (see the module docstring)."""
+    found = this_figures(1, remeasure, "cuda")
+    name = found["device_name"]
+    source = Source("measured", f"measured on {name} at {found.get('measured_at', '?')}", cache_path())
+    curves = {("matmul", d): Curve(tuple(tuple(p) for p in pts), source) for d, pts in found["matmul"].items()}
+    curves |= {("attention", d): c for (k, d), c in list(curves.items())}
+    peaks = {}
+    for dtype, points in found["matmul"].items():
+        table, why = gpu_peak(name, {"fp32": "32", "fp16": "16", "bf16": "bf16"}[dtype])
+        best = max(t for _, t in points)
+        peaks[dtype] = (
+            Figure(table / 1e12, Source("datasheet", why, "sharded_exp.measure.flops.GPU_PEAKS"))
+            if table
+            else Figure(best, source, f"the best measured size ({why})")
+        )
+    return DeviceProfile(
+        name="this",
+        title=f"this machine ({name})",
+        memory=Figure(found["memory_GB"], source),
+        memory_bandwidth=Figure(found["memory_bandwidth_GBps"], source),
+        peak_tflops=peaks,
+        curves=curves,
+        op_overhead_s=found["op_overhead_s"],
+        step_op_overhead_s=found["step_op_overhead_s"],
+        asynchronous=True,
+    )
 
 
 def this_profile(threads: int, remeasure: bool = False) -> tuple[DeviceProfile, LinkProfile]:
@@ -165,6 +316,7 @@ def this_profile(threads: int, remeasure: bool = False) -> tuple[DeviceProfile, 
         peak_tflops=peaks,
         curves=curves,
         op_overhead_s=found["op_overhead_s"],
+        step_op_overhead_s=found["step_op_overhead_s"],
     )
     link = found["link"]
     local = LinkProfile(

@@ -37,10 +37,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-SKIPPED_NAMESPACES = ("c10d", "_c10d_functional", "_dtensor", "profiler", "prim", "prims")
-"""Op namespaces not timed as compute (collectives, DTensor's and the profiler's markers)."""
-NO_BYTES = ("empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "detach", "alias", "lift_fresh")
-"""Ops that allocate or alias without reading or writing data."""
+from sharded_exp.speed.compute import timed_op
+
 MATH_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 """Math dtypes by torch dtype; any other floating dtype is timed as fp32."""
 
@@ -92,8 +90,7 @@ class OpTrace(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self._attention()
-        namespace, _, base = func.name().partition("::")  # "aten::mm"
-        if namespace in SKIPPED_NAMESPACES or func.is_view or base in NO_BYTES:
+        if not timed_op(func):
             return out
         packet = func._overloadpacket
         flops = flop_registry[packet](*args, **kwargs, out_val=out) if packet in flop_registry else 0

@@ -29,7 +29,7 @@ from sharded_exp import precision
 from sharded_exp.predict.op_trace import Trace
 from sharded_exp.speed.collectives import Topology
 from sharded_exp.speed.compute import op_time, ops_from_records
-from sharded_exp.speed.profiles import DeviceProfile, LinkProfile
+from sharded_exp.speed.profiles import DeviceProfile, LinkProfile, load_device, load_link, profile_for_device_name
 from sharded_exp.speed.schedule import Units, mfu, simulate
 from sharded_exp.strategies import timing_of
 from sharded_exp.strategies.timing import Fabric, TimeUnknown
@@ -38,12 +38,18 @@ MATH_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 """The profile dtype a precision computes in, by its autocast dtype (fp32 without one)."""
 
 
+def math_dtype(cfg) -> str:
+    """The profile dtype ``cfg``'s precision computes in."""
+    return MATH_DTYPES.get(precision.compute_dtype(str(precision.Precision.of(cfg))), "fp32")
+
+
 @dataclass(frozen=True)
 class Machine:
     """What a step runs on: the device, its links, and how many GPUs share a node."""
 
     device: DeviceProfile
-    intra: LinkProfile
+    intra: LinkProfile | None
+    """None: one GPU, no link (a world of one issues no collective worth a link)."""
     inter: LinkProfile | None = None
     gpus_per_node: int = 8
     host: LinkProfile | None = None
@@ -89,10 +95,18 @@ class StepCompute:
         return replace(self, optimizer_s=self.optimizer_s * fraction)
 
 
-def step_compute(trace: Trace, device: DeviceProfile, model_flops: float) -> StepCompute:
-    """The trace's compute priced on ``device`` (see the module docstring)."""
+def step_compute(trace: Trace, device: DeviceProfile, model_flops: float, math_dtype: str = "fp32") -> StepCompute:
+    """The trace's compute priced on ``device`` (see the module docstring). Each op costs its
+    kernel time and the host's cost per op (:meth:`DeviceProfile.host_cost_s`, for
+    ``math_dtype`` in the forward and backward, autocast's, and fp32 in the optimizer): their
+    sum where ops run one after the other (CPU), the larger where the host launches ahead of
+    the device (CUDA: a launch-bound step is the host's time, a compute-bound one the kernels')."""
     records = trace.phased()
-    seconds = [op_time(op, device) + device.op_overhead_s for op in ops_from_records(records, "fp32")]
+    seconds = []
+    for record, op in zip(records, ops_from_records(records, "fp32")):
+        host = device.host_cost_s("fp32" if record["phase"] == "optimizer" else math_dtype)
+        kernel = op_time(op, device)
+        seconds.append(max(kernel, host) if device.asynchronous else kernel + host)
     count = max(1, trace.units)
     forward = [0.0] * count
     backward = optimizer = 0.0
@@ -156,7 +170,7 @@ def predict_step_time(cfg, world_size: int, compute: StepCompute, shapes, machin
     except TimeUnknown as exc:
         return {"step_time_s": None, "error": f"{machine.device.name}: {exc}"}
     samples, tokens = per_step(cfg)
-    dtype = MATH_DTYPES.get(precision.compute_dtype(name), "fp32")
+    dtype = math_dtype(cfg)
     try:
         peak = machine.device.peak_flops_per_s(dtype)
     except ValueError:
@@ -179,24 +193,42 @@ def predict_step_time(cfg, world_size: int, compute: StepCompute, shapes, machin
 
 def run_step_time(cfg, world_size: int, device_type: str, est, shapes, prediction) -> dict[str, Any]:
     """A training run's predicted step time, from its own fake step's trace (``est``: the
-    faked rank's :class:`~sharded_exp.predict.fake_step.StepEstimate`): on CPU priced on the
-    ``this`` profile with the threads a rank gets, every rank on this machine. Never raises:
-    a prediction that cannot be made is ``{"step_time_s": None, "error": why}``."""
-    if device_type != "cpu":
-        return {"step_time_s": None, "error": "a GPU run's this profile is not measured yet (CPU runs only)"}
+    faked rank's :class:`~sharded_exp.predict.fake_step.StepEstimate`), priced on the ``this``
+    profile: on CPU with the threads a rank gets, every rank on this machine; on CUDA the GPU
+    measured (in a child process), every rank on one node, linked as the device's sourced
+    profile states. Never raises: a prediction that cannot be made is
+    ``{"step_time_s": None, "error": why}``."""
     trace = (est.extra or {}).get("trace")
     if trace is None or not trace.records:
         return {"step_time_s": None, "error": f"no op trace ({est.method})"}
     try:
-        from sharded_exp.measure.machine import this_profile  # lazy: measuring starts processes
+        from sharded_exp.measure import machine as this  # lazy: measuring starts processes
 
-        threads = max(1, (os.cpu_count() or 1) // world_size)  # as a CPU rank sets its threads
-        device, local = this_profile(threads)
-        machine = Machine(device, local, None, world_size, None, device.memory_bandwidth_Bps)
-        compute = step_compute(trace, device, est.flops_per_step)
-        return predict_step_time(cfg, world_size, compute, shapes, machine) | {"threads_per_rank": threads}
+        extra: dict[str, Any] = {}
+        if device_type == "cuda":
+            device = this.this_cuda_profile()
+            link = _sourced_link(device.title, world_size)
+            machine = Machine(device, link, None, max(world_size, 1), None, None)
+        else:
+            threads = max(1, (os.cpu_count() or 1) // world_size)  # as a CPU rank sets its threads
+            device, link = this.this_profile(threads)
+            machine = Machine(device, link, None, world_size, None, device.memory_bandwidth_Bps)
+            extra = {"threads_per_rank": threads}
+        compute = step_compute(trace, device, est.flops_per_step, math_dtype(cfg))
+        return predict_step_time(cfg, world_size, compute, shapes, machine) | extra
     except Exception as exc:  # noqa: BLE001 -- measuring never breaks training: null and why
         return {
             "step_time_s": None,
             "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}",
         }
+
+
+def _sourced_link(title: str, world_size: int) -> LinkProfile | None:
+    """The intra-node link of the sourced profile whose device ``title`` names (None for one
+    GPU, which has none)."""
+    if world_size <= 1:
+        return None
+    name = profile_for_device_name(title)
+    if name is None or "intra_node" not in load_device(name).links:
+        raise ValueError(f"no sourced link profile for {title} (the GPUs' link is not measured)")
+    return load_link(load_device(name).links["intra_node"])

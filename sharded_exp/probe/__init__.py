@@ -51,6 +51,7 @@ from sharded_exp.output.loggers import summary_values
 from sharded_exp.output.results import largest_and_mean
 from sharded_exp.precision import Precision
 from sharded_exp.probe import fake
+from sharded_exp.probe.summary import summary
 from sharded_exp.strategies import name_of_wrapper, traits_of
 from sharded_exp.train.metrics import throughput_stats
 
@@ -292,7 +293,16 @@ class Probe:
             result = result.updated(status="failed", error=f"rank {rank}: {error}"[:2000])
         result = self._write(result)
         self._to_wandb(result)
+        self._say(result)
         return result
+
+    @staticmethod
+    def _say(result: Result) -> None:
+        """The answer where the user looks: a few lines on what was found and where result.json is."""
+        try:
+            print(summary(result.as_written()), flush=True)
+        except Exception as exc:  # noqa: BLE001 -- the result is written; a summary never fails training
+            print(f"warning: sharded_exp probe: no summary ({type(exc).__name__}: {exc})", file=sys.stderr)
 
     def _write(self, result: Result) -> Result:
         """``result.json`` in ``run_dir``, an earlier one there moved to ``attempts/<n>/`` as a

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 import uuid
 from pathlib import Path
 
@@ -68,9 +69,15 @@ class ReportCallback(Callback):
             return
         failed = sum(row["status"] not in ("ok", "oom", "stopped") for row in rows)
         ReportCallback.failed_points += failed
-        print(f"report: {sweep_dir / 'report.md'} ({len(rows)} points)", flush=True)
+        # the answer where the user looks: report.md's headline, then where the rest is
+        print(f"{wrapped(headline(rows))}\nreport: {sweep_dir / 'report.md'} ({len(rows)} points)", flush=True)
         if failed:
             print(f"error: {failed} sweep point(s) failed or diverged (their status in the report)", file=sys.stderr)
+
+
+def wrapped(text: str, width: int = 100) -> str:
+    """``text`` in lines of at most ``width`` columns (a word longer than that alone on its line)."""
+    return textwrap.fill(text, width, break_long_words=False, break_on_hyphens=False)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

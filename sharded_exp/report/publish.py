@@ -17,6 +17,7 @@ from typing import Any
 from sharded_exp.output.charts import ranks
 from sharded_exp.output.loggers import init_wandb_run
 from sharded_exp.report.figures import CHARTS, write_charts
+from sharded_exp.report.planned import add_planned
 from sharded_exp.report.rows import COLUMNS, build_rows, columns, point_row
 from sharded_exp.report.sweep_points import load_points, point_name
 from sharded_exp.report.text import report_markdown
@@ -34,6 +35,7 @@ def write_report(sweep_dir: Path) -> list[dict[str, Any]]:
     if not points:
         return []
     rows = build_rows(points)
+    add_planned(rows, points)  # report.device_profile: the headline's planned GPU ratios (none: nothing)
     note = ""
     if stale:
         names = ", ".join(sorted(point_name(p) for p in stale))

@@ -107,6 +107,7 @@ def point_row(r: dict[str, Any]) -> dict[str, Any]:
         "timed_steps": tp.get("timed_steps"),
         "min_timed_steps": ((r.get("config") or {}).get("trainer") or {}).get("min_timed_steps"),
         "device": (r.get("device") or {}).get("type"),
+        "device_name": (r.get("device") or {}).get("name"),  # not a column: the headline names a GPU by it
         "threads_per_rank": (r.get("device") or {}).get("threads_per_rank"),
         "load_avg_1m": tp.get("load_avg_1m"),
         "cpu_count": tp.get("cpu_count"),

@@ -138,7 +138,7 @@ def _at_world_size(ws: int, members: list[dict[str, Any]]) -> str:
             + (f", {aside}" if aside else "")
         )
         if lowest["speed_vs_baseline"]:
-            text += ("," if aside else "") + _speed_clause(lowest)
+            text += ("," if aside else "") + _speed_clause(lowest) + planned_clause(lowest, base)
     fastest = max(fitting, key=lambda r: r["samples_per_s"] or 0)
     if fastest is not lowest and fastest is not base and fastest["samples_per_s"] and not fastest["speed_within_noise"]:
         text += f"; {fastest['strategy']} is the fastest ({num(fastest['samples_per_s'])} samples/s)"
@@ -158,6 +158,51 @@ def _speed_clause(row: dict[str, Any]) -> str:
         low, high = row["speed_vs_baseline_ci95_low"], row["speed_vs_baseline_ci95_high"]
         return f" at the same throughput within noise ({row['speed_vs_baseline']:.2f}x, interval {low:.2f}-{high:.2f})"
     return f" at {speed_text(row)} its throughput"
+
+
+def planned_clause(row: dict[str, Any], base: dict[str, Any]) -> str:
+    """``, planned 0.93x on h100_sxm``: the same ratio priced on the sweep's GPU profile
+    (``report.device_profile``, :mod:`sharded_exp.report.planned`); "" where either point has none.
+    The points differ only in the strategy, so their throughput ratio is the inverse of their
+    step times'."""
+    mine, theirs = row.get("_planned") or {}, base.get("_planned") or {}
+    if not mine.get("step_time_s") or not theirs.get("step_time_s"):
+        return ""
+    return f", planned {theirs['step_time_s'] / mine['step_time_s']:.2f}x on {mine['profile']}"
+
+
+def machine_text(rows: list[dict[str, Any]]) -> str:
+    """Where the speed figures were measured, e.g. "Speeds measured on this machine's CPU,
+    gloo, 1 rank x 2 threads, 2 ranks x 1 thread." or "Speeds measured on NVIDIA H200, NCCL,
+    a GPU per rank."; "" when no point was timed on a recorded device."""
+    timed = [r for r in rows if r.get("samples_per_s") and r.get("device")]
+    places = []
+    cpu = sorted({(r["world_size"], r.get("threads_per_rank")) for r in timed if r["device"] == "cpu"})
+    if cpu:
+        layouts = [f"{ranks(ws)} x {t} thread" + ("" if t == 1 else "s") if t else ranks(ws) for ws, t in cpu]
+        places.append("this machine's CPU, gloo, " + ", ".join(layouts))
+    gpus = sorted({r.get("device_name") or "a GPU" for r in timed if r["device"] == "cuda"})
+    if gpus:
+        places.append(" and ".join(gpus) + ", NCCL, a GPU per rank")
+    return f"Speeds measured on {'; on '.join(places)}." if places else ""
+
+
+def planned_text(rows: list[dict[str, Any]]) -> str:
+    """The closing word on the planned ratios: what they are, and in one clause why a point
+    has none (the first reason met), e.g. "Planned: each point's config priced by the planner
+    on h100_sxm at its world size." ("" when the sweep names no profile)."""
+    planned = [r for r in rows if r.get("_planned")]
+    if not planned:
+        return ""
+    profile = planned[0]["_planned"]["profile"]
+    missing = [r for r in planned if not r["_planned"]["step_time_s"]]
+    if len(missing) == len(planned):
+        return f"Planned speeds on {profile}: none ({missing[0]['_planned']['note']})."
+    text = f"Planned: each point's config priced by the planner's time model on {profile} at its world size"
+    if missing:
+        first = missing[0]
+        text += f" (none for {first['strategy']} at {ranks(first['world_size'])}: {first['_planned']['note']})"
+    return text + "."
 
 
 def _did_not_finish(members: list[dict[str, Any]]) -> str:
@@ -214,6 +259,7 @@ def headline(rows: list[dict[str, Any]]) -> str:
         ]
         text = " ".join([*said, _did_not_finish(members)]).strip()
         sentences.append((f"**{prefix}**: " if prefix and len(groups) > 1 else "") + text)
+    sentences += [t for t in (machine_text(usable), planned_text(usable)) if t]
     bad = [r for r in rows if not r["world_size"]]
     if bad:
         sentences.append(f"{len(bad)} point(s) left no usable result.json ({', '.join(r['_dir'] for r in bad)}).")

@@ -35,7 +35,7 @@ from sharded_exp.vocabulary.wandb_names import (  # noqa: F401
 SPEC_FILE = "wandb_workspace.json"
 
 
-def build(entity: str, project: str, group: str, world_size: int, strategies: list[str], name: str, cuda: bool):
+def build(entity: str, project: str, group: str, world_size: int, strategies: list[str], name: str, cuda: bool = False):
     """The workspace object (nothing is sent anywhere). ``cuda``: a point ran on CUDA (reserved
     memory is then plotted too)."""
     import wandb_workspaces.reports.v2 as wr  # lazy: wandb_workspaces imports wandb; only --wandb-workspace needs it

@@ -32,13 +32,18 @@ A tree all-reduce pays ``2 ((ranks per node - 1) intra + log2(nodes) inter)``.
 Not modelled (each a refinement NCCL applies on top; named so a reader knows the gap): the
 LL/LL128 protocols for small messages, the 0.9 and per-architecture caps on tree bandwidth,
 the tree correction factors for medium sizes, the 1.9x ring latency "plateau" across nodes,
-NVLS/CollNet (in-network reduction), and channel counts (the link's full bandwidth is
-assumed usable).
+NVLS/CollNet (in-network reduction).
 
-Groups spanning nodes: a flat group is one ring through every rank, so each rank's bandwidth
-is the slower of its two links (:class:`Topology`; one NIC's worth per GPU: give
-``plan.inter_node_gbps`` per GPU). HSDP's two levels (shard inside a node, replicate across)
-are priced apart by :func:`hsdp_gradient_time`.
+Groups spanning nodes: NCCL runs one ring (or tree) per channel and prices the collective at
+``busBw = nChannels * bw`` (``tuning.cc``, ``ncclTopoTuneModel``), ``bw`` a channel's link
+bandwidth, the network's (``bwInter``) beyond two nodes. Its topology search gives each
+channel its own NIC where the node has one per GPU ("rails"): a group with k ranks in each
+node leaves the node through k NICs at once. So a group spanning nodes moves at
+``min(intra, k x inter)`` per rank, ``inter`` the network's bandwidth per GPU
+(``plan.inter_node_gbps``) and ``intra`` the NVLink every channel of a node shares: the flat
+group of 8 GPUs a node, 8 NICs; HSDP's replicate group (one rank a node), one. Eight GPUs
+sharing one NIC have an eighth of it each: state ``inter`` so. HSDP's two levels (shard inside
+a node, replicate across) are priced apart by :func:`hsdp_gradient_time`.
 """
 
 from __future__ import annotations
@@ -123,11 +128,12 @@ def group_time(
     algorithm: str = "ring",
 ) -> float:
     """Seconds for one collective among ``ranks`` ranks ``stride`` apart (ranks 0, stride,
-    2 stride, ...) placed on ``topology``: the nodes they span set the bandwidth (the slower of
-    intra and inter once they span two) and which steps pay the network's latency.
+    2 stride, ...) placed on ``topology``: the nodes they span set the bandwidth (once they span
+    two, the slower of intra and the network of the group's ranks in a node, one NIC each: see
+    the module docstring) and which steps pay the network's latency.
 
-    Warning: a flat ring across nodes assumes each GPU has its own ``inter`` bandwidth (a NIC
-    per GPU). Eight GPUs sharing one NIC have an eighth of it each: state it so.
+    Warning: ``inter`` is a GPU's own network bandwidth (a NIC per GPU). Eight GPUs sharing one
+    NIC have an eighth of it each: state it so.
     """
     _check(kind, ranks)
     if algorithm not in ALGORITHMS:
@@ -145,14 +151,14 @@ def group_time(
             "but the topology has no inter-node link"
         )
     intra, inter = topology.intra, topology.inter
-    bandwidth = intra.bandwidth_Bps if nodes == 1 else min(intra.bandwidth_Bps, inter.bandwidth_Bps)
+    per_node = ranks / nodes  # the group's ranks in each node: its channels' NICs there
+    bandwidth = intra.bandwidth_Bps if nodes == 1 else min(intra.bandwidth_Bps, per_node * inter.bandwidth_Bps)
     if algorithm == "ring":
         steps, inter_steps = ring_steps(kind, ranks), (ring_steps(kind, nodes) if nodes > 1 else 0)
         latency = RING_BASE_LATENCY_S + (steps - inter_steps) * intra.ring_step_latency_s
         if inter_steps:
             latency += inter_steps * inter.ring_step_latency_s
         return latency + nbytes * bus_factor(kind, ranks) / bandwidth
-    per_node = ranks / nodes
     latency = TREE_BASE_LATENCY_S + 2 * (per_node - 1) * intra.tree_step_latency_s
     if nodes > 1:
         latency += 2 * math.log2(nodes) * inter.tree_step_latency_s

@@ -27,6 +27,20 @@ from sharded_exp.speed.profiles import DTYPES, Curve, DeviceProfile
 
 OP_KINDS = ("matmul", "attention", "other")
 
+SKIPPED_NAMESPACES = ("c10d", "_c10d_functional", "_dtensor", "profiler", "prim", "prims")
+"""Op namespaces not timed as compute (collectives, DTensor's and the profiler's markers)."""
+NO_BYTES = ("empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "detach", "alias", "lift_fresh")
+"""Ops that allocate or alias without reading or writing data."""
+
+
+def timed_op(func) -> bool:
+    """Whether the time model counts this dispatched op (an ``OpOverload``): not a collective
+    or marker, not a view, not an allocation or alias. The op trace records these, and the
+    ``this`` profile's host cost per op divides a step by their number."""
+    namespace, _, base = func.name().partition("::")  # "aten::mm"
+    return namespace not in SKIPPED_NAMESPACES and not func.is_view and base not in NO_BYTES
+
+
 MATMUL_OPS = frozenset({
     "mm", "addmm", "bmm", "baddbmm", "matmul", "_scaled_mm", "linear",
     "convolution", "_convolution", "convolution_backward", "cudnn_convolution", "conv2d", "conv1d",

@@ -86,8 +86,21 @@ class DeviceProfile:
     ``host`` (to the host), by name, as its datasheet states them."""
     op_overhead_s: float = 0.0
     """Seconds each op costs beyond its roofline (dispatch and launch): measured for the
-    ``this`` profile of a CPU, where it dominates small ops; 0 for a named GPU (launches
-    overlap the kernels before them)."""
+    ``this`` profile, where it dominates small ops; 0 for a named GPU (launches overlap the
+    kernels before them)."""
+    step_op_overhead_s: Mapping[str, float] = field(default_factory=dict)
+    """Per math dtype (``fp32``; ``bf16``/``fp16`` under autocast), the host's seconds per op of a
+    training step (the module call, autograd's engine, autocast's casts and the optimizer's
+    dispatch spread over the step's ops), measured on a tiny model's step where every op is
+    that cost and no work (:func:`sharded_exp.measure.machine.measure_step_op_overhead`). Where
+    present it replaces :attr:`op_overhead_s` for a training step's ops."""
+    asynchronous: bool = False
+    """Ops are launched ahead of the device (CUDA): an op then takes the larger of its kernel
+    time and the host's cost per op, not their sum (a CPU runs them one after the other)."""
+
+    def host_cost_s(self, dtype: str) -> float:
+        """The host's seconds per op of a training step in ``dtype`` (see above)."""
+        return self.step_op_overhead_s.get(dtype, self.op_overhead_s)
 
     @property
     def memory_bytes(self) -> float:
@@ -204,6 +217,26 @@ def _load(name: str, kind: str) -> dict:
     if data is None or data.get("kind") != kind:
         raise ProfileError(f"no {kind} profile named {name!r}; there are: {', '.join(_names(kind))}")
     return data
+
+
+DEVICE_NAMES = (
+    (("H200",), ("NVL",), "h200"),
+    (("H100",), ("NVL", "PCIe"), "h100_sxm"),
+    (("A100", "80GB"), (), "a100_80gb"),
+    (("A100",), (), "a100_40gb"),
+    (("V100",), (), "v100_32gb"),
+)
+"""(words a CUDA device name holds, words it must not hold, the profile): the more specific
+first. 'NVIDIA H200' is the SXM part; NVL and PCIe parts have other links and clocks."""
+
+
+def profile_for_device_name(device_name: str) -> str | None:
+    """The sourced profile of a CUDA device by the name torch reports, or None."""
+    words = set(device_name.replace("-", " ").replace("(", " ").replace(")", " ").split())
+    for wanted, excluded, profile in DEVICE_NAMES:
+        if set(wanted) <= words and not words & set(excluded):
+            return profile
+    return None
 
 
 def load_device(name: str) -> DeviceProfile:

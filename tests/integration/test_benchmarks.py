@@ -159,6 +159,17 @@ def test_cuda_prediction_smoke(tmp_path):
     assert attention["workspace_mib"] == 32.0
 
 
+def test_step_time_published_smoke(tmp_path):
+    data = bench("accuracy.step_time_published", "--quick", cwd=tmp_path)
+    [point] = data["points"]
+    assert point["profile"] == "h100_sxm" and not point["held_out"]
+    assert point["published_tokens_per_s"] > 0 and point["predicted_tokens_per_s"] > 0
+    error = (point["predicted_tokens_per_s"] - point["published_tokens_per_s"]) / point["published_tokens_per_s"]
+    assert point["rel_error"] == pytest.approx(error)
+    assert point["within_target"] == (abs(error) <= data["target"])
+    assert point["command"].startswith("python -m sharded_exp.plan ")
+
+
 def test_levers_smoke(tmp_path):
     data = bench("features.levers", "--smoke", "--only", "ac", "hsdp", "plan", cwd=tmp_path, timeout=600)
     [ac] = data["ac"]

@@ -81,8 +81,9 @@ SWEEP_SHRINK = ["trainer.steps=3", "trainer.warmup_steps=1", "trainer.eval_batch
                 "trainer.world_size=2"]  # fmt: skip
 SWEEPS = {
     # The presets are sweeps: each is run as a user types it, shrunk to two points / one point.
+    # its headline prices the speed ratio on the seed study's GPU (report.device_profile)
     "seed_table": ["experiment=seed_table", "model.d_model=32", "model.n_layers=1", "model.seq_len=16",
-                   "strategy=ddp,oss", *SWEEP_SHRINK],
+                   "strategy=ddp,oss", "report.device_profile=v100_32gb", *SWEEP_SHRINK],
     "seed_study": ["experiment=seed_study", "model.seq_len=16", "trainer.batch_size=2",
                    "strategy=zero1", "data.seed=5", "data.min_len=0.25", *SWEEP_SHRINK],
     # BERT-base's width at one layer, on a CoNLL file made by the test.
@@ -271,6 +272,11 @@ def test_covering_sweep(name, placeholders):
     points = sorted(sweep.glob("*/result.json"))
     assert points and all(json.loads(p.read_text())["status"] == "ok" for p in points)
     assert (sweep / "report.csv").exists()
+    if name == "seed_table":  # report.device_profile: the planned ratio beside the measured one
+        assert (
+            "Planned: each point's config priced by the planner's time model on v100_32gb"
+            in (sweep / "report.md").read_text()
+        )
     if name == "hparams_search":  # Optuna's best trial is the fastest point, by result.json
         import yaml
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from sharded_exp.job.result import problems
 from sharded_exp.probe import probe
+from sharded_exp.probe.summary import summary
 from tests.helpers.jobs import ROOT
 
 RUNS = ROOT / "tests" / "helpers" / "probe_runs.py"
@@ -56,9 +57,17 @@ def test_a_probed_loop_trains_exactly_as_the_unprobed_one(tmp_path):
     assert result.status == "ok" and result.steps == 12
 
 
-def test_the_probe_writes_a_result_json_the_schema_and_report_accept(tmp_path):
+def test_the_probe_writes_a_result_json_the_schema_and_report_accept(tmp_path, capsys):
     _, result = _loop(14, tmp_path / "run")
     written = json.loads((tmp_path / "run" / "result.json").read_text())
+    # the answer in the terminal: what was found, and where result.json is
+    out = capsys.readouterr().out
+    assert out.endswith(summary(written) + "\n"), out
+    lines = summary(written).splitlines()
+    assert lines[0] == "sharded_exp probe: single, 1 rank (cpu), 14 steps, ok"
+    assert lines[1].startswith("  peak:") and lines[2].startswith("  split:") and "params" in lines[2]
+    assert lines[3].startswith("  predicted:") and "MiB" in lines[3]
+    assert lines[-1] == f"  result:         {tmp_path / 'run' / 'result.json'}"
     assert written == json.loads(json.dumps(result.as_written()))
     assert not problems(written)
     assert written["source"] == "probe" and written["strategy"] == "single" and written["world_size"] == 1
@@ -66,7 +75,9 @@ def test_the_probe_writes_a_result_json_the_schema_and_report_accept(tmp_path):
     (rank,) = memory["per_rank"]
     assert rank["peak_allocated_mib"] > sum(rank["model_states_mib"].values()) > 0
     assert set(rank["peak_breakdown_mib"]) >= {"Parameter", "Gradient", "Optstate", "Activation"}
-    assert speed["timed_steps"] == 14 - 5 - 2 and speed["samples_per_s"] == pytest.approx(8 / speed["step_time_s_median"])
+    assert speed["timed_steps"] == 14 - 5 - 2 and speed["samples_per_s"] == pytest.approx(
+        8 / speed["step_time_s_median"]
+    )
     assert abs(rank["peak_rel_error"]) < 0.10, memory
     from sharded_exp.report.publish import write_report
 
@@ -137,7 +148,9 @@ def test_the_probe_writes_into_the_users_open_wandb_run_and_opens_none(tmp_path,
     (found,) = find_runs(tmp_path)  # the user's run, and no second one
     summary = read_run(found)["summary"]
     logs = sorted(found.parent.glob("logs/debug*.log"))
-    why = f"stderr {capfd.readouterr().err[-1500:]!r}; summary keys {sorted(summary)}; " + " | ".join(p.read_text()[-1500:] for p in logs)
+    why = f"stderr {capfd.readouterr().err[-1500:]!r}; summary keys {sorted(summary)}; " + " | ".join(
+        p.read_text()[-1500:] for p in logs
+    )
     assert summary.get("memory/peak_allocated_mib_max") == pytest.approx(result.memory.peak_allocated_mib_max), why
     assert summary["throughput/step_time_s_median"] == pytest.approx(result.throughput.step_time_s_median)
 
@@ -168,9 +181,11 @@ def _agrees(run_dir: Path, independent: Path, predicted: bool = True) -> dict:
 
 @pytest.mark.slow
 def test_a_plain_ddp_loop_under_torchrun(tmp_path):
-    _torchrun(str(RUNS), "plain", str(tmp_path / "independent.json"), "--", "--wrap", "ddp",
-              "--run-dir", str(tmp_path / "ddp"), cwd=tmp_path)  # fmt: skip
+    proc = _torchrun(str(RUNS), "plain", str(tmp_path / "independent.json"), "--", "--wrap", "ddp",
+                     "--run-dir", str(tmp_path / "ddp"), cwd=tmp_path)  # fmt: skip
     result = _agrees(tmp_path / "ddp", tmp_path / "independent.json")
+    assert proc.stdout.count("sharded_exp probe: ") == 1 and summary(result) in proc.stdout  # rank 0 only
+    assert "  peak per rank:  " in proc.stdout and "(rank 0 " in proc.stdout and ", rank 1 " in proc.stdout
     assert result["strategy"] == "ddp" and result["launcher"] == "torchrun" and result["source"] == "probe"
     # CPU, started after DDP allocated its buckets: said, and their size by DDP's rule
     assert result["memory"]["per_rank"][0]["unseen_buckets_mib"] > 0 and "DDP" in result["memory"]["peak_note"]

@@ -6,6 +6,7 @@ import csv
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from sharded_exp.report.command import wrapped
 from tests.helpers.jobs import ROOT, TINY, launch_job, run_cli
 from tests.helpers.runs import cli
 from tests.helpers.wandb_file import read_run
@@ -26,8 +28,9 @@ def _points(sweep):
 def test_sweep_ends_in_a_report(tmp_path):
     sweep = tmp_path / "sweep"
     proc = run_cli(
-        ["-m", "strategy=ddp,fsdp", "precision=32,bf16", *TINY, f"hydra.sweep.dir={sweep}"], cwd=ROOT, timeout=400
-    )
+        ["-m", "strategy=ddp,fsdp", "precision=32,bf16", *TINY, "report.device_profile=h100_sxm",
+         f"hydra.sweep.dir={sweep}"], cwd=ROOT, timeout=400,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     points = {(p["strategy"], p["precision"]): p for p in _points(sweep)}
     assert set(points) == {("ddp", "32"), ("ddp", "bf16"), ("fsdp", "32"), ("fsdp", "bf16")}
@@ -51,13 +54,22 @@ def test_sweep_ends_in_a_report(tmp_path):
         starts = [line.split(" | ")[0] for line in part.splitlines()]
         assert starts.count("| fsdp") == 2 and starts.count("| ddp") == 2
 
-    # rebuilt from the files alone, the same report
+    # the terminal gets report.md's headline and where the report is; the headline says where
+    # the speeds were measured and, for report.device_profile, the planned ratio beside each measured one
+    headline = md.split("\n\n")[1]
+    assert proc.stdout.endswith(f"{wrapped(headline)}\nreport: {sweep / 'report.md'} (4 points)\n"), proc.stdout[-2000:]
+    assert re.search(r"Speeds measured on this machine's CPU, gloo, 2 ranks x \d+ threads?\.", headline), headline
+    assert len(re.findall(r"its throughput, planned \d+\.\d\dx on h100_sxm[.;]", headline)) == 2, headline  # 32, bf16
+    assert "Planned: each point's config priced by the planner's time model on h100_sxm at its world size." in headline
+
+    # rebuilt from the files alone, the same report (the profile read from the points)
     before = (sweep / "report.csv").read_text()
     rebuilt = subprocess.run(
         [sys.executable, "-m", "sharded_exp.report", str(sweep)], capture_output=True, text=True, check=False
     )
     assert rebuilt.returncode == 0, rebuilt.stderr
     assert (sweep / "report.csv").read_text() == before
+    assert (sweep / "report.md").read_text().split("\n\n")[1] == headline
 
 
 @pytest.mark.slow

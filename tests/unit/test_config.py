@@ -219,6 +219,18 @@ def test_plan_settings_at_their_edges_pass():
     config.PlanSettings(params=1.0, device_memory_gib=0.1, workers=0)
 
 
+def test_report_device_profile_names_a_gpu_profile_or_nothing():
+    refused(
+        lambda: config.ReportConfig(device_profile="h100"),
+        "report.device_profile=h100 is not a named GPU profile; use one of a100_40gb, a100_80gb, h100_sxm, h200, "
+        "v100_32gb (or null)",
+    )
+    refused(lambda: config.ReportConfig(device_profile="this"), "report.device_profile=this is not a named GPU")
+    config.ReportConfig(device_profile="h200")
+    config.ReportConfig()
+    assert OmegaConf.to_object(compose(["report.device_profile=a100_80gb"]).report).device_profile == "a100_80gb"
+
+
 def test_typed_builds_the_schemas_dataclasses_and_runs_their_checks():
     cfg = compose(["logger=none"])
     made = config.typed(cfg)

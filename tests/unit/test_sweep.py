@@ -13,6 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from sharded_exp import sweep
+from sharded_exp.config import ReportConfig
 from sharded_exp.errors import ConfigError
 
 BASIC = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
@@ -129,6 +130,19 @@ def test_a_launcher_that_can_host_ranks_passes(capsys):
     sweep.check_multirun(multirun_config())
     sweep.check_multirun(multirun_config(launcher=next(t for t, n in sweep.HOSTS.items() if n == "submitit_local")))
     assert capsys.readouterr().err == ""
+
+
+def test_a_report_profile_that_names_no_gpu_is_refused_before_the_first_point(capsys):
+    cfg = multirun_config()
+    cfg.report = OmegaConf.structured(ReportConfig)
+    sweep.check_multirun(cfg)
+    cfg.report.device_profile = "h100"
+    with pytest.raises(SystemExit) as exit_:
+        sweep.check_multirun(cfg)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.startswith(
+        "error: report.device_profile=h100 is not a named GPU profile; use one of"
+    )
 
 
 def test_a_launcher_that_cannot_host_ranks_is_refused_with_exit_2(capsys):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from sharded_exp.measure import machine
 
@@ -13,6 +14,7 @@ from sharded_exp.measure import machine
 def test_the_profile_is_built_from_the_cache_without_measuring(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     figures = {"matmul": {"fp32": [[1e6, 0.01], [1e9, 0.05]]}, "memory_bandwidth_GBps": 10.0, "op_overhead_s": 5e-6,
+               "step_op_overhead_s": {"fp32": 2e-5, "bf16": 3e-5},
                "link": {"bandwidth_GBps": 0.5, "step_latency_us": 100.0}, "measured_at": "then"}  # fmt: skip
     path = tmp_path / "sharded_exp" / "this_profile.json"
     path.parent.mkdir()
@@ -20,6 +22,8 @@ def test_the_profile_is_built_from_the_cache_without_measuring(tmp_path, monkeyp
     monkeypatch.setattr(machine, "measure", lambda threads: pytest.fail("measured although cached"))
     device, link = machine.this_profile(3)
     assert device.name == "this" and device.op_overhead_s == 5e-6 and device.memory_bandwidth_Bps == 10e9
+    assert device.host_cost_s("bf16") == 3e-5 and device.host_cost_s("fp16") == 5e-6  # none measured: the lone op's
+    assert not device.asynchronous  # a CPU runs its ops one after the other
     assert device.peak_flops_per_s("fp32") == 0.05e12 and device.curve("matmul", "fp32").points[0] == (1e6, 0.01)
     assert link.bandwidth_Bps == 0.5e9 and link.ring_step_latency_s == pytest.approx(1e-4)
 
@@ -34,3 +38,45 @@ def test_remeasure_measures_again_and_caches_it(tmp_path, monkeypatch):
     machine.this_figures(2)
     machine.this_figures(2, remeasure=True)
     assert calls == [2, 2]
+
+
+def test_the_gpu_profile_is_built_from_the_cache_with_the_datasheet_peak_where_the_name_is_known(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    figures = {"matmul": {"bf16": [[1e9, 100.0], [1e12, 700.0]], "fp32": [[1e12, 50.0]]}, "memory_GB": 150.0,
+               "memory_bandwidth_GBps": 4000.0, "op_overhead_s": 8e-6, "device_name": "NVIDIA H200",
+               "step_op_overhead_s": {"fp32": 2e-5, "bf16": 2.5e-5, "fp16": 2.5e-5}}  # fmt: skip
+    path = tmp_path / "sharded_exp" / "this_profile.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({machine._key(1, "cuda"): figures}))
+    monkeypatch.setattr(machine, "measure_cuda_in_child", lambda: pytest.fail("measured although cached"))
+    gpu = machine.this_cuda_profile()
+    assert gpu.title == "this machine (NVIDIA H200)" and gpu.op_overhead_s == 8e-6 and gpu.asynchronous
+    assert gpu.host_cost_s("bf16") == 2.5e-5
+    assert gpu.peak_flops_per_s("bf16") == pytest.approx(989e12)  # the datasheet's: MFU as a run counts it
+    assert gpu.curve("matmul", "bf16").points[-1] == (1e12, 700.0)
+    figures["device_name"] = "Some GPU"
+    path.write_text(json.dumps({machine._key(1, "cuda"): figures}))
+    assert machine.this_cuda_profile().peak_flops_per_s("fp32") == pytest.approx(50e12)  # no table: the best measured
+
+
+@pytest.mark.parametrize(
+    "name, profile",
+    [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100_sxm"), ("NVIDIA H100 PCIe", None),
+     ("NVIDIA A100-SXM4-80GB", "a100_80gb"), ("NVIDIA A100-SXM4-40GB", "a100_40gb"), ("NVIDIA H200 NVL", None),
+     ("NVIDIA GeForce RTX 4090", None)],
+)  # fmt: skip
+def test_a_cuda_device_name_finds_its_sourced_profile(name, profile):
+    from sharded_exp.speed.profiles import profile_for_device_name
+
+    assert profile_for_device_name(name) == profile
+
+
+def test_a_tiny_steps_host_cost_per_op_counts_the_ops_the_time_model_counts():
+    """The count follows the time model's rule; the measurement itself runs (for real, on this
+    CPU, a fraction of a second): its value is the machine's, so only its sign is held."""
+    a = torch.ones(2, 2)
+    counter = machine._OpCount()
+    with counter:
+        torch.mm(a, a).view(4).add(1)
+    assert counter.count == 2  # the mm and the add; the view is not counted
+    assert machine.measure_step_op_overhead("cpu", "fp32", seconds=0.02) > 0

@@ -39,6 +39,23 @@ def test_the_forward_is_per_unit_with_the_root_at_both_ends_and_the_backward_in_
     assert compute.optimizer_s == pytest.approx(2e6 / H100.memory_bandwidth_Bps)
 
 
+def test_the_hosts_cost_per_op_adds_on_a_cpu_and_overlaps_on_a_gpu():
+    from dataclasses import replace
+
+    kernel = step_compute(trace(), H100, 6e12)
+    host = {"fp32": 1e-3, "bf16": 2e-3}
+    cpu = step_compute(trace(), replace(H100, step_op_overhead_s=host), 6e12, "bf16")
+    gpu = step_compute(trace(), replace(H100, step_op_overhead_s=host, asynchronous=True), 6e12, "bf16")
+    assert cpu.forward_s[0] == pytest.approx(
+        kernel.forward_s[0] + 2 * 2e-3
+    )  # the embedding and a matmul, each + bf16's
+    assert cpu.optimizer_s == pytest.approx(kernel.optimizer_s + 1e-3)  # the optimizer's op pays fp32's
+    # launched ahead: each op is the larger of its kernel and the host's cost
+    matmul = 1e12 / H100.matmul_flops_per_s("bf16")
+    assert gpu.forward_s[0] == pytest.approx(max(matmul, 2e-3) + 2e-3)
+    assert gpu.optimizer_s == pytest.approx(1e-3)
+
+
 def test_a_deep_model_repeats_the_middle_units_and_scales_its_flops():
     shallow = StepCompute((1.0, 2.0, 2.0, 1.5), (2.0, 4.0, 4.0, 3.0), 0.5, 100.0)
     deep = shallow.at_depth(6)
@@ -77,12 +94,31 @@ def test_a_model_without_a_sequence_has_samples_not_tokens():
     assert out["tokens_per_s_per_device"] is None and out["samples_per_s_per_device"] > 0
 
 
-def test_a_run_without_a_trace_or_on_a_gpu_gets_null_and_why():
+def test_a_run_without_a_trace_gets_null_and_why():
     class Est:
         extra, method, flops_per_step = {}, "fake step", 0
 
-    assert run_step_time(cfg(), 2, "cuda", Est(), SHAPES, {})["error"].startswith("a GPU run")
-    assert run_step_time(cfg(), 2, "cpu", Est(), SHAPES, {}) == {
-        "step_time_s": None,
-        "error": "no op trace (fake step)",
-    }
+    for device in ("cpu", "cuda"):
+        assert run_step_time(cfg(), 2, device, Est(), SHAPES, {}) == {
+            "step_time_s": None,
+            "error": "no op trace (fake step)",
+        }
+
+
+def test_a_gpu_run_is_priced_on_its_measured_gpu_and_its_sourced_link(monkeypatch):
+    from sharded_exp.measure import machine as this
+
+    class Est:
+        extra, method, flops_per_step = {"trace": trace()}, "fake step", 6e12
+
+    gpu = H100.__class__(**{**H100.__dict__, "name": "this", "title": "this machine (NVIDIA H100 80GB HBM3)"})
+    monkeypatch.setattr(this, "this_cuda_profile", lambda remeasure=False: gpu)
+    one = run_step_time(cfg(), 1, "cuda", Est(), SHAPES, {})
+    two = run_step_time(cfg(), 2, "cuda", Est(), SHAPES, {})
+    assert one["error"] is None and one["comm_s"] == 0.0 and one["profile"] == "this"
+    assert two["comm_s"] > 0  # over the H100 SXM's NVLink 4, as its profile states
+    unknown = H100.__class__(**{**H100.__dict__, "title": "this machine (Some GPU)"})
+    monkeypatch.setattr(this, "this_cuda_profile", lambda remeasure=False: unknown)
+    assert run_step_time(cfg(), 1, "cuda", Est(), SHAPES, {})["error"] is None  # one GPU needs no link
+    refused = run_step_time(cfg(), 2, "cuda", Est(), SHAPES, {})
+    assert refused["step_time_s"] is None and "no sourced link profile for this machine (Some GPU)" in refused["error"]

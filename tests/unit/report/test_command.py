@@ -12,7 +12,9 @@ from omegaconf import OmegaConf
 
 import sharded_exp.sweep
 from sharded_exp.report import command, publish
+from sharded_exp.report.rows import build_rows
 from sharded_exp.report.sweep_points import SWEEP_ID
+from sharded_exp.report.text import headline
 from tests.helpers.unit_output import point, write_point
 
 
@@ -79,16 +81,19 @@ def test_a_workspace_for_a_sweep_without_wandb_is_refused(tmp_path, capsys, no_c
 # ------------------------------------------------------------------------ the multirun callback
 def test_the_end_of_a_sweep_counts_the_points_that_failed(callback, monkeypatch, tmp_path, capsys):
     statuses = ["ok", "oom", "stopped", "failed", "diverged", "unreadable"]
-    monkeypatch.setattr(command, "write_report", lambda d: [{"status": s} for s in statuses])
+    rows = build_rows([point("ddp", n=n, status=s, peak=1.0, sps=10.0) for n, s in enumerate(statuses)])
+    monkeypatch.setattr(command, "write_report", lambda d: rows)
     callback._report(tmp_path)
     assert command.ReportCallback.failed_points == 3  # failed, diverged, unreadable: not ok, oom or stopped
     out, err = capsys.readouterr()
-    assert out == f"report: {tmp_path / 'report.md'} (6 points)\n"
+    assert out == f"{command.wrapped(headline(rows))}\nreport: {tmp_path / 'report.md'} (6 points)\n"
+    assert out.startswith("At 2 ranks, only ddp fits (1.00 MiB). ddp runs out of memory at 2 ranks;")
     assert err == "error: 3 sweep point(s) failed or diverged (their status in the report)\n"
 
 
 def test_a_sweep_whose_points_all_finished_fails_nothing(callback, monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(command, "write_report", lambda d: [{"status": "ok"}, {"status": "oom"}])
+    rows = build_rows([point("ddp", status="ok", peak=2.0), point("fsdp", n=1, status="oom")])
+    monkeypatch.setattr(command, "write_report", lambda d: rows)
     callback._report(tmp_path)
     assert command.ReportCallback.failed_points == 0 and capsys.readouterr().err == ""
 
@@ -110,7 +115,7 @@ def test_a_sweep_without_results_or_whose_report_fails(callback, monkeypatch, tm
 
 def test_a_sweep_holds_its_directory_with_a_new_id_until_its_report(callback, monkeypatch, tmp_path):
     monkeypatch.setattr(sharded_exp.sweep, "check_multirun", lambda config: None)
-    monkeypatch.setattr(command, "write_report", lambda d: [{"status": "ok"}])
+    monkeypatch.setattr(command, "write_report", lambda d: build_rows([point("ddp", peak=1.0)]))
     sweep_dir = tmp_path / "sweep"
     callback.on_multirun_start(sweep_config(sweep_dir))
     first = (sweep_dir / SWEEP_ID).read_text()

@@ -15,7 +15,10 @@ from sharded_exp.report.text import (
     compact,
     headline,
     limit_text,
+    machine_text,
     markdown,
+    planned_clause,
+    planned_text,
     report_markdown,
     speed_notes,
     speed_text,
@@ -182,6 +185,57 @@ def test_the_headline_says_how_close_the_predictions_came():
     assert "Every rank's predicted peak is within 5.0%" in headline(edge)
     oom = pair(fsdp={"rel_error": 0.5, "status": "oom"})  # a point that did not run is not counted
     assert "predicted" not in headline(oom)
+
+
+def test_the_machine_sentence_names_the_cpu_layouts_or_the_gpu():
+    cpu = {"type": "cpu", "threads_per_rank": 1}
+    rows = build_rows(
+        [
+            point("ddp", n=1, sps=10.0, device=cpu),
+            point("ddp", 1, n=2, sps=9.0, device=cpu | {"threads_per_rank": 2}),
+            point("fsdp", n=3, peak=1.0, device=cpu),
+        ]
+    )  # fmt: skip  (fsdp: not timed, not said)
+    assert machine_text(rows) == "Speeds measured on this machine's CPU, gloo, 1 rank x 2 threads, 2 ranks x 1 thread."
+    gpu = build_rows([point("ddp", n=1, sps=10.0, device={"type": "cuda", "name": "NVIDIA H200"})])
+    assert machine_text(gpu) == "Speeds measured on NVIDIA H200, NCCL, a GPU per rank."
+    assert machine_text(build_rows([point("ddp", n=1, sps=10.0)])) == ""  # no device recorded: nothing claimed
+    both = build_rows(
+        [point("ddp", n=1, sps=10.0, device=cpu), point("ddp", 4, n=2, sps=10.0, device={"type": "cuda"})]
+    )
+    assert (
+        machine_text(both)
+        == "Speeds measured on this machine's CPU, gloo, 2 ranks x 1 thread; on a GPU, NCCL, a GPU per rank."
+    )
+
+
+def _planned(rows, *steps, note="no trace"):
+    for row, step in zip(rows, steps):
+        row["_planned"] = {"profile": "h100_sxm", "step_time_s": step, "note": None if step else note}
+    return rows
+
+
+def test_the_planned_ratio_stands_beside_the_measured_one():
+    ddp, fsdp = rows = _planned(pair(), 0.010, 0.0125)  # fsdp's step 1.25x ddp's: 0.80x its throughput
+    assert planned_clause(fsdp, ddp) == ", planned 0.80x on h100_sxm"
+    assert headline(rows).startswith(
+        "At 2 ranks, fsdp peaks 75% below ddp (1.00 vs 4.00 MiB) at 0.50x (0.33-0.75) its throughput, planned 0.80x "
+        "on h100_sxm. Planned: each point's config priced by the planner's time model on h100_sxm at its world size."
+    )
+    assert planned_clause(fsdp, _planned(pair(), None)[0]) == ""  # the baseline without a figure: no ratio
+
+
+def test_the_planned_sentence_says_why_a_point_has_none():
+    rows = _planned(pair(), 0.010, None, note="no op trace: boom")
+    assert planned_text(rows) == (
+        "Planned: each point's config priced by the planner's time model on h100_sxm at its world size "
+        "(none for fsdp at 2 ranks: no op trace: boom)."
+    )
+    assert "planned" not in headline(rows).split(". ")[0]
+    assert planned_text(_planned(pair(), None, None, note="it ran on a GPU")) == (
+        "Planned speeds on h100_sxm: none (it ran on a GPU)."
+    )
+    assert planned_text(pair()) == ""  # no profile named
 
 
 def test_speed_notes_say_where_the_figures_come_from():

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# On the GPU machine, one prepared run of at most about 7 minutes: what the planner and every
+# run predict against what one GPU measures (issues 47 and 49), at world size 1.
+#   small: every strategy x precision (bf16, 16, 32), a GPT of ~100M parameters (a step of
+#          tens of ms: the host's cost per op shows): peak allocated and reserved against the
+#          fake step replayed through the allocator model, step time against the run's own
+#          prediction (the GPU measured as the `this` profile) and the planner's on the
+#          sourced h200 profile (benchmarks/accuracy/gpu_check_sourced.json, written before);
+#   big:   every strategy in bf16, a GPT of ~400M parameters and 8k tokens a step (the
+#          kernels' time dominates), the same comparisons;
+#   alloc: the allocator model's sequences against torch.cuda.memory_stats(), exactly;
+#   plan:  (not in the default) the planner's fake CUDA step of the small model's ddp and fsdp
+#          in bf16 on this machine, with its GPU visible and hidden (CUDA_VISIBLE_DEVICES=''):
+#          whether a fake step depends on a GPU being present.
+# PARTS chooses (default: small big alloc); SMALL_PRECISIONS the small model's precisions.
+# Set-up: scripts/device_wheels.sh here first (the packages that machine lacks, into .whl/),
+# then the device run carries .whl and runs this script. Outputs (JSON files, logs, the
+# measured profile) go to $OUT when it is set, else stay under outputs/benchmarks.
+#   scripts/device_round.sh                         # on the GPU machine
+#   PARTS="small big" SMALL_PRECISIONS="bf16 32" scripts/device_round.sh
+#   PYTHON=.venv/bin/python scripts/device_round.sh --accelerator cpu --steps 4 --strategies ddp   # dry run here
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+PARTS=${PARTS:-small big alloc}
+if ls .whl/*.whl >/dev/null 2>&1 && [ -z "${PYTHON:-}" ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH="/tmp/site:$PWD"
+fi
+LOGS=${OUT:-outputs/benchmarks}
+mkdir -p "$LOGS" outputs/benchmarks
+"$PY" -c "import torch; print('torch', torch.__version__, '| cuda', torch.version.cuda, '|', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader 2>/dev/null || true
+echo "PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-(unset)}; parts: $PARTS"
+start=$(date +%s)
+status=0
+check() {  # NAME SECONDS ARGS...: one gpu_check run, its log and JSON kept
+  local name=$1 seconds=$2
+  shift 2
+  timeout "$seconds" "$PY" -m benchmarks.accuracy.gpu_check --name "$name" "$@" 2>&1 | tee "$LOGS/$name.log" \
+    | grep -E "^\||done in|FAILED|^NVIDIA|^cpu;|wrote"
+  local rc=${PIPESTATUS[0]}
+  echo "$name: exit $rc after $(( $(date +%s) - start )) s"
+  cp "outputs/benchmarks/$name.json" "$LOGS"/ 2>/dev/null || true
+  [ "$rc" = 0 ] || status=1
+}
+case " $PARTS " in *" small "*)
+  # shellcheck disable=SC2086
+  check gpu_check 240 --precisions ${SMALL_PRECISIONS:-bf16 16 32} "$@" ;;
+esac
+case " $PARTS " in *" big "*)
+  check gpu_check_big 150 --model model=gpt model.d_model=2048 model.n_layers=8 model.n_heads=16 \
+    model.seq_len=1024 --precisions bf16 "$@" ;;
+esac
+cp "${XDG_CACHE_HOME:-$HOME/.cache}/sharded_exp/this_profile.json" "$LOGS"/ 2>/dev/null || true
+case " $PARTS " in *" alloc "*)
+  timeout 100 "$PY" -m benchmarks.accuracy.allocator_check --no-steps 2>&1 | tee "$LOGS/allocator_check.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  cp outputs/benchmarks/allocator_check.json "$LOGS"/ 2>/dev/null || true ;;
+esac
+case " $PARTS " in *" plan "*)
+  for visible in yes no; do
+    if [ $visible = no ]; then export CUDA_VISIBLE_DEVICES=''; fi
+    echo "planner, GPU visible: $visible"
+    timeout 120 "$PY" -m sharded_exp.plan model=gpt model.d_model=1024 model.n_layers=8 model.n_heads=16 \
+      model.seq_len=512 precision=bf16 trainer.batch_size=8 plan.device=cuda 'plan.world_sizes=[1]' \
+      'plan.strategies=[ddp,fsdp]' plan.alloc_conf= plan.format=csv 2>&1 | grep -v "^plan:" | tee -a "$LOGS/plan.log"
+  done
+  unset CUDA_VISIBLE_DEVICES ;;
+esac
+echo "device round: $(( $(date +%s) - start )) s"
+exit $status
