@@ -449,6 +449,11 @@ class PlanFormat(Option):
     json = "json"
 
 
+class PlanColumns(Option):
+    short = "short"
+    all = "all"
+
+
 class PlanDevice(Option):
     cuda = "cuda"
     cpu = "cpu"
@@ -503,6 +508,11 @@ class PlanSettings(Sealed):
     strategy; 1: all in this process."""
     format: PlanFormat = PlanFormat.table
     """table (aligned), md (a Markdown table), csv (GiB) or json: the same columns."""
+    columns: PlanColumns = PlanColumns.short
+    """What ``plan.format=table`` shows: ``short``, the columns that fit 100 characters a
+    line (short headings, the most telling columns first; the line under the table names
+    those left out) and the header and notes wrapped at 100; ``all``: every column under its
+    full heading, on lines as long as they come. md, csv and json always hold every column."""
     plot: Optional[str] = None
     """Also draw the plan into this PNG file: the peak per rank vs world size, a line per
     strategy (and lever combination), the device memory as a line (null: no chart)."""

@@ -129,7 +129,8 @@ def markdown() -> str:
         "",
         "`model=hf_*` and `model=custom` have no schema of their own: their YAML holds the arguments of the",
         "model's config class (`model.config.*`) or of your `model._target_`, plus `model.pretrained` (a local",
-        "`save_pretrained` directory) and `model.attn_implementation`; see the YAML files in `conf/model/`.",
+        "`save_pretrained` directory), `model.config_file` (a `config.json` to build from, random weights) and",
+        "`model.attn_implementation`; see the YAML files in `conf/model/`.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -8,8 +8,9 @@ wants), the config search path and the ``HYDRA_FULL_ERROR`` line, but not the na
 :func:`refuse_misspelled` composes the command line's overrides first, as Hydra's questions
 are answered (from the schema cache, no torch), and answers what it cannot compose in one
 line with difflib's closest match; a value a group's schema refuses (``trainer.world_size=0``)
-is said the same way, since those range checks need no torch either. Anything it does not
-recognise is left to Hydra, which says it as before.
+is said the same way, since those range checks need no torch either, as is a
+``model.config_file`` that is no readable config.json. Anything it does not recognise is
+left to Hydra, which says it as before.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from omegaconf import OmegaConf
 
 from sharded_exp.compose import CONF_DIR, quote_numeric_choices, register_schemas
 from sharded_exp.config import check_ranges
+from sharded_exp.config_file import read_config_file
 from sharded_exp.errors import ConfigError
 
 UNKNOWN_KEY = re.compile(r"Could not override '([^']+)'")
@@ -149,6 +151,9 @@ def _misspelled(argv: list[str], config_name: str) -> str | None:
         return None
     try:
         check_ranges(cfg)
+        path = OmegaConf.select(cfg, "model.config_file", default=None)
+        if path:  # a Hugging Face config.json: a wrong path or a file that is no config, said at once
+            read_config_file(str(path))
     except ConfigError as exc:
         return str(exc)
     except Exception:  # noqa: BLE001 -- a group that is not ready to be typed here is checked later

@@ -31,6 +31,7 @@ from sharded_exp.models import MODELS, build_model, units
 from sharded_exp.models.target import (
     check_accepts,
     check_attn_implementation,
+    check_config_file,
     check_head_counts,
     check_pretrained,
     is_target_model,
@@ -281,6 +282,7 @@ def check_values(cfg: JobGroups) -> None:
     if not is_target_model(cfg.model):
         MODELS.builder(cfg.model.name)
     else:
+        check_config_file(cfg.model)  # a readable config.json (it replaces model.config), or none
         check_attn_implementation(cfg.model)  # a kernel the Hugging Face class has, or null
         check_head_counts(cfg.model)  # heads that divide as the attention's forward needs
         check_pretrained(cfg.model)  # a local save_pretrained directory, never a download

@@ -7,6 +7,7 @@ weights, no download), or a user's own factory. Built with Hydra's ``instantiate
         model.config._target_=transformers.RobertaConfig             # any other Hugging Face class
     python -m sharded_exp model=custom model._target_=my_pkg.my_module.build +model.hidden=64
     python -m sharded_exp model=hf_gpt2 model.pretrained=/path/to/dir           # your weights (save_pretrained)
+    python -m sharded_exp.plan model=hf_causal model.config_file=/path/to/config.json  # any causal LM's config
 
 Two forms, told apart by whether ``model.config`` is itself a ``_target_`` node:
 
@@ -30,6 +31,13 @@ for ``model.pretrained``.
 ``config.json`` (``model.config`` is then ignored) and the ranks load its weights
 (:mod:`sharded_exp.train.build`); the directory is one ``save_pretrained`` wrote. Nothing
 is ever downloaded: a name that is not a local directory is refused.
+
+``model.config_file=PATH`` (a Hugging Face class only): the architecture is that
+``config.json`` (read by ``AutoConfig``; ``model.config`` is then replaced by it), with
+random weights, so a published model is planned or trained from its config alone, without
+its weights. ``model=hf_causal`` builds it with ``AutoModelForCausalLM`` (whatever
+architecture the file's ``model_type`` names); the other Hugging Face options build their
+own class, which must be of the file's ``model_type``.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
+from sharded_exp.config_file import read_config_file
 from sharded_exp.errors import ConfigError, missing_packages
 
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
@@ -81,13 +90,16 @@ def build_target_model(cfg, weights: bool = False) -> nn.Module:
         if data.get("pretrained"):
             module = _pretrained_model(data, weights)
         elif isinstance(data.get("config"), dict) and "_target_" in data["config"]:
-            module = get_class(target)(config=_with_attention(instantiate(data["config"]), attention))
+            module = _from_config(get_class(target), _with_attention(_config_of(data["config"]), attention))
+        elif _is_auto_class(target):
+            raise ConfigError(
+                f"model={data.get('name')}: model._target_={target} builds whatever architecture a config names: "
+                "give one with model.config_file=PATH (a config.json) or model.pretrained=DIR"
+            )
         else:
             if attention is not None:
                 check_attn_implementation(data)  # refused for a factory (the parent said so already)
-            module = instantiate(
-                {k: v for k, v in data.items() if k not in ("name", "pretrained", "attn_implementation")}
-            )
+            module = instantiate({k: v for k, v in data.items() if k not in ("name", *HF_KEYS)})
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 -- a user's factory: name it and what it said
@@ -96,6 +108,38 @@ def build_target_model(cfg, weights: bool = False) -> nn.Module:
         got = "None (does it return the model?)" if module is None else f"a {type(module).__name__}"
         raise ConfigError(f"model={data.get('name')}: model._target_={target} returned {got}, not a torch.nn.Module")
     return module
+
+
+HF_KEYS = ("pretrained", "config_file", "attn_implementation")
+"""The Hugging Face options' own keys, which a factory (``model=custom``) is not called with."""
+
+
+def _is_auto(cls) -> bool:
+    """``transformers.AutoModel...``: a class that picks the architecture from a config and
+    has no constructor of its own (``from_config`` builds it)."""
+    return hasattr(cls, "from_config") and not hasattr(cls, "config_class")
+
+
+def _is_auto_class(target) -> bool:
+    """``model._target_`` names an ``AutoModel...`` class (:func:`_is_auto`)."""
+    try:
+        cls = get_class(target)
+    except Exception:  # noqa: BLE001 -- not a class: a factory function, or nothing
+        return False
+    return _is_auto(cls)
+
+
+def _config_of(node: dict):
+    """The config class's instance of ``model.config``: its nested values (a config.json's
+    ``rope_parameters``) passed as plain dicts and lists, which Hugging Face's typed
+    config fields accept (OmegaConf's containers they refuse)."""
+    return instantiate(node, _convert_="all")
+
+
+def _from_config(cls, config) -> nn.Module:
+    """``cls`` built from a Hugging Face ``config``: a model class by its constructor, an
+    ``AutoModel...`` class by ``from_config`` (it has no constructor)."""
+    return cls.from_config(config) if _is_auto(cls) else cls(config=config)
 
 
 def _with_attention(config, attention: str | None):
@@ -168,9 +212,10 @@ WEIGHT_FILES = (
 """What ``save_pretrained`` writes the weights to (one file, or shards and their index)."""
 
 
-def pretrained_class(model_cfg):
+def pretrained_class(model_cfg, key: str = "pretrained"):
     """The Hugging Face class ``model._target_`` names, or ConfigError: pretrained weights
-    load into a transformers ``PreTrainedModel`` (or an ``AutoModel...`` class) only."""
+    (``key``: or a config.json) load into a transformers ``PreTrainedModel`` (or an
+    ``AutoModel...`` class) only."""
     target = model_cfg.get("_target_")
     try:
         cls = get_class(target)
@@ -178,7 +223,7 @@ def pretrained_class(model_cfg):
         cls = None
     if not (hasattr(cls, "from_pretrained") and (hasattr(cls, "config_class") or hasattr(cls, "from_config"))):
         raise ConfigError(
-            f"model.pretrained needs a Hugging Face model class as model._target_ (a transformers PreTrainedModel "
+            f"model.{key} needs a Hugging Face model class as model._target_ (a transformers PreTrainedModel "
             f"or AutoModel class, e.g. transformers.GPT2LMHeadModel); model._target_={target} is not one"
         )
     return cls
@@ -191,14 +236,21 @@ def pretrained_config(model_cfg):
     cls = pretrained_class(model_cfg)
     path = model_cfg.get("pretrained")
     config = AutoConfig.from_pretrained(path, local_files_only=True)
+    _builds(cls, config, f"model.pretrained={path}", model_cfg)
+    return config
+
+
+def _builds(cls, config, source: str, model_cfg) -> None:
+    """``cls`` builds a model of ``config``'s architecture, or ConfigError naming both."""
     wanted = getattr(getattr(cls, "config_class", None), "model_type", None)
-    if wanted and config.model_type != wanted:
+    mapping = getattr(cls, "_model_mapping", None)  # an AutoModel... class: the configs it builds
+    if (wanted and config.model_type != wanted) or (not wanted and mapping is not None and type(config) not in mapping):
+        builds = f"a {wanted} model" if wanted else f"no {config.model_type} model"
         raise ConfigError(
-            f"model.pretrained={path} holds a {config.model_type} model (config.json's model_type) and "
-            f"model._target_={model_cfg.get('_target_')} builds a {wanted} model; choose the model=... option "
+            f"{source} holds a {config.model_type} model (config.json's model_type) and "
+            f"model._target_={model_cfg.get('_target_')} builds {builds}; choose the model=... option "
             f"or model._target_ of a {config.model_type} class"
         )
-    return config
 
 
 def check_pretrained(model_cfg) -> None:
@@ -231,20 +283,73 @@ def check_pretrained(model_cfg) -> None:
         model_cfg.pretrained = os.path.abspath(path)
         # what the ranks compare before they load (the directory may change meanwhile)
         model_cfg.pretrained_config_sha256 = _sha256(os.path.join(path, "config.json"))
-        # What is built is the directory's architecture: result.json and W&B show it, not
-        # the option's own model.config (ignored).
+    _adopt(model_cfg, config, "model.pretrained")
+
+
+def _adopt(model_cfg, config, source: str) -> None:
+    """``model.config`` becomes the Hugging Face ``config`` read from ``source`` (plain data
+    with its class as ``_target_``), and the data task's sizes the config defines are taken
+    from it: ``vocab_size``, and ``num_labels`` where the model has that key. A null
+    ``seq_len`` becomes :data:`DEFAULT_SEQ_LEN` or the config's positions where fewer; a
+    longer one than its positions is refused."""
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    with open_dict(model_cfg):
+        # What is built is this architecture: result.json and W&B show it, not the option's
+        # own model.config (ignored).
         kind = type(config)
         saved = json.loads(config.to_json_string(use_diff=True))  # plain data: string keys (id2label)
         model_cfg.config = {"_target_": f"{kind.__module__}.{kind.__name__}", **saved}
         for key in ("vocab_size", "num_labels"):  # vocab_size also for model=custom, which has none
             if (key in model_cfg or key == "vocab_size") and getattr(config, key, None) is not None:
                 model_cfg[key] = getattr(config, key)
-    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        if "seq_len" in model_cfg and model_cfg.seq_len is None:
+            model_cfg.seq_len = min(DEFAULT_SEQ_LEN, positions or DEFAULT_SEQ_LEN)
     seq_len = model_cfg.get("seq_len")
     if positions and isinstance(seq_len, int) and seq_len > positions:
         raise ConfigError(
-            f"model.seq_len={seq_len} is longer than model.pretrained's {positions} positions; use at most {positions}"
+            f"model.seq_len={seq_len} is longer than {source}'s {positions} positions; use at most {positions}"
         )
+
+
+DEFAULT_SEQ_LEN = 2048
+"""The sequence length a config read from a file is planned at when ``model.seq_len`` is
+null: the context LLaMA-1 and GPT-NeoX were trained at. A config's ``max_position_embeddings``
+is what it can take (131,072 for Llama 3.1), not what it is usually trained at."""
+
+
+def check_config_file(model_cfg) -> None:
+    """``model.config_file`` must name a readable ``config.json`` of an architecture
+    ``model._target_`` builds: checked before any rank starts, naming the path. Its config
+    then replaces ``model.config`` (:func:`_adopt`), so the ranks, result.json and W&B all
+    see the architecture read here; the path is made absolute."""
+    path = model_cfg.get("config_file")
+    if not path:
+        config = model_cfg.get("config")
+        has_config = config is not None and "_target_" in config
+        if _is_auto_class(model_cfg.get("_target_")) and not has_config and not model_cfg.get("pretrained"):
+            raise ConfigError(
+                f"model={model_cfg.get('name')} builds the architecture a config.json names: give "
+                "model.config_file=PATH (a config.json; random weights) or model.pretrained=DIR (a save_pretrained "
+                "directory with weights)"
+            )
+        return
+    path = str(path)
+    if model_cfg.get("pretrained"):
+        raise ConfigError(
+            f"model.config_file={path} and model.pretrained={model_cfg.get('pretrained')} both give the architecture: "
+            "model.pretrained's directory has its own config.json; set one of them"
+        )
+    read_config_file(path)  # a file, JSON, with a model_type: each refused naming the path
+    from transformers import AutoConfig  # lazy: transformers is optional ([hf])
+
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, KeyError, TypeError) as exc:  # an architecture this transformers does not know
+        raise ConfigError(f"model.config_file={path}: transformers cannot read it: {exc}") from None
+    _builds(pretrained_class(model_cfg, "config_file"), config, f"model.config_file={path}", model_cfg)
+    with open_dict(model_cfg):
+        model_cfg.config_file = os.path.abspath(path)
+    _adopt(model_cfg, config, "model.config_file")
 
 
 def _sha256(file: str) -> str:
@@ -273,7 +378,9 @@ def _unchanged_since_checked(data: dict) -> None:
     parent read (its sha256, ``model.pretrained_config_sha256``), or the job would train another
     model than its prediction, result.json and W&B name."""
 
-    checked = data.get("pretrained_config_sha256")  # set by check_pretrained: a config that was not checked is not compared
+    checked = data.get(
+        "pretrained_config_sha256"
+    )  # set by check_pretrained: a config that was not checked is not compared
     if checked is None:
         return
     if _sha256(os.path.join(data["pretrained"], "config.json")) != checked:
@@ -296,7 +403,7 @@ def _pretrained_model(data: dict, weights: bool) -> nn.Module:
         # float32 master weights, as every other model here (a half-precision file is upcast)
         return cls.from_pretrained(data["pretrained"], local_files_only=True, dtype=torch.float32, **chosen)
     config = _with_attention(pretrained_config(data), data.get("attn_implementation"))
-    return cls.from_config(config) if not hasattr(cls, "config_class") else cls(config)
+    return _from_config(cls, config)
 
 
 def check_accepts(module: nn.Module, keys, model_name: str, task: str) -> None:

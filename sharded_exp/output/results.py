@@ -7,6 +7,7 @@ import statistics
 from typing import Any
 
 from sharded_exp.job.result import PartialResult, Result
+from sharded_exp.output import TERMINAL_WIDTH
 
 
 def base_result(
@@ -109,10 +110,29 @@ def _divergence(final_loss: float, per_rank: list[dict[str, Any]], nonfinite: li
     return f"diverged: final loss {final_loss}, {where}, {params}"
 
 
-def format_table(rows: list[list[str]], header: list[str]) -> str:
+def format_table(
+    rows: list[list[str]], header: list[str], width: int | None = None, groups: list[int] | None = None
+) -> str:
+    """Right-aligned columns, two spaces apart. ``width``: the columns are folded into blocks
+    of at most that many characters a line, one under the other (a blank line between), each
+    with its own headings, so that no column is left out and no line wraps. ``groups``: the
+    number of columns in each group, in order (default: one group); a group is kept in one
+    block where it fits, and a block takes the next group whole only if it still fits."""
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    line = lambda cells: "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))
-    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+    limit = width if width is not None else sum(w + 2 for w in widths)
+    starts = [sum((groups or [len(header)])[:k]) for k in range(len(groups or [len(header)]) + 1)]
+    blocks: list[list[int]] = [[]]
+    size = lambda columns: sum(widths[i] + 2 for i in columns) - 2  # noqa: E731
+    for a, b in zip(starts, starts[1:]):
+        if blocks[-1] and size(blocks[-1] + list(range(a, b))) > limit:
+            blocks.append([])
+        for i in range(a, b):  # a group wider than the limit is folded column by column
+            if blocks[-1] and size([*blocks[-1], i]) > limit:
+                blocks.append([])
+            blocks[-1].append(i)
+    line = lambda cells, block: "  ".join(str(cells[i]).rjust(widths[i]) for i in block)  # noqa: E731
+    dashes = ["-" * w for w in widths]
+    return "\n\n".join("\n".join([line(header, b), line(dashes, b)] + [line(r, b) for r in rows]) for b in blocks)
 
 
 def _eval_cell(result: Result) -> str:
@@ -128,54 +148,46 @@ def _eval_cell(result: Result) -> str:
 
 
 def summary_table(result: Result) -> str:
-    """The short end-of-run table printed by the parent."""
+    """The short end-of-run table printed by the parent: the run, its speed and its memory,
+    folded to fit the terminal (:data:`~sharded_exp.output.TERMINAL_WIDTH`); result.json
+    holds every figure."""
     tp, mem = result.throughput, result.memory
-    mib = lambda key: f"{getattr(mem, key):.2f}" if mem is not None and getattr(mem, key, None) is not None else "-"
-    header = [
-        "strategy",
-        "precision",
-        "world_size",
-        "model",
-        "params",
-        "final_loss",
-        "samples/s",
-        "step_ms",
-        "pred_step_ms",
-        "peak_MiB",
-        "peak_mean_MiB",
-        "pred_peak_MiB",
-        "states_MiB",
-        "pred_states_MiB",
-        "mfu_pct",
-        "eval",
-        "status",
-    ]
+    mib = lambda key: f"{getattr(mem, key):.2f}" if mem is not None and getattr(mem, key, None) is not None else "-"  # noqa: E731
     timed = tp is not None and bool(tp.model_dump(exclude_unset=True))  # {} when no step was timed
-    row = [
-        result.strategy,
-        result.precision,
-        result.world_size,
-        result.model,
-        f"{result.params:,}",
-        f"{result.final_loss:.4f}" if result.final_loss is not None else "-",
-        f"{tp.samples_per_s:.1f}" if timed else "-",
-        f"{1000 * tp.step_time_s_median:.1f}" if timed else "-",
-        f"{1000 * tp.predicted_step_time_s:.1f}" if timed and tp.predicted_step_time_s is not None else "-",
-        mib("peak_allocated_mib_max"),
-        mib("peak_allocated_mib_mean"),
-        mib("predicted_peak_mib_max"),
-        mib("model_states_mib_max"),
-        mib("predicted_model_states_mib_max"),
-        f"{tp.mfu_pct:.1f}" if tp is not None and tp.mfu_pct is not None else "-",
-        _eval_cell(result),
-        result.status,
-    ]
+    run = {
+        "strategy": result.strategy,
+        "precision": result.precision,
+        "world_size": result.world_size,
+        "model": result.model,
+        "params": f"{result.params:,}",
+        "final_loss": f"{result.final_loss:.4f}" if result.final_loss is not None else "-",
+        "eval": _eval_cell(result),
+        "status": result.status,
+    }
+    speed = {
+        "samples/s": f"{tp.samples_per_s:.1f}" if timed else "-",
+        "step_ms": f"{1000 * tp.step_time_s_median:.1f}" if timed else "-",
+        "pred_step_ms": f"{1000 * tp.predicted_step_time_s:.1f}"
+        if timed and tp.predicted_step_time_s is not None
+        else "-",
+        "mfu_pct": f"{tp.mfu_pct:.1f}" if tp is not None and tp.mfu_pct is not None else "-",
+    }
+    memory = {
+        "peak_MiB": mib("peak_allocated_mib_max"),
+        "peak_mean_MiB": mib("peak_allocated_mib_mean"),
+        "pred_peak_MiB": mib("predicted_peak_mib_max"),
+    }
     if mem is not None and (mem.peak_reserved_mib_max is not None or mem.predicted_peak_reserved_mib_max is not None):
         # CUDA: the caching allocator's reserved bytes, measured and predicted (a CPU run has none)
-        at = header.index("pred_peak_MiB") + 1
-        header[at:at] = ["reserved_MiB", "pred_reserved_MiB"]
-        row[at:at] = [mib("peak_reserved_mib_max"), mib("predicted_peak_reserved_mib_max")]
-    return format_table([row], header)
+        memory |= {
+            "reserved_MiB": mib("peak_reserved_mib_max"),
+            "pred_reserved_MiB": mib("predicted_peak_reserved_mib_max"),
+        }
+    memory |= {"states_MiB": mib("model_states_mib_max"), "pred_states_MiB": mib("predicted_model_states_mib_max")}
+    groups = [run, speed, memory]
+    header = [k for g in groups for k in g]
+    row = [v for g in groups for v in g.values()]
+    return format_table([row], header, width=TERMINAL_WIDTH, groups=[len(g) for g in groups])
 
 
 # ------------------------------------------------ result.json's memory section

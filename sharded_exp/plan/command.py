@@ -238,13 +238,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     # lazy: checking a model imports torch; a question (above) never does
-    from sharded_exp.models.target import check_pretrained, is_target_model
+    from sharded_exp.models.target import check_config_file, check_pretrained, is_target_model
 
     try:
         cfg = compose(argv, config_name="plan")
         check_plan(cfg, argv)
         if is_target_model(cfg.model):
-            check_pretrained(cfg.model)  # its config.json is the architecture planned for
+            check_config_file(cfg.model)  # a config.json given alone is the architecture planned for
+            check_pretrained(cfg.model)  # as is a save_pretrained directory's
         if cfg.plan.params is None:
             buildable(cfg)
     except (ConfigError, OmegaConfBaseException) as exc:
@@ -297,7 +298,10 @@ def plan(cfg: PlanConfig, preset: str) -> int:
     elif form == "csv":
         print(table.csv_text(rows))
     else:
-        print(table.text(rows, found, cfg, params, preset, faked, markdown=form == "md", speed=machine))
+        columns = points._value(cfg.plan.columns)
+        print(
+            table.text(rows, found, cfg, params, preset, faked, markdown=form == "md", speed=machine, columns=columns)
+        )
     if cfg.plan.plot:
         try:
             print(f"plan: chart {write_chart(rows, cfg, params)}", file=sys.stderr)
@@ -315,7 +319,9 @@ def write_chart(rows, cfg: PlanConfig, params: int) -> str:
     count = f"{params / 1e9:.3g} B" if params >= 1e8 else f"{params:,}"
     what = (f"raw parameter count ({count} params, no activations)" if cfg.plan.params is not None
             else f"model={cfg.model.name} ({count} params), batch {cfg.trainer.batch_size}/rank")  # fmt: skip
-    title = f"Planned peak per rank: {what}, precision {Precision.of(cfg)}, {cfg.optimizer.name}, {_value(cfg.plan.device)}"
+    title = (
+        f"Planned peak per rank: {what}, precision {Precision.of(cfg)}, {cfg.optimizer.name}, {_value(cfg.plan.device)}"
+    )
     cost = lambda r: sum(LEVER_COST[x] for x in lever_names(r.get("levers", "none")))  # noqa: E731
     order = sorted(rows, key=lambda r: (cost(r), strategy_cost(r["strategy"])))  # the legend: cheapest first
     path = Path(cfg.plan.plot)

@@ -4,6 +4,11 @@
 The header says what was planned (model preset, parameters, sequence length, precision,
 optimizer, per-rank batch, device budget) and how (the method, said once); the table one row
 per strategy, lever and world size, the peak broken down as the report breaks it down.
+
+In a terminal (``plan.format=table``, ``plan.columns=short``, the default) every line fits
+:data:`WIDTH` characters: the columns are kept in the order of :data:`PRIORITY` while they fit,
+under short headings (:data:`SHORT`), and the line under the table names those left out; the
+prose lines are wrapped. ``plan.columns=all`` and the other formats hold every column.
 """
 
 from __future__ import annotations
@@ -11,12 +16,14 @@ from __future__ import annotations
 import csv
 import io
 import json
+import textwrap
 from typing import Any
 
 from omegaconf import OmegaConf
 from tabulate import tabulate
 
 from sharded_exp.config import PlanConfig
+from sharded_exp.output import TERMINAL_WIDTH as WIDTH
 from sharded_exp.precision import Precision
 from sharded_exp.vocabulary.memory import HEADINGS, PARTS
 from sharded_exp.vocabulary.memory import MEANINGS as MEMORY_MEANINGS
@@ -37,6 +44,23 @@ SPEED_FORMATS = {"step_time_s": ".4g", "exposed_comm_s": ".3g", "tokens_per_s_pe
 COLUMNS = ("strategy", "levers", "ranks", *(HEADINGS.get(p, p) for p in PARTS), "peak", "mean", "host", "allocated",
            "reserved", "device_total", "fits", *SPEED)  # fmt: skip
 """Every format's columns, in order."""
+
+
+SHORT = {"optim state": "optim", "optim step": "opt_step", "gathered": "gather", "buckets": "bucket",
+         "activations": "activ", "temporaries": "temps", "workspace": "wkspace", "allocated": "alloc",
+         "reserved": "resrvd", "device_total": "device", "step_time_s": "step_s", "exposed_comm_s": "comm_s",
+         "tokens_per_s_per_device": "tok/s/dev", "mfu_pct": "mfu%"}  # fmt: skip
+"""The short table's headings where they differ from the full ones (docs/guide/planner.md
+lists them)."""
+PRIORITY = ("strategy", "ranks", "levers", "method", "peak", "fits", "device_total", "params", "grads", "optim state",
+            "gathered", "buckets", "activations", "step_time_s", "mfu_pct", "temporaries", "mean", "optim step",
+            "comm", "other", "workspace", "tokens_per_s_per_device", "exposed_comm_s", "host", "allocated",
+            "reserved")  # fmt: skip
+"""The short table's columns, most telling first: what a plan is read for (the peak, whether
+it fits and the figure fits compares on CUDA, how the largest parts shrink with the strategy,
+the step time) before the rest."""
+TEXT = ("strategy", "levers", "fits")
+"""Left-aligned columns (the others are numbers, right-aligned)."""
 
 
 def cells(row: dict[str, Any], scale: float) -> list[Any]:
@@ -94,12 +118,71 @@ def _body(rows, scale: float) -> tuple[list[str], list[list[Any]]]:
     return head, body
 
 
+def _strings(head: list[str], body: list[list[Any]]) -> list[list[str]]:
+    """Each cell as the tables print it: memory with two decimals, the speed columns in their
+    own format, none as ``-``."""
+    formats = [SPEED_FORMATS.get(c, ".2f") for c in head]
+    return [["-" if v is None else format(v, f) if isinstance(v, float) else str(v) for v, f in zip(line, formats)]
+            for line in body]  # fmt: skip
+
+
+def short_table(head: list[str], body: list[list[Any]], width: int = WIDTH) -> tuple[list[str], list[str]]:
+    """The table's lines within ``width`` characters, and the columns left out: columns are
+    taken in :data:`PRIORITY` order while the table still fits, shown in their own order
+    under :data:`SHORT` headings. The levers column is left out when every row has none."""
+    strings = _strings(head, body)
+    heading = {c: SHORT.get(c, c) for c in head}
+    widths = {c: max(len(heading[c]), *(len(line[i]) for line in strings)) for i, c in enumerate(head)}
+    wanted = [
+        c for c in PRIORITY if c in head and not (c == "levers" and all(r == ["none"] for r in _column(head, body, c)))
+    ]
+    kept: list[str] = []
+    for c in wanted:
+        if sum(widths[k] for k in [*kept, c]) + 2 * len(kept) <= width:
+            kept.append(c)
+    shown_columns = [c for c in head if c in kept]
+    at = [head.index(c) for c in shown_columns]
+    align = lambda c, v: v.ljust(widths[c]) if c in TEXT else v.rjust(widths[c])  # noqa: E731
+    lines = ["  ".join(align(c, heading[c]) for c in shown_columns).rstrip(),
+             "  ".join("-" * widths[c] for c in shown_columns)]  # fmt: skip
+    lines += ["  ".join(align(c, line[i]) for c, i in zip(shown_columns, at)).rstrip() for line in strings]
+    return lines, [c for c in head if c not in kept and c in wanted]
+
+
+def _column(head: list[str], body: list[list[Any]], name: str) -> list[list[Any]]:
+    i = head.index(name)
+    return [[line[i]] for line in body]
+
+
+def _wrapped(lines: list[str], width: int = WIDTH) -> list[str]:
+    """Prose lines wrapped at ``width`` (continuations indented two spaces); a URL or another
+    word longer than the width stays whole."""
+    out = []
+    for line in lines:
+        out += textwrap.wrap(line, width, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False) or [
+            ""
+        ]
+    return out
+
+
 def text(
-    rows, found, cfg: PlanConfig, params: int, preset: str, faked: str, markdown: bool = False, speed: str = ""
+    rows,
+    found,
+    cfg: PlanConfig,
+    params: int,
+    preset: str,
+    faked: str,
+    markdown: bool = False,
+    speed: str = "",
+    columns: str = "all",
 ) -> str:
-    """``plan.format=table`` (aligned columns) or ``md`` (a GitHub Markdown table)."""
+    """``plan.format=table`` (aligned columns) or ``md`` (a GitHub Markdown table).
+    ``columns="short"`` (a table only): within :data:`WIDTH` characters a line
+    (:func:`short_table`)."""
     unit, scale = _unit(rows)
     head, body = _body(rows, scale)
+    if columns == "short" and not markdown:
+        return _short_text(rows, found, cfg, params, preset, faked, speed, unit, scale, head, body)
     kinds = methods(rows)
     lines = header(cfg, params, preset, faked, speed)
     if len(kinds) == 1:
@@ -118,6 +201,27 @@ def text(
     if notes:
         lines += ["", *[f"note: {n}" for n in notes]]
     return "\n".join(lines + _extras(rows, found, cfg, unit, scale))
+
+
+def _short_text(rows, found, cfg, params, preset, faked, speed, unit, scale, head, body) -> str:
+    """The default terminal table: :func:`text`'s lines, each within :data:`WIDTH` characters
+    (a found command, to be pasted whole, excepted)."""
+    kinds = methods(rows)
+    lines = header(cfg, params, preset, faked, speed)
+    lines += [f"method: {kinds[0]}"] if len(kinds) == 1 else [f"method {i}: {m}" for i, m in enumerate(kinds, 1)]
+    lines += allocator_lines(rows)
+    lines.append(f"{unit} per rank at the peak; - : not applicable")
+    table_lines, left_out = short_table(head, body)
+    lines = _wrapped(lines) + [""] + table_lines
+    if left_out:
+        lines += _wrapped([f"not shown here: {', '.join(left_out)} (plan.columns=all shows every column)"])
+    notes = sorted({f"{r['strategy']}: {r['note']}" for r in rows if r["note"]})
+    if notes:
+        lines += ["", *_wrapped([f"note: {n}" for n in notes])]
+    for extra in _extras(rows, found, cfg, unit, scale):
+        for line in extra.split("\n"):
+            lines += [line] if line.startswith("    sharded-exp") else _wrapped([line])  # a command stays whole
+    return "\n".join(lines)
 
 
 def _extras(rows, found, cfg: PlanConfig, unit: str, scale: float) -> list[str]:

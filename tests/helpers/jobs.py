@@ -158,6 +158,35 @@ TINY_HF = {
 }  # fmt: skip
 _saved: dict[str, str] = {}
 
+TINY_CONFIGS = {
+    # grouped-query attention (2 key/value heads for 4 query heads) where the architecture has it
+    "llama": ("LlamaForCausalLM", "LlamaConfig", dict(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                                     num_hidden_layers=2, num_attention_heads=4,
+                                                     num_key_value_heads=2, max_position_embeddings=64)),
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                                           num_hidden_layers=2, num_attention_heads=4,
+                                                           num_key_value_heads=2, max_position_embeddings=64,
+                                                           sliding_window=16)),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                                     num_hidden_layers=2, num_attention_heads=4,
+                                                     num_key_value_heads=2, max_position_embeddings=64)),
+    "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                                            num_hidden_layers=2, num_attention_heads=4,
+                                                            max_position_embeddings=64)),
+}  # fmt: skip
+"""Tiny causal-LM configs of the architectures ``model=hf_causal`` is held to: (model class,
+config class, sizes), as a published config.json would give them."""
+
+
+def write_tiny_config(directory, kind: str) -> str:
+    """``TINY_CONFIGS[kind]``'s config.json, written by its config class's ``save_pretrained``
+    into ``directory`` (a user's config of a published model, without its weights)."""
+    import transformers
+
+    _, config_class, sizes = TINY_CONFIGS[kind]
+    getattr(transformers, config_class)(**sizes).save_pretrained(directory)
+    return str(Path(directory) / "config.json")
+
 
 def saved_tiny_hf(factory, kind: str) -> str:
     """A tiny Hugging Face model (``TINY_HF[kind]``, seeded random weights) written by

@@ -29,7 +29,7 @@ import pytest
 from sharded_exp.compose import CONF_DIR, compose
 from sharded_exp.reference import own_fields
 from tests.helpers.covering import ENV, RUNS
-from tests.helpers.jobs import ROOT, run_cli, tiny
+from tests.helpers.jobs import ROOT, run_cli, tiny, write_tiny_config
 from tests.helpers.runs import check_starts_from_saved
 from tests.helpers.wandb_file import find_runs, read_run
 
@@ -61,14 +61,21 @@ PLANS = {
     "hf_gpt2_xl": ["model=hf_gpt2_xl", "model.config.n_layer=2", "plan.world_sizes=[8]", "plan.strategies=[fsdp]"],
     "hf_llama_7b": ["model=hf_llama_7b", "model.config.num_hidden_layers=2", "plan.world_sizes=[64]",
                     "plan.strategies=[fsdp]", "trainer.batch_size=1"],
+    # A published model's config.json alone (AutoModelForCausalLM, random weights), at its own sizes.
+    "hf_causal": ["model=hf_causal", "model.config_file=__config__gpt_neox", "plan.world_sizes=[2]",
+                  "plan.strategies=[fsdp]", "trainer.batch_size=2"],
     "raw_count": ["plan.params=7.5e9", "plan.units=16", "plan.world_sizes=[64]", "plan.plot=raw_count.png"],
+    # Every column in the terminal's table, under the full headings (json, md and csv always hold them).
+    "table_all": ["model=gpt", "model.n_layers=1", "plan.device=cpu", "plan.world_sizes=[2]", "plan.strategies=[ddp]",
+                  "plan.format=table", "plan.columns=all"],
     "find_depth": ["model=gpt", "plan.find=depth", "plan.device=cpu", "plan.levers=[none,ac_selective]", "plan.world_sizes=[2]", "plan.strategies=[ddp]",
                    "plan.device_memory_gib=0.05"],
     "find_fastest": ["model=gpt", "model.n_layers=2", "model.d_model=64", "model.seq_len=32", "plan.find=fastest",
                      "plan.device=cpu", "plan.remeasure=true", "plan.world_sizes=[2]", "plan.strategies=[ddp,fsdp]",
                      "trainer.batch_size=2"],
 }  # fmt: skip
-"""Planner runs (``python -m sharded_exp.plan``), in this process."""
+"""Planner runs (``python -m sharded_exp.plan``), in this process. ``__config__KIND``: a tiny
+config.json of tests/helpers/jobs.py's ``TINY_CONFIGS``, written by the test."""
 
 SWEEP_SHRINK = ["trainer.steps=3", "trainer.warmup_steps=1", "trainer.eval_batches=1", "logger=none",
                 "trainer.world_size=2"]  # fmt: skip
@@ -218,12 +225,24 @@ CHECKS = {
 SLOW_PLANS = {"find_fastest"}  # a search over strategies x levers x batches, each point traced: the slow tier
 
 
+def _tiny_config(override: str, directory: Path) -> str:
+    """``key=__config__KIND`` with KIND's tiny config.json written into ``directory``."""
+    key, _, kind = override.partition("=__config__")
+    return f"{key}={write_tiny_config(directory, kind)}" if kind else override
+
+
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_PLANS else n for n in PLANS])
 def test_covering_plan(name, capsys, tmp_path, monkeypatch):
     from sharded_exp.plan import command
 
     monkeypatch.chdir(tmp_path)  # where plan.plot draws
-    assert command.main(["plan.format=json", *PLANS[name]]) == 0
+    overrides = [_tiny_config(o, tmp_path) for o in PLANS[name]]
+    assert command.main(["plan.format=json", *overrides]) == 0
+    if "plan.format=table" in overrides:  # a person's table: every column, under its full heading
+        out = capsys.readouterr().out.splitlines()
+        head = next(line for line in out if line.startswith("strategy"))
+        assert all(c in head for c in ("levers", "allocated", "step_time_s", "tokens_per_s_per_device")), head
+        return
     for o in PLANS[name]:
         if o.startswith("plan.plot="):
             assert (tmp_path / o.split("=", 1)[1]).stat().st_size > 0

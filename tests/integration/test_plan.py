@@ -10,8 +10,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from tests.helpers.jobs import ROOT, launch_job
+from tests.helpers.jobs import ROOT, TINY_CONFIGS, launch_job, write_tiny_config
 from tests.helpers.runs import plan_json
 
 GIB, MIB = 2**30, 2**20
@@ -227,3 +228,19 @@ def test_a_plan_row_shows_the_average_over_ranks_beside_the_peak(capsys):
     zero1 = next(r for r in table if r["strategy"] == "zero1")
     assert float(zero1["mean"]) == pytest.approx(rows["zero1"]["mean_gib"], rel=1e-5)  # GiB
     assert float(zero1["peak"]) == pytest.approx(rows["zero1"]["total_gib"], rel=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "gpt_neox"])
+def test_a_causal_lm_is_planned_from_its_config_file_alone(kind, tmp_path):
+    """``model=hf_causal model.config_file=PATH`` and nothing else about the model: the plan is
+    of the file's architecture, as many parameters as its own class builds from it."""
+    import transformers
+
+    model_class, config_class, sizes = TINY_CONFIGS[kind]
+    path = write_tiny_config(tmp_path, kind)
+    out = plan_json("model=hf_causal", f"model.config_file={path}", "plan.world_sizes=[2]", "plan.strategies=[ddp]",
+                    "trainer.batch_size=2")  # fmt: skip
+    with torch.device("meta"):
+        direct = getattr(transformers, model_class)(getattr(transformers, config_class)(**sizes))
+    assert out["params"] == sum(p.numel() for p in direct.parameters())
+    assert out["rows"] and all(r["total_gib"] > 0 for r in out["rows"])

@@ -55,14 +55,17 @@ def test_hydra_questions_are_answered_without_torch(tmp_path):
 
 @pytest.mark.slow  # unit: tests/unit/plan/test_table.py
 def test_every_format_has_the_same_columns(capsys):
-    """table (aligned), md, csv and json: one plan, the same columns; the header names the
-    model preset, sequence, precision, optimizer, per-rank batch and budget, the method once."""
+    """table (aligned, plan.columns=all), md, csv and json: one plan, the same columns; the
+    header names the model preset, sequence, precision, optimizer, per-rank batch and budget,
+    the method once. The default table (plan.columns=short) fits 100 characters a line."""
     from sharded_exp.plan import command
 
     out = {}
     for form in ("table", "md", "csv", "json"):
-        assert command.main([*PLAN, f"plan.format={form}"]) == 0
+        assert command.main([*PLAN, f"plan.format={form}", "plan.columns=all"]) == 0
         out[form] = capsys.readouterr().out
+    assert command.main(PLAN) == 0
+    assert max(len(line) for line in capsys.readouterr().out.splitlines()) <= 100
     doc = json.loads(out["json"])
     columns = list(doc["columns"])
     assert columns[:3] == ["strategy", "levers", "ranks"] and "peak" in columns and "mean" in columns

@@ -69,3 +69,19 @@ def test_the_refusal_is_one_error_line_and_exit_2(capsys):
 def test_a_sweep_the_check_cannot_expand_is_left_to_hydra(argv):
     # Hydra expands interval() only inside a sweeper (its ConfigLoader); the check must not fail on it.
     assert misspelled(argv) is None
+
+
+@pytest.mark.parametrize("config_name", ["config", "plan"])
+def test_a_config_file_that_is_no_readable_config_is_named_before_torch(config_name, tmp_path):
+    absent = tmp_path / "absent.json"
+    assert misspelled(["model=hf_causal", f"model.config_file={absent}"], config_name) == (
+        f"model.config_file={absent} is no file: give the path of a Hugging Face config.json "
+        "(read from this machine; nothing is downloaded)"
+    )
+    broken = tmp_path / "config.json"
+    broken.write_text("{")
+    assert misspelled(["model=hf_llama", f"model.config_file={broken}"], config_name).startswith(
+        f"model.config_file={broken} is not readable JSON"
+    )
+    broken.write_text('{"model_type": "llama"}')
+    assert misspelled(["model=hf_causal", f"model.config_file={broken}"], config_name) is None

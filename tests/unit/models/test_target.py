@@ -1,6 +1,6 @@
 """models/target.py: models given by ``_target_`` (a factory, or a Hugging Face-shaped class built
 from its config class), the refusals that name what is wrong, the attention-kernel and
-pretrained-directory checks, the safetensors header check and the batch-key check."""
+pretrained-directory and config-file checks, the safetensors header check and the batch-key check."""
 
 from __future__ import annotations
 
@@ -20,10 +20,12 @@ from sharded_exp.models.target import (
     build_target_model,
     check_accepts,
     check_attn_implementation,
+    check_config_file,
     check_pretrained,
     is_target_model,
     pretrained_class,
 )
+from tests.helpers.jobs import TINY_CONFIGS, write_tiny_config
 
 
 class TinyConfig:
@@ -85,7 +87,9 @@ def test_a_target_in_a_package_not_installed_is_named_and_transformers_gets_the_
 
 
 def test_a_failing_factory_is_named_with_what_it_raised():
-    with pytest.raises(ConfigError, match=r"(?s)model=custom: building torch.nn.Linear failed: .*TypeError.*out_features"):
+    with pytest.raises(
+        ConfigError, match=r"(?s)model=custom: building torch.nn.Linear failed: .*TypeError.*out_features"
+    ):
         build_target_model({"name": "custom", "_target_": "torch.nn.Linear", "in_features": 3})
 
 
@@ -187,3 +191,81 @@ def test_a_forward_without_a_batch_key_is_refused_naming_it_and_kwargs_take_any(
     check_accepts(Any_(), ["whatever"], "m", "task")
     with pytest.raises(ConfigError, match=r"forward\(\) has no argument attention_mask \(the batch's keys"):
         check_accepts(Only(), ["input_ids", "attention_mask"], "m", "task")
+
+
+# ------------------------------------------------------------------ model.config_file
+def _hf_causal(path) -> OmegaConf:
+    from sharded_exp.compose import compose
+
+    return compose(["model=hf_causal", f"model.config_file={path}"]).model
+
+
+@pytest.mark.parametrize("kind", sorted(TINY_CONFIGS))
+def test_a_config_file_alone_builds_its_architecture_with_the_files_sizes(kind, tmp_path):
+    import torch
+    import transformers
+
+    model_class, config_class, sizes = TINY_CONFIGS[kind]
+    model_cfg = _hf_causal(write_tiny_config(tmp_path, kind))
+    check_config_file(model_cfg)
+    assert model_cfg.vocab_size == sizes["vocab_size"]  # the data task's vocabulary is the file's
+    assert model_cfg.seq_len == sizes["max_position_embeddings"]  # null: its positions, fewer than the default
+    with torch.device("meta"):
+        built = build_target_model(model_cfg)
+        direct = getattr(transformers, model_class)(getattr(transformers, config_class)(**sizes))
+    assert type(built) is type(direct)
+    assert sum(p.numel() for p in built.parameters()) == sum(p.numel() for p in direct.parameters())
+
+
+def test_a_config_file_keeps_a_seq_len_given_and_refuses_one_longer_than_its_positions(tmp_path):
+    path = write_tiny_config(tmp_path, "llama")
+    model_cfg = _hf_causal(path)
+    model_cfg.seq_len = 16
+    check_config_file(model_cfg)
+    assert model_cfg.seq_len == 16
+    model_cfg = _hf_causal(path)
+    model_cfg.seq_len = 65
+    with pytest.raises(ConfigError, match=r"model.seq_len=65 is longer than model.config_file's 64 positions"):
+        check_config_file(model_cfg)
+
+
+def test_a_missing_or_unreadable_config_file_is_refused_naming_its_path(tmp_path):
+    with pytest.raises(ConfigError, match=rf"model.config_file={tmp_path / 'absent.json'} is no file"):
+        check_config_file(_hf_causal(tmp_path / "absent.json"))
+    with pytest.raises(ConfigError, match=rf"model.config_file={tmp_path} is a directory"):
+        check_config_file(_hf_causal(tmp_path))
+    (tmp_path / "broken.json").write_text('{"model_type": ')
+    with pytest.raises(ConfigError, match=rf"model.config_file={tmp_path / 'broken.json'} is not readable JSON"):
+        check_config_file(_hf_causal(tmp_path / "broken.json"))
+    (tmp_path / "plain.json").write_text('{"hidden_size": 8}')
+    with pytest.raises(ConfigError, match="plain.json is no Hugging Face config: it has no model_type"):
+        check_config_file(_hf_causal(tmp_path / "plain.json"))
+    (tmp_path / "unknown.json").write_text('{"model_type": "no_such_architecture"}')
+    with pytest.raises(ConfigError, match="unknown.json: transformers cannot read it"):
+        check_config_file(_hf_causal(tmp_path / "unknown.json"))
+
+
+def test_a_config_file_of_another_architecture_than_the_class_is_refused(tmp_path):
+    from sharded_exp.compose import compose
+
+    path = write_tiny_config(tmp_path, "qwen2")
+    with pytest.raises(ConfigError, match=r"holds a qwen2 model .* builds a gpt2 model"):
+        check_config_file(compose(["model=hf_gpt2", f"model.config_file={path}"]).model)
+    import transformers
+
+    transformers.T5Config(d_model=8, num_heads=2).save_pretrained(tmp_path / "t5")  # an encoder-decoder
+    with pytest.raises(ConfigError, match=r"holds a t5 model .*AutoModelForCausalLM builds no t5 model"):
+        check_config_file(_hf_causal(tmp_path / "t5" / "config.json"))
+
+
+def test_a_config_file_is_not_taken_with_pretrained_weights_and_hf_causal_needs_one(tmp_path):
+    model_cfg = _hf_causal(write_tiny_config(tmp_path, "llama"))
+    model_cfg.pretrained = str(tmp_path)
+    with pytest.raises(ConfigError, match="both give the architecture"):
+        check_config_file(model_cfg)
+    from sharded_exp.compose import compose
+
+    with pytest.raises(ConfigError, match=r"model=hf_causal builds the architecture a config.json names"):
+        check_config_file(compose(["model=hf_causal"]).model)
+    with pytest.raises(ConfigError, match=r"model.config_file=PATH"):  # built without the check: named too
+        build_target_model(compose(["model=hf_causal"]).model)

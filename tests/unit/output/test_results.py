@@ -4,6 +4,7 @@ leaves, the profile), the end-of-run summary table and the lines printed under i
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -110,6 +111,28 @@ def test_format_table_right_aligns_each_column_to_its_widest_cell():
     ]
 
 
+def _cells(table: str) -> dict[str, str]:
+    """Each heading of a folded one-row table and its cell (blocks: heading line, dashes, row)."""
+    out = {}
+    for block in table.split("\n\n"):
+        head, dashes, row = block.splitlines()
+        for dash in re.finditer(r"-+", dashes):  # each column's extent, right-aligned within it
+            out[head[dash.start() : dash.end()].strip()] = row[dash.start() : dash.end()].strip()
+    return out
+
+
+def test_format_table_folds_columns_into_blocks_that_fit_the_width_keeping_each_group_whole():
+    header = ["aaaa", "bbbb", "cccc", "dddd", "eeee"]
+    table = res.format_table([["1", "2", "3", "4", "5"]], header, width=10, groups=[2, 1, 2])
+    assert table.split("\n\n") == ["aaaa  bbbb\n----  ----\n   1     2", "cccc\n----\n   3",
+                                   "dddd  eeee\n----  ----\n   4     5"]  # fmt: skip
+    # a group wider than the width is folded column by column; two groups that fit share a block
+    table = res.format_table([["1", "2", "3", "4", "5"]], header, width=15, groups=[3, 2])
+    assert [b.splitlines()[0] for b in table.split("\n\n")] == ["aaaa  bbbb", "cccc", "dddd  eeee"]
+    table = res.format_table([["1", "2", "3", "4", "5"]], header, width=22, groups=[1, 2, 2])
+    assert [b.splitlines()[0] for b in table.split("\n\n")] == ["aaaa  bbbb  cccc", "dddd  eeee"]
+
+
 def test_the_summary_table_prints_each_figure_in_its_unit():
     result = job(
         strategy="fsdp", precision="bf16", world_size=2, model="mlp", params=1234567, final_loss=0.123456,
@@ -119,12 +142,34 @@ def test_the_summary_table_prints_each_figure_in_its_unit():
                 "model_states_mib_max": 1.0, "predicted_model_states_mib_max": 1.01},
         eval={"final": {"eval/accuracy": 0.91234, "eval/f1": 0.88}, "history": [], "seconds": 0.21},
     )  # fmt: skip
-    header, _, row = res.summary_table(result).splitlines()
-    assert header.split() == ["strategy", "precision", "world_size", "model", "params", "final_loss", "samples/s",
-                              "step_ms", "pred_step_ms", "peak_MiB", "peak_mean_MiB", "pred_peak_MiB", "states_MiB",
-                              "pred_states_MiB", "mfu_pct", "eval", "status"]  # fmt: skip
-    assert row.split() == ["fsdp", "bf16", "2", "mlp", "1,234,567", "0.1235", "123.5", "12.5", "11.1", "3.46", "3.00", "-",
-                           "1.00", "1.01", "3.2", "acc", "0.912", "f1", "0.88", "(0.21", "s)", "ok"]  # fmt: skip
+    assert _cells(res.summary_table(result)) == {
+        "strategy": "fsdp", "precision": "bf16", "world_size": "2", "model": "mlp", "params": "1,234,567",
+        "final_loss": "0.1235", "eval": "acc 0.912 f1 0.88 (0.21 s)", "status": "ok",
+        "samples/s": "123.5", "step_ms": "12.5", "pred_step_ms": "11.1", "mfu_pct": "3.2",
+        "peak_MiB": "3.46", "peak_mean_MiB": "3.00", "pred_peak_MiB": "-", "states_MiB": "1.00", "pred_states_MiB": "1.01",
+    }  # fmt: skip
+
+
+def test_the_summary_table_fits_the_terminal_for_a_wide_run_and_keeps_every_column():
+    """A 7B CUDA run (reserved columns too) with a long model name and evaluation: each line
+    within 100 characters: the run folded where it is too wide, its speed beside its end, its
+    memory in a block of its own."""
+    result = job(
+        model="hf_bert_base_multilingual", params=6_738_415_616, final_loss=10.5, strategy="fsdp_grad_op",
+        throughput={"samples_per_s": 12345.6, "step_time_s_median": 12.5, "mfu_pct": 45.6,
+                    "predicted_step_time_s": 11.1},
+        memory={"peak_allocated_mib_max": 76543.21, "peak_allocated_mib_mean": 76000.0,
+                "predicted_peak_mib_max": 77000.0, "peak_reserved_mib_max": 80000.0,
+                "predicted_peak_reserved_mib_max": 81000.0, "model_states_mib_max": 50000.0,
+                "predicted_model_states_mib_max": 50001.0},
+        eval={"final": {"eval/accuracy": 0.91234, "eval/f1": 0.88, "eval/perplexity": 123.4}, "history": [],
+              "seconds": 1234.5},
+    )  # fmt: skip
+    table = res.summary_table(result)
+    assert max(len(line) for line in table.splitlines()) <= 100
+    cells = _cells(table)
+    assert len(cells) == 19 and cells["reserved_MiB"] == "80000.00" and cells["status"] == "ok"
+    assert [b.splitlines()[0].split()[0] for b in table.split("\n\n")] == ["strategy", "eval", "peak_MiB"]
 
 
 def test_the_summary_table_of_a_cuda_run_shows_reserved_measured_and_predicted():
@@ -132,16 +177,20 @@ def test_the_summary_table_of_a_cuda_run_shows_reserved_measured_and_predicted()
         memory={"peak_allocated_mib_max": 3.0, "peak_reserved_mib_max": 4.0, "predicted_peak_reserved_mib_max": 4.5},
         throughput={},
     )
-    header, _, row = res.summary_table(result).splitlines()
-    at = header.split().index("pred_peak_MiB")
-    assert header.split()[at + 1 : at + 3] == ["reserved_MiB", "pred_reserved_MiB"]
-    assert row.split()[at + 1 : at + 3] == ["4.00", "4.50"]
+    cells = _cells(res.summary_table(result))
+    names = list(cells)
+    at = names.index("pred_peak_MiB")
+    assert names[at + 1 : at + 3] == ["reserved_MiB", "pred_reserved_MiB"]
+    assert (cells["reserved_MiB"], cells["pred_reserved_MiB"]) == ("4.00", "4.50")
 
 
 def test_the_summary_table_of_a_run_that_never_trained():
     result = job(status="oom", throughput={})  # {}: no step was timed
-    row = res.summary_table(result).splitlines()[2].split()
-    assert row == ["ddp", "32", "2", "mlp", "10", *["-"] * 11, "oom"]
+    cells = _cells(res.summary_table(result))
+    assert [cells[k] for k in ("strategy", "precision", "world_size", "model", "params", "status")] == [
+        "ddp", "32", "2", "mlp", "10", "oom"]  # fmt: skip
+    assert {v for k, v in cells.items() if k not in ("strategy", "precision", "world_size", "model", "params",
+                                                      "status")} == {"-"}  # fmt: skip
 
 
 def test_the_eval_cell_of_a_pass_without_the_named_metrics_or_of_no_pass():

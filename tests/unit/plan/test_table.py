@@ -138,7 +138,17 @@ def test_the_table_says_its_method_once_and_its_unit():
     assert out[2] == "method: fake step"
     assert out[3] == "MiB per rank at the peak; - : not applicable"
     assert out[4] == ""
-    assert out[5].split() == ["strategy", "levers", "ranks", "params", "peak", "mean", "allocated", "fits", *table.SPEED]
+    assert out[5].split() == [
+        "strategy",
+        "levers",
+        "ranks",
+        "params",
+        "peak",
+        "mean",
+        "allocated",
+        "fits",
+        *table.SPEED,
+    ]
     assert out[7].split() == ["ddp", "none", "2", "512.00", "512.00", "512.00", "512.00", "yes", "-", "-", "-", "-"]
 
 
@@ -256,3 +266,78 @@ def test_a_cpu_plan_shows_no_reserved_and_says_nothing_of_an_allocator():
     rows = [row(params=1.0, total=1.0)]
     assert "reserved" not in table.shown(rows) and "device_total" not in table.shown(rows)
     assert "allocator" not in table.text(rows, [], config(), 10, "gpt", "cpu")
+
+
+# ------------------------------------------------------------- the short terminal table
+def wide_rows():
+    """A 7B-sized plan on CUDA: every part held, the allocator's columns, the speed columns,
+    long notes: its full table is near 300 characters wide."""
+    out = []
+    for strategy, ws in [("ddp", 8), ("fsdp_grad_op", 64), ("sharded_ddp", 64)]:
+        r = row(
+            strategy=strategy,
+            world_size=ws,
+            total=150.23,
+            params=25.01,
+            grads=25.01,
+            optimizer=50.03,
+            optimizer_step=25.01,
+            gathered=12.51,
+            buckets=25.01,
+            activations=8.19,
+            temporaries=1.24,
+            communication=0.5,
+            other=0.02,
+            workspace=0.03,
+            note="drawn from 1 and 2 blocks (checked at 3); " * 4,
+        )
+        r |= {"mean_gib": 150.0, "host_gib": 1.5, "allocated_gib": 150.23, "reserved_gib": 165.22,
+              "device_total_gib": 165.63, "step_time_s": 0.2431, "exposed_comm_s": 0.0294,
+              "tokens_per_s_per_device": 1.993e7, "mfu_pct": 45.3}  # fmt: skip
+        out.append(r)
+    return out
+
+
+def short(rows, **kw):
+    return table.text(rows, [], config(**kw), 6_700_000_000, "gpt_7b", "cuda, " + "the kernels CUDA picks " * 10,
+                      speed="speed: " + "a device profile " * 10, columns="short")  # fmt: skip
+
+
+def test_the_default_terminal_table_fits_100_characters_a_line():
+    rows = wide_rows()
+    assert max(len(line) for line in table.text(rows, [], config(), 10, "gpt", "cuda").splitlines()) > 200  # all
+    lines = short(rows).splitlines()
+    assert max(len(line) for line in lines) <= 100
+    at = next(i for i, line in enumerate(lines) if line.startswith("strategy"))
+    head = lines[at].split()
+    assert head[:2] == ["strategy", "ranks"] and {"peak", "fits", "params", "optim", "activ"} <= set(head)
+    assert "levers" not in head  # every row has none
+    assert lines[at + 2].split()[:2] == ["ddp", "8"] and "150.23" in lines[at + 2].split()
+
+
+def test_the_short_table_names_the_columns_it_leaves_out_and_keeps_the_most_telling():
+    rows = wide_rows()
+    head, body = table._body(rows, 1.0)
+    lines, left_out = table.short_table(head, body, width=60)
+    assert max(len(line) for line in lines) <= 60
+    shown = lines[0].split()
+    assert shown == [table.SHORT.get(c, c) for c in head if c not in left_out and c != "levers"]
+    assert shown[:2] == ["strategy", "ranks"] and "peak" in shown and "fits" in shown
+    assert "reserved" in left_out and "allocated" in left_out  # the least telling go first
+    text = short(rows)
+    assert "not shown here: " in text and "(plan.columns=all shows every column)" in text
+
+
+def test_the_short_table_shows_levers_when_a_row_has_one_and_aligns_text_left():
+    rows = [row(params=1.0, total=1.0), row(params=1.0, total=0.5, levers="ac")]
+    head, body = table._body(rows, 1.0)
+    lines, left_out = table.short_table(head, body)
+    assert lines[0].split()[:3] == ["strategy", "levers", "ranks"] and not left_out
+    assert lines[2].startswith("ddp       none") and lines[3].split()[:3] == ["ddp", "ac", "2"]
+
+
+def test_the_columns_setting_leaves_markdown_whole():
+    rows = wide_rows()
+    assert table.text(rows, [], config(), 10, "gpt", "cuda", markdown=True, columns="short") == table.text(
+        rows, [], config(), 10, "gpt", "cuda", markdown=True
+    )
