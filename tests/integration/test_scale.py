@@ -138,6 +138,8 @@ def test_dcp_checkpoint_of_fsdp_resumes_in_another_strategy_and_world_size(
     assert min(moved) >= -1e-9  # v' = b2 * v + (1 - b2) g^2 >= b2 * v: only true if v was carried over
 
 
+@pytest.mark.slow  # the default tier's: test_checkpoint.py resumes dcp (fsdp-gpt-dcp) and resumes in another
+# strategy (test_checkpoint_from_sharded_ddp_resumes_under_ddp); this test's fixture costs two fsdp runs
 def test_dcp_resume_in_another_strategy_matches_the_uninterrupted_run(fsdp_checkpoint, tmp_path):
     path, out = fsdp_checkpoint
     resumed = launch_job(
