@@ -103,6 +103,7 @@ def test_a_7b_plan_point_is_fast_and_allocates_nothing():
 
 
 # ---------------------------------------------------- a planner that answers fast
+@pytest.mark.slow  # the rule in the default tier: tests/unit/plan/test_points.py (exact to 1024 ranks, then drawn)
 def test_a_raw_plan_at_a_million_ranks_is_drawn_from_exact_plans():
     from sharded_exp.compose import compose
     from sharded_exp.plan import points as plan
