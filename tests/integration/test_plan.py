@@ -210,6 +210,8 @@ def test_the_plan_draws_its_table(tmp_path, capsys):
     assert "plan.plot=" in capsys.readouterr().err and not (tmp_path / "plan.txt").exists()
 
 
+@pytest.mark.slow  # the mean over ranks in the default tier: unit/plan/test_points.py (a row's mean),
+# unit/predict/test_prediction.py (every rank's peak), unit/plan/test_table.py (its column)
 def test_a_plan_row_shows_the_average_over_ranks_beside_the_peak(capsys):
     """ZeRO-1 cannot split one tensor: the rank that owns a large embedding's optimizer state
     peaks above the others, and the average over ranks (the seed study's figure) is below
