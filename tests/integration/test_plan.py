@@ -142,6 +142,8 @@ def test_a_deep_model_drawn_from_three_depths_equals_the_whole_model_faked(model
             assert drawn["method"].startswith("composed by depth"), drawn
 
 
+@pytest.mark.slow  # the default tier's: unit/plan/test_points.py (a freeze is faked whole); frozen parameters'
+# predicted states (no gradient, no optimizer state): test_matrix.py's frozen rows
 def test_a_deep_model_with_a_later_block_frozen_is_planned_whole():
     """Freezing blocks the shallow fakes of a composition have not got (blocks_.5.*) plans the
     model faked whole, with the frozen block holding no gradient, not a traceback."""
