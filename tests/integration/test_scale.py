@@ -185,6 +185,9 @@ def run_dirs(cwd) -> list:
     return sorted((cwd / "outputs" / "runs").iterdir())
 
 
+@pytest.mark.slow  # a launcher, not a strategy: its job (oss, the MLP, fp32) runs in the default tier without it;
+# torchrun's variables to a rank layout, a world size and one writer: unit/launch (test_layout, test_preflight,
+# test_parent)
 def test_torchrun_standalone_makes_one_run_directory_with_the_real_world_size(tmp_path):
     proc = torchrun(["strategy=oss", *TINY, "trainer.world_size=5"], tmp_path, "--standalone", "--nproc-per-node=2")
     code, output = finish(proc)
