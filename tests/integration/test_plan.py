@@ -120,7 +120,7 @@ def test_a_raw_plan_at_a_million_ranks_is_drawn_from_exact_plans():
         assert row["total_gib"] == pytest.approx(exact[(row["strategy"], 8192)], rel=1e-3)
 
 
-@pytest.mark.slow  # the default tier's case: test_plan_compose.py (the same rule, every strategy's family)
+@pytest.mark.slow  # the default tier's case: test_plan_compose.py's ddp (the same rule, drawn and reused)
 @pytest.mark.parametrize("model", [
     ["model=gpt", "model.n_layers=8", "model.d_model=64", "model.n_heads=2", "model.seq_len=32"],
     pytest.param(["model=hf_llama", "model.config.num_hidden_layers=7", "model.seq_len=16"], marks=pytest.mark.slow),
