@@ -236,7 +236,6 @@ def test_a_diverged_point_of_a_sweep_gets_no_saving_in_the_report(tmp_path):
     assert bad["parity_vs_baseline"] == ""
 
 
-@pytest.mark.slow  # signals in the default tier: the Ctrl-C test above; its words: unit/launch/test_supervise.py
 def test_a_rank_killed_by_a_signal_is_named_not_its_peer(tmp_path):
     proc = cli(LONG, tmp_path, env={"SHARDED_EXP_FAULT": "rank=1,step=3,kind=kill"})
     assert proc.returncode == 1
