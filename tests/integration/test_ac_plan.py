@@ -77,6 +77,8 @@ def test_selective_checkpointing_keeps_the_fused_attentions_outputs_on_a_gpu(pla
     assert gpu["activations_gib"] == pytest.approx(cpu["activations_gib"], rel=1e-12)
 
 
+@pytest.mark.slow  # the default tier's: the planner's rows above (the same fake step, every family with full AC),
+# test_levers.py's real AC runs, and unit/predict/test_op_trace.py (the recomputed forward is counted apart)
 def test_a_gpu_runs_prediction_with_activation_checkpointing():
     """A GPU run's parent predicts as the planner does (the same fake step) and counts FLOPs
     too: the model's, the same with checkpointing as without (the recomputed forward is

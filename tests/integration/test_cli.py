@@ -68,6 +68,8 @@ def test_failing_rank_fails_the_job_and_names_the_rank(tmp_path):
     assert "Traceback" in first["traceback"]
 
 
+@pytest.mark.slow  # a rank's exit in the default tier: test_failures.py's ranks that exit 0 without a result;
+# the words for a non-zero exit code: tests/unit/launch/test_diagnose.py
 def test_exiting_rank_fails_the_job(tmp_path):
     env = {"SHARDED_EXP_FAULT": "rank=0,step=1,kind=exit"}
     proc = run_cli([*TINY, f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env)

@@ -54,7 +54,8 @@ def test_activation_checkpointing_changes_no_parameter(strategy, lever, shared_r
     assert result["config"]["trainer"]["activation_checkpointing"] == AC[lever][0].split("=")[1]
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", pytest.param("fsdp_grad_op", marks=pytest.mark.slow)])
+@pytest.mark.slow  # HSDP's real runs in the default tier: test_coverage.py's fsdp and fsdp_grad_op (strategy.replicate=2)
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp_grad_op"])
 def test_hsdp_matches_fsdp_and_shards_within_a_replica_group(strategy, shared_runs):
     """strategy.replicate=2 at 4 ranks: a 2 x 2 mesh. Each rank holds half the states (a
     group of 2 shards them), twice FSDP's at 4 ranks; training matches FSDP's up to the

@@ -104,6 +104,7 @@ def test_a_7b_plan_point_is_fast_and_allocates_nothing():
 
 
 # ---------------------------------------------------- a planner that answers fast
+@pytest.mark.slow  # the rule in the default tier: tests/unit/plan/test_points.py (exact to 1024 ranks, then drawn)
 def test_a_raw_plan_at_a_million_ranks_is_drawn_from_exact_plans():
     from sharded_exp.compose import compose
     from sharded_exp.plan import points as plan
@@ -120,7 +121,7 @@ def test_a_raw_plan_at_a_million_ranks_is_drawn_from_exact_plans():
         assert row["total_gib"] == pytest.approx(exact[(row["strategy"], 8192)], rel=1e-3)
 
 
-@pytest.mark.slow  # the default tier's case: test_plan_compose.py (the same rule, every strategy's family)
+@pytest.mark.slow  # the default tier's case: test_plan_compose.py's ddp (the same rule, drawn and reused)
 @pytest.mark.parametrize("model", [
     ["model=gpt", "model.n_layers=8", "model.d_model=64", "model.n_heads=2", "model.seq_len=32"],
     pytest.param(["model=hf_llama", "model.config.num_hidden_layers=7", "model.seq_len=16"], marks=pytest.mark.slow),
@@ -142,6 +143,8 @@ def test_a_deep_model_drawn_from_three_depths_equals_the_whole_model_faked(model
             assert drawn["method"].startswith("composed by depth"), drawn
 
 
+@pytest.mark.slow  # the default tier's: unit/plan/test_points.py (a freeze is faked whole); frozen parameters'
+# predicted states (no gradient, no optimizer state): test_matrix.py's frozen rows
 def test_a_deep_model_with_a_later_block_frozen_is_planned_whole():
     """Freezing blocks the shallow fakes of a composition have not got (blocks_.5.*) plans the
     model faked whole, with the frozen block holding no gradient, not a traceback."""
@@ -210,6 +213,8 @@ def test_the_plan_draws_its_table(tmp_path, capsys):
     assert "plan.plot=" in capsys.readouterr().err and not (tmp_path / "plan.txt").exists()
 
 
+@pytest.mark.slow  # the mean over ranks in the default tier: unit/plan/test_points.py (a row's mean),
+# unit/predict/test_prediction.py (every rank's peak), unit/plan/test_table.py (its column)
 def test_a_plan_row_shows_the_average_over_ranks_beside_the_peak(capsys):
     """ZeRO-1 cannot split one tensor: the rank that owns a large embedding's optimizer state
     peaks above the others, and the average over ranks (the seed study's figure) is below

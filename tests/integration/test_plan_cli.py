@@ -158,17 +158,24 @@ def test_a_value_hydra_refuses_is_said_with_its_reason(override, message, capsys
     assert capsys.readouterr().err == message
 
 
-def test_a_model_beside_plan_params_is_refused():
-    proc = run_cli(["model=gpt2_small", "plan.params=1e9"], cwd=ROOT, module="sharded_exp.plan")
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "plan.params=1e+09 plans a raw parameter count, and model=gpt2_small would be ignored" in proc.stderr
+def test_a_model_beside_plan_params_is_refused(capsys):
+    """In this process, without a second torch start-up (a traceback would fail the test;
+    ``python -m sharded_exp.plan`` exits with what main returns): exit 2 and the reason."""
+    from sharded_exp.plan import command
+
+    assert command.main(["model=gpt2_small", "plan.params=1e9"]) == 2
+    err = capsys.readouterr().err
+    assert "plan.params=1e+09 plans a raw parameter count, and model=gpt2_small would be ignored" in err, err
 
 
-def test_the_planner_takes_a_0_dim_parameter():
-    proc = run_cli(["model=custom", "model._target_=tests.helpers.user_models.build_with_scalar", "plan.world_sizes=[2]",
-                    "plan.strategies=[fsdp,fsdp_grad_op]"], cwd=ROOT, module="sharded_exp.plan")  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "fsdp_grad_op" in proc.stdout and "IndexError" not in proc.stderr
+def test_the_planner_takes_a_0_dim_parameter(capsys):
+    """In this process: an IndexError on the 0-dim parameter would fail the test."""
+    from sharded_exp.plan import command
+
+    assert command.main(["model=custom", "model._target_=tests.helpers.user_models.build_with_scalar",
+                         "plan.world_sizes=[2]", "plan.strategies=[fsdp,fsdp_grad_op]"]) == 0  # fmt: skip
+    out = capsys.readouterr()
+    assert "fsdp_grad_op" in out.out and "IndexError" not in out.err, out.err[-3000:]
 
 
 def test_planner_input_refused_before_planning(tmp_path, capsys):

@@ -623,6 +623,7 @@ def test_an_interrupted_report_leaves_the_previous_one_whole(tmp_path, monkeypat
     assert "zero1" in (tmp_path / "report.md").read_text() and not list(tmp_path.glob(".report-*"))
 
 
+@pytest.mark.slow  # in the default tier in this process: unit/report/test_command.py (exit 1, the line, nothing written)
 def test_the_report_of_an_empty_directory_writes_nothing(tmp_path):
     proc = run_cli([str(tmp_path)], cwd=ROOT, module="sharded_exp.report")
     assert proc.returncode == 1 and "no result.json" in proc.stderr

@@ -138,6 +138,8 @@ def test_dcp_checkpoint_of_fsdp_resumes_in_another_strategy_and_world_size(
     assert min(moved) >= -1e-9  # v' = b2 * v + (1 - b2) g^2 >= b2 * v: only true if v was carried over
 
 
+@pytest.mark.slow  # the default tier's: test_checkpoint.py resumes dcp (fsdp-gpt-dcp) and resumes in another
+# strategy (test_checkpoint_from_sharded_ddp_resumes_under_ddp); this test's fixture costs two fsdp runs
 def test_dcp_resume_in_another_strategy_matches_the_uninterrupted_run(fsdp_checkpoint, tmp_path):
     path, out = fsdp_checkpoint
     resumed = launch_job(
@@ -183,6 +185,9 @@ def run_dirs(cwd) -> list:
     return sorted((cwd / "outputs" / "runs").iterdir())
 
 
+@pytest.mark.slow  # a launcher, not a strategy: its job (oss, the MLP, fp32) runs in the default tier without it;
+# torchrun's variables to a rank layout, a world size and one writer: unit/launch (test_layout, test_preflight,
+# test_parent)
 def test_torchrun_standalone_makes_one_run_directory_with_the_real_world_size(tmp_path):
     proc = torchrun(["strategy=oss", *TINY, "trainer.world_size=5"], tmp_path, "--standalone", "--nproc-per-node=2")
     code, output = finish(proc)
