@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -12,6 +13,7 @@ from sharded_exp.report.text import (
     _did_not_finish,
     _fmt,
     _ranks_list,
+    baseline_rule,
     compact,
     headline,
     limit_text,
@@ -280,3 +282,14 @@ def test_no_growth_is_explained_where_the_peak_does_not_grow_or_ran_at_one_world
     grew_without_reason = build_rows([point("oss", 2, n=1, peak=5.0), point("oss", 4, n=2, peak=6.0)])
     for rows in (falling, once, grew_without_reason):
         assert "peaks higher" not in headline(rows)
+
+
+def test_the_sweeps_guide_orders_the_strategies_as_the_report_does():
+    from pathlib import Path
+
+    from sharded_exp.strategies import STRATEGIES, by_sharding
+
+    page = (Path(__file__).parents[3] / "sharded_exp" / "docs" / "guide" / "sweeps.md").read_text()
+    (order,) = re.findall(r"\((ddp(?:\s*<\s*\w+)+)\)", page)
+    assert re.split(r"\s*<\s*", order) == by_sharding(STRATEGIES.names())
+    assert ", ".join(by_sharding(STRATEGIES.names())) in baseline_rule()
