@@ -89,36 +89,59 @@ def _end_labels(ax, fig, x: float, ends: dict[str, list[str]], gap: float = 0.04
         )
 
 
+def _strategy_axis(ax, labels: list[str], world_size: int) -> dict[str, int]:
+    """A single world size's x axis: one slot per line, named under it, so that no two
+    markers share a place and each label can sit on its own marker."""
+    long = max((len(label) for label in labels), default=0) > 12
+    ax.set_xticks(range(len(labels)), labels, fontsize=8, **({"rotation": 25, "ha": "right"} if long else {}))
+    ax.set_xlim(-0.6, len(labels) - 0.4)
+    ax.set_xlabel(f"strategy, at {ranks(world_size)}")
+    return {label: i for i, label in enumerate(labels)}
+
+
 def plan_chart(rows: list[dict[str, Any]], budget_gib: float, title: str):
     """Memory per rank at the peak vs world size, a line per strategy (and lever
     combination; each its own marker, so lines that coincide stay visible), the device's
-    memory as a line; the points that fit are filled, the last world size labelled."""
+    memory as a line; the points that fit are filled, the last world size labelled.
+
+    At a single world size every line is one point at the same x: their labels, pushed apart
+    to stay legible, ended far from their markers. There each line gets its own slot on the
+    x axis instead, and its figure sits on its marker."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8.5, 5))
     world_sizes = sorted({r["world_size"] for r in rows})
-    xpos = world_axis(ax, world_sizes)
     big = max((r["total_gib"] or 0 for r in rows), default=0) >= 1 or budget_gib >= 1
     unit, scale = ("GiB", 1.0) if big else ("MiB", 1024.0)
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         label = r["strategy"] + ("" if r.get("levers", "none") == "none" else f" + {r['levers']}")
         groups.setdefault(label, []).append(r)
+    single = len(world_sizes) == 1
+    if single:
+        slots = _strategy_axis(ax, list(groups), world_sizes[0])
+    else:
+        xpos = world_axis(ax, world_sizes)
     colors = palette(groups)
     ends: dict[str, list[str]] = {}  # the last world size's figure -> the lines that end there
     for i, (label, members) in enumerate(groups.items()):
         color, marker = colors[label], MARKERS[i % len(MARKERS)]
         members = [r for r in sorted(members, key=lambda r: r["world_size"]) if r["total_gib"] is not None]
-        xs = [xpos[r["world_size"]] for r in members]
+        xs = [slots[label] if single else xpos[r["world_size"]] for r in members]
         ys = [r["total_gib"] * scale for r in members]
         ax.plot(xs, ys, "-", color=color, label=label, marker=marker, markerfacecolor="white")
         fit = [(x, y) for x, y, r in zip(xs, ys, members) if r["fits"]]
         ax.plot([p[0] for p in fit], [p[1] for p in fit], linestyle="none", marker=marker, color=color)
-        if members and members[-1]["world_size"] == world_sizes[-1]:
+        if single:
+            for x, y in zip(xs, ys):
+                ax.annotate(num(y), (x, y), textcoords="offset points", xytext=(0, 6), ha="center", va="bottom",
+                            fontsize=7, color=color)  # fmt: skip
+        elif members and members[-1]["world_size"] == world_sizes[-1]:
             ends.setdefault(num(ys[-1]), []).append(label)
     ax.axhline(budget_gib * scale, color="crimson", linestyle=":", linewidth=1.5)
     ax.set_yscale("log")
-    _end_labels(ax, fig, len(world_sizes) - 1, ends)
-    ax.set_xlim(-0.5, len(world_sizes) + 0.6)  # room for the labels at the right
+    if not single:
+        _end_labels(ax, fig, len(world_sizes) - 1, ends)
+        ax.set_xlim(-0.5, len(world_sizes) + 0.6)  # room for the labels at the right
     ax.annotate(
         f"device memory {budget_gib * scale:g} {unit}",
         (0, budget_gib * scale),
@@ -133,7 +156,10 @@ def plan_chart(rows: list[dict[str, Any]], budget_gib: float, title: str):
         axis(lambda v, _: f"{v:g}")  # 60, not 6 x 10^1 (a function is wrapped in a FuncFormatter)
     ax.set_ylabel(f"peak per rank ({unit}, log scale)")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, title="filled: fits; hollow: does not", title_fontsize=8, loc="lower left")
+    # lower left: clear of the labels at the right; one world size has none there, so wherever is free
+    ax.legend(
+        fontsize=8, title="filled: fits; hollow: does not", title_fontsize=8, loc="best" if single else "lower left"
+    )
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
     return fig

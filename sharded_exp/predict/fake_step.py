@@ -32,6 +32,7 @@ import inspect
 import sys
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +104,30 @@ def fake_process_group(world_size: int, rank: int):
         work.is_completed = never
         dist.destroy_process_group()
         sys.excepthook = hook
+
+
+MOD_TRACKER_WARNING = r"The module hierarchy tracking maybe be messed up\. Please file a bug to PyTorch"
+"""The start of torch ModTracker's warning when a module is entered while it still counts it
+as active (torch.distributed._tools.mod_tracker, torch 2.13)."""
+
+
+@contextlib.contextmanager
+def _mod_tracker_warning_quiet():
+    """torch's ModTracker, inside MemTracker, warns "... Please file a bug to PyTorch" when a
+    module is entered again while it still counts it as active, as in a Hugging Face Llama's fake
+    step (a plan of one printed it, and more than once). It counts such
+    a re-entry itself (``_active_module_cnt``), and our tracker reads from it only whether any
+    module is active (the phase) and which one allocated (the owner): the warning asks the user
+    to report what they cannot act on. Filtered for the fake step only, by its message, so any
+    other warning still shows. When it fires, ModTracker also replaces ``warnings.formatwarning``
+    for the whole process; that is put back too."""
+    formatwarning = warnings.formatwarning
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=MOD_TRACKER_WARNING, category=UserWarning)
+        try:
+            yield
+        finally:
+            warnings.formatwarning = formatwarning
 
 
 @contextlib.contextmanager
@@ -417,6 +442,7 @@ def _run(
     gloo = GlooReduceScatter() if device_type == "cpu" else contextlib.nullcontext(None)
     with (
         fake_process_group(world_size, rank),
+        _mod_tracker_warning_quiet(),
         _separate_propagation_mode(),
         _lazy_fsdp_chunks(),
         gloo as gloo_rule,

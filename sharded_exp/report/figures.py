@@ -289,8 +289,8 @@ def predicted_parts(row: dict[str, Any]) -> dict[str, float] | None:
 
 
 def breakdown_chart(rows: list[dict[str, Any]], swept: list[str]):
-    """(3) Each point's peak split into parameters, gradients, optimizer state,
-    activations and temporaries: measured (solid, where the CPU tracker split it; for a
+    """(3) Each point's peak split into parameters, gradients, optimizer state, communication
+    buckets, activations and temporaries (:data:`CHART_PARTS`): measured (solid, where the CPU tracker split it; for a
     point that ran out of memory, what was live when it crossed its budget, marked OOM) and
     predicted (hatched) side by side."""
     from matplotlib.patches import Patch  # lazy: matplotlib
@@ -431,7 +431,8 @@ CHARTS = {
                        "samples per second of all ranks (median step), its 95% interval as error bars; points without "
                        "a throughput are named in a box"),
     "breakdown.png": ("What each peak holds", breakdown_chart,
-                      "each point's peak split into parameters, gradients, optimizer state, activations and "
+                      "each point's peak split into parameters, gradients, optimizer state, communication buckets, "
+                      "activations and "
                       "temporaries: measured (left; CPU tracker; for a point that ran out of memory, what was live when it "
                       "crossed its budget, marked OOM) beside predicted (right, hatched; the fake step)"),
     "prediction.png": ("Predicted vs measured peak", prediction_chart,

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from sharded_exp.errors import ConfigError
 from sharded_exp.output.charts import num, ranks
 from sharded_exp.report.figures import CHARTS
 from sharded_exp.report.rows import columns, measured, series_keys, series_label, swept_of
 from sharded_exp.report.statistics import BAND
-from sharded_exp.strategies import STRATEGIES, baseline, by_sharding
+from sharded_exp.strategies import STRATEGIES, baseline, by_sharding, memory_of
 
 COMPACT = {
     "strategy": "strategy",
@@ -239,6 +240,33 @@ def _did_not_finish(members: list[dict[str, Any]]) -> str:
     return "; ".join(clauses) + "." if clauses else ""
 
 
+def _growth_reason(strategy: str) -> str:
+    """The strategy's own reason its peak grows with ranks (``MemoryModel.peak_grows_with_ranks``);
+    "" for one with none, or not registered here (a plugin's point of an older sweep)."""
+    try:
+        return memory_of(strategy).peak_grows_with_ranks
+    except ConfigError:
+        return ""
+
+
+def _peak_growth(members: list[dict[str, Any]]) -> str:
+    """Why a strategy peaks higher at more ranks, once per strategy whose memory model gives a
+    reason and whose measured peak is higher at its largest world size than at its smallest,
+    e.g. "sharded_ddp peaks higher at 4 ranks than at 2 (6.00 vs 5.00 MiB): fairscale's ...".
+    Sharding is expected to lower a peak, so a rise is explained rather than left to puzzle."""
+    sentences = []
+    for name in dict.fromkeys(r["strategy"] for r in members):
+        ran = sorted((r for r in members if r["strategy"] == name and measured(r)), key=lambda r: r["world_size"])
+        reason = _growth_reason(name) if len({r["world_size"] for r in ran}) > 1 else ""
+        if reason and ran[-1]["peak_allocated_mib_max"] > ran[0]["peak_allocated_mib_max"]:
+            small, large = ran[0], ran[-1]
+            sentences.append(
+                f"{name} peaks higher at {ranks(large['world_size'])} than at {small['world_size']} "
+                f"({num(large['peak_allocated_mib_max'])} vs {num(small['peak_allocated_mib_max'])} MiB): {reason}."
+            )
+    return " ".join(sentences)
+
+
 def headline(rows: list[dict[str, Any]]) -> str:
     """A few sentences computed from the sweep: per group of points that differ only in
     strategy and world size, what the most memory-saving strategy saves against the
@@ -257,7 +285,7 @@ def headline(rows: list[dict[str, Any]]) -> str:
             _at_world_size(ws, [r for r in members if r["world_size"] == ws])
             for ws in sorted({r["world_size"] for r in members})
         ]
-        text = " ".join([*said, _did_not_finish(members)]).strip()
+        text = " ".join(t for t in [*said, _did_not_finish(members), _peak_growth(members)] if t)
         sentences.append((f"**{prefix}**: " if prefix and len(groups) > 1 else "") + text)
     sentences += [t for t in (machine_text(usable), planned_text(usable)) if t]
     bad = [r for r in rows if not r["world_size"]]

@@ -42,6 +42,11 @@ class MemoryModel:
     depth_lines_per_world_size = False
     """True when whether the peak lies on a line in depth depends on the world size (the
     planner then checks the line at every world size, not at the first alone)."""
+    peak_grows_with_ranks: str = ""
+    """Why this strategy's peak per rank can grow as ranks are added, in one clause the sweep
+    report quotes where a sweep shows it (sharded_exp.report.text); empty where the model holds
+    nothing that grows with the world size. A reader expects sharding to shrink the peak, so a
+    peak that grows needs its reason said."""
     side_streams: tuple[str, ...] = ()
     """The CUDA streams besides the default one on which the strategy allocates, in order of
     their first allocation in a step (entered through the device's stream context): the

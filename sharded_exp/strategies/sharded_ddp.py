@@ -85,6 +85,13 @@ class ShardedDDPMemory(OSSMemory):
     # depth: the planner checks its lines at every world size (and see setup_transient_mib).
     depth_lines_per_world_size = True
 
+    # In the words of bucket_numel and setup_transient_mib below.
+    peak_grows_with_ranks = (
+        "fairscale's ShardedDataParallel keeps one gradient reduce bucket per rank on every rank "
+        "(up to strategy.reduce_buffer_size elements each, filled with the smallest gradients), "
+        "so each added rank adds a bucket that every rank holds"
+    )
+
     @classmethod
     def setup_transient_mib(cls, cfg, shapes, world_size: int) -> float:
         # Setting up its buckets, ShardedDataParallel allocates one bucket of

@@ -25,6 +25,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from sharded_exp.errors import is_oom
@@ -236,23 +237,39 @@ class Metrics(Component):
         # allocated MiB) does not count the logits.
         self.bar.update(1)
         done = out.steps_done
-        if done % self.loop.log_interval == 0 or done == self.loop.steps:
-            self._publish(self.metrics.end_interval(done), done)
+        if done == self.loop.steps:  # its line is the end's, with the final loss
+            self.log.publish(self.metrics.end_interval(done), self.bar)
+        elif done % self.loop.log_interval == 0:
+            record = self.metrics.end_interval(done)
+            self.log.publish(record, self.bar)
+            # the interval's record comes one interval late: it says its own step
+            self._line(done, f", loss {record['loss']:.4f} at step {record['step']}" if record else "")
 
-    def _publish(self, record: dict | None, done: int) -> None:
-        self.log.publish(record, self.bar)
+    def _line(self, done: int, loss: str) -> None:
         if self.lines:
-            loss = f", loss {record['loss']:.4f} at step {record['step']}" if record else ""
             log.info(
                 "%s: step %d/%d (%.0f%%)%s", self.loop.label, done, self.loop.steps, 100 * done / self.loop.steps, loss
             )
 
     def end(self, out: LoopOutcome, position) -> None:
         if self.metrics.updates:  # stopped in the middle of an interval
-            self._publish(self.metrics.end_interval(out.steps_done), out.steps_done)
-        self._publish(self.metrics.flush(), out.steps_done)
+            self.log.publish(self.metrics.end_interval(out.steps_done), self.bar)
+        self.log.publish(self.metrics.flush(), self.bar)
+        # One last line, and the bar's last figure, say the final loss as result.json and the
+        # end-of-run table do: the last step's, averaged over ranks (an interval's record is a
+        # mean over its steps and arrives one interval late, so it matched neither).
+        out.final_loss = _mean_over_ranks(out.loss)
+        self.bar.set_postfix(loss=f"{out.final_loss:.4f}")
+        self._line(out.steps_done, f", final loss {out.final_loss:.4f}")
         self.bar.close()
         out.extra["first_nonfinite_step"] = int(self.metrics.first_nonfinite)
+
+
+def _mean_over_ranks(loss: torch.Tensor) -> float:
+    """Collective: ``loss`` (this rank's) averaged over the ranks."""
+    total = loss.detach().float().clone()
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
 
 
 # ---------------------------------------------------------------------- the job's parts

@@ -59,6 +59,9 @@ class LoopOutcome:
     evals: list[dict[str, float]] = field(default_factory=list)
     """Evaluation records (``step`` and ``eval/*`` values)."""
     extra: dict[str, Any] = field(default_factory=dict)
+    final_loss: float | None = None
+    """The last step's loss averaged over ranks (result.json's ``final_loss``), reduced once at
+    the loop's end by the Metrics part, which prints it as the progress's last figure."""
 
 
 @dataclass

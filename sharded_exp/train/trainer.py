@@ -100,8 +100,6 @@ def gather_results(strategy: Strategy, out: LoopOutcome, device: torch.device) -
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     module = strategy.module
-    final_loss = out.loss.detach().float().clone()
-    dist.all_reduce(final_loss)
     digest = param_digest(module, device)
     total, sq = _sums(_local(p) for p in module.parameters())
     local = {
@@ -122,7 +120,7 @@ def gather_results(strategy: Strategy, out: LoopOutcome, device: torch.device) -
     }
     per_rank: list[Any] = [None] * world_size
     dist.all_gather_object(per_rank, local)
-    return (per_rank if rank == 0 else None), digest, final_loss.item() / world_size
+    return (per_rank if rank == 0 else None), digest, out.final_loss  # reduced at the loop's end (Metrics)
 
 
 def device_info(device: torch.device) -> dict[str, Any]:

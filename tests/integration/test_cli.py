@@ -125,7 +125,10 @@ def test_a_resumed_bar_ends_full_and_the_output_directory_is_printed(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     # Not a terminal: a plain line per log interval (no carriage returns), from step 2 to 4: full, not 50%
     lines = [line for line in proc.stderr.splitlines() if ": step " in line]
-    assert "\r" not in proc.stderr and lines[-1].startswith("[rank 0] ddp x2: step 4/4 (100%), loss "), lines
+    assert "\r" not in proc.stderr and lines[-1].startswith("[rank 0] ddp x2: step 4/4 (100%), final loss "), lines
+    # the last step's line once, its loss the one result.json and the end-of-run table keep
+    assert [line for line in lines if "step 4/4" in line] == [lines[-1]]
+    assert lines[-1].endswith(f"final loss {read_result(tmp_path)['final_loss']:.4f}"), lines
     # resumed at step 2 of 4, the CPU tracker takes two: one step is timed, said before it runs, by rank 0
     assert "[rank 0] 1 timed step(s) (steps 3 to 3): fewer than trainer.min_timed_steps=30" in proc.stderr
     # The end-of-run table and the output directory on stdout; messages on stderr and in the run's log

@@ -6,6 +6,7 @@ about a second: the integration tests hold it)."""
 
 from __future__ import annotations
 
+import contextlib
 from enum import Enum
 from types import SimpleNamespace
 
@@ -354,3 +355,30 @@ def test_refusing_parameters_made_in_forward_names_every_new_one_and_passes_the_
     model[0].b = nn.Parameter(torch.ones(1))
     with pytest.raises(ConfigError, match=r"model=mine: its forward creates the parameters a, 0.b \(not"):
         refuse_parameters_made_in_forward(model, known, "mine", "ddp")
+
+
+def test_the_fake_step_quiets_only_mod_trackers_file_a_bug_warning():
+    import warnings
+
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    class Twice(nn.Module):
+        """Enters itself again before it leaves: ModTracker's warning."""
+
+        def forward(self, x, again=True):
+            return self(x, again=False) if again else x * 2
+
+    def run(quiet) -> list[str]:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with quiet, ModTracker():
+                Twice()(torch.ones(2, requires_grad=True))
+                warnings.warn("another warning", UserWarning)
+        return [str(w.message) for w in seen]
+
+    formatwarning = warnings.formatwarning
+    # torch still warns on its own (and replaces the format)
+    assert any("Please file a bug to PyTorch" in m for m in run(contextlib.nullcontext()))
+    warnings.formatwarning = formatwarning
+    assert run(module._mod_tracker_warning_quiet()) == ["another warning"]
+    assert warnings.formatwarning is formatwarning

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from sharded_exp.report.figures import context, measured_parts, predicted_parts, write_charts
+from sharded_exp.report.figures import breakdown_chart, context, measured_parts, predicted_parts, write_charts
 from sharded_exp.report.rows import build_rows
+from sharded_exp.vocabulary.memory import CHART_BUCKETS, CHART_PARTS
 
 
 def test_charts_are_drawn_only_for_points_with_a_world_size(tmp_path):
@@ -25,7 +26,8 @@ def test_the_measured_split_is_the_largest_ranks_in_the_charts_parts():
                                                            "Activation": 1.5, "Temp": 0.25, "Buffer": 0.25, "New": 0.5}},
     ]}  # fmt: skip
     assert measured_parts(row) == {"parameters": 1.0, "gradients": 1.0, "optimizer state": 2.0,
-                                          "activations": 1.5, "temporaries, other": 0.25 + 0.25 + 0.5}  # fmt: skip
+                                   "communication buckets": 0.0, "activations": 1.5,
+                                   "temporaries, other": 0.25 + 0.25 + 0.5}  # fmt: skip
 
 
 def test_a_point_that_ran_out_is_split_by_what_was_live_and_none_without_figures():
@@ -37,6 +39,30 @@ def test_the_predicted_split_adds_gathered_units_to_parameters_and_the_step_to_o
     parts = predicted_parts({"peak_prediction": {"breakdown_mib": {
         "params": 1.0, "gathered": 0.5, "grads": 1.0, "optimizer": 2.0, "optimizer_step": 0.25,
         "activations": 3.0, "communication": 0.125, "unknown": 0.125}}})  # fmt: skip
-    assert parts == {"parameters": 1.5, "gradients": 1.0, "optimizer state": 2.25, "activations": 3.0,
-                     "temporaries, other": 0.25}  # fmt: skip
+    assert parts == {"parameters": 1.5, "gradients": 1.0, "optimizer state": 2.25, "communication buckets": 0.0,
+                     "activations": 3.0, "temporaries, other": 0.25}  # fmt: skip
     assert predicted_parts({"peak_prediction": {}}) is None
+
+
+def test_buckets_are_a_part_of_their_own_measured_and_predicted():
+    measured = measured_parts({"per_rank": [{"peak_allocated_mib": 6.0,
+                                             "peak_breakdown_mib": {"Bucket": 4.0, "Temp": 1.0}}]})  # fmt: skip
+    predicted = predicted_parts({"peak_prediction": {"breakdown_mib": {"buckets": 4.0, "temporaries": 1.0}}})
+    for parts in (measured, predicted):
+        assert parts[CHART_BUCKETS] == 4.0 and parts["temporaries, other"] == 1.0
+
+
+def test_the_breakdown_charts_legend_has_an_entry_and_a_colour_for_the_buckets():
+    row = {"strategy": "sharded_ddp", "world_size": 4, "status": "ok", "model": "mlp", "precision": "32",
+           "device": "cpu", "batch_size": 8,
+           "per_rank": [{"peak_allocated_mib": 6.0, "peak_breakdown_mib": {"Parameter": 1.0, "Bucket": 4.0}}],
+           "peak_prediction": {"breakdown_mib": {"params": 1.0, "buckets": 4.0}}}  # fmt: skip
+    fig = breakdown_chart([row], [])
+    legend = fig.axes[0].get_legend()
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert labels == [*CHART_PARTS, "predicted"]
+    colors = [tuple(h.get_facecolor()) for h in legend.legend_handles[: len(CHART_PARTS)]]
+    assert len(set(colors)) == len(CHART_PARTS)  # the buckets are not drawn in the rest's grey
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)

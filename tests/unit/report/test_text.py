@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -12,6 +13,7 @@ from sharded_exp.report.text import (
     _did_not_finish,
     _fmt,
     _ranks_list,
+    baseline_rule,
     compact,
     headline,
     limit_text,
@@ -23,6 +25,7 @@ from sharded_exp.report.text import (
     speed_notes,
     speed_text,
 )
+from sharded_exp.strategies import memory_of
 from tests.helpers.unit_output import pair, point
 
 
@@ -261,3 +264,32 @@ def test_the_report_links_only_the_charts_drawn():
     assert "![Peak memory per rank vs world size](memory.png)" in md and "throughput.png" not in md
     assert "No chart: no point has a usable result." in report_markdown(pair(), "sw", drawn=set())
     assert all(f"]({name})" in report_markdown(pair(), "sw") for name in CHARTS)
+
+
+def test_the_headline_says_why_sharded_ddps_peak_grows_with_ranks():
+    rows = build_rows([point("ddp", 2, n=1, peak=8.0), point("sharded_ddp", 2, n=2, peak=5.0),
+                       point("ddp", 4, n=3, peak=8.0), point("sharded_ddp", 4, n=4, peak=6.0)])  # fmt: skip
+    text = headline(rows)
+    reason = memory_of("sharded_ddp").peak_grows_with_ranks
+    assert f" sharded_ddp peaks higher at 4 ranks than at 2 (6.00 vs 5.00 MiB): {reason}." in text
+    assert "one gradient reduce bucket per rank" in reason
+    assert text.count("peaks higher") == 1  # ddp's flat peak and other strategies need no reason
+
+
+def test_no_growth_is_explained_where_the_peak_does_not_grow_or_ran_at_one_world_size():
+    falling = build_rows([point("sharded_ddp", 2, n=1, peak=6.0), point("sharded_ddp", 4, n=2, peak=5.0)])
+    once = build_rows([point("sharded_ddp", 2, n=1, peak=6.0)])
+    grew_without_reason = build_rows([point("oss", 2, n=1, peak=5.0), point("oss", 4, n=2, peak=6.0)])
+    for rows in (falling, once, grew_without_reason):
+        assert "peaks higher" not in headline(rows)
+
+
+def test_the_sweeps_guide_orders_the_strategies_as_the_report_does():
+    from pathlib import Path
+
+    from sharded_exp.strategies import STRATEGIES, by_sharding
+
+    page = (Path(__file__).parents[3] / "sharded_exp" / "docs" / "guide" / "sweeps.md").read_text()
+    (order,) = re.findall(r"\((ddp(?:\s*<\s*\w+)+)\)", page)
+    assert re.split(r"\s*<\s*", order) == by_sharding(STRATEGIES.names())
+    assert ", ".join(by_sharding(STRATEGIES.names())) in baseline_rule()

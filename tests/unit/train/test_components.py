@@ -54,8 +54,10 @@ def test_hooks_keep_the_parts_order():
             pass
 
     first, second = One(), One()
-    assert parts.hooks([first, parts.Component(), second], "between_steps") == [first.between_steps,
-                                                                                second.between_steps]
+    assert parts.hooks([first, parts.Component(), second], "between_steps") == [
+        first.between_steps,
+        second.between_steps,
+    ]
 
 
 # -------------------------------------------------------------------------------- Profiler
@@ -321,9 +323,29 @@ def test_metrics_write_a_line_per_interval_when_the_bar_is_not_on_a_terminal(glo
         for step in range(4):
             m.after_step(classifier_result(step, strategy, 1.5))
             m.between_steps(outcome(step + 1), None)
+        out = outcome(4)
+        out.loss = torch.tensor(2.25)  # the last step's
+        m.end(out, None)
     lines = [r.getMessage() for r in caplog.records]
     assert lines[0] == "ddp x2: step 2/4 (50%)"  # the interval's record comes one interval late
-    assert lines[1] == "ddp x2: step 4/4 (100%), loss 1.5000 at step 2"
+    # the last step's line is printed once, by the end, with the final loss result.json keeps
+    assert lines[1:] == ["ddp x2: step 4/4 (100%), final loss 2.2500"]
+    assert out.final_loss == 2.25
+
+
+def test_a_stopped_run_ends_with_one_line_and_its_final_loss(gloo_group, caplog):
+    strategy = PlainStrategy(TinyClassifier())
+    m = parts.Metrics(strategy, tiny_task(), ProbeMeter(), IntervalLog(ListLogger()),
+                      loop_settings(steps=10, log_interval=4, progress_bar=True), 0, 0)  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="sharded_exp.train.components"):
+        for step in range(6):
+            m.after_step(classifier_result(step, strategy, 1.5))
+            m.between_steps(outcome(step + 1), None)
+        out = outcome(6)
+        out.loss = torch.tensor(0.75)
+        m.end(out, None)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["ddp x2: step 4/10 (40%)", "ddp x2: step 6/10 (60%), final loss 0.7500"]
 
 
 def test_metrics_show_no_lines_on_ranks_other_than_0(gloo_group):

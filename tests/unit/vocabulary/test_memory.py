@@ -1,6 +1,6 @@
 """sharded_exp.vocabulary.memory: each memory category named once. torch's tracker names map
 into ours, in the order result.json's breakdown keeps; every part has a heading and a meaning;
-every category lands on one of the chart's five bars; and no other module maps torch's names."""
+every category lands on one of the chart's bars; and no other module maps torch's names."""
 
 from __future__ import annotations
 
