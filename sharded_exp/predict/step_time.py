@@ -71,6 +71,9 @@ class StepCompute:
     backward_s: tuple[float, ...]
     optimizer_s: float
     model_flops: float
+    forward_flops: tuple[float, ...] = ()
+    """The forward's FLOPs per unit (the root's with the first and last, as its seconds):
+    what a deep model's FLOPs are scaled by. Empty: scaled by the forward's seconds."""
 
     @property
     def compute_s(self) -> float:
@@ -79,20 +82,29 @@ class StepCompute:
     def at_depth(self, units: int) -> "StepCompute":
         """The same model with ``units`` identical units (a deep model from a shallow
         trace): the middle units' mean stands for each, the first and last keep the root's
-        share; the model's FLOPs scale with the forward's seconds."""
+        share; the model's FLOPs scale with the forward's FLOPs (with its seconds where the
+        trace has none: time is not proportional to FLOPs where small ops are memory-bound)."""
         have = len(self.forward_s)
         if units == have or have < 3 or units < 3:
             return self
-        mid_f = sum(self.forward_s[1:-1]) / (have - 2)
-        mid_b = sum(self.backward_s[1:-1]) / (have - 2)
-        forward = (self.forward_s[0], *[mid_f] * (units - 2), self.forward_s[-1])
-        backward = (self.backward_s[0], *[mid_b] * (units - 2), self.backward_s[-1])
-        scale = sum(forward) / sum(self.forward_s) if sum(self.forward_s) else 1.0
-        return replace(self, forward_s=forward, backward_s=backward, model_flops=self.model_flops * scale)
+        forward = _deepened(self.forward_s, units)
+        backward = _deepened(self.backward_s, units)
+        weights = self.forward_flops if sum(self.forward_flops) else self.forward_s
+        deeper = _deepened(weights, units)
+        scale = sum(deeper) / sum(weights) if sum(weights) else 1.0
+        flops = _deepened(self.forward_flops, units) if self.forward_flops else ()
+        return replace(self, forward_s=forward, backward_s=backward, model_flops=self.model_flops * scale,
+                       forward_flops=flops)  # fmt: skip
 
     def optimizer_scaled(self, fraction: float) -> "StepCompute":
         """The optimizer phase for a rank that steps ``fraction`` of what the trace stepped."""
         return replace(self, optimizer_s=self.optimizer_s * fraction)
+
+
+def _deepened(per_unit: tuple[float, ...], units: int) -> tuple[float, ...]:
+    """``per_unit`` at ``units`` units: the first and last kept, the middle ones' mean between."""
+    middle = sum(per_unit[1:-1]) / (len(per_unit) - 2)
+    return (per_unit[0], *[middle] * (units - 2), per_unit[-1])
 
 
 def step_compute(trace: Trace, device: DeviceProfile, model_flops: float, math_dtype: str = "fp32") -> StepCompute:
@@ -108,7 +120,7 @@ def step_compute(trace: Trace, device: DeviceProfile, model_flops: float, math_d
         kernel = op_time(op, device)
         seconds.append(max(kernel, host) if device.asynchronous else kernel + host)
     count = max(1, trace.units)
-    forward = [0.0] * count
+    forward, flops = [0.0] * count, [0.0] * count
     backward = optimizer = 0.0
     seen_unit = False
     for record, s in zip(records, seconds):
@@ -116,14 +128,14 @@ def step_compute(trace: Trace, device: DeviceProfile, model_flops: float, math_d
             backward += s
         elif record["phase"] == "optimizer":
             optimizer += s
-        elif record["unit"] is not None:
-            forward[record["unit"]] += s
-            seen_unit = True
-        else:  # the root: before the first unit (embeddings), else after (head, loss)
-            forward[-1 if seen_unit else 0] += s
+        else:  # a unit's, or the root's: before the first unit (embeddings), else after (head, loss)
+            at = record["unit"] if record["unit"] is not None else (-1 if seen_unit else 0)
+            seen_unit = seen_unit or record["unit"] is not None
+            forward[at] += s
+            flops[at] += record.get("flops") or 0
     total = sum(forward)
     back = tuple(backward * f / total if total else backward / count for f in forward)
-    return StepCompute(tuple(forward), back, optimizer, float(model_flops))
+    return StepCompute(tuple(forward), back, optimizer, float(model_flops), tuple(flops))
 
 
 def per_step(cfg) -> tuple[int, int | None]:
@@ -176,7 +188,8 @@ def predict_step_time(cfg, world_size: int, compute: StepCompute, shapes, machin
     except ValueError:
         peak = None
     step = played.step_time_s
-    flops = compute.model_flops * (sum(units.forward_s) / sum(compute.forward_s) if sum(compute.forward_s) else 1.0)
+    deep = compute.at_depth(len(units.forward_s))
+    flops = deep.model_flops if len(deep.forward_s) == len(units.forward_s) else compute.model_flops
     return {
         "compute_s": played.compute_s,
         "comm_s": played.comm_s,

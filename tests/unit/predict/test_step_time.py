@@ -62,6 +62,13 @@ def test_a_deep_model_repeats_the_middle_units_and_scales_its_flops():
     assert deep.forward_s == (1.0, 2.0, 2.0, 2.0, 2.0, 1.5) and deep.backward_s[1:5] == (4.0,) * 4
     assert deep.model_flops == pytest.approx(100.0 * 10.5 / 6.5)
     assert shallow.optimizer_scaled(0.25).optimizer_s == 0.125
+    # with the trace's FLOPs per unit, a deep model's FLOPs follow them, not the seconds: a
+    # memory-bound root (long, few FLOPs) does not stand in for the blocks' FLOPs
+    counted = StepCompute((1.0, 2.0, 2.0, 1.5), (2.0, 4.0, 4.0, 3.0), 0.5, 100.0, (10.0, 40.0, 40.0, 10.0))
+    assert counted.at_depth(6).model_flops == pytest.approx(100.0 * 180.0 / 100.0)
+    assert counted.at_depth(6).forward_flops == (10.0, 40.0, 40.0, 40.0, 40.0, 10.0)
+    # step_compute fills them from the trace's records (the root's with the first and last unit)
+    assert step_compute(trace(), H100, 6e12).forward_flops == (1e12, 2e12)  # unit 1 and the head
 
 
 def cfg(strategy="ddp", batch=4, seq=128):
