@@ -154,8 +154,9 @@ class Probe:
             self._timed_from = warmup_steps
 
     # ------------------------------------------------------------------ the loop's side
-    def predict(self, example: Any, step_fn=None, autocast=None) -> None:
-        """The fake step's peak for a batch like ``example`` (kept as shapes only)."""
+    def predict(self, example: Any, step_fn=None, autocast=None, zero_grad_after_forward: bool = False) -> None:
+        """The fake step's peak for a batch like ``example`` (kept as shapes only);
+        ``zero_grad_after_forward``: the loop's order is Lightning's (:func:`fake.predict_peak`)."""
         self.prediction = fake.predict_peak(
             self.model,
             self.optimizer,
@@ -165,6 +166,7 @@ class Probe:
             buckets_seen=self.device.type == "cuda" or not self.wrapped_before,
             ddp=self.ddp,
             grad_accum=self.grad_accum,
+            zero_grad_after_forward=zero_grad_after_forward,
         )
 
     def _adopt_device(self) -> None:

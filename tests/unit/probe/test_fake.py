@@ -177,3 +177,17 @@ def test_a_lightning_modules_logging_is_silenced_during_the_fake_step_only():
         module.log_dict({})
     module.log("x", 1)
     assert calls == ["log"]
+
+
+def test_lightnings_order_runs_the_forward_beside_the_previous_steps_gradients():
+    """Lightning zeroes the gradients between training_step and backward: its forward holds the
+    last step's gradients too, which a plain loop (zero_grad after the step) has dropped."""
+    model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = (torch.randn(256, 512), torch.randint(0, 4, (256,)))
+    plain = fake.predict_peak(model, optimizer, batch, _step)
+    lightning = fake.predict_peak(model, optimizer, batch, _step, zero_grad_after_forward=True)
+    one_activation = 256 * 512 * 4 / MIB
+    assert lightning["breakdown_mib"]["Gradient"] == pytest.approx(fake.trainable_mib(model))  # all of them
+    assert lightning["breakdown_mib"]["Activation"] >= 4 * one_activation  # the batch, two linears, one relu
+    assert lightning["peak_mib"] > plain["peak_mib"] + one_activation
