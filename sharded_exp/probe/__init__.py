@@ -54,6 +54,7 @@ from sharded_exp.probe import fake
 from sharded_exp.probe.summary import summary
 from sharded_exp.strategies import name_of_wrapper, traits_of
 from sharded_exp.train.metrics import throughput_stats
+from sharded_exp.vocabulary.memory import BUCKET
 
 
 def _dist():
@@ -163,7 +164,7 @@ class Probe:
             example,
             step_fn,
             autocast,
-            buckets_seen=self.device.type == "cuda" or not self.wrapped_before,
+            buckets_seen=True,  # counted in the measured peak on CPU too (see _rank_figures)
             ddp=self.ddp,
             grad_accum=self.grad_accum,
             zero_grad_after_forward=zero_grad_after_forward,
@@ -251,14 +252,25 @@ class Probe:
                 }
             )
         states = model_state_mib(fake.unwrap(self.model)[0], [self.optimizer])
-        buckets_unseen = self.device.type != "cuda" and self.wrapped_before
         entry = {
             **{k: v for k, v in self._memory.items() if not k.startswith("build_")},
             "model_states_mib": states,
             "predicted_peak_mib": self.prediction.get("peak_mib"),
-            "unseen_buckets_mib": fake.trainable_mib(self.model) if buckets_unseen and self.ddp[0] else 0.0,
+            "buckets_added_mib": 0.0,
             "step_times_s": self._step_times(),
         }
+        if self.device.type != "cuda" and self.wrapped_before and entry.get("peak_allocated_mib") is not None:
+            # DDP allocated its reduce buckets when it wrapped the model, before the CPU tracker
+            # started: they are live through every step, so they are added to the peak, as a
+            # sharded_exp run (whose tracker sees the wrapping) files them under Bucket. Read
+            # here, after the window, so that reading them adds nothing to it.
+            buckets = fake.ddp_buckets_mib(self.model)
+            if buckets:
+                entry["buckets_added_mib"] = buckets
+                entry["peak_allocated_mib"] += buckets
+                split = dict(entry.get("peak_breakdown_mib") or {})
+                split[BUCKET] = split.get(BUCKET, 0.0) + buckets
+                entry["peak_breakdown_mib"] = split
         measured, predicted = entry.get("peak_allocated_mib"), entry["predicted_peak_mib"]
         entry["peak_rel_error"] = (predicted - measured) / measured if measured and predicted is not None else None
         return entry
@@ -344,10 +356,11 @@ class Probe:
             **largest_and_mean(per_rank),
             "peak_prediction": {k: v for k, v in self.prediction.items() if k != "peak_mib"},
         }
-        if any(r.get("unseen_buckets_mib") for r in per_rank):
+        if any(r.get("buckets_added_mib") for r in per_rank):
             memory["peak_note"] = (
-                "CPU: the probe started after DDP wrapped the model, so DDP's reduce buckets (allocated then) are "
-                "not in the measured peak nor in the prediction; their size by DDP's rule is unseen_buckets_mib"
+                "CPU: the probe started after DDP wrapped the model, so its tracker did not see DDP's reduce buckets "
+                "(allocated then); their size, read from DDP's reducer, is added to the measured peak (Bucket) and "
+                "is buckets_added_mib"
             )
         losses = [float(t) for t in self.losses]
         params = sum(p.numel() for p in fake.unwrap(self.model)[0].parameters())

@@ -126,6 +126,22 @@ def ddp_of(model: nn.Module) -> tuple[bool, bool]:
     return True, bool(getattr(model, "gradient_as_bucket_view", False))
 
 
+def ddp_buckets_mib(model: nn.Module) -> float:
+    """What DDP's reduce buckets hold (MiB) beside the gradients, read from DDP's reducer; 0
+    where the model is not under DDP or its gradients are views into the buckets (the
+    tracker then sees the buckets as the gradients). The reducer's own list is private torch
+    API (``_get_zeros_like_grad_buckets``, which makes zeroed copies for a moment): where it is
+    missing, DDP's rule (every trainable gradient has one place in a bucket) stands in."""
+    under_ddp, as_view = ddp_of(model)
+    if not under_ddp or as_view:
+        return 0.0
+    try:
+        buckets = model.reducer._get_zeros_like_grad_buckets()
+        return sum(b.buffer().numel() * b.buffer().element_size() for b in buckets) / MIB
+    except Exception:  # noqa: BLE001 -- a torch without it: DDP's rule
+        return trainable_mib(model)
+
+
 def trainable_mib(model: nn.Module) -> float:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) / MIB
 

@@ -65,6 +65,11 @@ class Window:
             self.tracker.__exit__(None, None, None)
             snap = self.tracker.get_tracker_snapshot("peak")
             total = sum(v.get("Total", 0) for v in snap.values()) / 2**20
+            # DDP's buckets, allocated before any window, live through every step (the
+            # probe adds them from DDP's reducer; this from DDP's rule: every trainable
+            # gradient has a place in a bucket, unless the gradients are the buckets)
+            if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not model.gradient_as_bucket_view:
+                total += sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) / 2**20
             Path(f"{self.out}.{rank}").write_text(json.dumps({"rank": rank, "peak_mib": total}))
             self.tracker = None
 

@@ -187,8 +187,10 @@ def test_a_plain_ddp_loop_under_torchrun(tmp_path):
     assert proc.stdout.count("sharded_exp probe: ") == 1 and summary(result) in proc.stdout  # rank 0 only
     assert "  peak per rank:  " in proc.stdout and "(rank 0 " in proc.stdout and ", rank 1 " in proc.stdout
     assert result["strategy"] == "ddp" and result["launcher"] == "torchrun" and result["source"] == "probe"
-    # CPU, started after DDP allocated its buckets: said, and their size by DDP's rule
-    assert result["memory"]["per_rank"][0]["unseen_buckets_mib"] > 0 and "DDP" in result["memory"]["peak_note"]
+    # CPU, started after DDP allocated its buckets: added to the peak from DDP's reducer, and said
+    rank0 = result["memory"]["per_rank"][0]
+    assert rank0["buckets_added_mib"] > 0 and rank0["peak_breakdown_mib"]["Bucket"] == rank0["buckets_added_mib"]
+    assert "DDP" in result["memory"]["peak_note"]
 
 
 @pytest.mark.slow

@@ -97,6 +97,9 @@ def test_ddp_is_unwrapped_and_its_bucket_view_setting_read(gloo_group):
     assert fake.unwrap(model) == (net, None) and fake.model_name(model) == "Linear"
     assert fake.ddp_of(model) == (True, True) and fake.ddp_of(net) == (False, False)
     assert fake.ddp_of(DistributedDataParallel(nn.Linear(2, 2))) == (True, False)
+    # the buckets beside the gradients, from DDP's reducer: none where the gradients are views into them
+    assert fake.ddp_buckets_mib(DistributedDataParallel(nn.Linear(16, 8))) == (16 * 8 + 8) * 4 / MIB
+    assert fake.ddp_buckets_mib(model) == 0.0 and fake.ddp_buckets_mib(net) == 0.0
 
 
 def test_trainable_mib_counts_the_trainable_parameters_bytes():
