@@ -264,7 +264,7 @@ class Probe:
             # started: they are live through every step, so they are added to the peak, as a
             # sharded_exp run (whose tracker sees the wrapping) files them under Bucket. Read
             # here, after the window, so that reading them adds nothing to it.
-            buckets = fake.ddp_buckets_mib(self.model)
+            buckets = fake.ddp_buckets_mib(self.model, self.ddp)
             if buckets:
                 entry["buckets_added_mib"] = buckets
                 entry["peak_allocated_mib"] += buckets

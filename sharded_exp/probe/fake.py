@@ -126,15 +126,18 @@ def ddp_of(model: nn.Module) -> tuple[bool, bool]:
     return True, bool(getattr(model, "gradient_as_bucket_view", False))
 
 
-def ddp_buckets_mib(model: nn.Module) -> float:
+def ddp_buckets_mib(model: nn.Module, ddp: tuple[bool, bool] | None = None) -> float:
     """What DDP's reduce buckets hold (MiB) beside the gradients, read from DDP's reducer; 0
     where the model is not under DDP or its gradients are views into the buckets (the
     tracker then sees the buckets as the gradients). The reducer's own list is private torch
     API (``_get_zeros_like_grad_buckets``, which makes zeroed copies for a moment): where it is
-    missing, DDP's rule (every trainable gradient has one place in a bucket) stands in."""
-    under_ddp, as_view = ddp_of(model)
+    missing, or ``model`` is the module DDP wraps (``ddp`` says so: the Trainer's callbacks get
+    that one), DDP's rule (every trainable gradient has one place in a bucket) stands in."""
+    under_ddp, as_view = ddp or ddp_of(model)
     if not under_ddp or as_view:
         return 0.0
+    if not isinstance(model, DistributedDataParallel):
+        return trainable_mib(model)
     try:
         buckets = model.reducer._get_zeros_like_grad_buckets()
         return sum(b.buffer().numel() * b.buffer().element_size() for b in buckets) / MIB

@@ -54,7 +54,9 @@ class Window:
     def __init__(self, out: str):
         self.out, self.tracker, self.peak = out, None, None
 
-    def at_step_end(self, done: int, model, optimizer, rank: int) -> None:
+    def at_step_end(self, done: int, model, optimizer, rank: int, ddp: bool | None = None) -> None:
+        """``ddp``: the model trains under DDP without bucket views (None: read from ``model``;
+        the Trainer hands its callbacks the model DDP wraps)."""
         if done == FROM:
             self.tracker = _memtracker()
             self.tracker.track_external(model, optimizer)
@@ -68,7 +70,9 @@ class Window:
             # DDP's buckets, allocated before any window, live through every step (the
             # probe adds them from DDP's reducer; this from DDP's rule: every trainable
             # gradient has a place in a bucket, unless the gradients are the buckets)
-            if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not model.gradient_as_bucket_view:
+            if ddp is None:
+                ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel) and not model.gradient_as_bucket_view
+            if ddp:
                 total += sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) / 2**20
             Path(f"{self.out}.{rank}").write_text(json.dumps({"rank": rank, "peak_mib": total}))
             self.tracker = None
@@ -135,7 +139,9 @@ def hf(out: str, argv: list[str]) -> None:
 
     class Independent(TrainerCallback):
         def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
-            window.at_step_end(state.global_step, model, getattr(optimizer, "optimizer", optimizer), args.process_index)
+            ddp = args.world_size > 1 and not args.fsdp and not args.deepspeed  # as the probe reads it
+            optimizer = getattr(optimizer, "optimizer", optimizer)
+            window.at_step_end(state.global_step, model, optimizer, args.process_index, ddp=ddp)
 
     ex.main(argv, callbacks=[Independent()])
 

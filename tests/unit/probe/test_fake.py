@@ -100,6 +100,8 @@ def test_ddp_is_unwrapped_and_its_bucket_view_setting_read(gloo_group):
     # the buckets beside the gradients, from DDP's reducer: none where the gradients are views into them
     assert fake.ddp_buckets_mib(DistributedDataParallel(nn.Linear(16, 8))) == (16 * 8 + 8) * 4 / MIB
     assert fake.ddp_buckets_mib(model) == 0.0 and fake.ddp_buckets_mib(net) == 0.0
+    # the module DDP wraps, said to be under DDP (the Trainer's callbacks get that one): DDP's rule
+    assert fake.ddp_buckets_mib(nn.Linear(16, 8), (True, False)) == (16 * 8 + 8) * 4 / MIB
 
 
 def test_trainable_mib_counts_the_trainable_parameters_bytes():
