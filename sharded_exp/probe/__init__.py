@@ -136,7 +136,7 @@ class Probe:
         self.grad_accum = max(1, int(grad_accum))  # micro-batches per optimizer step (for the prediction)
         self.ddp = ddp or fake.ddp_of(model)  # (under DDP, gradients as bucket views)
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        self.meter = MemoryMeter(self.device)
+        self.meter = MemoryMeter(self.device, skip_views_of_unseen=True)
         self.steps = 0
         self.ignored_calls = 0  # step() calls with no optimizer step since the previous one
         self._optimizer_steps = 0
@@ -176,7 +176,7 @@ class Probe:
         device = next((p.device for p in self.model.parameters()), self.device)
         if device.type == "meta":
             return
-        self.device, self.meter = device, MemoryMeter(device)
+        self.device, self.meter = device, MemoryMeter(device, skip_views_of_unseen=True)
         if device.type == "cuda":
             self.meter.start()
             self._timed_from = self.warmup_steps + self.steps

@@ -33,11 +33,11 @@ def _memtracker():
         _view = False
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self._view = bool(getattr(func, "is_view", False))
+            outer, self._view = self._view, bool(getattr(func, "is_view", False))
             try:
                 return super().__torch_dispatch__(func, types, args, kwargs)
             finally:
-                self._view = False
+                self._view = outer
 
         def _track(self, reftype, tensor):
             if self._view and not any(st in self._WINFO for st in mem_tracker.get_untyped_storages(tensor)):
