@@ -77,6 +77,10 @@ def main(argv: list[str] | None = None, callbacks: list = ()) -> None:
     ap.add_argument("--accelerator", default="cpu")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument(
+        "--width", type=int, default=512, help="hidden width (small width, large batch: activations dominate)"
+    )
+    ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--run-dir", default=None)
     args = ap.parse_args(argv)
 
@@ -87,7 +91,7 @@ def main(argv: list[str] | None = None, callbacks: list = ()) -> None:
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[MemoryProbe(run_dir), *callbacks],
     )  # fmt: skip
-    trainer.fit(Classifier(), data(args.steps * args.batch_size * args.devices, args.batch_size))
+    trainer.fit(Classifier(args.width, args.depth), data(args.steps * args.batch_size * args.devices, args.batch_size))
     if trainer.global_rank == 0:
         print(f"result: {run_dir}/result.json")
 

@@ -37,7 +37,9 @@ def _lightning_packages() -> list:
         except ImportError:
             pass
     if not found:
-        raise ImportError("sharded_exp.integrations.lightning needs lightning or pytorch_lightning (pip install lightning)")
+        raise ImportError(
+            "sharded_exp.integrations.lightning needs lightning or pytorch_lightning (pip install lightning)"
+        )
     return found
 
 
@@ -107,6 +109,8 @@ class MemoryProbe(*(package.Callback for package in _PACKAGES)):  # a Callback o
                 batch,
                 lambda module, b: loss_of(module.training_step(b, batch_idx)),
                 trainer.precision_plugin.forward_context(),
+                # automatic optimization zeroes the gradients between training_step and backward
+                zero_grad_after_forward=pl_module.automatic_optimization,
             )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

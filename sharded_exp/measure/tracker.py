@@ -99,7 +99,7 @@ def communication_buffers():
     return filed_as(BUCKET)
 
 
-def peak_tracker(limit_mib: float | None = None) -> PeakTracker:
+def peak_tracker(limit_mib: float | None = None, skip_views_of_unseen: bool = False) -> PeakTracker:
     """torch's MemTracker, keeping the overall peak only, and made safe to train under
     (:class:`sharded_exp.measure.memtracker.PeakTracker`, the adapter over its private API).
 
@@ -107,11 +107,13 @@ def peak_tracker(limit_mib: float | None = None) -> PeakTracker:
     first went over it is kept in the tracker's ``over_limit``. Tensors allocated inside
     :func:`filed_as` are filed under its category (:func:`communication_buffers`: :data:`BUCKET`). A failure inside the tracker
     switches it off and is kept in its ``failure``; the training step goes on untouched.
+    ``skip_views_of_unseen``: for a window that starts mid-training (the probe's), see
+    :class:`~sharded_exp.measure.memtracker.PeakTracker`.
     """
     # lazy: torch's private mem_tracker imports torch._inductor and dynamo (about 3 s); paid by a run that tracks
     from sharded_exp.measure.memtracker import PeakTracker
 
-    return PeakTracker(limit_mib, filed_as=_FILED_AS.get)
+    return PeakTracker(limit_mib, filed_as=_FILED_AS.get, skip_views_of_unseen=skip_views_of_unseen)
 
 
 def _breakdown_mib(tracker, device: torch.device) -> dict[str, float]:
@@ -182,9 +184,10 @@ class MemoryMeter:
     }
     """What ``trainer.memory_limit_mib`` bounds on each device (result.json's ``memory_limit_applies_to``)."""
 
-    def __init__(self, device: torch.device, limit_mib: float | None = None):
+    def __init__(self, device: torch.device, limit_mib: float | None = None, skip_views_of_unseen: bool = False):
         self.device = device
         self.limit_mib = limit_mib
+        self.skip_views_of_unseen = skip_views_of_unseen  # the probe's window: see peak_tracker
         self.source = "cuda_allocator" if device.type == "cuda" else "torch_mem_tracker"
         if device.type == "cuda" and limit_mib:
             # Before anything is built: the cap holds for the model and the optimizer too.
@@ -234,7 +237,7 @@ class MemoryMeter:
             # alloc_retries and ooms count from here, not from the build (accumulated stats)
             torch.cuda.reset_accumulated_memory_stats(self.device)
             return
-        tracker = peak_tracker(self.limit_mib)
+        tracker = peak_tracker(self.limit_mib, self.skip_views_of_unseen)
         try:
             if external and isinstance(external[0], nn.Module):
                 tracker.name_modules(external[0])

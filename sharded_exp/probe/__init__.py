@@ -54,6 +54,7 @@ from sharded_exp.probe import fake
 from sharded_exp.probe.summary import summary
 from sharded_exp.strategies import name_of_wrapper, traits_of
 from sharded_exp.train.metrics import throughput_stats
+from sharded_exp.vocabulary.memory import BUCKET
 
 
 def _dist():
@@ -135,7 +136,7 @@ class Probe:
         self.grad_accum = max(1, int(grad_accum))  # micro-batches per optimizer step (for the prediction)
         self.ddp = ddp or fake.ddp_of(model)  # (under DDP, gradients as bucket views)
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        self.meter = MemoryMeter(self.device)
+        self.meter = MemoryMeter(self.device, skip_views_of_unseen=True)
         self.steps = 0
         self.ignored_calls = 0  # step() calls with no optimizer step since the previous one
         self._optimizer_steps = 0
@@ -154,17 +155,19 @@ class Probe:
             self._timed_from = warmup_steps
 
     # ------------------------------------------------------------------ the loop's side
-    def predict(self, example: Any, step_fn=None, autocast=None) -> None:
-        """The fake step's peak for a batch like ``example`` (kept as shapes only)."""
+    def predict(self, example: Any, step_fn=None, autocast=None, zero_grad_after_forward: bool = False) -> None:
+        """The fake step's peak for a batch like ``example`` (kept as shapes only);
+        ``zero_grad_after_forward``: the loop's order is Lightning's (:func:`fake.predict_peak`)."""
         self.prediction = fake.predict_peak(
             self.model,
             self.optimizer,
             example,
             step_fn,
             autocast,
-            buckets_seen=self.device.type == "cuda" or not self.wrapped_before,
+            buckets_seen=True,  # counted in the measured peak on CPU too (see _rank_figures)
             ddp=self.ddp,
             grad_accum=self.grad_accum,
+            zero_grad_after_forward=zero_grad_after_forward,
         )
 
     def _adopt_device(self) -> None:
@@ -173,7 +176,7 @@ class Probe:
         device = next((p.device for p in self.model.parameters()), self.device)
         if device.type == "meta":
             return
-        self.device, self.meter = device, MemoryMeter(device)
+        self.device, self.meter = device, MemoryMeter(device, skip_views_of_unseen=True)
         if device.type == "cuda":
             self.meter.start()
             self._timed_from = self.warmup_steps + self.steps
@@ -249,14 +252,25 @@ class Probe:
                 }
             )
         states = model_state_mib(fake.unwrap(self.model)[0], [self.optimizer])
-        buckets_unseen = self.device.type != "cuda" and self.wrapped_before
         entry = {
             **{k: v for k, v in self._memory.items() if not k.startswith("build_")},
             "model_states_mib": states,
             "predicted_peak_mib": self.prediction.get("peak_mib"),
-            "unseen_buckets_mib": fake.trainable_mib(self.model) if buckets_unseen and self.ddp[0] else 0.0,
+            "buckets_added_mib": 0.0,
             "step_times_s": self._step_times(),
         }
+        if self.device.type != "cuda" and self.wrapped_before and entry.get("peak_allocated_mib") is not None:
+            # DDP allocated its reduce buckets when it wrapped the model, before the CPU tracker
+            # started: they are live through every step, so they are added to the peak, as a
+            # sharded_exp run (whose tracker sees the wrapping) files them under Bucket. Read
+            # here, after the window, so that reading them adds nothing to it.
+            buckets = fake.ddp_buckets_mib(self.model, self.ddp)
+            if buckets:
+                entry["buckets_added_mib"] = buckets
+                entry["peak_allocated_mib"] += buckets
+                split = dict(entry.get("peak_breakdown_mib") or {})
+                split[BUCKET] = split.get(BUCKET, 0.0) + buckets
+                entry["peak_breakdown_mib"] = split
         measured, predicted = entry.get("peak_allocated_mib"), entry["predicted_peak_mib"]
         entry["peak_rel_error"] = (predicted - measured) / measured if measured and predicted is not None else None
         return entry
@@ -342,10 +356,11 @@ class Probe:
             **largest_and_mean(per_rank),
             "peak_prediction": {k: v for k, v in self.prediction.items() if k != "peak_mib"},
         }
-        if any(r.get("unseen_buckets_mib") for r in per_rank):
+        if any(r.get("buckets_added_mib") for r in per_rank):
             memory["peak_note"] = (
-                "CPU: the probe started after DDP wrapped the model, so DDP's reduce buckets (allocated then) are "
-                "not in the measured peak nor in the prediction; their size by DDP's rule is unseen_buckets_mib"
+                "CPU: the probe started after DDP wrapped the model, so its tracker did not see DDP's reduce buckets "
+                "(allocated then); their size, read from DDP's reducer, is added to the measured peak (Bucket) and "
+                "is buckets_added_mib"
             )
         losses = [float(t) for t in self.losses]
         params = sum(p.numel() for p in fake.unwrap(self.model)[0].parameters())

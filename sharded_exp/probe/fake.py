@@ -126,6 +126,25 @@ def ddp_of(model: nn.Module) -> tuple[bool, bool]:
     return True, bool(getattr(model, "gradient_as_bucket_view", False))
 
 
+def ddp_buckets_mib(model: nn.Module, ddp: tuple[bool, bool] | None = None) -> float:
+    """What DDP's reduce buckets hold (MiB) beside the gradients, read from DDP's reducer; 0
+    where the model is not under DDP or its gradients are views into the buckets (the
+    tracker then sees the buckets as the gradients). The reducer's own list is private torch
+    API (``_get_zeros_like_grad_buckets``, which makes zeroed copies for a moment): where it is
+    missing, or ``model`` is the module DDP wraps (``ddp`` says so: the Trainer's callbacks get
+    that one), DDP's rule (every trainable gradient has one place in a bucket) stands in."""
+    under_ddp, as_view = ddp or ddp_of(model)
+    if not under_ddp or as_view:
+        return 0.0
+    if not isinstance(model, DistributedDataParallel):
+        return trainable_mib(model)
+    try:
+        buckets = model.reducer._get_zeros_like_grad_buckets()
+        return sum(b.buffer().numel() * b.buffer().element_size() for b in buckets) / MIB
+    except Exception:  # noqa: BLE001 -- a torch without it: DDP's rule
+        return trainable_mib(model)
+
+
 def trainable_mib(model: nn.Module) -> float:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) / MIB
 
@@ -157,6 +176,7 @@ def predict_peak(
     buckets_seen: bool = True,
     ddp: tuple[bool, bool] | None = None,
     grad_accum: int = 1,
+    zero_grad_after_forward: bool = False,
 ) -> dict[str, Any]:
     """The predicted peak of one training step (MiB), its breakdown and how it was made, or a
     null figure and the reason: ``{"peak_mib", "breakdown_mib", "method", "error", "seconds"}``.
@@ -166,7 +186,11 @@ def predict_peak(
     DDP, gradients as bucket views), read from ``model`` when not given (:func:`ddp_extra_mib`).
     ``optimizer`` may be a wrapper holding the torch optimizer as ``.optimizer`` (Accelerate's,
     Lightning's). ``grad_accum``: micro-batches per optimizer step; from two on, a micro-batch's
-    forward runs beside the gradients the one before left, so two are faked (more hold the same)."""
+    forward runs beside the gradients the one before left, so two are faked (more hold the same).
+    ``zero_grad_after_forward``: the step's order is Lightning's (forward, ``zero_grad``,
+    backward, optimizer step), not a plain loop's (forward, backward, optimizer step,
+    ``zero_grad``): the forward then runs beside the previous step's gradients, which a
+    small model with large activations peaks on."""
     started = time.perf_counter()
     out: dict[str, Any] = {
         "peak_mib": None,
@@ -183,7 +207,7 @@ def predict_peak(
     step_fn = step_fn or call_model
     spec = describe(batch)
     try:
-        tracker = _fake_steps(module, optimizer, spec, step_fn, autocast, grad_accum)
+        tracker = _fake_steps(module, optimizer, spec, step_fn, autocast, grad_accum, zero_grad_after_forward)
         if tracker.failure is not None:
             return {**out, "error": f"the memory tracker failed on the fake step: {tracker.failure}"}
         snap = tracker.get_tracker_snapshot("peak")
@@ -208,10 +232,12 @@ def predict_peak(
         }
 
 
-def _fake_steps(module: nn.Module, optimizer, spec, step_fn, autocast, grad_accum: int):
+def _fake_steps(module: nn.Module, optimizer, spec, step_fn, autocast, grad_accum: int, zero_grad_after_forward=False):
     """Two of the user's steps on fake copies of ``module``'s parameters and buffers and of
     ``optimizer`` (a fresh one of its class over the same groups), under a peak tracker; the
-    tracker is returned. The real tensors are only read for their shapes."""
+    tracker is returned. The real tensors are only read for their shapes. The gradients are
+    dropped where the user's loop drops them (see ``zero_grad_after_forward`` in
+    :func:`predict_peak`): the second step is the steady one only if it starts as the user's do."""
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     named = list(module.named_parameters(remove_duplicate=False))  # a tied weight under each name
     buffers = list(module.named_buffers(remove_duplicate=False))
@@ -235,14 +261,17 @@ def _fake_steps(module: nn.Module, optimizer, spec, step_fn, autocast, grad_accu
             tracker.track_external(module, opt)
             with tracker:
                 for _ in range(2):
-                    for _ in range(min(max(1, int(grad_accum)), 2)):
+                    for micro in range(min(max(1, int(grad_accum)), 2)):
                         fake_batch = materialize(spec)
                         with autocast or contextlib.nullcontext():
                             loss = step_fn(module, fake_batch)
+                        if zero_grad_after_forward and micro == 0:  # Lightning: the first micro-batch's
+                            opt.zero_grad(set_to_none=True)
                         loss.backward()
                         del loss, fake_batch
                     opt.step()
-                    opt.zero_grad(set_to_none=True)
+                    if not zero_grad_after_forward:
+                        opt.zero_grad(set_to_none=True)
                     tracker.reset_mod_stats()
     return tracker
 

@@ -23,17 +23,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 FROM, STEPS = 10, 2  # the independent window: steps 11 and 12 (the probe's: 6 and 7)
 
 
+def _memtracker():
+    """torch's own MemTracker, but for one rule it shares with sharded_exp's: a view op whose
+    result lives in a storage it does not know (a TensorDataset's row taken inside the window)
+    allocates nothing. torch's would count the dataset's whole storage as a new activation."""
+    from torch.distributed._tools import mem_tracker
+
+    class Tracker(mem_tracker.MemTracker):
+        _view = False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            outer, self._view = self._view, bool(getattr(func, "is_view", False))
+            try:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                self._view = outer
+
+        def _track(self, reftype, tensor):
+            if self._view and not any(st in self._WINFO for st in mem_tracker.get_untyped_storages(tensor)):
+                return
+            super()._track(reftype, tensor)
+
+    return Tracker()
+
+
 class Window:
-    """torch's MemTracker over optimizer steps FROM+1 .. FROM+STEPS, entered and left at step ends."""
+    """torch's MemTracker (:func:`_memtracker`) over optimizer steps FROM+1 .. FROM+STEPS,
+    entered and left at step ends."""
 
     def __init__(self, out: str):
         self.out, self.tracker, self.peak = out, None, None
 
-    def at_step_end(self, done: int, model, optimizer, rank: int) -> None:
-        from torch.distributed._tools.mem_tracker import MemTracker
-
+    def at_step_end(self, done: int, model, optimizer, rank: int, ddp: bool | None = None) -> None:
+        """``ddp``: the model trains under DDP without bucket views (None: read from ``model``;
+        the Trainer hands its callbacks the model DDP wraps)."""
         if done == FROM:
-            self.tracker = MemTracker()
+            self.tracker = _memtracker()
             self.tracker.track_external(model, optimizer)
             self.tracker.__enter__()
         elif self.tracker is not None and done < FROM + STEPS:
@@ -42,6 +67,13 @@ class Window:
             self.tracker.__exit__(None, None, None)
             snap = self.tracker.get_tracker_snapshot("peak")
             total = sum(v.get("Total", 0) for v in snap.values()) / 2**20
+            # DDP's buckets, allocated before any window, live through every step (the
+            # probe adds them from DDP's reducer; this from DDP's rule: every trainable
+            # gradient has a place in a bucket, unless the gradients are the buckets)
+            if ddp is None:
+                ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel) and not model.gradient_as_bucket_view
+            if ddp:
+                total += sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) / 2**20
             Path(f"{self.out}.{rank}").write_text(json.dumps({"rank": rank, "peak_mib": total}))
             self.tracker = None
 
@@ -107,7 +139,9 @@ def hf(out: str, argv: list[str]) -> None:
 
     class Independent(TrainerCallback):
         def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
-            window.at_step_end(state.global_step, model, getattr(optimizer, "optimizer", optimizer), args.process_index)
+            ddp = args.world_size > 1 and not args.fsdp and not args.deepspeed  # as the probe reads it
+            optimizer = getattr(optimizer, "optimizer", optimizer)
+            window.at_step_end(state.global_step, model, optimizer, args.process_index, ddp=ddp)
 
     ex.main(argv, callbacks=[Independent()])
 

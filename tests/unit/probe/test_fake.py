@@ -97,6 +97,11 @@ def test_ddp_is_unwrapped_and_its_bucket_view_setting_read(gloo_group):
     assert fake.unwrap(model) == (net, None) and fake.model_name(model) == "Linear"
     assert fake.ddp_of(model) == (True, True) and fake.ddp_of(net) == (False, False)
     assert fake.ddp_of(DistributedDataParallel(nn.Linear(2, 2))) == (True, False)
+    # the buckets beside the gradients, from DDP's reducer: none where the gradients are views into them
+    assert fake.ddp_buckets_mib(DistributedDataParallel(nn.Linear(16, 8))) == (16 * 8 + 8) * 4 / MIB
+    assert fake.ddp_buckets_mib(model) == 0.0 and fake.ddp_buckets_mib(net) == 0.0
+    # the module DDP wraps, said to be under DDP (the Trainer's callbacks get that one): DDP's rule
+    assert fake.ddp_buckets_mib(nn.Linear(16, 8), (True, False)) == (16 * 8 + 8) * 4 / MIB
 
 
 def test_trainable_mib_counts_the_trainable_parameters_bytes():
@@ -177,3 +182,17 @@ def test_a_lightning_modules_logging_is_silenced_during_the_fake_step_only():
         module.log_dict({})
     module.log("x", 1)
     assert calls == ["log"]
+
+
+def test_lightnings_order_runs_the_forward_beside_the_previous_steps_gradients():
+    """Lightning zeroes the gradients between training_step and backward: its forward holds the
+    last step's gradients too, which a plain loop (zero_grad after the step) has dropped."""
+    model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = (torch.randn(256, 512), torch.randint(0, 4, (256,)))
+    plain = fake.predict_peak(model, optimizer, batch, _step)
+    lightning = fake.predict_peak(model, optimizer, batch, _step, zero_grad_after_forward=True)
+    one_activation = 256 * 512 * 4 / MIB
+    assert lightning["breakdown_mib"]["Gradient"] == pytest.approx(fake.trainable_mib(model))  # all of them
+    assert lightning["breakdown_mib"]["Activation"] >= 4 * one_activation  # the batch, two linears, one relu
+    assert lightning["peak_mib"] > plain["peak_mib"] + one_activation

@@ -173,7 +173,7 @@ def test_a_ranks_figures_carry_the_predictions_relative_error_and_no_build_figur
     p.prediction = {"peak_mib": 11.0}
     figures = p._rank_figures()
     assert figures["peak_rel_error"] == pytest.approx(0.1) and "build_peak_mib" not in figures
-    assert figures["unseen_buckets_mib"] == 0.0  # not under DDP
+    assert figures["buckets_added_mib"] == 0.0  # not under DDP
     assert figures["model_states_mib"]["params"] == 6 * 4 / 2**20
     p._memory, p.prediction = {"peak_allocated_mib": 10.0}, {"peak_mib": None}
     assert p._rank_figures()["peak_rel_error"] is None
@@ -339,3 +339,23 @@ def test_the_prediction_of_an_accumulating_loop_fakes_a_micro_batch_beside_held_
     assert abs(told["peak_rel_error"]) <= 0.05, told  # measured beside it, by the probe's own tracker
     untold = _accumulating_run(tmp_path / "untold", accum=4, told=1)
     assert untold["peak_rel_error"] < -0.10, untold  # one micro-batch faked: the held gradients missed
+
+
+@pytest.mark.parametrize("as_view", [False, True])
+def test_ddps_buckets_made_before_the_cpu_window_are_added_to_the_measured_peak(gloo_group, as_view):
+    """DDP allocates its buckets when it wraps the model, before the probe's tracker starts:
+    they are added (from DDP's reducer) under Bucket, as a run files them; with
+    gradient_as_bucket_view the tracker sees them as the gradients, and nothing is added."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(nn.Linear(64, 32), gradient_as_bucket_view=as_view)
+    p = Probe(model, _sgd(model), "unused")
+    p.meter = Meter()
+    p._memory = {"peak_allocated_mib": 10.0, "peak_breakdown_mib": {"Parameter": 1.0}}
+    p.prediction = {"peak_mib": 11.0}
+    figures = p._rank_figures()
+    buckets = 0.0 if as_view else (64 * 32 + 32) * 4 / 2**20
+    assert figures["buckets_added_mib"] == pytest.approx(buckets)
+    assert figures["peak_allocated_mib"] == pytest.approx(10.0 + buckets)
+    assert figures["peak_breakdown_mib"].get("Bucket", 0.0) == pytest.approx(buckets)
+    assert figures["peak_rel_error"] == pytest.approx((11.0 - 10.0 - buckets) / (10.0 + buckets))
