@@ -144,6 +144,9 @@ def test_the_probe_writes_into_the_users_open_wandb_run_and_opens_none(tmp_path,
         _, result = _loop(10, tmp_path / "run")
     finally:
         run.finish()
+        # the W&B service writes the offline file in its own process: shut it down (which
+        # waits for its writer) before the file is read, or a loaded machine reads it early
+        wandb.teardown()
     assert result.memory.peak_allocated_mib_max is not None, result.memory
     (found,) = find_runs(tmp_path)  # the user's run, and no second one
     summary = read_run(found)["summary"]
