@@ -48,8 +48,11 @@ def error_text(error: float) -> str:
     return f"{abs(error):.1%} {'too high' if error > 0 else 'too low'}"
 
 
-def _line(label: str, text: str) -> str:
+def _line(label: str, text: str, wrap: bool = True) -> str:
+    """``label: text``, wrapped at :data:`WIDTH` (``wrap=False``: a path, kept whole to be copied)."""
     head = f"  {label + ':':<16}"
+    if not wrap:
+        return head + text
     return textwrap.fill(text, WIDTH, initial_indent=head, subsequent_indent=" " * len(head), break_long_words=False)
 
 
@@ -95,5 +98,5 @@ def summary(result: dict[str, Any]) -> str:
         if speed.get("samples_per_s"):
             text += f", {num(speed['samples_per_s'])} samples/s"
         lines.append(_line("speed", text))
-    lines.append(_line("result", os.path.join(str(result.get("output_dir")), "result.json")))
+    lines.append(_line("result", os.path.join(str(result.get("output_dir")), "result.json"), wrap=False))
     return "\n".join(lines)

@@ -92,3 +92,12 @@ def test_a_failed_run_says_so_on_its_first_line():
         summary(failed).splitlines()[0]
         == "sharded_exp probe: ddp, 2 ranks (cpu), 35 steps, failed: rank 0: RuntimeError: boom"
     )
+
+
+def test_the_result_path_is_never_wrapped():
+    """A path is copied from the terminal: a long one with hyphens stays on its line."""
+    from sharded_exp.probe.summary import summary
+
+    long = "/tmp/" + "-".join(["a-very-long-directory-name"] * 6)
+    lines = summary({"status": "ok", "strategy": "single", "world_size": 1, "output_dir": long}).splitlines()
+    assert lines[-1] == f"  result:         {long}/result.json"
