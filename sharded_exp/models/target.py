@@ -49,7 +49,7 @@ import os
 import struct
 
 import torch
-from hydra.utils import get_class, instantiate
+from hydra.utils import get_class, get_object, instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
@@ -121,12 +121,14 @@ def _is_auto(cls) -> bool:
 
 
 def _is_auto_class(target) -> bool:
-    """``model._target_`` names an ``AutoModel...`` class (:func:`_is_auto`)."""
+    """``model._target_`` names an ``AutoModel...`` class (:func:`_is_auto`). Located with
+    ``get_object``: ``get_class`` logs an error for a factory function, and that log line
+    would write a run directory for a config refused before the run."""
     try:
-        cls = get_class(target)
-    except Exception:  # noqa: BLE001 -- not a class: a factory function, or nothing
+        obj = get_object(target)
+    except Exception:  # noqa: BLE001 -- nothing at that path: the build says so
         return False
-    return _is_auto(cls)
+    return isinstance(obj, type) and _is_auto(obj)
 
 
 def _config_of(node: dict):
