@@ -5,6 +5,9 @@ threads one rank gets):
 
 - matmul throughput per dtype at a few sizes (a measured curve: small matmuls are slower
   per FLOP than large ones);
+- attention's throughput (causal ``scaled_dot_product_attention``, forward and backward) at a
+  few shapes: a fused attention kernel is not a matmul (on a CPU it reaches a small part of
+  the matmul rate), so it gets its own curve;
 - memory bandwidth (a large tensor copied: bytes read plus written over the time);
 - the overhead of one op (a one-element add: on a CPU this dispatch cost dominates small ops);
 - the host's cost per op of a training step, per math dtype (fp32, and bf16/fp16 under
@@ -12,6 +15,9 @@ threads one rank gets):
   work to speak of, timed and divided by its number of ops (those the time model counts,
   :func:`sharded_exp.speed.compute.timed_op`). A step's module calls, autograd's engine,
   autocast's casts and the optimizer's dispatch are in it, which a lone add is not;
+- the same for the tiny model under FSDP2 (each Linear and the root ``fully_shard``-ed, in a
+  spawned world of one process): FSDP2's hooks, its all-gathers' copies and DTensor's
+  dispatch of the optimizer's ops, the host work an FSDP step adds per op;
 - on CPU, the local "link": an all-reduce between two gloo processes on this machine.
 
 On a CUDA device (:func:`measure_cuda`) the same figures are measured on the GPU, in a child
@@ -31,6 +37,7 @@ host name, torch version, device and threads; ``plan.remeasure=true`` measures a
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import tempfile
@@ -40,8 +47,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from sharded_exp.measure.flops import gpu_peak, save_cache
+from sharded_exp.predict.op_trace import count_cpu_attention
 from sharded_exp.speed.compute import timed_op
 from sharded_exp.speed.profiles import Curve, DeviceProfile, Figure, LinkProfile, Source
 
@@ -50,6 +59,7 @@ MATMUL_SIZES = (128, 256, 512, 1024)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COPY_BYTES = 64 * 2**20
 ALL_REDUCE_BYTES = 16 * 2**20
+_log = logging.getLogger(__name__)
 SOURCE = Source("measured", "measured on this machine by sharded_exp.measure.machine", "(this machine)")
 
 
@@ -127,14 +137,23 @@ class _OpCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def measure_step_op_overhead(device: str, dtype: str, seconds: float = 0.3) -> float:
+def measure_step_op_overhead(device: str, dtype: str, seconds: float = 0.3, sharded: bool = False) -> float:
     """Seconds per op of a tiny model's training step on ``device`` in ``dtype`` (see the
-    module docstring): Adam as torch picks it on that device, gradients freed after the step."""
+    module docstring): Adam as torch picks it on that device, gradients freed after the step.
+    ``sharded``: each Linear and the root under FSDP2's ``fully_shard`` (needs the process
+    group it shards over: :func:`measure_sharded_step_op_overhead` makes one)."""
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
     for _ in range(8):
         layers += [torch.nn.Linear(32, 32), torch.nn.GELU()]
     model = torch.nn.Sequential(*layers).to(device)
+    if sharded:
+        from torch.distributed.fsdp import fully_shard  # lazy: only the sharded figure needs FSDP2
+
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
     optimizer = torch.optim.Adam(model.parameters())
     x = torch.randn(8, 32, device=device)
     autocast = None if dtype == "fp32" else DTYPES[dtype]
@@ -152,6 +171,72 @@ def measure_step_op_overhead(device: str, dtype: str, seconds: float = 0.3) -> f
         step()
     per_step = _timed_cuda(step, seconds) if device == "cuda" else _timed(step, seconds)
     return per_step / max(counter.count, 1)
+
+
+def _sharded_rank(rank: int, path: str, out: str, device: str, threads: int, dtypes: tuple[str, ...]) -> None:
+    torch.set_num_threads(threads)
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{path}", rank=rank, world_size=1)
+    try:
+        with open(out, "w") as f:
+            json.dump({name: measure_step_op_overhead(device, name, sharded=True) for name in dtypes}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_sharded_step_op_overhead(device: str, threads: int, dtypes: tuple[str, ...]) -> dict:
+    """:func:`measure_step_op_overhead` of the tiny model under FSDP2 per dtype, in a spawned
+    process that is a world of one (a process group of its own: the caller's, a rank's, is
+    left alone). FSDP2's work per step at one rank is all host work: its collectives over
+    one rank move nothing. ``{}`` with the reason logged where it cannot be measured (the
+    plain figure then stands for it)."""
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            out = os.path.join(folder, "sharded.json")
+            args = (os.path.join(folder, "store"), out, device, threads, dtypes)
+            mp.start_processes(_sharded_rank, args=args, nprocs=1, start_method="spawn")
+            with open(out) as f:
+                return json.load(f)
+    except Exception as exc:  # noqa: BLE001 -- measuring never breaks a run: the plain figure stands
+        _log.warning("the host's cost per op of an FSDP2 step was not measured (%s: %s); the plain step's is used",
+                     type(exc).__name__, exc)  # fmt: skip
+        return {}
+
+
+ATTENTION_SHAPES = ((32, 64), (16, 128), (8, 256), (4, 512), (2, 1024))
+"""(batch x heads, sequence length) of the attention measured, head dimension
+:data:`ATTENTION_HEAD_DIM`, causal: from a short sequence with many heads to a long one."""
+ATTENTION_HEAD_DIM = 64
+
+
+def measure_attention(dtype: torch.dtype, device: str = "cpu", seconds: float = 0.15) -> list[tuple[float, float]]:
+    """(FLOPs, TFLOP/s) of causal ``scaled_dot_product_attention``'s forward and backward
+    together at each of :data:`ATTENTION_SHAPES`, the FLOPs as torch's FLOP counter counts
+    them (the op trace's rule: the whole square, though a causal kernel skips half). A
+    fused attention kernel is not a matmul: on a CPU it reaches a small part of the matmul
+    rate. Stops at the first shape whose one call takes longer than ``seconds``."""
+    count_cpu_attention()
+    points = []
+    for batch_heads, seq in ATTENTION_SHAPES:
+        q, k, v = (
+            torch.randn(1, batch_heads, seq, ATTENTION_HEAD_DIM, device=device).to(dtype).requires_grad_()
+            for _ in range(3)
+        )
+        grad = torch.ones(1, batch_heads, seq, ATTENTION_HEAD_DIM, device=device, dtype=dtype)
+
+        def step():
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out.backward(grad)
+            q.grad = k.grad = v.grad = None
+
+        counter = FlopCounterMode(display=False)
+        with counter:
+            step()
+        per_call = _timed_cuda(step, seconds) if device == "cuda" else _timed(step, seconds)
+        points.append((float(counter.get_total_flops()), counter.get_total_flops() / per_call / 1e12))
+        if per_call > seconds:
+            break
+    return sorted(points)
 
 
 def _all_reduce_rank(rank: int, path: str, out: str) -> None:
@@ -225,10 +310,23 @@ def measure_cuda() -> dict:
         "memory_bandwidth_GBps": bandwidth,
         "op_overhead_s": _timed_cuda(lambda: torch.add(x, x), 0.1),
         "step_op_overhead_s": {name: measure_step_op_overhead("cuda", name) for name in DTYPES},
+        "attention": _cuda_attention(),
+        "sharded_step_op_overhead_s": measure_sharded_step_op_overhead("cuda", 1, tuple(DTYPES)),
         "device_name": torch.cuda.get_device_name(0),
         "memory_GB": torch.cuda.get_device_properties(0).total_memory / 1e9,
         "tf32": bool(torch.backends.cuda.matmul.allow_tf32),
     }
+
+
+def _cuda_attention() -> dict:
+    """The GPU's attention curves per dtype (:func:`measure_attention`); ``{}`` with the reason
+    logged where it cannot be measured (attention is then priced at the matmul's curve)."""
+    try:
+        return {name: measure_attention(dtype, "cuda", 0.1) for name, dtype in DTYPES.items()}
+    except Exception as exc:  # noqa: BLE001 -- measuring never breaks a run
+        _log.warning("attention was not measured on the GPU (%s: %s); it is priced at the matmul's curve",
+                     type(exc).__name__, exc)  # fmt: skip
+        return {}
 
 
 def _cuda_child(rank: int, out: str) -> None:
@@ -254,17 +352,20 @@ def measure(threads: int) -> dict:
             "matmul": {name: measure_matmul(dtype) for name, dtype in DTYPES.items()},
             "memory_bandwidth_GBps": measure_bandwidth(),
             "op_overhead_s": measure_op_overhead(),
+            "attention": {name: measure_attention(DTYPES[name]) for name in CPU_STEP_DTYPES},
             "step_op_overhead_s": {name: measure_step_op_overhead("cpu", name) for name in CPU_STEP_DTYPES},
         }
     finally:
         torch.set_num_threads(before)
+    figures["sharded_step_op_overhead_s"] = measure_sharded_step_op_overhead("cpu", threads, CPU_STEP_DTYPES)
     figures["link"] = measure_local_link()
     return figures
 
 
-FIGURES_VERSION = 3
+FIGURES_VERSION = 4
 """Bumped when the figures measured change (2: the step's host cost per op; 3: the fastest of
-several windows): older entries are measured again."""
+several windows; 4: attention's own curve, the host's cost per op of an FSDP2 step): older
+entries are measured again."""
 
 
 def _key(threads: int, device: str = "cpu") -> str:
@@ -296,6 +397,9 @@ def this_cuda_profile(remeasure: bool = False) -> DeviceProfile:
     source = Source("measured", f"measured on {name} at {found.get('measured_at', '?')}", cache_path())
     curves = {("matmul", d): Curve(tuple(tuple(p) for p in pts), source) for d, pts in found["matmul"].items()}
     curves |= {("attention", d): c for (k, d), c in list(curves.items())}
+    curves |= {
+        ("attention", d): Curve(tuple(tuple(p) for p in pts), source) for d, pts in found.get("attention", {}).items()
+    }
     peaks = {}
     for dtype, points in found["matmul"].items():
         table, why = gpu_peak(name, {"fp32": "32", "fp16": "16", "bf16": "bf16"}[dtype])
@@ -314,6 +418,7 @@ def this_cuda_profile(remeasure: bool = False) -> DeviceProfile:
         curves=curves,
         op_overhead_s=found["op_overhead_s"],
         step_op_overhead_s=found["step_op_overhead_s"],
+        sharded_step_op_overhead_s=found.get("sharded_step_op_overhead_s", {}),
         asynchronous=True,
     )
 
@@ -324,7 +429,9 @@ def this_profile(threads: int, remeasure: bool = False) -> tuple[DeviceProfile, 
     when = found.get("measured_at", "?")
     source = Source("measured", f"measured on {socket.gethostname()} at {when}, {threads} thread(s)", cache_path())
     curves = {("matmul", d): Curve(tuple(tuple(p) for p in pts), source) for d, pts in found["matmul"].items()}
+    # attention at its own measured rate; a dtype it was not measured in at the matmul's
     curves |= {("attention", d): c for (k, d), c in list(curves.items())}
+    curves |= {("attention", d): Curve(tuple(tuple(p) for p in pts), source) for d, pts in found.get("attention", {}).items()}
     peaks = {d: Figure(max(t for _, t in pts), source, "the best measured size") for d, pts in found["matmul"].items()}
     device = DeviceProfile(
         name="this",
@@ -335,6 +442,7 @@ def this_profile(threads: int, remeasure: bool = False) -> tuple[DeviceProfile, 
         curves=curves,
         op_overhead_s=found["op_overhead_s"],
         step_op_overhead_s=found["step_op_overhead_s"],
+        sharded_step_op_overhead_s=found.get("sharded_step_op_overhead_s", {}),
     )
     link = found["link"]
     local = LinkProfile(

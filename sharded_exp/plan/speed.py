@@ -26,7 +26,14 @@ from sharded_exp.plan.depth import shapes_of
 from sharded_exp.precision import Precision
 from sharded_exp.predict.fake_step import fake_step
 from sharded_exp.predict.prediction import predict
-from sharded_exp.predict.step_time import Machine, StepCompute, math_dtype, predict_step_time, step_compute
+from sharded_exp.predict.step_time import (
+    Machine,
+    StepCompute,
+    math_dtype,
+    predict_step_time,
+    shards_parameters,
+    step_compute,
+)
 from sharded_exp.speed.profiles import load_device, load_link, network_link
 
 DEFAULT_PROFILE = {"cuda": "h100_sxm", "cpu": "this"}
@@ -104,7 +111,9 @@ def speed_columns(cfg_s: PlanConfig, world_size: int, found: dict[str, Any], pre
         return empty | {"speed_note": found["error"]}
     try:
         at = machine(cfg_s, world_size)
-        compute: StepCompute = step_compute(found["trace"], at.device, found["flops"], math_dtype(cfg_s))
+        compute: StepCompute = step_compute(
+            found["trace"], at.device, found["flops"], math_dtype(cfg_s), shards_parameters(cfg_s)
+        )
         mine = max(p["optimizer"] for p in prediction["model_states_mib"])
         compute = compute.optimizer_scaled(mine / found["optimizer_mib"] if found["optimizer_mib"] else 1.0)
         out = predict_step_time(cfg_s, world_size, compute, shapes_of(cfg_s), at)

@@ -31,7 +31,7 @@ from sharded_exp.speed.collectives import Topology
 from sharded_exp.speed.compute import op_time, ops_from_records
 from sharded_exp.speed.profiles import DeviceProfile, LinkProfile, load_device, load_link, profile_for_device_name
 from sharded_exp.speed.schedule import Units, mfu, simulate
-from sharded_exp.strategies import timing_of
+from sharded_exp.strategies import timing_of, traits_of
 from sharded_exp.strategies.timing import Fabric, TimeUnknown
 
 MATH_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -107,16 +107,19 @@ def _deepened(per_unit: tuple[float, ...], units: int) -> tuple[float, ...]:
     return (per_unit[0], *[middle] * (units - 2), per_unit[-1])
 
 
-def step_compute(trace: Trace, device: DeviceProfile, model_flops: float, math_dtype: str = "fp32") -> StepCompute:
+def step_compute(
+    trace: Trace, device: DeviceProfile, model_flops: float, math_dtype: str = "fp32", sharded_parameters: bool = False
+) -> StepCompute:
     """The trace's compute priced on ``device`` (see the module docstring). Each op costs its
     kernel time and the host's cost per op (:meth:`DeviceProfile.host_cost_s`, for
-    ``math_dtype`` in the forward and backward, autocast's, and fp32 in the optimizer): their
+    ``math_dtype`` in the forward and backward, autocast's, and fp32 in the optimizer; that of
+    an FSDP2 step where ``sharded_parameters``, :func:`shards_parameters`): their
     sum where ops run one after the other (CPU), the larger where the host launches ahead of
     the device (CUDA: a launch-bound step is the host's time, a compute-bound one the kernels')."""
     records = trace.phased()
     seconds = []
     for record, op in zip(records, ops_from_records(records, "fp32")):
-        host = device.host_cost_s("fp32" if record["phase"] == "optimizer" else math_dtype)
+        host = device.host_cost_s("fp32" if record["phase"] == "optimizer" else math_dtype, sharded_parameters)
         kernel = op_time(op, device)
         seconds.append(max(kernel, host) if device.asynchronous else kernel + host)
     count = max(1, trace.units)
@@ -136,6 +139,12 @@ def step_compute(trace: Trace, device: DeviceProfile, model_flops: float, math_d
     total = sum(forward)
     back = tuple(backward * f / total if total else backward / count for f in forward)
     return StepCompute(tuple(forward), back, optimizer, float(model_flops), tuple(flops))
+
+
+def shards_parameters(cfg) -> bool:
+    """Whether ``cfg``'s strategy shards the parameters with FSDP2 (its step then pays FSDP2's
+    host work per op)."""
+    return traits_of(str(cfg.strategy.name)).shards_parameters
 
 
 def per_step(cfg) -> tuple[int, int | None]:
@@ -227,7 +236,7 @@ def run_step_time(cfg, world_size: int, device_type: str, est, shapes, predictio
             device, link = this.this_profile(threads)
             machine = Machine(device, link, None, world_size, None, device.memory_bandwidth_Bps)
             extra = {"threads_per_rank": threads}
-        compute = step_compute(trace, device, est.flops_per_step, math_dtype(cfg))
+        compute = step_compute(trace, device, est.flops_per_step, math_dtype(cfg), shards_parameters(cfg))
         return predict_step_time(cfg, world_size, compute, shapes, machine) | extra
     except Exception as exc:  # noqa: BLE001 -- measuring never breaks training: null and why
         return {

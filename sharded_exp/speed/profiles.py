@@ -94,13 +94,21 @@ class DeviceProfile:
     dispatch spread over the step's ops), measured on a tiny model's step where every op is
     that cost and no work (:func:`sharded_exp.measure.machine.measure_step_op_overhead`). Where
     present it replaces :attr:`op_overhead_s` for a training step's ops."""
+    sharded_step_op_overhead_s: Mapping[str, float] = field(default_factory=dict)
+    """The same per-op figure for a step whose parameters FSDP2 shards (``fully_shard``: its
+    hooks around each unit, the all-gathers' copy-in and copy-out, and the optimizer's ops on
+    DTensors, each dispatched through DTensor's Python layer), measured on the same tiny model
+    sharded per layer at world size 1 (:func:`sharded_exp.measure.machine.measure_step_op_overhead`).
+    Where present it replaces :attr:`step_op_overhead_s` for such a step."""
     asynchronous: bool = False
     """Ops are launched ahead of the device (CUDA): an op then takes the larger of its kernel
     time and the host's cost per op, not their sum (a CPU runs them one after the other)."""
 
-    def host_cost_s(self, dtype: str) -> float:
-        """The host's seconds per op of a training step in ``dtype`` (see above)."""
-        return self.step_op_overhead_s.get(dtype, self.op_overhead_s)
+    def host_cost_s(self, dtype: str, sharded_parameters: bool = False) -> float:
+        """The host's seconds per op of a training step in ``dtype`` (see above);
+        ``sharded_parameters``: a step of FSDP2-sharded parameters."""
+        plain = self.step_op_overhead_s.get(dtype, self.op_overhead_s)
+        return self.sharded_step_op_overhead_s.get(dtype, plain) if sharded_parameters else plain
 
     @property
     def memory_bytes(self) -> float:

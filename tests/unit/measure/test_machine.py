@@ -26,6 +26,28 @@ def test_the_profile_is_built_from_the_cache_without_measuring(tmp_path, monkeyp
     assert not device.asynchronous  # a CPU runs its ops one after the other
     assert device.peak_flops_per_s("fp32") == 0.05e12 and device.curve("matmul", "fp32").points[0] == (1e6, 0.01)
     assert link.bandwidth_Bps == 0.5e9 and link.ring_step_latency_s == pytest.approx(1e-4)
+    assert device.curve("attention", "fp32") == device.curve("matmul", "fp32")  # attention not measured
+    assert device.host_cost_s("fp32", sharded_parameters=True) == 2e-5  # nor an FSDP2 step: the plain figure
+
+
+def test_attention_and_the_fsdp2_steps_host_cost_are_read_where_measured(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    figures = {"matmul": {"fp32": [[1e6, 0.01], [1e9, 0.05]]}, "attention": {"fp32": [[1e8, 0.002], [2e9, 0.02]]},
+               "memory_bandwidth_GBps": 10.0, "op_overhead_s": 5e-6, "step_op_overhead_s": {"fp32": 2e-5},
+               "sharded_step_op_overhead_s": {"fp32": 7e-5}, "link": {"bandwidth_GBps": 0.5, "step_latency_us": 100.0}}  # fmt: skip
+    path = tmp_path / "sharded_exp" / "this_profile.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({machine._key(2): figures}))
+    device, _ = machine.this_profile(2)
+    assert device.curve("attention", "fp32").points == ((1e8, 0.002), (2e9, 0.02))
+    assert device.host_cost_s("fp32") == 2e-5 and device.host_cost_s("fp32", sharded_parameters=True) == 7e-5
+
+
+def test_attention_is_measured_with_the_flops_the_trace_counts():
+    points = machine.measure_attention(torch.float32, seconds=0.01)
+    batch_heads, seq = machine.ATTENTION_SHAPES[0]
+    forward = 4 * batch_heads * seq * seq * machine.ATTENTION_HEAD_DIM
+    assert points[0][0] == forward * 3.5 and all(rate > 0 for _, rate in points)
 
 
 def test_remeasure_measures_again_and_caches_it(tmp_path, monkeypatch):

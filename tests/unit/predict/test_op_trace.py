@@ -37,6 +37,16 @@ def test_the_trace_counts_the_flops_torchs_counter_counts():
     assert sum(r["flops"] for r in trace.records) == counter.get_total_flops() > 0
 
 
+def test_the_cpus_fused_attention_counts_the_flops_of_its_cuda_kernels():
+    """torch 2.13 has no FLOP formula for the CPU's flash attention: ours counts what
+    torch counts for the CUDA flash kernel (forward 4 b h s^2 d, backward 2.5 times that)."""
+    q = torch.randn(2, 3, 16, 8, requires_grad=True)
+    with FlopCounterMode(display=False) as counter:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    forward = 4 * 2 * 3 * 16 * 16 * 8
+    assert counter.get_total_flops() == forward + 2.5 * forward
+
+
 def test_ops_are_phased_and_the_forwards_attributed_to_their_units():
     model, trace = Two(), Trace()
     step(model, trace)

@@ -56,6 +56,23 @@ def test_the_hosts_cost_per_op_adds_on_a_cpu_and_overlaps_on_a_gpu():
     assert gpu.optimizer_s == pytest.approx(1e-3)
 
 
+def test_a_step_of_fsdp2_sharded_parameters_pays_the_sharded_host_cost_per_op():
+    from dataclasses import replace
+
+    device = replace(H100, step_op_overhead_s={"fp32": 1e-3, "bf16": 1e-3}, sharded_step_op_overhead_s={"bf16": 5e-3})
+    plain = step_compute(trace(), device, 6e12, "bf16")
+    sharded = step_compute(trace(), device, 6e12, "bf16", sharded_parameters=True)
+    assert sharded.forward_s[0] == pytest.approx(plain.forward_s[0] + 2 * 4e-3)  # two ops, 4 ms more each
+    assert sharded.optimizer_s == pytest.approx(plain.optimizer_s)  # fp32 was not measured sharded: the plain figure
+
+
+@pytest.mark.parametrize("strategy, sharded", [("ddp", False), ("zero1", False), ("fsdp", True), ("fsdp_grad_op", True)])
+def test_fsdp2_strategies_are_the_ones_priced_as_sharded_parameters(strategy, sharded):
+    from sharded_exp.predict.step_time import shards_parameters
+
+    assert shards_parameters(OmegaConf.create({"strategy": {"name": strategy}})) is sharded
+
+
 def test_a_deep_model_repeats_the_middle_units_and_scales_its_flops():
     shallow = StepCompute((1.0, 2.0, 2.0, 1.5), (2.0, 4.0, 4.0, 3.0), 0.5, 100.0)
     deep = shallow.at_depth(6)
