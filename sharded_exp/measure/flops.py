@@ -13,10 +13,37 @@ import platform
 import time
 
 import torch
+from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
 from sharded_exp.precision import compute_dtype
 
 TERA = 1e12
+
+
+def count_cpu_attention() -> None:
+    """Give torch's FLOP counter the formulas it lacks for the CPU's fused attention
+    (``_scaled_dot_product_flash_attention_for_cpu`` and its backward, torch 2.13): the same
+    counts as its CUDA flash kernels' (two matmuls forward, four backward). Without them a
+    CPU step's attention counts no FLOPs: the time model priced it by its bytes and the
+    model's FLOPs (MFU) left it out. Registered once, into torch's registry (which
+    ``FlopCounterMode`` and this trace both read); a torch that has its own is left alone."""
+    aten = torch.ops.aten
+    forward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    backward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if forward is not None and forward not in flop_registry:
+
+        @register_flop_formula(forward)
+        def _forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+            return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+    if backward is not None and backward not in flop_registry:
+
+        @register_flop_formula(backward)
+        def _backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+            return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+count_cpu_attention()
 
 # Dense tensor-core peaks (FLOP/s); fp32 is the plain (non-TF32) figure, torch's default
 # matmul precision. From NVIDIA's data sheets. The key is the model as torch names it

@@ -49,8 +49,7 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from sharded_exp.measure.flops import gpu_peak, save_cache
-from sharded_exp.predict.op_trace import count_cpu_attention
+from sharded_exp.measure.flops import count_cpu_attention, gpu_peak, save_cache
 from sharded_exp.speed.compute import timed_op
 from sharded_exp.speed.profiles import Curve, DeviceProfile, Figure, LinkProfile, Source
 
