@@ -45,8 +45,8 @@ the first step, which then waited for it)."""
 
 def one(overrides: list[str], out: str, checkout: str | None = None) -> dict[str, float]:
     """One job, from ``checkout``'s sharded_exp (None: this one's)."""
-    env = dict(os.environ)
-    if checkout is not None:
+    env, out = dict(os.environ), os.path.abspath(out)
+    if checkout is not None:  # run from there: ``-m`` puts the working directory first on the path
         env["PYTHONPATH"] = os.path.abspath(checkout)
     t0 = time.time()
     proc = subprocess.run(
@@ -54,6 +54,7 @@ def one(overrides: list[str], out: str, checkout: str | None = None) -> dict[str
         capture_output=True,
         text=True,
         env=env,
+        cwd=checkout,
     )
     exited = time.time()
     if proc.returncode != 0:
