@@ -86,8 +86,9 @@ def finished_result(result: Result, payload: PartialResult | None, parent_times:
     """The result of a job whose ranks ended: :func:`base_result` with rank 0's
     :func:`training_result` laid over it (None: a torchrun rank other than 0, status "ok"),
     and one timeline in Unix times: main -> imported -> launch -> validated (the parent's),
-    then rank_start -> process_group_ready -> built -> logger_ready -> first_step ->
-    last_step (rank 0's)."""
+    then rank_start -> process_group_ready -> built -> first_step -> last_step (rank 0's),
+    with logger_ready (the tracker started, beside the first steps) after built. Also
+    ``throughput.first_step_after_start_s``: main to first_step, the start-up as one figure."""
     payload = payload or PartialResult.build(status="ok")
     timeline = {**parent_times, **(payload.timeline or {})}
     done = result.updated(**payload.as_written()).updated(timeline=timeline)
