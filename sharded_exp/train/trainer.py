@@ -45,6 +45,7 @@ from sharded_exp.train.build import Run, build_run
 from sharded_exp.train.faults import Injector
 from sharded_exp.train.loop import LoopOutcome, LoopSettings, run_loop
 from sharded_exp.train.metrics import IntervalLog
+from sharded_exp.train.records import Windows
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +235,9 @@ def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: Me
             components.Faults(Injector(rank, device)),
             components.Checkpoints(checkpoints, strategy, meter, tc.steps),
         ]
+        if cfg.logger.name != "none":  # W&B started beside the warm-up: waited for before the timed steps
+            warm = Windows.plan(loop, loaded["step"], device, profiling=tc.profile).profile_from
+            parts.append(components.TrackerStart(logger, at=warm))
         evaluation_part = components.Evaluation(evaluate, tc.eval_every, meter, intervals, tc.steps)
         if batches > 0:
             parts.append(evaluation_part)
