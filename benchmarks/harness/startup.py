@@ -2,11 +2,16 @@
 
     python -m benchmarks.harness.startup                 # the default job (W&B offline), 3 runs
     python -m benchmarks.harness.startup --repeats 5 logger=none
+    python -m benchmarks.harness.startup --against ../before   # side by side with another checkout
 
 Runs ``python -m sharded_exp [overrides]`` as a user does and reads the timeline that
 ``result.json`` keeps (Unix times: the entry point before its imports, the launch,
-validation, a rank's start, its process group, model and strategy built, tracker ready,
-first step). Prints a Markdown table and writes outputs/benchmarks/startup.json.
+validation, a rank's start, its process group, model and strategy built, first step; the
+tracker starts beside the first steps, so its start is a row of its own, not a phase of
+the path to the first step). ``--against DIR``: each repeat also runs the job from the
+checkout in DIR (say a worktree of the commit before a change), the two alternating in
+order, so that a loaded machine's moments fall on both; the table then has both columns
+and their ratio. Prints a Markdown table and writes outputs/benchmarks/startup.json.
 """
 
 from __future__ import annotations
@@ -29,16 +34,27 @@ PHASES = [
     ("start ranks (forkserver)", "validated", "rank_start"),
     ("process group", "rank_start", "process_group_ready"),
     ("model + strategy", "process_group_ready", "built"),
-    ("tracker (W&B) start", "built", "logger_ready"),
-    ("to first step", "logger_ready", "first_step"),
+    ("to first step", "built", "first_step"),
     ("steps, results, exit", "first_step", "exit"),
 ]
+"""The path from the command to its exit, phase by phase (timeline keys)."""
+BESIDE = [("tracker (W&B) start, from the build", "built", "logger_ready")]
+"""Spans beside that path: the tracker starts in a thread of its own (older checkouts: before
+the first step, which then waited for it)."""
 
 
-def one(overrides: list[str], out: str) -> dict[str, float]:
+def one(overrides: list[str], out: str, checkout: str | None = None) -> dict[str, float]:
+    """One job, from ``checkout``'s sharded_exp (None: this one's)."""
+    env, out = dict(os.environ), os.path.abspath(out)
+    if checkout is not None:  # run from there: ``-m`` puts the working directory first on the path
+        env["PYTHONPATH"] = os.path.abspath(checkout)
     t0 = time.time()
     proc = subprocess.run(
-        [sys.executable, "-m", "sharded_exp", *overrides, f"hydra.run.dir={out}"], capture_output=True, text=True
+        [sys.executable, "-m", "sharded_exp", *overrides, f"hydra.run.dir={out}"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=checkout,
     )
     exited = time.time()
     if proc.returncode != 0:
@@ -48,26 +64,47 @@ def one(overrides: list[str], out: str) -> dict[str, float]:
     return {"command": t0, **timeline, "exit": exited}
 
 
+def medians(runs: list[dict[str, float]]) -> list[float | None]:
+    """Each phase's median seconds, then the command to the first step and to the exit."""
+    spans = [*PHASES, *BESIDE, ("", "command", "first_step"), ("", "command", "exit")]
+    out = []
+    for _, a, b in spans:
+        seconds = [r[b] - r[a] for r in runs if r.get(a) is not None and r.get(b) is not None]
+        out.append(statistics.median(seconds) if seconds else None)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--against", metavar="DIR", help="another checkout, run alternately with this one")
     parser.add_argument("overrides", nargs="*", help="config overrides (default: none, the default job)")
     args = parser.parse_args()
 
-    runs = [one(args.overrides, str(OUT / "startup" / str(i))) for i in range(args.repeats)]
-    rows = []
-    for label, a, b in PHASES:
-        seconds = [r[b] - r[a] for r in runs]
-        rows.append([label, f"{statistics.median(seconds):.2f}"])
-    first = [r["first_step"] - r["command"] for r in runs]
-    total = [r["exit"] - r["command"] for r in runs]
-    rows.append(
-        ["**command to first step**", f"**{statistics.median(first):.2f}** ({min(first):.2f}-{max(first):.2f})"]
-    )
-    rows.append(["**command to exit**", f"**{statistics.median(total):.2f}** ({min(total):.2f}-{max(total):.2f})"])
+    runs, others = [], []
+    for i in range(args.repeats):
+        ours = lambda: runs.append(one(args.overrides, str(OUT / "startup" / str(i))))  # noqa: E731
+        theirs = lambda: others.append(one(args.overrides, str(OUT / "startup" / f"against{i}"), args.against))  # noqa: E731
+        for side in (ours, theirs) if i % 2 == 0 else (theirs, ours):
+            if side is ours or args.against:
+                side()
+    labels = [label for label, _, _ in PHASES + BESIDE] + ["**command to first step**", "**command to exit**"]
+    cell = lambda v: "" if v is None else f"{v:.2f}"  # noqa: E731
+    if args.against:
+        theirs_m, ours_m = medians(others), medians(runs)
+        ratio = lambda a, b: "" if a is None or b is None or not a else f"{b / a:.2f}"  # noqa: E731
+        rows = [[lb, cell(a), cell(b), ratio(a, b)] for lb, a, b in zip(labels, theirs_m, ours_m)]
+        header = ["phase", args.against, "this checkout", "this / that"]
+    else:
+        rows = [[lb, cell(v)] for lb, v in zip(labels, medians(runs))]
+        first = [r["first_step"] - r["command"] for r in runs]
+        total = [r["exit"] - r["command"] for r in runs]
+        rows[-2][1] += f" ({min(first):.2f}-{max(first):.2f})"
+        rows[-1][1] += f" ({min(total):.2f}-{max(total):.2f})"
+        header = ["phase", "seconds"]
     print(f"python -m sharded_exp {' '.join(args.overrides)}; medians of {args.repeats} runs (seconds)")
-    print(markdown(["phase", "seconds"], rows))
-    print(f"wrote {save('startup', {'args': vars(args), 'runs': runs})}")
+    print(markdown(header, rows))
+    print(f"wrote {save('startup', {'args': vars(args), 'runs': runs, 'against': others})}")
 
 
 if __name__ == "__main__":

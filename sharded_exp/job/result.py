@@ -127,6 +127,9 @@ class Throughput(_Open):
     """Whether batches were made one step ahead in a background thread."""
     first_step_s: Number | None = None
     """The first step's time."""
+    first_step_after_start_s: Number | None = None
+    """Seconds from the job's start (the entry point's first line, before its imports: the
+    timeline's ``main``) to rank 0's first step: the start-up a user waits through."""
     compile_s: Number | None = None
     """trainer.compile's extra time in the step that compiled."""
     model_flops_per_step: Number | None = None

@@ -9,7 +9,10 @@ Offline runs land in ``<output_dir>/wandb/offline-run-*``; upload them later wit
 from __future__ import annotations
 
 import os
+import threading
+import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -31,6 +34,9 @@ class NullLogger:
 
     def finish(self, exit_code: int = 0) -> None:
         pass
+
+    def wait_started(self) -> None:
+        """Return once the logger has started (at once: this one has nothing to start)."""
 
 
 def run_tags(run_config: dict[str, Any]) -> list[str]:
@@ -131,3 +137,66 @@ def build_logger(cfg, run_config: dict[str, Any], output_dir: str, rank: int) ->
     if rank != 0 or cfg.name == "none":
         return NullLogger()
     return WandbLogger(cfg, run_config, output_dir)
+
+
+class StartingLogger(NullLogger):
+    """A logger that starts in a thread of its own, beside the first training steps.
+
+    W&B's start (its service process, the run's files) takes seconds that the first step
+    would otherwise wait for. Whatever is logged meanwhile waits here, in order, and goes to
+    the logger once it has started; ``summary`` and ``finish`` wait for it. ``on_started``
+    is called (in that thread) when it has, with the time.
+    """
+
+    def __init__(self, start: Callable[[], NullLogger], on_started: Callable[[float], None] | None = None):
+        self._logger: NullLogger | None = None
+        self._waiting: list[tuple[dict[str, float], int]] = []
+        self._thread = threading.Thread(target=self._start, args=(start, on_started), name="tracker-start", daemon=True)
+        self._thread.start()
+
+    def _start(self, start: Callable[[], NullLogger], on_started: Callable[[float], None] | None) -> None:
+        try:
+            self._logger = start()  # WandbLogger warns and goes on without W&B when it cannot start
+        finally:
+            if on_started is not None:
+                on_started(time.time())
+
+    def _started(self, wait: bool) -> NullLogger | None:
+        """The started logger, with what waited sent to it; None while it is still starting
+        (``wait``: until it has)."""
+        if wait:
+            self._thread.join()
+        elif self._thread.is_alive():
+            return None
+        logger = self._logger or NullLogger()  # its start failed outside WandbLogger's own handling
+        waiting, self._waiting = self._waiting, []
+        for metrics, step in waiting:
+            logger.log(metrics, step=step)
+        return logger
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        logger = self._started(wait=False)
+        if logger is None:
+            self._waiting.append((metrics, step))
+        else:
+            logger.log(metrics, step=step)
+
+    def summary(self, values: dict[str, Any]) -> None:
+        self._started(wait=True).summary(values)
+
+    def finish(self, exit_code: int = 0) -> None:
+        self._started(wait=True).finish(exit_code=exit_code)
+
+    def wait_started(self) -> None:
+        self._started(wait=True)
+
+
+def start_logger(
+    cfg, run_config: dict[str, Any], output_dir: str, rank: int, on_started: Callable[[float], None]
+) -> NullLogger:
+    """:func:`build_logger`, with W&B started beside the first steps (:class:`StartingLogger`);
+    ``on_started`` gets the time it has started (at once for a logger with nothing to start)."""
+    if rank != 0 or cfg.name == "none":
+        on_started(time.time())
+        return NullLogger()
+    return StartingLogger(lambda: WandbLogger(cfg, run_config, output_dir), on_started)

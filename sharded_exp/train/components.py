@@ -286,6 +286,21 @@ class Faults(Component):
         self.injector.after_step()
 
 
+class TrackerStart(Component):
+    """The tracker's start, which runs beside the warm-up steps (W&B's takes seconds), waited
+    for after them, by every rank together: the timed and the profiled steps then do not share
+    the machine with it, and the wait falls between two steps, outside every timed window.
+    ``at``: the steps done when the warm-up ends (:attr:`Windows.profile_from`)."""
+
+    def __init__(self, logger, at: int):
+        self.logger, self.at = logger, at
+
+    def between_steps(self, out: LoopOutcome, position) -> None:
+        if out.steps_done == self.at:
+            self.logger.wait_started()  # rank 0's; a no-op on the others
+            dist.barrier()  # the others wait here, not in the first timed step's collective
+
+
 class Checkpoints(Component):
     """The checkpoints that are due, the one at a stop, and an asynchronous save finished."""
 

@@ -34,7 +34,7 @@ from sharded_exp.measure.flops import utilisation
 from sharded_exp.measure.profile import trace_path
 from sharded_exp.measure.snapshot import MemoryHistory
 from sharded_exp.measure.tracker import MemoryMeter, model_state_mib, process_peak_rss_mib
-from sharded_exp.output.loggers import build_logger, summary_values
+from sharded_exp.output.loggers import start_logger, summary_values
 from sharded_exp.output.results import memory_section, training_result
 from sharded_exp.precision import Precision
 from sharded_exp.speed.against_measured import step_time_figures
@@ -45,6 +45,7 @@ from sharded_exp.train.build import Run, build_run
 from sharded_exp.train.faults import Injector
 from sharded_exp.train.loop import LoopOutcome, LoopSettings, run_loop
 from sharded_exp.train.metrics import IntervalLog
+from sharded_exp.train.records import Windows
 
 log = logging.getLogger(__name__)
 
@@ -217,9 +218,10 @@ def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: Me
     if device.type == "cuda":
         meter.start()  # peak counters reset once model and optimizer are built
     timeline["built"] = time.time()
-    logger = build_logger(cfg.logger, OmegaConf.to_container(cfg), output_dir, rank)
+    # W&B starts beside the first steps, not before them: its timeline entry is when it has started
+    logger = start_logger(cfg.logger, OmegaConf.to_container(cfg), output_dir, rank,
+                          on_started=lambda t: timeline.__setitem__("logger_ready", t))  # fmt: skip
     intervals = IntervalLog(logger)  # the history of interval records, in step order
-    timeline["logger_ready"] = time.time()
     loop = LoopSettings.from_config(tc, label=f"{cfg.strategy.name} x{dist.get_world_size()}")
     report = _Report(spec, cfg, device, meter, run.module, stopper, timeline, loaded["step"], resume_changes)
 
@@ -233,6 +235,9 @@ def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: Me
             components.Faults(Injector(rank, device)),
             components.Checkpoints(checkpoints, strategy, meter, tc.steps),
         ]
+        if cfg.logger.name != "none":  # W&B started beside the warm-up: waited for before the timed steps
+            warm = Windows.plan(loop, loaded["step"], device, profiling=tc.profile).profile_from
+            parts.append(components.TrackerStart(logger, at=warm))
         evaluation_part = components.Evaluation(evaluate, tc.eval_every, meter, intervals, tc.steps)
         if batches > 0:
             parts.append(evaluation_part)
@@ -247,6 +252,7 @@ def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: Me
             with meter.paused():
                 evaluation_part.final(out)
             intervals.flush()  # its eval/... point, after the loop's own (the series' last: W&B's summary)
+        logger.wait_started()  # its time is in the payload's timeline
         payload = report.payload(out, gathered)
     except BaseException:
         logger.finish(exit_code=1)

@@ -43,6 +43,14 @@ def test_default_job_prints_table_and_writes_result(tmp_path):
     assert result["throughput"]["samples_per_s"] > 0
     assert result["throughput"]["timed_steps"] == result["steps"] - 5
     assert result["history"][-1]["loss"] < result["history"][0]["loss"]
+    # the start-up, recorded (its 3 s target is a benchmark's, benchmarks/harness/startup.py): the
+    # phases in their order, and the wait for the first step is the span from the job's start to it
+    t = result["timeline"]
+    phases = ["main", "imported", "launch", "validated", "rank_start", "process_group_ready", "built", "first_step",
+              "last_step"]  # fmt: skip
+    assert [t[k] for k in phases] == sorted(t[k] for k in phases)
+    assert t["built"] <= t["logger_ready"]  # the tracker starts beside the first steps (ready before or after them)
+    assert result["throughput"]["first_step_after_start_s"] == pytest.approx(t["first_step"] - t["main"])
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ tests/unit/vocabulary/test_wandb_names.py's."""
 from __future__ import annotations
 
 import sys
+import threading
 import types
 
 import pytest
@@ -152,3 +153,45 @@ def test_a_logger_that_fails_later_gives_up_once(monkeypatch, what, call):
         call(logger)
     assert logger.run is None
     call(logger)  # no second warning, no error
+
+
+# ------------------------------------------------------------------------ started beside the first steps
+def test_what_is_logged_while_the_tracker_starts_waits_and_goes_to_it_in_order(monkeypatch):
+    go, started = threading.Event(), []
+    run = FakeRun()
+
+    def slow_start(*a, **kw):
+        go.wait(timeout=30)  # still starting while the first steps log
+        return run
+
+    monkeypatch.setattr(loggers, "init_wandb_run", slow_start)
+    cfg = OmegaConf.create({"name": "wandb", "job_type": "train", "run_name": None})
+    logger = loggers.start_logger(cfg, run_config(), "/out", rank=0, on_started=started.append)
+    logger.log({"loss": 2.0}, step=1)
+    logger.log({"loss": 1.0}, step=2)
+    assert run.logged == [] and started == []  # not started yet: nothing sent, and the steps did not wait
+    go.set()
+    logger.wait_started()
+    assert len(started) == 1 and run.logged == [(1, {"loss": 2.0}), (2, {"loss": 1.0})]
+    logger.log({"loss": 0.5}, step=3)  # once started, straight through
+    logger.summary({"x": 2})
+    logger.finish(exit_code=1)
+    assert run.logged[-1] == (3, {"loss": 0.5}) and run.summed == {"x": 2} and run.finished == 1
+
+
+def test_summary_and_finish_wait_for_a_tracker_still_starting(monkeypatch):
+    go, run = threading.Event(), FakeRun()
+    monkeypatch.setattr(loggers, "init_wandb_run", lambda *a, **kw: go.wait(timeout=30) and run)
+    cfg = OmegaConf.create({"name": "wandb", "job_type": "train", "run_name": None})
+    logger = loggers.start_logger(cfg, run_config(), "/out", rank=0, on_started=lambda t: None)
+    logger.log({"loss": 1.0}, step=1)
+    threading.Timer(0.2, go.set).start()
+    logger.finish()  # waits for the start, then sends what waited and finishes
+    assert run.logged == [(1, {"loss": 1.0})] and run.finished == 0
+
+
+def test_a_rank_without_a_tracker_is_started_at_once():
+    started = []
+    logger = loggers.start_logger(OmegaConf.create({"name": "none"}), run_config(), "/out", rank=0,
+                                  on_started=started.append)  # fmt: skip
+    assert type(logger) is loggers.NullLogger and len(started) == 1

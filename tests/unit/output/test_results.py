@@ -102,6 +102,17 @@ def test_a_finished_result_lays_rank_zeros_payload_over_the_base_and_joins_the_t
     assert res.finished_result(base, None, {"main": 1.0}).status == "ok"  # a torchrun rank other than 0
 
 
+def test_a_finished_result_records_the_wait_from_the_jobs_start_to_its_first_step():
+    base = job(status="running")
+    payload = PartialResult.build(status="ok", throughput={"samples_per_s": 10.0}, timeline={"first_step": 3.5})
+    done = res.finished_result(base, payload, {"main": 1.0, "launch": 2.0})
+    assert done.throughput.first_step_after_start_s == 2.5
+    assert done.throughput.samples_per_s == 10.0  # the rest of rank 0's section as it was
+    # no start (not from __main__) or no loop (no training part): no figure, not a wrong one
+    assert res.finished_result(base, payload, {"main": None}).throughput.first_step_after_start_s is None
+    assert res.finished_result(base, None, {"main": 1.0}).throughput is None
+
+
 # ------------------------------------------------------------------------ the end-of-run table
 def test_format_table_right_aligns_each_column_to_its_widest_cell():
     assert res.format_table([["a", "12345"]], ["name", "n"]).splitlines() == [
