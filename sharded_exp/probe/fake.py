@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils.stateless import _reparametrize_module  # private torch API: re-check on upgrades
 
 from sharded_exp.measure.tracker import MIB, peak_tracker
+from sharded_exp.probe import fsdp2
 from sharded_exp.strategies.ddp import DDPMemory
 from sharded_exp.vocabulary.memory import DDP_GRADIENT_COPIES, TOTAL
 
@@ -99,7 +100,8 @@ def call_model(model: nn.Module, batch: Any) -> torch.Tensor:
 
 
 def unwrap(model: nn.Module) -> tuple[nn.Module, str | None]:
-    """(the module to fake, why it cannot be faked or None): DDP is unwrapped; FSDP refused."""
+    """(the module to fake, why it cannot be faked or None): DDP is unwrapped; FSDP1 and
+    fairscale's ShardedDataParallel refused; FSDP2 faked on a copy (:mod:`.fsdp2`) where it can be."""
     kinds = {type(m).__name__ for m in model.modules()}  # the wrappers too
     if isinstance(model, DistributedDataParallel) or type(model).__name__ in (
         "FullyShardedDataParallel",
@@ -111,11 +113,14 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, str | None]:
             "the model is under fairscale's ShardedDataParallel: its reduce buckets and gradient release are not "
             "faked here; python -m sharded_exp.plan strategy=sharded_ddp predicts it for a model it can build"
         )
-    if "FullyShardedDataParallel" in kinds or any(k.startswith("FSDP") for k in kinds):
+    if "FullyShardedDataParallel" in kinds:
         return model, (
-            "the model is sharded by FSDP: a fake copy of its flat or DTensor shards is not made here; "
-            "python -m sharded_exp.plan predicts FSDP for a model it can build (model=custom)"
+            "the model is sharded by FSDP1 (FullyShardedDataParallel): a fake copy of its flat shards is not made "
+            "here (FSDP2's fully_shard is); python -m sharded_exp.plan predicts FSDP for a model it can build "
+            "(model=custom)"
         )
+    if fsdp2.is_fsdp2(model):
+        return model, fsdp2.refusal(model)
     return model, None
 
 
@@ -207,7 +212,8 @@ def predict_peak(
     step_fn = step_fn or call_model
     spec = describe(batch)
     try:
-        tracker = _fake_steps(module, optimizer, spec, step_fn, autocast, grad_accum, zero_grad_after_forward)
+        steps = _fsdp2_fake_steps if fsdp2.is_fsdp2(module) else _fake_steps
+        tracker = steps(module, optimizer, spec, step_fn, autocast, grad_accum, zero_grad_after_forward)
         if tracker.failure is not None:
             return {**out, "error": f"the memory tracker failed on the fake step: {tracker.failure}"}
         snap = tracker.get_tracker_snapshot("peak")
@@ -256,24 +262,65 @@ def _fake_steps(module: nn.Module, optimizer, spec, step_fn, autocast, grad_accu
             for g in optimizer.param_groups
         ]
         opt = _like(optimizer, groups)
-        tracker = peak_tracker()
-        with _reparametrize_module(module, fakes), _quiet(module):
-            tracker.track_external(module, opt)
-            with tracker:
-                for _ in range(2):
-                    for micro in range(min(max(1, int(grad_accum)), 2)):
-                        fake_batch = materialize(spec)
-                        with autocast or contextlib.nullcontext():
-                            loss = step_fn(module, fake_batch)
-                        if zero_grad_after_forward and micro == 0:  # Lightning: the first micro-batch's
-                            opt.zero_grad(set_to_none=True)
-                        loss.backward()
-                        del loss, fake_batch
-                    opt.step()
-                    if not zero_grad_after_forward:
+        with _reparametrize_module(module, fakes):
+            return _tracked_steps(module, opt, spec, step_fn, autocast, grad_accum, zero_grad_after_forward)
+
+
+def _tracked_steps(module: nn.Module, opt, spec, step_fn, autocast, grad_accum: int, zero_grad_after_forward: bool):
+    """Two of the user's steps of ``module`` (its tensors fake) with ``opt`` under a peak
+    tracker, in the user's order (see :func:`predict_peak`); the tracker is returned."""
+    tracker = peak_tracker()
+    with _quiet(module):
+        tracker.track_external(module, opt)
+        with tracker:
+            for _ in range(2):
+                for micro in range(min(max(1, int(grad_accum)), 2)):
+                    fake_batch = materialize(spec)
+                    with autocast or contextlib.nullcontext():
+                        loss = step_fn(module, fake_batch)
+                    if zero_grad_after_forward and micro == 0:  # Lightning: the first micro-batch's
                         opt.zero_grad(set_to_none=True)
-                    tracker.reset_mod_stats()
+                    loss.backward()
+                    del loss, fake_batch
+                opt.step()
+                if not zero_grad_after_forward:
+                    opt.zero_grad(set_to_none=True)
+                tracker.reset_mod_stats()
     return tracker
+
+
+def _fsdp2_fake_steps(model: nn.Module, optimizer, spec, step_fn, autocast, grad_accum: int, zero_grad_after_forward):
+    """Two of the user's steps on an unsharded fake copy of ``model`` sharded again as the user
+    sharded it, on a fake process group of the same ranks (:mod:`.fsdp2`); the tracker is
+    returned. The rules of the project's own fake step of an FSDP2 run apply (see
+    :mod:`.fsdp2`)."""
+    from sharded_exp.predict.fake_step import (
+        GlooReduceScatter,
+        _lazy_fsdp_chunks,
+        _mod_tracker_warning_quiet,
+        _separate_propagation_mode,
+    )
+
+    first = fsdp2.sharded_unit(model)  # any: the refusal checked that each is on a one-dimensional mesh
+    copies = GlooReduceScatter() if fsdp2.gloo(model) else contextlib.nullcontext()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)  # FSDP's bookkeeping makes a few real tensors
+    with (
+        fsdp2.fake_mesh(first) as mesh,
+        _mod_tracker_warning_quiet(),
+        _separate_propagation_mode(),
+        _lazy_fsdp_chunks(),
+        copies,
+        mode,
+    ):
+        copy = fsdp2.unsharded_copy(model)
+        fsdp2.shard_like(copy, model, mesh)
+        theirs = fsdp2.parameters_by_name(model, copy)
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [theirs[id(p)] for p in g["params"]]}
+            for g in optimizer.param_groups
+        ]
+        opt = _like(optimizer, groups)
+        return _tracked_steps(copy, opt, spec, step_fn, autocast, grad_accum, zero_grad_after_forward)
 
 
 def _like(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
