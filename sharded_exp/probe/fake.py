@@ -7,10 +7,12 @@ touched), a fresh optimizer of the user's class and settings over them, and one 
 shapes the user's batches have. Two steps run under torch's ``MemTracker`` (the optimizer's
 state appears at the first, the second is the steady one); its peak is the prediction.
 
-What it cannot fake it says, with a null figure: a model under FSDP (its parameters are
-flat shards or DTensors that a fake copy would have to re-shard), a step that reads a
-tensor's value (data-dependent control flow), an optimizer whose constructor refuses its own
-defaults. What DDP adds (its reduce bucket and gradient copies) is added by DDP's rule
+A model sharded by FSDP2 (``fully_shard``, Lightning's ``ModelParallelStrategy``) is faked
+on an unsharded copy sharded again the same way on a fake process group (:mod:`.fsdp2`).
+What it cannot fake it says, with a null figure: a model under FSDP1 (its flat shards) or
+fairscale's ShardedDataParallel, an FSDP2 layout :func:`.fsdp2.refusal` names, a step that
+reads a tensor's value (data-dependent control flow), an optimizer whose constructor refuses
+its own defaults. What DDP adds (its reduce bucket and gradient copies) is added by DDP's rule
 (:func:`ddp_extra_mib`). ``optimizer`` may be a wrapper holding the torch optimizer as
 ``.optimizer`` (Accelerate's, Lightning's).
 """
@@ -222,7 +224,8 @@ def predict_peak(
         total = parts.pop(TOTAL, sum(parts.values()))
         if extra:
             parts[DDP_GRADIENT_COPIES] = extra
-        method = out["method"] + (" + DDP's gradient copies by its rule" if extra else "")
+        method = out["method"] + (" on a copy sharded again by FSDP2" if fsdp2.is_fsdp2(module) else "")
+        method += " + DDP's gradient copies by its rule" if extra else ""
         return {
             **out,
             "peak_mib": total + extra,

@@ -82,10 +82,7 @@ def refusal(model: nn.Module) -> str | None:
             "a fake copy of such a model is not made here"
         )
     others = [
-        key
-        for m in model.modules()
-        for key in getattr(m, "__dict__", {}).get(REGISTRY_KEY, {})
-        if key != "fully_shard"
+        key for m in model.modules() for key in getattr(m, "__dict__", {}).get(REGISTRY_KEY, {}) if key != "fully_shard"
     ]
     if others:
         return f"the model carries torch's composable {sorted(set(others))} beside fully_shard: not faked here"
@@ -150,7 +147,9 @@ def unsharded_copy(model: nn.Module) -> nn.Module:
         state["_parameters"] = type(module._parameters)(
             (n, None if p is None else tensor(p)) for n, p in module._parameters.items()
         )
-        state["_buffers"] = type(module._buffers)((n, None if b is None else tensor(b)) for n, b in module._buffers.items())
+        state["_buffers"] = type(module._buffers)(
+            (n, None if b is None else tensor(b)) for n, b in module._buffers.items()
+        )
         new.__dict__.update(state)
         made[id(module)] = new
         new._modules = type(module._modules)((n, None if c is None else copy(c)) for n, c in module._modules.items())
@@ -167,7 +166,6 @@ def fake_mesh(unit: FSDPModule):
     sends nothing. The count c10d names groups by is put back, so that the user's later groups
     get the names they would have had."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401 -- registers the "fake" backend
-
     from torch.distributed import distributed_c10d as c10d
 
     real = _param_group(unit).mesh_info.mesh
