@@ -319,6 +319,7 @@ def fsdp2_gathered(model: nn.Module) -> list[torch.Tensor]:
     where FSDP2 was never imported (no unit can exist) or no unit has gathered yet."""
     if "torch.distributed.fsdp" not in sys.modules:
         return []
+    # lazy: FSDP, imported only where the user's model or the run imported it
     from torch.distributed.fsdp import FSDPModule
 
     found = []

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 import time
 from typing import Any, Callable
 from unittest import mock
@@ -32,7 +33,6 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils.stateless import _reparametrize_module  # private torch API: re-check on upgrades
 
 from sharded_exp.measure.tracker import MIB, peak_tracker
-from sharded_exp.probe import fsdp2
 from sharded_exp.strategies.ddp import DDPMemory
 from sharded_exp.vocabulary.memory import DDP_GRADIENT_COPIES, TOTAL
 
@@ -121,9 +121,21 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, str | None]:
             "here (FSDP2's fully_shard is); python -m sharded_exp.plan predicts FSDP for a model it can build "
             "(model=custom)"
         )
-    if fsdp2.is_fsdp2(model):
-        return model, fsdp2.refusal(model)
+    sharded = _fsdp2(model)
+    if sharded is not None:
+        return model, sharded.refusal(model)
     return model, None
+
+
+def _fsdp2(model: nn.Module):
+    """:mod:`.fsdp2` where ``model`` is sharded by FSDP2, else None. FSDP is imported only
+    where the user imported it (no model can be sharded by it otherwise), not by the probe."""
+    if "torch.distributed.fsdp" not in sys.modules:
+        return None
+    # lazy: FSDP, DTensor and the project's fake step, only for a model the user sharded with FSDP2
+    from sharded_exp.probe import fsdp2
+
+    return fsdp2 if fsdp2.is_fsdp2(model) else None
 
 
 def ddp_of(model: nn.Module) -> tuple[bool, bool]:
@@ -214,8 +226,17 @@ def predict_peak(
     step_fn = step_fn or call_model
     spec = describe(batch)
     try:
-        steps = _fsdp2_fake_steps if fsdp2.is_fsdp2(module) else _fake_steps
-        tracker = steps(module, optimizer, spec, step_fn, autocast, grad_accum, zero_grad_after_forward)
+        sharded = _fsdp2(module)
+        if sharded is not None:
+            tracker = sharded.fake_steps(
+                module,
+                optimizer,
+                lambda copy, groups: _tracked_steps(
+                    copy, _like(optimizer, groups), spec, step_fn, autocast, grad_accum, zero_grad_after_forward
+                ),
+            )
+        else:
+            tracker = _fake_steps(module, optimizer, spec, step_fn, autocast, grad_accum, zero_grad_after_forward)
         if tracker.failure is not None:
             return {**out, "error": f"the memory tracker failed on the fake step: {tracker.failure}"}
         snap = tracker.get_tracker_snapshot("peak")
@@ -224,7 +245,7 @@ def predict_peak(
         total = parts.pop(TOTAL, sum(parts.values()))
         if extra:
             parts[DDP_GRADIENT_COPIES] = extra
-        method = out["method"] + (" on a copy sharded again by FSDP2" if fsdp2.is_fsdp2(module) else "")
+        method = out["method"] + (" on a copy sharded again by FSDP2" if sharded is not None else "")
         method += " + DDP's gradient copies by its rule" if extra else ""
         return {
             **out,
@@ -290,40 +311,6 @@ def _tracked_steps(module: nn.Module, opt, spec, step_fn, autocast, grad_accum: 
                     opt.zero_grad(set_to_none=True)
                 tracker.reset_mod_stats()
     return tracker
-
-
-def _fsdp2_fake_steps(model: nn.Module, optimizer, spec, step_fn, autocast, grad_accum: int, zero_grad_after_forward):
-    """Two of the user's steps on an unsharded fake copy of ``model`` sharded again as the user
-    sharded it, on a fake process group of the same ranks (:mod:`.fsdp2`); the tracker is
-    returned. The rules of the project's own fake step of an FSDP2 run apply (see
-    :mod:`.fsdp2`)."""
-    from sharded_exp.predict.fake_step import (
-        GlooReduceScatter,
-        _lazy_fsdp_chunks,
-        _mod_tracker_warning_quiet,
-        _separate_propagation_mode,
-    )
-
-    first = fsdp2.sharded_unit(model)  # any: the refusal checked that each is on a one-dimensional mesh
-    copies = GlooReduceScatter() if fsdp2.gloo(model) else contextlib.nullcontext()
-    mode = FakeTensorMode(allow_non_fake_inputs=True)  # FSDP's bookkeeping makes a few real tensors
-    with (
-        fsdp2.fake_mesh(first) as mesh,
-        _mod_tracker_warning_quiet(),
-        _separate_propagation_mode(),
-        _lazy_fsdp_chunks(),
-        copies,
-        mode,
-    ):
-        copy = fsdp2.unsharded_copy(model)
-        fsdp2.shard_like(copy, model, mesh)
-        theirs = fsdp2.parameters_by_name(model, copy)
-        groups = [
-            {**{k: v for k, v in g.items() if k != "params"}, "params": [theirs[id(p)] for p in g["params"]]}
-            for g in optimizer.param_groups
-        ]
-        opt = _like(optimizer, groups)
-        return _tracked_steps(copy, opt, spec, step_fn, autocast, grad_accum, zero_grad_after_forward)
 
 
 def _like(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:

@@ -28,14 +28,24 @@ and a model that also carries another composable API's state (``replicate``, ``c
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed import distributed_c10d as c10d
 from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY  # private torch API: re-check on upgrades
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401 -- registers the "fake" backend
+
+from sharded_exp.predict.fake_step import (
+    GlooReduceScatter,
+    _lazy_fsdp_chunks,
+    _mod_tracker_warning_quiet,
+    _separate_propagation_mode,
+)
 
 FSDP_HOOKS_FROM = "torch.distributed.fsdp"
 """The package whose hooks on a unit are FSDP's own (dropped from the copy; the copy's
@@ -165,9 +175,6 @@ def fake_mesh(unit: FSDPModule):
     rank of the job makes it, in the same order, as it makes any group; the fake backend
     sends nothing. The count c10d names groups by is put back, so that the user's later groups
     get the names they would have had."""
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401 -- registers the "fake" backend
-    from torch.distributed import distributed_c10d as c10d
-
     real = _param_group(unit).mesh_info.mesh
     count = c10d._world.group_count
     group = dist.new_group(dist.get_process_group_ranks(real.get_group()), backend="fake")
@@ -204,3 +211,30 @@ def parameters_by_name(model: nn.Module, copy: nn.Module) -> dict[int, nn.Parame
     hold the user's)."""
     theirs = dict(copy.named_parameters(remove_duplicate=False))
     return {id(p): theirs[n] for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def fake_steps(model: nn.Module, optimizer, steps: Callable):
+    """``steps(copy, groups)`` (the probe's two tracked steps of the user's step, with a fresh
+    optimizer of the user's over ``groups``: :func:`sharded_exp.probe.fake.predict_peak`) run
+    on an unsharded fake copy of ``model`` sharded again as the user sharded it, on a fake
+    process group of the same ranks (the module's docstring); returns what ``steps`` returns.
+    ``groups``: the optimizer's parameter groups over the copy's parameters."""
+    first = sharded_unit(model)  # any: the refusal checked that each is on a one-dimensional mesh
+    copies = GlooReduceScatter() if gloo(model) else contextlib.nullcontext()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)  # FSDP's bookkeeping makes a few real tensors
+    with (
+        fake_mesh(first) as mesh,
+        _mod_tracker_warning_quiet(),
+        _separate_propagation_mode(),
+        _lazy_fsdp_chunks(),
+        copies,
+        mode,
+    ):
+        copy = unsharded_copy(model)
+        shard_like(copy, model, mesh)
+        theirs = parameters_by_name(model, copy)
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [theirs[id(p)] for p in g["params"]]}
+            for g in optimizer.param_groups
+        ]
+        return steps(copy, groups)
