@@ -197,6 +197,18 @@ def test_a_plain_ddp_loop_under_torchrun(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_plain_fsdp2_loop_under_torchrun_is_predicted_within_5_percent(tmp_path):
+    """fully_shard on each layer, then the root: the fake step runs on a copy sharded again the
+    same way; the measurement counts the parameters FSDP2 gathers (issue 48)."""
+    _torchrun(str(RUNS), "plain", str(tmp_path / "independent.json"), "--", "--wrap", "fsdp",
+              "--run-dir", str(tmp_path / "fsdp"), cwd=tmp_path)  # fmt: skip
+    result = _agrees(tmp_path / "fsdp", tmp_path / "independent.json")
+    assert result["strategy"] == "fsdp" and "FSDP2" in result["memory"]["peak_prediction"]["method"]
+    for entry in result["memory"]["per_rank"]:
+        assert entry["predicted_peak_mib"] == pytest.approx(entry["peak_allocated_mib"], rel=0.05), entry
+
+
+@pytest.mark.slow
 def test_the_plain_example_runs_as_written_and_the_report_compares_ddp_and_fsdp(tmp_path):
     for wrap in ("ddp", "fsdp"):
         _torchrun(str(ROOT / "examples" / "plain_loop_probe.py"), "--wrap", wrap, cwd=tmp_path)
