@@ -19,12 +19,14 @@ On a torch upgrade, check that these still exist and mean the same:
   ``OpOverload`` with ``is_view``), ``_pre_fw_hook``, ``_post_fw_hook``,
   ``_pre_bw_hook``, ``_post_bw_hook``, ``_track``, ``_update_peak_stats``,
   ``_track_optimizer_states``, ``_delete_callback``, ``_update_snap``,
-  ``_update_and_maybe_create_winfos``, ``_track_module_params_and_buffers``;
+  ``_update_and_maybe_create_winfos``, ``_track_module_params_and_buffers``, ``track_external``;
 - state read or written: ``_curr_mem_snap``, ``_peak_mem``, ``_peak_mem_snap``, ``_in_opt``,
   ``_WINFO``, ``_ref_class``, ``_param_to_grad_hook_handles``, ``memory_tracking``, and its
   ``_mod_tracker`` (ModTracker): ``parents``, ``is_bw``, ``_known_modules``, ``get_known_fqn``;
 - public methods used: ``track_external``, ``get_tracker_snapshot``, ``reset_mod_stats``, and
   the context manager;
+- FSDP2's (:func:`fsdp2_gathered`): ``FSDPModule._get_fsdp_state()._fsdp_param_group.fsdp_params``,
+  each with ``all_gather_outputs``;
 - for the testing aid ``SHARDED_EXP_FAULT=tracker_error`` (:func:`fail_in_hooks`):
   ``_track_inputs_or_outputs``, which every module's forward hooks call.
 
@@ -34,6 +36,7 @@ each of these on tiny tensors; run them first after an upgrade.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 
@@ -220,6 +223,20 @@ class PeakTracker(mem_tracker.MemTracker):
         category = self._filed_as()
         super()._track(reftype if category is None else _Own(category), tensor)
 
+    def track_external(self, *external) -> None:
+        """torch's ``track_external``, and the storages FSDP2 gathers each unit's parameters
+        into (:func:`fsdp2_gathered`): allocated at the first step and resized to nothing and
+        back at every step since (``UntypedStorage.resize_``, which the tracker follows only
+        for storages it knows), so a window that starts later would never see the gathered
+        parameters. Filed as activations, as a run's tracker (started before the first
+        forward, which allocates them) files them. Empty for a model without FSDP2, or one
+        that has not run its first forward (a run's or a fake step's)."""
+        super().track_external(*external)
+        for obj in external:
+            if isinstance(obj, nn.Module):
+                for tensor in fsdp2_gathered(obj):
+                    self._update_and_maybe_create_winfos(tensor, mem_tracker._MemRefType.ACT)
+
     def name_modules(self, model: nn.Module) -> None:
         """Name modules as the model does (``layers.0.attn``), not by the wrapper's path."""
         self.module_names = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
@@ -293,3 +310,22 @@ def fail_in_hooks(message: str) -> None:
         raise RuntimeError(message)
 
     mem_tracker.MemTracker._track_inputs_or_outputs = broken  # this process only
+
+
+def fsdp2_gathered(model: nn.Module) -> list[torch.Tensor]:
+    """The tensors FSDP2 all-gathers each of ``model``'s units' parameters into (private torch
+    API: ``FSDPParam.all_gather_outputs`` of each unit's param group; the gathered parameters
+    are views of them), kept from step to step with their storage freed between uses. Empty
+    where FSDP2 was never imported (no unit can exist) or no unit has gathered yet."""
+    if "torch.distributed.fsdp" not in sys.modules:
+        return []
+    # lazy: FSDP, imported only where the user's model or the run imported it
+    from torch.distributed.fsdp import FSDPModule
+
+    found = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            for param in group.fsdp_params if group is not None else ():
+                found.extend(param.all_gather_outputs)
+    return found

@@ -7,10 +7,12 @@ touched), a fresh optimizer of the user's class and settings over them, and one 
 shapes the user's batches have. Two steps run under torch's ``MemTracker`` (the optimizer's
 state appears at the first, the second is the steady one); its peak is the prediction.
 
-What it cannot fake it says, with a null figure: a model under FSDP (its parameters are
-flat shards or DTensors that a fake copy would have to re-shard), a step that reads a
-tensor's value (data-dependent control flow), an optimizer whose constructor refuses its own
-defaults. What DDP adds (its reduce bucket and gradient copies) is added by DDP's rule
+A model sharded by FSDP2 (``fully_shard``, Lightning's ``ModelParallelStrategy``) is faked
+on an unsharded copy sharded again the same way on a fake process group (:mod:`.fsdp2`).
+What it cannot fake it says, with a null figure: a model under FSDP1 (its flat shards) or
+fairscale's ShardedDataParallel, an FSDP2 layout :func:`.fsdp2.refusal` names, a step that
+reads a tensor's value (data-dependent control flow), an optimizer whose constructor refuses
+its own defaults. What DDP adds (its reduce bucket and gradient copies) is added by DDP's rule
 (:func:`ddp_extra_mib`). ``optimizer`` may be a wrapper holding the torch optimizer as
 ``.optimizer`` (Accelerate's, Lightning's).
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 import time
 from typing import Any, Callable
 from unittest import mock
@@ -99,7 +102,8 @@ def call_model(model: nn.Module, batch: Any) -> torch.Tensor:
 
 
 def unwrap(model: nn.Module) -> tuple[nn.Module, str | None]:
-    """(the module to fake, why it cannot be faked or None): DDP is unwrapped; FSDP refused."""
+    """(the module to fake, why it cannot be faked or None): DDP is unwrapped; FSDP1 and
+    fairscale's ShardedDataParallel refused; FSDP2 faked on a copy (:mod:`.fsdp2`) where it can be."""
     kinds = {type(m).__name__ for m in model.modules()}  # the wrappers too
     if isinstance(model, DistributedDataParallel) or type(model).__name__ in (
         "FullyShardedDataParallel",
@@ -111,12 +115,27 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, str | None]:
             "the model is under fairscale's ShardedDataParallel: its reduce buckets and gradient release are not "
             "faked here; python -m sharded_exp.plan strategy=sharded_ddp predicts it for a model it can build"
         )
-    if "FullyShardedDataParallel" in kinds or any(k.startswith("FSDP") for k in kinds):
+    if "FullyShardedDataParallel" in kinds:
         return model, (
-            "the model is sharded by FSDP: a fake copy of its flat or DTensor shards is not made here; "
-            "python -m sharded_exp.plan predicts FSDP for a model it can build (model=custom)"
+            "the model is sharded by FSDP1 (FullyShardedDataParallel): a fake copy of its flat shards is not made "
+            "here (FSDP2's fully_shard is); python -m sharded_exp.plan predicts FSDP for a model it can build "
+            "(model=custom)"
         )
+    sharded = _fsdp2(model)
+    if sharded is not None:
+        return model, sharded.refusal(model)
     return model, None
+
+
+def _fsdp2(model: nn.Module):
+    """:mod:`.fsdp2` where ``model`` is sharded by FSDP2, else None. FSDP is imported only
+    where the user imported it (no model can be sharded by it otherwise), not by the probe."""
+    if "torch.distributed.fsdp" not in sys.modules:
+        return None
+    # lazy: FSDP, DTensor and the project's fake step, only for a model the user sharded with FSDP2
+    from sharded_exp.probe import fsdp2
+
+    return fsdp2 if fsdp2.is_fsdp2(model) else None
 
 
 def ddp_of(model: nn.Module) -> tuple[bool, bool]:
@@ -207,7 +226,17 @@ def predict_peak(
     step_fn = step_fn or call_model
     spec = describe(batch)
     try:
-        tracker = _fake_steps(module, optimizer, spec, step_fn, autocast, grad_accum, zero_grad_after_forward)
+        sharded = _fsdp2(module)
+        if sharded is not None:
+            tracker = sharded.fake_steps(
+                module,
+                optimizer,
+                lambda copy, groups: _tracked_steps(
+                    copy, _like(optimizer, groups), spec, step_fn, autocast, grad_accum, zero_grad_after_forward
+                ),
+            )
+        else:
+            tracker = _fake_steps(module, optimizer, spec, step_fn, autocast, grad_accum, zero_grad_after_forward)
         if tracker.failure is not None:
             return {**out, "error": f"the memory tracker failed on the fake step: {tracker.failure}"}
         snap = tracker.get_tracker_snapshot("peak")
@@ -216,7 +245,8 @@ def predict_peak(
         total = parts.pop(TOTAL, sum(parts.values()))
         if extra:
             parts[DDP_GRADIENT_COPIES] = extra
-        method = out["method"] + (" + DDP's gradient copies by its rule" if extra else "")
+        method = out["method"] + (" on a copy sharded again by FSDP2" if sharded is not None else "")
+        method += " + DDP's gradient copies by its rule" if extra else ""
         return {
             **out,
             "peak_mib": total + extra,
@@ -256,23 +286,30 @@ def _fake_steps(module: nn.Module, optimizer, spec, step_fn, autocast, grad_accu
             for g in optimizer.param_groups
         ]
         opt = _like(optimizer, groups)
-        tracker = peak_tracker()
-        with _reparametrize_module(module, fakes), _quiet(module):
-            tracker.track_external(module, opt)
-            with tracker:
-                for _ in range(2):
-                    for micro in range(min(max(1, int(grad_accum)), 2)):
-                        fake_batch = materialize(spec)
-                        with autocast or contextlib.nullcontext():
-                            loss = step_fn(module, fake_batch)
-                        if zero_grad_after_forward and micro == 0:  # Lightning: the first micro-batch's
-                            opt.zero_grad(set_to_none=True)
-                        loss.backward()
-                        del loss, fake_batch
-                    opt.step()
-                    if not zero_grad_after_forward:
+        with _reparametrize_module(module, fakes):
+            return _tracked_steps(module, opt, spec, step_fn, autocast, grad_accum, zero_grad_after_forward)
+
+
+def _tracked_steps(module: nn.Module, opt, spec, step_fn, autocast, grad_accum: int, zero_grad_after_forward: bool):
+    """Two of the user's steps of ``module`` (its tensors fake) with ``opt`` under a peak
+    tracker, in the user's order (see :func:`predict_peak`); the tracker is returned."""
+    tracker = peak_tracker()
+    with _quiet(module):
+        tracker.track_external(module, opt)
+        with tracker:
+            for _ in range(2):
+                for micro in range(min(max(1, int(grad_accum)), 2)):
+                    fake_batch = materialize(spec)
+                    with autocast or contextlib.nullcontext():
+                        loss = step_fn(module, fake_batch)
+                    if zero_grad_after_forward and micro == 0:  # Lightning: the first micro-batch's
                         opt.zero_grad(set_to_none=True)
-                    tracker.reset_mod_stats()
+                    loss.backward()
+                    del loss, fake_batch
+                opt.step()
+                if not zero_grad_after_forward:
+                    opt.zero_grad(set_to_none=True)
+                tracker.reset_mod_stats()
     return tracker
 
 

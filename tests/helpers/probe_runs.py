@@ -47,6 +47,20 @@ def _memtracker():
     return Tracker()
 
 
+def _track_fsdp2_gathered(tracker, model) -> None:
+    """FSDP2 gathers a unit's parameters into storages it made at the first step and resizes
+    them to nothing and back at every step since: a tracker started later follows such a
+    resize only for a storage it knows, so each is made known (empty now, between steps)."""
+    from torch.distributed._tools import mem_tracker
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        for param in group.fsdp_params if group is not None else ():
+            for tensor in param.all_gather_outputs:
+                tracker._update_and_maybe_create_winfos(tensor, mem_tracker._MemRefType.ACT)
+
+
 class Window:
     """torch's MemTracker (:func:`_memtracker`) over optimizer steps FROM+1 .. FROM+STEPS,
     entered and left at step ends."""
@@ -61,6 +75,7 @@ class Window:
             self.tracker = _memtracker()
             self.tracker.track_external(model, optimizer)
             self.tracker.__enter__()
+            _track_fsdp2_gathered(self.tracker, model)
         elif self.tracker is not None and done < FROM + STEPS:
             self.tracker.reset_mod_stats()
         elif self.tracker is not None and done == FROM + STEPS:

@@ -122,3 +122,34 @@ def test_a_runs_tracker_counts_a_view_of_an_unseen_storage_as_torchs_does():
         chunk = hidden[:256]
         assert tracker.get_tracker_snapshot("current")[CPU]["Total"] == hidden.numel() * 4
     del chunk
+
+
+def test_the_storages_fsdp2_gathers_into_before_the_window_are_counted_when_they_fill():
+    """FSDP2 makes a unit's gather storage at its first forward and resizes it to nothing and
+    back at every step since: a tracker started later is told of it, or it never sees the
+    gathered parameters (a probe's window under Lightning FSDP2 missed 1 MiB of 11.95)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from sharded_exp.measure.memtracker import fsdp2_gathered
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = fully_shard(nn.Linear(256, 256))  # the root: gathered from its forward to its backward
+        assert fsdp2_gathered(model) == []  # nothing gathered before the first forward
+        model(torch.zeros(2, 256)).sum().backward()
+        gathered = fsdp2_gathered(model)
+        assert sum(t.numel() for t in gathered) == 256 * 256 + 256  # the whole unit
+        assert all(t.untyped_storage().size() == 0 for t in gathered)  # freed between steps
+        tracker = PeakTracker()
+        tracker.track_external(model)
+        with tracker:
+            out = model(torch.zeros(2, 256))
+            live = tracker.get_tracker_snapshot("current")[CPU]
+            activations = sum(v for k, v in live.items() if str(getattr(k, "value", k)) == "Activation")
+        assert activations >= (256 * 256 + 256) * 4, live
+        del out
+    finally:
+        dist.destroy_process_group()
+    assert fsdp2_gathered(nn.Linear(2, 2)) == []

@@ -75,12 +75,11 @@ def test_the_model_name_skips_fsdp2s_generated_classes():
     assert fake.model_name(Net(1, 1)) == "Net" and fake.model_name(fsdp_net(1, 1)) == "Net"
 
 
-def test_fsdp_and_fairscale_models_are_refused_with_the_reason():
-    class FSDPLinear(nn.Linear):
-        pass
-
-    model, why = fake.unwrap(nn.Sequential(FSDPLinear(1, 1)))
-    assert "sharded by FSDP" in why
+def test_fsdp1_and_fairscale_models_are_refused_with_the_reason():
+    fsdp1 = type("FullyShardedDataParallel", (nn.Module,), {})()
+    fsdp1.module = nn.Linear(1, 1)
+    model, why = fake.unwrap(fsdp1)
+    assert model is fsdp1.module and "sharded by FSDP1" in why
     sharded = type("ShardedDataParallel", (nn.Module,), {})()
     sharded.module = nn.Linear(1, 1)
     inner, why = fake.unwrap(sharded)
