@@ -203,6 +203,7 @@ def predict_peak(
     prediction: dict[str, Any],
     shapes: ModelShapes,
     flops: bool = True,
+    keep_trace: bool = False,
 ) -> dict[str, Any]:
     """The peak of every rank from one fake step (:mod:`sharded_exp.predict.fake_step`).
 
@@ -210,6 +211,9 @@ def predict_peak(
     proportion to its smaller model states (e.g. OSS's uneven shards). Returns ``{"per_rank_mib": [...] or None,
     "rank", "breakdown_mib", "flops_per_step" (one rank), "method", "note", "seconds",
     "error"}``; ``error`` says why there is no prediction (the model cannot run fake).
+    ``keep_trace``: on CUDA, also return what the allocator figures were replayed from
+    (``"alloc_trace"``: the events, the allocator setting, cuBLAS's workspace in MiB), for a
+    deeper model's to be drawn from (:mod:`sharded_exp.plan.deepen`).
     """
     states = [sum(p.values()) for p in prediction["model_states_mib"]]
     rank = states.index(max(states))
@@ -265,6 +269,12 @@ def predict_peak(
         # CUDA: the allocator's rounding and cache on top of the peak, fragmentation, the context
         # (sharded_exp.predict.alloc_trace.point_figures); None on CPU (no caching allocator)
         "allocator": allocator,
+        # CUDA, asked for: what the allocator figures were replayed from (sharded_exp.plan.depth)
+        **(
+            {"alloc_trace": (est.extra["alloc_events"], alloc_conf_of(cfg), workspace)}
+            if keep_trace and allocator
+            else {}
+        ),
         # a run's step time, predicted from this step's op trace (predict/step_time.py)
         "speed": run_step_time(cfg, world_size, device_type, est, shapes, prediction) if flops else None,
         "error": None,

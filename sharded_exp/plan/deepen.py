@@ -1,0 +1,247 @@
+"""A deep model's allocation trace, drawn from the traces of two shallow copies of it.
+
+The caching allocator's reserved figure is not a share of the peak: a cache that one stream's
+pool keeps (FSDP2's all-gather copy-in buffers, a reduce-scatter output left cached) stays the
+same at any depth, while a block's activations reuse segments that earlier blocks left. So the
+composed plan (:mod:`sharded_exp.plan.depth`) asks the allocator model itself, on the trace the
+whole model would make: the shallow trace with the blocks in the middle repeated to the full
+depth. A block's allocations are the same sizes at every depth, so the trace at ``n + 1`` blocks
+is the trace at ``n`` blocks with one more block's events inserted:
+
+- **aligned**: a shortest edit script (Myers' diff) between the two traces, each event compared
+  by what the allocator sees of it (op, size, stream; a free by the size and stream of what it
+  frees). The events of the deeper trace that match none are the new block's;
+- **grown**: an event dropped from the shallow trace where one of the same kind (op and stream)
+  and another size comes in (a DDP bucket not yet full, a tensor with one element per parameter)
+  is one event whose size grows by the difference with each block;
+- **repeated**: each run of the new block's events is repeated in place, each copy with its own
+  allocations. Where a copy refers to an allocation from before the new block (the block before's
+  output, freed in its forward), it takes the copy before's counterpart instead: the allocation
+  that the shallow-trace events after the new block refer to in its place.
+
+The drawing is checked as the lines of the peak are: the trace at ``n + 2`` blocks drawn from
+``n`` and ``n + 1`` must replay to the same allocated and reserved peaks as the one faked at
+``n + 2``; where it does not, the caller falls back (:func:`sharded_exp.plan.depth.compose_allocator`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _keys(events: list) -> list[tuple]:
+    """Each event as the allocator sees it, without its id."""
+    size, stream = {}, {}
+    keys = []
+    for op, ident, nbytes, st in events:
+        if op == "malloc":
+            size[ident], stream[ident] = nbytes, st
+            keys.append(("malloc", nbytes, st))
+        elif op == "free":
+            keys.append(("free", size.get(ident), stream.get(ident)))
+        elif op == "record_stream":
+            keys.append(("record_stream", size.get(ident), st))
+        else:
+            keys.append((op, st))
+    return keys
+
+
+def _diff(a: list, b: list) -> list[tuple[int | None, int | None]]:
+    """A shortest edit script from ``a`` to ``b`` (Myers, 1986) as ``(i, j)`` pairs in order:
+    both set where ``a[i] == b[j]`` is kept, ``(i, None)`` deleted, ``(None, j)`` inserted."""
+    n, m = len(a), len(b)
+    start = 0  # the common head and tail cost nothing to find
+    while start < n and start < m and a[start] == b[start]:
+        start += 1
+    end = 0
+    while end < n - start and end < m - start and a[n - 1 - end] == b[m - 1 - end]:
+        end += 1
+    x_seq, y_seq = a[start : n - end], b[start : m - end]
+    nx, ny = len(x_seq), len(y_seq)
+    offset = nx + ny + 1
+    v = [0] * (2 * offset + 1)
+    trace = []
+    found = False
+    for d in range(nx + ny + 1):
+        trace.append(v[:])
+        for k in range(-d, d + 1, 2):
+            if k == -d or (k != d and v[offset + k - 1] < v[offset + k + 1]):
+                x = v[offset + k + 1]
+            else:
+                x = v[offset + k - 1] + 1
+            y = x - k
+            while x < nx and y < ny and x_seq[x] == y_seq[y]:
+                x, y = x + 1, y + 1
+            v[offset + k] = x
+            if x >= nx and y >= ny:
+                found = True
+                break
+        if found:
+            break
+    # walk back through the saved frontiers
+    script: list[tuple[int | None, int | None]] = []
+    x, y = nx, ny
+    for d in range(len(trace) - 1, 0, -1):
+        vd = trace[d]
+        k = x - y
+        if k == -d or (k != d and vd[offset + k - 1] < vd[offset + k + 1]):
+            prev_k = k + 1
+        else:
+            prev_k = k - 1
+        prev_x = vd[offset + prev_k]
+        prev_y = prev_x - prev_k
+        while x > prev_x and y > prev_y:
+            x, y = x - 1, y - 1
+            script.append((x, y))
+        if x == prev_x:
+            y -= 1
+            script.append((None, y))
+        else:
+            x -= 1
+            script.append((x, None))
+    while x > 0 and y > 0:
+        x, y = x - 1, y - 1
+        script.append((x, y))
+    script.reverse()
+    shift = lambda p, s: None if p is None else p + s  # noqa: E731
+    return (
+        [(i, i) for i in range(start)]
+        + [(shift(i, start), shift(j, start)) for i, j in script]
+        + [(n - end + t, m - end + t) for t in range(end)]
+    )
+
+
+@dataclass
+class Step:
+    """What one more block adds to a trace (:func:`block_step`)."""
+
+    events: list
+    """The deeper trace's events."""
+    new: list[bool]
+    """Per event: the new block's (True) or one the shallower trace has too."""
+    grown: dict[int, int]
+    """Event index -> bytes more per block (an allocation whose size grows with depth)."""
+
+
+def _allocations(events: list) -> tuple[list[int], list[tuple]]:
+    """The allocations' indices, and each as the alignment compares it: its size, its stream
+    and whether the trace frees it (a state kept against a temporary of the same size)."""
+    freed = {e[1] for e in events if e[0] == "free"}
+    at = [i for i, e in enumerate(events) if e[0] == "malloc"]
+    return at, [(events[i][2], events[i][3], events[i][1] in freed) for i in at]
+
+
+def block_step(shallow: list, deep: list) -> Step | None:
+    """What the trace ``deep`` (one block more) adds to ``shallow``; None where it is not the
+    shallow trace with a block's events inserted and sizes grown.
+
+    The allocations are aligned first: those of the deeper trace matching none are the new
+    block's, and so is every event on them (their frees and uses on other streams). The
+    synchronisations (one per collective) are aligned with the rest."""
+    ka, kb = _keys(shallow), _keys(deep)
+    (ma, sa), (mb, sb) = _allocations(shallow), _allocations(deep)
+    match: dict[int, int] = {}  # deep index -> shallow index (allocations)
+    dropped: list[tuple[int, int]] = []  # (shallow index, the deep index it would have had)
+    inserted: list[int] = []
+    at = 0
+    for i, j in _diff(sa, sb):
+        if i is not None and j is not None:
+            match[mb[j]], at = ma[i], mb[j] + 1
+        elif i is not None:
+            dropped.append((ma[i], at))
+        else:
+            inserted.append(mb[j])
+    # A dropped allocation is one grown (a DDP bucket not yet full, one element per parameter):
+    # the nearest inserted one on the same stream, of a size the shallow trace has not got.
+    grown: dict[int, int] = {}
+    free = set(inserted)
+    known = set(ka)
+    freed_b = {e[1] for e in deep if e[0] == "free"}
+    freed_a = {e[1] for e in shallow if e[0] == "free"}
+    for i, near in dropped:
+        same = [j for j in free if kb[j][2] == ka[i][2] and (deep[j][1] in freed_b) == (shallow[i][1] in freed_a)]
+        if not same:
+            return None  # something of the shallow trace is not in the deeper one
+        j = min(same, key=lambda j: (kb[j] in known, abs(j - near)))
+        free.discard(j)
+        match[j] = i
+        grown[j] = kb[j][1] - ka[i][1]
+    new_ids = {deep[j][1] for j in free}
+    new = [e[0] != "sync" and (e[1] in new_ids) for e in deep]
+    # the synchronisations: those the shallow trace has not got are the new block's
+    old_a = [k for k in ka]
+    old_b = [(j, k) for j, k in enumerate(kb) if not new[j]]
+    keep = [(k[0], k[-1]) if k[0] == "sync" else ("event",) for k in old_a]
+    keep_b = [(k[0], k[-1]) if k[0] == "sync" else ("event",) for _, k in old_b]
+    extra, moved = [], []
+    for i, j in _diff(keep, keep_b):
+        if j is not None and i is None:
+            extra.append(j)
+        elif i is not None and j is None:
+            moved.append(keep[i])
+    for kind in moved:  # a synchronisation moved past other events: the nearest of its kind
+        j = next((j for j in extra if keep_b[j] == kind), None)
+        if j is None:
+            return None
+        extra.remove(j)
+    if any(keep_b[j][0] != "sync" for j in extra):
+        return None  # an event on an allocation of the shallow trace that it has not got
+    for j in extra:
+        new[old_b[j][0]] = True
+    return Step(list(deep), new, grown)
+
+
+def deepen(step: Step, blocks: int) -> list:
+    """The trace with ``blocks`` more blocks than ``step``'s deeper trace: each run of the new
+    block's events repeated ``blocks`` more times right after itself (each copy with its own
+    allocations), the grown sizes grown."""
+    if blocks < 0:
+        raise ValueError(f"a trace is deepened by 0 or more blocks, not {blocks}")
+    new_ids = {e[1] for e, n in zip(step.events, step.new) if n and e[0] == "malloc"}
+
+    def copy(event, k: int):
+        op, ident, size, stream = event
+        return op, ((ident, k) if ident in new_ids else ident), size, stream
+
+    out: list = []
+    run: list = []
+    for index, (event, is_new) in enumerate(zip(step.events, step.new)):
+        if is_new:
+            out.append(event)
+            run.append(event)
+            continue
+        out += [copy(e, k) for k in range(1, blocks + 1) for e in run]
+        run = []
+        op, ident, size, stream = event
+        out.append((op, ident, size + blocks * step.grown.get(index, 0), stream))
+    out += [copy(e, k) for k in range(1, blocks + 1) for e in run]
+    return out
+
+
+CHECK_REL = 0.02
+"""The drawing holds where the trace drawn one block deeper replays to the faked one's
+allocated and reserved peaks within this share of them."""
+
+
+def same_trace(a: tuple | None, b: tuple | None) -> bool:
+    """Whether two fakes' traces (events, allocator setting, workspace) ask the allocator for
+    the same: the same events in the same order, whatever their ids."""
+    return a is not None and b is not None and a[1:] == b[1:] and _keys(a[0]) == _keys(b[0])
+
+
+def drawn_to(a: list, b: list, c: list, blocks: int, alloc_conf: str | None = None) -> list | None:
+    """The trace ``blocks`` blocks deeper than ``c``, where ``a``, ``b`` and ``c`` are the traces
+    of the same model at three depths one block apart: drawn from ``b`` and ``c``, once the
+    trace drawn from ``a`` and ``b`` replays like ``c`` (:data:`CHECK_REL`); None where the
+    traces do not repeat so."""
+    from sharded_exp.predict.alloc_trace import replay  # the allocator model's replay
+
+    first = block_step(a, b)
+    if first is None:
+        return None
+    faked, drawn = replay(c, alloc_conf), replay(deepen(first, 1), alloc_conf)
+    for name in ("allocated_mib", "reserved_mib"):
+        if abs(getattr(drawn, name) - getattr(faked, name)) > CHECK_REL * getattr(faked, name):
+            return None
+    step = block_step(b, c)
+    return None if step is None else deepen(step, blocks)
