@@ -1,27 +1,32 @@
-"""A deep model's allocation trace, drawn from the traces of two shallow copies of it.
+"""A deep model's allocation trace, drawn from the traces of shallow copies of it.
 
-The caching allocator's reserved figure is not a share of the peak: a cache that one stream's
-pool keeps (FSDP2's all-gather copy-in buffers, a reduce-scatter output left cached) stays the
-same at any depth, while a block's activations reuse segments that earlier blocks left. So the
-composed plan (:mod:`sharded_exp.plan.depth`) asks the allocator model itself, on the trace the
-whole model would make: the shallow trace with the blocks in the middle repeated to the full
-depth. A block's allocations are the same sizes at every depth, so the trace at ``n + 1`` blocks
-is the trace at ``n`` blocks with one more block's events inserted:
+The caching allocator's reserved memory is not a share of the peak: a cache one stream's pool
+keeps (FSDP2's all-gather copy-in buffers, a gradient left cached in the reduce-scatter
+stream's pool) is the same at any depth, while each block's activations reuse segments that
+the blocks before left. So a plan composed by depth (:mod:`sharded_exp.plan.depth`) asks the
+allocator model itself (:mod:`sharded_exp.predict.allocator`), on the trace the whole model
+would make: the shallow trace with one block's events repeated to the full depth. A block's
+allocations are the same sizes at every depth, so the trace at ``n + 1`` blocks is the one at
+``n`` with one block's events inserted:
 
-- **aligned**: a shortest edit script (Myers' diff) between the two traces, each event compared
-  by what the allocator sees of it (op, size, stream; a free by the size and stream of what it
-  frees). The events of the deeper trace that match none are the new block's;
-- **grown**: an event dropped from the shallow trace where one of the same kind (op and stream)
-  and another size comes in (a DDP bucket not yet full, a tensor with one element per parameter)
-  is one event whose size grows by the difference with each block;
+- **the new block's allocations**: the allocations of the two traces aligned by a shortest
+  edit script (Myers' diff), each compared by its size, its stream and whether the trace frees
+  it. Those of the deeper trace that match none are the new block's, and so is every event on
+  them (their frees and uses on NCCL's stream); the synchronisations the shallow trace has not
+  got (one per collective) too. An allocation dropped from the shallow trace where one on the
+  same stream with another size comes in (a DDP bucket not yet full, a tensor of one element
+  per parameter) is one that grows by the difference with each block;
 - **repeated**: each run of the new block's events is repeated in place, each copy with its own
-  allocations. Where a copy refers to an allocation from before the new block (the block before's
-  output, freed in its forward), it takes the copy before's counterpart instead: the allocation
-  that the shallow-trace events after the new block refer to in its place.
+  allocations; the grown sizes grow.
 
-The drawing is checked as the lines of the peak are: the trace at ``n + 2`` blocks drawn from
-``n`` and ``n + 1`` must replay to the same allocated and reserved peaks as the one faked at
-``n + 2``; where it does not, the caller falls back (:func:`sharded_exp.plan.depth.compose_allocator`).
+Blocks alike, the alignment may take the new block's allocations from two neighbouring blocks
+(the tail of one, the head of the next), and a copy then comes in another order than the real
+block's. The drawing is therefore checked as the lines of the peak are (:func:`drawn_to`): the
+trace at ``n + 2`` blocks drawn from ``n`` and ``n + 1`` must replay to the allocated and
+reserved peaks of the one faked at ``n + 2`` (within :data:`CHECK_REL`). Where it does not
+(FSDP2's prefetch puts a unit's all-gather in the block before's forward, and the copies of
+that run, each held until its block runs, pile up), or the traces do not align, the caller
+keeps the share of the peak (:func:`sharded_exp.plan.depth.compose_allocator`).
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ def _diff(a: list, b: list) -> list[tuple[int | None, int | None]]:
     trace = []
     found = False
     for d in range(nx + ny + 1):
-        trace.append(v[:])
+        trace.append(v[offset - d : offset + d + 1])  # the frontier so far: k in [-d, d]
         for k in range(-d, d + 1, 2):
             if k == -d or (k != d and v[offset + k - 1] < v[offset + k + 1]):
                 x = v[offset + k + 1]
@@ -82,13 +87,13 @@ def _diff(a: list, b: list) -> list[tuple[int | None, int | None]]:
     script: list[tuple[int | None, int | None]] = []
     x, y = nx, ny
     for d in range(len(trace) - 1, 0, -1):
-        vd = trace[d]
+        vd = trace[d]  # vd[d + k]: the furthest x on diagonal k after d - 1 edits
         k = x - y
-        if k == -d or (k != d and vd[offset + k - 1] < vd[offset + k + 1]):
+        if k == -d or (k != d and vd[d + k - 1] < vd[d + k + 1]):
             prev_k = k + 1
         else:
             prev_k = k - 1
-        prev_x = vd[offset + prev_k]
+        prev_x = vd[d + prev_k]
         prev_y = prev_x - prev_k
         while x > prev_x and y > prev_y:
             x, y = x - 1, y - 1
@@ -169,9 +174,8 @@ def block_step(shallow: list, deep: list) -> Step | None:
     new_ids = {deep[j][1] for j in free}
     new = [e[0] != "sync" and (e[1] in new_ids) for e in deep]
     # the synchronisations: those the shallow trace has not got are the new block's
-    old_a = [k for k in ka]
     old_b = [(j, k) for j, k in enumerate(kb) if not new[j]]
-    keep = [(k[0], k[-1]) if k[0] == "sync" else ("event",) for k in old_a]
+    keep = [(k[0], k[-1]) if k[0] == "sync" else ("event",) for k in ka]
     keep_b = [(k[0], k[-1]) if k[0] == "sync" else ("event",) for _, k in old_b]
     extra, moved = [], []
     for i, j in _diff(keep, keep_b):
