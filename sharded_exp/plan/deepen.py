@@ -33,6 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sharded_exp.predict.alloc_trace import replay
+
 
 def _keys(events: list) -> list[tuple]:
     """Each event as the allocator sees it, without its id."""
@@ -238,8 +240,6 @@ def drawn_to(a: list, b: list, c: list, blocks: int, alloc_conf: str | None = No
     of the same model at three depths one block apart: drawn from ``b`` and ``c``, once the
     trace drawn from ``a`` and ``b`` replays like ``c`` (:data:`CHECK_REL`); None where the
     traces do not repeat so."""
-    from sharded_exp.predict.alloc_trace import replay  # the allocator model's replay
-
     first = block_step(a, b)
     if first is None:
         return None

@@ -210,10 +210,8 @@ def predict_peak(
     The rank with the most model states is faked; another rank's peak is lower in
     proportion to its smaller model states (e.g. OSS's uneven shards). Returns ``{"per_rank_mib": [...] or None,
     "rank", "breakdown_mib", "flops_per_step" (one rank), "method", "note", "seconds",
-    "error"}``; ``error`` says why there is no prediction (the model cannot run fake).
-    ``keep_trace``: on CUDA, also return what the allocator figures were replayed from
-    (``"alloc_trace"``: the events, the allocator setting, cuBLAS's workspace in MiB), for a
-    deeper model's to be drawn from (:mod:`sharded_exp.plan.deepen`).
+    "error"}``; ``error`` says why there is no prediction (the model cannot run fake). ``keep_trace``: on
+    CUDA, also ``"alloc_trace"`` (the events replayed, allocator setting, workspace MiB: plan/deepen.py).
     """
     states = [sum(p.values()) for p in prediction["model_states_mib"]]
     rank = states.index(max(states))
@@ -269,7 +267,6 @@ def predict_peak(
         # CUDA: the allocator's rounding and cache on top of the peak, fragmentation, the context
         # (sharded_exp.predict.alloc_trace.point_figures); None on CPU (no caching allocator)
         "allocator": allocator,
-        # CUDA, asked for: what the allocator figures were replayed from (sharded_exp.plan.depth)
         **(
             {"alloc_trace": (est.extra["alloc_events"], alloc_conf_of(cfg), workspace)}
             if keep_trace and allocator

@@ -373,12 +373,12 @@ def test_the_allocators_figures_at_full_depth_keep_their_share_of_the_peak():
 
 
 def test_the_allocators_figures_at_full_depth_are_replayed_over_the_trace_drawn_there():
-    """Three shallow fakes' traces (tests/unit/plan/test_deepen.py's made-up model at 2, 3 and 4
+    """Three shallow fakes' traces (tests/helpers/traces.py's made-up model at 2, 3 and 4
     blocks) drawn to 7 blocks replay as the 7-block trace does; a fake without a trace (or one
     that does not repeat by block) keeps the share of the peak, and says so."""
     from sharded_exp.plan.depth import Fake, draw_allocator
     from sharded_exp.predict.alloc_trace import point_figures
-    from tests.unit.plan.test_deepen import model_trace
+    from tests.helpers.traces import model_trace
 
     def with_trace(d: int, trace) -> Fake:
         figures = point_figures(trace, "", 0.0)
