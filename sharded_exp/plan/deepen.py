@@ -22,8 +22,9 @@ allocations are the same sizes at every depth, so the trace at ``n + 1`` blocks 
 Blocks alike, the alignment may take the new block's allocations from two neighbouring blocks
 (the tail of one, the head of the next), and a copy then comes in another order than the real
 block's. The drawing is therefore checked as the lines of the peak are (:func:`drawn_to`): the
-trace at ``n + 2`` blocks drawn from ``n`` and ``n + 1`` must replay to the allocated and
-reserved peaks of the one faked at ``n + 2`` (within :data:`CHECK_REL`). Where it does not
+trace at ``n + 2`` blocks drawn from ``n`` and ``n + 1``, replayed, must add to its tensors'
+peak what the one faked at ``n + 2`` adds (rounding and cache, within :data:`CHECK_REL`; the
+tensors' peak itself is the composed plan's, from the lines and the analytic states). Where it does not
 (FSDP2's prefetch puts a unit's all-gather in the block before's forward, and the copies of
 that run, each held until its block runs, pile up), or the traces do not align, the caller
 keeps the share of the peak (:func:`sharded_exp.plan.depth.compose_allocator`).
@@ -224,9 +225,11 @@ def deepen(step: Step, blocks: int) -> list:
     return out
 
 
-CHECK_REL = 0.02
+CHECK_REL = 0.05
 """The drawing holds where the trace drawn one block deeper replays to the faked one's
-allocated and reserved peaks within this share of them."""
+rounding and cache (allocated and reserved beyond the tensors' peak, what a composed plan
+takes from it) within this share of the faked reserved peak. On a 1024-wide GPT at 8 ranks
+DDP's and ZeRO-1's drawings are within 1-2%; FSDP2's 9% (its prefetch, module docstring)."""
 
 
 def same_trace(a: tuple | None, b: tuple | None) -> bool:
@@ -238,14 +241,15 @@ def same_trace(a: tuple | None, b: tuple | None) -> bool:
 def drawn_to(a: list, b: list, c: list, blocks: int, alloc_conf: str | None = None) -> list | None:
     """The trace ``blocks`` blocks deeper than ``c``, where ``a``, ``b`` and ``c`` are the traces
     of the same model at three depths one block apart: drawn from ``b`` and ``c``, once the
-    trace drawn from ``a`` and ``b`` replays like ``c`` (:data:`CHECK_REL`); None where the
-    traces do not repeat so."""
+    trace drawn from ``a`` and ``b`` adds to its tensors' peak what ``c``'s replay does
+    (:data:`CHECK_REL`); None where the traces do not repeat so."""
     first = block_step(a, b)
     if first is None:
         return None
     faked, drawn = replay(c, alloc_conf), replay(deepen(first, 1), alloc_conf)
-    for name in ("allocated_mib", "reserved_mib"):
-        if abs(getattr(drawn, name) - getattr(faked, name)) > CHECK_REL * getattr(faked, name):
+    for name in ("allocated_mib", "reserved_mib"):  # what rides on the composed peak: beyond the tensors'
+        extra = getattr(drawn, name) - drawn.tracked_peak_mib - (getattr(faked, name) - faked.tracked_peak_mib)
+        if abs(extra) > CHECK_REL * faked.reserved_mib:
             return None
     step = block_step(b, c)
     return None if step is None else deepen(step, blocks)
