@@ -263,7 +263,7 @@ def peaks_by_depth(cfg_s, world_sizes, device_type: str, key: str, layers: int) 
             pair, here = first, rules
             how = f"as at {first_ws} ranks: unchanged at {depths[0]} blocks"
             # the allocator's trace too, where the shallowest is the same here (else its share of the peak)
-            three = first_three if deepen.same_trace(first_three[0].trace, fakes[0].trace) else [fakes[0]] * 3
+            three = first_three if deepen.same_trace(first_three[0].trace, fakes[0].trace) else None
         else:  # the first world size, or the lines moved: drawn and checked here
             fakes += [fake_at(cfg_s, key, d, ws, device_type) for d in depths[1:]]
             found = None if any(isinstance(f, str) for f in fakes) else rules_on_line(*fakes)
@@ -283,6 +283,7 @@ def peaks_by_depth(cfg_s, world_sizes, device_type: str, key: str, layers: int) 
             out[ws] = None  # the strategy's set-up moment may be the peak: faked whole
             continue
         top = max(phases.values(), key=lambda p: p[0])
+        allocator = draw_allocator(three, layers, top[0]) if three else compose_allocator(pair[1], top[0])
         out[ws] = {
             "per_rank_mib": peaks_of_ranks(list(phases.values()), states, rank),
             "rank": rank,
@@ -294,12 +295,11 @@ def peaks_by_depth(cfg_s, world_sizes, device_type: str, key: str, layers: int) 
                 for n in (
                     f"{key}={layers}: drawn from {pair[0].depth} and {pair[1].depth} blocks ({how})",
                     pair[1].note,
+                    allocator and f"reserved: {allocator['depth']}",
                 )
                 if n
             ),
-            "allocator": draw_allocator(three, layers, top[0])
-            if three[0] is not three[1]
-            else compose_allocator(pair[1], top[0]),
+            "allocator": allocator,
             "seconds": sum(f.seconds for f in fakes if isinstance(f, Fake)),
             "fakes": len(fakes),
         }
