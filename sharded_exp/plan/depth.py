@@ -38,7 +38,9 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from sharded_exp.config import JobGroups
+from sharded_exp.plan import deepen
 from sharded_exp.precision import Precision
+from sharded_exp.predict.alloc_trace import point_figures
 from sharded_exp.predict.memory_model import largest_group_state_mib
 from sharded_exp.predict.prediction import model_shapes, peaks_of_ranks, predict, predict_peak
 from sharded_exp.strategies import memory_of
@@ -71,6 +73,8 @@ class Fake:
     of the peak (:func:`_setup_clear`)."""
     allocator: dict | None = None
     """CUDA: the caching allocator's figures at this depth (:func:`~sharded_exp.predict.alloc_trace.point_figures`)."""
+    trace: tuple | None = None
+    """CUDA: what they were replayed from: (events, allocator setting, cuBLAS workspace MiB)."""
 
 
 _SHAPES: dict[str, Any] = {}
@@ -97,7 +101,7 @@ def fake_at(cfg_s, key: str, depth: int, world_size: int, device_type: str) -> F
     OmegaConf.update(c.model, key, depth)
     shapes = shapes_of(c)
     prediction = predict(c.strategy, c.optimizer, Precision.of(c), shapes, world_size)
-    peak = predict_peak(c, world_size, device_type, prediction, shapes, flops=False)
+    peak = predict_peak(c, world_size, device_type, prediction, shapes, flops=False, keep_trace=True)
     if peak["per_rank_mib"] is None:
         return peak["error"]
     mine = prediction["model_states_mib"][peak["rank"]]
@@ -109,7 +113,10 @@ def fake_at(cfg_s, key: str, depth: int, world_size: int, device_type: str) -> F
         temporaries = parts.get(STEP_TEMPORARIES, 0.0)
         ratios[phase] = temporaries / stepped if stepped > 0 else None
     clear = _setup_clear(c, shapes, world_size, mine, {k: p for k, (p, _) in peak["phases_mib"].items()})
-    return Fake(depth, lines, ratios, raw, peak["seconds"] or 0.0, peak["note"], clear, peak.get("allocator"))
+    return Fake(
+        depth, lines, ratios, raw, peak["seconds"] or 0.0, peak["note"], clear, peak.get("allocator"),
+        peak.get("alloc_trace"),
+    )  # fmt: skip
 
 
 def _setup_clear(cfg_s, shapes, world_size: int, mine: dict[str, float], peaks: dict[str, float]) -> bool:
@@ -199,19 +206,41 @@ def compose(a: Fake, b: Fake, layers: int, prediction: dict[str, Any], rules, st
 
 
 ALLOCATOR_SHARES = ("allocated_extra_mib", "reserved_extra_mib", "fragmentation_mib")
-"""The allocator's figures that grow with the peak: each block repeats the same allocations,
-so its rounding and the cache it leaves are the same share of what it holds."""
+"""The allocator's figures :func:`compose_allocator` scales with the peak where no trace is drawn."""
 
 
 def compose_allocator(b: Fake, peak_mib: float) -> dict | None:
-    """The caching allocator's figures at full depth (``peak_mib``: the composed peak): the
-    deeper shallow fake's, each in the same proportion to the peak as there. (Drawn on a line
-    in depth instead, the cache's share swung with which block's activations happened to reuse
-    a cached segment, and went below zero.) None on CPU."""
+    """The caching allocator's figures at full depth (``peak_mib``: the composed peak) where no
+    full-depth trace could be drawn (:func:`draw_allocator`): the deeper shallow fake's, each in
+    the same proportion to the peak as there. This overstates reserved memory (the cache grows
+    with depth less than the peak does: +5% to +15% on a 24-block GPT), so it is said in the
+    figures' ``depth`` note. None on CPU."""
     if b.allocator is None or not b.allocator.get("tracked_peak_mib"):
         return None
     scale = peak_mib / b.allocator["tracked_peak_mib"]
-    return {**b.allocator, **{k: b.allocator[k] * scale for k in ALLOCATOR_SHARES}}
+    return {
+        **b.allocator,
+        **{k: b.allocator[k] * scale for k in ALLOCATOR_SHARES},
+        "depth": "the deeper shallow fake's share of the peak (its trace not drawn to full depth)",
+    }
+
+
+def draw_allocator(fakes: list[Fake], layers: int, peak_mib: float) -> dict | None:
+    """The caching allocator's figures at ``layers`` blocks from its model replayed over the
+    trace drawn to that depth from the three shallow fakes' (:mod:`sharded_exp.plan.deepen`),
+    checked on the third; else the share of the peak (:func:`compose_allocator`). None on CPU."""
+    a, b, c = fakes
+    if any(f.trace is None for f in fakes):
+        return compose_allocator(b, peak_mib)
+    events, alloc_conf, workspace = c.trace
+    drawn = deepen.drawn_to(a.trace[0], b.trace[0], events, layers - c.depth, alloc_conf)
+    if drawn is None:
+        return compose_allocator(b, peak_mib)
+    figures = point_figures(drawn, alloc_conf, workspace)
+    if figures is None:
+        return compose_allocator(b, peak_mib)
+    figures["depth"] = f"replayed over the trace drawn to {layers} blocks from {a.depth}, {b.depth} and {c.depth}"
+    return figures
 
 
 def peaks_by_depth(cfg_s, world_sizes, device_type: str, key: str, layers: int) -> dict[int, dict | None]:
@@ -224,6 +253,7 @@ def peaks_by_depth(cfg_s, world_sizes, device_type: str, key: str, layers: int) 
     depths = (d0, d0 + 1, d0 + 2)
     out: dict[int, dict | None] = {}
     first: tuple[Fake, Fake] | None = None
+    first_three: list[Fake] = []
     first_ws, rules = 0, {}
     full_shapes = shapes_of(cfg_s)
     for ws in world_sizes:
@@ -232,16 +262,18 @@ def peaks_by_depth(cfg_s, world_sizes, device_type: str, key: str, layers: int) 
         if reuse and same_lines(first[0], fakes[0], rules):
             pair, here = first, rules
             how = f"as at {first_ws} ranks: unchanged at {depths[0]} blocks"
+            # the allocator's trace too, where the shallowest is the same here (else its share of the peak)
+            three = first_three if deepen.same_trace(first_three[0].trace, fakes[0].trace) else None
         else:  # the first world size, or the lines moved: drawn and checked here
             fakes += [fake_at(cfg_s, key, d, ws, device_type) for d in depths[1:]]
             found = None if any(isinstance(f, str) for f in fakes) else rules_on_line(*fakes)
             if found is None:
                 out[ws] = None  # faked whole by the caller
                 continue
-            pair, here = (fakes[0], fakes[1]), found
+            pair, here, three = (fakes[0], fakes[1]), found, fakes
             how = f"checked at {depths[2]}" if first is None else f"redrawn at {ws} ranks, checked at {depths[2]}"
             if first is None:
-                first, first_ws, rules = pair, ws, found
+                first, first_ws, rules, first_three = pair, ws, found, fakes
         prediction = predict(cfg_s.strategy, cfg_s.optimizer, Precision.of(cfg_s), full_shapes, ws)
         states = prediction["model_states_mib"]
         rank = max(range(len(states)), key=lambda r: sum(states[r].values()))
@@ -251,6 +283,7 @@ def peaks_by_depth(cfg_s, world_sizes, device_type: str, key: str, layers: int) 
             out[ws] = None  # the strategy's set-up moment may be the peak: faked whole
             continue
         top = max(phases.values(), key=lambda p: p[0])
+        allocator = draw_allocator(three, layers, top[0]) if three else compose_allocator(pair[1], top[0])
         out[ws] = {
             "per_rank_mib": peaks_of_ranks(list(phases.values()), states, rank),
             "rank": rank,
@@ -262,10 +295,11 @@ def peaks_by_depth(cfg_s, world_sizes, device_type: str, key: str, layers: int) 
                 for n in (
                     f"{key}={layers}: drawn from {pair[0].depth} and {pair[1].depth} blocks ({how})",
                     pair[1].note,
+                    allocator and f"reserved: {allocator['depth']}",
                 )
                 if n
             ),
-            "allocator": compose_allocator(pair[1], top[0]),
+            "allocator": allocator,
             "seconds": sum(f.seconds for f in fakes if isinstance(f, Fake)),
             "fakes": len(fakes),
         }

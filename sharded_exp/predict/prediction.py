@@ -203,13 +203,15 @@ def predict_peak(
     prediction: dict[str, Any],
     shapes: ModelShapes,
     flops: bool = True,
+    keep_trace: bool = False,
 ) -> dict[str, Any]:
     """The peak of every rank from one fake step (:mod:`sharded_exp.predict.fake_step`).
 
     The rank with the most model states is faked; another rank's peak is lower in
     proportion to its smaller model states (e.g. OSS's uneven shards). Returns ``{"per_rank_mib": [...] or None,
     "rank", "breakdown_mib", "flops_per_step" (one rank), "method", "note", "seconds",
-    "error"}``; ``error`` says why there is no prediction (the model cannot run fake).
+    "error"}``; ``error`` says why there is no prediction (the model cannot run fake). ``keep_trace``: on
+    CUDA, also ``"alloc_trace"`` (the events replayed, allocator setting, workspace MiB: plan/deepen.py).
     """
     states = [sum(p.values()) for p in prediction["model_states_mib"]]
     rank = states.index(max(states))
@@ -265,6 +267,11 @@ def predict_peak(
         # CUDA: the allocator's rounding and cache on top of the peak, fragmentation, the context
         # (sharded_exp.predict.alloc_trace.point_figures); None on CPU (no caching allocator)
         "allocator": allocator,
+        **(
+            {"alloc_trace": (est.extra["alloc_events"], alloc_conf_of(cfg), workspace)}
+            if keep_trace and allocator
+            else {}
+        ),
         # a run's step time, predicted from this step's op trace (predict/step_time.py)
         "speed": run_step_time(cfg, world_size, device_type, est, shapes, prediction) if flops else None,
         "error": None,

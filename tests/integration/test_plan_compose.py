@@ -4,7 +4,8 @@ The planner fakes each strategy at three shallow depths at its first world size 
 the rest; at each further world size one shallow fake says whether the lines moved
 (sharded_exp/plan/depth.py). The answer must not change: composed and whole-model peaks
 (the largest rank's and the mean over ranks) agree within 1%, at several world sizes in
-one composition, on the 8-block model of the scale tests and on a Hugging Face model.
+one composition, on the 8-block model of the scale tests and on a Hugging Face model; on CUDA
+the reserved memory too, within :data:`RESERVED_REL`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,15 @@ def composed_and_whole(overrides, world_sizes, device: str, strategies=STRATEGIE
     return composed, whole
 
 
+RESERVED_REL = {("ddp", 2): 0.01, ("ddp", 8): 0.01, ("zero1", 2): 0.01, ("zero1", 8): 0.2, ("fsdp", 2): 0.2,
+                ("fsdp", 8): 0.2}  # fmt: skip
+"""How far a composed plan's reserved memory may be from the whole model's (CUDA). Within 1%
+where the allocator model is replayed over the trace drawn to full depth (sharded_exp/plan/
+deepen.py): DDP, ZeRO-1 at its first world size. Within 20% where the deeper shallow fake's
+share of the peak is kept: FSDP (its drawing fails the check: the prefetched all-gathers), and
+ZeRO-1 at 8 ranks, whose lines are reused from 2 ranks but whose trace is not the same."""
+
+
 def assert_agree(composed, whole) -> None:
     for c, w in zip(composed, whole):
         point = (c["strategy"], c["world_size"], c["method"], c["note"])
@@ -36,6 +46,9 @@ def assert_agree(composed, whole) -> None:
         assert c["mean_gib"] == pytest.approx(w["mean_gib"], rel=0.01), point
         for part in ("params_gib", "optimizer_gib", "activations_gib"):  # the breakdown follows
             assert c[part] == pytest.approx(w[part], rel=0.01, abs=1e-6), (part, point)
+        bound = RESERVED_REL.get((c["strategy"], c["world_size"]))
+        if bound is not None and w.get("reserved_gib") is not None:
+            assert c["reserved_gib"] == pytest.approx(w["reserved_gib"], rel=bound), ("reserved", point)
 
 
 @pytest.mark.parametrize("strategies", [

@@ -166,7 +166,7 @@ def _adam_mib(params) -> float:
 def made_up_peak(seen: list, extra_grads: float = 0.25, activations: float = 3.0, temporaries=None, error=None):
     """A stand-in for predict_peak: the rank's analytic states plus known extras."""
 
-    def predict_peak(c, world_size, device_type, prediction, shapes, flops=False):
+    def predict_peak(c, world_size, device_type, prediction, shapes, flops=False, keep_trace=False):
         seen.append(c.model.n_layers)
         if error:
             return {"per_rank_mib": None, "error": error}
@@ -370,3 +370,27 @@ def test_the_allocators_figures_at_full_depth_keep_their_share_of_the_peak():
     assert (out["allocated_extra_mib"], out["reserved_extra_mib"], out["fragmentation_mib"]) == (2.5, 100.0, 97.5)
     assert out["context_mib"] == 426.0 and out["streams"] == ["default"]  # not shares of the peak
     assert compose_allocator(Fake(5, {}, {}, {}, 0.0), 250.0) is None  # CPU: no allocator
+
+
+def test_the_allocators_figures_at_full_depth_are_replayed_over_the_trace_drawn_there():
+    """Three shallow fakes' traces (tests/helpers/traces.py's made-up model at 2, 3 and 4
+    blocks) drawn to 7 blocks replay as the 7-block trace does; a fake without a trace (or one
+    that does not repeat by block) keeps the share of the peak, and says so."""
+    from sharded_exp.plan.depth import Fake, draw_allocator
+    from sharded_exp.predict.alloc_trace import point_figures
+    from tests.helpers.traces import model_trace
+
+    def with_trace(d: int, trace) -> Fake:
+        figures = point_figures(trace, "", 0.0)
+        return Fake(d, {}, {}, {}, 0.0, allocator=figures, trace=(trace, "", 0.0))
+
+    fakes = [with_trace(n, model_trace(n)) for n in (2, 3, 4)]
+    drawn = draw_allocator(fakes, 7, 123.0)
+    whole = point_figures(model_trace(7), "", 0.0)
+    assert drawn["reserved_extra_mib"] == whole["reserved_extra_mib"]
+    assert drawn["allocated_extra_mib"] == whole["allocated_extra_mib"]
+    assert drawn["depth"] == "replayed over the trace drawn to 7 blocks from 2, 3 and 4"
+    shared = draw_allocator([fakes[0], fakes[1], with_trace(4, model_trace(6))], 7, 123.0)
+    assert shared["depth"].startswith("the deeper shallow fake's share of the peak")
+    share = fakes[1].allocator["reserved_extra_mib"] / fakes[1].allocator["tracked_peak_mib"]
+    assert shared["reserved_extra_mib"] == pytest.approx(share * 123.0)

@@ -1,0 +1,52 @@
+"""sharded_exp/plan/deepen.py: a deep model's allocation trace drawn from shallow ones.
+
+The traces are made up (:func:`tests.helpers.traces.model_trace`): a stack of identical blocks whose forward keeps
+one activation per block and whose backward frees them in reverse, with a bucket that grows
+with the depth. Drawn from two depths, the trace at any depth must be the one made up there.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sharded_exp.plan.deepen import _keys, block_step, deepen, drawn_to, same_trace
+from sharded_exp.predict.alloc_trace import replay
+from tests.helpers.traces import MIB, model_trace
+
+
+def test_a_trace_drawn_from_two_depths_is_the_deeper_models():
+    """2 -> 3 blocks adds a weight, a forward block (3 events), an activation freed, an optimizer
+    temporary made and freed, and 1 MiB to the bucket: 7 new events, 1 grown. Repeated 3 more
+    times in place, they make the 6-block model's trace event for event (ids aside)."""
+    step = block_step(model_trace(2), model_trace(3))
+    assert sum(step.new) == 7
+    assert list(step.grown.values()) == [MIB]
+    drawn = deepen(step, 3)
+    assert _keys(drawn) == _keys(model_trace(6))
+    assert replay(drawn) == replay(model_trace(6))
+    assert deepen(step, 0) == model_trace(3)
+
+
+def test_a_trace_that_drops_an_allocation_is_no_block_step():
+    """The shallow trace allocates on a stream the deeper one never uses: nothing grew into it."""
+    odd = model_trace(2) + [("malloc", "odd", MIB, "side")]
+    assert block_step(odd, model_trace(3)) is None
+
+
+def test_drawn_to_checks_the_drawing_one_block_deeper():
+    """Drawn from 2 and 3 blocks, the 4-block trace replays like the one given as 4 blocks, so
+    the 7-block trace is drawn from 3 and 4; given the 6-block trace as the third (two blocks
+    more: its peaks far past the check's 2% from the 4-block drawing), nothing is drawn."""
+    a, b, c = model_trace(2), model_trace(3), model_trace(4)
+    assert _keys(drawn_to(a, b, c, 3)) == _keys(model_trace(7))
+    assert drawn_to(a, b, model_trace(6), 3) is None
+    with pytest.raises(ValueError, match="0 or more blocks, not -1"):
+        deepen(block_step(a, b), -1)
+
+
+def test_two_traces_are_the_same_whatever_their_ids():
+    renamed = [(op, None if i is None else ("x", i), size, s) for op, i, size, s in model_trace(3)]
+    assert same_trace((model_trace(3), "", 0.0), (renamed, "", 0.0))
+    assert not same_trace((model_trace(3), "", 0.0), (model_trace(3), "expandable_segments:True", 0.0))
+    assert not same_trace((model_trace(3), "", 0.0), (model_trace(4), "", 0.0))
+    assert not same_trace(None, (model_trace(3), "", 0.0))
