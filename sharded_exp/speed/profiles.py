@@ -31,6 +31,8 @@ DTYPES = ("fp32", "tf32", "fp16", "bf16")
 """The dtypes a device profile may give a peak for (matmul math mode, not storage)."""
 OP_CLASSES = ("matmul", "attention")
 """Op classes a profile may give a measured curve for."""
+ATTENTION_PASSES = ("forward", "backward")
+"""The passes a profile gives a fused attention kernel's fraction of the peak for."""
 LINK_CLASSES = ("nvlink", "pcie", "network")
 
 
@@ -81,6 +83,9 @@ class DeviceProfile:
     """Per dtype, the fraction of the peak a published matmul micro-benchmark reached."""
     curves: Mapping[tuple[str, str], Curve] = field(default_factory=dict)
     """(op class, dtype) -> measured curve."""
+    attention_fraction: Mapping[tuple[str, str], Figure] = field(default_factory=dict)
+    """(pass, dtype) -> the fraction of the peak a fused attention kernel reached in a published
+    micro-benchmark (FlashAttention's papers), of the FLOPs it does (a causal one's halved)."""
     links: Mapping[str, str] = field(default_factory=dict)
     """The link profiles this device's GPUs use: ``intra_node`` (between GPUs of a node) and
     ``host`` (to the host), by name, as its datasheet states them."""
@@ -119,6 +124,12 @@ class DeviceProfile:
         one is published, else the peak itself (an upper bound, said by :meth:`is_measured`)."""
         fraction = self.achievable_fraction.get(dtype)
         return self.peak_flops_per_s(dtype) * (fraction.value if fraction else 1.0)
+
+    def attention_flops_per_s(self, attention_pass: str, dtype: str) -> float | None:
+        """What a fused attention kernel's ``forward`` or ``backward`` reaches: the peak times
+        the published fraction; None where the profile has none (it is then priced as a matmul)."""
+        fraction = self.attention_fraction.get((attention_pass, dtype))
+        return self.peak_flops_per_s(dtype) * fraction.value if fraction else None
 
     def is_measured(self, dtype: str) -> bool:
         return dtype in self.achievable_fraction
@@ -173,6 +184,7 @@ _DEVICE_FIELDS = {
     "memory_bandwidth_GBps",
     "peak_TFLOPs",
     "achievable_fraction",
+    "attention_fraction",
     "curves",
     "links",
 }
@@ -283,6 +295,19 @@ def parse_device(data: Mapping[str, Any]) -> DeviceProfile:
             )
         if dtype not in peaks:
             raise ProfileError(f"device profile {name!r}: achievable_fraction.{dtype} has no peak_TFLOPs.{dtype}")
+    attention = {}
+    for attention_pass, raw in (data.get("attention_fraction") or {}).items():
+        if attention_pass not in ATTENTION_PASSES:
+            raise ProfileError(
+                f"device profile {name!r}: attention_fraction pass {attention_pass!r} is not one of {ATTENTION_PASSES}"
+            )
+        for dtype, figure in _table(raw, f"attention_fraction.{attention_pass}", sources, name).items():
+            if not 0 < figure.value <= 1 or dtype not in peaks:
+                raise ProfileError(
+                    f"device profile {name!r}: attention_fraction.{attention_pass}.{dtype} must be in (0, 1] "
+                    f"with a peak_TFLOPs.{dtype}, not {figure.value}"
+                )
+            attention[(attention_pass, dtype)] = figure
     curves = {}
     for op_class, per_dtype in (data.get("curves") or {}).items():
         if op_class not in OP_CLASSES:
@@ -296,6 +321,7 @@ def parse_device(data: Mapping[str, Any]) -> DeviceProfile:
         memory_bandwidth=_figure(data, "memory_bandwidth_GBps", sources, name),
         peak_tflops=peaks,
         achievable_fraction=fractions,
+        attention_fraction=attention,
         curves=curves,
         links=_links(data.get("links"), sources, name),
     )
