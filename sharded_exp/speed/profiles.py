@@ -79,6 +79,9 @@ class DeviceProfile:
     """GB/s of device (HBM) memory bandwidth."""
     peak_tflops: Mapping[str, Figure]
     """Dense peak TFLOP/s per dtype (no sparsity)."""
+    memory_bandwidth_fraction: Figure | None = None
+    """The fraction of :attr:`memory_bandwidth` a large device copy reached where one was
+    measured (None: the datasheet's figure is used whole, an upper bound)."""
     achievable_fraction: Mapping[str, Figure] = field(default_factory=dict)
     """Per dtype, the fraction of the peak a published matmul micro-benchmark reached."""
     curves: Mapping[tuple[str, str], Curve] = field(default_factory=dict)
@@ -113,7 +116,10 @@ class DeviceProfile:
 
     @property
     def memory_bandwidth_Bps(self) -> float:
-        return self.memory_bandwidth.value * 1e9
+        """What a memory-bound op moves per second: the datasheet's bandwidth times the
+        measured copy's fraction where the profile has one."""
+        fraction = self.memory_bandwidth_fraction.value if self.memory_bandwidth_fraction else 1.0
+        return self.memory_bandwidth.value * 1e9 * fraction
 
     def peak_flops_per_s(self, dtype: str) -> float:
         """The datasheet's dense peak for ``dtype``: the denominator of MFU."""
@@ -182,6 +188,7 @@ _DEVICE_FIELDS = {
     "sources",
     "memory_GB",
     "memory_bandwidth_GBps",
+    "memory_bandwidth_fraction",
     "peak_TFLOPs",
     "achievable_fraction",
     "attention_fraction",
@@ -308,6 +315,9 @@ def parse_device(data: Mapping[str, Any]) -> DeviceProfile:
                     f"with a peak_TFLOPs.{dtype}, not {figure.value}"
                 )
             attention[(attention_pass, dtype)] = figure
+    copy = _figure(data, "memory_bandwidth_fraction", sources, name) if "memory_bandwidth_fraction" in data else None
+    if copy is not None and not 0 < copy.value <= 1:
+        raise ProfileError(f"device profile {name!r}: memory_bandwidth_fraction must be in (0, 1], not {copy.value}")
     curves = {}
     for op_class, per_dtype in (data.get("curves") or {}).items():
         if op_class not in OP_CLASSES:
@@ -319,6 +329,7 @@ def parse_device(data: Mapping[str, Any]) -> DeviceProfile:
         title=str(data.get("title", name)),
         memory=_figure(data, "memory_GB", sources, name),
         memory_bandwidth=_figure(data, "memory_bandwidth_GBps", sources, name),
+        memory_bandwidth_fraction=copy,
         peak_tflops=peaks,
         achievable_fraction=fractions,
         attention_fraction=attention,

@@ -100,6 +100,8 @@ def _broken(edit):
         (lambda d: d.update(attention_fraction={"forward": {"fp16": {"value": 0.5, "source": "sheet"}}}),
          "with a peak_TFLOPs.fp16"),
         (lambda d: d.update(attention_fraction={"backward": {"bf16": {"value": 0.5}}}), "has no source"),
+        (lambda d: d.update(memory_bandwidth_fraction={"value": 1.1, "source": "sheet"}),
+         r"memory_bandwidth_fraction must be in \(0, 1\]"),
     ],
 )
 def test_a_profile_breaking_the_rules_is_refused(edit, message):
@@ -131,3 +133,9 @@ def test_an_attention_fraction_is_read_per_pass_and_absent_is_none():
     assert device.attention_flops_per_s("forward", "bf16") == pytest.approx(50e12)
     assert device.attention_flops_per_s("backward", "bf16") == pytest.approx(25e12)
     assert parse_device(GOOD).attention_flops_per_s("forward", "bf16") is None
+
+
+def test_a_measured_copy_fraction_scales_the_datasheet_bandwidth():
+    """h200: 4,800 GB/s x 0.876 (the copy measured on one) = 4,204.8 GB/s; without one, the datasheet's."""
+    assert load_device("h200").memory_bandwidth_Bps == pytest.approx(4204.8e9)
+    assert parse_device(GOOD).memory_bandwidth_Bps == pytest.approx(1000e9)
