@@ -93,15 +93,23 @@ def _broken(edit):
         (lambda d: d["achievable_fraction"]["bf16"].update(value=1.2), r"in \(0, 1\]"),
         (lambda d: d["peak_TFLOPs"].update(fp8={"value": 1, "source": "sheet"}), "'fp8' is not one of"),
         (lambda d: d.pop("memory_bandwidth_GBps"), "has no memory_bandwidth_GBps"),
-        (lambda d: d.update(attention_fraction={"sideways": {"bf16": {"value": 0.5, "source": "sheet"}}}),
-         "pass 'sideways' is not one of"),
-        (lambda d: d.update(attention_fraction={"forward": {"bf16": {"value": 1.5, "source": "sheet"}}}),
-         r"attention_fraction.forward.bf16 must be in \(0, 1\]"),
-        (lambda d: d.update(attention_fraction={"forward": {"fp16": {"value": 0.5, "source": "sheet"}}}),
-         "with a peak_TFLOPs.fp16"),
+        (
+            lambda d: d.update(attention_fraction={"sideways": {"bf16": {"value": 0.5, "source": "sheet"}}}),
+            "pass 'sideways' is not one of",
+        ),
+        (
+            lambda d: d.update(attention_fraction={"forward": {"bf16": {"value": 1.5, "source": "sheet"}}}),
+            r"attention_fraction.forward.bf16 must be in \(0, 1\]",
+        ),
+        (
+            lambda d: d.update(attention_fraction={"forward": {"fp16": {"value": 0.5, "source": "sheet"}}}),
+            "with a peak_TFLOPs.fp16",
+        ),
         (lambda d: d.update(attention_fraction={"backward": {"bf16": {"value": 0.5}}}), "has no source"),
-        (lambda d: d.update(memory_bandwidth_fraction={"value": 1.1, "source": "sheet"}),
-         r"memory_bandwidth_fraction must be in \(0, 1\]"),
+        (
+            lambda d: d.update(memory_bandwidth_fraction={"value": 1.1, "source": "sheet"}),
+            r"memory_bandwidth_fraction must be in \(0, 1\]",
+        ),
     ],
 )
 def test_a_profile_breaking_the_rules_is_refused(edit, message):
