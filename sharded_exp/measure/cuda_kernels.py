@@ -97,9 +97,9 @@ class _AsOnCuda(TorchFunctionMode):
         super().__init__()
         self.flops = 0
         """FLOPs of the attention calls since the last reset (torch's sdpa formulas)."""
-        self.calls: list[tuple[int, int, int, str]] = []
-        """Each call's (forward FLOPs, backward FLOPs, bytes of q, k and v, math dtype): the
-        op trace (:mod:`sharded_exp.predict.op_trace`) times them."""
+        self.calls: list[tuple[int, int, int, str, bool]] = []
+        """Each call's (forward FLOPs, backward FLOPs, bytes of q, k and v, math dtype, causal):
+        the op trace (:mod:`sharded_exp.predict.op_trace`) times them."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -113,7 +113,9 @@ class _AsOnCuda(TorchFunctionMode):
                 backward = flop_counter.sdpa_backward_flop_count(out_shape, *shapes)
             self.flops += forward + backward
             dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(q.dtype, "fp32")
-            self.calls.append((forward, backward, sum(t.numel() * t.element_size() for t in (q, k, v)), dtype))
+            causal = bool(args[5] if len(args) > 5 else kwargs.get("is_causal", False))
+            nbytes = sum(t.numel() * t.element_size() for t in (q, k, v))
+            self.calls.append((forward, backward, nbytes, dtype, causal))
             out, _ = _FusedAttention.apply(q, k, v, mask)
             return out
         return func(*args, **kwargs)

@@ -23,7 +23,9 @@ bytes and are left out too.
 Under ``cuda_kernels`` (a step faked as CUDA runs it) fused attention is one
 ``torch.autograd.Function`` whose aten ops are empty allocations; its FLOPs are those the
 kernels' mode counts (``kernels.calls``): each call is recorded as one ``attention`` op in
-the forward and one in the backward.
+the forward and one in the backward (``causal`` set where the call asked for a causal mask). A
+call that runs inside the backward is activation checkpointing's recomputation: its forward
+is recorded, not a second backward (the kernel's backward runs once, for the first call).
 """
 
 from __future__ import annotations
@@ -115,12 +117,15 @@ class OpTrace(TorchDispatchMode):
         as one op in the backward phase)."""
         calls = getattr(self.kernels, "calls", None)
         while calls is not None and self._calls < len(calls):
-            forward, backward, nbytes, dtype = calls[self._calls]
+            forward, backward, nbytes, dtype, causal = calls[self._calls]
             self._calls += 1
             self._record("attention.forward", forward, nbytes, nbytes // 4, dtype)
+            self.trace.records[-1]["causal"] = causal
+            if torch._C._current_graph_task_id() != -1:
+                continue  # a recomputation: its backward is the first call's
             self.trace.records.append(
                 {"op": "attention.backward", "flops": backward, "input_bytes": nbytes, "output_bytes": nbytes,
-                 "dtype": dtype, "backward": True, "unit": None, "deferred": True}
+                 "dtype": dtype, "backward": True, "unit": None, "deferred": True, "causal": causal}
             )  # fmt: skip
 
 

@@ -7,8 +7,13 @@ An op is (class, FLOPs, bytes moved, dtype). Its time is
   space (clamped at both ends: no extrapolation past what was measured);
 - otherwise the roofline: ``max(FLOPs / matmul rate(dtype), bytes / memory bandwidth)``, where
   the matmul rate is the datasheet peak times a published micro-benchmark's fraction when the
-  profile has one (:meth:`DeviceProfile.matmul_flops_per_s`). Attention is priced at the
-  matmul rate: a fused attention kernel's FLOPs are its two matmuls.
+  profile has one (:meth:`DeviceProfile.matmul_flops_per_s`).
+- ``attention`` (a fused kernel: flash or memory-efficient) at the profile's published
+  attention fraction of the peak where it has one, for the forward or the backward
+  (:meth:`DeviceProfile.attention_flops_per_s`); a causal kernel skips the blocks above the
+  diagonal, so it does half the FLOPs torch's formulas count (FlashAttention-2's benchmark
+  counts them so, and its published fractions are of that count). Without a fraction,
+  attention is priced as a matmul, its FLOPs as counted.
 - ``other`` ops (elementwise, norms, softmax, copies, reductions) are memory-bound:
   ``bytes / memory bandwidth``.
 
@@ -49,6 +54,9 @@ MATMUL_OPS = frozenset({
 ``FlopCounterMode`` counts FLOPs for, convolutions included (implicit GEMMs)."""
 ATTENTION_PREFIXES = ("_scaled_dot_product_", "_flash_attention_", "_efficient_attention_", "scaled_dot_product_")
 """aten op name prefixes priced as attention (the SDPA kernels and their backwards)."""
+FUSED_ATTENTION = "attention"
+"""The name a step faked as CUDA gives its fused attention calls (``attention.forward``,
+``attention.backward``: :mod:`sharded_exp.predict.op_trace`); no aten op carries them."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,15 @@ class Op:
     dtype: str
     """Math dtype, one of :data:`sharded_exp.speed.profiles.DTYPES`."""
     name: str = ""
+    causal: bool = False
+    """An attention op with a causal mask (``is_causal``): its kernel does about half the
+    FLOPs counted."""
+
+    @property
+    def backward(self) -> bool:
+        """An attention kernel's backward (its name says so: ``attention.backward``,
+        ``aten._scaled_dot_product_flash_attention_backward``)."""
+        return "backward" in self.name
 
     def __post_init__(self):
         if self.kind not in OP_KINDS:
@@ -97,6 +114,10 @@ def op_time(op: Op, device: DeviceProfile) -> float:
     curve = device.curve(op.kind, op.dtype)
     if curve is not None:
         return op.flops / achieved_flops_per_s(curve, op.flops)
+    if op.kind == "attention":
+        rate = device.attention_flops_per_s("backward" if op.backward else "forward", op.dtype)
+        if rate is not None:
+            return max(op.flops * (0.5 if op.causal else 1.0) / rate, memory_s)
     return max(op.flops / device.matmul_flops_per_s(op.dtype), memory_s)
 
 
@@ -114,7 +135,7 @@ def classify(aten_name: str) -> str:
     base = parts[0]
     if base in MATMUL_OPS:
         return "matmul"
-    if base.startswith(ATTENTION_PREFIXES):
+    if base.startswith(ATTENTION_PREFIXES) or base == FUSED_ATTENTION:
         return "attention"
     return "other"
 
@@ -124,7 +145,7 @@ def ops_from_records(records: Iterable[Mapping], dtype: str) -> list[Op]:
 
     Each record is a mapping with ``op`` (the aten name), ``flops``, ``input_bytes`` and
     ``output_bytes``; an optional ``dtype`` overrides ``dtype`` (the step's math dtype, e.g.
-    ``bf16`` under autocast). A record missing a field is refused, naming it."""
+    ``bf16`` under autocast), an optional ``causal`` marks a causal attention call. A record missing a field is refused, naming it."""
     ops = []
     for i, record in enumerate(records):
         missing = [k for k in ("op", "flops", "input_bytes", "output_bytes") if k not in record]
@@ -138,6 +159,7 @@ def ops_from_records(records: Iterable[Mapping], dtype: str) -> list[Op]:
                 bytes_moved=float(record["input_bytes"]) + float(record["output_bytes"]),
                 dtype=str(record.get("dtype", dtype)),
                 name=str(record["op"]),
+                causal=bool(record.get("causal", False)),
             )
         )
     return ops

@@ -31,6 +31,8 @@ DTYPES = ("fp32", "tf32", "fp16", "bf16")
 """The dtypes a device profile may give a peak for (matmul math mode, not storage)."""
 OP_CLASSES = ("matmul", "attention")
 """Op classes a profile may give a measured curve for."""
+ATTENTION_PASSES = ("forward", "backward")
+"""The passes a profile gives a fused attention kernel's fraction of the peak for."""
 LINK_CLASSES = ("nvlink", "pcie", "network")
 
 
@@ -77,10 +79,16 @@ class DeviceProfile:
     """GB/s of device (HBM) memory bandwidth."""
     peak_tflops: Mapping[str, Figure]
     """Dense peak TFLOP/s per dtype (no sparsity)."""
+    memory_bandwidth_fraction: Figure | None = None
+    """The fraction of :attr:`memory_bandwidth` a large device copy reached where one was
+    measured (None: the datasheet's figure is used whole, an upper bound)."""
     achievable_fraction: Mapping[str, Figure] = field(default_factory=dict)
     """Per dtype, the fraction of the peak a published matmul micro-benchmark reached."""
     curves: Mapping[tuple[str, str], Curve] = field(default_factory=dict)
     """(op class, dtype) -> measured curve."""
+    attention_fraction: Mapping[tuple[str, str], Figure] = field(default_factory=dict)
+    """(pass, dtype) -> the fraction of the peak a fused attention kernel reached in a published
+    micro-benchmark (FlashAttention's papers), of the FLOPs it does (a causal one's halved)."""
     links: Mapping[str, str] = field(default_factory=dict)
     """The link profiles this device's GPUs use: ``intra_node`` (between GPUs of a node) and
     ``host`` (to the host), by name, as its datasheet states them."""
@@ -116,7 +124,10 @@ class DeviceProfile:
 
     @property
     def memory_bandwidth_Bps(self) -> float:
-        return self.memory_bandwidth.value * 1e9
+        """What a memory-bound op moves per second: the datasheet's bandwidth times the
+        measured copy's fraction where the profile has one."""
+        fraction = self.memory_bandwidth_fraction.value if self.memory_bandwidth_fraction else 1.0
+        return self.memory_bandwidth.value * 1e9 * fraction
 
     def peak_flops_per_s(self, dtype: str) -> float:
         """The datasheet's dense peak for ``dtype``: the denominator of MFU."""
@@ -127,6 +138,12 @@ class DeviceProfile:
         one is published, else the peak itself (an upper bound, said by :meth:`is_measured`)."""
         fraction = self.achievable_fraction.get(dtype)
         return self.peak_flops_per_s(dtype) * (fraction.value if fraction else 1.0)
+
+    def attention_flops_per_s(self, attention_pass: str, dtype: str) -> float | None:
+        """What a fused attention kernel's ``forward`` or ``backward`` reaches: the peak times
+        the published fraction; None where the profile has none (it is then priced as a matmul)."""
+        fraction = self.attention_fraction.get((attention_pass, dtype))
+        return self.peak_flops_per_s(dtype) * fraction.value if fraction else None
 
     def is_measured(self, dtype: str) -> bool:
         return dtype in self.achievable_fraction
@@ -179,8 +196,10 @@ _DEVICE_FIELDS = {
     "sources",
     "memory_GB",
     "memory_bandwidth_GBps",
+    "memory_bandwidth_fraction",
     "peak_TFLOPs",
     "achievable_fraction",
+    "attention_fraction",
     "curves",
     "links",
 }
@@ -291,6 +310,22 @@ def parse_device(data: Mapping[str, Any]) -> DeviceProfile:
             )
         if dtype not in peaks:
             raise ProfileError(f"device profile {name!r}: achievable_fraction.{dtype} has no peak_TFLOPs.{dtype}")
+    attention = {}
+    for attention_pass, raw in (data.get("attention_fraction") or {}).items():
+        if attention_pass not in ATTENTION_PASSES:
+            raise ProfileError(
+                f"device profile {name!r}: attention_fraction pass {attention_pass!r} is not one of {ATTENTION_PASSES}"
+            )
+        for dtype, figure in _table(raw, f"attention_fraction.{attention_pass}", sources, name).items():
+            if not 0 < figure.value <= 1 or dtype not in peaks:
+                raise ProfileError(
+                    f"device profile {name!r}: attention_fraction.{attention_pass}.{dtype} must be in (0, 1] "
+                    f"with a peak_TFLOPs.{dtype}, not {figure.value}"
+                )
+            attention[(attention_pass, dtype)] = figure
+    copy = _figure(data, "memory_bandwidth_fraction", sources, name) if "memory_bandwidth_fraction" in data else None
+    if copy is not None and not 0 < copy.value <= 1:
+        raise ProfileError(f"device profile {name!r}: memory_bandwidth_fraction must be in (0, 1], not {copy.value}")
     curves = {}
     for op_class, per_dtype in (data.get("curves") or {}).items():
         if op_class not in OP_CLASSES:
@@ -302,8 +337,10 @@ def parse_device(data: Mapping[str, Any]) -> DeviceProfile:
         title=str(data.get("title", name)),
         memory=_figure(data, "memory_GB", sources, name),
         memory_bandwidth=_figure(data, "memory_bandwidth_GBps", sources, name),
+        memory_bandwidth_fraction=copy,
         peak_tflops=peaks,
         achievable_fraction=fractions,
+        attention_fraction=attention,
         curves=curves,
         links=_links(data.get("links"), sources, name),
     )

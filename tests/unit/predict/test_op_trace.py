@@ -78,3 +78,37 @@ def test_no_trace_records_nothing_and_leaves_no_hook():
     model = Two()
     step(model, None)
     assert not model.blocks[0]._forward_pre_hooks and not model.blocks[0]._forward_hooks
+
+
+class Attend(nn.Module):
+    """One unit: q, k and v from one linear, then fused attention (causal or not)."""
+
+    def __init__(self, causal: bool):
+        super().__init__()
+        self.qkv, self.causal = nn.Linear(8, 24), causal
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 4)).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+
+
+def _attention_records(recompute: bool, causal: bool):
+    from sharded_exp.measure.cuda_kernels import cuda_kernels
+    from sharded_exp.train.levers import _checkpointed
+
+    unit, trace = Attend(causal), Trace()
+    with cuda_kernels() as kernels, tracing(trace, [unit], kernels):
+        x = torch.ones(2, 5, 8, requires_grad=True)
+        out = _checkpointed(unit, "full")(x) if recompute else unit(x)  # as the ac lever runs it
+        out.sum().backward()
+    return [(r["op"], r["phase"], r["causal"]) for r in trace.phased() if r["op"].startswith("attention")]
+
+
+def test_a_fused_attention_call_is_recorded_with_its_mask_and_its_backward_once():
+    """Checkpointing runs the forward again in the backward: that recomputation is counted,
+    the kernel's backward (which runs once) is not recorded a second time."""
+    assert _attention_records(recompute=False, causal=True) == [
+        ("attention.forward", "forward", True), ("attention.backward", "backward", True)]  # fmt: skip
+    assert _attention_records(recompute=True, causal=False) == [
+        ("attention.forward", "forward", False), ("attention.forward", "backward", False),
+        ("attention.backward", "backward", False)]  # fmt: skip

@@ -39,6 +39,18 @@ def test_without_a_published_fraction_the_peak_is_used():
     assert op_time(Op("attention", 1e12, 0, "fp16"), load_device("v100_32gb")) == pytest.approx(1e12 / 125e12)
 
 
+def test_fused_attention_is_priced_at_the_published_fraction_of_its_pass():
+    """A100 80GB (FlashAttention-2 paper): forward 0.73 x 312 = 227.76 TFLOP/s, backward
+    0.63 x 312 = 196.56; a causal call does half the FLOPs counted: 1e12 / 2 / 227.76e12."""
+    a100 = load_device("a100_80gb")
+    assert op_time(Op("attention", 1e12, 0, "bf16", "attention.forward"), a100) == pytest.approx(1e12 / 227.76e12)
+    assert op_time(Op("attention", 1e12, 0, "bf16", "attention.backward"), a100) == pytest.approx(1e12 / 196.56e12)
+    causal = Op("attention", 1e12, 0, "bf16", "aten._scaled_dot_product_flash_attention.default", causal=True)
+    assert op_time(causal, a100) == pytest.approx(0.5e12 / 227.76e12)
+    # slower than a matmul of the same FLOPs at the MAMF rate (0.859 x 312)
+    assert op_time(Op("attention", 1e12, 0, "bf16"), a100) > op_time(Op("matmul", 1e12, 0, "bf16"), a100)
+
+
 def test_a_measured_curve_is_read_in_log_space_and_clamped():
     """Points (1e9 FLOPs, 10 TFLOP/s) and (1e12, 100): at 10^10.5 FLOPs, halfway in log,
     10^1.5 = 31.62 TFLOP/s, so 10^10.5 / 10^13.5 = 1 ms. Below the first point: its rate,
@@ -63,6 +75,7 @@ def test_a_dtype_the_device_has_no_figure_for_is_refused_by_name():
      ("baddbmm", "matmul"), ("aten.convolution.default", "matmul"),
      ("aten._scaled_dot_product_flash_attention.default", "attention"),
      ("aten._scaled_dot_product_efficient_attention_backward.default", "attention"),
+     ("attention.forward", "attention"), ("attention.backward", "attention"),
      ("aten.add.Tensor", "other"), ("aten.gelu.default", "other"), ("aten._softmax.default", "other")],
 )  # fmt: skip
 def test_aten_ops_are_classified(name, kind):
@@ -74,8 +87,10 @@ def test_flop_counter_records_become_ops():
     records = [
         {"op": "aten.mm.default", "flops": 4194304, "input_bytes": 81920, "output_bytes": 32768},
         {"op": "aten.add.Tensor", "flops": 0, "input_bytes": 200, "output_bytes": 100, "dtype": "fp32"},
+        {"op": "attention.backward", "flops": 10, "input_bytes": 6, "output_bytes": 6, "causal": True},
     ]
-    mm, add = ops_from_records(records, "bf16")
+    mm, add, attention = ops_from_records(records, "bf16")
+    assert (attention.kind, attention.causal, attention.backward, mm.causal) == ("attention", True, True, False)
     assert (mm.kind, mm.flops, mm.bytes_moved, mm.dtype) == ("matmul", 4194304, 114688, "bf16")
     assert (add.kind, add.bytes_moved, add.dtype) == ("other", 300, "fp32")
     assert compute_time([mm, add], H100) == pytest.approx(op_time(mm, H100) + 300 / 3.35e12)

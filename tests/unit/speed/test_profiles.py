@@ -93,6 +93,23 @@ def _broken(edit):
         (lambda d: d["achievable_fraction"]["bf16"].update(value=1.2), r"in \(0, 1\]"),
         (lambda d: d["peak_TFLOPs"].update(fp8={"value": 1, "source": "sheet"}), "'fp8' is not one of"),
         (lambda d: d.pop("memory_bandwidth_GBps"), "has no memory_bandwidth_GBps"),
+        (
+            lambda d: d.update(attention_fraction={"sideways": {"bf16": {"value": 0.5, "source": "sheet"}}}),
+            "pass 'sideways' is not one of",
+        ),
+        (
+            lambda d: d.update(attention_fraction={"forward": {"bf16": {"value": 1.5, "source": "sheet"}}}),
+            r"attention_fraction.forward.bf16 must be in \(0, 1\]",
+        ),
+        (
+            lambda d: d.update(attention_fraction={"forward": {"fp16": {"value": 0.5, "source": "sheet"}}}),
+            "with a peak_TFLOPs.fp16",
+        ),
+        (lambda d: d.update(attention_fraction={"backward": {"bf16": {"value": 0.5}}}), "has no source"),
+        (
+            lambda d: d.update(memory_bandwidth_fraction={"value": 1.1, "source": "sheet"}),
+            r"memory_bandwidth_fraction must be in \(0, 1\]",
+        ),
     ],
 )
 def test_a_profile_breaking_the_rules_is_refused(edit, message):
@@ -113,3 +130,20 @@ def test_a_link_gives_exactly_one_bandwidth():
         parse_link({**link, "total_bidirectional_GBps": {"value": 20, "source": "s"}})
     with pytest.raises(ProfileError, match="class"):
         parse_link({**link, "class": "carrier_pigeon"})
+
+
+def test_an_attention_fraction_is_read_per_pass_and_absent_is_none():
+    """0.5 forward and 0.25 backward of a 100 TFLOP/s peak; no fraction: None (a matmul then)."""
+    data = copy.deepcopy(GOOD)
+    data["attention_fraction"] = {"forward": {"bf16": {"value": 0.5, "source": "sheet"}},
+                                  "backward": {"bf16": {"value": 0.25, "source": "sheet"}}}  # fmt: skip
+    device = parse_device(data)
+    assert device.attention_flops_per_s("forward", "bf16") == pytest.approx(50e12)
+    assert device.attention_flops_per_s("backward", "bf16") == pytest.approx(25e12)
+    assert parse_device(GOOD).attention_flops_per_s("forward", "bf16") is None
+
+
+def test_a_measured_copy_fraction_scales_the_datasheet_bandwidth():
+    """h200: 4,800 GB/s x 0.876 (the copy measured on one) = 4,204.8 GB/s; without one, the datasheet's."""
+    assert load_device("h200").memory_bandwidth_Bps == pytest.approx(4204.8e9)
+    assert parse_device(GOOD).memory_bandwidth_Bps == pytest.approx(1000e9)
