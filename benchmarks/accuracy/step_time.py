@@ -57,9 +57,11 @@ def order_agrees(rows: list[dict]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="gpt, the smaller size only")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), help="these models only (default: all)")
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
-    models = {"gpt small": MODELS["gpt small"]} if args.quick else MODELS
+    names = ["gpt small"] if args.quick else (args.models or list(MODELS))
+    models = {name: MODELS[name] for name in names}
     rows = [measure(m, o, s, ws, args.steps) for m, o in models.items() for s in strategy_names() for ws in (1, 2)]
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     table = [[r["model"], r["strategy"], r["world_size"], fmt(r["measured_s"] and 1000 * r["measured_s"], ".1f"),
