@@ -10,8 +10,10 @@ profile) beside the measured median and its 95% interval. Prints a Markdown tabl
 error of each, then, at 2 ranks, whether the predicted order of strategies by speed agrees
 with the measured one wherever the measured intervals do not overlap. Writes
 outputs/benchmarks/step_time.json. The issue's target: within 20% of the measured median.
-Warning: a loaded machine moves the measurement, not the prediction (``this`` is measured
-once and cached: ``plan.remeasure``-style, delete ~/.cache/sharded_exp/this_profile.json).
+The ``this`` profile is measured again first (``--cached`` keeps the cached one), for the
+threads a rank gets at 1 and at 2 ranks: the prediction and the runs then see the machine in
+the same hour. Warning: a machine whose pace changes (a shared VM's neighbours) moves the
+measurement, not the prediction; each row says the 1-minute load when its timed steps ran.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def measure(model: str, overrides: list[str], strategy: str, world_size: int, st
                   "logger=none"], name, check=False)  # fmt: skip
     tp = result.get("throughput") or {}
     return {"model": model, "strategy": strategy, "world_size": world_size, "status": result["status"],
+            "load": tp.get("load_avg_1m"),
             "measured_s": tp.get("step_time_s_median"), "low_s": tp.get("step_time_s_ci95_low"),
             "high_s": tp.get("step_time_s_ci95_high"), "predicted_s": tp.get("predicted_step_time_s"),
             "error": tp.get("step_time_rel_error"),
@@ -59,15 +62,27 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="gpt, the smaller size only")
     parser.add_argument("--models", nargs="+", choices=list(MODELS), help="these models only (default: all)")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--cached", action="store_true", help="keep the cached this profile (default: measure again)")
     args = parser.parse_args()
+    if not args.cached:
+        from sharded_exp.measure.machine import this_figures
+        from sharded_exp.plan.speed import threads_per_rank
+
+        for world_size in (1, 2):
+            found = this_figures(threads_per_rank(world_size), remeasure=True)
+            print(
+                f"this profile at {threads_per_rank(world_size)} thread(s): copy {found['memory_bandwidth_GBps']:.1f} GB/s, "
+                f"host cost per op {1e6 * found['step_op_overhead_s']['fp32']:.1f} us "
+                f"(FSDP2 {1e6 * found['sharded_step_op_overhead_s'].get('fp32', float('nan')):.1f} us)"
+            )
     names = ["gpt small"] if args.quick else (args.models or list(MODELS))
     models = {name: MODELS[name] for name in names}
     rows = [measure(m, o, s, ws, args.steps) for m, o in models.items() for s in strategy_names() for ws in (1, 2)]
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     table = [[r["model"], r["strategy"], r["world_size"], fmt(r["measured_s"] and 1000 * r["measured_s"], ".1f"),
               fmt(r["predicted_s"] and 1000 * r["predicted_s"], ".1f"), fmt(r["error"] and 100 * r["error"], "+.0f"),
-              r["why"] or r["status"]] for r in rows]  # fmt: skip
-    print(markdown(["model", "strategy", "ranks", "measured ms", "predicted ms", "error %", "note"], table))
+              fmt(r["load"], ".1f"), r["why"] or r["status"]] for r in rows]  # fmt: skip
+    print(markdown(["model", "strategy", "ranks", "measured ms", "predicted ms", "error %", "load", "note"], table))
     within = [r for r in rows if r["error"] is not None and abs(r["error"]) <= 0.2]
     print(f"\nwithin 20%: {len(within)} of {sum(r['error'] is not None for r in rows)}")
     wrong = order_agrees(rows)
