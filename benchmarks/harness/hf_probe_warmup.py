@@ -1,7 +1,7 @@
 """Where the probe's time goes in a Hugging Face Trainer run, with and without gradient accumulation.
 
     python -m benchmarks.harness.hf_probe_warmup              # GPT-2 (4 x 256), batch 4 x 128 tokens, 12 steps
-    python -m benchmarks.harness.hf_probe_warmup --steps 9    # a smoke run
+    python -m benchmarks.harness.hf_probe_warmup --smoke      # a smoke run: GPT-2 (2 x 64), batch 4 x 32, 8 steps
 
 One process, four Trainer runs in turn (gradient_accumulation_steps 1 and 4, each bare and
 with ``MemoryProbe``), every step timed by a callback of the benchmark's own. The probed
@@ -28,14 +28,21 @@ PHASES = {"first step": slice(0, 1), "warm-up 2-5": slice(1, WARMUP), "tracked 6
           "timed 8-": slice(WARMUP + TRACKED, None)}  # fmt: skip
 
 
-def step_times(probed: bool, accumulation: int, steps: int, out: str) -> list[float]:
+SHAPES = {"full": {"n_layer": 4, "n_embd": 256, "n_head": 4, "vocab_size": 4096, "n_positions": 128},
+          "smoke": {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 512, "n_positions": 32}}  # fmt: skip
+"""The GPT-2 timed, and the smoke run's (the same four runs and phases, each step a fraction of the time)."""
+
+
+def step_times(probed: bool, accumulation: int, steps: int, out: str, shape: dict) -> list[float]:
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
     from sharded_exp.integrations.transformers import MemoryProbe
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=4096, n_positions=128))
-    tokens = torch.randint(0, 4096, (4096, 128), generator=torch.Generator().manual_seed(0))
+    model = GPT2LMHeadModel(GPT2Config(**shape))
+    tokens = torch.randint(
+        0, shape["vocab_size"], (4096, shape["n_positions"]), generator=torch.Generator().manual_seed(0)
+    )
     data = [{"input_ids": t, "labels": t} for t in tokens]
     times: list[float] = []
 
@@ -58,20 +65,25 @@ def step_times(probed: bool, accumulation: int, steps: int, out: str) -> list[fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=None, help="steps per run (default 12; --smoke: 8)")
+    parser.add_argument("--smoke", action="store_true", help="the smoke run's small GPT-2 (SHAPES), 8 steps")
     args = parser.parse_args()
+    args.steps = args.steps or (WARMUP + TRACKED + 1 if args.smoke else 12)
+    shape = SHAPES["smoke" if args.smoke else "full"]
     if args.steps < WARMUP + TRACKED + 1:
         parser.error(f"--steps={args.steps}: at least {WARMUP + TRACKED + 1} (warm-up, tracked window, one timed step)")
     rows, data = [], {}
     with tempfile.TemporaryDirectory() as out:
         for accumulation in (1, 4):
-            bare = step_times(False, accumulation, args.steps, out)
-            probed = step_times(True, accumulation, args.steps, out)
+            bare = step_times(False, accumulation, args.steps, out, shape)
+            probed = step_times(True, accumulation, args.steps, out, shape)
             data[accumulation] = {"bare_s": bare, "probed_s": probed}
             for phase, part in PHASES.items():
                 b, p = statistics.median(bare[part]), statistics.median(probed[part])
                 rows.append([accumulation, phase, f"{b:.3f}", f"{p:.3f}", f"{p / b:.2f}x"])
-    print(markdown(["gradient_accumulation_steps", "steps", "bare s (median)", "probed s (median)", "probed/bare"], rows))
+    print(
+        markdown(["gradient_accumulation_steps", "steps", "bare s (median)", "probed s (median)", "probed/bare"], rows)
+    )
     print(f"written: {save('hf_probe_warmup', data)}")
 
 

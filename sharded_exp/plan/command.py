@@ -271,6 +271,7 @@ def plan(cfg: PlanConfig, preset: str) -> int:
         params = sum(math.prod(s) for g in shapes.groups for s in g)
     world_sizes = list(cfg.plan.world_sizes)
     total = len(points.points(cfg)) * len(world_sizes) * (2 if cfg.plan.find else 1)
+    cfg = speed.measured_once(cfg)  # plan.remeasure: once for the plan, not once per point
     progress = Progress(total)
     try:
         rows = points.plan_rows(cfg, world_sizes, device_type, progress)

@@ -21,7 +21,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from sharded_exp.config import PlanConfig
-from sharded_exp.measure.machine import this_profile
+from sharded_exp.measure.machine import this_figures, this_profile
 from sharded_exp.plan.depth import shapes_of
 from sharded_exp.precision import Precision
 from sharded_exp.predict.fake_step import fake_step
@@ -65,6 +65,20 @@ def machine(cfg: PlanConfig, world_size: int) -> Machine:
     host = load_link(device.links["host"]) if "host" in device.links else None
     inter = network_link(float(p.get("inter_node_gbps", 100.0)))
     return Machine(device, intra or inter, inter, int(p.get("gpus_per_node", 8)), host, None)
+
+
+def measured_once(cfg: PlanConfig) -> PlanConfig:
+    """``cfg`` with ``plan.remeasure`` done: this machine measured again, once per plan, at the
+    threads of each planned world size, and ``cfg`` returned with ``plan.remeasure=false`` so that
+    every point (and every worker process) reads those figures from the cache. Each point asked
+    afresh would measure the machine once per point: tens of seconds each, for the same figures."""
+    if not cfg.plan.get("remeasure", False) or profile_name(cfg) != "this":
+        return cfg
+    for threads in sorted({threads_per_rank(ws) for ws in cfg.plan.world_sizes}):
+        this_figures(threads, remeasure=True)
+    out = cfg.copy()
+    out.plan.remeasure = False
+    return out
 
 
 def describe(cfg: PlanConfig) -> str:

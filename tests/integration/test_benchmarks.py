@@ -34,7 +34,9 @@ def test_communication_smoke(tmp_path):
 
 
 def test_startup_smoke(tmp_path):
-    data = bench("harness.startup", "--repeats", "1", "logger=none", "trainer.steps=6", "trainer.warmup_steps=1", cwd=tmp_path)
+    data = bench(
+        "harness.startup", "--repeats", "1", "logger=none", "trainer.steps=6", "trainer.warmup_steps=1", cwd=tmp_path
+    )
     [run] = data["runs"]
     order = ["command", "main", "launch", "validated", "rank_start", "process_group_ready", "built", "logger_ready"]
     times = [run[k] for k in order] + [run["first_step"], run["exit"]]
@@ -107,7 +109,9 @@ def test_prediction_smoke(tmp_path):
 
 
 def test_job_vs_script_smoke(tmp_path):
-    data = bench_peer("harness.job_vs_script", tmp_path, "--pairs", "1", "--steps", "4", "--depth", "2", "--hidden", "32")
+    data = bench_peer(
+        "harness.job_vs_script", tmp_path, "--pairs", "1", "--steps", "4", "--depth", "2", "--hidden", "32"
+    )
     [pair] = data["pairs"]
     assert pair["ratio"] == pytest.approx(pair["job"] / pair["script"])
     assert 0 < pair["to_first_step_s"] < pair["job"] and 0 < pair["last_step_to_exit_s"] < pair["job"]
@@ -210,7 +214,7 @@ def test_probe_overhead_smoke(tmp_path):
 
 
 def test_hf_probe_warmup_smoke(tmp_path):
-    data = bench("harness.hf_probe_warmup", "--steps", "8", cwd=tmp_path)
+    data = bench("harness.hf_probe_warmup", "--smoke", cwd=tmp_path)  # 8 steps of a small GPT-2
     for accumulation in ("1", "4"):
         assert len(data[accumulation]["bare_s"]) == len(data[accumulation]["probed_s"]) == 8
         assert all(t > 0 for t in data[accumulation]["bare_s"] + data[accumulation]["probed_s"])

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from sharded_exp.compose import compose
-from tests.helpers.jobs import launch_job
+from tests.helpers.jobs import launch_job, tiny
 from tests.helpers.overrides import DEEP
 
 MIB, GIB = 2**20, 2**30
@@ -157,12 +157,16 @@ def test_fsdp_at_8_ranks_trains_under_a_budget_the_whole_model_exceeds(tmp_path)
     """8 ranks of fsdp, a 16-block model whose fp32 parameters alone are over the budget:
     the build and the training fit (the budget covers the build), and the result equals
     DDP's at the same settings without the budget."""
+    from sharded_exp.predict.prediction import model_shapes
+
     deep = [*DEEP, "model.d_model=256", "model.n_layers=16", "trainer.world_size=8", "trainer.steps=4"]
-    whole_mib = launch_job(["trainer.steps=1", *deep[:-1], "trainer.world_size=1", "trainer.warmup_steps=0"],
-                        tmp_path / "count")["params"] * 4 / MIB  # fmt: skip
+    cfg = compose(tiny(deep))  # the model counted on the meta device, as a job counts it (no job of its own)
+    params = model_shapes(cfg.model, cfg.optimizer, freeze=cfg.trainer.freeze).params
+    whole_mib = params * 4 / MIB
     budget = 0.8 * whole_mib
     sharded = launch_job(["strategy=fsdp", *deep, f"trainer.memory_limit_mib={budget}"], tmp_path / "fsdp")
     assert sharded["status"] == "ok", sharded["error"]
+    assert sharded["params"] == params  # the model the budget was set from
     mem = sharded["memory"]
     assert mem["build_peak_mib_max"] < budget and mem["peak_allocated_mib_max"] < budget < whole_mib
     reference = launch_job(["strategy=ddp", *deep], tmp_path / "ddp")

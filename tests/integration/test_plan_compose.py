@@ -18,13 +18,30 @@ from tests.helpers.overrides import DEEP
 STRATEGIES = ["ddp", "fsdp", "fsdp_grad_op", "oss", "sharded_ddp", "zero1"]
 
 
+_WHOLE: dict[tuple, dict] = {}
+"""Whole-model rows by (overrides, device, strategy, world size): the 8-block model at 8 ranks is
+faked whole for the test that composes it from 2 ranks and again for the one from 1 to 64."""
+
+
+def whole_row(overrides, device: str, name: str, world_size: int) -> dict:
+    """One point of the model faked whole: the planner's own row (:func:`model_row`, no
+    composition by depth), without the speed columns' traced step, which no test here reads."""
+    from sharded_exp.plan import points
+    from sharded_exp.plan.depth import shapes_of
+
+    key = (tuple(overrides), device, name, world_size)
+    if key not in _WHOLE:
+        cfg = compose([*overrides, f"plan.strategies=[{name}]", f"plan.device={device}", "plan.by_depth=false"], "plan")
+        _WHOLE[key] = points.model_row(cfg, name, world_size, shapes_of(cfg), device)
+    return _WHOLE[key]
+
+
 def composed_and_whole(overrides, world_sizes, device: str, strategies=STRATEGIES):
     from sharded_exp.plan import points
 
     cfg = compose([*overrides, f"plan.strategies=[{','.join(strategies)}]", f"plan.device={device}"], "plan")
     composed = points.plan_rows(cfg, list(world_sizes), device)
-    cfg.plan.by_depth = False
-    whole = points.plan_rows(cfg, list(world_sizes), device)
+    whole = [whole_row(overrides, device, name, ws) for name in strategies for ws in world_sizes]
     return composed, whole
 
 

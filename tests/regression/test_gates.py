@@ -23,7 +23,9 @@ def test_digests_runs(tmp_path):
     assert set(data) == {"mlp/ddp"} and data["mlp/ddp"]["l2"] > 0
 
 
-def test_golden_smoke_records_and_compare_flags_a_change(tmp_path):
+def test_golden_smoke_records_and_compare_flags_a_change(tmp_path, capsys):
+    from tests.regression import golden as gate_module
+
     data = gate("golden", "record", "recorded", "--smoke", cwd=tmp_path, timeout=600)
     assert data["resume_matches_fresh"] == {"mlp/ddp/32": True, "mlp/fsdp/32": True}
     recorded = tmp_path / "recorded"
@@ -31,12 +33,16 @@ def test_golden_smoke_records_and_compare_flags_a_change(tmp_path):
     assert {"fault/raise", "plan", "sweep", "sweep/0", "cross/ddp_to_fsdp"} <= set(golden["runs"])
     assert (recorded / "checkpoints" / "mlp" / "fsdp" / "32" / "step_00000003" / ".metadata").exists()
 
-    def compare(other):
-        env = {"PYTHONPATH": str(ROOT)}
-        return run_cli(["compare", str(recorded), str(other)], tmp_path, env=env, module="tests.regression.golden")
-
-    same = compare(recorded)
+    env = {"PYTHONPATH": str(ROOT)}  # the command as typed, once
+    same = run_cli(["compare", str(recorded), str(recorded)], tmp_path, env=env, module="tests.regression.golden")
     assert same.returncode == 0 and "no differences" in same.stdout, same.stdout + same.stderr
+
+    def compare(other) -> tuple[int, str]:
+        """The same command's main in this process (a subprocess each: a Python and torch start-up
+        per comparison): its exit code and what it printed."""
+        capsys.readouterr()
+        code = gate_module.main(["compare", str(recorded), str(other)])
+        return code, capsys.readouterr().out
 
     def altered(name: str, change):
         out = tmp_path / name
@@ -61,11 +67,11 @@ def test_golden_smoke_records_and_compare_flags_a_change(tmp_path):
 
         return change
 
-    flagged = compare(altered("digest", digest))
-    assert flagged.returncode == 1 and "| mlp/fsdp/32/resume | digest | param_digest.sum |" in flagged.stdout
-    assert compare(altered("norm_1e-12", norm(1 + 1e-12))).returncode == 0  # another order of a float64 sum
-    norm_off = compare(altered("norm_1e-6", norm(1 + 1e-6)))
-    assert norm_off.returncode == 1 and "| mlp/fsdp/32/resume | digest | param_digest.l2 |" in norm_off.stdout
-    assert compare(altered("peak_5pct", peak(1.05))).returncode == 0  # measured: within 10%
-    over = compare(altered("peak_20pct", peak(1.2)))
-    assert over.returncode == 1 and "| measured | memory.peak_allocated_mib_max |" in over.stdout
+    code, out = compare(altered("digest", digest))
+    assert code == 1 and "| mlp/fsdp/32/resume | digest | param_digest.sum |" in out, out
+    assert compare(altered("norm_1e-12", norm(1 + 1e-12)))[0] == 0  # another order of a float64 sum
+    code, out = compare(altered("norm_1e-6", norm(1 + 1e-6)))
+    assert code == 1 and "| mlp/fsdp/32/resume | digest | param_digest.l2 |" in out, out
+    assert compare(altered("peak_5pct", peak(1.05)))[0] == 0  # measured: within 10%
+    code, out = compare(altered("peak_20pct", peak(1.2)))
+    assert code == 1 and "| measured | memory.peak_allocated_mib_max |" in out, out

@@ -23,3 +23,18 @@ def test_a_named_machine_has_its_nvlink_inside_nodes_and_the_network_between():
     m = speed.machine(plan(device_profile="a100_80gb", inter_node_gbps=200), 16)
     assert m.intra.name == "nvlink3" and m.inter.bandwidth_Bps == 25e9 and m.gpus_per_node == 8
     assert m.host.name == "pcie4"
+
+
+def test_remeasure_measures_once_per_plan_at_each_world_sizes_threads(monkeypatch):
+    """plan.remeasure=true: one measurement per thread count before the points, then the points
+    read the cache (remeasure off in the config they are planned with)."""
+    calls = []
+    monkeypatch.setattr(speed, "this_figures", lambda threads, remeasure=False: calls.append((threads, remeasure)))
+    monkeypatch.setattr(speed.os, "cpu_count", lambda: 8)
+    cfg = plan(device="cpu", remeasure=True, world_sizes=[2, 4, 8, 16])
+    out = speed.measured_once(cfg)
+    assert calls == [(1, True), (2, True), (4, True)]  # 8 cores: 4, 2, 1 and 1 thread(s) per rank
+    assert out.plan.remeasure is False and cfg.plan.remeasure is True  # the caller's config is left as it was
+    calls.clear()
+    assert speed.measured_once(out) is out and speed.measured_once(plan(remeasure=True, world_sizes=[2])).plan.remeasure
+    assert calls == []  # measured already, or a named profile (h100_sxm): nothing to measure
