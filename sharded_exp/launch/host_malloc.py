@@ -1,4 +1,4 @@
-"""A rank's host allocator: glibc's mmap threshold held at its default, so freed large blocks go back.
+"""A rank's host allocator: glibc's mmap threshold fixed at 4 MiB, so freed large blocks go back.
 
 glibc serves a request of at least ``M_MMAP_THRESHOLD`` bytes (128 KiB by default) with a
 mapping of its own and unmaps it on ``free``. Left to itself the threshold is *dynamic*
@@ -11,8 +11,15 @@ A FSDP rank frees one unit's gathered parameters and gradients after every unit,
 several MiB: after the first, the threshold has risen past them, and each later gather is
 carved from the heap around blocks still live, so the rank's resident set grows by
 hundreds of MiB that no live tensor holds (docs/concepts/memory.md, "On CPU: resident
-memory"). Setting the threshold explicitly turns the adjustment off (mallopt(3)): large
-blocks stay mapped and go back to the kernel when torch frees them.
+memory"). Setting the threshold explicitly turns the adjustment off (mallopt(3)).
+
+Where to fix it is a trade between resident memory and speed. A mapped block is new pages
+every time it is allocated, and the kernel faults in (and zeroes) each page on first touch.
+At glibc's 128 KiB a gpt small rank mapped every activation anew each step: about 22,000
+page faults and 40% of its step (docs/concepts/speed.md, "A CPU rank's page faults"). At
+4 MiB a step's activations of the models a CPU trains come from the heap and are reused, as
+in a process left alone, while a unit's gather (the whole unit's parameters in one buffer),
+an 8 MiB weight or its gradient are still mapped and given back.
 """
 
 from __future__ import annotations
@@ -23,8 +30,8 @@ import os
 M_MMAP_THRESHOLD = -3
 """mallopt's parameter number for the mmap threshold (<malloc.h>)."""
 
-MMAP_THRESHOLD_BYTES = 128 * 1024
-"""glibc's own default threshold, now fixed instead of rising."""
+MMAP_THRESHOLD_BYTES = 4 * 1024 * 1024
+"""The threshold a rank fixes: blocks of 4 MiB or more are mapped, and unmapped when freed."""
 
 
 def fix_mmap_threshold(env=os.environ) -> int | None:

@@ -20,17 +20,18 @@ from tests.helpers.jobs import ROOT, launch_job
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
 # A fresh process (a long-lived one's heap may hold a free chunk that serves the request before
-# any threshold is asked): a 4 MiB block freed and asked for again; where does the second land?
+# any threshold is asked): a block of argv[2] MiB freed and asked for again; where does the second land?
 SECOND_BLOCK = """
 import ctypes, sys
 from sharded_exp.launch.host_malloc import fix_mmap_threshold
 if sys.argv[1] == "fixed":
-    assert fix_mmap_threshold({}) == 128 * 1024
+    assert fix_mmap_threshold({}) == 4 * 2**20
+size = int(float(sys.argv[2]) * 2**20)
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
-libc.free(libc.malloc(4 * 2**20))
-second = libc.malloc(4 * 2**20)
+libc.free(libc.malloc(size))
+second = libc.malloc(size)
 heaps = [line.split()[0].split("-") for line in open("/proc/self/maps") if "[heap]" in line]
 print("heap" if any(int(lo, 16) <= second < int(hi, 16) for lo, hi in heaps) else "mapped")
 """
@@ -38,21 +39,25 @@ print("heap" if any(int(lo, 16) <= second < int(hi, 16) for lo, hi in heaps) els
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's dynamic mmap threshold only")
 def test_a_freed_large_block_no_longer_raises_the_threshold():
-    """With the threshold fixed (what every rank does first), a 4 MiB block freed and asked for
+    """With the threshold fixed (what every rank does first), an 8 MiB block freed and asked for
     again is mapped anew and goes back to the kernel when freed; left dynamic, the free raises the
-    threshold to 4 MiB and the second block is carved from the heap (where it stays resident)."""
+    threshold to 8 MiB and the second block is carved from the heap (where it stays resident).
+    A 1 MiB block, below the fixed threshold, comes from the heap and is reused: not new pages
+    (and page faults) every step, as it was with the threshold fixed at glibc's 128 KiB."""
 
-    def second(how: str) -> str:
-        proc = subprocess.run([sys.executable, "-c", SECOND_BLOCK, how], cwd=ROOT, capture_output=True, text=True,
-                              env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}, timeout=120, check=True)  # fmt: skip
+    def second(how: str, mib: float) -> str:
+        proc = subprocess.run([sys.executable, "-c", SECOND_BLOCK, how, str(mib)], cwd=ROOT, capture_output=True,
+                              text=True, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}, timeout=120,
+                              check=True)  # fmt: skip
         return proc.stdout.strip()
 
-    assert second("fixed") == "mapped"
-    assert second("dynamic") == "heap"  # the rule the fix turns off: the check can fail
+    assert second("fixed", 8) == "mapped"
+    assert second("dynamic", 8) == "heap"  # the rule the fix turns off: the check can fail
+    assert second("fixed", 1) == "heap"
 
 
 STACK = ["model.depth=16", "trainer.world_size=8", "trainer.steps=3", "trainer.warmup_steps=2"]
-WIDE, NARROW = "model.hidden=1024", "model.hidden=32"  # 4 MiB per weight (above 128 KiB), and tiny
+WIDE, NARROW = "model.hidden=1024", "model.hidden=32"  # 4 MiB per weight (at the fixed threshold), and tiny
 
 
 def _growth(strategy: str, tmp_path) -> dict[str, float]:
