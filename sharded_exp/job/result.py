@@ -180,6 +180,11 @@ class RankMemory(_Open):
     tracked (gloo's worker, dropping a collective's buffer after the training thread moved
     on): the measured peak may hold one such buffer more than the prediction (program
     order); None on CUDA, whose allocator counters need no such note."""
+    heap_free_mib: Number | None = None
+    """Host memory: what glibc's malloc heaps held free at the run's end (``mallinfo2``'s ``fordblks``):
+    blocks below the rank's mmap threshold freed but kept by the process, part of its
+    ``peak_rss_mib`` that no tensor holds (docs/concepts/memory.md, "On CPU: resident memory");
+    None where the C library is not glibc."""
     predicted_peak_mib: Number | None = None
     """This rank's predicted peak."""
     predicted_peak_reserved_mib: Number | None = None

@@ -30,6 +30,7 @@ from sharded_exp.data.loader import data_changes
 from sharded_exp.errors import is_oom
 from sharded_exp.job.result import TRAINED, PartialResult, write_json
 from sharded_exp.job.spec import JobSpec
+from sharded_exp.launch.host_malloc import heap_free_mib
 from sharded_exp.measure.flops import utilisation
 from sharded_exp.measure.profile import trace_path
 from sharded_exp.measure.snapshot import MemoryHistory
@@ -116,8 +117,10 @@ def gather_results(strategy: Strategy, out: LoopOutcome, device: torch.device) -
         # across ranks when the strategy broadcasts them, as DDP does.
         "buffer_digest": dict(zip(("sum", "l2"), _sums(module.buffers()))),
         **out.extra,
-        # Peak resident set of the rank's process (host memory, any framework compares).
+        # Peak resident set of the rank's process (host memory, any framework compares), and
+        # what of it glibc's heaps hold free (the blocks below the rank's mmap threshold).
         "peak_rss_mib": process_peak_rss_mib(),
+        "heap_free_mib": heap_free_mib(),
     }
     per_rank: list[Any] = [None] * world_size
     dist.all_gather_object(per_rank, local)
