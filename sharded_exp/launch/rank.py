@@ -22,7 +22,7 @@ import torch.distributed as dist
 from sharded_exp import logs
 from sharded_exp.job.result import write_json
 from sharded_exp.job.spec import JobSpec
-from sharded_exp.launch.host_malloc import fix_mmap_threshold
+from sharded_exp.measure.host_malloc import fix_mmap_threshold
 from sharded_exp.precision import Precision
 from sharded_exp.registry import import_plugins
 from sharded_exp.train import liveness

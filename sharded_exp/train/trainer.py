@@ -31,9 +31,10 @@ from sharded_exp.errors import is_oom
 from sharded_exp.job.result import TRAINED, PartialResult, write_json
 from sharded_exp.job.spec import JobSpec
 from sharded_exp.measure.flops import utilisation
+from sharded_exp.measure.host_malloc import heap_free_mib
 from sharded_exp.measure.profile import trace_path
 from sharded_exp.measure.snapshot import MemoryHistory
-from sharded_exp.measure.tracker import MemoryMeter, heap_free_mib, model_state_mib, process_peak_rss_mib
+from sharded_exp.measure.tracker import MemoryMeter, model_state_mib, process_peak_rss_mib
 from sharded_exp.output.loggers import start_logger, summary_values
 from sharded_exp.output.results import memory_section, training_result
 from sharded_exp.precision import Precision

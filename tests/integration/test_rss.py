@@ -1,7 +1,7 @@
 """A rank's resident memory (``peak_rss_mib``) against what it tracks (``peak_allocated_mib``), at 8 ranks.
 
 Growth is read against the same stack at tiny width, so torch's own resident set drops out.
-Before ranks fixed glibc's mmap threshold (sharded_exp/launch/host_malloc.py) a FSDP rank's
+Before ranks fixed glibc's mmap threshold (sharded_exp/measure/host_malloc.py) a FSDP rank's
 resident set grew several times its tracked peak: each unit's freed gather raised glibc's
 dynamic threshold and later gathers were carved from the heap, which kept them resident
 (docs/concepts/memory.md, "On CPU: resident memory").
@@ -23,7 +23,7 @@ GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 # any threshold is asked): a block of argv[2] MiB freed and asked for again; where does the second land?
 SECOND_BLOCK = """
 import ctypes, sys
-from sharded_exp.launch.host_malloc import fix_mmap_threshold
+from sharded_exp.measure.host_malloc import fix_mmap_threshold
 if sys.argv[1] == "fixed":
     assert fix_mmap_threshold({}) == 4 * 2**20
 size = int(float(sys.argv[2]) * 2**20)

@@ -5,7 +5,6 @@ window, build and budget, and the host memory readers."""
 
 from __future__ import annotations
 
-import ctypes
 from types import SimpleNamespace
 
 import pytest
@@ -22,7 +21,6 @@ from sharded_exp.measure.tracker import (
     _storage_bytes,
     communication_buffers,
     filed_as,
-    heap_free_mib,
     host_peak,
     model_state_mib,
     peak_breakdown_mib,
@@ -261,18 +259,3 @@ def test_host_peak_measures_what_a_region_adds():
     assert result["mib"] >= 48  # the kernel's high-water mark, less what was resident before
     assert process_peak_rss_mib() >= result["mib"]
 
-
-@pytest.mark.skipif(heap_free_mib() is None, reason="glibc's mallinfo2 only")
-def test_the_heap_counts_small_blocks_freed_between_live_ones():
-    """Blocks below the mmap threshold freed between live ones stay with the heap: counted free."""
-    libc = ctypes.CDLL(None)
-    libc.malloc.restype = ctypes.c_void_p
-    libc.free.argtypes = [ctypes.c_void_p]
-    blocks = [libc.malloc(64 * 1024) for _ in range(64)]  # 4 MiB in 64 KiB blocks, from the heap
-    before = heap_free_mib()
-    for block in blocks[::2]:  # every other one: none can merge with the top and be trimmed
-        libc.free(block)
-    freed = heap_free_mib() - before
-    for block in blocks[1::2]:
-        libc.free(block)
-    assert freed >= 32 * 64 / 1024 * 0.99, freed  # 2 MiB freed, each block with its header

@@ -53,3 +53,25 @@ def fix_mmap_threshold(env=os.environ) -> int | None:
     mallopt.restype = ctypes.c_int
     return MMAP_THRESHOLD_BYTES if mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1 else None
 
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (<malloc.h>, glibc 2.33 and later): every field a size_t."""
+
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+
+
+def heap_free_mib() -> float | None:
+    """MiB the process's malloc heaps hold free (``mallinfo2().fordblks``: free chunks and the
+    top chunk, every arena), or None where the C library has no ``mallinfo2``.
+
+    Blocks below the mmap threshold come from the heap, and a freed one stays with the
+    process until it sits at the heap's top: resident memory that no tensor holds. Read at the
+    end of a run it bounds what the heap held free at the peak, as long as the heap only grew:
+    since then its size can only have risen and its live blocks fallen."""
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = _MallInfo2
+    return mallinfo2().fordblks / 2**20

@@ -1,0 +1,32 @@
+"""The host's malloc: the mmap threshold a rank fixes (unless the user set glibc's malloc), what its heap holds free."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+from sharded_exp.measure.host_malloc import fix_mmap_threshold, heap_free_mib
+
+
+@pytest.mark.parametrize(
+    "env", [{"MALLOC_MMAP_THRESHOLD_": "33554432"}, {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"}]
+)
+def test_a_users_own_malloc_setting_stands(env):
+    assert fix_mmap_threshold(env) is None
+
+
+@pytest.mark.skipif(heap_free_mib() is None, reason="glibc's mallinfo2 only")
+def test_the_heap_counts_small_blocks_freed_between_live_ones():
+    """Blocks below the mmap threshold freed between live ones stay with the heap: counted free."""
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    blocks = [libc.malloc(64 * 1024) for _ in range(64)]  # 4 MiB in 64 KiB blocks, from the heap
+    before = heap_free_mib()
+    for block in blocks[::2]:  # every other one: none can merge with the top and be trimmed
+        libc.free(block)
+    freed = heap_free_mib() - before
+    for block in blocks[1::2]:
+        libc.free(block)
+    assert freed >= 32 * 64 / 1024 * 0.99, freed  # 2 MiB freed, each block with its header
