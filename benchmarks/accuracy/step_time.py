@@ -73,7 +73,8 @@ def main() -> None:
             print(
                 f"this profile at {threads_per_rank(world_size)} thread(s): copy {found['memory_bandwidth_GBps']:.1f} GB/s, "
                 f"host cost per op {1e6 * found['step_op_overhead_s']['fp32']:.1f} us "
-                f"(FSDP2 {1e6 * found['sharded_step_op_overhead_s'].get('fp32', float('nan')):.1f} us)"
+                f"(FSDP2 {1e6 * found['sharded_step_op_overhead_s'].get('fp32', float('nan')):.1f} us), "
+                f"a new page {1e6 * found.get('fresh_page_s', float('nan')):.2f} us"
             )
     names = ["gpt small"] if args.quick else (args.models or list(MODELS))
     models = {name: MODELS[name] for name in names}

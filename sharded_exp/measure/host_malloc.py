@@ -26,12 +26,17 @@ from __future__ import annotations
 
 import ctypes
 import os
+import platform
 
 M_MMAP_THRESHOLD = -3
 """mallopt's parameter number for the mmap threshold (<malloc.h>)."""
 
 MMAP_THRESHOLD_BYTES = 4 * 1024 * 1024
 """The threshold a rank fixes: blocks of 4 MiB or more are mapped, and unmapped when freed."""
+
+DYNAMIC_THRESHOLD_MAX = 32 * 1024 * 1024
+"""How high glibc's dynamic threshold rises on 64-bit (``DEFAULT_MMAP_THRESHOLD_MAX`` in
+malloc.c, mallopt(3)): a larger block is mapped every time, however the threshold moved."""
 
 
 def fix_mmap_threshold(env=os.environ) -> int | None:
@@ -52,6 +57,29 @@ def fix_mmap_threshold(env=os.environ) -> int | None:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     return MMAP_THRESHOLD_BYTES if mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1 else None
+
+
+def mapped_from(env=os.environ) -> int | None:
+    """The smallest block a rank's glibc maps anew each time it is asked for, in a steady
+    state (bytes): the threshold the rank fixes (:func:`fix_mmap_threshold`); the one you set
+    (``MALLOC_MMAP_THRESHOLD_``, or ``glibc.malloc.mmap_threshold`` in ``GLIBC_TUNABLES``);
+    with other ``glibc.malloc`` tunables the threshold stays dynamic and only blocks above its
+    maximum are always mapped. None where the C library is not glibc (not modelled).
+
+    Each such block is new pages, which the kernel faults in (and zeroes) when they are first
+    written: the time model prices them (:attr:`~sharded_exp.speed.profiles.DeviceProfile.fresh_page_s`)."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    tunables = dict(
+        item.split("=", 1) for item in env.get("GLIBC_TUNABLES", "").replace(":", " ").split() if "=" in item
+    )
+    mine = env.get("MALLOC_MMAP_THRESHOLD_", tunables.get("glibc.malloc.mmap_threshold"))
+    if mine is not None:
+        try:
+            return int(mine)
+        except ValueError:
+            return DYNAMIC_THRESHOLD_MAX  # glibc ignores a setting it cannot read
+    return DYNAMIC_THRESHOLD_MAX if any(k.startswith("glibc.malloc") for k in tunables) else MMAP_THRESHOLD_BYTES
 
 
 class _MallInfo2(ctypes.Structure):

@@ -18,7 +18,10 @@ threads one rank gets):
 - the same for the tiny model under FSDP2 (each Linear and the root ``fully_shard``-ed, in a
   spawned world of one process): FSDP2's hooks, its all-gathers' copies and DTensor's
   dispatch of the optimizer's ops, the host work an FSDP step adds per op;
-- on CPU, the local "link": an all-reduce between two gloo processes on this machine.
+- on CPU, the local "link": an all-reduce between two gloo processes on this machine;
+- on CPU, what a new page of memory costs when first written (a 64 MiB tensor made and
+  filled, against the same fill of a tensor already resident): the kernel's fault and
+  zeroing, paid by every block glibc maps anew (``measure/host_malloc.py``).
 
 On a CUDA device (:func:`measure_cuda`) the same figures are measured on the GPU, in a child
 process (the parent of a run never initialises CUDA): matmuls up to 8192 x 8192, a 1 GiB
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import socket
 import tempfile
@@ -116,6 +120,20 @@ def measure_bandwidth(seconds: float = 0.2) -> float:
     """GB/s of a large copy (read + write)."""
     src, dst = torch.ones(COPY_BYTES // 4), torch.empty(COPY_BYTES // 4)
     return 2 * COPY_BYTES / _timed(lambda: dst.copy_(src), seconds) / 1e9
+
+
+FRESH_BYTES = 64 * 2**20
+"""The block :func:`measure_fresh_page_s` makes: above glibc's largest dynamic mmap threshold
+(32 MiB), so it is mapped anew each time whatever this process's threshold is."""
+
+
+def measure_fresh_page_s(seconds: float = 0.3) -> float:
+    """Seconds a new page costs when first written: a :data:`FRESH_BYTES` tensor made, filled
+    and freed, less the same fill of a resident tensor, per page (``mmap.PAGESIZE``)."""
+    warm = torch.empty(FRESH_BYTES // 4)
+    fresh = _timed(lambda: torch.empty(FRESH_BYTES // 4).fill_(1.0), seconds)
+    resident = _timed(lambda: warm.fill_(1.0), seconds / 3)
+    return max(0.0, fresh - resident) / (FRESH_BYTES // mmap.PAGESIZE)
 
 
 def measure_op_overhead(seconds: float = 0.1) -> float:
@@ -353,6 +371,7 @@ def measure(threads: int) -> dict:
             "op_overhead_s": measure_op_overhead(),
             "attention": {name: measure_attention(DTYPES[name]) for name in CPU_STEP_DTYPES},
             "step_op_overhead_s": {name: measure_step_op_overhead("cpu", name) for name in CPU_STEP_DTYPES},
+            "fresh_page_s": measure_fresh_page_s(),
         }
     finally:
         torch.set_num_threads(before)
@@ -361,10 +380,10 @@ def measure(threads: int) -> dict:
     return figures
 
 
-FIGURES_VERSION = 4
+FIGURES_VERSION = 5
 """Bumped when the figures measured change (2: the step's host cost per op; 3: the fastest of
-several windows; 4: attention's own curve, the host's cost per op of an FSDP2 step): older
-entries are measured again."""
+several windows; 4: attention's own curve, the host's cost per op of an FSDP2 step; 5: a new
+page's cost on CPU): older entries are measured again."""
 
 
 def _key(threads: int, device: str = "cpu") -> str:
@@ -442,6 +461,7 @@ def this_profile(threads: int, remeasure: bool = False) -> tuple[DeviceProfile, 
         op_overhead_s=found["op_overhead_s"],
         step_op_overhead_s=found["step_op_overhead_s"],
         sharded_step_op_overhead_s=found.get("sharded_step_op_overhead_s", {}),
+        fresh_page_s=found.get("fresh_page_s"),
     )
     link = found["link"]
     local = LinkProfile(

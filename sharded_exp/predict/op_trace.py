@@ -14,7 +14,11 @@ tensor is kept, so the memory the step tracks is not changed):
   activation checkpointing's recomputation runs: it is counted) or ``optimizer`` (after the
   step's last backward op: clipping and the optimizer step);
 - ``unit``: the index of the model's unit (:func:`sharded_exp.models.units`) whose forward
-  is running, or None (the root: embeddings, the head, the loss); backward ops carry None.
+  is running, or None (the root: embeddings, the head, the loss); backward ops carry None;
+- ``fresh_bytes``: the sizes of the new storages it made (outputs that alias no input) of
+  at least :data:`FRESH_MIN_BYTES`, with those of the untimed ops (``empty``, a collective's
+  output buffer) since the op before: on CPU a block glibc maps is new pages every step
+  (:func:`sharded_exp.measure.host_malloc.mapped_from`), whose first touch the time model prices.
 
 The records feed :func:`sharded_exp.speed.compute.ops_from_records`. Collectives (c10d ops)
 are left out: the strategy's schedule prices communication. Views and metadata ops move no
@@ -48,6 +52,10 @@ count_cpu_attention()  # the CPU's fused attention gets FLOPs in the trace
 MATH_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 """Math dtypes by torch dtype; any other floating dtype is timed as fp32."""
 
+FRESH_MIN_BYTES = 128 * 1024
+"""The smallest new storage recorded: glibc's default mmap threshold (smaller blocks come from
+the heap whatever the threshold's setting)."""
+
 
 @dataclass
 class Trace:
@@ -74,6 +82,16 @@ def _bytes(tree) -> int:
     return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
 
+def _fresh(func, out) -> tuple[int, ...]:
+    """The sizes of the new storages ``func`` returned, of at least :data:`FRESH_MIN_BYTES`
+    (none for an op whose schema says an output aliases an input: a view or an in-place op)."""
+    if any(r.alias_info is not None for r in func._schema.returns):
+        return ()
+    leaves, _ = tree_flatten(out)
+    sizes = (t.untyped_storage().nbytes() for t in leaves if isinstance(t, torch.Tensor))
+    return tuple(n for n in sizes if n >= FRESH_MIN_BYTES)
+
+
 def _dtype(args) -> str:
     leaves, _ = tree_flatten(args)
     for t in leaves:
@@ -91,10 +109,12 @@ class OpTrace(TorchDispatchMode):
         self.unit: int | None = None
         self.kernels = kernels
         self._calls = len(getattr(kernels, "calls", ()))
+        self._fresh: tuple[int, ...] = ()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self._fresh += _fresh(func, out)
         self._attention()
         if not timed_op(func):
             return out
@@ -108,8 +128,9 @@ class OpTrace(TorchDispatchMode):
         unit = None if backward else self.unit
         self.trace.records.append(
             {"op": op, "flops": flops, "input_bytes": input_bytes, "output_bytes": output_bytes, "dtype": dtype,
-             "backward": backward, "unit": unit}
+             "backward": backward, "unit": unit, "fresh_bytes": self._fresh}
         )  # fmt: skip
+        self._fresh = ()
 
     def _attention(self) -> None:
         """Fused attention calls the kernels' mode counted since the last op (forward and

@@ -18,6 +18,7 @@ strategy's collectives scheduled against it.
 
 from __future__ import annotations
 
+import mmap
 import os
 from dataclasses import dataclass, replace
 from typing import Any
@@ -26,6 +27,7 @@ import torch
 from omegaconf import OmegaConf
 
 from sharded_exp import precision
+from sharded_exp.measure.host_malloc import mapped_from
 from sharded_exp.predict.op_trace import Trace
 from sharded_exp.speed.collectives import Topology
 from sharded_exp.speed.compute import op_time, ops_from_records
@@ -115,13 +117,20 @@ def step_compute(
     ``math_dtype`` in the forward and backward, autocast's, and fp32 in the optimizer; that of
     an FSDP2 step where ``sharded_parameters``, :func:`shards_parameters`): their
     sum where ops run one after the other (CPU), the larger where the host launches ahead of
-    the device (CUDA: a launch-bound step is the host's time, a compute-bound one the kernels')."""
+    the device (CUDA: a launch-bound step is the host's time, a compute-bound one the kernels').
+    On a profile that prices new pages (a CPU's ``this``), an op run one after the other also
+    pays for the pages of each block it makes that glibc maps anew (:func:`new_pages`)."""
     records = trace.phased()
+    mapped = mapped_from() if device.fresh_page_s and not device.asynchronous else None
     seconds = []
     for record, op in zip(records, ops_from_records(records, "fp32")):
         host = device.host_cost_s("fp32" if record["phase"] == "optimizer" else math_dtype, sharded_parameters)
         kernel = op_time(op, device)
-        seconds.append(max(kernel, host) if device.asynchronous else kernel + host)
+        if device.asynchronous:
+            seconds.append(max(kernel, host))
+        else:
+            faults = new_pages(record, mapped) * device.fresh_page_s if mapped else 0.0
+            seconds.append(kernel + host + faults)
     count = max(1, trace.units)
     forward, flops = [0.0] * count, [0.0] * count
     backward = optimizer = 0.0
@@ -139,6 +148,15 @@ def step_compute(
     total = sum(forward)
     back = tuple(backward * f / total if total else backward / count for f in forward)
     return StepCompute(tuple(forward), back, optimizer, float(model_flops), tuple(flops))
+
+
+def new_pages(record: dict, mapped_from_bytes: int) -> int:
+    """The pages of the blocks an op record made that glibc maps anew (at least
+    ``mapped_from_bytes``), whole pages with the chunk's 16-byte header. An upper bound:
+    glibc serves a large request from a free heap chunk big enough where it has one, and maps
+    only when the heap must grow."""
+    page = mmap.PAGESIZE
+    return sum(-(-(n + 16) // page) for n in record.get("fresh_bytes", ()) if n >= mapped_from_bytes)
 
 
 def shards_parameters(cfg) -> bool:

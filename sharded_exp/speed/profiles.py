@@ -112,6 +112,11 @@ class DeviceProfile:
     asynchronous: bool = False
     """Ops are launched ahead of the device (CUDA): an op then takes the larger of its kernel
     time and the host's cost per op, not their sum (a CPU runs them one after the other)."""
+    fresh_page_s: float | None = None
+    """Seconds one new page of host memory costs when it is first written (the kernel's page
+    fault and zeroing, and the unmapping when freed), measured for a CPU ``this`` profile
+    (:func:`sharded_exp.measure.machine.measure_fresh_page_s`): what a step pays for each block
+    glibc maps anew (:func:`sharded_exp.measure.host_malloc.mapped_from`). None: not priced."""
 
     def host_cost_s(self, dtype: str, sharded_parameters: bool = False) -> float:
         """The host's seconds per op of a training step in ``dtype`` (see above);

@@ -6,7 +6,7 @@ import ctypes
 
 import pytest
 
-from sharded_exp.measure.host_malloc import fix_mmap_threshold, heap_free_mib
+from sharded_exp.measure.host_malloc import fix_mmap_threshold, heap_free_mib, mapped_from
 
 
 @pytest.mark.parametrize(
@@ -30,3 +30,17 @@ def test_the_heap_counts_small_blocks_freed_between_live_ones():
     for block in blocks[1::2]:
         libc.free(block)
     assert freed >= 32 * 64 / 1024 * 0.99, freed  # 2 MiB freed, each block with its header
+
+
+@pytest.mark.skipif(mapped_from({}) is None, reason="glibc only")
+@pytest.mark.parametrize(
+    "env, mapped",
+    [
+        ({}, 4 * 2**20),  # the threshold a rank fixes
+        ({"MALLOC_MMAP_THRESHOLD_": "65536"}, 65536),  # yours
+        ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1:glibc.malloc.mmap_threshold=262144"}, 262144),
+        ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=1"}, 32 * 2**20),  # left dynamic: above its maximum only
+    ],
+)
+def test_the_blocks_mapped_anew_follow_the_threshold_in_force(env, mapped):
+    assert mapped_from(env) == mapped

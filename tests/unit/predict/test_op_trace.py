@@ -112,3 +112,22 @@ def test_a_fused_attention_call_is_recorded_with_its_mask_and_its_backward_once(
     assert _attention_records(recompute=True, causal=False) == [
         ("attention.forward", "forward", False), ("attention.forward", "backward", False),
         ("attention.backward", "backward", False)]  # fmt: skip
+
+
+def test_new_storages_of_at_least_128_kib_are_recorded_with_the_next_timed_op():
+    """What a CPU step maps anew: an op's new outputs (not a view's, not an in-place op's), a
+    buffer ``empty`` makes among them."""
+    trace, x = Trace(), torch.ones(256, 256)  # 256 KiB
+    with tracing(trace, []):
+        y = x @ x  # new: 256 KiB
+        y.view(-1)  # a view: nothing new (and not timed)
+        y.mul_(2)  # in place: nothing new
+        buffer = torch.empty(512, 256)  # 512 KiB
+        small = torch.ones(8, 8) + 1  # new but below 128 KiB
+        buffer.add_(1)
+    fresh = {r["op"]: r["fresh_bytes"] for r in trace.records}
+    assert fresh["aten.mm.default"] == (256 * 1024,)
+    assert fresh["aten.mul_.Tensor"] == ()
+    assert fresh["aten.empty.memory_format"] == (512 * 1024,)
+    assert fresh["aten.add.Tensor"] == () and small.numel() == 64
+    assert fresh["aten.add_.Tensor"] == ()

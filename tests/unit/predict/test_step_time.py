@@ -146,3 +146,23 @@ def test_a_gpu_run_is_priced_on_its_measured_gpu_and_its_sourced_link(monkeypatc
     assert run_step_time(cfg(), 1, "cuda", Est(), SHAPES, {})["error"] is None  # one GPU needs no link
     refused = run_step_time(cfg(), 2, "cuda", Est(), SHAPES, {})
     assert refused["step_time_s"] is None and "no sourced link profile for this machine (Some GPU)" in refused["error"]
+
+
+def test_a_cpu_step_pays_for_the_pages_of_each_block_glibc_maps_anew(monkeypatch):
+    """Blocks of at least the rank's mmap threshold are new pages every step, priced at the
+    profile's measured cost of a new page; smaller ones come from the heap and cost nothing."""
+    from dataclasses import replace
+
+    from sharded_exp.predict import step_time
+
+    monkeypatch.setattr(step_time, "mapped_from", lambda: 4 * 2**20)
+    fresh = trace()
+    fresh.records[1]["fresh_bytes"] = (8 * 2**20, 2**20)  # unit 0's matmul: one block mapped, one from the heap
+    page = 1e-6
+    plain = step_compute(fresh, H100, 6e12)
+    priced = step_compute(fresh, replace(H100, fresh_page_s=page), 6e12)
+    pages = -(-(8 * 2**20 + 16) // step_time.mmap.PAGESIZE)
+    assert priced.forward_s[0] == pytest.approx(plain.forward_s[0] + pages * page)
+    assert priced.forward_s[1:] == plain.forward_s[1:] and priced.optimizer_s == plain.optimizer_s
+    on_gpu = step_compute(fresh, replace(H100, fresh_page_s=page, asynchronous=True), 6e12)
+    assert on_gpu.forward_s == step_compute(fresh, replace(H100, asynchronous=True), 6e12).forward_s
