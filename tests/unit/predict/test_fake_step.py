@@ -312,8 +312,10 @@ MLP_PARAMS = (64 * 16 + 16) + 2 * 16 + (16 * 16 + 16) + 2 * 16 + (16 * 10 + 10) 
 
 def test_the_probe_is_one_sample_on_meta_made_once_per_config(base_cfg):
     probe = _probe(base_cfg.data, base_cfg.model)
-    assert probe["inputs"].shape == (1, 64) and probe["inputs"].device.type == "meta"
-    assert probe["targets"].dtype == torch.int64
+    sample, padded = probe
+    assert sample["inputs"].shape == (1, 64) and sample["inputs"].device.type == "meta"
+    assert sample["targets"].dtype == torch.int64
+    assert padded is True  # the teacher's batches say nothing of padding: the default
     assert _probe(base_cfg.data, base_cfg.model) is probe
 
 
