@@ -70,7 +70,12 @@ def test_causal_lms_batches_never_pad_as_its_task_says():
     """Task.padded=False tells the fake step that transformers will find no padding."""
     task = causal_lm_task(CausalLMConfig(), GPT, 4)
     assert task.padded is False
-    assert all(bool(task(step, micro, rank)["attention_mask"].all()) for step in range(3) for micro in range(2) for rank in range(2))
+    assert all(
+        bool(task(step, micro, rank)["attention_mask"].all())
+        for step in range(3)
+        for micro in range(2)
+        for rank in range(2)
+    )
 
 
 def test_markov_scores_perplexity_on_unshifted_targets():

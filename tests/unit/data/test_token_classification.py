@@ -64,4 +64,6 @@ def test_a_tiny_min_len_still_gives_one_token():
 
 def test_a_model_without_labels_is_refused():
     with pytest.raises(ConfigError, match=r"model.num_labels \(model=gpt has no num_labels\)"):
-        token_classification_task(TokenClassificationConfig(), OmegaConf.create({"name": "gpt", "vocab_size": 3, "seq_len": 4}), 2)
+        token_classification_task(
+            TokenClassificationConfig(), OmegaConf.create({"name": "gpt", "vocab_size": 3, "seq_len": 4}), 2
+        )
