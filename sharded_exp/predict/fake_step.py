@@ -21,7 +21,10 @@ What a fake step cannot do, it says (:attr:`StepEstimate.method`, ``note``):
 - a strategy that still cannot run fake falls back to the analytic model states of
   that strategy plus the activations and temporaries of DDP's fake step;
 - a model that cannot run fake (data-dependent control flow) gets no peak prediction,
-  and the reason is recorded.
+  and the reason is recorded;
+- a Hugging Face model's attention mask path is chosen from the mask's values, which a
+  fake batch lacks: for data that never pads the step is told so (:func:`unpadded_masks`),
+  and data that may pad is faked with the mask, as transformers builds it.
 """
 
 from __future__ import annotations
