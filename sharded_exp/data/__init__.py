@@ -77,6 +77,13 @@ class Task:
     """Classes of a classification task (its metrics need them)."""
     shift_labels: bool = False
     """Causal LM in Hugging Face's form: the model predicts labels[:, 1:] from logits[:, :-1]."""
+    padded: bool = True
+    """Whether a batch's ``attention_mask`` may hold zeros (padding). False where every token
+    of every batch is attended (causal-LM blocks of ``model.seq_len`` tokens): a Hugging Face
+    model then calls SDPA causal without a mask, and the fake step, which cannot read the
+    mask's values, is told so (:func:`sharded_exp.predict.fake_step.unpadded_masks`). True
+    (the default, and a user's dataset's): the mask may pad, as transformers assumes when it
+    cannot read it."""
     dataset: Any = None
     """A map-style ``torch.utils.data.Dataset`` (a user's data): when set, training batches come
     from a DataLoader over it, each rank its own shard (:mod:`sharded_exp.data.loader`), and
@@ -136,17 +143,23 @@ STAND_INS = {"text_file": "causal_lm", "conll": "token_classification"}
 """A user's data task -> the synthetic task whose batches have the same keys and shapes."""
 
 
-def probe_batch(cfg, model_cfg, rank: int) -> Batch:
-    """One sample of the configured task: its keys, dtypes and per-sample shapes (the fake
-    step's). The planner needs shapes only: a user's data whose ``data.path`` is not given
-    is stood in for by the synthetic task of the same layout (padded to model.seq_len)."""
+def probe_task(cfg, model_cfg) -> Task:
+    """The configured task at one sample a batch, for the fake step: its batches' keys, dtypes
+    and per-sample shapes, and whether they pad (:attr:`Task.padded`). The planner needs
+    shapes only: a user's data whose ``data.path`` is not given is stood in for by the
+    synthetic task of the same layout (padded to model.seq_len)."""
     name = cfg.name
     if "path" in cfg.keys() and OmegaConf.is_missing(cfg, "path"):  # keys(): also a missing value
         kind = str(cfg.get("kind"))
         stand_in = STAND_INS.get(name) or (kind if name == "hf_dataset" else None)
         if stand_in is not None:
-            return TASKS.builder(stand_in)(TASKS.config_class(stand_in)(), model_cfg, 1)(0, 0, rank)
-    return build_task(cfg, model_cfg, 1)(0, 0, rank)
+            return TASKS.builder(stand_in)(TASKS.config_class(stand_in)(), model_cfg, 1)
+    return build_task(cfg, model_cfg, 1)
+
+
+def probe_batch(cfg, model_cfg, rank: int) -> Batch:
+    """One sample of the configured task (:func:`probe_task`'s) for ``rank``."""
+    return probe_task(cfg, model_cfg)(0, 0, rank)
 
 
 for _info in pkgutil.iter_modules(__path__):

@@ -439,6 +439,7 @@ def causal_task(cfg: FileDataConfig, model_cfg, batch_size: int, path: str, docs
         metric="perplexity",
         labels="labels",
         shift_labels=True,
+        padded=False,  # every block is model.seq_len tokens long: PadTo pads none of them
         fingerprint=fingerprint(path),
     )
 

@@ -52,7 +52,8 @@ def causal_lm_task(cfg: CausalLMConfig, model_cfg, batch_size: int) -> Task:
         tokens = chain(step, micro, rank)
         return {"input_ids": tokens, "attention_mask": torch.ones_like(tokens), "labels": tokens}
 
-    return Task(batch, metric="perplexity", labels="labels", shift_labels=True)
+    # every position is a token of the chain: the attention_mask is all ones
+    return Task(batch, metric="perplexity", labels="labels", shift_labels=True, padded=False)
 
 
 LEVELS = 64

@@ -21,7 +21,10 @@ What a fake step cannot do, it says (:attr:`StepEstimate.method`, ``note``):
 - a strategy that still cannot run fake falls back to the analytic model states of
   that strategy plus the activations and temporaries of DDP's fake step;
 - a model that cannot run fake (data-dependent control flow) gets no peak prediction,
-  and the reason is recorded.
+  and the reason is recorded;
+- a Hugging Face model's attention mask path is chosen from the mask's values, which a
+  fake batch lacks: for data that never pads the step is told so (:func:`unpadded_masks`),
+  and data that may pad is faked with the mask, as transformers builds it.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
 from torch.distributed import distributed_c10d
 from torch.distributed.fsdp._fully_shard import _fsdp_param  # private torch API: re-check on torch upgrades
 from torch.distributed.tensor import _sharding_prop  # private torch API: re-check on torch upgrades
@@ -47,7 +50,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # registers t
 from torch.utils.flop_counter import FlopCounterMode
 
 from sharded_exp.config import JobGroups
-from sharded_exp.data import each_tensor, probe_batch
+from sharded_exp.data import each_tensor, probe_task
 from sharded_exp.errors import ConfigError
 from sharded_exp.measure.cuda_kernels import cuda_kernels
 from sharded_exp.measure.tracker import peak_tracker
@@ -234,6 +237,52 @@ class GlooReduceScatter:
         for module, collective in reversed(self._saved):
             module.reduce_scatter_single = collective
         self._saved.clear()
+
+
+MASK_RULES = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
+"""transformers' ``masking_utils`` functions (5.x) that read a 2-D attention mask's values to
+decide whether SDPA gets a mask at all; their first argument is that mask."""
+
+
+@contextlib.contextmanager
+def unpadded_masks(padded: bool):
+    """A Hugging Face model's attention as a real run calls it on batches without padding.
+
+    transformers reads the ``attention_mask``'s values to pick SDPA's path: when every token is
+    attended (and the query is the whole sequence) it builds no mask and calls SDPA with
+    ``is_causal=True``; with padding it builds a batch x 1 x seq x seq mask and calls SDPA
+    non-causal with it. A fake tensor has no values, so transformers takes the second path for
+    every batch (it treats a fake mask as one it may not read, as under ``torch.export``): the
+    fake step held a mask and priced a non-causal attention (twice a causal kernel's work)
+    where the real run of a causal LM holds none and runs the causal kernel.
+
+    When the task's batches never pad (``padded`` False: :attr:`sharded_exp.data.Task.padded`),
+    each rule in :data:`MASK_RULES` is asked here as for a batch without padding: with no
+    padding mask, so transformers' own rule still decides the rest (a sliding window, a
+    query shorter than its keys, packed sequences all keep their mask). Nothing changes for
+    a task that may pad, or when transformers was not imported (the model is none of its)."""
+    masking = sys.modules.get("transformers.masking_utils")
+    rules = [(name, getattr(masking, name, None)) for name in MASK_RULES] if masking is not None else []
+    if padded or not rules:
+        yield
+        return
+
+    def without_padding(rule):
+        def asked(padding_mask, *args, **kwargs):
+            if isinstance(padding_mask, FakeTensor):
+                padding_mask = None  # the batch pads nothing: the mask's values are all ones
+            return rule(padding_mask, *args, **kwargs)
+
+        return asked
+
+    saved = [(name, rule) for name, rule in rules if rule is not None]
+    for name, rule in saved:
+        setattr(masking, name, without_padding(rule))
+    try:
+        yield
+    finally:
+        for name, rule in saved:
+            setattr(masking, name, rule)
 
 
 def _breakdown(tracker, device: torch.device) -> tuple[float, dict[str, float]]:
@@ -436,7 +485,7 @@ def _run(
     on_gpu = cuda_kernels() if device_type == "cuda" else contextlib.nullcontext(None)
     # One real sample says each batch tensor's dtype and per-sample shape; the batches
     # themselves are made fake (a batch too large for this machine is planned, not made).
-    sample = _probe(cfg.data, cfg.model)
+    sample, padded = _probe(cfg.data, cfg.model)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     # A CPU run communicates over gloo, whose reduce-scatter holds a copy of its input.
     gloo = GlooReduceScatter() if device_type == "cpu" else contextlib.nullcontext(None)
@@ -453,7 +502,9 @@ def _run(
         watch = _Watch(device, allocs)
         torch.manual_seed(cfg.trainer.seed)
         try:
-            count = _steps(cfg, _build(cfg, device, watch), sample, watch, kernels, grad_clip, flops, trace)
+            run = _build(cfg, device, watch)  # a Hugging Face model imports transformers here
+            with unpadded_masks(padded):
+                count = _steps(cfg, run, sample, watch, kernels, grad_clip, flops, trace)
         finally:
             watch.stop()
     tracker = watch.tracker
@@ -466,16 +517,18 @@ def _run(
     return peak, parts, count, extra | ({"alloc_events": watch.allocs.events} if watch.allocs is not None else {})
 
 
-_PROBES: dict[str, dict] = {}
+_PROBES: dict[str, tuple[dict, bool]] = {}
 
 
-def _probe(data_cfg, model_cfg) -> dict:
+def _probe(data_cfg, model_cfg) -> tuple[dict, bool]:
     """One sample's keys, dtypes and per-sample shapes (rank 0's: every rank's batch has the
-    same layout), made once per data and model config: a plan fakes many steps of one."""
+    same layout), and whether the task's batches may pad (:attr:`sharded_exp.data.Task.padded`),
+    made once per data and model config: a plan fakes many steps of one."""
     key = OmegaConf.to_yaml(data_cfg) + OmegaConf.to_yaml(model_cfg)
     if key not in _PROBES:
-        _PROBES[key] = each_tensor(probe_batch(data_cfg, model_cfg, 0),
-                                   lambda v: torch.empty((1, *v.shape[1:]), dtype=v.dtype, device="meta"))  # fmt: skip
+        task = probe_task(data_cfg, model_cfg)
+        sample = each_tensor(task(0, 0, 0), lambda v: torch.empty((1, *v.shape[1:]), dtype=v.dtype, device="meta"))
+        _PROBES[key] = sample, task.padded
     return _PROBES[key]
 
 

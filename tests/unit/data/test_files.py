@@ -285,6 +285,7 @@ def test_the_text_file_task_is_blocks_of_seq_len_labelled_by_themselves(tmp_path
     assert task.fingerprint["path"] == str(f)
     b = task(0, 0, 0)
     assert torch.equal(b["labels"], b["input_ids"]) and b["attention_mask"].tolist() == [[1] * 4] * 2
+    assert task.padded is False  # whole blocks: no batch pads (the fake step is told so)
 
 
 def test_the_conll_task_refuses_more_labels_than_the_model_has(tmp_path, fake_tokenizer):
@@ -298,6 +299,7 @@ def test_the_conll_task_refuses_more_labels_than_the_model_has(tmp_path, fake_to
     cfg.labels = ["O", "B-PER", "B-LOC"]
     task = files.conll_task(cfg, model, 2)
     assert len(task.dataset) == 3 and task.metric == "token_accuracy" and task.num_classes == 3
+    assert task.padded is True  # sentences of their own lengths, padded to model.seq_len
     assert task.dataset[0]["labels"].tolist() == [IGNORE, 1, IGNORE, 0, IGNORE]
 
 

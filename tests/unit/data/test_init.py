@@ -15,6 +15,7 @@ from sharded_exp.data import (
     each_tensor,
     generator,
     probe_batch,
+    probe_task,
     require_model_fields,
 )
 from sharded_exp.errors import ConfigError
@@ -97,6 +98,10 @@ def test_a_file_task_without_a_path_is_probed_by_its_synthetic_stand_in():
     hf = OmegaConf.structured(TASKS.config_class("hf_dataset"))
     hf.kind = "token_classification"
     assert probe_batch(hf, model, 0)["labels"].min() >= -100
+    # the stand-in says whether the user's batches pad as the user's own task would
+    assert probe_task(conll, model).padded is True and probe_task(text, gpt).padded is False
+    hf.kind = "causal_lm"
+    assert probe_task(hf, gpt).padded is False
 
 
 def test_a_synthetic_task_is_probed_with_one_sample():

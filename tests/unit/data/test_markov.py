@@ -66,6 +66,18 @@ def test_causal_lm_is_the_chain_in_hugging_faces_form():
     assert (task.metric, task.labels, task.shift_labels) == ("perplexity", "labels", True)
 
 
+def test_causal_lms_batches_never_pad_as_its_task_says():
+    """Task.padded=False tells the fake step that transformers will find no padding."""
+    task = causal_lm_task(CausalLMConfig(), GPT, 4)
+    assert task.padded is False
+    assert all(
+        bool(task(step, micro, rank)["attention_mask"].all())
+        for step in range(3)
+        for micro in range(2)
+        for rank in range(2)
+    )
+
+
 def test_markov_scores_perplexity_on_unshifted_targets():
     task = markov_task(MarkovConfig(), GPT, 1)
     assert (task.metric, task.labels, task.shift_labels, task.dataset) == ("perplexity", "targets", False, None)

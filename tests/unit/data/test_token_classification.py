@@ -23,6 +23,7 @@ def test_keys_shapes_and_metric():
     b = task(0, 0, 0)
     assert {k: tuple(v.shape) for k, v in b.items()} == {k: (3, 10) for k in ("input_ids", "attention_mask", "labels")}
     assert (task.metric, task.labels, task.num_classes) == ("token_accuracy", "labels", 5)
+    assert task.padded is True  # its sequences are shorter than seq_len: batches pad
 
 
 def test_the_mask_is_a_prefix_at_least_min_len_long(batch):
@@ -63,4 +64,6 @@ def test_a_tiny_min_len_still_gives_one_token():
 
 def test_a_model_without_labels_is_refused():
     with pytest.raises(ConfigError, match=r"model.num_labels \(model=gpt has no num_labels\)"):
-        token_classification_task(TokenClassificationConfig(), OmegaConf.create({"name": "gpt", "vocab_size": 3, "seq_len": 4}), 2)
+        token_classification_task(
+            TokenClassificationConfig(), OmegaConf.create({"name": "gpt", "vocab_size": 3, "seq_len": 4}), 2
+        )

@@ -14,8 +14,11 @@ import pytest
 import torch
 import torch._dynamo  # noqa: F401 -- FakeTensorMode imports it; paid at collection, not in a test
 import torch.distributed as dist
+import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
 
 from sharded_exp.predict import fake_step as module
 from sharded_exp.predict.fake_step import (
@@ -312,8 +315,10 @@ MLP_PARAMS = (64 * 16 + 16) + 2 * 16 + (16 * 16 + 16) + 2 * 16 + (16 * 10 + 10) 
 
 def test_the_probe_is_one_sample_on_meta_made_once_per_config(base_cfg):
     probe = _probe(base_cfg.data, base_cfg.model)
-    assert probe["inputs"].shape == (1, 64) and probe["inputs"].device.type == "meta"
-    assert probe["targets"].dtype == torch.int64
+    sample, padded = probe
+    assert sample["inputs"].shape == (1, 64) and sample["inputs"].device.type == "meta"
+    assert sample["targets"].dtype == torch.int64
+    assert padded is True  # the teacher's batches say nothing of padding: the default
     assert _probe(base_cfg.data, base_cfg.model) is probe
 
 
@@ -382,3 +387,88 @@ def test_the_fake_step_quiets_only_mod_trackers_file_a_bug_warning():
     warnings.formatwarning = formatwarning
     assert run(module._mod_tracker_warning_quiet()) == ["another warning"]
     assert warnings.formatwarning is formatwarning
+
+
+# ------------------------------------------- a Hugging Face model's attention, real and fake
+class SdpaCalls(TorchFunctionMode):
+    """Each ``F.scaled_dot_product_attention`` call's (is_causal, the mask's shape or None)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[bool, tuple | None]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+            causal = bool(args[5] if len(args) > 5 else kwargs.get("is_causal", False))
+            self.calls.append((causal, None if mask is None else tuple(mask.shape)))
+        return func(*args, **kwargs)
+
+
+SMALL_HF = {
+    "hf_llama": ["model.config.num_hidden_layers=1", "model.config.hidden_size=32", "model.config.intermediate_size=64"],
+    "hf_gpt2": ["model.config.n_layer=1", "model.config.n_embd=32"],
+    "hf_bert": ["model.config.num_hidden_layers=1", "model.config.hidden_size=32", "model.config.intermediate_size=64"],
+}  # fmt: skip
+"""One-block Hugging Face models of each kind: two causal LMs on batches without padding
+(data=causal_lm) and a token classifier on padded batches (data=token_classification)."""
+
+
+def _real_sdpa_calls(cfg, steps: int) -> list:
+    """The attention calls of ``steps`` real CPU training steps of ``cfg`` (world size 1)."""
+    from sharded_exp.train.build import build_run
+    from sharded_exp.train.step import train_step
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        run = build_run(cfg, torch.device("cpu"))
+        recorder = SdpaCalls()
+        with recorder:
+            for step in range(steps):
+                train_step(run.strategy, [run.task(step, 0, 0)], run.autocast, 0.0)
+    finally:
+        dist.destroy_process_group()
+    return recorder.calls
+
+
+@pytest.mark.parametrize("model", list(SMALL_HF))
+def test_a_hugging_face_models_fake_step_calls_attention_as_its_real_step_does(model):
+    """transformers reads the attention_mask's values to choose SDPA's path: on a batch with
+    no padding a causal LM gets is_causal=True and no mask, on a padded one a batch x 1 x seq
+    x seq mask. A fake mask has no values: the fake step must still take the real run's path
+    (before it did not: non-causal with a mask, for every causal LM). Checked on CPU, and in a
+    step faked for CUDA by the causal flag its op trace prices attention with."""
+    from sharded_exp.compose import compose
+
+    cfg = compose([f"model={model}", "model.seq_len=16", *SMALL_HF[model], "trainer.batch_size=2"])
+    real = _real_sdpa_calls(cfg, steps=2)  # the fake step's two
+    assert real, "the model calls no SDPA: nothing compared"
+    fake = SdpaCalls()
+    with fake:
+        fake_step(cfg, 1, 0, "cpu", flops=False)
+    assert fake.calls == real
+    traced = fake_step(cfg, 1, 0, "cuda", flops=False, trace=True).extra["trace"].records
+    forwards = [r["causal"] for r in traced if r["op"] == "attention.forward"]
+    assert forwards == [causal for causal, _ in real[: len(real) // 2]]  # the steady (second) step's
+    assert all(causal == (mask is None) for causal, mask in real)  # causal exactly where there is no mask
+    assert any(mask is None for _, mask in real) == (model != "hf_bert")  # one path of each kind held
+
+
+def test_unpadded_masks_answer_transformers_mask_rule_only_for_a_fake_mask_of_a_task_that_never_pads():
+    from transformers import masking_utils
+
+    real_ones, fake_zeros = torch.ones(2, 8, dtype=torch.bool), None
+    with FakeTensorMode():
+        fake_zeros = torch.zeros(2, 8, dtype=torch.bool)
+    rule = masking_utils._ignore_causal_mask_sdpa
+    assert rule(fake_zeros, 8, 8, 0, 0) is False  # transformers cannot read a fake mask: it builds one
+    with module.unpadded_masks(padded=True):
+        assert masking_utils._ignore_causal_mask_sdpa(fake_zeros, 8, 8, 0, 0) is False
+    with module.unpadded_masks(padded=False):
+        assert masking_utils._ignore_causal_mask_sdpa(fake_zeros, 8, 8, 0, 0) is True
+        assert masking_utils._ignore_causal_mask_sdpa(fake_zeros, 4, 8, 4, 0) is False  # its own rule decides the rest
+        assert masking_utils._ignore_causal_mask_sdpa(fake_zeros, 8, 8, 0, 0, local_attention_size=4) is False
+        assert masking_utils._ignore_bidirectional_mask_sdpa(fake_zeros, 8) is True
+        assert bool(masking_utils._ignore_causal_mask_sdpa(~real_ones, 8, 8, 0, 0)) is False  # a real mask: its values
+    assert masking_utils._ignore_causal_mask_sdpa is rule
