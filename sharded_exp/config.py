@@ -378,7 +378,7 @@ class ReportConfig(Sealed):
     result.json, so ``python -m sharded_exp.report`` says the same later)."""
 
     device_profile: Optional[str] = None
-    """A named GPU profile (v100_32gb, a100_40gb, a100_80gb, h100_sxm, h200;
+    """A named GPU profile (v100_32gb, a100_40gb, a100_80gb, h100_sxm, h100_hbm2e_500w, h200;
     sharded_exp/speed/profile_data) to plan each CPU point's speed on: the headline then puts
     the planned ratio beside the measured one, since a CPU's speed ratios (gloo on shared cores)
     are not a GPU's. Priced by the planner's time model at the point's own world size
@@ -492,7 +492,7 @@ class PlanSettings(Sealed):
     the rest, x HSDP replicate), with the command line that runs it."""
     device_profile: Optional[str] = None
     """The device the speed columns are predicted for: a named GPU profile (v100_32gb,
-    a100_40gb, a100_80gb, h100_sxm, h200; sharded_exp/speed/profile_data) or ``this`` (this
+    a100_40gb, a100_80gb, h100_sxm, h100_hbm2e_500w, h200; sharded_exp/speed/profile_data) or ``this`` (this
     machine, measured). null: h100_sxm for plan.device=cuda, this for cpu (said in the header)."""
     gpus_per_node: int = 8
     """GPUs per node: ranks within a node talk over the profile's NVLink, nodes (world size /

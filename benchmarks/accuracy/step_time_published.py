@@ -44,6 +44,10 @@ H100_DOC = f"{TITAN}/b5bcd76c66d0acb1a08b176d9639425bc55e0b2a/benchmarks/llama3_
 """torchtitan team, Dec 2024: Llama 3.1 on H100 (Grand Teton: 8 GPUs a host over NVLink, 96 GB
 HBM2e at 2.4 TB/s, 500 W power limit, 400 Gb/s RDMA per GPU), torch 1963fc8 (2024-12-23).
 TPS/GPU read at the 90th iteration."""
+H100_PART = "h100_hbm2e_500w"
+"""The profile of the H100 that page names (96 GB HBM2e at 2.4 TB/s, 500 W), not the SXM5's
+(80 GB HBM3 at 3.35 TB/s, 700 W): its memory is its own, its compute the SXM5's (an upper
+bound: ``sharded_exp/speed/profile_data/h100_hbm2e_500w.yaml``)."""
 A100_DOC = f"{TITAN}/6a6f755d2d7fd65ea6013324ae130306a0761e2c/docs/performance.md"
 """torchtitan's performance page as of 2024-12 (before Llama 2 was deprecated): Llama 2 and
 Llama 3 with FSDP2 on 64 A100 80 GB. It does not name the network between the 8 hosts. The
@@ -113,9 +117,9 @@ class Case:
 
 CASES = [
     Case("Llama 3.1 8B, FSDP x8 H100, batch 2, seq 8192, selective op AC", "torchtitan benchmarks, Table 1",
-         H100_DOC, [*LLAMA31_8B, *fsdp(8, 2, "ac_selective_op", "h100_sxm")], 5762),
+         H100_DOC, [*LLAMA31_8B, *fsdp(8, 2, "ac_selective_op", H100_PART)], 5762),
     Case("Llama 3.1 8B, FSDP x128 H100 (16 nodes, 400 Gb/s), batch 2, seq 8192, selective op AC",
-         "torchtitan benchmarks, Table 3", H100_DOC, [*LLAMA31_8B, *fsdp(128, 2, "ac_selective_op", "h100_sxm", 400)],
+         "torchtitan benchmarks, Table 3", H100_DOC, [*LLAMA31_8B, *fsdp(128, 2, "ac_selective_op", H100_PART, 400)],
          5605),
     Case("Llama 2 13B, FSDP x64 A100 80GB, batch 2, seq 4096, no AC", "torchtitan docs/performance.md, Llama 2",
          A100_DOC, [*LLAMA2_13B, *fsdp(64, 2, "none", "a100_80gb")], 2162, 61.1),

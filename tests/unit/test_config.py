@@ -222,8 +222,8 @@ def test_plan_settings_at_their_edges_pass():
 def test_report_device_profile_names_a_gpu_profile_or_nothing():
     refused(
         lambda: config.ReportConfig(device_profile="h100"),
-        "report.device_profile=h100 is not a named GPU profile; use one of a100_40gb, a100_80gb, h100_sxm, h200, "
-        "v100_32gb (or null)",
+        "report.device_profile=h100 is not a named GPU profile; use one of a100_40gb, a100_80gb, h100_hbm2e_500w, "
+        "h100_sxm, h200, v100_32gb (or null)",
     )
     refused(lambda: config.ReportConfig(device_profile="this"), "report.device_profile=this is not a named GPU")
     config.ReportConfig(device_profile="h200")

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_the_named_gpus_and_links_ship_and_every_figure_has_a_source():
-    assert device_names() == ["a100_40gb", "a100_80gb", "h100_sxm", "h200", "v100_32gb"]
+    assert device_names() == ["a100_40gb", "a100_80gb", "h100_hbm2e_500w", "h100_sxm", "h200", "v100_32gb"]
     assert link_names() == ["nvlink2", "nvlink3", "nvlink4", "pcie3", "pcie4", "pcie5"]
     for name in device_names():
         device = load_device(name)
@@ -58,6 +58,18 @@ def test_datasheet_figures_read_as_si_units():
     assert load_link("pcie4").bandwidth_Bps == 31.5e9 and load_link("pcie4").ring_step_latency_s == pytest.approx(
         5.7e-6
     )
+
+
+def test_the_grand_teton_h100_has_its_own_memory_and_the_sxm5_compute_as_a_bound():
+    """torchtitan's H100s: 96 GB of HBM2e at 2.4 TB/s (the SXM5: 80 GB of HBM3 at 3.35), so a
+    memory-bound op takes 3.35 / 2.4 = 1.40 times as long; their compute is not published, and
+    the SXM5's is used, each such figure saying it is an upper bound."""
+    part, sxm = load_device("h100_hbm2e_500w"), load_device("h100_sxm")
+    assert part.memory_bytes == 96e9 and part.memory_bandwidth_Bps == 2400e9
+    assert "torchtitan" in part.memory_bandwidth.source.title and "500 W" in part.memory_bandwidth.source.title
+    assert part.matmul_flops_per_s("bf16") == sxm.matmul_flops_per_s("bf16")
+    assert "upper bound" in part.achievable_fraction["bf16"].note
+    assert part.links == sxm.links
 
 
 def test_the_network_is_a_stated_gb_s():
