@@ -7,7 +7,14 @@ from omegaconf import OmegaConf
 
 from sharded_exp.predict.op_trace import Trace
 from sharded_exp.predict.prediction import ModelShapes
-from sharded_exp.predict.step_time import Machine, StepCompute, predict_step_time, run_step_time, step_compute
+from sharded_exp.predict.step_time import (
+    Machine,
+    StepCompute,
+    predict_step_time,
+    run_step_time,
+    split_backward,
+    step_compute,
+)
 from sharded_exp.speed.profiles import load_device, load_link, network_link
 from sharded_exp.strategies import STRATEGIES
 
@@ -35,8 +42,19 @@ def test_the_forward_is_per_unit_with_the_root_at_both_ends_and_the_backward_in_
     assert compute.forward_s[0] == pytest.approx(matmul + 2e6 / H100.memory_bandwidth_Bps)  # + the embedding
     assert compute.forward_s[1] == pytest.approx(2 * matmul)  # its unit and the head
     assert sum(compute.backward_s) == pytest.approx(6 * matmul)
-    assert compute.backward_s[0] / compute.backward_s[1] == pytest.approx(compute.forward_s[0] / compute.forward_s[1])
+    # the matmuls' backward follows the matmuls' forward (1 : 2), not all ops' (the embedding's too)
+    assert compute.backward_s[0] / compute.backward_s[1] == pytest.approx(1 / 2)
     assert compute.optimizer_s == pytest.approx(2e6 / H100.memory_bandwidth_Bps)
+
+
+def test_each_op_class_backward_follows_its_own_forward():
+    """A unit whose forward is all attention gets all of attention's backward, none of the
+    matmuls' (a layer's backward is a larger multiple of its forward than the head's)."""
+    backward = {"matmul": 6.0, "attention": 4.0, "other": 0.0}
+    forward = {"matmul": [1.0, 0.0, 2.0], "attention": [0.0, 1.0, 0.0], "other": [0.0, 0.0, 0.0]}
+    assert split_backward(backward, forward, 3) == pytest.approx((2.0, 4.0, 4.0))
+    # a class with no forward at all (nothing to follow) is spread evenly
+    assert split_backward({"other": 3.0}, {"other": [0.0, 0.0, 0.0]}, 3) == pytest.approx((1.0, 1.0, 1.0))
 
 
 def test_the_hosts_cost_per_op_adds_on_a_cpu_and_overlaps_on_a_gpu():
@@ -66,7 +84,9 @@ def test_a_step_of_fsdp2_sharded_parameters_pays_the_sharded_host_cost_per_op():
     assert sharded.optimizer_s == pytest.approx(plain.optimizer_s)  # fp32 was not measured sharded: the plain figure
 
 
-@pytest.mark.parametrize("strategy, sharded", [("ddp", False), ("zero1", False), ("fsdp", True), ("fsdp_grad_op", True)])
+@pytest.mark.parametrize(
+    "strategy, sharded", [("ddp", False), ("zero1", False), ("fsdp", True), ("fsdp_grad_op", True)]
+)
 def test_fsdp2_strategies_are_the_ones_priced_as_sharded_parameters(strategy, sharded):
     from sharded_exp.predict.step_time import shards_parameters
 
