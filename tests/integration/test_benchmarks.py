@@ -166,12 +166,24 @@ def test_cuda_prediction_smoke(tmp_path):
 def test_step_time_published_smoke(tmp_path):
     data = bench("accuracy.step_time_published", "--quick", cwd=tmp_path)
     [point] = data["points"]
-    assert point["profile"] == "h100_sxm" and not point["held_out"]
+    assert point["profile"] == "h100_hbm2e_500w" and not point["held_out"]  # the part torchtitan's page names
     assert point["published_tokens_per_s"] > 0 and point["predicted_tokens_per_s"] > 0
     error = (point["predicted_tokens_per_s"] - point["published_tokens_per_s"]) / point["published_tokens_per_s"]
     assert point["rel_error"] == pytest.approx(error)
     assert point["within_target"] == (abs(error) <= data["target"])
     assert point["command"].startswith("python -m sharded_exp.plan ")
+
+
+def test_step_breakdown_parts_sum_to_the_planned_step(tmp_path):
+    data = bench("accuracy.step_breakdown", cwd=tmp_path)
+    planned = data["planned"]
+    parts = sum(p["seconds"] for key, p in data["parts"].items() if not key.startswith("recomputed/"))
+    # the optimizer is priced whole per class; the plan keeps this rank's share
+    unsharded = sum(p["seconds"] for key, p in data["parts"].items() if key.startswith("optimizer/"))
+    total = parts - unsharded + planned["optimizer_s"] + planned["exposed_comm_s"]
+    assert total == pytest.approx(planned["step_time_s"], rel=1e-6)
+    assert 0 < data["matmul_recomputed"]["seconds"] < data["parts"]["backward/matmul"]["seconds"]  # selective op AC
+    assert data["missing_s"] == pytest.approx(data["published_step_s"] - planned["step_time_s"])
 
 
 def test_levers_smoke(tmp_path):
