@@ -9,6 +9,9 @@ threads one rank gets):
   few shapes: a fused attention kernel is not a matmul (on a CPU it reaches a small part of
   the matmul rate), so it gets its own curve;
 - memory bandwidth (a large tensor copied: bytes read plus written over the time);
+- the pace of the elementwise and per-row ops whose arithmetic, not their bytes, sets their
+  time on a CPU (GELU, SiLU, sigmoid, tanh, exp, a cube, softmax, log-softmax, layer norm;
+  forward and backward), as the bytes the op trace counts for them per second;
 - the overhead of one op (a one-element add: on a CPU this dispatch cost dominates small ops);
 - the host's cost per op of a training step, per math dtype (fp32, and bf16/fp16 under
   autocast): a tiny model's step (8 x Linear(32, 32) + GELU, Adam, batch 8), whose ops do no
@@ -42,6 +45,7 @@ import os
 import socket
 import tempfile
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -50,7 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from sharded_exp.measure.flops import count_cpu_attention, gpu_peak, save_cache
-from sharded_exp.speed.compute import timed_op
+from sharded_exp.speed.compute import base_name, timed_op
 from sharded_exp.speed.profiles import Curve, DeviceProfile, Figure, LinkProfile, Source
 
 MATMUL_SIZES = (128, 256, 512, 1024)
@@ -238,6 +242,65 @@ def measure_attention(dtype: torch.dtype, device: str = "cpu", seconds: float = 
     return sorted(points)
 
 
+ELEMENTWISE_ELEMENTS = 2**20
+"""Elements of the tensor each elementwise op is measured on: 4 MiB in fp32, a small model's
+activation, large enough that one call's dispatch is a small part of it."""
+ELEMENTWISE_ROW = 512
+"""The length of the rows a softmax or a layer norm reduces over in that measurement."""
+
+
+def _elementwise_calls(dtype: torch.dtype) -> tuple[Callable[[], object], ...]:
+    """One call of each op :func:`measure_elementwise` measures.
+
+    Each is a pointwise or per-row op whose arithmetic, on a CPU, can outweigh its memory
+    traffic: activations (GELU: an erf per element; SiLU, sigmoid, tanh: an exp; the cube in
+    GPT-2's tanh GELU), exp, softmax and log-softmax, layer norm, each forward and backward
+    as autograd calls it."""
+    aten, row = torch.ops.aten, ELEMENTWISE_ROW
+    torch.manual_seed(0)
+    x = torch.randn(ELEMENTWISE_ELEMENTS // row, row).to(dtype)
+    grad = torch.randn_like(x)
+    weight, bias = torch.ones(row, dtype=dtype), torch.zeros(row, dtype=dtype)
+    tanh, sigmoid = aten.tanh(x), aten.sigmoid(x)
+    softmax, log_softmax = aten._softmax(x, -1, False), aten._log_softmax(x, -1, False)
+    _, mean, rstd = aten.native_layer_norm(x, [row], weight, bias, 1e-5)
+    return (
+        lambda: aten.gelu(x),
+        lambda: aten.gelu_backward(grad, x),
+        lambda: aten.silu(x),
+        lambda: aten.silu_backward(grad, x),
+        lambda: aten.sigmoid(x),
+        lambda: aten.sigmoid_backward(grad, sigmoid),
+        lambda: aten.tanh(x),
+        lambda: aten.tanh_backward(grad, tanh),
+        lambda: aten.pow(x, 3.0),
+        lambda: aten.exp(x),
+        lambda: aten._softmax(x, -1, False),
+        lambda: aten._softmax_backward_data(grad, softmax, -1, dtype),
+        lambda: aten._log_softmax(x, -1, False),
+        lambda: aten._log_softmax_backward_data(grad, log_softmax, -1, dtype),
+        lambda: aten.native_layer_norm(x, [row], weight, bias, 1e-5),
+        lambda: aten.native_layer_norm_backward(grad, x, [row], mean, rstd, weight, bias, [True, True, True]),
+    )
+
+
+def measure_elementwise(dtype: torch.dtype, seconds: float = 0.03) -> dict[str, float]:
+    """GB/s each op of :func:`_elementwise_calls` reaches on this CPU, keyed by its aten name
+    without namespace and overload (``gelu_backward``), its bytes counted as the op trace
+    counts them (inputs plus outputs: the call is run once under :class:`OpTrace` to read
+    them), so that a traced op's bytes over this rate is its time."""
+    from sharded_exp.predict.op_trace import OpTrace, Trace  # lazy: the trace imports the FLOP counter's formulas
+
+    rates = {}
+    for call in _elementwise_calls(dtype):
+        trace = Trace()
+        with OpTrace(trace):
+            call()
+        (record,) = trace.records
+        rates[base_name(record["op"])] = (record["input_bytes"] + record["output_bytes"]) / _timed(call, seconds) / 1e9
+    return rates
+
+
 def _all_reduce_rank(rank: int, path: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
@@ -352,6 +415,7 @@ def measure(threads: int) -> dict:
             "memory_bandwidth_GBps": measure_bandwidth(),
             "op_overhead_s": measure_op_overhead(),
             "attention": {name: measure_attention(DTYPES[name]) for name in CPU_STEP_DTYPES},
+            "elementwise_GBps": {name: measure_elementwise(DTYPES[name]) for name in CPU_STEP_DTYPES},
             "step_op_overhead_s": {name: measure_step_op_overhead("cpu", name) for name in CPU_STEP_DTYPES},
         }
     finally:
@@ -361,10 +425,10 @@ def measure(threads: int) -> dict:
     return figures
 
 
-FIGURES_VERSION = 4
+FIGURES_VERSION = 5
 """Bumped when the figures measured change (2: the step's host cost per op; 3: the fastest of
-several windows; 4: attention's own curve, the host's cost per op of an FSDP2 step): older
-entries are measured again."""
+several windows; 4: attention's own curve, the host's cost per op of an FSDP2 step; 5: the
+elementwise ops' own rates): older entries are measured again."""
 
 
 def _key(threads: int, device: str = "cpu") -> str:
@@ -430,7 +494,12 @@ def this_profile(threads: int, remeasure: bool = False) -> tuple[DeviceProfile, 
     curves = {("matmul", d): Curve(tuple(tuple(p) for p in pts), source) for d, pts in found["matmul"].items()}
     # attention at its own measured rate; a dtype it was not measured in at the matmul's
     curves |= {("attention", d): c for (k, d), c in list(curves.items())}
-    curves |= {("attention", d): Curve(tuple(tuple(p) for p in pts), source) for d, pts in found.get("attention", {}).items()}
+    curves |= {
+        ("attention", d): Curve(tuple(tuple(p) for p in pts), source) for d, pts in found.get("attention", {}).items()
+    }
+    elementwise = {
+        (op, d): rate * 1e9 for d, ops in found.get("elementwise_GBps", {}).items() for op, rate in ops.items()
+    }
     peaks = {d: Figure(max(t for _, t in pts), source, "the best measured size") for d, pts in found["matmul"].items()}
     device = DeviceProfile(
         name="this",
@@ -442,6 +511,7 @@ def this_profile(threads: int, remeasure: bool = False) -> tuple[DeviceProfile, 
         op_overhead_s=found["op_overhead_s"],
         step_op_overhead_s=found["step_op_overhead_s"],
         sharded_step_op_overhead_s=found.get("sharded_step_op_overhead_s", {}),
+        elementwise_Bps=elementwise,
     )
     link = found["link"]
     local = LinkProfile(

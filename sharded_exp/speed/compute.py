@@ -15,7 +15,10 @@ An op is (class, FLOPs, bytes moved, dtype). Its time is
   counts them so, and its published fractions are of that count). Without a fraction,
   attention is priced as a matmul, its FLOPs as counted.
 - ``other`` ops (elementwise, norms, softmax, copies, reductions) are memory-bound:
-  ``bytes / memory bandwidth``.
+  ``bytes / memory bandwidth``; except an op whose own pace the profile measured
+  (:attr:`DeviceProfile.elementwise_Bps`: on a CPU, GELU's erf, tanh, exp, a softmax's or a
+  norm's per-row work cost more than their bytes), which takes the longer of that and its
+  bytes at its own measured rate. An in-place variant (``tanh_``) is its op's.
 
 Warning: the roofline is an optimistic bound for small matmuls (a kernel launch, tile and
 wave quantization are not in it); a measured curve is what corrects it, where one exists.
@@ -74,6 +77,11 @@ class Op:
     FLOPs counted."""
 
     @property
+    def base(self) -> str:
+        """The aten op's name without namespace and overload (``gelu`` for ``aten.gelu.default``)."""
+        return base_name(self.name)
+
+    @property
     def backward(self) -> bool:
         """An attention kernel's backward (its name says so: ``attention.backward``,
         ``aten._scaled_dot_product_flash_attention_backward``)."""
@@ -108,7 +116,8 @@ def op_time(op: Op, device: DeviceProfile) -> float:
     """Seconds for ``op`` on ``device`` (see the module docstring)."""
     memory_s = op.bytes_moved / device.memory_bandwidth_Bps
     if op.kind == "other":
-        return memory_s
+        rate = device.elementwise_Bps.get((op.base.removesuffix("_"), op.dtype))
+        return max(memory_s, op.bytes_moved / rate) if rate else memory_s
     if op.flops == 0:
         return memory_s
     curve = device.curve(op.kind, op.dtype)
@@ -126,13 +135,19 @@ def compute_time(ops: Iterable[Op], device: DeviceProfile) -> float:
     return sum(op_time(op, device) for op in ops)
 
 
-def classify(aten_name: str) -> str:
-    """``matmul``, ``attention`` or ``other`` for an aten op name in any of its spellings:
-    ``aten.mm.default``, ``aten::addmm``, ``mm`` (namespace and overload ignored)."""
+def base_name(aten_name: str) -> str:
+    """An aten op's name in any of its spellings (``aten.mm.default``, ``aten::addmm``,
+    ``torch.ops.aten.bmm.default``, ``mm``) without namespace and overload."""
     parts = str(aten_name).replace("::", ".").split(".")
     while len(parts) > 1 and parts[0] in ("torch", "ops", "aten", "prims"):
         parts = parts[1:]
-    base = parts[0]
+    return parts[0]
+
+
+def classify(aten_name: str) -> str:
+    """``matmul``, ``attention`` or ``other`` for an aten op name in any of its spellings
+    (:func:`base_name`)."""
+    base = base_name(aten_name)
     if base in MATMUL_OPS:
         return "matmul"
     if base.startswith(ATTENTION_PREFIXES) or base == FUSED_ATTENTION:

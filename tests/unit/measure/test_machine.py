@@ -102,3 +102,30 @@ def test_a_tiny_steps_host_cost_per_op_counts_the_ops_the_time_model_counts():
         torch.mm(a, a).view(4).add(1)
     assert counter.count == 2  # the mm and the add; the view is not counted
     assert machine.measure_step_op_overhead("cpu", "fp32", seconds=0.02) > 0
+
+
+def test_elementwise_rates_are_read_per_op_and_dtype(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    figures = {"matmul": {"fp32": [[1e6, 0.01]]}, "memory_bandwidth_GBps": 10.0, "op_overhead_s": 5e-6,
+               "step_op_overhead_s": {"fp32": 2e-5}, "elementwise_GBps": {"fp32": {"gelu": 2.0}, "bf16": {"gelu_backward": 1.5}},
+               "link": {"bandwidth_GBps": 0.5, "step_latency_us": 100.0}}  # fmt: skip
+    path = tmp_path / "sharded_exp" / "this_profile.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({machine._key(2): figures}))
+    device, _ = machine.this_profile(2)
+    assert device.elementwise_Bps == {("gelu", "fp32"): 2e9, ("gelu_backward", "bf16"): 1.5e9}
+
+
+def test_elementwise_ops_are_measured_by_the_bytes_the_trace_counts(monkeypatch):
+    """Each call timed at 1 s: its rate is then its bytes. GELU reads and writes 2^20 fp32
+    elements (8,388,608 bytes); its backward reads two and writes one; layer norm's forward
+    reads x, weight and bias and writes y, mean and rstd (2048 rows of 512)."""
+    monkeypatch.setattr(machine, "_timed", lambda fn, seconds: 1.0)
+    rates = machine.measure_elementwise(torch.float32)
+    n = machine.ELEMENTWISE_ELEMENTS
+    assert rates["gelu"] == pytest.approx(2 * 4 * n / 1e9)
+    assert rates["gelu_backward"] == pytest.approx(3 * 4 * n / 1e9)
+    rows, row = n // machine.ELEMENTWISE_ROW, machine.ELEMENTWISE_ROW
+    assert rates["native_layer_norm"] == pytest.approx(4 * (2 * n + 2 * row + 2 * rows) / 1e9)
+    assert {"tanh_backward", "_log_softmax_backward_data", "native_layer_norm_backward", "pow"} <= set(rates)
+    assert machine.measure_elementwise(torch.bfloat16, seconds=0.001)["gelu"] == pytest.approx(2 * 2 * n / 1e9)
