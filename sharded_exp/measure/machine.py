@@ -5,6 +5,9 @@ threads one rank gets):
 
 - matmul throughput per dtype at a few sizes (a measured curve: small matmuls are slower
   per FLOP than large ones);
+- on CPU, the same for a linear layer's three matmuls (forward ``x @ W^T``, the input's and
+  the weight's gradients), tall and with operands read from memory, per dtype a step computes
+  in: a step's matmuls, which run slower than square ones served from the cache;
 - attention's throughput (causal ``scaled_dot_product_attention``, forward and backward) at a
   few shapes: a fused attention kernel is not a matmul (on a CPU it reaches a small part of
   the matmul rate), so it gets its own curve;
@@ -39,6 +42,7 @@ host name, torch version, device and threads; ``plan.remeasure=true`` measures a
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -114,6 +118,63 @@ def measure_matmul(dtype: torch.dtype, seconds: float = 0.15) -> list[tuple[floa
         if per_call > seconds:
             break
     return points
+
+
+LINEAR_WIDTHS = (64, 128, 256, 512)
+"""Widths of the linear layers (width x width weight) whose matmuls are measured per layout,
+each over :data:`LINEAR_TOKENS_PER_WIDTH` x width tokens (a step's batch x sequence is many
+times its width): 2 x 8w x w x w FLOPs, the FLOPs of the square sizes 2w."""
+LINEAR_TOKENS_PER_WIDTH = 8
+OPERAND_POOL_BYTES = 64 * 2**20
+"""Bytes the measured matmuls' operands are drawn from in turn: more than a CPU's last-level
+cache (32 MiB on the machines this was written on), so that each call reads its operands
+from memory, as a step's matmuls read activations saved long before and weights read once."""
+
+
+def _layout_operands(
+    layout: str, tokens: int, width: int, pool: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(a, b) pairs of a linear layer's matmul in ``layout``, views into ``pool`` that do not
+    overlap: ``nt`` the forward (x @ W^T), ``nn`` the input's gradient (g @ W), ``tn`` the
+    weight's gradient (g^T @ x, whose inner dimension is the tokens)."""
+    activation, weight = tokens * width, width * width
+    per_pair = activation + (weight if layout != "tn" else activation)
+    pairs = []
+    for start in range(0, pool.numel() - per_pair + 1, per_pair):
+        first = pool[start : start + activation].view(tokens, width)
+        second = pool[start + activation : start + per_pair]
+        if layout == "nt":
+            pairs.append((first, second.view(width, width).t()))
+        elif layout == "nn":
+            pairs.append((first, second.view(width, width)))
+        else:
+            pairs.append((first.t(), second.view(tokens, width)))
+    return pairs
+
+
+def measure_matmul_layouts(dtype: torch.dtype, seconds: float = 0.05) -> dict[str, list[tuple[float, float]]]:
+    """Per layout (``nt``, ``nn``, ``tn``: see :func:`_layout_operands`), (FLOPs of one matmul,
+    TFLOP/s achieved) of a linear layer's matmuls at each of :data:`LINEAR_WIDTHS`, each call
+    on the next operands of a pool larger than the cache (:data:`OPERAND_POOL_BYTES`).
+
+    A step's matmuls are not the square, cache-hot ones :func:`measure_matmul` times: they are
+    tall (tokens x width), one of their operands is read transposed, a weight's gradient sums
+    over the tokens, and their operands come from memory. On a 2-core CPU these ran 5-20%
+    slower than a square matmul of the same FLOPs (the weight's gradient in bf16 the most).
+    Stops after the first width whose one call takes longer than ``seconds``."""
+    pool = torch.randn(OPERAND_POOL_BYTES // torch.empty((), dtype=dtype).element_size()).to(dtype)
+    curves: dict[str, list[tuple[float, float]]] = {}
+    for layout in ("nt", "nn", "tn"):
+        points = curves.setdefault(layout, [])
+        for width in LINEAR_WIDTHS:
+            tokens = LINEAR_TOKENS_PER_WIDTH * width
+            pairs = itertools.cycle(_layout_operands(layout, tokens, width, pool))
+            per_call = _timed(lambda: torch.mm(*next(pairs)), seconds)
+            flops = 2.0 * tokens * width * width
+            points.append((flops, flops / per_call / 1e12))
+            if per_call > seconds:
+                break
+    return curves
 
 
 def measure_bandwidth(seconds: float = 0.2) -> float:
@@ -416,6 +477,7 @@ def measure(threads: int) -> dict:
             "op_overhead_s": measure_op_overhead(),
             "attention": {name: measure_attention(DTYPES[name]) for name in CPU_STEP_DTYPES},
             "elementwise_GBps": {name: measure_elementwise(DTYPES[name]) for name in CPU_STEP_DTYPES},
+            "matmul_layouts": {name: measure_matmul_layouts(DTYPES[name]) for name in CPU_STEP_DTYPES},
             "step_op_overhead_s": {name: measure_step_op_overhead("cpu", name) for name in CPU_STEP_DTYPES},
         }
     finally:
@@ -428,7 +490,8 @@ def measure(threads: int) -> dict:
 FIGURES_VERSION = 5
 """Bumped when the figures measured change (2: the step's host cost per op; 3: the fastest of
 several windows; 4: attention's own curve, the host's cost per op of an FSDP2 step; 5: the
-elementwise ops' own rates): older entries are measured again."""
+elementwise ops' own rates, a linear layer's matmuls per layout): older entries are measured
+again."""
 
 
 def _key(threads: int, device: str = "cpu") -> str:
@@ -497,6 +560,11 @@ def this_profile(threads: int, remeasure: bool = False) -> tuple[DeviceProfile, 
     curves |= {
         ("attention", d): Curve(tuple(tuple(p) for p in pts), source) for d, pts in found.get("attention", {}).items()
     }
+    layouts = {
+        (layout, d): Curve(tuple(tuple(p) for p in pts), source)
+        for d, per_layout in found.get("matmul_layouts", {}).items()
+        for layout, pts in per_layout.items()
+    }
     elementwise = {
         (op, d): rate * 1e9 for d, ops in found.get("elementwise_GBps", {}).items() for op, rate in ops.items()
     }
@@ -512,6 +580,7 @@ def this_profile(threads: int, remeasure: bool = False) -> tuple[DeviceProfile, 
         step_op_overhead_s=found["step_op_overhead_s"],
         sharded_step_op_overhead_s=found.get("sharded_step_op_overhead_s", {}),
         elementwise_Bps=elementwise,
+        layout_curves=layouts,
     )
     link = found["link"]
     local = LinkProfile(

@@ -8,6 +8,10 @@ An op is (class, FLOPs, bytes moved, dtype). Its time is
 - otherwise the roofline: ``max(FLOPs / matmul rate(dtype), bytes / memory bandwidth)``, where
   the matmul rate is the datasheet peak times a published micro-benchmark's fraction when the
   profile has one (:meth:`DeviceProfile.matmul_flops_per_s`).
+- a 2-D matmul whose operands' layout the trace recorded (``nt``, ``nn``, ``tn``) on the
+  profile's curve for that layout where it has one (:attr:`DeviceProfile.layout_curves`: the
+  ``this`` profile measures a linear layer's three matmuls, operands read from memory), else
+  as any matmul.
 - ``attention`` (a fused kernel: flash or memory-efficient) at the profile's published
   attention fraction of the peak where it has one, for the forward or the backward
   (:meth:`DeviceProfile.attention_flops_per_s`); a causal kernel skips the blocks above the
@@ -75,6 +79,9 @@ class Op:
     causal: bool = False
     """An attention op with a causal mask (``is_causal``): its kernel does about half the
     FLOPs counted."""
+    layout: str = ""
+    """A 2-D matmul's operands as read (``nt``: the second transposed, as a linear layer's
+    forward ``x @ W^T``; see :mod:`sharded_exp.predict.op_trace`); empty where not recorded."""
 
     @property
     def base(self) -> str:
@@ -120,7 +127,8 @@ def op_time(op: Op, device: DeviceProfile) -> float:
         return max(memory_s, op.bytes_moved / rate) if rate else memory_s
     if op.flops == 0:
         return memory_s
-    curve = device.curve(op.kind, op.dtype)
+    curve = device.layout_curves.get((op.layout, op.dtype)) if op.kind == "matmul" else None
+    curve = curve or device.curve(op.kind, op.dtype)
     if curve is not None:
         return op.flops / achieved_flops_per_s(curve, op.flops)
     if op.kind == "attention":
@@ -175,6 +183,7 @@ def ops_from_records(records: Iterable[Mapping], dtype: str) -> list[Op]:
                 dtype=str(record.get("dtype", dtype)),
                 name=str(record["op"]),
                 causal=bool(record.get("causal", False)),
+                layout=str(record.get("layout", "")),
             )
         )
     return ops

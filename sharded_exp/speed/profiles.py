@@ -87,6 +87,12 @@ class DeviceProfile:
     """Per dtype, the fraction of the peak a published matmul micro-benchmark reached."""
     curves: Mapping[tuple[str, str], Curve] = field(default_factory=dict)
     """(op class, dtype) -> measured curve."""
+    layout_curves: Mapping[tuple[str, str], Curve] = field(default_factory=dict)
+    """(layout, dtype) -> measured curve of a 2-D matmul whose operands are read in that layout
+    (``nt``: a linear layer's forward ``x @ W^T``; ``nn``: its input's gradient; ``tn``: its
+    weight's gradient, summed over the tokens), tall and read from memory as a training step's
+    are (:func:`sharded_exp.measure.machine.measure_matmul_layouts`). Where present it prices
+    such a matmul in place of the ``matmul`` curve. Only the ``this`` profile of a CPU has them."""
     attention_fraction: Mapping[tuple[str, str], Figure] = field(default_factory=dict)
     """(pass, dtype) -> the fraction of the peak a fused attention kernel reached in a published
     micro-benchmark (FlashAttention's papers), of the FLOPs it does (a causal one's halved)."""
