@@ -58,7 +58,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from sharded_exp.measure.flops import count_cpu_attention, gpu_peak, save_cache
-from sharded_exp.speed.compute import base_name, timed_op
+from sharded_exp.speed.compute import base_name, tensor_bytes, timed_op
 from sharded_exp.speed.profiles import Curve, DeviceProfile, Figure, LinkProfile, Source
 
 MATMUL_SIZES = (128, 256, 512, 1024)
@@ -345,20 +345,31 @@ def _elementwise_calls(dtype: torch.dtype) -> tuple[Callable[[], object], ...]:
     )
 
 
+class _OpBytes(TorchDispatchMode):
+    """Each dispatched op's aten name and the bytes it reads and writes, counted as the op
+    trace counts them (:func:`tensor_bytes`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops.append((base_name(str(func)), tensor_bytes((args, kwargs)) + tensor_bytes(out)))
+        return out
+
+
 def measure_elementwise(dtype: torch.dtype, seconds: float = 0.03) -> dict[str, float]:
     """GB/s each op of :func:`_elementwise_calls` reaches on this CPU, keyed by its aten name
     without namespace and overload (``gelu_backward``), its bytes counted as the op trace
-    counts them (inputs plus outputs: the call is run once under :class:`OpTrace` to read
-    them), so that a traced op's bytes over this rate is its time."""
-    from sharded_exp.predict.op_trace import OpTrace, Trace  # lazy: the trace imports the FLOP counter's formulas
-
+    counts them (inputs plus outputs), so that a traced op's bytes over this rate is its time."""
     rates = {}
     for call in _elementwise_calls(dtype):
-        trace = Trace()
-        with OpTrace(trace):
+        counter = _OpBytes()
+        with counter:
             call()
-        (record,) = trace.records
-        rates[base_name(record["op"])] = (record["input_bytes"] + record["output_bytes"]) / _timed(call, seconds) / 1e9
+        ((name, nbytes),) = counter.ops
+        rates[name] = nbytes / _timed(call, seconds) / 1e9
     return rates
 
 

@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from sharded_exp.measure.flops import count_cpu_attention
-from sharded_exp.speed.compute import timed_op
+from sharded_exp.speed.compute import tensor_bytes, timed_op
 
 count_cpu_attention()  # the CPU's fused attention gets FLOPs in the trace
 
@@ -71,11 +71,6 @@ class Trace:
             # forward op belongs to a unit
             out.append({**r, "phase": phase, "unit": r["unit"] if phase == "forward" else None})
         return out
-
-
-def _bytes(tree) -> int:
-    leaves, _ = tree_flatten(tree)
-    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
 
 def _dtype(args) -> str:
@@ -113,7 +108,7 @@ class OpTrace(TorchDispatchMode):
             return out
         packet = func._overloadpacket
         flops = flop_registry[packet](*args, **kwargs, out_val=out) if packet in flop_registry else 0
-        self._record(str(func), int(flops), _bytes((args, kwargs)), _bytes(out), _dtype(args))
+        self._record(str(func), int(flops), tensor_bytes((args, kwargs)), tensor_bytes(out), _dtype(args))
         operands = MATMUL_OPERANDS.get(packet)
         if operands is not None:
             self.trace.records[-1]["layout"] = "".join(_read_as(args[i]) for i in operands)

@@ -34,6 +34,9 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
+import torch
+from torch.utils._pytree import tree_flatten
+
 from sharded_exp.errors import ConfigError
 from sharded_exp.speed.profiles import DTYPES, Curve, DeviceProfile
 
@@ -51,6 +54,14 @@ def timed_op(func) -> bool:
     ``this`` profile's host cost per op divides a step by their number."""
     namespace, _, base = func.name().partition("::")  # "aten::mm"
     return namespace not in SKIPPED_NAMESPACES and not func.is_view and base not in NO_BYTES
+
+
+def tensor_bytes(tree) -> int:
+    """Bytes of the tensors in ``tree`` (an op's arguments, or its outputs): what the op trace
+    counts an op as reading or writing, and what the ``this`` profile's elementwise rates are
+    counted in."""
+    leaves, _ = tree_flatten(tree)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
 
 MATMUL_OPS = frozenset({
