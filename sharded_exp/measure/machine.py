@@ -5,10 +5,16 @@ threads one rank gets):
 
 - matmul throughput per dtype at a few sizes (a measured curve: small matmuls are slower
   per FLOP than large ones);
+- on CPU, the same for a linear layer's three matmuls (forward ``x @ W^T``, the input's and
+  the weight's gradients), tall and with operands read from memory, per dtype a step computes
+  in: a step's matmuls, which run slower than square ones served from the cache;
 - attention's throughput (causal ``scaled_dot_product_attention``, forward and backward) at a
   few shapes: a fused attention kernel is not a matmul (on a CPU it reaches a small part of
   the matmul rate), so it gets its own curve;
 - memory bandwidth (a large tensor copied: bytes read plus written over the time);
+- the pace of the elementwise and per-row ops whose arithmetic, not their bytes, sets their
+  time on a CPU (GELU, SiLU, sigmoid, tanh, exp, a cube, softmax, log-softmax, layer norm;
+  forward and backward), as the bytes the op trace counts for them per second;
 - the overhead of one op (a one-element add: on a CPU this dispatch cost dominates small ops);
 - the host's cost per op of a training step, per math dtype (fp32, and bf16/fp16 under
   autocast): a tiny model's step (8 x Linear(32, 32) + GELU, Adam, batch 8), whose ops do no
@@ -39,6 +45,7 @@ host name, torch version, device and threads; ``plan.remeasure=true`` measures a
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import mmap
@@ -46,6 +53,7 @@ import os
 import socket
 import tempfile
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -54,7 +62,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from sharded_exp.measure.flops import count_cpu_attention, gpu_peak, save_cache
-from sharded_exp.speed.compute import timed_op
+from sharded_exp.speed.compute import base_name, tensor_bytes, timed_op
 from sharded_exp.speed.profiles import Curve, DeviceProfile, Figure, LinkProfile, Source
 
 MATMUL_SIZES = (128, 256, 512, 1024)
@@ -114,6 +122,63 @@ def measure_matmul(dtype: torch.dtype, seconds: float = 0.15) -> list[tuple[floa
         if per_call > seconds:
             break
     return points
+
+
+LINEAR_WIDTHS = (64, 128, 256, 512)
+"""Widths of the linear layers (width x width weight) whose matmuls are measured per layout,
+each over :data:`LINEAR_TOKENS_PER_WIDTH` x width tokens (a step's batch x sequence is many
+times its width): 2 x 8w x w x w FLOPs, the FLOPs of the square sizes 2w."""
+LINEAR_TOKENS_PER_WIDTH = 8
+OPERAND_POOL_BYTES = 64 * 2**20
+"""Bytes the measured matmuls' operands are drawn from in turn: more than a CPU's last-level
+cache (32 MiB on the machines this was written on), so that each call reads its operands
+from memory, as a step's matmuls read activations saved long before and weights read once."""
+
+
+def _layout_operands(
+    layout: str, tokens: int, width: int, pool: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(a, b) pairs of a linear layer's matmul in ``layout``, views into ``pool`` that do not
+    overlap: ``nt`` the forward (x @ W^T), ``nn`` the input's gradient (g @ W), ``tn`` the
+    weight's gradient (g^T @ x, whose inner dimension is the tokens)."""
+    activation, weight = tokens * width, width * width
+    per_pair = activation + (weight if layout != "tn" else activation)
+    pairs = []
+    for start in range(0, pool.numel() - per_pair + 1, per_pair):
+        first = pool[start : start + activation].view(tokens, width)
+        second = pool[start + activation : start + per_pair]
+        if layout == "nt":
+            pairs.append((first, second.view(width, width).t()))
+        elif layout == "nn":
+            pairs.append((first, second.view(width, width)))
+        else:
+            pairs.append((first.t(), second.view(tokens, width)))
+    return pairs
+
+
+def measure_matmul_layouts(dtype: torch.dtype, seconds: float = 0.05) -> dict[str, list[tuple[float, float]]]:
+    """Per layout (``nt``, ``nn``, ``tn``: see :func:`_layout_operands`), (FLOPs of one matmul,
+    TFLOP/s achieved) of a linear layer's matmuls at each of :data:`LINEAR_WIDTHS`, each call
+    on the next operands of a pool larger than the cache (:data:`OPERAND_POOL_BYTES`).
+
+    A step's matmuls are not the square, cache-hot ones :func:`measure_matmul` times: they are
+    tall (tokens x width), one of their operands is read transposed, a weight's gradient sums
+    over the tokens, and their operands come from memory. On a 2-core CPU these ran 5-20%
+    slower than a square matmul of the same FLOPs (the weight's gradient in bf16 the most).
+    Stops after the first width whose one call takes longer than ``seconds``."""
+    pool = torch.randn(OPERAND_POOL_BYTES // torch.empty((), dtype=dtype).element_size()).to(dtype)
+    curves: dict[str, list[tuple[float, float]]] = {}
+    for layout in ("nt", "nn", "tn"):
+        points = curves.setdefault(layout, [])
+        for width in LINEAR_WIDTHS:
+            tokens = LINEAR_TOKENS_PER_WIDTH * width
+            pairs = itertools.cycle(_layout_operands(layout, tokens, width, pool))
+            per_call = _timed(lambda: torch.mm(*next(pairs)), seconds)
+            flops = 2.0 * tokens * width * width
+            points.append((flops, flops / per_call / 1e12))
+            if per_call > seconds:
+                break
+    return curves
 
 
 def measure_bandwidth(seconds: float = 0.2) -> float:
@@ -256,6 +321,76 @@ def measure_attention(dtype: torch.dtype, device: str = "cpu", seconds: float = 
     return sorted(points)
 
 
+ELEMENTWISE_ELEMENTS = 2**20
+"""Elements of the tensor each elementwise op is measured on: 4 MiB in fp32, a small model's
+activation, large enough that one call's dispatch is a small part of it."""
+ELEMENTWISE_ROW = 512
+"""The length of the rows a softmax or a layer norm reduces over in that measurement."""
+
+
+def _elementwise_calls(dtype: torch.dtype) -> tuple[Callable[[], object], ...]:
+    """One call of each op :func:`measure_elementwise` measures.
+
+    Each is a pointwise or per-row op whose arithmetic, on a CPU, can outweigh its memory
+    traffic: activations (GELU: an erf per element; SiLU, sigmoid, tanh: an exp; the cube in
+    GPT-2's tanh GELU), exp, softmax and log-softmax, layer norm, each forward and backward
+    as autograd calls it."""
+    aten, row = torch.ops.aten, ELEMENTWISE_ROW
+    torch.manual_seed(0)
+    x = torch.randn(ELEMENTWISE_ELEMENTS // row, row).to(dtype)
+    grad = torch.randn_like(x)
+    weight, bias = torch.ones(row, dtype=dtype), torch.zeros(row, dtype=dtype)
+    tanh, sigmoid = aten.tanh(x), aten.sigmoid(x)
+    softmax, log_softmax = aten._softmax(x, -1, False), aten._log_softmax(x, -1, False)
+    _, mean, rstd = aten.native_layer_norm(x, [row], weight, bias, 1e-5)
+    return (
+        lambda: aten.gelu(x),
+        lambda: aten.gelu_backward(grad, x),
+        lambda: aten.silu(x),
+        lambda: aten.silu_backward(grad, x),
+        lambda: aten.sigmoid(x),
+        lambda: aten.sigmoid_backward(grad, sigmoid),
+        lambda: aten.tanh(x),
+        lambda: aten.tanh_backward(grad, tanh),
+        lambda: aten.pow(x, 3.0),
+        lambda: aten.exp(x),
+        lambda: aten._softmax(x, -1, False),
+        lambda: aten._softmax_backward_data(grad, softmax, -1, dtype),
+        lambda: aten._log_softmax(x, -1, False),
+        lambda: aten._log_softmax_backward_data(grad, log_softmax, -1, dtype),
+        lambda: aten.native_layer_norm(x, [row], weight, bias, 1e-5),
+        lambda: aten.native_layer_norm_backward(grad, x, [row], mean, rstd, weight, bias, [True, True, True]),
+    )
+
+
+class _OpBytes(TorchDispatchMode):
+    """Each dispatched op's aten name and the bytes it reads and writes, counted as the op
+    trace counts them (:func:`tensor_bytes`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops.append((base_name(str(func)), tensor_bytes((args, kwargs)) + tensor_bytes(out)))
+        return out
+
+
+def measure_elementwise(dtype: torch.dtype, seconds: float = 0.03) -> dict[str, float]:
+    """GB/s each op of :func:`_elementwise_calls` reaches on this CPU, keyed by its aten name
+    without namespace and overload (``gelu_backward``), its bytes counted as the op trace
+    counts them (inputs plus outputs), so that a traced op's bytes over this rate is its time."""
+    rates = {}
+    for call in _elementwise_calls(dtype):
+        counter = _OpBytes()
+        with counter:
+            call()
+        ((name, nbytes),) = counter.ops
+        rates[name] = nbytes / _timed(call, seconds) / 1e9
+    return rates
+
+
 def _all_reduce_rank(rank: int, path: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
@@ -370,6 +505,8 @@ def measure(threads: int) -> dict:
             "memory_bandwidth_GBps": measure_bandwidth(),
             "op_overhead_s": measure_op_overhead(),
             "attention": {name: measure_attention(DTYPES[name]) for name in CPU_STEP_DTYPES},
+            "elementwise_GBps": {name: measure_elementwise(DTYPES[name]) for name in CPU_STEP_DTYPES},
+            "matmul_layouts": {name: measure_matmul_layouts(DTYPES[name]) for name in CPU_STEP_DTYPES},
             "step_op_overhead_s": {name: measure_step_op_overhead("cpu", name) for name in CPU_STEP_DTYPES},
             "fresh_page_s": measure_fresh_page_s(),
         }
@@ -380,10 +517,11 @@ def measure(threads: int) -> dict:
     return figures
 
 
-FIGURES_VERSION = 5
+FIGURES_VERSION = 6
 """Bumped when the figures measured change (2: the step's host cost per op; 3: the fastest of
-several windows; 4: attention's own curve, the host's cost per op of an FSDP2 step; 5: a new
-page's cost on CPU): older entries are measured again."""
+several windows; 4: attention's own curve, the host's cost per op of an FSDP2 step; 5: the
+elementwise ops' own rates, a linear layer's matmuls per layout; 6: a new page's cost on CPU):
+older entries are measured again."""
 
 
 def _key(threads: int, device: str = "cpu") -> str:
@@ -449,7 +587,17 @@ def this_profile(threads: int, remeasure: bool = False) -> tuple[DeviceProfile, 
     curves = {("matmul", d): Curve(tuple(tuple(p) for p in pts), source) for d, pts in found["matmul"].items()}
     # attention at its own measured rate; a dtype it was not measured in at the matmul's
     curves |= {("attention", d): c for (k, d), c in list(curves.items())}
-    curves |= {("attention", d): Curve(tuple(tuple(p) for p in pts), source) for d, pts in found.get("attention", {}).items()}
+    curves |= {
+        ("attention", d): Curve(tuple(tuple(p) for p in pts), source) for d, pts in found.get("attention", {}).items()
+    }
+    layouts = {
+        (layout, d): Curve(tuple(tuple(p) for p in pts), source)
+        for d, per_layout in found.get("matmul_layouts", {}).items()
+        for layout, pts in per_layout.items()
+    }
+    elementwise = {
+        (op, d): rate * 1e9 for d, ops in found.get("elementwise_GBps", {}).items() for op, rate in ops.items()
+    }
     peaks = {d: Figure(max(t for _, t in pts), source, "the best measured size") for d, pts in found["matmul"].items()}
     device = DeviceProfile(
         name="this",
@@ -461,6 +609,8 @@ def this_profile(threads: int, remeasure: bool = False) -> tuple[DeviceProfile, 
         op_overhead_s=found["op_overhead_s"],
         step_op_overhead_s=found["step_op_overhead_s"],
         sharded_step_op_overhead_s=found.get("sharded_step_op_overhead_s", {}),
+        elementwise_Bps=elementwise,
+        layout_curves=layouts,
         fresh_page_s=found.get("fresh_page_s"),
     )
     link = found["link"]

@@ -10,6 +10,10 @@ tensor is kept, so the memory the step tracks is not changed):
 - ``input_bytes`` and ``output_bytes``: the bytes of the tensors it reads and writes;
 - ``dtype``: the time model's math dtype of its first floating input (``bf16``, ``fp16``,
   ``fp32``);
+- ``layout`` (a 2-D matmul only: ``mm``, ``addmm``): ``n`` or ``t`` for each operand, ``t``
+  where it is read transposed (a column-major view, as ``W.t()`` in a linear layer's forward
+  ``x @ W^T``, ``nt``; the weight's gradient ``g^T @ x`` is ``tn``); a CPU's matmul rate
+  depends on it;
 - ``phase``: ``forward``, ``backward`` (inside autograd's backward, which is where
   activation checkpointing's recomputation runs: it is counted) or ``optimizer`` (after the
   step's last backward op: clipping and the optimizer step);
@@ -44,7 +48,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from sharded_exp.measure.flops import count_cpu_attention
-from sharded_exp.speed.compute import timed_op
+from sharded_exp.speed.compute import tensor_bytes, timed_op
 
 count_cpu_attention()  # the CPU's fused attention gets FLOPs in the trace
 
@@ -77,11 +81,6 @@ class Trace:
         return out
 
 
-def _bytes(tree) -> int:
-    leaves, _ = tree_flatten(tree)
-    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
-
-
 def _fresh(func, out) -> tuple[int, ...]:
     """The sizes of the new storages ``func`` returned, of at least :data:`FRESH_MIN_BYTES`
     (none for an op whose schema says an output aliases an input: a view or an in-place op)."""
@@ -98,6 +97,15 @@ def _dtype(args) -> str:
         if isinstance(t, torch.Tensor) and t.is_floating_point():
             return MATH_DTYPES.get(t.dtype, "fp32")
     return "fp32"
+
+
+MATMUL_OPERANDS = {torch.ops.aten.mm: (0, 1), torch.ops.aten.addmm: (1, 2)}
+"""The 2-D matmuls whose ``layout`` is recorded: the positions of their two operands."""
+
+
+def _read_as(matrix: torch.Tensor) -> str:
+    """``t`` for a matrix stored column-major (a transposed view), else ``n``."""
+    return "t" if matrix.stride(-1) != 1 and matrix.stride(-2) == 1 else "n"
 
 
 class OpTrace(TorchDispatchMode):
@@ -120,7 +128,10 @@ class OpTrace(TorchDispatchMode):
             return out
         packet = func._overloadpacket
         flops = flop_registry[packet](*args, **kwargs, out_val=out) if packet in flop_registry else 0
-        self._record(str(func), int(flops), _bytes((args, kwargs)), _bytes(out), _dtype(args))
+        self._record(str(func), int(flops), tensor_bytes((args, kwargs)), tensor_bytes(out), _dtype(args))
+        operands = MATMUL_OPERANDS.get(packet)
+        if operands is not None:
+            self.trace.records[-1]["layout"] = "".join(_read_as(args[i]) for i in operands)
         return out
 
     def _record(self, op: str, flops: int, input_bytes: int, output_bytes: int, dtype: str) -> None:

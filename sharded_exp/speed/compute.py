@@ -8,6 +8,10 @@ An op is (class, FLOPs, bytes moved, dtype). Its time is
 - otherwise the roofline: ``max(FLOPs / matmul rate(dtype), bytes / memory bandwidth)``, where
   the matmul rate is the datasheet peak times a published micro-benchmark's fraction when the
   profile has one (:meth:`DeviceProfile.matmul_flops_per_s`).
+- a 2-D matmul whose operands' layout the trace recorded (``nt``, ``nn``, ``tn``) on the
+  profile's curve for that layout where it has one (:attr:`DeviceProfile.layout_curves`: the
+  ``this`` profile measures a linear layer's three matmuls, operands read from memory), else
+  as any matmul.
 - ``attention`` (a fused kernel: flash or memory-efficient) at the profile's published
   attention fraction of the peak where it has one, for the forward or the backward
   (:meth:`DeviceProfile.attention_flops_per_s`); a causal kernel skips the blocks above the
@@ -15,7 +19,10 @@ An op is (class, FLOPs, bytes moved, dtype). Its time is
   counts them so, and its published fractions are of that count). Without a fraction,
   attention is priced as a matmul, its FLOPs as counted.
 - ``other`` ops (elementwise, norms, softmax, copies, reductions) are memory-bound:
-  ``bytes / memory bandwidth``.
+  ``bytes / memory bandwidth``; except an op whose own pace the profile measured
+  (:attr:`DeviceProfile.elementwise_Bps`: on a CPU, GELU's erf, tanh, exp, a softmax's or a
+  norm's per-row work cost more than their bytes), which takes the longer of that and its
+  bytes at its own measured rate. An in-place variant (``tanh_``) is its op's.
 
 Warning: the roofline is an optimistic bound for small matmuls (a kernel launch, tile and
 wave quantization are not in it); a measured curve is what corrects it, where one exists.
@@ -26,6 +33,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping
+
+import torch
+from torch.utils._pytree import tree_flatten
 
 from sharded_exp.errors import ConfigError
 from sharded_exp.speed.profiles import DTYPES, Curve, DeviceProfile
@@ -44,6 +54,14 @@ def timed_op(func) -> bool:
     ``this`` profile's host cost per op divides a step by their number."""
     namespace, _, base = func.name().partition("::")  # "aten::mm"
     return namespace not in SKIPPED_NAMESPACES and not func.is_view and base not in NO_BYTES
+
+
+def tensor_bytes(tree) -> int:
+    """Bytes of the tensors in ``tree`` (an op's arguments, or its outputs): what the op trace
+    counts an op as reading or writing, and what the ``this`` profile's elementwise rates are
+    counted in."""
+    leaves, _ = tree_flatten(tree)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
 
 MATMUL_OPS = frozenset({
@@ -72,6 +90,14 @@ class Op:
     causal: bool = False
     """An attention op with a causal mask (``is_causal``): its kernel does about half the
     FLOPs counted."""
+    layout: str = ""
+    """A 2-D matmul's operands as read (``nt``: the second transposed, as a linear layer's
+    forward ``x @ W^T``; see :mod:`sharded_exp.predict.op_trace`); empty where not recorded."""
+
+    @property
+    def base(self) -> str:
+        """The aten op's name without namespace and overload (``gelu`` for ``aten.gelu.default``)."""
+        return base_name(self.name)
 
     @property
     def backward(self) -> bool:
@@ -108,10 +134,12 @@ def op_time(op: Op, device: DeviceProfile) -> float:
     """Seconds for ``op`` on ``device`` (see the module docstring)."""
     memory_s = op.bytes_moved / device.memory_bandwidth_Bps
     if op.kind == "other":
-        return memory_s
+        rate = device.elementwise_Bps.get((op.base.removesuffix("_"), op.dtype))
+        return max(memory_s, op.bytes_moved / rate) if rate else memory_s
     if op.flops == 0:
         return memory_s
-    curve = device.curve(op.kind, op.dtype)
+    curve = device.layout_curves.get((op.layout, op.dtype)) if op.kind == "matmul" else None
+    curve = curve or device.curve(op.kind, op.dtype)
     if curve is not None:
         return op.flops / achieved_flops_per_s(curve, op.flops)
     if op.kind == "attention":
@@ -126,13 +154,19 @@ def compute_time(ops: Iterable[Op], device: DeviceProfile) -> float:
     return sum(op_time(op, device) for op in ops)
 
 
-def classify(aten_name: str) -> str:
-    """``matmul``, ``attention`` or ``other`` for an aten op name in any of its spellings:
-    ``aten.mm.default``, ``aten::addmm``, ``mm`` (namespace and overload ignored)."""
+def base_name(aten_name: str) -> str:
+    """An aten op's name in any of its spellings (``aten.mm.default``, ``aten::addmm``,
+    ``torch.ops.aten.bmm.default``, ``mm``) without namespace and overload."""
     parts = str(aten_name).replace("::", ".").split(".")
     while len(parts) > 1 and parts[0] in ("torch", "ops", "aten", "prims"):
         parts = parts[1:]
-    base = parts[0]
+    return parts[0]
+
+
+def classify(aten_name: str) -> str:
+    """``matmul``, ``attention`` or ``other`` for an aten op name in any of its spellings
+    (:func:`base_name`)."""
+    base = base_name(aten_name)
     if base in MATMUL_OPS:
         return "matmul"
     if base.startswith(ATTENTION_PREFIXES) or base == FUSED_ATTENTION:
@@ -160,6 +194,7 @@ def ops_from_records(records: Iterable[Mapping], dtype: str) -> list[Op]:
                 dtype=str(record.get("dtype", dtype)),
                 name=str(record["op"]),
                 causal=bool(record.get("causal", False)),
+                layout=str(record.get("layout", "")),
             )
         )
     return ops

@@ -87,6 +87,12 @@ class DeviceProfile:
     """Per dtype, the fraction of the peak a published matmul micro-benchmark reached."""
     curves: Mapping[tuple[str, str], Curve] = field(default_factory=dict)
     """(op class, dtype) -> measured curve."""
+    layout_curves: Mapping[tuple[str, str], Curve] = field(default_factory=dict)
+    """(layout, dtype) -> measured curve of a 2-D matmul whose operands are read in that layout
+    (``nt``: a linear layer's forward ``x @ W^T``; ``nn``: its input's gradient; ``tn``: its
+    weight's gradient, summed over the tokens), tall and read from memory as a training step's
+    are (:func:`sharded_exp.measure.machine.measure_matmul_layouts`). Where present it prices
+    such a matmul in place of the ``matmul`` curve. Only the ``this`` profile of a CPU has them."""
     attention_fraction: Mapping[tuple[str, str], Figure] = field(default_factory=dict)
     """(pass, dtype) -> the fraction of the peak a fused attention kernel reached in a published
     micro-benchmark (FlashAttention's papers), of the FLOPs it does (a causal one's halved)."""
@@ -109,6 +115,14 @@ class DeviceProfile:
     DTensors, each dispatched through DTensor's Python layer), measured on the same tiny model
     sharded per layer at world size 1 (:func:`sharded_exp.measure.machine.measure_step_op_overhead`).
     Where present it replaces :attr:`step_op_overhead_s` for such a step."""
+    elementwise_Bps: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    """(aten op name, dtype) -> the bytes per second (inputs plus outputs, counted as the op
+    trace counts them) that op reached on this device when measured alone
+    (:func:`sharded_exp.measure.machine.measure_elementwise`). On a CPU an op such as GELU
+    (an erf per element), tanh, exp, or a softmax's or a norm's per-row reductions is paced by
+    its arithmetic, not by its bytes at :attr:`memory_bandwidth`: it then takes the longer of
+    the two. Only the ``this`` profile measures it; an op without a figure is priced by its
+    bytes alone."""
     asynchronous: bool = False
     """Ops are launched ahead of the device (CUDA): an op then takes the larger of its kernel
     time and the host's cost per op, not their sum (a CPU runs them one after the other)."""

@@ -102,3 +102,58 @@ def test_a_tiny_steps_host_cost_per_op_counts_the_ops_the_time_model_counts():
         torch.mm(a, a).view(4).add(1)
     assert counter.count == 2  # the mm and the add; the view is not counted
     assert machine.measure_step_op_overhead("cpu", "fp32", seconds=0.02) > 0
+
+
+def test_elementwise_rates_and_layout_curves_are_read_per_dtype(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    figures = {"matmul": {"fp32": [[1e6, 0.01]]}, "memory_bandwidth_GBps": 10.0, "op_overhead_s": 5e-6,
+               "step_op_overhead_s": {"fp32": 2e-5}, "elementwise_GBps": {"fp32": {"gelu": 2.0}, "bf16": {"gelu_backward": 1.5}},
+               "matmul_layouts": {"fp32": {"tn": [[1e6, 0.01], [1e9, 0.04]]}},
+               "link": {"bandwidth_GBps": 0.5, "step_latency_us": 100.0}}  # fmt: skip
+    path = tmp_path / "sharded_exp" / "this_profile.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({machine._key(2): figures}))
+    device, _ = machine.this_profile(2)
+    assert device.elementwise_Bps == {("gelu", "fp32"): 2e9, ("gelu_backward", "bf16"): 1.5e9}
+    assert list(device.layout_curves) == [("tn", "fp32")]
+    assert device.layout_curves[("tn", "fp32")].points == ((1e6, 0.01), (1e9, 0.04))
+
+
+def test_elementwise_ops_are_measured_by_the_bytes_the_trace_counts(monkeypatch):
+    """Each call timed at 1 s: its rate is then its bytes. GELU reads and writes 2^20 fp32
+    elements (8,388,608 bytes); its backward reads two and writes one; layer norm's forward
+    reads x, weight and bias and writes y, mean and rstd (2048 rows of 512)."""
+    monkeypatch.setattr(machine, "_timed", lambda fn, seconds: 1.0)
+    rates = machine.measure_elementwise(torch.float32)
+    n = machine.ELEMENTWISE_ELEMENTS
+    assert rates["gelu"] == pytest.approx(2 * 4 * n / 1e9)
+    assert rates["gelu_backward"] == pytest.approx(3 * 4 * n / 1e9)
+    rows, row = n // machine.ELEMENTWISE_ROW, machine.ELEMENTWISE_ROW
+    assert rates["native_layer_norm"] == pytest.approx(4 * (2 * n + 2 * row + 2 * rows) / 1e9)
+    assert {"tanh_backward", "_log_softmax_backward_data", "native_layer_norm_backward", "pow"} <= set(rates)
+    assert machine.measure_elementwise(torch.bfloat16, seconds=0.001)["gelu"] == pytest.approx(2 * 2 * n / 1e9)
+
+
+@pytest.mark.parametrize(
+    "layout, a_stride, b_stride", [("nt", (8, 1), (1, 8)), ("nn", (8, 1), (8, 1)), ("tn", (1, 8), (8, 1))]
+)
+def test_a_linear_layers_matmuls_are_measured_in_its_layouts_on_separate_operands(layout, a_stride, b_stride):
+    """Tokens 32, width 8: x (32 x 8) and W (8 x 8) per pair, or two 32 x 8 for the weight's
+    gradient; a pool of 1100 elements holds 3 pairs of 320 (2 of 512 for tn), none shared."""
+    pool = torch.arange(1100.0)
+    pairs = machine._layout_operands(layout, 32, 8, pool)
+    assert len(pairs) == (2 if layout == "tn" else 3)
+    a, b = pairs[0]
+    assert (a.stride(), b.stride(), (a @ b).shape) == (a_stride, b_stride, (8, 8) if layout == "tn" else (32, 8))
+    starts = sorted(t.storage_offset() for pair in pairs for t in pair)
+    assert len(set(starts)) == len(starts)
+
+
+def test_the_layout_curves_count_a_linear_layers_flops(monkeypatch):
+    """2 x tokens x width^2 FLOPs per call, tokens = 8 x width; every call timed at 1 ms."""
+    monkeypatch.setattr(machine, "_timed", lambda fn, seconds: (fn(), 1e-3)[1])
+    monkeypatch.setattr(machine, "OPERAND_POOL_BYTES", 32 * 2**20)  # a pair of the widest tn: 16 MiB
+    curves = machine.measure_matmul_layouts(torch.float32)
+    flops = [2.0 * 8 * w**3 for w in machine.LINEAR_WIDTHS]
+    assert set(curves) == {"nt", "nn", "tn"}
+    assert curves["tn"] == [(f, f / 1e-3 / 1e12) for f in flops]

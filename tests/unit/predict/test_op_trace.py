@@ -62,6 +62,19 @@ def test_ops_are_phased_and_the_forwards_attributed_to_their_units():
     )  # float32 4 x 8
 
 
+def test_a_linear_layers_matmuls_record_which_operand_is_read_transposed():
+    """Forward x @ W^T (addmm with W.t(): nt); backward the input's gradient g @ W (nn) and
+    the weight's g^T @ x (tn); no other op has a layout."""
+    layer, trace = nn.Linear(8, 4), Trace()
+    with tracing(trace, []):
+        layer(torch.ones(16, 8, requires_grad=True)).square().sum().backward()
+    matmuls = [(r["op"], r["layout"], r["backward"]) for r in trace.records if "layout" in r]
+    assert sorted(matmuls) == [
+        ("aten.addmm.default", "nt", False), ("aten.mm.default", "nn", True), ("aten.mm.default", "tn", True)
+    ]  # fmt: skip
+    assert all("layout" not in r for r in trace.records if "mm" not in r["op"])
+
+
 def test_recomputation_under_checkpointing_is_counted_in_the_backward():
     plain, recomputed = Trace(), Trace()
     step(Two(), plain)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from sharded_exp.errors import ConfigError
 from sharded_exp.speed.compute import Op, achieved_flops_per_s, classify, compute_time, op_time, ops_from_records
-from sharded_exp.speed.profiles import ProfileError, load_device, parse_device
+from sharded_exp.speed.profiles import Curve, ProfileError, load_device, parse_device
 
 H100 = load_device("h100_sxm")
 
@@ -96,3 +98,41 @@ def test_flop_counter_records_become_ops():
     assert compute_time([mm, add], H100) == pytest.approx(op_time(mm, H100) + 300 / 3.35e12)
     with pytest.raises(ConfigError, match="output_bytes"):
         ops_from_records([{"op": "aten.mm.default", "flops": 1, "input_bytes": 1}], "bf16")
+
+
+def _device_with_elementwise_rates(rates):
+    src = {"m": {"title": "a test measurement", "url": "https://example.org/m"}}
+    plain = parse_device({
+        "kind": "device", "name": "cpu-like", "sources": src,
+        "memory_GB": {"value": 1, "source": "m"}, "memory_bandwidth_GBps": {"value": 10, "source": "m"},
+        "peak_TFLOPs": {"fp32": {"value": 1, "source": "m"}},
+    })  # fmt: skip
+    return replace(plain, elementwise_Bps=rates)
+
+
+def test_an_elementwise_op_measured_slower_than_its_bytes_takes_its_own_rate():
+    """1e9 bytes of GELU: 0.1 s at the copy's 10 GB/s, 0.5 s at GELU's measured 2 GB/s; the
+    in-place variant is GELU's; exp measured faster than a copy stays at the copy's pace; bf16
+    was not measured, nor was add: both by their bytes."""
+    device = _device_with_elementwise_rates({("gelu", "fp32"): 2e9, ("exp", "fp32"): 50e9})
+    assert op_time(Op("other", 0, 1e9, "fp32", "aten.gelu.default"), device) == pytest.approx(0.5)
+    assert op_time(Op("other", 0, 1e9, "fp32", "aten.gelu_.default"), device) == pytest.approx(0.5)
+    assert op_time(Op("other", 0, 1e9, "fp32", "aten.exp.default"), device) == pytest.approx(0.1)
+    assert op_time(Op("other", 0, 1e9, "bf16", "aten.gelu.default"), device) == pytest.approx(0.1)
+    assert op_time(Op("other", 0, 1e9, "fp32", "aten.add.Tensor"), device) == pytest.approx(0.1)
+    assert not H100.elementwise_Bps  # a named GPU has none: every such op by its bytes, as before
+
+
+def test_a_matmul_is_priced_on_the_curve_of_its_layout_where_the_profile_has_one():
+    """The matmul curve runs at 10-100 TFLOP/s; the tn curve at a flat 1 TFLOP/s: 1e12 FLOPs
+    of tn take 1 s; an nt matmul (no curve), one without a layout, and a tn matmul in a dtype
+    without a layout curve are priced on the matmul curve (1e12 FLOPs at 100 TFLOP/s: 10 ms)."""
+    plain = _device_with_curve()
+    src = plain.curve("matmul", "bf16").source
+    device = replace(plain, layout_curves={("tn", "bf16"): Curve(((1e6, 1.0), (1e12, 1.0)), src)})
+    assert op_time(Op("matmul", 1e12, 0, "bf16", layout="tn"), device) == pytest.approx(1.0)
+    for op in (Op("matmul", 1e12, 0, "bf16", layout="nt"), Op("matmul", 1e12, 0, "bf16")):
+        assert op_time(op, device) == pytest.approx(1e-2)
+    records = [{"op": "aten.mm.default", "flops": 1e12, "input_bytes": 0, "output_bytes": 0, "layout": "tn"}]
+    (op,) = ops_from_records(records, "bf16")
+    assert op.layout == "tn" and op_time(op, device) == pytest.approx(1.0)
