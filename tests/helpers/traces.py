@@ -29,3 +29,48 @@ def model_trace(blocks: int) -> list:
     bucket = next(ids)
     events += [("malloc", bucket, blocks * MIB + MIB // 4, "default"), ("free", bucket, 0, None)]
     return events + [("sync", None, 0, None)]
+
+
+def prefetch_trace(blocks: int) -> list:
+    """One step of a ``blocks``-block model whose units are gathered ahead, as FSDP2 prefetches
+    (ids counted from 0):
+
+    - forward: unit 0 gathered (8 MiB on the ``gather`` stream); per block, the next unit
+      gathered first (the prefetch), then a 2 MiB activation kept and a 1 MiB temporary made
+      and freed, then the block's own gathered unit freed: at most two gathered units live;
+    - backward, the blocks in reverse the same way: the unit before gathered first, the
+      block's activation freed and a 1 MiB temporary made and freed, its gathered unit freed;
+    - the step's end.
+
+    Each gathered unit is freed inside the next block's run: a block's events straddle its end.
+    """
+    ids = itertools.count()
+    events: list = []
+
+    def gather() -> int:
+        ident = next(ids)
+        events.append(("malloc", ident, 8 * MIB, "gather"))
+        return ident
+
+    def temporary() -> None:
+        ident = next(ids)
+        events.extend([("malloc", ident, MIB, "default"), ("free", ident, 0, None)])
+
+    acts = []
+    unit = gather()
+    for j in range(blocks):
+        ahead = gather() if j + 1 < blocks else None
+        act = next(ids)
+        events.append(("malloc", act, 2 * MIB, "default"))
+        acts.append(act)
+        temporary()
+        events.append(("free", unit, 0, None))
+        unit = ahead
+    unit = gather()
+    for j in reversed(range(blocks)):
+        ahead = gather() if j > 0 else None
+        events.append(("free", acts[j], 0, None))
+        temporary()
+        events.append(("free", unit, 0, None))
+        unit = ahead
+    return events + [("sync", None, 0, None)]

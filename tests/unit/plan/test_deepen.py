@@ -11,7 +11,7 @@ import pytest
 
 from sharded_exp.plan.deepen import _keys, block_step, deepen, drawn_to, same_trace
 from sharded_exp.predict.alloc_trace import replay
-from tests.helpers.traces import MIB, model_trace
+from tests.helpers.traces import MIB, model_trace, prefetch_trace
 
 
 def test_a_trace_drawn_from_two_depths_is_the_deeper_models():
@@ -25,6 +25,19 @@ def test_a_trace_drawn_from_two_depths_is_the_deeper_models():
     assert _keys(drawn) == _keys(model_trace(6))
     assert replay(drawn) == replay(model_trace(6))
     assert deepen(step, 0) == model_trace(3)
+
+
+def test_a_block_gathered_ahead_is_drawn_a_block_apart_not_stacked():
+    """Each unit is gathered (8 MiB, on its own stream) inside the block before's run and freed
+    inside the next block's, so at most two gathered units are live at any depth: one 20 MiB
+    segment on the gather stream (8 MiB is a large request under 10 MiB: a 20 MiB segment, split),
+    42 MiB reserved in all with the default stream's 20 MiB segment (the 2 MiB activations) and
+    2 MiB small segment (the 1 MiB temporaries). Drawn from 3 and 4 blocks to 8, each copy's
+    unit must be freed inside the next copy's run; copies placed each right after its own run
+    hold all five drawn units at once: three segments on that stream, 82 MiB."""
+    drawn = deepen(block_step(prefetch_trace(3), prefetch_trace(4)), 4)
+    assert _keys(drawn) == _keys(prefetch_trace(8))
+    assert replay(drawn) == replay(prefetch_trace(8))
 
 
 def test_a_trace_that_drops_an_allocation_is_no_block_step():
