@@ -129,6 +129,12 @@ class Step:
     """Per event: the new block's (True) or one the shallower trace has too."""
     grown: dict[int, int]
     """Event index -> bytes more per block (an allocation whose size grows with depth)."""
+    shallow: list | None = None
+    """The shallower trace's events (what :attr:`periods` inserts blocks into)."""
+    periods: list[tuple[int, int]] | None = None
+    """Where the deeper trace is the shallow one with whole blocks inserted: each ``(start,
+    end)`` a window of events that, ids and grown sizes aside, the shallow trace has not got
+    and the window just before repeats (:func:`_periods`); None where it is not so."""
 
 
 def _allocations(events: list) -> tuple[list[int], list[tuple]]:
@@ -195,15 +201,172 @@ def block_step(shallow: list, deep: list) -> Step | None:
         return None  # an event on an allocation of the shallow trace that it has not got
     for j in extra:
         new[old_b[j][0]] = True
-    return Step(list(deep), new, grown)
+    shrunk = [(op, i, size - grown.get(j, 0), st) for j, (op, i, size, st) in enumerate(deep)]
+    periods = _periods(ka, _keys(shrunk))
+    if periods and any(s <= j < e for j in grown for s, e in periods):
+        periods = None  # a grown allocation inside a block: its copies would grow too
+    return Step(list(deep), new, grown, list(shallow), periods)
+
+
+def _periods(ka: list, kb: list) -> list[tuple[int, int]] | None:
+    """The windows of ``kb`` (the deeper trace's events as the allocator sees them, grown sizes
+    as in the shallow one) that make it ``ka`` with whole blocks inserted, one window in each
+    stretch of repeated events (the forward's blocks, the backward's, the optimizer's): where
+    the two traces part, the shortest window that repeats the window of its length just before
+    it and after which the traces go on together (as far as the window is long). Found in one
+    pass, so the window sits at the end of its stretch, one block's events from where the
+    previous window of the same events begins (not a shortest edit script, which may split a
+    block's events around a neighbour's where blocks are alike). None where no such windows
+    make ``kb`` from ``ka``."""
+    out: list[tuple[int, int]] = []
+    i = j = 0
+    while j < len(kb):
+        if i < len(ka) and ka[i] == kb[j]:
+            i, j = i + 1, j + 1
+            continue
+        for length in range(1, min(j, len(kb) - j - (len(ka) - i)) + 1):
+            if kb[j - length : j] != kb[j : j + length]:
+                continue
+            on = min(length, len(ka) - i)
+            if kb[j + length : j + length + on] == ka[i : i + on]:
+                break
+        else:
+            return None
+        out.append((j, j + length))
+        j += length
+    return out if out and i == len(ka) else None
 
 
 def deepen(step: Step, blocks: int) -> list:
-    """The trace with ``blocks`` more blocks than ``step``'s deeper trace: each run of the new
-    block's events repeated ``blocks`` more times right after itself (each copy with its own
-    allocations), the grown sizes grown."""
+    """The trace with ``blocks`` more blocks than ``step``'s deeper trace, the grown sizes grown:
+    each block window repeated after itself (:func:`_repeat_periods`) where the deeper trace is
+    the shallow one with whole blocks inserted; else each run of the new block's events repeated
+    right after itself (:func:`_repeat_runs`)."""
     if blocks < 0:
         raise ValueError(f"a trace is deepened by 0 or more blocks, not {blocks}")
+    drawn = _repeat_periods(step, blocks) if step.periods else None
+    return drawn if drawn is not None else _repeat_runs(step, blocks)
+
+
+def _repeat_periods(step: Step, blocks: int) -> list | None:
+    """Each window of :attr:`Step.periods` repeated ``blocks`` times right after itself, each
+    event referring to the allocation it refers to in the trace ``blocks`` blocks deeper.
+
+    Where a stretch of events repeats (block after block), an allocation's *successor* is the
+    allocation a window's length later, and the window's own allocations' successors are their
+    copies, one per copy in order. What an event refers to follows from how it moved one block
+    deeper:
+
+    - outside the windows, each event is one of the shallow trace's: where it refers to the
+      successor of what it referred to there (FSDP2's last gathered unit, freed after the last
+      block; the backward freeing the blocks' activations from the deepest), it refers to the
+      allocation ``blocks`` successors on; where it refers to the same one, to that one;
+    - in a window, each event compared with the one a window's length before it: referring to
+      the successor of what that one refers to (a block's own allocations, and the unit the
+      block before gathered ahead and this one frees), copy ``k`` refers to the allocation ``k``
+      successors on; referring to its predecessor (a backward undoing the forward's blocks from
+      the deepest), the window refers to the one ``blocks`` on and copy ``k`` to ``blocks - k``.
+
+    None where an event fits neither, or the result frees what it has not allocated."""
+    events, blocks_in = step.events, step.periods or []
+    shrunk = [(op, i, size - step.grown.get(j, 0), st) for j, (op, i, size, st) in enumerate(events)]
+    keys = _keys(shrunk)
+    own: set = set()  # allocations made in a window
+    successor: dict = {}
+    inside = [False] * len(events)
+    stretches = []  # (first event, window length): where the events repeat, up to a window's end
+    for start, end in blocks_in:
+        length = end - start
+        for q in range(start, end):
+            inside[q] = True
+            if events[q][0] == "malloc":
+                own.add(events[q][1])
+        q = start - 1
+        while q >= 0 and keys[q] == keys[q + length]:
+            if events[q][0] == "malloc":
+                successor[events[q][1]] = events[q + length][1]
+            q -= 1
+        stretches.append((q + 1, length, start))
+    # an allocation made before its stretch (the unit gathered before the first block's run):
+    # its successor is what the same event a window later refers to, where no other precedes that
+    taken = set(successor.values())
+    for first, length, start in stretches:
+        for q in range(first, start):
+            op, ident = events[q][:2]
+            after = events[q + length][1]
+            if op in ("free", "record_stream") and ident != after and ident not in successor and after not in taken:
+                successor[ident] = after
+                taken.add(after)
+
+    def later(ident, k: int):
+        """The allocation ``k`` successors on from ``ident``."""
+        while k > 0 and ident not in own and ident in successor:
+            ident, k = successor[ident], k - 1
+        return (ident, k) if k > 0 and ident in own else ident
+
+    # how far on each event of the deeper trace refers (in blocks): 0 or ``blocks``
+    shift = [0] * len(events)
+    same: dict = {}  # shallow allocation -> the deeper trace's, by the alignment
+    outside = iter(j for j in range(len(events)) if not inside[j])
+    for (op_a, ident_a, _, _), j in zip(step.shallow, outside):
+        op, ident = events[j][:2]
+        if op == "malloc":
+            same[ident_a] = ident
+        elif op in ("free", "record_stream"):
+            if ident == same.get(ident_a, ident_a):
+                continue
+            if successor.get(same.get(ident_a)) != ident:
+                return None
+            shift[j] = blocks
+    copies: dict[int, list] = {}
+    for start, end in blocks_in:
+        length, window = end - start, []
+        for q in range(start, end):
+            op, ident, size, stream = events[q]
+            before = events[q - length][1]
+            if op == "sync" or (op != "malloc" and ident == before):
+                window.append(lambda k, e=events[q]: e)
+            elif op == "malloc" or successor.get(before) == ident:
+                window.append(lambda k, e=events[q]: (e[0], later(e[1], k), e[2], e[3]))
+            elif successor.get(ident) == before:
+                shift[q] = blocks
+                window.append(lambda k, e=events[q]: (e[0], later(e[1], blocks - k), e[2], e[3]))
+            else:
+                return None
+        copies[end] = window
+    out: list = []
+    for index, (op, ident, size, stream) in enumerate(events):
+        if op != "malloc" and shift[index]:
+            ident = later(ident, shift[index])
+        out.append((op, ident, size + blocks * step.grown.get(index, 0), stream))
+        if index + 1 in copies:
+            out += [make(k) for k in range(1, blocks + 1) for make in copies[index + 1]]
+    return out if _consistent(out) else None
+
+
+def _consistent(events: list) -> bool:
+    """Whether each allocation is made once and every free and use is of a live one."""
+    live: set = set()
+    made: set = set()
+    for op, ident, _, _ in events:
+        if op == "malloc":
+            if ident in made:
+                return False
+            made.add(ident)
+            live.add(ident)
+        elif op == "free":
+            if ident not in live:
+                return False
+            live.discard(ident)
+        elif op == "record_stream" and ident not in live:
+            return False
+    return True
+
+
+def _repeat_runs(step: Step, blocks: int) -> list:
+    """Each run of the new block's events repeated ``blocks`` more times right after itself (each
+    copy with its own allocations). Where a block's events straddle its end (an allocation of one
+    block freed in the next's run), the copies of it pile up."""
     new_ids = {e[1] for e, n in zip(step.events, step.new) if n and e[0] == "malloc"}
 
     def copy(event, k: int):
