@@ -213,7 +213,8 @@ def _periods(ka: list, kb: list) -> list[tuple[int, int]] | None:
     as in the shallow one) that make it ``ka`` with whole blocks inserted, one window in each
     stretch of repeated events (the forward's blocks, the backward's, the optimizer's): where
     the two traces part, the shortest window that repeats the window of its length just before
-    it and after which the traces go on together (as far as the window is long). Found in one
+    it and after which the traces go on together (as far as the window is long, else for one
+    event). Found in one
     pass, so the window sits at the end of its stretch, one block's events from where the
     previous window of the same events begins (not a shortest edit script, which may split a
     block's events around a neighbour's where blocks are alike). None where no such windows
@@ -224,13 +225,13 @@ def _periods(ka: list, kb: list) -> list[tuple[int, int]] | None:
         if i < len(ka) and ka[i] == kb[j]:
             i, j = i + 1, j + 1
             continue
-        for length in range(1, min(j, len(kb) - j - (len(ka) - i)) + 1):
-            if kb[j - length : j] != kb[j : j + length]:
-                continue
-            on = min(length, len(ka) - i)
-            if kb[j + length : j + length + on] == ka[i : i + on]:
-                break
-        else:
+        tandem = [n for n in range(1, min(j, len(kb) - j - (len(ka) - i)) + 1) if kb[j - n : j] == kb[j : j + n]]
+        # the traces go on together a window's length after it (or, where the next stretch's
+        # window comes sooner, one event)
+        length = next((n for n in tandem if kb[j + n : j + n + min(n, len(ka) - i)] == ka[i : i + n]), None)
+        if length is None:
+            length = next((n for n in tandem if kb[j + n : j + n + 1] == ka[i : i + 1]), None)
+        if length is None:
             return None
         out.append((j, j + length))
         j += length
@@ -409,10 +410,18 @@ def drawn_to(a: list, b: list, c: list, blocks: int, alloc_conf: str | None = No
     first = block_step(a, b)
     if first is None:
         return None
+    # whole blocks repeated where they make the third trace's events one block deeper; else runs
+    periodic = first.periods is not None and _keys(_repeat_periods(first, 1) or []) == _keys(c)
+    if not periodic:
+        first.periods = None
     faked, drawn = replay(c, alloc_conf), replay(deepen(first, 1), alloc_conf)
     for name in ("allocated_mib", "reserved_mib"):  # what rides on the composed peak: beyond the tensors'
         extra = getattr(drawn, name) - drawn.tracked_peak_mib - (getattr(faked, name) - faked.tracked_peak_mib)
         if abs(extra) > CHECK_REL * faked.reserved_mib:
             return None
     step = block_step(b, c)
-    return None if step is None else deepen(step, blocks)
+    if step is None:
+        return None
+    if not periodic:
+        step.periods = None
+    return deepen(step, blocks)

@@ -1,8 +1,9 @@
 """sharded_exp/plan/deepen.py: a deep model's allocation trace drawn from shallow ones.
 
-The traces are made up (:func:`tests.helpers.traces.model_trace`): a stack of identical blocks whose forward keeps
+The traces are made up (:mod:`tests.helpers.traces`): a stack of identical blocks whose forward keeps
 one activation per block and whose backward frees them in reverse, with a bucket that grows
-with the depth. Drawn from two depths, the trace at any depth must be the one made up there.
+with the depth (``model_trace``), or whose units are gathered a block ahead (``prefetch_trace``).
+Drawn from two depths, the trace at any depth must be the one made up there.
 """
 
 from __future__ import annotations
@@ -17,14 +18,19 @@ from tests.helpers.traces import MIB, model_trace, prefetch_trace
 def test_a_trace_drawn_from_two_depths_is_the_deeper_models():
     """2 -> 3 blocks adds a weight, a forward block (3 events), an activation freed, an optimizer
     temporary made and freed, and 1 MiB to the bucket: 7 new events, 1 grown. Repeated 3 more
-    times in place, they make the 6-block model's trace event for event (ids aside)."""
+    times, as whole blocks or each run in place (nothing here outlives its block's run but what
+    the backward or the optimizer frees), they make the 6-block model's trace event for event
+    (ids aside)."""
     step = block_step(model_trace(2), model_trace(3))
     assert sum(step.new) == 7
     assert list(step.grown.values()) == [MIB]
-    drawn = deepen(step, 3)
-    assert _keys(drawn) == _keys(model_trace(6))
-    assert replay(drawn) == replay(model_trace(6))
-    assert deepen(step, 0) == model_trace(3)
+    assert step.periods is not None
+    for periods in (step.periods, None):  # whole blocks, then (none found) each run in place
+        step.periods = periods
+        drawn = deepen(step, 3)
+        assert _keys(drawn) == _keys(model_trace(6))
+        assert replay(drawn) == replay(model_trace(6))
+        assert deepen(step, 0) == model_trace(3)
 
 
 def test_a_block_gathered_ahead_is_drawn_a_block_apart_not_stacked():
@@ -38,6 +44,18 @@ def test_a_block_gathered_ahead_is_drawn_a_block_apart_not_stacked():
     drawn = deepen(block_step(prefetch_trace(3), prefetch_trace(4)), 4)
     assert _keys(drawn) == _keys(prefetch_trace(8))
     assert replay(drawn) == replay(prefetch_trace(8))
+    assert replay(drawn).reserved_mib == 42
+    assert replay(drawn_to(prefetch_trace(3), prefetch_trace(4), prefetch_trace(5), 3)) == replay(prefetch_trace(8))
+
+
+def test_whole_blocks_are_repeated_only_where_they_make_the_third_trace():
+    """From 1 and 2 blocks the gathered units' stretch is too short to say which unit follows
+    which (the first unit is gathered before any block runs): the blocks repeated do not make the
+    3-block trace, so the drawing falls back to the runs in place, whose piled-up units fail the
+    check one block deeper (reserved 62 MiB against 42): nothing is drawn."""
+    step = block_step(prefetch_trace(1), prefetch_trace(2))
+    assert _keys(deepen(step, 1)) != _keys(prefetch_trace(3))
+    assert drawn_to(prefetch_trace(1), prefetch_trace(2), prefetch_trace(3), 3) is None
 
 
 def test_a_trace_that_drops_an_allocation_is_no_block_step():
