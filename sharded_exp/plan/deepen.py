@@ -16,18 +16,25 @@ allocations are the same sizes at every depth, so the trace at ``n + 1`` blocks 
   got (one per collective) too. An allocation dropped from the shallow trace where one on the
   same stream with another size comes in (a DDP bucket not yet full, a tensor of one element
   per parameter) is one that grows by the difference with each block;
-- **repeated**: each run of the new block's events is repeated in place, each copy with its own
-  allocations; the grown sizes grow.
+- **repeated**: where the deeper trace is the shallow one with whole blocks inserted (a window
+  of events in each stretch that repeats block after block: the forward's, the backward's, the
+  optimizer's), each window is repeated right after itself, each copy's events referring to
+  the allocations the block that many blocks on refers to (:func:`_repeat_periods`): FSDP2's
+  prefetch gathers a unit inside the block before's forward and frees it inside the next
+  block's, so copy ``k`` frees the unit copy ``k - 1`` gathered, and at most two are live as
+  at any depth. Elsewhere each run of the new block's events is repeated in place, each copy
+  with its own allocations (:func:`_repeat_runs`; where a block's allocations outlive its run
+  into the next block's, those copies pile up); the grown sizes grow.
 
 Blocks alike, the alignment may take the new block's allocations from two neighbouring blocks
 (the tail of one, the head of the next), and a copy then comes in another order than the real
 block's. The drawing is therefore checked as the lines of the peak are (:func:`drawn_to`): the
 trace at ``n + 2`` blocks drawn from ``n`` and ``n + 1``, replayed, must add to its tensors'
 peak what the one faked at ``n + 2`` adds (rounding and cache, within :data:`CHECK_REL`; the
-tensors' peak itself is the composed plan's, from the lines and the analytic states). Where it does not
-(FSDP2's prefetch puts a unit's all-gather in the block before's forward, and the copies of
-that run, each held until its block runs, pile up), or the traces do not align, the caller
-keeps the share of the peak (:func:`sharded_exp.plan.depth.compose_allocator`).
+tensors' peak itself is the composed plan's, from the lines and the analytic states); whole
+blocks are repeated only where one block deeper they make the faked trace's events exactly.
+Where the check fails, or the traces do not align, the caller keeps the share of the peak
+(:func:`sharded_exp.plan.depth.compose_allocator`).
 """
 
 from __future__ import annotations
@@ -393,7 +400,8 @@ CHECK_REL = 0.05
 """The drawing holds where the trace drawn one block deeper replays to the faked one's
 rounding and cache (allocated and reserved beyond the tensors' peak, what a composed plan
 takes from it) within this share of the faked reserved peak. On a 1024-wide GPT at 8 ranks
-DDP's and ZeRO-1's drawings are within 1-2%; FSDP2's 9% (its prefetch, module docstring)."""
+DDP's and ZeRO-1's drawings are within 1-2%; FSDP2's was 9% while each run was repeated in
+place (its prefetched units piled up), 0% drawn as whole blocks."""
 
 
 def same_trace(a: tuple | None, b: tuple | None) -> bool:
