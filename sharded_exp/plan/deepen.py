@@ -240,7 +240,14 @@ def _periods(ka: list, kb: list) -> list[tuple[int, int]] | None:
             length = next((n for n in tandem if kb[j + n : j + n + 1] == ka[i : i + 1]), None)
         if length is None:
             return None
-        out.append((j, j + length))
+        if (
+            out
+            and out[-1][1] == j
+            and kb[out[-1][0] - (j + length - out[-1][0]) : out[-1][0]] == kb[out[-1][0] : j + length]
+        ):
+            out[-1] = (out[-1][0], j + length)  # one block whose events repeat within it (two kinds alternating)
+        else:
+            out.append((j, j + length))
         j += length
     return out if out and i == len(ka) else None
 

@@ -74,3 +74,25 @@ def prefetch_trace(blocks: int) -> list:
         events.append(("free", unit, 0, None))
         unit = ahead
     return events + [("sync", None, 0, None)]
+
+
+def paired_trace(blocks: int) -> list:
+    """Each block makes two 1 MiB tensors, then the step frees them block by block, each block's
+    second first: the allocator sees the same event twice per block, so a block's events repeat
+    within it, and only two events, not one, are one block's."""
+    ids = itertools.count()
+    pairs = [(next(ids), next(ids)) for _ in range(blocks)]
+    events = [("malloc", ident, MIB, "default") for pair in pairs for ident in pair]
+    events += [("free", ident, 0, None) for pair in pairs for ident in reversed(pair)]
+    return events + [("sync", None, 0, None)]
+
+
+def renumbered(events: list) -> list:
+    """``events`` with each allocation's id its rank in the order the allocations are made."""
+    rank: dict = {}
+    out = []
+    for op, ident, size, stream in events:
+        if op == "malloc":
+            rank[ident] = len(rank)
+        out.append((op, rank.get(ident, ident), size, stream))
+    return out

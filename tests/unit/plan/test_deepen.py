@@ -12,7 +12,7 @@ import pytest
 
 from sharded_exp.plan.deepen import _keys, block_step, deepen, drawn_to, same_trace
 from sharded_exp.predict.alloc_trace import replay
-from tests.helpers.traces import MIB, model_trace, prefetch_trace
+from tests.helpers.traces import MIB, model_trace, paired_trace, prefetch_trace, renumbered
 
 
 def test_a_trace_drawn_from_two_depths_is_the_deeper_models():
@@ -46,6 +46,16 @@ def test_a_block_gathered_ahead_is_drawn_a_block_apart_not_stacked():
     assert replay(drawn) == replay(prefetch_trace(8))
     assert replay(drawn).reserved_mib == 42
     assert replay(drawn_to(prefetch_trace(3), prefetch_trace(4), prefetch_trace(5), 3)) == replay(prefetch_trace(8))
+
+
+def test_a_block_whose_events_repeat_within_it_is_one_window():
+    """3 -> 4 blocks adds two allocations (events 6 and 7) and their frees (14 and 15, the second
+    first). One event already repeats the one before it, but a window one event long would
+    take the first tensor of a block for the successor of the second; two such windows side by
+    side are one block's. Drawn to 7 blocks, each tensor is freed where the 7-block trace frees it."""
+    step = block_step(paired_trace(3), paired_trace(4))
+    assert step.periods == [(6, 8), (14, 16)]
+    assert renumbered(deepen(step, 3)) == paired_trace(7)
 
 
 def test_whole_blocks_are_repeated_only_where_they_make_the_third_trace():
