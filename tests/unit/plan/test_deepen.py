@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from sharded_exp.plan.deepen import _keys, block_step, deepen, drawn_to, same_trace
+from sharded_exp.plan.deepen import _keys, _repeat_periods, block_step, deepen, drawn_to, same_trace
 from sharded_exp.predict.alloc_trace import replay
 from tests.helpers.traces import MIB, model_trace, paired_trace, prefetch_trace, renumbered
 
@@ -55,7 +55,7 @@ def test_a_block_whose_events_repeat_within_it_is_one_window():
     side are one block's. Drawn to 7 blocks, each tensor is freed where the 7-block trace frees it."""
     step = block_step(paired_trace(3), paired_trace(4))
     assert step.periods == [(6, 8), (14, 16)]
-    assert renumbered(deepen(step, 3)) == paired_trace(7)
+    assert renumbered(_repeat_periods(step, 3)) == paired_trace(7)
 
 
 def test_whole_blocks_are_repeated_only_where_they_make_the_third_trace():
