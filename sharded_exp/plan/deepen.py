@@ -417,11 +417,23 @@ def same_trace(a: tuple | None, b: tuple | None) -> bool:
     return a is not None and b is not None and a[1:] == b[1:] and _keys(a[0]) == _keys(b[0])
 
 
+def _steps_only(events: list) -> list:
+    """``events`` up to the last step's end, where what follows frees only: the fake step's
+    teardown, which no peak sees and whose order follows Python's garbage collector (a few
+    small tensors freed there in one process and not in another would keep two depths'
+    traces from aligning)."""
+    ends = [i for i, e in enumerate(events) if e[0] == "sync"]
+    if not ends or any(e[0] != "free" for e in events[ends[-1] + 1 :]):
+        return events
+    return events[: ends[-1] + 1]
+
+
 def drawn_to(a: list, b: list, c: list, blocks: int, alloc_conf: str | None = None) -> list | None:
     """The trace ``blocks`` blocks deeper than ``c``, where ``a``, ``b`` and ``c`` are the traces
     of the same model at three depths one block apart: drawn from ``b`` and ``c``, once the
     trace drawn from ``a`` and ``b`` adds to its tensors' peak what ``c``'s replay does
     (:data:`CHECK_REL`); None where the traces do not repeat so."""
+    a, b, c = _steps_only(a), _steps_only(b), _steps_only(c)
     first = block_step(a, b)
     if first is None:
         return None

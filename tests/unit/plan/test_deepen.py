@@ -85,6 +85,16 @@ def test_drawn_to_checks_the_drawing_one_block_deeper():
         deepen(block_step(a, b), -1)
 
 
+def test_what_a_fake_frees_after_its_last_step_is_not_drawn():
+    """The shallowest fake freed its first weight after the step (Python's garbage collector
+    ran there, not in the others): the deeper trace is then no longer the shallow one with
+    whole blocks inserted. Frees after the last step's end change no peak, so the traces are
+    drawn without them."""
+    torn_down = model_trace(2) + [("free", 0, 0, None)]
+    assert block_step(torn_down, model_trace(3)).periods is None
+    assert _keys(drawn_to(torn_down, model_trace(3), model_trace(4), 3)) == _keys(model_trace(7))
+
+
 def test_two_traces_are_the_same_whatever_their_ids():
     renamed = [(op, None if i is None else ("x", i), size, s) for op, i, size, s in model_trace(3)]
     assert same_trace((model_trace(3), "", 0.0), (renamed, "", 0.0))
