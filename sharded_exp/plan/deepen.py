@@ -263,6 +263,48 @@ def deepen(step: Step, blocks: int) -> list:
     return drawn if drawn is not None else _repeat_runs(step, blocks)
 
 
+class _Successors:
+    """Which allocation of a trace follows which, one block on (:func:`_repeat_periods`): where a
+    stretch of events repeats block after block, an allocation's successor is the allocation a
+    window's length later; a window's own allocations' successors are their copies."""
+
+    def __init__(self, step: Step):
+        events = step.events
+        keys = _keys([(op, i, size - step.grown.get(j, 0), st) for j, (op, i, size, st) in enumerate(events)])
+        self.own: set = set()  # allocations made in a window
+        self.next: dict = {}
+        self.inside = [False] * len(events)
+        stretches = []  # (first event, window length, window start): where the events repeat
+        for start, end in step.periods or []:
+            length = end - start
+            for q in range(start, end):
+                self.inside[q] = True
+                if events[q][0] == "malloc":
+                    self.own.add(events[q][1])
+            q = start - 1
+            while q >= 0 and keys[q] == keys[q + length]:
+                if events[q][0] == "malloc":
+                    self.next[events[q][1]] = events[q + length][1]
+                q -= 1
+            stretches.append((q + 1, length, start))
+        # an allocation made before its stretch (the unit gathered before the first block runs):
+        # its successor is what the same event a window later refers to, where none precedes that
+        taken = set(self.next.values())
+        for first, length, start in stretches:
+            for q in range(first, start):
+                op, ident = events[q][:2]
+                after = events[q + length][1]
+                if op in ("free", "record_stream") and ident != after and ident not in self.next and after not in taken:
+                    self.next[ident] = after
+                    taken.add(after)
+
+    def later(self, ident, k: int):
+        """The allocation ``k`` successors on from ``ident`` (a window's copy: ``(ident, k)``)."""
+        while k > 0 and ident not in self.own and ident in self.next:
+            ident, k = self.next[ident], k - 1
+        return (ident, k) if k > 0 and ident in self.own else ident
+
+
 def _repeat_periods(step: Step, blocks: int) -> list | None:
     """Each window of :attr:`Step.periods` repeated ``blocks`` times right after itself, each
     event referring to the allocation it refers to in the trace ``blocks`` blocks deeper.
@@ -283,79 +325,41 @@ def _repeat_periods(step: Step, blocks: int) -> list | None:
       the deepest), the window refers to the one ``blocks`` on and copy ``k`` to ``blocks - k``.
 
     None where an event fits neither, or the result frees what it has not allocated."""
-    events, blocks_in = step.events, step.periods or []
-    shrunk = [(op, i, size - step.grown.get(j, 0), st) for j, (op, i, size, st) in enumerate(events)]
-    keys = _keys(shrunk)
-    own: set = set()  # allocations made in a window
-    successor: dict = {}
-    inside = [False] * len(events)
-    stretches = []  # (first event, window length): where the events repeat, up to a window's end
-    for start, end in blocks_in:
-        length = end - start
-        for q in range(start, end):
-            inside[q] = True
-            if events[q][0] == "malloc":
-                own.add(events[q][1])
-        q = start - 1
-        while q >= 0 and keys[q] == keys[q + length]:
-            if events[q][0] == "malloc":
-                successor[events[q][1]] = events[q + length][1]
-            q -= 1
-        stretches.append((q + 1, length, start))
-    # an allocation made before its stretch (the unit gathered before the first block's run):
-    # its successor is what the same event a window later refers to, where no other precedes that
-    taken = set(successor.values())
-    for first, length, start in stretches:
-        for q in range(first, start):
-            op, ident = events[q][:2]
-            after = events[q + length][1]
-            if op in ("free", "record_stream") and ident != after and ident not in successor and after not in taken:
-                successor[ident] = after
-                taken.add(after)
-
-    def later(ident, k: int):
-        """The allocation ``k`` successors on from ``ident``."""
-        while k > 0 and ident not in own and ident in successor:
-            ident, k = successor[ident], k - 1
-        return (ident, k) if k > 0 and ident in own else ident
-
-    # how far on each event of the deeper trace refers (in blocks): 0 or ``blocks``
+    events, after = step.events, _Successors(step)
+    # how many blocks on each event of the deeper trace refers: 0 or ``blocks``
     shift = [0] * len(events)
     same: dict = {}  # shallow allocation -> the deeper trace's, by the alignment
-    outside = iter(j for j in range(len(events)) if not inside[j])
-    for (op_a, ident_a, _, _), j in zip(step.shallow, outside):
+    outside = iter(j for j in range(len(events)) if not after.inside[j])
+    for (_, ident_a, _, _), j in zip(step.shallow, outside):
         op, ident = events[j][:2]
         if op == "malloc":
             same[ident_a] = ident
-        elif op in ("free", "record_stream"):
-            if ident == same.get(ident_a, ident_a):
-                continue
-            if successor.get(same.get(ident_a)) != ident:
+        elif op in ("free", "record_stream") and ident != same.get(ident_a, ident_a):
+            if after.next.get(same.get(ident_a)) != ident:
                 return None
             shift[j] = blocks
-    copies: dict[int, list] = {}
-    for start, end in blocks_in:
-        length, window = end - start, []
+    on: dict[int, int] = {}  # window event -> +1: copy k refers k on; -1: blocks - k on
+    for start, end in step.periods or []:
         for q in range(start, end):
-            op, ident, size, stream = events[q]
-            before = events[q - length][1]
-            if op == "sync" or (op != "malloc" and ident == before):
-                window.append(lambda k, e=events[q]: e)
-            elif op == "malloc" or successor.get(before) == ident:
-                window.append(lambda k, e=events[q]: (e[0], later(e[1], k), e[2], e[3]))
-            elif successor.get(ident) == before:
-                shift[q] = blocks
-                window.append(lambda k, e=events[q]: (e[0], later(e[1], blocks - k), e[2], e[3]))
-            else:
-                return None
-        copies[end] = window
+            op, ident = events[q][:2]
+            before = events[q - (end - start)][1]
+            if op == "malloc" or (op != "sync" and ident != before and after.next.get(before) == ident):
+                on[q] = 1
+            elif op != "sync" and ident != before:
+                if after.next.get(ident) != before:
+                    return None
+                on[q], shift[q] = -1, blocks
+    ends = {end: start for start, end in step.periods or []}
     out: list = []
     for index, (op, ident, size, stream) in enumerate(events):
         if op != "malloc" and shift[index]:
-            ident = later(ident, shift[index])
+            ident = after.later(ident, shift[index])
         out.append((op, ident, size + blocks * step.grown.get(index, 0), stream))
-        if index + 1 in copies:
-            out += [make(k) for k in range(1, blocks + 1) for make in copies[index + 1]]
+        for k in range(1, blocks + 1) if index + 1 in ends else ():
+            for q in range(ends[index + 1], index + 1):
+                e, step_on = events[q], on.get(q, 0)
+                copy_k = k if step_on == 1 else blocks - k if step_on == -1 else 0
+                out.append((e[0], after.later(e[1], copy_k) if copy_k else e[1], e[2], e[3]))
     return out if _consistent(out) else None
 
 
