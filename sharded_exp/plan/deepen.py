@@ -16,18 +16,25 @@ allocations are the same sizes at every depth, so the trace at ``n + 1`` blocks 
   got (one per collective) too. An allocation dropped from the shallow trace where one on the
   same stream with another size comes in (a DDP bucket not yet full, a tensor of one element
   per parameter) is one that grows by the difference with each block;
-- **repeated**: each run of the new block's events is repeated in place, each copy with its own
-  allocations; the grown sizes grow.
+- **repeated**: where the deeper trace is the shallow one with whole blocks inserted (a window
+  of events in each stretch that repeats block after block: the forward's, the backward's, the
+  optimizer's), each window is repeated right after itself, each copy's events referring to
+  the allocations the block that many blocks on refers to (:func:`_repeat_periods`): FSDP2's
+  prefetch gathers a unit inside the block before's forward and frees it inside the next
+  block's, so copy ``k`` frees the unit copy ``k - 1`` gathered, and at most two are live as
+  at any depth. Elsewhere each run of the new block's events is repeated in place, each copy
+  with its own allocations (:func:`_repeat_runs`; where a block's allocations outlive its run
+  into the next block's, those copies pile up); the grown sizes grow.
 
 Blocks alike, the alignment may take the new block's allocations from two neighbouring blocks
 (the tail of one, the head of the next), and a copy then comes in another order than the real
 block's. The drawing is therefore checked as the lines of the peak are (:func:`drawn_to`): the
 trace at ``n + 2`` blocks drawn from ``n`` and ``n + 1``, replayed, must add to its tensors'
 peak what the one faked at ``n + 2`` adds (rounding and cache, within :data:`CHECK_REL`; the
-tensors' peak itself is the composed plan's, from the lines and the analytic states). Where it does not
-(FSDP2's prefetch puts a unit's all-gather in the block before's forward, and the copies of
-that run, each held until its block runs, pile up), or the traces do not align, the caller
-keeps the share of the peak (:func:`sharded_exp.plan.depth.compose_allocator`).
+tensors' peak itself is the composed plan's, from the lines and the analytic states); whole
+blocks are repeated only where one block deeper they make the faked trace's events exactly.
+Where the check fails, or the traces do not align, the caller keeps the share of the peak
+(:func:`sharded_exp.plan.depth.compose_allocator`).
 """
 
 from __future__ import annotations
@@ -129,6 +136,12 @@ class Step:
     """Per event: the new block's (True) or one the shallower trace has too."""
     grown: dict[int, int]
     """Event index -> bytes more per block (an allocation whose size grows with depth)."""
+    shallow: list | None = None
+    """The shallower trace's events (what :attr:`periods` inserts blocks into)."""
+    periods: list[tuple[int, int]] | None = None
+    """Where the deeper trace is the shallow one with whole blocks inserted: each ``(start,
+    end)`` a window of events that, ids and grown sizes aside, the shallow trace has not got
+    and the window just before repeats (:func:`_periods`); None where it is not so."""
 
 
 def _allocations(events: list) -> tuple[list[int], list[tuple]]:
@@ -195,15 +208,184 @@ def block_step(shallow: list, deep: list) -> Step | None:
         return None  # an event on an allocation of the shallow trace that it has not got
     for j in extra:
         new[old_b[j][0]] = True
-    return Step(list(deep), new, grown)
+    shrunk = [(op, i, size - grown.get(j, 0), st) for j, (op, i, size, st) in enumerate(deep)]
+    periods = _periods(ka, _keys(shrunk))
+    if periods and any(s <= j < e for j in grown for s, e in periods):
+        periods = None  # a grown allocation inside a block: its copies would grow too
+    return Step(list(deep), new, grown, list(shallow), periods)
+
+
+def _periods(ka: list, kb: list) -> list[tuple[int, int]] | None:
+    """The windows of ``kb`` (the deeper trace's events as the allocator sees them, grown sizes
+    as in the shallow one) that make it ``ka`` with whole blocks inserted, one window in each
+    stretch of repeated events (the forward's blocks, the backward's, the optimizer's): where
+    the two traces part, the shortest window that repeats the window of its length just before
+    it and after which the traces go on together (as far as the window is long, else for one
+    event). Found in one
+    pass, so the window sits at the end of its stretch, one block's events from where the
+    previous window of the same events begins (not a shortest edit script, which may split a
+    block's events around a neighbour's where blocks are alike). None where no such windows
+    make ``kb`` from ``ka``."""
+    out: list[tuple[int, int]] = []
+    i = j = 0
+    while j < len(kb):
+        if i < len(ka) and ka[i] == kb[j]:
+            i, j = i + 1, j + 1
+            continue
+        tandem = [n for n in range(1, min(j, len(kb) - j - (len(ka) - i)) + 1) if kb[j - n : j] == kb[j : j + n]]
+        # the traces go on together a window's length after it (or, where the next stretch's
+        # window comes sooner, one event)
+        length = next((n for n in tandem if kb[j + n : j + n + min(n, len(ka) - i)] == ka[i : i + n]), None)
+        if length is None:
+            length = next((n for n in tandem if kb[j + n : j + n + 1] == ka[i : i + 1]), None)
+        if length is None:
+            return None
+        if (
+            out
+            and out[-1][1] == j
+            and kb[out[-1][0] - (j + length - out[-1][0]) : out[-1][0]] == kb[out[-1][0] : j + length]
+        ):
+            out[-1] = (out[-1][0], j + length)  # one block whose events repeat within it (two kinds alternating)
+        else:
+            out.append((j, j + length))
+        j += length
+    return out if out and i == len(ka) else None
 
 
 def deepen(step: Step, blocks: int) -> list:
-    """The trace with ``blocks`` more blocks than ``step``'s deeper trace: each run of the new
-    block's events repeated ``blocks`` more times right after itself (each copy with its own
-    allocations), the grown sizes grown."""
+    """The trace with ``blocks`` more blocks than ``step``'s deeper trace, the grown sizes grown:
+    each block window repeated after itself (:func:`_repeat_periods`) where the deeper trace is
+    the shallow one with whole blocks inserted; else each run of the new block's events repeated
+    right after itself (:func:`_repeat_runs`)."""
     if blocks < 0:
         raise ValueError(f"a trace is deepened by 0 or more blocks, not {blocks}")
+    drawn = _repeat_periods(step, blocks) if step.periods else None
+    return drawn if drawn is not None else _repeat_runs(step, blocks)
+
+
+class _Successors:
+    """Which allocation of a trace follows which, one block on (:func:`_repeat_periods`): where a
+    stretch of events repeats block after block, an allocation's successor is the allocation a
+    window's length later; a window's own allocations' successors are their copies."""
+
+    def __init__(self, step: Step):
+        events = step.events
+        keys = _keys([(op, i, size - step.grown.get(j, 0), st) for j, (op, i, size, st) in enumerate(events)])
+        self.own: set = set()  # allocations made in a window
+        self.next: dict = {}
+        self.inside = [False] * len(events)
+        stretches = []  # (first event, window length, window start): where the events repeat
+        for start, end in step.periods or []:
+            length = end - start
+            for q in range(start, end):
+                self.inside[q] = True
+                if events[q][0] == "malloc":
+                    self.own.add(events[q][1])
+            q = start - 1
+            while q >= 0 and keys[q] == keys[q + length]:
+                if events[q][0] == "malloc":
+                    self.next[events[q][1]] = events[q + length][1]
+                q -= 1
+            stretches.append((q + 1, length, start))
+        # an allocation made before its stretch (the unit gathered before the first block runs):
+        # its successor is what the same event a window later refers to, where none precedes that
+        taken = set(self.next.values())
+        for first, length, start in stretches:
+            for q in range(first, start):
+                op, ident = events[q][:2]
+                after = events[q + length][1]
+                if op in ("free", "record_stream") and ident != after and ident not in self.next and after not in taken:
+                    self.next[ident] = after
+                    taken.add(after)
+
+    def later(self, ident, k: int):
+        """The allocation ``k`` successors on from ``ident`` (a window's copy: ``(ident, k)``)."""
+        while k > 0 and ident not in self.own and ident in self.next:
+            ident, k = self.next[ident], k - 1
+        return (ident, k) if k > 0 and ident in self.own else ident
+
+
+def _repeat_periods(step: Step, blocks: int) -> list | None:
+    """Each window of :attr:`Step.periods` repeated ``blocks`` times right after itself, each
+    event referring to the allocation it refers to in the trace ``blocks`` blocks deeper.
+
+    Where a stretch of events repeats (block after block), an allocation's *successor* is the
+    allocation a window's length later, and the window's own allocations' successors are their
+    copies, one per copy in order. What an event refers to follows from how it moved one block
+    deeper:
+
+    - outside the windows, each event is one of the shallow trace's: where it refers to the
+      successor of what it referred to there (FSDP2's last gathered unit, freed after the last
+      block; the backward freeing the blocks' activations from the deepest), it refers to the
+      allocation ``blocks`` successors on; where it refers to the same one, to that one;
+    - in a window, each event compared with the one a window's length before it: referring to
+      the successor of what that one refers to (a block's own allocations, and the unit the
+      block before gathered ahead and this one frees), copy ``k`` refers to the allocation ``k``
+      successors on; referring to its predecessor (a backward undoing the forward's blocks from
+      the deepest), the window refers to the one ``blocks`` on and copy ``k`` to ``blocks - k``.
+
+    None where an event fits neither, or the result frees what it has not allocated."""
+    events, after = step.events, _Successors(step)
+    # how many blocks on each event of the deeper trace refers: 0 or ``blocks``
+    shift = [0] * len(events)
+    same: dict = {}  # shallow allocation -> the deeper trace's, by the alignment
+    outside = iter(j for j in range(len(events)) if not after.inside[j])
+    for (_, ident_a, _, _), j in zip(step.shallow, outside):
+        op, ident = events[j][:2]
+        if op == "malloc":
+            same[ident_a] = ident
+        elif op in ("free", "record_stream") and ident != same.get(ident_a, ident_a):
+            if after.next.get(same.get(ident_a)) != ident:
+                return None
+            shift[j] = blocks
+    on: dict[int, int] = {}  # window event -> +1: copy k refers k on; -1: blocks - k on
+    for start, end in step.periods or []:
+        for q in range(start, end):
+            op, ident = events[q][:2]
+            before = events[q - (end - start)][1]
+            if op == "malloc" or (op != "sync" and ident != before and after.next.get(before) == ident):
+                on[q] = 1
+            elif op != "sync" and ident != before:
+                if after.next.get(ident) != before:
+                    return None
+                on[q], shift[q] = -1, blocks
+    ends = {end: start for start, end in step.periods or []}
+    out: list = []
+    for index, (op, ident, size, stream) in enumerate(events):
+        if op != "malloc" and shift[index]:
+            ident = after.later(ident, shift[index])
+        out.append((op, ident, size + blocks * step.grown.get(index, 0), stream))
+        for k in range(1, blocks + 1) if index + 1 in ends else ():
+            for q in range(ends[index + 1], index + 1):
+                e, step_on = events[q], on.get(q, 0)
+                copy_k = k if step_on == 1 else blocks - k if step_on == -1 else 0
+                out.append((e[0], after.later(e[1], copy_k) if copy_k else e[1], e[2], e[3]))
+    return out if _consistent(out) else None
+
+
+def _consistent(events: list) -> bool:
+    """Whether each allocation is made once and every free and use is of a live one."""
+    live: set = set()
+    made: set = set()
+    for op, ident, _, _ in events:
+        if op == "malloc":
+            if ident in made:
+                return False
+            made.add(ident)
+            live.add(ident)
+        elif op == "free":
+            if ident not in live:
+                return False
+            live.discard(ident)
+        elif op == "record_stream" and ident not in live:
+            return False
+    return True
+
+
+def _repeat_runs(step: Step, blocks: int) -> list:
+    """Each run of the new block's events repeated ``blocks`` more times right after itself (each
+    copy with its own allocations). Where a block's events straddle its end (an allocation of one
+    block freed in the next's run), the copies of it pile up."""
     new_ids = {e[1] for e, n in zip(step.events, step.new) if n and e[0] == "malloc"}
 
     def copy(event, k: int):
@@ -229,7 +411,8 @@ CHECK_REL = 0.05
 """The drawing holds where the trace drawn one block deeper replays to the faked one's
 rounding and cache (allocated and reserved beyond the tensors' peak, what a composed plan
 takes from it) within this share of the faked reserved peak. On a 1024-wide GPT at 8 ranks
-DDP's and ZeRO-1's drawings are within 1-2%; FSDP2's 9% (its prefetch, module docstring)."""
+DDP's and ZeRO-1's drawings are within 1-2%; FSDP2's was 9% while each run was repeated in
+place (its prefetched units piled up), 0% drawn as whole blocks."""
 
 
 def same_trace(a: tuple | None, b: tuple | None) -> bool:
@@ -238,18 +421,38 @@ def same_trace(a: tuple | None, b: tuple | None) -> bool:
     return a is not None and b is not None and a[1:] == b[1:] and _keys(a[0]) == _keys(b[0])
 
 
+def _steps_only(events: list) -> list:
+    """``events`` up to the last step's end, where what follows frees only: the fake step's
+    teardown, which no peak sees and whose order follows Python's garbage collector (a few
+    small tensors freed there in one process and not in another would keep two depths'
+    traces from aligning)."""
+    ends = [i for i, e in enumerate(events) if e[0] == "sync"]
+    if not ends or any(e[0] != "free" for e in events[ends[-1] + 1 :]):
+        return events
+    return events[: ends[-1] + 1]
+
+
 def drawn_to(a: list, b: list, c: list, blocks: int, alloc_conf: str | None = None) -> list | None:
     """The trace ``blocks`` blocks deeper than ``c``, where ``a``, ``b`` and ``c`` are the traces
     of the same model at three depths one block apart: drawn from ``b`` and ``c``, once the
     trace drawn from ``a`` and ``b`` adds to its tensors' peak what ``c``'s replay does
     (:data:`CHECK_REL`); None where the traces do not repeat so."""
+    a, b, c = _steps_only(a), _steps_only(b), _steps_only(c)
     first = block_step(a, b)
     if first is None:
         return None
+    # whole blocks repeated where they make the third trace's events one block deeper; else runs
+    periodic = first.periods is not None and _keys(_repeat_periods(first, 1) or []) == _keys(c)
+    if not periodic:
+        first.periods = None
     faked, drawn = replay(c, alloc_conf), replay(deepen(first, 1), alloc_conf)
     for name in ("allocated_mib", "reserved_mib"):  # what rides on the composed peak: beyond the tensors'
         extra = getattr(drawn, name) - drawn.tracked_peak_mib - (getattr(faked, name) - faked.tracked_peak_mib)
         if abs(extra) > CHECK_REL * faked.reserved_mib:
             return None
     step = block_step(b, c)
-    return None if step is None else deepen(step, blocks)
+    if step is None:
+        return None
+    if not periodic:
+        step.periods = None
+    return deepen(step, blocks)

@@ -23,7 +23,10 @@ whole model is faked. At each further world size one shallow fake says whether t
 moved: where only the shard changed they did not (DDP, OSS, ZeRO-1 under a foreach
 optimizer), and the first world size's lines are reused; where they did (FSDP's gradients
 mid-backward are part shard, part whole unit; a per-tensor optimizer's temporaries follow
-the largest tensor a rank steps), they are drawn and checked anew at that world size. The peak at full depth is the analytic states at
+the largest tensor a rank steps), they are drawn and checked anew at that world size. On
+CUDA, where the lines are reused but the shallow fake's allocation trace is not the first
+world size's (the shard's sizes, one collective more), the two deeper depths are faked there
+too, for the caching allocator's trace alone (:func:`draw_allocator`). The peak at full depth is the analytic states at
 full depth plus the lines drawn there; every rank's peak follows from the faked rank's
 (:func:`~sharded_exp.predict.prediction.peaks_of_ranks`).
 
@@ -262,8 +265,16 @@ def peaks_by_depth(cfg_s, world_sizes, device_type: str, key: str, layers: int) 
         if reuse and same_lines(first[0], fakes[0], rules):
             pair, here = first, rules
             how = f"as at {first_ws} ranks: unchanged at {depths[0]} blocks"
-            # the allocator's trace too, where the shallowest is the same here (else its share of the peak)
-            three = first_three if deepen.same_trace(first_three[0].trace, fakes[0].trace) else None
+            # the allocator's trace too, where the shallowest is the same here; where it is not (the
+            # shard's sizes, a collective more), the lines hold but the cache may not: the two
+            # deeper fakes here, for the allocator's trace alone (else the share of the peak)
+            if deepen.same_trace(first_three[0].trace, fakes[0].trace):
+                three = first_three
+            elif fakes[0].trace is not None:
+                fakes += [fake_at(cfg_s, key, d, ws, device_type) for d in depths[1:]]
+                three = fakes if all(isinstance(f, Fake) for f in fakes) else None
+            else:
+                three = None
         else:  # the first world size, or the lines moved: drawn and checked here
             fakes += [fake_at(cfg_s, key, d, ws, device_type) for d in depths[1:]]
             found = None if any(isinstance(f, str) for f in fakes) else rules_on_line(*fakes)

@@ -29,3 +29,70 @@ def model_trace(blocks: int) -> list:
     bucket = next(ids)
     events += [("malloc", bucket, blocks * MIB + MIB // 4, "default"), ("free", bucket, 0, None)]
     return events + [("sync", None, 0, None)]
+
+
+def prefetch_trace(blocks: int) -> list:
+    """One step of a ``blocks``-block model whose units are gathered ahead, as FSDP2 prefetches
+    (ids counted from 0):
+
+    - forward: unit 0 gathered (8 MiB on the ``gather`` stream); per block, the next unit
+      gathered first (the prefetch), then a 2 MiB activation kept and a 1 MiB temporary made
+      and freed, then the block's own gathered unit freed: at most two gathered units live;
+    - backward, the blocks in reverse the same way: the unit before gathered first, the
+      block's activation freed and a 1 MiB temporary made and freed, its gathered unit freed;
+    - the step's end.
+
+    Each gathered unit is freed inside the next block's run: a block's events straddle its end.
+    """
+    ids = itertools.count()
+    events: list = []
+
+    def gather() -> int:
+        ident = next(ids)
+        events.append(("malloc", ident, 8 * MIB, "gather"))
+        return ident
+
+    def temporary() -> None:
+        ident = next(ids)
+        events.extend([("malloc", ident, MIB, "default"), ("free", ident, 0, None)])
+
+    acts = []
+    unit = gather()
+    for j in range(blocks):
+        ahead = gather() if j + 1 < blocks else None
+        act = next(ids)
+        events.append(("malloc", act, 2 * MIB, "default"))
+        acts.append(act)
+        temporary()
+        events.append(("free", unit, 0, None))
+        unit = ahead
+    unit = gather()
+    for j in reversed(range(blocks)):
+        ahead = gather() if j > 0 else None
+        events.append(("free", acts[j], 0, None))
+        temporary()
+        events.append(("free", unit, 0, None))
+        unit = ahead
+    return events + [("sync", None, 0, None)]
+
+
+def paired_trace(blocks: int) -> list:
+    """Each block makes two 1 MiB tensors, then the step frees them block by block, each block's
+    second first: the allocator sees the same event twice per block, so a block's events repeat
+    within it, and only two events, not one, are one block's."""
+    ids = itertools.count()
+    pairs = [(next(ids), next(ids)) for _ in range(blocks)]
+    events = [("malloc", ident, MIB, "default") for pair in pairs for ident in pair]
+    events += [("free", ident, 0, None) for pair in pairs for ident in reversed(pair)]
+    return events + [("sync", None, 0, None)]
+
+
+def renumbered(events: list) -> list:
+    """``events`` with each allocation's id its rank in the order the allocations are made."""
+    rank: dict = {}
+    out = []
+    for op, ident, size, stream in events:
+        if op == "malloc":
+            rank[ident] = len(rank)
+        out.append((op, rank.get(ident, ident), size, stream))
+    return out

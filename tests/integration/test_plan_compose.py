@@ -48,17 +48,17 @@ def composed_and_whole(overrides, world_sizes, device: str, strategies=STRATEGIE
 
 SHARE_RANGE = (-0.10, 0.35)
 """Where a composed plan's reserved memory may lie against the whole model's where the deeper
-shallow fake's share of the peak is kept (an approximation, not the allocator's rules): FSDP
-where its drawing fails the check (the prefetched all-gathers), every strategy at a later world
-size (its lines reused from the first) and the strategies never drawn. Measured here: DDP at 8
-ranks after 1 or 2 +16-18%, FSDP -4.7% to +15%, OSS at 2 ranks +30%; mostly above, the safe
-side for ``fits``."""
+shallow fake's share of the peak is kept (an approximation, not the allocator's rules): where
+a drawing fails its check or the traces do not align (ZeRO-1 and OSS at some later world sizes,
+whose shards are dealt out whole, so the faked rank's trace does not always grow a block at a
+time). Measured here: ZeRO-1 +20%, OSS +16% to +30%; mostly above, the safe side for ``fits``."""
 
 
 def assert_reserved(composed: dict, whole: dict, point) -> None:
     """Where the allocator model is replayed over the trace drawn to full depth
     (sharded_exp/plan/deepen.py), within the 5% its own check accepts one block deeper
-    (measured: DDP 0%, FSDP at 1 rank +3.0%, fsdp_grad_op at 2 +1.1%); else :data:`SHARE_RANGE`."""
+    (measured: DDP 0%, FSDP at 1 rank +3.0% and 0% at 2 and 8, fsdp_grad_op at 2 -3.1%); else
+    :data:`SHARE_RANGE`."""
     c, w = composed["reserved_gib"], whole["reserved_gib"]
     if "reserved: replayed over the trace drawn" in composed["note"]:
         assert c == pytest.approx(w, rel=CHECK_REL), ("reserved, drawn", point)
@@ -99,10 +99,15 @@ def test_the_8_block_model_composed_equals_it_faked_whole(strategies):
         assert by[name, 8]["method"].startswith("composed by depth"), by[name, 8]
     if "ddp" in strategies:
         assert "unchanged at 1 blocks" in by["ddp", 8]["note"]  # DDP's lines do not move with the world size
-        # its reserved memory replayed over the trace drawn to full depth (held within 1% above)
-        assert "reserved: replayed over the trace drawn" in by["ddp", 2]["note"], by["ddp", 2]["note"]
+        # its reserved memory replayed over the trace drawn to full depth (held within 5% above),
+        # at 8 ranks from the two deeper depths faked there for the allocator's trace alone
+        for ws in (2, 8):
+            assert "reserved: replayed over the trace drawn" in by["ddp", ws]["note"], by["ddp", ws]["note"]
     if "fsdp" in strategies:
         assert "redrawn at 8 ranks" in by["fsdp", 8]["note"]  # FSDP's do (the gradients mid-backward)
+        # its prefetched units drawn a block apart (sharded_exp/plan/deepen.py), not piled up
+        for ws in (2, 8):
+            assert "reserved: replayed over the trace drawn" in by["fsdp", ws]["note"], by["fsdp", ws]["note"]
 
 
 @pytest.mark.slow

@@ -1,30 +1,71 @@
 """sharded_exp/plan/deepen.py: a deep model's allocation trace drawn from shallow ones.
 
-The traces are made up (:func:`tests.helpers.traces.model_trace`): a stack of identical blocks whose forward keeps
+The traces are made up (:mod:`tests.helpers.traces`): a stack of identical blocks whose forward keeps
 one activation per block and whose backward frees them in reverse, with a bucket that grows
-with the depth. Drawn from two depths, the trace at any depth must be the one made up there.
+with the depth (``model_trace``), or whose units are gathered a block ahead (``prefetch_trace``).
+Drawn from two depths, the trace at any depth must be the one made up there.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from sharded_exp.plan.deepen import _keys, block_step, deepen, drawn_to, same_trace
+from sharded_exp.plan.deepen import _keys, _repeat_periods, block_step, deepen, drawn_to, same_trace
 from sharded_exp.predict.alloc_trace import replay
-from tests.helpers.traces import MIB, model_trace
+from tests.helpers.traces import MIB, model_trace, paired_trace, prefetch_trace, renumbered
 
 
 def test_a_trace_drawn_from_two_depths_is_the_deeper_models():
     """2 -> 3 blocks adds a weight, a forward block (3 events), an activation freed, an optimizer
     temporary made and freed, and 1 MiB to the bucket: 7 new events, 1 grown. Repeated 3 more
-    times in place, they make the 6-block model's trace event for event (ids aside)."""
+    times, as whole blocks or each run in place (nothing here outlives its block's run but what
+    the backward or the optimizer frees), they make the 6-block model's trace event for event
+    (ids aside)."""
     step = block_step(model_trace(2), model_trace(3))
     assert sum(step.new) == 7
     assert list(step.grown.values()) == [MIB]
-    drawn = deepen(step, 3)
-    assert _keys(drawn) == _keys(model_trace(6))
-    assert replay(drawn) == replay(model_trace(6))
-    assert deepen(step, 0) == model_trace(3)
+    assert step.periods is not None
+    for periods in (step.periods, None):  # whole blocks, then (none found) each run in place
+        step.periods = periods
+        drawn = deepen(step, 3)
+        assert _keys(drawn) == _keys(model_trace(6))
+        assert replay(drawn) == replay(model_trace(6))
+        assert deepen(step, 0) == model_trace(3)
+
+
+def test_a_block_gathered_ahead_is_drawn_a_block_apart_not_stacked():
+    """Each unit is gathered (8 MiB, on its own stream) inside the block before's run and freed
+    inside the next block's, so at most two gathered units are live at any depth: one 20 MiB
+    segment on the gather stream (8 MiB is a large request under 10 MiB: a 20 MiB segment, split),
+    42 MiB reserved in all with the default stream's 20 MiB segment (the 2 MiB activations) and
+    2 MiB small segment (the 1 MiB temporaries). Drawn from 3 and 4 blocks to 8, each copy's
+    unit must be freed inside the next copy's run; copies placed each right after its own run
+    hold all five drawn units at once: three segments on that stream, 82 MiB."""
+    drawn = deepen(block_step(prefetch_trace(3), prefetch_trace(4)), 4)
+    assert _keys(drawn) == _keys(prefetch_trace(8))
+    assert replay(drawn) == replay(prefetch_trace(8))
+    assert replay(drawn).reserved_mib == 42
+    assert replay(drawn_to(prefetch_trace(3), prefetch_trace(4), prefetch_trace(5), 3)) == replay(prefetch_trace(8))
+
+
+def test_a_block_whose_events_repeat_within_it_is_one_window():
+    """3 -> 4 blocks adds two allocations (events 6 and 7) and their frees (14 and 15, the second
+    first). One event already repeats the one before it, but a window one event long would
+    take the first tensor of a block for the successor of the second; two such windows side by
+    side are one block's. Drawn to 7 blocks, each tensor is freed where the 7-block trace frees it."""
+    step = block_step(paired_trace(3), paired_trace(4))
+    assert step.periods == [(6, 8), (14, 16)]
+    assert renumbered(_repeat_periods(step, 3)) == paired_trace(7)
+
+
+def test_whole_blocks_are_repeated_only_where_they_make_the_third_trace():
+    """From 1 and 2 blocks the gathered units' stretch is too short to say which unit follows
+    which (the first unit is gathered before any block runs): the blocks repeated do not make the
+    3-block trace, so the drawing falls back to the runs in place, whose piled-up units fail the
+    check one block deeper (reserved 62 MiB against 42): nothing is drawn."""
+    step = block_step(prefetch_trace(1), prefetch_trace(2))
+    assert _keys(deepen(step, 1)) != _keys(prefetch_trace(3))
+    assert drawn_to(prefetch_trace(1), prefetch_trace(2), prefetch_trace(3), 3) is None
 
 
 def test_a_trace_that_drops_an_allocation_is_no_block_step():
@@ -42,6 +83,16 @@ def test_drawn_to_checks_the_drawing_one_block_deeper():
     assert drawn_to(a, b, model_trace(6), 3) is None
     with pytest.raises(ValueError, match="0 or more blocks, not -1"):
         deepen(block_step(a, b), -1)
+
+
+def test_what_a_fake_frees_after_its_last_step_is_not_drawn():
+    """The shallowest fake freed its first weight after the step (Python's garbage collector
+    ran there, not in the others): the deeper trace is then no longer the shallow one with
+    whole blocks inserted. Frees after the last step's end change no peak, so the traces are
+    drawn without them."""
+    torn_down = model_trace(2) + [("free", 0, 0, None)]
+    assert block_step(torn_down, model_trace(3)).periods is None
+    assert _keys(drawn_to(torn_down, model_trace(3), model_trace(4), 3)) == _keys(model_trace(7))
 
 
 def test_two_traces_are_the_same_whatever_their_ids():
