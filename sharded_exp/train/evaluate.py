@@ -117,12 +117,11 @@ class Sums:
         return self.values(self.total())
 
     def values(self, s: dict[str, torch.Tensor]) -> dict[str, float]:
-        """``{"eval/<metric>": value}`` of states summed over the ranks."""
-        values = {"eval/loss": float(s["loss_sum"] / s["loss_count"])}  # MeanMetric: each batch weighted 1
+        """``{"eval/<metric>": value}`` of states summed over the ranks (the task's metrics, then the loss)."""
         if self.metric == "perplexity":
-            values["eval/perplexity"] = float(torch.exp(s["nll_sum"] / s["tokens"]))
-            return values
-        values["eval/accuracy"] = float(_safe_divide(s["right"], s["counted"]))  # micro: right / counted
+            values = {"eval/perplexity": float(torch.exp(s["nll_sum"] / s["tokens"]))}
+        else:
+            values = {"eval/accuracy": float(_safe_divide(s["right"], s["counted"]))}  # micro: right / counted
         if "tp" in s:
             tp = s["tp"]
             fp, fn = s["predicted"] - tp, s["actual"] - tp
@@ -131,6 +130,7 @@ class Sums:
             weights = torch.ones_like(f1)
             weights[tp + fp + fn == 0] = 0.0
             values["eval/f1"] = float(_safe_divide(weights * f1, weights.sum(-1, keepdim=True)).sum(-1))
+        values["eval/loss"] = float(s["loss_sum"] / s["loss_count"])  # MeanMetric: each batch weighted 1
         return values
 
 
