@@ -239,7 +239,7 @@ class TrainerConfig(Sealed):
     log_interval: int = 10
     """Steps between synced metric logs (loss, accuracy/perplexity)."""
     eval_every: int = 0
-    """Steps between evaluation passes (torchmetrics, held-out batches, untimed); 0 = only
+    """Steps between evaluation passes (held-out batches, untimed; torchmetrics' definitions); 0 = only
     at the end. Inside the CPU memory tracker's window (the warm-up steps) none runs."""
     eval_batches: int = 4
     """Held-out batches per rank in each evaluation pass; 0 turns evaluation off."""

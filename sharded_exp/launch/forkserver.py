@@ -23,12 +23,10 @@ PRELOAD = [
     "sharded_exp.train.trainer",
     "sharded_exp.strategies",
     "torch._dynamo",
-    "torchmetrics.classification",
-    "torchmetrics.text",
 ]
-"""Imported once by the server: its signal settings, the trainer, every strategy, torch._dynamo, which
-DistributedDataParallel would otherwise import in every rank (about a second each), and
-the torchmetrics modules of the evaluation pass (several seconds in every rank)."""
+"""Imported once by the server: its signal settings, the trainer, every strategy, and torch._dynamo, which
+DistributedDataParallel would otherwise import in every rank (about a second each). Not
+torchmetrics: the evaluation pass computes its definitions in plain torch (train/evaluate.py)."""
 
 
 HF_MODELING = {

@@ -135,6 +135,22 @@ sys.meta_path.insert(0, _Blocked())
 """
 
 
+RECORDER = """
+import os
+import sys
+import time
+
+class _Recorded:
+    def find_spec(self, name, path=None, target=None):
+        if name == {package!r}:
+            with open({log!r}, "a") as f:
+                f.write(f"{{os.getpid()}} {{time.time()}}\\n")
+        return None
+
+sys.meta_path.insert(0, _Recorded())
+"""
+
+
 def without_package(tmp_path: Path, package: str) -> dict[str, str]:
     """Environment in which ``package`` cannot be imported by any process of a job (the parent,
     the forkserver, the ranks), as if uninstalled: a sitecustomize on PYTHONPATH refuses it."""
@@ -142,6 +158,18 @@ def without_package(tmp_path: Path, package: str) -> dict[str, str]:
     site.mkdir()
     (site / "sitecustomize.py").write_text(BLOCKER.format(package=package))
     return {"PYTHONPATH": os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
+def recording_imports(tmp_path: Path, package: str) -> tuple[dict[str, str], Path]:
+    """Environment in which every process of a job (the parent, the forkserver, the ranks)
+    appends ``<pid> <time.time()>`` to the returned file when it imports ``package`` itself (a
+    forked rank that inherited the module from the forkserver writes nothing): the file exists
+    only if some process imported it."""
+    site = tmp_path / f"recording_{package}"
+    site.mkdir()
+    log = site / "imports.txt"
+    (site / "sitecustomize.py").write_text(RECORDER.format(package=package, log=str(log)))
+    return {"PYTHONPATH": os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")])}, log
 
 
 TINY_HF = {

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.helpers.jobs import ROOT, TINY, read_result, run_cli
+from tests.helpers.jobs import ROOT, TINY, read_result, recording_imports, run_cli
 from tests.helpers.overrides import SCALAR
 from tests.helpers.runs import cli
 
@@ -32,10 +32,12 @@ RESULT_KEYS = {
 
 
 def test_default_job_prints_table_and_writes_result(tmp_path):
-    proc = run_cli([f"hydra.run.dir={tmp_path}"], cwd=ROOT)
+    env, imports = recording_imports(tmp_path, "torchmetrics")
+    run = tmp_path / "run"
+    proc = run_cli([f"hydra.run.dir={run}"], cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "strategy  precision  world_size" in proc.stdout
-    result = read_result(tmp_path)
+    result = read_result(run)
     assert RESULT_KEYS <= result.keys()
     assert (result["status"], result["strategy"], result["precision"], result["world_size"]) == ("ok", "ddp", "32", 2)
     assert result["accelerator"] == "auto" and result["model"] == "mlp"
@@ -51,6 +53,10 @@ def test_default_job_prints_table_and_writes_result(tmp_path):
     assert [t[k] for k in phases] == sorted(t[k] for k in phases)
     assert t["built"] <= t["logger_ready"]  # the tracker starts beside the first steps (ready before or after them)
     assert result["throughput"]["first_step_after_start_s"] == pytest.approx(t["first_step"] - t["main"])
+    # the evaluation ran, and no process imported torchmetrics (seconds of imports in each): its
+    # definitions are computed in plain torch (sharded_exp/train/evaluate.py)
+    assert set(result["eval"]["final"]) == {"eval/accuracy", "eval/loss"}
+    assert not imports.exists(), imports.read_text()
 
 
 @pytest.mark.slow

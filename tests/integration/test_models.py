@@ -73,7 +73,7 @@ def test_bf16_trains(model, tmp_path):
 
 
 @pytest.mark.slow
-def test_hf_bert_headline_command_reports_torchmetrics_eval(tmp_path):
+def test_hf_bert_headline_command_reports_eval(tmp_path):
     proc = run_cli(
         ["model=hf_bert", "strategy=sharded_ddp", "precision=16", *TINY_RUN, f"hydra.run.dir={tmp_path}"], cwd=ROOT
     )
