@@ -57,6 +57,22 @@ def makes_kernel_outputs() -> bool:
     return _KERNEL_OUTPUTS.get()
 
 
+_KEPT: contextvars.ContextVar[bool] = contextvars.ContextVar("fused_kernel_outputs_kept", default=False)
+
+
+@contextlib.contextmanager
+def outputs_kept():
+    """Inside: a recomputation whose checkpointing kept the fused kernels' outputs from the
+    forward (selective checkpointing: its policies keep CUDA's attention ops, and torch hands
+    the recomputation what was kept). Its attention calls run no kernel on CUDA, so the op
+    trace times no second forward for them; their memory is the kept outputs'."""
+    token = _KEPT.set(True)
+    try:
+        yield
+    finally:
+        _KEPT.reset(token)
+
+
 def target_device(actual: torch.device) -> str:
     """The device type whose kernels a step runs as: the target of a fake step for a GPU
     run on CPU tensors, else the tensors' own."""
@@ -100,6 +116,9 @@ class _AsOnCuda(TorchFunctionMode):
         self.calls: list[tuple[int, int, int, str, bool]] = []
         """Each call's (forward FLOPs, backward FLOPs, bytes of q, k and v, math dtype, causal):
         the op trace (:mod:`sharded_exp.predict.op_trace`) times them."""
+        self.kept: set[int] = set()
+        """The calls (indices into :attr:`calls`) made in a recomputation whose checkpointing
+        kept the kernels' outputs (:func:`outputs_kept`): on CUDA no kernel runs for them."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -116,6 +135,8 @@ class _AsOnCuda(TorchFunctionMode):
             causal = bool(args[5] if len(args) > 5 else kwargs.get("is_causal", False))
             nbytes = sum(t.numel() * t.element_size() for t in (q, k, v))
             self.calls.append((forward, backward, nbytes, dtype, causal))
+            if _KEPT.get():
+                self.kept.add(len(self.calls) - 1)
             out, _ = _FusedAttention.apply(q, k, v, mask)
             return out
         return func(*args, **kwargs)

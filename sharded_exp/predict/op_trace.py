@@ -33,7 +33,9 @@ Under ``cuda_kernels`` (a step faked as CUDA runs it) fused attention is one
 kernels' mode counts (``kernels.calls``): each call is recorded as one ``attention`` op in
 the forward and one in the backward (``causal`` set where the call asked for a causal mask). A
 call that runs inside the backward is activation checkpointing's recomputation: its forward
-is recorded, not a second backward (the kernel's backward runs once, for the first call).
+is recorded, not a second backward (the kernel's backward runs once, for the first call),
+unless selective checkpointing kept the call's outputs (its policies keep attention's):
+then no kernel runs and nothing is recorded.
 """
 
 from __future__ import annotations
@@ -151,6 +153,8 @@ class OpTrace(TorchDispatchMode):
         while calls is not None and self._calls < len(calls):
             forward, backward, nbytes, dtype, causal = calls[self._calls]
             self._calls += 1
+            if self._calls - 1 in self.kernels.kept:
+                continue  # a recomputation served from what selective checkpointing kept: no kernel
             self._record("attention.forward", forward, nbytes, nbytes // 4, dtype)
             self.trace.records[-1]["causal"] = causal
             if torch._C._current_graph_task_id() != -1:

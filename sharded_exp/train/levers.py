@@ -36,7 +36,7 @@ from torch.utils.checkpoint import (
 )
 
 from sharded_exp.config import TrainerConfig
-from sharded_exp.measure.cuda_kernels import forward_kernels, makes_kernel_outputs
+from sharded_exp.measure.cuda_kernels import forward_kernels, makes_kernel_outputs, outputs_kept
 from sharded_exp.models import units
 
 aten = torch.ops.aten
@@ -112,15 +112,16 @@ def without_checkpointing():
 
 
 @contextlib.contextmanager
-def _both(kernels, recompute_context):
-    with kernels, recompute_context:
+def _both(kernels, recompute_context, kept: bool):
+    with kernels, recompute_context, (outputs_kept() if kept else contextlib.nullcontext()):
         yield
 
 
-def _recomputed_under(kernels, context_fn):
-    """``context_fn``'s pair of contexts, the recomputation's also under ``kernels``."""
+def _recomputed_under(kernels, context_fn, kept: bool = False):
+    """``context_fn``'s pair of contexts, the recomputation's also under ``kernels``;
+    ``kept``: the policy keeps the fused kernels' outputs (every selective one does)."""
     forward_context, recompute_context = context_fn()
-    return forward_context, _both(kernels, recompute_context)
+    return forward_context, _both(kernels, recompute_context, kept)
 
 
 def _checkpointed(forward, mode: str):
@@ -137,7 +138,9 @@ def _checkpointed(forward, mode: str):
         # takes only TorchDispatchModes as checkpoint contexts: no emulation there.)
         kernels = None if torch.compiler.is_compiling() else forward_kernels()
         if kernels is not None:
-            options["context_fn"] = functools.partial(_recomputed_under, kernels, context_fn or noop_context_fn)
+            options["context_fn"] = functools.partial(
+                _recomputed_under, kernels, context_fn or noop_context_fn, context_fn is not None
+            )
         return checkpoint(forward, *args, use_reentrant=False, **options, **kwargs)
 
     return run

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -105,14 +106,15 @@ class Attend(nn.Module):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
 
 
-def _attention_records(recompute: bool, causal: bool):
+def _attention_records(recompute: bool | str, causal: bool):
     from sharded_exp.measure.cuda_kernels import cuda_kernels
     from sharded_exp.train.levers import _checkpointed
 
     unit, trace = Attend(causal), Trace()
     with cuda_kernels() as kernels, tracing(trace, [unit], kernels):
         x = torch.ones(2, 5, 8, requires_grad=True)
-        out = _checkpointed(unit, "full")(x) if recompute else unit(x)  # as the ac lever runs it
+        mode = recompute if isinstance(recompute, str) else "full"
+        out = _checkpointed(unit, mode)(x) if recompute else unit(x)  # as the ac lever runs it
         out.sum().backward()
     return [(r["op"], r["phase"], r["causal"]) for r in trace.phased() if r["op"].startswith("attention")]
 
@@ -125,6 +127,14 @@ def test_a_fused_attention_call_is_recorded_with_its_mask_and_its_backward_once(
     assert _attention_records(recompute=True, causal=False) == [
         ("attention.forward", "forward", False), ("attention.forward", "backward", False),
         ("attention.backward", "backward", False)]  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["selective", "selective_op"])
+def test_selective_checkpointing_keeps_attention_so_its_recomputation_runs_no_kernel(mode):
+    """Both selective policies keep CUDA's attention outputs: the recomputed forward takes them
+    from the forward, so no second attention forward is timed (a full recomputation runs one)."""
+    assert _attention_records(recompute=mode, causal=True) == [
+        ("attention.forward", "forward", True), ("attention.backward", "backward", True)]  # fmt: skip
 
 
 def test_new_storages_of_at_least_128_kib_are_recorded_with_the_next_timed_op():
