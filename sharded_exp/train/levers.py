@@ -113,7 +113,7 @@ def without_checkpointing():
 
 @contextlib.contextmanager
 def _both(kernels, recompute_context, kept: bool):
-    with kernels, recompute_context, (outputs_kept() if kept else contextlib.nullcontext()):
+    with kernels, recompute_context, outputs_kept() if kept else contextlib.nullcontext():
         yield
 
 
