@@ -14,7 +14,7 @@ import os
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -31,11 +31,20 @@ log = logging.getLogger(__name__)
 
 
 def run_rank(
-    job: JobSpec, rank: int, world_size: int, local_rank: int, local_world_size: int, store: dict | None = None
+    job: JobSpec,
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    local_world_size: int,
+    store: dict | None = None,
+    finished: Callable[[Any], None] | None = None,
 ) -> dict[str, Any] | None:
     """Set up this rank, train, and return rank 0's payload (None on other ranks).
 
     ``store``: the parent's rendezvous (host, port) for spawned ranks; None for ``env://``.
+    ``finished``: told the payload as soon as training ended, before the process group is
+    torn down: tearing down gloo can hang (a worker thread waits for the GIL the destructor
+    holds), and a parent that already has every rank's payload then loses nothing.
     """
     liveness.catch_stop_signals()  # before anything slow: a signal now means "stop soon"
     timeline = {"rank_start": time.time()}
@@ -76,9 +85,14 @@ def run_rank(
     try:
         timeline["process_group_ready"] = time.time()
         # lazy: the parent imports this module to spawn ranks and never trains: the training stack stays out of it
+        from sharded_exp.train import faults
         from sharded_exp.train.trainer import train
 
-        return train(job, device, timeline)
+        payload = train(job, device, timeline)
+        if finished is not None:
+            finished(payload)
+        faults.hang_at_exit(rank)  # the testing aid: a teardown that never ends
+        return payload
     except BaseException as exc:
         message = None
         if liveness.is_timeout(exc):
@@ -203,8 +217,8 @@ def spawned_entry(index: int, world_size: int, job: JobSpec, store: dict, result
     logs.setup_rank(index, job.log_file, job.log_level)
     if job.parent_pid is not None:
         watch_parent(job.parent_pid, index)
-    payload = run_rank(job, index, world_size, index, world_size, store)
-    results.put((index, payload))  # every rank says it finished; rank 0 with the payload
+    # Every rank says it finished, rank 0 with the payload, before its process group is torn down.
+    run_rank(job, index, world_size, index, world_size, store, finished=lambda payload: results.put((index, payload)))
 
 
 def record_rank_failure(output_dir: str, rank: int, exc: BaseException, message: str | None = None) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
 import signal
 import time
@@ -31,6 +32,7 @@ from sharded_exp.launch.layout import Layout, rendezvous_env
 from sharded_exp.launch.rank import run_rank, spawned_entry
 from sharded_exp.train import liveness
 
+log = logging.getLogger(__name__)
 
 def run_ranks(job: JobSpec, layout: Layout | None) -> PartialResult | None:
     """Run the job's ranks: spawn them, or be the one rank an external launcher started.
@@ -97,13 +99,36 @@ def _watch(context, stop: ParentStop, results, finished: dict[int, Any]) -> None
     payload; messages are read as soon as they are sent: a payload larger than the pipe's
     buffer (a long history) blocks rank 0 in put() until read, and it would never exit.
     """
+    all_finished_at = None
     while not context.join(timeout=0.5, grace_period=2.0):
         _drain(results, finished)
         early = _exited_unfinished(context.processes, finished, results)
         if early is not None:  # its peers wait for it in a collective: no need to wait on
             raise RankDied(early, 0)
         stop.enforce_deadline()
+        if len(finished) == len(context.processes):
+            all_finished_at = all_finished_at or time.monotonic()
+            if time.monotonic() - all_finished_at > stop.grace_s:
+                _kill_stuck_after_finishing(context.processes, stop.grace_s)
+                return
     _drain(results, finished)
+
+
+def _kill_stuck_after_finishing(processes, grace_s: float) -> None:
+    """Every rank sent its payload, and some are still alive ``grace_s`` later: stuck tearing
+    down (gloo's destructor can wait forever for a thread that waits for the GIL). Nothing of
+    the run is lost: kill them, say so, and go on."""
+    stuck = [rank for rank, proc in enumerate(processes) if proc.is_alive()]
+    log.warning(
+        "rank(s) %s finished training but had not exited trainer.stop_grace_s=%g s later (stuck tearing down "
+        "the process group); killed, the results are complete",
+        ", ".join(map(str, stuck)),
+        grace_s,
+    )
+    for proc in processes:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
 
 
 def _first_failure(exc: Exception, context, results, finished: dict[int, Any], output_dir: str) -> RankDied | None:

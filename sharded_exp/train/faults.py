@@ -25,6 +25,10 @@ A testing aid, documented in the README; never set it in real runs. Kinds:
   ``SHARDED_EXP_SLOW_S`` seconds (default 0.05): a point made slow on purpose, inside the
   timed step (its peers wait for it in the step's collectives), to show a speed
   difference the report must not call noise.
+- ``hang_at_exit``: the rank (``step`` is not read) hangs after it finished training and
+  sent its payload, where its process group is torn down (as a gloo destructor waiting for
+  a thread that waits for the GIL does): the parent kills it ``trainer.stop_grace_s`` later
+  and keeps the results.
 - ``tracker_error``: from that step on, torch's MemTracker raises inside its forward
   hooks on that rank (as it does on a model it cannot follow): the CPU peak of that rank
   is then null with the reason, and the run goes on (measuring never breaks training).
@@ -57,6 +61,7 @@ KINDS = (
     "sigterm",
     "tracker_error",
     "slow",
+    "hang_at_exit",
 )
 SLOW_ENV = "SHARDED_EXP_SLOW_S"
 """``slow``: seconds each forward of the rank's model waits (default 0.05)."""
@@ -89,10 +94,19 @@ def from_env() -> Fault | None:
     return fault if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0 else None
 
 
+def hang_at_exit(rank: int) -> None:
+    """Act out ``hang_at_exit`` on this rank, if it is the fault: never return."""
+    fault = from_env()
+    if fault is not None and fault.kind == "hang_at_exit" and fault.rank == rank:
+        log.warning("%s: hang_at_exit on rank %d, time %.3f", ENV, rank, time.time())
+        while True:  # signals set flags only: this rank ends when it is killed
+            time.sleep(3600)
+
+
 def trigger(fault: Fault, rank: int, device: torch.device) -> None:
     """Act out ``raise``, ``exit``, ``hang`` or ``oom`` at the start of a step
     (``inf_grad`` is the strategy's, ``exit_in_save`` the checkpoint writer's)."""
-    if fault.kind == "exit_in_save":
+    if fault.kind in ("exit_in_save", "hang_at_exit"):
         return
     if fault.kind == "tracker_error":
         # lazy: the MemTracker adapter imports torch's private mem_tracker (inductor, about 3 s); only this fault needs it

@@ -54,6 +54,22 @@ def test_a_hanging_rank_is_named_when_the_collective_times_out(tmp_path):
     assert result["error"].startswith("rank 0: ")
 
 
+def test_a_rank_stuck_after_it_finished_is_killed_and_the_results_kept(tmp_path):
+    """Tearing down gloo can hang (its destructor waits for a thread that waits for the
+    GIL): a job whose ranks all sent their results ends stop_grace_s later, not never."""
+    proc = run_cli(
+        [*TINY, "trainer.stop_grace_s=2", f"hydra.run.dir={tmp_path}"],
+        cwd=ROOT,
+        env={"SHARDED_EXP_FAULT": "rank=1,step=0,kind=hang_at_exit"},
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "SHARDED_EXP_FAULT: hang_at_exit on rank 1" in proc.stderr
+    assert "rank(s) 1 finished training but had not exited trainer.stop_grace_s=2 s later" in proc.stderr
+    result = read_result(tmp_path)
+    assert result["status"] == "ok" and len(result["memory"]["per_rank"]) == 2
+
+
 def test_an_out_of_memory_rank_fails_the_point_as_oom_not_a_hang(tmp_path):
     proc, result, seconds = run_with_fault(tmp_path, "rank=1,step=3,kind=oom")
     assert proc.returncode == 1
