@@ -34,6 +34,7 @@ from sharded_exp.train import liveness
 
 log = logging.getLogger(__name__)
 
+
 def run_ranks(job: JobSpec, layout: Layout | None) -> PartialResult | None:
     """Run the job's ranks: spawn them, or be the one rank an external launcher started.
     Rank 0's payload carries status "ok" or "stopped"; other torchrun ranks get None."""
