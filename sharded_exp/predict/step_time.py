@@ -18,6 +18,7 @@ strategy's collectives scheduled against it.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 from dataclasses import dataclass, replace
@@ -214,6 +215,7 @@ def units_of(compute: StepCompute, shapes, param_bpe: float, grad_bpe: float) ->
         param_bytes=[n * param_bpe for n in elements],
         grad_bytes=[n * grad_bpe for n in elements],
         optimizer_s=compute.optimizer_s,
+        tensor_bytes=[math.prod(shape) * param_bpe for group in shapes.groups for shape in group],
     )
 
 

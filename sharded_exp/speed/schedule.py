@@ -188,6 +188,9 @@ class Units:
     """Each unit's full gradients as reduced (default: ``param_bytes``)."""
     optimizer_s: float = 0.0
     """The optimizer step on this rank's device (a sharded optimizer: its shard's)."""
+    tensor_bytes: Sequence[float] = ()
+    """Each parameter tensor the optimizer steps, in the dtype it is communicated in (empty:
+    not known). A strategy that sends parameters one tensor at a time pays a call for each."""
 
     def __post_init__(self):
         k = len(self.forward_s)
@@ -302,7 +305,14 @@ def _param_sync(units: Units, price: Price, world_size: int, how: str) -> list[E
             Event(f"broadcast:{r}", "broadcast", price("broadcast", share), "step", nbytes=share)
             for r in range(world_size)
         ]
-    raise ConfigError(f"param_sync must be 'broadcast' or 'all_gather', not {how!r}")
+    if how == "broadcast_per_tensor":
+        if not units.tensor_bytes:  # the tensors are not known: one call per rank
+            return _param_sync(units, price, world_size, "broadcast")
+        return [
+            Event(f"broadcast:{i}", "broadcast", price("broadcast", float(size)), "step", nbytes=float(size))
+            for i, size in enumerate(units.tensor_bytes)
+        ]
+    raise ConfigError(f"param_sync must be 'broadcast', 'broadcast_per_tensor' or 'all_gather', not {how!r}")
 
 
 def zero1(
@@ -311,9 +321,12 @@ def zero1(
     """ZeRO-1 (torch's ``ZeroRedundancyOptimizer``) and fairscale's OSS under DDP: DDP's
     bucketed all-reduce during backward, each rank steps its shard of the optimizer
     (``units.optimizer_s``: the shard's time), then every rank's updated parameters are sent
-    to all: ``world_size`` broadcasts of a 1/world_size share each (``param_sync="broadcast"``,
-    OSS and torch's default) or one all-gather. Nothing computes after the step, so the
-    parameter sync is exposed whole."""
+    to all: ``world_size`` broadcasts of a 1/world_size share each (``param_sync="broadcast"``:
+    OSS's flat buffer per rank, ZeroRedundancyOptimizer's with ``parameters_as_bucket_view``),
+    one broadcast per parameter tensor (``"broadcast_per_tensor"``: ZeroRedundancyOptimizer's
+    default, ``_broadcast_params_from_rank`` in torch 2.13, each call paying the link's
+    latency), or one all-gather. Nothing computes after the step, so the parameter sync is
+    exposed whole."""
     base = ddp(units, price, bucket_bytes)
     return Schedule(base.segments, base.events + tuple(_param_sync(units, price, world_size, param_sync)))
 

@@ -65,12 +65,14 @@ class TimeModel:
 
 class ZeRO1Time(TimeModel):
     """DDP's all-reduce, then every rank's updated parameters broadcast from their owner
-    (torch's ZeroRedundancyOptimizer: one broadcast per rank)."""
+    (torch's ZeroRedundancyOptimizer: one broadcast per parameter tensor, or one per rank
+    with ``parameters_as_bucket_view``)."""
 
     @classmethod
     def schedule(cls, cfg, units: Units, price: Price, fabric: Fabric) -> Schedule:
         bucket = float(getattr(cfg, "bucket_cap_mb", 25.0)) * MB
-        return schedule.zero1(units, price, fabric.world_size, "broadcast", bucket_bytes=bucket)
+        how = "broadcast" if getattr(cfg, "parameters_as_bucket_view", False) else "broadcast_per_tensor"
+        return schedule.zero1(units, price, fabric.world_size, how, bucket_bytes=bucket)
 
 
 class OSSTime(ZeRO1Time):

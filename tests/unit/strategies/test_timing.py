@@ -75,3 +75,22 @@ def test_offload_without_the_host_figures_is_unknown_and_says_which():
     f = fabric(pcie_Bps=1e9, host_memory_Bps=1e10, params=4_000_000)
     events = timing_of("fsdp").schedule(cfg, UNITS, timing_of("fsdp").price(cfg, f), f).events
     assert {"h2d", "d2h", "host_step"} <= {e.kind for e in events}
+
+
+def test_zero1_broadcasts_tensor_by_tensor_unless_its_parameters_are_a_bucket_view():
+    """ZeroRedundancyOptimizer's default sends each parameter tensor in a call of its own (each
+    pays the link's latency); with parameters_as_bucket_view, one flat buffer per rank, as OSS."""
+    units = Units([0.01] * 4, [0.02] * 4, [4e6] * 4, optimizer_s=0.005, tensor_bytes=[1e6] * 16)
+    f = fabric()
+
+    def broadcasts(name, **settings):
+        cfg = STRATEGIES.config_class(name)()
+        for key, value in settings.items():
+            setattr(cfg, key, value)
+        model = timing_of(name)
+        return [e for e in model.schedule(cfg, units, model.price(cfg, f), f).events if e.kind == "broadcast"]
+
+    assert len(broadcasts("zero1")) == 16 and sum(e.nbytes for e in broadcasts("zero1")) == 16e6
+    assert len(broadcasts("zero1", parameters_as_bucket_view=True)) == len(broadcasts("oss")) == 8
+    per_tensor = sum(e.seconds for e in broadcasts("zero1"))
+    assert per_tensor > sum(e.seconds for e in broadcasts("zero1", parameters_as_bucket_view=True))
