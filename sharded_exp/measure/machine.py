@@ -74,6 +74,51 @@ _log = logging.getLogger(__name__)
 SOURCE = Source("measured", "measured on this machine by sharded_exp.measure.machine", "(this machine)")
 
 
+CHILD_LIMIT_S = 600.0
+"""Seconds the processes of one measurement get (it takes seconds: starting them and importing
+torch is most of it) before they are killed and the measurement fails, naming what was measured."""
+CHILD_EXIT_GRACE_S = 10.0
+"""Seconds a measuring process gets to exit once its figures are written. Tearing a gloo
+process group down can hang (its destructor waits for a thread that waits for the GIL): the
+figures are complete by then, so the processes are killed and the figures kept."""
+
+
+def _write_figures(out: str, figures: dict) -> None:
+    """Write a child's figures whole (renamed into place): the parent reads ``out`` as soon as it exists."""
+    with open(out + ".part", "w") as f:
+        json.dump(figures, f)
+    os.replace(out + ".part", out)
+
+
+def _in_children(fn, args: tuple, nprocs: int, out: str, what: str, limit_s: float = CHILD_LIMIT_S) -> dict:
+    """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes and return the figures they
+    wrote to ``out`` (:func:`_write_figures`). Never waits forever: processes still alive
+    :data:`CHILD_EXIT_GRACE_S` after the figures came are killed (the figures are kept), and
+    all are killed ``limit_s`` after the start with a TimeoutError naming ``what``."""
+    context = mp.start_processes(fn, args=args, nprocs=nprocs, start_method="spawn", join=False)
+    deadline, written_at = time.monotonic() + limit_s, None
+    try:
+        while not context.join(timeout=0.2):  # a process that failed raises here, its peers killed
+            now = time.monotonic()
+            if written_at is None and os.path.exists(out):
+                written_at = now
+            if written_at is not None and now - written_at > CHILD_EXIT_GRACE_S:
+                _log.warning("measuring %s: the figures came, but the process(es) had not exited %g s later "
+                             "(stuck tearing down); killed", what, CHILD_EXIT_GRACE_S)  # fmt: skip
+                break
+            if now > deadline:
+                raise TimeoutError(
+                    f"measuring {what}: the measuring process(es) gave no figures within {limit_s:g} s; killed"
+                )
+    finally:
+        for proc in context.processes:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+    with open(out) as f:
+        return json.load(f)
+
+
 def cache_path() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "sharded_exp", "this_profile.json")
@@ -260,8 +305,7 @@ def _sharded_rank(rank: int, path: str, out: str, device: str, threads: int, dty
     backend = "nccl" if device == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"file://{path}", rank=rank, world_size=1)
     try:
-        with open(out, "w") as f:
-            json.dump({name: measure_step_op_overhead(device, name, sharded=True) for name in dtypes}, f)
+        _write_figures(out, {name: measure_step_op_overhead(device, name, sharded=True) for name in dtypes})
     finally:
         dist.destroy_process_group()
 
@@ -276,9 +320,7 @@ def measure_sharded_step_op_overhead(device: str, threads: int, dtypes: tuple[st
         with tempfile.TemporaryDirectory() as folder:
             out = os.path.join(folder, "sharded.json")
             args = (os.path.join(folder, "store"), out, device, threads, dtypes)
-            mp.start_processes(_sharded_rank, args=args, nprocs=1, start_method="spawn")
-            with open(out) as f:
-                return json.load(f)
+            return _in_children(_sharded_rank, args, 1, out, "the host's cost per op of an FSDP2 step")
     except Exception as exc:  # noqa: BLE001 -- measuring never breaks a run: the plain figure stands
         _log.warning("the host's cost per op of an FSDP2 step was not measured (%s: %s); the plain step's is used",
                      type(exc).__name__, exc)  # fmt: skip
@@ -399,8 +441,7 @@ def _all_reduce_rank(rank: int, path: str, out: str) -> None:
     latency = min(_counted(lambda: dist.all_reduce(small), 20) for _ in range(WINDOWS))
     per_call = min(_counted(lambda: dist.all_reduce(large), 2) for _ in range(WINDOWS))
     if rank == 0:
-        with open(out, "w") as f:
-            json.dump({"latency_s": latency, "per_call_s": per_call}, f)
+        _write_figures(out, {"latency_s": latency, "per_call_s": per_call})
     dist.destroy_process_group()
 
 
@@ -409,9 +450,7 @@ def measure_local_link() -> dict[str, float]:
     large one's bandwidth, as nccl-tests' bus bandwidth (2 (n-1)/n S / t, n = 2)."""
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "link.json")
-        mp.start_processes(_all_reduce_rank, args=(os.path.join(folder, "store"), out), nprocs=2, start_method="spawn")
-        with open(out) as f:
-            found = json.load(f)
+        found = _in_children(_all_reduce_rank, (os.path.join(folder, "store"), out), 2, out, "the local gloo link")
     bus = ALL_REDUCE_BYTES / max(found["per_call_s"] - found["latency_s"], 1e-9)
     # a 2-rank ring all-reduce is 2 steps: each pays half the small collective's time
     return {"bandwidth_GBps": bus / 1e9, "step_latency_us": found["latency_s"] / 2 * 1e6}
@@ -482,17 +521,14 @@ def _cuda_attention() -> dict:
 
 
 def _cuda_child(rank: int, out: str) -> None:
-    with open(out, "w") as f:
-        json.dump(measure_cuda(), f)
+    _write_figures(out, measure_cuda())
 
 
 def measure_cuda_in_child() -> dict:
     """:func:`measure_cuda` in a spawned process: the caller's CUDA stays uninitialised."""
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "cuda.json")
-        mp.start_processes(_cuda_child, args=(out,), nprocs=1, start_method="spawn")
-        with open(out) as f:
-            return json.load(f)
+        return _in_children(_cuda_child, (out,), 1, out, "the CUDA device's figures")
 
 
 def measure(threads: int) -> dict:

@@ -157,3 +157,52 @@ def test_the_layout_curves_count_a_linear_layers_flops(monkeypatch):
     flops = [2.0 * 8 * w**3 for w in machine.LINEAR_WIDTHS]
     assert set(curves) == {"nt", "nn", "tn"}
     assert curves["tn"] == [(f, f / 1e-3 / 1e12) for f in flops]
+
+
+class _Process:
+    """A spawned process that never exits by itself (until killed)."""
+
+    def __init__(self):
+        self.killed = False
+
+    def is_alive(self):
+        return not self.killed
+
+    def kill(self):
+        self.killed = True
+
+    def join(self, timeout=None):
+        pass
+
+
+class _Stuck:
+    """start_processes' context for processes that never exit: ``write`` (if given) writes
+    the figures at the first join, as a process that measured and then hung tearing down."""
+
+    def __init__(self, write=None):
+        self.processes, self.write = [_Process(), _Process()], write
+
+    def join(self, timeout=None):
+        if self.write:
+            self.write()
+            self.write = None
+        return False
+
+
+def test_measuring_processes_stuck_after_writing_their_figures_are_killed_and_the_figures_kept(tmp_path, monkeypatch):
+    out = str(tmp_path / "link.json")
+    context = _Stuck(write=lambda: machine._write_figures(out, {"latency_s": 1.0}))
+    monkeypatch.setattr(machine.mp, "start_processes", lambda *a, **kw: context)
+    monkeypatch.setattr(machine, "CHILD_EXIT_GRACE_S", 0.3)
+    assert machine._in_children(print, (), 2, out, "the local gloo link") == {"latency_s": 1.0}
+    assert all(p.killed for p in context.processes)
+
+
+def test_measuring_processes_that_give_no_figures_are_killed_at_the_limit_with_an_error_naming_the_measurement(
+    tmp_path, monkeypatch
+):
+    context = _Stuck()
+    monkeypatch.setattr(machine.mp, "start_processes", lambda *a, **kw: context)
+    with pytest.raises(TimeoutError, match="measuring the local gloo link: .* no figures within 0.5 s; killed"):
+        machine._in_children(print, (), 2, str(tmp_path / "link.json"), "the local gloo link", limit_s=0.5)
+    assert all(p.killed for p in context.processes)
