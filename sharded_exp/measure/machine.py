@@ -57,11 +57,11 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from sharded_exp.measure.flops import count_cpu_attention, gpu_peak, save_cache
+from sharded_exp.measure.spawned import run_spawned
 from sharded_exp.speed.compute import base_name, tensor_bytes, timed_op
 from sharded_exp.speed.profiles import Curve, DeviceProfile, Figure, LinkProfile, Source
 
@@ -74,15 +74,6 @@ _log = logging.getLogger(__name__)
 SOURCE = Source("measured", "measured on this machine by sharded_exp.measure.machine", "(this machine)")
 
 
-CHILD_LIMIT_S = 600.0
-"""Seconds the processes of one measurement get (it takes seconds: starting them and importing
-torch is most of it) before they are killed and the measurement fails, naming what was measured."""
-CHILD_EXIT_GRACE_S = 10.0
-"""Seconds a measuring process gets to exit once its figures are written. Tearing a gloo
-process group down can hang (its destructor waits for a thread that waits for the GIL): the
-figures are complete by then, so the processes are killed and the figures kept."""
-
-
 def _write_figures(out: str, figures: dict) -> None:
     """Write a child's figures whole (renamed into place): the parent reads ``out`` as soon as it exists."""
     with open(out + ".part", "w") as f:
@@ -90,31 +81,10 @@ def _write_figures(out: str, figures: dict) -> None:
     os.replace(out + ".part", out)
 
 
-def _in_children(fn, args: tuple, nprocs: int, out: str, what: str, limit_s: float = CHILD_LIMIT_S) -> dict:
-    """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes and return the figures they
-    wrote to ``out`` (:func:`_write_figures`). Never waits forever: processes still alive
-    :data:`CHILD_EXIT_GRACE_S` after the figures came are killed (the figures are kept), and
-    all are killed ``limit_s`` after the start with a TimeoutError naming ``what``."""
-    context = mp.start_processes(fn, args=args, nprocs=nprocs, start_method="spawn", join=False)
-    deadline, written_at = time.monotonic() + limit_s, None
-    try:
-        while not context.join(timeout=0.2):  # a process that failed raises here, its peers killed
-            now = time.monotonic()
-            if written_at is None and os.path.exists(out):
-                written_at = now
-            if written_at is not None and now - written_at > CHILD_EXIT_GRACE_S:
-                _log.warning("measuring %s: the figures came, but the process(es) had not exited %g s later "
-                             "(stuck tearing down); killed", what, CHILD_EXIT_GRACE_S)  # fmt: skip
-                break
-            if now > deadline:
-                raise TimeoutError(
-                    f"measuring {what}: the measuring process(es) gave no figures within {limit_s:g} s; killed"
-                )
-    finally:
-        for proc in context.processes:
-            if proc.is_alive():
-                proc.kill()
-            proc.join()
+def _in_children(fn, args: tuple, nprocs: int, out: str, what: str) -> dict:
+    """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes (:func:`run_spawned`: never
+    waited for forever) and return the figures they wrote to ``out`` (:func:`_write_figures`)."""
+    run_spawned(fn, args, nprocs, lambda: os.path.exists(out), f"measuring {what}")
     with open(out) as f:
         return json.load(f)
 
