@@ -108,7 +108,7 @@ def run_rank(
         # a spawned rank's parent kills it if this hangs (supervise); under torchrun or srun nothing would
         with teardown_deadline(None if finished is not None else cfg.trainer.stop_grace_s):
             if trained:
-                from sharded_exp.train import faults
+                from sharded_exp.train import faults  # lazy: (as above) the training stack
 
                 faults.hang_at_exit(rank)  # the testing aid: a teardown that never ends
             dist.destroy_process_group()
