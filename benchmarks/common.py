@@ -7,8 +7,10 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List
 
+from benchmarks.limits import COMMAND_TIMEOUT_S
 from sharded_exp.compose import compose
 from sharded_exp.launch.parent import launch
+from sharded_exp.measure.spawned import run_spawned
 
 OUT = Path("outputs/benchmarks")
 
@@ -57,10 +59,17 @@ def spawn_ranks(fn, world_size: int, *args) -> Any:
     ctx = mp.get_context("forkserver")
     queue = ctx.SimpleQueue()
     port = free_port()
-    mp.start_processes(
-        _rank_entry, args=(world_size, port, fn, args, queue), nprocs=world_size, start_method="forkserver"
-    )
-    return queue.get()
+    got = []
+
+    def done() -> bool:  # rank 0's value, read as soon as it is sent (it may not fit the pipe's buffer)
+        if not got and not queue.empty():
+            got.append(queue.get())
+        return bool(got)
+
+    # never waited for forever: ranks stuck tearing gloo down after rank 0 sent its value are killed
+    run_spawned(_rank_entry, (world_size, port, fn, args, queue), world_size, done, "benchmark ranks",
+                limit_s=COMMAND_TIMEOUT_S, start_method="forkserver")  # fmt: skip
+    return got[0]
 
 
 def free_port() -> int:
@@ -80,7 +89,7 @@ def _rank_entry(rank, world_size, port, fn, args, queue):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         out = fn(rank, world_size, *args)
+        if rank == 0:
+            queue.put(out)  # before the teardown, which can hang
     finally:
         dist.destroy_process_group()
-    if rank == 0:
-        queue.put(out)

@@ -292,7 +292,8 @@ class TrainerConfig(Sealed):
     stop_grace_s: float = 60.0
     """After SIGTERM/SIGINT, seconds the ranks get to stop together and save a checkpoint
     before they are killed (SLURM waits KillWait, 30 s by default, before SIGKILL). Also how
-    long spawned ranks that all finished get to exit before they are killed (their results kept)."""
+    long spawned ranks that all finished get to exit before they are killed (their results kept),
+    and ranks started by torchrun or srun get to tear down before they exit with code 1."""
     freeze: List[str] = field(default_factory=list)
     """Parameters not trained, as in fine-tuning: names (``model.named_parameters()``)
     matching one of these shell patterns, e.g. ``[embed.*]`` or ``["transformer.wte.*"]``,

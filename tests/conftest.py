@@ -84,11 +84,13 @@ def small_fs(tmp_path):
     """A real filesystem of 1 MiB (tmpfs), unmounted afterwards."""
     mount = tmp_path / "small"
     mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, timeout=60
+    )
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
     yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+    subprocess.run(["umount", "-l", str(mount)], check=False, timeout=60)
 
 
 @pytest.fixture

@@ -27,6 +27,7 @@ import subprocess
 import sys
 
 from benchmarks.common import markdown, save
+from benchmarks.limits import COMMAND_TIMEOUT_S
 
 GIB = 2**30
 LLAMA2_7B = ["model=hf_llama_7b", "precision=bf16", "strategy=fsdp", "trainer.batch_size=8"]
@@ -63,7 +64,7 @@ def recipe_mb() -> float:
 def plan(overrides: list[str]) -> list[dict]:
     """The planner's JSON rows, run as a user runs it."""
     cmd = [sys.executable, "-m", "sharded_exp.plan", *overrides, "plan.format=json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
     return json.loads(proc.stdout)["rows"]

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import OUT, markdown, run, save, strategy_names
+from benchmarks.limits import COMMAND_TIMEOUT_S
 
 STRATEGY_NAMES = strategy_names()
 PRECISIONS = ["bf16", "16", "32"]
@@ -60,7 +61,7 @@ def predict_sourced(profile: str, model: list[str], precisions: list[str]) -> in
         cmd = [sys.executable, "-m", "sharded_exp.plan", *model, f"precision={prec}", f"trainer.batch_size={BATCH}",
                "plan.device=cuda", f"plan.device_profile={profile}", "plan.world_sizes=[1]", "plan.alloc_conf=",
                "plan.format=json"]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=COMMAND_TIMEOUT_S)
         rows = json.loads(proc.stdout)["rows"]
         figures[prec] = {
             r["strategy"]: {k: r.get(k) for k in ("step_time_s", "mfu_pct", "allocated_gib", "reserved_gib")}

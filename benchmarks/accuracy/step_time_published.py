@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from benchmarks.common import markdown, save
+from benchmarks.limits import COMMAND_TIMEOUT_S
 from sharded_exp.config import PlanSettings
 
 TARGET = 0.20
@@ -149,7 +150,7 @@ QUICK = CASES[0]
 def plan(overrides: List[str]) -> dict:
     """The planner's one JSON row for ``overrides``, run as a user runs it."""
     cmd = [sys.executable, "-m", "sharded_exp.plan", *overrides, "plan.format=json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)}\n{proc.stderr[-3000:]}")
     [row] = json.loads(proc.stdout)["rows"]

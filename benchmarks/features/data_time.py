@@ -25,6 +25,7 @@ import time
 import torch
 
 from benchmarks.common import OUT, markdown, save
+from benchmarks.limits import COMMAND_TIMEOUT_S
 from sharded_exp.compose import compose
 from sharded_exp.data import build_task
 
@@ -53,7 +54,7 @@ def main() -> None:
                      "trainer.progress_bar=false", "trainer.accelerator=cpu"]  # fmt: skip
         out = str(OUT / "data_time" / model)
         proc = subprocess.run([sys.executable, "-m", "sharded_exp", *overrides, f"hydra.run.dir={out}"],
-                              capture_output=True, text=True)  # fmt: skip
+                              capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)  # fmt: skip
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr[-3000:])
         with open(os.path.join(out, "result.json")) as f:

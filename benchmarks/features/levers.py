@@ -26,6 +26,7 @@ import subprocess
 import sys
 
 from benchmarks.common import markdown, run, save, strategy_names
+from benchmarks.limits import COMMAND_TIMEOUT_S
 
 STRATEGY_NAMES = strategy_names()
 
@@ -110,7 +111,9 @@ def plan_part(smoke: bool) -> dict:
 
 
 def _plan(args: list[str]) -> str:
-    proc = subprocess.run([sys.executable, "-m", "sharded_exp.plan", *args], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "sharded_exp.plan", *args], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S
+    )
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-2000:])
     return proc.stdout

@@ -24,6 +24,7 @@ import tempfile
 import time
 
 from benchmarks.common import markdown, save
+from benchmarks.limits import COMMAND_TIMEOUT_S
 
 
 def commands() -> dict[str, list[str]]:
@@ -47,7 +48,7 @@ def commands() -> dict[str, list[str]]:
 def timed(cmd: list[str], cwd: str) -> float:
     env = {**os.environ, "COMP_LINE": "sharded-exp strat", "COMP_POINT": "17"}
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
     seconds = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-2000:]}")

@@ -21,6 +21,7 @@ import sys
 import time
 
 from benchmarks.common import OUT, markdown, save
+from benchmarks.limits import COMMAND_TIMEOUT_S
 
 JOB = [
     "trainer.steps=100000",
@@ -36,7 +37,9 @@ JOB = [
 def one(kind: str, timeout_s: float, out: str) -> dict:
     env = {**os.environ, "SHARDED_EXP_FAULT": f"rank=1,step=3,kind={kind}"}
     args = [*JOB, f"trainer.timeout_s={timeout_s}", f"hydra.run.dir={out}"]
-    proc = subprocess.run([sys.executable, "-m", "sharded_exp", *args], env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "sharded_exp", *args], env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S
+    )
     exited = time.time()
     fired = float(re.search(r"SHARDED_EXP_FAULT: \w+ on rank 1 at step 3, time ([\d.]+)", proc.stderr).group(1))
     with open(os.path.join(out, "result.json")) as f:

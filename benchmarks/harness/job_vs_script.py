@@ -25,6 +25,7 @@ import tempfile
 import time
 
 from benchmarks.common import OUT, markdown, save
+from benchmarks.limits import COMMAND_TIMEOUT_S
 
 SCRIPT = """
 import os, sys, time
@@ -66,7 +67,7 @@ if __name__ == "__main__":
 
 def timed(cmd: list[str]) -> float:
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
     return time.perf_counter() - t0

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 
 from benchmarks.common import OUT, markdown, save
+from benchmarks.limits import COMMAND_TIMEOUT_S
 
 KEYS = [
     ("step_time_s_median", "ms", 1e3),
@@ -56,7 +57,7 @@ def run_ours(overrides: list[str], out: str) -> dict:
         "trainer.progress_bar=false",
         f"hydra.run.dir={out}",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
     wall = time.time() - t0
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
@@ -76,7 +77,7 @@ def run_peer(cmd: list[str], out_json: str) -> dict:
     ``loop_time_s_per_step``, ``peak_rss_mib`` (per rank) and ``version`` to ``out_json``."""
     os.makedirs(os.path.dirname(out_json), exist_ok=True)
     t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
     wall = time.time() - t0
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])

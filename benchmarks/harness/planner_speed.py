@@ -24,6 +24,7 @@ import sys
 import time
 
 from benchmarks.common import markdown, save
+from benchmarks.limits import COMMAND_TIMEOUT_S
 
 PLANS = {
     "7B GPT, six strategies x [8,64]": (
@@ -51,13 +52,18 @@ RUN = (
 
 def import_torch_seconds() -> float:
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import torch"], check=True)
+    subprocess.run([sys.executable, "-c", "import torch"], check=True, timeout=COMMAND_TIMEOUT_S)
     return time.perf_counter() - t
 
 
 def plan_once(args: list[str]) -> dict:
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", RUN, *args, "plan.format=json"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN, *args, "plan.format=json"],
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT_S,
+    )
     wall = time.perf_counter() - t
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])

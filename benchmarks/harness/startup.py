@@ -25,6 +25,7 @@ import sys
 import time
 
 from benchmarks.common import OUT, markdown, save
+from benchmarks.limits import COMMAND_TIMEOUT_S
 
 PHASES = [
     ("python start", "command", "main"),
@@ -55,6 +56,7 @@ def one(overrides: list[str], out: str, checkout: str | None = None) -> dict[str
         text=True,
         env=env,
         cwd=checkout,
+        timeout=COMMAND_TIMEOUT_S,
     )
     exited = time.time()
     if proc.returncode != 0:

@@ -8,7 +8,9 @@ checkpoint plan) travels with it.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import faulthandler
 import logging
 import os
 import threading
@@ -82,16 +84,16 @@ def run_rank(
         init_group(backend, store, rank, world_size, timeout, device)
     log.debug("%s process group of %d ready on %s, %d intra-op thread(s)", backend, world_size, device,
               torch.get_num_threads())  # fmt: skip
+    trained = False
     try:
         timeline["process_group_ready"] = time.time()
         # lazy: the parent imports this module to spawn ranks and never trains: the training stack stays out of it
-        from sharded_exp.train import faults
         from sharded_exp.train.trainer import train
 
         payload = train(job, device, timeline)
         if finished is not None:
             finished(payload)
-        faults.hang_at_exit(rank)  # the testing aid: a teardown that never ends
+        trained = True
         return payload
     except BaseException as exc:
         message = None
@@ -103,7 +105,33 @@ def run_rank(
         record_rank_failure(job.output_dir, rank, exc, message)
         raise
     finally:
-        dist.destroy_process_group()
+        # a spawned rank's parent kills it if this hangs (supervise); under torchrun or srun nothing would
+        with teardown_deadline(None if finished is not None else cfg.trainer.stop_grace_s):
+            if trained:
+                from sharded_exp.train import faults  # lazy: (as above) the training stack
+
+                faults.hang_at_exit(rank)  # the testing aid: a teardown that never ends
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def teardown_deadline(limit_s: float | None):
+    """Exit the process with code 1, every thread's stack written to stderr, if the block
+    has not ended ``limit_s`` seconds after it began (None: no deadline).
+
+    Tearing a gloo process group down can hang: its destructor waits for a thread that waits
+    for the GIL the destructor holds. A Python thread could not end it (it needs that GIL);
+    faulthandler's watchdog is a thread of C that needs none. Only for a rank that an external
+    launcher started (torchrun, srun), which would otherwise wait forever: its launcher then
+    sees the rank fail. A spawned rank's parent already kills it (it holds the payload)."""
+    if limit_s is None:
+        yield
+        return
+    faulthandler.dump_traceback_later(limit_s, exit=True)  # the stacks say where: destroy_process_group
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def init_group(backend: str, store, rank: int, world_size: int, timeout, device: torch.device) -> None:

@@ -72,6 +72,10 @@ def spawn(job: JobSpec, world_size: int) -> PartialResult:
                 start_method="forkserver",
                 join=False,
             )
+            # Only the ranks write: a rank that dies in the middle of a message then leaves the
+            # parent's read at the end of the pipe (EOFError, :func:`_drain`) once its peers are
+            # gone, where the parent's own copy of the writing end would keep it waiting forever.
+            results._writer.close()
             stop.watch(context.processes)
             _watch(context, stop, results, finished)
     except Exception as exc:
@@ -157,9 +161,13 @@ def _first_failure(exc: Exception, context, results, finished: dict[int, Any], o
 
 
 def _drain(results, finished: dict[int, Any]) -> None:
-    """Read every (rank, payload) message the ranks have sent so far into ``finished``."""
+    """Read every (rank, payload) message the ranks have sent so far into ``finished``. Once
+    every rank has ended the pipe reads as ended (EOFError): nothing more will come."""
     while not results.empty():
-        rank, payload = results.get()
+        try:
+            rank, payload = results.get()
+        except EOFError:
+            return
         finished[rank] = payload
 
 

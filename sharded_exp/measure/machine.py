@@ -57,11 +57,11 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from sharded_exp.measure.flops import count_cpu_attention, gpu_peak, save_cache
+from sharded_exp.measure.spawned import run_spawned
 from sharded_exp.speed.compute import base_name, tensor_bytes, timed_op
 from sharded_exp.speed.profiles import Curve, DeviceProfile, Figure, LinkProfile, Source
 
@@ -72,6 +72,21 @@ COPY_BYTES = 64 * 2**20
 ALL_REDUCE_BYTES = 16 * 2**20
 _log = logging.getLogger(__name__)
 SOURCE = Source("measured", "measured on this machine by sharded_exp.measure.machine", "(this machine)")
+
+
+def _write_figures(out: str, figures: dict) -> None:
+    """Write a child's figures whole (renamed into place): the parent reads ``out`` as soon as it exists."""
+    with open(out + ".part", "w") as f:
+        json.dump(figures, f)
+    os.replace(out + ".part", out)
+
+
+def _in_children(fn, args: tuple, nprocs: int, out: str, what: str) -> dict:
+    """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes (:func:`run_spawned`: never
+    waited for forever) and return the figures they wrote to ``out`` (:func:`_write_figures`)."""
+    run_spawned(fn, args, nprocs, lambda: os.path.exists(out), f"measuring {what}")
+    with open(out) as f:
+        return json.load(f)
 
 
 def cache_path() -> str:
@@ -260,8 +275,7 @@ def _sharded_rank(rank: int, path: str, out: str, device: str, threads: int, dty
     backend = "nccl" if device == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"file://{path}", rank=rank, world_size=1)
     try:
-        with open(out, "w") as f:
-            json.dump({name: measure_step_op_overhead(device, name, sharded=True) for name in dtypes}, f)
+        _write_figures(out, {name: measure_step_op_overhead(device, name, sharded=True) for name in dtypes})
     finally:
         dist.destroy_process_group()
 
@@ -276,9 +290,7 @@ def measure_sharded_step_op_overhead(device: str, threads: int, dtypes: tuple[st
         with tempfile.TemporaryDirectory() as folder:
             out = os.path.join(folder, "sharded.json")
             args = (os.path.join(folder, "store"), out, device, threads, dtypes)
-            mp.start_processes(_sharded_rank, args=args, nprocs=1, start_method="spawn")
-            with open(out) as f:
-                return json.load(f)
+            return _in_children(_sharded_rank, args, 1, out, "the host's cost per op of an FSDP2 step")
     except Exception as exc:  # noqa: BLE001 -- measuring never breaks a run: the plain figure stands
         _log.warning("the host's cost per op of an FSDP2 step was not measured (%s: %s); the plain step's is used",
                      type(exc).__name__, exc)  # fmt: skip
@@ -399,8 +411,7 @@ def _all_reduce_rank(rank: int, path: str, out: str) -> None:
     latency = min(_counted(lambda: dist.all_reduce(small), 20) for _ in range(WINDOWS))
     per_call = min(_counted(lambda: dist.all_reduce(large), 2) for _ in range(WINDOWS))
     if rank == 0:
-        with open(out, "w") as f:
-            json.dump({"latency_s": latency, "per_call_s": per_call}, f)
+        _write_figures(out, {"latency_s": latency, "per_call_s": per_call})
     dist.destroy_process_group()
 
 
@@ -409,9 +420,7 @@ def measure_local_link() -> dict[str, float]:
     large one's bandwidth, as nccl-tests' bus bandwidth (2 (n-1)/n S / t, n = 2)."""
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "link.json")
-        mp.start_processes(_all_reduce_rank, args=(os.path.join(folder, "store"), out), nprocs=2, start_method="spawn")
-        with open(out) as f:
-            found = json.load(f)
+        found = _in_children(_all_reduce_rank, (os.path.join(folder, "store"), out), 2, out, "the local gloo link")
     bus = ALL_REDUCE_BYTES / max(found["per_call_s"] - found["latency_s"], 1e-9)
     # a 2-rank ring all-reduce is 2 steps: each pays half the small collective's time
     return {"bandwidth_GBps": bus / 1e9, "step_latency_us": found["latency_s"] / 2 * 1e6}
@@ -482,17 +491,14 @@ def _cuda_attention() -> dict:
 
 
 def _cuda_child(rank: int, out: str) -> None:
-    with open(out, "w") as f:
-        json.dump(measure_cuda(), f)
+    _write_figures(out, measure_cuda())
 
 
 def measure_cuda_in_child() -> dict:
     """:func:`measure_cuda` in a spawned process: the caller's CUDA stays uninitialised."""
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "cuda.json")
-        mp.start_processes(_cuda_child, args=(out,), nprocs=1, start_method="spawn")
-        with open(out) as f:
-            return json.load(f)
+        return _in_children(_cuda_child, (out,), 1, out, "the CUDA device's figures")
 
 
 def measure(threads: int) -> dict:

@@ -24,6 +24,37 @@ from sharded_exp.vocabulary import wandb_names
 # import them from here, beside the logger that writes what they make.
 from sharded_exp.vocabulary.wandb_names import HISTORY_SUMMARIES, across_ranks, summary_values  # noqa: F401
 
+START_LIMIT_S = 120.0
+"""Seconds the training waits for W&B to start (``logger.init_timeout_s`` bounds W&B's own
+wait for its service; importing wandb and writing the run's files come on top). Past it the
+run goes on without W&B, as when W&B fails to start."""
+FINISH_LIMIT_S = 120.0
+"""Seconds ``finish`` waits for W&B to close a run (it flushes the run's files, and online
+uploads them). Past it the run goes on, the W&B run left unfinished, with a warning."""
+
+
+def finish_run(run, exit_code: int = 0, limit_s: float | None = None) -> None:
+    """``run.finish(exit_code)``, waited for at most ``limit_s`` (:data:`FINISH_LIMIT_S`). W&B's
+    finish has no time limit of its own, and a job must never wait forever on an observer:
+    past the limit it is left running in a daemon thread and a TimeoutError is raised; an error
+    in finish is raised as it came."""
+    limit_s = FINISH_LIMIT_S if limit_s is None else limit_s
+    failed: list[BaseException] = []
+
+    def finish() -> None:
+        try:
+            run.finish(exit_code=exit_code)
+        except BaseException as exc:  # noqa: BLE001 -- raised in the caller's thread below
+            failed.append(exc)
+
+    thread = threading.Thread(target=finish, name="tracker-finish", daemon=True)
+    thread.start()
+    thread.join(limit_s)
+    if thread.is_alive():
+        raise TimeoutError(f"W&B's finish did not return within {limit_s:g} s; the W&B run is left unfinished")
+    if failed:
+        raise failed[0]
+
 
 class NullLogger:
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -127,7 +158,7 @@ class WandbLogger(NullLogger):
         if self.run is not None:
             run, self.run = self.run, None
             try:
-                run.finish(exit_code=exit_code)
+                finish_run(run, exit_code=exit_code)
             except Exception as exc:  # noqa: BLE001
                 self._give_up("finish", exc)
 
@@ -151,6 +182,7 @@ class StartingLogger(NullLogger):
     def __init__(self, start: Callable[[], NullLogger], on_started: Callable[[float], None] | None = None):
         self._logger: NullLogger | None = None
         self._waiting: list[tuple[dict[str, float], int]] = []
+        self._gave_up = False  # it did not start in time: what comes after goes nowhere
         self._thread = threading.Thread(target=self._start, args=(start, on_started), name="tracker-start", daemon=True)
         self._thread.start()
 
@@ -163,11 +195,20 @@ class StartingLogger(NullLogger):
 
     def _started(self, wait: bool) -> NullLogger | None:
         """The started logger, with what waited sent to it; None while it is still starting
-        (``wait``: until it has)."""
-        if wait:
-            self._thread.join()
-        elif self._thread.is_alive():
+        (``wait``: until it has, at most :data:`START_LIMIT_S`; past that the run goes on
+        without W&B, with a warning)."""
+        if wait and not self._gave_up:
+            self._thread.join(START_LIMIT_S)
+            if self._thread.is_alive():
+                self._gave_up = True
+                warnings.warn(
+                    f"W&B had not started {START_LIMIT_S:g} s after it was asked to; training goes on without it",
+                    stacklevel=3,
+                )
+        elif self._thread.is_alive() and not self._gave_up:
             return None
+        if self._gave_up:
+            return NullLogger()
         logger = self._logger or NullLogger()  # its start failed outside WandbLogger's own handling
         waiting, self._waiting = self._waiting, []
         for metrics, step in waiting:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sharded_exp.output.charts import ranks
-from sharded_exp.output.loggers import init_wandb_run
+from sharded_exp.output.loggers import finish_run, init_wandb_run
 from sharded_exp.report.figures import CHARTS, write_charts
 from sharded_exp.report.planned import add_planned
 from sharded_exp.report.rows import COLUMNS, build_rows, columns, point_row
@@ -168,6 +168,6 @@ def log_to_wandb(rows: list[dict[str, Any]], points: list[dict[str, Any]], image
             run_id=run_id,
         )
         run.log({**native_charts(rows, points), **{report_key(p.stem): wandb.Image(str(p)) for p in images}})
-        run.finish()
+        finish_run(run)
     except Exception as exc:  # noqa: BLE001 -- the report files are written regardless
         print(f"warning: W&B summary run not written ({type(exc).__name__}: {exc})", file=sys.stderr)

@@ -28,7 +28,8 @@ A testing aid, documented in the README; never set it in real runs. Kinds:
 - ``hang_at_exit``: the rank (``step`` is not read) hangs after it finished training and
   sent its payload, where its process group is torn down (as a gloo destructor waiting for
   a thread that waits for the GIL does): the parent kills it ``trainer.stop_grace_s`` later
-  and keeps the results.
+  and keeps the results; under torchrun or srun the rank exits by itself (code 1, its stacks
+  on stderr) that long after (``launch.rank.teardown_deadline``).
 - ``tracker_error``: from that step on, torch's MemTracker raises inside its forward
   hooks on that rank (as it does on a model it cannot follow): the CPU peak of that rank
   is then null with the reason, and the run goes on (measuring never breaks training).

@@ -79,20 +79,33 @@ def wait_until(ready, proc, log, timeout=120):
         time.sleep(0.1)
 
 
+def kill_tree(proc) -> None:
+    """SIGKILL ``proc`` and every process below it: its process group when it leads one, and
+    the descendants in sessions of their own (torchrun starts its ranks so), which would
+    otherwise outlive it, a hung one forever."""
+    tree = descendants(proc.pid)
+    if os.getpgid(proc.pid) == proc.pid:
+        os.killpg(proc.pid, signal.SIGKILL)
+    else:
+        proc.kill()
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def finish(proc, log=None, timeout: float = 300) -> tuple[int, str]:
     """Wait for ``proc`` and return its exit code and output: the ``log`` file it writes to, or
-    its piped stdout and stderr. Past ``timeout`` it is killed (with its process group when it
-    leads one, as :func:`start_job`'s jobs do) and the timeout raised."""
+    its piped stdout and stderr. Past ``timeout`` it is killed with every process below it
+    (:func:`kill_tree`) and the timeout raised."""
     try:
         if log is None:
             out, err = proc.communicate(timeout=timeout)
             return proc.returncode, out + err
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        if os.getpgid(proc.pid) == proc.pid:
-            os.killpg(proc.pid, signal.SIGKILL)
-        else:
-            proc.kill()
+        kill_tree(proc)
+        proc.wait(timeout=30)
         raise
     return proc.returncode, log.read_text()
-

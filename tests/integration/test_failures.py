@@ -287,7 +287,7 @@ def test_ranks_exit_when_the_parent_is_killed(tmp_path):
     tree = descendants(proc.pid)
     assert len(tree) >= 3  # two ranks and the forkserver
     proc.kill()  # SIGKILL: the parent cannot pass anything on
-    proc.wait()
+    proc.wait(timeout=30)
     end = time.time() + 10
     while survivors(tree) and time.time() < end:
         time.sleep(0.2)

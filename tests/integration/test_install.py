@@ -30,7 +30,7 @@ def install_torch(pip: list[str], tmp: Path) -> None:
     version = "2.13.0"
     wheels = tmp / "torch_wheel"
     got = subprocess.run([*pip, "download", "-q", "--no-deps", "--no-index", "-d", wheels, f"torch=={version}"],
-                         capture_output=True)  # fmt: skip
+                         capture_output=True, timeout=300)  # fmt: skip
     if got.returncode == 0:
         sh([*pip, "install", "-q", *glob.glob(str(wheels / "torch-*.whl"))], tmp)
     else:

@@ -20,7 +20,11 @@ from tests.helpers.jobs import ROOT, TINY, read_result, run_cli, without_package
 def test_zero1_runs_and_oss_is_refused_without_fairscale(tmp_path):
     env = without_package(tmp_path, "fairscale")
     blocked = subprocess.run(
-        [sys.executable, "-c", "import fairscale"], env={**os.environ, **env}, capture_output=True, text=True
+        [sys.executable, "-c", "import fairscale"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert blocked.returncode != 0 and "No module named 'fairscale'" in blocked.stderr  # as if uninstalled
     proc = run_cli(["strategy=zero1", *TINY, f"hydra.run.dir={tmp_path / 'zero1'}"], cwd=ROOT, env=env)

@@ -231,14 +231,18 @@ def test_a_cpu_job_predicted_beyond_host_memory_is_refused_before_spawn(tmp_path
                                           r"500 MiB are available here.*trainer.host_memory_check=false"):  # fmt: skip
         launch_job(["trainer.accelerator=cpu", "trainer.steps=2"], tmp_path / "run")
     assert not (tmp_path / "run").exists()
-    result = launch_job(["trainer.accelerator=cpu", "trainer.steps=2", "trainer.host_memory_check=false"], tmp_path / "run")
+    result = launch_job(
+        ["trainer.accelerator=cpu", "trainer.steps=2", "trainer.host_memory_check=false"], tmp_path / "run"
+    )
     assert result["status"] == "ok"
 
 
 def test_a_float64_model_is_measured_and_predicted_in_its_own_dtype(tmp_path):
     from sharded_exp.predict.fake_step import _short
 
-    result = launch_job(["model=custom", "model._target_=tests.helpers.user_models.build_double", "trainer.steps=3"], tmp_path)
+    result = launch_job(
+        ["model=custom", "model._target_=tests.helpers.user_models.build_double", "trainer.steps=3"], tmp_path
+    )
     memory = result["memory"]
     assert result["status"] == "ok" and memory["peak_prediction"]["error"] is None
     assert memory["predicted_model_states_mib_max"] == pytest.approx(memory["model_states_mib_max"], rel=1e-6)
@@ -276,14 +280,17 @@ def test_a_fake_reduce_scatter_holds_what_gloos_holds(tmp_path):
     import json
 
     import torch.distributed as dist
-    import torch.multiprocessing as mp
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from sharded_exp.measure.spawned import run_spawned
     from sharded_exp.measure.tracker import peak_tracker
     from sharded_exp.predict.fake_step import GlooReduceScatter, fake_process_group
 
-    mp.spawn(_measure_reduce_scatter, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
-    real = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    files = [tmp_path / f"rank{r}.json" for r in (0, 1)]
+    # never waited for forever: ranks stuck tearing gloo down once they wrote are killed
+    run_spawned(_measure_reduce_scatter, (str(tmp_path / "store"), str(tmp_path)), 2,
+                lambda: all(f.exists() for f in files), "the real reduce-scatter", limit_s=300)  # fmt: skip
+    real = [json.loads(f.read_text()) for f in files]
     assert real == [8000 + 4000 + 8000] * 2  # input, output, and gloo's copy of the input
 
     from torch.distributed import distributed_c10d

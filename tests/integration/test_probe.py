@@ -22,6 +22,7 @@ from sharded_exp.job.result import problems
 from sharded_exp.probe import probe
 from sharded_exp.probe.summary import summary
 from tests.helpers.jobs import ROOT
+from tests.helpers.processes import kill_tree
 
 RUNS = ROOT / "tests" / "helpers" / "probe_runs.py"
 
@@ -164,10 +165,18 @@ def _env():
 
 
 def _torchrun(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """torchrun of two ranks: past ``timeout`` its ranks are killed with it (killed alone,
+    torchrun would leave them running, a hung one forever)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args]
-    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return proc
+    proc = subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        proc.wait(timeout=30)
+        raise
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def _agrees(run_dir: Path, independent: Path, predicted: bool = True) -> dict:

@@ -65,7 +65,11 @@ def test_sweep_ends_in_a_report(tmp_path):
     # rebuilt from the files alone, the same report (the profile read from the points)
     before = (sweep / "report.csv").read_text()
     rebuilt = subprocess.run(
-        [sys.executable, "-m", "sharded_exp.report", str(sweep)], capture_output=True, text=True, check=False
+        [sys.executable, "-m", "sharded_exp.report", str(sweep)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
     )
     assert rebuilt.returncode == 0, rebuilt.stderr
     assert (sweep / "report.csv").read_text() == before
@@ -110,7 +114,9 @@ def test_oom_alone_does_not_fail_the_sweep_and_wandb_gets_the_report(tmp_path):
     assert logged["report/table/nrows"] == 2 and logged["report/memory/_type"] == "image-file"
     assert logged["report/samples_per_s_table/nrows"] == 1  # the OOM point gets no bar of 0 samples/s
     # Reporting again replaces the report run (22.16): one run, the same id.
-    again = subprocess.run([sys.executable, "-m", "sharded_exp.report", str(sweep)], capture_output=True, text=True)
+    again = subprocess.run(
+        [sys.executable, "-m", "sharded_exp.report", str(sweep)], capture_output=True, text=True, timeout=300
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     runs = [read_run(f) for f in sweep.rglob("run-*.wandb")]
     assert len([r for r in runs if r["job_type"] == "report"]) == 1 and len(runs) == 3
@@ -122,6 +128,7 @@ def test_report_rejects_a_missing_directory(tmp_path):
         capture_output=True,
         text=True,
         check=False,
+        timeout=120,
     )
     assert proc.returncode == 2 and "usage" in proc.stderr
 
@@ -635,16 +642,18 @@ def read_only_copy(tmp_path):
     """A read-only filesystem (tmpfs remounted ro) holding a copy of what ``fill`` puts there."""
     mount = tmp_path / "ro"
     mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], capture_output=True, timeout=60
+    ).returncode:
         pytest.skip("cannot mount a tmpfs here")
 
     def freeze(fill):
         fill(mount)
-        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True, timeout=60)
         return mount
 
     yield freeze
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+    subprocess.run(["umount", "-l", str(mount)], check=False, timeout=60)
 
 
 @pytest.mark.slow

@@ -56,7 +56,7 @@ def test_a_run_directory_that_is_a_file_or_read_only_is_refused(tmp_path, small_
     afile.write_text("x")
     proc = run_cli([*TINY, f"hydra.run.dir={afile}"], cwd=ROOT)
     assert proc.returncode == 2 and "is a file, not a directory" in proc.stderr and "Traceback" not in proc.stderr
-    subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
+    subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True, timeout=60)
     proc = run_cli([*TINY, f"hydra.run.dir={small_fs / 'run'}"], cwd=ROOT)
     assert proc.returncode == 2 and "cannot be written (Read-only file system)" in proc.stderr
     assert "Traceback" not in proc.stderr

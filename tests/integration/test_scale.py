@@ -174,7 +174,8 @@ def test_checkpoint_async_needs_dcp(tmp_path):
 
 
 # ------------------------------------------------------------------------- torchrun
-def torchrun(args: list[str], cwd, *launcher: str, env: dict | None = None, timeout: float = 300):
+def torchrun(args: list[str], cwd, *launcher: str, env: dict | None = None):
+    """torchrun started in the background; wait for it with :func:`finish` (which has the timeout)."""
     full_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     full_env.update({"PYTHONPATH": str(ROOT), **(env or {})})
     cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "sharded_exp", *args]
@@ -221,6 +222,25 @@ def test_torchrun_restart_resumes_from_the_checkpoint(tmp_path):
     assert result["resumed_from"].endswith("step_00000004")
     failed = json.loads((run / "attempts" / "1" / "result.json").read_text())
     assert failed["status"] == "failed" and "rank 1" in failed["error"]
+
+
+@pytest.mark.slow
+def test_a_torchrun_rank_stuck_tearing_down_exits_stop_grace_s_later_with_its_stacks(tmp_path):
+    """Under torchrun no parent of ours kills a rank stuck tearing gloo down: it ends itself
+    trainer.stop_grace_s later, its stacks on stderr, and rank 0's result is written."""
+    proc = torchrun(
+        ["strategy=ddp", *TINY, "trainer.stop_grace_s=2"],
+        tmp_path,
+        "--standalone",
+        "--nproc-per-node=2",
+        env={"SHARDED_EXP_FAULT": "rank=1,step=0,kind=hang_at_exit"},
+    )
+    code, output = finish(proc, timeout=240)
+    assert "SHARDED_EXP_FAULT: hang_at_exit on rank 1" in output
+    assert code != 0 and "Timeout (0:00:02)!" in output, output[-3000:]
+    assert "in run_rank" in output  # the stuck rank's stack says where it was
+    (run,) = run_dirs(tmp_path)
+    assert read_result(run)["status"] == "ok"
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import pytest
 
 from sharded_exp.launch.layout import Layout, expand_nodelist, first_host, rendezvous_env, slurm_layout
 from tests.helpers.jobs import ROOT, TINY, read_result, run_cli
+from tests.helpers.processes import finish
 
 
 def test_submitit_slurm_launcher_composes(tmp_path):
@@ -94,8 +95,13 @@ def test_two_slurm_tasks_train_as_two_ranks(tmp_path):
                 text=True,
             )  # fmt: skip
         )
-    outs = [p.communicate(timeout=240) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    try:
+        outs = [finish(p, timeout=240) for p in procs]  # past it: killed, and the timeout raised
+    finally:
+        for p in procs:  # the other task too, when one timed out
+            if p.poll() is None:
+                p.kill()
+    assert [code for code, _ in outs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     result = read_result(tmp_path)
     assert result["status"] == "ok" and result["world_size"] == 2
     assert len(result["memory"]["per_rank"]) == 2

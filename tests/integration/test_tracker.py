@@ -236,10 +236,10 @@ def test_a_tensor_another_thread_frees_is_live_until_then_and_named():
     handed, dropped = [], threading.Event()
 
     def worker():
-        dropped.wait()
+        dropped.wait(timeout=60)  # bounded, and a daemon: a failed assertion below leaves no thread waiting
         handed.clear()  # the last reference goes here, in another thread
 
-    thread = threading.Thread(target=worker)
+    thread = threading.Thread(target=worker, daemon=True)
     thread.start()
     with tracker:
         buffer = torch.ones(1024)  # 4 KiB
@@ -248,7 +248,7 @@ def test_a_tensor_another_thread_frees_is_live_until_then_and_named():
         del buffer
         assert tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"] == 4096 + 64
         dropped.set()
-        thread.join()
+        thread.join(timeout=60)
         assert tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"] == 64
         del small  # freed here, by the training thread: not a figure
     assert tracker.freed_off_thread_max == 4096

@@ -451,7 +451,7 @@ def record_sweep(sweep: Path, out_dir: Path, dirs: List[Path], key_sets) -> Dict
 
 
 def git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=120).stdout.strip()
 
 
 def commit() -> str:

@@ -132,11 +132,11 @@ MUTATIONS = [
     ),
     Mutation(
         11,
-        'sharded_exp/plan/points.py',
-        'line[k] = max(0.0, a + b / world_size)',
-        'line[k] = max(0.0, a + b / w3)',
+        "sharded_exp/plan/points.py",
+        "line[k] = max(0.0, a + b / world_size)",
+        "line[k] = max(0.0, a + b / w3)",
         "a raw plan beyond 1024 ranks read off the line at the window's last world size, not the one asked",
-        'tests/unit/plan/test_points.py::test_a_line_that_holds_only_past_a_regime_change_answers_beyond_it',
+        "tests/unit/plan/test_points.py::test_a_line_that_holds_only_past_a_regime_change_answers_beyond_it",
     ),
     Mutation(
         12,
@@ -334,6 +334,7 @@ def unit_tier_passes(root: Path, target: str) -> tuple[bool, float]:
         cwd=root,
         capture_output=True,
         text=True,
+        timeout=1800,  # the unit tier takes under a minute: only a hung run reaches this
     )
     return proc.returncode == 0, time.perf_counter() - start
 

@@ -20,7 +20,10 @@ class Queue:
         return not self.messages
 
     def get(self):
-        return self.messages.pop(0)
+        message = self.messages.pop(0)
+        if isinstance(message, BaseException):
+            raise message
+        return message
 
 
 class Proc:
@@ -99,3 +102,11 @@ def test_ranks_alive_past_the_grace_period_are_killed():
 def test_stopped_says_the_signal_and_whether_ranks_were_killed():
     assert str(supervise.Stopped(signal.SIGTERM, None)) == "stopped by SIGTERM: ranks stopped"
     assert str(supervise.Stopped(signal.SIGINT, "why")) == "stopped by SIGINT: ranks were killed (why)"
+
+
+def test_reading_the_ranks_messages_ends_at_the_end_of_the_pipe():
+    """Once every rank has ended, their pipe reads as ended (the parent holds no writing end):
+    what came is kept, and the read ends instead of raising or waiting."""
+    finished = {}
+    supervise._drain(Queue((1, None), (0, "payload"), EOFError()), finished)
+    assert finished == {1: None, 0: "payload"}

@@ -195,3 +195,36 @@ def test_a_rank_without_a_tracker_is_started_at_once():
     logger = loggers.start_logger(OmegaConf.create({"name": "none"}), run_config(), "/out", rank=0,
                                   on_started=started.append)  # fmt: skip
     assert type(logger) is loggers.NullLogger and len(started) == 1
+
+
+def test_a_tracker_that_never_starts_is_given_up_at_the_limit_and_training_goes_on(monkeypatch):
+    never, run = threading.Event(), FakeRun()
+    monkeypatch.setattr(loggers, "init_wandb_run", lambda *a, **kw: never.wait(timeout=30) and run)
+    monkeypatch.setattr(loggers, "START_LIMIT_S", 0.2)
+    cfg = OmegaConf.create({"name": "wandb", "job_type": "train", "run_name": None})
+    logger = loggers.start_logger(cfg, run_config(), "/out", rank=0, on_started=lambda t: None)
+    with pytest.warns(UserWarning, match="W&B had not started 0.2 s after it was asked to; training goes on"):
+        logger.wait_started()
+    logger.log({"loss": 1.0}, step=1)
+    logger.summary({"x": 1})
+    logger.finish()  # no second wait, no second warning
+    never.set()
+    assert run.logged == [] and run.finished is None
+
+
+def test_a_finish_that_never_returns_is_given_up_at_the_limit_with_a_warning(monkeypatch):
+    never, run = threading.Event(), FakeRun()
+    run.finish = lambda exit_code=0: never.wait(timeout=30)
+    monkeypatch.setattr(loggers, "init_wandb_run", lambda *a, **kw: run)
+    monkeypatch.setattr(loggers, "FINISH_LIMIT_S", 0.2)
+    logger = loggers.WandbLogger(OmegaConf.create({"job_type": None, "run_name": None}), run_config(), "/out")
+    with pytest.warns(UserWarning, match="W&B's finish did not return within 0.2 s; the W&B run is left unfinished"):
+        logger.finish()
+    never.set()
+    assert logger.run is None
+
+
+def test_an_error_in_finish_reaches_the_caller():
+    run = types.SimpleNamespace(finish=lambda exit_code=0: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        loggers.finish_run(run)
