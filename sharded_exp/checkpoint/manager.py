@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from tqdm import tqdm
 
 from sharded_exp.checkpoint.plan import CheckpointPlan
@@ -214,6 +213,8 @@ class CheckpointManager:
         }
 
     def _save_dcp(self, strategy, tmp, path, small, meta) -> None:
+        import torch.distributed.checkpoint as dcp  # lazy: torch.distributed.checkpoint, which a job that saves and loads none never needs
+
         state = {"model": strategy.module.state_dict(), "optim": {"state": local_optimizer_state(strategy)}}
         writer = dcp.FileSystemWriter(tmp, sync_files=True)
         if self.plan.asynchronous:

@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from sharded_exp.checkpoint.storage import CheckpointError, checkpoint_format, load_file, read_meta
@@ -161,6 +160,8 @@ def restore(strategy, path: str, device: torch.device) -> dict[str, Any]:
 
 
 def _load_dcp(strategy, path: str, param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    import torch.distributed.checkpoint as dcp  # lazy: torch.distributed.checkpoint, which a job that saves and loads none never needs
+
     model = strategy.module.state_dict()
     # Optimizer state this rank will hold, allocated in its own layout (a DTensor shard
     # under FSDP2) from the checkpoint's metadata: dcp fills in just those bytes.

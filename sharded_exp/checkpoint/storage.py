@@ -12,7 +12,6 @@ import shutil
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from sharded_exp.errors import ConfigError, is_no_space, no_space, writing
 
@@ -185,6 +184,10 @@ def read_dcp_metadata(path: str):
 def _check_dcp_files(path: str, meta: dict[str, Any]) -> None:
     """The dcp metadata is readable, names the shapes meta.json names, and every byte range
     it points at exists on disk (catches truncated and missing shard files)."""
+    from torch.distributed.checkpoint.metadata import (
+        TensorStorageMetadata,  # lazy: torch.distributed.checkpoint, which a job that saves and loads none never needs
+    )
+
     try:
         metadata = read_dcp_metadata(path)
     except Exception as exc:  # noqa: BLE001 -- any failure to read is a corrupt file

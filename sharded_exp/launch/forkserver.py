@@ -23,10 +23,13 @@ PRELOAD = [
     "sharded_exp.train.trainer",
     "sharded_exp.strategies",
     "torch._dynamo",
+    "torch.distributed.optim",
 ]
-"""Imported once by the server: its signal settings, the trainer, every strategy, and torch._dynamo, which
-DistributedDataParallel would otherwise import in every rank (about a second each). Not
-torchmetrics: the evaluation pass computes its definitions in plain torch (train/evaluate.py)."""
+"""Imported once by the server: its signal settings, the trainer, every strategy, torch._dynamo, which
+DistributedDataParallel would otherwise import in every rank (about a second each), and
+torch.distributed.optim, which zero1 imports when it builds (0.2 s; the parent, which imports
+the strategies for their schemas only, never does). Not torchmetrics: the evaluation pass
+computes its definitions in plain torch (train/evaluate.py)."""
 
 
 HF_MODELING = {

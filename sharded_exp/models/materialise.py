@@ -42,7 +42,6 @@ import torch.distributed as dist
 from hydra.utils import get_class
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from sharded_exp.errors import ConfigError, missing_packages
@@ -352,6 +351,9 @@ def load_sharded_from_rank0(module: nn.Module, model_cfg, device: torch.device, 
         Buffers that are no state-dict entries (a rotary embedding's ``inv_freq``) have no
         value after a meta-device build: they are rank 0's, broadcast too.
     """
+    # lazy: torch.distributed.checkpoint, which only loading pretrained weights into shards needs
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     rank0 = dist.get_rank() == 0
     full = build_model(model_cfg, weights=True) if rank0 else None
     materialise_shards(module, device, offload)

@@ -9,7 +9,6 @@ first.
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from sharded_exp.strategies import STRATEGIES
 from sharded_exp.strategies.ddp import DDP, DDPConfig, wrap_ddp
@@ -49,6 +48,10 @@ class ZeRO1(DDP):
 
     @classmethod
     def build(cls, cfg, module, optim_spec, precision_cfg, device):
+        # torch.distributed.optim scripts its functional optimizers on import (0.2 s of CPU),
+        # which the job's parent, importing every strategy for its schema, never needs
+        from torch.distributed.optim import ZeroRedundancyOptimizer  # lazy: 0.2 s, see above
+
         model = wrap_ddp(cfg, module, device)
         optimizer = ZeroRedundancyOptimizer(
             optim_spec.param_groups,

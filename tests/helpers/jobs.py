@@ -142,9 +142,9 @@ import time
 
 class _Recorded:
     def find_spec(self, name, path=None, target=None):
-        if name == {package!r}:
+        if name in {packages!r}:
             with open({log!r}, "a") as f:
-                f.write(f"{{os.getpid()}} {{time.time()}}\\n")
+                f.write(f"{{name}} {{os.getpid()}} {{time.time()}}\\n")
         return None
 
 sys.meta_path.insert(0, _Recorded())
@@ -160,15 +160,15 @@ def without_package(tmp_path: Path, package: str) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 
-def recording_imports(tmp_path: Path, package: str) -> tuple[dict[str, str], Path]:
+def recording_imports(tmp_path: Path, *packages: str) -> tuple[dict[str, str], Path]:
     """Environment in which every process of a job (the parent, the forkserver, the ranks)
-    appends ``<pid> <time.time()>`` to the returned file when it imports ``package`` itself (a
-    forked rank that inherited the module from the forkserver writes nothing): the file exists
-    only if some process imported it."""
-    site = tmp_path / f"recording_{package}"
+    appends ``<package> <pid> <time.time()>`` to the returned file when it imports one of
+    ``packages`` itself (a forked rank that inherited the module from the forkserver writes
+    nothing): the file exists only if some process imported one."""
+    site = tmp_path / "recording_imports"
     site.mkdir()
     log = site / "imports.txt"
-    (site / "sitecustomize.py").write_text(RECORDER.format(package=package, log=str(log)))
+    (site / "sitecustomize.py").write_text(RECORDER.format(packages=tuple(sorted(packages)), log=str(log)))
     return {"PYTHONPATH": os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")])}, log
 
 
