@@ -49,10 +49,10 @@ def composed_and_whole(overrides, world_sizes, device: str, strategies=STRATEGIE
 SHARE_RANGE = (-0.10, 0.35)
 """Where a composed plan's reserved memory may lie against the whole model's where the deeper
 shallow fake's share of the peak is kept (an approximation, not the allocator's rules): where
-a drawing fails its check, also a block or two deeper, or the traces do not align (ShardedDDP
-at 2 and 8 ranks). ZeRO-1 at 8 ranks and OSS at 2 and 8, whose shards are dealt out whole,
-kept it until the check was moved deeper and dealt tensors were no longer grown (ZeRO-1 +20%,
-OSS +16% to +30%; now drawn, within 2%); mostly above, the safe side for ``fits``."""
+a drawing fails its check, also a block or two deeper, or the traces do not align. ZeRO-1 at
+8 ranks and OSS at 2 and 8, whose shards are dealt out whole, kept it until the check was
+moved deeper and dealt tensors were no longer grown (ZeRO-1 +20%, OSS +16% to +30%; now
+drawn, within 2%); mostly above, the safe side for ``fits``."""
 
 
 def assert_reserved(composed: dict, whole: dict, point) -> None:
