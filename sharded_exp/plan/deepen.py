@@ -14,8 +14,11 @@ allocations are the same sizes at every depth, so the trace at ``n + 1`` blocks 
   it. Those of the deeper trace that match none are the new block's, and so is every event on
   them (their frees and uses on NCCL's stream); the synchronisations the shallow trace has not
   got (one per collective) too. An allocation dropped from the shallow trace where one on the
-  same stream with another size comes in (a DDP bucket not yet full, a tensor of one element
-  per parameter) is one that grows by the difference with each block;
+  same stream with another size comes in is the same allocation, grown by the difference with
+  each block where it grows by the same bytes between the first two depths as between the
+  last two (a DDP bucket not yet full, a tensor of one element per parameter:
+  :func:`_grown_on_lines`); elsewhere (the rank faked steps other tensors at each depth where
+  whole tensors are dealt out to ranks) its size is held;
 - **repeated**: where the deeper trace is the shallow one with whole blocks inserted (a window
   of events in each stretch that repeats block after block: the forward's, the backward's, the
   optimizer's), each window is repeated right after itself, each copy's events referring to

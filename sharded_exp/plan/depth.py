@@ -236,7 +236,7 @@ the depth: at 8 ranks the one-block model's 16 tensors give each rank two, and t
 foreach temporaries of the rank faked at 3 blocks (4 x 192 KiB) are not those drawn from 1 and
 2 (2 x 256 KiB; one 2 MiB segment fewer: 1.6 MiB off where 5% of 28 is 1.4). Deeper, each
 rank's share is more tensors, one tensor more or less moves the cache less, and the same
-check passes from 2, 3 and 4 blocks (ZeRO-1 at 8 ranks) or from 3, 4 and 5 (OSS at 2 and 8).
+check passes from 3, 4 and 5 blocks (ZeRO-1 at 8 ranks, OSS at 2 on the 8-block test model).
 Each check is as strict as the first; a fake at a few blocks costs far less than the whole
 model's."""
 
