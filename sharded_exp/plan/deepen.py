@@ -14,8 +14,11 @@ allocations are the same sizes at every depth, so the trace at ``n + 1`` blocks 
   it. Those of the deeper trace that match none are the new block's, and so is every event on
   them (their frees and uses on NCCL's stream); the synchronisations the shallow trace has not
   got (one per collective) too. An allocation dropped from the shallow trace where one on the
-  same stream with another size comes in (a DDP bucket not yet full, a tensor of one element
-  per parameter) is one that grows by the difference with each block;
+  same stream with another size comes in is the same allocation, grown by the difference with
+  each block where it grows by the same bytes between the first two depths as between the
+  last two (a DDP bucket not yet full, a tensor of one element per parameter:
+  :func:`_grown_on_lines`); elsewhere (the rank faked steps other tensors at each depth where
+  whole tensors are dealt out to ranks) its size is held;
 - **repeated**: where the deeper trace is the shallow one with whole blocks inserted (a window
   of events in each stretch that repeats block after block: the forward's, the backward's, the
   optimizer's), each window is repeated right after itself, each copy's events referring to
@@ -142,6 +145,8 @@ class Step:
     """Where the deeper trace is the shallow one with whole blocks inserted: each ``(start,
     end)`` a window of events that, ids and grown sizes aside, the shallow trace has not got
     and the window just before repeats (:func:`_periods`); None where it is not so."""
+    matched: dict[int, int] | None = None
+    """The deeper trace's allocations (event index) -> the shallow trace's they stand for."""
 
 
 def _allocations(events: list) -> tuple[list[int], list[tuple]]:
@@ -186,7 +191,8 @@ def block_step(shallow: list, deep: list) -> Step | None:
         j = min(same, key=lambda j: (kb[j] in known, abs(j - near)))
         free.discard(j)
         match[j] = i
-        grown[j] = kb[j][1] - ka[i][1]
+        if kb[j][1] > ka[i][1]:  # smaller one block deeper: another tensor in its place, held
+            grown[j] = kb[j][1] - ka[i][1]
     new_ids = {deep[j][1] for j in free}
     new = [e[0] != "sync" and (e[1] in new_ids) for e in deep]
     # the synchronisations: those the shallow trace has not got are the new block's
@@ -208,11 +214,31 @@ def block_step(shallow: list, deep: list) -> Step | None:
         return None  # an event on an allocation of the shallow trace that it has not got
     for j in extra:
         new[old_b[j][0]] = True
+    return Step(list(deep), new, grown, list(shallow), _block_windows(shallow, deep, grown), match)
+
+
+def _block_windows(shallow: list, deep: list, grown: dict[int, int]) -> list[tuple[int, int]] | None:
+    """:attr:`Step.periods` of ``deep`` over ``shallow``, its ``grown`` sizes as in the shallow trace."""
     shrunk = [(op, i, size - grown.get(j, 0), st) for j, (op, i, size, st) in enumerate(deep)]
-    periods = _periods(ka, _keys(shrunk))
+    periods = _periods(_keys(shallow), _keys(shrunk))
     if periods and any(s <= j < e for j in grown for s, e in periods):
-        periods = None  # a grown allocation inside a block: its copies would grow too
-    return Step(list(deep), new, grown, list(shallow), periods)
+        return None  # a grown allocation inside a block: its copies would grow too
+    return periods
+
+
+def _grown_on_lines(first: Step, then: Step) -> None:
+    """Keep of two steps' grown allocations (``first`` from depth n to n + 1, ``then`` from
+    n + 1 to n + 2) those that grow by the same bytes in both, as a bucket or a tensor of one
+    element per parameter does; elsewhere the size changed because the faked rank steps other
+    tensors at each depth (whole tensors dealt out: ZeRO-1, OSS), one in another's place, and
+    a drawing that grew it with each block would draw a tensor no depth has (at 24 blocks
+    from 2 and 3, 21 x 128 KiB where each is 192 or 256 KiB): its size is held."""
+    same = {j for j, g in then.grown.items() if first.grown.get(then.matched.get(j)) == g}
+    kept = {then.matched[j] for j in same}
+    for step, keep in ((first, kept), (then, same)):
+        if set(step.grown) != keep:
+            step.grown = {j: g for j, g in step.grown.items() if j in keep}
+            step.periods = _block_windows(step.shallow, step.events, step.grown)
 
 
 def _periods(ka: list, kb: list) -> list[tuple[int, int]] | None:
@@ -436,11 +462,16 @@ def drawn_to(a: list, b: list, c: list, blocks: int, alloc_conf: str | None = No
     """The trace ``blocks`` blocks deeper than ``c``, where ``a``, ``b`` and ``c`` are the traces
     of the same model at three depths one block apart: drawn from ``b`` and ``c``, once the
     trace drawn from ``a`` and ``b`` adds to its tensors' peak what ``c``'s replay does
-    (:data:`CHECK_REL`); None where the traces do not repeat so."""
+    (:data:`CHECK_REL`); None where the traces do not repeat so. Where ``c`` is no block step
+    from ``b`` (a strategy that deals whole tensors to ranks fakes its largest rank, which at
+    2 ranks may be the other one at every other depth, holding other tensors' optimizer
+    state), the drawing just checked is drawn on from ``a`` and ``b``."""
     a, b, c = _steps_only(a), _steps_only(b), _steps_only(c)
-    first = block_step(a, b)
+    first, step = block_step(a, b), block_step(b, c)
     if first is None:
         return None
+    if step is not None:
+        _grown_on_lines(first, step)
     # whole blocks repeated where they make the third trace's events one block deeper; else runs
     periodic = first.periods is not None and _keys(_repeat_periods(first, 1) or []) == _keys(c)
     if not periodic:
@@ -450,9 +481,8 @@ def drawn_to(a: list, b: list, c: list, blocks: int, alloc_conf: str | None = No
         extra = getattr(drawn, name) - drawn.tracked_peak_mib - (getattr(faked, name) - faked.tracked_peak_mib)
         if abs(extra) > CHECK_REL * faked.reserved_mib:
             return None
-    step = block_step(b, c)
-    if step is None:
-        return None
+    if step is None:  # the faked rank's tensors moved from b to c: the drawing just checked, from a and b
+        return deepen(first, blocks + 1)
     if not periodic:
         step.periods = None
     return deepen(step, blocks)

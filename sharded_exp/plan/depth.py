@@ -36,7 +36,7 @@ full depth plus the lines drawn there; every rank's peak follows from the faked 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from omegaconf import OmegaConf
 
@@ -228,22 +228,51 @@ def compose_allocator(b: Fake, peak_mib: float) -> dict | None:
     }
 
 
-def draw_allocator(fakes: list[Fake], layers: int, peak_mib: float) -> dict | None:
+DEEPER_CHECKS = 2
+"""How many times :func:`draw_allocator` fakes one block deeper where the drawing fails its
+check at the shallowest three depths. A strategy that deals whole tensors to ranks (ZeRO-1,
+OSS) fakes its largest rank, and which rank that is, and which tensors it steps, moves with
+the depth: at 8 ranks the one-block model's 16 tensors give each rank two, and the step's
+foreach temporaries of the rank faked at 3 blocks (4 x 192 KiB) are not those drawn from 1 and
+2 (2 x 256 KiB; one 2 MiB segment fewer: 1.6 MiB off where 5% of 28 is 1.4). Deeper, each
+rank's share is more tensors, one tensor more or less moves the cache less, and the same
+check passes from 3, 4 and 5 blocks (ZeRO-1 at 8 ranks, OSS at 2 on the 8-block test model).
+Each check is as strict as the first; a fake at a few blocks costs far less than the whole
+model's."""
+
+
+def draw_allocator(
+    fakes: list[Fake], layers: int, peak_mib: float, deeper: Callable[[int], Fake | str] | None = None
+) -> dict | None:
     """The caching allocator's figures at ``layers`` blocks from its model replayed over the
-    trace drawn to that depth from the three shallow fakes' (:mod:`sharded_exp.plan.deepen`),
-    checked on the third; else the share of the peak (:func:`compose_allocator`). None on CPU."""
-    a, b, c = fakes
-    if any(f.trace is None for f in fakes):
-        return compose_allocator(b, peak_mib)
-    events, alloc_conf, workspace = c.trace
-    drawn = deepen.drawn_to(a.trace[0], b.trace[0], events, layers - c.depth, alloc_conf)
-    if drawn is None:
-        return compose_allocator(b, peak_mib)
-    figures = point_figures(drawn, alloc_conf, workspace)
-    if figures is None:
-        return compose_allocator(b, peak_mib)
-    figures["depth"] = f"replayed over the trace drawn to {layers} blocks from {a.depth}, {b.depth} and {c.depth}"
-    return figures
+    trace drawn to that depth from three shallow fakes' (:mod:`sharded_exp.plan.deepen`),
+    checked on the third; where that check fails, ``deeper`` (a fake at the given depth) moves
+    the three one block deeper, at most :data:`DEEPER_CHECKS` times while short of ``layers``;
+    else the share of the peak (:func:`compose_allocator`). None on CPU."""
+    share = compose_allocator(fakes[1], peak_mib)
+    three = list(fakes)
+    for tries in range(DEEPER_CHECKS + 1):
+        if tries:
+            if deeper is None or three[2].depth + 1 >= layers:
+                return share
+            more = deeper(three[2].depth + 1)
+            if not isinstance(more, Fake):
+                return share
+            three = [*three[1:], more]
+        a, b, c = three
+        if any(f.trace is None for f in three):
+            return share
+        events, alloc_conf, workspace = c.trace
+        drawn = deepen.drawn_to(a.trace[0], b.trace[0], events, layers - c.depth, alloc_conf)
+        if drawn is not None:
+            figures = point_figures(drawn, alloc_conf, workspace)
+            if figures is None:
+                return share
+            figures["depth"] = (
+                f"replayed over the trace drawn to {layers} blocks from {a.depth}, {b.depth} and {c.depth}"
+            )
+            return figures
+    return share
 
 
 def peaks_by_depth(cfg_s, world_sizes, device_type: str, key: str, layers: int) -> dict[int, dict | None]:
@@ -294,7 +323,15 @@ def peaks_by_depth(cfg_s, world_sizes, device_type: str, key: str, layers: int) 
             out[ws] = None  # the strategy's set-up moment may be the peak: faked whole
             continue
         top = max(phases.values(), key=lambda p: p[0])
-        allocator = draw_allocator(three, layers, top[0]) if three else compose_allocator(pair[1], top[0])
+        made: list[Fake] = []  # deeper fakes for the allocator's check alone (DEEPER_CHECKS)
+
+        def deeper(depth: int, ws=ws) -> Fake | str:
+            more = fake_at(cfg_s, key, depth, ws, device_type)
+            made.extend([more] if isinstance(more, Fake) else [])
+            return more
+
+        allocator = draw_allocator(three, layers, top[0], deeper) if three else compose_allocator(pair[1], top[0])
+        fakes = fakes + made  # a new list: the first world size's three are kept as they are
         out[ws] = {
             "per_rank_mib": peaks_of_ranks(list(phases.values()), states, rank),
             "rank": rank,

@@ -96,3 +96,22 @@ def renumbered(events: list) -> list:
             rank[ident] = len(rank)
         out.append((op, rank.get(ident, ident), size, stream))
     return out
+
+
+def dealt_trace(blocks: int) -> list:
+    """``model_trace`` with the faked rank's step temporary of one dealt tensor, whose size
+    moves with the depth as whole tensors dealt out to ranks do (ZeRO-1, OSS: the largest rank
+    steps another tensor at each depth): 256 KiB at an odd depth, 192 KiB at an even one, made
+    and freed before the bucket. Nothing else differs from ``model_trace``."""
+    events = model_trace(blocks)
+    size = 256 * 1024 if blocks % 2 else 192 * 1024
+    cut = len(events) - 3  # before the bucket's malloc, free and the step's end
+    return events[:cut] + [("malloc", "dealt", size, "default"), ("free", "dealt", 0, None)] + events[cut:]
+
+
+def alternating_trace(blocks: int) -> list:
+    """``model_trace`` whose faked rank, at an even depth, also holds a 512-byte state on a
+    stream of its own, as the largest rank of two alternates with the depth and only one holds
+    a small tensor's state: the odd depth's trace has an allocation fewer, so it is no block
+    step from the even one below it."""
+    return ([("malloc", "odd", 512, "side")] if blocks % 2 == 0 else []) + model_trace(blocks)

@@ -49,16 +49,17 @@ def composed_and_whole(overrides, world_sizes, device: str, strategies=STRATEGIE
 SHARE_RANGE = (-0.10, 0.35)
 """Where a composed plan's reserved memory may lie against the whole model's where the deeper
 shallow fake's share of the peak is kept (an approximation, not the allocator's rules): where
-a drawing fails its check or the traces do not align (ZeRO-1 and OSS at some later world sizes,
-whose shards are dealt out whole, so the faked rank's trace does not always grow a block at a
-time). Measured here: ZeRO-1 +20%, OSS +16% to +30%; mostly above, the safe side for ``fits``."""
+a drawing fails its check, also a block or two deeper, or the traces do not align. ZeRO-1 at
+8 ranks and OSS at 2 and 8, whose shards are dealt out whole, kept it until the check was
+moved deeper and dealt tensors were no longer grown (ZeRO-1 +20%, OSS +16% to +30%; now
+drawn, within 2%); mostly above, the safe side for ``fits``."""
 
 
 def assert_reserved(composed: dict, whole: dict, point) -> None:
     """Where the allocator model is replayed over the trace drawn to full depth
     (sharded_exp/plan/deepen.py), within the 5% its own check accepts one block deeper
-    (measured: DDP 0%, FSDP at 1 rank +3.0% and 0% at 2 and 8, fsdp_grad_op at 2 -3.1%); else
-    :data:`SHARE_RANGE`."""
+    (measured: DDP 0%, FSDP at 1 rank +3.0% and 0% at 2 and 8, fsdp_grad_op at 2 -3.1%, ZeRO-1
+    +1.3% at 2 and +0.7% at 8, OSS +0.5% at 2 and +1.6% at 8); else :data:`SHARE_RANGE`."""
     c, w = composed["reserved_gib"], whole["reserved_gib"]
     if "reserved: replayed over the trace drawn" in composed["note"]:
         assert c == pytest.approx(w, rel=CHECK_REL), ("reserved, drawn", point)
@@ -103,6 +104,11 @@ def test_the_8_block_model_composed_equals_it_faked_whole(strategies):
         # at 8 ranks from the two deeper depths faked there for the allocator's trace alone
         for ws in (2, 8):
             assert "reserved: replayed over the trace drawn" in by["ddp", ws]["note"], by["ddp", ws]["note"]
+    # whole tensors dealt out to ranks: the largest rank, and the tensors it steps, move with the
+    # depth; drawn all the same (the check a block or two deeper where the shallowest fail it)
+    for name in {"zero1", "oss"} & set(strategies):
+        for ws in (2, 8):
+            assert "reserved: replayed over the trace drawn" in by[name, ws]["note"], by[name, ws]["note"]
     if "fsdp" in strategies:
         assert "redrawn at 8 ranks" in by["fsdp", 8]["note"]  # FSDP's do (the gradients mid-backward)
         # its prefetched units drawn a block apart (sharded_exp/plan/deepen.py), not piled up

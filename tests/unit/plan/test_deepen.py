@@ -12,7 +12,15 @@ import pytest
 
 from sharded_exp.plan.deepen import _keys, _repeat_periods, block_step, deepen, drawn_to, same_trace
 from sharded_exp.predict.alloc_trace import replay
-from tests.helpers.traces import MIB, model_trace, paired_trace, prefetch_trace, renumbered
+from tests.helpers.traces import (
+    MIB,
+    alternating_trace,
+    dealt_trace,
+    model_trace,
+    paired_trace,
+    prefetch_trace,
+    renumbered,
+)
 
 
 def test_a_trace_drawn_from_two_depths_is_the_deeper_models():
@@ -101,3 +109,31 @@ def test_two_traces_are_the_same_whatever_their_ids():
     assert not same_trace((model_trace(3), "", 0.0), (model_trace(3), "expandable_segments:True", 0.0))
     assert not same_trace((model_trace(3), "", 0.0), (model_trace(4), "", 0.0))
     assert not same_trace(None, (model_trace(3), "", 0.0))
+
+
+def test_an_allocation_grows_with_depth_only_on_a_line():
+    """The made-up rank's dealt temporary is 192 KiB at 2 blocks, 256 KiB at 3, 192 KiB at 4:
+    one step alone takes it for one grown by 64 KiB a block (2 -> 3; 3 -> 4 would shrink it), and
+    drawn from 2 and 3 to 7 blocks it would be 512 KiB, a size no depth has. The bucket grows 1
+    MiB from 2 to 3 and from 3 to 4: on a line, it keeps growing. So drawn from 2, 3 and 4, the
+    temporary is held at 4 blocks' 192 KiB and the bucket is the 7-block trace's."""
+    step = block_step(dealt_trace(2), dealt_trace(3))
+    assert sorted(step.grown.values()) == [64 * 1024, MIB]
+    assert [e[2] for e in deepen(step, 4) if e[1] == "dealt"][0] == 512 * 1024
+    assert sorted(block_step(dealt_trace(3), dealt_trace(4)).grown.values()) == [MIB]  # nothing shrinks
+    drawn = drawn_to(dealt_trace(2), dealt_trace(3), dealt_trace(4), 3)
+    assert [e[2] for e in drawn if e[1] == "dealt"] == [192 * 1024, 0]
+    assert min(e[2] for e in drawn if e[0] == "malloc") > 0
+    bucket = [e for e in model_trace(7) if e[0] == "malloc"][-1][2]
+    assert [e for e in drawn if e[0] == "malloc"][-1][2] == bucket
+
+
+def test_where_the_third_depth_is_no_block_step_the_checked_drawing_is_drawn_on():
+    """4 -> 5 blocks drops the even depth's state (no block step): what is drawn to 7 blocks
+    is the drawing from 3 and 4 that the check has just held against 5 (its state's copies
+    share one small segment of their stream: the same reserved memory as one)."""
+    a, b, c = alternating_trace(3), alternating_trace(4), alternating_trace(5)
+    assert block_step(b, c) is None
+    drawn = drawn_to(a, b, c, 2)
+    assert drawn == deepen(block_step(a, b), 3)
+    assert _keys([e for e in drawn if e[3] != "side"]) == _keys(model_trace(7))

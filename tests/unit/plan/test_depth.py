@@ -394,3 +394,32 @@ def test_the_allocators_figures_at_full_depth_are_replayed_over_the_trace_drawn_
     assert shared["depth"].startswith("the deeper shallow fake's share of the peak")
     share = fakes[1].allocator["reserved_extra_mib"] / fakes[1].allocator["tracked_peak_mib"]
     assert shared["reserved_extra_mib"] == pytest.approx(share * 123.0)
+
+
+def test_where_the_shallowest_three_fail_the_allocators_check_it_is_tried_a_block_deeper():
+    """The made-up 2-block trace allocates on a stream the deeper ones never use (no block
+    step from it): the three are moved one block deeper, 3, 4 and 5 (the fake at 5 asked of
+    ``deeper``), where the drawing holds and replays as the 7-block trace does. With no
+    deeper fake, or none short of the model's depth, the share of the peak is kept."""
+    from sharded_exp.plan.depth import DEEPER_CHECKS, Fake, draw_allocator
+    from sharded_exp.predict.alloc_trace import point_figures
+    from tests.helpers.traces import MIB, model_trace
+
+    def with_trace(d: int, trace) -> Fake:
+        return Fake(d, {}, {}, {}, 0.0, allocator=point_figures(trace, "", 0.0), trace=(trace, "", 0.0))
+
+    odd = model_trace(2) + [("malloc", "odd", MIB, "side")]
+    fakes = [with_trace(2, odd), with_trace(3, model_trace(3)), with_trace(4, model_trace(4))]
+    asked = []
+
+    def deeper(d: int) -> Fake:
+        asked.append(d)
+        return with_trace(d, model_trace(d))
+
+    drawn = draw_allocator(fakes, 7, 123.0, deeper)
+    assert asked == [5] and DEEPER_CHECKS >= 1
+    assert drawn["depth"] == "replayed over the trace drawn to 7 blocks from 3, 4 and 5"
+    assert drawn["reserved_extra_mib"] == point_figures(model_trace(7), "", 0.0)["reserved_extra_mib"]
+    assert draw_allocator(fakes, 7, 123.0)["depth"].startswith("the deeper shallow fake's share")
+    assert draw_allocator(fakes, 5, 123.0, deeper)["depth"].startswith("the deeper shallow fake's share")
+    assert draw_allocator(fakes, 7, 123.0, lambda d: "no fake")["depth"].startswith("the deeper shallow")
