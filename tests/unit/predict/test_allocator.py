@@ -7,8 +7,6 @@ replays the same sequences on a real GPU and compares ``torch.cuda.memory_stats(
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from sharded_exp.predict.allocator import (
@@ -429,19 +427,31 @@ def test_replay_reports_peaks_and_oom():
         Allocator().replay([("alloc", 1, 8, 0)])
 
 
-def test_replay_is_fast_enough_for_a_7b_plan():
-    """10^5 events (50,000 tensors of mixed sizes over two streams, freed in waves) replay in
-    well under the seconds a 7B plan may spend; the bound is loose so a busy machine passes."""
-    events = []
+def test_a_replay_of_a_7b_plans_size_counts_every_live_block():
+    """10^5 events (50,000 tensors of mixed sizes over two streams, freed in waves), as many as
+    a 7B plan replays: the peak allocated is at least the largest sum of 64 live requests, and
+    at most that plus what a block too little larger than its request to be split keeps, under
+    1 MiB each (kSmallSize). Its speed is the planner's benchmark's to measure
+    (benchmarks/harness/planner_speed.py), not a timed unit test's."""
+    events, sizes = [], []
     for i in range(50_000):
         size = (1 + (i * 7919) % 4096) * 4096
+        sizes.append(size)
         events.append(("malloc", i, size, i % 2))
         if i >= 64:
             events.append(("free", i - 64, 0, 0))
-    t = time.perf_counter()
-    r = Allocator().replay(events[:100_000])
+    events = events[:100_000]
+    r = Allocator().replay(events)
     assert r.oom is None
-    assert time.perf_counter() - t < 10.0
+    live, peak, held = {}, 0, 0
+    for kind, i, size, _ in events:
+        if kind == "malloc":
+            live[i] = size  # multiples of 4096: already whole 512-byte units
+            held += size
+            peak = max(peak, held)
+        else:
+            held -= live.pop(i)
+    assert peak <= r.peak_allocated_bytes < peak + 64 * MIB
 
 
 def _check_invariants(a: Allocator) -> None:
