@@ -1,12 +1,14 @@
 """Fixtures only (the helpers they use live in ``tests/helpers/``): jobs shared by the session, a
-user's model module, full disks, an in-process gloo group; and the check that every result.json
-the suite wrote matches the published schema."""
+user's model module, full disks, an in-process gloo group; the check that every result.json
+the suite wrote matches the published schema; and a watchdog that ends a test stuck in C code."""
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -16,6 +18,22 @@ import pytest
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 from tests.helpers.jobs import ROOT, SharedRuns, saved_tiny_hf  # noqa: E402
+
+WATCHDOG_S = 600
+"""A test still running this long is stuck where no Python code runs: pytest-timeout's alarm (480 s,
+pyproject) is Python and cannot fire while a C call holds the GIL, as when gloo's destructor
+joins a thread that waits for it (this hung CI at stop 55). faulthandler's own C thread then
+prints every thread's stack and ends the process: an xdist worker's test fails as "node down",
+and the run goes on without it."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True, file=sys.__stderr__)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="session")

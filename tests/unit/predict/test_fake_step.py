@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.overrides import TorchFunctionMode
 
 from sharded_exp.predict import fake_step as module
 from sharded_exp.predict.fake_step import (
@@ -390,20 +389,34 @@ def test_the_fake_step_quiets_only_mod_trackers_file_a_bug_warning():
 
 
 # ------------------------------------------- a Hugging Face model's attention, real and fake
-class SdpaCalls(TorchFunctionMode):
-    """Each ``F.scaled_dot_product_attention`` call's (is_causal, the mask's shape or None)."""
+class SdpaCalls:
+    """Each ``F.scaled_dot_product_attention`` call's (is_causal, the mask's shape or None),
+    while the context is entered: a wrapper put in ``torch.nn.functional`` (transformers looks
+    the function up there at each call).
+
+    Not a torch-function mode: every gloo work issued under a Python mode keeps the thread
+    state it was issued in, the mode among it, and gloo's own thread needs the GIL to let it
+    go. Recording a real step so, this test hung CI (stop 55): the DDP model's destructor
+    destroyed the group and joined gloo's thread while holding the GIL that thread waited for."""
 
     def __init__(self):
-        super().__init__()
         self.calls: list[tuple[bool, tuple | None]] = []
+        self._real = None
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
+    def __enter__(self):
+        self._real = real = F.scaled_dot_product_attention
+
+        def recorded(*args, **kwargs):
             mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
             causal = bool(args[5] if len(args) > 5 else kwargs.get("is_causal", False))
             self.calls.append((causal, None if mask is None else tuple(mask.shape)))
-        return func(*args, **kwargs)
+            return real(*args, **kwargs)
+
+        F.scaled_dot_product_attention = recorded
+        return self
+
+    def __exit__(self, *exc):
+        F.scaled_dot_product_attention = self._real
 
 
 SMALL_HF = {
@@ -427,6 +440,7 @@ def _real_sdpa_calls(cfg, steps: int) -> list:
         with recorder:
             for step in range(steps):
                 train_step(run.strategy, [run.task(step, 0, 0)], run.autocast, 0.0)
+        del run  # the DDP model goes while the group is registered: destroying it then destroys no group
     finally:
         dist.destroy_process_group()
     return recorder.calls
