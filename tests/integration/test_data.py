@@ -95,8 +95,8 @@ def _made_ahead(seconds: float, ahead: bool) -> None:
         time.sleep(0.1)  # the step: long enough for the next batches to be made meanwhile
     fetch.close()
     assert fetch.ahead is ahead and fetch.make_s is not None
-    if ahead:  # steps after the second wait for nothing
-        assert max(waits[3:]) < 0.02 < min(waits[:2])
+    if ahead:  # steps after the second wait less than making their batches takes (made meanwhile)
+        assert max(waits[3:]) < 2 * seconds <= min(waits[:2])
 
 
 def test_a_step_the_loop_jumps_to_is_made_in_the_loop():
