@@ -12,7 +12,7 @@ dataclasses hold SI values (bytes, bytes/s, FLOP/s, seconds).
 
     from sharded_exp.speed.profiles import load_device, load_link, network_link
     h100 = load_device("h100_sxm"); h100.matmul_flops_per_s("bf16")   # 792.2e12: MAMF-measured
-    load_link("nvlink4").bandwidth_Bps                                  # 450e9 per direction
+    load_link("nvlink4").bandwidth_Bps                                  # 370e9: 450 a direction at NCCL's 0.822
     network_link(100).bandwidth_Bps                                     # 12.5e9
 """
 
@@ -194,10 +194,17 @@ class LinkProfile:
     """us per ring step."""
     tree_step_latency: Figure
     """us per tree hop."""
+    bus_bandwidth_fraction: Figure | None = None
+    """The fraction of :attr:`bandwidth` (the line rate) NCCL's collectives reach as nccl-tests'
+    bus bandwidth, where a published measurement or NCCL's maintainers state one (None: the line
+    rate whole, an upper bound). On NVLink NCCL's protocol takes part of each transfer."""
 
     @property
     def bandwidth_Bps(self) -> float:
-        return self.bandwidth.value * 1e9
+        """What a collective's bandwidth term moves per second one way: the line rate times
+        the stated bus-bandwidth fraction where the profile has one."""
+        fraction = self.bus_bandwidth_fraction.value if self.bus_bandwidth_fraction else 1.0
+        return self.bandwidth.value * 1e9 * fraction
 
     @property
     def ring_step_latency_s(self) -> float:
@@ -235,6 +242,7 @@ _LINK_FIELDS = {
     "per_direction_GBps",
     "ring_step_latency_us",
     "tree_step_latency_us",
+    "bus_bandwidth_fraction",
 }
 
 
@@ -399,6 +407,9 @@ def parse_link(data: Mapping[str, Any]) -> LinkProfile:
     bandwidth = _figure(data, given[0], sources, name)
     if given[0] == "total_bidirectional_GBps":
         bandwidth = Figure(bandwidth.value / 2, bandwidth.source, f"half of the {bandwidth.value:g} GB/s total")
+    bus = _figure(data, "bus_bandwidth_fraction", sources, name) if "bus_bandwidth_fraction" in data else None
+    if bus is not None and not 0 < bus.value <= 1:
+        raise ProfileError(f"link profile {name!r}: bus_bandwidth_fraction must be in (0, 1], not {bus.value}")
     return LinkProfile(
         name=name,
         title=str(data.get("title", name)),
@@ -406,6 +417,7 @@ def parse_link(data: Mapping[str, Any]) -> LinkProfile:
         bandwidth=bandwidth,
         ring_step_latency=_figure(data, "ring_step_latency_us", sources, name),
         tree_step_latency=_figure(data, "tree_step_latency_us", sources, name),
+        bus_bandwidth_fraction=bus,
     )
 
 

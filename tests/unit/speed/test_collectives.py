@@ -71,28 +71,30 @@ def test_one_rank_or_no_bytes_cost_nothing_and_bad_arguments_are_refused():
 
 def test_a_flat_group_spanning_nodes_leaves_each_node_through_every_nic():
     """16 ranks on 2 nodes of 8 over 100 Gb/s (12.5 GB/s) per GPU: NCCL's 8 channels leave a
-    node through its 8 NICs (busBw = nChannels x bw), 100 GB/s, below NVLink 4's 450:
+    node through its 8 NICs (busBw = nChannels x bw), 100 GB/s, below NVLink 4's 369.9 (450 at
+    NCCL's 0.822):
     2 * 15/16 = 1.875; 1.875 * 2^30 / 100e9 = 20.13 ms. Latency: 30 steps, 2 (2 - 1) = 2
     cross nodes: 8.4 + 28 * 3.4 + 2 * 9.6 = 122.8 us."""
     topo = Topology(8, load_link("nvlink4"), network_link(100))
     assert group_time("all_reduce", GIB, 16, topo) == pytest.approx(1.875 * GIB / 100e9 + 122.8e-6, rel=1e-4)
-    assert group_time("all_reduce", GIB, 8, topo) == pytest.approx(1.75 * GIB / 450e9 + 8.4e-6 + 14 * 3.4e-6)
+    assert group_time("all_reduce", GIB, 8, topo) == pytest.approx(1.75 * GIB / 369.9e9 + 8.4e-6 + 14 * 3.4e-6)
     # a fast network: the node's NICs together outrun NVLink, which then bounds the ring
-    fast = Topology(8, load_link("nvlink4"), network_link(800))  # 8 x 100 GB/s > 450 GB/s
-    assert group_time("all_gather", GIB, 16, fast) > 15 / 16 * GIB / 450e9
+    fast = Topology(8, load_link("nvlink4"), network_link(800))  # 8 x 100 GB/s > 369.9 GB/s
+    assert group_time("all_gather", GIB, 16, fast) > 15 / 16 * GIB / 369.9e9
     with pytest.raises(ConfigError, match="no inter-node link"):
         group_time("all_reduce", GIB, 16, Topology(8, FAST))
 
 
 def test_hsdp_prices_its_two_levels_apart():
-    """2 nodes of 8, shard 8 (in a node, NVLink 4: 450 GB/s), replicate 2 (across, 12.5 GB/s),
-    1 GiB of gradients: reduce-scatter 0.875 * 2^30 / 450e9 = 2.088 ms (+ 8.4 + 7 * 3.4 us);
+    """2 nodes of 8, shard 8 (in a node, NVLink 4: 450 GB/s at NCCL's 0.822, 369.9), replicate 2
+    (across, 12.5 GB/s), 1 GiB of gradients: reduce-scatter 0.875 * 2^30 / 369.9e9 = 2.540 ms
+    (+ 8.4 + 7 * 3.4 us);
     all-reduce of 2^30 / 8 = 128 MiB between 2 replicas: factor 1, 134,217,728 / 12.5e9 =
     10.737 ms (+ 8.4 + 2 * 9.6 us): a replicate group has one rank a node, so one NIC. A flat
     all-reduce of the same over 16 ranks (8 NICs a node): 20.1 ms."""
     topo = Topology(8, load_link("nvlink4"), network_link(100))
     reduce_scatter, all_reduce = hsdp_gradient_time(GIB, shard=8, replicate=2, topology=topo)
-    assert reduce_scatter == pytest.approx(0.875 * GIB / 450e9 + 8.4e-6 + 7 * 3.4e-6)
+    assert reduce_scatter == pytest.approx(0.875 * GIB / 369.9e9 + 8.4e-6 + 7 * 3.4e-6)
     assert all_reduce == pytest.approx(GIB / 8 / 12.5e9 + 8.4e-6 + 2 * 9.6e-6)
     assert reduce_scatter + all_reduce < group_time("all_reduce", GIB, 16, topo)
 
