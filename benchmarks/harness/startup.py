@@ -8,11 +8,10 @@ Runs ``python -m sharded_exp [overrides]`` as a user does and reads the timeline
 ``result.json`` keeps (Unix times: the entry point before its imports, the launch,
 validation, a rank's start, its process group, model and strategy built, first step; the
 tracker starts beside the first steps and the parent predicts the peak beside its ranks, so
-their ends are rows of their own, not phases of
-the path to the first step). ``--against DIR``: each repeat also runs the job from the
-checkout in DIR (say a worktree of the commit before a change), the two alternating in
-order, so that a loaded machine's moments fall on both; the table then has both columns
-and their ratio. Prints a Markdown table and writes outputs/benchmarks/startup.json.
+their ends are rows of their own, not phases of the path to the first step). ``--against
+DIR``: each repeat also runs the job from the checkout in DIR (say a worktree of the commit
+before a change), the two alternating in order, so that a loaded machine's moments fall on
+both; the table then has both columns and their ratio. Prints a Markdown table and writes outputs/benchmarks/startup.json.
 """
 
 from __future__ import annotations
