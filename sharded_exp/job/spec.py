@@ -57,7 +57,7 @@ class JobSpec:
     """``config`` as its schemas' dataclasses (:func:`sharded_exp.config.typed`), checked."""
     peak_later: bool = False
     """``prediction`` has no ``peak`` yet: the spawning parent predicts it beside the ranks and
-    hands it to rank 0 when rank 0 makes its payload (:mod:`sharded_exp.launch.beside`)."""
+    hands it to rank 0, which takes it after the warm-up steps (:mod:`sharded_exp.launch.beside`)."""
 
     def with_peak(self, peak: dict[str, Any]) -> JobSpec:
         """This spec with the fake step's predicted peak in ``prediction["peak"]``."""

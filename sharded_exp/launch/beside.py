@@ -10,10 +10,12 @@ torch again).
 
 The ranks need the peak only at the end: rank 0 sets it beside what it measured in its
 payload (memory, model FLOPs, the predicted step time; W&B's summary reads that payload).
-The parent hands it over through the rendezvous store it holds (:data:`PEAK_KEY`, as JSON),
-and rank 0 reads it when it makes its payload (:func:`late_peak`), after its last step: no
-step waits for it. The store always gets a value, a null figure and the reason when there is
-no prediction, so rank 0 is never left waiting.
+The parent hands it over through the rendezvous store it holds (:data:`PEAK_KEY`, as JSON).
+Rank 0 takes it (:func:`late_peak`) once the warm-up steps are done, and its peers wait with
+it, as they wait for W&B's start there (``train.components.AfterWarmup``): the timed steps do
+not share the machine with the prediction, and no warm-up step waits for it. The store always
+gets a value, a null figure and the reason when there is no prediction, so rank 0 is never left
+waiting.
 
 A prediction that refuses the job (a CPU job predicted beyond the host's memory, a model the
 fake step refuses) is known only after the ranks started: the parent then stops them as a

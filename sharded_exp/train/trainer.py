@@ -156,8 +156,9 @@ def train(
 
     ``spec.prediction``: the parent's memory prediction, set beside the measurement in the
     payload's ``memory``. ``late_peak``: where the parent predicts the peak beside the ranks
-    (``spec.peak_later``), rank 0's wait for it; called when the payload is made, after the
-    last step, so no step waits for the prediction.
+    (``spec.peak_later``), rank 0's wait for it; called once the warm-up steps are done (the
+    ranks wait together, as for W&B's start: the timed steps do not share the machine with the
+    prediction) or at the payload when the loop ends first. No warm-up step waits for it.
     """
     cfg, rank = spec.cfg(), dist.get_rank()
     tc = cfg.trainer
@@ -246,9 +247,10 @@ def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: Me
             components.Faults(Injector(rank, device)),
             components.Checkpoints(checkpoints, strategy, meter, tc.steps),
         ]
-        if cfg.logger.name != "none":  # W&B started beside the warm-up: waited for before the timed steps
+        if cfg.logger.name != "none" or spec.peak_later:  # beside the warm-up: waited for before the timed steps
             warm = Windows.plan(loop, loaded["step"], device, profiling=tc.profile).profile_from
-            parts.append(components.TrackerStart(logger, at=warm))
+            waits = [logger.wait_started] + ([report.take_peak] if late_peak is not None else [])
+            parts.append(components.AfterWarmup(waits, at=warm))
         evaluation_part = components.Evaluation(evaluate, tc.eval_every, meter, intervals, tc.steps)
         if batches > 0:
             parts.append(evaluation_part)
@@ -350,15 +352,21 @@ class _Report:
     start: int
     resume_changes: list[dict[str, Any]]
     late_peak: Callable[[], dict[str, Any]] | None = None
-    """Rank 0's wait for the peak the parent predicts beside the ranks (None: in ``spec`` already)."""
+    """Rank 0's wait for the peak the parent predicts beside the ranks (None: in ``spec`` already
+    or not rank 0)."""
+
+    def take_peak(self) -> None:
+        """The peak the parent predicted beside the ranks into ``spec`` (rank 0; it waits for
+        it once: after the warm-up, or at its payload when the loop ended first)."""
+        if self.late_peak is not None:
+            self.spec, self.late_peak = self.spec.with_peak(self.late_peak()), None
 
     def payload(self, out: LoopOutcome, gathered: tuple[list | None, dict, float]) -> PartialResult | None:
         """Rank 0's payload (result.json's training figures) from the loop's outcome; None on other ranks."""
         per_rank, digest, final_loss = gathered
         if per_rank is None:
             return None
-        if self.late_peak is not None:  # the parent's prediction beside the ranks: here, after the last step
-            self.spec, self.late_peak = self.spec.with_peak(self.late_peak()), None
+        self.take_peak()  # taken after the warm-up already, unless the loop ended before it
         spec, device, world_size = self.spec, self.device, dist.get_world_size()
         flops = (spec.prediction.get("peak") or {}).get("flops_per_step")
         if out.throughput:  # model FLOPs from the parent's fake step over this run's step time

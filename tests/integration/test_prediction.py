@@ -224,7 +224,8 @@ def test_a_fake_step_for_a_gpu_runs_cudas_adam_and_counts_fused_attention():
 # ------------------------- the prediction beside the ranks, host memory, a float64 model
 def _predict_once_the_ranks_have_trained(monkeypatch, run) -> None:
     """The fake step held back until the ranks have saved the checkpoint of step 2 (they must
-    have started and trained without it), then made as ever."""
+    have started and trained without it; their warm-up must be longer, as they wait for the
+    prediction after it), then made as ever."""
     from sharded_exp.checkpoint import complete_checkpoints
     from sharded_exp.launch.preflight import PeakCheck
 
@@ -255,7 +256,7 @@ def test_spawned_ranks_train_while_the_parent_predicts_and_rank_0_gets_the_predi
     from sharded_exp.launch import preflight
 
     run = tmp_path / "run"
-    overrides = ["trainer.accelerator=cpu", "trainer.steps=4", "trainer.checkpoint_every=2"]
+    overrides = ["trainer.accelerator=cpu", "trainer.steps=6", "trainer.warmup_steps=3", "trainer.checkpoint_every=2"]
     _predict_once_the_ranks_have_trained(monkeypatch, run)
     result = launch_job(overrides, run)
     t, memory, speed = result["timeline"], result["memory"], result["throughput"]
@@ -280,10 +281,10 @@ def test_a_cpu_job_predicted_beyond_host_memory_is_refused_and_its_ranks_stopped
     monkeypatch.setattr(preflight, "available_host_mib", lambda: 500.0)  # a small machine
     run = tmp_path / "run"
     _predict_once_the_ranks_have_trained(monkeypatch, run)
-    long = ["trainer.accelerator=cpu", "trainer.steps=1000000", "trainer.checkpoint_every=2"]  # ends if stopped only
+    long = ["trainer.accelerator=cpu", "trainer.steps=1000000", "trainer.warmup_steps=3", "trainer.checkpoint_every=2"]
     with pytest.raises(WontFit, match=r"the job needs about [\d,]+ MiB of host memory \(2 rank\(s\).*"
                                       r"500 MiB are available here.*trainer.host_memory_check=false") as refused:  # fmt: skip
-        launch_job(long, run)
+        launch_job(long, run)  # a million steps: it ends because its ranks were stopped
     assert refused.value.result_written and not _ranks_left()
     result = read_result(run)
     assert (result["status"], result["error"]) == ("oom", f"config: {refused.value}")  # as a sweep point records it
