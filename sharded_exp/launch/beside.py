@@ -81,6 +81,10 @@ class PeakBeside:
             self.ended = time.time()
             self._done.set()
 
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
     def refused(self) -> BaseException | None:
         """The prediction's error once it has ended with one (the job must stop), else None."""
         return self.error if self._done.is_set() else None

@@ -97,9 +97,10 @@ def launch(
     "failed" (with ``error`` naming the rank). Raises ConfigError before any rank starts, but
     for the fake step's refusals (a CPU job beyond the host's memory, a model the fake step
     refuses): spawned ranks start before it ends, so those stop the ranks, write result.json
-    and raise (``result_written``). Under torchrun only rank 0 writes and prints. ``job_files``: ``.hydra/`` files to
-    write once the config is known good. ``identity``: result.json fields that place the
-    job in its sweep (``overrides``, ``sweep_id``, see :func:`sharded_exp.report`).
+    and raise (``result_written``). Under torchrun only rank 0 writes and prints.
+    ``job_files``: ``.hydra/`` files to write once the config is known good. ``identity``:
+    result.json fields that place the job in its sweep (``overrides``, ``sweep_id``, see
+    :func:`sharded_exp.report`).
     """
     import_plugins()
     run = Launch(cfg, output_dir, job_files or {}, identity or {}, started, time.time(), external_layout())
@@ -196,8 +197,9 @@ def _with_peak(run: Launch, spec: JobSpec, result: Result, beside: PeakBeside | 
     refusal of the prediction (ConfigError: the host's memory, a model the fake step refuses)
     is the job's end whatever the ranks did meanwhile: written to result.json as a refusal
     before the ranks is (status "oom" for WontFit), then raised with ``result_written`` set;
-    anything else it raised is raised as it is."""
-    if beside is None:
+    anything else it raised is raised as it is. A prediction never started (the ranks failed
+    to start first): ``spec`` as it is, with no peak."""
+    if beside is None or not beside.started:
         return spec
     try:
         return spec.with_peak(beside.wait())
