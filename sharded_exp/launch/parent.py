@@ -206,6 +206,7 @@ def _with_peak(run: Launch, spec: JobSpec, result: Result, beside: PeakBeside | 
     except ConfigError as exc:
         status = "oom" if isinstance(exc, WontFit) else "failed"
         refused = result.updated(status=status, error=f"config: {exc}", memory=predicted_section(spec.prediction))
+        remove_trained(run.output_dir)  # rank 0's interim record, as at any end
         write_result(run.output_dir, refused.updated(timeline=run.parent_times(validated, beside)))
         exc.result_written = True
         raise

@@ -289,6 +289,7 @@ def test_a_cpu_job_predicted_beyond_host_memory_is_refused_and_its_ranks_stopped
     result = read_result(run)
     assert (result["status"], result["error"]) == ("oom", f"config: {refused.value}")  # as a sweep point records it
     assert complete_checkpoints(str(run / "checkpoints"))[0][0] == 2  # what the ranks saved is kept
+    assert sorted(p.name for p in run.iterdir() if p.is_file()) == ["result.json"]  # no interim record left
     result = launch_job(
         ["trainer.accelerator=cpu", "trainer.steps=2", "trainer.host_memory_check=false"], tmp_path / "anyway"
     )
