@@ -71,9 +71,12 @@ def test_a_rank_stuck_after_it_finished_is_killed_and_the_results_kept(tmp_path)
 
 
 def test_an_out_of_memory_rank_fails_the_point_as_oom_not_a_hang(tmp_path):
-    proc, result, seconds = run_with_fault(tmp_path, "rank=1,step=3,kind=oom")
-    assert proc.returncode == 1
-    assert seconds < 30
+    """In this process (the command's exit code 1 is held by the raising rank's test); the
+    whole job, not only fault to exit, within 30 s."""
+    start = time.monotonic()
+    result = launch_job(["trainer.steps=100000"], tmp_path, env={"SHARDED_EXP_FAULT": "rank=1,step=3,kind=oom"})
+    assert time.monotonic() - start < 30
+    assert read_result(tmp_path) == result  # what it returned is what it wrote
     assert result["status"] == "oom"
     assert result["error"] == "rank 1: torch.OutOfMemoryError: injected out-of-memory on rank 1 at step 3"
     # No budget was crossed: no breakdown, and why (issue 25); on CPU no snapshot either, said why.
