@@ -1,5 +1,7 @@
 """Rank failures and signals, as a user meets them: ``python -m sharded_exp`` in a
-subprocess, faults injected with SHARDED_EXP_FAULT, real signals, real process trees."""
+subprocess where the command's own part is held (its exit code, what it prints, signals,
+process trees), a job launched in this process where result.json is all that is held (a
+second interpreter's start-up is seconds); faults injected with SHARDED_EXP_FAULT."""
 
 from __future__ import annotations
 
