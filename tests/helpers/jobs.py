@@ -6,6 +6,7 @@ them (``python -m ...`` in a subprocess). The one in-process launcher of the sui
 from __future__ import annotations
 
 import json
+import multiprocessing.forkserver
 import os
 import subprocess
 import sys
@@ -63,6 +64,7 @@ def launch_job(overrides: list[str], out: Path, env: dict[str, str] | None = Non
     old = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
     try:
+        _start_rank_server()
         return launch(compose(tiny(overrides)), str(out)).as_written()
     finally:
         for k, v in old.items():
@@ -70,6 +72,18 @@ def launch_job(overrides: list[str], out: Path, env: dict[str, str] | None = Non
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _start_rank_server() -> None:
+    """Start this process's rank server, once, with every Hugging Face modeling module
+    preloaded, as ``python -m sharded_exp model=hf_...`` preloads its model's
+    (sharded_exp/launch/forkserver.py): the server outlives a job here, and the suite's
+    many Hugging Face jobs then fork their ranks with transformers imported instead of
+    importing it in each rank (1.3 CPU s a rank). A running server is left as it is."""
+    from sharded_exp.launch import forkserver
+
+    forkserver.context(sorted(set(forkserver.HF_MODELING.values())))
+    multiprocessing.forkserver.ensure_running()
 
 
 class SharedRuns:

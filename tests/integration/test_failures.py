@@ -1,5 +1,7 @@
 """Rank failures and signals, as a user meets them: ``python -m sharded_exp`` in a
-subprocess, faults injected with SHARDED_EXP_FAULT, real signals, real process trees."""
+subprocess where the command's own part is held (its exit code, what it prints, signals,
+process trees), a job launched in this process where result.json is all that is held (a
+second interpreter's start-up is seconds); faults injected with SHARDED_EXP_FAULT."""
 
 from __future__ import annotations
 
@@ -71,9 +73,12 @@ def test_a_rank_stuck_after_it_finished_is_killed_and_the_results_kept(tmp_path)
 
 
 def test_an_out_of_memory_rank_fails_the_point_as_oom_not_a_hang(tmp_path):
-    proc, result, seconds = run_with_fault(tmp_path, "rank=1,step=3,kind=oom")
-    assert proc.returncode == 1
-    assert seconds < 30
+    """In this process (the command's exit code 1 is held by the raising rank's test); the
+    whole job, not only fault to exit, within 30 s."""
+    start = time.monotonic()
+    launch_job(["trainer.steps=100000"], tmp_path, env={"SHARDED_EXP_FAULT": "rank=1,step=3,kind=oom"})
+    assert time.monotonic() - start < 30
+    result = read_result(tmp_path)
     assert result["status"] == "oom"
     assert result["error"] == "rank 1: torch.OutOfMemoryError: injected out-of-memory on rank 1 at step 3"
     # No budget was crossed: no breakdown, and why (issue 25); on CPU no snapshot either, said why.
@@ -224,12 +229,12 @@ def test_an_aborted_communicator_is_reported_in_the_step_that_hung(monkeypatch):
 
 # ------------ diverged runs, signals, dead parents and ranks that exit without a result
 def test_a_diverged_run_is_not_ok(tmp_path):
-    proc = cli([*TINY, "trainer.steps=4"], tmp_path / "inf", env={"SHARDED_EXP_FAULT": "rank=1,step=1,kind=inf_grad"})
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    result = read_result(tmp_path / "inf")
+    """In this process: the command prints any status but ok as ``error: <result's error>``
+    and exits 1 (sharded_exp/__main__.py), which the raising rank's test holds."""
+    launch_job(["trainer.steps=4"], tmp_path, env={"SHARDED_EXP_FAULT": "rank=1,step=1,kind=inf_grad"})
+    result = read_result(tmp_path)
     assert result["status"] == "diverged" and result["first_nonfinite_step"] == 3
     assert "diverged: final loss nan, loss first non-finite at step 3" in result["error"]
-    assert "diverged" in proc.stderr
 
 
 @pytest.mark.slow  # the diverged run itself: the test above
@@ -253,9 +258,12 @@ def test_a_diverged_point_of_a_sweep_gets_no_saving_in_the_report(tmp_path):
 
 
 def test_a_rank_killed_by_a_signal_is_named_not_its_peer(tmp_path):
-    proc = cli(LONG, tmp_path, env={"SHARDED_EXP_FAULT": "rank=1,step=3,kind=kill"})
-    assert proc.returncode == 1
-    error = read_result(tmp_path)["error"]
+    """In this process (the command's exit code 1 for a failed job is held by the faults above:
+    a second interpreter would add its start-up and nothing asserted)."""
+    launch_job(["trainer.steps=100000"], tmp_path, env={"SHARDED_EXP_FAULT": "rank=1,step=3,kind=kill"})
+    result = read_result(tmp_path)
+    assert result["status"] == "failed"
+    error = result["error"]
     assert error.startswith("rank 1: killed by signal 9 (SIGKILL)"), error
     assert "OOM killer" in error
 
