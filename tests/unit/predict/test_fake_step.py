@@ -221,7 +221,7 @@ def runs(monkeypatch):
     calls = []
 
     def install(outcome):
-        def stub(cfg, world_size, rank, device_type, grad_clip, flops, trace=None):
+        def stub(cfg, world_size, rank, device_type, grad_clip, flops, trace=None, memory=True):
             calls.append((cfg.strategy.name, grad_clip, cfg.strategy.get("cpu_offload")))
             return outcome(cfg, grad_clip)
 
