@@ -106,10 +106,12 @@ def _traced_cfg(cfg_s: PlanConfig, key: str | None):
 
 def traced(cfg_s: PlanConfig, device_type: str, layer_key: str | None) -> dict[str, Any]:
     """One traced fake step of ``cfg_s`` at world size 1: ``{"trace", "flops", "optimizer_mib"}``,
-    or ``{"error"}`` naming why there is none. ``layer_key``: where the model keeps its depth."""
+    or ``{"error"}`` naming why there is none. ``layer_key``: where the model keeps its depth.
+    The step is trace-only (``memory=False``): the point's memory figures come from its own
+    fake steps, so tracking this one's memory would be thrown away."""
     c = _traced_cfg(cfg_s, layer_key)
     try:
-        est = fake_step(c, 1, 0, device_type, flops=True, trace=True)
+        est = fake_step(c, 1, 0, device_type, flops=True, trace=True, memory=False)
     except Exception as exc:  # noqa: BLE001 -- a point without a speed says why
         return {"error": f"no op trace: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}"}
     states = predict(c.strategy, c.optimizer, str(Precision.of(c)), shapes_of(cfg_s), 1)  # one rank, one replica

@@ -360,19 +360,24 @@ def _blame(exc: BaseException, module) -> str:
 
 class _Watch:
     """The memory tracker of one fake step and the build's hooks that start it and mark the
-    build's end (as a CPU run measures: from before the strategy allocates its buffers)."""
+    build's end (as a CPU run measures: from before the strategy allocates its buffers).
 
-    def __init__(self, device: torch.device, allocs=None):
+    ``memory=False`` (a trace-only step): no tracker is made or started; the hooks only note
+    that the build got as far as the strategy's wrap."""
+
+    def __init__(self, device: torch.device, allocs=None, memory: bool = True):
         self.device = device
         self.allocs = allocs
         """What the CUDA allocator is asked (:func:`sharded_exp.predict.alloc_trace.recording`), or None."""
-        self.tracker = peak_tracker()
+        self.tracker = peak_tracker() if memory else None
         self.built: list = []
         self.tracking = False
         self.build: dict = {}
 
     def start_tracker(self, module) -> None:
         self.built.append(module)
+        if self.tracker is None:
+            return
         try:
             if self.allocs is not None:
                 self.allocs.attach(self.tracker)
@@ -473,10 +478,19 @@ def _steps(cfg: JobGroups, run, sample: dict, watch: _Watch, kernels, grad_clip:
 
 
 def _run(
-    cfg: JobGroups, world_size: int, rank: int, device_type: str, grad_clip: float, flops: bool, trace=None
+    cfg: JobGroups,
+    world_size: int,
+    rank: int,
+    device_type: str,
+    grad_clip: float,
+    flops: bool,
+    trace=None,
+    memory: bool = True,
 ) -> tuple:
     """Two fake steps of ``cfg`` on ``rank``: (peak MiB, breakdown, FLOPs of one step, extra:
     each phase's peak, the build's, and how many reduce-scatters held gloo's copy).
+    ``memory=False``: the same steps without the memory tracker and the allocator's
+    recording (peak NaN, breakdown and phases empty).
 
     Raises :class:`FakeStepError` naming the part that failed."""
     # Always fake CPU tensors: a step for a GPU runs as CUDA would (cuda_kernels), without
@@ -489,17 +503,21 @@ def _run(
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     # A CPU run communicates over gloo, whose reduce-scatter holds a copy of its input.
     gloo = GlooReduceScatter() if device_type == "cpu" else contextlib.nullcontext(None)
+    # What the CUDA allocator is asked, read from the memory tracker (so none without it).
+    asked = (
+        recording(device_type, memory_of(cfg.strategy.name).side_streams) if memory else contextlib.nullcontext(None)
+    )
     with (
         fake_process_group(world_size, rank),
         _mod_tracker_warning_quiet(),
         _separate_propagation_mode(),
         _lazy_fsdp_chunks(),
         gloo as gloo_rule,
-        recording(device_type, memory_of(cfg.strategy.name).side_streams) as allocs,  # what the CUDA allocator is asked
+        asked as allocs,
         mode,
         on_gpu as kernels,
     ):
-        watch = _Watch(device, allocs)
+        watch = _Watch(device, allocs, memory)
         torch.manual_seed(cfg.trainer.seed)
         try:
             run = _build(cfg, device, watch)  # a Hugging Face model imports transformers here
@@ -507,12 +525,14 @@ def _run(
                 count = _steps(cfg, run, sample, watch, kernels, grad_clip, flops, trace)
         finally:
             watch.stop()
+    copies = gloo_rule.count if gloo_rule is not None else 0
     tracker = watch.tracker
+    if tracker is None:  # a trace-only step: no memory figures
+        return float("nan"), {}, count, {"phases": {}, "build": {}, "gloo_reduce_scatters": copies}
     if tracker.failure is not None:
         failure = RuntimeError(tracker.failure)
         raise FakeStepError("the memory tracker (torch MemTracker) failed", failure, detail=tracker.failure)
     peak, parts = _breakdown(tracker, device)
-    copies = gloo_rule.count if gloo_rule is not None else 0
     extra = {"phases": _phases(tracker, device), "build": watch.build, "gloo_reduce_scatters": copies}
     return peak, parts, count, extra | ({"alloc_events": watch.allocs.events} if watch.allocs is not None else {})
 
@@ -561,6 +581,7 @@ def fake_step(
     states_mib=None,
     flops: bool = True,
     trace: bool = False,
+    memory: bool = True,
 ) -> StepEstimate:
     """The peak of ``rank`` in a job of ``world_size`` ranks, from two fake steps.
 
@@ -570,7 +591,15 @@ def fake_step(
     FLOPs (about a third of the time on a large model; the planner needs none). ``trace``:
     also record the steady step's ops (:mod:`~sharded_exp.predict.op_trace`), in
     ``extra["trace"]`` (not for the fallback of a strategy that cannot run fake).
+    ``memory=False``: a trace-only step, for the speed columns, which read only the trace and
+    the FLOPs: the same steps run (the same ops recorded, the same FLOPs counted) without the
+    memory tracker and the allocator's recording, whose figures the speed columns would throw
+    away; its ``peak_mib`` is NaN, its breakdown empty, and a strategy that cannot run fake
+    raises (the fallback is a memory figure).
     """
+    if not memory and not trace:
+        raise ValueError("fake_step(memory=False, trace=False) would find nothing: a step without memory "
+                         "tracking is for its op trace; pass trace=True")  # fmt: skip
     t0 = time.perf_counter()
     if offloads_to_host(cfg.strategy):  # faked on the device; the states' move to the host is a rule
         cfg = cfg.copy()
@@ -581,7 +610,7 @@ def fake_step(
     if not known:
         try:
             recorded = Trace() if trace else None
-            peak, parts, count, extra = _run(cfg, world_size, rank, device_type, clip, flops, recorded)
+            peak, parts, count, extra = _run(cfg, world_size, rank, device_type, clip, flops, recorded, memory)
             extra["trace"] = recorded
             return StepEstimate(rank, peak, parts, count, "fake step", seconds=time.perf_counter() - t0, extra=extra)
         except ConfigError:  # the model itself is refused: no fallback can fake it
@@ -591,7 +620,7 @@ def fake_step(
     if clip > 0 and (known or _data_dependent(first)):
         try:
             recorded = Trace() if trace else None
-            peak, parts, count, extra = _run(cfg, world_size, rank, device_type, 0.0, flops, recorded)
+            peak, parts, count, extra = _run(cfg, world_size, rank, device_type, 0.0, flops, recorded, memory)
             extra["trace"] = recorded
             why = "on the norm's value" if known else f"on a value ({_short(first)})"
             note = f"{cfg.strategy.name}'s clipping branches {why}: step faked without it"
@@ -602,7 +631,7 @@ def fake_step(
             raise
         except Exception as exc:  # noqa: BLE001
             first = first or exc
-    if cfg.strategy.name == baseline() or states_mib is None:
+    if cfg.strategy.name == baseline() or states_mib is None or not memory:
         raise first
     # The strategy cannot run fake: its own (analytic) model states, the baseline's (DDP's) activations.
     ddp_cfg = cfg.copy()

@@ -221,7 +221,7 @@ def runs(monkeypatch):
     calls = []
 
     def install(outcome):
-        def stub(cfg, world_size, rank, device_type, grad_clip, flops, trace=None):
+        def stub(cfg, world_size, rank, device_type, grad_clip, flops, trace=None, memory=True):
             calls.append((cfg.strategy.name, grad_clip, cfg.strategy.get("cpu_offload")))
             return outcome(cfg, grad_clip)
 
@@ -300,6 +300,20 @@ def test_without_analytic_states_a_strategys_failure_is_raised(base_cfg, runs):
         fake_step(job(base_cfg, "zero1"), 2, 0)
 
 
+def test_a_trace_only_step_of_a_strategy_that_cannot_run_fake_is_raised_not_drawn_from_ddps(base_cfg, runs):
+    """The fallback is a memory figure (analytic states over DDP's activations): a step
+    without memory tracking has nothing to take from it, so the failure is raised."""
+
+    def outcome(cfg, clip):
+        raise TypeError("wrapper refuses fake tensors")
+
+    calls = runs(outcome)
+    states = {"ddp": {"params": 4.0}, "zero1": {"params": 4.0}}
+    with pytest.raises(TypeError, match="wrapper refuses"):
+        fake_step(job(base_cfg, "zero1"), 2, 0, states_mib=states.__getitem__, trace=True, memory=False)
+    assert [c[0] for c in calls] == ["zero1"]
+
+
 def test_cpu_offload_is_faked_on_the_device_and_the_callers_config_kept(base_cfg, runs):
     calls = runs(lambda cfg, clip: RESULT)
     cfg = job(base_cfg, "fsdp", cpu_offload=True)
@@ -331,6 +345,50 @@ def test_a_ddp_fake_step_holds_the_whole_model_and_counts_the_mlps_flops(base_cf
     macs = 64 * 16 + 16 * 16 + 16 * 10
     assert est.flops_per_step == 4 * (6 * macs - 2 * 64 * 16)
     assert set(est.extra["phases"]) == {"step", "optimizer"} and est.extra["gloo_reduce_scatters"] == 0
+
+
+TINY_GPT = ["model=gpt", "model.d_model=32", "model.n_heads=2", "model.n_layers=2", "model.seq_len=8",
+            "model.vocab_size=64", "trainer.batch_size=2", "trainer.activation_checkpointing=full"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "model, strategy, device_type",
+    [("mlp", "ddp", "cpu"), ("gpt", "ddp", "cuda")],  # a CPU step; CUDA's kernels, AC and the allocator
+)
+def test_a_trace_only_step_records_the_same_ops_and_flops_without_tracking_memory(
+    base_cfg, monkeypatch, model, strategy, device_type
+):
+    """The speed columns' step (memory=False) runs the same steps as the full one and records
+    the same ops and FLOPs, but makes no memory tracker and records nothing for the allocator
+    (their figures it would throw away)."""
+    from sharded_exp.compose import compose
+
+    made = {"trackers": 0, "recordings": 0}
+
+    def counted(fn, key):
+        def call(*args, **kwargs):
+            made[key] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(module, "peak_tracker", counted(module.peak_tracker, "trackers"))
+    monkeypatch.setattr(module, "recording", counted(module.recording, "recordings"))
+    cfg = job(base_cfg, strategy) if model == "mlp" else job(compose(TINY_GPT), strategy)
+    full = fake_step(cfg, 1, 0, device_type, trace=True)
+    assert made == {"trackers": 1, "recordings": 1}  # the full step tracks: the counters count
+    only = fake_step(cfg, 1, 0, device_type, trace=True, memory=False)
+    assert made == {"trackers": 1, "recordings": 1}  # none made for the trace-only step
+    assert only.extra["trace"].records == full.extra["trace"].records and len(full.extra["trace"].records) > 50
+    assert only.extra["trace"].units == full.extra["trace"].units
+    assert only.flops_per_step == full.flops_per_step > 0 and only.method == full.method == "fake step"
+    assert only.breakdown_mib == {} and only.peak_mib != only.peak_mib  # NaN: no memory figure
+    assert "alloc_events" not in only.extra and ("alloc_events" in full.extra) == (device_type == "cuda")
+
+
+def test_a_step_that_tracks_no_memory_must_trace(base_cfg):
+    with pytest.raises(ValueError, match="memory=False, trace=False.*pass trace=True"):
+        fake_step(job(base_cfg), 1, 0, memory=False)
 
 
 # ------------------------------------------------------- a parameter made in forward
