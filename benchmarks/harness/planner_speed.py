@@ -2,6 +2,7 @@
 
     python -m benchmarks.harness.planner_speed            # both targets and the agreement check
     python -m benchmarks.harness.planner_speed --quick    # the 7B plan only
+    python -m benchmarks.harness.planner_speed --time-model-cost   # the 7B plan with and without speed columns
 
 Each plan runs as a user runs it (``python -m sharded_exp.plan ... plan.format=json``, a
 fresh process), with its wall time and peak resident memory; ``import torch`` alone is
@@ -13,14 +14,24 @@ of RSS (``plan.workers``, by default one per core, fakes strategies side by side
 of it). Then the composed plans (sharded_exp/plan/depth.py) are held against whole-model
 fake steps on models that can be faked whole: the largest relative difference of the peak
 and of the mean over ranks. Prints Markdown; writes outputs/benchmarks/planner_speed.json.
+
+``--time-model-cost`` answers issue 49's budget (the time model adds at most 20% to a 7B
+plan's wall time): the 7B plan as a user runs it, alternately as it is and with the speed
+columns' traced step left out, ``--rounds`` times each, at the same commit. The traced step
+is left out by a ``sitecustomize`` on ``PYTHONPATH`` (written to a temporary directory) that
+replaces ``sharded_exp.plan.points.traced`` in every process, the planner's forkserver
+workers included: nothing in the planner knows about the benchmark.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 from benchmarks.common import markdown, save
@@ -56,13 +67,14 @@ def import_torch_seconds() -> float:
     return time.perf_counter() - t
 
 
-def plan_once(args: list[str]) -> dict:
+def plan_once(args: list[str], env: dict[str, str] | None = None) -> dict:
     t = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-c", RUN, *args, "plan.format=json"],
         capture_output=True,
         text=True,
         timeout=COMMAND_TIMEOUT_S,
+        env=env,
     )
     wall = time.perf_counter() - t
     if proc.returncode != 0:
@@ -98,11 +110,53 @@ def agreement(overrides: list[str]) -> dict:
             "composed_points": sum(r["method"].startswith("composed") for r in composed), "points": len(composed)}  # fmt: skip
 
 
+NO_SPEED_COLUMNS = """\
+from sharded_exp.plan import points
+points.traced = lambda *a, **k: {"error": "speed columns left out (benchmarks.harness.planner_speed)"}
+"""
+"""The ``sitecustomize`` of ``--time-model-cost``'s plans without the time model."""
+
+
+def time_model_cost(rounds: int, overrides: list[str]) -> dict:
+    """A plan (the 7B one) with and without the speed columns, alternating; wall seconds of each."""
+    with tempfile.TemporaryDirectory() as stub:
+        with open(os.path.join(stub, "sitecustomize.py"), "w") as f:
+            f.write(NO_SPEED_COLUMNS)
+        path = os.pathsep.join(x for x in (os.getcwd(), stub, os.environ.get("PYTHONPATH")) if x)
+        without_env = {**os.environ, "PYTHONPATH": path}
+        walls: dict[str, list[float]] = {"with": [], "without": []}
+        for _ in range(rounds):
+            for kind, env in (("with", None), ("without", without_env)):
+                got = plan_once(overrides, env)
+                speed = [r.get("step_time_s") for r in got["rows"]]
+                if (kind == "with") != all(v is not None for v in speed):  # the stub took, and only there
+                    raise RuntimeError(f"plan {kind} the speed columns has step times {speed}")
+                walls[kind].append(got["wall_s"])
+    mean = {k: statistics.mean(v) for k, v in walls.items()}
+    return {"walls_s": walls, "mean_s": mean, "cost_pct": 100 * (mean["with"] / mean["without"] - 1)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the 7B plan only, no agreement check")
     parser.add_argument("--smoke", action="store_true", help="a small model, two strategies: that the script runs")
+    parser.add_argument(
+        "--time-model-cost",
+        action="store_true",
+        help="the 7B plan with and without the speed columns, alternating (issue 49's 20%% budget)",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="--time-model-cost: plans of each kind")
     args = parser.parse_args()
+    if args.time_model_cost:
+        plan = [*SMOKE, "plan.world_sizes=[2,8]"] if args.smoke else PLANS["7B GPT, six strategies x [8,64]"][0]
+        cost = time_model_cost(args.rounds, plan)
+        print(markdown(["plan: " + ("smoke" if args.smoke else "7B GPT, six strategies x [8,64]"), "wall s each",
+                        "mean s"],
+                       [[k, ", ".join(f"{w:.1f}" for w in v), f"{cost['mean_s'][k]:.1f}"]
+                        for k, v in cost["walls_s"].items()]))  # fmt: skip
+        print(f"\nthe time model adds {cost['cost_pct']:+.1f}% (target: at most +20%)")
+        print(f"written: {save('planner_speed', {'time_model_cost': cost})}")
+        return 0
     plans = dict(list(PLANS.items())[:1]) if args.quick else PLANS
     agreements = AGREEMENT
     if args.smoke:

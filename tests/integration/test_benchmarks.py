@@ -219,6 +219,16 @@ def test_planner_speed_smoke(tmp_path):
     assert agree["points"] == 4 and agree["peak"] < 0.01 and agree["mean"] < 0.01
 
 
+def test_planner_speed_time_model_cost_smoke(tmp_path):
+    """Both kinds of plan ran, and only the one without the speed columns lacks step times
+    (the benchmark raises otherwise): its sitecustomize reached the planner's workers."""
+    data = bench("harness.planner_speed", "--time-model-cost", "--smoke", "--rounds", "1", cwd=tmp_path)[
+        "time_model_cost"
+    ]
+    assert len(data["walls_s"]["with"]) == len(data["walls_s"]["without"]) == 1
+    assert data["cost_pct"] == pytest.approx(100 * (data["mean_s"]["with"] / data["mean_s"]["without"] - 1))
+
+
 def test_probe_overhead_smoke(tmp_path):
     data = bench("harness.probe_overhead", "--pairs", "1", "--steps", "12", cwd=tmp_path)
     [run] = data["pairs"]
