@@ -198,7 +198,7 @@ def check_and_launch(cfg: DictConfig) -> "Result | None":
             print(f"error: {exc}", file=sys.stderr)
             return None  # the directory is another job's: nothing is written there
         log.error("error: %s", exc)  # in the point's log, beside its result.json
-        result = refused_point(cfg, output_dir, exc, identity)
+        result = record_config_error(cfg, output_dir, exc, identity=identity)
     except OSError as exc:  # a path the job reads or writes: missing, a directory, full, read-only
         message = os_error(cfg, exc)
         print(f"error: {message}; {what_ran(output_dir)}", file=sys.stderr)
@@ -239,15 +239,6 @@ def check_and_launch(cfg: DictConfig) -> "Result | None":
         log.error("error: %s (details in %s/result.json)", result.error, result.output_dir)
         sys.exit(1)
     return result
-
-
-def refused_point(cfg: DictConfig, output_dir: str, exc: ConfigError, identity: dict) -> "Result":
-    """A sweep point's refusal, recorded in its result.json: by the launch itself when it came
-    after the ranks started (the fake step's, sharded_exp/launch/beside.py), else here."""
-    from sharded_exp.launch.parent import record_config_error  # lazy: torch, not for Hydra's questions
-
-    written = read_result_in(output_dir) if exc.result_written else None
-    return written or record_config_error(cfg, output_dir, exc, identity=identity)
 
 
 def what_ran(output_dir: str) -> str:

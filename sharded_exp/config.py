@@ -265,10 +265,7 @@ class TrainerConfig(Sealed):
     """Steps profiled when profile=true."""
     host_memory_check: bool = True
     """On CPU: refuse a job whose predicted peaks (all ranks on this machine, plus each
-    process's own) exceed the host memory available. Spawned ranks start while the peak is
-    predicted: a refusal stops them (as a signal does; what they wrote is kept) about a second
-    after they started, so a first step that allocates more than the machine has within that
-    second can still meet the kernel's OOM killer."""
+    process's own) exceed the host memory available, before it starts."""
     save_final_state: bool = False
     """Write the full (unsharded) final model state to model_final.pt on rank 0."""
     checkpoint_every: int = 0

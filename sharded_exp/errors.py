@@ -34,10 +34,6 @@ def is_oom(exc: BaseException) -> bool:
 class ConfigError(ValueError):
     """A config value that composes but cannot run; the message names value and choices."""
 
-    result_written = False
-    """Set on a refusal that came after the ranks started (the fake step's, made beside them:
-    sharded_exp/launch/beside.py), whose result.json the launch has written already."""
-
 
 def missing_packages(packages) -> list[str]:
     """The import names in ``packages`` that cannot be imported here (without importing them)."""

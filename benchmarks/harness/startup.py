@@ -7,11 +7,11 @@
 Runs ``python -m sharded_exp [overrides]`` as a user does and reads the timeline that
 ``result.json`` keeps (Unix times: the entry point before its imports, the launch,
 validation, a rank's start, its process group, model and strategy built, first step; the
-tracker starts beside the first steps and the parent predicts the peak beside its ranks, so
-their ends are rows of their own, not phases of the path to the first step). ``--against
-DIR``: each repeat also runs the job from the checkout in DIR (say a worktree of the commit
-before a change), the two alternating in order, so that a loaded machine's moments fall on
-both; the table then has both columns and their ratio. Prints a Markdown table and writes outputs/benchmarks/startup.json.
+tracker starts beside the first steps, so its start is a row of its own, not a phase of
+the path to the first step). ``--against DIR``: each repeat also runs the job from the
+checkout in DIR (say a worktree of the commit before a change), the two alternating in
+order, so that a loaded machine's moments fall on both; the table then has both columns
+and their ratio. Prints a Markdown table and writes outputs/benchmarks/startup.json.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ PHASES = [
     ("python start", "command", "main"),
     ("imports (rank server starts meanwhile)", "main", "imported"),
     ("Hydra compose", "imported", "launch"),
-    ("validate (meta-device model; older checkouts: the peak prediction too)", "launch", "validated"),
+    ("validate (meta-device model)", "launch", "validated"),
     ("start ranks (forkserver)", "validated", "rank_start"),
     ("process group", "rank_start", "process_group_ready"),
     ("model + strategy", "process_group_ready", "built"),
@@ -39,13 +39,9 @@ PHASES = [
     ("steps, results, exit", "first_step", "exit"),
 ]
 """The path from the command to its exit, phase by phase (timeline keys)."""
-BESIDE = [
-    ("tracker (W&B) start, from the build", "built", "logger_ready"),
-    ("peak prediction (fake step), from the ranks' start", "validated", "predicted"),
-]
+BESIDE = [("tracker (W&B) start, from the build", "built", "logger_ready")]
 """Spans beside that path: the tracker starts in a thread of its own (older checkouts: before
-the first step, which then waited for it); the parent predicts the peak in a thread while its
-ranks start and train (older checkouts: part of "validate", before the ranks, no row here)."""
+the first step, which then waited for it)."""
 
 
 def one(overrides: list[str], out: str, checkout: str | None = None) -> dict[str, float]:

@@ -12,7 +12,6 @@ members). ``config`` is the same as plain data, every option as its name: what r
 from __future__ import annotations
 
 import copy
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,13 +54,6 @@ class JobSpec:
     """The level of our package's loggers in the parent (INFO; DEBUG with hydra.verbose)."""
     typed: Any = None
     """``config`` as its schemas' dataclasses (:func:`sharded_exp.config.typed`), checked."""
-    peak_later: bool = False
-    """``prediction`` has no ``peak`` yet: the spawning parent predicts it beside the ranks and
-    hands it to rank 0, which takes it after the warm-up steps (:mod:`sharded_exp.launch.beside`)."""
-
-    def with_peak(self, peak: dict[str, Any]) -> JobSpec:
-        """This spec with the fake step's predicted peak in ``prediction["peak"]``."""
-        return dataclasses.replace(self, prediction={**self.prediction, "peak": peak}, peak_later=False)
 
     def cfg(self) -> DictConfig:
         """``typed`` as a read-only OmegaConf tree: what the ranks read, typed as the composed

@@ -1,9 +1,8 @@
 """The parent: the Hydra job's side of a job, from pre-flight to ``result.json``.
 
 :func:`launch` reads top to bottom: hold the run directory, check the config once
-(:mod:`sharded_exp.launch.preflight`), write what to expect, run the ranks (spawned ranks
-start before the fake step's peak prediction, which runs beside them: :mod:`.beside`), lay a
-failure over the result, write ``result.json`` and print the summary. Its parts:
+(:mod:`sharded_exp.launch.preflight`), write what to expect, run the ranks, lay a failure
+over the result, write ``result.json`` and print the summary. Its parts:
 
 - :mod:`.run_dir`: the run directory and the checkpoint directory, held by one live job
   each; an earlier attempt's records moved aside;
@@ -17,7 +16,6 @@ failure over the result, write ``result.json`` and print the summary. Its parts:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -27,11 +25,10 @@ from typing import IO, Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from sharded_exp.errors import ConfigError, WontFit
+from sharded_exp.errors import WontFit
 from sharded_exp.job.result import Result, write_result
 from sharded_exp.job.spec import JobSpec
 from sharded_exp.launch import preflight
-from sharded_exp.launch.beside import PeakBeside
 from sharded_exp.launch.diagnose import failure_result
 from sharded_exp.launch.layout import Layout, external_layout
 from sharded_exp.launch.run_dir import (
@@ -76,12 +73,10 @@ class Launch:
         under torchrun or srun."""
         return self.layout is None or self.layout.rank == 0
 
-    def parent_times(self, validated: float, beside: PeakBeside | None = None) -> dict[str, float | None]:
-        """The parent's part of result.json's timeline; ``predicted``: when the peak prediction
-        beside the ranks ended (spawned ranks only; elsewhere it is part of the validation)."""
+    def parent_times(self, validated: float) -> dict[str, float | None]:
+        """The parent's part of result.json's timeline."""
         main, imported = self.started or (None, None)
-        times = {"main": main, "imported": imported, "launch": self.launched, "validated": validated}
-        return times | ({"predicted": beside.ended} if beside is not None else {})
+        return {"main": main, "imported": imported, "launch": self.launched, "validated": validated}
 
 
 def launch(
@@ -94,13 +89,10 @@ def launch(
     """Check, run every rank, write ``result.json`` and print the summary table.
 
     Returns the result; its ``status`` is "ok", "stopped" (by a signal), "oom" or
-    "failed" (with ``error`` naming the rank). Raises ConfigError before any rank starts, but
-    for the fake step's refusals (a CPU job beyond the host's memory, a model the fake step
-    refuses): spawned ranks start before it ends, so those stop the ranks, write result.json
-    and raise (``result_written``). Under torchrun only rank 0 writes and prints.
-    ``job_files``: ``.hydra/`` files to write once the config is known good. ``identity``:
-    result.json fields that place the job in its sweep (``overrides``, ``sweep_id``, see
-    :func:`sharded_exp.report`).
+    "failed" (with ``error`` naming the rank). Raises ConfigError before any rank starts.
+    Under torchrun only rank 0 writes and prints. ``job_files``: ``.hydra/`` files to
+    write once the config is known good. ``identity``: result.json fields that place the
+    job in its sweep (``overrides``, ``sweep_id``, see :func:`sharded_exp.report`).
     """
     import_plugins()
     run = Launch(cfg, output_dir, job_files or {}, identity or {}, started, time.time(), external_layout())
@@ -110,13 +102,7 @@ def launch(
         if run.is_writer and os.path.isdir(output_dir):
             run.run_dir_lock = hold_run_dir(output_dir)
         # ConfigError here, before any rank starts, for a config that cannot run
-        spec, peak_check = preflight.check_before_peak(cfg, output_dir, run.layout)
-        beside = None
-        if run.layout is None:  # spawned ranks: the peak is predicted beside them, not before
-            spec = dataclasses.replace(spec, peak_later=True)
-            beside = PeakBeside(peak_check)
-        elif run.is_writer:  # under torchrun or srun this process is rank 0 itself
-            spec = spec.with_peak(peak_check.predict())
+        spec = preflight.check(cfg, output_dir, run.layout, peak=run.is_writer)
         result = base_result(
             spec.config,
             spec.params,
@@ -132,9 +118,7 @@ def launch(
         os.makedirs(output_dir, exist_ok=True)
         if run.is_writer:
             _prepare(run, spec, result)
-        if beside is not None:
-            beside.on_done = lambda peak: _predicted(run, spec.with_peak(peak), result)
-        result = _run_ranks(run, spec, result, beside)
+        result = _run_ranks(run, spec, result)
         if run.is_writer:
             _publish(output_dir, result)
         return result
@@ -157,7 +141,7 @@ def _prepare(run: Launch, spec: JobSpec, result: Result) -> None:
     write_job_files(run.output_dir, job_files)
     write_result(run.output_dir, result.updated(memory=predicted_section(spec.prediction)))
     peaks = (spec.prediction.get("peak") or {}).get("per_rank_mib")
-    peak = f", predicted peak {max(peaks):.2f} MiB per rank" if peaks else ""  # spawned: said by _predicted
+    peak = f", predicted peak {max(peaks):.2f} MiB per rank" if peaks else ""
     log.info(
         "%s x%d on %s (%s), %s parameters%s; output in %s",
         spec.config["strategy"]["name"],
@@ -170,46 +154,15 @@ def _prepare(run: Launch, spec: JobSpec, result: Result) -> None:
     )
 
 
-def _predicted(run: Launch, spec: JobSpec, result: Result) -> None:
-    """The peak predicted beside the ranks (in its thread): into the "running" result.json,
-    beside the rest of what to expect, and said."""
-    write_result(run.output_dir, result.updated(memory=predicted_section(spec.prediction)))
-    peak = spec.prediction["peak"]
-    if peak.get("per_rank_mib"):
-        log.info("predicted peak %.2f MiB per rank (%s, beside the ranks)", max(peak["per_rank_mib"]), peak["method"])
-
-
-def _run_ranks(run: Launch, spec: JobSpec, result: Result, beside: PeakBeside | None = None) -> Result:
-    """Run the ranks; the finished result, or the failure laid over ``result``. With a peak
-    prediction ``beside`` them: its refusal raised once the ranks have stopped (below)."""
-    validated = time.time()
+def _run_ranks(run: Launch, spec: JobSpec, result: Result) -> Result:
+    """Run the ranks; the finished result, or the failure laid over ``result``."""
     try:
+        validated = time.time()
         # rank 0's payload carries status "ok" or "stopped"; other torchrun ranks get None
-        payload = run_ranks(spec, run.layout, beside)
+        payload = run_ranks(spec, run.layout)
+        return finished_result(result, payload, run.parent_times(validated))
     except Exception as exc:  # noqa: BLE001 -- a rank failed: record it, then let the caller exit non-zero
-        return failure_result(result, exc, _with_peak(run, spec, result, beside, validated))
-    _with_peak(run, spec, result, beside, validated)  # the payload has it from rank 0: only a refusal matters here
-    return finished_result(result, payload, run.parent_times(validated, beside))
-
-
-def _with_peak(run: Launch, spec: JobSpec, result: Result, beside: PeakBeside | None, validated: float) -> JobSpec:
-    """``spec`` with the peak predicted beside the ranks, once the ranks have ended. A
-    refusal of the prediction (ConfigError: the host's memory, a model the fake step refuses)
-    is the job's end whatever the ranks did meanwhile: written to result.json as a refusal
-    before the ranks is (status "oom" for WontFit), then raised with ``result_written`` set;
-    anything else it raised is raised as it is. A prediction never started (the ranks failed
-    to start first): ``spec`` as it is, with no peak."""
-    if beside is None or not beside.started:
-        return spec
-    try:
-        return spec.with_peak(beside.wait())
-    except ConfigError as exc:
-        status = "oom" if isinstance(exc, WontFit) else "failed"
-        refused = result.updated(status=status, error=f"config: {exc}", memory=predicted_section(spec.prediction))
-        remove_trained(run.output_dir)  # rank 0's interim record, as at any end
-        write_result(run.output_dir, refused.updated(timeline=run.parent_times(validated, beside)))
-        exc.result_written = True
-        raise
+        return failure_result(result, exc, spec)
 
 
 def _publish(output_dir: str, result: Result) -> None:

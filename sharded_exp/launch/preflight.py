@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-from typing import Any
 
 import torch
 from omegaconf import OmegaConf
@@ -151,42 +150,6 @@ def check(cfg: Config, output_dir: str, layout: Layout | None = None, peak: bool
     under torchrun only the rank that writes result.json needs it). Raises ConfigError,
     naming the value and the choices, before anything is started or written.
     """
-    spec, later = check_before_peak(cfg, output_dir, layout)
-    return spec.with_peak(later.predict()) if peak else spec
-
-
-@dataclasses.dataclass(frozen=True)
-class PeakCheck:
-    """The part of pre-flight that needs the fake training step: every rank's predicted peak
-    and, on CPU, the host memory check on it. Apart from the rest so that a spawning parent
-    can run it beside its ranks (:mod:`sharded_exp.launch.beside`): it is most of the
-    parent's seconds after its imports, and the only check that needs it is the host
-    memory one (a model refused inside the fake step is the other)."""
-
-    decided: Any
-    """The decided config, typed, as the fake step reads it."""
-    world_size: int
-    device_type: str
-    prediction: dict[str, Any]
-    """The model states' prediction (:func:`~sharded_exp.predict.prediction.predict`)."""
-    shapes: Any
-    host_check_ranks: int | None
-    """The ranks on this machine whose peaks must fit its memory; None: not checked (a GPU
-    job, or trainer.host_memory_check=false)."""
-
-    def predict(self) -> dict[str, Any]:
-        """The spec's ``prediction["peak"]``. Raises WontFit for a CPU job predicted beyond
-        the host's memory, ConfigError for a model the fake step refuses."""
-        peak = predict_peak(self.decided, self.world_size, self.device_type, self.prediction, self.shapes)
-        if self.host_check_ranks is not None:
-            check_host_memory(peak.get("per_rank_mib"), self.host_check_ranks)
-        return peak
-
-
-def check_before_peak(cfg: Config, output_dir: str, layout: Layout | None = None) -> tuple[JobSpec, PeakCheck]:
-    """:func:`check` without the fake step: the spec, its ``prediction`` without ``peak``,
-    and what predicts the peak (:meth:`PeakCheck.predict`). Raises ConfigError for every
-    check that needs no fake step."""
     cfg = copy.deepcopy(cfg)  # the job's own copy: the caller's stays as composed
     check_values(cfg)  # (model.pretrained's directory resolves into the copy's model config)
     world_size = layout.world_size if layout is not None else cfg.trainer.world_size
@@ -228,9 +191,11 @@ def check_before_peak(cfg: Config, output_dir: str, layout: Layout | None = None
     config, config_yaml, decided_typed = decided_config(cfg, world_size, plan)
     decided = OmegaConf.structured(decided_typed)
     prediction = predict(decided.strategy, decided.optimizer, Precision.of(decided), shapes, world_size)
-    host_check = local_ranks if device_type == "cpu" and cfg.trainer.host_memory_check else None
-    later = PeakCheck(decided, world_size, device_type, copy.deepcopy(prediction), shapes, host_check)
-    spec = JobSpec(
+    if peak:
+        prediction["peak"] = predict_peak(decided, world_size, device_type, prediction, shapes)
+        if device_type == "cpu" and cfg.trainer.host_memory_check:
+            check_host_memory(prediction["peak"].get("per_rank_mib"), local_ranks)
+    return JobSpec(
         config=config,
         config_yaml=config_yaml,
         typed=decided_typed,
@@ -247,7 +212,6 @@ def check_before_peak(cfg: Config, output_dir: str, layout: Layout | None = None
         log_file=logs.job_log_file(),
         log_level=logs.level(),
     )
-    return spec, later
 
 
 RANK_OVERHEAD_MIB = 400

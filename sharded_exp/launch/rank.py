@@ -24,7 +24,6 @@ import torch.distributed as dist
 from sharded_exp import logs
 from sharded_exp.job.result import write_json
 from sharded_exp.job.spec import JobSpec
-from sharded_exp.launch.beside import late_peak
 from sharded_exp.measure.host_malloc import fix_mmap_threshold
 from sharded_exp.precision import Precision
 from sharded_exp.registry import import_plugins
@@ -44,9 +43,10 @@ def run_rank(
 ) -> dict[str, Any] | None:
     """Set up this rank, train, and return rank 0's payload (None on other ranks).
 
-    ``store``: the parent's rendezvous (host, port) for spawned ranks, None for ``env://``.
-    ``finished``: told the payload as soon as training ended, before the process group is torn
-    down: that can hang (gloo), and a parent that has every rank's payload then loses nothing.
+    ``store``: the parent's rendezvous (host, port) for spawned ranks; None for ``env://``.
+    ``finished``: told the payload as soon as training ended, before the process group is
+    torn down: tearing down gloo can hang (a worker thread waits for the GIL the destructor
+    holds), and a parent that already has every rank's payload then loses nothing.
     """
     liveness.catch_stop_signals()  # before anything slow: a signal now means "stop soon"
     timeline = {"rank_start": time.time()}
@@ -72,7 +72,6 @@ def run_rank(
         torchrun = "TORCHELASTIC_RUN_ID" in os.environ
         launcher_env = process_environ(os.getppid()) if torchrun else {}
         os.environ.update(nccl_settings(nccl_diagnosis_env(job.output_dir), os.environ, launcher_env, torchrun))
-    peak = late_peak(store, timeout) if store is not None and job.peak_later and rank == 0 else None  # beside.py
     if store is not None:
         tcp = dist.TCPStore(store["host"], store["port"], is_master=False, timeout=timeout)
         init_group(backend, tcp, rank, world_size, timeout, device)
@@ -91,7 +90,7 @@ def run_rank(
         # lazy: the parent imports this module to spawn ranks and never trains: the training stack stays out of it
         from sharded_exp.train.trainer import train
 
-        payload = train(job, device, timeline, late_peak=peak)
+        payload = train(job, device, timeline)
         if finished is not None:
             finished(payload)
         trained = True

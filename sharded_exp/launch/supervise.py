@@ -28,7 +28,6 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from sharded_exp.job.result import PartialResult
 from sharded_exp.job.spec import JobSpec
 from sharded_exp.launch import forkserver
-from sharded_exp.launch.beside import PeakBeside
 from sharded_exp.launch.layout import Layout, rendezvous_env
 from sharded_exp.launch.rank import run_rank, spawned_entry
 from sharded_exp.train import liveness
@@ -36,12 +35,11 @@ from sharded_exp.train import liveness
 log = logging.getLogger(__name__)
 
 
-def run_ranks(job: JobSpec, layout: Layout | None, beside: PeakBeside | None = None) -> PartialResult | None:
+def run_ranks(job: JobSpec, layout: Layout | None) -> PartialResult | None:
     """Run the job's ranks: spawn them, or be the one rank an external launcher started.
-    Rank 0's payload carries status "ok" or "stopped"; other torchrun ranks get None.
-    ``beside``: the peak prediction to start with spawned ranks (:mod:`.beside`)."""
+    Rank 0's payload carries status "ok" or "stopped"; other torchrun ranks get None."""
     if layout is None:
-        return spawn(job, job.world_size, beside)
+        return spawn(job, job.world_size)
     for key, value in rendezvous_env(layout).items():
         os.environ.setdefault(key, value)
     entry = run_rank
@@ -51,12 +49,8 @@ def run_ranks(job: JobSpec, layout: Layout | None, beside: PeakBeside | None = N
     return entry(job, layout.rank, layout.world_size, layout.local_rank, layout.local_world_size)
 
 
-def spawn(job: JobSpec, world_size: int, beside: PeakBeside | None = None) -> PartialResult:
-    """Run ``world_size`` ranks as child processes; return rank 0's payload or raise.
-
-    ``beside``: the peak prediction, started in a thread as the ranks start; it hands its peak
-    to rank 0 through the rendezvous store, and should it refuse the job the ranks are
-    stopped as a signal stops them (the caller raises its error: :meth:`PeakBeside.wait`)."""
+def spawn(job: JobSpec, world_size: int) -> PartialResult:
+    """Run ``world_size`` ranks as child processes; return rank 0's payload or raise."""
     # forkserver: children fork from a clean server process that imported torch once, so a
     # sweep pays the import once; plain fork would inherit the parent's OpenMP pool (and
     # deadlock), and CUDA cannot be forked after initialisation.
@@ -82,10 +76,8 @@ def spawn(job: JobSpec, world_size: int, beside: PeakBeside | None = None) -> Pa
             # parent's read at the end of the pipe (EOFError, :func:`_drain`) once its peers are
             # gone, where the parent's own copy of the writing end would keep it waiting forever.
             results._writer.close()
-            if beside is not None:  # once the ranks are asked for: its thread would slow their start, holding the GIL
-                beside.start(store)
             stop.watch(context.processes)
-            _watch(context, stop, results, finished, beside)
+            _watch(context, stop, results, finished)
     except Exception as exc:
         if stop.signum is not None:  # ranks that died of the signal, or were killed
             raise Stopped(stop.signum, killed=stop.killed) from None
@@ -104,9 +96,8 @@ def spawn(job: JobSpec, world_size: int, beside: PeakBeside | None = None) -> Pa
     return payload
 
 
-def _watch(context, stop: ParentStop, results, finished: dict[int, Any], beside: PeakBeside | None = None) -> None:
+def _watch(context, stop: ParentStop, results, finished: dict[int, Any]) -> None:
     """Wait for the ranks to end, reading their messages as they come; raise at the first failure.
-    A prediction ``beside`` them that refuses the job stops them (:meth:`ParentStop.stop_ranks`).
 
     When a rank fails, its peers get 2 s to exit by themselves, then SIGTERM, 2 s more, then
     SIGKILL (torch's default would wait 30 s). Every rank says it finished, rank 0 with its
@@ -119,8 +110,6 @@ def _watch(context, stop: ParentStop, results, finished: dict[int, Any], beside:
         early = _exited_unfinished(context.processes, finished, results)
         if early is not None:  # its peers wait for it in a collective: no need to wait on
             raise RankDied(early, 0)
-        if beside is not None and beside.refused() is not None:
-            stop.stop_ranks()
         stop.enforce_deadline()
         if len(finished) == len(context.processes):
             all_finished_at = all_finished_at or time.monotonic()
@@ -263,13 +252,6 @@ class ParentStop:
             self._terminate()
         else:
             self._kill(f"at a second signal, {signal.Signals(signum).name}")
-
-    def stop_ranks(self) -> None:
-        """Stop the ranks without a signal to the job (it was refused after they started): as
-        a signal does, SIGTERM now and killed ``grace_s`` later. Once; a signal still counts."""
-        if self.deadline is None:
-            self.deadline = time.monotonic() + self.grace_s
-            self._terminate()
 
     def _terminate(self) -> None:
         for proc in self.processes:

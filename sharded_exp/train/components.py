@@ -22,7 +22,7 @@ import logging
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -286,21 +286,18 @@ class Faults(Component):
         self.injector.after_step()
 
 
-class AfterWarmup(Component):
-    """What runs beside the warm-up steps, waited for after them by every rank together: the
-    tracker's start (W&B's takes seconds) and the parent's peak prediction, which rank 0 takes
-    (sharded_exp/launch/beside.py). The timed and the profiled steps then do not share the
-    machine with them, and the wait falls between two steps, outside every timed window.
-    ``waits``: this rank's (empty on all but rank 0); ``at``: the steps done when the warm-up
-    ends (:attr:`Windows.profile_from`)."""
+class TrackerStart(Component):
+    """The tracker's start, which runs beside the warm-up steps (W&B's takes seconds), waited
+    for after them, by every rank together: the timed and the profiled steps then do not share
+    the machine with it, and the wait falls between two steps, outside every timed window.
+    ``at``: the steps done when the warm-up ends (:attr:`Windows.profile_from`)."""
 
-    def __init__(self, waits: list[Callable[[], object]], at: int):
-        self.waits, self.at = waits, at
+    def __init__(self, logger, at: int):
+        self.logger, self.at = logger, at
 
     def between_steps(self, out: LoopOutcome, position) -> None:
         if out.steps_done == self.at:
-            for wait in self.waits:
-                wait()
+            self.logger.wait_started()  # rank 0's; a no-op on the others
             dist.barrier()  # the others wait here, not in the first timed step's collective
 
 

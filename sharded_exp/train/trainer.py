@@ -17,7 +17,7 @@ import os
 import platform
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -146,19 +146,11 @@ def device_info(device: torch.device) -> dict[str, Any]:
     }
 
 
-def train(
-    spec: JobSpec,
-    device: torch.device,
-    timeline: dict[str, float] | None = None,
-    late_peak: Callable[[], dict[str, Any]] | None = None,
-) -> dict[str, Any] | None:
+def train(spec: JobSpec, device: torch.device, timeline: dict[str, float] | None = None) -> dict[str, Any] | None:
     """Build, train and measure on this rank; rank 0 returns the result payload.
 
     ``spec.prediction``: the parent's memory prediction, set beside the measurement in the
-    payload's ``memory``. ``late_peak``: where the parent predicts the peak beside the ranks
-    (``spec.peak_later``), rank 0's wait for it; called once the warm-up steps are done (the
-    ranks wait together, as for W&B's start: the timed steps do not share the machine with the
-    prediction) or at the payload when the loop ends first. No warm-up step waits for it.
+    payload's ``memory``.
     """
     cfg, rank = spec.cfg(), dist.get_rank()
     tc = cfg.trainer
@@ -166,7 +158,7 @@ def train(
     # From before the model is built, as the CUDA cap: an OOM in the build leaves a snapshot too.
     history = MemoryHistory(tc.memory_snapshot, device, tc.memory_limit_mib, spec.output_dir, rank)
     try:
-        return _train(spec, cfg, device, timeline if timeline is not None else {}, meter, history, late_peak)
+        return _train(spec, cfg, device, timeline if timeline is not None else {}, meter, history)
     except BaseException as exc:
         if is_oom(exc):
             # What the rank that ran out held, for rank<r>_error.json and then result.json.
@@ -219,7 +211,7 @@ def setting_changes(loaded: dict[str, Any], cfg) -> list[dict[str, Any]]:
     ]
 
 
-def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: MemoryHistory, late_peak=None):
+def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: MemoryHistory):
     """:func:`train`'s steps, top to bottom: build and load, the logger, the loop with the
     job's parts, the gather, the final evaluation, rank 0's payload."""
     stopper = liveness.StopAgreement()  # SIGTERM/SIGINT now ask for a stop, which ranks agree on
@@ -234,8 +226,7 @@ def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: Me
                           on_started=lambda t: timeline.__setitem__("logger_ready", t))  # fmt: skip
     intervals = IntervalLog(logger)  # the history of interval records, in step order
     loop = LoopSettings.from_config(tc, label=f"{cfg.strategy.name} x{dist.get_world_size()}")
-    report = _Report(spec, cfg, device, meter, run.module, stopper, timeline, loaded["step"], resume_changes,
-                     late_peak)  # fmt: skip
+    report = _Report(spec, cfg, device, meter, run.module, stopper, timeline, loaded["step"], resume_changes)
 
     def evaluate(step: int) -> dict[str, float]:
         return evaluation.evaluate(strategy, task, autocast, device, batches, rank)
@@ -247,10 +238,9 @@ def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: Me
             components.Faults(Injector(rank, device)),
             components.Checkpoints(checkpoints, strategy, meter, tc.steps),
         ]
-        if cfg.logger.name != "none" or spec.peak_later:  # beside the warm-up: waited for before the timed steps
+        if cfg.logger.name != "none":  # W&B started beside the warm-up: waited for before the timed steps
             warm = Windows.plan(loop, loaded["step"], device, profiling=tc.profile).profile_from
-            waits = [logger.wait_started] + ([report.take_peak] if late_peak is not None else [])
-            parts.append(components.AfterWarmup(waits, at=warm))
+            parts.append(components.TrackerStart(logger, at=warm))
         evaluation_part = components.Evaluation(evaluate, tc.eval_every, meter, intervals, tc.steps)
         if batches > 0:
             parts.append(evaluation_part)
@@ -351,22 +341,12 @@ class _Report:
     timeline: dict[str, float]
     start: int
     resume_changes: list[dict[str, Any]]
-    late_peak: Callable[[], dict[str, Any]] | None = None
-    """Rank 0's wait for the peak the parent predicts beside the ranks (None: in ``spec`` already
-    or not rank 0)."""
-
-    def take_peak(self) -> None:
-        """The peak the parent predicted beside the ranks into ``spec`` (rank 0; it waits for
-        it once: after the warm-up, or at its payload when the loop ended first)."""
-        if self.late_peak is not None:
-            self.spec, self.late_peak = self.spec.with_peak(self.late_peak()), None
 
     def payload(self, out: LoopOutcome, gathered: tuple[list | None, dict, float]) -> PartialResult | None:
         """Rank 0's payload (result.json's training figures) from the loop's outcome; None on other ranks."""
         per_rank, digest, final_loss = gathered
         if per_rank is None:
             return None
-        self.take_peak()  # taken after the warm-up already, unless the loop ended before it
         spec, device, world_size = self.spec, self.device, dist.get_world_size()
         flops = (spec.prediction.get("peak") or {}).get("flops_per_step")
         if out.throughput:  # model FLOPs from the parent's fake step over this run's step time

@@ -53,7 +53,6 @@ def test_default_job_prints_table_and_writes_result(tmp_path):
     phases = ["main", "imported", "launch", "validated", "rank_start", "process_group_ready", "built", "first_step",
               "last_step"]  # fmt: skip
     assert [t[k] for k in phases] == sorted(t[k] for k in phases)
-    assert t["validated"] < t["predicted"]  # the peak is predicted beside the ranks, not before them
     assert t["built"] <= t["logger_ready"]  # the tracker starts beside the first steps (ready before or after them)
     assert result["throughput"]["first_step_after_start_s"] == pytest.approx(t["first_step"] - t["main"])
     # the evaluation ran, and no process imported torchmetrics (seconds of imports in each): its

@@ -22,20 +22,3 @@ def test_the_parent_times_say_when_main_started_and_none_without_main():
     assert launch_of(started=(1.0, 2.0)).parent_times(4.0) == {
         "main": 1.0, "imported": 2.0, "launch": 3.0, "validated": 4.0}  # fmt: skip
     assert launch_of().parent_times(4.0)["main"] is None
-
-
-def test_the_parent_times_say_when_a_prediction_beside_the_ranks_ended():
-    from types import SimpleNamespace
-
-    beside = SimpleNamespace(ended=5.5)
-    assert launch_of(started=(1.0, 2.0)).parent_times(4.0, beside)["predicted"] == 5.5
-    assert "predicted" not in launch_of().parent_times(4.0)  # predicted before the ranks (torchrun): validation's
-
-
-def test_ranks_that_failed_to_start_leave_the_spec_as_it_was_not_a_wait_for_a_prediction_never_made():
-    from sharded_exp.launch.beside import PeakBeside
-    from sharded_exp.launch.parent import _with_peak
-
-    spec = object()  # returned as it is: no peak was predicted
-    assert _with_peak(launch_of(), spec, None, PeakBeside(check=None), validated=4.0) is spec
-    assert _with_peak(launch_of(), spec, None, None, validated=4.0) is spec

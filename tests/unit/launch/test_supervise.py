@@ -7,7 +7,6 @@ from __future__ import annotations
 import signal
 from types import SimpleNamespace
 
-from sharded_exp.errors import WontFit
 from sharded_exp.launch import supervise
 
 
@@ -111,19 +110,3 @@ def test_reading_the_ranks_messages_ends_at_the_end_of_the_pipe():
     finished = {}
     supervise._drain(Queue((1, None), (0, "payload"), EOFError()), finished)
     assert finished == {1: None, 0: "payload"}
-
-
-def test_a_prediction_beside_that_refuses_the_job_stops_the_ranks_as_a_signal_would(monkeypatch):
-    sent = []
-    monkeypatch.setattr(supervise.os, "kill", lambda pid, sig: sent.append((pid, sig)))
-    stop = supervise.ParentStop(grace_s=5.0)
-    ranks = [Proc(pid=11), Proc(pid=12)]
-    stop.watch(ranks)
-    joins = iter([False, False, True])  # the ranks end at the third look
-    context = SimpleNamespace(processes=ranks, join=lambda timeout, grace_period: next(joins))
-    refusal = iter([None, WontFit("no room")])  # still predicting at the first look, refused at the second
-    supervise._watch(context, stop, Queue(), {}, SimpleNamespace(refused=lambda: next(refusal)))
-    assert sent == [(11, signal.SIGTERM), (12, signal.SIGTERM)]  # each rank once, as for a signal
-    assert stop.deadline is not None and stop.signum is None  # killed after the grace period; not the job's signal
-    stop.stop_ranks()
-    assert len(sent) == 2  # asked once only

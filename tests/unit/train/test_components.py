@@ -490,16 +490,16 @@ def test_an_out_of_memory_in_the_final_evaluation_says_where_it_happened():
 
 
 # ------------------------------------------------------------------------ the tracker's start
-def test_the_trackers_start_and_the_peak_are_waited_for_by_every_rank_after_the_warm_up_only(monkeypatch):
+def test_the_trackers_start_is_waited_for_by_every_rank_after_the_warm_up_only(monkeypatch):
     calls = []
-    waits = [lambda: calls.append("waited"), lambda: calls.append("peak")]  # W&B's start, the parent's peak
+    logger = types.SimpleNamespace(wait_started=lambda: calls.append("waited"))
     monkeypatch.setattr(parts.dist, "barrier", lambda: calls.append("barrier"))
-    part = parts.AfterWarmup(waits, at=Windows.plan(LoopSettings(10, 3, 4, 1, 0.0, 5), 0,
-                                                    torch.device("cpu"), profiling=False).profile_from)  # fmt: skip
+    part = parts.TrackerStart(logger, at=Windows.plan(LoopSettings(10, 3, 4, 1, 0.0, 5), 0,
+                                                      torch.device("cpu"), profiling=False).profile_from)  # fmt: skip
     out = types.SimpleNamespace(steps_done=0)
     for done in range(1, 11):
         out.steps_done = done
         part.between_steps(out, None)
         if done == 3:  # the warm-up's last step: waited for here, before the first timed step
-            assert calls == ["waited", "peak", "barrier"]
-    assert calls == ["waited", "peak", "barrier"]  # once
+            assert calls == ["waited", "barrier"]
+    assert calls == ["waited", "barrier"]  # once
