@@ -20,7 +20,8 @@ plan's wall time): the 7B plan as a user runs it, alternately as it is and with 
 columns' traced step left out, ``--rounds`` times each, at the same commit. The traced step
 is left out by a ``sitecustomize`` on ``PYTHONPATH`` (written to a temporary directory) that
 replaces ``sharded_exp.plan.points.traced`` in every process, the planner's forkserver
-workers included: nothing in the planner knows about the benchmark.
+workers included: nothing in the planner knows about the benchmark. The side with the time
+model runs a ``sitecustomize`` that imports the same and replaces nothing, so both pay alike.
 """
 
 from __future__ import annotations
@@ -110,23 +111,29 @@ def agreement(overrides: list[str]) -> dict:
             "composed_points": sum(r["method"].startswith("composed") for r in composed), "points": len(composed)}  # fmt: skip
 
 
-NO_SPEED_COLUMNS = """\
+SITECUSTOMIZE = """\
 from sharded_exp.plan import points
-points.traced = lambda *a, **k: {"error": "speed columns left out (benchmarks.harness.planner_speed)"}
+if {stub}:
+    points.traced = lambda *a, **k: {{"error": "speed columns left out (benchmarks.harness.planner_speed)"}}
 """
-"""The ``sitecustomize`` of ``--time-model-cost``'s plans without the time model."""
+"""``--time-model-cost``'s ``sitecustomize``: every new interpreter of either side imports the
+planner (the stub's import, paid alike by both sides: multiprocessing's resource tracker is
+such an interpreter); only the side without the time model replaces the traced step."""
 
 
 def time_model_cost(rounds: int, overrides: list[str]) -> dict:
     """A plan (the 7B one) with and without the speed columns, alternating; wall seconds of each."""
-    with tempfile.TemporaryDirectory() as stub:
-        with open(os.path.join(stub, "sitecustomize.py"), "w") as f:
-            f.write(NO_SPEED_COLUMNS)
-        path = os.pathsep.join(x for x in (os.getcwd(), stub, os.environ.get("PYTHONPATH")) if x)
-        without_env = {**os.environ, "PYTHONPATH": path}
+    with tempfile.TemporaryDirectory() as tmp:
+        envs = {}
+        for kind, stub in (("with", False), ("without", True)):
+            os.makedirs(os.path.join(tmp, kind))
+            with open(os.path.join(tmp, kind, "sitecustomize.py"), "w") as f:
+                f.write(SITECUSTOMIZE.format(stub=stub))
+            path = os.pathsep.join(x for x in (os.getcwd(), os.path.join(tmp, kind), os.environ.get("PYTHONPATH")) if x)
+            envs[kind] = {**os.environ, "PYTHONPATH": path}
         walls: dict[str, list[float]] = {"with": [], "without": []}
         for _ in range(rounds):
-            for kind, env in (("with", None), ("without", without_env)):
+            for kind, env in envs.items():
                 got = plan_once(overrides, env)
                 speed = [r.get("step_time_s") for r in got["rows"]]
                 if (kind == "with") != all(v is not None for v in speed):  # the stub took, and only there
