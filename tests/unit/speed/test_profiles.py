@@ -132,13 +132,18 @@ def test_a_profile_breaking_the_rules_is_refused(edit, message):
         parse_device(_broken(edit))
 
 
-def test_a_link_gives_exactly_one_bandwidth():
-    link = {
-        "kind": "link", "name": "l", "class": "pcie",
+def _link(link_class: str) -> dict:
+    """A minimal link profile of the class, 10 GB/s a direction, every figure sourced."""
+    return {
+        "kind": "link", "name": "l", "class": link_class,
         "sources": {"s": {"title": "spec", "url": "https://example.org"}},
         "per_direction_GBps": {"value": 10, "source": "s"},
         "ring_step_latency_us": {"value": 1, "source": "s"}, "tree_step_latency_us": {"value": 1, "source": "s"},
     }  # fmt: skip
+
+
+def test_a_link_gives_exactly_one_bandwidth():
+    link = _link("pcie")
     assert parse_link(link).bandwidth_Bps == 10e9
     with pytest.raises(ProfileError, match="exactly one"):
         parse_link({**link, "total_bidirectional_GBps": {"value": 20, "source": "s"}})
@@ -182,12 +187,7 @@ def test_a_stated_bus_bandwidth_fraction_scales_the_line_rate():
     assert load_link("nvlink4").bandwidth_Bps == pytest.approx(369.9e9)
     assert load_link("nvlink3").bandwidth_Bps == pytest.approx(231.6e9)
     assert load_link("pcie4").bus_bandwidth_fraction is None and load_link("pcie4").bandwidth_Bps == 31.5e9
-    link = {
-        "kind": "link", "name": "l", "class": "nvlink",
-        "sources": {"s": {"title": "spec", "url": "https://example.org"}},
-        "per_direction_GBps": {"value": 10, "source": "s"},
-        "ring_step_latency_us": {"value": 1, "source": "s"}, "tree_step_latency_us": {"value": 1, "source": "s"},
-    }  # fmt: skip
+    link = _link("nvlink")
     assert parse_link({**link, "bus_bandwidth_fraction": {"value": 0.5, "source": "s"}}).bandwidth_Bps == 5e9
     with pytest.raises(ProfileError, match=r"bus_bandwidth_fraction must be in \(0, 1\]"):
         parse_link({**link, "bus_bandwidth_fraction": {"value": 1.2, "source": "s"}})
