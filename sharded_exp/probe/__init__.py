@@ -45,6 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sharded_exp.errors import ConfigError
 from sharded_exp.job.result import Device, Result, write_result
+from sharded_exp.launch import kept_works
 from sharded_exp.launch.run_dir import archive_previous_attempt
 from sharded_exp.measure.tracker import MemoryMeter, model_state_mib
 from sharded_exp.output.loggers import summary_values
@@ -295,11 +296,8 @@ class Probe:
         dist = _dist()
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
         mine["rank"] = rank
-        gathered = [None] * world
-        if dist and error is None:
-            dist.all_gather_object(gathered, mine)
-        else:
-            gathered = [mine]
+        # kept_works: the probe's gather is the last collective before the user's teardown
+        gathered = kept_works.all_gather_object(mine) if dist and error is None else [mine]
         if rank != 0:
             return None
         result = self._result(gathered, world)

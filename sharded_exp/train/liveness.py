@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from sharded_exp.launch import kept_works
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 """Signals that ask a job to stop: SIGHUP is a closed terminal, handled as SIGTERM."""
 CHECK_PERIOD_S = 1.0
@@ -102,7 +104,7 @@ class StopAgreement:
     def finish(self) -> None:
         """At the end of the loop on every rank: complete the all-reduce in flight."""
         if self._work is not None:
-            self._work.wait()
+            kept_works.keep(self._work).wait()  # gloo's thread may not let go of it last (kept_works)
             self._work = None
 
 

@@ -30,6 +30,7 @@ from sharded_exp.data.loader import data_changes
 from sharded_exp.errors import is_oom
 from sharded_exp.job.result import TRAINED, PartialResult, write_json
 from sharded_exp.job.spec import JobSpec
+from sharded_exp.launch import kept_works
 from sharded_exp.measure.flops import utilisation
 from sharded_exp.measure.host_malloc import heap_free_mib
 from sharded_exp.measure.profile import trace_path
@@ -100,7 +101,7 @@ def gather_results(strategy: Strategy, out: LoopOutcome, device: torch.device) -
     Returns (per-rank entries on rank 0, else None; the parameter digest; the final loss
     averaged over ranks). Nothing here gathers the model.
     """
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     module = strategy.module
     digest = param_digest(module, device)
     total, sq = _sums(_local(p) for p in module.parameters())
@@ -122,8 +123,7 @@ def gather_results(strategy: Strategy, out: LoopOutcome, device: torch.device) -
         "peak_rss_mib": process_peak_rss_mib(),
         "heap_free_mib": heap_free_mib(),
     }
-    per_rank: list[Any] = [None] * world_size
-    dist.all_gather_object(per_rank, local)
+    per_rank = kept_works.all_gather_object(local)  # the last collective before the teardown
     return (per_rank if rank == 0 else None), digest, out.final_loss  # reduced at the loop's end (Metrics)
 
 
