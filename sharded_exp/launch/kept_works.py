@@ -46,24 +46,27 @@ def kept() -> list:
     return list(_kept)
 
 
-def all_gather_object(obj: Any, group=None) -> list[Any]:
-    """Every rank's ``obj`` in rank order, as ``dist.all_gather_object`` gives it.
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` in rank order, as ``dist.all_gather_object`` on the default group
+    gives it.
 
-    On gloo the two all-gathers (sizes, then the padded pickles) are kept (:func:`keep`).
-    Other backends (NCCL) take torch's own function: their works are not dropped by a
-    thread that the group's destructor joins."""
-    world = dist.get_world_size(group)
-    if "gloo" not in str(dist.get_backend(group)):
+    On gloo (or a CPU-gloo, CUDA-NCCL group) the two all-gathers (sizes, then the padded
+    pickles) go over gloo with CPU tensors, whatever the default device, and are kept
+    (:func:`keep`). A NCCL-only group takes torch's own function, as before: its works were
+    never seen to hang this way, and no GPU here can check them."""
+    world = dist.get_world_size()
+    if "gloo" not in str(dist.get_backend()):
         gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, obj, group=group)
+        dist.all_gather_object(gathered, obj)
         return gathered
+    cpu = torch.device("cpu")
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    size = torch.tensor([payload.numel()], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    keep(dist.all_gather(sizes, size, group=group, async_op=True)).wait()
-    longest = int(max(int(s) for s in sizes))
-    padded = torch.zeros(longest, dtype=torch.uint8)
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=cpu)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=cpu) for _ in range(world)]
+    keep(dist.all_gather(sizes, size, async_op=True)).wait()
+    longest = max(int(s) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=cpu)
     padded[: payload.numel()] = payload
-    outputs = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
-    keep(dist.all_gather(outputs, padded, group=group, async_op=True)).wait()
+    outputs = [torch.empty(longest, dtype=torch.uint8, device=cpu) for _ in range(world)]
+    keep(dist.all_gather(outputs, padded, async_op=True)).wait()
     return [pickle.loads(out[: int(n)].numpy().tobytes()) for out, n in zip(outputs, sizes)]

@@ -28,7 +28,6 @@ from torch.distributed.tensor import DTensor
 
 from sharded_exp import precision
 from sharded_exp.config import Sealed, ZeroGrad
-from sharded_exp.launch import kept_works
 from sharded_exp.strategies.residency import MemoryModel
 from sharded_exp.strategies.timing import TimeModel
 from sharded_exp.strategies.traits import GradZeroing, Traits
@@ -36,9 +35,10 @@ from sharded_exp.strategies.traits import GradZeroing, Traits
 
 def _gather_owned_state(local: dict[str, dict], params: dict[str, Any]) -> dict[str, dict] | None:
     """Optimizer state owned whole by one rank each, sent to rank 0 tensor by tensor."""
-    rank = dist.get_rank()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     device = next(iter(params.values())).device  # NCCL sends device tensors only
-    held = kept_works.all_gather_object(sorted(local))
+    held: list[Any] = [None] * world_size
+    dist.all_gather_object(held, sorted(local))
     owner = {name: r for r, names in enumerate(held) for name in names}
     out: dict[str, dict] = {}
     for name in params:

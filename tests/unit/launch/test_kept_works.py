@@ -18,10 +18,11 @@ def test_all_gather_object_returns_each_ranks_object_and_keeps_both_of_its_works
     assert len(new) == 2 and all(w.is_completed() for w in new)
 
 
-def test_an_object_larger_than_the_last_one_is_gathered_whole(gloo_group):
-    assert kept_works.all_gather_object("x") == ["x"]
+def test_the_gather_stays_on_the_cpu_whatever_the_default_device(gloo_group):
+    """A user's ``torch.set_default_device`` does not move the gather's tensors (gloo takes CPU ones)."""
     big = list(range(50_000))
-    assert kept_works.all_gather_object(big) == [big]
+    with torch.device("meta"):
+        assert kept_works.all_gather_object(big) == [big]
 
 
 def test_the_kept_works_are_bounded_the_oldest_pushed_out_first():
@@ -33,13 +34,19 @@ def test_the_kept_works_are_bounded_the_oldest_pushed_out_first():
     assert kept_works.keep(None) is None and kept_works.kept()[-1] is marks[-1]
 
 
-def test_a_group_not_on_gloo_takes_torchs_own_gather(gloo_group, monkeypatch):
+def test_a_group_of_cpu_gloo_and_cuda_nccl_gathers_over_gloo(gloo_group, monkeypatch):
+    monkeypatch.setattr(dist, "get_backend", lambda: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(dist, "all_gather_object", None)  # not called
+    assert kept_works.all_gather_object([1.5]) == [[1.5]]
+
+
+def test_a_group_on_nccl_alone_takes_torchs_own_gather(gloo_group, monkeypatch):
     calls = []
 
-    def torchs(out, obj, group=None):
+    def torchs(out, obj):
         calls.append(obj)
         out[0] = obj
 
-    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(dist, "get_backend", lambda: "nccl")
     monkeypatch.setattr(dist, "all_gather_object", torchs)
     assert kept_works.all_gather_object({"a": torch.tensor(1).item()}) == [{"a": 1}] and calls == [{"a": 1}]
