@@ -9,7 +9,6 @@
 - :mod:`sharded_exp.measure.host_malloc`: a rank's glibc mmap threshold fixed, so freed large host blocks go back to the kernel.
 - :mod:`.layout`: where ranks come from (spawned here, torchrun, SLURM).
 - :mod:`.forkserver`: the process ranks are forked from, started before heavy imports.
-- :mod:`.kept_works`: gathers whose gloo works outlive gloo's thread's hold (a teardown deadlock otherwise).
 - :mod:`sharded_exp.train.liveness`: on the rank side, stopping together on a signal and naming a
   rank that hangs.
 

@@ -45,7 +45,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sharded_exp.errors import ConfigError
 from sharded_exp.job.result import Device, Result, write_result
-from sharded_exp.launch import kept_works
 from sharded_exp.launch.run_dir import archive_previous_attempt
 from sharded_exp.measure.tracker import MemoryMeter, model_state_mib
 from sharded_exp.output.loggers import summary_values
@@ -54,6 +53,7 @@ from sharded_exp.precision import Precision
 from sharded_exp.probe import fake
 from sharded_exp.probe.summary import summary
 from sharded_exp.strategies import name_of_wrapper, traits_of
+from sharded_exp.train import kept_works
 from sharded_exp.train.metrics import throughput_stats
 from sharded_exp.vocabulary.memory import BUCKET
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from sharded_exp.launch import kept_works
+from sharded_exp.train import kept_works
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 """Signals that ask a job to stop: SIGHUP is a closed terminal, handled as SIGTERM."""

@@ -30,7 +30,6 @@ from sharded_exp.data.loader import data_changes
 from sharded_exp.errors import is_oom
 from sharded_exp.job.result import TRAINED, PartialResult, write_json
 from sharded_exp.job.spec import JobSpec
-from sharded_exp.launch import kept_works
 from sharded_exp.measure.flops import utilisation
 from sharded_exp.measure.host_malloc import heap_free_mib
 from sharded_exp.measure.profile import trace_path
@@ -41,7 +40,7 @@ from sharded_exp.output.results import memory_section, training_result
 from sharded_exp.precision import Precision
 from sharded_exp.speed.against_measured import step_time_figures
 from sharded_exp.strategies.base import Strategy
-from sharded_exp.train import components, faults, liveness
+from sharded_exp.train import components, faults, kept_works, liveness
 from sharded_exp.train import evaluate as evaluation
 from sharded_exp.train.build import Run, build_run
 from sharded_exp.train.faults import Injector

@@ -9,7 +9,7 @@ from pathlib import Path
 def _gather(rank: int, store: str, out: str) -> None:
     import torch.distributed as dist
 
-    from sharded_exp.launch import kept_works
+    from sharded_exp.train import kept_works
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     mine = {"rank": rank} if rank == 0 else {"rank": rank, "long": list(range(20_000)), "none": None}

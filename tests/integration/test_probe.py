@@ -168,7 +168,7 @@ def _torchrun(*args: str, cwd: Path, run_dir: Path, timeout: float = 300) -> sub
     """torchrun of two ranks: past ``timeout`` its ranks are killed with it (killed alone,
     torchrun would leave them running, a hung one forever), and the test fails, saying
     whether the probe had written ``run_dir``'s result.json first (a hang in the teardown,
-    as gloo's deadlock was before ``sharded_exp.launch.kept_works``) or not."""
+    as gloo's deadlock was before ``sharded_exp.train.kept_works``) or not."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args]
     proc = subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

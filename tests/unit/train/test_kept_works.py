@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from sharded_exp.launch import kept_works
+from sharded_exp.train import kept_works
 
 
 def test_all_gather_object_returns_each_ranks_object_and_keeps_both_of_its_works(gloo_group):
