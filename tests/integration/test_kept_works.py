@@ -1,9 +1,13 @@
-"""kept_works' gather at two real gloo ranks: objects of different sizes, each whole, in rank order."""
+"""kept_works' gather at two real gloo ranks: objects of different sizes, each whole, in rank order.
+
+Slow tier: every multi-rank job of the default tier gathers its ranks' figures through it."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import pytest
 
 
 def _gather(rank: int, store: str, out: str) -> None:
@@ -19,6 +23,7 @@ def _gather(rank: int, store: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_ranks_gather_objects_of_different_sizes_whole_and_in_rank_order(tmp_path):
     from sharded_exp.measure.spawned import run_spawned
 
