@@ -9,7 +9,7 @@ group's last reference and is freed when the model is), ``~ProcessGroupGloo`` jo
 worker, which waits for the GIL: the process never exits. Seen under the probe: a user's
 script printed its result, then hung (gdb: ``pt_gloo_runloop`` in ``take_gil`` under
 ``~AsyncAllgatherWork``, the main thread in ``~ProcessGroupGloo``'s join under
-``~Reducer``), about once in ten runs on a loaded machine. ``dist.all_gather_object``
+``~Reducer``), in 3 of 25 DDP runs of the plain example on a loaded machine. ``dist.all_gather_object``
 drops its works as it returns, so the probe's last collective, a gather just before the
 user's teardown, was the one found in the worker's hands.
 
