@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from sharded_exp.data import Task, each_tensor
+from sharded_exp.train import kept_works
 
 EVAL_STEP = 1_000_000_000
 """Held-out batches are those of steps EVAL_STEP, EVAL_STEP + 1, ...: a stream of their own."""
@@ -105,7 +106,8 @@ class Sums:
         names = list(self.state)
         packed = torch.cat([self.state[k].reshape(-1).double() for k in names])
         gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, packed)
+        # kept: the final evaluation's gather is often a run's last collective (kept_works)
+        kept_works.keep(dist.all_gather(gathered, packed, async_op=True)).wait()
         sizes = [self.state[k].numel() for k in names]
         return add_ranks(
             [{k: part.to(self.state[k].dtype).reshape(self.state[k].shape)

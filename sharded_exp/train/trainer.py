@@ -122,7 +122,7 @@ def gather_results(strategy: Strategy, out: LoopOutcome, device: torch.device) -
         "peak_rss_mib": process_peak_rss_mib(),
         "heap_free_mib": heap_free_mib(),
     }
-    per_rank = kept_works.all_gather_object(local)  # the last collective before the teardown, but for save_final_state's
+    per_rank = kept_works.all_gather_object(local)  # kept: near the teardown (kept_works)
     return (per_rank if rank == 0 else None), digest, out.final_loss  # reduced at the loop's end (Metrics)
 
 

@@ -18,8 +18,10 @@ def _gather(rank: int, store: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     mine = {"rank": rank} if rank == 0 else {"rank": rank, "long": list(range(20_000)), "none": None}
     gathered = kept_works.all_gather_object(mine)
-    again = kept_works.all_gather_object(f"short {rank}")  # shorter than the last: nothing carried over
-    Path(out, f"rank{rank}.json").write_text(json.dumps([gathered, again, len(kept_works.kept())]))
+    again = kept_works.all_gather_object(f"short {rank}")  # a second gather, each object cut to its own size
+    path = Path(out, f"rank{rank}.json")
+    path.with_suffix(".tmp").write_text(json.dumps([gathered, again, len(kept_works.kept())]))
+    path.with_suffix(".tmp").rename(path)  # whole when it appears: the test reads it as soon as it exists
     dist.destroy_process_group()
 
 

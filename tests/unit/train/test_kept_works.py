@@ -14,8 +14,8 @@ def test_all_gather_object_returns_each_ranks_object_and_keeps_both_of_its_works
     gathered = kept_works.all_gather_object(obj)
     assert gathered == [obj]
     new = [w for w in kept_works.kept() if not any(w is b for b in before)]
-    # the sizes' gather and the payloads': held here, complete, so gloo's thread never drops them last
-    assert len(new) == 2 and all(w.is_completed() for w in new)
+    # the sizes' gather and the payloads': held here as works, so gloo's thread never drops them last
+    assert len(new) == 2 and all(isinstance(w, dist.Work) for w in new)
 
 
 def test_the_gather_stays_on_the_cpu_whatever_the_default_device(gloo_group):
