@@ -24,9 +24,9 @@ an 8 MiB weight or its gradient are still mapped and given back.
 Only ranks whose strategy shards the parameters (FSDP2's family: gathers freed unit by unit)
 fix it. A DDP-family rank frees no gathers, and its resident set grows about as much with the
 threshold left dynamic as fixed (docs/concepts/memory.md); fixed, every block of 4 MiB or more
-it makes in a step is new pages: an MLP of 1024-wide layers (4 MiB weights; its gradients
-and Adam's temporaries the same size) took 11-26% longer a DDP step, faulting them in
-(docs/figures.md, "A DDP rank's host allocator left dynamic").
+it makes in a step is new pages: an MLP of 1024-wide layers (4 MiB weights; Adam's
+temporaries, gradients and their buckets the same size) spent 18% of its DDP step faulting
+them in (docs/figures.md, "A DDP rank's host allocator left dynamic").
 """
 
 from __future__ import annotations
