@@ -1,4 +1,4 @@
-"""A FSDP rank's host allocator: glibc's mmap threshold fixed at 4 MiB, so freed gathers go back.
+"""A rank's host allocator: glibc's mmap threshold fixed at 4 MiB, so freed large blocks go back.
 
 glibc serves a request of at least ``M_MMAP_THRESHOLD`` bytes (128 KiB by default) with a
 mapping of its own and unmaps it on ``free``. Left to itself the threshold is *dynamic*
@@ -20,13 +20,6 @@ page faults and 40% of its step (docs/concepts/speed.md, "A CPU rank's page faul
 4 MiB a step's activations of the models a CPU trains come from the heap and are reused, as
 in a process left alone, while a unit's gather (the whole unit's parameters in one buffer),
 an 8 MiB weight or its gradient are still mapped and given back.
-
-Only ranks whose strategy shards the parameters (FSDP2's family: gathers freed unit by unit)
-fix it. A DDP-family rank frees no gathers, and its resident set grows about as much with the
-threshold left dynamic as fixed (docs/concepts/memory.md); fixed, every block of 4 MiB or more
-it makes in a step is new pages: an MLP of 1024-wide layers (4 MiB weights; Adam's
-temporaries, gradients and their buckets the same size) spent 18% of its DDP step faulting
-them in (docs/figures.md, "A DDP rank's host allocator left dynamic").
 """
 
 from __future__ import annotations
@@ -66,19 +59,12 @@ def fix_mmap_threshold(env=os.environ) -> int | None:
     return MMAP_THRESHOLD_BYTES if mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1 else None
 
 
-def fixes_threshold(shards_parameters: bool) -> bool:
-    """Whether a rank of a strategy fixes its mmap threshold (:func:`fix_mmap_threshold`):
-    only where the strategy shards the parameters (see the module docstring)."""
-    return bool(shards_parameters)
-
-
-def mapped_from(env=os.environ, fixed: bool = True) -> int | None:
+def mapped_from(env=os.environ) -> int | None:
     """The smallest block a rank's glibc maps anew each time it is asked for, in a steady
-    state (bytes): the threshold the rank fixes (:func:`fix_mmap_threshold`, where ``fixed``:
-    :func:`fixes_threshold`); the one you set (``MALLOC_MMAP_THRESHOLD_``, or
-    ``glibc.malloc.mmap_threshold`` in ``GLIBC_TUNABLES``); left dynamic (a rank that does not
-    fix it, or other ``glibc.malloc`` tunables) only blocks above its maximum are always
-    mapped. None where the C library is not glibc (not modelled).
+    state (bytes): the threshold the rank fixes (:func:`fix_mmap_threshold`); the one you set
+    (``MALLOC_MMAP_THRESHOLD_``, or ``glibc.malloc.mmap_threshold`` in ``GLIBC_TUNABLES``);
+    with other ``glibc.malloc`` tunables the threshold stays dynamic and only blocks above its
+    maximum are always mapped. None where the C library is not glibc (not modelled).
 
     Each such block is new pages, which the kernel faults in (and zeroes) when they are first
     written: the time model prices them (:attr:`~sharded_exp.speed.profiles.DeviceProfile.fresh_page_s`)."""
@@ -93,9 +79,7 @@ def mapped_from(env=os.environ, fixed: bool = True) -> int | None:
             return int(mine)
         except ValueError:
             return DYNAMIC_THRESHOLD_MAX  # glibc ignores a setting it cannot read
-    if not fixed or any(k.startswith("glibc.malloc") for k in tunables):
-        return DYNAMIC_THRESHOLD_MAX
-    return MMAP_THRESHOLD_BYTES
+    return DYNAMIC_THRESHOLD_MAX if any(k.startswith("glibc.malloc") for k in tunables) else MMAP_THRESHOLD_BYTES
 
 
 class _MallInfo2(ctypes.Structure):

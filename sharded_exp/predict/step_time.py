@@ -28,7 +28,7 @@ import torch
 from omegaconf import OmegaConf
 
 from sharded_exp import precision
-from sharded_exp.measure.host_malloc import fixes_threshold, mapped_from
+from sharded_exp.measure.host_malloc import mapped_from
 from sharded_exp.predict.op_trace import Trace
 from sharded_exp.speed.collectives import Topology
 from sharded_exp.speed.compute import OP_KINDS, op_time, ops_from_records
@@ -122,8 +122,7 @@ def step_compute(
     On a profile that prices new pages (a CPU's ``this``), an op run one after the other also
     pays for the pages of each block it makes that glibc maps anew (:func:`new_pages`)."""
     records = trace.phased()
-    fixed = fixes_threshold(sharded_parameters)
-    mapped = mapped_from(fixed=fixed) if device.fresh_page_s and not device.asynchronous else None
+    mapped = mapped_from() if device.fresh_page_s and not device.asynchronous else None
     seconds, kinds = [], []
     for record, op in zip(records, ops_from_records(records, "fp32")):
         host = device.host_cost_s("fp32" if record["phase"] == "optimizer" else math_dtype, sharded_parameters)

@@ -6,7 +6,7 @@ import ctypes
 
 import pytest
 
-from sharded_exp.measure.host_malloc import fix_mmap_threshold, fixes_threshold, heap_free_mib, mapped_from
+from sharded_exp.measure.host_malloc import fix_mmap_threshold, heap_free_mib, mapped_from
 
 
 @pytest.mark.parametrize(
@@ -44,19 +44,3 @@ def test_the_heap_counts_small_blocks_freed_between_live_ones():
 )
 def test_the_blocks_mapped_anew_follow_the_threshold_in_force(env, mapped):
     assert mapped_from(env) == mapped
-
-
-@pytest.mark.skipif(mapped_from({}) is None, reason="glibc only")
-def test_a_rank_that_leaves_the_threshold_dynamic_maps_only_above_its_maximum():
-    """A DDP-family rank does not fix the threshold: only blocks above 32 MiB are mapped anew,
-    unless you set the threshold yourself."""
-    assert mapped_from({}, fixed=False) == 32 * 2**20
-    assert mapped_from({"MALLOC_MMAP_THRESHOLD_": "65536"}, fixed=False) == 65536
-
-
-def test_only_ranks_of_a_strategy_that_shards_the_parameters_fix_the_threshold():
-    from sharded_exp.strategies import STRATEGIES, traits_of
-
-    fixing = {name for name in STRATEGIES.names() if fixes_threshold(traits_of(name).shards_parameters)}
-    assert "fsdp" in fixing and "fsdp_grad_op" in fixing
-    assert fixing.isdisjoint({"ddp", "oss", "sharded_ddp", "zero1"}), fixing

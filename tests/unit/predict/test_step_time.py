@@ -170,23 +170,19 @@ def test_a_gpu_run_is_priced_on_its_measured_gpu_and_its_sourced_link(monkeypatc
 
 def test_a_cpu_step_pays_for_the_pages_of_each_block_glibc_maps_anew(monkeypatch):
     """Blocks of at least the rank's mmap threshold are new pages every step, priced at the
-    profile's measured cost of a new page; smaller ones come from the heap and cost nothing.
-    A FSDP rank fixes the threshold (4 MiB); a DDP-family rank leaves it dynamic, so only
-    blocks above glibc's maximum (32 MiB) are mapped anew: the 8 MiB block costs it nothing."""
+    profile's measured cost of a new page; smaller ones come from the heap and cost nothing."""
     from dataclasses import replace
 
     from sharded_exp.predict import step_time
 
-    monkeypatch.setattr(step_time, "mapped_from", lambda fixed=True: (4 if fixed else 32) * 2**20)
+    monkeypatch.setattr(step_time, "mapped_from", lambda: 4 * 2**20)
     fresh = trace()
     fresh.records[1]["fresh_bytes"] = (8 * 2**20, 2**20)  # unit 0's matmul: one block mapped, one from the heap
     page = 1e-6
-    plain = step_compute(fresh, H100, 6e12, sharded_parameters=True)
-    priced = step_compute(fresh, replace(H100, fresh_page_s=page), 6e12, sharded_parameters=True)
+    plain = step_compute(fresh, H100, 6e12)
+    priced = step_compute(fresh, replace(H100, fresh_page_s=page), 6e12)
     pages = -(-(8 * 2**20 + 16) // step_time.mmap.PAGESIZE)
     assert priced.forward_s[0] == pytest.approx(plain.forward_s[0] + pages * page)
     assert priced.forward_s[1:] == plain.forward_s[1:] and priced.optimizer_s == plain.optimizer_s
-    unsharded = step_compute(fresh, replace(H100, fresh_page_s=page), 6e12, sharded_parameters=False)
-    assert unsharded.forward_s == step_compute(fresh, H100, 6e12, sharded_parameters=False).forward_s
     on_gpu = step_compute(fresh, replace(H100, fresh_page_s=page, asynchronous=True), 6e12)
     assert on_gpu.forward_s == step_compute(fresh, replace(H100, asynchronous=True), 6e12).forward_s
