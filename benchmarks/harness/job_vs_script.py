@@ -2,6 +2,7 @@
 
     python -m benchmarks.harness.job_vs_script                  # 5 paired runs, 8 x 1024 MLP, 40 steps
     python -m benchmarks.harness.job_vs_script --pairs 1 --steps 5 --depth 2 --hidden 64   # smoke
+    python -m benchmarks.harness.job_vs_script --job trainer.host_mmap_threshold=dynamic    # the job with more overrides
 
 Each pair runs, back to back and in alternating order, ``python -m sharded_exp`` (DDP, 2
 ranks, Adam, the teacher task, W&B off, everything else as configured: the parent's
@@ -80,6 +81,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--job", nargs="*", default=[], metavar="OVERRIDE", help="more overrides for the job")
     args = parser.parse_args()
 
     workdir = tempfile.mkdtemp(prefix="job_vs_script_")
@@ -93,7 +95,7 @@ def main() -> None:
         job = [sys.executable, "-m", "sharded_exp", "strategy=ddp", "model=mlp", f"model.depth={args.depth}",
                f"model.hidden={args.hidden}", f"trainer.batch_size={args.batch_size}", f"trainer.steps={args.steps}", f"trainer.warmup_steps={min(5, args.steps - 1)}",
                "trainer.world_size=2", "trainer.accelerator=cpu", "logger=none", "trainer.progress_bar=false",
-               f"hydra.run.dir={out}"]  # fmt: skip
+               f"hydra.run.dir={out}", *args.job]  # fmt: skip
         hand = [sys.executable, script, *sizes]
         t = {}
         for side in ("job", "script") if i % 2 == 0 else ("script", "job"):
@@ -118,7 +120,8 @@ def main() -> None:
              f"{p['last_step_to_exit_s']:.2f}", f"{p['eval_s'] or 0:.2f}"] for i, p in enumerate(pairs)]  # fmt: skip
     ratios = [p["ratio"] for p in pairs]
     rows.append(["**median**", "", "", f"**{statistics.median(ratios):.2f}**", "", "", ""])
-    print(f"MLP {args.depth} x {args.hidden}, batch {args.batch_size}, {args.steps} steps, 2 ranks (seconds)")
+    extra = f"; the job with {' '.join(args.job)}" if args.job else ""
+    print(f"MLP {args.depth} x {args.hidden}, batch {args.batch_size}, {args.steps} steps, 2 ranks (seconds){extra}")
     print(
         markdown(
             ["pair", "job", "script", "job/script", "command to first step", "last step to exit", "of it evaluation"],

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from sharded_exp import logs
 from sharded_exp.job.result import write_json
 from sharded_exp.job.spec import JobSpec
-from sharded_exp.measure.host_malloc import fix_mmap_threshold
+from sharded_exp.measure.host_malloc import set_mmap_threshold
 from sharded_exp.precision import Precision
 from sharded_exp.registry import import_plugins
 from sharded_exp.train import liveness
@@ -53,11 +53,11 @@ def run_rank(
     for key in [k for k in os.environ if k.startswith("SHARDED_EXP_")]:
         del os.environ[key]
     os.environ.update(job.env)
-    # Before the model exists: freed large host blocks go back to the kernel instead of
-    # staying resident (host_malloc's docstring; a rank's peak_rss_mib counts them otherwise).
-    fix_mmap_threshold()
     import_plugins()
     cfg = job.cfg()
+    # Before the model exists: freed large host blocks go back to the kernel instead of
+    # staying resident (host_malloc's docstring; a rank's peak_rss_mib counts them otherwise).
+    set_mmap_threshold(str(cfg.trainer.host_mmap_threshold))
     if job.device_type == "cuda":
         device = rank_device(local_rank)
         torch.cuda.set_device(device)

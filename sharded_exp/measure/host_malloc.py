@@ -20,6 +20,12 @@ page faults and 40% of its step (docs/concepts/speed.md, "A CPU rank's page faul
 4 MiB a step's activations of the models a CPU trains come from the heap and are reused, as
 in a process left alone, while a unit's gather (the whole unit's parameters in one buffer),
 an 8 MiB weight or its gradient are still mapped and given back.
+
+It is the default (``trainer.host_mmap_threshold=fixed``), for every strategy alike, so that
+the strategies' resident memory and speed are compared under one rule. What it costs a step
+that makes blocks of 4 to 32 MiB (a 1024-wide layer's weight gradient, Adam's temporaries),
+and what glibc's own rule (``=dynamic``) costs the resident set instead, is measured in
+docs/figures.md ("The ranks' mmap threshold: fixed or glibc's").
 """
 
 from __future__ import annotations
@@ -59,12 +65,21 @@ def fix_mmap_threshold(env=os.environ) -> int | None:
     return MMAP_THRESHOLD_BYTES if mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1 else None
 
 
-def mapped_from(env=os.environ) -> int | None:
+def set_mmap_threshold(rule: str, env=os.environ) -> int | None:
+    """A rank's ``trainer.host_mmap_threshold``: ``"fixed"`` fixes the threshold
+    (:func:`fix_mmap_threshold`, the bytes set or None), ``"dynamic"`` leaves glibc's rule (None)."""
+    if rule not in ("fixed", "dynamic"):
+        raise ValueError(f"trainer.host_mmap_threshold={rule!r} must be 'fixed' or 'dynamic'")
+    return fix_mmap_threshold(env) if rule == "fixed" else None
+
+
+def mapped_from(env=os.environ, fixed: bool = True) -> int | None:
     """The smallest block a rank's glibc maps anew each time it is asked for, in a steady
-    state (bytes): the threshold the rank fixes (:func:`fix_mmap_threshold`); the one you set
-    (``MALLOC_MMAP_THRESHOLD_``, or ``glibc.malloc.mmap_threshold`` in ``GLIBC_TUNABLES``);
-    with other ``glibc.malloc`` tunables the threshold stays dynamic and only blocks above its
-    maximum are always mapped. None where the C library is not glibc (not modelled).
+    state (bytes): the threshold the rank fixes (:func:`fix_mmap_threshold`; ``fixed``:
+    ``trainer.host_mmap_threshold=fixed``); the one you set (``MALLOC_MMAP_THRESHOLD_``, or
+    ``glibc.malloc.mmap_threshold`` in ``GLIBC_TUNABLES``); left dynamic (not ``fixed``, or
+    other ``glibc.malloc`` tunables) only blocks above its maximum are always mapped. None
+    where the C library is not glibc (not modelled).
 
     Each such block is new pages, which the kernel faults in (and zeroes) when they are first
     written: the time model prices them (:attr:`~sharded_exp.speed.profiles.DeviceProfile.fresh_page_s`)."""
@@ -79,7 +94,9 @@ def mapped_from(env=os.environ) -> int | None:
             return int(mine)
         except ValueError:
             return DYNAMIC_THRESHOLD_MAX  # glibc ignores a setting it cannot read
-    return DYNAMIC_THRESHOLD_MAX if any(k.startswith("glibc.malloc") for k in tunables) else MMAP_THRESHOLD_BYTES
+    if not fixed or any(k.startswith("glibc.malloc") for k in tunables):
+        return DYNAMIC_THRESHOLD_MAX
+    return MMAP_THRESHOLD_BYTES
 
 
 class _MallInfo2(ctypes.Structure):

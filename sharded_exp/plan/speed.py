@@ -29,6 +29,7 @@ from sharded_exp.predict.prediction import predict
 from sharded_exp.predict.step_time import (
     Machine,
     StepCompute,
+    fixes_mmap_threshold,
     math_dtype,
     predict_step_time,
     shards_parameters,
@@ -128,7 +129,12 @@ def speed_columns(cfg_s: PlanConfig, world_size: int, found: dict[str, Any], pre
     try:
         at = machine(cfg_s, world_size)
         compute: StepCompute = step_compute(
-            found["trace"], at.device, found["flops"], math_dtype(cfg_s), shards_parameters(cfg_s)
+            found["trace"],
+            at.device,
+            found["flops"],
+            math_dtype(cfg_s),
+            shards_parameters(cfg_s),
+            fixes_mmap_threshold(cfg_s),
         )
         mine = max(p["optimizer"] for p in prediction["model_states_mib"])
         compute = compute.optimizer_scaled(mine / found["optimizer_mib"] if found["optimizer_mib"] else 1.0)

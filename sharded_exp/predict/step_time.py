@@ -111,7 +111,12 @@ def _deepened(per_unit: tuple[float, ...], units: int) -> tuple[float, ...]:
 
 
 def step_compute(
-    trace: Trace, device: DeviceProfile, model_flops: float, math_dtype: str = "fp32", sharded_parameters: bool = False
+    trace: Trace,
+    device: DeviceProfile,
+    model_flops: float,
+    math_dtype: str = "fp32",
+    sharded_parameters: bool = False,
+    fixed_mmap_threshold: bool = True,
 ) -> StepCompute:
     """The trace's compute priced on ``device`` (see the module docstring). Each op costs its
     kernel time and the host's cost per op (:meth:`DeviceProfile.host_cost_s`, for
@@ -120,9 +125,10 @@ def step_compute(
     sum where ops run one after the other (CPU), the larger where the host launches ahead of
     the device (CUDA: a launch-bound step is the host's time, a compute-bound one the kernels').
     On a profile that prices new pages (a CPU's ``this``), an op run one after the other also
-    pays for the pages of each block it makes that glibc maps anew (:func:`new_pages`)."""
+    pays for the pages of each block it makes that glibc maps anew (:func:`new_pages`; from 4
+    MiB where the ranks fix the mmap threshold, ``fixed_mmap_threshold``, else above 32 MiB)."""
     records = trace.phased()
-    mapped = mapped_from() if device.fresh_page_s and not device.asynchronous else None
+    mapped = mapped_from(fixed=fixed_mmap_threshold) if device.fresh_page_s and not device.asynchronous else None
     seconds, kinds = [], []
     for record, op in zip(records, ops_from_records(records, "fp32")):
         host = device.host_cost_s("fp32" if record["phase"] == "optimizer" else math_dtype, sharded_parameters)
@@ -182,6 +188,11 @@ def new_pages(record: dict, mapped_from_bytes: int) -> int:
     only when the heap must grow."""
     page = mmap.PAGESIZE
     return sum(-(-(n + 16) // page) for n in record.get("fresh_bytes", ()) if n >= mapped_from_bytes)
+
+
+def fixes_mmap_threshold(cfg) -> bool:
+    """Whether ``cfg``'s CPU ranks fix glibc's mmap threshold (``trainer.host_mmap_threshold``)."""
+    return str(OmegaConf.select(cfg, "trainer.host_mmap_threshold", default="fixed")) == "fixed"
 
 
 def shards_parameters(cfg) -> bool:
@@ -280,7 +291,9 @@ def run_step_time(cfg, world_size: int, device_type: str, est, shapes, predictio
             device, link = this.this_profile(threads)
             machine = Machine(device, link, None, world_size, None, device.memory_bandwidth_Bps)
             extra = {"threads_per_rank": threads}
-        compute = step_compute(trace, device, est.flops_per_step, math_dtype(cfg), shards_parameters(cfg))
+        compute = step_compute(
+            trace, device, est.flops_per_step, math_dtype(cfg), shards_parameters(cfg), fixes_mmap_threshold(cfg)
+        )
         return predict_step_time(cfg, world_size, compute, shapes, machine) | extra
     except Exception as exc:  # noqa: BLE001 -- measuring never breaks training: null and why
         return {

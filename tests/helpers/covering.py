@@ -16,7 +16,7 @@ ENV = {"ddp": {"SHARDED_EXP_FAULT": "rank=1,step=1,kind=inf_grad"}}
 """The environment of a covering run (a testing aid)."""
 RUNS = {
     # DDP's knobs, AdamW's (foreach kernels on CPU), float16's loss scaling, and the trainer's
-    # odds and ends (gradients zeroed, not freed, between steps). The inf
+    # odds and ends (gradients zeroed, not freed, between steps; glibc's own mmap threshold). The inf
     # at step 1 (rank 1's gradient) is skipped and backs the scale off by 0.25; three clean
     # steps double it: 1024 -> 256 -> 512 after 6 steps.
     "ddp": [
@@ -29,7 +29,7 @@ RUNS = {
         "trainer.seed=1", "trainer.grad_clip=0.5", "trainer.memory_limit_mib=1000", "trainer.stop_grace_s=30",
         "trainer.accelerator=cpu", "trainer.progress_bar=true", "model.in_features=32", "model.num_classes=5",
         "data.seed=7", "data.teacher_hidden=16", "trainer.profile=true", "trainer.profile_steps=2",
-        "trainer.memory_snapshot=always", *WANDB,
+        "trainer.memory_snapshot=always", "trainer.host_mmap_threshold=dynamic", *WANDB,
     ],
     # OSS's knobs, SGD with momentum, the GPT's shape, bf16, three ranks.
     "oss": [

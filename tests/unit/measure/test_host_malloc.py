@@ -6,7 +6,7 @@ import ctypes
 
 import pytest
 
-from sharded_exp.measure.host_malloc import fix_mmap_threshold, heap_free_mib, mapped_from
+from sharded_exp.measure.host_malloc import fix_mmap_threshold, heap_free_mib, mapped_from, set_mmap_threshold
 
 
 @pytest.mark.parametrize(
@@ -44,3 +44,20 @@ def test_the_heap_counts_small_blocks_freed_between_live_ones():
 )
 def test_the_blocks_mapped_anew_follow_the_threshold_in_force(env, mapped):
     assert mapped_from(env) == mapped
+
+
+@pytest.mark.skipif(mapped_from({}) is None, reason="glibc only")
+def test_ranks_that_leave_the_threshold_dynamic_map_anew_only_above_its_maximum():
+    """trainer.host_mmap_threshold=dynamic: only blocks above 32 MiB are mapped every time,
+    unless you set the threshold yourself."""
+    assert mapped_from({}, fixed=False) == 32 * 2**20
+    assert mapped_from({"MALLOC_MMAP_THRESHOLD_": "65536"}, fixed=False) == 65536
+
+
+def test_a_rank_fixes_the_threshold_only_when_asked():
+    """trainer.host_mmap_threshold: "dynamic" leaves glibc's rule (nothing set), "fixed" sets
+    it unless your environment sets glibc's malloc, and anything else is refused by name."""
+    assert set_mmap_threshold("dynamic", {}) is None
+    assert set_mmap_threshold("fixed", {"MALLOC_MMAP_THRESHOLD_": "65536"}) is None
+    with pytest.raises(ValueError, match="host_mmap_threshold='static'"):
+        set_mmap_threshold("static", {})
