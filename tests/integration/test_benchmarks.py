@@ -4,6 +4,8 @@ The targets themselves live in the benchmarks, never in tests."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tests.helpers.jobs import run_measurement
@@ -240,3 +242,11 @@ def test_hf_probe_warmup_smoke(tmp_path):
     for accumulation in ("1", "4"):
         assert len(data[accumulation]["bare_s"]) == len(data[accumulation]["probed_s"]) == 8
         assert all(t > 0 for t in data[accumulation]["bare_s"] + data[accumulation]["probed_s"])
+
+
+def test_gloo_sync_cost_smoke(tmp_path):
+    data = bench("accuracy.gloo_sync_cost", "--smoke", cwd=tmp_path)
+    [row] = data["rows"]
+    assert row["work_ms"] > 0 and math.isfinite(row["cost_per_call_ms"])  # a difference of two times: any sign
+    assert data["back_to_back_ms"] > 0
+    assert data["broadcasts_at_once_ms"] > 0 and data["broadcasts_one_by_one_ms"] > 0
