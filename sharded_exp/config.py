@@ -269,15 +269,17 @@ class TrainerConfig(Sealed):
     profile_steps: int = 3
     """Steps profiled when profile=true."""
     host_mmap_threshold: MmapThreshold = MmapThreshold.fixed
-    """CPU ranks' glibc malloc (sharded_exp/measure/host_malloc.py). fixed: each rank fixes the mmap
-    threshold at 4 MiB, so a freed block of 4 MiB or more goes back to the kernel and a rank's
-    resident memory (``peak_rss_mib``) is what its tensors hold; such blocks are new pages,
-    faulted in, every time a step makes them. dynamic: glibc's own rule, as a plain script
-    gets it: blocks up to 32 MiB come from the heap and are reused (steps that make such
-    blocks are shorter: 21-50% in docs/figures.md), and the heap keeps freed blocks resident
-    (``heap_free_mib``; a FSDP rank's freed gathers among them). Every strategy runs under the same rule, and
-    the time model prices the new pages of the one chosen. A ``MALLOC_MMAP_THRESHOLD_`` or
-    ``glibc.malloc`` tunable in the environment overrides both."""
+    """The ranks' host malloc, glibc's (sharded_exp/measure/host_malloc.py). fixed: each rank fixes
+    the mmap threshold at 4 MiB, so a freed block of 4 MiB or more goes back to the kernel and
+    a CPU rank's resident memory (``peak_rss_mib``) is close to what its tensors hold; such
+    blocks are new pages, faulted in, every time a step makes them. dynamic: glibc's own rule,
+    as a plain script gets it: blocks up to 32 MiB come from the heap and are reused (steps
+    that make such blocks are shorter: 21-50% in docs/figures.md), and the heap keeps freed
+    blocks resident (``heap_free_mib``; a FSDP rank's freed gathers among them, several times
+    its tracked peak: docs/concepts/memory.md), which trainer.host_memory_check does not count.
+    Every strategy runs under the same rule, and the time model prices the new pages of the
+    one chosen. A ``MALLOC_MMAP_THRESHOLD_`` or ``glibc.malloc`` tunable in the environment
+    overrides both."""
     host_memory_check: bool = True
     """On CPU: refuse a job whose predicted peaks (all ranks on this machine, plus each
     process's own) exceed the host memory available, before it starts."""

@@ -81,7 +81,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--job", nargs="*", default=[], metavar="OVERRIDE", help="more overrides for the job")
+    parser.add_argument("--job", nargs="*", default=[], metavar="OVERRIDE",
+                        help="more overrides for the job (not the model, batch, steps or run directory: the script mirrors those)")  # fmt: skip
     args = parser.parse_args()
 
     workdir = tempfile.mkdtemp(prefix="job_vs_script_")

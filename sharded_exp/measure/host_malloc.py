@@ -1,4 +1,4 @@
-"""A rank's host allocator: glibc's mmap threshold fixed at 4 MiB, so freed large blocks go back.
+"""A rank's host allocator: glibc's mmap threshold fixed at 4 MiB by default, so freed large blocks go back.
 
 glibc serves a request of at least ``M_MMAP_THRESHOLD`` bytes (128 KiB by default) with a
 mapping of its own and unmaps it on ``free``. Left to itself the threshold is *dynamic*
@@ -52,8 +52,20 @@ def fix_mmap_threshold(env=os.environ) -> int | None:
     or ``glibc.malloc`` in ``GLIBC_TUNABLES``: your setting stands, dynamic or not), or when the
     C library is not glibc (musl, macOS: no dynamic threshold to turn off).
     """
-    if "MALLOC_MMAP_THRESHOLD_" in env or "glibc.malloc" in env.get("GLIBC_TUNABLES", ""):
-        return None
+    return None if _yours(env) else _mallopt_threshold(MMAP_THRESHOLD_BYTES)
+
+
+def _yours(env) -> bool:
+    """Whether ``env`` sets glibc's malloc itself (then nothing here touches it)."""
+    return "MALLOC_MMAP_THRESHOLD_" in env or "glibc.malloc" in env.get("GLIBC_TUNABLES", "")
+
+
+_fixed_here = False
+"""Whether this process fixed its threshold already: glibc cannot go back to its dynamic rule."""
+
+
+def _mallopt_threshold(nbytes: int) -> int | None:
+    global _fixed_here
     try:
         libc = ctypes.CDLL(None)  # the process's own symbols: its C library, no search for a file
         libc.gnu_get_libc_version  # only glibc has it
@@ -62,15 +74,25 @@ def fix_mmap_threshold(env=os.environ) -> int | None:
         return None
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    return MMAP_THRESHOLD_BYTES if mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1 else None
+    if mallopt(M_MMAP_THRESHOLD, nbytes) != 1:
+        return None
+    _fixed_here = True
+    return nbytes
 
 
 def set_mmap_threshold(rule: str, env=os.environ) -> int | None:
     """A rank's ``trainer.host_mmap_threshold``: ``"fixed"`` fixes the threshold
-    (:func:`fix_mmap_threshold`, the bytes set or None), ``"dynamic"`` leaves glibc's rule (None)."""
+    (:func:`fix_mmap_threshold`), ``"dynamic"`` leaves glibc's rule; the bytes fixed, or None.
+
+    A process that fixed it for an earlier job (torchrun's ranks run a ``-m`` sweep's jobs in
+    one process) cannot give glibc its dynamic rule back: there ``"dynamic"`` fixes the
+    threshold at the dynamic rule's maximum (32 MiB), the steady state that rule reaches and
+    the time model assumes for it (:func:`mapped_from`)."""
     if rule not in ("fixed", "dynamic"):
         raise ValueError(f"trainer.host_mmap_threshold={rule!r} must be 'fixed' or 'dynamic'")
-    return fix_mmap_threshold(env) if rule == "fixed" else None
+    if rule == "fixed":
+        return fix_mmap_threshold(env)
+    return _mallopt_threshold(DYNAMIC_THRESHOLD_MAX) if _fixed_here and not _yours(env) else None
 
 
 def mapped_from(env=os.environ, fixed: bool = True) -> int | None:

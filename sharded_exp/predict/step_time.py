@@ -183,9 +183,10 @@ def split_backward(backward: dict[str, float], forward: dict[str, list[float]], 
 
 def new_pages(record: dict, mapped_from_bytes: int) -> int:
     """The pages of the blocks an op record made that glibc maps anew (at least
-    ``mapped_from_bytes``), whole pages with the chunk's 16-byte header. An upper bound:
-    glibc serves a large request from a free heap chunk big enough where it has one, and maps
-    only when the heap must grow."""
+    ``mapped_from_bytes``), whole pages with the chunk's 16-byte header. An upper bound where
+    the threshold is fixed: glibc serves a large request from a free heap chunk big enough
+    where it has one, and maps only when the heap must grow. Under glibc's dynamic rule the
+    heap's top may also be given back and faulted in again, which is not counted."""
     page = mmap.PAGESIZE
     return sum(-(-(n + 16) // page) for n in record.get("fresh_bytes", ()) if n >= mapped_from_bytes)
 

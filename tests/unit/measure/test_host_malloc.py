@@ -54,10 +54,34 @@ def test_ranks_that_leave_the_threshold_dynamic_map_anew_only_above_its_maximum(
     assert mapped_from({"MALLOC_MMAP_THRESHOLD_": "65536"}, fixed=False) == 65536
 
 
-def test_a_rank_fixes_the_threshold_only_when_asked():
-    """trainer.host_mmap_threshold: "dynamic" leaves glibc's rule (nothing set), "fixed" sets
-    it unless your environment sets glibc's malloc, and anything else is refused by name."""
-    assert set_mmap_threshold("dynamic", {}) is None
-    assert set_mmap_threshold("fixed", {"MALLOC_MMAP_THRESHOLD_": "65536"}) is None
+def test_a_rank_fixes_the_threshold_only_when_asked(monkeypatch):
+    """trainer.host_mmap_threshold: "fixed" asks mallopt for 4 MiB unless your environment
+    sets glibc's malloc; "dynamic" asks nothing of a process that never fixed it, and 32 MiB
+    (the dynamic rule's steady state) of one that did for an earlier job, where glibc's rule
+    cannot come back; anything else is refused by name. mallopt is recorded, not called: the
+    test process's own malloc is left alone."""
+    from sharded_exp.measure import host_malloc
+
+    asked = []
+    monkeypatch.setattr(host_malloc, "_mallopt_threshold", lambda nbytes: asked.append(nbytes) or nbytes)
+    monkeypatch.setattr(host_malloc, "_fixed_here", False)
+    assert set_mmap_threshold("dynamic", {}) is None and asked == []
+    assert set_mmap_threshold("fixed", {"MALLOC_MMAP_THRESHOLD_": "65536"}) is None and asked == []
+    assert set_mmap_threshold("fixed", {}) == 4 * 2**20 and asked == [4 * 2**20]
+    monkeypatch.setattr(host_malloc, "_fixed_here", True)  # an earlier job in this process fixed it
+    assert set_mmap_threshold("dynamic", {}) == 32 * 2**20 and asked[-1] == 32 * 2**20
+    assert set_mmap_threshold("dynamic", {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) is None
     with pytest.raises(ValueError, match="host_mmap_threshold='static'"):
         set_mmap_threshold("static", {})
+
+
+@pytest.mark.parametrize(
+    "trainer, fixed",
+    [({"host_mmap_threshold": "dynamic"}, False), ({"host_mmap_threshold": "fixed"}, True), ({}, True)],
+)
+def test_the_time_model_reads_the_rule_from_the_config(trainer, fixed):
+    from omegaconf import OmegaConf
+
+    from sharded_exp.predict.step_time import fixes_mmap_threshold
+
+    assert fixes_mmap_threshold(OmegaConf.create({"trainer": trainer})) is fixed
