@@ -157,3 +157,53 @@ def test_the_layout_curves_count_a_linear_layers_flops(monkeypatch):
     flops = [2.0 * 8 * w**3 for w in machine.LINEAR_WIDTHS]
     assert set(curves) == {"nt", "nn", "tn"}
     assert curves["tn"] == [(f, f / 1e-3 / 1e12) for f in flops]
+
+
+def test_what_other_processes_spent_is_the_machines_busy_time_less_this_processs():
+    """/proc/stat's busy jiffies (steal included: a VM's neighbours) less this process's CPU:
+    100 more jiffies of anyone's user time read as 100 / CLK_TCK seconds more elsewhere."""
+    import os
+
+    tick = os.sysconf("SC_CLK_TCK")
+    quiet = machine.cpu_elsewhere_s("cpu  1000 0 500 9000 10 0 20 5 0 0")
+    busier = machine.cpu_elsewhere_s("cpu  1100 0 500 9000 10 0 20 5 0 0")
+    stolen = machine.cpu_elsewhere_s("cpu  1000 0 500 9000 10 0 20 105 0 0")
+    assert busier - quiet == pytest.approx(100 / tick, abs=0.05)  # this process's CPU moves a little between reads
+    assert stolen - quiet == pytest.approx(100 / tick, abs=0.05)
+    assert machine.cpu_elsewhere_s("intr 1 2 3") is None
+
+
+@pytest.mark.parametrize(
+    "cores, threads, cpus, expected",
+    [(None, 2, 2, False), (0.1, 2, 2, False), (0.6, 2, 2, True), (0.9, 1, 2, False), (1.5, 1, 2, True),
+     (3.0, 4, 16, False)],
+)  # fmt: skip
+def test_a_profile_is_disturbed_when_others_took_cores_its_threads_needed(cores, threads, cpus, expected):
+    assert machine.disturbed(cores, threads, cpus) is expected
+
+
+def test_a_disturbed_profile_is_measured_again_and_the_least_disturbed_kept(monkeypatch, caplog):
+    """Two cores, two threads: a measurement while others used 1.5 cores is measured again;
+    an undisturbed second one is kept; if neither is, the less disturbed, with a warning."""
+    monkeypatch.setattr(machine.os, "cpu_count", lambda: 2)
+    runs = iter([{"elsewhere_cores": 1.5, "n": 0}, {"elsewhere_cores": 0.1, "n": 1}, {"elsewhere_cores": 0.0, "n": 2}])
+    monkeypatch.setattr(machine, "measure", lambda threads: next(runs))
+    assert machine._least_disturbed(2)["n"] == 1
+    runs = iter([{"elsewhere_cores": 1.5, "n": 0}, {"elsewhere_cores": 0.8, "n": 1}, {"elsewhere_cores": 0.0, "n": 2}])
+    monkeypatch.setattr(machine, "measure", lambda threads: next(runs))
+    with caplog.at_level("WARNING"):
+        assert machine._least_disturbed(2)["n"] == 1  # two tries at most (ATTEMPTS)
+    assert "0.80 cores" in caplog.text and "2 tries" in caplog.text
+
+
+def test_a_disturbed_profile_says_so_in_its_source(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(machine.os, "cpu_count", lambda: 2)
+    figures = {"matmul": {"fp32": [[1e6, 0.01]]}, "memory_bandwidth_GBps": 10.0, "op_overhead_s": 5e-6,
+               "step_op_overhead_s": {"fp32": 2e-5}, "link": {"bandwidth_GBps": 0.5, "step_latency_us": 100.0},
+               "measured_at": "then", "elsewhere_cores": 0.9}  # fmt: skip
+    path = tmp_path / "sharded_exp" / "this_profile.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({machine._key(2): figures}))
+    device, _ = machine.this_profile(2)
+    assert "other processes using 0.90 cores" in device.memory_bandwidth.source.title
