@@ -175,7 +175,7 @@ def test_what_other_processes_spent_is_the_machines_busy_time_less_this_processs
 
 @pytest.mark.parametrize(
     "cores, threads, cpus, expected",
-    [(None, 2, 2, False), (0.1, 2, 2, False), (0.6, 2, 2, True), (0.9, 1, 2, False), (1.5, 1, 2, True),
+    [(None, 2, 2, False), (0.2, 2, 2, False), (0.8, 2, 2, True), (1.2, 1, 2, False), (1.7, 1, 2, True),
      (3.0, 4, 16, False)],
 )  # fmt: skip
 def test_a_profile_is_disturbed_when_others_took_cores_its_threads_needed(cores, threads, cpus, expected):
