@@ -517,7 +517,7 @@ def cpu_elsewhere_s(stat: str | None = None) -> float | None:
     which a VM's neighbours take) less this process's and its reaped children's
     (``getrusage``). Read twice, the difference is what other processes took in between.
     None where there is no ``/proc/stat`` (not Linux)."""
-    import resource  # here: Unix only, and /proc/stat is read only on Linux
+    import resource  # lazy: Unix only (/proc/stat is read on Linux only)
 
     if stat is None:
         try:
