@@ -619,7 +619,7 @@ def _least_disturbed(threads: int) -> dict:
     _log.warning(
         "the this profile (%d thread(s)) was measured while other processes used %.2f cores on average "
         "(%d tries): its figures may be slow, and step times predicted long, until it is measured again on a "
-        "quieter machine (sharded-exp-plan plan.remeasure=true, or delete %s)",
+        "quieter machine (delete %s: the next run or plan measures it anew)",
         threads, best["elsewhere_cores"], len(tries), cache_path(),
     )  # fmt: skip
     return best

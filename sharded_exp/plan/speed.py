@@ -69,14 +69,19 @@ def machine(cfg: PlanConfig, world_size: int) -> Machine:
 
 
 def measured_once(cfg: PlanConfig) -> PlanConfig:
-    """``cfg`` with ``plan.remeasure`` done: this machine measured again, once per plan, at the
-    threads of each planned world size, and ``cfg`` returned with ``plan.remeasure=false`` so that
-    every point (and every worker process) reads those figures from the cache. Each point asked
-    afresh would measure the machine once per point: tens of seconds each, for the same figures."""
-    if not cfg.plan.get("remeasure", False) or profile_name(cfg) != "this":
+    """``cfg`` with the ``this`` profile in the cache before any point is planned: this machine
+    measured (again with ``plan.remeasure``, else only where the cache lacks it), once per plan,
+    at the threads of each planned world size, and ``cfg`` returned with ``plan.remeasure=false``
+    so that every point (and every worker process) reads those figures from the cache. Each
+    point asked afresh would measure the machine once per point: tens of seconds each, for the
+    same figures; and workers measuring at once would each count the others as a disturbance."""
+    if profile_name(cfg) != "this":
         return cfg
+    remeasure = bool(cfg.plan.get("remeasure", False))
     for threads in sorted({threads_per_rank(ws) for ws in cfg.plan.world_sizes}):
-        this_figures(threads, remeasure=True)
+        this_figures(threads, remeasure=remeasure)
+    if not remeasure:
+        return cfg
     out = cfg.copy()
     out.plan.remeasure = False
     return out
