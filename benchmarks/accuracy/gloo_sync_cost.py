@@ -22,17 +22,16 @@ import statistics
 import time
 
 from benchmarks.common import markdown, save, spawn_ranks
-
-GPT_SHAPES = [(256, 128), (64, 128)] + [
-    shape
-    for _ in range(2)
-    for shape in [(128,), (128,), (384, 128), (384,), (128, 128), (128,), (128,), (128,), (512, 128), (512,),
-                  (128, 512), (128,)]
-] + [(128,), (128,), (256, 128)]  # fmt: skip
-"""``model=gpt``'s 29 parameter tensors (embeddings, two blocks, the final norm, the head)."""
+from sharded_exp.compose import compose
+from sharded_exp.models import build_model
 
 
-def _ranks(rank: int, world_size: int, works_ms: list[float], calls: int, rounds: int) -> dict:
+def gpt_shapes() -> list[tuple[int, ...]]:
+    """``model=gpt``'s parameter shapes (29 tensors at its defaults), from the model itself."""
+    return [tuple(p.shape) for p in build_model(compose(["model=gpt"]).model).parameters()]
+
+
+def _ranks(rank: int, world_size: int, works_ms: list[float], calls: int, rounds: int, shapes: list) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -64,7 +63,7 @@ def _ranks(rank: int, world_size: int, works_ms: list[float], calls: int, rounds
         rows.append({"work_ms": 1000 * statistics.median(alone),
                      "cost_per_call_ms": 1000 * (statistics.median(synced) - statistics.median(alone))})  # fmt: skip
     back_to_back = min(timed(lambda: dist.all_reduce(small), calls) for _ in range(rounds))
-    tensors = [torch.ones(shape) for shape in GPT_SHAPES]
+    tensors = [torch.ones(shape) for shape in shapes]
 
     def at_once() -> None:
         for handle in [dist.broadcast(t, i % world_size, async_op=True) for i, t in enumerate(tensors)]:
@@ -76,6 +75,7 @@ def _ranks(rank: int, world_size: int, works_ms: list[float], calls: int, rounds
 
     per = len(tensors)
     return {
+        "tensors": per,
         "rows": rows,
         "back_to_back_ms": 1000 * back_to_back,
         "broadcasts_at_once_ms": 1000 * statistics.median(timed(at_once, calls // 4 or 1) for _ in range(rounds)) / per,
@@ -93,14 +93,14 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="one round of 8 calls after 0.5 ms of work")
     args = parser.parse_args()
     works, calls, rounds = ([0.5], 8, 1) if args.smoke else (args.work_ms, args.calls, args.rounds)
-    found = spawn_ranks(_ranks, 2, works, calls, rounds)
+    found = spawn_ranks(_ranks, 2, works, calls, rounds, gpt_shapes())
     table = [[f"{r['work_ms']:.2f}", f"{r['cost_per_call_ms']:.3f}"] for r in found["rows"]]
     print("A one-element all-reduce between 2 gloo ranks, 1 thread each, after W ms of work:")
     print(markdown(["work between calls W (ms)", "cost per call (ms)"], table))
     print(
         f"\nback to back (the this profile's kind of figure, fastest window): {found['back_to_back_ms']:.3f} ms a call"
     )
-    print(f"29 broadcasts issued at once then waited: {found['broadcasts_at_once_ms']:.3f} ms each; "
+    print(f"{found['tensors']} broadcasts issued at once then waited: {found['broadcasts_at_once_ms']:.3f} ms each; "
           f"one after the other: {found['broadcasts_one_by_one_ms']:.3f} ms each")  # fmt: skip
     print(f"wrote {save('gloo_sync_cost', {'args': vars(args), **found})}")
 
