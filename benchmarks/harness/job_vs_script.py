@@ -8,9 +8,12 @@ Each pair runs, back to back and in alternating order, ``python -m sharded_exp``
 ranks, Adam, the teacher task, W&B off, everything else as configured: the parent's
 peak prediction, the evaluation pass, result.json, the table) and a 40-line script of
 the kind a user types: ``mp.spawn``, gloo, DDP, the same MLP and the same batches, a plain
-loop, no measuring. Both are timed from the command to its exit, as whole processes. The
-ratio of each pair (job / script) is reported, with its median; so are the job's
-command-to-first-step and last-step-to-exit times from its result.json timeline.
+loop that only reads a clock around each step. Both are timed from the command to its
+exit, as whole processes. The ratio of each pair (job / script) is reported, with its
+median; so are the job's command-to-first-step and last-step-to-exit times from its
+result.json timeline, and the two sides' median steps after the job's warm-up (the job's
+from result.json, the script's printed by its rank 0), which say whether a gap is in the
+steps or around them.
 Prints a Markdown table and writes outputs/benchmarks/job_vs_script.json.
 """
 
@@ -33,7 +36,7 @@ import os, sys, time
 import torch, torch.distributed as dist, torch.multiprocessing as mp
 import torch.nn as nn, torch.nn.functional as F
 
-DEPTH, HIDDEN, BATCH, STEPS = (int(a) for a in sys.argv[1:5])
+DEPTH, HIDDEN, BATCH, STEPS, WARMUP = (int(a) for a in sys.argv[1:6])
 
 def mlp():
     layers, width = [], 64
@@ -50,13 +53,18 @@ def worker(rank, world_size, port):
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1234)
     w1, w2 = torch.randn(64, 32, generator=g), torch.randn(32, 10, generator=g)
+    times = []
     for step in range(STEPS):
+        t0 = time.perf_counter()
         x = torch.randn(BATCH, 64, generator=torch.Generator().manual_seed(step * 7919 + rank))
         y = (torch.tanh(x @ w1) @ w2).argmax(1)
         opt.zero_grad(set_to_none=True)
         F.cross_entropy(model(x), y).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        times.append(time.perf_counter() - t0)
+    if rank == 0:  # for the benchmark, not a thing a user would print: the steps after the job's warm-up
+        print("step_s", sorted(times[WARMUP:])[len(times[WARMUP:]) // 2])
     dist.barrier()
     del model, opt
     dist.destroy_process_group()
@@ -66,12 +74,18 @@ if __name__ == "__main__":
 """
 
 
-def timed(cmd: list[str]) -> float:
+def timed(cmd: list[str]) -> tuple[float, str]:
+    """The command's wall time, command to exit, and its standard output."""
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, proc.stdout
+
+
+def script_step_s(stdout: str) -> float:
+    """The hand script's median step (rank 0, the steps after the job's warm-up), as it printed it."""
+    return float(next(line.split()[1] for line in stdout.splitlines() if line.startswith("step_s ")))
 
 
 def main() -> None:
@@ -89,21 +103,24 @@ def main() -> None:
     script = os.path.join(workdir, "hand_ddp.py")
     with open(script, "w") as f:
         f.write(SCRIPT)
-    sizes = [str(args.depth), str(args.hidden), str(args.batch_size), str(args.steps)]
+    warmup = min(5, args.steps - 1)
+    sizes = [str(args.depth), str(args.hidden), str(args.batch_size), str(args.steps), str(warmup)]
     pairs = []
     for i in range(args.pairs):
         out = os.path.join(workdir, f"job{i}")
         job = [sys.executable, "-m", "sharded_exp", "strategy=ddp", "model=mlp", f"model.depth={args.depth}",
-               f"model.hidden={args.hidden}", f"trainer.batch_size={args.batch_size}", f"trainer.steps={args.steps}", f"trainer.warmup_steps={min(5, args.steps - 1)}",
+               f"model.hidden={args.hidden}", f"trainer.batch_size={args.batch_size}", f"trainer.steps={args.steps}", f"trainer.warmup_steps={warmup}",
                "trainer.world_size=2", "trainer.accelerator=cpu", "logger=none", "trainer.progress_bar=false",
                f"hydra.run.dir={out}", *args.job]  # fmt: skip
         hand = [sys.executable, script, *sizes]
         t = {}
         for side in ("job", "script") if i % 2 == 0 else ("script", "job"):
             t0 = time.time()
-            t[side] = timed(job if side == "job" else hand)
+            t[side], stdout = timed(job if side == "job" else hand)
             if side == "job":
                 t["job_started"] = t0
+            else:
+                t["script_step_s"] = script_step_s(stdout)
         with open(os.path.join(out, "result.json")) as f:
             result = json.load(f)
         timeline = result["timeline"]
@@ -114,18 +131,21 @@ def main() -> None:
                 "to_first_step_s": timeline["first_step"] - t["job_started"],
                 "last_step_to_exit_s": t["job_started"] + t["job"] - timeline["last_step"],
                 "eval_s": (result.get("eval") or {}).get("seconds"),
+                "job_step_s": result["throughput"]["step_time_s_median"],
                 "last_step": timeline["last_step"],
             }
         )  # fmt: skip
     rows = [[i, f"{p['job']:.2f}", f"{p['script']:.2f}", f"{p['ratio']:.2f}", f"{p['to_first_step_s']:.2f}",
-             f"{p['last_step_to_exit_s']:.2f}", f"{p['eval_s'] or 0:.2f}"] for i, p in enumerate(pairs)]  # fmt: skip
+             f"{p['last_step_to_exit_s']:.2f}", f"{p['eval_s'] or 0:.2f}",
+             f"{1000 * p['job_step_s']:.1f} / {1000 * p['script_step_s']:.1f}"] for i, p in enumerate(pairs)]  # fmt: skip
     ratios = [p["ratio"] for p in pairs]
-    rows.append(["**median**", "", "", f"**{statistics.median(ratios):.2f}**", "", "", ""])
+    rows.append(["**median**", "", "", f"**{statistics.median(ratios):.2f}**", "", "", "", ""])
     extra = f"; the job with {' '.join(args.job)}" if args.job else ""
     print(f"MLP {args.depth} x {args.hidden}, batch {args.batch_size}, {args.steps} steps, 2 ranks (seconds){extra}")
     print(
         markdown(
-            ["pair", "job", "script", "job/script", "command to first step", "last step to exit", "of it evaluation"],
+            ["pair", "job", "script", "job/script", "command to first step", "last step to exit", "of it evaluation",
+             "step ms, job / script"],  # fmt: skip
             rows,
         )
     )
