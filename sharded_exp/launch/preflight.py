@@ -192,7 +192,8 @@ def check(cfg: Config, output_dir: str, layout: Layout | None = None, peak: bool
     decided = OmegaConf.structured(decided_typed)
     prediction = predict(decided.strategy, decided.optimizer, Precision.of(decided), shapes, world_size)
     if peak:
-        prediction["peak"] = predict_peak(decided, world_size, device_type, prediction, shapes)
+        prediction["peak"] = predict_peak(decided, world_size, device_type, prediction, shapes,
+                                          local_world_size=local_ranks)  # fmt: skip
         if device_type == "cpu" and cfg.trainer.host_memory_check:
             check_host_memory(prediction["peak"].get("per_rank_mib"), local_ranks)
     return JobSpec(

@@ -46,6 +46,11 @@ class ModelShapes:
     element_bytes: float = 4.0
     """Bytes per parameter element (4: float32; 8: a float64 model), averaged over the
     parameters when their dtypes differ. Gradients and optimizer state take the same."""
+    trainable_blocks: list[int] | None = None
+    """Elements of each unit that take a gradient (:attr:`blocks` less ``trainer.freeze``'s):
+    what gradient collectives carry. None: not known (every element)."""
+    trainable_root: int | None = None
+    """Elements outside the blocks that take a gradient (None: not known)."""
 
     @property
     def params(self) -> int:
@@ -67,6 +72,7 @@ def model_shapes(
     module = meta_model(model_cfg, freeze) if module is None else module
     groups = [[tuple(p.shape) for p in g["params"]] for g in optimizer_spec(optimizer_cfg, module).param_groups]
     blocks = [sum(p.numel() for p in block.parameters()) for block in units(module)]
+    trainable = [sum(p.numel() for p in block.parameters() if p.requires_grad) for block in units(module)]
     return ModelShapes(
         groups=groups,
         blocks=blocks,
@@ -74,6 +80,8 @@ def model_shapes(
         state_shapes={k: tuple(v.shape) for k, v in module.state_dict().items()},
         frozen=[tuple(p.shape) for p in module.parameters() if not p.requires_grad],
         element_bytes=_element_bytes(module),
+        trainable_blocks=trainable,
+        trainable_root=sum(p.numel() for p in module.parameters() if p.requires_grad) - sum(trainable),
     )
 
 
@@ -204,6 +212,7 @@ def predict_peak(
     shapes: ModelShapes,
     flops: bool = True,
     keep_trace: bool = False,
+    local_world_size: int | None = None,
 ) -> dict[str, Any]:
     """The peak of every rank from one fake step (:mod:`sharded_exp.predict.fake_step`).
 
@@ -212,6 +221,7 @@ def predict_peak(
     "rank", "breakdown_mib", "flops_per_step" (one rank), "method", "note", "seconds",
     "error"}``; ``error`` says why there is no prediction (the model cannot run fake). ``keep_trace``: on
     CUDA, also ``"alloc_trace"`` (the events replayed, allocator setting, workspace MiB: plan/deepen.py).
+    ``local_world_size``: the ranks on this node (:func:`~sharded_exp.predict.step_time.run_step_time`).
     """
     states = [sum(p.values()) for p in prediction["model_states_mib"]]
     rank = states.index(max(states))
@@ -267,12 +277,10 @@ def predict_peak(
         # CUDA: the allocator's rounding and cache on top of the peak, fragmentation, the context
         # (sharded_exp.predict.alloc_trace.point_figures); None on CPU (no caching allocator)
         "allocator": allocator,
-        **(
-            {"alloc_trace": (est.extra["alloc_events"], alloc_conf_of(cfg), workspace)}
-            if keep_trace and allocator
-            else {}
-        ),
+        **({"alloc_trace": (est.extra["alloc_events"], alloc_conf_of(cfg), workspace)} if keep_trace and allocator else {}),
         # a run's step time, predicted from this step's op trace (predict/step_time.py)
-        "speed": run_step_time(cfg, world_size, device_type, est, shapes, prediction) if flops else None,
+        "speed": run_step_time(cfg, world_size, device_type, est, shapes, prediction, local_world_size)
+        if flops
+        else None,
         "error": None,
     }

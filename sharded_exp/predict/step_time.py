@@ -33,7 +33,7 @@ from sharded_exp.predict.op_trace import Trace
 from sharded_exp.speed.collectives import Topology
 from sharded_exp.speed.compute import OP_KINDS, op_time, ops_from_records
 from sharded_exp.speed.profiles import DeviceProfile, LinkProfile, load_device, load_link, profile_for_device_name
-from sharded_exp.speed.schedule import Units, mfu, simulate
+from sharded_exp.speed.schedule import Units, accumulated, mfu, simulate
 from sharded_exp.strategies import timing_of, traits_of
 from sharded_exp.strategies.timing import Fabric, TimeUnknown
 
@@ -212,20 +212,29 @@ def per_step(cfg) -> tuple[int, int | None]:
 
 def units_of(compute: StepCompute, shapes, param_bpe: float, grad_bpe: float) -> Units:
     """The schedule's units: the trace's times, the model's unit sizes (the root's
-    parameters with the first unit: the embeddings' gradients are the backward's last)."""
+    parameters with the first unit: the embeddings' gradients are the backward's last).
+    Gradients are the trainable parameters' only (``trainer.freeze``: a frozen parameter
+    has none to reduce), parameters all of them (FSDP2 gathers frozen ones too)."""
     blocks = list(shapes.blocks) or [0]
+    trainable = list(getattr(shapes, "trainable_blocks", None) or ())
+    if len(trainable) != len(blocks):  # not known, or the units were merged: all trainable
+        trainable = list(blocks)
+    trainable_root = getattr(shapes, "trainable_root", None)
+    trainable_root = shapes.root if trainable_root is None else trainable_root
     if len(compute.forward_s) != len(blocks):
         compute = compute.at_depth(len(blocks))
     if len(compute.forward_s) != len(blocks):  # no units traced: the whole model as one
         compute = StepCompute((sum(compute.forward_s),), (sum(compute.backward_s),), compute.optimizer_s, 0.0)
-        blocks = [sum(blocks)]
+        blocks, trainable = [sum(blocks)], [sum(trainable)]
     elements = [float(n) for n in blocks]
     elements[0] += shapes.root
+    with_grads = [float(n) for n in trainable]
+    with_grads[0] += trainable_root
     return Units(
         forward_s=compute.forward_s,
         backward_s=compute.backward_s,
         param_bytes=[n * param_bpe for n in elements],
-        grad_bytes=[n * grad_bpe for n in elements],
+        grad_bytes=[n * grad_bpe for n in with_grads],
         optimizer_s=compute.optimizer_s,
         tensor_bytes=[math.prod(shape) * param_bpe for group in shapes.groups for shape in group],
     )
@@ -243,7 +252,7 @@ def predict_step_time(cfg, world_size: int, compute: StepCompute, shapes, machin
     units = units_of(compute, shapes, param_bpe, grad_bpe)
     fabric = machine.fabric(world_size, shapes.params)
     try:
-        played = simulate(model.schedule(strategy, units, model.price(strategy, fabric), fabric))
+        played = simulate(_step_schedule(model, strategy, units, fabric, micro_batches(cfg)))
     except TimeUnknown as exc:
         return {"step_time_s": None, "error": f"{machine.device.name}: {exc}"}
     samples, tokens = per_step(cfg)
@@ -269,16 +278,44 @@ def predict_step_time(cfg, world_size: int, compute: StepCompute, shapes, machin
     }
 
 
-def run_step_time(cfg, world_size: int, device_type: str, est, shapes, prediction) -> dict[str, Any]:
+def micro_batches(cfg) -> int:
+    """The micro-batches of one optimizer step (``trainer.grad_accum``, 1 where unset)."""
+    return max(1, int(OmegaConf.select(cfg, "trainer.grad_accum", default=1) or 1))
+
+
+def _step_schedule(model, strategy, units: Units, fabric: Fabric, micro: int):
+    """The strategy's step of ``micro`` micro-batches: the trace's compute shared out over
+    them, the earlier ones as the strategy runs a micro-batch that does not synchronise
+    gradients, the last (with the optimizer step) as it runs a whole step."""
+    price = model.price(strategy, fabric)
+    if micro == 1:
+        return model.schedule(strategy, units, price, fabric)
+    one = units.per_micro_batch(micro)
+    earlier = model.micro_batch(strategy, replace(one, optimizer_s=0.0), price, fabric)
+    return accumulated([earlier] * (micro - 1) + [model.schedule(strategy, one, price, fabric)])
+
+
+def run_step_time(
+    cfg, world_size: int, device_type: str, est, shapes, prediction, local_world_size: int | None = None
+) -> dict[str, Any]:
     """A training run's predicted step time, from its own fake step's trace (``est``: the
     faked rank's :class:`~sharded_exp.predict.fake_step.StepEstimate`), priced on the ``this``
     profile: on CPU with the threads a rank gets, every rank on this machine; on CUDA the GPU
     measured (in a child process), every rank on one node, linked as the device's sourced
-    profile states. Never raises: a prediction that cannot be made is
-    ``{"step_time_s": None, "error": why}``."""
+    profile states. ``local_world_size``: the ranks on this node (torchrun's or SLURM's;
+    default: every rank): a run across nodes is not priced, since a run does not know the
+    link between them (the planner's ``plan.inter_node_gbps`` does). Never raises: a
+    prediction that cannot be made is ``{"step_time_s": None, "error": why}``."""
     trace = (est.extra or {}).get("trace")
     if trace is None or not trace.records:
         return {"step_time_s": None, "error": f"no op trace ({est.method})"}
+    local = world_size if local_world_size is None else max(1, local_world_size)
+    if local < world_size:
+        return {
+            "step_time_s": None,
+            "error": f"{world_size} ranks, {local} on this node: the link between nodes is not known to a run "
+            "(plan it: sharded-exp-plan plan.inter_node_gbps=... plan.gpus_per_node=...)",
+        }
     try:
         from sharded_exp.measure import machine as this  # lazy: measuring starts processes
 
@@ -288,7 +325,7 @@ def run_step_time(cfg, world_size: int, device_type: str, est, shapes, predictio
             link = _sourced_link(device.title, world_size)
             machine = Machine(device, link, None, max(world_size, 1), None, None)
         else:
-            threads = max(1, (os.cpu_count() or 1) // world_size)  # as a CPU rank sets its threads
+            threads = max(1, (os.cpu_count() or 1) // local)  # as a CPU rank sets its threads
             device, link = this.this_profile(threads)
             machine = Machine(device, link, None, world_size, None, device.memory_bandwidth_Bps)
             extra = {"threads_per_rank": threads}

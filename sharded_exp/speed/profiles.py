@@ -277,20 +277,28 @@ def _load(name: str, kind: str) -> dict:
     return data
 
 
+FORM_FACTORS = ("NVL", "PCIE")
+"""Words of a CUDA device name that say it is not the SXM part every profile here describes:
+a PCIe card (``NVIDIA A100-PCIE-40GB``, ``NVIDIA A100 80GB PCIe``, ``Tesla V100-PCIE-32GB``,
+``NVIDIA H100 PCIe``) or an NVL part, whose GPUs are linked by PCIe or NVLink bridges, not
+the SXM board's NVLink, and whose clocks and power differ."""
+
 DEVICE_NAMES = (
-    (("H200",), ("NVL",), "h200"),
-    (("H100",), ("NVL", "PCIe"), "h100_sxm"),
-    (("A100", "80GB"), (), "a100_80gb"),
-    (("A100",), (), "a100_40gb"),
-    (("V100",), (), "v100_32gb"),
+    (("H200",), FORM_FACTORS, "h200"),
+    (("H100",), FORM_FACTORS, "h100_sxm"),
+    (("A100", "80GB"), FORM_FACTORS, "a100_80gb"),
+    (("A100",), FORM_FACTORS, "a100_40gb"),
+    (("V100",), FORM_FACTORS, "v100_32gb"),
 )
-"""(words a CUDA device name holds, words it must not hold, the profile): the more specific
-first. 'NVIDIA H200' is the SXM part; NVL and PCIe parts have other links and clocks."""
+"""(words a CUDA device name holds, words it must not hold, the profile), matched without
+case: the more specific first. 'NVIDIA H200', 'NVIDIA A100-SXM4-80GB' and 'Tesla
+V100-SXM2-32GB' are SXM parts; a PCIe or NVL part has no profile (:data:`FORM_FACTORS`)."""
 
 
 def profile_for_device_name(device_name: str) -> str | None:
-    """The sourced profile of a CUDA device by the name torch reports, or None."""
-    words = set(device_name.replace("-", " ").replace("(", " ").replace(")", " ").split())
+    """The sourced profile of a CUDA device by the name torch reports, or None (a part no
+    profile describes: its links would be priced as another part's)."""
+    words = set(device_name.upper().replace("-", " ").replace("(", " ").replace(")", " ").split())
     for wanted, excluded, profile in DEVICE_NAMES:
         if set(wanted) <= words and not words & set(excluded):
             return profile

@@ -24,7 +24,7 @@ gives a collective's seconds (:func:`sharded_exp.speed.collectives.pricer`).
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 from sharded_exp.errors import ConfigError
@@ -156,6 +156,31 @@ def simulate(schedule: Schedule) -> StepTime:
     return StepTime(step, compute, step - compute, dict(busy), spans)
 
 
+def accumulated(micro_batches: Sequence[Schedule]) -> Schedule:
+    """One optimizer step of several micro-batches (``trainer.grad_accum``), in program order:
+    each micro-batch's schedule after the one before, the last as the strategy schedules a
+    step of one micro-batch, the earlier ones as it schedules a micro-batch that does not
+    synchronise gradients (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync(False)``,
+    which still gathers parameters; :meth:`~sharded_exp.strategies.timing.TimeModel.micro_batch`).
+    An earlier micro-batch's names get a ``mb{i}/`` prefix, and an event it issues at its start
+    (``after`` None) is issued when the micro-batch before it ends; the last keeps its names."""
+    if not micro_batches:
+        raise ScheduleError("a step needs at least one micro-batch")
+    segments: list[Segment] = []
+    events: list[Event] = []
+    for i, one in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        rename = (lambda name: name) if last else (lambda name, tag=f"mb{i}/": name and tag + name)
+        start = segments[-1].name if segments else None
+        segments += [Segment(rename(seg.name), seg.seconds) for seg in one.segments]
+        events += [
+            replace(e, name=rename(e.name), after=rename(e.after) if e.after is not None else start,
+                    before=rename(e.before))  # fmt: skip
+            for e in one.events
+        ]
+    return Schedule(tuple(segments), tuple(events))
+
+
 def mfu(flops_per_step: float, step_time_s: float, peak_flops: float) -> float:
     """Model FLOPs utilization, in percent: ``100 * flops_per_step / (step_time_s * peak_flops)``.
 
@@ -201,6 +226,18 @@ class Units:
     @property
     def grads(self) -> Sequence[float]:
         return self.param_bytes if self.grad_bytes is None else self.grad_bytes
+
+    def per_micro_batch(self, micro_batches: int) -> "Units":
+        """One of ``micro_batches`` equal micro-batches of this step: its forward and backward
+        seconds shared out evenly (the trace times the step's every micro-batch), the sizes
+        and the optimizer step as they are (the step runs once, after the last)."""
+        if micro_batches < 1:
+            raise ConfigError(f"micro_batches must be at least 1, not {micro_batches}")
+        return replace(
+            self,
+            forward_s=[t / micro_batches for t in self.forward_s],
+            backward_s=[t / micro_batches for t in self.backward_s],
+        )
 
     def segments(self) -> list[Segment]:
         k = len(self.forward_s)
@@ -250,7 +287,7 @@ def _prefetch_point(segments: list[Segment], index: int) -> str | None:
     return segments[index - 2].name if index >= 2 else None
 
 
-def fsdp2(units: Units, price: Price, reshard_after_forward: bool = True) -> Schedule:
+def fsdp2(units: Units, price: Price, reshard_after_forward: bool = True, reduce_gradients: bool = True) -> Schedule:
     """FSDP2 (``fully_shard``): each unit's parameters are all-gathered before its forward,
     the next unit's all-gather issued while the current unit computes (prefetch); with
     ``reshard_after_forward`` they are gathered again, with the same prefetch, before the
@@ -261,7 +298,11 @@ def fsdp2(units: Units, price: Price, reshard_after_forward: bool = True) -> Sch
     The last unit, resharded at the end of the forward, is gathered again at once and waits:
     FSDP2's default. (torchtitan sets ``reshard_after_forward=False`` on its last block to
     skip that; not modelled.) Not modelled either: the root module's parameters outside the
-    units."""
+    units.
+
+    ``reduce_gradients=False``: a micro-batch before the last of a step that accumulates
+    gradients (``set_requires_gradient_sync(False)``): the same gathers, since the parameters
+    are resharded after each backward as after each forward, and no reduce-scatter."""
     segments = units.segments()
     index = {s.name: i for i, s in enumerate(segments)}
     events: list[tuple[int, Event]] = []  # (issue position, event)
@@ -280,6 +321,8 @@ def fsdp2(units: Units, price: Price, reshard_after_forward: bool = True) -> Sch
     for j in reversed(range(k)):
         if reshard_after_forward:
             gather(j, f"bwd:{j}", "bwd")
+        if not reduce_gradients:
+            continue
         size = units.grads[j]
         rs = Event(
             f"reduce_scatter:{j}", "reduce_scatter", price("reduce_scatter", size), f"bwd:{j}", "step", nbytes=size
@@ -296,7 +339,10 @@ def fsdp_grad_op(units: Units, price: Price) -> Schedule:
 
 
 def _param_sync(units: Units, price: Price, world_size: int, how: str) -> list[Event]:
-    total = float(sum(units.param_bytes))
+    """The parameters the optimizer stepped, sent from their owners after the step: the
+    optimizer's tensors where known (frozen parameters are neither stepped nor sent), else
+    every unit's parameters."""
+    total = float(sum(units.tensor_bytes) if units.tensor_bytes else sum(units.param_bytes))
     if how == "all_gather":
         return [Event("all_gather:params", "all_gather", price("all_gather", total), "step", nbytes=total)]
     if how == "broadcast":
@@ -366,6 +412,7 @@ def offload(
     pcie_Bps: float,
     host_step_s: float,
     reshard_after_forward: bool = True,
+    reduce_gradients: bool = True,
 ) -> Schedule:
     """FSDP2 with ``CPUOffloadPolicy``: parameters and gradients live on the host. Before each
     all-gather its rank's parameter shard is copied host to device (``copy`` stream, PCIe);
@@ -376,10 +423,11 @@ def offload(
 
     Not modelled: pinned versus pageable memory (the copies are at ``pcie_Bps``), and the host
     step overlapping the next step's forward (it does not in FSDP2: the forward needs the
-    updated parameters)."""
+    updated parameters). ``reduce_gradients=False``: a micro-batch before the last (see
+    :func:`fsdp2`): its copies in and gathers, no gradient leaves the device, no host step."""
     if pcie_Bps <= 0:
         raise ConfigError(f"the PCIe bandwidth must be positive, not {pcie_Bps}")
-    base = fsdp2(units, price, reshard_after_forward)
+    base = fsdp2(units, price, reshard_after_forward, reduce_gradients)
     events: list[Event] = []
     for e in base.events:
         unit = int(e.name.rsplit(":", 1)[1])
@@ -390,6 +438,8 @@ def offload(
         else:
             share = units.grads[unit] / world_size
             events += [e, Event(f"d2h:{e.name}", "d2h", share / pcie_Bps, e.name, stream="copy", nbytes=share)]
+    if not reduce_gradients:
+        return Schedule(base.segments, tuple(events))
     last_copy = [e.name for e in events if e.kind == "d2h"][-1]
     events.append(Event("host_step", "host_step", host_step_s, last_copy, stream="host"))
     return Schedule(base.segments, tuple(events))

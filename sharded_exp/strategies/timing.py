@@ -62,6 +62,13 @@ class TimeModel:
     def schedule(cls, cfg, units: Units, price: Price, fabric: Fabric) -> Schedule:
         return schedule.ddp(units, price, bucket_bytes=float(getattr(cfg, "bucket_cap_mb", 25.0)) * MB)
 
+    @classmethod
+    def micro_batch(cls, cfg, units: Units, price: Price, fabric: Fabric) -> Schedule:
+        """A micro-batch before the last of a step that accumulates gradients: compute only
+        (DDP's ``no_sync``, and every strategy built on it, communicates nothing until the
+        last micro-batch's backward). A strategy that communicates in these says so here."""
+        return Schedule(tuple(units.segments()))
+
 
 class ZeRO1Time(TimeModel):
     """DDP's all-reduce, then every rank's updated parameters broadcast from their owner
@@ -150,3 +157,15 @@ class FSDPTime(TimeModel):
         # Adam in float32 on the host: parameters, gradients, two moments read; three written
         host_s = schedule.host_step_time(28 * fabric.params / shard, fabric.host_memory_Bps)
         return schedule.offload(units, price, shard, fabric.pcie_Bps, host_s, reshard_after_forward=reshard)
+
+    @classmethod
+    def micro_batch(cls, cfg, units: Units, price: Price, fabric: Fabric) -> Schedule:
+        """Every micro-batch gathers each unit's parameters again (FSDP2 reshards after each
+        backward whether or not gradients are reduced); only the last reduce-scatters."""
+        reshard = bool(getattr(cfg, "reshard_after_forward", True))
+        if not getattr(cfg, "cpu_offload", False):
+            return schedule.fsdp2(units, price, reshard_after_forward=reshard, reduce_gradients=False)
+        if fabric.pcie_Bps is None:
+            raise TimeUnknown("cpu_offload's copies need the host link")
+        shard = fabric.world_size // max(1, int(getattr(cfg, "replicate", 1)))
+        return schedule.offload(units, price, shard, fabric.pcie_Bps, 0.0, reshard, reduce_gradients=False)

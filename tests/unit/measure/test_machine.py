@@ -85,7 +85,9 @@ def test_the_gpu_profile_is_built_from_the_cache_with_the_datasheet_peak_where_t
     "name, profile",
     [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100_sxm"), ("NVIDIA H100 PCIe", None),
      ("NVIDIA A100-SXM4-80GB", "a100_80gb"), ("NVIDIA A100-SXM4-40GB", "a100_40gb"), ("NVIDIA H200 NVL", None),
-     ("NVIDIA GeForce RTX 4090", None)],
+     ("NVIDIA GeForce RTX 4090", None), ("Tesla V100-SXM2-32GB", "v100_32gb"),
+     # PCIe cards are linked by PCIe, not NVLink: no profile (their links were priced as NVLink's, 7-10x fast)
+     ("NVIDIA A100-PCIE-40GB", None), ("NVIDIA A100 80GB PCIe", None), ("Tesla V100-PCIE-32GB", None)],
 )  # fmt: skip
 def test_a_cuda_device_name_finds_its_sourced_profile(name, profile):
     from sharded_exp.speed.profiles import profile_for_device_name

@@ -15,6 +15,7 @@ from sharded_exp.predict.step_time import (
     split_backward,
     step_compute,
 )
+from sharded_exp.speed import collectives
 from sharded_exp.speed.profiles import load_device, load_link, network_link
 from sharded_exp.strategies import STRATEGIES
 
@@ -189,3 +190,43 @@ def test_a_cpu_step_pays_for_the_pages_of_each_block_glibc_maps_anew(monkeypatch
     assert dynamic.forward_s == plain.forward_s
     on_gpu = step_compute(fresh, replace(H100, fresh_page_s=page, asynchronous=True), 6e12)
     assert on_gpu.forward_s == step_compute(fresh, replace(H100, asynchronous=True), 6e12).forward_s
+
+
+def test_accumulated_micro_batches_gather_each_time_and_reduce_once():
+    """grad_accum 2 against one micro-batch of the same samples (the same trace): FSDP2
+    gathers every unit's parameters in each micro-batch (forward and, resharded, backward)
+    and reduce-scatters once, so its link carries two more gathers a unit; DDP all-reduces
+    once, its buckets hidden under the last micro-batch's backward only."""
+    compute = step_compute(trace(), H100, 6e12)
+    single = lambda name: OmegaConf.merge(cfg(name, batch=8), {"trainer": {"grad_accum": 1}})
+    fsdp, fsdp_one = (predict_step_time(c, 8, compute, SHAPES, machine()) for c in (cfg("fsdp"), single("fsdp")))
+    topology = machine().fabric(8).topology  # each unit's gather in bf16: unit 0 holds the root's 2e8
+    gathers = sum(collectives.group_time("all_gather", n * 2.0, 8, topology) for n in (6 * 10**8, 4 * 10**8))
+    assert fsdp["comm_s"] == pytest.approx(fsdp_one["comm_s"] + 2 * gathers)
+    assert fsdp["compute_s"] == pytest.approx(fsdp_one["compute_s"])
+    ddp, ddp_one = (predict_step_time(c, 8, compute, SHAPES, machine()) for c in (cfg("ddp"), single("ddp")))
+    assert ddp["comm_s"] == pytest.approx(ddp_one["comm_s"]) and ddp["exposed_comm_s"] >= ddp_one["exposed_comm_s"]
+
+
+def test_frozen_parameters_carry_no_gradient_over_the_link():
+    """Unit 0 and the root frozen (trainer.freeze): DDP all-reduces unit 1's 4e8 gradients,
+    not all 1e9 parameters' (the reduce is bandwidth-bound at this size: 0.4 of the time)."""
+    compute = step_compute(trace(), H100, 6e12)
+    frozen = ModelShapes([[(4 * 10**8,)]], SHAPES.blocks, SHAPES.root, {}, trainable_blocks=[0, 4 * 10**8],
+                         trainable_root=0)  # fmt: skip
+    one = OmegaConf.merge(cfg("ddp"), {"trainer": {"grad_accum": 1}})
+    all_ = predict_step_time(one, 8, compute, SHAPES, machine())["comm_s"]
+    assert predict_step_time(one, 8, compute, frozen, machine())["comm_s"] == pytest.approx(0.4 * all_, rel=0.01)
+
+
+def test_a_run_across_nodes_is_not_priced():
+    """torchrun or SLURM over 2 nodes: a run does not know the link between them (nor, on CPU,
+    the other node's cores), so it says so instead of pricing one node's links."""
+
+    class Est:
+        extra, method, flops_per_step = {"trace": trace()}, "fake step", 6e12
+
+    for device in ("cpu", "cuda"):
+        across = run_step_time(cfg(), 4, device, Est(), SHAPES, {}, local_world_size=2)
+        assert across["step_time_s"] is None and "4 ranks, 2 on this node" in across["error"]
+        assert "plan.inter_node_gbps" in across["error"]

@@ -65,6 +65,17 @@ def test_a_measured_curve_is_read_in_log_space_and_clamped():
     assert op_time(Op("matmul", 1e14, 0, "bf16"), device) == pytest.approx(1.0)
 
 
+def test_an_attention_curve_is_a_causal_calls_and_a_call_that_is_not_runs_twice_the_flops():
+    """The ``this`` profile measures causal calls, the FLOPs counted over the whole square
+    (a causal kernel runs half of them): 1e12 counted FLOPs on a flat 10 TFLOP/s curve take
+    0.1 s causal, 0.2 s not (every FLOP counted is run). It priced both at 0.1 s."""
+    plain = _device_with_curve()
+    flat = Curve(((1e6, 10.0), (1e14, 10.0)), plain.curve("matmul", "bf16").source)
+    device = replace(plain, curves={**plain.curves, ("attention", "bf16"): flat})
+    assert op_time(Op("attention", 1e12, 0, "bf16", "attention.forward", causal=True), device) == pytest.approx(0.1)
+    assert op_time(Op("attention", 1e12, 0, "bf16", "attention.forward"), device) == pytest.approx(0.2)
+
+
 def test_a_dtype_the_device_has_no_figure_for_is_refused_by_name():
     with pytest.raises(ProfileError, match=r"v100_32gb.*'bf16'.*fp16, fp32"):
         op_time(Op("matmul", 1e12, 0, "bf16"), load_device("v100_32gb"))

@@ -10,6 +10,7 @@ from sharded_exp.speed.schedule import (
     ScheduleError,
     Segment,
     Units,
+    accumulated,
     ddp,
     fsdp2,
     fsdp_grad_op,
@@ -140,6 +141,52 @@ def test_offload_copies_over_pcie_and_steps_on_the_host():
     assert result.step_time_s == pytest.approx(10.5) and result.exposed_s == pytest.approx(7.5)
     assert result.busy_s == {"copy": 3.0, "comm": 1.5, "host": 3.0}
     assert host_step_time(28 * 1e9, 100e9) == pytest.approx(0.28)  # Adam fp32, 1e9 elements
+
+
+def test_accumulated_ddp_hides_its_buckets_under_the_last_micro_batch_only():
+    """2 units, the step's forward 10 ms and backward 20 ms each, in 2 micro-batches (5 and 10
+    ms each); one 100 B bucket a unit, 15 ms all-reduces, a 2 ms step. The first micro-batch
+    communicates nothing (no_sync): 0-30 ms. The last: fwd 30-40, bwd:1 40-50, bwd:0 50-60;
+    AR(bwd:1) 50-65, AR(bwd:0) 65-80; step 80-82, exposed 20 ms. Priced as one micro-batch of
+    the whole step, the first all-reduce hid under a 20 ms backward: 77 ms, exposed 15."""
+    units = Units([10 * MS] * 2, [20 * MS] * 2, [100] * 2, optimizer_s=2 * MS)
+    price = constant(all_reduce=15)
+    one = units.per_micro_batch(2)
+    earlier = Schedule(tuple(Units(one.forward_s, one.backward_s, one.param_bytes).segments()))
+    result = simulate(accumulated([earlier, ddp(one, price, bucket_bytes=100)]))
+    assert result.compute_s == pytest.approx(62 * MS)
+    assert result.step_time_s == pytest.approx(82 * MS) and result.exposed_s == pytest.approx(20 * MS)
+    assert result.spans["mb0/bwd:0"] == pytest.approx((20 * MS, 30 * MS))  # the earlier one's names
+    assert simulate(ddp(units, price, bucket_bytes=100)).step_time_s == pytest.approx(77 * MS)
+
+
+def test_accumulated_fsdp_gathers_in_every_micro_batch_and_reduces_in_the_last():
+    """2 units, the step's forward 2 ms and backward 4 ms each, 2 micro-batches (1 and 2 ms),
+    4 ms collectives. First micro-batch (no reduce-scatter): AGf0 0-4, fwd0 4-5, AGf1 4-8,
+    fwd1 8-9, AGb1 9-13, bwd1 13-15, AGb0 13-17, bwd0 17-19. The last, its first gathers
+    issued at 19: AGf0 19-23, fwd0 23-24, AGf1 23-27, fwd1 27-28, AGb1 28-32, bwd1 32-34,
+    AGb0 32-36, bwd0 36-38, RS1 36-40, RS0 40-44: step 44 ms, 8 gathers and 2 reduce-scatters
+    (40 ms on the link). As one micro-batch: 26 ms, 4 gathers."""
+    units = Units([2 * MS] * 2, [4 * MS] * 2, [100] * 2)
+    price = constant(all_gather=4, reduce_scatter=4)
+    one = units.per_micro_batch(2)
+    schedule = accumulated([fsdp2(one, price, reduce_gradients=False), fsdp2(one, price)])
+    assert [e.kind for e in schedule.events].count("all_gather") == 8
+    assert [e.kind for e in schedule.events].count("reduce_scatter") == 2
+    result = simulate(schedule)
+    assert result.step_time_s == pytest.approx(44 * MS) and result.comm_s == pytest.approx(40 * MS)
+    assert result.spans["all_gather:fwd:0"] == pytest.approx((19 * MS, 23 * MS))  # issued as mb0 ends
+    assert simulate(fsdp2(units, price)).step_time_s == pytest.approx(26 * MS)
+    assert accumulated([fsdp2(units, price)]).events == fsdp2(units, price).events  # one: unchanged
+
+
+def test_the_parameter_sync_sends_the_optimizers_tensors_only():
+    """ZeRO-1 with one flat buffer a rank: 200 B of parameters, of which the optimizer steps
+    80 B (the rest frozen: neither stepped nor sent): 4 broadcasts of 20 B, not 50."""
+    units = Units([MS] * 2, [MS] * 2, [100] * 2, tensor_bytes=[50, 30])
+    sent = [e.nbytes for e in zero1(units, constant(all_reduce=1, broadcast=1), 4, "broadcast").events
+            if e.kind == "broadcast"]  # fmt: skip
+    assert sent == [20.0] * 4
 
 
 def test_a_wait_that_can_never_end_is_a_deadlock():
