@@ -151,7 +151,8 @@ class Throughput(_Open):
     """(predicted - measured median) / measured median step time."""
     step_time_prediction: dict[str, Any] | None = None
     """The prediction's parts: compute_s, comm_s, exposed_comm_s, optimizer_s, the profile,
-    its predicted MFU and throughput per device, or the error that left it null."""
+    its predicted MFU, the peak that MFU divides by (``peak_flops_per_s``: on CPU the run's
+    ``mfu_pct`` divides by it too) and throughput per device, or the error that left it null."""
 
 
 class Evaluation(_Closed):

@@ -1,8 +1,10 @@
 """Model FLOPs utilisation: the fake step's FLOPs per step over the device's peak.
 
 GPU peaks are the vendors' dense (no sparsity) figures by device name. A CPU has no
-published peak for our purpose: its matmul throughput is measured once on this machine,
-with the threads one rank gets, cached, and labelled as measured.
+published peak for our purpose: its matmul throughput is measured on this machine, with
+the threads one rank gets, and labelled as measured: the peak the run's step-time
+prediction divided by (the ``this`` profile's best matmul, as the planner's MFU) where it
+has one, else one 1024 x 1024 matmul, cached.
 """
 
 from __future__ import annotations
@@ -114,8 +116,10 @@ def cpu_peak(precision_name: str) -> float:
     return float(cache[key])
 
 
-def device_peak(device: torch.device, precision_name: str) -> tuple[float | None, str]:
-    """(peak FLOP/s of one rank's device, where the figure comes from or why there is none)."""
+def device_peak(device: torch.device, precision_name: str, predicted: float | None = None) -> tuple[float | None, str]:
+    """(peak FLOP/s of one rank's device, where the figure comes from or why there is none).
+    ``predicted``: on a CPU, the peak the run's step-time prediction divided by (its ``this``
+    profile's), so that the run's MFU and the prediction's share one denominator."""
     precision_name = str(precision_name)
     if device.type == "cuda":
         if precision_name == "32" and torch.backends.cuda.matmul.allow_tf32:
@@ -126,15 +130,24 @@ def device_peak(device: torch.device, precision_name: str) -> tuple[float | None
         # and slower than what the step runs): no peak to hold them to.
         return None, f"no trustworthy CPU peak at precision {precision_name}"
     threads = torch.get_num_threads()
+    if predicted:  # the planner's peak, where the run's prediction had one
+        return predicted, f"measured: matmul on this CPU, {threads} thread(s) per rank, the this profile's best size"
     return cpu_peak(precision_name), f"measured: matmul on this CPU, {threads} thread(s) per rank"
 
 
-def utilisation(flops_per_step: int | None, step_time_s: float | None, device: torch.device, precision_name: str):
-    """``throughput`` fields: model FLOPs per step, achieved FLOP/s and MFU of one rank."""
+def utilisation(
+    flops_per_step: int | None,
+    step_time_s: float | None,
+    device: torch.device,
+    precision_name: str,
+    predicted_peak: float | None = None,
+):
+    """``throughput`` fields: model FLOPs per step, achieved FLOP/s and MFU of one rank
+    (``predicted_peak``: see :func:`device_peak`)."""
     if not flops_per_step or not step_time_s:
         return {"model_flops_per_step_per_rank": flops_per_step, "achieved_flops_per_s": None, "mfu_pct": None}
     achieved = flops_per_step / step_time_s
-    peak, source = device_peak(device, precision_name)
+    peak, source = device_peak(device, precision_name, predicted_peak)
     mfu = achieved / peak if peak else None
     if mfu is not None and mfu > 1:  # never printed: the peak is not this device's
         source, mfu = f"{source}; achieved {achieved / TERA:.3g} TFLOP/s is above it: peak not trusted", None

@@ -681,7 +681,10 @@ def this_profile(threads: int, remeasure: bool = False) -> tuple[DeviceProfile, 
     elementwise = {
         (op, d): rate * 1e9 for d, ops in found.get("elementwise_GBps", {}).items() for op, rate in ops.items()
     }
-    peaks = {d: Figure(max(t for _, t in pts), source, "the best measured size") for d, pts in found["matmul"].items()}
+    # MFU's denominator: fp32 only, as a run's mfu_pct (sharded_exp.measure.flops.device_peak:
+    # autocast on a CPU runs kernels a measured bf16 or fp16 matmul does not)
+    peaks = {d: Figure(max(t for _, t in pts), source, "the best measured size")
+             for d, pts in found["matmul"].items() if d == "fp32"}  # fmt: skip
     device = DeviceProfile(
         name="this",
         title=f"this machine (CPU, {threads} thread(s))",

@@ -273,6 +273,7 @@ def predict_step_time(cfg, world_size: int, compute: StepCompute, shapes, machin
         "samples_per_s_per_device": samples / step if step else None,
         "tokens_per_s_per_device": tokens / step if step and tokens else None,
         "mfu_pct": mfu(flops, step, peak) if peak and flops and step else None,
+        "peak_flops_per_s": peak,  # MFU's denominator; a CPU run's mfu_pct divides by it too
         "profile": machine.device.name,
         "error": None,
     }

@@ -351,9 +351,10 @@ class _Report:
         if out.throughput:  # model FLOPs from the parent's fake step over this run's step time
             out.throughput["model_flops_per_step"] = flops * world_size if flops else None
             step_time = out.throughput["step_time_s_median"]
-            out.throughput.update(utilisation(flops, step_time, device, Precision.of(self.cfg)))
-            speed = (self.spec.prediction.get("peak") or {}).get("speed")
-            out.throughput.update(step_time_figures(speed, step_time))
+            speed = (self.spec.prediction.get("peak") or {}).get("speed") or {}
+            planned = speed.get("peak_flops_per_s") if device.type == "cpu" else None  # one MFU denominator
+            out.throughput.update(utilisation(flops, step_time, device, Precision.of(self.cfg), planned))
+            out.throughput.update(step_time_figures(speed or None, step_time))
         limit_applies = MemoryMeter.LIMIT_APPLIES_TO[device.type] if self.cfg.trainer.memory_limit_mib else None
         return training_result(
             out,

@@ -114,6 +114,16 @@ def test_a_cpu_has_a_measured_peak_at_fp32_only(monkeypatch):
     assert device_peak(torch.device("cpu"), "bf16") == (None, "no trustworthy CPU peak at precision bf16")
 
 
+def test_a_cpu_runs_mfu_divides_by_the_peak_its_prediction_divided_by(monkeypatch):
+    """The run's step-time prediction divided by its this profile's best matmul (the planner's
+    MFU peak); the run's mfu_pct uses that figure, not a matmul of its own (they were 12% apart)."""
+    monkeypatch.setattr(flops, "cpu_peak", lambda precision: pytest.fail("measured although the prediction had one"))
+    peak, source = device_peak(torch.device("cpu"), 32, predicted=2e11)
+    assert peak == 2e11 and "the this profile's best size" in source
+    assert utilisation(1e9, 0.01, torch.device("cpu"), "32", predicted_peak=2e11)["mfu_pct"] == pytest.approx(50)
+    assert device_peak(torch.device("cpu"), "bf16", predicted=2e11)[0] is None  # fp32 only, as before
+
+
 @pytest.fixture
 def tf32():
     """Sets torch's TF32 matmul flag (a property monkeypatch cannot undo), restored after."""
@@ -139,7 +149,7 @@ def test_a_cuda_device_reads_the_table_unless_tf32_is_on(monkeypatch, tf32):
 
 # ---------------------------------------------------------------------- utilisation
 def test_utilisation_is_achieved_flops_over_the_peak_in_percent(monkeypatch):
-    monkeypatch.setattr(flops, "device_peak", lambda device, precision: (1e12, "table: X"))
+    monkeypatch.setattr(flops, "device_peak", lambda device, precision, predicted=None: (1e12, "table: X"))
     out = utilisation(2e11, 0.5, torch.device("cpu"), "32")
     assert out == {
         "model_flops_per_step_per_rank": 2e11,
@@ -158,7 +168,7 @@ def test_without_flops_or_a_step_time_there_is_no_utilisation(monkeypatch):
 
 
 def test_an_mfu_above_100_percent_is_null_and_the_peak_not_trusted(monkeypatch):
-    monkeypatch.setattr(flops, "device_peak", lambda device, precision: (1e12, "measured: x"))
+    monkeypatch.setattr(flops, "device_peak", lambda device, precision, predicted=None: (1e12, "measured: x"))
     out = utilisation(3e12, 1.0, torch.device("cpu"), "32")
     assert out["mfu_pct"] is None and out["achieved_flops_per_s"] == 3e12
     assert out["peak_flops_source"] == "measured: x; achieved 3 TFLOP/s is above it: peak not trusted"
@@ -167,6 +177,6 @@ def test_an_mfu_above_100_percent_is_null_and_the_peak_not_trusted(monkeypatch):
 
 
 def test_a_device_without_a_peak_has_no_mfu_but_its_reason(monkeypatch):
-    monkeypatch.setattr(flops, "device_peak", lambda device, precision: (None, "unknown device"))
+    monkeypatch.setattr(flops, "device_peak", lambda device, precision, predicted=None: (None, "unknown device"))
     out = utilisation(1e9, 1.0, torch.device("cpu"), "32")
     assert out["mfu_pct"] is None and out["peak_flops_source"] == "unknown device" and out["peak_flops_per_s"] is None
