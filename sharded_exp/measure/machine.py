@@ -633,7 +633,8 @@ def this_cuda_profile(remeasure: bool = False) -> DeviceProfile:
     curves = {("matmul", d): Curve(tuple(tuple(p) for p in pts), source) for d, pts in found["matmul"].items()}
     curves |= {("attention", d): c for (k, d), c in list(curves.items())}
     curves |= {
-        ("attention", d): Curve(tuple(tuple(p) for p in pts), source) for d, pts in found.get("attention", {}).items()
+        ("attention", d): Curve(tuple(tuple(p) for p in pts), source, causal_calls=True)
+        for d, pts in found.get("attention", {}).items()
     }
     peaks = {}
     for dtype, points in found["matmul"].items():
@@ -671,7 +672,8 @@ def this_profile(threads: int, remeasure: bool = False) -> tuple[DeviceProfile, 
     # attention at its own measured rate; a dtype it was not measured in at the matmul's
     curves |= {("attention", d): c for (k, d), c in list(curves.items())}
     curves |= {
-        ("attention", d): Curve(tuple(tuple(p) for p in pts), source) for d, pts in found.get("attention", {}).items()
+        ("attention", d): Curve(tuple(tuple(p) for p in pts), source, causal_calls=True)
+        for d, pts in found.get("attention", {}).items()
     }
     layouts = {
         (layout, d): Curve(tuple(tuple(p) for p in pts), source)

@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from sharded_exp.measure.flops import count_cpu_attention
-from sharded_exp.speed.compute import tensor_bytes, timed_op
+from sharded_exp.speed.compute import classify, tensor_bytes, timed_op
 
 count_cpu_attention()  # the CPU's fused attention gets FLOPs in the trace
 
@@ -131,6 +131,8 @@ class OpTrace(TorchDispatchMode):
         packet = func._overloadpacket
         flops = flop_registry[packet](*args, **kwargs, out_val=out) if packet in flop_registry else 0
         self._record(str(func), int(flops), tensor_bytes((args, kwargs)), tensor_bytes(out), _dtype(args))
+        if classify(str(func)) == "attention":  # a fused kernel run here (the CPU's): causal as called
+            self.trace.records[-1]["causal"] = is_causal(func, args, kwargs)
         operands = MATMUL_OPERANDS.get(packet)
         if operands is not None:
             self.trace.records[-1]["layout"] = "".join(_read_as(args[i]) for i in operands)
@@ -163,6 +165,17 @@ class OpTrace(TorchDispatchMode):
                 {"op": "attention.backward", "flops": backward, "input_bytes": nbytes, "output_bytes": nbytes,
                  "dtype": dtype, "backward": True, "unit": None, "deferred": True, "causal": causal}
             )  # fmt: skip
+
+
+def is_causal(func, args, kwargs) -> bool:
+    """An attention op's ``is_causal`` argument as called (the CPU's flash kernel and its
+    backward take one), False where it has none."""
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.name == "is_causal":
+            if "is_causal" in kwargs:
+                return bool(kwargs["is_causal"])
+            return bool(args[i]) if i < len(args) else bool(argument.default_value)
+    return False
 
 
 @contextlib.contextmanager

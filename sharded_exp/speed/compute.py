@@ -5,9 +5,9 @@ An op is (class, FLOPs, bytes moved, dtype). Its time is
 - the profile's measured curve for that class and dtype where it has one: FLOPs / the
   achieved rate at that size, read from (FLOPs, TFLOP/s) points by straight lines in log-log
   space (clamped at both ends: no extrapolation past what was measured). An attention
-  curve is measured on causal calls, its rate per FLOP as torch counts them (the whole
-  square), of which a causal kernel runs half (below): a call that is not causal runs them
-  all, twice the causal call's time;
+  curve measured on causal calls (:attr:`Curve.causal_calls`) has its rate per FLOP as torch
+  counts them (the whole square), of which a causal kernel runs half (below): a call that is
+  not causal runs them all, twice the causal call's time;
 - otherwise the roofline: ``max(FLOPs / matmul rate(dtype), bytes / memory bandwidth)``, where
   the matmul rate is the datasheet peak times a published micro-benchmark's fraction when the
   profile has one (:meth:`DeviceProfile.matmul_flops_per_s`).
@@ -145,7 +145,7 @@ def op_time(op: Op, device: DeviceProfile) -> float:
     curve = curve or device.curve(op.kind, op.dtype)
     if curve is not None:
         seconds = op.flops / achieved_flops_per_s(curve, op.flops)
-        return seconds if op.kind != "attention" or op.causal else 2 * seconds  # a causal curve
+        return 2 * seconds if op.kind == "attention" and curve.causal_calls and not op.causal else seconds
     if op.kind == "attention":
         rate = device.attention_flops_per_s("backward" if op.backward else "forward", op.dtype)
         if rate is not None:

@@ -66,6 +66,10 @@ class Curve:
     points: tuple[tuple[float, float], ...]
     source: Source
     note: str = ""
+    causal_calls: bool = False
+    """An attention curve measured on causal calls, its FLOPs counted over the whole square
+    (:func:`sharded_exp.measure.machine.measure_attention`): a call that is not causal takes
+    twice its time. False for a matmul's curve standing in for attention's."""
 
 
 @dataclass(frozen=True)

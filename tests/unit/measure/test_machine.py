@@ -13,8 +13,8 @@ from sharded_exp.measure import machine
 
 def test_the_profile_is_built_from_the_cache_without_measuring(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    figures = {"matmul": {"fp32": [[1e6, 0.01], [1e9, 0.05]]}, "memory_bandwidth_GBps": 10.0, "op_overhead_s": 5e-6,
-               "step_op_overhead_s": {"fp32": 2e-5, "bf16": 3e-5},
+    figures = {"matmul": {"fp32": [[1e6, 0.01], [1e9, 0.05]], "bf16": [[1e9, 0.08]]}, "memory_bandwidth_GBps": 10.0,
+               "op_overhead_s": 5e-6, "step_op_overhead_s": {"fp32": 2e-5, "bf16": 3e-5},
                "link": {"bandwidth_GBps": 0.5, "step_latency_us": 100.0}, "measured_at": "then"}  # fmt: skip
     path = tmp_path / "sharded_exp" / "this_profile.json"
     path.parent.mkdir()
@@ -27,7 +27,10 @@ def test_the_profile_is_built_from_the_cache_without_measuring(tmp_path, monkeyp
     assert device.peak_flops_per_s("fp32") == 0.05e12 and device.curve("matmul", "fp32").points[0] == (1e6, 0.01)
     assert link.bandwidth_Bps == 0.5e9 and link.ring_step_latency_s == pytest.approx(1e-4)
     assert device.curve("attention", "fp32") == device.curve("matmul", "fp32")  # attention not measured
+    assert not device.curve("attention", "fp32").causal_calls  # so no causal curve: priced as the matmul's
     assert device.host_cost_s("fp32", sharded_parameters=True) == 2e-5  # nor an FSDP2 step: the plain figure
+    with pytest.raises(ValueError, match="bf16"):  # MFU on a CPU in fp32 only, as a run's mfu_pct
+        device.peak_flops_per_s("bf16")
 
 
 def test_attention_and_the_fsdp2_steps_host_cost_are_read_where_measured(tmp_path, monkeypatch):
@@ -40,6 +43,7 @@ def test_attention_and_the_fsdp2_steps_host_cost_are_read_where_measured(tmp_pat
     path.write_text(json.dumps({machine._key(2): figures}))
     device, _ = machine.this_profile(2)
     assert device.curve("attention", "fp32").points == ((1e8, 0.002), (2e9, 0.02))
+    assert device.curve("attention", "fp32").causal_calls  # measured on causal calls
     assert device.host_cost_s("fp32") == 2e-5 and device.host_cost_s("fp32", sharded_parameters=True) == 7e-5
 
 

@@ -48,6 +48,18 @@ def test_the_cpus_fused_attention_counts_the_flops_of_its_cuda_kernels():
     assert counter.get_total_flops() == forward + 2.5 * forward
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_cpus_fused_attention_is_recorded_causal_as_it_was_called(causal):
+    """The this profile's attention curve is of causal calls (a call that is not causal takes
+    twice its time): the CPU's kernel and its backward carry is_causal as called. They were
+    recorded with none, so a causal call was priced as a call that is not."""
+    q, trace = torch.randn(1, 2, 16, 8, requires_grad=True), Trace()
+    with tracing(trace, []):
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=causal).sum().backward()
+    attention = [r for r in trace.records if "flash_attention" in r["op"]]
+    assert len(attention) == 2 and all(r["causal"] is causal for r in attention)
+
+
 def test_ops_are_phased_and_the_forwards_attributed_to_their_units():
     model, trace = Two(), Trace()
     step(model, trace)

@@ -205,7 +205,7 @@ def test_accumulated_micro_batches_gather_each_time_and_reduce_once():
     assert fsdp["comm_s"] == pytest.approx(fsdp_one["comm_s"] + 2 * gathers)
     assert fsdp["compute_s"] == pytest.approx(fsdp_one["compute_s"])
     ddp, ddp_one = (predict_step_time(c, 8, compute, SHAPES, machine()) for c in (cfg("ddp"), single("ddp")))
-    assert ddp["comm_s"] == pytest.approx(ddp_one["comm_s"]) and ddp["exposed_comm_s"] >= ddp_one["exposed_comm_s"]
+    assert ddp["comm_s"] == pytest.approx(ddp_one["comm_s"]) and ddp["exposed_comm_s"] > ddp_one["exposed_comm_s"]
 
 
 def test_frozen_parameters_carry_no_gradient_over_the_link():

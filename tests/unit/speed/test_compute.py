@@ -70,10 +70,13 @@ def test_an_attention_curve_is_a_causal_calls_and_a_call_that_is_not_runs_twice_
     (a causal kernel runs half of them): 1e12 counted FLOPs on a flat 10 TFLOP/s curve take
     0.1 s causal, 0.2 s not (every FLOP counted is run). It priced both at 0.1 s."""
     plain = _device_with_curve()
-    flat = Curve(((1e6, 10.0), (1e14, 10.0)), plain.curve("matmul", "bf16").source)
+    flat = Curve(((1e6, 10.0), (1e14, 10.0)), plain.curve("matmul", "bf16").source, causal_calls=True)
     device = replace(plain, curves={**plain.curves, ("attention", "bf16"): flat})
     assert op_time(Op("attention", 1e12, 0, "bf16", "attention.forward", causal=True), device) == pytest.approx(0.1)
     assert op_time(Op("attention", 1e12, 0, "bf16", "attention.forward"), device) == pytest.approx(0.2)
+    # a matmul's curve standing in for attention's (a dtype attention was not measured in) is no causal curve
+    stand_in = replace(plain, curves={**plain.curves, ("attention", "bf16"): replace(flat, causal_calls=False)})
+    assert op_time(Op("attention", 1e12, 0, "bf16", "attention.forward"), stand_in) == pytest.approx(0.1)
 
 
 def test_a_dtype_the_device_has_no_figure_for_is_refused_by_name():
