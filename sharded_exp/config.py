@@ -268,18 +268,18 @@ class TrainerConfig(Sealed):
     profile_steps steps right after warm-up; those steps are not timed."""
     profile_steps: int = 3
     """Steps profiled when profile=true."""
-    host_mmap_threshold: MmapThreshold = MmapThreshold.fixed
-    """The ranks' host malloc, glibc's (sharded_exp/measure/host_malloc.py). fixed: each rank fixes
-    the mmap threshold at 4 MiB, so a freed block of 4 MiB or more goes back to the kernel and
-    a CPU rank's resident memory (``peak_rss_mib``) is close to what its tensors hold; such
-    blocks are new pages, faulted in, every time a step makes them. dynamic: glibc's own rule,
-    as a plain script gets it: blocks up to 32 MiB come from the heap and are reused (steps
-    that make such blocks are shorter: 21-50% in docs/figures.md), and the heap keeps freed
-    blocks resident (``heap_free_mib``; a FSDP rank's freed gathers among them, several times
-    its tracked peak: docs/concepts/memory.md), which trainer.host_memory_check does not count.
-    Every strategy runs under the same rule, and the time model prices the new pages of the
-    one chosen. A ``MALLOC_MMAP_THRESHOLD_`` or ``glibc.malloc`` tunable in the environment
-    overrides both."""
+    host_mmap_threshold: MmapThreshold = MmapThreshold.dynamic
+    """The ranks' host malloc, glibc's (sharded_exp/measure/host_malloc.py). dynamic (the default):
+    glibc's own rule, as your own script gets it: blocks up to 32 MiB come from the heap and are
+    reused from step to step, and the heap keeps freed blocks resident (``heap_free_mib``; a FSDP
+    rank's freed gathers among them, which can make its ``peak_rss_mib`` several times its
+    tracked peak: docs/concepts/memory.md), which trainer.host_memory_check does not count.
+    fixed: each rank fixes the mmap threshold at 4 MiB, so a freed block of 4 MiB or more goes
+    back to the kernel and a CPU rank's resident memory is close to what its tensors hold; such
+    blocks are new pages, faulted in, every time a step makes them (steps that make them are
+    longer: 21-50% in docs/figures.md). Every strategy runs under the same rule, and the time
+    model prices the new pages of the one chosen. A ``MALLOC_MMAP_THRESHOLD_`` or
+    ``glibc.malloc`` tunable in the environment overrides both."""
     host_memory_check: bool = True
     """On CPU: refuse a job whose predicted peaks (all ranks on this machine, plus each
     process's own) exceed the host memory available, before it starts."""

@@ -55,8 +55,7 @@ def run_rank(
     os.environ.update(job.env)
     import_plugins()
     cfg = job.cfg()
-    # Before the model exists: with trainer.host_mmap_threshold=fixed (the default) freed large
-    # host blocks go back to the kernel instead of staying resident (host_malloc's docstring).
+    # Before the model exists: glibc's rule (the default), or =fixed (host_malloc's docstring).
     set_mmap_threshold(str(cfg.trainer.host_mmap_threshold))
     if job.device_type == "cuda":
         device = rank_device(local_rank)

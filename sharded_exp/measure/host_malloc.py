@@ -1,4 +1,4 @@
-"""A rank's host allocator: glibc's mmap threshold fixed at 4 MiB by default, so freed large blocks go back.
+"""A rank's host allocator: glibc's own mmap threshold by default, or fixed at 4 MiB so freed large blocks go back.
 
 glibc serves a request of at least ``M_MMAP_THRESHOLD`` bytes (128 KiB by default) with a
 mapping of its own and unmaps it on ``free``. Left to itself the threshold is *dynamic*
@@ -21,11 +21,13 @@ page faults and 40% of its step (docs/concepts/speed.md, "A CPU rank's page faul
 in a process left alone, while a unit's gather (the whole unit's parameters in one buffer),
 an 8 MiB weight or its gradient are still mapped and given back.
 
-It is the default (``trainer.host_mmap_threshold=fixed``), for every strategy alike, so that
-the strategies' resident memory and speed are compared under one rule. What it costs a step
-that makes blocks of 4 to 32 MiB (a 1024-wide layer's weight gradient, Adam's temporaries),
-and what glibc's own rule (``=dynamic``) costs the resident set instead, is measured in
-docs/figures.md ("The ranks' mmap threshold: fixed or glibc's").
+The default (``trainer.host_mmap_threshold=dynamic``) leaves glibc's rule, as your own script
+has it: a step's blocks up to 32 MiB come from the heap and are reused, and a FSDP rank's
+resident set keeps its freed gathers. ``=fixed`` spares that resident memory at the price of
+new pages every step for every block of 4 MiB or more (a 1024-wide layer's weight gradient,
+Adam's temporaries). Every strategy runs under the one rule chosen. Both costs are measured in
+docs/figures.md ("The ranks' mmap threshold: fixed or glibc's"); the default was ``fixed``
+until that page's figures showed what it cost a step.
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ def set_mmap_threshold(rule: str, env=os.environ) -> int | None:
     return _mallopt_threshold(DYNAMIC_THRESHOLD_MAX) if _fixed_here and not _yours(env) else None
 
 
-def mapped_from(env=os.environ, fixed: bool = True) -> int | None:
+def mapped_from(env=os.environ, fixed: bool = False) -> int | None:
     """The smallest block a rank's glibc maps anew each time it is asked for, in a steady
     state (bytes): the threshold the rank fixes (:func:`fix_mmap_threshold`; ``fixed``:
     ``trainer.host_mmap_threshold=fixed``); the one you set (``MALLOC_MMAP_THRESHOLD_``, or

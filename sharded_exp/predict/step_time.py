@@ -116,7 +116,7 @@ def step_compute(
     model_flops: float,
     math_dtype: str = "fp32",
     sharded_parameters: bool = False,
-    fixed_mmap_threshold: bool = True,
+    fixed_mmap_threshold: bool = False,
 ) -> StepCompute:
     """The trace's compute priced on ``device`` (see the module docstring). Each op costs its
     kernel time and the host's cost per op (:meth:`DeviceProfile.host_cost_s`, for
@@ -192,8 +192,9 @@ def new_pages(record: dict, mapped_from_bytes: int) -> int:
 
 
 def fixes_mmap_threshold(cfg) -> bool:
-    """Whether ``cfg``'s CPU ranks fix glibc's mmap threshold (``trainer.host_mmap_threshold``)."""
-    return str(OmegaConf.select(cfg, "trainer.host_mmap_threshold", default="fixed")) == "fixed"
+    """Whether ``cfg``'s CPU ranks fix glibc's mmap threshold (``trainer.host_mmap_threshold``;
+    a config without the key runs glibc's dynamic rule, the default)."""
+    return str(OmegaConf.select(cfg, "trainer.host_mmap_threshold", default="dynamic")) == "fixed"
 
 
 def shards_parameters(cfg) -> bool:

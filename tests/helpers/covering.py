@@ -29,7 +29,7 @@ RUNS = {
         "trainer.seed=1", "trainer.grad_clip=0.5", "trainer.memory_limit_mib=1000", "trainer.stop_grace_s=30",
         "trainer.accelerator=cpu", "trainer.progress_bar=true", "model.in_features=32", "model.num_classes=5",
         "data.seed=7", "data.teacher_hidden=16", "trainer.profile=true", "trainer.profile_steps=2",
-        "trainer.memory_snapshot=always", "trainer.host_mmap_threshold=dynamic", *WANDB,
+        "trainer.memory_snapshot=always", "trainer.host_mmap_threshold=fixed", *WANDB,
     ],
     # OSS's knobs, SGD with momentum, the GPT's shape, bf16, three ranks.
     "oss": [

@@ -176,19 +176,19 @@ def test_a_cpu_step_pays_for_the_pages_of_each_block_glibc_maps_anew(monkeypatch
 
     from sharded_exp.predict import step_time
 
-    monkeypatch.setattr(step_time, "mapped_from", lambda fixed=True: (4 if fixed else 32) * 2**20)
+    monkeypatch.setattr(step_time, "mapped_from", lambda fixed: (4 if fixed else 32) * 2**20)
     fresh = trace()
     fresh.records[1]["fresh_bytes"] = (8 * 2**20, 2**20)  # unit 0's matmul: one block mapped, one from the heap
     page = 1e-6
     plain = step_compute(fresh, H100, 6e12)
-    priced = step_compute(fresh, replace(H100, fresh_page_s=page), 6e12)
+    priced = step_compute(fresh, replace(H100, fresh_page_s=page), 6e12, fixed_mmap_threshold=True)
     pages = -(-(8 * 2**20 + 16) // step_time.mmap.PAGESIZE)
     assert priced.forward_s[0] == pytest.approx(plain.forward_s[0] + pages * page)
     assert priced.forward_s[1:] == plain.forward_s[1:] and priced.optimizer_s == plain.optimizer_s
-    # trainer.host_mmap_threshold=dynamic: glibc maps anew only above 32 MiB, so the 8 MiB block is free
-    dynamic = step_compute(fresh, replace(H100, fresh_page_s=page), 6e12, fixed_mmap_threshold=False)
+    # trainer.host_mmap_threshold=dynamic (the default): glibc maps anew only above 32 MiB, so the 8 MiB block is free
+    dynamic = step_compute(fresh, replace(H100, fresh_page_s=page), 6e12)
     assert dynamic.forward_s == plain.forward_s
-    on_gpu = step_compute(fresh, replace(H100, fresh_page_s=page, asynchronous=True), 6e12)
+    on_gpu = step_compute(fresh, replace(H100, fresh_page_s=page, asynchronous=True), 6e12, fixed_mmap_threshold=True)
     assert on_gpu.forward_s == step_compute(fresh, replace(H100, asynchronous=True), 6e12).forward_s
 
 
