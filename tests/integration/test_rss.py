@@ -57,8 +57,13 @@ def test_a_freed_large_block_no_longer_raises_the_threshold():
     assert second("fixed", 1) == "heap"
 
 
-STACK = ["model.depth=16", "trainer.world_size=8", "trainer.steps=3", "trainer.warmup_steps=2",
-         "trainer.host_mmap_threshold=fixed"]  # the lever that spares a FSDP rank's freed gathers
+STACK = [
+    "model.depth=16",
+    "trainer.world_size=8",
+    "trainer.steps=3",
+    "trainer.warmup_steps=2",
+    "trainer.host_mmap_threshold=fixed",
+]  # the lever that spares a FSDP rank's freed gathers
 WIDE, NARROW = "model.hidden=1024", "model.hidden=32"  # 4 MiB per weight (at the fixed threshold), and tiny
 
 
