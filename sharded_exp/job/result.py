@@ -152,7 +152,9 @@ class Throughput(_Open):
     step_time_prediction: dict[str, Any] | None = None
     """The prediction's parts: compute_s, comm_s, exposed_comm_s, optimizer_s, the profile,
     its predicted MFU, the peak that MFU divides by (``peak_flops_per_s``: on CPU the run's
-    ``mfu_pct`` divides by it too) and throughput per device, or the error that left it null."""
+    ``mfu_pct`` divides by it too) and throughput per device, or the error that left it null.
+    On CPU also ``threads_per_rank`` and ``fresh_pages_per_step``: the new pages glibc maps a
+    step, as the time model prices them (beside each rank's measured ``page_faults_per_step``)."""
 
 
 class Evaluation(_Closed):
@@ -181,6 +183,12 @@ class RankMemory(_Open):
     tracked (gloo's worker, dropping a collective's buffer after the training thread moved
     on): the measured peak may hold one such buffer more than the prediction (program
     order); None on CUDA, whose allocator counters need no such note."""
+    page_faults_per_step: Number | None = None
+    """This rank's process: its minor page faults (``getrusage``'s ``ru_minflt``) per timed
+    step, every thread's: the new pages it touched, which the kernel zeroes. On CPU, each
+    block glibc maps anew and each page its heap gives back and takes again is faulted in
+    every step (``trainer.host_mmap_threshold``; ``step_time_prediction.fresh_pages_per_step``
+    is the time model's count). None without ``getrusage`` or timed steps."""
     heap_free_mib: Number | None = None
     """Host memory: what glibc's malloc heaps held free at the run's end (``mallinfo2``'s ``fordblks``):
     blocks below the rank's mmap threshold freed but kept by the process, part of its

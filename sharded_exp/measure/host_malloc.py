@@ -144,3 +144,14 @@ def heap_free_mib() -> float | None:
         return None
     mallinfo2.restype = _MallInfo2
     return mallinfo2().fordblks / 2**20
+
+
+def minor_faults() -> int | None:
+    """This process's minor page faults so far, every thread's (``getrusage``'s ``ru_minflt``:
+    pages it touched that were not yet resident, which the kernel maps and zeroes), or None
+    where there is no ``getrusage`` (Windows)."""
+    try:
+        import resource  # lazy: Unix only (Windows has no getrusage)
+    except ImportError:
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -191,6 +191,14 @@ def new_pages(record: dict, mapped_from_bytes: int) -> int:
     return sum(-(-(n + 16) // page) for n in record.get("fresh_bytes", ()) if n >= mapped_from_bytes)
 
 
+def fresh_pages(trace: Trace, fixed_mmap_threshold: bool) -> int | None:
+    """The new pages a CPU rank's step is priced for (:func:`new_pages` over the trace's
+    ops), beside which a run records the page faults it measured (``page_faults_per_step``
+    per rank); None where the C library is not glibc (not modelled)."""
+    mapped = mapped_from(fixed=fixed_mmap_threshold)
+    return None if mapped is None else sum(new_pages(r, mapped) for r in trace.phased())
+
+
 def fixes_mmap_threshold(cfg) -> bool:
     """Whether ``cfg``'s CPU ranks fix glibc's mmap threshold (``trainer.host_mmap_threshold``;
     a config without the key runs glibc's dynamic rule, the default)."""
@@ -330,7 +338,7 @@ def run_step_time(
             threads = max(1, (os.cpu_count() or 1) // local)  # as a CPU rank sets its threads
             device, link = this.this_profile(threads)
             machine = Machine(device, link, None, world_size, None, device.memory_bandwidth_Bps)
-            extra = {"threads_per_rank": threads}
+            extra = {"threads_per_rank": threads, "fresh_pages_per_step": fresh_pages(trace, fixes_mmap_threshold(cfg))}
         compute = step_compute(
             trace, device, est.flops_per_step, math_dtype(cfg), shards_parameters(cfg), fixes_mmap_threshold(cfg)
         )

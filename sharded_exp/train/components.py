@@ -29,6 +29,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from sharded_exp.errors import is_oom
+from sharded_exp.measure.host_malloc import minor_faults
 from sharded_exp.measure.profile import StepProfiler
 from sharded_exp.measure.tracker import MemoryMeter
 from sharded_exp.train import liveness
@@ -130,17 +131,28 @@ class Speed(Component):
         self._end: float | None = None
         self.loads: list[float] = []
         """The machine's 1-minute load average when the timed window opened and closed."""
+        self.faults: list[int | None] = []
+        """This process's minor page faults so far when the timed window opened and closed."""
 
     def start_window(self, step: int) -> None:
         if step == self.windows.timed_from:
             _sync(self.device)
             self._start = time.perf_counter()
             self.loads.append(_load())
+            self.faults.append(minor_faults())
 
     def stop_window(self) -> None:
         self._end = time.perf_counter()
         if self._start is not None:
             self.loads.append(_load())
+            self.faults.append(minor_faults())
+
+    def end(self, out: LoopOutcome, position: dict | None) -> None:
+        """Every rank's page faults per timed step (result.json's ``memory.per_rank``)."""
+        timed = out.steps_done - self.windows.timed_from
+        opened, closed = (self.faults + [None, None])[:2]
+        if opened is not None and closed is not None and timed > 0:
+            out.extra["page_faults_per_step"] = (closed - opened) / timed
 
     def after_step(self, result: StepResult) -> None:
         if "input_ids" in result.batches[0]:

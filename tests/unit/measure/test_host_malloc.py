@@ -85,3 +85,20 @@ def test_the_time_model_reads_the_rule_from_the_config(trainer, fixed):
     from sharded_exp.predict.step_time import fixes_mmap_threshold
 
     assert fixes_mmap_threshold(OmegaConf.create({"trainer": trainer})) is fixed
+
+
+def test_a_process_counts_its_page_faults():
+    """Touching new pages raises the process's minor-fault count by about as many pages."""
+    import mmap
+
+    from sharded_exp.measure.host_malloc import minor_faults
+
+    before = minor_faults()
+    if before is None:
+        pytest.skip("no getrusage here")
+    pages = 256
+    block = mmap.mmap(-1, pages * mmap.PAGESIZE)  # anonymous: no page resident until written
+    for i in range(pages):
+        block[i * mmap.PAGESIZE] = 1
+    assert minor_faults() - before >= pages
+    block.close()

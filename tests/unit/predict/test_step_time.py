@@ -192,6 +192,22 @@ def test_a_cpu_step_pays_for_the_pages_of_each_block_glibc_maps_anew(monkeypatch
     assert on_gpu.forward_s == step_compute(fresh, replace(H100, asynchronous=True), 6e12).forward_s
 
 
+def test_a_cpu_run_records_the_pages_it_prices(monkeypatch):
+    """``fresh_pages_per_step`` is the count the step is priced for: the pages of each block at
+    or above the threshold in force, none below it; None where glibc's rule is not modelled."""
+    from sharded_exp.predict import step_time
+
+    monkeypatch.setattr(step_time, "mapped_from", lambda fixed: (4 if fixed else 32) * 2**20)
+    fresh = trace()
+    fresh.records[1]["fresh_bytes"] = (8 * 2**20, 2**20)
+    fresh.records[2]["fresh_bytes"] = (40 * 2**20,)
+    page = step_time.mmap.PAGESIZE
+    assert step_time.fresh_pages(fresh, True) == -(-(8 * 2**20 + 16) // page) + -(-(40 * 2**20 + 16) // page)
+    assert step_time.fresh_pages(fresh, False) == -(-(40 * 2**20 + 16) // page)
+    monkeypatch.setattr(step_time, "mapped_from", lambda fixed: None)  # not glibc
+    assert step_time.fresh_pages(fresh, True) is None
+
+
 def test_accumulated_micro_batches_gather_each_time_and_reduce_once():
     """grad_accum 2 against one micro-batch of the same samples (the same trace): FSDP2
     gathers every unit's parameters in each micro-batch (forward and, resharded, backward)

@@ -156,6 +156,26 @@ def test_speed_opens_its_window_at_timed_from_only_and_divides_the_loop_time_by_
     assert stats["data_prefetched"] is True
 
 
+def test_speed_counts_each_ranks_page_faults_per_timed_step(monkeypatch):
+    """The process's minor faults read when the timed window opens and closes, over the
+    steps timed: every rank's ``page_faults_per_step``; none without getrusage."""
+    faults = iter([1_000, 1_000 + 4 * 2_500])
+    monkeypatch.setattr(parts, "minor_faults", lambda: next(faults))
+    s, _ = speed(monkeypatch, w=windows(timed_from=2), clock=(0.0, 1.0), loads=(1.0, 1.0))
+    s.start_window(2)
+    s.stop_window()
+    out = outcome(6)
+    s.end(out, None)
+    assert out.extra["page_faults_per_step"] == 2_500
+    monkeypatch.setattr(parts, "minor_faults", lambda: None)
+    s, _ = speed(monkeypatch, w=windows(timed_from=2), clock=(0.0, 1.0), loads=(1.0, 1.0))
+    s.start_window(2)
+    s.stop_window()
+    out = outcome(6)
+    s.end(out, None)
+    assert "page_faults_per_step" not in out.extra
+
+
 def test_speed_reports_no_load_where_the_platform_has_none(monkeypatch):
     s, _ = speed(monkeypatch, w=windows(timed_from=0), clock=(0.0, 1.0), loads=(-1.0, -1.0))
     s.start_window(0)
