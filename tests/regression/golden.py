@@ -108,6 +108,8 @@ RULES = [
     ("memory.peak_rss_mib_max", "skip"),
     ("memory.per_rank.*.peak_rss_mib", "skip"),
     ("memory.per_rank.*.checkpoint_rss_growth_mib", "skip"),
+    ("memory.per_rank.*.page_faults_per_step", "skip"),  # the process's, as its resident set
+    ("memory.per_rank.*.heap_free_mib", "skip"),  # glibc's heaps: the process's, as its resident set
     ("report.csv.*.samples_per_s*", "skip"),  # with its interval
     ("report.csv.*.speed_*", "skip"),  # the ratio, its interval, whether it is within noise
     ("report.csv.*.load_avg_1m", "skip"),
