@@ -277,7 +277,7 @@ class TrainerConfig(Sealed):
     fixed: each rank fixes the mmap threshold at 4 MiB, so a freed block of 4 MiB or more goes
     back to the kernel and a CPU rank's resident memory is close to what its tensors hold; such
     blocks are new pages, faulted in, every time a step makes them (steps that make them are
-    longer: 21-50% in docs/figures.md). Every strategy runs under the same rule, and the time
+    longer: 26-38% for a 1024-wide MLP, 39-101% for hf_gpt2, in docs/figures.md). Every strategy runs under the same rule, and the time
     model prices the new pages of the one chosen. A ``MALLOC_MMAP_THRESHOLD_`` or
     ``glibc.malloc`` tunable in the environment overrides both."""
     host_memory_check: bool = True

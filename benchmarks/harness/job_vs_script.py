@@ -2,7 +2,7 @@
 
     python -m benchmarks.harness.job_vs_script                  # 5 paired runs, 8 x 1024 MLP, 40 steps
     python -m benchmarks.harness.job_vs_script --pairs 1 --steps 5 --depth 2 --hidden 64   # smoke
-    python -m benchmarks.harness.job_vs_script --job trainer.host_mmap_threshold=dynamic    # the job with more overrides
+    python -m benchmarks.harness.job_vs_script --job trainer.host_mmap_threshold=fixed      # the job with more overrides
 
 Each pair runs, back to back and in alternating order, ``python -m sharded_exp`` (DDP, 2
 ranks, Adam, the teacher task, W&B off, everything else as configured: the parent's

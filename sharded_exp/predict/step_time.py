@@ -194,7 +194,8 @@ def new_pages(record: dict, mapped_from_bytes: int) -> int:
 def fresh_pages(trace: Trace, fixed_mmap_threshold: bool) -> int | None:
     """The new pages a CPU rank's step is priced for (:func:`new_pages` over the trace's
     ops), beside which a run records the page faults it measured (``page_faults_per_step``
-    per rank); None where the C library is not glibc (not modelled)."""
+    per rank); None where the C library is not glibc (not modelled). A run records it only where
+    its profile prices a page (``fresh_page_s``)."""
     mapped = mapped_from(fixed=fixed_mmap_threshold)
     return None if mapped is None else sum(new_pages(r, mapped) for r in trace.phased())
 
@@ -338,7 +339,8 @@ def run_step_time(
             threads = max(1, (os.cpu_count() or 1) // local)  # as a CPU rank sets its threads
             device, link = this.this_profile(threads)
             machine = Machine(device, link, None, world_size, None, device.memory_bandwidth_Bps)
-            extra = {"threads_per_rank": threads, "fresh_pages_per_step": fresh_pages(trace, fixes_mmap_threshold(cfg))}
+            pages = fresh_pages(trace, fixes_mmap_threshold(cfg)) if device.fresh_page_s else None  # priced only so
+            extra = {"threads_per_rank": threads, "fresh_pages_per_step": pages}
         compute = step_compute(
             trace, device, est.flops_per_step, math_dtype(cfg), shards_parameters(cfg), fixes_mmap_threshold(cfg)
         )

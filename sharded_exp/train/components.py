@@ -131,30 +131,33 @@ class Speed(Component):
         self._end: float | None = None
         self.loads: list[float] = []
         """The machine's 1-minute load average when the timed window opened and closed."""
-        self.faults: list[int | None] = []
-        """This process's minor page faults so far when the timed window opened and closed."""
+        self._faults_before: int | None = None
+        self.step_faults: list[int] = []
+        """This process's minor page faults during each timed step (its batch's making and the
+        evaluations, checkpoints and logging between steps left out)."""
 
     def start_window(self, step: int) -> None:
         if step == self.windows.timed_from:
             _sync(self.device)
             self._start = time.perf_counter()
             self.loads.append(_load())
-            self.faults.append(minor_faults())
 
     def stop_window(self) -> None:
         self._end = time.perf_counter()
         if self._start is not None:
             self.loads.append(_load())
-            self.faults.append(minor_faults())
+
+    def before_step(self, step: int, strategy) -> None:
+        self._faults_before = minor_faults() if step >= self.windows.timed_from else None
 
     def end(self, out: LoopOutcome, position: dict | None) -> None:
         """Every rank's page faults per timed step (result.json's ``memory.per_rank``)."""
-        timed = out.steps_done - self.windows.timed_from
-        opened, closed = (self.faults + [None, None])[:2]
-        if opened is not None and closed is not None and timed > 0:
-            out.extra["page_faults_per_step"] = (closed - opened) / timed
+        if self.step_faults:
+            out.extra["page_faults_per_step"] = sum(self.step_faults) / len(self.step_faults)
 
     def after_step(self, result: StepResult) -> None:
+        if self._faults_before is not None and result.step >= self.windows.timed_from:
+            self.step_faults.append(minor_faults() - self._faults_before)  # first: the step's own
         if "input_ids" in result.batches[0]:
             self.tokens_per_step = result.batches[0]["input_ids"].numel() * self.batches_per_step
         if result.step == self.windows.compile_step:

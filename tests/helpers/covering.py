@@ -16,7 +16,7 @@ ENV = {"ddp": {"SHARDED_EXP_FAULT": "rank=1,step=1,kind=inf_grad"}}
 """The environment of a covering run (a testing aid)."""
 RUNS = {
     # DDP's knobs, AdamW's (foreach kernels on CPU), float16's loss scaling, and the trainer's
-    # odds and ends (gradients zeroed, not freed, between steps; glibc's own mmap threshold). The inf
+    # odds and ends (gradients zeroed, not freed, between steps; the mmap threshold fixed). The inf
     # at step 1 (rank 1's gradient) is skipped and backs the scale off by 0.25; three clean
     # steps double it: 1024 -> 256 -> 512 after 6 steps.
     "ddp": [

@@ -40,7 +40,7 @@ print("heap" if any(int(lo, 16) <= second < int(hi, 16) for lo, hi in heaps) els
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's dynamic mmap threshold only")
 def test_a_freed_large_block_no_longer_raises_the_threshold():
-    """With the threshold fixed (what every rank does first), an 8 MiB block freed and asked for
+    """With the threshold fixed (what a rank does first under ``fixed``), an 8 MiB block freed and asked for
     again is mapped anew and goes back to the kernel when freed; left dynamic, the free raises the
     threshold to 8 MiB and the second block is carved from the heap (where it stays resident).
     A 1 MiB block, below the fixed threshold, comes from the heap and is reused: not new pages

@@ -1,4 +1,4 @@
-"""The host's malloc: the mmap threshold a rank fixes (unless the user set glibc's malloc), what its heap holds free."""
+"""The host's malloc: the mmap threshold a rank fixes under ``fixed`` (unless the user set glibc's malloc), what its heap holds free, its page faults."""
 
 from __future__ import annotations
 

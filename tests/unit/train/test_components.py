@@ -157,21 +157,23 @@ def test_speed_opens_its_window_at_timed_from_only_and_divides_the_loop_time_by_
 
 
 def test_speed_counts_each_ranks_page_faults_per_timed_step(monkeypatch):
-    """The process's minor faults read when the timed window opens and closes, over the
+    """The process's minor faults read just before and just after each timed step (so not
+    its batch's making, nor an evaluation or a checkpoint between steps), averaged over the
     steps timed: every rank's ``page_faults_per_step``; none without getrusage."""
-    faults = iter([1_000, 1_000 + 4 * 2_500])
-    monkeypatch.setattr(parts, "minor_faults", lambda: next(faults))
-    s, _ = speed(monkeypatch, w=windows(timed_from=2), clock=(0.0, 1.0), loads=(1.0, 1.0))
-    s.start_window(2)
-    s.stop_window()
-    out = outcome(6)
+    reads = iter([100, 300, 1_000, 1_400])  # steps 2 and 3: 200 and 400
+    monkeypatch.setattr(parts, "minor_faults", lambda: next(reads))
+    s, _ = speed(monkeypatch, w=windows(timed_from=2))
+    for step in range(4):
+        s.before_step(step, None)  # steps 0 and 1 are not timed: nothing read
+        s.after_step(result(step))
+    out = outcome(4)
     s.end(out, None)
-    assert out.extra["page_faults_per_step"] == 2_500
+    assert s.step_faults == [200, 400] and out.extra["page_faults_per_step"] == 300
     monkeypatch.setattr(parts, "minor_faults", lambda: None)
-    s, _ = speed(monkeypatch, w=windows(timed_from=2), clock=(0.0, 1.0), loads=(1.0, 1.0))
-    s.start_window(2)
-    s.stop_window()
-    out = outcome(6)
+    s, _ = speed(monkeypatch, w=windows(timed_from=0))
+    s.before_step(0, None)
+    s.after_step(result(0))
+    out = outcome(1)
     s.end(out, None)
     assert "page_faults_per_step" not in out.extra
 
