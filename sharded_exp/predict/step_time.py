@@ -10,7 +10,9 @@ strategy's collectives scheduled against it.
 - **Communication**: the strategy's time model (:class:`~sharded_exp.strategies.timing.TimeModel`)
   turns the model's units (their parameter and gradient bytes, from the model's shapes) into
   a schedule, priced on the machine's links, played by
-  :func:`sharded_exp.speed.schedule.simulate`.
+  :func:`sharded_exp.speed.schedule.simulate`. On a CPU, whose ranks' threads fill its cores,
+  the communication cannot hide under the compute: it takes its time from the same cores
+  (:func:`sharded_exp.speed.schedule.on_shared_cores`).
 - **MFU**: :func:`sharded_exp.speed.schedule.mfu`: the model's FLOPs per step on one device
   (recomputation not counted) over the step time and the device's peak for the math dtype:
   the definition a trained run's ``mfu_pct`` uses (:func:`sharded_exp.measure.flops.utilisation`).
@@ -33,7 +35,7 @@ from sharded_exp.predict.op_trace import Trace
 from sharded_exp.speed.collectives import Topology
 from sharded_exp.speed.compute import OP_KINDS, op_time, ops_from_records
 from sharded_exp.speed.profiles import DeviceProfile, LinkProfile, load_device, load_link, profile_for_device_name
-from sharded_exp.speed.schedule import Units, accumulated, mfu, simulate
+from sharded_exp.speed.schedule import Units, accumulated, mfu, on_shared_cores, simulate
 from sharded_exp.strategies import timing_of, traits_of
 from sharded_exp.strategies.timing import Fabric, TimeUnknown
 
@@ -57,6 +59,10 @@ class Machine:
     gpus_per_node: int = 8
     host: LinkProfile | None = None
     host_memory_Bps: float | None = None
+    shared_cores: bool = False
+    """A CPU whose ranks' threads fill its cores (as a CPU rank sets its threads): the
+    communication's work runs on the same cores as the compute, so nothing hides under it
+    (:func:`~sharded_exp.speed.schedule.on_shared_cores`)."""
 
     def fabric(self, world_size: int, params: int = 0) -> Fabric:
         topology = Topology(self.gpus_per_node, self.intra, self.inter)
@@ -263,6 +269,8 @@ def predict_step_time(cfg, world_size: int, compute: StepCompute, shapes, machin
     fabric = machine.fabric(world_size, shapes.params)
     try:
         played = simulate(_step_schedule(model, strategy, units, fabric, micro_batches(cfg)))
+        if machine.shared_cores:  # a CPU: gloo's work shares the ranks' cores
+            played = on_shared_cores(played)
     except TimeUnknown as exc:
         return {"step_time_s": None, "error": f"{machine.device.name}: {exc}"}
     samples, tokens = per_step(cfg)
@@ -338,7 +346,7 @@ def run_step_time(
         else:
             threads = max(1, (os.cpu_count() or 1) // local)  # as a CPU rank sets its threads
             device, link = this.this_profile(threads)
-            machine = Machine(device, link, None, world_size, None, device.memory_bandwidth_Bps)
+            machine = Machine(device, link, None, world_size, None, device.memory_bandwidth_Bps, shared_cores=True)
             pages = fresh_pages(trace, fixes_mmap_threshold(cfg)) if device.fresh_page_s else None  # priced only so
             extra = {"threads_per_rank": threads, "fresh_pages_per_step": pages}
         compute = step_compute(

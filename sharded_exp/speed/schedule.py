@@ -156,6 +156,18 @@ def simulate(schedule: Schedule) -> StepTime:
     return StepTime(step, compute, step - compute, dict(busy), spans)
 
 
+def on_shared_cores(played: StepTime) -> StepTime:
+    """The step where the other streams' work takes its time from the compute's own cores (a
+    CPU whose ranks' threads fill every core, as a CPU rank sets its threads: gloo's copies and
+    reductions run on the same cores as the step's ops). Work is conserved: the step takes at
+    least its compute plus every other stream's busy time, whatever overlap the schedule
+    allows, and longer where a wait in the schedule says so."""
+    floor = played.compute_s + sum(played.busy_s.values())
+    if played.step_time_s >= floor:
+        return played
+    return replace(played, step_time_s=floor, exposed_s=floor - played.compute_s)
+
+
 def accumulated(micro_batches: Sequence[Schedule]) -> Schedule:
     """One optimizer step of several micro-batches (``trainer.grad_accum``), in program order:
     each micro-batch's schedule after the one before, the last as the strategy schedules a

@@ -224,6 +224,19 @@ def test_accumulated_micro_batches_gather_each_time_and_reduce_once():
     assert ddp["comm_s"] == pytest.approx(ddp_one["comm_s"]) and ddp["exposed_comm_s"] > ddp_one["exposed_comm_s"]
 
 
+def test_on_a_cpus_shared_cores_every_collective_is_exposed():
+    """A CPU machine (its ranks' threads fill the cores): the same FSDP2 step exposes all its
+    communication, where the GPU's streams hide most of it under the compute."""
+    from dataclasses import replace
+
+    compute = step_compute(trace(), H100, 6e12)
+    gpu = predict_step_time(cfg("fsdp"), 8, compute, SHAPES, machine())
+    cpu = predict_step_time(cfg("fsdp"), 8, compute, SHAPES, replace(machine(), shared_cores=True))
+    assert gpu["exposed_comm_s"] < gpu["comm_s"]
+    assert cpu["exposed_comm_s"] == pytest.approx(cpu["comm_s"]) and cpu["comm_s"] == pytest.approx(gpu["comm_s"])
+    assert cpu["step_time_s"] == pytest.approx(cpu["compute_s"] + cpu["comm_s"])
+
+
 def test_frozen_parameters_carry_no_gradient_over_the_link():
     """Unit 0 and the root frozen (trainer.freeze): DDP all-reduces unit 1's 4e8 gradients,
     not all 1e9 parameters' (the reduce is bandwidth-bound at this size: 0.4 of the time)."""

@@ -17,6 +17,7 @@ from sharded_exp.speed.schedule import (
     host_step_time,
     mfu,
     offload,
+    on_shared_cores,
     oss,
     sharded_ddp,
     simulate,
@@ -72,6 +73,24 @@ def test_fsdp_prefetch_hides_behind_long_compute():
     assert result.spans["fwd:0"][0] == pytest.approx(4 * MS)
     assert result.spans["all_gather:bwd:2"] == pytest.approx((34 * MS, 38 * MS))
     assert result.spans["all_gather:bwd:1"] == pytest.approx((38 * MS, 42 * MS))  # hidden under bwd:2 (38-58)
+
+
+def test_on_a_cpus_shared_cores_nothing_hides():
+    """The FSDP2 step above (compute 90 ms, 6 all-gathers and 3 reduce-scatters of 4 ms: 36 ms
+    of communication, 12 of it exposed on a GPU) where gloo's work takes the compute's cores:
+    step 90 + 36 = 126 ms, exposed 36. A step whose waits already exceed that (the DDP step
+    with 15 ms all-reduces: 92 ms against 62 + 60 = 122) is floored the same way, and one with
+    nothing beside its compute is unchanged."""
+    units = Units([10 * MS] * 3, [20 * MS] * 3, [100] * 3)
+    shared = on_shared_cores(simulate(fsdp2(units, constant(all_gather=4, reduce_scatter=4))))
+    assert shared.step_time_s == pytest.approx(126 * MS) and shared.exposed_s == pytest.approx(36 * MS)
+    assert shared.compute_s == pytest.approx(90 * MS) and shared.comm_s == pytest.approx(36 * MS)
+    ddp_units = Units([5 * MS] * 4, [10 * MS] * 4, [100] * 4, optimizer_s=2 * MS)
+    assert on_shared_cores(simulate(ddp(ddp_units, constant(all_reduce=15), bucket_bytes=100))).step_time_s == (
+        pytest.approx(122 * MS)
+    )
+    alone = simulate(Schedule((Segment("fwd:0", 5 * MS),)))
+    assert on_shared_cores(alone) == alone
 
 
 def test_fsdp_with_compute_too_short_to_hide_is_communication_bound():
