@@ -221,7 +221,7 @@ def shards_parameters(cfg) -> bool:
 def per_step(cfg) -> tuple[int, int | None]:
     """(samples, tokens) one device processes per step (tokens: samples times the model's
     sequence length; None for a model without one)."""
-    samples = int(cfg.trainer.batch_size) * int(cfg.trainer.get("grad_accum", 1))
+    samples = int(cfg.trainer.batch_size) * micro_batches(cfg)
     seq = OmegaConf.select(cfg.model, "seq_len", default=None) or OmegaConf.select(cfg.data, "seq_len", default=None)
     return samples, (samples * int(seq) if seq else None)
 

@@ -148,24 +148,30 @@ class FSDPTime(TimeModel):
 
     @classmethod
     def schedule(cls, cfg, units: Units, price: Price, fabric: Fabric) -> Schedule:
-        reshard = bool(getattr(cfg, "reshard_after_forward", True))
-        if not getattr(cfg, "cpu_offload", False):
-            return schedule.fsdp2(units, price, reshard_after_forward=reshard)
-        if fabric.pcie_Bps is None or fabric.host_memory_Bps is None:
-            raise TimeUnknown("cpu_offload's copies and host step need the host link and host memory bandwidth")
-        shard = fabric.world_size // max(1, int(getattr(cfg, "replicate", 1)))
-        # Adam in float32 on the host: parameters, gradients, two moments read; three written
-        host_s = schedule.host_step_time(28 * fabric.params / shard, fabric.host_memory_Bps)
-        return schedule.offload(units, price, shard, fabric.pcie_Bps, host_s, reshard_after_forward=reshard)
+        return cls._step(cfg, units, price, fabric, reduce_gradients=True)
 
     @classmethod
     def micro_batch(cls, cfg, units: Units, price: Price, fabric: Fabric) -> Schedule:
         """Every micro-batch gathers each unit's parameters again (FSDP2 reshards after each
         backward whether or not gradients are reduced); only the last reduce-scatters."""
+        return cls._step(cfg, units, price, fabric, reduce_gradients=False)
+
+    @classmethod
+    def _step(cls, cfg, units: Units, price: Price, fabric: Fabric, reduce_gradients: bool) -> Schedule:
+        """A micro-batch on the device, or under CPU offload with its copies, and where it
+        reduces the gradients the host's optimizer step."""
         reshard = bool(getattr(cfg, "reshard_after_forward", True))
         if not getattr(cfg, "cpu_offload", False):
-            return schedule.fsdp2(units, price, reshard_after_forward=reshard, reduce_gradients=False)
+            return schedule.fsdp2(units, price, reshard_after_forward=reshard, reduce_gradients=reduce_gradients)
         if fabric.pcie_Bps is None:
             raise TimeUnknown("cpu_offload's copies need the host link")
+        if reduce_gradients and fabric.host_memory_Bps is None:
+            raise TimeUnknown("cpu_offload's host step needs the host memory bandwidth")
         shard = fabric.world_size // max(1, int(getattr(cfg, "replicate", 1)))
-        return schedule.offload(units, price, shard, fabric.pcie_Bps, 0.0, reshard, reduce_gradients=False)
+        # Adam in float32 on the host: parameters, gradients, two moments read; three written
+        host_s = (
+            schedule.host_step_time(28 * fabric.params / shard, fabric.host_memory_Bps) if reduce_gradients else 0.0
+        )
+        return schedule.offload(
+            units, price, shard, fabric.pcie_Bps, host_s, reshard, reduce_gradients=reduce_gradients
+        )
