@@ -180,8 +180,9 @@ class ZeroGrad(Option):
 
 
 class MmapThreshold(Option):
-    fixed = "fixed"
+    reuse = "reuse"
     dynamic = "dynamic"
+    fixed = "fixed"
 
 
 class MemorySnapshot(Option):
@@ -268,18 +269,21 @@ class TrainerConfig(Sealed):
     profile_steps steps right after warm-up; those steps are not timed."""
     profile_steps: int = 3
     """Steps profiled when profile=true."""
-    host_mmap_threshold: MmapThreshold = MmapThreshold.dynamic
-    """The ranks' host malloc, glibc's (sharded_exp/measure/host_malloc.py). dynamic (the default):
-    glibc's own rule, as your own script gets it: blocks up to 32 MiB come from the heap and are
-    reused from step to step, and the heap keeps freed blocks resident (``heap_free_mib``; a FSDP
-    rank's freed gathers among them, which can make its ``peak_rss_mib`` several times its
-    tracked peak: docs/concepts/memory.md), which trainer.host_memory_check does not count.
-    fixed: each rank fixes the mmap threshold at 4 MiB, so a freed block of 4 MiB or more goes
-    back to the kernel and a CPU rank's resident memory is close to what its tensors hold; such
-    blocks are new pages, faulted in, every time a step makes them (steps that make them are
-    longer: 26-38% for a 1024-wide MLP, 39-101% for hf_gpt2, in docs/figures.md). Every strategy runs under the same rule, and the time
-    model prices the new pages of the one chosen. A ``MALLOC_MMAP_THRESHOLD_`` or
-    ``glibc.malloc`` tunable in the environment overrides both."""
+    host_mmap_threshold: MmapThreshold = MmapThreshold.reuse
+    """The ranks' host malloc, glibc's (sharded_exp/measure/host_malloc.py). reuse (the default):
+    blocks up to 32 MiB come from the heap, which is never trimmed, so each step reuses the
+    last one's pages and faults in none (PyTorch's CPU tuning guide asks the same of an
+    allocator); larger blocks are mapped anew each step, and the time model prices those pages.
+    dynamic: glibc's own rule, as your own script gets it: the heap's top is given back and
+    faulted in again (1,400-2,800 pages a step for a gpt small rank, unpriced). fixed: the mmap
+    threshold at 4 MiB, so a freed block of 4 MiB or more goes back to the kernel and a CPU
+    rank's resident memory is close to what its tensors hold; such blocks are new pages every
+    time a step makes them (steps 26-101% longer, in docs/figures.md). Under reuse and dynamic
+    the heap keeps freed blocks resident (``heap_free_mib``; a FSDP rank's freed gathers among
+    them, which can make its ``peak_rss_mib`` several times its tracked peak:
+    docs/concepts/memory.md), which trainer.host_memory_check does not count. Every strategy
+    runs under the same rule. A ``MALLOC_*_`` setting of glibc's or a ``glibc.malloc`` tunable in
+    the environment overrides them all."""
     host_memory_check: bool = True
     """On CPU: refuse a job whose predicted peaks (all ranks on this machine, plus each
     process's own) exceed the host memory available, before it starts."""

@@ -1,10 +1,11 @@
-"""The new pages a CPU step is priced for, against the page faults its ranks measure, under both malloc rules.
+"""The new pages a CPU step is priced for, against the page faults its ranks measure, under each malloc rule.
 
     python -m benchmarks.accuracy.page_faults            # MLP 8 x 1024, gpt, hf_gpt2; ddp and fsdp; 2 ranks
     python -m benchmarks.accuracy.page_faults --quick    # the MLP under ddp only
 
-Each job is a real run under ``trainer.host_mmap_threshold=dynamic`` (glibc's rule, the
-default) and ``=fixed`` (4 MiB). Its result.json holds the time model's count of the pages a
+Each job is a real run under each ``trainer.host_mmap_threshold``: ``reuse`` (the default:
+the heap never trimmed, blocks above 32 MiB mapped), ``dynamic`` (glibc's own rule) and
+``fixed`` (4 MiB). Its result.json holds the time model's count of the pages a
 step makes that glibc maps anew (``throughput.step_time_prediction.fresh_pages_per_step``,
 from the run's own fake step) and each rank's measured minor page faults per timed step
 (``memory.per_rank[].page_faults_per_step``, ``getrusage``). Counts, not times: a machine
@@ -23,7 +24,7 @@ MODELS = {
     "gpt small": ["model=gpt"],
     "hf_gpt2 small": ["model=hf_gpt2"],
 }
-RULES = ("dynamic", "fixed")
+RULES = ("reuse", "dynamic", "fixed")
 
 
 def measure(model: str, overrides: list[str], strategy: str, rule: str, steps: int) -> dict:

@@ -6,7 +6,7 @@
 - :mod:`.supervise`: spawning and watching the ranks: the first failure, signals passed on, no orphans.
 - :mod:`.diagnose`: a failed rank turned into the failure laid over the result.
 - :mod:`.rank`: a rank's entry: device, process group, the trainer.
-- :mod:`sharded_exp.measure.host_malloc`: a rank's glibc mmap threshold, glibc's own rule or fixed (freed large host blocks then go back to the kernel).
+- :mod:`sharded_exp.measure.host_malloc`: a rank's glibc malloc rule: the heap reused (the default), glibc's own, or the mmap threshold fixed (freed large host blocks then go back to the kernel).
 - :mod:`.layout`: where ranks come from (spawned here, torchrun, SLURM).
 - :mod:`.forkserver`: the process ranks are forked from, started before heavy imports.
 - :mod:`sharded_exp.train.liveness`: on the rank side, stopping together on a signal and naming a

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from sharded_exp import logs
 from sharded_exp.job.result import write_json
 from sharded_exp.job.spec import JobSpec
-from sharded_exp.measure.host_malloc import set_mmap_threshold
+from sharded_exp.measure.host_malloc import set_malloc_rule
 from sharded_exp.precision import Precision
 from sharded_exp.registry import import_plugins
 from sharded_exp.train import liveness
@@ -55,8 +55,8 @@ def run_rank(
     os.environ.update(job.env)
     import_plugins()
     cfg = job.cfg()
-    # Before the model exists: glibc's rule (the default), or =fixed (host_malloc's docstring).
-    set_mmap_threshold(str(cfg.trainer.host_mmap_threshold))
+    # Before the model exists: the heap reused (the default), glibc's rule, or 4 MiB (host_malloc's docstring).
+    set_malloc_rule(str(cfg.trainer.host_mmap_threshold))
     if job.device_type == "cuda":
         device = rank_device(local_rank)
         torch.cuda.set_device(device)

@@ -1,33 +1,39 @@
-"""A rank's host allocator: glibc's own mmap threshold by default, or fixed at 4 MiB so freed large blocks go back.
+"""A rank's host allocator, glibc's malloc: the heap reused and never trimmed (the default), glibc's own rule, or the mmap threshold fixed at 4 MiB.
 
 glibc serves a request of at least ``M_MMAP_THRESHOLD`` bytes (128 KiB by default) with a
-mapping of its own and unmaps it on ``free``. Left to itself the threshold is *dynamic*
-(mallopt(3)): when a mapped block is freed, the threshold rises to that block's size (up to
-32 MiB on 64-bit) and the trim threshold to twice it. From then on every block of that size
-or smaller comes from the heap, and a freed heap block stays resident until it sits at the
-heap's top above the trim threshold, which blocks freed out of order seldom do.
+mapping of its own and unmaps it on ``free``; smaller ones come from the heap, whose top is
+given back to the kernel (trimmed) when more than ``M_TRIM_THRESHOLD`` of it is free. Left to
+itself the mmap threshold is *dynamic* (mallopt(3)): when a mapped block is freed, the
+threshold rises to that block's size (up to 32 MiB on 64-bit) and the trim threshold to twice
+it. Setting either explicitly turns the adjustment off.
 
-A FSDP rank frees one unit's gathered parameters and gradients after every unit, each
-several MiB: after the first, the threshold has risen past them, and each later gather is
-carved from the heap around blocks still live, so the rank's resident set grows by
-hundreds of MiB that no live tensor holds (docs/concepts/memory.md, "On CPU: resident
-memory"). Setting the threshold explicitly turns the adjustment off (mallopt(3)).
+Each page the kernel gives a process is faulted in and zeroed when first written: a block
+mapped anew, or heap given back and taken again, costs its pages every time
+(:attr:`~sharded_exp.speed.profiles.DeviceProfile.fresh_page_s`, about a microsecond each).
 
-Where to fix it is a trade between resident memory and speed. A mapped block is new pages
-every time it is allocated, and the kernel faults in (and zeroes) each page on first touch.
-At glibc's 128 KiB a gpt small rank mapped every activation anew each step: about 22,000
-page faults and 40% of its step (docs/concepts/speed.md, "A CPU rank's page faults"). At
-4 MiB a step's activations of the models a CPU trains come from the heap and are reused, as
-in a process left alone, while a unit's gather (the whole unit's parameters in one buffer),
-an 8 MiB weight or its gradient are still mapped and given back.
+``trainer.host_mmap_threshold`` picks one rule for every rank, whatever the strategy:
 
-The default (``trainer.host_mmap_threshold=dynamic``) leaves glibc's rule, as your own script
-has it: a step's blocks up to 32 MiB come from the heap and are reused, and a FSDP rank's
-resident set keeps its freed gathers. ``=fixed`` spares that resident memory at the price of
-new pages every step for every block of 4 MiB or more (a 1024-wide layer's weight gradient,
-Adam's temporaries). Every strategy runs under the one rule chosen. Both costs are measured in
-docs/figures.md ("The ranks' mmap threshold: fixed or glibc's"); the default was ``fixed``
-until that page's figures showed what it cost a step.
+- ``reuse`` (the default): the threshold at the dynamic rule's maximum (32 MiB) and trimming
+  off, so a step's blocks up to 32 MiB come from a heap that keeps its pages, and each step
+  reuses the last one's: no page is faulted twice. Larger blocks are mapped anew every step,
+  and the time model prices exactly those (:func:`mapped_from`). This is what PyTorch's
+  performance tuning guide asks of an allocator on CPU ("Switch Memory allocator": reuse
+  memory as much as possible), with glibc's own malloc. The heap keeps its peak resident.
+- ``dynamic``: glibc's rule, as your own script gets it. The heap's top is trimmed above
+  twice the threshold and taken back the next step: a gpt small step faults in 1,400-2,800
+  pages a rank this way (docs/figures.md), a count that moves from run to run with the heap's
+  layout, and which the time model does not price.
+- ``fixed``: the threshold fixed at 4 MiB (glibc's default trimming), so a freed block of 4
+  MiB or more goes back to the kernel. A FSDP rank frees one unit's gathered parameters and
+  gradients after every unit; under the other rules these are carved from the heap around
+  live blocks and the rank's resident set grows by hundreds of MiB that no live tensor holds
+  (docs/concepts/memory.md, "On CPU: resident memory"). ``fixed`` spares that at the price
+  of new pages every step for every block of 4 MiB or more (26-101% longer steps, measured
+  in docs/figures.md).
+
+A ``MALLOC_*_`` setting of glibc's (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``,
+``MALLOC_TOP_PAD_``, ``MALLOC_MMAP_MAX_``) or a ``glibc.malloc`` tunable in the environment
+is yours: no rule touches malloc then.
 """
 
 from __future__ import annotations
@@ -36,38 +42,51 @@ import ctypes
 import os
 import platform
 
+M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
-"""mallopt's parameter number for the mmap threshold (<malloc.h>)."""
+"""mallopt's parameter numbers (<malloc.h>)."""
 
 MMAP_THRESHOLD_BYTES = 4 * 1024 * 1024
-"""The threshold a rank fixes: blocks of 4 MiB or more are mapped, and unmapped when freed."""
+"""The threshold ``fixed`` sets: blocks of 4 MiB or more are mapped, and unmapped when freed."""
 
 DYNAMIC_THRESHOLD_MAX = 32 * 1024 * 1024
 """How high glibc's dynamic threshold rises on 64-bit (``DEFAULT_MMAP_THRESHOLD_MAX`` in
-malloc.c, mallopt(3)): a larger block is mapped every time, however the threshold moved."""
+malloc.c, mallopt(3)), and the largest it can be set to: a larger block is mapped every time,
+whatever the rule."""
 
+DEFAULT_THRESHOLD_BYTES = 128 * 1024
+"""glibc's mmap and trim thresholds before anything moves them (mallopt(3))."""
 
-def fix_mmap_threshold(env=os.environ) -> int | None:
-    """Fix this process's mmap threshold at :data:`MMAP_THRESHOLD_BYTES`; the bytes set, or None.
+NEVER = -1
+"""``M_TRIM_THRESHOLD`` -1: trimming off (mallopt(3))."""
 
-    None when the process's environment sets glibc's malloc itself (``MALLOC_MMAP_THRESHOLD_``,
-    or ``glibc.malloc`` in ``GLIBC_TUNABLES``: your setting stands, dynamic or not), or when the
-    C library is not glibc (musl, macOS: no dynamic threshold to turn off).
-    """
-    return None if _yours(env) else _mallopt_threshold(MMAP_THRESHOLD_BYTES)
+RULES = {
+    "reuse": (DYNAMIC_THRESHOLD_MAX, NEVER),
+    "fixed": (MMAP_THRESHOLD_BYTES, DEFAULT_THRESHOLD_BYTES),
+    # glibc's own: nothing is set, unless a rule was set for an earlier job in this process
+    # (torchrun's ranks run a -m sweep's jobs in one process), which glibc cannot undo: then
+    # the dynamic rule's steady state, the threshold at its maximum and trimming above twice it
+    "dynamic": (DYNAMIC_THRESHOLD_MAX, 2 * DYNAMIC_THRESHOLD_MAX),
+}
+"""``trainer.host_mmap_threshold`` -> the (mmap threshold, trim threshold) a rank sets."""
+
+YOUR_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+"""glibc's environment variables for what the rules set (each turns the dynamic rule off)."""
 
 
 def _yours(env) -> bool:
     """Whether ``env`` sets glibc's malloc itself (then nothing here touches it)."""
-    return "MALLOC_MMAP_THRESHOLD_" in env or "glibc.malloc" in env.get("GLIBC_TUNABLES", "")
+    return any(k in env for k in YOUR_SETTINGS) or "glibc.malloc" in env.get("GLIBC_TUNABLES", "")
 
 
-_fixed_here = False
-"""Whether this process fixed its threshold already: glibc cannot go back to its dynamic rule."""
+_set_here = False
+"""Whether a rule set this process's malloc already: glibc cannot go back to its dynamic rule."""
 
 
-def _mallopt_threshold(nbytes: int) -> int | None:
-    global _fixed_here
+def _mallopt(settings: tuple[int, int]) -> tuple[int, int] | None:
+    """Set (mmap threshold, trim threshold); what was set, or None where the C library is
+    not glibc (musl, macOS) or mallopt refused."""
+    global _set_here
     try:
         libc = ctypes.CDLL(None)  # the process's own symbols: its C library, no search for a file
         libc.gnu_get_libc_version  # only glibc has it
@@ -76,37 +95,36 @@ def _mallopt_threshold(nbytes: int) -> int | None:
         return None
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    if mallopt(M_MMAP_THRESHOLD, nbytes) != 1:
+    mmap_threshold, trim_threshold = settings
+    if mallopt(M_MMAP_THRESHOLD, mmap_threshold) != 1 or mallopt(M_TRIM_THRESHOLD, trim_threshold) != 1:
         return None
-    _fixed_here = True
-    return nbytes
+    _set_here = True
+    return settings
 
 
-def set_mmap_threshold(rule: str, env=os.environ) -> int | None:
-    """A rank's ``trainer.host_mmap_threshold``: ``"fixed"`` fixes the threshold
-    (:func:`fix_mmap_threshold`), ``"dynamic"`` leaves glibc's rule; the bytes fixed, or None.
-
-    A process that fixed it for an earlier job (torchrun's ranks run a ``-m`` sweep's jobs in
-    one process) cannot give glibc its dynamic rule back: there ``"dynamic"`` fixes the
-    threshold at the dynamic rule's maximum (32 MiB), the steady state that rule reaches and
-    the time model assumes for it (:func:`mapped_from`)."""
-    if rule not in ("fixed", "dynamic"):
-        raise ValueError(f"trainer.host_mmap_threshold={rule!r} must be 'fixed' or 'dynamic'")
-    if rule == "fixed":
-        return fix_mmap_threshold(env)
-    return _mallopt_threshold(DYNAMIC_THRESHOLD_MAX) if _fixed_here and not _yours(env) else None
+def set_malloc_rule(rule: str, env=os.environ) -> tuple[int, int] | None:
+    """A rank's ``trainer.host_mmap_threshold`` (the module docstring): the (mmap threshold,
+    trim threshold) set (-1: never trimmed), or None where nothing was set (your own setting
+    in ``env``, glibc's rule in a process no rule touched, not glibc)."""
+    if rule not in RULES:
+        raise ValueError(f"trainer.host_mmap_threshold={rule!r} must be one of {', '.join(RULES)}")
+    if _yours(env) or (rule == "dynamic" and not _set_here):
+        return None
+    return _mallopt(RULES[rule])
 
 
-def mapped_from(env=os.environ, fixed: bool = False) -> int | None:
+def mapped_from(env=os.environ, rule: str = "reuse") -> int | None:
     """The smallest block a rank's glibc maps anew each time it is asked for, in a steady
-    state (bytes): the threshold the rank fixes (:func:`fix_mmap_threshold`; ``fixed``:
-    ``trainer.host_mmap_threshold=fixed``); the one you set (``MALLOC_MMAP_THRESHOLD_``, or
-    ``glibc.malloc.mmap_threshold`` in ``GLIBC_TUNABLES``); left dynamic (not ``fixed``, or
-    other ``glibc.malloc`` tunables) only blocks above its maximum are always mapped. None
-    where the C library is not glibc (not modelled).
+    state (bytes), under ``rule`` (``trainer.host_mmap_threshold``): 4 MiB under ``fixed``,
+    else above the dynamic rule's maximum (32 MiB); your threshold where ``env`` sets one
+    (``MALLOC_MMAP_THRESHOLD_``, ``glibc.malloc.mmap_threshold``), glibc's 128 KiB where it
+    sets another of glibc's malloc settings that stops the threshold moving, the dynamic
+    rule's maximum where it sets only others (``glibc.malloc.arena_max``). None where the C
+    library is not glibc (not modelled).
 
     Each such block is new pages, which the kernel faults in (and zeroes) when they are first
-    written: the time model prices them (:attr:`~sharded_exp.speed.profiles.DeviceProfile.fresh_page_s`)."""
+    written: the time model prices them (:attr:`~sharded_exp.speed.profiles.DeviceProfile.fresh_page_s`).
+    Under ``dynamic`` the heap's trimmed top is faulted in again too, which is not counted."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
     tunables = dict(
@@ -118,9 +136,12 @@ def mapped_from(env=os.environ, fixed: bool = False) -> int | None:
             return int(mine)
         except ValueError:
             return DYNAMIC_THRESHOLD_MAX  # glibc ignores a setting it cannot read
-    if not fixed or any(k.startswith("glibc.malloc") for k in tunables):
+    stops = ("trim_threshold", "top_pad", "mmap_max")
+    if any(k in env for k in YOUR_SETTINGS) or any(f"glibc.malloc.{k}" in tunables for k in stops):
+        return DEFAULT_THRESHOLD_BYTES  # the threshold no longer moves from where glibc starts it
+    if any(k.startswith("glibc.malloc") for k in tunables):
         return DYNAMIC_THRESHOLD_MAX
-    return MMAP_THRESHOLD_BYTES
+    return MMAP_THRESHOLD_BYTES if rule == "fixed" else DYNAMIC_THRESHOLD_MAX
 
 
 class _MallInfo2(ctypes.Structure):

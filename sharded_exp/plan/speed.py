@@ -29,7 +29,7 @@ from sharded_exp.predict.prediction import predict
 from sharded_exp.predict.step_time import (
     Machine,
     StepCompute,
-    fixes_mmap_threshold,
+    malloc_rule,
     math_dtype,
     predict_step_time,
     shards_parameters,
@@ -139,7 +139,7 @@ def speed_columns(cfg_s: PlanConfig, world_size: int, found: dict[str, Any], pre
             found["flops"],
             math_dtype(cfg_s),
             shards_parameters(cfg_s),
-            fixes_mmap_threshold(cfg_s),
+            malloc_rule(cfg_s),
         )
         mine = max(p["optimizer"] for p in prediction["model_states_mib"])
         compute = compute.optimizer_scaled(mine / found["optimizer_mib"] if found["optimizer_mib"] else 1.0)

@@ -122,7 +122,7 @@ def step_compute(
     model_flops: float,
     math_dtype: str = "fp32",
     sharded_parameters: bool = False,
-    fixed_mmap_threshold: bool = False,
+    malloc: str = "reuse",
 ) -> StepCompute:
     """The trace's compute priced on ``device`` (see the module docstring). Each op costs its
     kernel time and the host's cost per op (:meth:`DeviceProfile.host_cost_s`, for
@@ -131,10 +131,10 @@ def step_compute(
     sum where ops run one after the other (CPU), the larger where the host launches ahead of
     the device (CUDA: a launch-bound step is the host's time, a compute-bound one the kernels').
     On a profile that prices new pages (a CPU's ``this``), an op run one after the other also
-    pays for the pages of each block it makes that glibc maps anew (:func:`new_pages`; from 4
-    MiB where the ranks fix the mmap threshold, ``fixed_mmap_threshold``, else above 32 MiB)."""
+    pays for the pages of each block it makes that glibc maps anew (:func:`new_pages`; under the
+    ranks' ``malloc`` rule, :func:`malloc_rule`: from 4 MiB under ``fixed``, else above 32 MiB)."""
     records = trace.phased()
-    mapped = mapped_from(fixed=fixed_mmap_threshold) if device.fresh_page_s and not device.asynchronous else None
+    mapped = mapped_from(rule=malloc) if device.fresh_page_s and not device.asynchronous else None
     seconds, kinds = [], []
     for record, op in zip(records, ops_from_records(records, "fp32")):
         host = device.host_cost_s("fp32" if record["phase"] == "optimizer" else math_dtype, sharded_parameters)
@@ -189,27 +189,28 @@ def split_backward(backward: dict[str, float], forward: dict[str, list[float]], 
 
 def new_pages(record: dict, mapped_from_bytes: int) -> int:
     """The pages of the blocks an op record made that glibc maps anew (at least
-    ``mapped_from_bytes``), whole pages with the chunk's 16-byte header. An upper bound where
-    the threshold is fixed: glibc serves a large request from a free heap chunk big enough
-    where it has one, and maps only when the heap must grow. Under glibc's dynamic rule the
-    heap's top may also be given back and faulted in again, which is not counted."""
+    ``mapped_from_bytes``), whole pages with the chunk's 16-byte header: every block above the
+    threshold is mapped, and under ``reuse`` (the heap never trimmed) nothing else is new
+    pages in a steady state. Under ``fixed`` an upper bound: glibc serves a large request
+    from a free heap chunk big enough where it has one. Under glibc's dynamic rule the heap's
+    top is also given back and faulted in again, which is not counted."""
     page = mmap.PAGESIZE
     return sum(-(-(n + 16) // page) for n in record.get("fresh_bytes", ()) if n >= mapped_from_bytes)
 
 
-def fresh_pages(trace: Trace, fixed_mmap_threshold: bool) -> int | None:
+def fresh_pages(trace: Trace, malloc: str) -> int | None:
     """The new pages a CPU rank's step is priced for (:func:`new_pages` over the trace's
     ops), beside which a run records the page faults it measured (``page_faults_per_step``
     per rank); None where the C library is not glibc (not modelled). A run records it only where
     its profile prices a page (``fresh_page_s``)."""
-    mapped = mapped_from(fixed=fixed_mmap_threshold)
+    mapped = mapped_from(rule=malloc)
     return None if mapped is None else sum(new_pages(r, mapped) for r in trace.phased())
 
 
-def fixes_mmap_threshold(cfg) -> bool:
-    """Whether ``cfg``'s CPU ranks fix glibc's mmap threshold (``trainer.host_mmap_threshold``;
-    a config without the key runs glibc's dynamic rule, the default)."""
-    return str(OmegaConf.select(cfg, "trainer.host_mmap_threshold", default="dynamic")) == "fixed"
+def malloc_rule(cfg) -> str:
+    """``cfg``'s CPU ranks' malloc rule (``trainer.host_mmap_threshold``; a config without the
+    key runs the default, ``reuse``)."""
+    return str(OmegaConf.select(cfg, "trainer.host_mmap_threshold", default="reuse"))
 
 
 def shards_parameters(cfg) -> bool:
@@ -347,10 +348,10 @@ def run_step_time(
             threads = max(1, (os.cpu_count() or 1) // local)  # as a CPU rank sets its threads
             device, link = this.this_profile(threads)
             machine = Machine(device, link, None, world_size, None, device.memory_bandwidth_Bps, shared_cores=True)
-            pages = fresh_pages(trace, fixes_mmap_threshold(cfg)) if device.fresh_page_s else None  # priced only so
+            pages = fresh_pages(trace, malloc_rule(cfg)) if device.fresh_page_s else None  # priced only so
             extra = {"threads_per_rank": threads, "fresh_pages_per_step": pages}
         compute = step_compute(
-            trace, device, est.flops_per_step, math_dtype(cfg), shards_parameters(cfg), fixes_mmap_threshold(cfg)
+            trace, device, est.flops_per_step, math_dtype(cfg), shards_parameters(cfg), malloc_rule(cfg)
         )
         return predict_step_time(cfg, world_size, compute, shapes, machine) | extra
     except Exception as exc:  # noqa: BLE001 -- measuring never breaks training: null and why

@@ -15,6 +15,16 @@ LONG = [o for o in TINY if not o.startswith("trainer.steps")] + ["trainer.steps=
 """A job that runs until it is stopped (or a fault ends it)."""
 
 
+def huge_pages_always() -> bool:
+    """Whether the kernel backs memory with transparent huge pages always: a mapping is then
+    faulted in 2 MiB at a time, not in 4 KiB pages (a test counting pages skips there)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[always]" in f.read()
+    except OSError:
+        return False
+
+
 def descendants(pid: int) -> set[int]:
     """Every live process below ``pid`` (ranks, the forkserver)."""
     children: dict[int, list[int]] = {}

@@ -1,10 +1,10 @@
 """A rank's resident memory (``peak_rss_mib``) against what it tracks (``peak_allocated_mib``), at 8 ranks.
 
 Growth is read against the same stack at tiny width, so torch's own resident set drops out.
-Under glibc's dynamic mmap threshold (a plain script's rule, and the ranks' default) a FSDP
-rank's resident set grows several times its tracked peak: each unit's freed gather raises the
-threshold and later gathers are carved from the heap, which keeps them resident
-(docs/concepts/memory.md, "On CPU: resident memory"). ``trainer.host_mmap_threshold=fixed``
+Under glibc's dynamic mmap threshold (a plain script's rule) and under the ranks' default
+(``reuse``: the threshold at that rule's maximum, the heap never trimmed) a FSDP rank's resident
+set grows several times its tracked peak: its units' gathers are carved from the heap, which
+keeps them resident (docs/concepts/memory.md, "On CPU: resident memory"). ``trainer.host_mmap_threshold=fixed``
 (sharded_exp/measure/host_malloc.py) spares it; the test at 8 ranks runs under that lever.
 """
 
@@ -17,6 +17,7 @@ import sys
 import pytest
 
 from tests.helpers.jobs import ROOT, launch_job
+from tests.helpers.processes import huge_pages_always
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
@@ -24,9 +25,9 @@ GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 # any threshold is asked): a block of argv[2] MiB freed and asked for again; where does the second land?
 SECOND_BLOCK = """
 import ctypes, sys
-from sharded_exp.measure.host_malloc import fix_mmap_threshold
+from sharded_exp.measure.host_malloc import set_malloc_rule
 if sys.argv[1] == "fixed":
-    assert fix_mmap_threshold({}) == 4 * 2**20
+    assert set_malloc_rule("fixed", {}) == (4 * 2**20, 128 * 1024)
 size = int(float(sys.argv[2]) * 2**20)
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
@@ -55,6 +56,45 @@ def test_a_freed_large_block_no_longer_raises_the_threshold():
     assert second("fixed", 8) == "mapped"
     assert second("dynamic", 8) == "heap"  # the rule the fix turns off: the check can fail
     assert second("fixed", 1) == "heap"
+
+
+# A fresh process under argv[1]'s settings: a 16 MiB block written, freed (the heap's top) and
+# asked for again; the minor page faults of writing the second.
+REFAULTS = """
+import ctypes, resource, sys
+from sharded_exp.measure import host_malloc
+settings = {"reuse": host_malloc.RULES["reuse"], "trimmed": (host_malloc.DYNAMIC_THRESHOLD_MAX, 128 * 1024)}
+assert host_malloc._mallopt(settings[sys.argv[1]]) is not None
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+size = 16 * 2**20
+first = libc.malloc(size)
+ctypes.memset(first, 1, size)
+libc.free(first)
+second = libc.malloc(size)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+ctypes.memset(second, 1, size)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not GLIBC or huge_pages_always(), reason="glibc's malloc only, counted in 4 KiB pages")
+def test_under_reuse_a_step_faults_in_no_page_the_last_step_had():
+    """``reuse`` (the ranks' default): a 16 MiB block (below the 32 MiB threshold) comes from the
+    heap, and when freed at the heap's top it is kept: asked for again, its 4,096 pages are
+    already there (a few faults at most, for glibc's own bookkeeping). With the same threshold
+    and glibc's default trimming (128 KiB), the free gives the top back and every page is
+    faulted in again but the 128 KiB glibc keeps on top (M_TOP_PAD): the check can fail."""
+
+    def refaults(how: str) -> int:
+        proc = subprocess.run([sys.executable, "-c", REFAULTS, how], cwd=ROOT, capture_output=True, text=True,
+                              env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}, timeout=120, check=True)  # fmt: skip
+        return int(proc.stdout)
+
+    pages = 16 * 2**20 // 4096
+    assert refaults("reuse") < pages // 100
+    assert refaults("trimmed") >= pages * 0.95
 
 
 STACK = [

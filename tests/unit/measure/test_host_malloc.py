@@ -1,4 +1,4 @@
-"""The host's malloc: the mmap threshold a rank fixes under ``fixed`` (unless the user set glibc's malloc), what its heap holds free, its page faults."""
+"""The host's malloc: what a rank's rule sets (unless the user set glibc's malloc), what its heap holds free, its page faults."""
 
 from __future__ import annotations
 
@@ -6,14 +6,21 @@ import ctypes
 
 import pytest
 
-from sharded_exp.measure.host_malloc import fix_mmap_threshold, heap_free_mib, mapped_from, set_mmap_threshold
+from sharded_exp.measure.host_malloc import heap_free_mib, mapped_from, set_malloc_rule
 
 
 @pytest.mark.parametrize(
-    "env", [{"MALLOC_MMAP_THRESHOLD_": "33554432"}, {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"}]
-)
-def test_a_users_own_malloc_setting_stands(env):
-    assert fix_mmap_threshold(env) is None
+    "env",
+    [{"MALLOC_MMAP_THRESHOLD_": "33554432"}, {"MALLOC_TRIM_THRESHOLD_": "0"},
+     {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"}],
+)  # fmt: skip
+@pytest.mark.parametrize("rule", ["reuse", "fixed", "dynamic"])
+def test_a_users_own_malloc_setting_stands(env, rule, monkeypatch):
+    from sharded_exp.measure import host_malloc
+
+    monkeypatch.setattr(host_malloc, "_set_here", True)  # even after an earlier job's rule
+    monkeypatch.setattr(host_malloc, "_mallopt", lambda settings: pytest.fail(f"mallopt asked for {settings}"))
+    assert set_malloc_rule(rule, env) is None
 
 
 @pytest.mark.skipif(heap_free_mib() is None, reason="glibc's mallinfo2 only")
@@ -40,51 +47,56 @@ def test_the_heap_counts_small_blocks_freed_between_live_ones():
         ({"MALLOC_MMAP_THRESHOLD_": "65536"}, 65536),  # yours
         ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1:glibc.malloc.mmap_threshold=262144"}, 262144),
         ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=1"}, 32 * 2**20),  # left dynamic: above its maximum only
+        # a trim threshold of yours stops the threshold moving from glibc's 128 KiB (mallopt(3))
+        ({"MALLOC_TRIM_THRESHOLD_": "0"}, 128 * 1024),
+        ({"GLIBC_TUNABLES": "glibc.malloc.top_pad=0"}, 128 * 1024),
     ],
 )
 def test_the_blocks_mapped_anew_follow_the_threshold_in_force(env, mapped):
-    assert mapped_from(env, fixed=True) == mapped
+    assert mapped_from(env, rule="fixed") == mapped
 
 
 @pytest.mark.skipif(mapped_from({}) is None, reason="glibc only")
-def test_ranks_that_leave_the_threshold_dynamic_map_anew_only_above_its_maximum():
-    """trainer.host_mmap_threshold=dynamic (the default): only blocks above 32 MiB are mapped
-    every time, unless you set the threshold yourself."""
-    assert mapped_from({}) == 32 * 2**20
-    assert mapped_from({"MALLOC_MMAP_THRESHOLD_": "65536"}, fixed=False) == 65536
+def test_ranks_that_reuse_the_heap_or_leave_glibc_its_rule_map_anew_only_above_32_mib():
+    """trainer.host_mmap_threshold=reuse (the default) sets the threshold at the dynamic rule's
+    maximum, where =dynamic leaves it to rise: only blocks above 32 MiB are mapped every time,
+    unless you set the threshold yourself."""
+    assert mapped_from({}) == mapped_from({}, rule="dynamic") == 32 * 2**20
+    assert mapped_from({"MALLOC_MMAP_THRESHOLD_": "65536"}, rule="reuse") == 65536
 
 
-def test_a_rank_fixes_the_threshold_only_when_asked(monkeypatch):
-    """trainer.host_mmap_threshold: "fixed" asks mallopt for 4 MiB unless your environment
-    sets glibc's malloc; "dynamic" asks nothing of a process that never fixed it, and 32 MiB
-    (the dynamic rule's steady state) of one that did for an earlier job, where glibc's rule
-    cannot come back; anything else is refused by name. mallopt is recorded, not called: the
-    test process's own malloc is left alone."""
+def test_each_rule_sets_both_thresholds_and_glibcs_own_sets_nothing(monkeypatch):
+    """trainer.host_mmap_threshold, as (mmap threshold, trim threshold): "reuse" asks mallopt
+    for 32 MiB and no trimming (-1), "fixed" for 4 MiB and glibc's 128 KiB; "dynamic" asks
+    nothing of a process no rule touched, and the dynamic rule's steady state (32 MiB, trimmed
+    above twice that) of one an earlier job's rule set, where glibc's rule cannot come back;
+    anything else is refused by name. mallopt is recorded, not called: the test process's own
+    malloc is left alone."""
     from sharded_exp.measure import host_malloc
 
     asked = []
-    monkeypatch.setattr(host_malloc, "_mallopt_threshold", lambda nbytes: asked.append(nbytes) or nbytes)
-    monkeypatch.setattr(host_malloc, "_fixed_here", False)
-    assert set_mmap_threshold("dynamic", {}) is None and asked == []
-    assert set_mmap_threshold("fixed", {"MALLOC_MMAP_THRESHOLD_": "65536"}) is None and asked == []
-    assert set_mmap_threshold("fixed", {}) == 4 * 2**20 and asked == [4 * 2**20]
-    monkeypatch.setattr(host_malloc, "_fixed_here", True)  # an earlier job in this process fixed it
-    assert set_mmap_threshold("dynamic", {}) == 32 * 2**20 and asked[-1] == 32 * 2**20
-    assert set_mmap_threshold("dynamic", {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) is None
-    with pytest.raises(ValueError, match="host_mmap_threshold='static'"):
-        set_mmap_threshold("static", {})
+    monkeypatch.setattr(host_malloc, "_mallopt", lambda settings: asked.append(settings) or settings)
+    monkeypatch.setattr(host_malloc, "_set_here", False)
+    assert set_malloc_rule("dynamic", {}) is None and asked == []
+    assert set_malloc_rule("reuse", {}) == (32 * 2**20, -1) and asked == [(32 * 2**20, -1)]
+    assert set_malloc_rule("fixed", {}) == (4 * 2**20, 128 * 1024)
+    monkeypatch.setattr(host_malloc, "_set_here", True)  # an earlier job in this process set a rule
+    assert set_malloc_rule("dynamic", {}) == (32 * 2**20, 64 * 2**20) and asked[-1] == (32 * 2**20, 64 * 2**20)
+    assert set_malloc_rule("dynamic", {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) is None
+    with pytest.raises(ValueError, match="host_mmap_threshold='static' must be one of reuse, fixed, dynamic"):
+        set_malloc_rule("static", {})
 
 
 @pytest.mark.parametrize(
-    "trainer, fixed",
-    [({"host_mmap_threshold": "dynamic"}, False), ({"host_mmap_threshold": "fixed"}, True), ({}, False)],
+    "trainer, rule",
+    [({"host_mmap_threshold": "dynamic"}, "dynamic"), ({"host_mmap_threshold": "fixed"}, "fixed"), ({}, "reuse")],
 )
-def test_the_time_model_reads_the_rule_from_the_config(trainer, fixed):
+def test_the_time_model_reads_the_rule_from_the_config(trainer, rule):
     from omegaconf import OmegaConf
 
-    from sharded_exp.predict.step_time import fixes_mmap_threshold
+    from sharded_exp.predict.step_time import malloc_rule
 
-    assert fixes_mmap_threshold(OmegaConf.create({"trainer": trainer})) is fixed
+    assert malloc_rule(OmegaConf.create({"trainer": trainer})) == rule
 
 
 def test_a_process_counts_its_page_faults():

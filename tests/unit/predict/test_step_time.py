@@ -176,19 +176,19 @@ def test_a_cpu_step_pays_for_the_pages_of_each_block_glibc_maps_anew(monkeypatch
 
     from sharded_exp.predict import step_time
 
-    monkeypatch.setattr(step_time, "mapped_from", lambda fixed: (4 if fixed else 32) * 2**20)
+    monkeypatch.setattr(step_time, "mapped_from", lambda rule: (4 if rule == "fixed" else 32) * 2**20)
     fresh = trace()
     fresh.records[1]["fresh_bytes"] = (8 * 2**20, 2**20)  # unit 0's matmul: one block mapped, one from the heap
     page = 1e-6
     plain = step_compute(fresh, H100, 6e12)
-    priced = step_compute(fresh, replace(H100, fresh_page_s=page), 6e12, fixed_mmap_threshold=True)
+    priced = step_compute(fresh, replace(H100, fresh_page_s=page), 6e12, malloc="fixed")
     pages = -(-(8 * 2**20 + 16) // step_time.mmap.PAGESIZE)
     assert priced.forward_s[0] == pytest.approx(plain.forward_s[0] + pages * page)
     assert priced.forward_s[1:] == plain.forward_s[1:] and priced.optimizer_s == plain.optimizer_s
-    # trainer.host_mmap_threshold=dynamic (the default): glibc maps anew only above 32 MiB, so the 8 MiB block is free
+    # trainer.host_mmap_threshold=reuse (the default) or dynamic: glibc maps anew only above 32 MiB, so the 8 MiB block is free
     dynamic = step_compute(fresh, replace(H100, fresh_page_s=page), 6e12)
     assert dynamic.forward_s == plain.forward_s
-    on_gpu = step_compute(fresh, replace(H100, fresh_page_s=page, asynchronous=True), 6e12, fixed_mmap_threshold=True)
+    on_gpu = step_compute(fresh, replace(H100, fresh_page_s=page, asynchronous=True), 6e12, malloc="fixed")
     assert on_gpu.forward_s == step_compute(fresh, replace(H100, asynchronous=True), 6e12).forward_s
 
 
@@ -197,15 +197,15 @@ def test_a_cpu_run_records_the_pages_it_prices(monkeypatch):
     or above the threshold in force, none below it; None where glibc's rule is not modelled."""
     from sharded_exp.predict import step_time
 
-    monkeypatch.setattr(step_time, "mapped_from", lambda fixed: (4 if fixed else 32) * 2**20)
+    monkeypatch.setattr(step_time, "mapped_from", lambda rule: (4 if rule == "fixed" else 32) * 2**20)
     fresh = trace()
     fresh.records[1]["fresh_bytes"] = (8 * 2**20, 2**20)
     fresh.records[2]["fresh_bytes"] = (40 * 2**20,)
     page = step_time.mmap.PAGESIZE
-    assert step_time.fresh_pages(fresh, True) == -(-(8 * 2**20 + 16) // page) + -(-(40 * 2**20 + 16) // page)
-    assert step_time.fresh_pages(fresh, False) == -(-(40 * 2**20 + 16) // page)
-    monkeypatch.setattr(step_time, "mapped_from", lambda fixed: None)  # not glibc
-    assert step_time.fresh_pages(fresh, True) is None
+    assert step_time.fresh_pages(fresh, "fixed") == -(-(8 * 2**20 + 16) // page) + -(-(40 * 2**20 + 16) // page)
+    assert step_time.fresh_pages(fresh, "reuse") == step_time.fresh_pages(fresh, "dynamic") == -(-(40 * 2**20 + 16) // page)
+    monkeypatch.setattr(step_time, "mapped_from", lambda rule: None)  # not glibc
+    assert step_time.fresh_pages(fresh, "fixed") is None
 
 
 def test_accumulated_micro_batches_gather_each_time_and_reduce_once():
