@@ -709,5 +709,6 @@ def this_profile(threads: int, remeasure: bool = False) -> tuple[DeviceProfile, 
         bandwidth=Figure(link["bandwidth_GBps"], source),
         ring_step_latency=Figure(link["step_latency_us"], source),
         tree_step_latency=Figure(link["step_latency_us"], source),
+        reduce_scatter_as_all_reduce=True,  # gloo's
     )
     return device, local

@@ -72,6 +72,8 @@ class Link:
     bandwidth_Bps: float
     ring_step_latency_s: float = 0.0
     tree_step_latency_s: float = 0.0
+    reduce_scatter_as_all_reduce: bool = False
+    """gloo's rule: a reduce-scatter runs as an all-reduce of its whole input."""
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,9 @@ def collective_time(
     """Seconds for one collective among ``ranks`` ranks all on one ``link`` class (one node).
 
     ``nbytes`` is S as nccl-tests defines it (the whole array: for all-gather the gathered
-    output, for reduce-scatter the full input). One rank costs nothing.
+    output, for reduce-scatter the full input). One rank costs nothing. On a link whose
+    backend runs a reduce-scatter as an all-reduce (gloo: ``reduce_scatter_as_all_reduce``)
+    it is priced as that all-reduce.
     """
     return group_time(kind, nbytes, ranks, Topology(max(ranks, 1), link), algorithm=algorithm)
 
@@ -136,6 +140,8 @@ def group_time(
     NIC have an eighth of it each: state it so.
     """
     _check(kind, ranks)
+    if kind == "reduce_scatter" and getattr(topology.intra, "reduce_scatter_as_all_reduce", False):
+        kind = "all_reduce"  # gloo's reduce-scatter: an all-reduce of the whole input, then a copy
     if algorithm not in ALGORITHMS:
         raise ConfigError(f"algorithm must be one of {ALGORITHMS}, not {algorithm!r}")
     if algorithm == "tree" and kind != "all_reduce":

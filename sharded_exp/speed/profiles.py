@@ -202,6 +202,11 @@ class LinkProfile:
     """The fraction of :attr:`bandwidth` (the line rate) NCCL's collectives reach as nccl-tests'
     bus bandwidth, where a published measurement or NCCL's maintainers state one (None: the line
     rate whole, an upper bound). On NVLink NCCL's protocol takes part of each transfer."""
+    reduce_scatter_as_all_reduce: bool = False
+    """The backend runs a reduce-scatter as an all-reduce of its whole input: gloo does (torch's
+    ``ProcessGroupGloo``: the profiler shows ``c10d::_reduce_scatter_base_`` running
+    ``gloo:all_reduce``), so a CPU's local link prices it as one
+    (:func:`sharded_exp.speed.collectives.group_time`)."""
 
     @property
     def bandwidth_Bps(self) -> float:

@@ -51,6 +51,18 @@ def test_all_gather_reduce_scatter_broadcast_and_reduce_use_nccl_tests_factors()
         6, 3, 3, 4, 4]  # fmt: skip
 
 
+def test_a_gloo_link_prices_a_reduce_scatter_as_the_all_reduce_gloo_runs():
+    """gloo runs a reduce-scatter as an all-reduce of the whole input: on 2 ranks, 1 GiB at
+    100 GB/s and 5 us a step, 2 (2 - 1) / 2 * 2^30 / 1e11 = 10.7374 ms and 2 steps (8.4 + 10
+    us), where NCCL's reduce-scatter moves half of that in one step (5.3687 ms, 8.4 + 5 us)."""
+    nccl = Link("nvlink", bandwidth_Bps=100e9, ring_step_latency_s=5e-6)
+    gloo = Link("gloo", bandwidth_Bps=100e9, ring_step_latency_s=5e-6, reduce_scatter_as_all_reduce=True)
+    assert collective_time("reduce_scatter", GIB, 2, nccl) == pytest.approx(0.0053687 + BASE + 5e-6, rel=1e-4)
+    assert collective_time("reduce_scatter", GIB, 2, gloo) == pytest.approx(0.0107374 + BASE + 10e-6, rel=1e-4)
+    assert collective_time("reduce_scatter", GIB, 2, gloo) == collective_time("all_reduce", GIB, 2, gloo)
+    assert collective_time("all_gather", GIB, 2, gloo) == collective_time("all_gather", GIB, 2, nccl)
+
+
 def test_tree_all_reduce_is_priced_as_nccl_does():
     """Half the bus bandwidth: 2 * 2^30 / 1e11 = 21.475 ms; one node of 8: latency
     2 * (8 - 1) * 28 us = 392 us."""
