@@ -270,15 +270,17 @@ class TrainerConfig(Sealed):
     profile_steps: int = 3
     """Steps profiled when profile=true."""
     host_mmap_threshold: MmapThreshold = MmapThreshold.reuse
-    """The ranks' host malloc, glibc's (sharded_exp/measure/host_malloc.py). reuse (the default):
+    """CPU ranks' host malloc, glibc's (sharded_exp/measure/host_malloc.py). reuse (the default):
     blocks up to 32 MiB come from the heap, which is never trimmed, so each step reuses the
     last one's pages and faults in none (PyTorch's CPU tuning guide asks the same of an
-    allocator); larger blocks are mapped anew each step, and the time model prices those pages.
+    allocator); larger blocks are mapped anew, and the time model prices their pages (an upper
+    bound: the heap's free top can serve one).
     dynamic: glibc's own rule, as your own script gets it: the heap's top is given back and
-    faulted in again (1,400-2,800 pages a step for a gpt small rank, unpriced). fixed: the mmap
+    faulted in again (1,000-3,100 pages a step for a gpt small rank, unpriced). fixed: the mmap
     threshold at 4 MiB, so a freed block of 4 MiB or more goes back to the kernel and a CPU
     rank's resident memory is close to what its tensors hold; such blocks are new pages every
-    time a step makes them (steps 26-101% longer, in docs/figures.md). Under reuse and dynamic
+    time a step makes them (a 1024-wide MLP's steps 26-38% longer, hf_gpt2's 39-101%, in
+    docs/figures.md). Under reuse and dynamic
     the heap keeps freed blocks resident (``heap_free_mib``; a FSDP rank's freed gathers among
     them, which can make its ``peak_rss_mib`` several times its tracked peak:
     docs/concepts/memory.md), which trainer.host_memory_check does not count. Every strategy

@@ -13,7 +13,10 @@ exit, as whole processes. The ratio of each pair (job / script) is reported, wit
 median; so are the job's command-to-first-step and last-step-to-exit times from its
 result.json timeline, and the two sides' median steps after the job's warm-up (the job's
 from result.json, the script's printed by its rank 0), which say whether a gap is in the
-steps or around them.
+steps or around them. The job runs its default malloc rule (``trainer.host_mmap_threshold=reuse``)
+and the script glibc's own; this MLP's step faults in almost no page under either (2 to 104 a
+step, docs/figures.md), so the rule does not favour the job here (``--job
+trainer.host_mmap_threshold=dynamic`` runs it like the script).
 Prints a Markdown table and writes outputs/benchmarks/job_vs_script.json.
 """
 

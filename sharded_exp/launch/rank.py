@@ -55,14 +55,14 @@ def run_rank(
     os.environ.update(job.env)
     import_plugins()
     cfg = job.cfg()
-    # Before the model exists: the heap reused (the default), glibc's rule, or 4 MiB (host_malloc's docstring).
-    set_malloc_rule(str(cfg.trainer.host_mmap_threshold))
     if job.device_type == "cuda":
         device = rank_device(local_rank)
         torch.cuda.set_device(device)
         check_bf16(Precision.of(cfg), device)
     else:
         device = torch.device("cpu")
+        # Before the model exists: the heap reused (the default), glibc's rule, or 4 MiB (host_malloc's docstring).
+        set_malloc_rule(str(cfg.trainer.host_mmap_threshold))
         # Ranks share the cores: without this each would start one thread per core.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
     timeout = datetime.timedelta(seconds=cfg.trainer.timeout_s)

@@ -15,12 +15,13 @@ mapped anew, or heap given back and taken again, costs its pages every time
 
 - ``reuse`` (the default): the threshold at the dynamic rule's maximum (32 MiB) and trimming
   off, so a step's blocks up to 32 MiB come from a heap that keeps its pages, and each step
-  reuses the last one's: no page is faulted twice. Larger blocks are mapped anew every step,
-  and the time model prices exactly those (:func:`mapped_from`). This is what PyTorch's
+  reuses the last one's: no page is faulted twice. Larger blocks are mapped anew each time,
+  unless the heap's top is free and large enough to serve one; the time model prices them all
+  (:func:`mapped_from`), an upper bound. This is what PyTorch's
   performance tuning guide asks of an allocator on CPU ("Switch Memory allocator": reuse
   memory as much as possible), with glibc's own malloc. The heap keeps its peak resident.
 - ``dynamic``: glibc's rule, as your own script gets it. The heap's top is trimmed above
-  twice the threshold and taken back the next step: a gpt small step faults in 1,400-2,800
+  twice the threshold and taken back the next step: a gpt small step faults in 1,000-3,100
   pages a rank this way (docs/figures.md), a count that moves from run to run with the heap's
   layout, and which the time model does not price.
 - ``fixed``: the threshold fixed at 4 MiB (glibc's default trimming), so a freed block of 4
@@ -28,12 +29,16 @@ mapped anew, or heap given back and taken again, costs its pages every time
   gradients after every unit; under the other rules these are carved from the heap around
   live blocks and the rank's resident set grows by hundreds of MiB that no live tensor holds
   (docs/concepts/memory.md, "On CPU: resident memory"). ``fixed`` spares that at the price
-  of new pages every step for every block of 4 MiB or more (26-101% longer steps, measured
-  in docs/figures.md).
+  of new pages every step for every block of 4 MiB or more (a 1024-wide MLP's steps 26-38%
+  longer, hf_gpt2's 39-101%, in docs/figures.md).
 
-A ``MALLOC_*_`` setting of glibc's (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``,
-``MALLOC_TOP_PAD_``, ``MALLOC_MMAP_MAX_``) or a ``glibc.malloc`` tunable in the environment
-is yours: no rule touches malloc then.
+Only CPU ranks set a rule: a GPU rank's tensors are the CUDA allocator's, and its host malloc
+is left as glibc has it.
+
+A setting of glibc's for what the rules set, in the environment (``MALLOC_MMAP_THRESHOLD_``,
+``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_TOP_PAD_``, ``MALLOC_MMAP_MAX_``, or their
+``glibc.malloc`` tunables in ``GLIBC_TUNABLES``), is yours: no rule touches malloc then. Others
+(``MALLOC_ARENA_MAX``, ``glibc.malloc.arena_max``) do not stop a rule.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import sys
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -72,11 +78,20 @@ RULES = {
 
 YOUR_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 """glibc's environment variables for what the rules set (each turns the dynamic rule off)."""
+YOUR_TUNABLES = ("mmap_threshold", "trim_threshold", "top_pad", "mmap_max")
+"""The same as ``glibc.malloc.*`` tunables (``GLIBC_TUNABLES``)."""
+
+
+def _tunables(env) -> dict[str, str]:
+    """``GLIBC_TUNABLES``' ``glibc.malloc.*`` settings, by the name after ``glibc.malloc.``."""
+    items = env.get("GLIBC_TUNABLES", "").replace(":", " ").split()
+    pairs = dict(item.split("=", 1) for item in items if "=" in item)
+    return {k.removeprefix("glibc.malloc."): v for k, v in pairs.items() if k.startswith("glibc.malloc.")}
 
 
 def _yours(env) -> bool:
-    """Whether ``env`` sets glibc's malloc itself (then nothing here touches it)."""
-    return any(k in env for k in YOUR_SETTINGS) or "glibc.malloc" in env.get("GLIBC_TUNABLES", "")
+    """Whether ``env`` sets what the rules set (then nothing here touches malloc)."""
+    return any(k in env for k in YOUR_SETTINGS) or any(k in YOUR_TUNABLES for k in _tunables(env))
 
 
 _set_here = False
@@ -119,29 +134,35 @@ def mapped_from(env=os.environ, rule: str = "reuse") -> int | None:
     else above the dynamic rule's maximum (32 MiB); your threshold where ``env`` sets one
     (``MALLOC_MMAP_THRESHOLD_``, ``glibc.malloc.mmap_threshold``), glibc's 128 KiB where it
     sets another of glibc's malloc settings that stops the threshold moving, the dynamic
-    rule's maximum where it sets only others (``glibc.malloc.arena_max``). None where the C
-    library is not glibc (not modelled).
+    rule's maximum where it sets none of them (``MALLOC_ARENA_MAX`` does not count); none where
+    it forbids mapping (``MALLOC_MMAP_MAX_=0``: ``sys.maxsize``). None where the C library is
+    not glibc (not modelled).
 
     Each such block is new pages, which the kernel faults in (and zeroes) when they are first
     written: the time model prices them (:attr:`~sharded_exp.speed.profiles.DeviceProfile.fresh_page_s`).
-    Under ``dynamic`` the heap's trimmed top is faulted in again too, which is not counted."""
+    An upper bound: glibc serves such a block from a free heap chunk (or the heap's top) where
+    one is big enough. Under ``dynamic`` the heap's trimmed top is faulted in again too, which
+    is not counted."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
-    tunables = dict(
-        item.split("=", 1) for item in env.get("GLIBC_TUNABLES", "").replace(":", " ").split() if "=" in item
-    )
-    mine = env.get("MALLOC_MMAP_THRESHOLD_", tunables.get("glibc.malloc.mmap_threshold"))
-    if mine is not None:
-        try:
-            return int(mine)
-        except ValueError:
-            return DYNAMIC_THRESHOLD_MAX  # glibc ignores a setting it cannot read
-    stops = ("trim_threshold", "top_pad", "mmap_max")
-    if any(k in env for k in YOUR_SETTINGS) or any(f"glibc.malloc.{k}" in tunables for k in stops):
+    tunables = _tunables(env)
+    mine = {k: env.get(f"MALLOC_{k.upper()}_", tunables.get(k)) for k in YOUR_TUNABLES}
+    if mine["mmap_max"] is not None and _number(mine["mmap_max"]) == 0:
+        return sys.maxsize  # no block is ever mapped
+    if mine["mmap_threshold"] is not None:
+        threshold = _number(mine["mmap_threshold"])
+        return DYNAMIC_THRESHOLD_MAX if threshold is None else threshold  # glibc ignores what it cannot read
+    if any(v is not None for v in mine.values()):
         return DEFAULT_THRESHOLD_BYTES  # the threshold no longer moves from where glibc starts it
-    if any(k.startswith("glibc.malloc") for k in tunables):
-        return DYNAMIC_THRESHOLD_MAX
     return MMAP_THRESHOLD_BYTES if rule == "fixed" else DYNAMIC_THRESHOLD_MAX
+
+
+def _number(text: str) -> int | None:
+    """A number as glibc reads one (decimal, or 0x hexadecimal, or 0 octal), None if it is not."""
+    try:
+        return int(text, 0)
+    except ValueError:
+        return None
 
 
 class _MallInfo2(ctypes.Structure):

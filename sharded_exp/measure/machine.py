@@ -207,15 +207,26 @@ def measure_bandwidth(seconds: float = 0.2) -> float:
 
 
 FRESH_BYTES = 64 * 2**20
-"""The block :func:`measure_fresh_page_s` makes: above glibc's largest dynamic mmap threshold
-(32 MiB), so it is mapped anew each time whatever this process's threshold is."""
+"""The block :func:`measure_fresh_page_s` maps: 16,384 pages of 4 KiB."""
+
+
+def _fresh_fill() -> None:
+    """Map :data:`FRESH_BYTES` anew (anonymous: new pages, whatever malloc's rule in this
+    process, which may serve even a large block from a heap it never trims), fill it, unmap it:
+    what a block glibc maps costs a step."""
+    block = mmap.mmap(-1, FRESH_BYTES)
+    values = torch.frombuffer(block, dtype=torch.float32)
+    values.fill_(1.0)
+    del values  # the buffer is exported while the tensor lives
+    block.close()
 
 
 def measure_fresh_page_s(seconds: float = 0.3) -> float:
-    """Seconds a new page costs when first written: a :data:`FRESH_BYTES` tensor made, filled
-    and freed, less the same fill of a resident tensor, per page (``mmap.PAGESIZE``)."""
+    """Seconds a new page costs when first written: a :data:`FRESH_BYTES` block mapped, filled
+    and unmapped (:func:`_fresh_fill`), less the same fill of a resident tensor, per page
+    (``mmap.PAGESIZE``)."""
     warm = torch.empty(FRESH_BYTES // 4)
-    fresh = _timed(lambda: torch.empty(FRESH_BYTES // 4).fill_(1.0), seconds)
+    fresh = _timed(_fresh_fill, seconds)
     resident = _timed(lambda: warm.fill_(1.0), seconds / 3)
     return max(0.0, fresh - resident) / (FRESH_BYTES // mmap.PAGESIZE)
 

@@ -189,11 +189,11 @@ def split_backward(backward: dict[str, float], forward: dict[str, list[float]], 
 
 def new_pages(record: dict, mapped_from_bytes: int) -> int:
     """The pages of the blocks an op record made that glibc maps anew (at least
-    ``mapped_from_bytes``), whole pages with the chunk's 16-byte header: every block above the
-    threshold is mapped, and under ``reuse`` (the heap never trimmed) nothing else is new
-    pages in a steady state. Under ``fixed`` an upper bound: glibc serves a large request
-    from a free heap chunk big enough where it has one. Under glibc's dynamic rule the heap's
-    top is also given back and faulted in again, which is not counted."""
+    ``mapped_from_bytes``), whole pages with the chunk's 16-byte header. Under ``reuse`` (the
+    heap never trimmed) nothing smaller is new pages in a steady state. An upper bound under
+    every rule: glibc serves a large request from a free heap chunk (or the heap's top) big
+    enough where it has one. Under glibc's dynamic rule the heap's top is also given back and
+    faulted in again, which is not counted."""
     page = mmap.PAGESIZE
     return sum(-(-(n + 16) // page) for n in record.get("fresh_bytes", ()) if n >= mapped_from_bytes)
 

@@ -140,12 +140,12 @@ def group_time(
     NIC have an eighth of it each: state it so.
     """
     _check(kind, ranks)
-    if kind == "reduce_scatter" and getattr(topology.intra, "reduce_scatter_as_all_reduce", False):
-        kind = "all_reduce"  # gloo's reduce-scatter: an all-reduce of the whole input, then a copy
     if algorithm not in ALGORITHMS:
         raise ConfigError(f"algorithm must be one of {ALGORITHMS}, not {algorithm!r}")
     if algorithm == "tree" and kind != "all_reduce":
         raise ConfigError(f"NCCL runs {kind} as a ring only (tree is for all_reduce); ask for algorithm='ring'")
+    if kind == "reduce_scatter" and getattr(topology.intra, "reduce_scatter_as_all_reduce", False):
+        kind = "all_reduce"  # gloo's reduce-scatter: an all-reduce of the whole input, then a copy
     if nbytes < 0:
         raise ConfigError(f"a collective's size must be >= 0 bytes, not {nbytes}")
     if ranks == 1 or nbytes == 0:

@@ -139,3 +139,25 @@ def test_a_fsdp_rank_grows_less_than_a_ddp_rank_and_holds_only_what_it_tracks(tm
     # glibc itself): its freed gathers go back to the kernel.
     assert fsdp["rss"] - fsdp["tracked"] <= fsdp["late"] + fsdp["unit"] + fsdp["heap_free"], fsdp
     assert fsdp["heap_free"] < fsdp["tracked"] / 2, fsdp  # the heap keeps small blocks, not gathers
+
+
+# A fresh process under ``reuse`` whose heap grew (160 MiB of 8 MiB blocks, freed: its top, never
+# trimmed): what the ``this`` profile prices a new page at.
+FRESH_UNDER_REUSE = """
+import torch
+from sharded_exp.measure import host_malloc, machine
+assert host_malloc.set_malloc_rule("reuse", {}) is not None
+blocks = [torch.empty(2**21).fill_(1.0) for _ in range(20)]
+del blocks
+print(machine.measure_fresh_page_s(0.1))
+"""
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
+def test_a_new_pages_price_is_measured_on_new_pages_whatever_the_rule():
+    """The profile's ``fresh_page_s`` maps its block itself: under ``reuse`` a 64 MiB tensor can
+    come from the untrimmed heap's top, already resident, and a price measured on it read 0 a
+    page here where a new page costs about a microsecond (1.1-2.1 us)."""
+    proc = subprocess.run([sys.executable, "-c", FRESH_UNDER_REUSE], cwd=ROOT, capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}, timeout=120, check=True)  # fmt: skip
+    assert float(proc.stdout) > 5e-8, proc.stdout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import sys
 
 import pytest
 
@@ -46,10 +47,13 @@ def test_the_heap_counts_small_blocks_freed_between_live_ones():
         ({}, 4 * 2**20),  # the threshold a rank fixes
         ({"MALLOC_MMAP_THRESHOLD_": "65536"}, 65536),  # yours
         ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1:glibc.malloc.mmap_threshold=262144"}, 262144),
-        ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=1"}, 32 * 2**20),  # left dynamic: above its maximum only
+        ({"MALLOC_MMAP_THRESHOLD_": "0x3000000"}, 48 * 2**20),  # glibc reads hexadecimal too
+        ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=1"}, 4 * 2**20),  # not what the rules set: the rule stands
+        ({"MALLOC_ARENA_MAX": "1"}, 4 * 2**20),
         # a trim threshold of yours stops the threshold moving from glibc's 128 KiB (mallopt(3))
         ({"MALLOC_TRIM_THRESHOLD_": "0"}, 128 * 1024),
         ({"GLIBC_TUNABLES": "glibc.malloc.top_pad=0"}, 128 * 1024),
+        ({"MALLOC_MMAP_MAX_": "0"}, sys.maxsize),  # no block is ever mapped
     ],
 )
 def test_the_blocks_mapped_anew_follow_the_threshold_in_force(env, mapped):
@@ -82,7 +86,8 @@ def test_each_rule_sets_both_thresholds_and_glibcs_own_sets_nothing(monkeypatch)
     assert set_malloc_rule("fixed", {}) == (4 * 2**20, 128 * 1024)
     monkeypatch.setattr(host_malloc, "_set_here", True)  # an earlier job in this process set a rule
     assert set_malloc_rule("dynamic", {}) == (32 * 2**20, 64 * 2**20) and asked[-1] == (32 * 2**20, 64 * 2**20)
-    assert set_malloc_rule("dynamic", {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) is None
+    assert set_malloc_rule("dynamic", {"GLIBC_TUNABLES": "glibc.malloc.top_pad=0"}) is None  # yours
+    assert set_malloc_rule("reuse", {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) == (32 * 2**20, -1)  # not
     with pytest.raises(ValueError, match="host_mmap_threshold='static' must be one of reuse, fixed, dynamic"):
         set_malloc_rule("static", {})
 

@@ -26,6 +26,7 @@ def test_the_profile_is_built_from_the_cache_without_measuring(tmp_path, monkeyp
     assert not device.asynchronous  # a CPU runs its ops one after the other
     assert device.peak_flops_per_s("fp32") == 0.05e12 and device.curve("matmul", "fp32").points[0] == (1e6, 0.01)
     assert link.bandwidth_Bps == 0.5e9 and link.ring_step_latency_s == pytest.approx(1e-4)
+    assert link.reduce_scatter_as_all_reduce  # gloo's: priced as the all-reduce it runs
     assert device.curve("attention", "fp32") == device.curve("matmul", "fp32")  # attention not measured
     assert not device.curve("attention", "fp32").causal_calls  # so no causal curve: priced as the matmul's
     assert device.host_cost_s("fp32", sharded_parameters=True) == 2e-5  # nor an FSDP2 step: the plain figure

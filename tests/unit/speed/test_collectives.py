@@ -61,6 +61,13 @@ def test_a_gloo_link_prices_a_reduce_scatter_as_the_all_reduce_gloo_runs():
     assert collective_time("reduce_scatter", GIB, 2, gloo) == pytest.approx(0.0107374 + BASE + 10e-6, rel=1e-4)
     assert collective_time("reduce_scatter", GIB, 2, gloo) == collective_time("all_reduce", GIB, 2, gloo)
     assert collective_time("all_gather", GIB, 2, gloo) == collective_time("all_gather", GIB, 2, nccl)
+    with pytest.raises(ConfigError, match="ring only"):  # asked as NCCL would be: refused before gloo's rule
+        collective_time("reduce_scatter", GIB, 2, gloo, algorithm="tree")
+    # HSDP on gloo (2 replicas of 2): the shard level's reduce-scatter is gloo's all-reduce too
+    flat = Topology(4, gloo)
+    shard, replicate = hsdp_gradient_time(GIB, 2, 2, flat)
+    assert shard == pytest.approx(collective_time("all_reduce", GIB, 2, gloo))
+    assert replicate == pytest.approx(group_time("all_reduce", GIB / 2, 2, flat, stride=2))
 
 
 def test_tree_all_reduce_is_priced_as_nccl_does():
