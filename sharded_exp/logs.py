@@ -52,8 +52,14 @@ def level() -> int:
 
 def setup_rank(rank: int, log_file: str | None, log_level: int) -> None:
     """A spawned rank: the parent's console and file handlers, ``rank N`` in every line."""
+    setup_forked(f"rank {rank}", log_file, log_level)
+
+
+def setup_forked(who: str, log_file: str | None, log_level: int) -> None:
+    """A process forked from the rank server (a rank, or the parent's pre-flight check run
+    there): the parent's console and file handlers, ``who`` in every line."""
     global _who
-    _who = f"rank {rank}"
+    _who = who
     root = logging.getLogger()
     for handler in list(root.handlers):  # a forked server's, or none
         root.removeHandler(handler)

@@ -14,8 +14,13 @@ import contextlib
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import pickle
 import signal
+import traceback
+from collections.abc import Callable
+from typing import Any
 
+from sharded_exp.errors import ConfigError
 from sharded_exp.launch.layout import will_spawn
 
 PRELOAD = [
@@ -23,13 +28,18 @@ PRELOAD = [
     "sharded_exp.train.trainer",
     "sharded_exp.strategies",
     "torch._dynamo",
-    "torch.distributed.optim",
 ]
-"""Imported once by the server: its signal settings, the trainer, every strategy, torch._dynamo, which
-DistributedDataParallel would otherwise import in every rank (about a second each), and
-torch.distributed.optim, which zero1 imports when it builds (0.2 s; the parent, which imports
-the strategies for their schemas only, never does). Not torchmetrics: the evaluation pass
-computes its definitions in plain torch (train/evaluate.py)."""
+"""Imported once by the server: its signal settings, the trainer, every strategy, and
+torch._dynamo, which DistributedDataParallel would otherwise import in every rank (about a
+second each) and the parent's pre-flight check needs for its fake step. Not torchmetrics:
+the evaluation pass computes its definitions in plain torch (train/evaluate.py). The server
+serves no fork until all of it is imported: what only some jobs need is in
+:data:`STRATEGY_MODULES` and :data:`HF_MODELING`."""
+
+STRATEGY_MODULES = {"zero1": "torch.distributed.optim"}
+"""Modules a strategy imports when it builds, preloaded when the command line names it
+(``strategy=zero1``, a sweep over it, or a glob): zero1's 0.2 s, which every other job's
+first step would otherwise wait for."""
 
 
 HF_MODELING = {
@@ -42,12 +52,17 @@ server does while the parent composes and checks the config, not every rank afte
 
 
 def extra_preload(args: list[str]) -> list[str]:
-    """Modules the chosen model needs, read from the command line (``model=hf_bert...``)."""
+    """Modules the chosen model and strategies need, read from the command line
+    (``model=hf_bert...``, ``strategy=zero1``, ``strategy=ddp,zero1``)."""
+    modules = []
     for arg in args:
-        if arg.startswith("model="):
-            name = arg.split("=", 1)[1]
-            return [module for prefix, module in HF_MODELING.items() if name.startswith(prefix)]
-    return []
+        key, _, value = arg.partition("=")
+        if key == "model":
+            modules += [module for prefix, module in HF_MODELING.items() if value.startswith(prefix)]
+        elif key == "strategy":
+            every = "*" in value or "glob(" in value
+            modules += [module for name, module in STRATEGY_MODULES.items() if every or name in value]
+    return modules
 
 
 def context(extra: list[str] | None = None) -> multiprocessing.context.BaseContext:
@@ -56,12 +71,75 @@ def context(extra: list[str] | None = None) -> multiprocessing.context.BaseConte
     return ctx
 
 
+_started_early = False
+
+
 def start_early(args: list[str] | None = None) -> None:
     """Start the server now (it imports in the background) if this job will spawn ranks."""
+    global _started_early
     if will_spawn():
         context(extra_preload(args or []))
         multiprocessing.forkserver.ensure_running()
         atexit.register(stop)
+        _started_early = True
+
+
+def started_early() -> bool:
+    """Whether this process's command started the server before its own imports
+    (``python -m sharded_exp``; not a library call or a test, whose process has imported
+    what the server has)."""
+    return _started_early
+
+
+def call(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` run in a process forked from the server, which has imported torch and
+    sharded_exp already; its return value, or its exception raised here.
+
+    ``fn``, ``args`` and what ``fn`` returns or raises travel pickled. An exception that
+    cannot be pickled comes back as a RuntimeError naming it; every exception but a
+    ConfigError (whose message is the whole answer) carries the other process's traceback
+    as a note. Interrupted here (Ctrl-C), the other process is killed, not left running.
+    """
+    ctx = multiprocessing.get_context("forkserver")
+    reader, writer = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_answer, args=(writer, fn, args), daemon=True)
+    proc.start()
+    writer.close()  # only the child writes: its death then ends the read (EOFError)
+    try:
+        try:
+            ok, value = pickle.loads(reader.recv_bytes())
+        except EOFError:
+            proc.join()
+            raise RuntimeError(
+                f"the process forked to run {fn.__qualname__} died before answering (exit code {proc.exitcode})"
+            ) from None
+        proc.join()
+    finally:
+        reader.close()
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if ok:
+        return value
+    raise value
+
+
+def _answer(writer, fn: Callable[..., Any], args: tuple) -> None:
+    try:
+        answer = (True, fn(*args))
+    except BaseException as exc:  # noqa: BLE001 -- every failure goes back to the caller
+        if not isinstance(exc, ConfigError):
+            exc.add_note("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip())
+        answer = (False, exc)
+    try:
+        payload = pickle.dumps(answer)
+    except Exception:  # noqa: BLE001 -- an exception (or a value) that does not pickle
+        exc = answer[1] if not answer[0] else TypeError(f"{fn.__qualname__} returned a value that cannot be pickled")
+        plain = RuntimeError(f"{type(exc).__name__}: {exc}")
+        plain.__notes__ = list(getattr(exc, "__notes__", []))
+        payload = pickle.dumps((False, plain))
+    writer.send_bytes(payload)
+    writer.close()
 
 
 def stop() -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from sharded_exp.errors import WontFit
 from sharded_exp.job.result import Result, write_result
 from sharded_exp.job.spec import JobSpec
-from sharded_exp.launch import preflight
+from sharded_exp.launch import forkserver, preflight
 from sharded_exp.launch.diagnose import failure_result
 from sharded_exp.launch.layout import Layout, external_layout
 from sharded_exp.launch.run_dir import (
@@ -102,7 +103,12 @@ def launch(
         if run.is_writer and os.path.isdir(output_dir):
             run.run_dir_lock = hold_run_dir(output_dir)
         # ConfigError here, before any rank starts, for a config that cannot run
-        spec = preflight.check(cfg, output_dir, run.layout, peak=run.is_writer)
+        # The command's own rank server has imported what the check needs (torch._dynamo):
+        # checked there. Under torchrun, in a library call or a test: here.
+        if run.layout is None and forkserver.started_early() and "torch._dynamo" not in sys.modules:
+            spec = preflight.check_in_server(cfg, output_dir)
+        else:
+            spec = preflight.check(cfg, output_dir, run.layout, peak=run.is_writer)
         result = base_result(
             spec.config,
             spec.params,

@@ -1,6 +1,8 @@
 """Pre-flight: everything the parent checks and decides once, before any rank starts.
 
-:func:`check` runs in the parent (the Hydra job) on the composed config. It refuses what a
+:func:`check` runs for the parent (the Hydra job) on the composed config: in the parent, or,
+for ``python -m sharded_exp`` spawning its ranks, in a process forked from the rank server
+(:func:`check_in_server`), which has imported what it needs by then. It refuses what a
 schema cannot express (ranges, a GPU that is not there, a package that is not installed,
 a model and task that do not fit, a checkpoint that cannot start this job) with a
 :class:`~sharded_exp.errors.ConfigError` that names the bad value and what is allowed,
@@ -208,11 +210,58 @@ def check(cfg: Config, output_dir: str, layout: Layout | None = None, peak: bool
         zero_grad=zero_grad,
         checkpoint=plan,
         launcher=layout.launcher if layout is not None else "spawn",
-        env={k: v for k, v in os.environ.items() if k.startswith("SHARDED_EXP_")},
-        parent_pid=os.getpid(),
-        log_file=logs.job_log_file(),
-        log_level=logs.level(),
+        **_this_process(),
     )
+
+
+def _this_process() -> dict:
+    """The spec's fields that name the process that checked: the parent's."""
+    return {
+        "env": {k: v for k, v in os.environ.items() if k.startswith("SHARDED_EXP_")},
+        "parent_pid": os.getpid(),
+        "log_file": logs.job_log_file(),
+        "log_level": logs.level(),
+    }
+
+
+def check_in_server(cfg: Config, output_dir: str, peak: bool = True) -> JobSpec:
+    """:func:`check` for a job that spawns its ranks, run in a process forked from the rank
+    server, which has imported torch, the strategies and ``torch._dynamo`` (the fake step's)
+    while this process composed the config: the parent's first check then pays none of
+    those imports (about half a second of ``torch._dynamo`` alone). Same spec, same
+    ConfigError; the check's log lines go to the parent's console and log file."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from sharded_exp.launch import forkserver
+
+    here = {
+        "env": dict(os.environ),
+        "cwd": os.getcwd(),
+        "hydra": HydraConfig.instance().cfg,  # what ${hydra:...} in the config reads
+        "log_file": logs.job_log_file(),
+        "log_level": logs.level(),
+    }
+    spec = forkserver.call(_check_there, cfg, output_dir, peak, here)
+    return dataclasses.replace(spec, **_this_process())
+
+
+def _check_there(cfg: Config, output_dir: str, peak: bool, here: dict) -> JobSpec:
+    """The checking process: the parent's environment, directory, Hydra resolvers and
+    logging, then :func:`check`."""
+    import hydra.core.utils
+    from hydra.core.hydra_config import HydraConfig
+
+    from sharded_exp.registry import import_plugins
+
+    os.environ.clear()
+    os.environ.update(here["env"])
+    os.chdir(here["cwd"])
+    logs.setup_forked("parent", here["log_file"], here["log_level"])
+    hydra.core.utils.setup_globals()  # ${now:...}, ${hydra:...}
+    if here["hydra"] is not None:
+        HydraConfig.instance().set_config(here["hydra"])
+    import_plugins()
+    return check(cfg, output_dir, None, peak)
 
 
 RANK_OVERHEAD_MIB = 400

@@ -70,6 +70,16 @@ def test_a_composition_error_leaves_no_run_directory(bad, tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+def test_a_config_the_pre_flight_check_refuses_is_said_alone_and_leaves_no_run_directory(tmp_path):
+    # The check runs in a process forked from the rank server (sharded_exp/launch/preflight.py,
+    # check_in_server): its ConfigError reaches the parent as one line, as when it ran there
+    proc = run_cli(["trainer.freeze=[*]", "logger=none"], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.startswith("error: trainer.freeze=['*'] freezes every parameter of model=mlp"), proc.stderr
+    assert "Traceback" not in proc.stderr and "rank server" not in proc.stderr
+    assert not (tmp_path / "outputs").exists(), "a refused config leaves no outputs/runs/ behind"
+
+
 @pytest.mark.slow  # the default tier's: test_a_composition_error_leaves_no_run_directory
 def test_a_refused_config_or_a_run_directory_under_a_file_leaves_nothing(tmp_path):
     proc = run_cli(["trainer.steps=5", "logger=none"], cwd=tmp_path)  # warm-up 5 of 5 steps: refused
