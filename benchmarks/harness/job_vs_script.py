@@ -10,10 +10,9 @@ peak prediction, the evaluation pass, result.json, the table) and a 40-line scri
 the kind a user types: ``mp.spawn``, gloo, DDP, the same MLP and the same batches, a plain
 loop that only reads a clock around each step. Both are timed from the command to its
 exit, as whole processes. The ratio of each pair (job / script) is reported, with its
-median; so are the job's command-to-first-step and last-step-to-exit times from its
-result.json timeline, and the two sides' median steps after the job's warm-up (the job's
-from result.json, the script's printed by its rank 0), which say whether a gap is in the
-steps or around them. The job runs its default malloc rule (``trainer.host_mmap_threshold=reuse``)
+median; so are each side's command-to-first-step time and median step after the job's
+warm-up (the job's from its result.json, the script's printed by its rank 0), and the job's
+last-step-to-exit time: they say whether a gap is in the steps or around them. The job runs its default malloc rule (``trainer.host_mmap_threshold=reuse``)
 and the script glibc's own; this MLP's step faults in almost no page under either (2 to 104 a
 step, docs/figures.md), so the rule does not favour the job here (``--job
 trainer.host_mmap_threshold=dynamic`` runs it like the script).
@@ -61,6 +60,8 @@ def worker(rank, world_size, port):
         x = torch.randn(BATCH, 64, generator=torch.Generator().manual_seed(step * 7919 + rank))
         y = (torch.tanh(x @ w1) @ w2).argmax(1)
         t0 = time.perf_counter()  # the step, not the batch's making (the job's step time leaves its data out too)
+        if step == 0:
+            first_step_at = time.time()
         opt.zero_grad(set_to_none=True)
         F.cross_entropy(model(x), y).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -68,6 +69,7 @@ def worker(rank, world_size, port):
         times.append(time.perf_counter() - t0)
     if rank == 0:  # for the benchmark, not a thing a user would print: the steps after the job's warm-up
         print("step_s", sorted(times[WARMUP:])[len(times[WARMUP:]) // 2])
+        print("first_step_at", first_step_at)
     dist.barrier()
     del model, opt
     dist.destroy_process_group()
@@ -86,9 +88,10 @@ def timed(cmd: list[str]) -> tuple[float, str]:
     return time.perf_counter() - t0, proc.stdout
 
 
-def script_step_s(stdout: str) -> float:
-    """The hand script's median step (rank 0, the steps after the job's warm-up), as it printed it."""
-    return float(next(line.split()[1] for line in stdout.splitlines() if line.startswith("step_s ")))
+def printed(stdout: str, name: str) -> float:
+    """A figure the hand script's rank 0 printed: ``step_s``, its median step after the job's
+    warm-up, or ``first_step_at``, the Unix time its first step began."""
+    return float(next(line.split()[1] for line in stdout.splitlines() if line.startswith(name + " ")))
 
 
 def main() -> None:
@@ -123,7 +126,8 @@ def main() -> None:
             if side == "job":
                 t["job_started"] = t0
             else:
-                t["script_step_s"] = script_step_s(stdout)
+                t["script_step_s"] = printed(stdout, "step_s")
+                t["script_to_first_step_s"] = printed(stdout, "first_step_at") - t0
         with open(os.path.join(out, "result.json")) as f:
             result = json.load(f)
         timeline = result["timeline"]
@@ -138,7 +142,8 @@ def main() -> None:
                 "last_step": timeline["last_step"],
             }
         )  # fmt: skip
-    rows = [[i, f"{p['job']:.2f}", f"{p['script']:.2f}", f"{p['ratio']:.2f}", f"{p['to_first_step_s']:.2f}",
+    rows = [[i, f"{p['job']:.2f}", f"{p['script']:.2f}", f"{p['ratio']:.2f}",
+             f"{p['to_first_step_s']:.2f} / {p['script_to_first_step_s']:.2f}",
              f"{p['last_step_to_exit_s']:.2f}", f"{p['eval_s'] or 0:.2f}",
              f"{1000 * p['job_step_s']:.1f} / {1000 * p['script_step_s']:.1f}"] for i, p in enumerate(pairs)]  # fmt: skip
     ratios = [p["ratio"] for p in pairs]
@@ -147,7 +152,8 @@ def main() -> None:
     print(f"MLP {args.depth} x {args.hidden}, batch {args.batch_size}, {args.steps} steps, 2 ranks (seconds){extra}")
     print(
         markdown(
-            ["pair", "job", "script", "job/script", "command to first step", "last step to exit", "of it evaluation",
+            ["pair", "job", "script", "job/script", "command to first step, job / script", "job's last step to exit",
+             "of it evaluation",
              "step ms, job / script"],  # fmt: skip
             rows,
         )

@@ -118,6 +118,7 @@ def test_job_vs_script_smoke(tmp_path):
     [pair] = data["pairs"]
     assert pair["ratio"] == pytest.approx(pair["job"] / pair["script"])
     assert 0 < pair["to_first_step_s"] < pair["job"] and 0 < pair["last_step_to_exit_s"] < pair["job"]
+    assert 0 < pair["script_to_first_step_s"] < pair["script"]  # from the script's own clock, as printed
     assert pair["eval_s"] is not None and pair["eval_s"] >= 0
     assert 0 < pair["job_step_s"] < pair["job"] and 0 < pair["script_step_s"] < pair["script"]  # the steps' split
 
