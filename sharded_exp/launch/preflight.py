@@ -17,7 +17,9 @@ import copy
 import dataclasses
 import os
 
+import hydra.core.utils
 import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 from torch.nn.parameter import UninitializedParameter
 
@@ -28,6 +30,7 @@ from sharded_exp.data import TASKS
 from sharded_exp.data.loader import check_fits
 from sharded_exp.errors import ConfigError, WontFit, missing_packages
 from sharded_exp.job.spec import JobSpec, decided_config
+from sharded_exp.launch import forkserver
 from sharded_exp.launch.layout import Layout
 from sharded_exp.models import MODELS, build_model, units
 from sharded_exp.models.target import (
@@ -41,6 +44,7 @@ from sharded_exp.models.target import (
 from sharded_exp.optim import OPTIMIZERS
 from sharded_exp.precision import PRECISIONS, Precision
 from sharded_exp.predict.prediction import meta_model, model_shapes, predict, predict_peak
+from sharded_exp.registry import import_plugins
 from sharded_exp.strategies import STRATEGIES
 from sharded_exp.train import faults
 
@@ -230,10 +234,6 @@ def check_in_server(cfg: Config, output_dir: str, peak: bool = True) -> JobSpec:
     while this process composed the config: the parent's first check then pays none of
     those imports (about half a second of ``torch._dynamo`` alone). Same spec, same
     ConfigError; the check's log lines go to the parent's console and log file."""
-    from hydra.core.hydra_config import HydraConfig
-
-    from sharded_exp.launch import forkserver
-
     here = {
         "env": dict(os.environ),
         "cwd": os.getcwd(),
@@ -248,11 +248,6 @@ def check_in_server(cfg: Config, output_dir: str, peak: bool = True) -> JobSpec:
 def _check_there(cfg: Config, output_dir: str, peak: bool, here: dict) -> JobSpec:
     """The checking process: the parent's environment, directory, Hydra resolvers and
     logging, then :func:`check`."""
-    import hydra.core.utils
-    from hydra.core.hydra_config import HydraConfig
-
-    from sharded_exp.registry import import_plugins
-
     os.environ.clear()
     os.environ.update(here["env"])
     os.chdir(here["cwd"])

@@ -27,7 +27,8 @@ a ring pays a base latency (``baseLat``: 8.4 us) plus one per-step latency (``hw
 link's) per step, ``nsteps`` = 2 (n - 1) for all-reduce, n - 1 for all-gather and
 reduce-scatter, n for broadcast and reduce; steps that cross nodes (``nInterSteps`` =
 2 (nodes - 1), nodes - 1, nodes) pay the network's latency, the rest the intra-node link's.
-A tree all-reduce pays ``2 ((ranks per node - 1) intra + log2(nodes) inter)``.
+A tree all-reduce pays ``2 ((ranks per node - 1) intra + log2(nodes) inter)``, ranks per node
+those of the fullest node.
 
 Not modelled (each a refinement NCCL applies on top; named so a reader knows the gap): the
 LL/LL128 protocols for small messages, the 0.9 and per-architecture caps on tree bandwidth,
@@ -39,7 +40,8 @@ Groups spanning nodes: NCCL runs one ring (or tree) per channel and prices the c
 bandwidth, the network's (``bwInter``) beyond two nodes. Its topology search gives each
 channel its own NIC where the node has one per GPU ("rails"): a group with k ranks in each
 node leaves the node through k NICs at once. So a group spanning nodes moves at
-``min(intra, k x inter)`` per rank, ``inter`` the network's bandwidth per GPU
+``min(intra, k x inter)`` per rank, k the fewest of the group's ranks in any one node (12 ranks at
+8 a node: 4; every channel's ring passes through every node), ``inter`` the network's bandwidth per GPU
 (``plan.inter_node_gbps``) and ``intra`` the NVLink every channel of a node shares: the flat
 group of 8 GPUs a node, 8 NICs; HSDP's replicate group (one rank a node), one. Eight GPUs
 sharing one NIC have an eighth of it each: state ``inter`` so. HSDP's two levels (shard inside
@@ -49,6 +51,7 @@ a node, replicate across) are priced apart by :func:`hsdp_gradient_time`.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
@@ -133,8 +136,8 @@ def group_time(
 ) -> float:
     """Seconds for one collective among ``ranks`` ranks ``stride`` apart (ranks 0, stride,
     2 stride, ...) placed on ``topology``: the nodes they span set the bandwidth (once they span
-    two, the slower of intra and the network of the group's ranks in a node, one NIC each: see
-    the module docstring) and which steps pay the network's latency.
+    two, the slower of intra and the network of the fewest of the group's ranks in a node, one NIC
+    each: see the module docstring) and which steps pay the network's latency.
 
     Warning: ``inter`` is a GPU's own network bandwidth (a NIC per GPU). Eight GPUs sharing one
     NIC have an eighth of it each: state it so.
@@ -150,22 +153,26 @@ def group_time(
         raise ConfigError(f"a collective's size must be >= 0 bytes, not {nbytes}")
     if ranks == 1 or nbytes == 0:
         return 0.0
-    nodes = len({(r * stride) // topology.gpus_per_node for r in range(ranks)})
+    in_node = Counter((r * stride) // topology.gpus_per_node for r in range(ranks))  # node -> the group's ranks there
+    nodes = len(in_node)
     if nodes > 1 and topology.inter is None:
         raise ConfigError(
             f"{ranks} ranks {stride} apart span {nodes} nodes of {topology.gpus_per_node} GPUs, "
             "but the topology has no inter-node link"
         )
     intra, inter = topology.intra, topology.inter
-    per_node = ranks / nodes  # the group's ranks in each node: its channels' NICs there
-    bandwidth = intra.bandwidth_Bps if nodes == 1 else min(intra.bandwidth_Bps, per_node * inter.bandwidth_Bps)
+    # Every channel's ring crosses into and out of every node, each through a NIC of its own: the
+    # node with the fewest of the group's ranks (NICs) sets the bandwidth across nodes (12 ranks at
+    # 8 a node: the second node's 4)
+    nics = min(in_node.values())
+    bandwidth = intra.bandwidth_Bps if nodes == 1 else min(intra.bandwidth_Bps, nics * inter.bandwidth_Bps)
     if algorithm == "ring":
         steps, inter_steps = ring_steps(kind, ranks), (ring_steps(kind, nodes) if nodes > 1 else 0)
         latency = RING_BASE_LATENCY_S + (steps - inter_steps) * intra.ring_step_latency_s
         if inter_steps:
             latency += inter_steps * inter.ring_step_latency_s
         return latency + nbytes * bus_factor(kind, ranks) / bandwidth
-    latency = TREE_BASE_LATENCY_S + 2 * (per_node - 1) * intra.tree_step_latency_s
+    latency = TREE_BASE_LATENCY_S + 2 * (max(in_node.values()) - 1) * intra.tree_step_latency_s  # the fullest node
     if nodes > 1:
         latency += 2 * math.log2(nodes) * inter.tree_step_latency_s
     return latency + 2 * nbytes / bandwidth

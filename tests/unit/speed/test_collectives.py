@@ -104,6 +104,19 @@ def test_a_flat_group_spanning_nodes_leaves_each_node_through_every_nic():
         group_time("all_reduce", GIB, 16, Topology(8, FAST))
 
 
+def test_a_group_spread_unevenly_over_nodes_leaves_the_emptier_node_through_its_own_nics():
+    """12 ranks at 8 a node over 100 Gb/s (12.5 GB/s) per GPU: the second node holds 4, and every
+    channel's ring passes through it, so 4 NICs carry the ring there: 50 GB/s, not the mean's 6 x
+    12.5 = 75. Ring all-reduce of 1 GiB: 2 * 11/12 * 2^30 / 50e9 = 39.37 ms; latency 22 steps, 2
+    across nodes: 8.4 + 20 * 3.4 + 2 * 9.6 = 95.6 us. A tree's depth is the fuller node's 8 ranks:
+    the same latency as 16 ranks on two full nodes, its bandwidth 2 * 2^30 / 50e9."""
+    topo = Topology(8, load_link("nvlink4"), network_link(100))
+    assert group_time("all_reduce", GIB, 12, topo) == pytest.approx(2 * 11 / 12 * GIB / 50e9 + 95.6e-6, rel=1e-4)
+    tree_12 = group_time("all_reduce", GIB, 12, topo, algorithm="tree") - 2 * GIB / 50e9
+    tree_16 = group_time("all_reduce", GIB, 16, topo, algorithm="tree") - 2 * GIB / 100e9
+    assert tree_12 == pytest.approx(tree_16)
+
+
 def test_hsdp_prices_its_two_levels_apart():
     """2 nodes of 8, shard 8 (in a node, NVLink 4: 450 GB/s at NCCL's 0.822, 369.9), replicate 2
     (across, 12.5 GB/s), 1 GiB of gradients: reduce-scatter 0.875 * 2^30 / 369.9e9 = 2.540 ms
