@@ -128,23 +128,23 @@ def step_compute(
     kernel time and the host's cost per op (:meth:`DeviceProfile.host_cost_s`, for
     ``math_dtype`` in the forward and backward, autocast's, and fp32 in the optimizer; that of
     an FSDP2 step where ``sharded_parameters``, :func:`shards_parameters`): their
-    sum where ops run one after the other (CPU), the larger where the host launches ahead of
-    the device (CUDA: a launch-bound step is the host's time, a compute-bound one the kernels').
+    sum where ops run one after the other (CPU); where the host launches ahead of the device
+    (CUDA), each op's share of the device's timeline (:func:`launched_ahead`: a launch-bound
+    step is the host's time, a compute-bound one the kernels', and a long kernel hides the
+    launches of the short ops after it).
     On a profile that prices new pages (a CPU's ``this``), an op run one after the other also
     pays for the pages of each block it makes that glibc maps anew (:func:`new_pages`; under the
     ranks' ``malloc`` rule, :func:`malloc_rule`: from 4 MiB under ``fixed``, else above 32 MiB)."""
     records = trace.phased()
     mapped = mapped_from(rule=malloc) if device.fresh_page_s and not device.asynchronous else None
-    seconds, kinds = [], []
+    hosts, kernels, kinds = [], [], []
     for record, op in zip(records, ops_from_records(records, "fp32")):
         host = device.host_cost_s("fp32" if record["phase"] == "optimizer" else math_dtype, sharded_parameters)
-        kernel = op_time(op, device)
+        faults = new_pages(record, mapped) * device.fresh_page_s if mapped else 0.0
+        hosts.append(host)
+        kernels.append(op_time(op, device) + faults)
         kinds.append(op.kind)
-        if device.asynchronous:
-            seconds.append(max(kernel, host))
-        else:
-            faults = new_pages(record, mapped) * device.fresh_page_s if mapped else 0.0
-            seconds.append(kernel + host + faults)
+    seconds = launched_ahead(hosts, kernels) if device.asynchronous else [h + k for h, k in zip(hosts, kernels)]
     count = max(1, trace.units)
     forward, flops = [0.0] * count, [0.0] * count
     forward_by_kind = {k: [0.0] * count for k in OP_KINDS}
@@ -164,6 +164,30 @@ def step_compute(
             flops[at] += record.get("flops") or 0
     back = split_backward(backward_by_kind, forward_by_kind, count)
     return StepCompute(tuple(forward), back, optimizer, float(model_flops), tuple(flops))
+
+
+def launched_ahead(hosts: list[float], kernels: list[float]) -> list[float]:
+    """Each op's seconds on a device whose host launches ahead of it (CUDA's asynchronous
+    launches, one stream): op i's kernel starts once the host has launched it (the host's
+    costs of ops 0..i, summed: the host never waits within a step) and the kernel before it has
+    ended. An op's share is how far it moves the device's end; the shares sum to the step's
+    compute.
+
+    A long kernel then hides the launches of the short ops after it (a 100 us matmul and three
+    5 us ops at 25 us of host each: 25 + 100 + 3 x 5 = 140 us, where each op's larger figure,
+    summed, said 175); a launch-bound step is the host's costs summed, a compute-bound one its
+    kernels'. Not modelled: the launch queue's depth (a host that far ahead blocks until the
+    device catches up, which changes the device's timeline only where short ops follow more
+    long kernels than the queue holds), and synchronising calls inside a step (a training
+    step synchronises at its end)."""
+    launched = ended = 0.0
+    shares = []
+    for host, kernel in zip(hosts, kernels):
+        launched += host
+        end = max(ended, launched) + kernel
+        shares.append(end - ended)
+        ended = end
+    return shares
 
 
 def split_backward(backward: dict[str, float], forward: dict[str, list[float]], count: int) -> tuple[float, ...]:

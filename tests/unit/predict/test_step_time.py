@@ -69,10 +69,31 @@ def test_the_hosts_cost_per_op_adds_on_a_cpu_and_overlaps_on_a_gpu():
         kernel.forward_s[0] + 2 * 2e-3
     )  # the embedding and a matmul, each + bf16's
     assert cpu.optimizer_s == pytest.approx(kernel.optimizer_s + 1e-3)  # the optimizer's op pays fp32's
-    # launched ahead: each op is the larger of its kernel and the host's cost
+    # launched ahead: the embedding (launched at 2 ms, a kernel of microseconds), then unit 0's
+    # matmul (launched at 4 ms; its kernel, m = 1.26 ms, ends at 4 ms + m): the unit's share
     matmul = 1e12 / H100.matmul_flops_per_s("bf16")
-    assert gpu.forward_s[0] == pytest.approx(max(matmul, 2e-3) + 2e-3)
-    assert gpu.optimizer_s == pytest.approx(1e-3)
+    step = 2e6 / H100.memory_bandwidth_Bps  # the optimizer op's kernel
+    assert 1e-3 < matmul < 2e-3
+    assert gpu.forward_s[0] == pytest.approx(4e-3 + matmul)
+    # the forward's matmuls launch every 2 ms and end before the next (m < 2 ms); the backward's
+    # three (2m each, launched at 10, 12 and 14 ms) queue behind each other from 10 ms (2m > 2
+    # ms), and the optimizer's op, launched at 15 ms, after them: the step ends at 10 ms + 6m + its kernel
+    total = sum(gpu.forward_s) + sum(gpu.backward_s) + gpu.optimizer_s
+    assert total == pytest.approx(10e-3 + 6 * matmul + step)
+    assert gpu.optimizer_s == pytest.approx(step)  # its launch hidden under the backward
+
+
+def test_a_host_that_launches_ahead_hides_its_launches_under_a_long_kernel():
+    """A 100 us matmul, then three 5 us ops, each op 25 us of host: the matmul runs 25-125 us,
+    the next three launch at 50, 75 and 100 us and run after it, 5 us each: 140 us, where each
+    op's larger figure summed says 175. A launch-bound run is the host's costs summed, a
+    compute-bound one its kernels' after the first launch."""
+    from sharded_exp.predict.step_time import launched_ahead
+
+    shares = launched_ahead([25e-6] * 4, [100e-6, 5e-6, 5e-6, 5e-6])
+    assert shares == pytest.approx([125e-6, 5e-6, 5e-6, 5e-6]) and sum(shares) == pytest.approx(140e-6)
+    assert sum(launched_ahead([10e-6] * 5, [1e-6] * 5)) == pytest.approx(50e-6 + 1e-6)
+    assert sum(launched_ahead([1e-6] * 5, [10e-6] * 5)) == pytest.approx(1e-6 + 50e-6)
 
 
 def test_a_step_of_fsdp2_sharded_parameters_pays_the_sharded_host_cost_per_op():
