@@ -123,6 +123,22 @@ def test_job_vs_script_smoke(tmp_path):
     assert 0 < pair["job_step_s"] < pair["job"] and 0 < pair["script_step_s"] < pair["script"]  # the steps' split
 
 
+def test_gpu_repredict_smoke(tmp_path):
+    """The stored GPU round's jobs predicted again here: one per stored median, each error the
+    prediction's against that median, no job left unpriced."""
+    import json
+
+    from benchmarks.accuracy.gpu_repredict import MEASURED
+
+    data = bench("accuracy.gpu_repredict", "--models", "small", "--precisions", "32", cwd=tmp_path)
+    stored = json.loads((MEASURED / "h200_step_medians.json").read_text())["models"]["small"]["median_ms"]["32"]
+    assert {p["strategy"]: p["measured_ms"] for p in data["points"]} == stored
+    for point in data["points"]:
+        assert point["why_none"] is None and point["predicted_ms"] > 0
+        assert point["error"] == pytest.approx((point["predicted_ms"] - point["measured_ms"]) / point["measured_ms"])
+    assert data["summary"]["points"] == len(stored)
+
+
 def test_data_time_smoke(tmp_path):
     data = bench("features.data_time", "--models", "gpt", "--steps", "8", cwd=tmp_path)
     [point] = data["points"]
