@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import multiprocessing
 import multiprocessing.forkserver
 import os
 import pickle
 import signal
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -38,8 +41,9 @@ serves no fork until all of it is imported: what only some jobs need is in
 
 STRATEGY_MODULES = {"zero1": "torch.distributed.optim"}
 """Modules a strategy imports when it builds, preloaded when the command line names it
-(``strategy=zero1``, a sweep over it, or a glob): zero1's 0.2 s, which every other job's
-first step would otherwise wait for."""
+(``strategy=zero1``, a sweep over it, a glob) or a preset that sweeps strategies
+(``experiment=...``, ``hparams_search=...``): zero1's 0.2 s, which every other job's first
+step would otherwise wait for."""
 
 
 HF_MODELING = {
@@ -57,12 +61,15 @@ def extra_preload(args: list[str]) -> list[str]:
     modules = []
     for arg in args:
         key, _, value = arg.partition("=")
+        key = key.lstrip("+")
         if key == "model":
             modules += [module for prefix, module in HF_MODELING.items() if value.startswith(prefix)]
         elif key == "strategy":
             every = "*" in value or "glob(" in value
             modules += [module for name, module in STRATEGY_MODULES.items() if every or name in value]
-    return modules
+        elif key in ("experiment", "hparams_search"):  # presets that sweep the strategies
+            modules += list(STRATEGY_MODULES.values())
+    return list(dict.fromkeys(modules))
 
 
 def context(extra: list[str] | None = None) -> multiprocessing.context.BaseContext:
@@ -102,7 +109,9 @@ def call(fn: Callable[..., Any], *args: Any) -> Any:
     """
     ctx = multiprocessing.get_context("forkserver")
     reader, writer = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_answer, args=(writer, fn, args), daemon=True)
+    # not daemonic: fn may start processes of its own (measuring the this profile does); it is
+    # killed below if it outlives the call, and watches this process (watch_parent)
+    proc = ctx.Process(target=_answer, args=(writer, fn, args, os.getpid()))
     proc.start()
     writer.close()  # only the child writes: its death then ends the read (EOFError)
     try:
@@ -124,7 +133,9 @@ def call(fn: Callable[..., Any], *args: Any) -> Any:
     raise value
 
 
-def _answer(writer, fn: Callable[..., Any], args: tuple) -> None:
+def _answer(writer, fn: Callable[..., Any], args: tuple, caller: int) -> None:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)  # the server ignores it (server_init); the caller does not
+    watch_parent(caller)
     try:
         answer = (True, fn(*args))
     except BaseException as exc:  # noqa: BLE001 -- every failure goes back to the caller
@@ -133,13 +144,44 @@ def _answer(writer, fn: Callable[..., Any], args: tuple) -> None:
         answer = (False, exc)
     try:
         payload = pickle.dumps(answer)
-    except Exception:  # noqa: BLE001 -- an exception (or a value) that does not pickle
+        pickle.loads(payload)  # an exception whose __init__ wants other arguments pickles but does not load
+    except Exception:  # noqa: BLE001 -- an exception (or a value) that does not travel
         exc = answer[1] if not answer[0] else TypeError(f"{fn.__qualname__} returned a value that cannot be pickled")
         plain = RuntimeError(f"{type(exc).__name__}: {exc}")
         plain.__notes__ = list(getattr(exc, "__notes__", []))
         payload = pickle.dumps((False, plain))
     writer.send_bytes(payload)
     writer.close()
+
+
+def watch_parent(pid: int, period_s: float = 1.0) -> None:
+    """Exit this process within ``period_s`` of process ``pid``'s death (the job's parent,
+    killed by a signal it cannot pass on): nobody waits for this process's work any more. A
+    daemon thread; a process forked from the server has the server for its parent, so the
+    kernel's parent-death signal would not see the job's parent go."""
+
+    def watch() -> None:
+        while _alive(pid):
+            time.sleep(period_s)
+        logging.getLogger(__name__).error("the job's parent process (pid %d) is gone; exiting", pid)
+        logging.shutdown()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="watch-parent", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is gone too
+    except OSError:
+        return True
 
 
 def stop() -> None:

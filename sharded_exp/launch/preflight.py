@@ -25,6 +25,7 @@ from torch.nn.parameter import UninitializedParameter
 
 from sharded_exp import logs
 from sharded_exp.checkpoint import plan_checkpoints
+from sharded_exp.compose import point_dirname
 from sharded_exp.config import Config, JobGroups, ZeroGrad, check_ranges
 from sharded_exp.data import TASKS
 from sharded_exp.data.loader import check_fits
@@ -253,8 +254,10 @@ def _check_there(cfg: Config, output_dir: str, peak: bool, here: dict) -> JobSpe
     os.chdir(here["cwd"])
     logs.setup_forked("parent", here["log_file"], here["log_level"])
     hydra.core.utils.setup_globals()  # ${now:...}, ${hydra:...}
-    if here["hydra"] is not None:
-        HydraConfig.instance().set_config(here["hydra"])
+    OmegaConf.register_new_resolver("point_dirname", point_dirname, replace=True)  # a sweep's subdir
+    # the parent's Hydra config as it holds it: set_config would copy its node apart from the keys
+    # it refers to (${paths.output_dir}) and from the ${now:...} it resolved
+    HydraConfig.instance().cfg = here["hydra"]
     import_plugins()
     return check(cfg, output_dir, None, peak)
 

@@ -13,7 +13,6 @@ import datetime
 import faulthandler
 import logging
 import os
-import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -24,6 +23,7 @@ import torch.distributed as dist
 from sharded_exp import logs
 from sharded_exp.job.result import write_json
 from sharded_exp.job.spec import JobSpec
+from sharded_exp.launch import forkserver
 from sharded_exp.measure.host_malloc import set_malloc_rule
 from sharded_exp.precision import Precision
 from sharded_exp.registry import import_plugins
@@ -209,41 +209,11 @@ def nccl_diagnosis_env(output_dir: str) -> dict[str, str]:
     }
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is gone too
-    except OSError:
-        return True
-
-
-def watch_parent(pid: int, rank: int, period_s: float = 1.0) -> None:
-    """Exit this rank within ``period_s`` of the launching process's death (a SIGKILL the
-    parent cannot pass on): nobody waits for the job any more, so it must not train on and
-    write checkpoints. A daemon thread; the rank's parent process is the forkserver, so
-    the kernel's parent-death signal would not see the launcher go."""
-
-    def watch() -> None:
-        while _alive(pid):
-            time.sleep(period_s)
-        log.error("the job's parent process (pid %d) is gone; exiting", pid)
-        logging.shutdown()
-        os._exit(1)
-
-    threading.Thread(target=watch, name="watch-parent", daemon=True).start()
-
-
 def spawned_entry(index: int, world_size: int, job: JobSpec, store: dict, results) -> None:
     """Entry of a rank spawned by the parent; ``index`` is the rank (one machine)."""
     logs.setup_rank(index, job.log_file, job.log_level)
     if job.parent_pid is not None:
-        watch_parent(job.parent_pid, index)
+        forkserver.watch_parent(job.parent_pid)
     # Every rank says it finished, rank 0 with the payload, before its process group is torn down.
     run_rank(job, index, world_size, index, world_size, store, finished=lambda payload: results.put((index, payload)))
 

@@ -34,6 +34,7 @@ from sharded_exp.predict.step_time import (
     predict_step_time,
     shards_parameters,
     step_compute,
+    waits_before_step,
 )
 from sharded_exp.speed.profiles import load_device, load_link, network_link
 
@@ -140,6 +141,7 @@ def speed_columns(cfg_s: PlanConfig, world_size: int, found: dict[str, Any], pre
             math_dtype(cfg_s),
             shards_parameters(cfg_s),
             malloc_rule(cfg_s),
+            waits_before_step(cfg_s),
         )
         mine = max(p["optimizer"] for p in prediction["model_states_mib"])
         compute = compute.optimizer_scaled(mine / found["optimizer_mib"] if found["optimizer_mib"] else 1.0)

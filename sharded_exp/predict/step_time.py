@@ -123,6 +123,7 @@ def step_compute(
     math_dtype: str = "fp32",
     sharded_parameters: bool = False,
     malloc: str = "reuse",
+    waits_before_step: bool = False,
 ) -> StepCompute:
     """The trace's compute priced on ``device`` (see the module docstring). Each op costs its
     kernel time and the host's cost per op (:meth:`DeviceProfile.host_cost_s`, for
@@ -131,7 +132,8 @@ def step_compute(
     sum where ops run one after the other (CPU); where the host launches ahead of the device
     (CUDA), each op's share of the device's timeline (:func:`launched_ahead`: a launch-bound
     step is the host's time, a compute-bound one the kernels', and a long kernel hides the
-    launches of the short ops after it).
+    launches of the short ops after it; ``waits_before_step``, :func:`waits_before_step`: the host
+    waits for the device before the optimizer phase).
     On a profile that prices new pages (a CPU's ``this``), an op run one after the other also
     pays for the pages of each block it makes that glibc maps anew (:func:`new_pages`; under the
     ranks' ``malloc`` rule, :func:`malloc_rule`: from 4 MiB under ``fixed``, else above 32 MiB)."""
@@ -144,7 +146,12 @@ def step_compute(
         hosts.append(host)
         kernels.append(op_time(op, device) + faults)
         kinds.append(op.kind)
-    seconds = launched_ahead(hosts, kernels) if device.asynchronous else [h + k for h, k in zip(hosts, kernels)]
+    if device.asynchronous:
+        first_step_op = next((i for i, r in enumerate(records) if r["phase"] == "optimizer"), None)
+        waits = {first_step_op} if waits_before_step and first_step_op is not None else set()
+        seconds = launched_ahead(hosts, kernels, waits)
+    else:
+        seconds = [h + k for h, k in zip(hosts, kernels)]
     count = max(1, trace.units)
     forward, flops = [0.0] * count, [0.0] * count
     forward_by_kind = {k: [0.0] * count for k in OP_KINDS}
@@ -166,7 +173,7 @@ def step_compute(
     return StepCompute(tuple(forward), back, optimizer, float(model_flops), tuple(flops))
 
 
-def launched_ahead(hosts: list[float], kernels: list[float]) -> list[float]:
+def launched_ahead(hosts: list[float], kernels: list[float], waits: set[int] | frozenset = frozenset()) -> list[float]:
     """Each op's seconds on a device whose host launches ahead of it (CUDA's asynchronous
     launches, one stream): op i's kernel starts once the host has launched it (the host's
     costs of ops 0..i, summed: the host never waits within a step) and the kernel before it has
@@ -176,13 +183,17 @@ def launched_ahead(hosts: list[float], kernels: list[float]) -> list[float]:
     A long kernel then hides the launches of the short ops after it (a 100 us matmul and three
     5 us ops at 25 us of host each: 25 + 100 + 3 x 5 = 140 us, where each op's larger figure,
     summed, said 175); a launch-bound step is the host's costs summed, a compute-bound one its
-    kernels'. Not modelled: the launch queue's depth (a host that far ahead blocks until the
-    device catches up, which changes the device's timeline only where short ops follow more
-    long kernels than the queue holds), and synchronising calls inside a step (a training
-    step synchronises at its end)."""
+    kernels'. Before each op in ``waits`` the host waits for the device to finish what it
+    launched (a value read from the device: GradScaler's inf check before the optimizer step,
+    :func:`waits_before_step`), so that op's launch hides under nothing. Not modelled: the
+    launch queue's depth (a host that far ahead blocks until the device catches up, which
+    changes the device's timeline only where short ops follow more long kernels than the
+    queue holds)."""
     launched = ended = 0.0
     shares = []
-    for host, kernel in zip(hosts, kernels):
+    for i, (host, kernel) in enumerate(zip(hosts, kernels)):
+        if i in waits:
+            launched = max(launched, ended)
         launched += host
         end = max(ended, launched) + kernel
         shares.append(end - ended)
@@ -229,6 +240,15 @@ def fresh_pages(trace: Trace, malloc: str) -> int | None:
     its profile prices a page (``fresh_page_s``)."""
     mapped = mapped_from(rule=malloc)
     return None if mapped is None else sum(new_pages(r, mapped) for r in trace.phased())
+
+
+def waits_before_step(cfg) -> bool:
+    """Whether ``cfg``'s step reads a value from the device before its optimizer step:
+    precision 16's GradScaler checks the gradients for infs with ``.item()`` (torch's
+    ``GradScaler._maybe_opt_step``), so on a GPU the host waits for the backward to end there.
+    Taken at the optimizer phase's first op (the unscaling and clipping before the check
+    count as waited for too)."""
+    return precision.Precision.of(cfg) is precision.Precision.fp16
 
 
 def malloc_rule(cfg) -> str:
@@ -375,7 +395,13 @@ def run_step_time(
             pages = fresh_pages(trace, malloc_rule(cfg)) if device.fresh_page_s else None  # priced only so
             extra = {"threads_per_rank": threads, "fresh_pages_per_step": pages}
         compute = step_compute(
-            trace, device, est.flops_per_step, math_dtype(cfg), shards_parameters(cfg), malloc_rule(cfg)
+            trace,
+            device,
+            est.flops_per_step,
+            math_dtype(cfg),
+            shards_parameters(cfg),
+            malloc_rule(cfg),
+            waits_before_step(cfg),
         )
         return predict_step_time(cfg, world_size, compute, shapes, machine) | extra
     except Exception as exc:  # noqa: BLE001 -- measuring never breaks training: null and why

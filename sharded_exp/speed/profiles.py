@@ -128,8 +128,10 @@ class DeviceProfile:
     the two. Only the ``this`` profile measures it; an op without a figure is priced by its
     bytes alone."""
     asynchronous: bool = False
-    """Ops are launched ahead of the device (CUDA): an op then takes the larger of its kernel
-    time and the host's cost per op, not their sum (a CPU runs them one after the other)."""
+    """Ops are launched ahead of the device (CUDA): an op's kernel starts once the host has
+    launched it and the kernel before it has ended
+    (:func:`sharded_exp.predict.step_time.launched_ahead`), where a CPU runs each op's host
+    work and kernel one after the other (their sum)."""
     fresh_page_s: float | None = None
     """Seconds one new page of host memory costs when it is first written (the kernel's page
     fault and zeroing, and the unmapping when freed), measured for a CPU ``this`` profile

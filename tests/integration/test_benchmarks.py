@@ -134,9 +134,12 @@ def test_gpu_repredict_smoke(tmp_path):
     stored = json.loads((MEASURED / "h200_step_medians.json").read_text())["models"]["small"]["median_ms"]["32"]
     assert {p["strategy"]: p["measured_ms"] for p in data["points"]} == stored
     for point in data["points"]:
-        assert point["why_none"] is None and point["predicted_ms"] > 0
+        assert point["why_none"] is None
         assert point["error"] == pytest.approx((point["predicted_ms"] - point["measured_ms"]) / point["measured_ms"])
-    assert data["summary"]["points"] == len(stored)
+    # the figures page's column (docs/figures.md, "The GPU check predicted again from its stored
+    # profile"): the planner is deterministic, so a change that moves these leaves that page stale
+    documented = {"ddp": 59.0, "fsdp": 59.9, "fsdp_grad_op": 59.6, "oss": 58.7, "sharded_ddp": 60.7, "zero1": 59.0}
+    assert {p["strategy"]: round(p["predicted_ms"], 1) for p in data["points"]} == documented
 
 
 def test_data_time_smoke(tmp_path):

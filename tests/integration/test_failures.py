@@ -287,6 +287,34 @@ def test_a_cpu_allocation_failure_is_oom_and_does_not_fail_the_sweep(check, says
     assert status[10**12]["status"] == "oom" and says in status[10**12]["error"]
 
 
+SLOW_CHECK = """
+import multiprocessing, os, time
+
+if multiprocessing.parent_process() is not None:  # the pre-flight check's process, not the job's parent
+    with open({marker!r}, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(300)
+"""
+
+
+@pytest.mark.slow
+def test_the_pre_flight_check_exits_when_the_parent_is_killed(tmp_path):
+    """The check runs in a process forked from the rank server (sharded_exp/launch/preflight.py):
+    a parent killed meanwhile (SIGKILL: it cannot pass anything on) leaves it working for nobody,
+    holding a GPU where there is one. A plugin module, imported by the check, holds it there."""
+    marker, log = tmp_path / "checking", tmp_path / "job.log"
+    (tmp_path / "slow_check_plugin.py").write_text(SLOW_CHECK.format(marker=str(marker)))
+    env = {"SHARDED_EXP_PLUGINS": "slow_check_plugin",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    proc = start_job([*TINY, "logger=none", f"hydra.run.dir={tmp_path / 'run'}"], log, env=env)
+    wait_until(lambda: marker.exists() and marker.read_text(), proc, log)
+    check = int(marker.read_text())
+    assert check != proc.pid and check in descendants(proc.pid)
+    proc.kill()
+    proc.wait(timeout=30)
+    assert not survivors({check}), "the check outlived the job's parent"
+
+
 @pytest.mark.slow
 def test_ranks_exit_when_the_parent_is_killed(tmp_path):
     run, log = tmp_path / "run", tmp_path / "job.log"

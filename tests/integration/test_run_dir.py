@@ -80,6 +80,20 @@ def test_a_config_the_pre_flight_check_refuses_is_said_alone_and_leaves_no_run_d
     assert not (tmp_path / "outputs").exists(), "a refused config leaves no outputs/runs/ behind"
 
 
+@pytest.mark.slow
+def test_a_config_that_reads_hydras_settings_is_checked_as_the_parent_reads_them(tmp_path):
+    # ${hydra:run.dir} is ${paths.output_dir}/runs/${now:...}: the pre-flight check, in a process of
+    # its own, must see the directory the parent made, not resolve another time or fail to resolve
+    proc = run_cli(
+        ["trainer.checkpoint_dir=${hydra:run.dir}/ckpt", "trainer.checkpoint_every=2", "trainer.steps=3",
+         "trainer.warmup_steps=1", "logger=none"],  # fmt: skip
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = (tmp_path / "outputs" / "runs").iterdir()
+    assert sorted(p.name for p in (run / "ckpt").iterdir() if p.name.startswith("step_")) == ["step_00000002", "step_00000003"]
+
+
 @pytest.mark.slow  # the default tier's: test_a_composition_error_leaves_no_run_directory
 def test_a_refused_config_or_a_run_directory_under_a_file_leaves_nothing(tmp_path):
     proc = run_cli(["trainer.steps=5", "logger=none"], cwd=tmp_path)  # warm-up 5 of 5 steps: refused

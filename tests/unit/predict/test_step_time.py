@@ -94,6 +94,28 @@ def test_a_host_that_launches_ahead_hides_its_launches_under_a_long_kernel():
     assert shares == pytest.approx([125e-6, 5e-6, 5e-6, 5e-6]) and sum(shares) == pytest.approx(140e-6)
     assert sum(launched_ahead([10e-6] * 5, [1e-6] * 5)) == pytest.approx(50e-6 + 1e-6)
     assert sum(launched_ahead([1e-6] * 5, [10e-6] * 5)) == pytest.approx(1e-6 + 50e-6)
+    # the host waits for the device (130 us) before launching op 2 (a value read back): op 2
+    # launches at 155 and ends at 160, op 3 launches at 180 and ends at 185
+    waited = launched_ahead([25e-6] * 4, [100e-6, 5e-6, 5e-6, 5e-6], waits={2})
+    assert waited == pytest.approx([125e-6, 5e-6, 30e-6, 25e-6])
+
+
+def test_precision_16_waits_for_the_backward_before_its_optimizer_step():
+    """GradScaler reads its inf check from the device before stepping: the optimizer's op is
+    launched once the backward has ended (10 ms + 6m), 1 ms of host later, not hidden under it."""
+    from dataclasses import replace
+
+    from sharded_exp.predict.step_time import waits_before_step
+
+    assert [waits_before_step(OmegaConf.create({"precision": {"name": p}})) for p in ("16", "bf16", "32")] == [
+        True, False, False]  # fmt: skip
+    device = replace(H100, step_op_overhead_s={"fp32": 1e-3, "bf16": 2e-3}, asynchronous=True)
+    free = step_compute(trace(), device, 6e12, "bf16")
+    waits = step_compute(trace(), device, 6e12, "bf16", waits_before_step=True)
+    assert waits.optimizer_s == pytest.approx(free.optimizer_s + 1e-3)  # its host cost, no longer hidden
+    assert waits.forward_s == free.forward_s and waits.backward_s == free.backward_s
+    cpu = replace(device, asynchronous=False)  # on a CPU every op waits anyway: no change
+    assert step_compute(trace(), cpu, 6e12, "bf16", waits_before_step=True) == step_compute(trace(), cpu, 6e12, "bf16")
 
 
 def test_a_step_of_fsdp2_sharded_parameters_pays_the_sharded_host_cost_per_op():
