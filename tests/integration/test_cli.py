@@ -69,6 +69,19 @@ def test_default_job_prints_table_and_writes_result(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_machine_measured_for_the_first_time_predicts_the_step(tmp_path):
+    # No this profile cached: the pre-flight check measures it, starting processes of its own
+    # (the local link, FSDP2's host cost), from the process it runs in (forked from the rank server)
+    run = tmp_path / "run"
+    proc = run_cli([*TINY, "logger=none", f"hydra.run.dir={run}"], cwd=ROOT,
+                   env={"XDG_CACHE_HOME": str(tmp_path / "cache")}, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    throughput = read_result(run)["throughput"]
+    assert throughput["predicted_step_time_s"] is not None, throughput.get("step_time_prediction")
+    assert (tmp_path / "cache" / "sharded_exp" / "this_profile.json").exists()
+
+
+@pytest.mark.slow
 def test_sharded_ddp_at_precision_16(tmp_path):
     proc = run_cli(["strategy=sharded_ddp", "precision=16", *TINY, f"hydra.run.dir={tmp_path}"], cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
