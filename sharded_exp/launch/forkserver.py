@@ -103,7 +103,7 @@ def call(fn: Callable[..., Any], *args: Any) -> Any:
     sharded_exp already; its return value, or its exception raised here.
 
     ``fn``, ``args`` and what ``fn`` returns or raises travel pickled. An exception that
-    cannot be pickled comes back as a RuntimeError naming it; every exception but a
+    cannot be pickled, or unpickled, comes back as a RuntimeError with its type and message; every exception but a
     ConfigError (whose message is the whole answer) carries the other process's traceback
     as a note. Interrupted here (Ctrl-C), the other process is killed, not left running.
     """
