@@ -9,10 +9,13 @@
 #   big:   every strategy in bf16, a GPT of ~400M parameters and 8k tokens a step (the
 #          kernels' time dominates), the same comparisons;
 #   alloc: the allocator model's sequences against torch.cuda.memory_stats(), exactly;
+#   floor: a tiny kernel's time on the device, launched from a CUDA graph, eagerly and
+#          synchronised each (benchmarks/accuracy/kernel_floor.py): a cost per kernel the time
+#          model does not count, one candidate for the big model's short predictions;
 #   plan:  (not in the default) the planner's fake CUDA step of the small model's ddp and fsdp
 #          in bf16 on this machine, with its GPU visible and hidden (CUDA_VISIBLE_DEVICES=''):
 #          whether a fake step depends on a GPU being present.
-# PARTS chooses (default: small big alloc); SMALL_PRECISIONS the small model's precisions.
+# PARTS chooses (default: small big alloc floor); SMALL_PRECISIONS the small model's precisions.
 # Set-up: scripts/device_wheels.sh here first (the packages that machine lacks, into .whl/),
 # then the device run carries .whl and runs this script. Outputs (JSON files, logs, the
 # measured profile) go to $OUT when it is set, else stay under outputs/benchmarks.
@@ -23,7 +26,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-PARTS=${PARTS:-small big alloc}
+PARTS=${PARTS:-small big alloc floor}
 if ls .whl/*.whl >/dev/null 2>&1 && [ -z "${PYTHON:-}" ]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
@@ -59,6 +62,12 @@ case " $PARTS " in *" alloc "*)
   timeout 100 "$PY" -m benchmarks.accuracy.allocator_check --no-steps 2>&1 | tee "$LOGS/allocator_check.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   cp outputs/benchmarks/allocator_check.json "$LOGS"/ 2>/dev/null || true ;;
+esac
+case " $PARTS " in *" floor "*)
+  timeout 60 "$PY" -m benchmarks.accuracy.kernel_floor 2>&1 | tee "$LOGS/kernel_floor.log"
+  rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] || [ "$rc" = 2 ] || status=1  # 2: no CUDA here (a dry run), nothing measured
+  cp outputs/benchmarks/kernel_floor.json "$LOGS"/ 2>/dev/null || true ;;
 esac
 case " $PARTS " in *" plan "*)
   for visible in yes no; do

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from tests.helpers.jobs import run_measurement
+from tests.helpers.jobs import ROOT, run_measurement
 from tests.helpers.processes import huge_pages_always
 
 pytestmark = pytest.mark.slow  # each runs a benchmark end to end (python -m benchmarks.NAME)
@@ -140,6 +140,20 @@ def test_gpu_repredict_smoke(tmp_path):
     # profile"): the planner is deterministic, so a change that moves these leaves that page stale
     documented = {"ddp": 59.0, "fsdp": 59.9, "fsdp_grad_op": 59.6, "oss": 58.7, "sharded_ddp": 60.7, "zero1": 59.0}
     assert {p["strategy"]: round(p["predicted_ms"], 1) for p in data["points"]} == documented
+
+
+def test_kernel_floor_says_it_needs_cuda(tmp_path):
+    """A GPU-only measurement (scripts/device_round.sh's floor part) refuses a machine without
+    CUDA with exit 2, which the device script reads as nothing measured."""
+    import subprocess
+    import sys
+
+    import os
+
+    no_gpu = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # also on a machine that has one
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.accuracy.kernel_floor"], cwd=ROOT, env=no_gpu,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "kernel_floor needs CUDA" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_data_time_smoke(tmp_path):
