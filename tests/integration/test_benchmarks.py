@@ -145,10 +145,9 @@ def test_gpu_repredict_smoke(tmp_path):
 def test_kernel_floor_says_it_needs_cuda(tmp_path):
     """A GPU-only measurement (scripts/device_round.sh's floor part) refuses a machine without
     CUDA with exit 2, which the device script reads as nothing measured."""
+    import os
     import subprocess
     import sys
-
-    import os
 
     no_gpu = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # also on a machine that has one
     proc = subprocess.run([sys.executable, "-m", "benchmarks.accuracy.kernel_floor"], cwd=ROOT, env=no_gpu,
