@@ -200,10 +200,10 @@ def measure_matmul_layouts(dtype: torch.dtype, seconds: float = 0.05) -> dict[st
     return curves
 
 
-def measure_bandwidth(seconds: float = 0.2) -> float:
-    """GB/s of a large copy (read + write)."""
-    src, dst = torch.ones(COPY_BYTES // 4), torch.empty(COPY_BYTES // 4)
-    return 2 * COPY_BYTES / _timed(lambda: dst.copy_(src), seconds) / 1e9
+def measure_bandwidth(seconds: float = 0.2, nbytes: int = COPY_BYTES) -> float:
+    """GB/s of a copy of ``nbytes`` (read + write)."""
+    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    return 2 * nbytes / _timed(lambda: dst.copy_(src), seconds) / 1e9
 
 
 FRESH_BYTES = 64 * 2**20
@@ -484,6 +484,7 @@ def measure_cuda() -> dict:
     return {
         "matmul": matmul,
         "memory_bandwidth_GBps": bandwidth,
+        "host": measure_host_side(),
         "op_overhead_s": _timed_cuda(lambda: torch.add(x, x), 0.1),
         "step_op_overhead_s": {name: measure_step_op_overhead("cuda", name) for name in DTYPES},
         "attention": _cuda_attention(),
@@ -492,6 +493,38 @@ def measure_cuda() -> dict:
         "memory_GB": torch.cuda.get_device_properties(0).total_memory / 1e9,
         "tf32": bool(torch.backends.cuda.matmul.allow_tf32),
     }
+
+
+HOST_COPY_BYTES = 256 * 2**20
+"""The pinned host buffer :func:`measure_host_side` copies to and from the GPU."""
+HOST_MEMORY_COPY_BYTES = 2**30
+"""The copy :func:`measure_host_side` times the host's memory with: larger than a server CPU's
+last-level cache, as an offloaded shard's optimizer state is (a copy that fits the cache
+measures the cache: on this project's 2-core VM, whose L3 is 300 MiB, a 64 MiB copy read 20.8
+GB/s at one thread and a 1 GiB copy 11.5)."""
+
+
+def _pinned_copies() -> tuple[float, float]:
+    """GB/s of a pinned host buffer's copy to the GPU and back (:data:`HOST_COPY_BYTES`)."""
+    host = torch.ones(HOST_COPY_BYTES // 4, pin_memory=True)
+    device = torch.empty(HOST_COPY_BYTES // 4, device="cuda")
+    h2d = HOST_COPY_BYTES / _timed_cuda(lambda: device.copy_(host, non_blocking=True), 0.1) / 1e9
+    d2h = HOST_COPY_BYTES / _timed_cuda(lambda: host.copy_(device, non_blocking=True), 0.1) / 1e9
+    return h2d, d2h
+
+
+def measure_host_side() -> dict:
+    """What CPU offload runs at on this machine: the host's memory bandwidth (a copy of
+    :data:`HOST_MEMORY_COPY_BYTES` on the CPU at this process's torch threads, every core by
+    default: the server's whole figure, which the node's ranks share) and a pinned host buffer's copies to and from the GPU (GB/s each
+    way). ``{}`` with the reason logged where it cannot be measured (offload is then not priced)."""
+    try:
+        h2d, d2h = _pinned_copies()
+        memory = measure_bandwidth(0.5, HOST_MEMORY_COPY_BYTES)
+        return {"memory_bandwidth_GBps": memory, "h2d_GBps": h2d, "d2h_GBps": d2h}
+    except Exception as exc:  # noqa: BLE001 -- measuring never breaks a run
+        _log.warning("the host's side was not measured (%s: %s); CPU offload is not priced", type(exc).__name__, exc)
+        return {}
 
 
 def _cuda_attention() -> dict:
@@ -596,9 +629,15 @@ elementwise ops' own rates, a linear layer's matmuls per layout; 6: a new page's
 older entries are measured again."""
 
 
+CUDA_FIGURES_VERSION = 7
+"""The GPU's figures' version (7: the host's side, :func:`measure_host_side`); the CPU's stay
+at :data:`FIGURES_VERSION`."""
+
+
 def _key(threads: int, device: str = "cpu") -> str:
     where = "cuda" if device == "cuda" else f"cpu|threads={threads}"
-    return f"{socket.gethostname()}|torch {torch.__version__}|{where}|v{FIGURES_VERSION}"
+    version = CUDA_FIGURES_VERSION if device == "cuda" else FIGURES_VERSION
+    return f"{socket.gethostname()}|torch {torch.__version__}|{where}|v{version}"
 
 
 def this_figures(threads: int, remeasure: bool = False, device: str = "cpu") -> dict:
@@ -656,6 +695,12 @@ def this_cuda_profile(remeasure: bool = False) -> DeviceProfile:
             if table
             else Figure(best, source, f"the best measured size ({why})")
         )
+    host = found.get("host") or {}
+    host_memory = (
+        Figure(host["memory_bandwidth_GBps"], source, "a large copy on the CPU, every core")
+        if host.get("memory_bandwidth_GBps")
+        else None
+    )
     return DeviceProfile(
         name="this",
         title=f"this machine ({name})",
@@ -667,7 +712,23 @@ def this_cuda_profile(remeasure: bool = False) -> DeviceProfile:
         step_op_overhead_s=found["step_op_overhead_s"],
         sharded_step_op_overhead_s=found.get("sharded_step_op_overhead_s", {}),
         asynchronous=True,
+        server_memory_bandwidth=host_memory,
     )
+
+
+def this_cuda_host_link(remeasure: bool = False) -> LinkProfile | None:
+    """The GPU's link to the host as measured (:func:`measure_host_side`): a pinned buffer's
+    copies, the slower direction (CPU offload's schedule prices both at one rate); None where
+    it was not measured."""
+    found = this_figures(1, remeasure, "cuda")
+    host = found.get("host") or {}
+    if not host.get("h2d_GBps") or not host.get("d2h_GBps"):
+        return None
+    source = Source("measured", f"measured on {found['device_name']} at {found.get('measured_at', '?')}", cache_path())
+    rate = Figure(min(host["h2d_GBps"], host["d2h_GBps"]), source, "a pinned buffer's copy, the slower direction")
+    zero = Figure(0.0, source, "not measured: a copy pays no collective's steps")
+    return LinkProfile(name="this_host", title="this GPU's link to the host", link_class="pcie", bandwidth=rate,
+                       ring_step_latency=zero, tree_step_latency=zero)  # fmt: skip
 
 
 def this_profile(threads: int, remeasure: bool = False) -> tuple[DeviceProfile, LinkProfile]:

@@ -31,12 +31,12 @@ from omegaconf import OmegaConf
 
 from sharded_exp import precision
 from sharded_exp.measure.host_malloc import mapped_from
-from sharded_exp.predict.op_trace import Trace
+from sharded_exp.predict.op_trace import OpTrace, Trace
 from sharded_exp.speed.collectives import Topology
 from sharded_exp.speed.compute import OP_KINDS, op_time, ops_from_records
 from sharded_exp.speed.profiles import DeviceProfile, LinkProfile, load_device, load_link, profile_for_device_name
 from sharded_exp.speed.schedule import Units, accumulated, mfu, on_shared_cores, simulate
-from sharded_exp.strategies import timing_of, traits_of
+from sharded_exp.strategies import offloads_to_host, timing_of, traits_of
 from sharded_exp.strategies.timing import Fabric, TimeUnknown
 
 MATH_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -59,15 +59,17 @@ class Machine:
     gpus_per_node: int = 8
     host: LinkProfile | None = None
     host_memory_Bps: float | None = None
+    """One rank's share of the host's memory bandwidth (what a CPU offload's optimizer step
+    runs at); None: not known."""
     shared_cores: bool = False
     """A CPU whose ranks' threads fill its cores (as a CPU rank sets its threads): the
     communication's work runs on the same cores as the compute, so nothing hides under it
     (:func:`~sharded_exp.speed.schedule.on_shared_cores`)."""
 
-    def fabric(self, world_size: int, params: int = 0) -> Fabric:
+    def fabric(self, world_size: int, params: int = 0, host_step_bytes_per_element: float | None = None) -> Fabric:
         topology = Topology(self.gpus_per_node, self.intra, self.inter)
         pcie = self.host.bandwidth_Bps if self.host is not None else None
-        return Fabric(world_size, topology, pcie, self.host_memory_Bps, params)
+        return Fabric(world_size, topology, pcie, self.host_memory_Bps, params, host_step_bytes_per_element)
 
 
 @dataclass(frozen=True)
@@ -271,6 +273,35 @@ def per_step(cfg) -> tuple[int, int | None]:
     return samples, (samples * int(seq) if seq else None)
 
 
+HOST_STEP_SIZES = (2**16, 2**17)
+"""The two parameter sizes (elements) :func:`host_step_bytes_per_element` steps."""
+
+
+def host_step_bytes_per_element(cfg) -> float:
+    """The bytes ``cfg``'s optimizer (``cfg.optimizer``) reads and writes per parameter element
+    when it steps on the host, as CPU offload runs it: its own ops counted, not a formula. A
+    real CPU weight of each of :data:`HOST_STEP_SIZES` elements (its gradient set) is stepped
+    twice under :class:`~sharded_exp.predict.op_trace.OpTrace`; the second step's bytes (the
+    first makes the state) differ between the sizes by the per-element bytes (the step
+    counter's scalar ops cancel). The optimizer is built as a run builds it for parameters on
+    the CPU (:func:`sharded_exp.optim.optimizer_spec`: one tensor at a time unless
+    ``optimizer.foreach=true``). AdamW at torch 2.13: 76 bytes (seven passes over the state)."""
+    from sharded_exp.optim import optimizer_spec  # lazy: only an offloading point asks
+
+    def stepped(elements: int) -> int:
+        layer = torch.nn.Linear(elements, 1, bias=False)  # a 2-D weight: the decayed group, as most of a model
+        layer.weight.grad = torch.ones_like(layer.weight)
+        optimizer = optimizer_spec(cfg.optimizer, layer, torch.device("cpu")).build()
+        optimizer.step()
+        trace = Trace()
+        with OpTrace(trace):
+            optimizer.step()
+        return sum(r["input_bytes"] + r["output_bytes"] for r in trace.records)
+
+    small, large = HOST_STEP_SIZES
+    return (stepped(large) - stepped(small)) / (large - small)
+
+
 def units_of(compute: StepCompute, shapes, param_bpe: float, grad_bpe: float) -> Units:
     """The schedule's units: the trace's times, the model's unit sizes (the root's
     parameters with the first unit: the embeddings' gradients are the backward's last).
@@ -291,6 +322,7 @@ def units_of(compute: StepCompute, shapes, param_bpe: float, grad_bpe: float) ->
     elements[0] += shapes.root
     with_grads = [float(n) for n in trainable]
     with_grads[0] += trainable_root
+    stored = float(shapes.element_bytes)
     return Units(
         forward_s=compute.forward_s,
         backward_s=compute.backward_s,
@@ -298,7 +330,18 @@ def units_of(compute: StepCompute, shapes, param_bpe: float, grad_bpe: float) ->
         grad_bytes=[n * grad_bpe for n in with_grads],
         optimizer_s=compute.optimizer_s,
         tensor_bytes=[math.prod(shape) * param_bpe for group in shapes.groups for shape in group],
+        stored_param_bytes=[n * stored for n in elements],
+        stored_grad_bytes=[n * stored for n in with_grads],
     )
+
+
+def trainable_elements(shapes) -> int:
+    """The model's trainable parameters (all of them where the shapes do not say)."""
+    blocks = getattr(shapes, "trainable_blocks", None)
+    root = getattr(shapes, "trainable_root", None)
+    if blocks is None or root is None:
+        return int(shapes.params)
+    return int(sum(blocks) + root)
 
 
 def predict_step_time(cfg, world_size: int, compute: StepCompute, shapes, machine: Machine) -> dict[str, Any]:
@@ -311,7 +354,11 @@ def predict_step_time(cfg, world_size: int, compute: StepCompute, shapes, machin
     param_bpe = model.param_bytes_per_element(strategy, name, shapes.element_bytes)
     grad_bpe = model.grad_bytes_per_element(strategy, name, shapes.element_bytes)
     units = units_of(compute, shapes, param_bpe, grad_bpe)
-    fabric = machine.fabric(world_size, shapes.params)
+    host_bpe = None
+    if offloads_to_host(strategy):  # the optimizer steps on the host (the fake step stepped on the device)
+        host_bpe = host_step_bytes_per_element(cfg)
+        units = replace(units, optimizer_s=0.0)
+    fabric = machine.fabric(world_size, trainable_elements(shapes), host_bpe)
     try:
         played = simulate(_step_schedule(model, strategy, units, fabric, micro_batches(cfg)))
         if machine.shared_cores:  # a CPU: gloo's work shares the ranks' cores
@@ -331,7 +378,7 @@ def predict_step_time(cfg, world_size: int, compute: StepCompute, shapes, machin
         "compute_s": played.compute_s,
         "comm_s": played.comm_s,
         "exposed_comm_s": played.exposed_s,
-        "optimizer_s": units.optimizer_s,
+        "optimizer_s": units.optimizer_s + played.busy_s.get("host", 0.0),  # on the device, or the host's
         "step_time_s": played.step_time_s,
         "samples_per_s_per_device": samples / step if step else None,
         "tokens_per_s_per_device": tokens / step if step and tokens else None,
@@ -387,7 +434,8 @@ def run_step_time(
         if device_type == "cuda":
             device = this.this_cuda_profile()
             link = _sourced_link(device.title, world_size)
-            machine = Machine(device, link, None, max(world_size, 1), None, None)
+            host = this.this_cuda_host_link()
+            machine = Machine(device, link, None, max(world_size, 1), host, device.host_memory_Bps_per_rank(local))
         else:
             threads = max(1, (os.cpu_count() or 1) // local)  # as a CPU rank sets its threads
             device, link = this.this_profile(threads)

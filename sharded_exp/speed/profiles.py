@@ -132,6 +132,13 @@ class DeviceProfile:
     launched it and the kernel before it has ended
     (:func:`sharded_exp.predict.step_time.launched_ahead`), where a CPU runs each op's host
     work and kernel one after the other (their sum)."""
+    server_memory_bandwidth: Figure | None = None
+    """GB/s of host memory bandwidth of the server that holds a node of these GPUs, all its
+    sockets together (channels x transfer rate x 8 bytes, the memory's theoretical peak), as
+    the reference server's datasheet and its CPUs' specifications state them. What CPU
+    offload's optimizer step runs at, shared by the node's ranks stepping at once
+    (:meth:`host_memory_Bps_per_rank`). None: not stated (an offload point's step time is then
+    null, with that reason)."""
     fresh_page_s: float | None = None
     """Seconds one new page of host memory costs when it is first written (the kernel's page
     fault and zeroing, and the unmapping when freed), measured for a CPU ``this`` profile
@@ -154,6 +161,14 @@ class DeviceProfile:
         measured copy's fraction where the profile has one."""
         fraction = self.memory_bandwidth_fraction.value if self.memory_bandwidth_fraction else 1.0
         return self.memory_bandwidth.value * 1e9 * fraction
+
+    def host_memory_Bps_per_rank(self, ranks_on_node: int) -> float | None:
+        """One rank's share of the server's host memory bandwidth when ``ranks_on_node`` ranks
+        step on the host at once (CPU offload: every rank steps after the same backward);
+        None where the profile states none."""
+        if self.server_memory_bandwidth is None:
+            return None
+        return self.server_memory_bandwidth.value * 1e9 / max(1, ranks_on_node)
 
     def peak_flops_per_s(self, dtype: str) -> float:
         """The datasheet's dense peak for ``dtype``: the denominator of MFU."""
@@ -240,6 +255,7 @@ _DEVICE_FIELDS = {
     "attention_fraction",
     "curves",
     "links",
+    "server_memory_bandwidth_GBps",
 }
 LINK_ROLES = ("intra_node", "host")
 """What a device's ``links`` name: the link between its GPUs in a node, and to the host."""
@@ -376,6 +392,13 @@ def parse_device(data: Mapping[str, Any]) -> DeviceProfile:
     copy = _figure(data, "memory_bandwidth_fraction", sources, name) if "memory_bandwidth_fraction" in data else None
     if copy is not None and not 0 < copy.value <= 1:
         raise ProfileError(f"device profile {name!r}: memory_bandwidth_fraction must be in (0, 1], not {copy.value}")
+    server = (
+        _figure(data, "server_memory_bandwidth_GBps", sources, name) if "server_memory_bandwidth_GBps" in data else None
+    )
+    if server is not None and not server.value > 0:
+        raise ProfileError(
+            f"device profile {name!r}: server_memory_bandwidth_GBps must be positive, not {server.value}"
+        )
     curves = {}
     for op_class, per_dtype in (data.get("curves") or {}).items():
         if op_class not in OP_CLASSES:
@@ -393,6 +416,7 @@ def parse_device(data: Mapping[str, Any]) -> DeviceProfile:
         attention_fraction=attention,
         curves=curves,
         links=_links(data.get("links"), sources, name),
+        server_memory_bandwidth=server,
     )
 
 

@@ -228,6 +228,12 @@ class Units:
     tensor_bytes: Sequence[float] = ()
     """Each parameter tensor the optimizer steps, in the dtype it is communicated in (empty:
     not known). A strategy that sends parameters one tensor at a time pays a call for each."""
+    stored_param_bytes: Sequence[float] | None = None
+    """Each unit's parameters in the dtype they are stored in (default: ``param_bytes``). FSDP2's
+    CPU offload copies a shard to the device in this dtype and casts it there for the gather."""
+    stored_grad_bytes: Sequence[float] | None = None
+    """Each unit's gradients in the parameters' stored dtype (default: :attr:`grads`): FSDP2
+    casts the reduce-scattered shard back to it before CPU offload copies it to the host."""
 
     def __post_init__(self):
         k = len(self.forward_s)
@@ -238,6 +244,14 @@ class Units:
     @property
     def grads(self) -> Sequence[float]:
         return self.param_bytes if self.grad_bytes is None else self.grad_bytes
+
+    @property
+    def stored_params(self) -> Sequence[float]:
+        return self.param_bytes if self.stored_param_bytes is None else self.stored_param_bytes
+
+    @property
+    def stored_grads(self) -> Sequence[float]:
+        return self.grads if self.stored_grad_bytes is None else self.stored_grad_bytes
 
     def per_micro_batch(self, micro_batches: int) -> "Units":
         """One of ``micro_batches`` equal micro-batches of this step: its forward and backward
@@ -409,9 +423,10 @@ def sharded_ddp(units: Units, price: Price, world_size: int, bucket_bytes: float
 
 
 def host_step_time(bytes_touched: float, host_memory_Bps: float) -> float:
-    """The CPU optimizer step's seconds, as memory-bound: the bytes it reads and writes (for
-    Adam in fp32: parameters, gradients, two moments read, three written: 28 bytes per
-    element) over the host's memory bandwidth, a stated or measured figure."""
+    """The CPU optimizer step's seconds, as memory-bound: the bytes its ops read and write
+    (:func:`sharded_exp.predict.step_time.host_step_bytes_per_element` counts them from the
+    configured optimizer's own ops) over one rank's share of the host's memory bandwidth, a
+    stated or measured figure."""
     if host_memory_Bps <= 0:
         raise ConfigError(f"the host's memory bandwidth must be positive, not {host_memory_Bps}")
     return bytes_touched / host_memory_Bps
@@ -427,8 +442,10 @@ def offload(
     reduce_gradients: bool = True,
 ) -> Schedule:
     """FSDP2 with ``CPUOffloadPolicy``: parameters and gradients live on the host. Before each
-    all-gather its rank's parameter shard is copied host to device (``copy`` stream, PCIe);
-    after each reduce-scatter the gradient shard is copied device to host; the optimizer steps
+    all-gather its rank's parameter shard is copied host to device (``copy`` stream, PCIe) in
+    its stored dtype (``units.stored_params``: FSDP2 casts to the gather's dtype on the device);
+    after each reduce-scatter the gradient shard, cast back to that dtype
+    (``units.stored_grads``), is copied device to host; the optimizer steps
     on the CPU (``host`` stream, ``host_step_s``, see :func:`host_step_time`) once the last
     gradient has arrived; the step ends when it does. ``units.optimizer_s`` should be 0 (no
     device step).
@@ -444,11 +461,11 @@ def offload(
     for e in base.events:
         unit = int(e.name.rsplit(":", 1)[1])
         if e.kind == "all_gather":
-            share = units.param_bytes[unit] / world_size
+            share = units.stored_params[unit] / world_size
             h2d = Event(f"h2d:{e.name}", "h2d", share / pcie_Bps, e.after, stream="copy", nbytes=share)
             events += [h2d, Event(e.name, e.kind, e.seconds, h2d.name, e.before, e.stream, e.nbytes)]
         else:
-            share = units.grads[unit] / world_size
+            share = units.stored_grads[unit] / world_size
             events += [e, Event(f"d2h:{e.name}", "d2h", share / pcie_Bps, e.name, stream="copy", nbytes=share)]
     if not reduce_gradients:
         return Schedule(base.segments, tuple(events))

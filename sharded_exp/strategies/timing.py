@@ -32,7 +32,10 @@ class Fabric:
     pcie_Bps: float | None = None
     host_memory_Bps: float | None = None
     params: int = 0
-    """The model's parameters (elements): what a host optimizer step touches."""
+    """The model's trainable parameters (elements): what a host optimizer step steps."""
+    host_step_bytes_per_element: float | None = None
+    """The bytes the configured optimizer's step reads and writes per element on the host
+    (:func:`sharded_exp.predict.step_time.host_step_bytes_per_element`; None: not counted)."""
 
 
 class TimeUnknown(ValueError):
@@ -166,11 +169,15 @@ class FSDPTime(TimeModel):
         if fabric.pcie_Bps is None:
             raise TimeUnknown("cpu_offload's copies need the host link")
         if reduce_gradients and fabric.host_memory_Bps is None:
-            raise TimeUnknown("cpu_offload's host step needs the host memory bandwidth")
+            raise TimeUnknown("cpu_offload's host step needs the host's memory bandwidth")
+        if reduce_gradients and fabric.host_step_bytes_per_element is None:
+            raise TimeUnknown("cpu_offload's host step needs the optimizer's bytes per element")
         shard = fabric.world_size // max(1, int(getattr(cfg, "replicate", 1)))
-        # Adam in float32 on the host: parameters, gradients, two moments read; three written
+        # the optimizer's ops over this rank's shard, on the host, at its share of the memory bandwidth
         host_s = (
-            schedule.host_step_time(28 * fabric.params / shard, fabric.host_memory_Bps) if reduce_gradients else 0.0
+            schedule.host_step_time(fabric.host_step_bytes_per_element * fabric.params / shard, fabric.host_memory_Bps)
+            if reduce_gradients
+            else 0.0
         )
         return schedule.offload(
             units, price, shard, fabric.pcie_Bps, host_s, reshard, reduce_gradients=reduce_gradients

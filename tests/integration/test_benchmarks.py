@@ -142,6 +142,20 @@ def test_gpu_repredict_smoke(tmp_path):
     assert {p["strategy"]: round(p["predicted_ms"], 1) for p in data["points"]} == documented
 
 
+def test_host_step_smoke(tmp_path):
+    """CPU offload's host step: each optimizer's real step timed beside its prediction, the
+    bytes per element counted from its ops (AdamW 76, with decay 84, SGD with momentum 32)."""
+    data = bench("accuracy.host_step", "--smoke", cwd=tmp_path)
+    assert [(r["optimizer"], r["bytes_per_element"]) for r in data["rows"]] == [
+        ("adamw", 76.0),
+        ("adamw, weight decay 0.1", 84.0),
+        ("sgd, momentum 0.9", 32.0),
+    ]
+    for row in data["rows"]:
+        assert row["measured_ms"] > 0 and row["host_GBps"] > 0
+        assert row["predicted_ms"] == pytest.approx(row["bytes_per_element"] * row["elements"] / row["host_GBps"] / 1e6)
+
+
 def test_kernel_floor_says_it_needs_cuda(tmp_path):
     """A GPU-only measurement (scripts/device_round.sh's floor part) refuses a machine without
     CUDA with exit 2, which the device script reads as nothing measured."""

@@ -201,6 +201,7 @@ def test_a_gpu_run_is_priced_on_its_measured_gpu_and_its_sourced_link(monkeypatc
 
     gpu = H100.__class__(**{**H100.__dict__, "name": "this", "title": "this machine (NVIDIA H100 80GB HBM3)"})
     monkeypatch.setattr(this, "this_cuda_profile", lambda remeasure=False: gpu)
+    monkeypatch.setattr(this, "this_cuda_host_link", lambda remeasure=False: None)
     one = run_step_time(cfg(), 1, "cuda", Est(), SHAPES, {})
     two = run_step_time(cfg(), 2, "cuda", Est(), SHAPES, {})
     assert one["error"] is None and one["comm_s"] == 0.0 and one["profile"] == "this"
@@ -302,3 +303,46 @@ def test_a_run_across_nodes_is_not_priced():
         across = run_step_time(cfg(), 4, device, Est(), SHAPES, {}, local_world_size=2)
         assert across["step_time_s"] is None and "4 ranks, 2 on this node" in across["error"]
         assert "plan.inter_node_gbps" in across["error"]
+
+
+def _optimizer(**settings):
+    from sharded_exp.config import OptimizerConfig
+
+    return OmegaConf.create({"optimizer": OmegaConf.structured(OptimizerConfig(**settings))})
+
+
+@pytest.mark.parametrize(
+    "settings, expected",
+    [({"name": "adamw"}, 76.0), ({"name": "adamw", "weight_decay": 0.1}, 84.0), ({"name": "adam", "weight_decay": 0.1}, 88.0),
+     ({"name": "sgd"}, 12.0), ({"name": "sgd", "momentum": 0.9}, 32.0)],
+)  # fmt: skip
+def test_the_host_step_counts_the_optimizers_own_ops_per_element(settings, expected):
+    """fp32 bytes per element, inputs plus outputs as the op trace counts them, of torch's
+    per-tensor loops (``_single_tensor_adamw``, ``_single_tensor_sgd``), the steady step:
+    AdamW: exp_avg.lerp_(grad) 12, exp_avg_sq.mul_(beta2) 8, .addcmul_(grad, grad) 16, sqrt
+    8, the bias correction's div 8, add_(eps) 8, param.addcdiv_(exp_avg, denom) 16 = 76; its
+    decay param.mul_ 8 more (84); Adam's decay grad.add(param) 12 more (88). SGD: param.add_
+    12; with momentum buf.mul_ 8, buf.add_(grad) 12, param.add_(buf) 12 = 32."""
+    from sharded_exp.predict.step_time import host_step_bytes_per_element
+
+    assert host_step_bytes_per_element(_optimizer(**settings)) == expected
+
+
+def test_an_offloaded_point_is_priced_with_its_copies_and_its_host_step():
+    """fsdp with cpu_offload on the H100's sourced figures, 8 ranks on a node: 1.25e8 trainable
+    elements a rank (1e9 / 8), AdamW's 76 bytes each at 614.4 / 8 GB/s: the host step is
+    0.1237 s, in place of the device's, after the last gradient's copy. Without the server's
+    figure: null, and why."""
+    from dataclasses import replace
+
+    offload = OmegaConf.merge(cfg("fsdp"), _optimizer(name="adamw"))
+    offload.strategy.cpu_offload = True
+    compute = step_compute(trace(), H100, 6e12)
+    host = Machine(H100, load_link("nvlink4"), network_link(100), 8, load_link("pcie5"), 614.4e9 / 8)
+    out = predict_step_time(offload, 8, compute, SHAPES, host)
+    on_device = predict_step_time(cfg("fsdp"), 8, compute, SHAPES, host)
+    assert out["error"] is None
+    assert out["optimizer_s"] == pytest.approx(76 * 1.25e8 / 76.8e9) == pytest.approx(0.1237, abs=1e-4)
+    assert out["step_time_s"] > on_device["step_time_s"] - on_device["optimizer_s"] + out["optimizer_s"]
+    missing = predict_step_time(offload, 8, compute, SHAPES, replace(host, host_memory_Bps=None))
+    assert missing["step_time_s"] is None and "host's memory bandwidth" in missing["error"]

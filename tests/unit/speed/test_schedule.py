@@ -159,7 +159,20 @@ def test_offload_copies_over_pcie_and_steps_on_the_host():
     result = simulate(offload(units, price, world_size=4, pcie_Bps=100, host_step_s=3.0))
     assert result.step_time_s == pytest.approx(10.5) and result.exposed_s == pytest.approx(7.5)
     assert result.busy_s == {"copy": 3.0, "comm": 1.5, "host": 3.0}
-    assert host_step_time(28 * 1e9, 100e9) == pytest.approx(0.28)  # Adam fp32, 1e9 elements
+    assert host_step_time(76 * 1e9, 100e9) == pytest.approx(0.76)  # AdamW's 76 bytes, 1e9 elements
+
+
+def test_offload_copies_a_shard_in_its_stored_dtype_not_the_gathers():
+    """Under bf16 FSDP2 gathers 200 B of a 400 B fp32 unit (param_bytes), but CPU offload copies
+    the fp32 shard to the device and casts it there; the gradient, reduce-scattered in fp32 and
+    kept so, goes back as 100 B too. At 4 ranks and 100 B/s each copy is 1 s, as in the fp32
+    case above (10.5 s); sized in the gather's dtype each took 0.5 s (9.0 s)."""
+    units = Units([1.0], [2.0], [200], grad_bytes=[400], stored_param_bytes=[400], stored_grad_bytes=[400])
+    schedule = offload(units, lambda kind, nbytes: 0.5, world_size=4, pcie_Bps=100, host_step_s=3.0)
+    assert [e.nbytes for e in schedule.events if e.kind in ("h2d", "d2h")] == [100, 100, 100]
+    assert simulate(schedule).step_time_s == pytest.approx(10.5)
+    as_gathered = Units([1.0], [2.0], [200], grad_bytes=[200])
+    assert simulate(offload(as_gathered, lambda kind, nbytes: 0.5, 4, 100, 3.0)).step_time_s == pytest.approx(9.0)
 
 
 def test_accumulated_ddp_hides_its_buckets_under_the_last_micro_batch_only():
