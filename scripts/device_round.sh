@@ -9,13 +9,17 @@
 #   big:   every strategy in bf16, a GPT of ~400M parameters and 8k tokens a step (the
 #          kernels' time dominates), the same comparisons;
 #   alloc: the allocator model's sequences against torch.cuda.memory_stats(), exactly;
+#   offload: fsdp and fsdp_grad_op in bf16 with CPU offload, the small model: the shards' copies
+#          and the optimizer's step on the host against the run's prediction (the GPU's host
+#          measured with it: a 1 GiB copy, a pinned buffer's copies each way); GPU only (a CPU
+#          run refuses cpu_offload);
 #   floor: a tiny kernel's time on the device, launched from a CUDA graph, eagerly and
 #          synchronised each (benchmarks/accuracy/kernel_floor.py): a cost per kernel the time
 #          model does not count, one candidate for the big model's short predictions;
 #   plan:  (not in the default) the planner's fake CUDA step of the small model's ddp and fsdp
 #          in bf16 on this machine, with its GPU visible and hidden (CUDA_VISIBLE_DEVICES=''):
 #          whether a fake step depends on a GPU being present.
-# PARTS chooses (default: small big alloc floor); SMALL_PRECISIONS the small model's precisions.
+# PARTS chooses (default: small big offload alloc floor); SMALL_PRECISIONS the small model's precisions.
 # Set-up: scripts/device_wheels.sh here first (the packages that machine lacks, into .whl/),
 # then the device run carries .whl and runs this script. Outputs (JSON files, logs, the
 # measured profile) go to $OUT when it is set, else stay under outputs/benchmarks.
@@ -26,7 +30,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-PARTS=${PARTS:-small big alloc floor}
+PARTS=${PARTS:-small big offload alloc floor}
 if ls .whl/*.whl >/dev/null 2>&1 && [ -z "${PYTHON:-}" ]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
@@ -56,6 +60,10 @@ esac
 case " $PARTS " in *" big "*)
   check gpu_check_big 150 --model model=gpt model.d_model=2048 model.n_layers=8 model.n_heads=16 \
     model.seq_len=1024 --precisions bf16 "$@" ;;
+esac
+case " $PARTS " in *" offload "*)
+  check gpu_check_offload 100 --model model=gpt model.d_model=1024 model.n_layers=8 model.n_heads=16 \
+    model.seq_len=512 strategy.cpu_offload=true --strategies fsdp fsdp_grad_op --precisions bf16 "$@" ;;
 esac
 cp "${XDG_CACHE_HOME:-$HOME/.cache}/sharded_exp/this_profile.json" "$LOGS"/ 2>/dev/null || true
 case " $PARTS " in *" alloc "*)
