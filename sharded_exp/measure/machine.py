@@ -67,7 +67,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from sharded_exp.measure.flops import count_cpu_attention, gpu_peak, save_cache
 from sharded_exp.measure.spawned import run_spawned
 from sharded_exp.speed.compute import base_name, tensor_bytes, timed_op
-from sharded_exp.speed.profiles import Curve, DeviceProfile, Figure, LinkProfile, Source
+from sharded_exp.speed.profiles import Curve, DeviceProfile, Figure, HostMemory, LinkProfile, Source
 
 MATMUL_SIZES = (128, 256, 512, 1024)
 """Square matmul sizes measured (n x n by n x n)."""
@@ -204,6 +204,13 @@ def measure_bandwidth(seconds: float = 0.2, nbytes: int = COPY_BYTES) -> float:
     """GB/s of a copy of ``nbytes`` (read + write)."""
     src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
     return 2 * nbytes / _timed(lambda: dst.copy_(src), seconds) / 1e9
+
+
+def measure_in_place(seconds: float = 0.2, nbytes: int = COPY_BYTES) -> float:
+    """GB/s of an in-place update of ``nbytes`` by another tensor (``a.add_(b)``: two tensors
+    read, one written, counted so), the kind of op most of an optimizer's step is."""
+    a, b = torch.ones(nbytes // 4), torch.zeros(nbytes // 4)
+    return 3 * nbytes / _timed(lambda: a.add_(b), seconds) / 1e9
 
 
 FRESH_BYTES = 64 * 2**20
@@ -514,17 +521,24 @@ def _pinned_copies() -> tuple[float, float]:
 
 
 def measure_host_side() -> dict:
-    """What CPU offload runs at on this machine: the host's memory bandwidth (a copy of
-    :data:`HOST_MEMORY_COPY_BYTES` on the CPU at this process's torch threads, every core by
-    default: the server's whole figure, which the node's ranks share) and a pinned host buffer's copies to and from the GPU (GB/s each
+    """What CPU offload runs at on this machine: the host's memory (a copy of
+    :data:`HOST_MEMORY_COPY_BYTES`, and an in-place update of as much, :func:`measure_in_place`,
+    on the CPU at every core, whatever threads the launcher set: the server's whole figures,
+    which the node's ranks share) and a pinned host buffer's copies to and from the GPU (GB/s each
     way). ``{}`` with the reason logged where it cannot be measured (offload is then not priced)."""
+    before = torch.get_num_threads()
     try:
         h2d, d2h = _pinned_copies()
-        memory = measure_bandwidth(0.5, HOST_MEMORY_COPY_BYTES)
-        return {"memory_bandwidth_GBps": memory, "h2d_GBps": h2d, "d2h_GBps": d2h}
+        threads = os.cpu_count() or 1  # every core, whatever OMP_NUM_THREADS the launcher set
+        torch.set_num_threads(threads)
+        return {"memory_bandwidth_GBps": measure_bandwidth(0.5, HOST_MEMORY_COPY_BYTES),
+                "in_place_GBps": measure_in_place(0.5, HOST_MEMORY_COPY_BYTES),
+                "threads": threads, "h2d_GBps": h2d, "d2h_GBps": d2h}  # fmt: skip
     except Exception as exc:  # noqa: BLE001 -- measuring never breaks a run
         _log.warning("the host's side was not measured (%s: %s); CPU offload is not priced", type(exc).__name__, exc)
         return {}
+    finally:
+        torch.set_num_threads(before)
 
 
 def _cuda_attention() -> dict:
@@ -696,11 +710,11 @@ def this_cuda_profile(remeasure: bool = False) -> DeviceProfile:
             else Figure(best, source, f"the best measured size ({why})")
         )
     host = found.get("host") or {}
-    host_memory = (
-        Figure(host["memory_bandwidth_GBps"], source, "a large copy on the CPU, every core")
-        if host.get("memory_bandwidth_GBps")
-        else None
-    )
+    host_memory = None
+    if host.get("memory_bandwidth_GBps") and host.get("in_place_GBps"):
+        at = f"1 GiB on the host at {host.get('threads', '?')} threads"
+        host_memory = HostMemory(copy=Figure(host["memory_bandwidth_GBps"], source, f"a copy of {at}"),
+                                 in_place=Figure(host["in_place_GBps"], source, f"an in-place add of {at}"))  # fmt: skip
     return DeviceProfile(
         name="this",
         title=f"this machine ({name})",
@@ -712,7 +726,7 @@ def this_cuda_profile(remeasure: bool = False) -> DeviceProfile:
         step_op_overhead_s=found["step_op_overhead_s"],
         sharded_step_op_overhead_s=found.get("sharded_step_op_overhead_s", {}),
         asynchronous=True,
-        server_memory_bandwidth=host_memory,
+        host_memory=host_memory,
     )
 
 

@@ -235,14 +235,15 @@ def model_row(cfg: PlanConfig, name: str, world_size: int, shapes: ModelShapes, 
         row["phases_gib"] = {name: v[0] * MIB / GIB for name, v in (peak.get("phases_mib") or {}).items()}
     row["model_states_gib"] = states * MIB / GIB  # analytic: what every run predicts and checks
     row["levers"] = combo
-    row["cost"] = _cost_note(combo, prediction)
+    row["cost"] = _cost_note(combo, prediction, bool(getattr(cfg_s.strategy, "reshard_after_forward", True)))
     if traced is not None:
         row.update(speed_columns(cfg_s, world_size, traced, prediction))
     return row
 
 
-def _cost_note(combo: str, prediction) -> str:
-    """What a lever costs in step time, where it is known without running."""
+def _cost_note(combo: str, prediction, regathers: bool = True) -> str:
+    """What a lever costs in step time, where it is known without running (``regathers``: the
+    strategy gathers each unit again for its backward, so offload copies its shard in twice)."""
     notes = []
     levers = lever_names(combo)
     if "ac" in levers:
@@ -255,8 +256,10 @@ def _cost_note(combo: str, prediction) -> str:
         )
     if "offload" in levers:
         mine = max(prediction["model_states_mib"], key=lambda p: sum(p.values()))
-        moved = (mine["params"] + mine["grads"]) * MIB / GIB
-        notes.append(f"offload: {moved:.2f} GiB host<->device per step (sharded parameters in, gradients out)")
+        copies_in = 2 if regathers else 1
+        moved = (copies_in * mine["params"] + mine["grads"]) * MIB / GIB
+        into = "in before each gather (forward and backward)" if regathers else "in"
+        notes.append(f"offload: {moved:.2f} GiB host<->device per step (sharded parameters {into}, gradients out)")
     return "; ".join(notes)
 
 

@@ -66,9 +66,7 @@ def machine(cfg: PlanConfig, world_size: int) -> Machine:
     intra = load_link(device.links["intra_node"]) if "intra_node" in device.links else None
     host = load_link(device.links["host"]) if "host" in device.links else None
     inter = network_link(float(p.get("inter_node_gbps", 100.0)))
-    per_node = int(p.get("gpus_per_node", 8))
-    host_memory = device.host_memory_Bps_per_rank(min(per_node, max(world_size, 1)))
-    return Machine(device, intra or inter, inter, per_node, host, host_memory)
+    return Machine(device, intra or inter, inter, int(p.get("gpus_per_node", 8)), host, device.host_memory)
 
 
 def measured_once(cfg: PlanConfig) -> PlanConfig:

@@ -28,14 +28,23 @@ from typing import Any
 
 import torch
 from omegaconf import OmegaConf
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from sharded_exp import precision
 from sharded_exp.measure.host_malloc import mapped_from
-from sharded_exp.predict.op_trace import OpTrace, Trace
+from sharded_exp.predict.op_trace import Trace
 from sharded_exp.speed.collectives import Topology
 from sharded_exp.speed.compute import OP_KINDS, op_time, ops_from_records
-from sharded_exp.speed.profiles import DeviceProfile, LinkProfile, load_device, load_link, profile_for_device_name
-from sharded_exp.speed.schedule import Units, accumulated, mfu, on_shared_cores, simulate
+from sharded_exp.speed.profiles import (
+    DeviceProfile,
+    HostMemory,
+    LinkProfile,
+    load_device,
+    load_link,
+    profile_for_device_name,
+)
+from sharded_exp.speed.schedule import HostStepBytes, Units, accumulated, mfu, on_shared_cores, simulate
 from sharded_exp.strategies import offloads_to_host, timing_of, traits_of
 from sharded_exp.strategies.timing import Fabric, TimeUnknown
 
@@ -58,18 +67,19 @@ class Machine:
     inter: LinkProfile | None = None
     gpus_per_node: int = 8
     host: LinkProfile | None = None
-    host_memory_Bps: float | None = None
-    """One rank's share of the host's memory bandwidth (what a CPU offload's optimizer step
-    runs at); None: not known."""
+    host_memory: HostMemory | None = None
+    """The node's host memory (what a CPU offload's optimizer step runs at); None: not known."""
     shared_cores: bool = False
     """A CPU whose ranks' threads fill its cores (as a CPU rank sets its threads): the
     communication's work runs on the same cores as the compute, so nothing hides under it
     (:func:`~sharded_exp.speed.schedule.on_shared_cores`)."""
 
-    def fabric(self, world_size: int, params: int = 0, host_step_bytes_per_element: float | None = None) -> Fabric:
+    def fabric(self, world_size: int, params: int = 0, host_step: HostStepBytes | None = None) -> Fabric:
         topology = Topology(self.gpus_per_node, self.intra, self.inter)
         pcie = self.host.bandwidth_Bps if self.host is not None else None
-        return Fabric(world_size, topology, pcie, self.host_memory_Bps, params, host_step_bytes_per_element)
+        ranks_on_node = min(self.gpus_per_node, max(world_size, 1))
+        host = self.host_memory.per_rank(ranks_on_node, self.gpus_per_node) if self.host_memory else None
+        return Fabric(world_size, topology, pcie, host, params, host_step)
 
 
 @dataclass(frozen=True)
@@ -274,32 +284,64 @@ def per_step(cfg) -> tuple[int, int | None]:
 
 
 HOST_STEP_SIZES = (2**16, 2**17)
-"""The two parameter sizes (elements) :func:`host_step_bytes_per_element` steps."""
+"""The two parameter sizes (elements) :func:`host_step_bytes` steps."""
 
 
-def host_step_bytes_per_element(cfg) -> float:
-    """The bytes ``cfg``'s optimizer (``cfg.optimizer``) reads and writes per parameter element
-    when it steps on the host, as CPU offload runs it: its own ops counted, not a formula. A
-    real CPU weight of each of :data:`HOST_STEP_SIZES` elements (its gradient set) is stepped
-    twice under :class:`~sharded_exp.predict.op_trace.OpTrace`; the second step's bytes (the
-    first makes the state) differ between the sizes by the per-element bytes (the step
-    counter's scalar ops cancel). The optimizer is built as a run builds it for parameters on
-    the CPU (:func:`sharded_exp.optim.optimizer_spec`: one tensor at a time unless
-    ``optimizer.foreach=true``). AdamW at torch 2.13: 76 bytes (seven passes over the state)."""
+def _tensor_bytes(tree) -> int:
+    leaves, _ = tree_flatten(tree)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+class _HostBytes(TorchDispatchMode):
+    """Counts each op's bytes (inputs read, outputs written), apart for an op that updates its
+    first argument in place (its schema mutates an argument: ``mul_``, ``_foreach_mul_``,
+    whose written bytes are that argument's, a foreach op returning nothing) and an op that
+    writes a new tensor. Ops that write nothing (``.item()``) are left out."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_place = self.out_of_place = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        read = _tensor_bytes((args, kwargs))
+        if func._schema.is_mutable:
+            self.in_place += read + _tensor_bytes(args[0])
+        elif _tensor_bytes(out):
+            self.out_of_place += read + _tensor_bytes(out)
+        return out
+
+
+def host_step_bytes(cfg) -> HostStepBytes:
+    """What ``cfg``'s optimizer step moves per parameter element on the host, as CPU offload
+    runs it: its own ops counted, not a formula. A real CPU weight of each of
+    :data:`HOST_STEP_SIZES` elements (its gradient set) is stepped twice; the second step (the
+    first makes the state) is counted (:class:`_HostBytes`), with the gradients' clipping
+    before it where ``trainer.grad_clip`` is on (on the host too: the gradients are there); the
+    counts differ between the sizes by the bytes per element (the step counter's and the norm's
+    scalar ops cancel). The optimizer is built as the run builds it: for a GPU run
+    (:func:`sharded_exp.optim.optimizer_spec`: ``foreach`` unless ``optimizer.foreach=false``,
+    whose ``_foreach_*`` ops run on the host's tensors one by one). AdamW with decay at torch
+    2.13, clipped: 84 bytes in place, 12 out of place."""
     from sharded_exp.optim import optimizer_spec  # lazy: only an offloading point asks
 
-    def stepped(elements: int) -> int:
+    clip = float(OmegaConf.select(cfg, "trainer.grad_clip", default=0.0) or 0.0)
+
+    def counted(elements: int) -> tuple[int, int]:
         layer = torch.nn.Linear(elements, 1, bias=False)  # a 2-D weight: the decayed group, as most of a model
-        layer.weight.grad = torch.ones_like(layer.weight)
-        optimizer = optimizer_spec(cfg.optimizer, layer, torch.device("cpu")).build()
+        layer.weight.grad = torch.full_like(layer.weight, 1e-3)
+        optimizer = optimizer_spec(cfg.optimizer, layer, torch.device("cuda")).build()  # as a GPU run's
         optimizer.step()
-        trace = Trace()
-        with OpTrace(trace):
+        with _HostBytes() as moved:
+            if clip > 0:
+                torch.nn.utils.clip_grad_norm_(layer.parameters(), clip)
             optimizer.step()
-        return sum(r["input_bytes"] + r["output_bytes"] for r in trace.records)
+        return moved.in_place, moved.out_of_place
 
     small, large = HOST_STEP_SIZES
-    return (stepped(large) - stepped(small)) / (large - small)
+    (a_in, a_out), (b_in, b_out) = counted(small), counted(large)
+    return HostStepBytes(in_place=(b_in - a_in) / (large - small), out_of_place=(b_out - a_out) / (large - small))
 
 
 def units_of(compute: StepCompute, shapes, param_bpe: float, grad_bpe: float) -> Units:
@@ -354,11 +396,11 @@ def predict_step_time(cfg, world_size: int, compute: StepCompute, shapes, machin
     param_bpe = model.param_bytes_per_element(strategy, name, shapes.element_bytes)
     grad_bpe = model.grad_bytes_per_element(strategy, name, shapes.element_bytes)
     units = units_of(compute, shapes, param_bpe, grad_bpe)
-    host_bpe = None
+    host_step = None
     if offloads_to_host(strategy):  # the optimizer steps on the host (the fake step stepped on the device)
-        host_bpe = host_step_bytes_per_element(cfg)
+        host_step = host_step_bytes(cfg)
         units = replace(units, optimizer_s=0.0)
-    fabric = machine.fabric(world_size, trainable_elements(shapes), host_bpe)
+    fabric = machine.fabric(world_size, trainable_elements(shapes), host_step)
     try:
         played = simulate(_step_schedule(model, strategy, units, fabric, micro_batches(cfg)))
         if machine.shared_cores:  # a CPU: gloo's work shares the ranks' cores
@@ -435,7 +477,7 @@ def run_step_time(
             device = this.this_cuda_profile()
             link = _sourced_link(device.title, world_size)
             host = this.this_cuda_host_link()
-            machine = Machine(device, link, None, max(world_size, 1), host, device.host_memory_Bps_per_rank(local))
+            machine = Machine(device, link, None, max(world_size, 1), host, device.host_memory)
         else:
             threads = max(1, (os.cpu_count() or 1) // local)  # as a CPU rank sets its threads
             device, link = this.this_profile(threads)

@@ -72,6 +72,34 @@ class Curve:
     twice its time. False for a matmul's curve standing in for attention's."""
 
 
+WRITE_ALLOCATE = 2 / 3
+"""A copy's counted rate (read plus write) as a fraction of the memory's: a store to a line not
+in the cache reads the line first (read for ownership, as x86 caches allocate on a write; only
+non-temporal stores skip it), so a copy's two counted bytes are three of the memory's. An
+in-place update's line is read anyway: its counted bytes are the memory's."""
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """A node's host memory as CPU offload's optimizer step meets it: the GB/s a copy and an
+    in-place update move (each counted as its bytes read plus written, as the op trace counts
+    them), for the whole node, and the sockets it is split over."""
+
+    copy: Figure
+    in_place: Figure
+    sockets: int = 1
+
+    def per_rank(self, ranks_on_node: int, gpus_per_node: int) -> tuple[float, float]:
+        """(copy, in-place) bytes/s one rank gets while ``ranks_on_node`` ranks step on the host
+        at once (CPU offload: every rank steps after the same backward). Each socket serves the
+        GPUs attached to it, filled in order (a DGX's GPUs 0-3 on one socket, 4-7 on the other),
+        so a rank shares its socket's figure with the ranks beside it."""
+        per_socket = max(1, -(-max(1, gpus_per_node) // self.sockets))
+        sharing = max(1, min(ranks_on_node, per_socket))
+        scale = 1e9 / self.sockets / sharing
+        return self.copy.value * scale, self.in_place.value * scale
+
+
 @dataclass(frozen=True)
 class DeviceProfile:
     name: str
@@ -132,13 +160,13 @@ class DeviceProfile:
     launched it and the kernel before it has ended
     (:func:`sharded_exp.predict.step_time.launched_ahead`), where a CPU runs each op's host
     work and kernel one after the other (their sum)."""
-    server_memory_bandwidth: Figure | None = None
-    """GB/s of host memory bandwidth of the server that holds a node of these GPUs, all its
-    sockets together (channels x transfer rate x 8 bytes, the memory's theoretical peak), as
-    the reference server's datasheet and its CPUs' specifications state them. What CPU
-    offload's optimizer step runs at, shared by the node's ranks stepping at once
-    (:meth:`host_memory_Bps_per_rank`). None: not stated (an offload point's step time is then
-    null, with that reason)."""
+    host_memory: HostMemory | None = None
+    """The host memory of the server a node of these GPUs comes in, which CPU offload's
+    optimizer step runs at (:class:`HostMemory`). A named GPU's file states the reference
+    server's DIMMs' peak (``server_memory_bandwidth_GBps``: sockets x channels x transfer rate
+    x 8 bytes) and its sockets (``server_sockets``); an in-place update moves at that peak, a
+    copy at :data:`WRITE_ALLOCATE` of it. A GPU's ``this`` profile measures both on its host.
+    None: not known (an offload point's step time is then null, with that reason)."""
     fresh_page_s: float | None = None
     """Seconds one new page of host memory costs when it is first written (the kernel's page
     fault and zeroing, and the unmapping when freed), measured for a CPU ``this`` profile
@@ -161,14 +189,6 @@ class DeviceProfile:
         measured copy's fraction where the profile has one."""
         fraction = self.memory_bandwidth_fraction.value if self.memory_bandwidth_fraction else 1.0
         return self.memory_bandwidth.value * 1e9 * fraction
-
-    def host_memory_Bps_per_rank(self, ranks_on_node: int) -> float | None:
-        """One rank's share of the server's host memory bandwidth when ``ranks_on_node`` ranks
-        step on the host at once (CPU offload: every rank steps after the same backward);
-        None where the profile states none."""
-        if self.server_memory_bandwidth is None:
-            return None
-        return self.server_memory_bandwidth.value * 1e9 / max(1, ranks_on_node)
 
     def peak_flops_per_s(self, dtype: str) -> float:
         """The datasheet's dense peak for ``dtype``: the denominator of MFU."""
@@ -256,6 +276,7 @@ _DEVICE_FIELDS = {
     "curves",
     "links",
     "server_memory_bandwidth_GBps",
+    "server_sockets",
 }
 LINK_ROLES = ("intra_node", "host")
 """What a device's ``links`` name: the link between its GPUs in a node, and to the host."""
@@ -392,13 +413,7 @@ def parse_device(data: Mapping[str, Any]) -> DeviceProfile:
     copy = _figure(data, "memory_bandwidth_fraction", sources, name) if "memory_bandwidth_fraction" in data else None
     if copy is not None and not 0 < copy.value <= 1:
         raise ProfileError(f"device profile {name!r}: memory_bandwidth_fraction must be in (0, 1], not {copy.value}")
-    server = (
-        _figure(data, "server_memory_bandwidth_GBps", sources, name) if "server_memory_bandwidth_GBps" in data else None
-    )
-    if server is not None and not server.value > 0:
-        raise ProfileError(
-            f"device profile {name!r}: server_memory_bandwidth_GBps must be positive, not {server.value}"
-        )
+    host = _host_memory(data, sources, name)
     curves = {}
     for op_class, per_dtype in (data.get("curves") or {}).items():
         if op_class not in OP_CLASSES:
@@ -416,8 +431,26 @@ def parse_device(data: Mapping[str, Any]) -> DeviceProfile:
         attention_fraction=attention,
         curves=curves,
         links=_links(data.get("links"), sources, name),
-        server_memory_bandwidth=server,
+        host_memory=host,
     )
+
+
+def _host_memory(data: Mapping[str, Any], sources: Mapping[str, Source], name: str) -> HostMemory | None:
+    """A device file's server memory (see :attr:`DeviceProfile.host_memory`), or None."""
+    given = [key for key in ("server_memory_bandwidth_GBps", "server_sockets") if key in data]
+    if not given:
+        return None
+    if len(given) == 1:
+        raise ProfileError(f"device profile {name!r} gives {given[0]} without the other of "
+                           "server_memory_bandwidth_GBps and server_sockets")  # fmt: skip
+    peak = _figure(data, "server_memory_bandwidth_GBps", sources, name)
+    sockets = _figure(data, "server_sockets", sources, name)
+    if not peak.value > 0:
+        raise ProfileError(f"device profile {name!r}: server_memory_bandwidth_GBps must be positive, not {peak.value}")
+    if sockets.value < 1 or sockets.value != int(sockets.value):
+        raise ProfileError(f"device profile {name!r}: server_sockets must be a whole number >= 1, not {sockets.value}")
+    copy = Figure(peak.value * WRITE_ALLOCATE, peak.source, "the peak x 2/3: a copy's destination is read before written")
+    return HostMemory(copy=copy, in_place=peak, sockets=int(sockets.value))
 
 
 def _links(raw: Any, sources: Mapping[str, Source], name: str) -> dict[str, str]:

@@ -422,14 +422,24 @@ def sharded_ddp(units: Units, price: Price, world_size: int, bucket_bytes: float
     return Schedule(tuple(units.segments()), tuple(events) + tuple(_param_sync(units, price, world_size, "broadcast")))
 
 
-def host_step_time(bytes_touched: float, host_memory_Bps: float) -> float:
-    """The CPU optimizer step's seconds, as memory-bound: the bytes its ops read and write
-    (:func:`sharded_exp.predict.step_time.host_step_bytes_per_element` counts them from the
-    configured optimizer's own ops) over one rank's share of the host's memory bandwidth, a
-    stated or measured figure."""
-    if host_memory_Bps <= 0:
-        raise ConfigError(f"the host's memory bandwidth must be positive, not {host_memory_Bps}")
-    return bytes_touched / host_memory_Bps
+@dataclass(frozen=True)
+class HostStepBytes:
+    """The bytes per parameter element an optimizer's step on the host moves, counted from its
+    ops (:func:`sharded_exp.predict.step_time.host_step_bytes`): in ops that update a tensor in
+    place, and in ops that write a new one (each counted as its inputs read plus its output
+    written)."""
+
+    in_place: float
+    out_of_place: float
+
+
+def host_step_time(elements: float, moved: HostStepBytes, copy_Bps: float, in_place_Bps: float) -> float:
+    """The CPU optimizer step's seconds over ``elements``, as memory-bound: its in-place bytes at
+    the rate an in-place update reaches on the host, the rest at a copy's (one rank's shares,
+    :meth:`sharded_exp.speed.profiles.HostMemory.per_rank`)."""
+    if copy_Bps <= 0 or in_place_Bps <= 0:
+        raise ConfigError(f"the host's memory rates must be positive, not {copy_Bps} and {in_place_Bps}")
+    return elements * (moved.in_place / in_place_Bps + moved.out_of_place / copy_Bps)
 
 
 def offload(

@@ -30,12 +30,14 @@ class Fabric:
     world_size: int
     topology: collectives.Topology
     pcie_Bps: float | None = None
-    host_memory_Bps: float | None = None
+    host_memory_Bps: tuple[float, float] | None = None
+    """One rank's (copy, in-place) bytes/s of host memory (:meth:`HostMemory.per_rank
+    <sharded_exp.speed.profiles.HostMemory.per_rank>`)."""
     params: int = 0
     """The model's trainable parameters (elements): what a host optimizer step steps."""
-    host_step_bytes_per_element: float | None = None
-    """The bytes the configured optimizer's step reads and writes per element on the host
-    (:func:`sharded_exp.predict.step_time.host_step_bytes_per_element`; None: not counted)."""
+    host_step_bytes: schedule.HostStepBytes | None = None
+    """What the configured optimizer's step moves per element on the host
+    (:func:`sharded_exp.predict.step_time.host_step_bytes`; None: not counted)."""
 
 
 class TimeUnknown(ValueError):
@@ -170,12 +172,12 @@ class FSDPTime(TimeModel):
             raise TimeUnknown("cpu_offload's copies need the host link")
         if reduce_gradients and fabric.host_memory_Bps is None:
             raise TimeUnknown("cpu_offload's host step needs the host's memory bandwidth")
-        if reduce_gradients and fabric.host_step_bytes_per_element is None:
+        if reduce_gradients and fabric.host_step_bytes is None:
             raise TimeUnknown("cpu_offload's host step needs the optimizer's bytes per element")
         shard = fabric.world_size // max(1, int(getattr(cfg, "replicate", 1)))
         # the optimizer's ops over this rank's shard, on the host, at its share of the memory bandwidth
         host_s = (
-            schedule.host_step_time(fabric.host_step_bytes_per_element * fabric.params / shard, fabric.host_memory_Bps)
+            schedule.host_step_time(fabric.params / shard, fabric.host_step_bytes, *fabric.host_memory_Bps)
             if reduce_gradients
             else 0.0
         )

@@ -81,14 +81,15 @@ def test_the_gpu_profile_is_built_from_the_cache_with_the_datasheet_peak_where_t
     assert gpu.host_cost_s("bf16") == 2.5e-5
     assert gpu.peak_flops_per_s("bf16") == pytest.approx(989e12)  # the datasheet's: MFU as a run counts it
     assert gpu.curve("matmul", "bf16").points[-1] == (1e12, 700.0)
-    assert gpu.server_memory_bandwidth is None and machine.this_cuda_host_link() is None  # no host side measured
+    assert gpu.host_memory is None and machine.this_cuda_host_link() is None  # no host side measured
     figures["device_name"] = "Some GPU"
     path.write_text(json.dumps({machine._key(1, "cuda"): figures}))
     assert machine.this_cuda_profile().peak_flops_per_s("fp32") == pytest.approx(50e12)  # no table: the best measured
     # the host's side, measured with the GPU: offload's copies at the slower direction, its step at the host's share
-    figures["host"] = {"memory_bandwidth_GBps": 200.0, "h2d_GBps": 50.0, "d2h_GBps": 40.0}
+    figures["host"] = {"memory_bandwidth_GBps": 200.0, "in_place_GBps": 300.0, "threads": 64, "h2d_GBps": 50.0,
+                       "d2h_GBps": 40.0}  # fmt: skip
     path.write_text(json.dumps({machine._key(1, "cuda"): figures}))
-    assert machine.this_cuda_profile().host_memory_Bps_per_rank(4) == pytest.approx(50e9)
+    assert machine.this_cuda_profile().host_memory.per_rank(4, 4) == pytest.approx((50e9, 75e9))  # 4 ranks share it
     assert machine.this_cuda_host_link().bandwidth_Bps == pytest.approx(40e9)
 
 

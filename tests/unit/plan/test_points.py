@@ -278,8 +278,12 @@ def test_a_row_offloaded_holds_the_ranks_states_in_host_memory(raw_cfg):
     states = 4 * N * 4 / 2 / GIB  # every state halved
     assert r["host_gib"] == pytest.approx(states, rel=1e-5) and r["model_states_gib"] == r["host_gib"]
     assert r["fits"] is True and r["phases_gib"] == {}
-    moved = 2 * N * 4 / 2 / GIB  # this rank's parameters in, gradients out
-    assert r["cost"] == f"offload: {moved:.2f} GiB host<->device per step (sharded parameters in, gradients out)"
+    moved = 3 * N * 4 / 2 / GIB  # this rank's parameters in before each gather (forward, backward), gradients out
+    into = "in before each gather (forward and backward)"
+    assert r["cost"] == f"offload: {moved:.2f} GiB host<->device per step (sharded parameters {into}, gradients out)"
+    once = points.model_row(c, "fsdp_grad_op", 2, shapes, "cpu", "offload", peak=_peak([512.0, 512.0], {"params": 1.0}))
+    moved = 2 * N * 4 / 2 / GIB  # no re-gather for the backward: parameters in once
+    assert once["cost"] == f"offload: {moved:.2f} GiB host<->device per step (sharded parameters in, gradients out)"
 
 
 def test_a_point_without_a_peak_is_said_by_its_error(raw_cfg):
@@ -300,7 +304,11 @@ def test_levers_say_what_they_cost():
     assert points._cost_note("ac", prediction).startswith("recompute: one more forward")
     assert points._cost_note("ac_selective", prediction).startswith("recompute: the units' cheap ops")
     assert points._cost_note("ac+offload", prediction).endswith(
-        "; offload: 1.50 GiB host<->device per step (sharded parameters in, gradients out)"
+        "; offload: 2.50 GiB host<->device per step (sharded parameters in before each gather (forward and "
+        "backward), gradients out)"
+    )
+    assert points._cost_note("offload", prediction, regathers=False) == (
+        "offload: 1.50 GiB host<->device per step (sharded parameters in, gradients out)"
     )
 
 

@@ -305,44 +305,54 @@ def test_a_run_across_nodes_is_not_priced():
         assert "plan.inter_node_gbps" in across["error"]
 
 
-def _optimizer(**settings):
+def _optimizer(grad_clip=0.0, **settings):
     from sharded_exp.config import OptimizerConfig
 
-    return OmegaConf.create({"optimizer": OmegaConf.structured(OptimizerConfig(**settings))})
+    return OmegaConf.create({"optimizer": OmegaConf.structured(OptimizerConfig(**settings)),
+                             "trainer": {"grad_clip": grad_clip}})  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    "settings, expected",
-    [({"name": "adamw"}, 76.0), ({"name": "adamw", "weight_decay": 0.1}, 84.0), ({"name": "adam", "weight_decay": 0.1}, 88.0),
-     ({"name": "sgd"}, 12.0), ({"name": "sgd", "momentum": 0.9}, 32.0)],
+    "settings, in_place, out_of_place",
+    [({"name": "adamw", "foreach": False}, 60, 16), ({"name": "adamw", "weight_decay": 0.1, "foreach": False}, 68, 16),
+     ({"name": "adam", "weight_decay": 0.1, "foreach": False}, 60, 28), ({"name": "sgd", "foreach": False}, 12, 0),
+     ({"name": "sgd", "momentum": 0.9, "foreach": False}, 32, 0),
+     ({"name": "adamw", "weight_decay": 0.01, "grad_clip": 1.0}, 84, 12)],
 )  # fmt: skip
-def test_the_host_step_counts_the_optimizers_own_ops_per_element(settings, expected):
-    """fp32 bytes per element, inputs plus outputs as the op trace counts them, of torch's
-    per-tensor loops (``_single_tensor_adamw``, ``_single_tensor_sgd``), the steady step:
-    AdamW: exp_avg.lerp_(grad) 12, exp_avg_sq.mul_(beta2) 8, .addcmul_(grad, grad) 16, sqrt
-    8, the bias correction's div 8, add_(eps) 8, param.addcdiv_(exp_avg, denom) 16 = 76; its
-    decay param.mul_ 8 more (84); Adam's decay grad.add(param) 12 more (88). SGD: param.add_
-    12; with momentum buf.mul_ 8, buf.add_(grad) 12, param.add_(buf) 12 = 32."""
-    from sharded_exp.predict.step_time import host_step_bytes_per_element
+def test_the_host_step_counts_the_optimizers_own_ops_per_element(settings, in_place, out_of_place):
+    """fp32 bytes per element (inputs read plus the tensor written) of torch's loops, the steady
+    step. Per tensor (``_single_tensor_adamw``), in place: exp_avg.lerp_(grad) 12,
+    exp_avg_sq.mul_(beta2) 8, .addcmul_(grad, grad) 16, denom.add_(eps) 8,
+    param.addcdiv_(exp_avg, denom) 16 = 60; out of place: exp_avg_sq.sqrt() 8, the bias
+    correction's div 8 = 16. AdamW's decay param.mul_ 8 more in place; Adam's grad.add(param)
+    12 more out of place. SGD: param.add_(grad) 12; with momentum buf.mul_ 8, buf.add_(grad)
+    12, param.add_(buf) 12 = 32. As a GPU run builds it (foreach), with decay and clipping
+    (the default): the norm reads the gradient (4 out of place), the clip's _foreach_mul_ 8 and
+    the decay's 8 in place, the bias correction's _foreach_div_ in place (8 moved from out of
+    place): 84 and 12."""
+    from sharded_exp.predict.step_time import HostStepBytes, host_step_bytes
 
-    assert host_step_bytes_per_element(_optimizer(**settings)) == expected
+    assert host_step_bytes(_optimizer(**settings)) == HostStepBytes(in_place, out_of_place)
 
 
 def test_an_offloaded_point_is_priced_with_its_copies_and_its_host_step():
-    """fsdp with cpu_offload on the H100's sourced figures, 8 ranks on a node: 1.25e8 trainable
-    elements a rank (1e9 / 8), AdamW's 76 bytes each at 614.4 / 8 GB/s: the host step is
-    0.1237 s, in place of the device's, after the last gradient's copy. Without the server's
-    figure: null, and why."""
+    """fsdp with cpu_offload on the H100's sourced host memory: 563.2 GB/s over 2 sockets, each
+    serving 4 of the node's 8 GPUs: 70.4 GB/s a rank in place, 46.9 (2/3 of it) for a copy.
+    1.25e8 trainable elements a rank (1e9 / 8), AdamW without clipping, per tensor (60 bytes
+    in place, 16 out): 0.1066 + 0.0426 = 0.1491 s, in place of the device's step, after the
+    last gradient's copy. Without the host's figures: null, and why."""
     from dataclasses import replace
 
-    offload = OmegaConf.merge(cfg("fsdp"), _optimizer(name="adamw"))
+    offload = OmegaConf.merge(cfg("fsdp"), _optimizer(name="adamw", foreach=False))
     offload.strategy.cpu_offload = True
     compute = step_compute(trace(), H100, 6e12)
-    host = Machine(H100, load_link("nvlink4"), network_link(100), 8, load_link("pcie5"), 614.4e9 / 8)
+    host = Machine(H100, load_link("nvlink4"), network_link(100), 8, load_link("pcie5"), H100.host_memory)
     out = predict_step_time(offload, 8, compute, SHAPES, host)
     on_device = predict_step_time(cfg("fsdp"), 8, compute, SHAPES, host)
     assert out["error"] is None
-    assert out["optimizer_s"] == pytest.approx(76 * 1.25e8 / 76.8e9) == pytest.approx(0.1237, abs=1e-4)
+    rank = 563.2e9 / 2 / 4
+    assert out["optimizer_s"] == pytest.approx(1.25e8 * (60 / rank + 16 / (rank * 2 / 3)))
+    assert out["optimizer_s"] == pytest.approx(0.1491, abs=1e-4)
     assert out["step_time_s"] > on_device["step_time_s"] - on_device["optimizer_s"] + out["optimizer_s"]
-    missing = predict_step_time(offload, 8, compute, SHAPES, replace(host, host_memory_Bps=None))
+    missing = predict_step_time(offload, 8, compute, SHAPES, replace(host, host_memory=None))
     assert missing["step_time_s"] is None and "host's memory bandwidth" in missing["error"]

@@ -125,10 +125,24 @@ def _broken(edit):
             r"memory_bandwidth_fraction must be in \(0, 1\]",
         ),
         (
-            lambda d: d.update(server_memory_bandwidth_GBps={"value": 0, "source": "sheet"}),
+            lambda d: d.update(server_memory_bandwidth_GBps={"value": 0, "source": "sheet"},
+                               server_sockets={"value": 2, "source": "sheet"}),
             "server_memory_bandwidth_GBps must be positive, not 0.0",
         ),
-        (lambda d: d.update(server_memory_bandwidth_GBps={"value": 300}), "server_memory_bandwidth_GBps has no source"),
+        (
+            lambda d: d.update(server_memory_bandwidth_GBps={"value": 300},
+                               server_sockets={"value": 2, "source": "sheet"}),
+            "server_memory_bandwidth_GBps has no source",
+        ),
+        (
+            lambda d: d.update(server_memory_bandwidth_GBps={"value": 300, "source": "sheet"}),
+            "gives server_memory_bandwidth_GBps without the other",
+        ),
+        (
+            lambda d: d.update(server_memory_bandwidth_GBps={"value": 300, "source": "sheet"},
+                               server_sockets={"value": 1.5, "source": "sheet"}),
+            "server_sockets must be a whole number >= 1, not 1.5",
+        ),
     ],
 )
 def test_a_profile_breaking_the_rules_is_refused(edit, message):
@@ -201,16 +215,21 @@ def test_a_stated_bus_bandwidth_fraction_scales_the_line_rate():
 
 
 def test_the_reference_servers_host_memory_is_shared_by_the_ranks_stepping_on_it():
-    """The host memory bandwidth of the server a node of each GPU comes in, its DIMMs' peak
-    (channels x MT/s x 8 bytes x 2 sockets): DGX H100 and H200, 2 Xeon 8480C with 8 channels of
-    DDR5-4800: 614.4 GB/s, 76.8 a rank at 8 ranks; DGX A100, 2 EPYC 7742 at 204.8 each: 409.6,
-    51.2 a rank; DGX-1, 2 Xeon E5-2698 v4 with 4 channels of 2133 MT/s DIMMs: 136.5, 17.06 a
-    rank. Torchtitan's Grand Teton H100 states none: its offload is not priced."""
-    assert load_device("h100_sxm").host_memory_Bps_per_rank(8) == pytest.approx(76.8e9)
-    assert load_device("h200").host_memory_Bps_per_rank(8) == pytest.approx(76.8e9)
-    assert load_device("h100_sxm").host_memory_Bps_per_rank(2) == pytest.approx(307.2e9)  # 2 ranks on the node
-    assert load_device("a100_80gb").host_memory_Bps_per_rank(8) == load_device("a100_40gb").host_memory_Bps_per_rank(8)
-    assert load_device("a100_40gb").host_memory_Bps_per_rank(8) == pytest.approx(51.2e9)
-    assert load_device("v100_32gb").host_memory_Bps_per_rank(8) == pytest.approx(136.5e9 / 8)
-    assert load_device("h100_hbm2e_500w").host_memory_Bps_per_rank(8) is None
-    assert parse_device(GOOD).host_memory_Bps_per_rank(8) is None
+    """The host memory of the server a node of each GPU comes in, its DIMMs' peak (channels x
+    MT/s x 8 bytes x 2 sockets): DGX H100 and H200, 2 Xeon 8480C with 8 channels of DDR5 at
+    4400 MT/s (two DIMMs a channel): 563.2 GB/s; DGX A100, 2 EPYC 7742 at 204.8 each: 409.6;
+    DGX-1, 2 Xeon E5-2698 v4 with 4 channels of 2133 MT/s DIMMs: 136.5. An in-place update
+    moves at the peak, a copy at 2/3 of it (its destination read before written). Each socket
+    serves the GPUs attached to it, filled in order: at 8 ranks on an H100 node each of a
+    socket's 4 ranks gets 281.6 / 4 = 70.4 GB/s; at 4 ranks (GPUs 0-3, one socket) the same;
+    at 2, 140.8; alone, the socket's 281.6. Torchtitan's Grand Teton H100 states none."""
+    h100 = load_device("h100_sxm").host_memory
+    assert h100.per_rank(8, 8) == pytest.approx((70.4e9 * 2 / 3, 70.4e9))
+    assert h100.per_rank(4, 8) == h100.per_rank(8, 8)
+    assert h100.per_rank(2, 8)[1] == pytest.approx(140.8e9) and h100.per_rank(1, 8)[1] == pytest.approx(281.6e9)
+    assert load_device("h200").host_memory.per_rank(8, 8) == h100.per_rank(8, 8)
+    assert load_device("a100_40gb").host_memory.per_rank(8, 8)[1] == pytest.approx(51.2e9)
+    assert load_device("a100_80gb").host_memory.in_place.value == load_device("a100_40gb").host_memory.in_place.value
+    assert load_device("v100_32gb").host_memory.per_rank(8, 8)[1] == pytest.approx(136.5e9 / 8)
+    assert load_device("h100_hbm2e_500w").host_memory is None
+    assert parse_device(GOOD).host_memory is None

@@ -6,6 +6,7 @@ import pytest
 
 from sharded_exp.speed.schedule import (
     Event,
+    HostStepBytes,
     Schedule,
     ScheduleError,
     Segment,
@@ -159,7 +160,8 @@ def test_offload_copies_over_pcie_and_steps_on_the_host():
     result = simulate(offload(units, price, world_size=4, pcie_Bps=100, host_step_s=3.0))
     assert result.step_time_s == pytest.approx(10.5) and result.exposed_s == pytest.approx(7.5)
     assert result.busy_s == {"copy": 3.0, "comm": 1.5, "host": 3.0}
-    assert host_step_time(76 * 1e9, 100e9) == pytest.approx(0.76)  # AdamW's 76 bytes, 1e9 elements
+    # 1e9 elements: 60 bytes each in place at 100 GB/s, 16 out of place at a copy's 50
+    assert host_step_time(1e9, HostStepBytes(60, 16), copy_Bps=50e9, in_place_Bps=100e9) == pytest.approx(0.92)
 
 
 def test_offload_copies_a_shard_in_its_stored_dtype_not_the_gathers():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sharded_exp.speed.collectives import Link, Topology
-from sharded_exp.speed.schedule import Units, simulate
+from sharded_exp.speed.schedule import HostStepBytes, Units, simulate
 from sharded_exp.strategies import STRATEGIES, timing_of
 from sharded_exp.strategies.timing import Fabric, TimeUnknown
 
@@ -72,14 +72,16 @@ def test_offload_without_the_host_figures_is_unknown_and_says_which():
     f = fabric()
     with pytest.raises(TimeUnknown, match="host link"):
         timing_of("fsdp").schedule(cfg, UNITS, timing_of("fsdp").price(cfg, f), f)
-    f = fabric(pcie_Bps=1e9, host_memory_Bps=1e10, params=4_000_000)
+    f = fabric(pcie_Bps=1e9, host_memory_Bps=(1e10, 2e10), params=4_000_000)
     with pytest.raises(TimeUnknown, match="optimizer's bytes per element"):
         timing_of("fsdp").schedule(cfg, UNITS, timing_of("fsdp").price(cfg, f), f)
-    f = fabric(pcie_Bps=1e9, host_memory_Bps=1e10, params=4_000_000, host_step_bytes_per_element=76.0)
+    moved = HostStepBytes(in_place=60, out_of_place=16)
+    f = fabric(pcie_Bps=1e9, host_memory_Bps=(1e10, 2e10), params=4_000_000, host_step_bytes=moved)
     events = timing_of("fsdp").schedule(cfg, UNITS, timing_of("fsdp").price(cfg, f), f).events
     assert {"h2d", "d2h", "host_step"} <= {e.kind for e in events}
-    # the rank's shard of 4e6 elements (a world of 8, the fabric's default) at 76 B each over 10 GB/s
-    assert next(e.seconds for e in events if e.kind == "host_step") == pytest.approx(76 * 5e5 / 1e10)
+    # the rank's shard of 4e6 elements (a world of 8, the fabric's default): 60 B each in place
+    # at 20 GB/s, 16 at a copy's 10
+    assert next(e.seconds for e in events if e.kind == "host_step") == pytest.approx(5e5 * (60 / 2e10 + 16 / 1e10))
 
 
 def test_zero1_broadcasts_tensor_by_tensor_unless_its_parameters_are_a_bucket_view():
