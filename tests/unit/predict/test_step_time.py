@@ -356,3 +356,33 @@ def test_an_offloaded_point_is_priced_with_its_copies_and_its_host_step():
     assert out["step_time_s"] > on_device["step_time_s"] - on_device["optimizer_s"] + out["optimizer_s"]
     missing = predict_step_time(offload, 8, compute, SHAPES, replace(host, host_memory=None))
     assert missing["step_time_s"] is None and "host's memory bandwidth" in missing["error"]
+
+
+def test_a_gpu_run_with_offload_is_priced_on_its_measured_host(monkeypatch):
+    """A CUDA run's prediction under CPU offload takes its host's measured figures (a copy and
+    an in-place update on 1 GiB, the pinned copies); without them it is null, and says why.
+    Frozen parameters have no optimizer step: half the elements frozen, half the host step."""
+    from dataclasses import replace
+
+    from sharded_exp.measure import machine as this
+    from sharded_exp.speed.profiles import Figure, HostMemory, Source
+
+    class Est:
+        extra, method, flops_per_step = {"trace": trace()}, "fake step", 6e12
+
+    measured = Source("measured", "here", "cache")
+    host = HostMemory(Figure(200.0, measured), Figure(300.0, measured))  # GB/s on the whole node
+    gpu = replace(H100, name="this", title="this machine (NVIDIA H100 80GB HBM3)", host_memory=host)
+    monkeypatch.setattr(this, "this_cuda_profile", lambda remeasure=False: gpu)
+    monkeypatch.setattr(this, "this_cuda_host_link", lambda remeasure=False: load_link("pcie5"))
+    offload = OmegaConf.merge(cfg("fsdp"), _optimizer(name="sgd", foreach=False))  # 12 bytes in place
+    offload.strategy.cpu_offload = True
+    out = run_step_time(offload, 2, "cuda", Est(), SHAPES, {})
+    assert out["error"] is None  # 2 ranks share the host: 150 GB/s in place each, 5e8 elements a rank
+    assert out["optimizer_s"] == pytest.approx(5e8 * 12 / 150e9)
+    frozen = ModelShapes([[(10**9,)]], [4 * 10**8, 4 * 10**8], 2 * 10**8, {}, trainable_blocks=[4 * 10**8, 0],
+                         trainable_root=10**8)  # fmt: skip
+    assert run_step_time(offload, 2, "cuda", Est(), frozen, {})["optimizer_s"] == pytest.approx(2.5e8 * 12 / 150e9)
+    monkeypatch.setattr(this, "this_cuda_profile", lambda remeasure=False: replace(gpu, host_memory=None))
+    missing = run_step_time(offload, 2, "cuda", Est(), SHAPES, {})
+    assert missing["step_time_s"] is None and "host's memory bandwidth" in missing["error"]
