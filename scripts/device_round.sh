@@ -11,7 +11,8 @@
 #   alloc: the allocator model's sequences against torch.cuda.memory_stats(), exactly;
 #   offload: fsdp and fsdp_grad_op in bf16 with CPU offload, the small model: the shards' copies
 #          and the optimizer's step on the host against the run's prediction (the GPU's host
-#          measured with it: a 1 GiB copy, a pinned buffer's copies each way); GPU only (a CPU
+#          measured with it: a 1 GiB copy and in-place update, a pinned buffer's copies each
+#          way); GPU only (a CPU
 #          run refuses cpu_offload);
 #   floor: a tiny kernel's time on the device, launched from a CUDA graph, eagerly and
 #          synchronised each (benchmarks/accuracy/kernel_floor.py): a cost per kernel the time

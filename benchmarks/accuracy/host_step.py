@@ -11,10 +11,10 @@ profile both rates are measured on its host (``measure_host_side``: 1 GiB each, 
 server CPU's cache, as a shard's optimizer state is); here the same two are measured at the
 benchmark's threads, and the same optimizers step for real, built as a GPU run builds them
 (``foreach``), the gradients clipped first (``trainer.grad_clip``'s default), on fp32 CPU
-tensors: 8 of them, as a shard of several layers is, of 16 MiB (a 7B model's largest shard at
-8 ranks is 22.5 MiB: glibc serves its temporaries from the heap again and again) and of 64
-MiB (above glibc's largest mmap threshold, 32 MiB: each step's temporaries are new pages,
-faulted in, which the rule does not count). Prints the median step (after two warm-ups)
+tensors: 8 of them, as a shard of several layers is, of 16 MiB (Llama 2 7B's largest shard at
+8 ranks is 21.5 MiB: glibc serves its temporaries from the heap again and again) and of 64
+MiB (at or above glibc's largest mmap threshold, 32 MiB, as ``model=gpt_7b``'s shards at 8
+ranks are: each step's temporaries are new pages, faulted in, which the rule does not count). Prints the median step (after two warm-ups)
 beside the prediction, as a Markdown table, and writes outputs/benchmarks/host_step.json.
 """
 

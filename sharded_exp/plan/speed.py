@@ -61,7 +61,7 @@ def machine(cfg: PlanConfig, world_size: int) -> Machine:
     name = profile_name(cfg)
     if name == "this":
         device, local = this_profile(threads_per_rank(world_size), bool(p.get("remeasure", False)))
-        return Machine(device, local, None, max(world_size, 1), None, device.memory_bandwidth_Bps, shared_cores=True)
+        return Machine(device, local, None, max(world_size, 1), shared_cores=True)  # offload plans a GPU only
     device = load_device(name)
     intra = load_link(device.links["intra_node"]) if "intra_node" in device.links else None
     host = load_link(device.links["host"]) if "host" in device.links else None

@@ -292,11 +292,22 @@ def _tensor_bytes(tree) -> int:
     return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
 
+def _written(func, args, kwargs) -> int:
+    """The bytes of the arguments ``func``'s schema says it writes (``mul_``'s self, each tensor of
+    ``_foreach_mul_``'s list, an ``out=``); 0 for an op that writes only new tensors."""
+    written = 0
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            written += _tensor_bytes(value)
+    return written
+
+
 class _HostBytes(TorchDispatchMode):
-    """Counts each op's bytes (inputs read, outputs written), apart for an op that updates its
-    first argument in place (its schema mutates an argument: ``mul_``, ``_foreach_mul_``,
-    whose written bytes are that argument's, a foreach op returning nothing) and an op that
-    writes a new tensor. Ops that write nothing (``.item()``) are left out."""
+    """Counts each op's bytes (inputs read, outputs written), apart for an op that updates a
+    tensor in place (its schema writes an argument: ``mul_``, ``_foreach_mul_``, whose written
+    bytes are that argument's, a foreach op returning nothing) and an op that writes a new
+    tensor. Ops that write nothing (``.item()``) or only alias their inputs (views) are left out."""
 
     def __init__(self):
         super().__init__()
@@ -305,11 +316,11 @@ class _HostBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        read = _tensor_bytes((args, kwargs))
-        if func._schema.is_mutable:
-            self.in_place += read + _tensor_bytes(args[0])
-        elif _tensor_bytes(out):
-            self.out_of_place += read + _tensor_bytes(out)
+        written = _written(func, args, kwargs)
+        if written:
+            self.in_place += _tensor_bytes((args, kwargs)) + written
+        elif _tensor_bytes(out) and not any(r.alias_info is not None for r in func._schema.returns):
+            self.out_of_place += _tensor_bytes((args, kwargs)) + _tensor_bytes(out)
         return out
 
 
@@ -481,7 +492,7 @@ def run_step_time(
         else:
             threads = max(1, (os.cpu_count() or 1) // local)  # as a CPU rank sets its threads
             device, link = this.this_profile(threads)
-            machine = Machine(device, link, None, world_size, None, device.memory_bandwidth_Bps, shared_cores=True)
+            machine = Machine(device, link, None, world_size, shared_cores=True)  # a CPU run has no offload
             pages = fresh_pages(trace, malloc_rule(cfg)) if device.fresh_page_s else None  # priced only so
             extra = {"threads_per_rank": threads, "fresh_pages_per_step": pages}
         compute = step_compute(

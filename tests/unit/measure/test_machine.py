@@ -4,6 +4,7 @@ integration tier runs it)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -221,3 +222,21 @@ def test_a_disturbed_profile_says_so_in_its_source(tmp_path, monkeypatch):
     path.write_text(json.dumps({machine._key(2): figures}))
     device, _ = machine.this_profile(2)
     assert "other processes using 0.90 cores" in device.memory_bandwidth.source.title
+
+
+def test_the_hosts_memory_is_kept_when_the_gpus_pinned_copies_cannot_be_measured(monkeypatch):
+    """Pinned memory refused (``ulimit -l``): the host's memory figures stay, the link is left
+    out (logged); the threads measured are the cores this process may run on, restored after."""
+    import torch
+
+    monkeypatch.setattr(machine, "measure_bandwidth", lambda seconds, nbytes: 12.0)
+    monkeypatch.setattr(machine, "measure_in_place", lambda seconds, nbytes: 20.0)
+
+    def refused():
+        raise RuntimeError("cannot pin memory")
+
+    monkeypatch.setattr(machine, "_pinned_copies", refused)
+    before = torch.get_num_threads()
+    found = machine.measure_host_side()
+    assert found == {"memory_bandwidth_GBps": 12.0, "in_place_GBps": 20.0, "threads": len(os.sched_getaffinity(0))}
+    assert torch.get_num_threads() == before

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from omegaconf import OmegaConf
 
 from sharded_exp.plan import speed
@@ -41,3 +42,18 @@ def test_remeasure_measures_once_per_plan_at_each_world_sizes_threads(monkeypatc
     calls.clear()
     assert speed.measured_once(plan(remeasure=True, world_sizes=[2])).plan.remeasure
     assert calls == []  # a named profile (h100_sxm): nothing to measure
+
+
+def test_the_machine_at_hand_prices_a_cpu_point_and_a_named_gpu_states_its_host(monkeypatch):
+    """The CPU's ``this`` machine has no host memory for offload (a CPU plans none) and its
+    fabric is built (a regression: a float in the host-memory field broke every CPU point);
+    a named GPU's carries its server's host memory."""
+    from sharded_exp.speed.profiles import load_link
+
+    h100 = speed.load_device("h100_sxm")
+    monkeypatch.setattr(speed, "this_profile", lambda threads, remeasure=False: (h100, load_link("pcie4")))
+    m = speed.machine(plan(device="cpu"), 2)
+    assert m.host_memory is None and m.shared_cores
+    assert m.fabric(2, 10**6).host_memory_Bps is None
+    named = speed.machine(plan(device_profile="h100_sxm"), 8)
+    assert named.fabric(8, 10**6).host_memory_Bps == pytest.approx((70.4e9 * 2 / 3, 70.4e9))

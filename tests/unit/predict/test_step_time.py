@@ -386,3 +386,35 @@ def test_a_gpu_run_with_offload_is_priced_on_its_measured_host(monkeypatch):
     monkeypatch.setattr(this, "this_cuda_profile", lambda remeasure=False: replace(gpu, host_memory=None))
     missing = run_step_time(offload, 2, "cuda", Est(), SHAPES, {})
     assert missing["step_time_s"] is None and "host's memory bandwidth" in missing["error"]
+
+
+def test_a_cpu_run_is_priced_on_the_machine_at_hand(monkeypatch):
+    """A CPU run's prediction through its real machine (every rank on this CPU, sharing its
+    cores), not null: a regression put a float where the machine's host memory goes, and every
+    CPU run's prediction came back null with an AttributeError."""
+    from sharded_exp.measure import machine as this
+
+    class Est:
+        extra, method, flops_per_step = {"trace": trace()}, "fake step", 6e12
+
+    monkeypatch.setattr(this, "this_profile", lambda threads, remeasure=False: (H100, load_link("pcie4")))
+    out = run_step_time(cfg(), 2, "cpu", Est(), SHAPES, {})
+    assert out["error"] is None and out["step_time_s"] > 0 and out["comm_s"] > 0
+
+
+def test_the_host_step_counter_reads_what_each_op_writes_from_its_schema():
+    """1,000 fp32 elements a tensor (4,000 bytes): ``torch.mul(a, 2, out=b)`` writes b (a and b
+    passed, b written: 12,000 in place); a view moves nothing; ``_foreach_mul_([a, b], 2)``
+    writes both tensors of its list and returns nothing (8,000 read, 8,000 written); ``a.sqrt()``
+    writes a new tensor (8,000 out of place)."""
+    import torch
+
+    from sharded_exp.predict.step_time import _HostBytes
+
+    a, b = torch.ones(1000), torch.ones(1000)
+    with _HostBytes() as moved:
+        torch.mul(a, 2.0, out=b)
+        a.view(10, 100)
+        torch._foreach_mul_([a, b], 2.0)
+        a.sqrt()
+    assert (moved.in_place, moved.out_of_place) == (12_000 + 16_000, 8_000)
