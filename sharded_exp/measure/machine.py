@@ -524,8 +524,9 @@ def measure_host_side() -> dict:
     """What CPU offload runs at on this machine: the host's memory (a copy of
     :data:`HOST_MEMORY_COPY_BYTES`, and an in-place update of as much, :func:`measure_in_place`,
     on the CPU at every core this process may run on, whatever threads the launcher set: the
-    server's whole figures, which the node's ranks share) and a pinned host buffer's copies to
-    and from the GPU (GB/s each way). Each part that cannot be measured is left out, with the
+    server's whole figures, which the node's ranks share; and a new page's cost,
+    :func:`measure_fresh_page_s`) and a pinned host buffer's copies to and from the GPU (GB/s
+    each way). Each part that cannot be measured is left out, with the
     reason logged (offload is then not priced)."""
     found: dict = {}
     before = torch.get_num_threads()
@@ -533,7 +534,8 @@ def measure_host_side() -> dict:
         threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         torch.set_num_threads(threads)
         found |= {"memory_bandwidth_GBps": measure_bandwidth(0.5, HOST_MEMORY_COPY_BYTES),
-                  "in_place_GBps": measure_in_place(0.5, HOST_MEMORY_COPY_BYTES), "threads": threads}  # fmt: skip
+                  "in_place_GBps": measure_in_place(0.5, HOST_MEMORY_COPY_BYTES), "threads": threads,
+                  "fresh_page_s": measure_fresh_page_s()}  # fmt: skip
     except Exception as exc:  # noqa: BLE001 -- measuring never breaks a run
         _log.warning("the host's memory was not measured (%s: %s); CPU offload is not priced", type(exc).__name__, exc)
     finally:
@@ -719,7 +721,8 @@ def this_cuda_profile(remeasure: bool = False) -> DeviceProfile:
     if host.get("memory_bandwidth_GBps") and host.get("in_place_GBps"):
         at = f"1 GiB on the host at {host.get('threads', '?')} threads"
         host_memory = HostMemory(copy=Figure(host["memory_bandwidth_GBps"], source, f"a copy of {at}"),
-                                 in_place=Figure(host["in_place_GBps"], source, f"an in-place add of {at}"))  # fmt: skip
+                                 in_place=Figure(host["in_place_GBps"], source, f"an in-place add of {at}"),
+                                 fresh_page_s=host.get("fresh_page_s"))  # fmt: skip
     return DeviceProfile(
         name="this",
         title=f"this machine ({name})",

@@ -74,12 +74,17 @@ class Machine:
     communication's work runs on the same cores as the compute, so nothing hides under it
     (:func:`~sharded_exp.speed.schedule.on_shared_cores`)."""
 
-    def fabric(self, world_size: int, params: int = 0, host_step: HostStepBytes | None = None) -> Fabric:
+    def fabric(self, world_size: int, params: int = 0, host_step: HostStepBytes | None = None, shapes=None) -> Fabric:
+        """The fabric of ``world_size`` ranks; ``params`` trainable elements, ``host_step`` and the
+        model's ``shapes`` for CPU offload's step on the host."""
         topology = Topology(self.gpus_per_node, self.intra, self.inter)
         pcie = self.host.bandwidth_Bps if self.host is not None else None
         ranks_on_node = min(self.gpus_per_node, max(world_size, 1))
         host = self.host_memory.per_rank(ranks_on_node, self.gpus_per_node) if self.host_memory else None
-        return Fabric(world_size, topology, pcie, host, params, host_step)
+        page = self.host_memory.fresh_page_s if self.host_memory else None
+        tensors = tuple(float(math.prod(shape)) for group in shapes.groups for shape in group) if shapes else ()
+        element = float(shapes.element_bytes) if shapes else 4.0
+        return Fabric(world_size, topology, pcie, host, params, host_step, tensors, element, page)
 
 
 @dataclass(frozen=True)
@@ -311,7 +316,7 @@ class _HostBytes(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.in_place = self.out_of_place = 0
+        self.in_place = self.out_of_place = self.new = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -321,6 +326,7 @@ class _HostBytes(TorchDispatchMode):
             self.in_place += _tensor_bytes((args, kwargs)) + written
         elif _tensor_bytes(out) and not any(r.alias_info is not None for r in func._schema.returns):
             self.out_of_place += _tensor_bytes((args, kwargs)) + _tensor_bytes(out)
+            self.new += _tensor_bytes(out)
         return out
 
 
@@ -334,12 +340,13 @@ def host_step_bytes(cfg) -> HostStepBytes:
     scalar ops cancel). The optimizer is built as the run builds it: for a GPU run
     (:func:`sharded_exp.optim.optimizer_spec`: ``foreach`` unless ``optimizer.foreach=false``,
     whose ``_foreach_*`` ops run on the host's tensors one by one). AdamW with decay at torch
-    2.13, clipped: 84 bytes in place, 12 out of place."""
+    2.13, clipped: 84 bytes in place, 12 out of place, of which 4 into a new tensor (the square
+    root's)."""
     from sharded_exp.optim import optimizer_spec  # lazy: only an offloading point asks
 
     clip = float(OmegaConf.select(cfg, "trainer.grad_clip", default=0.0) or 0.0)
 
-    def counted(elements: int) -> tuple[int, int]:
+    def counted(elements: int) -> tuple[int, int, int]:
         layer = torch.nn.Linear(elements, 1, bias=False)  # a 2-D weight: the decayed group, as most of a model
         layer.weight.grad = torch.full_like(layer.weight, 1e-3)
         optimizer = optimizer_spec(cfg.optimizer, layer, torch.device("cuda")).build()  # as a GPU run's
@@ -348,11 +355,11 @@ def host_step_bytes(cfg) -> HostStepBytes:
             if clip > 0:
                 torch.nn.utils.clip_grad_norm_(layer.parameters(), clip)
             optimizer.step()
-        return moved.in_place, moved.out_of_place
+        return moved.in_place, moved.out_of_place, moved.new
 
     small, large = HOST_STEP_SIZES
-    (a_in, a_out), (b_in, b_out) = counted(small), counted(large)
-    return HostStepBytes(in_place=(b_in - a_in) / (large - small), out_of_place=(b_out - a_out) / (large - small))
+    per_element = [(b - a) / (large - small) for a, b in zip(counted(small), counted(large))]
+    return HostStepBytes(*per_element)
 
 
 def units_of(compute: StepCompute, shapes, param_bpe: float, grad_bpe: float) -> Units:
@@ -411,7 +418,7 @@ def predict_step_time(cfg, world_size: int, compute: StepCompute, shapes, machin
     if offloads_to_host(strategy):  # the optimizer steps on the host (the fake step stepped on the device)
         host_step = host_step_bytes(cfg)
         units = replace(units, optimizer_s=0.0)
-    fabric = machine.fabric(world_size, trainable_elements(shapes), host_step)
+    fabric = machine.fabric(world_size, trainable_elements(shapes), host_step, shapes)
     try:
         played = simulate(_step_schedule(model, strategy, units, fabric, micro_batches(cfg)))
         if machine.shared_cores:  # a CPU: gloo's work shares the ranks' cores

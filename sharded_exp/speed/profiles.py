@@ -88,6 +88,9 @@ class HostMemory:
     copy: Figure
     in_place: Figure
     sockets: int = 1
+    fresh_page_s: float | None = None
+    """Seconds a new page costs the host when first written (measured on a GPU's host; no
+    named server states one: None, not priced)."""
 
     def per_rank(self, ranks_on_node: int, gpus_per_node: int) -> tuple[float, float]:
         """(copy, in-place) bytes/s one rank gets while ``ranks_on_node`` ranks step on the host

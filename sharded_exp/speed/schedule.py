@@ -23,6 +23,7 @@ gives a collective's seconds (:func:`sharded_exp.speed.collectives.pricer`).
 
 from __future__ import annotations
 
+import mmap
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
@@ -431,15 +432,31 @@ class HostStepBytes:
 
     in_place: float
     out_of_place: float
+    new_tensors: float = 0.0
+    """Of ``out_of_place``, the bytes written into new tensors (the square root's): one block
+    per parameter tensor and op, each the size of that tensor's state."""
 
 
-def host_step_time(elements: float, moved: HostStepBytes, copy_Bps: float, in_place_Bps: float) -> float:
+def host_step_time(
+    elements: float,
+    moved: HostStepBytes,
+    copy_Bps: float,
+    in_place_Bps: float,
+    mapped_elements: float = 0.0,
+    fresh_page_s: float | None = None,
+) -> float:
     """The CPU optimizer step's seconds over ``elements``, as memory-bound: its in-place bytes at
     the rate an in-place update reaches on the host, the rest at a copy's (one rank's shares,
-    :meth:`sharded_exp.speed.profiles.HostMemory.per_rank`)."""
+    :meth:`sharded_exp.speed.profiles.HostMemory.per_rank`); and, where the host's cost of a
+    new page is known, the new tensors of the ``mapped_elements`` whose blocks glibc maps anew
+    each step (:func:`sharded_exp.measure.host_malloc.mapped_from`), each page at
+    ``fresh_page_s`` (None: not priced)."""
     if copy_Bps <= 0 or in_place_Bps <= 0:
         raise ConfigError(f"the host's memory rates must be positive, not {copy_Bps} and {in_place_Bps}")
-    return elements * (moved.in_place / in_place_Bps + moved.out_of_place / copy_Bps)
+    seconds = elements * (moved.in_place / in_place_Bps + moved.out_of_place / copy_Bps)
+    if fresh_page_s:
+        seconds += mapped_elements * moved.new_tensors / mmap.PAGESIZE * fresh_page_s
+    return seconds
 
 
 def offload(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sharded_exp.measure.host_malloc import DYNAMIC_THRESHOLD_MAX
 from sharded_exp.precision import compute_bytes
 from sharded_exp.speed import collectives, schedule
 from sharded_exp.speed.schedule import Price, Schedule, Units
@@ -38,6 +39,12 @@ class Fabric:
     host_step_bytes: schedule.HostStepBytes | None = None
     """What the configured optimizer's step moves per element on the host
     (:func:`sharded_exp.predict.step_time.host_step_bytes`; None: not counted)."""
+    tensor_elements: tuple[float, ...] = ()
+    """Each trainable parameter tensor's elements (whole): a shard's blocks glibc maps anew."""
+    element_bytes: float = 4.0
+    """The bytes of a stored element (the optimizer's state is in it)."""
+    fresh_page_s: float | None = None
+    """The host's cost of a new page (None: not known, not priced)."""
 
 
 class TimeUnknown(ValueError):
@@ -175,9 +182,12 @@ class FSDPTime(TimeModel):
         if reduce_gradients and fabric.host_step_bytes is None:
             raise TimeUnknown("cpu_offload's host step needs the optimizer's bytes per element")
         shard = fabric.world_size // max(1, int(getattr(cfg, "replicate", 1)))
-        # the optimizer's ops over this rank's shard, on the host, at its share of the memory bandwidth
+        # the optimizer's ops over this rank's shard, on the host, at its share of the memory bandwidth; the
+        # shards whose new tensors glibc maps anew each step (a GPU rank's glibc runs its own dynamic rule)
+        mapped = sum(n / shard for n in fabric.tensor_elements if n / shard * fabric.element_bytes >= DYNAMIC_THRESHOLD_MAX)
         host_s = (
-            schedule.host_step_time(fabric.params / shard, fabric.host_step_bytes, *fabric.host_memory_Bps)
+            schedule.host_step_time(fabric.params / shard, fabric.host_step_bytes, *fabric.host_memory_Bps, mapped,
+                                    fabric.fresh_page_s)  # fmt: skip
             if reduce_gradients
             else 0.0
         )

@@ -153,6 +153,7 @@ def test_host_step_smoke(tmp_path):
     for row in data["rows"]:
         assert row["measured_ms"] > 0 and row["copy_GBps"] > 0 and row["in_place_GBps"] > 0
         rates = row["in_place_bytes"] / row["in_place_GBps"] + row["out_of_place_bytes"] / row["copy_GBps"]
+        assert row["mapped_elements"] == 0  # 1 MiB tensors: from the heap, no page priced
         assert row["predicted_ms"] == pytest.approx(row["elements"] * rates / 1e6)
 
 

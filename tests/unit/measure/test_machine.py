@@ -88,9 +88,10 @@ def test_the_gpu_profile_is_built_from_the_cache_with_the_datasheet_peak_where_t
     assert machine.this_cuda_profile().peak_flops_per_s("fp32") == pytest.approx(50e12)  # no table: the best measured
     # the host's side, measured with the GPU: offload's copies at the slower direction, its step at the host's share
     figures["host"] = {"memory_bandwidth_GBps": 200.0, "in_place_GBps": 300.0, "threads": 64, "h2d_GBps": 50.0,
-                       "d2h_GBps": 40.0}  # fmt: skip
+                       "d2h_GBps": 40.0, "fresh_page_s": 2e-7}  # fmt: skip
     path.write_text(json.dumps({machine._key(1, "cuda"): figures}))
     assert machine.this_cuda_profile().host_memory.per_rank(4, 4) == pytest.approx((50e9, 75e9))  # 4 ranks share it
+    assert machine.this_cuda_profile().host_memory.fresh_page_s == 2e-7
     assert machine.this_cuda_host_link().bandwidth_Bps == pytest.approx(40e9)
 
 
@@ -231,6 +232,7 @@ def test_the_hosts_memory_is_kept_when_the_gpus_pinned_copies_cannot_be_measured
 
     monkeypatch.setattr(machine, "measure_bandwidth", lambda seconds, nbytes: 12.0)
     monkeypatch.setattr(machine, "measure_in_place", lambda seconds, nbytes: 20.0)
+    monkeypatch.setattr(machine, "measure_fresh_page_s", lambda: 2e-7)
 
     def refused():
         raise RuntimeError("cannot pin memory")
@@ -238,5 +240,6 @@ def test_the_hosts_memory_is_kept_when_the_gpus_pinned_copies_cannot_be_measured
     monkeypatch.setattr(machine, "_pinned_copies", refused)
     before = torch.get_num_threads()
     found = machine.measure_host_side()
-    assert found == {"memory_bandwidth_GBps": 12.0, "in_place_GBps": 20.0, "threads": len(os.sched_getaffinity(0))}
+    assert found == {"memory_bandwidth_GBps": 12.0, "in_place_GBps": 20.0, "threads": len(os.sched_getaffinity(0)),
+                     "fresh_page_s": 2e-7}  # fmt: skip
     assert torch.get_num_threads() == before

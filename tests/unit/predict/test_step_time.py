@@ -313,13 +313,14 @@ def _optimizer(grad_clip=0.0, **settings):
 
 
 @pytest.mark.parametrize(
-    "settings, in_place, out_of_place",
-    [({"name": "adamw", "foreach": False}, 60, 16), ({"name": "adamw", "weight_decay": 0.1, "foreach": False}, 68, 16),
-     ({"name": "adam", "weight_decay": 0.1, "foreach": False}, 60, 28), ({"name": "sgd", "foreach": False}, 12, 0),
-     ({"name": "sgd", "momentum": 0.9, "foreach": False}, 32, 0),
-     ({"name": "adamw", "weight_decay": 0.01, "grad_clip": 1.0}, 84, 12)],
+    "settings, in_place, out_of_place, new",
+    [({"name": "adamw", "foreach": False}, 60, 16, 8),
+     ({"name": "adamw", "weight_decay": 0.1, "foreach": False}, 68, 16, 8),
+     ({"name": "adam", "weight_decay": 0.1, "foreach": False}, 60, 28, 12), ({"name": "sgd", "foreach": False}, 12, 0, 0),
+     ({"name": "sgd", "momentum": 0.9, "foreach": False}, 32, 0, 0),
+     ({"name": "adamw", "weight_decay": 0.01, "grad_clip": 1.0}, 84, 12, 4)],
 )  # fmt: skip
-def test_the_host_step_counts_the_optimizers_own_ops_per_element(settings, in_place, out_of_place):
+def test_the_host_step_counts_the_optimizers_own_ops_per_element(settings, in_place, out_of_place, new):
     """fp32 bytes per element (inputs read plus the tensor written) of torch's loops, the steady
     step. Per tensor (``_single_tensor_adamw``), in place: exp_avg.lerp_(grad) 12,
     exp_avg_sq.mul_(beta2) 8, .addcmul_(grad, grad) 16, denom.add_(eps) 8,
@@ -329,10 +330,11 @@ def test_the_host_step_counts_the_optimizers_own_ops_per_element(settings, in_pl
     12, param.add_(buf) 12 = 32. As a GPU run builds it (foreach), with decay and clipping
     (the default): the norm reads the gradient (4 out of place), the clip's _foreach_mul_ 8 and
     the decay's 8 in place, the bias correction's _foreach_div_ in place (8 moved from out of
-    place): 84 and 12."""
+    place): 84 and 12. Written into new tensors: the square root's and the division's 4 each
+    (8), Adam's decayed gradient 4 more (12); foreach divides in place (4); SGD none."""
     from sharded_exp.predict.step_time import HostStepBytes, host_step_bytes
 
-    assert host_step_bytes(_optimizer(**settings)) == HostStepBytes(in_place, out_of_place)
+    assert host_step_bytes(_optimizer(**settings)) == HostStepBytes(in_place, out_of_place, new)
 
 
 def test_an_offloaded_point_is_priced_with_its_copies_and_its_host_step():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+
 import pytest
 
 from sharded_exp.speed.collectives import Link, Topology
@@ -82,6 +84,14 @@ def test_offload_without_the_host_figures_is_unknown_and_says_which():
     # the rank's shard of 4e6 elements (a world of 8, the fabric's default): 60 B each in place
     # at 20 GB/s, 16 at a copy's 10
     assert next(e.seconds for e in events if e.kind == "host_step") == pytest.approx(5e5 * (60 / 2e10 + 16 / 1e10))
+    # two tensors at 8 ranks: 1.6e8 elements is a 2e7-element fp32 shard (76 MiB, mapped anew by
+    # glibc each step), 1.6e7 a 7.6 MiB one (from the heap); 4 new bytes an element, 1 us a page
+    f = fabric(pcie_Bps=1e9, host_memory_Bps=(1e10, 2e10), params=4_000_000,
+               host_step_bytes=HostStepBytes(60, 16, new_tensors=4), tensor_elements=(1.6e8, 1.6e7), fresh_page_s=1e-6)  # fmt: skip
+    events = timing_of("fsdp").schedule(cfg, UNITS, timing_of("fsdp").price(cfg, f), f).events
+    pages = 2e7 * 4 / mmap.PAGESIZE
+    expected = 5e5 * (60 / 2e10 + 16 / 1e10) + pages * 1e-6
+    assert next(e.seconds for e in events if e.kind == "host_step") == pytest.approx(expected)
 
 
 def test_zero1_broadcasts_tensor_by_tensor_unless_its_parameters_are_a_bucket_view():
