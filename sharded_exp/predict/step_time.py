@@ -29,13 +29,12 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from sharded_exp import precision
 from sharded_exp.measure.host_malloc import mapped_from
 from sharded_exp.predict.op_trace import Trace
 from sharded_exp.speed.collectives import Topology
-from sharded_exp.speed.compute import OP_KINDS, op_time, ops_from_records
+from sharded_exp.speed.compute import OP_KINDS, op_time, ops_from_records, tensor_bytes
 from sharded_exp.speed.profiles import (
     DeviceProfile,
     HostMemory,
@@ -292,11 +291,6 @@ HOST_STEP_SIZES = (2**16, 2**17)
 """The two parameter sizes (elements) :func:`host_step_bytes` steps."""
 
 
-def _tensor_bytes(tree) -> int:
-    leaves, _ = tree_flatten(tree)
-    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
-
-
 def _written(func, args, kwargs) -> int:
     """The bytes of the arguments ``func``'s schema says it writes (``mul_``'s self, each tensor of
     ``_foreach_mul_``'s list, an ``out=``); 0 for an op that writes only new tensors."""
@@ -304,7 +298,7 @@ def _written(func, args, kwargs) -> int:
     for i, arg in enumerate(func._schema.arguments):
         if arg.alias_info is not None and arg.alias_info.is_write:
             value = args[i] if i < len(args) else kwargs.get(arg.name)
-            written += _tensor_bytes(value)
+            written += tensor_bytes(value)
     return written
 
 
@@ -323,10 +317,10 @@ class _HostBytes(TorchDispatchMode):
         out = func(*args, **kwargs)
         written = _written(func, args, kwargs)
         if written:
-            self.in_place += _tensor_bytes((args, kwargs)) + written
-        elif _tensor_bytes(out) and not any(r.alias_info is not None for r in func._schema.returns):
-            self.out_of_place += _tensor_bytes((args, kwargs)) + _tensor_bytes(out)
-            self.new += _tensor_bytes(out)
+            self.in_place += tensor_bytes((args, kwargs)) + written
+        elif tensor_bytes(out) and not any(r.alias_info is not None for r in func._schema.returns):
+            self.out_of_place += tensor_bytes((args, kwargs)) + tensor_bytes(out)
+            self.new += tensor_bytes(out)
         return out
 
 
