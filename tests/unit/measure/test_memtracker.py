@@ -153,3 +153,27 @@ def test_the_storages_fsdp2_gathers_into_before_the_window_are_counted_when_they
     finally:
         dist.destroy_process_group()
     assert fsdp2_gathered(nn.Linear(2, 2)) == []
+
+
+def test_ops_run_under_another_fake_mode_allocate_nothing_whatever_torchs_tracker_does(monkeypatch):
+    """DTensor's sharding propagation runs an op again on fake tensors of a fake mode of its
+    own to learn the output's shape. torch 2.13's tracker skips those ops; 2.11's (the GPU
+    round's torch) counted them: FSDP2's foreach Adam step read four fp32 copies of the shard
+    high. Simulated here by making the base class's own check see every mode as its entry's:
+    the adapter must skip them itself. Worked: the tracker is entered under fake mode A; a
+    4096-float tensor (16 KiB) made under A counts, one made under B (propagation's) does not."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools import mem_tracker
+
+    outer, propagation = FakeTensorMode(), FakeTensorMode()
+    monkeypatch.setattr(mem_tracker, "active_fake_mode", lambda: outer, raising=False)  # as 2.11: no check
+    with outer:
+        tracker = PeakTracker()
+        with tracker:
+            kept = torch.ones(4096)
+            with propagation:
+                shape_only = torch.ones(8192)
+            counted = tracker.get_tracker_snapshot("peak")[CPU]["Total"]
+        assert tracker._fake_mode_at_entry is outer
+    assert counted == 4096 * 4
+    assert shape_only.shape == (8192,) and kept.shape == (4096,)
