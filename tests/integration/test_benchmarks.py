@@ -140,6 +140,16 @@ def test_gpu_repredict_smoke(tmp_path):
     # profile"): the planner is deterministic, so a change that moves these leaves that page stale
     documented = {"ddp": 59.0, "fsdp": 59.9, "fsdp_grad_op": 59.6, "oss": 58.7, "sharded_ddp": 60.7, "zero1": 59.0}
     assert {p["strategy"]: round(p["predicted_ms"], 1) for p in data["points"]} == documented
+    # the peaks beside the round's (docs/figures.md, "The round's peaks predicted again on its torch")
+    peaks = json.loads((MEASURED / "h200_step_medians.json").read_text())["models"]["small"]["peak_mib"]["32"]
+    allocated = {"ddp": 3865.3, "fsdp": 3528.9, "fsdp_grad_op": 3865.3, "oss": 3865.3, "sharded_ddp": 3864.3, "zero1": 3865.3}
+    for point in data["points"]:
+        assert [point["peak_allocated_mib"], point["peak_reserved_mib"]] == peaks[point["strategy"]]
+        assert round(point["predicted_allocated_mib"], 1) == allocated[point["strategy"]]
+        assert point["predicted_reserved_mib"] >= point["predicted_allocated_mib"]  # reserved holds what is allocated
+        assert point["allocated_error"] == pytest.approx(
+            (point["predicted_allocated_mib"] - point["peak_allocated_mib"]) / point["peak_allocated_mib"]
+        )
 
 
 def test_host_step_smoke(tmp_path):
