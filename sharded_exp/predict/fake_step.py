@@ -206,8 +206,13 @@ class GlooReduceScatter:
     and all-reduce copy nothing (checked the same way)."""
 
     MODULES = ("torch.distributed", "torch.distributed.distributed_c10d")
-    """Where ``reduce_scatter_single`` is looked up: by ``dist.`` (FSDP2) and inside c10d
-    (``reduce_scatter_tensor`` and ``_reduce_scatter_base`` call it), once per collective."""
+    """Where the collective is looked up: by ``dist.`` (FSDP2) and inside c10d (on torch 2.13,
+    ``reduce_scatter_tensor`` and ``_reduce_scatter_base`` call ``reduce_scatter_single``),
+    once per collective."""
+    NAME = "reduce_scatter_single" if hasattr(distributed_c10d, "reduce_scatter_single") else "reduce_scatter_tensor"
+    """The function every reduce-scatter of a tensor goes through: ``reduce_scatter_single``
+    since torch 2.13; before, ``reduce_scatter_tensor`` (which FSDP2 calls, and
+    ``_reduce_scatter_base`` too)."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -215,7 +220,7 @@ class GlooReduceScatter:
         self._saved: list = []
 
     def _copying(self, collective):
-        def reduce_scatter_single(output, input, *args, **kwargs):
+        def reduce_scatter(output, input, *args, **kwargs):
             copy = input.clone()  # fake, and tracked: the bytes gloo's copy holds
             self.count += 1
             try:
@@ -223,19 +228,19 @@ class GlooReduceScatter:
             finally:
                 del copy
 
-        return reduce_scatter_single
+        return reduce_scatter
 
     def __enter__(self) -> "GlooReduceScatter":
-        copying = self._copying(distributed_c10d.reduce_scatter_single)
+        copying = self._copying(getattr(distributed_c10d, self.NAME))
         for name in self.MODULES:
             module = importlib.import_module(name)
-            self._saved.append((module, module.reduce_scatter_single))
-            module.reduce_scatter_single = copying
+            self._saved.append((module, getattr(module, self.NAME)))
+            setattr(module, self.NAME, copying)
         return self
 
     def __exit__(self, *exc) -> None:
         for module, collective in reversed(self._saved):
-            module.reduce_scatter_single = collective
+            setattr(module, self.NAME, collective)
         self._saved.clear()
 
 

@@ -138,20 +138,25 @@ def test_the_fake_process_group_is_up_inside_and_gone_after():
 
 
 def test_glooss_reduce_scatter_holds_a_copy_of_its_input_while_it_runs():
+    """On any torch: the function every reduce-scatter goes through (``reduce_scatter_single``
+    since 2.13, ``reduce_scatter_tensor`` before) is the one the rule wraps, by ``dist.`` and
+    inside c10d alike, and put back after."""
     from torch.distributed import distributed_c10d
 
     from sharded_exp.measure.tracker import peak_breakdown_mib
 
-    saved = (dist.reduce_scatter_single, distributed_c10d.reduce_scatter_single)
+    name = GlooReduceScatter.NAME
+    assert name == ("reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor")
+    saved = (getattr(dist, name), getattr(distributed_c10d, name))
     inp, out = torch.zeros(2 * 1024), torch.zeros(1024)  # 8 KiB in, 4 KiB out
     with fake_process_group(2, 0):
-        plain = peak_breakdown_mib(lambda: dist.reduce_scatter_single(out, inp), device=CPU)
+        plain = peak_breakdown_mib(lambda: getattr(dist, name)(out, inp), device=CPU)
         with GlooReduceScatter() as rule:
-            held = peak_breakdown_mib(lambda: dist.reduce_scatter_single(out, inp), device=CPU)
-            dist.reduce_scatter_tensor(out, inp)  # looked up inside c10d: the same rule
+            held = peak_breakdown_mib(lambda: getattr(dist, name)(out, inp), device=CPU)
+            dist.reduce_scatter_tensor(out, inp)  # FSDP2's call (2.13: looked up inside c10d): the same rule
     assert rule.count == 2
     assert (held["Total"] - plain["Total"]) * MIB == inp.numel() * 4  # a copy of the input on top
-    assert (dist.reduce_scatter_single, distributed_c10d.reduce_scatter_single) == saved
+    assert (getattr(dist, name), getattr(distributed_c10d, name)) == saved
 
 
 # ------------------------------------------------------------------ naming a failure
