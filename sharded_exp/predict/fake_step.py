@@ -149,6 +149,30 @@ def _separate_propagation_mode():
         _sharding_prop.detect_fake_mode = detect
 
 
+GRAPH_CAPTURE_CHECKS = ("_accelerator_graph_capture_health_check", "_cuda_graph_capture_health_check")
+"""The optimizer's check for a CUDA graph being captured: its name since about torch 2.7, and
+before (each torch has one or both; the older may call the newer)."""
+
+
+@contextlib.contextmanager
+def _no_graph_capture_check():
+    """An optimizer's ``step`` first asks whether the accelerator's current stream is capturing
+    a CUDA graph (:data:`GRAPH_CAPTURE_CHECKS`), a call that starts CUDA on a machine with a
+    GPU: in a GPU run's pre-flight, a CUDA context (hundreds of MiB of the GPU, refused
+    outright on a GPU another job holds in exclusive-process mode) for a step of fake CPU
+    tensors that no graph captures. The check only ever refuses a capture, so the fake step
+    leaves it out."""
+    own = vars(torch.optim.Optimizer)
+    saved = {name: own[name] for name in GRAPH_CAPTURE_CHECKS if name in own}
+    for name in saved:
+        setattr(torch.optim.Optimizer, name, lambda self: None)
+    try:
+        yield
+    finally:
+        for name, check in saved.items():
+            setattr(torch.optim.Optimizer, name, check)
+
+
 class _Chunks:
     """``torch.chunk(tensor, n, dim)`` padded with empty pieces to ``n``, as FSDP2's
     ``_chunk_with_empty`` returns it, but each piece made only when it is read: FSDP reads
@@ -516,6 +540,7 @@ def _run(
         fake_process_group(world_size, rank),
         _mod_tracker_warning_quiet(),
         _separate_propagation_mode(),
+        _no_graph_capture_check(),
         _lazy_fsdp_chunks(),
         gloo as gloo_rule,
         asked as allocs,

@@ -178,8 +178,12 @@ def test_preflight_for_a_gpu_run_never_starts_cuda_in_the_parent(monkeypatch, tm
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    for name in ("_lazy_init", "init", "get_device_properties", "get_device_capability", "is_bf16_supported"):
+    for name in ("_lazy_init", "init", "get_device_properties", "get_device_capability", "is_bf16_supported",
+                 "is_current_stream_capturing", "current_stream"):  # fmt: skip
         monkeypatch.setattr(torch.cuda, name, started)
+    # what an optimizer's step asks first (is a CUDA graph being captured?), as a GPU machine answers it
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "current_stream", started)
     cfg = compose(["model=gpt", "precision=bf16", "trainer.accelerator=gpu", "trainer.world_size=2"])
     checked = preflight.check(cfg, str(tmp_path))
     peak = checked.prediction["peak"]
