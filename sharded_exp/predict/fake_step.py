@@ -47,6 +47,7 @@ from torch.distributed import distributed_c10d
 from torch.distributed.fsdp._fully_shard import _fsdp_param  # private torch API: re-check on torch upgrades
 from torch.distributed.tensor import _sharding_prop  # private torch API: re-check on torch upgrades
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 from sharded_exp.config import JobGroups
@@ -147,6 +148,40 @@ def _separate_propagation_mode():
         yield
     finally:
         _sharding_prop.detect_fake_mode = detect
+
+
+def _gqa_refused() -> bool:
+    """Whether this torch's attention FLOP formulas refuse grouped-query attention (fewer key
+    and value heads than query heads): they do before torch 2.13."""
+    try:
+        flop_counter.sdpa_flop_count((1, 4, 2, 8), (1, 2, 2, 8), (1, 2, 2, 8))
+    except AssertionError:
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def _gqa_attention_flops():
+    """Grouped-query attention counted as torch 2.13 counts it, on any torch: its kernels
+    broadcast each key and value head to the query heads that share it, so its FLOPs are
+    those of the same attention with them repeated. Before 2.13 torch's formulas refuse the
+    shapes (an AssertionError: every fake step of a Llama or Qwen2 with fewer key/value heads
+    failed there); they are given the broadcast shapes here."""
+    if not _gqa_refused():
+        yield
+        return
+    forward, backward = flop_counter.sdpa_flop_count, flop_counter.sdpa_backward_flop_count
+
+    def broadcast(query_shape, *shapes):
+        heads = query_shape[1]
+        return [(s[0], heads, *s[2:]) if s[1] and heads % s[1] == 0 else s for s in shapes]
+
+    flop_counter.sdpa_flop_count = lambda q, k, v: forward(q, *broadcast(q, k, v))
+    flop_counter.sdpa_backward_flop_count = lambda g, q, k, v: backward(g, q, *broadcast(q, k, v))
+    try:
+        yield
+    finally:
+        flop_counter.sdpa_flop_count, flop_counter.sdpa_backward_flop_count = forward, backward
 
 
 GRAPH_CAPTURE_CHECKS = ("_accelerator_graph_capture_health_check", "_cuda_graph_capture_health_check")
@@ -354,11 +389,14 @@ class FakeStepError(RuntimeError):
         super().__init__(f"{part}: {detail or _short(exc)}")
 
 
-def refuse_parameters_made_in_forward(module: torch.nn.Module, known: set[int], model: str, strategy: str) -> None:
+def refuse_parameters_made_in_forward(module: torch.nn.Module, known: set[str], model: str, strategy: str) -> None:
     """A parameter that the model's forward registers (not its constructor) is in no
     optimizer (never trained) and in no FSDP unit (a plain tensor among DTensors): refused,
-    naming it. ``known``: the ids of the parameters the build made."""
-    made = [name for name, param in module.named_parameters() if id(param) not in known]
+    naming it. ``known``: the names of the parameters the build made. By name, not by
+    object: FSDP2 registers each unit's gathered parameters in place of its sharded ones for
+    the unit's forward and backward, so a step that fails inside one (of any cause) would
+    otherwise be blamed on parameters the forward created."""
+    made = [name for name, _ in module.named_parameters() if name not in known]
     if made:
         raise ConfigError(
             f"model={model}: its forward creates the parameter{'s' if len(made) > 1 else ''} {', '.join(made)} "
@@ -466,7 +504,7 @@ def _steps(cfg: JobGroups, run, sample: dict, watch: _Watch, kernels, grad_clip:
     step's ops are recorded into, recomputation included."""
     tc, device, name = cfg.trainer, watch.device, cfg.strategy.name
     module, strategy, autocast = run.module, run.strategy, run.autocast
-    known = {id(p) for p in module.parameters()}
+    known = {name for name, _ in module.named_parameters()}
     strategy.scaler = torch.amp.GradScaler(device.type, enabled=False)
     count = 0
     # FlopCounterMode's module hooks keep a checkpointed unit's recomputed tensors alive
@@ -541,6 +579,7 @@ def _run(
         _mod_tracker_warning_quiet(),
         _separate_propagation_mode(),
         _no_graph_capture_check(),
+        _gqa_attention_flops(),
         _lazy_fsdp_chunks(),
         gloo as gloo_rule,
         asked as allocs,

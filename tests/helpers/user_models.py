@@ -231,7 +231,6 @@ def build_oom_in_evaluation(in_features, num_classes):
     return OutOfMemoryInEvaluation(in_features, num_classes, 16)
 
 
-
 class ReadsAValue(Net):
     """A constructor that reads a parameter's value (as torch's orthogonal parametrization
     does, through Tensor.item()): it builds in plain torch, not on the meta device."""
@@ -258,3 +257,20 @@ class ParameterInForward(Net):
 
 def build_parameter_in_forward(in_features, num_classes):
     return ParameterInForward(in_features, num_classes, 16)
+
+
+class FailsInForward(Net):
+    """A model whose forward raises ValueError(message) everywhere, the fake step included,
+    after its first layer ran (under FSDP2, with its parameters gathered)."""
+
+    def __init__(self, in_features, num_classes, message):
+        super().__init__(in_features, num_classes, 16)
+        self.message = message
+
+    def forward(self, inputs, targets=None):
+        torch.relu(self.layers[0](inputs))
+        raise ValueError(self.message)
+
+
+def build_fails(in_features, num_classes, message="cannot handle these shapes"):
+    return FailsInForward(in_features, num_classes, message)

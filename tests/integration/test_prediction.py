@@ -272,7 +272,7 @@ def _measure_reduce_scatter(rank: int, store: str, out_dir: str) -> None:
         tracker = peak_tracker()
         with tracker:
             inputs, output = torch.ones(2000), torch.empty(1000)
-            dist.reduce_scatter_single(output, inputs)
+            dist.reduce_scatter_tensor(output, inputs)  # FSDP2's call (on torch 2.13 through reduce_scatter_single)
             del inputs, output
         peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -302,12 +302,13 @@ def test_a_fake_reduce_scatter_holds_what_gloos_holds(tmp_path):
 
     from torch.distributed import distributed_c10d
 
-    originals = dist.reduce_scatter_single, distributed_c10d.reduce_scatter_single
+    name = GlooReduceScatter.NAME  # reduce_scatter_single on torch 2.13, reduce_scatter_tensor before
+    originals = getattr(dist, name), getattr(distributed_c10d, name)
     with fake_process_group(2, 0), FakeTensorMode(allow_non_fake_inputs=True), GlooReduceScatter() as rule:
         tracker = peak_tracker()
         with tracker:
             inputs, output = torch.ones(2000), torch.empty(1000)
-            dist.reduce_scatter_single(output, inputs)
+            getattr(dist, name)(output, inputs)
             del inputs, output
         assert tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] == real[0]
         assert rule.count == 1
@@ -317,7 +318,7 @@ def test_a_fake_reduce_scatter_holds_what_gloos_holds(tmp_path):
         assert rule.count == 2
         dist.distributed_c10d._reduce_scatter_base(output, inputs)
         assert rule.count == 3
-    assert (dist.reduce_scatter_single, distributed_c10d.reduce_scatter_single) == originals  # put back
+    assert (getattr(dist, name), getattr(distributed_c10d, name)) == originals  # put back
 
 
 def test_a_cpu_fsdp_prediction_holds_gloos_copy_at_its_peak(monkeypatch):

@@ -411,13 +411,27 @@ def test_a_parameter_made_in_forward_is_refused_naming_it(tiny_job, strategy):
         fake_step(cfg, 2, 0, states_mib=lambda name: {})  # no fallback hides it either
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_model_failing_in_its_forward_is_blamed_for_its_own_error(tiny_job, strategy):
+    """Not for parameters its forward created: under fsdp, a unit's gathered parameters stand
+    in for its sharded ones while its forward runs, and the failure leaves them there."""
+    from sharded_exp.compose import compose
+
+    cfg = compose(["model=custom", "model._target_=tests.helpers.user_models.build_fails",
+                   f"strategy={strategy}", "trainer.batch_size=4"])  # fmt: skip
+    with pytest.raises(FakeStepError, match="the model cannot run under FakeTensorMode: ValueError: cannot handle"):
+        fake_step(cfg, 2, 0)
+
+
 def test_refusing_parameters_made_in_forward_names_every_new_one_and_passes_the_built_ones():
     from sharded_exp.errors import ConfigError
     from sharded_exp.predict.fake_step import refuse_parameters_made_in_forward
 
     model = nn.Sequential(nn.Linear(2, 2))
-    known = {id(p) for p in model.parameters()}
+    known = {name for name, _ in model.named_parameters()}
     refuse_parameters_made_in_forward(model, known, "mine", "ddp")  # nothing new: passes
+    model[0].weight = nn.Parameter(torch.ones(2, 2))  # as FSDP2 swaps in a unit's gathered parameter
+    refuse_parameters_made_in_forward(model, known, "mine", "ddp")  # the same name: passes
     model.a = nn.Parameter(torch.ones(1))
     model[0].b = nn.Parameter(torch.ones(1))
     with pytest.raises(ConfigError, match=r"model=mine: its forward creates the parameters a, 0.b \(not"):
@@ -549,3 +563,39 @@ def test_unpadded_masks_answer_transformers_mask_rule_only_for_a_fake_mask_of_a_
         assert masking_utils._ignore_bidirectional_mask_sdpa(fake_zeros, 8) is True
         assert bool(masking_utils._ignore_causal_mask_sdpa(~real_ones, 8, 8, 0, 0)) is False  # a real mask: its values
     assert masking_utils._ignore_causal_mask_sdpa is rule
+
+
+def test_grouped_query_attention_is_counted_as_torch_2_13_counts_it_where_torch_refuses_it(monkeypatch):
+    """Before torch 2.13 the attention FLOP formulas refuse fewer key/value heads than query
+    heads (every fake step of a Llama with grouped-query attention failed). Simulated: the
+    formulas made strict as they were; inside the fake step's rule they count the heads
+    broadcast, the FLOPs 2.13's own formulas give, and are put back after."""
+    from torch.utils import flop_counter
+
+    from sharded_exp.predict.fake_step import _gqa_attention_flops, _gqa_refused
+
+    q, kv = (2, 8, 16, 32), (2, 2, 16, 32)  # 8 query heads share 2 key/value heads
+    forward, backward = flop_counter.sdpa_flop_count, flop_counter.sdpa_backward_flop_count
+    expected = (forward(q, q, q), backward(q, q, q, q))  # the key/value heads repeated
+    if not _gqa_refused():  # torch 2.13 on: its own formulas, aware of the groups, count the same
+        assert (forward(q, kv, kv), backward(q, q, kv, kv)) == expected
+
+    def strict(formula):
+        def count(*shapes):
+            if len({shape[1] for shape in shapes}) > 1:
+                raise AssertionError("sdpa_flop_count: query/key/value shapes are incompatible")
+            return formula(*shapes)
+
+        return count
+
+    monkeypatch.setattr(flop_counter, "sdpa_flop_count", strict(forward))
+    monkeypatch.setattr(flop_counter, "sdpa_backward_flop_count", strict(backward))
+    refused = flop_counter.sdpa_flop_count
+    with pytest.raises(AssertionError):
+        flop_counter.sdpa_flop_count(q, kv, kv)
+    with _gqa_attention_flops():
+        assert (
+            flop_counter.sdpa_flop_count(q, kv, kv),
+            flop_counter.sdpa_backward_flop_count(q, q, kv, kv),
+        ) == expected
+    assert flop_counter.sdpa_flop_count is refused
