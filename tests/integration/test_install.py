@@ -64,7 +64,7 @@ def test_wheel_runs_the_default_job_from_an_empty_directory(fresh_venv, tmp_path
     assert str(fresh_venv) in where.stdout, "the fresh venv must run its installed copy, not the checkout"
     requires = sh([fresh_venv / "bin" / "python", "-c", "import importlib.metadata as m; print(m.requires('sharded_exp'))"],
                   tmp_path, env).stdout  # fmt: skip
-    assert "torch>=2.6" in requires and "==" not in requires.split("extra")[0]
+    assert "torch>=2.11" in requires and "==" not in requires.split("extra")[0]
 
     sh([fresh_venv / "bin" / "sharded-exp", "trainer.steps=4", "trainer.warmup_steps=1"], tmp_path, env)
     (result_file,) = glob.glob(str(tmp_path / "outputs" / "runs" / "*" / "result.json"))
