@@ -5,9 +5,10 @@
 # DTensor's sharding propagation, FSDP2's collectives, the FLOP formulas), which move between
 # releases; on 2.11 four of them had broken every CPU prediction, every grouped-query plan
 # and FSDP2's mixed-precision peaks until 2026-12-06 (docs/development/testing.md).
-# PyPI's Linux build of torch is CUDA's (about 3 GB with its NVIDIA libraries); it imports
-# and runs on a machine without a GPU. Its own environment: .venv-torch<version>.
-#   scripts/other_torch.sh                         # torch 2.11.0, tests/unit (about 4 minutes fresh)
+# PyPI's Linux build of torch is CUDA's (about 3 GB to download with its NVIDIA libraries,
+# 5.7 GB installed); it imports and runs on a machine without a GPU. Its own environment:
+# .venv-torch<version> (git ignores it; the tests that copy the tree leave it out).
+#   scripts/other_torch.sh                         # torch 2.11.0, tests/unit (about 4 minutes fresh, 1 after)
 #   TORCH_VERSION=2.12.0 scripts/other_torch.sh tests/unit/predict -x
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +22,10 @@ if ! "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split(
   pip install -q "torch==$TORCH_VERSION"
 fi
 pip install -q -e ".[dev]"
-"$venv/bin/python" -c "import torch; print('other torch:', torch.__version__)"
+# the torch tested is the one asked for (a dependency that forced an upgrade would test another)
+"$venv/bin/python" -c "
+import sys, torch
+print('other torch:', torch.__version__)
+sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION' and f'wanted torch $TORCH_VERSION, got {torch.__version__}')"
 [ $# -gt 0 ] || set -- tests/unit
 exec "$venv/bin/python" -m pytest -q -n 2 -p no:cacheprovider "$@"

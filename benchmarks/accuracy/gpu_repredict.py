@@ -124,7 +124,9 @@ def main() -> None:
         off = [abs(p[f"{key}_error"]) for p in points if p[f"{key}_error"] is not None]
         summary[f"{key}_within_3pct"] = sum(e <= 0.03 for e in off)
         if off:
-            print(f"peak {key}: {summary[f'{key}_within_3pct']} of {len(off)} within 3%; largest |error| {max(off):.1%}")
+            print(
+                f"peak {key}: {summary[f'{key}_within_3pct']} of {len(off)} within 3%; largest |error| {max(off):.1%}"
+            )
     print(f"wrote {save('gpu_repredict', {'summary': summary, 'points': points})}")
 
 

@@ -15,7 +15,8 @@ import platform
 import time
 
 import torch
-from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils import flop_counter
+from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 from sharded_exp.precision import compute_dtype
 
@@ -36,13 +37,13 @@ def count_cpu_attention() -> None:
 
         @register_flop_formula(forward)
         def _forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-            return sdpa_flop_count(query_shape, key_shape, value_shape)
+            return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)  # looked up at each call
 
     if backward is not None and backward not in flop_registry:
 
         @register_flop_formula(backward)
         def _backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-            return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+            return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 
 count_cpu_attention()

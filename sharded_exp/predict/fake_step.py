@@ -389,14 +389,22 @@ class FakeStepError(RuntimeError):
         super().__init__(f"{part}: {detail or _short(exc)}")
 
 
-def refuse_parameters_made_in_forward(module: torch.nn.Module, known: set[str], model: str, strategy: str) -> None:
+def refuse_parameters_made_in_forward(
+    module: torch.nn.Module, known: dict[str, int], model: str, strategy: str, failed: bool = False
+) -> None:
     """A parameter that the model's forward registers (not its constructor) is in no
     optimizer (never trained) and in no FSDP unit (a plain tensor among DTensors): refused,
-    naming it. ``known``: the names of the parameters the build made. By name, not by
-    object: FSDP2 registers each unit's gathered parameters in place of its sharded ones for
-    the unit's forward and backward, so a step that fails inside one (of any cause) would
-    otherwise be blamed on parameters the forward created."""
-    made = [name for name, _ in module.named_parameters() if name not in known]
+    naming it. ``known``: the name and ``id`` of each parameter the build made.
+
+    After a step that ran, every parameter must be the object the build made, a new one
+    under an old name included (the optimizer holds the old one). After a step that
+    ``failed``, only new names count: FSDP2 registers a unit's gathered parameters in place
+    of its sharded ones while the unit runs, and a step that fails inside one (of any cause)
+    leaves them there, which is no parameter the forward made."""
+    if failed:
+        made = [name for name, _ in module.named_parameters() if name not in known]
+    else:
+        made = [name for name, param in module.named_parameters() if known.get(name) != id(param)]
     if made:
         raise ConfigError(
             f"model={model}: its forward creates the parameter{'s' if len(made) > 1 else ''} {', '.join(made)} "
@@ -504,7 +512,7 @@ def _steps(cfg: JobGroups, run, sample: dict, watch: _Watch, kernels, grad_clip:
     step's ops are recorded into, recomputation included."""
     tc, device, name = cfg.trainer, watch.device, cfg.strategy.name
     module, strategy, autocast = run.module, run.strategy, run.autocast
-    known = {name for name, _ in module.named_parameters()}
+    known = {name: id(param) for name, param in module.named_parameters()}
     strategy.scaler = torch.amp.GradScaler(device.type, enabled=False)
     count = 0
     # FlopCounterMode's module hooks keep a checkpointed unit's recomputed tensors alive
@@ -531,7 +539,7 @@ def _steps(cfg: JobGroups, run, sample: dict, watch: _Watch, kernels, grad_clip:
             with counter or contextlib.nullcontext(), plain, traced:
                 train_step(strategy, batches, autocast, grad_clip)
         except Exception as exc:  # noqa: BLE001
-            refuse_parameters_made_in_forward(module, known, cfg.model.name, name)  # the likelier cause
+            refuse_parameters_made_in_forward(module, known, cfg.model.name, name, failed=True)  # the likelier cause
             raise FakeStepError(_blame(exc, module).format(name), exc) from exc
         refuse_parameters_made_in_forward(module, known, cfg.model.name, name)
         if counter is not None:  # + fused attention's, which no aten op carries here

@@ -42,7 +42,7 @@ def fresh_venv(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("install")
     # Built from a copy of the sources: a build/ left in the checkout would be packaged stale,
     # and the checkout stays as it was.
-    leave = shutil.ignore_patterns(".git", ".venv", "build", "outputs", "*.egg-info", "__pycache__", ".*cache")
+    leave = shutil.ignore_patterns(".git", ".venv*", "build", "outputs", "*.egg-info", "__pycache__", ".*cache")
     shutil.copytree(ROOT, tmp / "src", ignore=leave, symlinks=True)
     sh([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", tmp / "dist", tmp / "src"], tmp)
     (wheel,) = glob.glob(str(tmp / "dist" / "sharded_exp-*.whl"))

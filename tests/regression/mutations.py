@@ -341,7 +341,7 @@ def unit_tier_passes(root: Path, target: str) -> tuple[bool, float]:
 
 def scratch_copy() -> Path:
     where = Path(tempfile.mkdtemp(prefix="mutations-"))
-    ignore = shutil.ignore_patterns(".git", ".venv", "outputs", "__pycache__", "site", "*.egg-info")
+    ignore = shutil.ignore_patterns(".git", ".venv*", "outputs", "__pycache__", "site", "*.egg-info")
     shutil.copytree(ROOT, where / "repo", ignore=ignore, symlinks=True)
     return where / "repo"
 

@@ -428,10 +428,15 @@ def test_refusing_parameters_made_in_forward_names_every_new_one_and_passes_the_
     from sharded_exp.predict.fake_step import refuse_parameters_made_in_forward
 
     model = nn.Sequential(nn.Linear(2, 2))
-    known = {name for name, _ in model.named_parameters()}
+    known = {name: id(param) for name, param in model.named_parameters()}
     refuse_parameters_made_in_forward(model, known, "mine", "ddp")  # nothing new: passes
-    model[0].weight = nn.Parameter(torch.ones(2, 2))  # as FSDP2 swaps in a unit's gathered parameter
-    refuse_parameters_made_in_forward(model, known, "mine", "ddp")  # the same name: passes
+    built = model[0].weight
+    model[0].weight = nn.Parameter(torch.ones(2, 2))  # a new one under a built one's name
+    with pytest.raises(ConfigError, match=r"model=mine: its forward creates the parameter 0.weight \(not"):
+        refuse_parameters_made_in_forward(model, known, "mine", "ddp")  # after a step that ran
+    # after a step that failed inside an FSDP2 unit, whose gathered parameters stand in: passes
+    refuse_parameters_made_in_forward(model, known, "mine", "fsdp", failed=True)
+    model[0].weight = built
     model.a = nn.Parameter(torch.ones(1))
     model[0].b = nn.Parameter(torch.ones(1))
     with pytest.raises(ConfigError, match=r"model=mine: its forward creates the parameters a, 0.b \(not"):
@@ -599,3 +604,32 @@ def test_grouped_query_attention_is_counted_as_torch_2_13_counts_it_where_torch_
             flop_counter.sdpa_backward_flop_count(q, q, kv, kv),
         ) == expected
     assert flop_counter.sdpa_flop_count is refused
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_grouped_query_models_fake_step_counts_its_flops_where_torchs_formulas_refuse_it(monkeypatch, device):
+    """A Llama whose 4 query heads share 2 key/value heads, its step's FLOPs counted (the
+    speed columns' trace too) with torch's attention formulas made as strict as before torch
+    2.13: the same count as with them as they are. Every place that counts attention goes
+    through the rule: FlopCounterMode's registry, the CPU's fused attention's formulas
+    (sharded_exp.measure.flops) and CUDA's emulated kernels."""
+    from torch.utils import flop_counter
+
+    from sharded_exp.compose import compose
+
+    cfg = compose(["model=hf_llama", "model.seq_len=16", "model.config.num_key_value_heads=2", "trainer.batch_size=2"])
+    expected = fake_step(cfg, 1, 0, device, flops=True).flops_per_step
+
+    def strict(formula):
+        def count(*shapes):
+            if len({shape[1] for shape in shapes}) > 1:
+                raise AssertionError("sdpa_flop_count: query/key/value shapes are incompatible")
+            return formula(*shapes)
+
+        return count
+
+    monkeypatch.setattr(flop_counter, "sdpa_flop_count", strict(flop_counter.sdpa_flop_count))
+    monkeypatch.setattr(flop_counter, "sdpa_backward_flop_count", strict(flop_counter.sdpa_backward_flop_count))
+    assert expected > 0 and fake_step(cfg, 1, 0, device, flops=True).flops_per_step == expected
+    traced = fake_step(cfg, 1, 0, device, flops=False, trace=True, memory=False).extra["trace"].records
+    assert sum(r["flops"] for r in traced) > 0
