@@ -14,13 +14,16 @@
 #          measured with it: a 1 GiB copy and in-place update, a pinned buffer's copies each
 #          way); GPU only (a CPU
 #          run refuses cpu_offload);
+#   snapshot: fsdp in bf16 on the small model, 6 steps, with the caching allocator's history
+#          recorded and dumped (trainer.memory_snapshot=always; memory_snapshot_rank0.pickle,
+#          https://pytorch.org/memory_viz): what is live at the peak the fake step reads 4-7% short;
 #   floor: a tiny kernel's time on the device, launched from a CUDA graph, eagerly and
 #          synchronised each (benchmarks/accuracy/kernel_floor.py): a cost per kernel the time
 #          model does not count, one candidate for the big model's short predictions;
 #   plan:  (not in the default) the planner's fake CUDA step of the small model's ddp and fsdp
 #          in bf16 on this machine, with its GPU visible and hidden (CUDA_VISIBLE_DEVICES=''):
 #          whether a fake step depends on a GPU being present.
-# PARTS chooses (default: small big offload alloc floor); SMALL_PRECISIONS the small model's precisions.
+# PARTS chooses (default: small big offload snapshot alloc floor); SMALL_PRECISIONS the small model's precisions.
 # Set-up: scripts/device_wheels.sh here first (the packages that machine lacks, into .whl/),
 # then the device run carries .whl and runs this script. Outputs (JSON files, logs, the
 # measured profile) go to $OUT when it is set, else stay under outputs/benchmarks.
@@ -31,7 +34,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-PARTS=${PARTS:-small big offload alloc floor}
+PARTS=${PARTS:-small big offload snapshot alloc floor}
 if ls .whl/*.whl >/dev/null 2>&1 && [ -z "${PYTHON:-}" ]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
@@ -69,6 +72,15 @@ case " $PARTS " in *" offload "*)
     check gpu_check_offload 100 --model model=gpt model.d_model=1024 model.n_layers=8 model.n_heads=16 \
       model.seq_len=512 strategy.cpu_offload=true --strategies fsdp fsdp_grad_op --precisions bf16 "$@"
   fi ;;
+esac
+case " $PARTS " in *" snapshot "*)
+  # The allocator's own record of FSDP2's mixed-precision step, whose peak the fake step reads
+  # 4-7% short (docs/figures.md, "The round's peaks predicted again on its torch"): which
+  # blocks are live at the peak, to set beside the fake step's. Recording costs step time: a
+  # short run of its own, its timings not compared.
+  check gpu_check_snapshot 90 --model model=gpt model.d_model=1024 model.n_layers=8 model.n_heads=16 \
+    model.seq_len=512 trainer.memory_snapshot=always --strategies fsdp --precisions bf16 --steps 6 "$@"
+  cp outputs/benchmarks/gpu_check_snapshot/fsdp_bf16/memory_snapshot_rank0.pickle "$LOGS"/ 2>/dev/null || true ;;
 esac
 cp "${XDG_CACHE_HOME:-$HOME/.cache}/sharded_exp/this_profile.json" "$LOGS"/ 2>/dev/null || true
 case " $PARTS " in *" alloc "*)
