@@ -570,6 +570,23 @@ def test_unpadded_masks_answer_transformers_mask_rule_only_for_a_fake_mask_of_a_
     assert masking_utils._ignore_causal_mask_sdpa is rule
 
 
+def _strict_attention_formulas(monkeypatch) -> None:
+    """torch's attention FLOP formulas made as strict as before torch 2.13: key/value heads as
+    many as the query's, else an AssertionError (2.11's message)."""
+    from torch.utils import flop_counter
+
+    def strict(formula):
+        def count(*shapes):
+            if len({shape[1] for shape in shapes}) > 1:
+                raise AssertionError("sdpa_flop_count: query/key/value shapes are incompatible")
+            return formula(*shapes)
+
+        return count
+
+    monkeypatch.setattr(flop_counter, "sdpa_flop_count", strict(flop_counter.sdpa_flop_count))
+    monkeypatch.setattr(flop_counter, "sdpa_backward_flop_count", strict(flop_counter.sdpa_backward_flop_count))
+
+
 def test_grouped_query_attention_is_counted_as_torch_2_13_counts_it_where_torch_refuses_it(monkeypatch):
     """Before torch 2.13 the attention FLOP formulas refuse fewer key/value heads than query
     heads (every fake step of a Llama with grouped-query attention failed). Simulated: the
@@ -585,16 +602,7 @@ def test_grouped_query_attention_is_counted_as_torch_2_13_counts_it_where_torch_
     if not _gqa_refused():  # torch 2.13 on: its own formulas, aware of the groups, count the same
         assert (forward(q, kv, kv), backward(q, q, kv, kv)) == expected
 
-    def strict(formula):
-        def count(*shapes):
-            if len({shape[1] for shape in shapes}) > 1:
-                raise AssertionError("sdpa_flop_count: query/key/value shapes are incompatible")
-            return formula(*shapes)
-
-        return count
-
-    monkeypatch.setattr(flop_counter, "sdpa_flop_count", strict(forward))
-    monkeypatch.setattr(flop_counter, "sdpa_backward_flop_count", strict(backward))
+    _strict_attention_formulas(monkeypatch)
     refused = flop_counter.sdpa_flop_count
     with pytest.raises(AssertionError):
         flop_counter.sdpa_flop_count(q, kv, kv)
@@ -613,23 +621,13 @@ def test_a_grouped_query_models_fake_step_counts_its_flops_where_torchs_formulas
     2.13: the same count as with them as they are. Every place that counts attention goes
     through the rule: FlopCounterMode's registry, the CPU's fused attention's formulas
     (sharded_exp.measure.flops) and CUDA's emulated kernels."""
-    from torch.utils import flop_counter
 
     from sharded_exp.compose import compose
 
     cfg = compose(["model=hf_llama", "model.seq_len=16", "model.config.num_key_value_heads=2", "trainer.batch_size=2"])
     expected = fake_step(cfg, 1, 0, device, flops=True).flops_per_step
 
-    def strict(formula):
-        def count(*shapes):
-            if len({shape[1] for shape in shapes}) > 1:
-                raise AssertionError("sdpa_flop_count: query/key/value shapes are incompatible")
-            return formula(*shapes)
-
-        return count
-
-    monkeypatch.setattr(flop_counter, "sdpa_flop_count", strict(flop_counter.sdpa_flop_count))
-    monkeypatch.setattr(flop_counter, "sdpa_backward_flop_count", strict(flop_counter.sdpa_backward_flop_count))
+    _strict_attention_formulas(monkeypatch)
     assert expected > 0 and fake_step(cfg, 1, 0, device, flops=True).flops_per_step == expected
     traced = fake_step(cfg, 1, 0, device, flops=False, trace=True, memory=False).extra["trace"].records
     assert sum(r["flops"] for r in traced) > 0
