@@ -185,8 +185,8 @@ def _gqa_attention_flops():
 
 
 GRAPH_CAPTURE_CHECKS = ("_accelerator_graph_capture_health_check", "_cuda_graph_capture_health_check")
-"""The optimizer's check for a CUDA graph being captured: its name since about torch 2.7, and
-before (each torch has one or both; the older may call the newer)."""
+"""The optimizer's check for a CUDA graph being captured: its name on torch 2.11 and 2.13, and
+its older name (a torch has either; both are left out where present)."""
 
 
 @contextlib.contextmanager
