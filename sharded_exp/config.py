@@ -287,8 +287,9 @@ class TrainerConfig(Sealed):
     runs under the same rule. A ``MALLOC_*_`` setting of glibc's or a ``glibc.malloc`` tunable in
     the environment overrides them all."""
     host_memory_check: bool = True
-    """On CPU: refuse a job whose predicted peaks (all ranks on this machine, plus each
-    process's own) exceed the host memory available, before it starts."""
+    """Refuse a job whose predicted host memory (all ranks on this machine, plus each process's
+    own) exceeds what is available here, before it starts: on CPU every tensor's peak; on a
+    GPU, CPU offload's states as torch pins and holds them (sharded_exp/predict/host_memory.py)."""
     save_final_state: bool = False
     """Write the full (unsharded) final model state to model_final.pt on rank 0."""
     checkpoint_every: int = 0
@@ -500,6 +501,11 @@ class PlanSettings(Sealed):
     """Strategies to plan for (null: every registered one)."""
     device_memory_gib: float = 80.0
     """Memory per device; rows that fit are marked."""
+    host_memory_gib: Optional[float] = None
+    """Host memory per node that CPU offload's states are held against (an offloaded row fits
+    only if its node's ``host_node`` figure fits here too). null: the server's memory in
+    ``plan.device_profile``'s file (a DGX H100's 2,048 GiB), or this machine's for ``this``;
+    a profile that states none leaves the host unchecked, said in the row's note."""
     levers: List[str] = field(default_factory=lambda: ["none"])
     """Lever combinations planned for each strategy: none, ac (full activation
     checkpointing), ac_selective, ac_selective_op (torchtitan's per-op selective policy),
@@ -557,6 +563,10 @@ class PlanSettings(Sealed):
         _require(
             _finite(self.device_memory_gib) and self.device_memory_gib > 0,
             f"plan.device_memory_gib={self.device_memory_gib} must be a finite number > 0",
+        )
+        _require(
+            self.host_memory_gib is None or (_finite(self.host_memory_gib) and self.host_memory_gib > 0),
+            f"plan.host_memory_gib={self.host_memory_gib} must be a finite number > 0, or null (the profile's server)",
         )
         _require(self.gpus_per_node >= 1, f"plan.gpus_per_node={self.gpus_per_node} must be >= 1")
         _require(

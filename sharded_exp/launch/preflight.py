@@ -201,8 +201,8 @@ def check(cfg: Config, output_dir: str, layout: Layout | None = None, peak: bool
     if peak:
         prediction["peak"] = predict_peak(decided, world_size, device_type, prediction, shapes,
                                           local_world_size=local_ranks)  # fmt: skip
-        if device_type == "cpu" and cfg.trainer.host_memory_check:
-            check_host_memory(prediction["peak"].get("per_rank_mib"), local_ranks)
+        if cfg.trainer.host_memory_check:
+            check_host_memory(host_need_mib(prediction["peak"], device_type), local_ranks)
     return JobSpec(
         config=config,
         config_yaml=config_yaml,
@@ -288,16 +288,23 @@ def available_host_mib() -> float | None:
     return min(found) if found else None
 
 
+def host_need_mib(peak: dict, device_type: str) -> list[float] | None:
+    """What each rank holds in host memory, as predicted: every tensor's peak on CPU; on CUDA,
+    CPU offload's states (None where nothing is offloaded: the host is not checked)."""
+    return peak.get("per_rank_mib") if device_type == "cpu" else peak.get("host_mib")
+
+
 def check_host_memory(per_rank_mib: list[float] | None, local_ranks: int) -> None:
-    """On CPU the ranks' tensors live in host memory: a job predicted not to fit is refused
-    before it starts (rather than killed by the kernel a minute later)."""
+    """On CPU the ranks' tensors live in host memory, and under CPU offload their states do
+    (``per_rank_mib``: each rank's host figure): a job predicted not to fit is refused before
+    it starts (rather than killed by the kernel, or refused pinned memory, a minute later)."""
     available = available_host_mib()
     if not per_rank_mib or available is None:
         return  # nothing to compare: the run goes on, as when a prediction fails
     need = sum(sorted(per_rank_mib, reverse=True)[:local_ranks]) + RANK_OVERHEAD_MIB * local_ranks
     if need > available:
         raise WontFit(
-            f"the job needs about {need:,.0f} MiB of host memory ({local_ranks} rank(s): predicted peak "
+            f"the job needs about {need:,.0f} MiB of host memory ({local_ranks} rank(s): predicted "
             f"{max(per_rank_mib):,.1f} MiB each plus about {RANK_OVERHEAD_MIB} MiB of process) and {available:,.0f} MiB "
             "are available here; make the batch or the model smaller, run fewer ranks per machine, or set "
             "trainer.host_memory_check=false to start anyway"

@@ -214,6 +214,7 @@ def _peak_summary(peak: dict[str, Any] | None) -> dict[str, Any] | None:
             "kernels",
             "rules",
             "host_mib",
+            "host_breakdown_mib",
             "allocator",
             "seconds",
             "error",

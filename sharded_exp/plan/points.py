@@ -22,9 +22,11 @@ from sharded_exp.config import PlanConfig
 from sharded_exp.measure.cuda_kernels import cublas_workspace_mib
 from sharded_exp.plan.depth import first_depth, peaks_by_depth, shapes_of
 from sharded_exp.plan.progress import Progress
-from sharded_exp.plan.speed import SPEED_KEYS, speed_columns, traced
+from sharded_exp.plan.speed import SPEED_KEYS, profile_name, speed_columns, traced
 from sharded_exp.precision import Precision
-from sharded_exp.predict.prediction import ModelShapes, model_shapes, predict, predict_peak
+from sharded_exp.predict.host_memory import node_mib
+from sharded_exp.predict.prediction import ModelShapes, model_shapes, offload_host, predict, predict_peak
+from sharded_exp.speed.profiles import load_device
 from sharded_exp.strategies import STRATEGIES, memory_of, sharding_order, traits_of
 from sharded_exp.vocabulary.memory import PARTS
 
@@ -227,9 +229,13 @@ def model_row(cfg: PlanConfig, name: str, world_size: int, shapes: ModelShapes, 
         # the average over ranks (the seed study's figure): below the peak where shards are uneven
         row["mean_gib"] = sum(peak["per_rank_mib"]) / len(peak["per_rank_mib"]) * MIB / GIB
         if "offload" in lever_names(combo):  # CPU offload: the rank's states are in host memory
-            row["host_gib"] = states * MIB / GIB
+            row |= host_columns(cfg_s, shapes, world_size)
         row |= allocator_columns(row["total_gib"], peak.get("allocator"))
         row["fits"] = fits(row, cfg.plan.device_memory_gib)
+        if not host_fits(row):
+            row["note"] = "; ".join(n for n in (row["note"], (
+                f"host: the node's ranks pin and hold {row['host_node_gib']:,.1f} GiB, more than its "
+                f"{row['host_memory_gib']:,.0f} GiB ({row['host_memory_basis']})")) if n)  # fmt: skip
         row["seconds"] = peak["seconds"]
         # each phase's peak (forward/backward "step", "optimizer"): plan.find follows them
         row["phases_gib"] = {name: v[0] * MIB / GIB for name, v in (peak.get("phases_mib") or {}).items()}
@@ -280,6 +286,60 @@ def _row(cfg: PlanConfig, name, world_size, parts, method, note) -> dict[str, An
     return row
 
 
+def host_columns(cfg: PlanConfig, shapes: ModelShapes, world_size: int) -> dict[str, Any]:
+    """An offloaded row's host memory (CPU offload): ``host_gib``, the fullest rank's, as
+    torch's pinned-memory allocator and the host's optimizer step hold it
+    (:func:`~sharded_exp.predict.prediction.offload_host`), ``host_node_gib``, what the fullest
+    node's ranks hold together, and ``host_memory_gib``, the node's memory it is held against
+    (:func:`host_budget_gib`; None: unchecked)."""
+    per_rank, parts = offload_host(cfg, shapes, world_size)
+    budget, basis = host_budget_gib(cfg)
+    ranks_on_node = min(world_size, int(cfg.plan.get("gpus_per_node", 8)))
+    return {
+        "host_gib": max(per_rank) * MIB / GIB,
+        "host_node_gib": node_mib(per_rank, ranks_on_node) * MIB / GIB,
+        "host_pinned_gib": parts["pinned"] * MIB / GIB,
+        "host_memory_gib": budget,
+        "host_memory_basis": basis,
+    }
+
+
+def host_budget_gib(cfg: PlanConfig) -> tuple[float | None, str]:
+    """The host memory per node (GiB) an offloaded row's ``host_node_gib`` is held against, and
+    where it comes from: ``plan.host_memory_gib``, else the planned profile's server
+    (``server_memory_GiB``), else, for ``this``, this machine's; (None, why) where none is known."""
+    given = cfg.plan.get("host_memory_gib", None)
+    if given is not None:
+        return float(given), "plan.host_memory_gib"
+    name = profile_name(cfg)
+    if name == "this":
+        total = machine_memory_gib()
+        return (total, "this machine's memory") if total else (None, "this machine's memory could not be read")
+    host = load_device(name).host_memory
+    if host is None or host.capacity_gib is None:
+        return None, f"{name} states no server memory: set plan.host_memory_gib"
+    return host.capacity_gib.value, f"{name}'s server"
+
+
+def machine_memory_gib() -> float | None:
+    """This machine's memory (MemTotal), or its cgroup's limit where smaller; None: unreadable."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        found.append(int(info["MemTotal"].split()[0]) * 1024 / GIB)
+    except (OSError, KeyError, ValueError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            found.append(int(limit) / GIB)
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
 def allocator_columns(total_gib: float | None, allocator: dict | None) -> dict[str, Any]:
     """A row's allocator columns from its peak (``total_gib``) and the caching allocator's
     figures (:func:`~sharded_exp.predict.alloc_trace.point_figures`). Without them (a CPU plan:
@@ -308,10 +368,20 @@ def fit_basis(row: dict[str, Any]) -> float | None:
 
 
 def fits(row: dict[str, Any], device_memory_gib: float) -> bool | None:
-    """Whether a planned point fits ``plan.device_memory_gib`` (:func:`fit_basis`); None when it
-    has no peak. The table, ``plan.find`` (batch size, depth, fastest) and the cheapest-that-fits
-    search all ask this (``plan.find``'s probes through :func:`within`, on the same basis)."""
-    return within(fit_basis(row), device_memory_gib)
+    """Whether a planned point fits ``plan.device_memory_gib`` (:func:`fit_basis`), and, offloaded,
+    its node's host memory (:func:`host_fits`); None when it has no peak. The table, ``plan.find``
+    (batch size, depth, fastest) and the cheapest-that-fits search all ask this (``plan.find``'s
+    probes through :func:`within`, on the same basis)."""
+    device = within(fit_basis(row), device_memory_gib)
+    return device and host_fits(row) if device is not None else None
+
+
+def host_fits(row: dict[str, Any]) -> bool:
+    """An offloaded row's node holds its ranks' host memory (``host_node_gib`` within
+    ``host_memory_gib``); True where nothing is offloaded or no budget is known (said in its
+    ``host_memory_basis``)."""
+    need, budget = row.get("host_node_gib"), row.get("host_memory_gib")
+    return need is None or budget is None or need <= budget
 
 
 def within(basis_gib: float | None, device_memory_gib: float) -> bool | None:

@@ -32,7 +32,8 @@ MEANINGS = {
     **MEMORY_MEANINGS,
     "peak": "the largest rank's peak",
     "mean": "the mean over ranks",
-    "host": "host memory (CPU offload)",
+    "host": "host memory (CPU offload): the fullest rank's, as torch pins it (power-of-two blocks)",
+    "host_node": "host memory of the fullest node (CPU offload): its ranks' together; fits holds it against the node's",
     "allocated": "the largest rank's peak as torch's CUDA allocator counts it (rounded blocks; CPU: the peak)",
     "reserved": "the largest rank's peak reserved by torch's CUDA caching allocator (its cached segments)",
     "device_total": "reserved + the CUDA context: what nvidia-smi shows; fits compares it with the device",
@@ -41,8 +42,8 @@ MEANINGS = {
 SPEED = ("step_time_s", "exposed_comm_s", "tokens_per_s_per_device", "mfu_pct")
 """The speed columns (:mod:`sharded_exp.plan.speed`), headed by their JSON keys in every format."""
 SPEED_FORMATS = {"step_time_s": ".4g", "exposed_comm_s": ".3g", "tokens_per_s_per_device": ".4g", "mfu_pct": ".1f"}
-COLUMNS = ("strategy", "levers", "ranks", *(HEADINGS.get(p, p) for p in PARTS), "peak", "mean", "host", "allocated",
-           "reserved", "device_total", "fits", *SPEED)  # fmt: skip
+COLUMNS = ("strategy", "levers", "ranks", *(HEADINGS.get(p, p) for p in PARTS), "peak", "mean", "host", "host_node",
+           "allocated", "reserved", "device_total", "fits", *SPEED)  # fmt: skip
 """Every format's columns, in order."""
 
 
@@ -54,8 +55,8 @@ SHORT = {"optim state": "optim", "optim step": "opt_step", "gathered": "gather",
 lists them)."""
 PRIORITY = ("strategy", "ranks", "levers", "method", "peak", "fits", "device_total", "params", "grads", "optim state",
             "gathered", "buckets", "activations", "step_time_s", "mfu_pct", "temporaries", "mean", "optim step",
-            "comm", "other", "workspace", "tokens_per_s_per_device", "exposed_comm_s", "host", "allocated",
-            "reserved")  # fmt: skip
+            "comm", "other", "workspace", "tokens_per_s_per_device", "exposed_comm_s", "host", "host_node",
+            "allocated", "reserved")  # fmt: skip
 """The short table's columns, most telling first: what a plan is read for (the peak, whether
 it fits and the figure fits compares on CUDA, how the largest parts shrink with the strategy,
 the step time) before the rest."""
@@ -69,7 +70,7 @@ def cells(row: dict[str, Any], scale: float) -> list[Any]:
     fits = None if row["fits"] is None else ("yes" if row["fits"] else "no")
     return [row["strategy"], row.get("levers", "none"), row["world_size"],
             *(mib(row.get(f"{k}_gib")) for k in PARTS), mib(row["total_gib"]), mib(row.get("mean_gib")),
-            mib(row.get("host_gib")), mib(row.get("allocated_gib")), mib(row.get("reserved_gib")),
+            mib(row.get("host_gib")), mib(row.get("host_node_gib")), mib(row.get("allocated_gib")), mib(row.get("reserved_gib")),
             mib(row.get("device_total_gib")), fits, *(row.get(k) for k in SPEED)]  # fmt: skip
 
 
@@ -101,7 +102,7 @@ def shown(rows) -> list[str]:
     """The columns this plan shows: every column, less the parts (and host memory) no row
     holds anything in (a 7B DDP plan has no gathered parameters): the same in every format."""
     empty = lambda i: all(not v for v in (cells(r, 1.0)[i] for r in rows))  # noqa: E731
-    optional = {HEADINGS.get(p, p) for p in PARTS} | {"host", "reserved", "device_total"}
+    optional = {HEADINGS.get(p, p) for p in PARTS} | {"host", "host_node", "reserved", "device_total"}
     return [c for i, c in enumerate(COLUMNS) if c not in optional or not empty(i)]
 
 
@@ -189,7 +190,7 @@ def text(
         lines.append(f"method: {kinds[0]}")
     else:
         lines += [f"method {i}: {m}" for i, m in enumerate(kinds, 1)]
-    lines += allocator_lines(rows)
+    lines += allocator_lines(rows) + host_lines(rows)
     lines.append(f"{unit} per rank at the peak; - : not applicable")
     if markdown:
         lines = [f"{line}  " for line in lines]  # Markdown line breaks
@@ -209,7 +210,7 @@ def _short_text(rows, found, cfg, params, preset, faked, speed, unit, scale, hea
     kinds = methods(rows)
     lines = header(cfg, params, preset, faked, speed)
     lines += [f"method: {kinds[0]}"] if len(kinds) == 1 else [f"method {i}: {m}" for i, m in enumerate(kinds, 1)]
-    lines += allocator_lines(rows)
+    lines += allocator_lines(rows) + host_lines(rows)
     lines.append(f"{unit} per rank at the peak; - : not applicable")
     table_lines, left_out = short_table(head, body)
     lines = _wrapped(lines) + [""] + table_lines
@@ -265,6 +266,17 @@ def allocator_lines(rows) -> list[str]:
     ]
 
 
+def host_lines(rows) -> list[str]:
+    """What offloaded rows' host memory is held against (said once): the node's memory and
+    where it comes from. Nothing where no row offloads."""
+    offloaded = [r for r in rows if r.get("host_node_gib") is not None]
+    if not offloaded:
+        return []
+    budget, basis = offloaded[0].get("host_memory_gib"), offloaded[0].get("host_memory_basis")
+    held = f"fits also holds host_node against {budget:,.0f} GiB ({basis})" if budget else f"host unchecked: {basis}"
+    return [f"host: CPU offload's pinned shards rounded up to powers of two (torch's CachingHostAllocator); {held}"]
+
+
 def _fastest_line(f: dict[str, Any], unit: str, scale: float) -> str:
     if f.get("command") is None:
         return f"  x{f['world_size']}: {f['note']}"
@@ -298,6 +310,7 @@ def column_keys(rows) -> dict[str, str]:
     """Each shown column's key in a JSON row."""
     keys = {"strategy": "strategy", "levers": "levers", "ranks": "world_size"}
     keys |= {HEADINGS.get(p, p): f"{p}_gib" for p in PARTS}
-    keys |= {"peak": "total_gib", "mean": "mean_gib", "host": "host_gib", "fits": "fits"} | {k: k for k in SPEED}
+    keys |= {"peak": "total_gib", "mean": "mean_gib", "host": "host_gib", "host_node": "host_node_gib", "fits": "fits"}
+    keys |= {k: k for k in SPEED}
     keys |= {"allocated": "allocated_gib", "reserved": "reserved_gib", "device_total": "device_total_gib"}
     return {c: keys[c] for c in shown(rows)}

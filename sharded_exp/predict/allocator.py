@@ -117,6 +117,13 @@ _BOOL_KEYS = {
     "pinned_free_catch_all": "pinned_free_catch_all",
     "throw_on_cudamalloc_oom": "throw_on_cudamalloc_oom",
 }
+_PINNED_INT_KEYS = {
+    "pinned_num_register_threads": "pinned_num_register_threads",
+    "pinned_reserve_segment_size_mb": "pinned_reserve_segment_size_mb",
+    "pinned_max_round_threshold_mb": "pinned_max_round_threshold",  # MiB, kept in bytes (torch 2.13)
+    "pinned_max_cached_size_mb": "pinned_max_cached_size",
+}
+"""Whole-number pinned-memory options: key -> AllocatorSettings field."""
 ALLOC_CONF_KEYS = (
     "large_segment_size_mb",
     "max_split_size_mb",
@@ -136,8 +143,11 @@ ALLOC_CONF_KEYS = (
     "per_process_memory_fraction",
     "pinned_free_catch_all",
     "throw_on_cudamalloc_oom",
+    "pinned_max_round_threshold_mb",
+    "pinned_max_cached_size_mb",
 )
-"""Every option the parser knows (torch's AcceleratorAllocatorConfig and CUDAAllocatorConfig keys)."""
+"""Every option the parser knows (torch's AcceleratorAllocatorConfig and CUDAAllocatorConfig keys;
+the last two are torch 2.13's, for pinned host memory: :mod:`sharded_exp.predict.host_memory`)."""
 
 
 @dataclass(frozen=True)
@@ -173,6 +183,10 @@ class AllocatorSettings:
     graph_capture_record_stream_reuse: bool = False
     pinned_free_catch_all: bool = False
     throw_on_cudamalloc_oom: bool = False
+    pinned_max_round_threshold: int = UNLIMITED
+    """Bytes; a pinned host request above it is not rounded up to a power of two (torch 2.13)."""
+    pinned_max_cached_size: int = UNLIMITED
+    """Bytes; a pinned host request above it is neither rounded nor cached when freed (torch 2.13)."""
 
     def divisions(self, size: int) -> int:
         """``AcceleratorAllocatorConfig::roundup_power2_divisions(size)``: the divisions of size's interval."""
@@ -357,13 +371,14 @@ def parse_alloc_conf(conf: Optional[str]) -> AllocatorSettings:
             t.expect(i + 1, ":")
             i += 2
             s = replace(s, **{_BOOL_KEYS[key]: t.boolean(i, key)})
-        elif key in ("pinned_num_register_threads", "pinned_reserve_segment_size_mb"):
+        elif key in _PINNED_INT_KEYS:
             t.expect(i + 1, ":")
             i += 2
             v = t.integer(i, key)
             if key == "pinned_num_register_threads" and not (_is_pow2(v) and v <= 128):
                 t.fail(f"{key} must be a power of 2 up to 128, got {v}")
-            s = replace(s, **{key: v})
+            v = min(v, UNLIMITED // MIB) * MIB if key.startswith("pinned_max") else v  # MiB, kept in bytes
+            s = replace(s, **{_PINNED_INT_KEYS[key]: v})
         else:
             t.fail(f"unknown option {key!r}; the options are {', '.join(ALLOC_CONF_KEYS)}")
         if i + 1 < n:

@@ -19,7 +19,9 @@ from sharded_exp.measure.cuda_kernels import cublas_workspace_mib
 from sharded_exp.models import build_model, units
 from sharded_exp.optim import optimizer_spec
 from sharded_exp.predict.alloc_trace import alloc_conf_of, point_figures
+from sharded_exp.predict.allocator import parse_alloc_conf
 from sharded_exp.predict.fake_step import FakeStepError, fake_step
+from sharded_exp.predict.host_memory import offload_host_mib
 from sharded_exp.predict.memory_model import predict_model_states_mib
 from sharded_exp.predict.step_time import run_step_time
 from sharded_exp.strategies import STRATEGIES, memory_of, offloads_to_host, traits_of
@@ -188,20 +190,44 @@ HOST_STATES = ("params", "grads", "optimizer", "optimizer_step")
 """What FSDP's CPU offload keeps in (and steps on) host memory."""
 
 
-def _offloaded(all_states, mine, parts, per_rank, phases_mib, rules) -> tuple:
+PINNED_HOST_RULE = (
+    "host memory: each parameter and gradient shard pinned on its own, rounded up to a power of two "
+    "by torch's CachingHostAllocator; the optimizer state and the host step's temporaries at their bytes"
+)
+"""The rule :func:`offload_host` follows, as a prediction's ``rules`` name it."""
+
+
+def _offloaded(cfg, shapes, world_size, mine, parts, per_rank, phases_mib, rules) -> tuple:
     """FSDP's CPU offload: the resident (sharded) parameters, gradients and optimizer state
-    live in host memory; the device holds what is gathered and computed. Returns (host MiB
-    per rank, device peak per rank, breakdown, phases), ``rules`` told why."""
+    live in host memory; the device holds what is gathered and computed. Returns (device peak
+    per rank, breakdown, phases, the host's side: :func:`offload_host`), ``rules`` told why."""
     states = HOST_STATES
     rules["cpu_offload"] = ("the sharded parameters, gradients and optimizer state in host memory, and the "
                             "optimizer step on the host, by rule")  # fmt: skip
-    host_mib = [sum(other[k] for k in states[:3]) for other in all_states]
+    rules["pinned_host"] = PINNED_HOST_RULE
     per_rank = [x - sum(min(mine.get(k, parts[k]), parts[k]) for k in states) for x in per_rank]
     for phase, (peak, p) in list(phases_mib.items()):
         moved = sum(p[k] for k in states)
         phases_mib[phase] = (peak - moved, {**p, **{k: 0.0 for k in states}})
     parts = {**parts, **{k: 0.0 for k in states}}
-    return host_mib, per_rank, parts, phases_mib
+    return per_rank, parts, phases_mib, offload_host(cfg, shapes, world_size)
+
+
+def offload_host(cfg: JobGroups, shapes: ModelShapes, world_size: int) -> tuple[list[float], dict[str, float]]:
+    """CPU offload's host memory: every rank's (MiB), and the fullest rank's parts, as torch's
+    pinned-memory allocator and the host's optimizer step hold it
+    (:mod:`sharded_exp.predict.host_memory`), under the config's allocator settings
+    (:func:`~sharded_exp.predict.alloc_trace.alloc_conf_of`)."""
+    memory = memory_of(cfg.strategy.name)
+    settings = parse_alloc_conf(alloc_conf_of(cfg))
+    trainable = [s for group in shapes.groups for s in group]
+    ranks = []
+    for rank in range(world_size):
+        pinned = memory.pinned_numels(cfg.strategy, trainable, shapes.frozen, rank, world_size)
+        optimizer = memory.resident_numel(cfg.strategy, trainable, [], rank, world_size)["optimizer"]
+        ranks.append(offload_host_mib(pinned, optimizer, cfg.optimizer, shapes.element_bytes, settings))
+    largest = max(ranks, key=lambda r: r["total"])
+    return [r["total"] for r in ranks], {k: v for k, v in largest.items() if k != "total"}
 
 
 def predict_peak(
@@ -248,10 +274,9 @@ def predict_peak(
     phases_mib = {}
     for phase, (peak, p) in phases.items():
         phases_mib[str(phase)] = (peak + workspace, {**_resident(p, mine), "workspace": workspace})
-    host_mib = None
+    host = (None, None)  # CPU offload: every rank's host memory, the fullest one's parts
     if offloads_to_host(cfg.strategy):
-        all_states = prediction["model_states_mib"]
-        host_mib, per_rank, parts, phases_mib = _offloaded(all_states, mine, parts, per_rank, phases_mib, rules)
+        per_rank, parts, phases_mib, host = _offloaded(cfg, shapes, world_size, mine, parts, per_rank, phases_mib, rules)
     build = (est.extra or {}).get("build") or {}
     allocator = None
     if (est.extra or {}).get("alloc_events") is not None:  # CUDA: the caching allocator's view
@@ -273,7 +298,8 @@ def predict_peak(
         "kernels": f"{device_type}: fake tensors on the CPU device"
         + (", with CUDA's kernel choices (fused attention, foreach optimizer)" if device_type == "cuda" else ""),
         "rules": rules,
-        "host_mib": host_mib,  # per rank, where the strategy keeps states in host memory (CPU offload)
+        "host_mib": host[0],  # per rank, where the strategy keeps states in host memory (CPU offload)
+        "host_breakdown_mib": host[1],  # the fullest rank's: pinned blocks, their tensors' bytes, optimizer, step
         # CUDA: the allocator's rounding and cache on top of the peak, fragmentation, the context
         # (sharded_exp.predict.alloc_trace.point_figures); None on CPU (no caching allocator)
         "allocator": allocator,

@@ -88,6 +88,9 @@ class HostMemory:
     copy: Figure
     in_place: Figure
     sockets: int = 1
+    capacity_gib: Figure | None = None
+    """The server's memory (GiB; DIMMs are sized in binary units): what a node's CPU-offloaded
+    states are held against (``fits``). None: not stated."""
     fresh_page_s: float | None = None
     """Seconds a new page costs the host when first written (measured on a GPU's host; no
     named server states one: None, not priced)."""
@@ -280,6 +283,7 @@ _DEVICE_FIELDS = {
     "links",
     "server_memory_bandwidth_GBps",
     "server_sockets",
+    "server_memory_GiB",
 }
 LINK_ROLES = ("intra_node", "host")
 """What a device's ``links`` name: the link between its GPUs in a node, and to the host."""
@@ -442,6 +446,9 @@ def _host_memory(data: Mapping[str, Any], sources: Mapping[str, Source], name: s
     """A device file's server memory (see :attr:`DeviceProfile.host_memory`), or None."""
     given = [key for key in ("server_memory_bandwidth_GBps", "server_sockets") if key in data]
     if not given:
+        if "server_memory_GiB" in data:
+            raise ProfileError(f"device profile {name!r} gives server_memory_GiB without the server it belongs to "
+                               "(server_memory_bandwidth_GBps and server_sockets)")  # fmt: skip
         return None
     if len(given) == 1:
         raise ProfileError(f"device profile {name!r} gives {given[0]} without the other of "
@@ -453,7 +460,10 @@ def _host_memory(data: Mapping[str, Any], sources: Mapping[str, Source], name: s
     if sockets.value < 1 or sockets.value != int(sockets.value):
         raise ProfileError(f"device profile {name!r}: server_sockets must be a whole number >= 1, not {sockets.value}")
     copy = Figure(peak.value * WRITE_ALLOCATE, peak.source, "the peak x 2/3: a copy's destination is read before written")
-    return HostMemory(copy=copy, in_place=peak, sockets=int(sockets.value))
+    capacity = _figure(data, "server_memory_GiB", sources, name) if "server_memory_GiB" in data else None
+    if capacity is not None and not capacity.value > 0:
+        raise ProfileError(f"device profile {name!r}: server_memory_GiB must be positive, not {capacity.value}")
+    return HostMemory(copy=copy, in_place=peak, sockets=int(sockets.value), capacity_gib=capacity)
 
 
 def _links(raw: Any, sources: Mapping[str, Source], name: str) -> dict[str, str]:

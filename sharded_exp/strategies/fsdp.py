@@ -170,6 +170,17 @@ class FSDPMemory(MemoryModel):
         padded = sum(_padded_numel(s, world_size) for s in shapes)
         return {"params": padded, "grads": padded, "optimizer": rows}
 
+    @classmethod
+    def pinned_numels(cls, cfg, shapes, frozen, rank, world_size) -> list[int]:
+        """CPU offload: the element count of each tensor ``rank`` pins in host memory, one
+        block each (:mod:`sharded_exp.predict.host_memory`): every parameter's padded shard
+        (``shapes``, then the ``frozen`` ones) and every trainable parameter's gradient shard,
+        unpadded (its own rows, copied out of the reduce-scatter's padded output)."""
+        world_size = shard_group(cfg, world_size)
+        rank = rank % world_size
+        params = [_padded_numel(s, world_size) for s in [*shapes, *frozen]]
+        return params + [_shard_numel(s, rank, world_size) for s in shapes]
+
 
 @STRATEGIES.register("fsdp")
 class FSDP(Strategy):

@@ -24,6 +24,7 @@ from sharded_exp.launch.preflight import (
     check_numbers,
     check_values,
     decide_device,
+    host_need_mib,
 )
 
 SMALL = ["logger=none", "model.hidden=16", "model.depth=2", "trainer.batch_size=4"]
@@ -175,6 +176,14 @@ def test_host_memory_counts_the_largest_peaks_of_the_local_ranks_plus_their_proc
     monkeypatch.setattr(preflight, "available_host_mib", lambda: need - 1)
     with pytest.raises(WontFit, match=re.escape(f"needs about {need:,.0f} MiB of host memory (2 rank(s)")):
         check_host_memory(per_rank, 2)
+
+
+def test_the_host_holds_every_tensor_on_cpu_and_only_offloaded_states_on_a_gpu():
+    peak = {"per_rank_mib": [900.0, 800.0], "host_mib": None}
+    assert host_need_mib(peak, "cpu") == [900.0, 800.0]
+    assert host_need_mib(peak, "cuda") is None  # nothing offloaded: the GPU holds it, not checked here
+    offloaded = {"per_rank_mib": [900.0, 800.0], "host_mib": [4096.0, 4000.0]}
+    assert host_need_mib(offloaded, "cuda") == [4096.0, 4000.0]
 
 
 def test_host_memory_is_not_checked_without_a_prediction_or_a_reading(monkeypatch):

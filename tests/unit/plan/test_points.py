@@ -276,8 +276,18 @@ def test_a_row_offloaded_holds_the_ranks_states_in_host_memory(raw_cfg):
     c.plan.params = None
     r = points.model_row(c, "fsdp", 2, shapes, "cpu", "offload", peak=_peak([512.0, 512.0], {"params": 1.0}))
     states = 4 * N * 4 / 2 / GIB  # every state halved
-    assert r["host_gib"] == pytest.approx(states, rel=1e-5) and r["model_states_gib"] == r["host_gib"]
+    # Each unit's shard, 2**21 elements (8 MiB), is already a power of two: pinned as it is.
+    # The host's Adam step holds two temporaries of the largest shard on top (16 MiB).
+    assert r["host_gib"] == pytest.approx(states + 16 * MIB / GIB, rel=1e-5)
+    assert r["model_states_gib"] == pytest.approx(states)
+    assert r["host_node_gib"] == pytest.approx(2 * r["host_gib"])  # both ranks on one node
+    assert r["host_memory_gib"] == 2048.0 and r["host_memory_basis"] == "h100_sxm's server"
     assert r["fits"] is True and r["phases_gib"] == {}
+    tight = c.copy()
+    tight.plan.host_memory_gib = 2.0  # the node holds 2.03 GiB: the device fits, the host does not
+    r = points.model_row(tight, "fsdp", 2, shapes, "cpu", "offload", peak=_peak([512.0, 512.0], {"params": 1.0}))
+    assert r["fits"] is False and r["host_memory_basis"] == "plan.host_memory_gib"
+    assert "host: the node's ranks pin and hold 2.0 GiB, more than its 2 GiB (plan.host_memory_gib)" in r["note"]
     moved = 3 * N * 4 / 2 / GIB  # this rank's parameters in before each gather (forward, backward), gradients out
     into = "in before each gather (forward and backward)"
     assert r["cost"] == f"offload: {moved:.2f} GiB host<->device per step (sharded parameters {into}, gradients out)"

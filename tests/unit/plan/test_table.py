@@ -90,7 +90,17 @@ def test_host_memory_is_shown_where_a_row_holds_some():
     rows = [row(params=1.0), row(params=1.0)]
     rows[1]["host_gib"] = 2.0
     assert "host" in table.shown(rows)
-    assert "host" not in table.shown(rows[:1])
+    assert "host" not in table.shown(rows[:1]) and "host_node" not in table.shown(rows)
+    rows[1] |= {"host_node_gib": 16.0, "host_memory_gib": 2048.0, "host_memory_basis": "h100_sxm's server"}
+    assert "host_node" in table.shown(rows) and table.column_keys(rows)["host_node"] == "host_node_gib"
+    assert table.host_lines(rows) == [
+        "host: CPU offload's pinned shards rounded up to powers of two (torch's CachingHostAllocator); fits also "
+        "holds host_node against 2,048 GiB (h100_sxm's server)"
+    ]
+    assert table.host_lines(rows[:1]) == []
+    why = "h100_hbm2e_500w states no server memory: set plan.host_memory_gib"
+    rows[1] |= {"host_memory_gib": None, "host_memory_basis": why}
+    assert table.host_lines(rows)[0].endswith(f"host unchecked: {why}")
 
 
 def test_a_method_column_numbers_the_methods_only_where_they_differ():

@@ -143,6 +143,16 @@ def _broken(edit):
                                server_sockets={"value": 1.5, "source": "sheet"}),
             "server_sockets must be a whole number >= 1, not 1.5",
         ),
+        (
+            lambda d: d.update(server_memory_bandwidth_GBps={"value": 300, "source": "sheet"},
+                               server_sockets={"value": 2, "source": "sheet"},
+                               server_memory_GiB={"value": 0, "source": "sheet"}),
+            "server_memory_GiB must be positive, not 0.0",
+        ),
+        (
+            lambda d: d.update(server_memory_GiB={"value": 1024, "source": "sheet"}),
+            "gives server_memory_GiB without the server it belongs to",
+        ),
     ],
 )
 def test_a_profile_breaking_the_rules_is_refused(edit, message):
@@ -233,3 +243,14 @@ def test_the_reference_servers_host_memory_is_shared_by_the_ranks_stepping_on_it
     assert load_device("v100_32gb").host_memory.per_rank(8, 8)[1] == pytest.approx(136.5e9 / 8)
     assert load_device("h100_hbm2e_500w").host_memory is None
     assert parse_device(GOOD).host_memory is None
+
+
+def test_each_reference_servers_memory_is_its_sourced_dimms():
+    """What CPU offload's node is held against (plan.host_memory_gib's default): a DGX's DIMMs,
+    in GiB (a 64 GB DIMM holds 64 GiB); none for torchtitan's Grand Teton hosts (not stated)."""
+    named = ("v100_32gb", "a100_40gb", "a100_80gb", "h100_sxm", "h200")
+    capacity = {n: load_device(n).host_memory.capacity_gib for n in named}
+    assert {n: f.value for n, f in capacity.items()} == {
+        "v100_32gb": 512.0, "a100_40gb": 1024.0, "a100_80gb": 2048.0, "h100_sxm": 2048.0, "h200": 2048.0,
+    }  # fmt: skip
+    assert all(f.source.url for f in capacity.values())
