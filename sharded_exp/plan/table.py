@@ -53,10 +53,10 @@ SHORT = {"optim state": "optim", "optim step": "opt_step", "gathered": "gather",
          "tokens_per_s_per_device": "tok/s/dev", "mfu_pct": "mfu%"}  # fmt: skip
 """The short table's headings where they differ from the full ones (docs/guide/planner.md
 lists them)."""
-PRIORITY = ("strategy", "ranks", "levers", "method", "peak", "fits", "device_total", "params", "grads", "optim state",
+PRIORITY = ("strategy", "ranks", "levers", "method", "peak", "fits", "device_total", "host_node", "params", "grads", "optim state",
             "gathered", "buckets", "activations", "step_time_s", "mfu_pct", "temporaries", "mean", "optim step",
-            "comm", "other", "workspace", "tokens_per_s_per_device", "exposed_comm_s", "host", "host_node",
-            "allocated", "reserved")  # fmt: skip
+            "comm", "other", "workspace", "tokens_per_s_per_device", "exposed_comm_s", "host", "allocated",
+            "reserved")  # fmt: skip
 """The short table's columns, most telling first: what a plan is read for (the peak, whether
 it fits and the figure fits compares on CUDA, how the largest parts shrink with the strategy,
 the step time) before the rest."""
@@ -266,6 +266,11 @@ def allocator_lines(rows) -> list[str]:
     ]
 
 
+def gib(value: float) -> str:
+    """A memory budget as a person reads it: whole GiB from 10 on (2,048), else as given (0.5)."""
+    return f"{value:,.0f}" if value >= 10 else f"{value:g}"
+
+
 def host_lines(rows) -> list[str]:
     """What offloaded rows' host memory is held against (said once): the node's memory and
     where it comes from. Nothing where no row offloads."""
@@ -273,7 +278,7 @@ def host_lines(rows) -> list[str]:
     if not offloaded:
         return []
     budget, basis = offloaded[0].get("host_memory_gib"), offloaded[0].get("host_memory_basis")
-    held = f"fits also holds host_node against {budget:,.0f} GiB ({basis})" if budget else f"host unchecked: {basis}"
+    held = f"fits also holds host_node against {gib(budget)} GiB ({basis})" if budget else f"host unchecked: {basis}"
     return [f"host: CPU offload's pinned shards rounded up to powers of two (torch's CachingHostAllocator); {held}"]
 
 

@@ -50,7 +50,7 @@ PLANS = {
     "gpt_7b": ["model=gpt_7b", "model.n_layers=2", "plan.world_sizes=[64]", "plan.strategies=[fsdp]",
                "plan.alloc_conf=expandable_segments:True",
                "trainer.batch_size=1", "plan.device_profile=a100_80gb", "plan.gpus_per_node=4",
-               "plan.inter_node_gbps=200"],
+               "plan.inter_node_gbps=200", "plan.levers=[none,offload]", "plan.host_memory_gib=0.5"],
     "hf_bert_base": ["model=hf_bert_base", "model.config.num_hidden_layers=2", "plan.world_sizes=[4]",
                      "plan.strategies=[ddp]"],
     # The seed study's model (experiment=seed_study_gpu needs GPUs) under its sharded strategy.
@@ -258,6 +258,11 @@ def test_covering_plan(name, capsys, tmp_path, monkeypatch):
     assert all(0 < r["mean_gib"] <= r["total_gib"] * (1 + 1e-12) for r in out["rows"])  # the average over ranks
     if not any(o.startswith("plan.params=") for o in PLANS[name]):  # a model: every point timed
         assert all(r["step_time_s"] > 0 and r["mfu_pct"] > 0 for r in out["rows"]), out["rows"]
+    if any(o.startswith("plan.host_memory_gib=") for o in PLANS[name]):  # a node's host too small to offload to
+        offloaded = [r for r in out["rows"] if r["levers"] == "offload"]
+        assert offloaded and all(r["host_node_gib"] > 0.5 and not r["fits"] for r in offloaded), offloaded
+        assert all("more than its 0.5 GiB (plan.host_memory_gib)" in r["note"] for r in offloaded)
+        assert all(r["fits"] for r in out["rows"] if r["levers"] == "none")  # the device alone: fits
     if "plan.find=fastest" in PLANS[name]:
         (best,) = out["found"]
         assert best["strategy"] in ("ddp", "fsdp") and best["command"].startswith("sharded-exp model=gpt ")

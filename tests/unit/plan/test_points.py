@@ -287,7 +287,8 @@ def test_a_row_offloaded_holds_the_ranks_states_in_host_memory(raw_cfg):
     tight.plan.host_memory_gib = 2.0  # the node holds 2.03 GiB: the device fits, the host does not
     r = points.model_row(tight, "fsdp", 2, shapes, "cpu", "offload", peak=_peak([512.0, 512.0], {"params": 1.0}))
     assert r["fits"] is False and r["host_memory_basis"] == "plan.host_memory_gib"
-    assert "host: the node's ranks pin and hold 2.0 GiB, more than its 2 GiB (plan.host_memory_gib)" in r["note"]
+    said = "offload: the node's ranks pin and hold 2.0 GiB of host memory, more than its 2 GiB (plan.host_memory_gib)"
+    assert said in r["note"]
     moved = 3 * N * 4 / 2 / GIB  # this rank's parameters in before each gather (forward, backward), gradients out
     into = "in before each gather (forward and backward)"
     assert r["cost"] == f"offload: {moved:.2f} GiB host<->device per step (sharded parameters {into}, gradients out)"
