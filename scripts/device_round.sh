@@ -12,7 +12,8 @@
 #   offload: fsdp and fsdp_grad_op in bf16 with CPU offload, the small model: the shards' copies
 #          and the optimizer's step on the host against the run's prediction (the GPU's host
 #          measured with it: a 1 GiB copy and in-place update, a pinned buffer's copies each
-#          way); GPU only (a CPU
+#          way), and the pinned host memory torch holds (torch.cuda.host_memory_stats) against the
+#          predicted power-of-two blocks (sharded_exp/predict/host_memory.py); GPU only (a CPU
 #          run refuses cpu_offload);
 #   snapshot: fsdp in bf16 on the small model, 6 steps, with the caching allocator's history
 #          recorded and dumped (trainer.memory_snapshot=always; memory_snapshot_rank0.pickle,
@@ -51,7 +52,7 @@ check() {  # NAME SECONDS ARGS...: one gpu_check run, its log and JSON kept
   local name=$1 seconds=$2
   shift 2
   timeout "$seconds" "$PY" -m benchmarks.accuracy.gpu_check --name "$name" "$@" 2>&1 | tee "$LOGS/$name.log" \
-    | grep -E "^\||done in|FAILED|^NVIDIA|^cpu;|wrote"
+    | grep -E "^\||done in|FAILED|^NVIDIA|^cpu;|wrote|pinned host"
   local rc=${PIPESTATUS[0]}
   echo "$name: exit $rc after $(( $(date +%s) - start )) s"
   cp "outputs/benchmarks/$name.json" "$LOGS"/ 2>/dev/null || true

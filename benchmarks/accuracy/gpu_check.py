@@ -156,6 +156,9 @@ def main() -> int:
                 "predicted_step_time_s_this": this_step, "step_time_prediction": speed.get("step_time_prediction"),
                 "predicted_step_time_s_sourced": sourced_step, "sourced_profile": sourced.get("profile"),
                 "sourced": source, "mfu_pct": speed.get("mfu_pct"), "tokens_per_s": speed.get("tokens_per_s"),
+                # CPU offload: the pinned host blocks torch holds, against the prediction's (sharded_exp/predict/host_memory.py)
+                "pinned_host_mib": rank.get("pinned_host_mib"),
+                "predicted_pinned_host_mib": ((mem.get("peak_prediction") or {}).get("host_breakdown_mib") or {}).get("pinned"),
             }  # fmt: skip
             data.append(entry)
             error = entry["states_rel_error"]
@@ -169,6 +172,10 @@ def main() -> int:
                 _pct(_rel(this_step, measured_step)), _num(sourced_step and sourced_step * 1e3, ".2f"),
                 _pct(_rel(sourced_step, measured_step)), _num(entry["mfu_pct"]),
             ])  # fmt: skip
+            if entry["predicted_pinned_host_mib"] is not None:  # an offloaded job
+                pinned, said = entry["pinned_host_mib"], entry["predicted_pinned_host_mib"]
+                print(f"{strategy} {prec}: pinned host memory {_num(pinned)} MiB, predicted {_num(said)} MiB "
+                      f"({_pct(_rel(said, pinned))}; the data loader's pinned batches are not predicted)", flush=True)  # fmt: skip
             print(f"{strategy} {prec}: done in {entry['job_s']:.1f} s", flush=True)
             save(args.name, {"device": device, "torch": torch.__version__, "args": vars(args), "results": data})
     print(

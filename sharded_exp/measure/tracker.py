@@ -146,6 +146,17 @@ def _status_mib(field: str) -> float | None:
     return None
 
 
+def pinned_host_mib() -> float | None:
+    """The pinned host memory torch's CachingHostAllocator holds at the end of a CUDA run: its
+    blocks, handed out or cached, at their rounded (power-of-two) sizes (``allocated_bytes.current``
+    of ``torch.cuda.host_memory_stats``): CPU offload's shards, and the data loader's pinned
+    batches. None where it cannot be read."""
+    try:
+        return torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) / MIB
+    except Exception:  # noqa: BLE001 -- measuring never breaks a run
+        return None
+
+
 def process_peak_rss_mib() -> float:
     """Peak resident set of this process so far (MiB), also across :func:`host_peak` resets."""
     return max(_peak_rss_floor_mib, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
@@ -389,6 +400,7 @@ class MemoryMeter:
                 "peak_reserved_mib": peak["reserved_bytes.all.peak"] / MIB,
                 "alloc_retries": stats.get("num_alloc_retries", 0),
                 "ooms": stats.get("num_ooms", 0),
+                "pinned_host_mib": pinned_host_mib(),
                 "peak_breakdown_mib": None,
                 "peak_error": None,
                 "freed_off_thread_max_mib": None,

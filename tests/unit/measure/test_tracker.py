@@ -259,3 +259,18 @@ def test_host_peak_measures_what_a_region_adds():
     assert result["mib"] >= 48  # the kernel's high-water mark, less what was resident before
     assert process_peak_rss_mib() >= result["mib"]
 
+
+
+def test_the_pinned_host_memory_is_the_host_allocators_blocks_or_null(monkeypatch):
+    """A CUDA run records the pinned blocks torch holds (offload's shards) at their rounded
+    sizes; a reading that fails leaves null, and the run goes on."""
+    monkeypatch.setattr(torch.cuda, "host_memory_stats", lambda: {"allocated_bytes.current": 3 * 2**20})
+    assert tracker_module.pinned_host_mib() == 3.0
+    monkeypatch.setattr(torch.cuda, "host_memory_stats", lambda: {})  # CUDA never started: nothing pinned
+    assert tracker_module.pinned_host_mib() == 0.0
+
+    def broken():
+        raise RuntimeError("no driver")
+
+    monkeypatch.setattr(torch.cuda, "host_memory_stats", broken)
+    assert tracker_module.pinned_host_mib() is None
