@@ -31,9 +31,10 @@ class OptimizerSpec:
     def build(self) -> torch.optim.Optimizer:
         return self.cls(self.param_groups, **self.defaults)
 
-    def regroup(self, module: nn.Module) -> "OptimizerSpec":
-        """The same spec over ``module``'s current parameters (FSDP replaces them)."""
-        return optimizer_spec(self.cfg, module, self.device)
+    def regroup(self, module: nn.Module, device: torch.device | None = None) -> "OptimizerSpec":
+        """The same spec over ``module``'s current parameters (FSDP replaces them), on ``device``
+        where they train elsewhere than the spec's (CPU offload: on the host)."""
+        return optimizer_spec(self.cfg, module, device or self.device)
 
 
 def param_groups(cfg: OptimizerConfig, module: nn.Module) -> list[dict[str, Any]]:

@@ -19,12 +19,17 @@ torch 2.11 and 2.13) and FSDP2's ``_fsdp_param.py`` and ``_fsdp_collectives.py``
   allocator's cache, not to the system: the host keeps it from step to step.
 - **The optimizer's state is ordinary (pageable) memory**, at its bytes: the optimizer makes
   it on the CPU with ``zeros_like``.
-- **The host's optimizer step** runs per tensor (torch's optimizers use their foreach kernels
-  on CUDA tensors only): Adam's ``exp_avg_sq.sqrt() / bias_correction2_sqrt`` holds two
-  temporaries of one tensor's size at once, SGD at most one (its weight decay or Nesterov term).
+- **The host's optimizer step** makes temporaries: the bytes per element its ops write into
+  new tensors, counted from the configured optimizer's own ops on a real CPU tensor
+  (:func:`~sharded_exp.predict.step_time.host_step_bytes`; Adam's square root and the bias
+  correction's quotient, 8 bytes). An offloaded run builds its optimizer as torch does for
+  CPU tensors, per tensor (``strategies/fsdp.py``): those bytes for the rank's largest tensor.
+  Under ``optimizer.foreach=true`` each op makes its new tensors for a whole parameter group
+  at once: those bytes for every element of the rank's largest group (for Llama 2 70B at 8
+  ranks, 32 GiB a rank).
 
 A rank's host peak is therefore every pinned block plus the optimizer state plus the step's
-temporaries for its largest tensor, all live at the optimizer step. The figures are per rank;
+temporaries, all live at the optimizer step. The figures are per rank;
 a node holds those of its ranks (:func:`node_mib`).
 """
 
@@ -37,10 +42,6 @@ from sharded_exp.predict.allocator import AllocatorSettings
 from sharded_exp.predict.memory_model import optimizer_state_bytes
 
 MIB = 2**20
-STEP_TEMPORARIES = {"adam": 2, "adamw": 2, "sgd": 1}
-"""Temporaries of one tensor's size a per-tensor optimizer step holds at once (see above)."""
-
-
 def pinned_block_bytes(size: int, settings: AllocatorSettings) -> int:
     """The bytes of the pinned block a ``size``-byte request takes (see the module docstring)."""
     if size <= 0:
@@ -52,12 +53,13 @@ def pinned_block_bytes(size: int, settings: AllocatorSettings) -> int:
 
 def offload_host_mib(
     pinned_numels: Sequence[int], optimizer_numels: Sequence[int], optimizer_cfg, element: float,
-    settings: AllocatorSettings,
+    settings: AllocatorSettings, step_elements: int = 0, step_bytes_per_element: float = 0.0,
 ) -> dict[str, float]:  # fmt: skip
     """One rank's host memory under CPU offload, MiB: ``pinned`` (its parameter and gradient
     shards, each a block of :func:`pinned_block_bytes`), ``tensor_bytes`` (the same tensors at
     their bytes, what ``pinned`` rounds), ``optimizer`` (its state, pageable), ``step`` (the
-    host step's temporaries) and ``total``.
+    host step's temporaries: ``step_bytes_per_element`` for each of ``step_elements``, the
+    rank's largest group, or largest tensor, that one op steps) and ``total``.
 
     ``pinned_numels``: the element count of each tensor the rank pins
     (:meth:`~sharded_exp.strategies.fsdp.FSDPMemory.pinned_numels`); ``optimizer_numels``: the
@@ -66,8 +68,7 @@ def offload_host_mib(
     sizes = [math.ceil(n * element) for n in pinned_numels]
     pinned = sum(pinned_block_bytes(b, settings) for b in sizes) / MIB
     optimizer = optimizer_state_bytes(optimizer_cfg, optimizer_numels, element) / MIB
-    largest = max(optimizer_numels, default=0) * element / MIB
-    step = STEP_TEMPORARIES.get(str(optimizer_cfg.name), 2) * largest
+    step = step_elements * step_bytes_per_element / MIB
     return {
         "pinned": pinned,
         "tensor_bytes": sum(sizes) / MIB,

@@ -192,7 +192,8 @@ HOST_STATES = ("params", "grads", "optimizer", "optimizer_step")
 
 PINNED_HOST_RULE = (
     "host memory: each parameter and gradient shard pinned on its own, rounded up to a power of two "
-    "by torch's CachingHostAllocator; the optimizer state and the host step's temporaries at their bytes"
+    "by torch's CachingHostAllocator; the optimizer state, and the host step's temporaries for its largest "
+    "tensor (its largest group under optimizer.foreach=true), at their bytes"
 )
 """The rule :func:`offload_host` follows, as a prediction's ``rules`` name it."""
 
@@ -218,14 +219,20 @@ def offload_host(cfg: JobGroups, shapes: ModelShapes, world_size: int) -> tuple[
     pinned-memory allocator and the host's optimizer step hold it
     (:mod:`sharded_exp.predict.host_memory`), under the config's allocator settings
     (:func:`~sharded_exp.predict.alloc_trace.alloc_conf_of`)."""
+    from sharded_exp.predict.step_time import host_step_bytes  # lazy: steps a real optimizer once
+
     memory = memory_of(cfg.strategy.name)
     settings = parse_alloc_conf(alloc_conf_of(cfg))
-    trainable = [s for group in shapes.groups for s in group]
+    new_bytes = host_step_bytes(cfg).new_tensors
+    foreach = bool(cfg.optimizer.get("foreach"))  # an offloaded run's default: per tensor (strategies/fsdp.py)
     ranks = []
     for rank in range(world_size):
+        trainable = [s for group in shapes.groups for s in group]
         pinned = memory.pinned_numels(cfg.strategy, trainable, shapes.frozen, rank, world_size)
-        optimizer = memory.resident_numel(cfg.strategy, trainable, [], rank, world_size)["optimizer"]
-        ranks.append(offload_host_mib(pinned, optimizer, cfg.optimizer, shapes.element_bytes, settings))
+        groups = [memory.resident_numel(cfg.strategy, list(g), [], rank, world_size)["optimizer"] for g in shapes.groups]
+        stepped = max((sum(g) if foreach else max(g, default=0) for g in groups), default=0)
+        optimizer = [n for g in groups for n in g]
+        ranks.append(offload_host_mib(pinned, optimizer, cfg.optimizer, shapes.element_bytes, settings, stepped, new_bytes))
     largest = max(ranks, key=lambda r: r["total"])
     return [r["total"] for r in ranks], {k: v for k, v in largest.items() if k != "total"}
 

@@ -264,8 +264,13 @@ class FSDP(Strategy):
         )
         if cfg.broadcast_buffers:
             _broadcast_buffers_before_forward(module)
-        # fully_shard replaced the parameters by DTensors: group and build the optimizer now.
-        self = cls(module, module, optim_spec.regroup(module).build(), precision_cfg, device)
+        # fully_shard replaced the parameters by DTensors: group and build the optimizer now. Under
+        # CPU offload they, their gradients and the optimizer's state are host tensors and the step
+        # runs there: built as torch builds one for CPU tensors (per tensor, unless optimizer.foreach
+        # says), not CUDA's foreach, whose new tensors would span a whole parameter group at once in
+        # host memory (sharded_exp/predict/host_memory.py).
+        on = torch.device("cpu") if cfg.cpu_offload else None
+        self = cls(module, module, optim_spec.regroup(module, on).build(), precision_cfg, device)
         self._replicated = [p for p in scalars or () if p.requires_grad]
         return self
 

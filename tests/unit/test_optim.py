@@ -63,6 +63,18 @@ def test_foreach_follows_the_device_unless_set():
     assert optimizer_spec(cfg(foreach=False), m, torch.device("cuda")).defaults["foreach"] is False
 
 
+def test_a_spec_regrouped_onto_the_host_steps_as_torch_does_there():
+    """CPU offload (strategies/fsdp.py): a GPU run's spec regrouped over host parameters steps
+    per tensor, torch's choice for CPU tensors, not CUDA's foreach (group-sized temporaries in
+    host memory); optimizer.foreach set wins there too."""
+    gpu = optimizer_spec(cfg(), model(), torch.device("cuda"))
+    assert gpu.defaults["foreach"] is True and gpu.regroup(model()).defaults["foreach"] is True
+    host = gpu.regroup(model(), torch.device("cpu"))
+    assert host.defaults["foreach"] is False and host.device == torch.device("cpu")
+    asked = optimizer_spec(cfg(foreach=True), model(), torch.device("cuda"))
+    assert asked.regroup(model(), torch.device("cpu")).defaults["foreach"] is True
+
+
 def test_the_device_is_the_parameters_own_or_cpu_without_any():
     assert optimizer_spec(cfg(), model()).device == torch.device("cpu")
     assert optimizer_spec(cfg(), nn.ReLU()).device == torch.device("cpu")

@@ -277,7 +277,8 @@ def test_a_row_offloaded_holds_the_ranks_states_in_host_memory(raw_cfg):
     r = points.model_row(c, "fsdp", 2, shapes, "cpu", "offload", peak=_peak([512.0, 512.0], {"params": 1.0}))
     states = 4 * N * 4 / 2 / GIB  # every state halved
     # Each unit's shard, 2**21 elements (8 MiB), is already a power of two: pinned as it is.
-    # The host's Adam step holds two temporaries of the largest shard on top (16 MiB).
+    # The host's Adam step (per tensor, as an offloaded run builds it) writes a square root and a
+    # quotient, 8 bytes an element, of its largest shard (2**21 elements): 16 MiB on top.
     assert r["host_gib"] == pytest.approx(states + 16 * MIB / GIB, rel=1e-5)
     assert r["model_states_gib"] == pytest.approx(states)
     assert r["host_node_gib"] == pytest.approx(2 * r["host_gib"])  # both ranks on one node

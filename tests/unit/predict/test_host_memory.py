@@ -48,15 +48,14 @@ def test_a_bad_pinned_threshold_is_refused_naming_it():
 def test_one_mlp_weights_shard_on_the_host_worked_by_hand():
     """Llama 2 70B's gate projection (28,672 x 8,192) at 8 ranks, fp32, Adam: a shard of 3,584
     rows, 29,360,128 elements, 112 MiB. Pinned: the parameter and the gradient, 128 MiB each
-    (256). Adam's two moments, pageable: 224 MiB and a 4-byte step. The host step's sqrt and
-    quotient: 224 MiB. 704 MiB and 4 bytes, where the tensors' bytes are 672 MiB and 4 bytes."""
+    (256). Adam's two moments, pageable: 224 MiB and a 4-byte step. The host step's square
+    root, 4 bytes an element of the group it steps (this shard alone): 112 MiB. 592 MiB and
+    4 bytes, where the states' bytes are 448 MiB and 4 bytes."""
     shard = 3584 * 8192
     adam = OmegaConf.create({"name": "adam"})
-    out = offload_host_mib([shard, shard], [shard], adam, 4.0, DEFAULT)
-    assert out == {"pinned": 256.0, "tensor_bytes": 224.0, "optimizer": 224.0 + 4 / MIB, "step": 224.0,
-                   "total": 704.0 + 4 / MIB}  # fmt: skip
-    sgd = OmegaConf.create({"name": "sgd", "momentum": 0.9})
-    assert offload_host_mib([shard, shard], [shard], sgd, 4.0, DEFAULT)["step"] == 112.0  # one temporary at most
+    out = offload_host_mib([shard, shard], [shard], adam, 4.0, DEFAULT, step_elements=shard, step_bytes_per_element=4)
+    assert out == {"pinned": 256.0, "tensor_bytes": 224.0, "optimizer": 224.0 + 4 / MIB, "step": 112.0,
+                   "total": 592.0 + 4 / MIB}  # fmt: skip
 
 
 def test_fsdp_pins_padded_parameter_shards_and_unpadded_gradient_shards():

@@ -252,15 +252,20 @@ def test_cpu_offload_moves_the_resident_states_and_the_step_to_the_host(configs,
     phases = {"all": (25.0, breakdown(params=4.0, grads=4.0, optimizer=9.0, gathered=2.0, activations=6.0))}
     stub_step(estimate(25.0, phases["all"][1], extra={"phases": phases}))
     out = predict_peak(configs["offload"], 2, "cpu", {"model_states_mib": STATES}, SHAPES)
-    # The host's side comes from the shapes (SHAPES: an 8 x 8 and an 8, four rows each a rank):
-    # pinned shards 128 + 16 B of parameters and as much of gradients (powers of two already),
-    # Adam's state 2 x (128 + 16) + two 4-byte steps = 296 B, the host step's two temporaries
-    # of the largest shard 256 B: 840 B a rank.
+    # The host's side comes from the shapes (SHAPES: an 8 x 8 and an 8 in two groups, four rows
+    # each a rank): pinned shards 128 + 16 B of parameters and as much of gradients (powers of
+    # two already), Adam's state 2 x (128 + 16) + two 4-byte steps = 296 B, and the host step's
+    # square root and quotient (8 B an element, counted from Adam's ops, per tensor as an
+    # offloaded run builds it) for its largest tensor: 32 elements, 256 B. 840 B a rank.
     assert out["host_mib"] == [840 / 2**20, 840 / 2**20]
     assert out["host_breakdown_mib"] == pytest.approx(
         {"pinned": 288 / 2**20, "tensor_bytes": 288 / 2**20, "optimizer": 296 / 2**20, "step": 256 / 2**20}
     )
     assert "pinned_host" in out["rules"]
+    foreach = configs["offload"].copy()
+    foreach.optimizer.foreach = True  # the square root (4 B) for a whole group at once: the largest, 32 elements
+    out = predict_peak(foreach, 2, "cpu", {"model_states_mib": STATES}, SHAPES)
+    assert out["host_breakdown_mib"]["step"] == pytest.approx(4 * 32 / 2**20)
     # rank 0's device keeps what is gathered and computed: 25 - (4 + 4 + 6 + 3)
     assert out["per_rank_mib"][0] == pytest.approx(8.0)
     for key in ("params", "grads", "optimizer", "optimizer_step"):
