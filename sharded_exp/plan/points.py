@@ -23,7 +23,6 @@ from sharded_exp.measure.cuda_kernels import cublas_workspace_mib
 from sharded_exp.plan.depth import first_depth, peaks_by_depth, shapes_of
 from sharded_exp.plan.progress import Progress
 from sharded_exp.plan.speed import SPEED_KEYS, profile_name, speed_columns, traced
-from sharded_exp.plan.table import gib
 from sharded_exp.precision import Precision
 from sharded_exp.predict.host_memory import node_mib
 from sharded_exp.predict.prediction import ModelShapes, model_shapes, offload_host, predict, predict_peak
@@ -236,7 +235,7 @@ def model_row(cfg: PlanConfig, name: str, world_size: int, shapes: ModelShapes, 
         if not host_fits(row):
             row["note"] = "; ".join(n for n in (row["note"], (
                 f"offload: the node's ranks pin and hold {row['host_node_gib']:,.1f} GiB of host memory, more than "
-                f"its {gib(row['host_memory_gib'])} GiB ({row['host_memory_basis']})")) if n)  # fmt: skip
+                f"its {row['host_memory_gib']:,g} GiB ({row['host_memory_basis']})")) if n)  # fmt: skip
         row["seconds"] = peak["seconds"]
         # each phase's peak (forward/backward "step", "optimizer"): plan.find follows them
         row["phases_gib"] = {name: v[0] * MIB / GIB for name, v in (peak.get("phases_mib") or {}).items()}

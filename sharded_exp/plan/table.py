@@ -266,11 +266,6 @@ def allocator_lines(rows) -> list[str]:
     ]
 
 
-def gib(value: float) -> str:
-    """A memory budget as a person reads it: whole GiB from 10 on (2,048), else as given (0.5)."""
-    return f"{value:,.0f}" if value >= 10 else f"{value:g}"
-
-
 def host_lines(rows) -> list[str]:
     """What offloaded rows' host memory is held against (said once): the node's memory and
     where it comes from. Nothing where no row offloads."""
@@ -278,7 +273,7 @@ def host_lines(rows) -> list[str]:
     if not offloaded:
         return []
     budget, basis = offloaded[0].get("host_memory_gib"), offloaded[0].get("host_memory_basis")
-    held = f"fits also holds host_node against {gib(budget)} GiB ({basis})" if budget else f"host unchecked: {basis}"
+    held = f"fits also holds host_node against {budget:,g} GiB ({basis})" if budget else f"host unchecked: {basis}"
     return [f"host: CPU offload's pinned shards rounded up to powers of two (torch's CachingHostAllocator); {held}"]
 
 

@@ -42,6 +42,8 @@ from sharded_exp.predict.allocator import AllocatorSettings
 from sharded_exp.predict.memory_model import optimizer_state_bytes
 
 MIB = 2**20
+
+
 def pinned_block_bytes(size: int, settings: AllocatorSettings) -> int:
     """The bytes of the pinned block a ``size``-byte request takes (see the module docstring)."""
     if size <= 0:

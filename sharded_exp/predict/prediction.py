@@ -226,13 +226,14 @@ def offload_host(cfg: JobGroups, shapes: ModelShapes, world_size: int) -> tuple[
     new_bytes = host_step_bytes(cfg).new_tensors
     foreach = bool(cfg.optimizer.get("foreach"))  # an offloaded run's default: per tensor (strategies/fsdp.py)
     ranks = []
+    trainable = [s for group in shapes.groups for s in group]
     for rank in range(world_size):
-        trainable = [s for group in shapes.groups for s in group]
         pinned = memory.pinned_numels(cfg.strategy, trainable, shapes.frozen, rank, world_size)
-        groups = [memory.resident_numel(cfg.strategy, list(g), [], rank, world_size)["optimizer"] for g in shapes.groups]
-        stepped = max((sum(g) if foreach else max(g, default=0) for g in groups), default=0)
-        optimizer = [n for g in groups for n in g]
-        ranks.append(offload_host_mib(pinned, optimizer, cfg.optimizer, shapes.element_bytes, settings, stepped, new_bytes))
+        held = [memory.resident_numel(cfg.strategy, list(g), [], rank, world_size)["optimizer"] for g in shapes.groups]
+        stepped = max((sum(g) if foreach else max(g, default=0) for g in held), default=0)
+        optimizer = [n for g in held for n in g]
+        figures = offload_host_mib(pinned, optimizer, cfg.optimizer, shapes.element_bytes, settings, stepped, new_bytes)
+        ranks.append(figures)
     largest = max(ranks, key=lambda r: r["total"])
     return [r["total"] for r in ranks], {k: v for k, v in largest.items() if k != "total"}
 
@@ -283,7 +284,7 @@ def predict_peak(
         phases_mib[str(phase)] = (peak + workspace, {**_resident(p, mine), "workspace": workspace})
     host = (None, None)  # CPU offload: every rank's host memory, the fullest one's parts
     if offloads_to_host(cfg.strategy):
-        per_rank, parts, phases_mib, host = _offloaded(cfg, shapes, world_size, mine, parts, per_rank, phases_mib, rules)
+        per_rank, parts, phases_mib, host = _offloaded(cfg, shapes, world_size, mine, parts, per_rank, phases_mib, rules)  # fmt: skip
     build = (est.extra or {}).get("build") or {}
     allocator = None
     if (est.extra or {}).get("alloc_events") is not None:  # CUDA: the caching allocator's view

@@ -260,7 +260,6 @@ def test_host_peak_measures_what_a_region_adds():
     assert process_peak_rss_mib() >= result["mib"]
 
 
-
 def test_the_pinned_host_memory_is_the_host_allocators_blocks_or_null(monkeypatch):
     """A CUDA run records the pinned blocks torch holds (offload's shards) at their rounded
     sizes; a reading that fails leaves null, and the run goes on."""
