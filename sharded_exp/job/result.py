@@ -194,6 +194,11 @@ class RankMemory(_Open):
     blocks below the rank's mmap threshold freed but kept by the process, part of its
     ``peak_rss_mib`` that no tensor holds (docs/concepts/memory.md, "On CPU: resident memory");
     None where the C library is not glibc."""
+    pinned_host_mib: Number | None = None
+    """CUDA: the pinned host memory torch's CachingHostAllocator held at the run's end, its
+    blocks at their power-of-two sizes (CPU offload's shards, the data loader's pinned
+    batches); beside the predicted ``memory.peak_prediction.host_breakdown_mib.pinned``
+    (docs/concepts/memory.md, "Host memory under CPU offload"). None on CPU."""
     predicted_peak_mib: Number | None = None
     """This rank's predicted peak."""
     predicted_peak_reserved_mib: Number | None = None

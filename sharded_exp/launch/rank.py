@@ -66,8 +66,8 @@ def run_rank(
         # Ranks share the cores: without this each would start one thread per core.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
     timeout = datetime.timedelta(seconds=cfg.trainer.timeout_s)
-    backend = "nccl" if job.device_type == "cuda" else "gloo"
-    if backend == "nccl":
+    backend = process_group_backend(job.device_type, cfg.strategy)
+    if job.device_type == "cuda":
         torchrun = "TORCHELASTIC_RUN_ID" in os.environ
         launcher_env = process_environ(os.getppid()) if torchrun else {}
         os.environ.update(nccl_settings(nccl_diagnosis_env(job.output_dir), os.environ, launcher_env, torchrun))
@@ -131,6 +131,18 @@ def teardown_deadline(limit_s: float | None):
         yield
     finally:
         faulthandler.cancel_dump_traceback_later()
+
+
+def process_group_backend(device_type: str, strategy_cfg) -> str:
+    """NCCL on CUDA, gloo on CPU; under CPU offload NCCL for CUDA tensors and gloo for CPU ones
+    (torchtitan's ``cuda:nccl,cpu:gloo`` when it offloads): the offloaded gradients are host
+    DTensors, and clipping them reduces their norm over the mesh, which NCCL cannot do on the
+    CPU."""
+    from sharded_exp.strategies import offloads_to_host  # lazy: the parent imports this module and never trains
+
+    if device_type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if offloads_to_host(strategy_cfg) else "nccl"
 
 
 def init_group(backend: str, store, rank: int, world_size: int, timeout, device: torch.device) -> None:

@@ -234,7 +234,7 @@ def model_row(cfg: PlanConfig, name: str, world_size: int, shapes: ModelShapes, 
         row["fits"] = fits(row, cfg.plan.device_memory_gib)
         if not host_fits(row):
             row["note"] = "; ".join(n for n in (row["note"], (
-                f"offload: the node's ranks pin and hold {row['host_node_gib']:,.1f} GiB of host memory, more than "
+                f"offload: the node's ranks pin and hold {row['host_node_gib']:,.2f} GiB of host memory, more than "
                 f"its {row['host_memory_gib']:,g} GiB ({row['host_memory_basis']})")) if n)  # fmt: skip
         row["seconds"] = peak["seconds"]
         # each phase's peak (forward/backward "step", "optimizer"): plan.find follows them
@@ -480,10 +480,11 @@ def _peak_gib(cfg: PlanConfig, world_size: int, device_type: str, errors: list[s
     row = model_row(cfg, cfg.strategy.name, world_size, shapes, device_type, combo)  # drawn by depth where it can be
     if row["total_gib"] is None:
         errors.append(row["note"])
-        return None, {}
+        return None, {}, None
     # held against the budget as fits() holds it: each phase's line shifted by the allocator's share
     basis = fit_basis(row)
-    return basis, {k: v + basis - row["total_gib"] for k, v in (row.get("phases_gib") or {}).items()}
+    host = (row["host_node_gib"], row["host_memory_gib"]) if row.get("host_memory_gib") is not None else None
+    return basis, {k: v + basis - row["total_gib"] for k, v in (row.get("phases_gib") or {}).items()}, host
 
 
 def largest(
@@ -496,19 +497,22 @@ def largest(
     activations per layer): fake steps at 1 and 2 give a line, and each next fake step is
     where the line through the two probes nearest the budget crosses it (regula falsi,
     integer-rounded), until the answer fits and one above does not. Four fake steps when
-    the peak is linear; a few more when it bends.
+    the peak is linear; a few more when it bends. Under CPU offload the node's host memory
+    (:func:`host_fits`) caps it too: it does not grow with the batch, and grows by the same
+    pinned blocks with each layer, so the probes at 1 and 2 give its line exactly.
     """
     budget = cfg.plan.device_memory_gib
     section, key = knob.split(".")
     probes: dict[int, float | None] = {}
     phases: dict[int, dict[str, float]] = {}
+    hosts: dict[int, tuple[float, float] | None] = {}
     errors: list[str] = []
 
     def peak(value: int) -> float | None:
         if value not in probes:
             c = with_strategy(cfg, name)
             c[section][key] = value
-            probes[value], phases[value] = _peak_gib(c, world_size, device_type, errors, combo)
+            probes[value], phases[value], hosts[value] = _peak_gib(c, world_size, device_type, errors, combo)
         return probes[value]
 
     one, two = peak(1), peak(2)
@@ -516,14 +520,34 @@ def largest(
         return {"value": None, "probes": probes, "note": f"no fake step: {errors[0]}"}
     if not within(one, budget):
         return {"value": 0, "probes": probes, "note": f"{knob}=1 does not fit"}
-    lo, hi = (2, None) if within(two, budget) else (1, 2)  # largest known to fit, smallest known not to
+    capped = host_cap(hosts[1], hosts[2])
+    if capped is not None and capped < 1:
+        return {"value": 0, "probes": probes, "note": f"{knob}=1 does not fit the node's host memory (CPU offload)"}
+    limit = min(limit, capped) if capped is not None else limit
+    lo, hi = (2, None) if within(two, budget) and limit >= 2 else (1, 2)  # largest known to fit, smallest known not to
     while (hi is None or hi > lo + 1) and lo < limit:
         guess = _crossing(probes, phases, budget, lo, hi)
         guess = min(max(guess, lo + 1), hi - 1 if hi is not None else limit)
         p = peak(guess)
         lo, hi = (guess, hi) if within(p, budget) else (lo, guess)
     note = f"checked by fake steps at {lo} and {hi}" if hi is not None else f"fits up to the limit {limit}"
+    if capped is not None and lo == capped and (hi is None or hi > capped):
+        note = f"the node's host memory (CPU offload) holds {knob}={capped} and no more"
     return {"value": lo, "probes": probes, "note": note}
+
+
+def host_cap(one: tuple[float, float] | None, two: tuple[float, float] | None) -> int | None:
+    """The largest value whose node holds its host memory (CPU offload), from its line through
+    the probes at 1 and 2 (``(host_node_gib, host_memory_gib)`` each); None where the host is
+    not checked or does not grow (a batch), so does not cap. 0: not even 1 fits."""
+    if one is None or two is None:
+        return None
+    (h1, budget), (h2, _) = one, two
+    if h1 > budget:
+        return 0
+    if h2 <= h1:
+        return None
+    return 1 + math.floor((budget - h1) / (h2 - h1))
 
 
 def _crossing(probes, phases, budget: float, lo: int, hi: int | None) -> int:

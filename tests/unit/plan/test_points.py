@@ -288,7 +288,7 @@ def test_a_row_offloaded_holds_the_ranks_states_in_host_memory(raw_cfg):
     tight.plan.host_memory_gib = 2.0  # the node holds 2.03 GiB: the device fits, the host does not
     r = points.model_row(tight, "fsdp", 2, shapes, "cpu", "offload", peak=_peak([512.0, 512.0], {"params": 1.0}))
     assert r["fits"] is False and r["host_memory_basis"] == "plan.host_memory_gib"
-    said = "offload: the node's ranks pin and hold 2.0 GiB of host memory, more than its 2 GiB (plan.host_memory_gib)"
+    said = "offload: the node's ranks pin and hold 2.03 GiB of host memory, more than its 2 GiB (plan.host_memory_gib)"
     assert said in r["note"]
     moved = 3 * N * 4 / 2 / GIB  # this rank's parameters in before each gather (forward, backward), gradients out
     into = "in before each gather (forward and backward)"
@@ -356,16 +356,18 @@ def test_the_first_phase_to_reach_the_budget_decides_the_crossing():
     assert points._crossing(probes, {1: {}, 2: phases[2]}, 10.0, 2, None) == 9
 
 
-def _search(monkeypatch, peak):
+def _search(monkeypatch, peak, host=None, knob="trainer.batch_size"):
+    """Stub fake steps: ``peak(value)`` GiB on the device; ``host(value)``: the node's host
+    memory and its budget (CPU offload), or None."""
     calls = []
 
     def peak_gib(c, world_size, device_type, errors, combo="none"):
-        value = c.trainer.batch_size
+        value = OmegaConf.select(c, knob)
         calls.append(value)
         gib = peak(value)
         if gib is None:
             errors.append(f"no fake at {value}")
-        return gib, {}
+        return gib, {}, host(value) if host else None
 
     monkeypatch.setattr(points, "_peak_gib", peak_gib)
     return calls
@@ -411,6 +413,24 @@ def test_a_knob_that_always_fits_stops_at_the_limit(plan_cfg, monkeypatch):
     found = points.largest(plan_cfg, "ddp", 2, "trainer.batch_size", "cpu", limit=16)
     assert found["value"] == 16 and found["note"] == "fits up to the limit 16"
     assert max(calls) == 16
+
+
+def test_an_offloaded_depth_stops_where_the_nodes_host_memory_does(gpt_cfg, monkeypatch):
+    """Host memory grows by the same pinned blocks each layer: 10 + 5 per layer GiB against a
+    node of 50 holds 8 layers (50 GiB), whatever the device would take (0.1 GiB a layer of 80)."""
+    c = gpt_cfg.copy()
+    calls = _search(monkeypatch, lambda n: 0.1 * n, host=lambda n: (10.0 + 5.0 * n, 50.0), knob="model.n_layers")
+    found = points.largest(c, "fsdp", 8, "model.n_layers", "cuda", combo="offload")
+    assert found["value"] == 8 and max(calls) == 8
+    assert found["note"] == "the node's host memory (CPU offload) holds model.n_layers=8 and no more"
+    _search(monkeypatch, lambda n: 0.1 * n, host=lambda n: (60.0 + 5.0 * n, 50.0), knob="model.n_layers")
+    found = points.largest(c, "fsdp", 8, "model.n_layers", "cuda", combo="offload")
+    assert found["value"] == 0 and "does not fit the node's host memory" in found["note"]
+    # a batch does not grow the host: the device decides
+    _search(monkeypatch, lambda b: 0.3 + 0.1 * b, host=lambda b: (20.0, 50.0))
+    c.plan.device_memory_gib = 1.05
+    assert points.largest(c, "fsdp", 8, "trainer.batch_size", "cuda", combo="offload")["value"] == 7
+    assert points.host_cap((20.0, 50.0), (20.0, 50.0)) is None and points.host_cap(None, None) is None
 
 
 def test_find_rows_search_every_point_and_name_their_probes(plan_cfg, monkeypatch):

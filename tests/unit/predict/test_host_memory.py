@@ -48,9 +48,9 @@ def test_a_bad_pinned_threshold_is_refused_naming_it():
 def test_one_mlp_weights_shard_on_the_host_worked_by_hand():
     """Llama 2 70B's gate projection (28,672 x 8,192) at 8 ranks, fp32, Adam: a shard of 3,584
     rows, 29,360,128 elements, 112 MiB. Pinned: the parameter and the gradient, 128 MiB each
-    (256). Adam's two moments, pageable: 224 MiB and a 4-byte step. The host step's square
-    root, 4 bytes an element of the group it steps (this shard alone): 112 MiB. 592 MiB and
-    4 bytes, where the states' bytes are 448 MiB and 4 bytes."""
+    (256). Adam's two moments, pageable: 224 MiB and a 4-byte step. The host step's new
+    tensors, here 4 bytes an element (a foreach Adam's square root) of the one shard it steps:
+    112 MiB. 592 MiB and 4 bytes, where the states' bytes are 448 MiB and 4 bytes."""
     shard = 3584 * 8192
     adam = OmegaConf.create({"name": "adam"})
     out = offload_host_mib([shard, shard], [shard], adam, 4.0, DEFAULT, step_elements=shard, step_bytes_per_element=4)
