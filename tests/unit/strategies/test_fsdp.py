@@ -152,3 +152,40 @@ def test_the_predicted_optimizer_state_is_a_real_adam_over_fully_shard(fake_grou
     optimizer.step()
     real = sum(t.to_local().numel() * 4 for s in optimizer.state.values() for k, t in s.items() if k != "step")
     assert real == 2 * 4 * sum(FSDP.memory.resident_numel(_cfg(), shapes, [], 2, 3)["optimizer"])
+
+
+@pytest.mark.parametrize("world_size, rank", [(3, 2), (4, 1)])
+def test_the_pinned_tensors_are_real_fully_shard_shards(fake_group, world_size, rank):
+    """CPU offload pins each parameter's padded storage and each gradient's own rows: the
+    local storage and the local tensor of a real fully_shard parameter."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    fake_group(world_size, rank)
+    net = nn.Sequential(nn.Linear(7, 5), nn.Linear(5, 3))
+    shapes = [tuple(p.shape) for p in net.parameters()]
+    fully_shard(net, mesh=init_device_mesh("cpu", (world_size,)))
+    params = list(net.parameters())
+    padded = [p._local_tensor.untyped_storage().nbytes() // 4 for p in params]
+    own = [p.to_local().numel() for p in params]
+    assert FSDP.memory.pinned_numels(_cfg(), shapes, [], rank, world_size) == padded + own
+
+
+def test_an_offloaded_build_steps_its_optimizer_as_torch_does_on_the_host(fake_group, monkeypatch):
+    """Under CPU offload the states live on the host: a GPU run's optimizer is built per tensor
+    there (torch's choice for CPU tensors), not with CUDA's foreach (fully_shard stubbed: this
+    machine has no GPU to offload from)."""
+    from sharded_exp.optim import optimizer_spec
+    from sharded_exp.strategies import fsdp
+
+    fake_group(2)
+    monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kw: module)
+    built = {}
+    for offload in (False, True):
+        spec = optimizer_spec(OmegaConf.create({"name": "adam", "lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                "weight_decay": 0.0, "no_decay_lr_scale": 1.0, "foreach": None}),
+                              nn.Linear(4, 4), torch.device("cuda"))  # fmt: skip
+        net = nn.Sequential(nn.Linear(4, 4))
+        strategy = FSDP.build(_cfg(cpu_offload=offload), net, spec, _precision("32"), torch.device("cpu"))
+        built[offload] = strategy.optimizer.defaults["foreach"]
+    assert built == {False: True, True: False}
