@@ -176,10 +176,9 @@ class FSDPMemory(MemoryModel):
         block each (:mod:`sharded_exp.predict.host_memory`): every parameter's padded shard
         (``shapes``, then the ``frozen`` ones) and every trainable parameter's gradient shard,
         unpadded (its own rows, copied out of the reduce-scatter's padded output)."""
-        world_size = shard_group(cfg, world_size)
-        rank = rank % world_size
-        params = [_padded_numel(s, world_size) for s in [*shapes, *frozen]]
-        return params + [_shard_numel(s, rank, world_size) for s in shapes]
+        group = shard_group(cfg, world_size)
+        params = [_padded_numel(s, group) for s in [*shapes, *frozen]]
+        return params + [_shard_numel(s, rank % group, group) for s in shapes]
 
 
 @STRATEGIES.register("fsdp")
