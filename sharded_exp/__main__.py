@@ -39,8 +39,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from sharded_exp.compose import quote_numeric_choices, register_schemas
 from sharded_exp.errors import ConfigError, NothingToDo, RunDirInUse
-from sharded_exp.launch import forkserver
-from sharded_exp.launch.layout import with_shared_run_dir
+from sharded_exp.launch import forkserver, server_check
+from sharded_exp.launch.layout import external_layout, with_shared_run_dir
 from sharded_exp.questions import is_query
 from sharded_exp.sweep import check_objective, objective_value, sweeper_direction
 from sharded_exp.vocabulary.wandb_names import job_type, run_name, wandb_group
@@ -48,7 +48,7 @@ from sharded_exp.vocabulary.wandb_names import job_type, run_name, wandb_group
 if TYPE_CHECKING:
     from sharded_exp.job.result import Result
 
-register_schemas(query=is_query(sys.argv[1:]))
+register_schemas(query=True)  # the registries' schemas from their cache: no torch here
 IMPORTED = time.time()
 log = logging.getLogger("sharded_exp")  # __name__ is __main__ here
 JOB_STARTED = False
@@ -164,7 +164,6 @@ def check_and_launch(cfg: DictConfig) -> "Result | None":
     """Check and launch the job; its result (None when nothing ran). Exits on a refused
     config or a failure outside a sweep."""
     from sharded_exp.job.result import Result  # lazy: pydantic, not for Hydra's questions (--help, --cfg)
-    from sharded_exp.launch.parent import launch, record_config_error  # lazy: torch, not for Hydra's questions
     from sharded_exp.report.sweep_points import sweep_id  # lazy: pydantic (as above)
 
     hc = HydraConfig.get()
@@ -185,7 +184,7 @@ def check_and_launch(cfg: DictConfig) -> "Result | None":
             "hydra.yaml": OmegaConf.create({"hydra": hc}),
             "overrides.yaml": OmegaConf.create(overrides),
         }
-        result = launch(cfg, output_dir, job_files, started=(STARTED, IMPORTED), identity=identity)
+        result = start_job(cfg, output_dir, job_files, identity)
     except NothingToDo as exc:  # a requeued job that had finished: result.json stays as it is
         log.info("%s", exc)
         return read_result_in(output_dir)
@@ -198,14 +197,14 @@ def check_and_launch(cfg: DictConfig) -> "Result | None":
             print(f"error: {exc}", file=sys.stderr)
             return None  # the directory is another job's: nothing is written there
         log.error("error: %s", exc)  # in the point's log, beside its result.json
-        result = record_config_error(cfg, output_dir, exc, identity=identity)
+        result = _record_config_error(cfg, output_dir, exc, identity=identity)
     except OSError as exc:  # a path the job reads or writes: missing, a directory, full, read-only
         message = os_error(cfg, exc)
         print(f"error: {message}; {what_ran(output_dir)}", file=sys.stderr)
         if not multirun:
             sys.exit(1)
         try:  # a sweep point still ends with a result.json, and the report counts it
-            result = record_config_error(cfg, output_dir, OSError(message), identity=identity)
+            result = _record_config_error(cfg, output_dir, OSError(message), identity=identity)
         except OSError as written:  # the run directory's own filesystem: nothing can be written there
             from sharded_exp.report.command import ReportCallback  # lazy: torch, not for Hydra's questions
 
@@ -217,7 +216,7 @@ def check_and_launch(cfg: DictConfig) -> "Result | None":
             raise  # its traceback is what a bug report needs
         # A sweep point still ends with a result.json, and the sweep (and its report) go on.
         log.error("error: %s: %s", type(exc).__name__, exc)
-        result = record_config_error(cfg, output_dir, exc, what="unexpected", identity=identity)
+        result = _record_config_error(cfg, output_dir, exc, what="unexpected", identity=identity)
     if result.status == "stopped":
         # SIGTERM/SIGINT: exit like a terminated process (143 / 130); a sweep stops here,
         # with the report of its points so far.
@@ -239,6 +238,35 @@ def check_and_launch(cfg: DictConfig) -> "Result | None":
         log.error("error: %s (details in %s/result.json)", result.error, result.output_dir)
         sys.exit(1)
     return result
+
+
+def start_job(cfg: DictConfig, output_dir: str, job_files: dict, identity: dict) -> "Result":
+    """Begin the pre-flight check in the rank server, import what runs the ranks meanwhile,
+    then launch (:func:`sharded_exp.launch.parent.launch`, which takes the check's answer)."""
+    checking = check_early(cfg, output_dir)
+    try:
+        from sharded_exp.launch.parent import launch  # lazy: torch, imported while the server checks
+    except BaseException:
+        if checking is not None:
+            checking.cancel()
+        raise
+    return launch(cfg, output_dir, job_files, started=(STARTED, IMPORTED), identity=identity, checking=checking)
+
+
+def check_early(cfg: DictConfig, output_dir: str):
+    """This job's pre-flight check, begun in the rank server now, so that it runs while this
+    process imports torch to run the ranks (:mod:`sharded_exp.launch.server_check`); None
+    where the check runs in this process: under torchrun or srun, or when this process has
+    imported what the check needs already (a library call, a test)."""
+    if external_layout() is not None or not forkserver.started_early() or "torch._dynamo" in sys.modules:
+        return None
+    return server_check.start(cfg, output_dir)
+
+
+def _record_config_error(*args, **kwargs) -> "Result":
+    from sharded_exp.launch.parent import record_config_error  # lazy: torch, not for Hydra's questions
+
+    return record_config_error(*args, **kwargs)
 
 
 def what_ran(output_dir: str) -> str:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import glob
 import hashlib
 import json
@@ -15,12 +16,13 @@ from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Glob
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from sharded_exp import __version__, config
 from sharded_exp.errors import ConfigError
 from sharded_exp.precision import alias_options
 from sharded_exp.registry import PLUGINS_ENV, import_plugins
+from sharded_exp.schema_cache import describe, rebuild
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")  # shipped inside the package
 
@@ -33,11 +35,15 @@ def register_schemas(query: bool = False) -> None:
 
     The fixed groups' schemas live in :mod:`sharded_exp.config`; strategies, models and
     data tasks bring their own next to their builders (one module + one YAML file adds
-    one), so they are read from the registries here. ``query``: the command only asks
-    Hydra a question (``--help``, ``--cfg``, ``-sc``); see :func:`registry_schemas`.
+    one), so they are read from the registries here. ``query``: the command line composes
+    (a run, or Hydra's questions: ``--help``, ``--cfg``, ``-sc``), and may do it without
+    importing torch; see :func:`registry_schemas`. The command line's are stored once a
+    process (its spelling check, then Hydra); a library call stores the registries as they are.
     """
     # conf/config.yaml's sweep subdirectories
     OmegaConf.register_new_resolver("point_dirname", point_dirname, replace=True)
+    if query and _registered.get(query, False) == os.environ.get(PLUGINS_ENV):
+        return  # stored already in this process: the command line's spelling check, then Hydra
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=config.Config)
     cs.store(name="plan_schema", node=config.PlanConfig)
@@ -50,20 +56,29 @@ def register_schemas(query: bool = False) -> None:
     cs.store(name="schema_paths_paths", node=config.PathsConfig)
     for name, node in registry_schemas(query).items():
         cs.store(name=name, node=node)
+    _registered.clear()  # what is stored now is this kind's
+    _registered[query] = os.environ.get(PLUGINS_ENV)
 
+
+_registered: dict[bool, str | None] = {}
+"""Which kind of schemas this process stored last (a query's or a library's), with the
+plugins named then."""
 
 REGISTRY_PACKAGES = ("strategies", "models", "data")
 """The packages whose modules register schemas beside their builders (and import torch)."""
 
+CACHE_FORMAT = "2"
+"""The cache file's layout: :func:`sharded_exp.schema_cache.describe`'s (part of its name)."""
+
 
 def schemas_cache_file() -> str | None:
-    """Where the registries' schemas are cached for Hydra's questions, named by a hash of
+    """Where the registries' schemas are cached for the command line, named by a hash of
     the registry packages' sources (any edit makes a new name); None with out-of-tree
     plugins, whose schemas are always imported."""
     if os.environ.get(PLUGINS_ENV):
         return None
     package = os.path.dirname(os.path.abspath(__file__))
-    digest = hashlib.sha1(__version__.encode())
+    digest = hashlib.sha1((__version__ + CACHE_FORMAT).encode())
     for sub in REGISTRY_PACKAGES:
         for path in sorted(glob.glob(os.path.join(package, sub, "*.py"))):
             with open(path, "rb") as f:
@@ -75,20 +90,22 @@ def schemas_cache_file() -> str | None:
 def registry_schemas(query: bool = False) -> dict:
     """The strategies', models' and data tasks' schemas by ConfigStore name.
 
-    A run imports the registries (and torch with them) and gets the typed dataclasses; it
-    also writes their defaults as plain nodes to :func:`schemas_cache_file`. A query
-    (``--help``, ``--cfg job``, tab completion, which Hydra asks at every TAB) reads that
-    file instead when it is there: the same groups and defaults, printed without
-    importing torch. Without the file a query imports the registries like a run.
+    A library call (the planner, tests) imports the registries (and torch with them) and
+    gets their dataclasses; it also writes them, described, to :func:`schemas_cache_file`.
+    The command line (``query``: a run, ``--help``, ``--cfg job``, tab completion, which
+    Hydra asks at every TAB) reads that file instead when it is there, and gets the same
+    dataclasses made again (:mod:`sharded_exp.schema_cache`): the same keys, types and
+    defaults, composed without importing torch. Without the file it imports the
+    registries like a library call.
     """
     path = schemas_cache_file()
     if query and path:
         try:
             with open(path) as f:
-                return json.load(f)
-        except (OSError, ValueError):
+                return {name: rebuild(description) for name, description in json.load(f).items()}
+        except (OSError, ValueError, KeyError, TypeError):
             pass
-    # lazy: the registries import torch, which a query answered from the cache never needs
+    # lazy: the registries import torch, which a command line with the cache never needs
     from sharded_exp.data import TASKS
     from sharded_exp.models import MODELS
     from sharded_exp.strategies import STRATEGIES
@@ -102,15 +119,19 @@ def registry_schemas(query: bool = False) -> dict:
         for name in registry.names():
             nodes[f"schema_{group}_{name}"] = registry.config_class(name)
     if path and not os.path.exists(path):
-        plain = {k: OmegaConf.to_container(OmegaConf.structured(v), enum_to_str=True) for k, v in nodes.items()}
-        try:  # a cache: a home that cannot be written costs only the query's speed
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(path), delete=False, suffix=".tmp") as f:
-                json.dump(plain, f)
-            os.replace(f.name, path)
-        except OSError:
-            pass
+        _write_cache(path, nodes)
     return nodes
+
+
+def _write_cache(path: str, nodes: dict) -> None:
+    try:  # a cache: a schema it cannot describe, or a home that cannot be written, costs only speed
+        described = {name: describe(cls) for name, cls in nodes.items()}
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(path), delete=False, suffix=".tmp") as f:
+            json.dump(described, f)
+        os.replace(f.name, path)
+    except (OSError, TypeError):
+        pass
 
 
 MAX_DIRNAME = 200
@@ -189,6 +210,22 @@ def _glob_names(group: str, value: str, names: dict[str, str], conf_dir: str) ->
         sorted(dict.fromkeys(names.get(o, o) for o in options))
     )
     return ",".join(chosen) or None
+
+
+REGISTRY_GROUPS = ("strategy", "model", "data")
+"""The config groups whose schemas come from the registries (:data:`REGISTRY_PACKAGES`)."""
+
+
+def plain_registry_groups(cfg: DictConfig) -> DictConfig:
+    """A copy of ``cfg`` whose registry groups are plain data (interpolations kept): what
+    travels pickled to another process, where the schemas the command line made from the
+    cache do not exist (pre-flight makes the groups typed again, from the real schemas)."""
+    out = copy.deepcopy(cfg)
+    with open_dict(out):
+        for group in REGISTRY_GROUPS:
+            if group in out and not OmegaConf.is_missing(out, group):
+                out[group] = OmegaConf.create(OmegaConf.to_container(out[group], resolve=False))
+    return out
 
 
 def compose(overrides: list[str], config_name: str = "config"):

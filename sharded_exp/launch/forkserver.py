@@ -107,30 +107,85 @@ def call(fn: Callable[..., Any], *args: Any) -> Any:
     ConfigError (whose message is the whole answer) carries the other process's traceback
     as a note. Interrupted here (Ctrl-C), the other process is killed, not left running.
     """
-    ctx = multiprocessing.get_context("forkserver")
-    reader, writer = ctx.Pipe(duplex=False)
-    # not daemonic: fn may start processes of its own (measuring the this profile does); it is
-    # killed below if it outlives the call, and watches this process (watch_parent)
-    proc = ctx.Process(target=_answer, args=(writer, fn, args, os.getpid()))
-    proc.start()
-    writer.close()  # only the child writes: its death then ends the read (EOFError)
-    try:
+    call = Call(fn.__qualname__)
+    call.begin(fn, args)
+    return call.result()
+
+
+def start(fn: Callable[..., Any], *args: Any) -> Call:
+    """:func:`call`, begun: ``fn(*args)`` runs in the other process while this one goes on
+    (the parent imports torch while the server checks its config); ``.result()`` waits.
+    The server forks nothing until it has imported what it preloads: the process is asked
+    for from a thread, so that this one is not held up meanwhile."""
+    call = Call(fn.__qualname__)
+    call.thread = threading.Thread(target=call.begin, args=(fn, args), name="forkserver-call", daemon=True)
+    call.thread.start()
+    return call
+
+
+class Call:
+    """A function running in a process forked from the server (:func:`start`)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.started = time.time()
+        """When it was begun (time.time())."""
+        self.proc = self.reader = self.thread = None
+        self.failed: BaseException | None = None
+        """Why the process could not be started (an argument that cannot be pickled, say)."""
+
+    def begin(self, fn: Callable[..., Any], args: tuple) -> None:
+        """Start the process (it waits for the server's imports); a failure is kept for :meth:`result`."""
         try:
-            ok, value = pickle.loads(reader.recv_bytes())
-        except EOFError:
-            proc.join()
-            raise RuntimeError(
-                f"the process forked to run {fn.__qualname__} died before answering (exit code {proc.exitcode})"
-            ) from None
-        proc.join()
-    finally:
-        reader.close()
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    if ok:
-        return value
-    raise value
+            ctx = multiprocessing.get_context("forkserver")
+            reader, writer = ctx.Pipe(duplex=False)
+            # not daemonic: fn may start processes of its own (measuring the this profile does); it is
+            # killed if it outlives the call, and watches this process (watch_parent)
+            proc = ctx.Process(target=_answer, args=(writer, fn, args, os.getpid()))
+            proc.start()
+            writer.close()  # only the child writes: its death then ends the read (EOFError)
+            self.proc, self.reader = proc, reader
+        except BaseException as exc:  # noqa: BLE001 -- raised by result(), in the caller's thread
+            self.failed = exc
+
+    def _started(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+        if self.failed is not None:
+            raise self.failed
+
+    def cancel(self) -> None:
+        """Stop waiting for it: the process is killed if it still runs."""
+        if self.thread is not None:
+            self.thread.join()
+        if self.proc is None:
+            return
+        self.reader.close()
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join()
+
+    def result(self) -> Any:
+        """Wait for the answer: the function's return value, or its exception raised here."""
+        self._started()
+        try:
+            try:
+                payload = self.reader.recv_bytes()
+            except EOFError:
+                self.proc.join()
+                raise RuntimeError(
+                    f"the process forked to run {self.name} died before answering (exit code {self.proc.exitcode})"
+                ) from None
+            self.proc.join()
+        finally:
+            self.reader.close()
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join()
+        ok, value = pickle.loads(payload)  # the answer's classes are imported here, once it has come
+        if ok:
+            return value
+        raise value
 
 
 def _answer(writer, fn: Callable[..., Any], args: tuple, caller: int) -> None:

@@ -16,6 +16,7 @@ over the result, write ``result.json`` and print the summary. Its parts:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -29,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from sharded_exp.errors import WontFit
 from sharded_exp.job.result import Result, write_result
 from sharded_exp.job.spec import JobSpec
-from sharded_exp.launch import forkserver, preflight
+from sharded_exp.launch import forkserver, preflight, server_check
 from sharded_exp.launch.diagnose import failure_result
 from sharded_exp.launch.layout import Layout, external_layout
 from sharded_exp.launch.run_dir import (
@@ -86,6 +87,7 @@ def launch(
     job_files: dict[str, Any] | None = None,
     started: tuple[float, float] | None = None,
     identity: dict[str, Any] | None = None,
+    checking: forkserver.Call | None = None,
 ) -> Result:
     """Check, run every rank, write ``result.json`` and print the summary table.
 
@@ -94,9 +96,11 @@ def launch(
     Under torchrun only rank 0 writes and prints. ``job_files``: ``.hydra/`` files to
     write once the config is known good. ``identity``: result.json fields that place the
     job in its sweep (``overrides``, ``sweep_id``, see :func:`sharded_exp.report`).
+    ``checking``: this job's pre-flight check, begun in the rank server (:func:`sharded_exp.launch.server_check.start`).
     """
     import_plugins()
-    run = Launch(cfg, output_dir, job_files or {}, identity or {}, started, time.time(), external_layout())
+    launched = checking.started if checking is not None else time.time()
+    run = Launch(cfg, output_dir, job_files or {}, identity or {}, started, launched, external_layout())
     try:
         # A directory that exists may be another live job's: refused at once, before anything
         # is checked or written. A new one is made (and held) once the config is known good.
@@ -105,8 +109,11 @@ def launch(
         # ConfigError here, before any rank starts, for a config that cannot run
         # The command's own rank server has imported what the check needs (torch._dynamo):
         # checked there. Under torchrun, in a library call or a test: here.
-        if run.layout is None and forkserver.started_early() and "torch._dynamo" not in sys.modules:
-            spec = preflight.check_in_server(cfg, output_dir)
+        if checking is not None:  # begun by __main__, before this module's imports
+            spec = dataclasses.replace(checking.result(), **preflight.this_process())
+        elif run.layout is None and forkserver.started_early() and "torch._dynamo" not in sys.modules:
+            check = server_check.start(cfg, output_dir)
+            spec = dataclasses.replace(check.result(), **preflight.this_process())
         else:
             spec = preflight.check(cfg, output_dir, run.layout, peak=run.is_writer)
         result = base_result(
@@ -129,6 +136,8 @@ def launch(
             _publish(output_dir, result)
         return result
     finally:
+        if checking is not None:
+            checking.cancel()  # when the run directory was refused before the check's answer was read
         release_run_dir(run.run_dir_lock, run.checkpoint_lock)
 
 

@@ -2,7 +2,7 @@
 
 :func:`check` runs for the parent (the Hydra job) on the composed config: in the parent, or,
 for ``python -m sharded_exp`` spawning its ranks, in a process forked from the rank server
-(:func:`check_in_server`), which has imported what it needs by then. It refuses what a
+(:mod:`.server_check`), which has imported what it needs by then. It refuses what a
 schema cannot express (ranges, a GPU that is not there, a package that is not installed,
 a model and task that do not fit, a checkpoint that cannot start this job) with a
 :class:`~sharded_exp.errors.ConfigError` that names the bad value and what is allowed,
@@ -17,21 +17,18 @@ import copy
 import dataclasses
 import os
 
-import hydra.core.utils
 import torch
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from torch.nn.parameter import UninitializedParameter
 
 from sharded_exp import logs
 from sharded_exp.checkpoint import plan_checkpoints
-from sharded_exp.compose import point_dirname
 from sharded_exp.config import Config, JobGroups, ZeroGrad, check_ranges
 from sharded_exp.data import TASKS
 from sharded_exp.data.loader import check_fits
 from sharded_exp.errors import ConfigError, WontFit, missing_packages
 from sharded_exp.job.spec import JobSpec, decided_config
-from sharded_exp.launch import forkserver
 from sharded_exp.launch.layout import Layout
 from sharded_exp.models import MODELS, build_model, units
 from sharded_exp.models.target import (
@@ -45,7 +42,6 @@ from sharded_exp.models.target import (
 from sharded_exp.optim import OPTIMIZERS
 from sharded_exp.precision import PRECISIONS, Precision
 from sharded_exp.predict.prediction import meta_model, model_shapes, predict, predict_peak
-from sharded_exp.registry import import_plugins
 from sharded_exp.strategies import STRATEGIES
 from sharded_exp.train import faults
 
@@ -215,11 +211,11 @@ def check(cfg: Config, output_dir: str, layout: Layout | None = None, peak: bool
         zero_grad=zero_grad,
         checkpoint=plan,
         launcher=layout.launcher if layout is not None else "spawn",
-        **_this_process(),
+        **this_process(),
     )
 
 
-def _this_process() -> dict:
+def this_process() -> dict:
     """The spec's fields that name the process that checked: the parent's."""
     return {
         "env": {k: v for k, v in os.environ.items() if k.startswith("SHARDED_EXP_")},
@@ -227,39 +223,6 @@ def _this_process() -> dict:
         "log_file": logs.job_log_file(),
         "log_level": logs.level(),
     }
-
-
-def check_in_server(cfg: Config, output_dir: str, peak: bool = True) -> JobSpec:
-    """:func:`check` for a job that spawns its ranks, run in a process forked from the rank
-    server, which has imported torch, the strategies and ``torch._dynamo`` (the fake step's)
-    while this process composed the config: the parent's first check then pays none of
-    those imports (about half a second of ``torch._dynamo`` alone). Same spec, same
-    ConfigError; the check's log lines go to the parent's console and log file."""
-    here = {
-        "env": dict(os.environ),
-        "cwd": os.getcwd(),
-        "hydra": HydraConfig.instance().cfg,  # what ${hydra:...} in the config reads
-        "log_file": logs.job_log_file(),
-        "log_level": logs.level(),
-    }
-    spec = forkserver.call(_check_there, cfg, output_dir, peak, here)
-    return dataclasses.replace(spec, **_this_process())
-
-
-def _check_there(cfg: Config, output_dir: str, peak: bool, here: dict) -> JobSpec:
-    """The checking process: the parent's environment, directory, Hydra resolvers and
-    logging, then :func:`check`."""
-    os.environ.clear()
-    os.environ.update(here["env"])
-    os.chdir(here["cwd"])
-    logs.setup_forked("parent", here["log_file"], here["log_level"])
-    hydra.core.utils.setup_globals()  # ${now:...}, ${hydra:...}
-    OmegaConf.register_new_resolver("point_dirname", point_dirname, replace=True)  # a sweep's subdir
-    # the parent's Hydra config as it holds it: set_config would copy its node apart from the keys
-    # it refers to (${paths.output_dir}) and from the ${now:...} it resolved
-    HydraConfig.instance().cfg = here["hydra"]
-    import_plugins()
-    return check(cfg, output_dir, None, peak)
 
 
 RANK_OVERHEAD_MIB = 400
@@ -336,12 +299,13 @@ def check_values(cfg: JobGroups) -> None:
     )
     if not is_target_model(cfg.model):
         MODELS.builder(cfg.model.name)
-    else:
+    TASKS.builder(cfg.data.name)
+    retyped(cfg)
+    if is_target_model(cfg.model):
         check_config_file(cfg.model)  # a readable config.json (it replaces model.config), or none
         check_attn_implementation(cfg.model)  # a kernel the Hugging Face class has, or null
         check_head_counts(cfg.model)  # heads that divide as the attention's forward needs
         check_pretrained(cfg.model)  # a local save_pretrained directory, never a download
-    TASKS.builder(cfg.data.name)
     name = str(cfg.precision.name)
     _require(name in PRECISIONS, f"precision={name!r} is not one of {', '.join(PRECISIONS)}")
     _require(
@@ -349,6 +313,26 @@ def check_values(cfg: JobGroups) -> None:
     )
     check_ranges(cfg)  # each group's __post_init__ checks its own ranges (config.py)
     check_numbers(cfg)
+
+
+def retyped(cfg: JobGroups) -> None:
+    """The strategy, model and data groups made of their registries' own schemas, in place.
+    The command line composes them from schemas made again from a cache (no torch there,
+    :mod:`sharded_exp.schema_cache`), and they reach pre-flight as plain data; the real
+    schemas carry the range checks (``__post_init__``) the typed config runs. A model built
+    by ``_target_`` has no schema of its own: left as it is."""
+    for group, registry in (("strategy", STRATEGIES), ("model", MODELS), ("data", TASKS)):
+        node = cfg[group]
+        if group == "model" and is_target_model(node):
+            continue
+        schema = registry.config_class(node.name)
+        if OmegaConf.get_type(node) is schema:
+            continue
+        try:
+            cfg[group] = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.to_container(node, resolve=False))
+        except OmegaConfBaseException as exc:  # not met after Hydra's own composition with the same types
+            key = getattr(exc, "full_key", None)
+            raise ConfigError(f"{group}.{key}: {str(exc).splitlines()[0]}" if key else str(exc)) from None
 
 
 def check_numbers(cfg: JobGroups) -> None:

@@ -21,10 +21,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 
 from sharded_exp import sweep
-from sharded_exp.report import workspace
-from sharded_exp.report.publish import write_report
-from sharded_exp.report.sweep_points import SWEEP_ID, load_points
-from sharded_exp.report.text import compact, headline
+from sharded_exp.report.sweep_points import SWEEP_ID
 
 
 class ReportCallback(Callback):
@@ -58,6 +55,10 @@ class ReportCallback(Callback):
             self.lock = None
 
     def _report(self, sweep_dir: Path) -> None:
+        # lazy: torch (the strategies' names and order), not for every job Hydra makes this callback for
+        from sharded_exp.report.publish import write_report
+        from sharded_exp.report.text import headline
+
         try:
             rows = write_report(sweep_dir)
         except OSError as exc:
@@ -94,6 +95,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # lazy: torch, which the multirun callback in this module must not import (above)
+    from sharded_exp.report import workspace
+    from sharded_exp.report.publish import write_report
+    from sharded_exp.report.sweep_points import load_points
+    from sharded_exp.report.text import compact, headline
+
     args = parse(sys.argv[1:] if argv is None else argv)
     if not args.sweep_dir.is_dir():
         print(

@@ -242,8 +242,8 @@ def test_a_gpu_per_task_is_accepted_from_an_external_launcher(monkeypatch):
 
 
 def test_schema_cache_holds_every_registry_schema_with_its_defaults(tmp_path, monkeypatch):
-    """The plain nodes Hydra's questions read are the registries' dataclasses' defaults;
-    a corrupt cache falls back to the registries."""
+    """The schemas the command line composes with, made again from the cache, have the
+    registries' dataclasses' fields and defaults; a corrupt cache falls back to the registries."""
     from omegaconf import OmegaConf
 
     from sharded_exp.compose import registry_schemas, schemas_cache_file
@@ -254,7 +254,9 @@ def test_schema_cache_holds_every_registry_schema_with_its_defaults(tmp_path, mo
     cached = registry_schemas(query=True)
     assert set(cached) == set(typed) and "schema_strategy_fsdp" in cached
     for name, cls in typed.items():
-        assert cached[name] == OmegaConf.to_container(OmegaConf.structured(cls), enum_to_str=True), name
+        made = OmegaConf.to_container(OmegaConf.structured(cached[name]), enum_to_str=True)
+        assert made == OmegaConf.to_container(OmegaConf.structured(cls), enum_to_str=True), name
+        assert cached[name].__name__ == cls.__name__
     with open(path, "w") as f:
         f.write("{not json")
     assert registry_schemas(query=True)["schema_strategy_fsdp"] is typed["schema_strategy_fsdp"]

@@ -107,8 +107,10 @@ def test_a_query_reads_the_cache_file_and_a_run_imports_the_registries(tmp_path,
     assert "schema_strategy_fsdp" in typed and "schema_model_gpt" in typed and "schema_data_markov" in typed
     path = schemas_cache_file()
     with open(path, "w") as f:
-        json.dump({"schema_strategy_mine": {"name": "mine"}}, f)
-    assert registry_schemas(query=True) == {"schema_strategy_mine": {"name": "mine"}}
+        json.dump({"schema_strategy_mine": {"name": "MineConfig", "fields": [
+            {"name": "name", "type": "str", "default": "mine"}]}}, f)  # fmt: skip
+    (name, made), = registry_schemas(query=True).items()
+    assert name == "schema_strategy_mine" and made.__name__ == "MineConfig" and made().name == "mine"
     assert registry_schemas(query=False)["schema_strategy_fsdp"] is typed["schema_strategy_fsdp"]
 
 

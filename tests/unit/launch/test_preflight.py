@@ -73,6 +73,25 @@ def test_the_spec_carries_the_decided_config_typed(cfg, tmp_path):
     assert spec.cfg().trainer.zero_grad is ZeroGrad.free and spec.config["trainer"]["zero_grad"] == "free"
 
 
+def test_groups_composed_from_the_cached_schemas_reach_the_check_plain_and_leave_it_typed(tmp_path):
+    """The command line composes the strategy, model and data groups from schemas made again
+    from the cache (no torch there), and sends them to the check as plain data
+    (plain_registry_groups: what pickles); the check makes each of its real schema again, so
+    that the schema's own range checks run and the ranks get the registry's dataclass."""
+    import pickle
+
+    from sharded_exp.compose import plain_registry_groups
+    from sharded_exp.models.gpt import GPTConfig
+    from sharded_exp.strategies.fsdp import FSDPConfig
+
+    plain = pickle.loads(pickle.dumps(plain_registry_groups(compose(["strategy=fsdp", "model=gpt", *SMALL[:1]]))))
+    assert OmegaConf.get_type(plain.strategy) is dict and OmegaConf.get_type(plain.model) is dict
+    spec = check(plain, str(tmp_path), peak=False)
+    assert isinstance(spec.typed.strategy, FSDPConfig) and isinstance(spec.typed.model, GPTConfig)
+    plain.model.n_layers = "many"  # plain data takes anything: the real schema does not
+    refused(plain, "model.n_layers: Value 'many' of type 'str' could not be converted to Integer")
+
+
 def test_unknown_names_are_refused_naming_the_choices(cfg):
     bad = copy.deepcopy(cfg)
     bad.strategy.name = "zero9"

@@ -67,7 +67,7 @@ def test_a_report_that_cannot_be_written_fails_the_command(tmp_path, capsys, mon
     def full(_):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(command, "write_report", full)
+    monkeypatch.setattr(publish, "write_report", full)
     assert command.main([str(tmp_path)]) == 1
     assert capsys.readouterr().err == f"error: report not written in {tmp_path}: No space left on device\n"
 
@@ -82,7 +82,7 @@ def test_a_workspace_for_a_sweep_without_wandb_is_refused(tmp_path, capsys, no_c
 def test_the_end_of_a_sweep_counts_the_points_that_failed(callback, monkeypatch, tmp_path, capsys):
     statuses = ["ok", "oom", "stopped", "failed", "diverged", "unreadable"]
     rows = build_rows([point("ddp", n=n, status=s, peak=1.0, sps=10.0) for n, s in enumerate(statuses)])
-    monkeypatch.setattr(command, "write_report", lambda d: rows)
+    monkeypatch.setattr(publish, "write_report", lambda d: rows)
     callback._report(tmp_path)
     assert command.ReportCallback.failed_points == 3  # failed, diverged, unreadable: not ok, oom or stopped
     out, err = capsys.readouterr()
@@ -93,13 +93,13 @@ def test_the_end_of_a_sweep_counts_the_points_that_failed(callback, monkeypatch,
 
 def test_a_sweep_whose_points_all_finished_fails_nothing(callback, monkeypatch, tmp_path, capsys):
     rows = build_rows([point("ddp", status="ok", peak=2.0), point("fsdp", n=1, status="oom")])
-    monkeypatch.setattr(command, "write_report", lambda d: rows)
+    monkeypatch.setattr(publish, "write_report", lambda d: rows)
     callback._report(tmp_path)
     assert command.ReportCallback.failed_points == 0 and capsys.readouterr().err == ""
 
 
 def test_a_sweep_without_results_or_whose_report_fails(callback, monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(command, "write_report", lambda d: [])
+    monkeypatch.setattr(publish, "write_report", lambda d: [])
     callback._report(tmp_path)
     assert command.ReportCallback.failed_points == 0
     assert capsys.readouterr().err == f"report: no result.json under {tmp_path}; no report written\n"
@@ -107,7 +107,7 @@ def test_a_sweep_without_results_or_whose_report_fails(callback, monkeypatch, tm
     def denied(_):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(command, "write_report", denied)
+    monkeypatch.setattr(publish, "write_report", denied)
     callback._report(tmp_path)
     assert command.ReportCallback.failed_points == 1  # a report not written fails the sweep
     assert capsys.readouterr().err == f"error: report not written in {tmp_path}: Permission denied\n"
@@ -115,7 +115,7 @@ def test_a_sweep_without_results_or_whose_report_fails(callback, monkeypatch, tm
 
 def test_a_sweep_holds_its_directory_with_a_new_id_until_its_report(callback, monkeypatch, tmp_path):
     monkeypatch.setattr(sharded_exp.sweep, "check_multirun", lambda config: None)
-    monkeypatch.setattr(command, "write_report", lambda d: build_rows([point("ddp", peak=1.0)]))
+    monkeypatch.setattr(publish, "write_report", lambda d: build_rows([point("ddp", peak=1.0)]))
     sweep_dir = tmp_path / "sweep"
     callback.on_multirun_start(sweep_config(sweep_dir))
     first = (sweep_dir / SWEEP_ID).read_text()

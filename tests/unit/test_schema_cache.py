@@ -1,0 +1,99 @@
+"""sharded_exp.schema_cache: the registries' schemas written as JSON and made again, so that the
+command line composes with the same keys, types, defaults and refusals without importing torch."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from typing import Any, Dict, List, Optional
+
+import pytest
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from sharded_exp.compose import registry_schemas
+from sharded_exp.schema_cache import describe, rebuild
+
+
+class Colour(enum.Enum):
+    red = "red"
+    blue = "blue"
+
+
+@dataclasses.dataclass
+class Inner:
+    depth: int = 2
+
+
+@dataclasses.dataclass
+class Every:
+    """One field of every kind a schema may hold."""
+
+    name: str = "every"
+    count: int = 3
+    rate: float = 0.5
+    on: bool = True
+    anything: Any = None
+    colour: Colour = Colour.blue
+    maybe_colour: Optional[Colour] = None
+    maybe_text: Optional[str] = None
+    names: List[str] = dataclasses.field(default_factory=lambda: ["a", "b"])
+    extra: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    inner: Inner = dataclasses.field(default_factory=Inner)
+    must: int = MISSING
+
+
+def made(cls: type) -> type:
+    return rebuild(json.loads(json.dumps(describe(cls))))  # through JSON, as the cache file holds it
+
+
+def refusal(cls: type, key: str, value: Any) -> str:
+    with pytest.raises(OmegaConfBaseException) as err:
+        OmegaConf.merge(OmegaConf.structured(cls), {key: value})
+    return str(err.value).replace(cls.__qualname__, cls.__name__)  # the same name, a local class or not
+
+
+def test_every_kind_of_field_is_made_again_with_its_name_type_and_default():
+    again = made(Every)
+    assert again.__name__ == "Every"
+    assert OmegaConf.to_yaml(OmegaConf.structured(again)) == OmegaConf.to_yaml(OmegaConf.structured(Every))
+    node = OmegaConf.structured(again)
+    assert OmegaConf.is_missing(node, "must") and node.inner.depth == 2 and node.colour.name == "blue"
+    node.names.append("c")  # a default list is each instance's own
+    assert OmegaConf.structured(again).names == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("count", "abc"), ("rate", "fast"), ("on", "maybe"), ("colour", "green"), ("maybe_colour", "green"),
+     ("names", "not a list"), ("inner", {"depth": "deep"}), ("unknown", 1)],
+)  # fmt: skip
+def test_a_made_schema_refuses_what_the_original_refuses_with_the_same_message(key, value):
+    assert refusal(made(Every), key, value) == refusal(Every, key, value)
+
+
+def test_a_made_schema_takes_what_the_original_takes():
+    values = {"count": "7", "colour": "red", "maybe_colour": None, "names": ["x"], "extra": {"k": 1}, "must": 4}
+    ours = OmegaConf.merge(OmegaConf.structured(made(Every)), values)
+    theirs = OmegaConf.merge(OmegaConf.structured(Every), values)
+    assert OmegaConf.to_container(ours, enum_to_str=True) == OmegaConf.to_container(theirs, enum_to_str=True)
+
+
+def test_a_type_the_cache_cannot_hold_is_said():
+    @dataclasses.dataclass
+    class Odd:
+        pair: tuple = (1, 2)
+
+    with pytest.raises(TypeError, match="cannot hold"):
+        describe(Odd)
+
+
+def test_every_registry_schema_is_made_again_exactly():
+    for name, cls in registry_schemas(query=False).items():
+        again = made(cls)
+        assert again.__name__ == cls.__name__, name
+        real, ours = OmegaConf.structured(cls), OmegaConf.structured(again)
+        assert OmegaConf.to_yaml(ours) == OmegaConf.to_yaml(real), name
+        for field in dataclasses.fields(cls):  # the same node type for each field: the same checks
+            assert type(ours._get_node(field.name)) is type(real._get_node(field.name)), (name, field.name)
