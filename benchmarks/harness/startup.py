@@ -31,7 +31,11 @@ PHASES = [
     ("python start", "command", "main"),
     ("imports (rank server starts meanwhile)", "main", "imported"),
     ("Hydra compose", "imported", "launch"),
-    ("validate (the pre-flight check; forked from the rank server, it waits for its imports)", "launch", "validated"),
+    (
+        "validate (the check, forked from the rank server once it has imported; the parent imports torch meanwhile)",
+        "launch",
+        "validated",
+    ),
     ("start ranks (forkserver)", "validated", "rank_start"),
     ("process group", "rank_start", "process_group_ready"),
     ("model + strategy", "process_group_ready", "built"),

@@ -32,8 +32,11 @@ RESULT_KEYS = {
 
 
 def test_default_job_prints_table_and_writes_result(tmp_path):
+    from sharded_exp.compose import registry_schemas
+
+    registry_schemas()  # the schema cache written, as on any machine where a command has run since the install
     env, imports = recording_imports(
-        tmp_path, "torchmetrics", "torch.distributed.checkpoint", "torch.distributed.optim", "torch._dynamo"
+        tmp_path, "torchmetrics", "torch.distributed.checkpoint", "torch.distributed.optim", "torch._dynamo", "torch"
     )
     run = tmp_path / "run"
     proc = run_cli([f"hydra.run.dir={run}"], cwd=ROOT, env=env)
@@ -64,8 +67,13 @@ def test_default_job_prints_table_and_writes_result(tmp_path):
     # rank server preloads it only then: sharded_exp/launch/forkserver.py). torch._dynamo (half a
     # second) by one process, the rank server: the parent's pre-flight check, whose fake step needs
     # it, runs in a process forked from the server, not in the parent
-    recorded = imports.read_text().splitlines() if imports.exists() else []
-    assert [line.split()[0] for line in recorded] == ["torch._dynamo"], recorded
+    recorded = [line.split() for line in imports.read_text().splitlines()] if imports.exists() else []
+    assert [name for name, _, _ in recorded if name != "torch"] == ["torch._dynamo"], recorded
+    # torch itself (two seconds) by two processes: the rank server at once, and the parent only
+    # once it had begun the check in the server (the timeline's "launch"): it composed the config
+    # without torch, from the registries' schemas made again from their cache (schema_cache.py)
+    torch_at = sorted(float(at) for name, _, at in recorded if name == "torch")
+    assert len(torch_at) == 2 and torch_at[0] < t["launch"] <= torch_at[1], (torch_at, t["launch"])
 
 
 @pytest.mark.slow
