@@ -30,6 +30,7 @@ from sharded_exp.data.loader import check_fits
 from sharded_exp.errors import ConfigError, WontFit, missing_packages
 from sharded_exp.job.spec import JobSpec, decided_config
 from sharded_exp.launch.layout import Layout
+from sharded_exp.measure.host_memory import available_mib as available_host_mib
 from sharded_exp.models import MODELS, build_model, units
 from sharded_exp.models.target import (
     check_accepts,
@@ -227,28 +228,6 @@ def this_process() -> dict:
 
 RANK_OVERHEAD_MIB = 400
 """A CPU rank's memory besides its tensors (the interpreter, torch, its libraries), roughly."""
-
-
-def available_host_mib() -> float | None:
-    """Memory this job can still take: MemAvailable, or the cgroup's limit minus its use
-    when that is smaller (a container, a SLURM allocation); None when neither is readable."""
-    found = []
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        found.append(int(info["MemAvailable"].split()[0]) / 1024)
-    except (OSError, KeyError, ValueError):
-        pass
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        with open("/sys/fs/cgroup/memory.current") as f:
-            used = int(f.read())
-        if limit != "max":
-            found.append((int(limit) - used) / 2**20)
-    except (OSError, ValueError):
-        pass
-    return min(found) if found else None
 
 
 def host_need_mib(peak: dict, device_type: str) -> list[float] | None:

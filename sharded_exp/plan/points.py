@@ -19,6 +19,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from sharded_exp.config import PlanConfig
+from sharded_exp.measure import host_memory
 from sharded_exp.measure.cuda_kernels import cublas_workspace_mib
 from sharded_exp.plan.depth import first_depth, peaks_by_depth, shapes_of
 from sharded_exp.plan.progress import Progress
@@ -313,31 +314,12 @@ def host_budget_gib(cfg: PlanConfig) -> tuple[float | None, str]:
         return float(given), "plan.host_memory_gib"
     name = profile_name(cfg)
     if name == "this":
-        total = machine_memory_gib()
-        return (total, "this machine's memory") if total else (None, "this machine's memory could not be read")
+        total = host_memory.total_mib()
+        return (total / 1024, "this machine's memory") if total else (None, "this machine's memory could not be read")
     host = load_device(name).host_memory
     if host is None or host.capacity_gib is None:
         return None, f"{name} states no server memory: set plan.host_memory_gib"
     return host.capacity_gib.value, f"{name}'s server"
-
-
-def machine_memory_gib() -> float | None:
-    """This machine's memory (MemTotal), or its cgroup's limit where smaller; None: unreadable."""
-    found = []
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        found.append(int(info["MemTotal"].split()[0]) * 1024 / GIB)
-    except (OSError, KeyError, ValueError):
-        pass
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        if limit != "max":
-            found.append(int(limit) / GIB)
-    except (OSError, ValueError):
-        pass
-    return min(found) if found else None
 
 
 def allocator_columns(total_gib: float | None, allocator: dict | None) -> dict[str, Any]:

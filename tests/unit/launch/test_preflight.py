@@ -18,7 +18,6 @@ from sharded_exp.launch import preflight
 from sharded_exp.launch.layout import Layout
 from sharded_exp.launch.preflight import (
     RANK_OVERHEAD_MIB,
-    available_host_mib,
     check,
     check_host_memory,
     check_numbers,
@@ -211,32 +210,6 @@ def test_host_memory_is_not_checked_without_a_prediction_or_a_reading(monkeypatc
     check_host_memory([], 2)
     monkeypatch.setattr(preflight, "available_host_mib", lambda: None)
     check_host_memory([1e9], 2)
-
-
-def _files(monkeypatch, files: dict[str, str]):
-    import io
-
-    def fake_open(path, *a, **k):
-        if path not in files:
-            raise FileNotFoundError(path)
-        return io.StringIO(files[path])
-
-    monkeypatch.setattr(preflight, "open", fake_open, raising=False)
-
-
-def test_available_host_memory_is_the_smaller_of_meminfo_and_the_cgroup(monkeypatch):
-    meminfo = "MemTotal: 9000000 kB\nMemAvailable:    2097152 kB\n"  # 2048 MiB
-    cgroup = {"/sys/fs/cgroup/memory.max": str(3 * 2**30) + "\n", "/sys/fs/cgroup/memory.current": str(2**30)}
-    _files(monkeypatch, {"/proc/meminfo": meminfo, **cgroup})
-    assert available_host_mib() == 2048.0  # cgroup leaves 2048 too; make it smaller:
-    cgroup["/sys/fs/cgroup/memory.current"] = str(2 * 2**30)
-    _files(monkeypatch, {"/proc/meminfo": meminfo, **cgroup})
-    assert available_host_mib() == 1024.0
-    _files(monkeypatch, {"/proc/meminfo": meminfo, "/sys/fs/cgroup/memory.max": "max\n",
-                         "/sys/fs/cgroup/memory.current": "5"})  # fmt: skip
-    assert available_host_mib() == 2048.0
-    _files(monkeypatch, {})
-    assert available_host_mib() is None
 
 
 # ------------------------------------------------------------------------- check()
