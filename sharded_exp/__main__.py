@@ -246,11 +246,11 @@ def start_job(cfg: DictConfig, output_dir: str, job_files: dict, identity: dict)
     checking = check_early(cfg, output_dir)
     try:
         from sharded_exp.launch.parent import launch  # lazy: torch, imported while the server checks
-    except BaseException:
-        if checking is not None:
+
+        return launch(cfg, output_dir, job_files, started=(STARTED, IMPORTED), identity=identity, checking=checking)
+    finally:
+        if checking is not None:  # its answer read, or not wanted any more (a refusal, Ctrl-C)
             checking.cancel()
-        raise
-    return launch(cfg, output_dir, job_files, started=(STARTED, IMPORTED), identity=identity, checking=checking)
 
 
 def check_early(cfg: DictConfig, output_dir: str):

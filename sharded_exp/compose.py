@@ -22,7 +22,7 @@ from sharded_exp import __version__, config
 from sharded_exp.errors import ConfigError
 from sharded_exp.precision import alias_options
 from sharded_exp.registry import PLUGINS_ENV, import_plugins
-from sharded_exp.schema_cache import describe, rebuild
+from sharded_exp.schema_cache import describe, rebuild_all
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")  # shipped inside the package
 
@@ -67,7 +67,7 @@ plugins named then."""
 REGISTRY_PACKAGES = ("strategies", "models", "data")
 """The packages whose modules register schemas beside their builders (and import torch)."""
 
-CACHE_FORMAT = "2"
+CACHE_FORMAT = "3"
 """The cache file's layout: :func:`sharded_exp.schema_cache.describe`'s (part of its name)."""
 
 
@@ -100,11 +100,9 @@ def registry_schemas(query: bool = False) -> dict:
     """
     path = schemas_cache_file()
     if query and path:
-        try:
-            with open(path) as f:
-                return {name: rebuild(description) for name, description in json.load(f).items()}
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
+        made = _read_cache(path)
+        if made is not None:
+            return made
     # lazy: the registries import torch, which a command line with the cache never needs
     from sharded_exp.data import TASKS
     from sharded_exp.models import MODELS
@@ -118,9 +116,22 @@ def registry_schemas(query: bool = False) -> dict:
     for group, registry in (("strategy", STRATEGIES), ("model", MODELS), ("data", TASKS)):
         for name in registry.names():
             nodes[f"schema_{group}_{name}"] = registry.config_class(name)
-    if path and not os.path.exists(path):
+    if path and (query or not os.path.exists(path)):  # a command line here found none it could read
         _write_cache(path, nodes)
     return nodes
+
+
+def _read_cache(path: str) -> dict | None:
+    """The schemas made again from the cache file; None when it is missing or not one this
+    code wrote whole (any edit to the sources names another file, so this is damage)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        if data.get("format") != CACHE_FORMAT or not data.get("complete"):
+            return None
+        return rebuild_all(data["schemas"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def _write_cache(path: str, nodes: dict) -> None:
@@ -128,7 +139,7 @@ def _write_cache(path: str, nodes: dict) -> None:
         described = {name: describe(cls) for name, cls in nodes.items()}
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(path), delete=False, suffix=".tmp") as f:
-            json.dump(described, f)
+            json.dump({"format": CACHE_FORMAT, "complete": True, "schemas": described}, f)
         os.replace(f.name, path)
     except (OSError, TypeError):
         pass
@@ -224,7 +235,7 @@ def plain_registry_groups(cfg: DictConfig) -> DictConfig:
     with open_dict(out):
         for group in REGISTRY_GROUPS:
             if group in out and not OmegaConf.is_missing(out, group):
-                out[group] = OmegaConf.create(OmegaConf.to_container(out[group], resolve=False))
+                out[group] = OmegaConf.create(OmegaConf.to_container(out[group], resolve=False, enum_to_str=True))
     return out
 
 

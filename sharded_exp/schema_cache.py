@@ -22,6 +22,8 @@ import enum
 import typing
 from typing import Any, Optional
 
+from sharded_exp.config import Option
+
 SCALARS = {bool: "bool", int: "int", float: "float", str: "str"}
 MISSING = "???"
 """OmegaConf's mark of a value that must be set."""
@@ -48,7 +50,8 @@ def _type(hint: Any) -> Any:
     if hint is Any:
         return "any"
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        return {"enum": hint.__name__, "members": [[m.name, m.value] for m in hint]}
+        members = [[m.name, m.value] for m in hint]
+        return {"enum": hint.__name__, "members": members, "option": issubclass(hint, Option)}
     if dataclasses.is_dataclass(hint):
         return {"dataclass": describe(hint)}
     origin, args = typing.get_origin(hint), typing.get_args(hint)
@@ -75,11 +78,21 @@ def _value(value: Any) -> Any:
     raise TypeError(f"a schema default the cache cannot hold: {value!r}")
 
 
-def rebuild(description: dict[str, Any]) -> type:
-    """The dataclass :func:`describe` described: same name, fields, types and defaults."""
+def rebuild_all(descriptions: dict[str, dict[str, Any]]) -> dict[str, type]:
+    """Every schema :func:`describe` described, by its name, made again; an enum that several
+    fields share (FSDP's ``param_dtype`` and ``reduce_dtype``) is one class, as it was, so one
+    field can take another's value (``strategy.reduce_dtype=${strategy.param_dtype}``)."""
+    enums: dict[tuple, type] = {}
+    return {name: rebuild(description, enums) for name, description in descriptions.items()}
+
+
+def rebuild(description: dict[str, Any], enums: dict[tuple, type] | None = None) -> type:
+    """The dataclass :func:`describe` described: same name, fields, types and defaults.
+    ``enums``: the enum classes made so far, by name and members (shared between calls)."""
+    enums = {} if enums is None else enums
     fields = []
     for f in description["fields"]:
-        hint = _hint(f["type"])
+        hint = _hint(f["type"], enums)
         default = _default(hint, f["default"])
         if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
             spec = dataclasses.field(default_factory=lambda d=default: copy.deepcopy(d))
@@ -89,18 +102,22 @@ def rebuild(description: dict[str, Any]) -> type:
     return dataclasses.make_dataclass(description["name"], fields)
 
 
-def _hint(kind: Any) -> Any:
+def _hint(kind: Any, enums: dict[tuple, type]) -> Any:
     if isinstance(kind, str):
         return Any if kind == "any" else {v: k for k, v in SCALARS.items()}[kind]
     if "enum" in kind:
-        return enum.Enum(kind["enum"], [(name, value) for name, value in kind["members"]])
+        members = tuple((name, value) for name, value in kind["members"])
+        key = (kind["enum"], members, kind.get("option", False))
+        if key not in enums:  # an Option reads as its name in a string, as the schemas' own do
+            enums[key] = (Option if key[2] else enum.Enum)(kind["enum"], list(members))
+        return enums[key]
     if "dataclass" in kind:
-        return rebuild(kind["dataclass"])
+        return rebuild(kind["dataclass"], enums)
     if "optional" in kind:
-        return Optional[_hint(kind["optional"])]
+        return Optional[_hint(kind["optional"], enums)]
     if "list" in kind:
-        return list[_hint(kind["list"])]
-    return dict[str, _hint(kind["dict"])]
+        return list[_hint(kind["list"], enums)]
+    return dict[str, _hint(kind["dict"], enums)]
 
 
 def _default(hint: Any, value: Any) -> Any:

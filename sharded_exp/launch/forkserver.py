@@ -133,9 +133,12 @@ class Call:
         self.proc = self.reader = self.thread = None
         self.failed: BaseException | None = None
         """Why the process could not be started (an argument that cannot be pickled, say)."""
+        self.cancelled = False
+        self.lock = threading.Lock()
 
     def begin(self, fn: Callable[..., Any], args: tuple) -> None:
         """Start the process (it waits for the server's imports); a failure is kept for :meth:`result`."""
+        reader = writer = None
         try:
             ctx = multiprocessing.get_context("forkserver")
             reader, writer = ctx.Pipe(duplex=False)
@@ -144,26 +147,38 @@ class Call:
             proc = ctx.Process(target=_answer, args=(writer, fn, args, os.getpid()))
             proc.start()
             writer.close()  # only the child writes: its death then ends the read (EOFError)
-            self.proc, self.reader = proc, reader
         except BaseException as exc:  # noqa: BLE001 -- raised by result(), in the caller's thread
+            for end in (reader, writer):
+                if end is not None:
+                    end.close()
             self.failed = exc
+            return
+        with self.lock:
+            self.proc, self.reader = proc, reader
+            cancelled = self.cancelled
+        if cancelled:  # cancelled while the server was still importing
+            self._stop()
+
+    def cancel(self) -> None:
+        """Stop waiting for it: the process is killed if it runs, or as soon as it starts
+        (without waiting here for the server's imports)."""
+        with self.lock:
+            self.cancelled = True
+            started = self.proc is not None
+        if started:
+            self._stop()
+
+    def _stop(self) -> None:
+        self.reader.close()
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join()
 
     def _started(self) -> None:
         if self.thread is not None:
             self.thread.join()
         if self.failed is not None:
             raise self.failed
-
-    def cancel(self) -> None:
-        """Stop waiting for it: the process is killed if it still runs."""
-        if self.thread is not None:
-            self.thread.join()
-        if self.proc is None:
-            return
-        self.reader.close()
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join()
 
     def result(self) -> Any:
         """Wait for the answer: the function's return value, or its exception raised here."""

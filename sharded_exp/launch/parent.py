@@ -96,14 +96,16 @@ def launch(
     Under torchrun only rank 0 writes and prints. ``job_files``: ``.hydra/`` files to
     write once the config is known good. ``identity``: result.json fields that place the
     job in its sweep (``overrides``, ``sweep_id``, see :func:`sharded_exp.report`).
-    ``checking``: this job's pre-flight check, begun in the rank server (:func:`sharded_exp.launch.server_check.start`).
+    ``checking``: this job's pre-flight check, begun in the rank server
+    (:func:`sharded_exp.launch.server_check.start`); the caller cancels it if its answer is not read.
     """
     import_plugins()
     launched = checking.started if checking is not None else time.time()
     run = Launch(cfg, output_dir, job_files or {}, identity or {}, started, launched, external_layout())
     try:
         # A directory that exists may be another live job's: refused at once, before anything
-        # is checked or written. A new one is made (and held) once the config is known good.
+        # is written (a check begun in the rank server is then stopped by the caller). A new
+        # one is made (and held) once the config is known good.
         if run.is_writer and os.path.isdir(output_dir):
             run.run_dir_lock = hold_run_dir(output_dir)
         # ConfigError here, before any rank starts, for a config that cannot run
@@ -136,8 +138,6 @@ def launch(
             _publish(output_dir, result)
         return result
     finally:
-        if checking is not None:
-            checking.cancel()  # when the run directory was refused before the check's answer was read
         release_run_dir(run.run_dir_lock, run.checkpoint_lock)
 
 

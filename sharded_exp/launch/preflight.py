@@ -18,7 +18,7 @@ import dataclasses
 import os
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 from torch.nn.parameter import UninitializedParameter
 
@@ -30,7 +30,7 @@ from sharded_exp.data.loader import check_fits
 from sharded_exp.errors import ConfigError, WontFit, missing_packages
 from sharded_exp.job.spec import JobSpec, decided_config
 from sharded_exp.launch.layout import Layout
-from sharded_exp.measure.host_memory import available_mib as available_host_mib
+from sharded_exp.measure.machine_memory import available_mib as available_host_mib
 from sharded_exp.models import MODELS, build_model, units
 from sharded_exp.models.target import (
     check_accepts,
@@ -307,11 +307,17 @@ def retyped(cfg: JobGroups) -> None:
         schema = registry.config_class(node.name)
         if OmegaConf.get_type(node) is schema:
             continue
+        values = OmegaConf.to_container(node, resolve=False, enum_to_str=True)  # interpolations kept
+        settings = {f.name for f in dataclasses.fields(schema)}
         try:
-            cfg[group] = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.to_container(node, resolve=False))
+            typed = OmegaConf.merge(OmegaConf.structured(schema), {k: v for k, v in values.items() if k in settings})
         except OmegaConfBaseException as exc:  # not met after Hydra's own composition with the same types
             key = getattr(exc, "full_key", None)
             raise ConfigError(f"{group}.{key}: {str(exc).splitlines()[0]}" if key else str(exc)) from None
+        with open_dict(typed):  # a key added on the command line (+model.x=1) stays, as Hydra added it
+            for key in [k for k in values if k not in settings]:
+                typed[key] = values[key]
+        cfg[group] = typed
 
 
 def check_numbers(cfg: JobGroups) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from sharded_exp.config import PlanConfig
-from sharded_exp.measure import host_memory
+from sharded_exp.measure import machine_memory
 from sharded_exp.measure.cuda_kernels import cublas_workspace_mib
 from sharded_exp.plan.depth import first_depth, peaks_by_depth, shapes_of
 from sharded_exp.plan.progress import Progress
@@ -314,7 +314,7 @@ def host_budget_gib(cfg: PlanConfig) -> tuple[float | None, str]:
         return float(given), "plan.host_memory_gib"
     name = profile_name(cfg)
     if name == "this":
-        total = host_memory.total_mib()
+        total = machine_memory.total_mib()
         return (total / 1024, "this machine's memory") if total else (None, "this machine's memory could not be read")
     host = load_device(name).host_memory
     if host is None or host.capacity_gib is None:

@@ -11,6 +11,7 @@ import pytest
 
 from sharded_exp import compose as compose_mod
 from sharded_exp.compose import (
+    CACHE_FORMAT,
     MAX_DIRNAME,
     compose,
     numbers_named,
@@ -107,11 +108,28 @@ def test_a_query_reads_the_cache_file_and_a_run_imports_the_registries(tmp_path,
     assert "schema_strategy_fsdp" in typed and "schema_model_gpt" in typed and "schema_data_markov" in typed
     path = schemas_cache_file()
     with open(path, "w") as f:
-        json.dump({"schema_strategy_mine": {"name": "MineConfig", "fields": [
-            {"name": "name", "type": "str", "default": "mine"}]}}, f)  # fmt: skip
+        json.dump({"format": CACHE_FORMAT, "complete": True, "schemas": {"schema_strategy_mine": {
+            "name": "MineConfig", "fields": [{"name": "name", "type": "str", "default": "mine"}]}}}, f)  # fmt: skip
     (name, made), = registry_schemas(query=True).items()
     assert name == "schema_strategy_mine" and made.__name__ == "MineConfig" and made().name == "mine"
     assert registry_schemas(query=False)["schema_strategy_fsdp"] is typed["schema_strategy_fsdp"]
+
+
+@pytest.mark.parametrize("damage", ["{not json", "[]", "{}", '{"format": "3", "schemas": {}}', '{"format": "1"}'])
+def test_a_cache_file_this_code_did_not_write_whole_is_read_as_none_and_written_again(tmp_path, monkeypatch, damage):
+    monkeypatch.delenv("SHARDED_EXP_PLUGINS", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = schemas_cache_file()
+    (tmp_path / "sharded_exp").mkdir()
+    with open(path, "w") as f:
+        f.write(damage)
+    from sharded_exp.strategies.ddp import DDPConfig
+
+    made = registry_schemas(query=True)  # the registries imported, and the file written again
+    assert made["schema_strategy_ddp"] is DDPConfig
+    again = registry_schemas(query=True)  # now from the file: made again
+    assert set(again) == set(made) and again["schema_strategy_ddp"] is not DDPConfig
+    assert again["schema_strategy_ddp"].__name__ == "DDPConfig"
 
 
 def test_a_corrupt_cache_file_falls_back_to_the_registries(tmp_path, monkeypatch):

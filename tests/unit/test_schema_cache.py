@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import typing
 from typing import Any, Dict, List, Optional
 
 import pytest
@@ -13,7 +14,7 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from sharded_exp.compose import registry_schemas
-from sharded_exp.schema_cache import describe, rebuild
+from sharded_exp.schema_cache import describe, rebuild, rebuild_all
 
 
 class Colour(enum.Enum):
@@ -97,3 +98,20 @@ def test_every_registry_schema_is_made_again_exactly():
         assert OmegaConf.to_yaml(ours) == OmegaConf.to_yaml(real), name
         for field in dataclasses.fields(cls):  # the same node type for each field: the same checks
             assert type(ours._get_node(field.name)) is type(real._get_node(field.name)), (name, field.name)
+
+
+def test_an_enum_two_fields_share_is_one_class_made_again_and_reads_as_its_name():
+    """FSDP's param_dtype and reduce_dtype share DType: made again, still one class (so that
+    ``reduce_dtype=${strategy.param_dtype}`` resolves), an Option as the original is (a member
+    reads as its name in a string)."""
+    from sharded_exp.config import Option
+    from sharded_exp.strategies.fsdp import FSDPConfig
+
+    schemas = rebuild_all(json.loads(json.dumps({"fsdp": describe(FSDPConfig)})))
+    hints = typing.get_type_hints(schemas["fsdp"])
+    param, reduce = (typing.get_args(hints[k])[0] for k in ("param_dtype", "reduce_dtype"))
+    assert param is reduce and issubclass(param, Option) and f"{param['bfloat16']}" == "bfloat16"
+    node = OmegaConf.structured(schemas["fsdp"])
+    node.param_dtype = "bfloat16"
+    node.reduce_dtype = "${param_dtype}"
+    assert node.reduce_dtype == param["bfloat16"]

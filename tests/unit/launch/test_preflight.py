@@ -72,23 +72,46 @@ def test_the_spec_carries_the_decided_config_typed(cfg, tmp_path):
     assert spec.cfg().trainer.zero_grad is ZeroGrad.free and spec.config["trainer"]["zero_grad"] == "free"
 
 
-def test_groups_composed_from_the_cached_schemas_reach_the_check_plain_and_leave_it_typed(tmp_path):
-    """The command line composes the strategy, model and data groups from schemas made again
-    from the cache (no torch there), and sends them to the check as plain data
-    (plain_registry_groups: what pickles); the check makes each of its real schema again, so
-    that the schema's own range checks run and the ranks get the registry's dataclass."""
+def _composed_from_the_cache(overrides: list[str]):
+    """The config as the command line composes it: the registries' schemas made again from
+    their cache file (no torch there), then plain data for the trip to the check's process."""
     import pickle
 
-    from sharded_exp.compose import plain_registry_groups
-    from sharded_exp.models.gpt import GPTConfig
-    from sharded_exp.strategies.fsdp import FSDPConfig
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
 
-    plain = pickle.loads(pickle.dumps(plain_registry_groups(compose(["strategy=fsdp", "model=gpt", *SMALL[:1]]))))
+    from sharded_exp.compose import CONF_DIR, plain_registry_groups, register_schemas, registry_schemas
+
+    registry_schemas(query=True)  # the cache file written, if this machine has none it can read
+    try:
+        register_schemas(query=True)
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = hydra_compose("config", overrides=overrides)
+        assert OmegaConf.get_type(cfg.strategy).__module__ != "sharded_exp.strategies.fsdp"  # made again
+        return cfg, pickle.loads(pickle.dumps(plain_registry_groups(cfg)))
+    finally:
+        register_schemas()  # the registries' own classes again, for the tests after this one
+
+
+def test_groups_composed_from_the_cached_schemas_reach_the_check_plain_and_leave_it_typed(tmp_path):
+    """The check makes each registry group of its real schema again, so that the schema's own
+    range checks run and the ranks get the registry's dataclass; enum values, an interpolation
+    between two enum fields and a key added on the command line come through as composed."""
+    from sharded_exp.models.mlp import MLPConfig
+    from sharded_exp.strategies.fsdp import DType, FSDPConfig
+
+    made, plain = _composed_from_the_cache(["strategy=fsdp", "precision=bf16", "strategy.param_dtype=bfloat16",
+                                            "strategy.reduce_dtype=${strategy.param_dtype}", "+model.note=mine",
+                                            *SMALL])  # fmt: skip
     assert OmegaConf.get_type(plain.strategy) is dict and OmegaConf.get_type(plain.model) is dict
-    spec = check(plain, str(tmp_path), peak=False)
-    assert isinstance(spec.typed.strategy, FSDPConfig) and isinstance(spec.typed.model, GPTConfig)
-    plain.model.n_layers = "many"  # plain data takes anything: the real schema does not
-    refused(plain, "model.n_layers: Value 'many' of type 'str' could not be converted to Integer")
+    # sent to the rank server (plain), or checked where it was composed (torchrun, srun: made again)
+    for cfg in (plain, made):
+        spec = check(cfg, str(tmp_path), peak=False)
+        assert isinstance(spec.typed.strategy, FSDPConfig) and isinstance(spec.typed.model, MLPConfig)
+        assert spec.typed.strategy.param_dtype is DType.bfloat16 and spec.typed.strategy.reduce_dtype is DType.bfloat16
+        assert spec.config["model"]["note"] == "mine"
+    plain.model.depth = "many"  # plain data takes anything: the real schema does not
+    refused(plain, "model.depth: Value 'many' of type 'str' could not be converted to Integer")
 
 
 def test_unknown_names_are_refused_naming_the_choices(cfg):

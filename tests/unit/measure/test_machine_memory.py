@@ -1,11 +1,11 @@
-"""sharded_exp.measure.host_memory: the machine's memory from /proc/meminfo and the cgroup's limit."""
+"""sharded_exp.measure.machine_memory: the machine's memory from /proc/meminfo and the cgroup's limit."""
 
 from __future__ import annotations
 
 import io
 
-from sharded_exp.measure import host_memory
-from sharded_exp.measure.host_memory import available_mib, total_mib
+from sharded_exp.measure import machine_memory
+from sharded_exp.measure.machine_memory import available_mib, total_mib
 
 MEMINFO = "MemTotal: 9437184 kB\nMemAvailable:    2097152 kB\n"  # 9216 and 2048 MiB
 
@@ -16,7 +16,7 @@ def _files(monkeypatch, files: dict[str, str]):
             raise FileNotFoundError(path)
         return io.StringIO(files[path])
 
-    monkeypatch.setattr(host_memory, "open", fake_open, raising=False)
+    monkeypatch.setattr(machine_memory, "open", fake_open, raising=False)
 
 
 def test_available_memory_is_the_smaller_of_meminfo_and_the_cgroups_limit_less_its_use(monkeypatch):
