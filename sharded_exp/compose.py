@@ -73,16 +73,17 @@ CACHE_FORMAT = "3"
 
 def schemas_cache_file() -> str | None:
     """Where the registries' schemas are cached for the command line, named by a hash of
-    the registry packages' sources (any edit makes a new name); None with out-of-tree
-    plugins, whose schemas are always imported."""
+    the registry packages' sources and of the code that writes and reads them (any edit
+    makes a new name); None with out-of-tree plugins, whose schemas are always imported."""
     if os.environ.get(PLUGINS_ENV):
         return None
     package = os.path.dirname(os.path.abspath(__file__))
     digest = hashlib.sha1((__version__ + CACHE_FORMAT).encode())
-    for sub in REGISTRY_PACKAGES:
-        for path in sorted(glob.glob(os.path.join(package, sub, "*.py"))):
-            with open(path, "rb") as f:
-                digest.update(os.path.basename(path).encode() + f.read())
+    sources = [path for sub in REGISTRY_PACKAGES for path in sorted(glob.glob(os.path.join(package, sub, "*.py")))]
+    sources += [os.path.join(package, name) for name in ("config.py", "schema_cache.py")]  # Option; the format
+    for path in sources:
+        with open(path, "rb") as f:
+            digest.update(os.path.basename(path).encode() + f.read())
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(cache, "sharded_exp", f"schemas-{digest.hexdigest()[:16]}.json")
 

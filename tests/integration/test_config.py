@@ -186,7 +186,11 @@ def test_cli_bad_input_exits_nonzero_before_ranks_start(args, message, tmp_path)
 )
 def test_a_typo_is_refused_with_the_name_meant_before_torch_is_imported(args, said, tmp_path):
     # Python's own import log (-X importtime, on stderr) shows torch was never imported: the refusal
-    # comes from the config alone, in about a second (issue 48), not after the registries load.
+    # comes from the config alone, in about a second (issue 48), not after the registries load;
+    # their schemas come from the cache file, written here as by any command run since the install
+    from sharded_exp.compose import registry_schemas
+
+    registry_schemas()
     proc = run_cli([*args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env={"PYTHONPROFILEIMPORTTIME": "1"})
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
