@@ -42,7 +42,9 @@ def register_schemas(query: bool = False) -> None:
     """
     # conf/config.yaml's sweep subdirectories
     OmegaConf.register_new_resolver("point_dirname", point_dirname, replace=True)
-    if query and _registered.get(query, False) == os.environ.get(PLUGINS_ENV):
+    global _command_line_stored
+    plugins = os.environ.get(PLUGINS_ENV)
+    if query and _command_line_stored == (plugins,):
         return  # stored already in this process: the command line's spelling check, then Hydra
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=config.Config)
@@ -56,16 +58,18 @@ def register_schemas(query: bool = False) -> None:
     cs.store(name="schema_paths_paths", node=config.PathsConfig)
     for name, node in registry_schemas(query).items():
         cs.store(name=name, node=node)
-    _registered.clear()  # what is stored now is this kind's
-    _registered[query] = os.environ.get(PLUGINS_ENV)
+    _command_line_stored = (plugins,) if query else None
 
 
-_registered: dict[bool, str | None] = {}
-"""Which kind of schemas this process stored last (a query's or a library's), with the
-plugins named then."""
+_command_line_stored: tuple[str | None] | None = None
+"""The plugins named when this process last stored the command line's schemas; None when
+what is stored last is a library call's (or nothing)."""
 
 REGISTRY_PACKAGES = ("strategies", "models", "data")
 """The packages whose modules register schemas beside their builders (and import torch)."""
+
+REGISTRY_GROUPS = ("strategy", "model", "data")
+"""The config groups whose schemas come from those registries."""
 
 CACHE_FORMAT = "3"
 """The cache file's layout: :func:`sharded_exp.schema_cache.describe`'s (part of its name)."""
@@ -104,22 +108,27 @@ def registry_schemas(query: bool = False) -> dict:
         made = _read_cache(path)
         if made is not None:
             return made
-    # lazy: the registries import torch, which a command line with the cache never needs
-    from sharded_exp.data import TASKS
-    from sharded_exp.models import MODELS
-    from sharded_exp.strategies import STRATEGIES
-
     try:  # a plugin's model, strategy or task brings its schema: a YAML of its own may name it
         import_plugins()
     except ConfigError:
         pass  # a module that cannot be imported is refused by the job's own check (exit 2), said there
     nodes = {}
-    for group, registry in (("strategy", STRATEGIES), ("model", MODELS), ("data", TASKS)):
+    for group, registry in registries():
         for name in registry.names():
             nodes[f"schema_{group}_{name}"] = registry.config_class(name)
     if path and (query or not os.path.exists(path)):  # a command line here found none it could read
         _write_cache(path, nodes)
     return nodes
+
+
+def registries() -> tuple:
+    """``(group, registry)`` for each of :data:`REGISTRY_GROUPS`: the strategies, models and data tasks."""
+    # lazy: the registries import torch, which a command line with the cache never needs
+    from sharded_exp.data import TASKS
+    from sharded_exp.models import MODELS
+    from sharded_exp.strategies import STRATEGIES
+
+    return tuple(zip(REGISTRY_GROUPS, (STRATEGIES, MODELS, TASKS), strict=True))
 
 
 def _read_cache(path: str) -> dict | None:
@@ -222,10 +231,6 @@ def _glob_names(group: str, value: str, names: dict[str, str], conf_dir: str) ->
         sorted(dict.fromkeys(names.get(o, o) for o in options))
     )
     return ",".join(chosen) or None
-
-
-REGISTRY_GROUPS = ("strategy", "model", "data")
-"""The config groups whose schemas come from the registries (:data:`REGISTRY_PACKAGES`)."""
 
 
 def plain_registry_groups(cfg: DictConfig) -> DictConfig:

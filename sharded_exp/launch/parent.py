@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from sharded_exp.errors import WontFit
 from sharded_exp.job.result import Result, write_result
 from sharded_exp.job.spec import JobSpec
-from sharded_exp.launch import forkserver, preflight, server_check
+from sharded_exp.launch import forkserver, preflight
 from sharded_exp.launch.diagnose import failure_result
 from sharded_exp.launch.layout import Layout, external_layout
 from sharded_exp.launch.run_dir import (
@@ -108,14 +107,11 @@ def launch(
         # one is made (and held) once the config is known good.
         if run.is_writer and os.path.isdir(output_dir):
             run.run_dir_lock = hold_run_dir(output_dir)
-        # ConfigError here, before any rank starts, for a config that cannot run
-        # The command's own rank server has imported what the check needs (torch._dynamo):
-        # checked there. Under torchrun, in a library call or a test: here.
-        if checking is not None:  # begun by __main__, before this module's imports
+        # ConfigError here, before any rank starts, for a config that cannot run. The
+        # command's own rank server has imported what the check needs (torch._dynamo):
+        # begun there by __main__. Under torchrun, in a library call or a test: here.
+        if checking is not None:
             spec = dataclasses.replace(checking.result(), **preflight.this_process())
-        elif run.layout is None and forkserver.started_early() and "torch._dynamo" not in sys.modules:
-            check = server_check.start(cfg, output_dir)
-            spec = dataclasses.replace(check.result(), **preflight.this_process())
         else:
             spec = preflight.check(cfg, output_dir, run.layout, peak=run.is_writer)
         result = base_result(

@@ -24,6 +24,7 @@ from torch.nn.parameter import UninitializedParameter
 
 from sharded_exp import logs
 from sharded_exp.checkpoint import plan_checkpoints
+from sharded_exp.compose import registries
 from sharded_exp.config import Config, JobGroups, ZeroGrad, check_ranges
 from sharded_exp.data import TASKS
 from sharded_exp.data.loader import check_fits
@@ -300,7 +301,7 @@ def retyped(cfg: JobGroups) -> None:
     :mod:`sharded_exp.schema_cache`), and they reach pre-flight as plain data; the real
     schemas carry the range checks (``__post_init__``) the typed config runs. A model built
     by ``_target_`` has no schema of its own: left as it is."""
-    for group, registry in (("strategy", STRATEGIES), ("model", MODELS), ("data", TASKS)):
+    for group, registry in registries():
         node = cfg[group]
         if group == "model" and is_target_model(node):
             continue

@@ -72,8 +72,8 @@ def test_a_composition_error_leaves_no_run_directory(bad, tmp_path):
 
 @pytest.mark.slow  # the default tier's: test_rank_server.py (a ConfigError from the forked check), test_cli.py
 def test_a_config_the_pre_flight_check_refuses_is_said_alone_and_leaves_no_run_directory(tmp_path):
-    # The check runs in a process forked from the rank server (sharded_exp/launch/preflight.py,
-    # check_in_server): its ConfigError reaches the parent as one line, as when it ran there
+    # The check runs in a process forked from the rank server (sharded_exp/launch/server_check.py):
+    # its ConfigError reaches the parent as one line, as when it ran there
     proc = run_cli(["trainer.freeze=[*]", "logger=none"], cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.startswith("error: trainer.freeze=['*'] freezes every parameter of model=mlp"), proc.stderr
