@@ -11,7 +11,10 @@ tracker starts beside the first steps, so its start is a row of its own, not a p
 the path to the first step). ``--against DIR``: each repeat also runs the job from the
 checkout in DIR (say a worktree of the commit before a change), the two alternating in
 order, so that a loaded machine's moments fall on both; the table then has both columns
-and their ratio. Prints a Markdown table and writes outputs/benchmarks/startup.json.
+and their ratio. Each repeat also times the floor (:data:`FLOOR`): a fresh interpreter that
+imports torch and ends one Adam step, the least a torch job does before its first step; the
+job's first step is said beyond it. Prints a Markdown table and writes
+outputs/benchmarks/startup.json.
 """
 
 from __future__ import annotations
@@ -47,6 +50,16 @@ BESIDE = [("tracker (W&B) start, from the build", "built", "logger_ready")]
 """Spans beside that path: the tracker starts in a thread of its own (older checkouts: before
 the first step, which then waited for it)."""
 
+FLOOR = (
+    "import time, torch, torch.distributed;"
+    "m = torch.nn.Linear(64, 64); o = torch.optim.Adam(m.parameters());"
+    "m(torch.randn(8, 64)).sum().backward(); o.step(); print(time.time())"
+)
+"""The least any torch training job does before its first step ends, in one process: import
+torch and torch.distributed, one Linear's forward and backward and one Adam step (whose
+first call imports torch._dynamo, as DDP's forward does). What the job takes beyond it is
+what sharded_exp adds: its parent, the check, the ranks' start and their process group."""
+
 
 def one(overrides: list[str], out: str, checkout: str | None = None) -> dict[str, float]:
     """One job, from ``checkout``'s sharded_exp (None: this one's)."""
@@ -70,6 +83,15 @@ def one(overrides: list[str], out: str, checkout: str | None = None) -> dict[str
     return {"command": t0, **timeline, "exit": exited}
 
 
+def floor() -> float:
+    """Seconds from the command to the end of :data:`FLOOR`'s step, in a fresh interpreter."""
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-c", FLOOR], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-3000:])
+    return float(proc.stdout.split()[-1]) - t0
+
+
 def medians(runs: list[dict[str, float]]) -> list[float | None]:
     """Each phase's median seconds, then the command to the first step and to the exit."""
     spans = [*PHASES, *BESIDE, ("", "command", "first_step"), ("", "command", "exit")]
@@ -87,8 +109,9 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="config overrides (default: none, the default job)")
     args = parser.parse_args()
 
-    runs, others = [], []
+    runs, others, floors = [], [], []
     for i in range(args.repeats):
+        floors.append(floor())
         ours = lambda: runs.append(one(args.overrides, str(OUT / "startup" / str(i))))  # noqa: E731
         theirs = lambda: others.append(one(args.overrides, str(OUT / "startup" / f"against{i}"), args.against))  # noqa: E731
         for side in (ours, theirs) if i % 2 == 0 else (theirs, ours):
@@ -110,7 +133,14 @@ def main() -> None:
         header = ["phase", "seconds"]
     print(f"python -m sharded_exp {' '.join(args.overrides)}; medians of {args.repeats} runs (seconds)")
     print(markdown(header, rows))
-    print(f"wrote {save('startup', {'args': vars(args), 'runs': runs, 'against': others})}")
+    first = statistics.median(r["first_step"] - r["command"] for r in runs)
+    print(
+        f"floor (a fresh python: import torch, one Linear's step under Adam): {statistics.median(floors):.2f} s "
+        f"({min(floors):.2f}-{max(floors):.2f}); this checkout's first step {first - statistics.median(floors):.2f} s "
+        "beyond it"
+    )
+    saved = {"args": vars(args), "runs": runs, "against": others, "floor_s": floors}
+    print(f"wrote {save('startup', saved)}")
 
 
 if __name__ == "__main__":
