@@ -599,7 +599,11 @@ def typed(cfg: DictConfig) -> JobGroups:
 
 
 def check_ranges(cfg: DictConfig) -> None:
-    """Each group's own range checks, run by making the group typed (:func:`typed`). A group
+    """Each group's own range checks, run by making the group typed (:func:`typed`), then
+    the bounds its schema declares (:func:`check_bounds`: the registries' strategy, model and
+    data schemas, whose classes live beside their builders) and a model's sizes
+    (:func:`check_model_sizes`). No torch: the command line runs it on the config it composed
+    from the cached schemas, so these are refused before anything heavy is imported. A group
     with a value still missing is left to its reader: ``data.path=???`` is stood in for by
     the planner, and refused by name by pre-flight's task check (``to_object`` would only say
     "missing mandatory value")."""
@@ -609,3 +613,63 @@ def check_ranges(cfg: DictConfig) -> None:
         node = cfg[key]
         if OmegaConf.is_config(node) and not OmegaConf.missing_keys(node):
             typed(node)
+            if key == "model":
+                check_model_sizes(node)
+            if isinstance(node, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(node)):
+                check_bounds(str(key), node, OmegaConf.get_type(node))
+
+
+def check_model_sizes(model: Any) -> None:
+    """A model's sizes (widths, depths, heads, classes, sequence length, vocabulary) are
+    counts: zero or negative ones build broken models or crash deep inside a rank. Every
+    integer at the top of any model's config (the schemas live beside their builders; a
+    Hugging Face model's own ``model.config`` is checked by pre-flight against its class)."""
+    for key, value in model.items():
+        if isinstance(value, int) and not isinstance(value, bool):
+            _require(value >= 1, f"model.{key}={value} must be >= 1 (model={model.get('name')})")
+
+
+BOUND_KINDS = ("at_least", "above", "at_most", "multiple_of")
+"""What :func:`bounded` declares: ``value >= n``, ``value > n``, ``value <= n``, and
+``value % <the named field of the same group> == 0``."""
+
+
+def bounded(default: Any, **bounds: Any) -> Any:
+    """A schema field whose bounds are data (its metadata), so that the schema cache
+    (:mod:`sharded_exp.schema_cache`) carries them to the command line and
+    :func:`check_bounds` holds them there and in pre-flight alike: a registry schema (a
+    strategy's, a model's, a data task's) lives beside a builder that imports torch, where
+    ``__post_init__`` checks would run only once torch is imported.
+    ``bounded(25.0, at_least=0)``, ``bounded(128, multiple_of="n_heads")``."""
+    unknown = set(bounds) - set(BOUND_KINDS)
+    if unknown:
+        raise TypeError(f"bounds {sorted(unknown)} are not among {BOUND_KINDS}")
+    return field(default=default, metadata={"bounds": bounds})
+
+
+def check_bounds(group: str, values: Any, schema: type) -> None:
+    """Refuse a value of ``group`` outside the bounds ``schema``'s fields declare
+    (:func:`bounded`), naming it and what is allowed; ``values``: the group's node or its
+    dataclass. The limits first, then the divisions (a zero divides nothing)."""
+    declared = [(f.name, f.metadata.get("bounds", {})) for f in dataclasses.fields(schema) if f.metadata.get("bounds")]
+    option = f" ({group}={_get(values, 'name')})" if _get(values, "name") is not None else ""
+    for name, bounds in declared:
+        value = _get(values, name)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue  # null (a default decided later) or an interpolation Hydra has not typed
+        for kind, limit, ok, said in (
+            ("at_least", bounds.get("at_least"), lambda v, n: v >= n, ">="),
+            ("above", bounds.get("above"), lambda v, n: v > n, ">"),
+            ("at_most", bounds.get("at_most"), lambda v, n: v <= n, "<="),
+        ):
+            if limit is not None:
+                _require(ok(value, limit), f"{group}.{name}={value} must be {said} {limit}{option}")
+    for name, bounds in declared:
+        other = bounds.get("multiple_of")
+        value, divisor = _get(values, name), _get(values, other) if other else None
+        if isinstance(value, int) and isinstance(divisor, int) and divisor > 0:
+            _require(value % divisor == 0, f"{group}.{name}={value} is not divisible by {group}.{other}={divisor}")
+
+
+def _get(values: Any, name: str) -> Any:
+    return values.get(name) if isinstance(values, DictConfig) else getattr(values, name, None)

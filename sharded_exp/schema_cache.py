@@ -40,7 +40,10 @@ def describe(cls: type) -> dict[str, Any]:
             default = f.default_factory()
         else:
             default = MISSING
-        fields.append({"name": f.name, "type": _type(hints[f.name]), "default": _value(default)})
+        described = {"name": f.name, "type": _type(hints[f.name]), "default": _value(default)}
+        if f.metadata.get("bounds"):  # sharded_exp.config.bounded's: checked on the command line too
+            described["bounds"] = dict(f.metadata["bounds"])
+        fields.append(described)
     return {"name": cls.__name__, "fields": fields}
 
 
@@ -87,17 +90,18 @@ def rebuild_all(descriptions: dict[str, dict[str, Any]]) -> dict[str, type]:
 
 
 def rebuild(description: dict[str, Any], enums: dict[tuple, type] | None = None) -> type:
-    """The dataclass :func:`describe` described: same name, fields, types and defaults.
-    ``enums``: the enum classes made so far, by name and members (shared between calls)."""
+    """The dataclass :func:`describe` described: same name, fields, types, defaults and
+    declared bounds (:func:`sharded_exp.config.bounded`). ``enums``: the enum classes made so far, by name and members (shared between calls)."""
     enums = {} if enums is None else enums
     fields = []
     for f in description["fields"]:
         hint = _hint(f["type"], enums)
         default = _default(hint, f["default"])
+        metadata = {"bounds": f["bounds"]} if f.get("bounds") else None
         if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
-            spec = dataclasses.field(default_factory=lambda d=default: copy.deepcopy(d))
+            spec = dataclasses.field(default_factory=lambda d=default: copy.deepcopy(d), metadata=metadata)
         else:
-            spec = dataclasses.field(default=default)
+            spec = dataclasses.field(default=default, metadata=metadata)
         fields.append((f["name"], hint, spec))
     return dataclasses.make_dataclass(description["name"], fields)
 

@@ -22,7 +22,7 @@ import torch
 from hydra.utils import get_object
 from omegaconf import MISSING, OmegaConf
 
-from sharded_exp.config import Option, Sealed
+from sharded_exp.config import Option, Sealed, bounded
 from sharded_exp.data import TASKS, Task
 from sharded_exp.data.files import dataset_task
 from sharded_exp.errors import ConfigError
@@ -46,7 +46,7 @@ class CustomDataConfig(Sealed):
     (a class per token, -100 ignored) or perplexity (a language model)."""
     labels: str = "labels"
     """The item key holding the labels."""
-    num_classes: int = 0
+    num_classes: int = bounded(0, at_least=0)
     """Classes of a (token) classification task (its metrics need them)."""
     shift_labels: bool = False
     """A causal LM that shifts its labels itself (Hugging Face's form: labels = input_ids)."""
@@ -54,7 +54,7 @@ class CustomDataConfig(Sealed):
     """Seed of the shuffle (the DistributedSampler's, with the epoch)."""
     shuffle: bool = True
     """Shuffle the samples every epoch (false: the dataset's order)."""
-    num_workers: int = 0
+    num_workers: int = bounded(0, at_least=0)
     """DataLoader worker processes per rank (0: batches are made in the rank's process)."""
 
 

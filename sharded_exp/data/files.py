@@ -39,7 +39,7 @@ from typing import List, Optional
 import torch
 from omegaconf import MISSING, OmegaConf
 
-from sharded_exp.config import Option, Sealed
+from sharded_exp.config import Option, Sealed, bounded
 from sharded_exp.data import TASKS, Batch, Task, generator, require_model_fields
 from sharded_exp.errors import ConfigError
 
@@ -60,7 +60,7 @@ class FileDataConfig(Sealed):
     """Seed of the shuffle (the DistributedSampler's, with the epoch)."""
     shuffle: bool = True
     """Shuffle the samples every epoch (false: file order)."""
-    num_workers: int = 0
+    num_workers: int = bounded(0, at_least=0)
     """DataLoader worker processes per rank (0: batches are made in the rank's process)."""
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sharded_exp.config import Sealed
+from sharded_exp.config import Sealed, bounded
 from sharded_exp.data import TASKS, Batch, Task, generator, require_model_fields
 
 
@@ -20,7 +20,7 @@ class MarkovConfig(Sealed):
     name: str = "markov"
     seed: int = 1234
     """Seed of the task (the transition matrix), not of the batches."""
-    branching: int = 4
+    branching: int = bounded(4, at_least=1)
     """Likely successors per token: fewer means a more predictable chain."""
 
 

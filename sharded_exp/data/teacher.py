@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sharded_exp.config import Sealed
+from sharded_exp.config import Sealed, bounded
 from sharded_exp.data import TASKS, Batch, Task, generator, require_model_fields
 
 
@@ -15,7 +15,7 @@ class TeacherConfig(Sealed):
     name: str = "teacher"
     seed: int = 1234
     """Seed of the task (the teacher's weights), not of the batches."""
-    teacher_hidden: int = 32
+    teacher_hidden: int = bounded(32, at_least=1)
     """Hidden width of the fixed random teacher network that labels the inputs."""
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sharded_exp.config import Sealed
+from sharded_exp.config import Sealed, bounded
 from sharded_exp.data import TASKS, Task, generator, require_model_fields
 
 IGNORE = -100
@@ -20,7 +20,7 @@ class TokenClassificationConfig(Sealed):
     name: str = "token_classification"
     seed: int = 1234
     """Seed of the task (the labelling rule), not of the batches."""
-    min_len: float = 0.5
+    min_len: float = bounded(0.5, above=0, at_most=1)
     """Shortest sequence as a share of model.seq_len; lengths are uniform up to seq_len."""
 
 

@@ -256,7 +256,8 @@ def check_host_memory(per_rank_mib: list[float] | None, local_ranks: int) -> Non
 
 def check_values(cfg: JobGroups) -> None:
     """Names that must be registered, packages that must be there, every group's own ranges
-    (:func:`sharded_exp.config.check_ranges`: each group made typed), a model's sizes."""
+    (:func:`sharded_exp.config.check_ranges`: each group made typed, the bounds the
+    registries' schemas declare, a model's sizes)."""
     try:
         faults.from_env()  # a malformed testing aid fails here, not in every rank
     except ValueError as exc:
@@ -291,8 +292,7 @@ def check_values(cfg: JobGroups) -> None:
     _require(
         cfg.optimizer.name in OPTIMIZERS, f"optimizer.name={cfg.optimizer.name!r} is not one of {', '.join(OPTIMIZERS)}"
     )
-    check_ranges(cfg)  # each group's __post_init__ checks its own ranges (config.py)
-    check_numbers(cfg)
+    check_ranges(cfg)  # each group's own ranges, declared bounds and a model's sizes (config.py)
 
 
 def retyped(cfg: JobGroups) -> None:
@@ -319,15 +319,6 @@ def retyped(cfg: JobGroups) -> None:
             for key in [k for k in values if k not in settings]:
                 typed[key] = values[key]
         cfg[group] = typed
-
-
-def check_numbers(cfg: JobGroups) -> None:
-    """A model's sizes (widths, depths, heads, classes, sequence length, vocabulary) are
-    counts: zero or negative ones build broken models or crash deep inside a rank. Checked
-    here, across every model's schema (the schemas live beside their builders)."""
-    for key, value in cfg.model.items():
-        if isinstance(value, int) and not isinstance(value, bool):
-            _require(value >= 1, f"model.{key}={value} must be >= 1 (model={cfg.model.name})")
 
 
 def decide_device(accelerator: str, local_ranks: int, precision_name: str, per_task: bool = False) -> str:

@@ -10,8 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sharded_exp.config import Sealed
-from sharded_exp.errors import ConfigError
+from sharded_exp.config import Sealed, bounded, check_bounds, check_model_sizes
 from sharded_exp.models import MODELS, ModelOutput
 
 
@@ -22,7 +21,7 @@ class GPTConfig(Sealed):
     """Token vocabulary; the Markov task draws tokens from it."""
     seq_len: int = 64
     """Tokens per sample, also the length of the learned position table."""
-    d_model: int = 128
+    d_model: int = bounded(128, multiple_of="n_heads")
     """Residual stream width."""
     n_layers: int = 2
     """Transformer blocks."""
@@ -93,6 +92,6 @@ class GPT(nn.Module):
 
 @MODELS.register("gpt", config=GPTConfig)
 def build(cfg: GPTConfig) -> nn.Module:
-    if cfg.d_model % cfg.n_heads:
-        raise ConfigError(f"model.d_model={cfg.d_model} is not divisible by model.n_heads={cfg.n_heads}")
+    check_model_sizes(vars(cfg))  # a library call's config too: the rules the command line holds
+    check_bounds("model", cfg, GPTConfig)
     return GPT(cfg)

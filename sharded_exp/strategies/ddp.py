@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from sharded_exp.config import bounded
 from sharded_exp.measure.tracker import communication_buffers
 from sharded_exp.strategies import STRATEGIES
 from sharded_exp.strategies.base import Strategy, StrategyConfig
@@ -81,7 +82,7 @@ def _for_fake_step(model: DistributedDataParallel) -> None:
 @dataclass
 class DDPConfig(StrategyConfig):
     name: str = "ddp"
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float = bounded(25.0, at_least=0)
     """Gradient all-reduce bucket size in MB (torch default 25)."""
     gradient_as_bucket_view: bool = False
     """Gradients alias the bucket memory, saving one gradient-sized copy (torch default off)."""

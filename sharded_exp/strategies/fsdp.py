@@ -31,7 +31,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor import DTensor
 
 from sharded_exp import precision
-from sharded_exp.config import Option
+from sharded_exp.config import Option, bounded
 from sharded_exp.errors import ConfigError
 from sharded_exp.models import units
 from sharded_exp.strategies import STRATEGIES
@@ -113,7 +113,7 @@ class FSDPConfig(StrategyConfig):
     broadcast_buffers: bool = True
     """Broadcast the model's buffers (BatchNorm's running statistics) from rank 0 before
     every forward, as DDP does by default; FSDP itself leaves each rank its own."""
-    replicate: int = 1
+    replicate: int = bounded(1, at_least=1)
     """HSDP: R replica groups of world_size/R ranks; states shard within a group only
     (each rank holds 1/(world_size/R) of them), gradients are all-reduced across groups.
     1: plain FSDP over every rank. Must divide trainer.world_size."""

@@ -21,7 +21,7 @@ Warning:
 import math
 from dataclasses import dataclass
 
-from sharded_exp.config import ZeroGrad
+from sharded_exp.config import ZeroGrad, bounded
 from sharded_exp.measure.tracker import communication_buffers
 from sharded_exp.strategies import STRATEGIES
 from sharded_exp.strategies.base import StrategyConfig
@@ -33,7 +33,7 @@ from sharded_exp.strategies.traits import Traits
 @dataclass
 class ShardedDDPConfig(StrategyConfig):
     name: str = "sharded_ddp"
-    reduce_buffer_size: int = 2**23
+    reduce_buffer_size: int = bounded(2**23, at_least=0)
     """Elements per gradient reduce bucket; 0 turns buckets off (fairscale default 2**23)."""
     broadcast_buffers: bool = True
     """Broadcast module buffers from rank 0 at every forward (fairscale default on)."""

@@ -182,9 +182,12 @@ def test_cli_bad_input_exits_nonzero_before_ranks_start(args, message, tmp_path)
             "error: trainer.wold_size is not a setting of this config; did you mean trainer.world_size?",
         ),
         (["-m", "strategy=ddp,fdsp"], "error: strategy=fdsp is not an option of strategy; did you mean strategy=fsdp?"),
+        # a registry schema's bound (sharded_exp.config.bounded), carried by the schema cache
+        (["model=gpt", "model.n_heads=3"], "error: model.d_model=128 is not divisible by model.n_heads=3"),
+        (["strategy=ddp", "strategy.bucket_cap_mb=-1"], "error: strategy.bucket_cap_mb=-1.0 must be >= 0 (strategy=ddp)"),
     ],
 )
-def test_a_typo_is_refused_with_the_name_meant_before_torch_is_imported(args, said, tmp_path):
+def test_a_typo_or_a_value_out_of_range_is_refused_before_torch_is_imported(args, said, tmp_path):
     # Python's own import log (-X importtime, on stderr) shows torch was never imported: the refusal
     # comes from the config alone, in about a second (issue 48), not after the registries load;
     # their schemas come from the cache file, written here as by any command run since the install

@@ -5,8 +5,10 @@ reads an option alike from an enum member or a plain name; each schema's own ran
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
+from typing import Optional
 
 import pytest
 from hydra.errors import ConfigCompositionException
@@ -239,6 +241,59 @@ def test_typed_builds_the_schemas_dataclasses_and_runs_their_checks():
     cfg.trainer.grad_accum = 0  # OmegaConf takes it (an int); the dataclass refuses it
     refused(lambda: config.typed(cfg), "trainer.grad_accum=0 must be >= 1")
     refused(lambda: config.check_ranges(cfg), "trainer.grad_accum=0 must be >= 1")
+
+
+@dataclasses.dataclass
+class Bounded:
+    """Worked by hand: width 128 in 4 heads divides; rate in (0, 1]; workers from 0."""
+
+    name: str = "bounded"
+    width: int = config.bounded(128, multiple_of="heads")
+    heads: int = config.bounded(4, at_least=1)
+    rate: float = config.bounded(0.5, above=0, at_most=1)
+    workers: int = config.bounded(0, at_least=0)
+    maybe: Optional[int] = config.bounded(None, at_least=1)
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"heads": 3}, "part.width=128 is not divisible by part.heads=3"),
+        ({"heads": 0}, "part.heads=0 must be >= 1 (part=bounded)"),  # the limit first: 0 divides nothing
+        ({"rate": 0.0}, "part.rate=0.0 must be > 0 (part=bounded)"),
+        ({"rate": 1.5}, "part.rate=1.5 must be <= 1 (part=bounded)"),
+        ({"workers": -1}, "part.workers=-1 must be >= 0 (part=bounded)"),
+        ({"maybe": 0}, "part.maybe=0 must be >= 1 (part=bounded)"),
+    ],
+)
+def test_declared_bounds_refuse_naming_the_value_and_what_is_allowed(values, message):
+    node = OmegaConf.merge(OmegaConf.structured(Bounded), values)
+    refused(lambda: config.check_bounds("part", node, Bounded), message)
+    refused(lambda: config.check_bounds("part", Bounded(**values), Bounded), message)  # a dataclass alike
+
+
+def test_values_within_their_bounds_pass_and_null_or_an_interpolation_is_left_alone():
+    for values in ({}, {"width": 96, "heads": 3}, {"rate": 1.0}, {"maybe": None}, {"workers": 0}):
+        config.check_bounds("part", OmegaConf.merge(OmegaConf.structured(Bounded), values), Bounded)
+    node = OmegaConf.structured(Bounded)
+    node.heads = "${oc.env:SHARDED_EXP_SURELY_UNSET,3}"  # resolved: 3 divides 128? no: refused
+    refused(lambda: config.check_bounds("part", node, Bounded), "part.width=128 is not divisible by part.heads=3")
+    with pytest.raises(TypeError, match="between"):
+        config.bounded(1, between=(0, 2))
+
+
+def test_check_ranges_holds_the_bounds_the_registries_schemas_declare_and_a_models_sizes():
+    refused(lambda: config.check_ranges(compose(["model=gpt", "model.n_heads=3"])),
+            "model.d_model=128 is not divisible by model.n_heads=3")  # fmt: skip
+    refused(lambda: config.check_ranges(compose(["strategy=fsdp", "strategy.replicate=0"])),
+            "strategy.replicate=0 must be >= 1 (strategy=fsdp)")  # fmt: skip
+    refused(lambda: config.check_ranges(compose(["model.depth=0"])), "model.depth=0 must be >= 1 (model=mlp)")
+    config.check_ranges(compose(["model.depth=1"]))
+
+
+def test_a_model_size_below_one_is_refused_naming_the_model():
+    config.check_model_sizes({"name": "mlp", "depth": 1, "dropout_free": True})
+    refused(lambda: config.check_model_sizes({"name": "mlp", "depth": 0}), "model.depth=0 must be >= 1 (model=mlp)")
 
 
 def test_check_ranges_leaves_a_group_with_a_missing_value_to_its_reader():

@@ -100,6 +100,32 @@ def test_every_registry_schema_is_made_again_exactly():
             assert type(ours._get_node(field.name)) is type(real._get_node(field.name)), (name, field.name)
 
 
+def test_declared_bounds_are_made_again_and_refuse_the_same_values_with_the_same_message():
+    """A registry schema's bounds (sharded_exp.config.bounded) travel in the cache, so the
+    command line refuses an out-of-range value before torch is imported, as pre-flight does
+    with the real schema: the same values, the same words."""
+    from sharded_exp.config import check_bounds
+    from sharded_exp.errors import ConfigError
+
+    schemas = registry_schemas(query=False)
+    for name, group, key, bad in [("gpt", "model", "n_heads", 3), ("fsdp", "strategy", "replicate", 0),
+                                  ("ddp", "strategy", "bucket_cap_mb", -1.0), ("sharded_ddp", "strategy", "reduce_buffer_size", -5),
+                                  ("token_classification", "data", "min_len", 1.5), ("teacher", "data", "teacher_hidden", 0)]:  # fmt: skip
+        cls = schemas[f"schema_{group}_{name}"]
+        again = made(cls)
+        assert {f.name: dict(f.metadata) for f in dataclasses.fields(again)} == {
+            f.name: dict(f.metadata) for f in dataclasses.fields(cls)
+        }, name
+        said = []
+        for schema in (cls, again):
+            node = OmegaConf.merge(OmegaConf.structured(schema), {key: bad})
+            check_bounds(group, OmegaConf.structured(schema), schema)  # the defaults are within bounds
+            with pytest.raises(ConfigError) as err:
+                check_bounds(group, node, schema)
+            said.append(str(err.value))
+        assert said[0] == said[1] and f"{key}=" in said[0], said
+
+
 def test_an_enum_two_fields_share_is_one_class_made_again_and_reads_as_its_name():
     """FSDP's param_dtype and reduce_dtype share DType: made again, still one class (so that
     ``reduce_dtype=${strategy.param_dtype}`` resolves), an Option as the original is (a member

@@ -20,7 +20,6 @@ from sharded_exp.launch.preflight import (
     RANK_OVERHEAD_MIB,
     check,
     check_host_memory,
-    check_numbers,
     check_values,
     decide_device,
     host_need_mib,
@@ -138,10 +137,8 @@ def test_a_key_the_strategy_does_not_have_is_refused_naming_its_settings():
 
 
 def test_a_model_size_below_one_is_refused_naming_the_model(cfg):
-    cfg.model.depth = 1
-    check_numbers(cfg)
-    cfg.model.depth = 0
-    refused(cfg, "model.depth=0 must be >= 1 (model=mlp)", check_numbers)
+    cfg.model.depth = 0  # the rule is config.check_model_sizes (tests/unit/test_config.py); check_values runs it
+    refused(cfg, "model.depth=0 must be >= 1 (model=mlp)", check_values)
 
 
 def test_a_malformed_fault_variable_is_refused_as_a_config_error(cfg, monkeypatch):
@@ -310,7 +307,9 @@ def test_a_weight_tied_across_units_or_to_the_root_is_refused_for_fsdp():
 
     a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
     b.weight = a.weight
-    with pytest.raises(ConfigError, match=r"parameter blocks.1.weight is also blocks.0.weight \(one tensor in two units\)"):
+    with pytest.raises(
+        ConfigError, match=r"parameter blocks.1.weight is also blocks.0.weight \(one tensor in two units\)"
+    ):
         check_units_shardable(_Blocks([a, b]), "mine", "fsdp")
     c = torch.nn.Linear(4, 4)
     head = torch.nn.Linear(4, 4)
