@@ -23,11 +23,11 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from sharded_exp.compose import CONF_DIR, quote_numeric_choices, register_schemas
 from sharded_exp.config import check_ranges
-from sharded_exp.config_file import read_config_file
+from sharded_exp.config_file import check_attn_name, check_head_counts, read_config_file
 from sharded_exp.errors import ConfigError
 
 UNKNOWN_KEY = re.compile(r"Could not override '([^']+)'")
@@ -151,6 +151,10 @@ def _misspelled(argv: list[str], config_name: str) -> str | None:
         return None
     try:
         check_ranges(cfg)
+        model = OmegaConf.select(cfg, "model", default=None)
+        if isinstance(model, DictConfig):  # a Hugging Face model's head counts and kernel name
+            check_head_counts(model)
+            check_attn_name(model)
         path = OmegaConf.select(cfg, "model.config_file", default=None)
         if path:  # a Hugging Face config.json: a wrong path or a file that is no config, said at once
             read_config_file(str(path))

@@ -26,6 +26,7 @@ from sharded_exp import logs
 from sharded_exp.checkpoint import plan_checkpoints
 from sharded_exp.compose import registries
 from sharded_exp.config import Config, JobGroups, ZeroGrad, check_ranges
+from sharded_exp.config_file import check_head_counts
 from sharded_exp.data import TASKS
 from sharded_exp.data.loader import check_fits
 from sharded_exp.errors import ConfigError, WontFit, missing_packages
@@ -37,7 +38,6 @@ from sharded_exp.models.target import (
     check_accepts,
     check_attn_implementation,
     check_config_file,
-    check_head_counts,
     check_pretrained,
     is_target_model,
 )

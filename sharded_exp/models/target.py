@@ -53,13 +53,8 @@ from hydra.utils import get_class, get_object, instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
-from sharded_exp.config_file import read_config_file
+from sharded_exp.config_file import check_attn_name, read_config_file
 from sharded_exp.errors import ConfigError, missing_packages
-
-ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
-"""``model.attn_implementation`` values (null: Hugging Face's default). Hugging Face knows
-others (flash_attention_2, flex_attention, ...): they need CUDA or packages beyond ours, and
-the memory prediction fakes the step on CPU."""
 
 
 def is_target_model(cfg) -> bool:
@@ -152,41 +147,14 @@ def _with_attention(config, attention: str | None):
     return config
 
 
-HEAD_RULES = [
-    ("hidden_size", "num_attention_heads"),  # each head a slice of the hidden size
-    ("n_embd", "n_head"),  # GPT-2's names
-    ("num_attention_heads", "num_key_value_heads"),  # grouped-query attention: query heads per key/value head
-]
-"""(divided, divisor) pairs of a Hugging Face config that must divide evenly: the class builds
-with any numbers, and its forward fails on every rank."""
-
-
-def check_head_counts(model_cfg) -> None:
-    """The attention's head counts in ``model.config`` divide as the class's forward needs
-    (refused before any rank starts, naming both values)."""
-    config = model_cfg.get("config")
-    if config is None:
-        return
-    for big, small in HEAD_RULES:
-        a, b = OmegaConf.select(config, big, default=None), OmegaConf.select(config, small, default=None)
-        if not (isinstance(a, int) and isinstance(b, int)):
-            continue
-        if b < 1 or a % b:
-            raise ConfigError(
-                f"model.config.{big}={a} is not divisible by model.config.{small}={b} (model={model_cfg.get('name')}): "
-                f"the attention splits {big} into {small} equal parts"
-            )
-
-
 def check_attn_implementation(model_cfg) -> None:
-    """``model.attn_implementation`` must be null or one of :data:`ATTN_IMPLEMENTATIONS`, on a
+    """``model.attn_implementation`` must be null or one of
+    :data:`~sharded_exp.config_file.ATTN_IMPLEMENTATIONS`, on a
     Hugging Face model class that has that kernel: checked before any rank starts."""
+    check_attn_name(model_cfg)  # one of ours, or null (also on the command line, before torch)
     value = model_cfg.get("attn_implementation")
     if value is None:
         return
-    allowed = f"null (Hugging Face's default), {', '.join(ATTN_IMPLEMENTATIONS)}"
-    if value not in ATTN_IMPLEMENTATIONS:
-        raise ConfigError(f"model.attn_implementation={value!r} is not one of {allowed}")
     target = model_cfg.get("_target_")
     try:
         cls = get_class(target)
