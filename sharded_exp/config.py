@@ -611,22 +611,28 @@ def check_ranges(cfg: DictConfig) -> None:
         if OmegaConf.is_missing(cfg, key):
             continue
         node = cfg[key]
-        if OmegaConf.is_config(node) and not OmegaConf.missing_keys(node):
+        if not OmegaConf.is_config(node):
+            continue
+        if not OmegaConf.missing_keys(node):
             typed(node)
-            if key == "model":
-                check_model_sizes(node)
-            if isinstance(node, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(node)):
-                check_bounds(str(key), node, OmegaConf.get_type(node))
+        if key == "model":  # a value still missing is skipped, the others held
+            check_model_sizes(node)
+        if isinstance(node, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(node)):
+            check_bounds(str(key), node, OmegaConf.get_type(node))
 
 
 def check_model_sizes(model: Any) -> None:
     """A model's sizes (widths, depths, heads, classes, sequence length, vocabulary) are
     counts: zero or negative ones build broken models or crash deep inside a rank. Every
     integer at the top of any model's config (the schemas live beside their builders; a
-    Hugging Face model's own ``model.config`` is checked by pre-flight against its class)."""
-    for key, value in model.items():
+    Hugging Face model's own ``model.config`` is checked by pre-flight against its class).
+    ``model``: its node, a dict or its dataclass; a value still missing (``???``) is skipped."""
+    if dataclasses.is_dataclass(model):
+        model = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
+    for key in list(model.keys()):
+        value = _get(model, key)
         if isinstance(value, int) and not isinstance(value, bool):
-            _require(value >= 1, f"model.{key}={value} must be >= 1 (model={model.get('name')})")
+            _require(value >= 1, f"model.{key}={value} must be >= 1 (model={_get(model, 'name')})")
 
 
 BOUND_KINDS = ("at_least", "above", "at_most", "multiple_of")
@@ -672,4 +678,7 @@ def check_bounds(group: str, values: Any, schema: type) -> None:
 
 
 def _get(values: Any, name: str) -> Any:
-    return values.get(name) if isinstance(values, DictConfig) else getattr(values, name, None)
+    """``values[name]``: a node's (None while it is missing), a dict's or a dataclass's."""
+    if isinstance(values, DictConfig):
+        return None if name not in values or OmegaConf.is_missing(values, name) else values.get(name)
+    return values.get(name) if isinstance(values, dict) else getattr(values, name, None)

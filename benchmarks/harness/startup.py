@@ -55,10 +55,12 @@ FLOOR = (
     "m = torch.nn.Linear(64, 64); o = torch.optim.Adam(m.parameters());"
     "m(torch.randn(8, 64)).sum().backward(); o.step(); print(time.time())"
 )
-"""The least any torch training job does before its first step ends, in one process: import
-torch and torch.distributed, one Linear's forward and backward and one Adam step (whose
-first call imports torch._dynamo, as DDP's forward does). What the job takes beyond it is
-what sharded_exp adds: its parent, the check, the ranks' start and their process group."""
+"""The least any torch training job does before its first step ends, in one process on the
+CPU whatever the overrides ask for: import torch and torch.distributed, one Linear's forward
+and backward and one Adam step (whose first call imports torch._dynamo, as DDP's forward
+does). What a CPU job takes beyond it is what sharded_exp adds: its parent, the check, the
+ranks' start and their process group. Timed before the jobs in even repeats, after them in
+odd ones."""
 
 
 def one(overrides: list[str], out: str, checkout: str | None = None) -> dict[str, float]:
@@ -111,12 +113,15 @@ def main() -> None:
 
     runs, others, floors = [], [], []
     for i in range(args.repeats):
-        floors.append(floor())
+        if i % 2 == 0:  # before the jobs in one repeat, after them in the next
+            floors.append(floor())
         ours = lambda: runs.append(one(args.overrides, str(OUT / "startup" / str(i))))  # noqa: E731
         theirs = lambda: others.append(one(args.overrides, str(OUT / "startup" / f"against{i}"), args.against))  # noqa: E731
         for side in (ours, theirs) if i % 2 == 0 else (theirs, ours):
             if side is ours or args.against:
                 side()
+        if i % 2 == 1:
+            floors.append(floor())
     labels = [label for label, _, _ in PHASES + BESIDE] + ["**command to first step**", "**command to exit**"]
     cell = lambda v: "" if v is None else f"{v:.2f}"  # noqa: E731
     if args.against:
@@ -133,11 +138,11 @@ def main() -> None:
         header = ["phase", "seconds"]
     print(f"python -m sharded_exp {' '.join(args.overrides)}; medians of {args.repeats} runs (seconds)")
     print(markdown(header, rows))
-    first = statistics.median(r["first_step"] - r["command"] for r in runs)
+    firsts = [r["first_step"] - r["command"] for r in runs if r.get("first_step") is not None]
+    beyond = f"; this checkout's first step {statistics.median(firsts) - statistics.median(floors):.2f} s beyond it"
     print(
-        f"floor (a fresh python: import torch, one Linear's step under Adam): {statistics.median(floors):.2f} s "
-        f"({min(floors):.2f}-{max(floors):.2f}); this checkout's first step {first - statistics.median(floors):.2f} s "
-        "beyond it"
+        f"floor (a fresh python on CPU: import torch, one Linear's step under Adam): {statistics.median(floors):.2f} s "
+        f"({min(floors):.2f}-{max(floors):.2f}){beyond if firsts else ''}"
     )
     saved = {"args": vars(args), "runs": runs, "against": others, "floor_s": floors}
     print(f"wrote {save('startup', saved)}")

@@ -20,8 +20,9 @@ class TokenClassificationConfig(Sealed):
     name: str = "token_classification"
     seed: int = 1234
     """Seed of the task (the labelling rule), not of the batches."""
-    min_len: float = bounded(0.5, above=0, at_most=1)
-    """Shortest sequence as a share of model.seq_len; lengths are uniform up to seq_len."""
+    min_len: float = bounded(0.5, at_least=0, at_most=1)
+    """Shortest sequence as a share of model.seq_len, from 0 (one token) to 1 (every sequence
+    full); lengths are uniform up to seq_len."""
 
 
 @TASKS.register("token_classification", config=TokenClassificationConfig)

@@ -92,6 +92,6 @@ class GPT(nn.Module):
 
 @MODELS.register("gpt", config=GPTConfig)
 def build(cfg: GPTConfig) -> nn.Module:
-    check_model_sizes(vars(cfg))  # a library call's config too: the rules the command line holds
+    check_model_sizes(cfg)  # a library call's config too (a node or the dataclass): the command line's rules
     check_bounds("model", cfg, GPTConfig)
     return GPT(cfg)

@@ -294,6 +294,31 @@ def test_check_ranges_holds_the_bounds_the_registries_schemas_declare_and_a_mode
 def test_a_model_size_below_one_is_refused_naming_the_model():
     config.check_model_sizes({"name": "mlp", "depth": 1, "dropout_free": True})
     refused(lambda: config.check_model_sizes({"name": "mlp", "depth": 0}), "model.depth=0 must be >= 1 (model=mlp)")
+    node = OmegaConf.create({"name": "hf_gpt2", "seq_len": 0, "config": {"n_embd": "???"}, "_target_": "???"})
+    refused(lambda: config.check_model_sizes(node), "model.seq_len=0 must be >= 1 (model=hf_gpt2)")  # ??? skipped
+    from sharded_exp.models.gpt import GPTConfig
+
+    refused(lambda: config.check_model_sizes(GPTConfig(n_layers=0)), "model.n_layers=0 must be >= 1 (model=gpt)")
+
+
+def test_a_model_with_a_missing_value_still_has_its_sizes_and_bounds_held():
+    """The planner's check_values on a Hugging Face model whose config is incomplete."""
+    cfg = compose(["model=hf_gpt2", "model.seq_len=0", "model.config.n_embd=???"])
+    refused(lambda: config.check_ranges(cfg), "model.seq_len=0 must be >= 1 (model=hf_gpt2)")
+
+
+def test_a_schema_that_redefines_a_bounded_field_keeps_its_bounds():
+    """A subclass's field replaces its base's, metadata and all: a registry schema that
+    redefines a bounded field (a default of its own) must declare the bounds again."""
+    from sharded_exp.compose import registry_schemas
+
+    for name, cls in registry_schemas(query=False).items():
+        ours = {f.name: f.metadata.get("bounds") for f in dataclasses.fields(cls)}
+        for base in cls.__mro__[1:]:
+            if dataclasses.is_dataclass(base):
+                for f in dataclasses.fields(base):
+                    if f.metadata.get("bounds"):
+                        assert ours.get(f.name), f"{name}: {f.name} is bounded in {base.__name__}, not here"
 
 
 def test_check_ranges_leaves_a_group_with_a_missing_value_to_its_reader():

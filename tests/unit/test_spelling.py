@@ -22,6 +22,17 @@ from sharded_exp.spelling import closest, misspelled, refuse_misspelled
         (["-m", "strategy=ddp,fdsp"], "strategy=fdsp is not an option of strategy; did you mean strategy=fsdp?"),
         # a group's own range check, which needs no torch
         (["trainer.world_size=0"], "trainer.world_size=0 must be >= 1"),
+        # a bad value anywhere in a sweep, not only first (each point composed and checked)
+        (["-m", "model=gpt", "model.n_heads=3,4"], "model.d_model=128 is not divisible by model.n_heads=3"),
+        (["-m", "model=gpt", "model.n_heads=4,3"], "model.d_model=128 is not divisible by model.n_heads=3"),
+        (["-m", "strategy=ddp,fsdp", "model.depth=2,0"], "model.depth=0 must be >= 1 (model=mlp)"),
+        (["-m", "trainer.grad_accum=1,0"], "trainer.grad_accum=0 must be >= 1"),
+        # a Hugging Face model's own heads and kernel name, from the config alone
+        (
+            ["model=hf_llama", "model.config.num_attention_heads=7"],
+            "model.config.hidden_size=128 is not divisible by model.config.num_attention_heads=7",
+        ),
+        (["model=hf_gpt2", "model.attn_implementation=flash"], "model.attn_implementation='flash' is not one of null"),
     ],
 )
 def test_a_typo_is_named_with_the_closest_valid_name(argv, said):
@@ -37,6 +48,9 @@ def test_a_typo_is_named_with_the_closest_valid_name(argv, said):
         ["-m", "strategy=ddp,fsdp", "trainer.world_size=1,2"],
         ["-m", "precision=choice(32,bf16)"],
         ["model=gpt", "model.d_model=64"],
+        ["-m", "model=gpt", "model.n_heads=2,4,8"],  # every point divides 128
+        ["model=hf_bert", "data=token_classification", "data.min_len=0"],  # 0: sequences from one token
+        ["data=text_file"],  # data.path still missing: the others checked, it left to pre-flight
         ["+trainer.new_key=1"],  # adding a key on purpose is Hydra's to judge
         ["hydra/launcher=submitit_local", "hydra.run.dir=x"],  # Hydra's own groups are not ours to check
         ["-cn", "plan"],  # another config: left to Hydra
@@ -85,3 +99,20 @@ def test_a_config_file_that_is_no_readable_config_is_named_before_torch(config_n
     )
     broken.write_text('{"model_type": "llama"}')
     assert misspelled(["model=hf_causal", f"model.config_file={broken}"], config_name) is None
+
+
+def test_a_sweep_longer_than_the_checks_leaves_its_last_values_to_their_jobs(monkeypatch):
+    import sharded_exp.spelling as spelling
+
+    monkeypatch.setattr(spelling, "MAX_SWEEP_CHECKS", 3)  # 256 in use: each costs a copy of the config
+    assert misspelled(["-m", "model=gpt", "model.n_heads=4,4,4,4,3"]) is None  # past the last checked
+    assert misspelled(["-m", "model=gpt", "model.n_heads=4,4,4,3"]).endswith("model.n_heads=3")  # the last checked
+
+
+def test_each_point_of_a_sweep_is_checked_a_groups_options_composed_and_values_set(monkeypatch):
+    import sharded_exp.spelling as spelling
+
+    seen = []
+    monkeypatch.setattr(spelling, "value_problem", lambda cfg: seen.append((cfg.strategy.name, cfg.trainer.steps)))
+    assert misspelled(["-m", "strategy=ddp,fsdp,zero1", "trainer.steps=10,20"]) is None
+    assert seen == [("ddp", 10), ("fsdp", 10), ("zero1", 10), ("ddp", 20)]  # each value once, the others first
