@@ -104,6 +104,14 @@ def _default(f: dataclasses.Field) -> str:
     return "null" if value is None else str(value).replace("|", "\\|")
 
 
+def allowed(f: dataclasses.Field, group: str) -> str:
+    """`` Allowed: >= 0.`` for a field whose bounds are declared (:func:`sharded_exp.config.bounded`)."""
+    bounds = f.metadata.get("bounds") or {}
+    said = {"at_least": ">= {}", "above": "> {}", "at_most": "<= {}", "multiple_of": "a multiple of `%s.{}`" % group}
+    parts = [said[kind].format(value) for kind, value in bounds.items()]
+    return f" Allowed: {', '.join(parts)}." if parts else ""
+
+
 def markdown() -> str:
     lines = [
         "# Config reference",
@@ -119,6 +127,7 @@ def markdown() -> str:
         lines += ["", f"## {title}", "", "| field | type | default | meaning |", "|---|---|---|---|"]
         for f in own_fields(cls):
             meaning = docs.get(f.name) or (f"the option chosen (`{group}={option}`)" if f.name == "name" else "-")
+            meaning += allowed(f, group)
             kind = _type(hints.get(f.name, f.type)).replace("|", "\\|")
             lines.append(
                 f"| `{group + '.' if group else ''}{f.name}` | {kind} | `{_default(f)}` | {meaning.replace('|', chr(92) + '|')} |"
