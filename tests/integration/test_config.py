@@ -184,9 +184,14 @@ def test_cli_bad_input_exits_nonzero_before_ranks_start(args, message, tmp_path)
         (["-m", "strategy=ddp,fdsp"], "error: strategy=fdsp is not an option of strategy; did you mean strategy=fsdp?"),
         # a registry schema's bound (sharded_exp.config.bounded), carried by the schema cache
         (["model=gpt", "model.n_heads=3"], "error: model.d_model=128 is not divisible by model.n_heads=3"),
-        (["strategy=ddp", "strategy.bucket_cap_mb=-1"], "error: strategy.bucket_cap_mb=-1.0 must be >= 0 (strategy=ddp)"),
-        (["model=hf_llama", "model.config.num_attention_heads=7"],
-         "error: model.config.hidden_size=128 is not divisible by model.config.num_attention_heads=7"),  # fmt: skip
+        (
+            ["strategy=ddp", "strategy.bucket_cap_mb=-1"],
+            "error: strategy.bucket_cap_mb=-1.0 must be >= 0 (strategy=ddp)",
+        ),
+        (
+            ["model=hf_llama", "model.config.num_attention_heads=7"],
+            "error: model.config.hidden_size=128 is not divisible by model.config.num_attention_heads=7",
+        ),  # fmt: skip
     ],
 )
 def test_a_typo_or_a_value_out_of_range_is_refused_before_torch_is_imported(args, said, tmp_path):
