@@ -206,10 +206,14 @@ def other_points(parsed: list, first: list[str], cfg, config_name: str):
             continue
         key = override.get_key_element()
         group = isinstance(OmegaConf.select(cfg, key, default=None), DictConfig)
-        for value in list(override.sweep_iterator())[1:]:
+        # an option as the command line spells it (precision=16 quoted); a value as Hydra types it
+        values = override.sweep_string_iterator() if group else override.sweep_iterator()
+        for value in list(values)[1:]:
             checked += 1
-            if checked > MAX_SWEEP_CHECKS or (group and composed >= MAX_GROUP_COMPOSITIONS):
+            if checked > MAX_SWEEP_CHECKS:
                 return
+            if group and composed >= MAX_GROUP_COMPOSITIONS:
+                continue  # the group's other options are their jobs' to check; later sweeps still here
             try:
                 if group:
                     composed += 1

@@ -116,3 +116,11 @@ def test_each_point_of_a_sweep_is_checked_a_groups_options_composed_and_values_s
     monkeypatch.setattr(spelling, "value_problem", lambda cfg: seen.append((cfg.strategy.name, cfg.trainer.steps)))
     assert misspelled(["-m", "strategy=ddp,fsdp,zero1", "trainer.steps=10,20"]) is None
     assert seen == [("ddp", 10), ("fsdp", 10), ("zero1", 10), ("ddp", 20)]  # each value once, the others first
+    seen.clear()
+    monkeypatch.setattr(spelling, "value_problem", lambda cfg: seen.append((cfg.precision.name, cfg.trainer.steps)))
+    assert misspelled(["-m", "precision=32,16,bf16", "trainer.steps=10,20"]) is None  # 16: an option, not a number
+    assert seen == [("32", 10), ("16", 10), ("bf16", 10), ("32", 20)]
+    seen.clear()
+    monkeypatch.setattr(spelling, "MAX_GROUP_COMPOSITIONS", 1)  # past it: the values of later sweeps still checked
+    assert misspelled(["-m", "precision=32,16,bf16", "trainer.steps=10,20"]) is None
+    assert seen == [("32", 10), ("16", 10), ("32", 20)]
