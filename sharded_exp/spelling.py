@@ -15,8 +15,8 @@ left to Hydra, which says it as before.
 
 from __future__ import annotations
 
-import copy
 import difflib
+import itertools
 import re
 import sys
 
@@ -137,7 +137,9 @@ def _misspelled(argv: list[str], config_name: str) -> str | None:
         if override.is_sweep_override() and not override.get_key_element().startswith("hydra"):
             group = override.get_key_element().lstrip("+~")
             options = group_options(group)
-            wrong = [v for v in override.sweep_string_iterator() if options and v not in options]
+            if not options:  # a value's sweep, not a group's: its values are checked below
+                continue
+            wrong = [v for v in override.sweep_string_iterator() if v not in options and v != "null"]
             if wrong:
                 return _unknown_option(group, wrong[0], options)
     try:
@@ -151,10 +153,15 @@ def _misspelled(argv: list[str], config_name: str) -> str | None:
     except Exception:  # noqa: BLE001 -- anything else (a plugin's launcher, an interpolation) is Hydra's to say
         return None
     problem = value_problem(cfg)
-    for point in other_points(parsed, overrides, cfg, config_name):  # a sweep's other values, each alike
+    if problem is not None:
+        return problem
+    for others in other_points(parsed, overrides):  # a sweep's other values, each composed and checked
+        try:
+            problem = value_problem(_compose(config_name, others))
+        except Exception:  # noqa: BLE001 -- a point that does not compose here is its job's to say
+            continue
         if problem is not None:
-            break
-        problem = value_problem(point)
+            return problem
     return problem
 
 
@@ -185,45 +192,28 @@ def is_target(model: DictConfig) -> bool:
     return "_target_" in model.keys()  # keys(): also when the value is still missing (???)
 
 
-MAX_SWEEP_CHECKS = 256
-"""A sweep's values checked on the command line beyond each sweep's first, at most (a value
-costs a copy of the config, milliseconds; a group's option a composition, about 0.25 s, of
-which :data:`MAX_GROUP_COMPOSITIONS`); a longer sweep's later values are checked by their
-own jobs."""
-
-MAX_GROUP_COMPOSITIONS = 8
+MAX_SWEEP_POINTS = 8
+"""A sweep's points composed and checked on the command line beyond the first, at most:
+each is a composition (about 0.25 s here), Hydra's own, so that a value is read exactly as
+the job will read it (a later override of the same key, quoting, a ``@package _global_``
+preset); a longer sweep's other values are checked by their own jobs."""
 
 
-def other_points(parsed: list, first: list[str], cfg, config_name: str):
-    """The config of each value of each sweep after its first, the other sweeps at their
-    first value, so that a bad value is refused wherever it stands in the sweep: a value set
-    into a copy of ``cfg``, a group's option composed. A point that cannot be made here is
-    its job's to say."""
+def other_points(parsed: list, first: list[str]):
+    """The command line once for each value of each sweep after its first, the other sweeps
+    at their first value (one value varied at a time: combinations are their jobs' to
+    check), at most :data:`MAX_SWEEP_POINTS`. A ``shuffle(...)`` sweep, whose order Hydra
+    draws anew, is left to its jobs."""
     ours = [o for o in parsed if not o.get_key_element().lstrip("+~").startswith("hydra")]
-    checked = composed = 0
+    count = 0
     for position, override in enumerate(ours):
-        if not override.is_sweep_override() or override.get_key_element()[0] in "+~":
+        if not override.is_sweep_override() or getattr(override.value(), "shuffle", False):
             continue
-        key = override.get_key_element()
-        group = isinstance(OmegaConf.select(cfg, key, default=None), DictConfig)
-        # an option as the command line spells it (precision=16 quoted); a value as Hydra types it
-        values = override.sweep_string_iterator() if group else override.sweep_iterator()
-        for value in list(values)[1:]:
-            checked += 1
-            if checked > MAX_SWEEP_CHECKS:
+        for value in itertools.islice(override.sweep_string_iterator(), 1, MAX_SWEEP_POINTS + 1):
+            count += 1
+            if count > MAX_SWEEP_POINTS:
                 return
-            if group and composed >= MAX_GROUP_COMPOSITIONS:
-                continue  # the group's other options are their jobs' to check; later sweeps still here
-            try:
-                if group:
-                    composed += 1
-                    yield _compose(config_name, [*first[:position], f"{key}={value}", *first[position + 1 :]])
-                else:
-                    point = copy.deepcopy(cfg)
-                    OmegaConf.update(point, key, value, merge=False)
-                    yield point
-            except Exception:  # noqa: BLE001 -- a point not made here: its own job checks it
-                continue
+            yield [*first[:position], f"{override.get_key_element()}={value}", *first[position + 1 :]]
 
 
 def refuse_misspelled(argv: list[str], config_name: str = "config") -> None:

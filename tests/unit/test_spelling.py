@@ -104,12 +104,12 @@ def test_a_config_file_that_is_no_readable_config_is_named_before_torch(config_n
 def test_a_sweep_longer_than_the_checks_leaves_its_last_values_to_their_jobs(monkeypatch):
     import sharded_exp.spelling as spelling
 
-    monkeypatch.setattr(spelling, "MAX_SWEEP_CHECKS", 3)  # 256 in use: each costs a copy of the config
+    monkeypatch.setattr(spelling, "MAX_SWEEP_POINTS", 3)  # each point a composition
     assert misspelled(["-m", "model=gpt", "model.n_heads=4,4,4,4,3"]) is None  # past the last checked
     assert misspelled(["-m", "model=gpt", "model.n_heads=4,4,4,3"]).endswith("model.n_heads=3")  # the last checked
 
 
-def test_each_point_of_a_sweep_is_checked_a_groups_options_composed_and_values_set(monkeypatch):
+def test_each_point_of_a_sweep_is_composed_one_value_varied_at_a_time(monkeypatch):
     import sharded_exp.spelling as spelling
 
     seen = []
@@ -121,6 +121,34 @@ def test_each_point_of_a_sweep_is_checked_a_groups_options_composed_and_values_s
     assert misspelled(["-m", "precision=32,16,bf16", "trainer.steps=10,20"]) is None  # 16: an option, not a number
     assert seen == [("32", 10), ("16", 10), ("bf16", 10), ("32", 20)]
     seen.clear()
-    monkeypatch.setattr(spelling, "MAX_GROUP_COMPOSITIONS", 1)  # past it: the values of later sweeps still checked
+    monkeypatch.setattr(spelling, "MAX_SWEEP_POINTS", 2)
     assert misspelled(["-m", "precision=32,16,bf16", "trainer.steps=10,20"]) is None
-    assert seen == [("32", 10), ("16", 10), ("32", 20)]
+    assert seen == [("32", 10), ("16", 10), ("bf16", 10)]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["-m", "trainer.steps=30,0", "trainer.steps=20"],  # a later override wins, as Hydra applies them
+        ["-m", "model=hf_llama", "model.config.num_attention_heads=4,7", "model.config={num_attention_heads:8}"],
+        ["-m", "experiment=null,seed_table"],  # null: no preset
+        ["-m", "model=gpt", "model.n_heads=shuffle(4,8)"],  # drawn anew by Hydra: left to the jobs
+    ],
+)
+def test_a_sweep_hydra_runs_as_given_is_let_through(argv):
+    assert misspelled(argv) is None
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (
+            ["-m", "model=gpt", "model.n_heads='4','3'"],
+            "model.d_model=128 is not divisible by model.n_heads=3",
+        ),  # quoted
+        (["-m", "logger.run_name=${hydra:job.name},x", "trainer.steps=10,0"], "trainer.steps=0 must be >= 1"),
+        (["-m", "trainer.steps=0", "logger.run_name=${hydra:job.name},x"], "trainer.steps=0 must be >= 1"),
+    ],
+)
+def test_a_bad_value_is_found_beside_what_cannot_be_resolved_here_and_when_quoted(argv, said):
+    assert misspelled(argv) == said
