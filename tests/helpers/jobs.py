@@ -5,9 +5,12 @@ them (``python -m ...`` in a subprocess). The one in-process launcher of the sui
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import multiprocessing.forkserver
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -88,18 +91,37 @@ def _start_rank_server() -> None:
 
 class SharedRuns:
     """Jobs run once per test session and shared by every test that asks for the same
-    overrides (and environment): one run serves parity, states, peak and digest checks."""
+    overrides (and environment): one run serves parity, states, peak and digest checks.
+
+    The session's workers share them too (pytest-xdist gives each worker its own process and
+    its own ``basetemp``, siblings in one directory): a job is run in that common directory
+    under a file lock named by its key, by the first worker that asks; a worker asking later,
+    or while it runs, waits on the lock and reads what it wrote. Without xdist the store is
+    this session's ``basetemp``."""
 
     def __init__(self, factory):
-        self._factory = factory
         self._cache: dict = {}
+        base = Path(factory.getbasetemp())
+        self._store = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared_runs"
+        self._store.mkdir(exist_ok=True)
 
     def __call__(self, *overrides: str, env: dict[str, str] | None = None) -> tuple[Path, dict]:
         key = (overrides, tuple(sorted((env or {}).items())))
         if key not in self._cache:
-            out = self._factory.mktemp("shared")
-            self._cache[key] = (out, launch_job(list(overrides), out, env=env))
+            self._cache[key] = self._run_once(key, list(overrides), env)
         return self._cache[key]
+
+    def _run_once(self, key: tuple, overrides: list[str], env: dict[str, str] | None) -> tuple[Path, dict]:
+        name = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+        out, done = self._store / name, self._store / f"{name}.result.json"
+        with open(self._store / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if the job raises
+            if not done.exists():  # no worker has run it (or the one that tried failed: run it again)
+                shutil.rmtree(out, ignore_errors=True)  # what a failed try left
+                out.mkdir()
+                result = launch_job(overrides, out, env=env)
+                done.write_text(json.dumps(result))
+            return out, json.loads(done.read_text())
 
 
 def run_cli(
