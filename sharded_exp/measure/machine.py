@@ -57,6 +57,7 @@ import os
 import socket
 import tempfile
 import time
+import warnings
 from typing import Callable
 
 import torch
@@ -432,20 +433,46 @@ def _all_reduce_rank(rank: int, path: str, out: str) -> None:
     # a fixed number of calls on both ranks (a time limit would let them disagree on it)
     latency = min(_counted(lambda: dist.all_reduce(small), 20) for _ in range(WINDOWS))
     per_call = min(_counted(lambda: dist.all_reduce(large), 2) for _ in range(WINDOWS))
+    alone = [dist.new_group([r]) for r in range(2)]  # every rank makes every group, in one order
     if rank == 0:
-        _write_figures(out, {"latency_s": latency, "per_call_s": per_call})
+        solo = solo_call_s(alone[0])
+        _write_figures(out, {"latency_s": latency, "per_call_s": per_call, "solo_call_s": solo})
+    dist.barrier()
     dist.destroy_process_group()
+
+
+def solo_call_s(group) -> dict[str, float]:
+    """Seconds one collective of each kind takes in ``group``, a group of this rank alone:
+    nothing moves, so what is left is the call (torch's Python, the backend's work object, its
+    wait), which a strategy pays per call at world size 1 (ZeroRedundancyOptimizer broadcasts
+    each parameter, ShardedDDP reduces each gradient, FSDP2 gathers each unit)."""
+    one, out = torch.ones(1), torch.empty(1)
+    calls = {
+        "all_reduce": lambda: dist.all_reduce(one, group=group),
+        "broadcast": lambda: dist.broadcast(one, dist.get_global_rank(group, 0), group=group),
+        "reduce": lambda: dist.reduce(one, dist.get_global_rank(group, 0), group=group),
+        "all_gather": lambda: dist.all_gather_into_tensor(out, one, group=group),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(out, one, group=group),
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch 2.13 renames the last two (..._single)
+        return {kind: min(_counted(call, 50) for _ in range(WINDOWS)) for kind, call in calls.items()}
 
 
 def measure_local_link() -> dict[str, float]:
     """Two gloo processes on this machine: a small all-reduce's time (its latency) and a
-    large one's bandwidth, as nccl-tests' bus bandwidth (2 (n-1)/n S / t, n = 2)."""
+    large one's bandwidth, as nccl-tests' bus bandwidth (2 (n-1)/n S / t, n = 2); and each
+    kind of collective's call in a group of one rank (:func:`solo_call_s`)."""
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "link.json")
         found = _in_children(_all_reduce_rank, (os.path.join(folder, "store"), out), 2, out, "the local gloo link")
     bus = ALL_REDUCE_BYTES / max(found["per_call_s"] - found["latency_s"], 1e-9)
     # a 2-rank ring all-reduce is 2 steps: each pays half the small collective's time
-    return {"bandwidth_GBps": bus / 1e9, "step_latency_us": found["latency_s"] / 2 * 1e6}
+    return {
+        "bandwidth_GBps": bus / 1e9,
+        "step_latency_us": found["latency_s"] / 2 * 1e6,
+        "solo_call_us": {kind: s * 1e6 for kind, s in found["solo_call_s"].items()},
+    }
 
 
 CPU_STEP_DTYPES = ("fp32", "bf16")
@@ -643,10 +670,11 @@ def _measure(threads: int) -> dict:
     return figures
 
 
-FIGURES_VERSION = 6
+FIGURES_VERSION = 7
 """Bumped when the figures measured change (2: the step's host cost per op; 3: the fastest of
 several windows; 4: attention's own curve, the host's cost per op of an FSDP2 step; 5: the
-elementwise ops' own rates, a linear layer's matmuls per layout; 6: a new page's cost on CPU):
+elementwise ops' own rates, a linear layer's matmuls per layout; 6: a new page's cost on CPU;
+7: a collective's call in a group of one rank):
 older entries are measured again."""
 
 
@@ -804,5 +832,6 @@ def this_profile(threads: int, remeasure: bool = False) -> tuple[DeviceProfile, 
         ring_step_latency=Figure(link["step_latency_us"], source),
         tree_step_latency=Figure(link["step_latency_us"], source),
         reduce_scatter_as_all_reduce=True,  # gloo's
+        solo_call_s={kind: us * 1e-6 for kind, us in link.get("solo_call_us", {}).items()},
     )
     return device, local

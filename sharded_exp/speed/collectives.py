@@ -52,8 +52,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
 
 from sharded_exp.errors import ConfigError
 
@@ -77,6 +77,8 @@ class Link:
     tree_step_latency_s: float = 0.0
     reduce_scatter_as_all_reduce: bool = False
     """gloo's rule: a reduce-scatter runs as an all-reduce of its whole input."""
+    solo_call_s: Mapping[str, float] = field(default_factory=dict)
+    """Per kind, one call's seconds in a group of one rank (see the profile's field)."""
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,8 @@ def collective_time(
     """Seconds for one collective among ``ranks`` ranks all on one ``link`` class (one node).
 
     ``nbytes`` is S as nccl-tests defines it (the whole array: for all-gather the gathered
-    output, for reduce-scatter the full input). One rank costs nothing. On a link whose
+    output, for reduce-scatter the full input). One rank moves nothing: it costs the call, as
+    the link's ``solo_call_s`` states it (0 where it states none). On a link whose
     backend runs a reduce-scatter as an all-reduce (gloo: ``reduce_scatter_as_all_reduce``)
     it is priced as that all-reduce.
     """
@@ -147,11 +150,13 @@ def group_time(
         raise ConfigError(f"algorithm must be one of {ALGORITHMS}, not {algorithm!r}")
     if algorithm == "tree" and kind != "all_reduce":
         raise ConfigError(f"NCCL runs {kind} as a ring only (tree is for all_reduce); ask for algorithm='ring'")
-    if kind == "reduce_scatter" and getattr(topology.intra, "reduce_scatter_as_all_reduce", False):
-        kind = "all_reduce"  # gloo's reduce-scatter: an all-reduce of the whole input, then a copy
     if nbytes < 0:
         raise ConfigError(f"a collective's size must be >= 0 bytes, not {nbytes}")
-    if ranks == 1 or nbytes == 0:
+    if ranks == 1:  # nothing moves: the call alone, where the link states what it costs
+        return getattr(topology.intra, "solo_call_s", {}).get(kind, 0.0) if nbytes else 0.0
+    if kind == "reduce_scatter" and getattr(topology.intra, "reduce_scatter_as_all_reduce", False):
+        kind = "all_reduce"  # gloo's reduce-scatter: an all-reduce of the whole input, then a copy
+    if nbytes == 0:
         return 0.0
     in_node = Counter((r * stride) // topology.gpus_per_node for r in range(ranks))  # node -> the group's ranks there
     nodes = len(in_node)

@@ -250,6 +250,12 @@ class LinkProfile:
     ``ProcessGroupGloo``: the profiler shows ``c10d::_reduce_scatter_base_`` running
     ``gloo:all_reduce``), so a CPU's local link prices it as one
     (:func:`sharded_exp.speed.collectives.group_time`)."""
+    solo_call_s: Mapping[str, float] = field(default_factory=dict)
+    """Per collective kind, the seconds one call takes in a group of one rank, where nothing
+    moves and only the call is left (torch's Python, the backend's work object and its wait):
+    what a world-size-1 collective costs. Measured for the ``this`` profile's gloo link
+    (:func:`sharded_exp.measure.machine.solo_call_s`); empty for the sourced links, where no
+    published figure states it: a GPU's world-size-1 collective is priced at 0 there."""
 
     @property
     def bandwidth_Bps(self) -> float:
@@ -459,7 +465,9 @@ def _host_memory(data: Mapping[str, Any], sources: Mapping[str, Source], name: s
         raise ProfileError(f"device profile {name!r}: server_memory_bandwidth_GBps must be positive, not {peak.value}")
     if sockets.value < 1 or sockets.value != int(sockets.value):
         raise ProfileError(f"device profile {name!r}: server_sockets must be a whole number >= 1, not {sockets.value}")
-    copy = Figure(peak.value * WRITE_ALLOCATE, peak.source, "the peak x 2/3: a copy's destination is read before written")
+    copy = Figure(
+        peak.value * WRITE_ALLOCATE, peak.source, "the peak x 2/3: a copy's destination is read before written"
+    )
     capacity = _figure(data, "server_memory_GiB", sources, name) if "server_memory_GiB" in data else None
     if capacity is not None and not capacity.value > 0:
         raise ProfileError(f"device profile {name!r}: server_memory_GiB must be positive, not {capacity.value}")

@@ -23,6 +23,7 @@ gives a collective's seconds (:func:`sharded_exp.speed.collectives.pricer`).
 
 from __future__ import annotations
 
+import itertools
 import mmap
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
@@ -187,8 +188,9 @@ def accumulated(micro_batches: Sequence[Schedule]) -> Schedule:
         start = segments[-1].name if segments else None
         segments += [Segment(rename(seg.name), seg.seconds) for seg in one.segments]
         events += [
-            replace(e, name=rename(e.name), after=rename(e.after) if e.after is not None else start,
-                    before=rename(e.before))  # fmt: skip
+            replace(
+                e, name=rename(e.name), after=rename(e.after) if e.after is not None else start, before=rename(e.before)
+            )  # fmt: skip
             for e in one.events
         ]
     return Schedule(tuple(segments), tuple(events))
@@ -409,18 +411,46 @@ def oss(units: Units, price: Price, world_size: int, bucket_bytes: float = DDP_B
     return zero1(units, price, world_size, "broadcast", bucket_bytes)
 
 
-def sharded_ddp(units: Units, price: Price, world_size: int, bucket_bytes: float = DDP_BUCKET_BYTES) -> Schedule:
+def sharded_ddp(
+    units: Units, price: Price, world_size: int, bucket_bytes: float = DDP_BUCKET_BYTES, per_tensor: bool = False
+) -> Schedule:
     """fairscale ShardedDDP + OSS: during backward each gradient bucket is reduced to the rank
     that owns those parameters (a ``reduce``, 1x the bytes where all-reduce moves 2(n-1)/n x),
     the owner steps its shard, then broadcasts its parameters to all after the step (exposed).
+    ``per_tensor``: no buckets (``reduce_buffer_size=0``, or one rank, where fairscale makes
+    none): one reduce per gradient tensor (:func:`_per_tensor_grads`), each call paying its
+    price.
 
     Not modelled: buckets formed per owner rank (here the backward's buckets, each reduced to
     one owner)."""
+    found = _per_tensor_grads(units) if per_tensor else []
+    ready = found or _buckets(units, bucket_bytes)
     events = [
         Event(f"reduce:{b}", "reduce", price("reduce", size), after=seg, before="step", nbytes=size)
-        for b, (seg, size) in enumerate(_buckets(units, bucket_bytes))
+        for b, (seg, size) in enumerate(ready)
     ]
     return Schedule(tuple(units.segments()), tuple(events) + tuple(_param_sync(units, price, world_size, "broadcast")))
+
+
+def _per_tensor_grads(units: Units) -> list[tuple[str, float]]:
+    """(segment after which it is ready, bytes as reduced) for each gradient tensor, in backward
+    order; empty where the tensors are not known. The tensors (:attr:`Units.tensor_bytes`, in
+    parameter order) are laid over the units in order by their bytes: a tensor belongs to the
+    unit its first byte falls in, and its gradient is ready when that unit's backward ends.
+    Sizes are scaled from the dtype the tensors are sent in to the one gradients are reduced in."""
+    total, grads = float(sum(units.tensor_bytes)), units.grads
+    if total <= 0 or sum(grads) <= 0:
+        return []
+    scale = sum(grads) / total
+    ends = list(itertools.accumulate(grads))  # where each unit's gradients end, in gradient bytes
+    out, start, unit = [], 0.0, 0
+    for size in units.tensor_bytes:
+        while unit < len(ends) - 1 and start * scale >= ends[unit]:
+            unit += 1
+        out.append((f"bwd:{unit}", size * scale))
+        start += size
+    order = {f"bwd:{j}": i for i, j in enumerate(reversed(range(len(grads))))}
+    return sorted(out, key=lambda item: order[item[0]])  # stable: a unit's tensors in their order
 
 
 @dataclass(frozen=True)

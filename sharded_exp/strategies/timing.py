@@ -109,8 +109,10 @@ class OSSTime(ZeRO1Time):
 
 class ShardedDDPTime(OSSTime):
     """fairscale ShardedDDP + OSS: a reduce of each bucket (``reduce_buffer_size``
-    elements) to its owner during the backward, then OSS's broadcasts. Buckets off (0):
-    each unit's gradients reduced when its backward ends."""
+    elements) to its owner during the backward, then OSS's broadcasts. Buckets off (0), or one
+    rank (fairscale buckets nothing there: :func:`sharded_exp.strategies.sharded_ddp.bucketed`):
+    a reduce per gradient tensor where the tensors are known, else each unit's gradients
+    reduced when its backward ends."""
 
     @classmethod
     def schedule(cls, cfg, units: Units, price: Price, fabric: Fabric) -> Schedule:
@@ -118,7 +120,8 @@ class ShardedDDPTime(OSSTime):
         bucket = elements * 4.0  # float32 gradients: the parameters' dtype, under autocast too
         if elements <= 0:
             bucket = min(g for g in units.grads if g > 0) if any(units.grads) else 1.0
-        return schedule.sharded_ddp(units, price, fabric.world_size, bucket_bytes=bucket)
+        unbucketed = elements <= 0 or fabric.world_size == 1
+        return schedule.sharded_ddp(units, price, fabric.world_size, bucket_bytes=bucket, per_tensor=unbucketed)
 
 
 class FSDPTime(TimeModel):
@@ -154,6 +157,8 @@ class FSDPTime(TimeModel):
         def price(kind: str, nbytes: float) -> float:
             if replicate > 1 and kind == "reduce_scatter":
                 return sum(collectives.hsdp_gradient_time(nbytes, shard, replicate, topology))
+            if shard == 1:  # the calls of a world of one: in the host's cost per op of an FSDP2
+                return 0.0  # step, measured on one (DeviceProfile.sharded_step_op_overhead_s)
             return collectives.group_time(kind, nbytes, shard, topology)
 
         return price
@@ -184,10 +189,13 @@ class FSDPTime(TimeModel):
         shard = fabric.world_size // max(1, int(getattr(cfg, "replicate", 1)))
         # the optimizer's ops over this rank's shard, on the host, at its share of the memory bandwidth; the
         # shards whose new tensors glibc maps anew each step (a GPU rank's glibc runs its own dynamic rule)
-        mapped = sum(n / shard for n in fabric.tensor_elements if n / shard * fabric.element_bytes >= DYNAMIC_THRESHOLD_MAX)
+        mapped = sum(
+            n / shard for n in fabric.tensor_elements if n / shard * fabric.element_bytes >= DYNAMIC_THRESHOLD_MAX
+        )
         host_s = (
-            schedule.host_step_time(fabric.params / shard, fabric.host_step_bytes, *fabric.host_memory_Bps, mapped,
-                                    fabric.fresh_page_s)  # fmt: skip
+            schedule.host_step_time(
+                fabric.params / shard, fabric.host_step_bytes, *fabric.host_memory_Bps, mapped, fabric.fresh_page_s
+            )  # fmt: skip
             if reduce_gradients
             else 0.0
         )

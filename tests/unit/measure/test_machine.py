@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from sharded_exp.measure import machine
 
@@ -28,6 +29,7 @@ def test_the_profile_is_built_from_the_cache_without_measuring(tmp_path, monkeyp
     assert device.peak_flops_per_s("fp32") == 0.05e12 and device.curve("matmul", "fp32").points[0] == (1e6, 0.01)
     assert link.bandwidth_Bps == 0.5e9 and link.ring_step_latency_s == pytest.approx(1e-4)
     assert link.reduce_scatter_as_all_reduce  # gloo's: priced as the all-reduce it runs
+    assert link.solo_call_s == {}  # figures cached before the call was measured: none priced
     assert device.curve("attention", "fp32") == device.curve("matmul", "fp32")  # attention not measured
     assert not device.curve("attention", "fp32").causal_calls  # so no causal curve: priced as the matmul's
     assert device.host_cost_s("fp32", sharded_parameters=True) == 2e-5  # nor an FSDP2 step: the plain figure
@@ -243,3 +245,22 @@ def test_the_hosts_memory_is_kept_when_the_gpus_pinned_copies_cannot_be_measured
     assert found == {"memory_bandwidth_GBps": 12.0, "in_place_GBps": 20.0, "threads": len(os.sched_getaffinity(0)),
                      "fresh_page_s": 2e-7}  # fmt: skip
     assert torch.get_num_threads() == before
+
+
+def test_a_collectives_call_alone_is_read_per_kind_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    figures = {"matmul": {"fp32": [[1e6, 0.01]]}, "memory_bandwidth_GBps": 10.0, "op_overhead_s": 5e-6,
+               "step_op_overhead_s": {}, "measured_at": "then",
+               "link": {"bandwidth_GBps": 0.5, "step_latency_us": 100.0,
+                        "solo_call_us": {"broadcast": 24.0, "all_gather": 36.0}}}  # fmt: skip
+    path = tmp_path / "sharded_exp" / "this_profile.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({machine._key(1): figures}))
+    _, link = machine.this_profile(1)
+    assert link.solo_call_s == pytest.approx({"broadcast": 24e-6, "all_gather": 36e-6})
+
+
+def test_a_collectives_call_alone_is_timed_per_kind_in_a_group_of_one(gloo_group):
+    found = machine.solo_call_s(dist.group.WORLD)
+    assert set(found) == {"all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter"}
+    assert all(0 < s < 1 for s in found.values())

@@ -135,3 +135,19 @@ def test_the_pricer_prices_a_flat_group_for_the_schedules():
     price = pricer(8, Topology(8, FAST))
     assert price("all_reduce", GIB) == pytest.approx(0.0187905 + BASE, rel=1e-5)
     assert price("broadcast", GIB) == pytest.approx(0.0107374 + BASE, rel=1e-5)
+
+
+def test_one_rank_costs_its_call_where_the_link_states_it():
+    """A world of one moves nothing: gloo still makes a work object and waits on it, which the
+    ``this`` link measures per kind; a link stating nothing prices it at 0."""
+    solo = Link("gloo", bandwidth_Bps=1e9, ring_step_latency_s=1e-4, reduce_scatter_as_all_reduce=True,
+                solo_call_s={"broadcast": 24e-6, "reduce_scatter": 36e-6, "all_reduce": 25e-6})  # fmt: skip
+    assert collective_time("broadcast", GIB, 1, solo) == 24e-6  # whatever the size
+    assert collective_time("broadcast", 4, 1, solo) == 24e-6
+    assert collective_time("reduce_scatter", GIB, 1, solo) == 36e-6  # its own call, not the all-reduce's
+    assert collective_time("all_gather", GIB, 1, solo) == 0.0  # not stated
+    assert collective_time("broadcast", 0, 1, solo) == 0.0  # no tensor, no call
+    # two ranks: the link's price (NCCL's base, two steps of latency, the bytes), no call on top
+    assert collective_time("broadcast", 4, 2, solo) == pytest.approx(8.4e-6 + 2 * 1e-4 + 4 / 1e9)
+    with pytest.raises(ConfigError, match=">= 0 bytes"):
+        collective_time("broadcast", -1, 1, solo)

@@ -152,6 +152,23 @@ def test_sharded_ddp_reduces_each_bucket_to_its_owner():
     assert simulate(schedule).step_time_s == pytest.approx(76 * MS)
 
 
+def test_sharded_ddp_without_buckets_reduces_each_gradient_tensor_when_its_unit_is_done():
+    """Two units of 8 and 4 gradient bytes (bf16), four tensors of 8, 8, 4 and 4 bytes as the
+    optimizer holds them (fp32): halved, the first two fall in unit 0, the last two in unit 1,
+    and the backward reaches unit 1 first. One rank: each reduce costs its call (1 ms here)."""
+    units = Units([10 * MS] * 2, [20 * MS] * 2, [8, 4], tensor_bytes=[8, 8, 4, 4], optimizer_s=5 * MS)
+    schedule = sharded_ddp(units, constant(reduce=1, broadcast=1), world_size=1, per_tensor=True)
+    reduces = [(e.after, e.nbytes) for e in schedule.events if e.kind == "reduce"]
+    assert reduces == [("bwd:1", 2.0), ("bwd:1", 2.0), ("bwd:0", 4.0), ("bwd:0", 4.0)]
+    # fwd 0-20, bwd:1 20-40 (its two reduces 40-42 hide under bwd:0, 40-60), bwd:0's two 60-62,
+    # then the step 62-67 and one broadcast: 68 ms
+    assert simulate(schedule).step_time_s == pytest.approx(68 * MS)
+    # the tensors not known: the buckets, as with buckets on
+    bucketed = sharded_ddp(Units([10 * MS] * 2, [20 * MS] * 2, [8, 4]), constant(reduce=1, broadcast=1), 1, 100,
+                           per_tensor=True)  # fmt: skip
+    assert [e.kind for e in bucketed.events] == ["reduce", "broadcast"]
+
+
 def test_offload_copies_over_pcie_and_steps_on_the_host():
     """1 unit of 400 B on 4 ranks: 100 B shards at 100 B/s = 1 s a copy; collectives 0.5 s;
     forward 1 s, backward 2 s, host step 3 s. h2d 0-1, AG 1-1.5, fwd 1.5-2.5; the re-gather's

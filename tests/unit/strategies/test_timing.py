@@ -111,3 +111,24 @@ def test_zero1_broadcasts_tensor_by_tensor_unless_its_parameters_are_a_bucket_vi
     assert len(broadcasts("zero1", parameters_as_bucket_view=True)) == len(broadcasts("oss")) == 8
     per_tensor = sum(e.seconds for e in broadcasts("zero1"))
     assert per_tensor > sum(e.seconds for e in broadcasts("zero1", parameters_as_bucket_view=True))
+
+
+def test_at_world_size_1_each_call_costs_what_the_link_states_except_fsdp2s():
+    """A gloo link measured alone (20 us a call): ZeRO-1 broadcasts each of its 3 tensors after
+    the step, ShardedDDP reduces each (no buckets for one rank), DDP all-reduces its one
+    bucket; FSDP2's calls are in its measured host cost per op, so priced at 0."""
+    solo = Link("gloo", bandwidth_Bps=1e9, solo_call_s={k: 20e-6 for k in ("all_reduce", "broadcast", "reduce",
+                                                                            "all_gather", "reduce_scatter")})  # fmt: skip
+    units = Units([0.01] * 2, [0.02] * 2, [8e3, 4e3], tensor_bytes=[4e3, 4e3, 4e3], optimizer_s=0.005)
+    one = Fabric(1, Topology(1, solo))
+
+    def comm(name):
+        cfg, model = STRATEGIES.config_class(name)(), timing_of(name)
+        events = model.schedule(cfg, units, model.price(cfg, one), one).events
+        return sorted(e.kind for e in events), sum(e.seconds for e in events)
+
+    assert comm("zero1") == (["all_reduce", "broadcast", "broadcast", "broadcast"], pytest.approx(80e-6))
+    assert comm("sharded_ddp") == (["broadcast", "reduce", "reduce", "reduce"], pytest.approx(80e-6))
+    assert comm("ddp") == (["all_reduce"], pytest.approx(20e-6))
+    fsdp_kinds, fsdp_seconds = comm("fsdp")
+    assert "all_gather" in fsdp_kinds and fsdp_seconds == 0.0
