@@ -602,7 +602,7 @@ def check_ranges(cfg: DictConfig) -> None:
     """Each group's own range checks, run by making the group typed (:func:`typed`), then
     the bounds its schema declares (:func:`check_bounds`: the registries' strategy, model and
     data schemas, whose classes live beside their builders) and a model's sizes
-    (:func:`check_model_sizes`). No torch: the command line runs it on the config it composed
+    (:func:`check_model_sizes`) and whether the data task feeds the model (:func:`check_fed`). No torch: the command line runs it on the config it composed
     from the cached schemas, so these are refused before anything heavy is imported. A group
     with a value still missing is left to its reader: ``data.path=???`` is stood in for by
     the planner, and refused by name by pre-flight's task check (``to_object`` would only say
@@ -619,6 +619,31 @@ def check_ranges(cfg: DictConfig) -> None:
             check_model_sizes(node)
         if isinstance(node, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(node)):
             check_bounds(str(key), node, OmegaConf.get_type(node))
+    if all(k in cfg and not OmegaConf.is_missing(cfg, k) for k in ("data", "model")):
+        check_fed(cfg.data, cfg.model)
+
+
+def require_model_fields(task: str, feeds: str, model_cfg: Any, fields: tuple[str, ...]) -> None:
+    """Refuse a model whose config lacks the fields data ``task`` sizes its samples by."""
+    missing = [f for f in fields if f not in model_cfg]
+    if missing:
+        raise ConfigError(
+            f"data={task} feeds {feeds}, not model={_get(model_cfg, 'name')}: it needs "
+            + ", ".join(f"model.{f}" for f in fields)
+            + f" (model={_get(model_cfg, 'name')} has no {', '.join(missing)})"
+        )
+
+
+def check_fed(data: Any, model: Any) -> None:
+    """A data task whose schema declares what it feeds (class attributes ``FEEDS``, the models
+    in words, and ``MODEL_FIELDS``, the model's fields it sizes its samples by: data as
+    :func:`bounded` is, carried by the schema cache) refuses a model without those fields. A
+    task whose needs depend on its settings (a file's ``data.kind``) declares none: its
+    builder checks."""
+    schema = OmegaConf.get_type(data) if OmegaConf.is_config(data) else type(data)
+    fields = getattr(schema, "MODEL_FIELDS", None)
+    if fields:
+        require_model_fields(str(_get(data, "name")), schema.FEEDS, model, tuple(fields))
 
 
 def check_model_sizes(model: Any) -> None:

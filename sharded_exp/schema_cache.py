@@ -27,6 +27,8 @@ from sharded_exp.config import Option
 SCALARS = {bool: "bool", int: "int", float: "float", str: "str"}
 MISSING = "???"
 """OmegaConf's mark of a value that must be set."""
+FED = ("FEEDS", "MODEL_FIELDS")
+"""A data schema's class attributes that say what models it feeds (:func:`sharded_exp.config.check_fed`)."""
 
 
 def describe(cls: type) -> dict[str, Any]:
@@ -44,7 +46,11 @@ def describe(cls: type) -> dict[str, Any]:
         if f.metadata.get("bounds"):  # sharded_exp.config.bounded's: checked on the command line too
             described["bounds"] = dict(f.metadata["bounds"])
         fields.append(described)
-    return {"name": cls.__name__, "fields": fields}
+    out: dict[str, Any] = {"name": cls.__name__, "fields": fields}
+    for attribute in FED:  # a data task's declared needs (sharded_exp.config.check_fed)
+        if getattr(cls, attribute, None) is not None:
+            out[attribute] = _value(getattr(cls, attribute))
+    return out
 
 
 def _type(hint: Any) -> Any:
@@ -91,7 +97,8 @@ def rebuild_all(descriptions: dict[str, dict[str, Any]]) -> dict[str, type]:
 
 def rebuild(description: dict[str, Any], enums: dict[tuple, type] | None = None) -> type:
     """The dataclass :func:`describe` described: same name, fields, types, defaults and
-    declared bounds (:func:`sharded_exp.config.bounded`). ``enums``: the enum classes made so far, by name and members (shared between calls)."""
+    declared bounds (:func:`sharded_exp.config.bounded`) and a data task's declared needs
+    (:data:`FED`). ``enums``: the enum classes made so far, by name and members (shared between calls)."""
     enums = {} if enums is None else enums
     fields = []
     for f in description["fields"]:
@@ -103,7 +110,9 @@ def rebuild(description: dict[str, Any], enums: dict[tuple, type] | None = None)
         else:
             spec = dataclasses.field(default=default, metadata=metadata)
         fields.append((f["name"], hint, spec))
-    return dataclasses.make_dataclass(description["name"], fields)
+    declared = {a: (tuple(description[a]) if isinstance(description[a], list) else description[a])
+                for a in FED if a in description}  # fmt: skip
+    return dataclasses.make_dataclass(description["name"], fields, namespace=declared)
 
 
 def _hint(kind: Any, enums: dict[tuple, type]) -> Any:

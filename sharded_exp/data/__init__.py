@@ -24,7 +24,6 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from sharded_exp.errors import ConfigError
 from sharded_exp.registry import Registry
 
 TASKS = Registry("data")
@@ -48,17 +47,6 @@ def generator(seed: int, *keys: int) -> torch.Generator:
         mixed = (mixed * 1_000_003 + k + 1) % (2**62)
     g.manual_seed(mixed)
     return g
-
-
-def require_model_fields(task: str, feeds: str, model_cfg, fields: tuple[str, ...]) -> None:
-    """Refuse a model whose config lacks the fields this task sizes its samples by."""
-    missing = [f for f in fields if f not in model_cfg]
-    if missing:
-        raise ConfigError(
-            f"data={task} feeds {feeds}, not model={model_cfg.name}: it needs "
-            + ", ".join(f"model.{f}" for f in fields)
-            + f" (model={model_cfg.name} has no {', '.join(missing)})"
-        )
 
 
 @dataclass

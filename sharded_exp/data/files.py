@@ -39,8 +39,8 @@ from typing import List, Optional
 import torch
 from omegaconf import MISSING, OmegaConf
 
-from sharded_exp.config import Option, Sealed, bounded
-from sharded_exp.data import TASKS, Batch, Task, generator, require_model_fields
+from sharded_exp.config import Option, Sealed, bounded, require_model_fields
+from sharded_exp.data import TASKS, Batch, Task, generator
 from sharded_exp.errors import ConfigError
 
 IGNORE = -100

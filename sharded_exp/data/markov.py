@@ -11,12 +11,15 @@ from dataclasses import dataclass
 
 import torch
 
-from sharded_exp.config import Sealed, bounded
-from sharded_exp.data import TASKS, Batch, Task, generator, require_model_fields
+from sharded_exp.config import Sealed, bounded, check_fed
+from sharded_exp.data import TASKS, Batch, Task, generator
 
 
 @dataclass
 class MarkovConfig(Sealed):
+    FEEDS = "language models (model=gpt)"
+    MODEL_FIELDS = ("vocab_size", "seq_len")
+
     name: str = "markov"
     seed: int = 1234
     """Seed of the task (the transition matrix), not of the batches."""
@@ -26,13 +29,15 @@ class MarkovConfig(Sealed):
 
 @dataclass
 class CausalLMConfig(MarkovConfig):
+    FEEDS = "causal language models (model=hf_gpt2)"
+
     name: str = "causal_lm"
 
 
 @TASKS.register("markov", config=MarkovConfig)
 def markov_task(cfg: MarkovConfig, model_cfg, batch_size: int) -> Task:
     """Token sequences and their next tokens (targets shifted by one, here)."""
-    require_model_fields("markov", "language models (model=gpt)", model_cfg, ("vocab_size", "seq_len"))
+    check_fed(cfg, model_cfg)
     chain = _chain(cfg, model_cfg, batch_size, model_cfg.seq_len + 1)
 
     def batch(step: int, micro: int, rank: int) -> Batch:
@@ -45,7 +50,7 @@ def markov_task(cfg: MarkovConfig, model_cfg, batch_size: int) -> Task:
 @TASKS.register("causal_lm", config=CausalLMConfig)
 def causal_lm_task(cfg: CausalLMConfig, model_cfg, batch_size: int) -> Task:
     """The chain in Hugging Face's causal-LM form (labels = input_ids; the model shifts)."""
-    require_model_fields("causal_lm", "causal language models (model=hf_gpt2)", model_cfg, ("vocab_size", "seq_len"))
+    check_fed(cfg, model_cfg)
     chain = _chain(cfg, model_cfg, batch_size, model_cfg.seq_len)
 
     def batch(step: int, micro: int, rank: int) -> Batch:

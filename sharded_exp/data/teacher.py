@@ -6,12 +6,15 @@ from dataclasses import dataclass
 
 import torch
 
-from sharded_exp.config import Sealed, bounded
-from sharded_exp.data import TASKS, Batch, Task, generator, require_model_fields
+from sharded_exp.config import Sealed, bounded, check_fed
+from sharded_exp.data import TASKS, Batch, Task, generator
 
 
 @dataclass
 class TeacherConfig(Sealed):
+    FEEDS = "classifiers (model=mlp)"
+    MODEL_FIELDS = ("in_features", "num_classes")
+
     name: str = "teacher"
     seed: int = 1234
     """Seed of the task (the teacher's weights), not of the batches."""
@@ -22,7 +25,7 @@ class TeacherConfig(Sealed):
 @TASKS.register("teacher", config=TeacherConfig)
 def teacher_task(cfg: TeacherConfig, model_cfg, batch_size: int) -> Task:
     """Gaussian inputs labelled by the argmax of a fixed random 2-layer teacher network."""
-    require_model_fields("teacher", "classifiers (model=mlp)", model_cfg, ("in_features", "num_classes"))
+    check_fed(cfg, model_cfg)
     g = generator(cfg.seed)
     w1 = torch.randn(model_cfg.in_features, cfg.teacher_hidden, generator=g)
     w2 = torch.randn(cfg.teacher_hidden, model_cfg.num_classes, generator=g)

@@ -9,14 +9,17 @@ from dataclasses import dataclass
 
 import torch
 
-from sharded_exp.config import Sealed, bounded
-from sharded_exp.data import TASKS, Task, generator, require_model_fields
+from sharded_exp.config import Sealed, bounded, check_fed
+from sharded_exp.data import TASKS, Task, generator
 
 IGNORE = -100
 
 
 @dataclass
 class TokenClassificationConfig(Sealed):
+    FEEDS = "token classifiers (model=hf_bert)"
+    MODEL_FIELDS = ("vocab_size", "seq_len", "num_labels")
+
     name: str = "token_classification"
     seed: int = 1234
     """Seed of the task (the labelling rule), not of the batches."""
@@ -28,9 +31,7 @@ class TokenClassificationConfig(Sealed):
 @TASKS.register("token_classification", config=TokenClassificationConfig)
 def token_classification_task(cfg: TokenClassificationConfig, model_cfg, batch_size: int) -> Task:
     """input_ids, attention_mask and labels (-100 on padding) for a token classifier."""
-    require_model_fields(
-        "token_classification", "token classifiers (model=hf_bert)", model_cfg, ("vocab_size", "seq_len", "num_labels")
-    )
+    check_fed(cfg, model_cfg)
     vocab, seq_len, labels = model_cfg.vocab_size, model_cfg.seq_len, model_cfg.num_labels
     g = generator(cfg.seed)
     # label(token, left neighbour) = (class of the token + a 0/1 shift set by the neighbour)

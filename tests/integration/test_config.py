@@ -192,6 +192,8 @@ def test_cli_bad_input_exits_nonzero_before_ranks_start(args, message, tmp_path)
             ["model=hf_llama", "model.config.num_attention_heads=7"],
             "error: model.config.hidden_size=128 is not divisible by model.config.num_attention_heads=7",
         ),  # fmt: skip
+        # a data task's declared needs (sharded_exp.config.check_fed), carried by the cache too
+        (["model=gpt", "data=teacher"], "error: data=teacher feeds classifiers (model=mlp), not model=gpt"),
     ],
 )
 def test_a_typo_or_a_value_out_of_range_is_refused_before_torch_is_imported(args, said, tmp_path):

@@ -354,3 +354,21 @@ def test_a_typed_config_is_read_only_from_typed_to_the_ranks():
     changed = dataclasses.replace(cfg.trainer, steps=cfg.trainer.steps + 10)
     changed.steps += 1  # a copy made by replace is the caller's own
     assert changed.steps == cfg.trainer.steps + 11
+
+
+def test_a_missing_model_field_is_refused_naming_the_task_and_the_fields():
+    model = OmegaConf.create({"name": "mlp", "in_features": 4})
+    config.require_model_fields("teacher", "classifiers", model, ("in_features",))
+    with pytest.raises(ConfigError) as err:
+        config.require_model_fields("markov", "language models (model=gpt)", model, ("vocab_size", "seq_len", "in_features"))
+    assert str(err.value) == (
+        "data=markov feeds language models (model=gpt), not model=mlp: it needs model.vocab_size, model.seq_len, "
+        "model.in_features (model=mlp has no vocab_size, seq_len)"
+    )
+
+
+def test_check_ranges_refuses_a_model_the_data_task_does_not_feed():
+    refused(lambda: config.check_ranges(compose(["model=gpt", "data=teacher"])),
+            "data=teacher feeds classifiers (model=mlp), not model=gpt: it needs model.in_features, model.num_classes")  # fmt: skip
+    refused(lambda: config.check_ranges(compose(["data=markov"])), "data=markov feeds language models (model=gpt)")
+    config.check_ranges(compose(["model=gpt"]))  # its own task (markov): fed

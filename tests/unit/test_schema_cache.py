@@ -141,3 +141,30 @@ def test_an_enum_two_fields_share_is_one_class_made_again_and_reads_as_its_name(
     node.param_dtype = "bfloat16"
     node.reduce_dtype = "${param_dtype}"
     assert node.reduce_dtype == param["bfloat16"]
+
+
+def test_a_data_tasks_declared_needs_are_made_again_and_refuse_the_same_model_with_the_same_message():
+    """What a data task feeds (sharded_exp.config.check_fed) travels in the cache: the command
+    line refuses ``model=gpt data=teacher`` before torch, with pre-flight's words. A task whose
+    needs depend on its settings (a file's data.kind) declares none, here as there."""
+    from sharded_exp.config import check_fed
+    from sharded_exp.errors import ConfigError
+
+    schemas = registry_schemas(query=False)
+    gpt = OmegaConf.structured(schemas["schema_model_gpt"])
+    mlp = OmegaConf.structured(schemas["schema_model_mlp"])
+    for task, needs, fit, unfit in [("teacher", ("in_features", "num_classes"), mlp, gpt),
+                                    ("markov", ("vocab_size", "seq_len"), gpt, mlp),
+                                    ("causal_lm", ("vocab_size", "seq_len"), gpt, mlp)]:  # fmt: skip
+        cls = schemas[f"schema_data_{task}"]
+        again = made(cls)
+        assert again.MODEL_FIELDS == cls.MODEL_FIELDS == needs and again.FEEDS == cls.FEEDS, task
+        said = []
+        for schema in (cls, again):
+            check_fed(OmegaConf.structured(schema), fit)
+            with pytest.raises(ConfigError) as err:
+                check_fed(OmegaConf.structured(schema), unfit)
+            said.append(str(err.value))
+        assert said[0] == said[1] and said[0].startswith(f"data={task} feeds {cls.FEEDS}, not model="), said
+    assert "FEEDS" not in describe(schemas["schema_data_text_file"])
+    check_fed(OmegaConf.structured(schemas["schema_data_text_file"]), mlp)  # nothing declared: left to its builder

@@ -16,9 +16,7 @@ from sharded_exp.data import (
     generator,
     probe_batch,
     probe_task,
-    require_model_fields,
 )
-from sharded_exp.errors import ConfigError
 
 
 def draw(g: torch.Generator) -> list[float]:
@@ -33,17 +31,6 @@ def test_every_key_and_its_position_change_the_stream():
     streams = [draw(generator(*keys)) for keys in
                [(0,), (0, 0), (0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 2), (0, 2, 1), (1, 0, 0, 0)]]  # fmt: skip
     assert len({tuple(s) for s in streams}) == len(streams)
-
-
-def test_a_missing_model_field_is_refused_naming_the_task_and_the_fields():
-    model = OmegaConf.create({"name": "mlp", "in_features": 4})
-    require_model_fields("teacher", "classifiers", model, ("in_features",))
-    with pytest.raises(ConfigError) as err:
-        require_model_fields("markov", "language models (model=gpt)", model, ("vocab_size", "seq_len", "in_features"))
-    assert str(err.value) == (
-        "data=markov feeds language models (model=gpt), not model=mlp: it needs model.vocab_size, model.seq_len, "
-        "model.in_features (model=mlp has no vocab_size, seq_len)"
-    )
 
 
 def test_the_loss_comes_from_an_object_or_a_dict():
