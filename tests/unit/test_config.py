@@ -360,7 +360,9 @@ def test_a_missing_model_field_is_refused_naming_the_task_and_the_fields():
     model = OmegaConf.create({"name": "mlp", "in_features": 4})
     config.require_model_fields("teacher", "classifiers", model, ("in_features",))
     with pytest.raises(ConfigError) as err:
-        config.require_model_fields("markov", "language models (model=gpt)", model, ("vocab_size", "seq_len", "in_features"))
+        config.require_model_fields(
+            "markov", "language models (model=gpt)", model, ("vocab_size", "seq_len", "in_features")
+        )
     assert str(err.value) == (
         "data=markov feeds language models (model=gpt), not model=mlp: it needs model.vocab_size, model.seq_len, "
         "model.in_features (model=mlp has no vocab_size, seq_len)"
