@@ -70,6 +70,12 @@ def check_head_counts(model_cfg) -> None:
             )
 
 
+def is_target_model(cfg) -> bool:
+    """A model built by ``_target_`` (a Hugging Face class or a user's factory), whose head
+    counts and kernel name are checked here: not a registry model (``model=gpt``)."""
+    return "_target_" in cfg.keys()  # keys(): also when the value is still missing (???)
+
+
 def check_attn_name(model_cfg) -> None:
     """``model.attn_implementation`` is null or one of :data:`ATTN_IMPLEMENTATIONS` (whether
     the model's class has that kernel is pre-flight's to ask:

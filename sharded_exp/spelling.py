@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from sharded_exp.compose import CONF_DIR, quote_numeric_choices, register_schemas
 from sharded_exp.config import check_ranges
-from sharded_exp.config_file import check_attn_name, check_head_counts, read_config_file
+from sharded_exp.config_file import check_attn_name, check_head_counts, is_target_model, read_config_file
 from sharded_exp.errors import ConfigError
 
 UNKNOWN_KEY = re.compile(r"Could not override '([^']+)'")
@@ -72,10 +72,10 @@ def first_values(parsed: list) -> list[str] | None:
         if key.lstrip("+~").startswith("hydra"):
             continue
         if override.is_sweep_override():
-            values = list(override.sweep_string_iterator())
-            if not values:
+            first = next(iter(override.sweep_string_iterator()), None)  # a range's first, not its every value
+            if first is None:
                 return None
-            out.append(f"{key}={values[0]}")
+            out.append(f"{key}={first}")
         else:
             out.append(override.input_line)
     return out
@@ -175,7 +175,7 @@ def value_problem(cfg) -> str | None:
         path = OmegaConf.select(cfg, "model.config_file", default=None)
         if path:  # a Hugging Face config.json: a wrong path or a file that is no config, said at once
             read_config_file(str(path))
-        if isinstance(model, DictConfig) and is_target(model):
+        if isinstance(model, DictConfig) and is_target_model(model):
             check_attn_name(model)
             if not path:  # the file's config replaces model.config: its heads are pre-flight's to check
                 check_head_counts(model)
@@ -184,12 +184,6 @@ def value_problem(cfg) -> str | None:
     except Exception:  # noqa: BLE001 -- a group that is not ready to be typed here is checked later
         return None
     return None
-
-
-def is_target(model: DictConfig) -> bool:
-    """A model built by ``_target_`` (a Hugging Face class or a user's factory), whose head
-    counts and kernel name pre-flight checks: not a registry model (``model=gpt``)."""
-    return "_target_" in model.keys()  # keys(): also when the value is still missing (???)
 
 
 MAX_SWEEP_POINTS = 8

@@ -26,7 +26,7 @@ from sharded_exp import logs
 from sharded_exp.checkpoint import plan_checkpoints
 from sharded_exp.compose import registries
 from sharded_exp.config import Config, JobGroups, ZeroGrad, check_ranges
-from sharded_exp.config_file import check_head_counts
+from sharded_exp.config_file import check_head_counts, is_target_model
 from sharded_exp.data import TASKS
 from sharded_exp.data.loader import check_fits
 from sharded_exp.errors import ConfigError, WontFit, missing_packages
@@ -39,7 +39,6 @@ from sharded_exp.models.target import (
     check_attn_implementation,
     check_config_file,
     check_pretrained,
-    is_target_model,
 )
 from sharded_exp.optim import OPTIMIZERS
 from sharded_exp.precision import PRECISIONS, Precision

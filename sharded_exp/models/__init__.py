@@ -17,8 +17,9 @@ from typing import NamedTuple
 
 import torch
 
+from sharded_exp.config_file import is_target_model
 from sharded_exp.errors import ConfigError
-from sharded_exp.models.target import build_target_model, is_target_model
+from sharded_exp.models.target import build_target_model
 from sharded_exp.registry import Registry
 
 MODELS = Registry("model")

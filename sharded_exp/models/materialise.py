@@ -44,9 +44,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 
+from sharded_exp.config_file import is_target_model
 from sharded_exp.errors import ConfigError, missing_packages
 from sharded_exp.models import MODELS, build_model, units
-from sharded_exp.models.target import is_target_model
 
 
 def build_rule(model_cfg, weights: bool = True) -> str:

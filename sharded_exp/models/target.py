@@ -57,10 +57,6 @@ from sharded_exp.config_file import check_attn_name, read_config_file
 from sharded_exp.errors import ConfigError, missing_packages
 
 
-def is_target_model(cfg) -> bool:
-    return "_target_" in cfg.keys()  # keys(): also when the value is still missing (???)
-
-
 def _plain(cfg) -> dict:
     return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
 

@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from sharded_exp.compose import compose, quote_numeric_choices, register_schemas
 from sharded_exp.config import PlanConfig
+from sharded_exp.config_file import is_target_model
 from sharded_exp.errors import ConfigError
 from sharded_exp.output import charts
 from sharded_exp.plan import table
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     # lazy: checking a model imports torch; a question (above) never does
-    from sharded_exp.models.target import check_config_file, check_pretrained, is_target_model
+    from sharded_exp.models.target import check_config_file, check_pretrained
 
     try:
         cfg = compose(argv, config_name="plan")

@@ -9,7 +9,7 @@ import re
 import pytest
 from omegaconf import OmegaConf
 
-from sharded_exp.config_file import check_attn_name, check_head_counts, read_config_file
+from sharded_exp.config_file import check_attn_name, check_head_counts, is_target_model, read_config_file
 from sharded_exp.errors import ConfigError
 
 
@@ -67,3 +67,8 @@ def test_an_attention_kernel_not_ours_is_refused_naming_the_ones_allowed():
     check_attn_name({"attn_implementation": "sdpa"})
     with pytest.raises(ConfigError, match=re.escape("model.attn_implementation='flash' is not one of null")):
         check_attn_name({"attn_implementation": "flash"})
+
+
+def test_a_target_model_is_told_by_its_target_key_even_before_it_is_set():
+    assert is_target_model(OmegaConf.create({"name": "custom", "_target_": "???"}))
+    assert is_target_model({"_target_": "a.b"}) and not is_target_model(OmegaConf.create({"name": "mlp"}))

@@ -22,7 +22,6 @@ from sharded_exp.models.target import (
     check_attn_implementation,
     check_config_file,
     check_pretrained,
-    is_target_model,
     pretrained_class,
 )
 from tests.helpers.jobs import TINY_CONFIGS, write_tiny_config
@@ -47,11 +46,6 @@ class TinyModel(nn.Module):
 
 
 HERE = __name__
-
-
-def test_a_target_model_is_told_by_its_target_key_even_before_it_is_set():
-    assert is_target_model(OmegaConf.create({"name": "custom", "_target_": "???"}))
-    assert is_target_model({"_target_": "a.b"}) and not is_target_model(OmegaConf.create({"name": "mlp"}))
 
 
 def test_a_factory_is_called_with_every_key_but_the_name():
