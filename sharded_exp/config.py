@@ -634,16 +634,19 @@ def require_model_fields(task: str, feeds: str, model_cfg: Any, fields: tuple[st
         )
 
 
-def check_fed(data: Any, model: Any) -> None:
+def check_fed(data: Any, model: Any, schema: type | None = None) -> None:
     """A data task whose schema declares what it feeds (class attributes ``FEEDS``, the models
     in words, and ``MODEL_FIELDS``, the model's fields it sizes its samples by: data as
     :func:`bounded` is, carried by the schema cache) refuses a model without those fields. A
     task whose needs depend on its settings (a file's ``data.kind``) declares none: its
-    builder checks."""
-    schema = OmegaConf.get_type(data) if OmegaConf.is_config(data) else type(data)
+    builder checks. ``schema``: the task's class, where ``data`` may be untyped (a rank's plain
+    config); else ``data``'s own type."""
+    if schema is None:
+        schema = OmegaConf.get_type(data) if OmegaConf.is_config(data) else type(data)
     fields = getattr(schema, "MODEL_FIELDS", None)
     if fields:
-        require_model_fields(str(_get(data, "name")), schema.FEEDS, model, tuple(fields))
+        feeds = getattr(schema, "FEEDS", None) or "the models that have these fields"
+        require_model_fields(str(_get(data, "name")), feeds, model, tuple(fields))
 
 
 def check_model_sizes(model: Any) -> None:

@@ -37,7 +37,7 @@ class CausalLMConfig(MarkovConfig):
 @TASKS.register("markov", config=MarkovConfig)
 def markov_task(cfg: MarkovConfig, model_cfg, batch_size: int) -> Task:
     """Token sequences and their next tokens (targets shifted by one, here)."""
-    check_fed(cfg, model_cfg)
+    check_fed(cfg, model_cfg, MarkovConfig)
     chain = _chain(cfg, model_cfg, batch_size, model_cfg.seq_len + 1)
 
     def batch(step: int, micro: int, rank: int) -> Batch:
@@ -50,7 +50,7 @@ def markov_task(cfg: MarkovConfig, model_cfg, batch_size: int) -> Task:
 @TASKS.register("causal_lm", config=CausalLMConfig)
 def causal_lm_task(cfg: CausalLMConfig, model_cfg, batch_size: int) -> Task:
     """The chain in Hugging Face's causal-LM form (labels = input_ids; the model shifts)."""
-    check_fed(cfg, model_cfg)
+    check_fed(cfg, model_cfg, CausalLMConfig)
     chain = _chain(cfg, model_cfg, batch_size, model_cfg.seq_len)
 
     def batch(step: int, micro: int, rank: int) -> Batch:

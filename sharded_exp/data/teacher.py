@@ -25,7 +25,7 @@ class TeacherConfig(Sealed):
 @TASKS.register("teacher", config=TeacherConfig)
 def teacher_task(cfg: TeacherConfig, model_cfg, batch_size: int) -> Task:
     """Gaussian inputs labelled by the argmax of a fixed random 2-layer teacher network."""
-    check_fed(cfg, model_cfg)
+    check_fed(cfg, model_cfg, TeacherConfig)
     g = generator(cfg.seed)
     w1 = torch.randn(model_cfg.in_features, cfg.teacher_hidden, generator=g)
     w2 = torch.randn(cfg.teacher_hidden, model_cfg.num_classes, generator=g)

@@ -31,7 +31,7 @@ class TokenClassificationConfig(Sealed):
 @TASKS.register("token_classification", config=TokenClassificationConfig)
 def token_classification_task(cfg: TokenClassificationConfig, model_cfg, batch_size: int) -> Task:
     """input_ids, attention_mask and labels (-100 on padding) for a token classifier."""
-    check_fed(cfg, model_cfg)
+    check_fed(cfg, model_cfg, TokenClassificationConfig)
     vocab, seq_len, labels = model_cfg.vocab_size, model_cfg.seq_len, model_cfg.num_labels
     g = generator(cfg.seed)
     # label(token, left neighbour) = (class of the token + a 0/1 shift set by the neighbour)

@@ -53,6 +53,11 @@ class ModelShapes:
     what gradient collectives carry. None: not known (every element)."""
     trainable_root: int | None = None
     """Elements outside the blocks that take a gradient (None: not known)."""
+    trainable_block_tensors: list[int] | None = None
+    """Parameter tensors of each unit that take a gradient: the calls a strategy that reduces
+    each gradient on its own makes per unit (None: not known)."""
+    trainable_root_tensors: int | None = None
+    """Parameter tensors outside the blocks that take a gradient (None: not known)."""
 
     @property
     def params(self) -> int:
@@ -75,6 +80,7 @@ def model_shapes(
     groups = [[tuple(p.shape) for p in g["params"]] for g in optimizer_spec(optimizer_cfg, module).param_groups]
     blocks = [sum(p.numel() for p in block.parameters()) for block in units(module)]
     trainable = [sum(p.numel() for p in block.parameters() if p.requires_grad) for block in units(module)]
+    tensors = [sum(1 for p in block.parameters() if p.requires_grad) for block in units(module)]
     return ModelShapes(
         groups=groups,
         blocks=blocks,
@@ -84,6 +90,8 @@ def model_shapes(
         element_bytes=_element_bytes(module),
         trainable_blocks=trainable,
         trainable_root=sum(p.numel() for p in module.parameters() if p.requires_grad) - sum(trainable),
+        trainable_block_tensors=tensors,
+        trainable_root_tensors=sum(1 for p in module.parameters() if p.requires_grad) - sum(tensors),
     )
 
 
@@ -311,7 +319,11 @@ def predict_peak(
         # CUDA: the allocator's rounding and cache on top of the peak, fragmentation, the context
         # (sharded_exp.predict.alloc_trace.point_figures); None on CPU (no caching allocator)
         "allocator": allocator,
-        **({"alloc_trace": (est.extra["alloc_events"], alloc_conf_of(cfg), workspace)} if keep_trace and allocator else {}),
+        **(
+            {"alloc_trace": (est.extra["alloc_events"], alloc_conf_of(cfg), workspace)}
+            if keep_trace and allocator
+            else {}
+        ),
         # a run's step time, predicted from this step's op trace (predict/step_time.py)
         "speed": run_step_time(cfg, world_size, device_type, est, shapes, prediction, local_world_size)
         if flops

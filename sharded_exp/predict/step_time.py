@@ -377,6 +377,11 @@ def units_of(compute: StepCompute, shapes, param_bpe: float, grad_bpe: float) ->
     with_grads = [float(n) for n in trainable]
     with_grads[0] += trainable_root
     stored = float(shapes.element_bytes)
+    tensors = list(getattr(shapes, "trainable_block_tensors", None) or ())
+    if len(tensors) == len(with_grads):  # known, and the units as traced: the root's with the first
+        tensors[0] += getattr(shapes, "trainable_root_tensors", None) or 0
+    else:
+        tensors = []
     return Units(
         forward_s=compute.forward_s,
         backward_s=compute.backward_s,
@@ -386,6 +391,7 @@ def units_of(compute: StepCompute, shapes, param_bpe: float, grad_bpe: float) ->
         tensor_bytes=[math.prod(shape) * param_bpe for group in shapes.groups for shape in group],
         stored_param_bytes=[n * stored for n in elements],
         stored_grad_bytes=[n * stored for n in with_grads],
+        tensors_per_unit=tensors,
     )
 
 

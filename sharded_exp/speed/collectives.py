@@ -191,7 +191,8 @@ def hsdp_gradient_time(nbytes: float, shard: int, replicate: int, topology: Topo
     group is ``shard`` consecutive ranks, inside one node when ``shard <= gpus_per_node``; a
     replicate group is ranks ``shard`` apart, across nodes. ``nbytes``: the full gradient (S of
     the reduce-scatter)."""
-    reduce_scatter = group_time("reduce_scatter", nbytes, shard, topology)
+    # a shard group of one: FSDP2 copies the gradient instead (torch 2.13's foreach_reduce)
+    reduce_scatter = 0.0 if shard == 1 else group_time("reduce_scatter", nbytes, shard, topology)
     all_reduce = group_time("all_reduce", nbytes / shard, replicate, topology, stride=shard)
     return reduce_scatter, all_reduce
 

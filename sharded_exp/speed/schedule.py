@@ -23,7 +23,6 @@ gives a collective's seconds (:func:`sharded_exp.speed.collectives.pricer`).
 
 from __future__ import annotations
 
-import itertools
 import mmap
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
@@ -237,6 +236,9 @@ class Units:
     stored_grad_bytes: Sequence[float] | None = None
     """Each unit's gradients in the parameters' stored dtype (default: :attr:`grads`): FSDP2
     casts the reduce-scattered shard back to it before CPU offload copies it to the host."""
+    tensors_per_unit: Sequence[int] = ()
+    """Each unit's parameter tensors that take a gradient (empty: not known): the calls a
+    strategy that reduces each gradient tensor on its own makes for the unit."""
 
     def __post_init__(self):
         k = len(self.forward_s)
@@ -434,23 +436,18 @@ def sharded_ddp(
 
 def _per_tensor_grads(units: Units) -> list[tuple[str, float]]:
     """(segment after which it is ready, bytes as reduced) for each gradient tensor, in backward
-    order; empty where the tensors are not known. The tensors (:attr:`Units.tensor_bytes`, in
-    parameter order) are laid over the units in order by their bytes: a tensor belongs to the
-    unit its first byte falls in, and its gradient is ready when that unit's backward ends.
-    Sizes are scaled from the dtype the tensors are sent in to the one gradients are reduced in."""
-    total, grads = float(sum(units.tensor_bytes)), units.grads
-    if total <= 0 or sum(grads) <= 0:
+    order: a unit's tensors (:attr:`Units.tensors_per_unit`) when its backward ends, its
+    gradients shared evenly between them (the calls are what the count sets; the bytes sum to
+    the unit's). Empty where the tensors are not known."""
+    counts = list(units.tensors_per_unit)
+    if len(counts) != len(units.grads):
         return []
-    scale = sum(grads) / total
-    ends = list(itertools.accumulate(grads))  # where each unit's gradients end, in gradient bytes
-    out, start, unit = [], 0.0, 0
-    for size in units.tensor_bytes:
-        while unit < len(ends) - 1 and start * scale >= ends[unit]:
-            unit += 1
-        out.append((f"bwd:{unit}", size * scale))
-        start += size
-    order = {f"bwd:{j}": i for i, j in enumerate(reversed(range(len(grads))))}
-    return sorted(out, key=lambda item: order[item[0]])  # stable: a unit's tensors in their order
+    return [
+        (f"bwd:{j}", units.grads[j] / counts[j])
+        for j in reversed(range(len(counts)))
+        for _ in range(counts[j])
+        if units.grads[j] > 0
+    ]
 
 
 @dataclass(frozen=True)

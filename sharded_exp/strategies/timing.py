@@ -118,9 +118,9 @@ class ShardedDDPTime(OSSTime):
     def schedule(cls, cfg, units: Units, price: Price, fabric: Fabric) -> Schedule:
         elements = int(getattr(cfg, "reduce_buffer_size", 2**23))
         bucket = elements * 4.0  # float32 gradients: the parameters' dtype, under autocast too
-        if elements <= 0:
-            bucket = min(g for g in units.grads if g > 0) if any(units.grads) else 1.0
         unbucketed = elements <= 0 or fabric.world_size == 1
+        if unbucketed:  # where the tensors are not known: about a unit's gradients at a time
+            bucket = min(g for g in units.grads if g > 0) if any(units.grads) else 1.0
         return schedule.sharded_ddp(units, price, fabric.world_size, bucket_bytes=bucket, per_tensor=unbucketed)
 
 

@@ -374,3 +374,27 @@ def test_check_ranges_refuses_a_model_the_data_task_does_not_feed():
             "data=teacher feeds classifiers (model=mlp), not model=gpt: it needs model.in_features, model.num_classes")  # fmt: skip
     refused(lambda: config.check_ranges(compose(["data=markov"])), "data=markov feeds language models (model=gpt)")
     config.check_ranges(compose(["model=gpt"]))  # its own task (markov): fed
+
+
+def test_a_tasks_builder_refuses_a_model_it_cannot_feed_from_a_plain_config_too():
+    """A rank's config is plain data (no schema type to read the task's needs from): the
+    builder names its own class."""
+    from sharded_exp.data import TASKS  # lazy: the builders import torch
+
+    plain = OmegaConf.create({"name": "teacher", "seed": 1, "teacher_hidden": 4})
+    gpt = OmegaConf.create({"name": "gpt", "vocab_size": 16, "seq_len": 8})
+    refused(
+        lambda: TASKS.builder("teacher")(plain, gpt, 2), "data=teacher feeds classifiers (model=mlp), not model=gpt"
+    )
+    refused(lambda: TASKS.builder("causal_lm")(OmegaConf.create({"name": "causal_lm", "seed": 1, "branching": 2}),
+                                                OmegaConf.create({"name": "mlp", "in_features": 4}), 2),
+            "data=causal_lm feeds causal language models (model=hf_gpt2), not model=mlp")  # fmt: skip
+
+
+def test_a_task_declaring_fields_but_not_its_models_is_still_said_in_words():
+    class Partial:
+        MODEL_FIELDS = ("vocab_size",)
+        name = "mine"
+
+    refused(lambda: config.check_fed(Partial(), OmegaConf.create({"name": "mlp"})),
+            "data=mine feeds the models that have these fields, not model=mlp: it needs model.vocab_size")  # fmt: skip

@@ -151,3 +151,11 @@ def test_one_rank_costs_its_call_where_the_link_states_it():
     assert collective_time("broadcast", 4, 2, solo) == pytest.approx(8.4e-6 + 2 * 1e-4 + 4 / 1e9)
     with pytest.raises(ConfigError, match=">= 0 bytes"):
         collective_time("broadcast", -1, 1, solo)
+
+
+def test_hsdp_with_shards_of_one_reduces_nothing_in_the_shard_group():
+    """replicate = world size: each shard group is one rank, where FSDP2 copies the gradient
+    (no reduce-scatter call), then all-reduces it across the replicas."""
+    solo = Link("gloo", bandwidth_Bps=1e9, solo_call_s={"reduce_scatter": 1.0, "all_reduce": 1.0})
+    reduce_scatter, all_reduce = hsdp_gradient_time(1e6, 1, 2, Topology(2, solo))
+    assert reduce_scatter == 0.0 and all_reduce == pytest.approx(8.4e-6 + 1e6 / 1e9)

@@ -153,16 +153,20 @@ def test_sharded_ddp_reduces_each_bucket_to_its_owner():
 
 
 def test_sharded_ddp_without_buckets_reduces_each_gradient_tensor_when_its_unit_is_done():
-    """Two units of 8 and 4 gradient bytes (bf16), four tensors of 8, 8, 4 and 4 bytes as the
-    optimizer holds them (fp32): halved, the first two fall in unit 0, the last two in unit 1,
-    and the backward reaches unit 1 first. One rank: each reduce costs its call (1 ms here)."""
-    units = Units([10 * MS] * 2, [20 * MS] * 2, [8, 4], tensor_bytes=[8, 8, 4, 4], optimizer_s=5 * MS)
+    """Two units of 8 and 4 gradient bytes holding 2 and 3 tensors: the backward reaches unit 1
+    first, its 3 reduces (4/3 bytes each), then unit 0's 2 (4 bytes each). One rank: each
+    reduce costs its call (1 ms here)."""
+    units = Units([10 * MS] * 2, [20 * MS] * 2, [8, 4], tensors_per_unit=[2, 3], optimizer_s=5 * MS)
     schedule = sharded_ddp(units, constant(reduce=1, broadcast=1), world_size=1, per_tensor=True)
     reduces = [(e.after, e.nbytes) for e in schedule.events if e.kind == "reduce"]
-    assert reduces == [("bwd:1", 2.0), ("bwd:1", 2.0), ("bwd:0", 4.0), ("bwd:0", 4.0)]
-    # fwd 0-20, bwd:1 20-40 (its two reduces 40-42 hide under bwd:0, 40-60), bwd:0's two 60-62,
+    assert reduces == [("bwd:1", pytest.approx(4 / 3))] * 3 + [("bwd:0", 4.0)] * 2
+    # fwd 0-20, bwd:1 20-40 (its three reduces 40-43 hide under bwd:0, 40-60), bwd:0's two 60-62,
     # then the step 62-67 and one broadcast: 68 ms
     assert simulate(schedule).step_time_s == pytest.approx(68 * MS)
+    # a frozen unit (no gradient) makes no call
+    frozen = Units([10 * MS] * 2, [20 * MS] * 2, [8, 4], grad_bytes=[0, 4], tensors_per_unit=[0, 3])
+    assert [e.after for e in sharded_ddp(frozen, constant(reduce=1, broadcast=1), 1, per_tensor=True).events
+            if e.kind == "reduce"] == ["bwd:1"] * 3  # fmt: skip
     # the tensors not known: the buckets, as with buckets on
     bucketed = sharded_ddp(Units([10 * MS] * 2, [20 * MS] * 2, [8, 4]), constant(reduce=1, broadcast=1), 1, 100,
                            per_tensor=True)  # fmt: skip

@@ -119,7 +119,8 @@ def test_at_world_size_1_each_call_costs_what_the_link_states_except_fsdp2s():
     bucket; FSDP2's calls are in its measured host cost per op, so priced at 0."""
     solo = Link("gloo", bandwidth_Bps=1e9, solo_call_s={k: 20e-6 for k in ("all_reduce", "broadcast", "reduce",
                                                                             "all_gather", "reduce_scatter")})  # fmt: skip
-    units = Units([0.01] * 2, [0.02] * 2, [8e3, 4e3], tensor_bytes=[4e3, 4e3, 4e3], optimizer_s=0.005)
+    units = Units([0.01] * 2, [0.02] * 2, [8e3, 4e3], tensor_bytes=[4e3, 4e3, 4e3], tensors_per_unit=[2, 1],
+                  optimizer_s=0.005)  # fmt: skip
     one = Fabric(1, Topology(1, solo))
 
     def comm(name):
