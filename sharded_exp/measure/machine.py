@@ -257,11 +257,10 @@ class _OpCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def measure_step_op_overhead(device: str, dtype: str, seconds: float = 0.3, sharded: bool = False) -> float:
-    """Seconds per op of a tiny model's training step on ``device`` in ``dtype`` (see the
-    module docstring): Adam as torch picks it on that device, gradients freed after the step.
-    ``sharded``: each Linear and the root under FSDP2's ``fully_shard`` (needs the process
-    group it shards over: :func:`measure_sharded_step_op_overhead` makes one)."""
+def _tiny_model(device: str, sharded: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]:
+    """The tiny model every op of whose step is host cost (8 Linear(32, 32) + GELU), its Adam
+    as torch picks it on ``device``, and an input; ``sharded``: each Linear and the root under
+    FSDP2's ``fully_shard`` (needs the process group it shards over)."""
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
     for _ in range(8):
@@ -274,23 +273,44 @@ def measure_step_op_overhead(device: str, dtype: str, seconds: float = 0.3, shar
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer)
         fully_shard(model)
-    optimizer = torch.optim.Adam(model.parameters())
-    x = torch.randn(8, 32, device=device)
+    return model, torch.optim.Adam(model.parameters()), torch.randn(8, 32, device=device)
+
+
+def _per_op(fn, device: str, seconds: float) -> float:
+    """``fn``'s seconds over the ops it runs (counted once, timed in windows)."""
+    counter = _OpCount()
+    with counter:
+        fn()
+    per_call = _timed_cuda(fn, seconds) if device == "cuda" else _timed(fn, seconds)
+    return per_call / max(counter.count, 1)
+
+
+def measure_step_op_overhead(device: str, dtype: str, seconds: float = 0.3, sharded: bool = False) -> float:
+    """Seconds per op of a tiny model's forward and backward on ``device`` in ``dtype`` (see
+    the module docstring), gradients freed after each; the optimizer's step is measured apart
+    (:func:`measure_optimizer_op_overhead`): its ops, outside autograd, cost the host a
+    fraction of these. ``sharded``: under FSDP2 (:func:`measure_sharded_step_op_overhead`
+    makes the process group)."""
+    model, optimizer, x = _tiny_model(device, sharded)
     autocast = None if dtype == "fp32" else DTYPES[dtype]
 
-    def step():
+    def forward_backward():
         with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
             loss = model(x).float().square().mean()
         loss.backward()
-        optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    step()
-    counter = _OpCount()
-    with counter:
-        step()
-    per_step = _timed_cuda(step, seconds) if device == "cuda" else _timed(step, seconds)
-    return per_step / max(counter.count, 1)
+    forward_backward()
+    return _per_op(forward_backward, device, seconds)
+
+
+def measure_optimizer_op_overhead(device: str, seconds: float = 0.3, sharded: bool = False) -> float:
+    """Seconds per op of the tiny model's Adam step alone (fp32; its gradients left in place
+    and stepped again each time), as :func:`measure_step_op_overhead` measures the rest."""
+    model, optimizer, x = _tiny_model(device, sharded)
+    model(x).square().mean().backward()
+    optimizer.step()  # the state made: later steps are steady
+    return _per_op(optimizer.step, device, seconds)
 
 
 def _sharded_rank(rank: int, path: str, out: str, device: str, threads: int, dtypes: tuple[str, ...]) -> None:
@@ -298,7 +318,9 @@ def _sharded_rank(rank: int, path: str, out: str, device: str, threads: int, dty
     backend = "nccl" if device == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"file://{path}", rank=rank, world_size=1)
     try:
-        _write_figures(out, {name: measure_step_op_overhead(device, name, sharded=True) for name in dtypes})
+        figures = {name: measure_step_op_overhead(device, name, sharded=True) for name in dtypes}
+        figures["optimizer"] = measure_optimizer_op_overhead(device, sharded=True)
+        _write_figures(out, figures)
     finally:
         dist.destroy_process_group()
 
@@ -318,6 +340,14 @@ def measure_sharded_step_op_overhead(device: str, threads: int, dtypes: tuple[st
         _log.warning("the host's cost per op of an FSDP2 step was not measured (%s: %s); the plain step's is used",
                      type(exc).__name__, exc)  # fmt: skip
         return {}
+
+
+def _sharded_figures(device: str, threads: int, dtypes: tuple[str, ...]) -> dict:
+    """The FSDP2 step's host costs per op as the cache holds them: the forward and backward's
+    per dtype, and the optimizer's (None where not measured)."""
+    found = measure_sharded_step_op_overhead(device, threads, dtypes)
+    optimizer = found.pop("optimizer", None)
+    return {"sharded_step_op_overhead_s": found, "sharded_optimizer_op_overhead_s": optimizer}
 
 
 ATTENTION_SHAPES = ((32, 64), (16, 128), (8, 256), (4, 512), (2, 1024))
@@ -521,8 +551,9 @@ def measure_cuda() -> dict:
         "host": measure_host_side(),
         "op_overhead_s": _timed_cuda(lambda: torch.add(x, x), 0.1),
         "step_op_overhead_s": {name: measure_step_op_overhead("cuda", name) for name in DTYPES},
+        "optimizer_op_overhead_s": measure_optimizer_op_overhead("cuda"),
         "attention": _cuda_attention(),
-        "sharded_step_op_overhead_s": measure_sharded_step_op_overhead("cuda", 1, tuple(DTYPES)),
+        **_sharded_figures("cuda", 1, tuple(DTYPES)),
         "device_name": torch.cuda.get_device_name(0),
         "memory_GB": torch.cuda.get_device_properties(0).total_memory / 1e9,
         "tf32": bool(torch.backends.cuda.matmul.allow_tf32),
@@ -661,26 +692,28 @@ def _measure(threads: int) -> dict:
             "elementwise_GBps": {name: measure_elementwise(DTYPES[name]) for name in CPU_STEP_DTYPES},
             "matmul_layouts": {name: measure_matmul_layouts(DTYPES[name]) for name in CPU_STEP_DTYPES},
             "step_op_overhead_s": {name: measure_step_op_overhead("cpu", name) for name in CPU_STEP_DTYPES},
+            "optimizer_op_overhead_s": measure_optimizer_op_overhead("cpu"),
             "fresh_page_s": measure_fresh_page_s(),
         }
     finally:
         torch.set_num_threads(before)
-    figures["sharded_step_op_overhead_s"] = measure_sharded_step_op_overhead("cpu", threads, CPU_STEP_DTYPES)
+    figures |= _sharded_figures("cpu", threads, CPU_STEP_DTYPES)
     figures["link"] = measure_local_link()
     return figures
 
 
-FIGURES_VERSION = 7
+FIGURES_VERSION = 8
 """Bumped when the figures measured change (2: the step's host cost per op; 3: the fastest of
 several windows; 4: attention's own curve, the host's cost per op of an FSDP2 step; 5: the
 elementwise ops' own rates, a linear layer's matmuls per layout; 6: a new page's cost on CPU;
-7: a collective's call in a group of one rank):
+7: a collective's call in a group of one rank; 8: the optimizer's step per op apart from the
+forward and backward's):
 older entries are measured again."""
 
 
-CUDA_FIGURES_VERSION = 7
-"""The GPU's figures' version (7: the host's side, :func:`measure_host_side`); the CPU's stay
-at :data:`FIGURES_VERSION`."""
+CUDA_FIGURES_VERSION = 8
+"""The GPU's figures' version (7: the host's side, :func:`measure_host_side`; 8: the
+optimizer's step per op apart); the CPU's stay at :data:`FIGURES_VERSION`."""
 
 
 def _key(threads: int, device: str = "cpu") -> str:
@@ -761,6 +794,8 @@ def this_cuda_profile(remeasure: bool = False) -> DeviceProfile:
         op_overhead_s=found["op_overhead_s"],
         step_op_overhead_s=found["step_op_overhead_s"],
         sharded_step_op_overhead_s=found.get("sharded_step_op_overhead_s", {}),
+        optimizer_op_overhead_s=found.get("optimizer_op_overhead_s"),
+        sharded_optimizer_op_overhead_s=found.get("sharded_optimizer_op_overhead_s"),
         asynchronous=True,
         host_memory=host_memory,
     )
@@ -819,6 +854,8 @@ def this_profile(threads: int, remeasure: bool = False) -> tuple[DeviceProfile, 
         op_overhead_s=found["op_overhead_s"],
         step_op_overhead_s=found["step_op_overhead_s"],
         sharded_step_op_overhead_s=found.get("sharded_step_op_overhead_s", {}),
+        optimizer_op_overhead_s=found.get("optimizer_op_overhead_s"),
+        sharded_optimizer_op_overhead_s=found.get("sharded_optimizer_op_overhead_s"),
         elementwise_Bps=elementwise,
         layout_curves=layouts,
         fresh_page_s=found.get("fresh_page_s"),

@@ -263,8 +263,7 @@ def predict_peak(
     "rank", "breakdown_mib", "flops_per_step" (one rank), "method", "note", "seconds",
     "error"}``; ``error`` says why there is no prediction (the model cannot run fake). ``keep_trace``: on
     CUDA, also ``"alloc_trace"`` (the events replayed, allocator setting, workspace MiB: plan/deepen.py).
-    ``local_world_size``: the ranks on this node (:func:`~sharded_exp.predict.step_time.run_step_time`).
-    """
+    ``local_world_size``: the ranks on this node (:func:`~sharded_exp.predict.step_time.run_step_time`)."""
     states = [sum(p.values()) for p in prediction["model_states_mib"]]
     rank = states.index(max(states))
     est = _fake_rank(cfg, world_size, device_type, prediction, shapes, rank, flops)
@@ -287,9 +286,7 @@ def predict_peak(
         workspace, rules["workspace"] = cublas_workspace_mib()
     parts["workspace"] = workspace
     per_rank = [x + workspace for x in per_rank]
-    phases_mib = {}
-    for phase, (peak, p) in phases.items():
-        phases_mib[str(phase)] = (peak + workspace, {**_resident(p, mine), "workspace": workspace})
+    phases_mib = {str(k): (peak + workspace, {**_resident(p, mine), "workspace": workspace}) for k, (peak, p) in phases.items()}  # fmt: skip
     host = (None, None)  # CPU offload: every rank's host memory, the fullest one's parts
     if offloads_to_host(cfg.strategy):
         per_rank, parts, phases_mib, host = _offloaded(cfg, shapes, world_size, mine, parts, per_rank, phases_mib, rules)  # fmt: skip
@@ -297,6 +294,9 @@ def predict_peak(
     allocator = None
     if (est.extra or {}).get("alloc_events") is not None:  # CUDA: the caching allocator's view
         allocator = point_figures(est.extra["alloc_events"], alloc_conf_of(cfg), workspace)
+    kept = (
+        {"alloc_trace": (est.extra["alloc_events"], alloc_conf_of(cfg), workspace)} if keep_trace and allocator else {}
+    )
     return {
         "per_rank_mib": per_rank,
         # the faked rank's peak while the model is built (a sharded build: its shards plus one
@@ -319,11 +319,7 @@ def predict_peak(
         # CUDA: the allocator's rounding and cache on top of the peak, fragmentation, the context
         # (sharded_exp.predict.alloc_trace.point_figures); None on CPU (no caching allocator)
         "allocator": allocator,
-        **(
-            {"alloc_trace": (est.extra["alloc_events"], alloc_conf_of(cfg), workspace)}
-            if keep_trace and allocator
-            else {}
-        ),
+        **kept,
         # a run's step time, predicted from this step's op trace (predict/step_time.py)
         "speed": run_step_time(cfg, world_size, device_type, est, shapes, prediction, local_world_size)
         if flops

@@ -143,7 +143,7 @@ def step_compute(
 ) -> StepCompute:
     """The trace's compute priced on ``device`` (see the module docstring). Each op costs its
     kernel time and the host's cost per op (:meth:`DeviceProfile.host_cost_s`, for
-    ``math_dtype`` in the forward and backward, autocast's, and fp32 in the optimizer; that of
+    ``math_dtype`` in the forward and backward, autocast's, and the optimizer's own; that of
     an FSDP2 step where ``sharded_parameters``, :func:`shards_parameters`): their
     sum where ops run one after the other (CPU); where the host launches ahead of the device
     (CUDA), each op's share of the device's timeline (:func:`launched_ahead`: a launch-bound
@@ -157,7 +157,7 @@ def step_compute(
     mapped = mapped_from(rule=malloc) if device.fresh_page_s and not device.asynchronous else None
     hosts, kernels, kinds = [], [], []
     for record, op in zip(records, ops_from_records(records, "fp32")):
-        host = device.host_cost_s("fp32" if record["phase"] == "optimizer" else math_dtype, sharded_parameters)
+        host = device.host_cost_s(math_dtype, sharded_parameters, optimizer=record["phase"] == "optimizer")
         faults = new_pages(record, mapped) * device.fresh_page_s if mapped else 0.0
         hosts.append(host)
         kernels.append(op_time(op, device) + faults)

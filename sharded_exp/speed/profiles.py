@@ -153,6 +153,16 @@ class DeviceProfile:
     DTensors, each dispatched through DTensor's Python layer), measured on the same tiny model
     sharded per layer at world size 1 (:func:`sharded_exp.measure.machine.measure_step_op_overhead`).
     Where present it replaces :attr:`step_op_overhead_s` for such a step."""
+    optimizer_op_overhead_s: float | None = None
+    """The host's seconds per op of the optimizer's step (fp32, outside autograd), measured on
+    the same tiny model's Adam step alone (:func:`sharded_exp.measure.machine.measure_optimizer_op_overhead`).
+    Where present it prices the optimizer phase's ops, and :attr:`step_op_overhead_s` was
+    measured on the forward and backward alone: on a 2-core CPU about 5 us an optimizer op
+    against about 22 a forward or backward op (autograd's engine and the module calls). None
+    (a profile measured before 2026-12-06, as the H200's stored one): the step's figure,
+    averaged over both, prices every op."""
+    sharded_optimizer_op_overhead_s: float | None = None
+    """:attr:`optimizer_op_overhead_s` for FSDP2-sharded parameters (the step on DTensors)."""
     elementwise_Bps: Mapping[tuple[str, str], float] = field(default_factory=dict)
     """(aten op name, dtype) -> the bytes per second (inputs plus outputs, counted as the op
     trace counts them) that op reached on this device when measured alone
@@ -179,9 +189,15 @@ class DeviceProfile:
     (:func:`sharded_exp.measure.machine.measure_fresh_page_s`): what a step pays for each block
     glibc maps anew (:func:`sharded_exp.measure.host_malloc.mapped_from`). None: not priced."""
 
-    def host_cost_s(self, dtype: str, sharded_parameters: bool = False) -> float:
+    def host_cost_s(self, dtype: str, sharded_parameters: bool = False, optimizer: bool = False) -> float:
         """The host's seconds per op of a training step in ``dtype`` (see above);
-        ``sharded_parameters``: a step of FSDP2-sharded parameters."""
+        ``sharded_parameters``: a step of FSDP2-sharded parameters; ``optimizer``: an op of
+        the optimizer's step (in fp32), at its own figure where measured."""
+        if optimizer:
+            own = self.sharded_optimizer_op_overhead_s if sharded_parameters else self.optimizer_op_overhead_s
+            if own is not None:
+                return own
+            dtype = "fp32"
         plain = self.step_op_overhead_s.get(dtype, self.op_overhead_s)
         return self.sharded_step_op_overhead_s.get(dtype, plain) if sharded_parameters else plain
 

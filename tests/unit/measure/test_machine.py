@@ -3,6 +3,7 @@ integration tier runs it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -120,6 +121,44 @@ def test_a_tiny_steps_host_cost_per_op_counts_the_ops_the_time_model_counts():
         torch.mm(a, a).view(4).add(1)
     assert counter.count == 2  # the mm and the add; the view is not counted
     assert machine.measure_step_op_overhead("cpu", "fp32", seconds=0.02) > 0
+
+
+def test_the_optimizers_step_is_timed_alone_over_its_own_ops(monkeypatch):
+    """Each window's time over the ops one call runs: Adam's step on the tiny model's 16
+    tensors (per tensor on a CPU: torch's choice there) alone, no forward or backward op; the
+    forward and backward over theirs, the step's left out."""
+    monkeypatch.setattr(machine, "_timed", lambda fn, seconds: 1.0)  # one second a call: 1 / ops
+    per_op = machine.measure_optimizer_op_overhead("cpu", seconds=0.01)
+    counted = machine._OpCount()
+    model, optimizer, x = machine._tiny_model("cpu", sharded=False)
+    model(x).square().mean().backward()
+    optimizer.step()
+    with counted:
+        optimizer.step()
+    assert per_op == pytest.approx(1 / counted.count) and counted.count >= 16  # at least an op a tensor
+    forward_backward = machine.measure_step_op_overhead("cpu", "fp32", seconds=0.01)
+    optimizer.zero_grad(set_to_none=True)  # as each measured call starts: no gradient to add to
+    counted = machine._OpCount()
+    with counted:
+        model(x).float().square().mean().backward()
+    assert forward_backward == pytest.approx(1 / counted.count)
+
+
+def test_the_optimizers_ops_are_priced_at_their_own_figure_where_measured():
+    """Not measured (a profile cached before it was, the H200's stored one): the step's fp32
+    figure prices them, as it did."""
+    figures = {"op_overhead_s": 1e-6, "step_op_overhead_s": {"fp32": 20e-6, "bf16": 30e-6},
+               "sharded_step_op_overhead_s": {"fp32": 40e-6}}  # fmt: skip
+    from sharded_exp.speed.profiles import DeviceProfile, Figure, Source
+
+    source = Source("measured", "a test", "-")
+    plain = DeviceProfile(name="t", title="t", memory=Figure(0.0, source, "-"), memory_bandwidth=Figure(1.0, source),
+                          peak_tflops={}, **figures)  # fmt: skip
+    assert plain.host_cost_s("bf16", optimizer=True) == 20e-6  # fp32's, whatever the math dtype
+    assert plain.host_cost_s("fp32", sharded_parameters=True, optimizer=True) == 40e-6
+    measured = dataclasses.replace(plain, optimizer_op_overhead_s=5e-6, sharded_optimizer_op_overhead_s=9e-6)
+    assert measured.host_cost_s("bf16", optimizer=True) == 5e-6 and measured.host_cost_s("bf16") == 30e-6
+    assert measured.host_cost_s("fp32", sharded_parameters=True, optimizer=True) == 9e-6
 
 
 def test_elementwise_rates_and_layout_curves_are_read_per_dtype(tmp_path, monkeypatch):
