@@ -72,8 +72,10 @@ def main() -> None:
             found = this_figures(threads_per_rank(world_size), remeasure=True)
             print(
                 f"this profile at {threads_per_rank(world_size)} thread(s): copy {found['memory_bandwidth_GBps']:.1f} GB/s, "
-                f"host cost per op {1e6 * found['step_op_overhead_s']['fp32']:.1f} us "
-                f"(FSDP2 {1e6 * found['sharded_step_op_overhead_s'].get('fp32', float('nan')):.1f} us), "
+                f"host cost per forward/backward op {1e6 * found['step_op_overhead_s']['fp32']:.1f} us, "
+                f"per optimizer op {1e6 * (found.get('optimizer_op_overhead_s') or float('nan')):.1f} us "
+                f"(FSDP2 {1e6 * found['sharded_step_op_overhead_s'].get('fp32', float('nan')):.1f} and "
+                f"{1e6 * (found.get('sharded_optimizer_op_overhead_s') or float('nan')):.1f} us), "
                 f"a new page {1e6 * found.get('fresh_page_s', float('nan')):.2f} us"
             )
     names = ["gpt small"] if args.quick else (args.models or list(MODELS))

@@ -34,7 +34,7 @@ from sharded_exp import precision
 from sharded_exp.measure.host_malloc import mapped_from
 from sharded_exp.predict.op_trace import Trace
 from sharded_exp.speed.collectives import Topology
-from sharded_exp.speed.compute import OP_KINDS, op_time, ops_from_records, tensor_bytes
+from sharded_exp.speed.compute import OP_KINDS, base_name, op_time, ops_from_records, tensor_bytes
 from sharded_exp.speed.profiles import (
     DeviceProfile,
     HostMemory,
@@ -132,6 +132,12 @@ def _deepened(per_unit: tuple[float, ...], units: int) -> tuple[float, ...]:
     return (per_unit[0], *[middle] * (units - 2), per_unit[-1])
 
 
+OUTSIDE_AUTOGRAD = ("zero_", "_foreach_zero_")
+"""Ops the trace marks forward that run outside autograd, as the optimizer's do: the gradients
+zeroed at the step's start (``trainer.zero_grad=zeros``; ShardedDDP's): priced at the
+optimizer's host cost per op (:meth:`DeviceProfile.host_cost_s`), not a forward op's."""
+
+
 def step_compute(
     trace: Trace,
     device: DeviceProfile,
@@ -143,7 +149,8 @@ def step_compute(
 ) -> StepCompute:
     """The trace's compute priced on ``device`` (see the module docstring). Each op costs its
     kernel time and the host's cost per op (:meth:`DeviceProfile.host_cost_s`, for
-    ``math_dtype`` in the forward and backward, autocast's, and the optimizer's own; that of
+    ``math_dtype`` in the forward and backward, autocast's, and the optimizer's own, for its
+    ops and those :data:`OUTSIDE_AUTOGRAD`; that of
     an FSDP2 step where ``sharded_parameters``, :func:`shards_parameters`): their
     sum where ops run one after the other (CPU); where the host launches ahead of the device
     (CUDA), each op's share of the device's timeline (:func:`launched_ahead`: a launch-bound
@@ -157,7 +164,8 @@ def step_compute(
     mapped = mapped_from(rule=malloc) if device.fresh_page_s and not device.asynchronous else None
     hosts, kernels, kinds = [], [], []
     for record, op in zip(records, ops_from_records(records, "fp32")):
-        host = device.host_cost_s(math_dtype, sharded_parameters, optimizer=record["phase"] == "optimizer")
+        outside = record["phase"] == "optimizer" or base_name(record["op"]) in OUTSIDE_AUTOGRAD
+        host = device.host_cost_s(math_dtype, sharded_parameters, optimizer=outside)
         faults = new_pages(record, mapped) * device.fresh_page_s if mapped else 0.0
         hosts.append(host)
         kernels.append(op_time(op, device) + faults)

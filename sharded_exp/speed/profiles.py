@@ -143,14 +143,17 @@ class DeviceProfile:
     kernels before them)."""
     step_op_overhead_s: Mapping[str, float] = field(default_factory=dict)
     """Per math dtype (``fp32``; ``bf16``/``fp16`` under autocast), the host's seconds per op of a
-    training step (the module call, autograd's engine, autocast's casts and the optimizer's
-    dispatch spread over the step's ops), measured on a tiny model's step where every op is
-    that cost and no work (:func:`sharded_exp.measure.machine.measure_step_op_overhead`). Where
-    present it replaces :attr:`op_overhead_s` for a training step's ops."""
+    training step's forward and backward (the module calls, autograd's engine, autocast's
+    casts), measured on a tiny model's where every op is that cost and no work
+    (:func:`sharded_exp.measure.machine.measure_step_op_overhead`). Where present it replaces
+    :attr:`op_overhead_s` for a training step's ops; the optimizer's are priced at
+    :attr:`optimizer_op_overhead_s` where that is measured (a profile without it measured this
+    figure over the whole step, optimizer included)."""
     sharded_step_op_overhead_s: Mapping[str, float] = field(default_factory=dict)
     """The same per-op figure for a step whose parameters FSDP2 shards (``fully_shard``: its
-    hooks around each unit, the all-gathers' copy-in and copy-out, and the optimizer's ops on
-    DTensors, each dispatched through DTensor's Python layer), measured on the same tiny model
+    hooks around each unit, the all-gathers' copy-in and copy-out, each op on DTensors
+    dispatched through DTensor's Python layer; the optimizer's at
+    :attr:`sharded_optimizer_op_overhead_s`), measured on the same tiny model
     sharded per layer at world size 1 (:func:`sharded_exp.measure.machine.measure_step_op_overhead`).
     Where present it replaces :attr:`step_op_overhead_s` for such a step."""
     optimizer_op_overhead_s: float | None = None
@@ -193,8 +196,9 @@ class DeviceProfile:
         """The host's seconds per op of a training step in ``dtype`` (see above);
         ``sharded_parameters``: a step of FSDP2-sharded parameters; ``optimizer``: an op of
         the optimizer's step (in fp32), at its own figure where measured."""
-        if optimizer:
-            own = self.sharded_optimizer_op_overhead_s if sharded_parameters else self.optimizer_op_overhead_s
+        if optimizer:  # its own figure; an FSDP2 step's not measured: the plain optimizer's
+            mine = self.sharded_optimizer_op_overhead_s if sharded_parameters else None
+            own = mine if mine is not None else self.optimizer_op_overhead_s
             if own is not None:
                 return own
             dtype = "fp32"

@@ -116,12 +116,14 @@ def test_points_with_fewer_timed_steps_than_the_setting_are_named():
 
 def test_the_host_cost_per_op_of_an_fsdp2_step_is_measured_in_a_world_of_its_own():
     """A spawned process of its own (gloo, world size 1) shards the tiny model with FSDP2 and
-    times its step: the figure is the machine's, so only that it was measured is held; the
+    times its forward and backward, and its optimizer's step apart: the figures are the machine's, so only that it was measured is held; the
     caller keeps no process group."""
     import torch.distributed as dist
 
     from sharded_exp.measure import machine
 
     found = machine.measure_sharded_step_op_overhead("cpu", 1, ("fp32",))
-    assert set(found) == {"fp32"} and found["fp32"] > 0
+    assert set(found) == {"fp32", "optimizer"} and found["fp32"] > 0 and found["optimizer"] > 0
+    assert machine._sharded_figures("cpu", 1, ("fp32",)).keys() == {"sharded_step_op_overhead_s",
+                                                                   "sharded_optimizer_op_overhead_s"}  # fmt: skip
     assert not dist.is_initialized()

@@ -247,7 +247,11 @@ def test_a_cpu_run_records_the_pages_it_prices(monkeypatch):
     fresh.records[2]["fresh_bytes"] = (40 * 2**20,)
     page = step_time.mmap.PAGESIZE
     assert step_time.fresh_pages(fresh, "fixed") == -(-(8 * 2**20 + 16) // page) + -(-(40 * 2**20 + 16) // page)
-    assert step_time.fresh_pages(fresh, "reuse") == step_time.fresh_pages(fresh, "dynamic") == -(-(40 * 2**20 + 16) // page)
+    assert (
+        step_time.fresh_pages(fresh, "reuse")
+        == step_time.fresh_pages(fresh, "dynamic")
+        == -(-(40 * 2**20 + 16) // page)
+    )
     monkeypatch.setattr(step_time, "mapped_from", lambda rule: None)  # not glibc
     assert step_time.fresh_pages(fresh, "fixed") is None
 
@@ -422,3 +426,18 @@ def test_the_host_step_counter_reads_what_each_op_writes_from_its_schema():
         torch._foreach_mul_([a, b], 2.0)
         a.sqrt()
     assert (moved.in_place, moved.out_of_place) == (12_000 + 16_000, 8_000)
+
+
+def test_the_optimizers_ops_and_the_gradients_zeroing_pay_the_optimizers_host_cost_per_op():
+    """On a CPU profile that measured it apart: the optimizer's op at its figure, a zero_ the
+    trace marks forward (zero_grad's, at the step's start) too; a forward op at bf16's."""
+    from dataclasses import replace
+
+    records = [record("aten.zero_.default", 0, "forward"), *trace().records]
+    zeroed = Trace(records, 2)
+    kernel = step_compute(zeroed, H100, 6e12)
+    cpu = replace(H100, step_op_overhead_s={"fp32": 1e-3, "bf16": 2e-3}, optimizer_op_overhead_s=0.25e-3)
+    priced = step_compute(zeroed, cpu, 6e12, "bf16")
+    assert priced.optimizer_s == pytest.approx(kernel.optimizer_s + 0.25e-3)
+    # unit 0's forward: the zero_ (0.25 ms), the embedding and its matmul (2 ms each)
+    assert priced.forward_s[0] == pytest.approx(kernel.forward_s[0] + 0.25e-3 + 2 * 2e-3)
