@@ -76,6 +76,13 @@ MATMUL_SIZES = (128, 256, 512, 1024)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COPY_BYTES = 64 * 2**20
 ALL_REDUCE_BYTES = 16 * 2**20
+LATENCY_ELEMENTS = 256
+"""Floats in the all-reduce whose time is the link's latency (1 KiB: its bytes cost under a
+microsecond at the link's bandwidth). Not one float: gloo's ring (``gloo/allreduce.cc``,
+``ring``) cuts the buffer into at least 2 x ranks segments of whole elements and skips the
+sends of empty ones, so one or two floats never travel in one of the two directions, and
+on this VM such a call took 0.07-0.16 ms where 3 floats to 4 KiB took 0.3-2.2 ms
+(2026-12-06, docs/concepts/speed.md)."""
 _log = logging.getLogger(__name__)
 SOURCE = Source("measured", "measured on this machine by sharded_exp.measure.machine", "(this machine)")
 
@@ -465,7 +472,7 @@ def measure_elementwise(dtype: torch.dtype, seconds: float = 0.03) -> dict[str, 
 def _all_reduce_rank(rank: int, path: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
-    small, large = torch.ones(1), torch.ones(ALL_REDUCE_BYTES // 4)
+    small, large = torch.ones(LATENCY_ELEMENTS), torch.ones(ALL_REDUCE_BYTES // 4)
     # a fixed number of calls on both ranks (a time limit would let them disagree on it)
     latency = min(_counted(lambda: dist.all_reduce(small), 20) for _ in range(WINDOWS))
     per_call = min(_counted(lambda: dist.all_reduce(large), 2) for _ in range(WINDOWS))
@@ -496,7 +503,8 @@ def solo_call_s(group) -> dict[str, float]:
 
 
 def measure_local_link() -> dict[str, float]:
-    """Two gloo processes on this machine: a small all-reduce's time (its latency) and a
+    """Two gloo processes on this machine: a small all-reduce's time (its latency, of
+    :data:`LATENCY_ELEMENTS` floats) and a
     large one's bandwidth, as nccl-tests' bus bandwidth (2 (n-1)/n S / t, n = 2); and each
     kind of collective's call in a group of one rank (:func:`solo_call_s`)."""
     with tempfile.TemporaryDirectory() as folder:
@@ -708,12 +716,12 @@ def _measure(threads: int) -> dict:
     return figures
 
 
-FIGURES_VERSION = 8
+FIGURES_VERSION = 9
 """Bumped when the figures measured change (2: the step's host cost per op; 3: the fastest of
 several windows; 4: attention's own curve, the host's cost per op of an FSDP2 step; 5: the
 elementwise ops' own rates, a linear layer's matmuls per layout; 6: a new page's cost on CPU;
 7: a collective's call in a group of one rank; 8: the optimizer's step per op apart from the
-forward and backward's):
+forward and backward's; 9: the link's latency from a 1 KiB all-reduce, not one float's):
 older entries are measured again."""
 
 

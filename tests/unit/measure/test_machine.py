@@ -305,3 +305,21 @@ def test_a_collectives_call_alone_is_timed_per_kind_in_a_group_of_one(gloo_group
     found = machine.solo_call_s(dist.group.WORLD)
     assert set(found) == {"all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter"}
     assert all(0 < s < 1 for s in found.values())
+
+
+def _gloo_ring_segments_with_data(elements: int, ranks: int, element_bytes: int = 4) -> list[bool]:
+    """Which segments of gloo's ring all-reduce carry data (``gloo/allreduce.cc``, ``ring``:
+    at least 2 x ranks segments, a multiple of ranks, each a whole number of elements)."""
+    total = elements * element_bytes
+    segments = max(2 * ranks, ranks)
+    size = -(-total // segments)
+    size = -(-size // element_bytes) * element_bytes
+    return [k * size < total for k in range(segments)]
+
+
+def test_the_links_latency_is_timed_on_an_all_reduce_that_travels_both_ways():
+    # one float fills one of a 2-rank ring's 4 segments: its other rank's chunk never travels
+    assert _gloo_ring_segments_with_data(1, 2) == [True, False, False, False]
+    assert all(_gloo_ring_segments_with_data(machine.LATENCY_ELEMENTS, 2))
+    # and its bytes are a negligible part of the call at the link's bandwidth (about 1-2 GB/s here)
+    assert machine.LATENCY_ELEMENTS * 4 <= 4096
