@@ -598,7 +598,7 @@ def typed(cfg: DictConfig) -> JobGroups:
     return seal(OmegaConf.to_object(cfg))
 
 
-def check_ranges(cfg: DictConfig) -> None:
+def check_ranges(cfg: DictConfig, world_size: int | None = None) -> None:
     """Each group's own range checks, run by making the group typed (:func:`typed`), then
     the bounds its schema declares (:func:`check_bounds`: the registries' strategy, model and
     data schemas, whose classes live beside their builders) and a model's sizes
@@ -606,7 +606,9 @@ def check_ranges(cfg: DictConfig) -> None:
     from the cached schemas, so these are refused before anything heavy is imported. A group
     with a value still missing is left to its reader: ``data.path=???`` is stood in for by
     the planner, and refused by name by pre-flight's task check (``to_object`` would only say
-    "missing mandatory value")."""
+    "missing mandatory value"). ``world_size``: the job's, where it is known (a spawning job's
+    ``trainer.world_size``, torchrun's or SLURM's), for the values that must divide it; None
+    (a plan of other world sizes): not held here."""
     for key in cfg:
         if OmegaConf.is_missing(cfg, key):
             continue
@@ -618,7 +620,7 @@ def check_ranges(cfg: DictConfig) -> None:
         if key == "model":  # a value still missing is skipped, the others held
             check_model_sizes(node)
         if isinstance(node, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(node)):
-            check_bounds(str(key), node, OmegaConf.get_type(node))
+            check_bounds(str(key), node, OmegaConf.get_type(node), world_size)
     if all(k in cfg and not OmegaConf.is_missing(cfg, k) for k in ("data", "model")):
         check_fed(cfg.data, cfg.model)
 
@@ -663,9 +665,11 @@ def check_model_sizes(model: Any) -> None:
             _require(value >= 1, f"model.{key}={value} must be >= 1 (model={_get(model, 'name')})")
 
 
-BOUND_KINDS = ("at_least", "above", "at_most", "multiple_of")
-"""What :func:`bounded` declares: ``value >= n``, ``value > n``, ``value <= n``, and
-``value % <the named field of the same group> == 0``."""
+BOUND_KINDS = ("at_least", "above", "at_most", "multiple_of", "divides_world_size")
+"""What :func:`bounded` declares: ``value >= n``, ``value > n``, ``value <= n``,
+``value % <the named field of the same group> == 0``, and ``world_size % value == 0`` (its
+value: why, in words), held where the job's world size is known (:func:`check_ranges`'s
+``world_size``)."""
 
 
 def bounded(default: Any, **bounds: Any) -> Any:
@@ -681,10 +685,11 @@ def bounded(default: Any, **bounds: Any) -> Any:
     return field(default=default, metadata={"bounds": bounds})
 
 
-def check_bounds(group: str, values: Any, schema: type) -> None:
+def check_bounds(group: str, values: Any, schema: type, world_size: int | None = None) -> None:
     """Refuse a value of ``group`` outside the bounds ``schema``'s fields declare
     (:func:`bounded`), naming it and what is allowed; ``values``: the group's node or its
-    dataclass. The limits first, then the divisions (a zero divides nothing)."""
+    dataclass. The limits first, then the divisions (a zero divides nothing), then what must
+    divide ``world_size`` (the job's; None: not known here, not held)."""
     declared = [(f.name, f.metadata.get("bounds", {})) for f in dataclasses.fields(schema) if f.metadata.get("bounds")]
     option = f" ({group}={_get(values, 'name')})" if _get(values, "name") is not None else ""
     for name, bounds in declared:
@@ -703,6 +708,13 @@ def check_bounds(group: str, values: Any, schema: type) -> None:
         value, divisor = _get(values, name), _get(values, other) if other else None
         if isinstance(value, int) and isinstance(divisor, int) and divisor > 0:
             _require(value % divisor == 0, f"{group}.{name}={value} is not divisible by {group}.{other}={divisor}")
+    for name, bounds in declared:
+        why, value = bounds.get("divides_world_size"), _get(values, name)
+        if why and world_size is not None and isinstance(value, int) and value >= 1 and world_size % value:
+            divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
+            raise ConfigError(
+                f"{group}.{name}={value} must divide trainer.world_size={world_size} ({why}; divisors: {divisors})"
+            )
 
 
 def _get(values: Any, name: str) -> Any:

@@ -107,7 +107,13 @@ def _default(f: dataclasses.Field) -> str:
 def allowed(f: dataclasses.Field, group: str) -> str:
     """`` Allowed: >= 0.`` for a field whose bounds are declared (:func:`sharded_exp.config.bounded`)."""
     bounds = f.metadata.get("bounds") or {}
-    said = {"at_least": ">= {}", "above": "> {}", "at_most": "<= {}", "multiple_of": "a multiple of `%s.{}`" % group}
+    said = {
+        "at_least": ">= {}",
+        "above": "> {}",
+        "at_most": "<= {}",
+        "multiple_of": "a multiple of `%s.{}`" % group,
+        "divides_world_size": "a divisor of `trainer.world_size` ({})",
+    }
     parts = [said[kind].format(value) for kind, value in bounds.items()]
     return f" Allowed: {', '.join(parts)}." if parts else ""
 

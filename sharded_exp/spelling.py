@@ -30,6 +30,7 @@ from sharded_exp.compose import CONF_DIR, quote_numeric_choices, register_schema
 from sharded_exp.config import check_ranges
 from sharded_exp.config_file import check_attn_name, check_head_counts, is_target_model, read_config_file
 from sharded_exp.errors import ConfigError
+from sharded_exp.launch.layout import external_layout
 
 UNKNOWN_KEY = re.compile(r"Could not override '([^']+)'")
 UNKNOWN_OPTION = re.compile(r"Could not find '([^']+)/([^'/]+)'")
@@ -170,7 +171,7 @@ def value_problem(cfg) -> str | None:
     Hugging Face model's head counts or kernel name, a config.json path), said as pre-flight
     says it; None when there is none, or when a group is not ready to be checked here."""
     try:
-        check_ranges(cfg)
+        check_ranges(cfg, job_world_size(cfg))
         model = OmegaConf.select(cfg, "model", default=None)
         path = OmegaConf.select(cfg, "model.config_file", default=None)
         if path:  # a Hugging Face config.json: a wrong path or a file that is no config, said at once
@@ -184,6 +185,16 @@ def value_problem(cfg) -> str | None:
     except Exception:  # noqa: BLE001 -- a group that is not ready to be typed here is checked later
         return None
     return None
+
+
+def job_world_size(cfg) -> int | None:
+    """The job's world size as this command will run it: torchrun's or SLURM's where they
+    start the ranks, else ``trainer.world_size`` (None where it is not an integer yet)."""
+    layout = external_layout()
+    if layout is not None:
+        return layout.world_size
+    value = OmegaConf.select(cfg, "trainer.world_size", default=None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 MAX_SWEEP_POINTS = 8

@@ -155,8 +155,8 @@ def check(cfg: Config, output_dir: str, layout: Layout | None = None, peak: bool
     naming the value and the choices, before anything is started or written.
     """
     cfg = copy.deepcopy(cfg)  # the job's own copy: the caller's stays as composed
-    check_values(cfg)  # (model.pretrained's directory resolves into the copy's model config)
     world_size = layout.world_size if layout is not None else cfg.trainer.world_size
+    check_values(cfg, world_size)  # (model.pretrained's directory resolves into the copy's model config)
     local_ranks = layout.local_world_size if layout is not None else world_size
     device_type = decide_device(
         str(cfg.trainer.accelerator), local_ranks, Precision.of(cfg), per_task=layout is not None
@@ -253,10 +253,11 @@ def check_host_memory(per_rank_mib: list[float] | None, local_ranks: int) -> Non
         )
 
 
-def check_values(cfg: JobGroups) -> None:
+def check_values(cfg: JobGroups, world_size: int | None = None) -> None:
     """Names that must be registered, packages that must be there, every group's own ranges
     (:func:`sharded_exp.config.check_ranges`: each group made typed, the bounds the
-    registries' schemas declare, a model's sizes)."""
+    registries' schemas declare, a model's sizes; what must divide ``world_size``, the job's,
+    where it is known)."""
     try:
         faults.from_env()  # a malformed testing aid fails here, not in every rank
     except ValueError as exc:
@@ -291,7 +292,7 @@ def check_values(cfg: JobGroups) -> None:
     _require(
         cfg.optimizer.name in OPTIMIZERS, f"optimizer.name={cfg.optimizer.name!r} is not one of {', '.join(OPTIMIZERS)}"
     )
-    check_ranges(cfg)  # each group's own ranges, declared bounds and a model's sizes (config.py)
+    check_ranges(cfg, world_size)  # each group's own ranges, declared bounds and a model's sizes (config.py)
 
 
 def retyped(cfg: JobGroups) -> None:

@@ -31,7 +31,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor import DTensor
 
 from sharded_exp import precision
-from sharded_exp.config import Option, bounded
+from sharded_exp.config import Option, bounded, check_bounds
 from sharded_exp.errors import ConfigError
 from sharded_exp.models import units
 from sharded_exp.strategies import STRATEGIES
@@ -113,7 +113,7 @@ class FSDPConfig(StrategyConfig):
     broadcast_buffers: bool = True
     """Broadcast the model's buffers (BatchNorm's running statistics) from rank 0 before
     every forward, as DDP does by default; FSDP itself leaves each rank its own."""
-    replicate: int = bounded(1, at_least=1)
+    replicate: int = bounded(1, at_least=1, divides_world_size="HSDP: replica groups of equal size")
     """HSDP: R replica groups of world_size/R ranks; states shard within a group only
     (each rank holds 1/(world_size/R) of them), gradients are all-reduced across groups.
     1: plain FSDP over every rank. Must divide trainer.world_size."""
@@ -200,12 +200,7 @@ class FSDP(Strategy):
 
     @classmethod
     def check(cls, cfg, world_size: int, device_type: str) -> None:
-        if cfg.replicate < 1 or world_size % cfg.replicate:
-            raise ConfigError(
-                f"strategy.replicate={cfg.replicate} must be >= 1 and divide trainer.world_size={world_size} "
-                f"(HSDP: replica groups of equal size; divisors: "
-                f"{', '.join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)})"
-            )
+        check_bounds("strategy", cfg, FSDPConfig, world_size)  # strategy.replicate divides it (a plan's each size)
         if cfg.cpu_offload and device_type != "cuda":
             raise ConfigError(
                 f"strategy.cpu_offload=true moves states from the GPU to host memory; this run is on {device_type}, "

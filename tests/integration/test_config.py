@@ -194,6 +194,12 @@ def test_cli_bad_input_exits_nonzero_before_ranks_start(args, message, tmp_path)
         ),  # fmt: skip
         # a data task's declared needs (sharded_exp.config.check_fed), carried by the cache too
         (["model=gpt", "data=teacher"], "error: data=teacher feeds classifiers (model=mlp), not model=gpt"),
+        # a value that must divide the job's world size (a bound of kind divides_world_size)
+        (
+            ["strategy=fsdp", "strategy.replicate=3", "trainer.world_size=4"],
+            "error: strategy.replicate=3 must divide trainer.world_size=4 (HSDP: replica groups of equal size; "
+            "divisors: 1, 2, 4)",
+        ),
     ],
 )
 def test_a_typo_or_a_value_out_of_range_is_refused_before_torch_is_imported(args, said, tmp_path):

@@ -114,7 +114,7 @@ def test_activation_checkpointing_at_4_ranks_is_predicted_within_10_percent(shar
         (["strategy=fsdp", "strategy.cpu_offload=true"],
          r"strategy.cpu_offload=true moves states from the GPU to host memory; this run is on cpu"),
         (["strategy=fsdp_grad_op", "strategy.replicate=3", "trainer.world_size=4"],
-         r"strategy.replicate=3 must be >= 1 and divide trainer.world_size=4 \(.*divisors: 1, 2, 4\)"),
+         r"strategy.replicate=3 must divide trainer.world_size=4 \(HSDP: .*divisors: 1, 2, 4\)"),
         (["model=custom", "model._target_=tests.helpers.user_models.build_flat", "trainer.activation_checkpointing=full"],
          r"trainer.activation_checkpointing=full acts on the model's repeated units .* has none"),
         (["trainer.ac_every=0"], r"trainer.ac_every=0 must be >= 1"),

@@ -291,6 +291,16 @@ def test_check_ranges_holds_the_bounds_the_registries_schemas_declare_and_a_mode
     config.check_ranges(compose(["model.depth=1"]))
 
 
+def test_a_value_that_must_divide_the_world_size_is_held_where_the_world_size_is_known():
+    cfg = compose(["strategy=fsdp", "strategy.replicate=3", "trainer.world_size=4"])
+    refused(lambda: config.check_ranges(cfg, world_size=4),
+            "strategy.replicate=3 must divide trainer.world_size=4 (HSDP: replica groups of equal size; "
+            "divisors: 1, 2, 4)")  # fmt: skip
+    config.check_ranges(cfg)  # no world size known (a plan of others): not held here
+    config.check_ranges(cfg, world_size=6)  # torchrun's 6 ranks, not the config's 4: 3 divides it
+    config.check_ranges(compose(["strategy=fsdp", "strategy.replicate=2"]), world_size=4)
+
+
 def test_a_model_size_below_one_is_refused_naming_the_model():
     config.check_model_sizes({"name": "mlp", "depth": 1, "dropout_free": True})
     refused(lambda: config.check_model_sizes({"name": "mlp", "depth": 0}), "model.depth=0 must be >= 1 (model=mlp)")

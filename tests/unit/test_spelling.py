@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from sharded_exp import spelling
 from sharded_exp.spelling import closest, misspelled, refuse_misspelled
 
 
@@ -152,3 +153,18 @@ def test_a_sweep_hydra_runs_as_given_is_let_through(argv):
 )
 def test_a_bad_value_is_found_beside_what_cannot_be_resolved_here_and_when_quoted(argv, said):
     assert misspelled(argv) == said
+
+
+def test_the_jobs_world_size_is_torchruns_where_it_starts_the_ranks(monkeypatch):
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"trainer": {"world_size": 4}})
+    for key in ("TORCHELASTIC_RUN_ID", "SLURM_STEP_ID", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    assert spelling.job_world_size(cfg) == 4
+    assert spelling.job_world_size(OmegaConf.create({"trainer": {"world_size": "???"}})) is None
+    env = {"TORCHELASTIC_RUN_ID": "r", "WORLD_SIZE": "6", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "6",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}  # fmt: skip
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert spelling.job_world_size(cfg) == 6

@@ -85,11 +85,14 @@ def test_fsdp_facts():
     assert FSDP.memory.depth_line_from == 3 and FSDP.traits.grads_differ_across_ranks
 
 
-@pytest.mark.parametrize("replicate, world_size", [(3, 4), (0, 4), (5, 6)])
+@pytest.mark.parametrize("replicate, world_size", [(3, 4), (5, 6)])
 def test_a_replicate_that_does_not_divide_the_world_is_refused_naming_the_divisors(replicate, world_size):
     divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
-    with pytest.raises(ConfigError, match=f"replicate={replicate} must be >= 1.*divisors: {divisors}\\)"):
+    with pytest.raises(ConfigError, match=f"replicate={replicate} must divide trainer.world_size={world_size} "
+                       f"\\(HSDP: .*divisors: {divisors}\\)"):  # fmt: skip
         FSDP.check(_cfg(replicate=replicate), world_size, "cpu")
+    with pytest.raises(ConfigError, match="replicate=0 must be >= 1"):
+        FSDP.check(_cfg(replicate=0), world_size, "cpu")
 
 
 def test_a_dividing_replicate_passes_and_cpu_offload_is_for_gpus_only():
