@@ -476,10 +476,12 @@ def _all_reduce_rank(rank: int, path: str, out: str) -> None:
     # a fixed number of calls on both ranks (a time limit would let them disagree on it)
     latency = min(_counted(lambda: dist.all_reduce(small), 20) for _ in range(WINDOWS))
     per_call = min(_counted(lambda: dist.all_reduce(large), 2) for _ in range(WINDOWS))
+    pair = calls_s(dist.group.WORLD, LATENCY_ELEMENTS, 20)  # both ranks, each kind in turn
     alone = [dist.new_group([r]) for r in range(2)]  # every rank makes every group, in one order
     if rank == 0:
         solo = solo_call_s(alone[0])
-        _write_figures(out, {"latency_s": latency, "per_call_s": per_call, "solo_call_s": solo})
+        figures = {"latency_s": latency, "per_call_s": per_call, "pair_call_s": pair, "solo_call_s": solo}
+        _write_figures(out, figures)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -489,24 +491,35 @@ def solo_call_s(group) -> dict[str, float]:
     nothing moves, so what is left is the call (torch's Python, the backend's work object, its
     wait), which a strategy pays per call at world size 1 (ZeroRedundancyOptimizer broadcasts
     each parameter, ShardedDDP reduces each gradient, FSDP2 gathers each unit)."""
-    one, out = torch.ones(1), torch.empty(1)
+    return calls_s(group, 1, 50)
+
+
+def calls_s(group, elements: int, count: int) -> dict[str, float]:
+    """Seconds one collective of each kind takes in ``group`` (every rank of it calls this),
+    ``elements`` floats as nccl-tests counts a size (an all-reduce's, broadcast's or reduce's
+    buffer, an all-gather's output, a reduce-scatter's input), ``count`` calls a window, the
+    fastest of :data:`WINDOWS`."""
+    size, root = dist.get_world_size(group), dist.get_global_rank(group, 0)
+    whole, part = torch.ones(elements), torch.ones(max(1, elements // size))
     calls = {
-        "all_reduce": lambda: dist.all_reduce(one, group=group),
-        "broadcast": lambda: dist.broadcast(one, dist.get_global_rank(group, 0), group=group),
-        "reduce": lambda: dist.reduce(one, dist.get_global_rank(group, 0), group=group),
-        "all_gather": lambda: dist.all_gather_into_tensor(out, one, group=group),
-        "reduce_scatter": lambda: dist.reduce_scatter_tensor(out, one, group=group),
+        "all_reduce": lambda: dist.all_reduce(whole, group=group),
+        "broadcast": lambda: dist.broadcast(whole, root, group=group),
+        "reduce": lambda: dist.reduce(whole, root, group=group),
+        "all_gather": lambda: dist.all_gather_into_tensor(whole, part, group=group),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, whole, group=group),
     }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch 2.13 renames the last two (..._single)
-        return {kind: min(_counted(call, 50) for _ in range(WINDOWS)) for kind, call in calls.items()}
+        return {kind: min(_counted(call, count) for _ in range(WINDOWS)) for kind, call in calls.items()}
 
 
 def measure_local_link() -> dict[str, float]:
     """Two gloo processes on this machine: a small all-reduce's time (its latency, of
-    :data:`LATENCY_ELEMENTS` floats) and a
-    large one's bandwidth, as nccl-tests' bus bandwidth (2 (n-1)/n S / t, n = 2); and each
-    kind of collective's call in a group of one rank (:func:`solo_call_s`)."""
+    :data:`LATENCY_ELEMENTS` floats) and a large one's bandwidth, as nccl-tests' bus bandwidth
+    (2 (n-1)/n S / t, n = 2); each kind of collective's call of that small size between the
+    two (:func:`calls_s`: gloo's kinds are different algorithms, a broadcast one message one
+    way, an all-reduce two exchanges both ways); and each kind's call in a group of one rank
+    (:func:`solo_call_s`)."""
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "link.json")
         found = _in_children(_all_reduce_rank, (os.path.join(folder, "store"), out), 2, out, "the local gloo link")
@@ -515,6 +528,7 @@ def measure_local_link() -> dict[str, float]:
     return {
         "bandwidth_GBps": bus / 1e9,
         "step_latency_us": found["latency_s"] / 2 * 1e6,
+        "pair_call_us": {kind: s * 1e6 for kind, s in found["pair_call_s"].items()},
         "solo_call_us": {kind: s * 1e6 for kind, s in found["solo_call_s"].items()},
     }
 
@@ -721,7 +735,8 @@ FIGURES_VERSION = 9
 several windows; 4: attention's own curve, the host's cost per op of an FSDP2 step; 5: the
 elementwise ops' own rates, a linear layer's matmuls per layout; 6: a new page's cost on CPU;
 7: a collective's call in a group of one rank; 8: the optimizer's step per op apart from the
-forward and backward's; 9: the link's latency from a 1 KiB all-reduce, not one float's):
+forward and backward's; 9: the link's latency from a 1 KiB all-reduce, not one float's, and
+each kind's 1 KiB call between the two ranks):
 older entries are measured again."""
 
 
@@ -883,6 +898,7 @@ def this_profile(threads: int, remeasure: bool = False) -> tuple[DeviceProfile, 
         ring_step_latency=Figure(link["step_latency_us"], source),
         tree_step_latency=Figure(link["step_latency_us"], source),
         reduce_scatter_as_all_reduce=True,  # gloo's
+        pair_call_s={kind: us * 1e-6 for kind, us in link.get("pair_call_us", {}).items()},
         solo_call_s={kind: us * 1e-6 for kind, us in link.get("solo_call_us", {}).items()},
     )
     return device, local

@@ -22,7 +22,10 @@ point-to-point operations" for all-reduce; NCCL's own cost model (``src/graph/tu
 above. Tree is NCCL's algorithm for all-reduce only; the other four are ring-only there, and
 asking for their tree is refused.
 
-Latency term (the same ``tuning.cc``, Simple protocol, the one used for large messages):
+Latency term, where the link states what a small call of each kind costs between two of its
+ranks (``pair_call_s``: measured for a CPU's local gloo link, whose kinds are different
+algorithms): that call, times the kind's ring steps at n ranks over its steps at two.
+Otherwise (the same ``tuning.cc``, Simple protocol, the one used for large messages):
 a ring pays a base latency (``baseLat``: 8.4 us) plus one per-step latency (``hwLat``: the
 link's) per step, ``nsteps`` = 2 (n - 1) for all-reduce, n - 1 for all-gather and
 reduce-scatter, n for broadcast and reduce; steps that cross nodes (``nInterSteps`` =
@@ -77,6 +80,8 @@ class Link:
     tree_step_latency_s: float = 0.0
     reduce_scatter_as_all_reduce: bool = False
     """gloo's rule: a reduce-scatter runs as an all-reduce of its whole input."""
+    pair_call_s: Mapping[str, float] = field(default_factory=dict)
+    """Per kind, one small call's seconds between two ranks, measured (see the profile's field)."""
     solo_call_s: Mapping[str, float] = field(default_factory=dict)
     """Per kind, one call's seconds in a group of one rank (see the profile's field)."""
 
@@ -173,7 +178,11 @@ def group_time(
     bandwidth = intra.bandwidth_Bps if nodes == 1 else min(intra.bandwidth_Bps, nics * inter.bandwidth_Bps)
     if algorithm == "ring":
         steps, inter_steps = ring_steps(kind, ranks), (ring_steps(kind, nodes) if nodes > 1 else 0)
-        latency = RING_BASE_LATENCY_S + (steps - inter_steps) * intra.ring_step_latency_s
+        pair = getattr(intra, "pair_call_s", {}).get(kind) if nodes == 1 else None
+        if pair is not None:  # measured: this kind's small call between two ranks, its steps scaled
+            latency = pair * steps / ring_steps(kind, 2)
+        else:
+            latency = RING_BASE_LATENCY_S + (steps - inter_steps) * intra.ring_step_latency_s
         if inter_steps:
             latency += inter_steps * inter.ring_step_latency_s
         return latency + nbytes * bus_factor(kind, ranks) / bandwidth

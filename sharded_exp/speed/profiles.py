@@ -270,6 +270,13 @@ class LinkProfile:
     ``ProcessGroupGloo``: the profiler shows ``c10d::_reduce_scatter_base_`` running
     ``gloo:all_reduce``), so a CPU's local link prices it as one
     (:func:`sharded_exp.speed.collectives.group_time`)."""
+    pair_call_s: Mapping[str, float] = field(default_factory=dict)
+    """Per collective kind, the seconds one small call (1 KiB) takes between two ranks on this
+    link: the latency a collective of that kind pays, where it was measured (the ``this``
+    profile's gloo link, :func:`sharded_exp.measure.machine.calls_s`); gloo's kinds are
+    different algorithms (between two ranks a broadcast is one message one way, an all-reduce
+    two exchanges both ways: 0.08 against 0.3-0.9 ms on this VM), which one per-step latency
+    from an all-reduce cannot say. Empty for the sourced links: NCCL's step latencies price them."""
     solo_call_s: Mapping[str, float] = field(default_factory=dict)
     """Per collective kind, the seconds one call takes in a group of one rank, where nothing
     moves and only the call is left (torch's Python, the backend's work object and its wait):

@@ -301,6 +301,29 @@ def test_a_collectives_call_alone_is_read_per_kind_from_the_cache(tmp_path, monk
     assert link.solo_call_s == pytest.approx({"broadcast": 24e-6, "all_gather": 36e-6})
 
 
+def test_a_collectives_call_between_the_two_ranks_is_read_per_kind_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    figures = {"matmul": {"fp32": [[1e6, 0.01]]}, "memory_bandwidth_GBps": 10.0, "op_overhead_s": 5e-6,
+               "step_op_overhead_s": {}, "measured_at": "then",
+               "link": {"bandwidth_GBps": 0.5, "step_latency_us": 100.0, "pair_call_us": {"broadcast": 80.0}}}  # fmt: skip
+    path = tmp_path / "sharded_exp" / "this_profile.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({machine._key(1): figures}))
+    _, link = machine.this_profile(1)
+    assert link.pair_call_s == pytest.approx({"broadcast": 80e-6}) and link.solo_call_s == {}
+
+
+def test_each_kinds_call_is_timed_with_the_size_asked_for(gloo_group, monkeypatch):
+    sizes = []
+    for name in ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
+        real = getattr(dist, name)
+        monkeypatch.setattr(dist, name, lambda *a, _real=real, **k: (sizes.append(a[0].numel()), _real(*a, **k))[1])
+    found = machine.calls_s(dist.group.WORLD, machine.LATENCY_ELEMENTS, 2)
+    assert set(found) == {"all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter"}
+    # a group of one: every buffer (a reduce-scatter's output a 1/size part) is the size asked for
+    assert set(sizes) == {machine.LATENCY_ELEMENTS}
+
+
 def test_a_collectives_call_alone_is_timed_per_kind_in_a_group_of_one(gloo_group):
     found = machine.solo_call_s(dist.group.WORLD)
     assert set(found) == {"all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter"}

@@ -153,6 +153,24 @@ def test_one_rank_costs_its_call_where_the_link_states_it():
         collective_time("broadcast", -1, 1, solo)
 
 
+def test_a_kinds_measured_call_between_two_ranks_is_its_latency_scaled_by_its_steps():
+    """gloo's kinds are different algorithms: a link that states each kind's small call between
+    two ranks prices that call as the latency, times the kind's ring steps at n ranks over its
+    steps at two; a kind it does not state keeps the per-step latency."""
+    gloo = Link("gloo", bandwidth_Bps=1e9, ring_step_latency_s=4e-4, reduce_scatter_as_all_reduce=True,
+                pair_call_s={"broadcast": 8e-5, "all_reduce": 9e-4, "all_gather": 1.5e-4})  # fmt: skip
+    assert collective_time("broadcast", 1e6, 2, gloo) == pytest.approx(8e-5 + 1e6 / 1e9)
+    assert collective_time("all_reduce", 1e6, 2, gloo) == pytest.approx(9e-4 + 1e6 / 1e9)  # 2 (n-1)/n = 1
+    # 4 ranks: broadcast 4 steps against 2, all-reduce 6 against 2, all-gather 3 against 1
+    assert collective_time("broadcast", 1e6, 4, gloo) == pytest.approx(2 * 8e-5 + 1e6 / 1e9)
+    assert collective_time("all_reduce", 1e6, 4, gloo) == pytest.approx(3 * 9e-4 + 1.5 * 1e6 / 1e9)
+    assert collective_time("all_gather", 1e6, 4, gloo) == pytest.approx(3 * 1.5e-4 + 0.75 * 1e6 / 1e9)
+    # gloo's reduce-scatter is its all-reduce, and pays that call
+    assert collective_time("reduce_scatter", 1e6, 2, gloo) == collective_time("all_reduce", 1e6, 2, gloo)
+    # not stated: NCCL's base and the per-step latency, as before
+    assert collective_time("reduce", 1e6, 2, gloo) == pytest.approx(8.4e-6 + 2 * 4e-4 + 1e6 / 1e9)
+
+
 def test_hsdp_with_shards_of_one_reduces_nothing_in_the_shard_group():
     """replicate = world size: each shard group is one rank, where FSDP2 copies the gradient
     (no reduce-scatter call), then all-reduces it across the replicas."""
