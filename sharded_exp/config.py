@@ -19,7 +19,7 @@ from typing import Any, List, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from sharded_exp.errors import ConfigError
+from sharded_exp.errors import ConfigError, missing_packages
 
 
 def _require(ok: bool, message: str) -> None:
@@ -602,7 +602,8 @@ def check_ranges(cfg: DictConfig, world_size: int | None = None) -> None:
     """Each group's own range checks, run by making the group typed (:func:`typed`), then
     the bounds its schema declares (:func:`check_bounds`: the registries' strategy, model and
     data schemas, whose classes live beside their builders) and a model's sizes
-    (:func:`check_model_sizes`) and whether the data task feeds the model (:func:`check_fed`). No torch: the command line runs it on the config it composed
+    (:func:`check_model_sizes`), whether the data task feeds the model (:func:`check_fed`) and
+    whether the strategy's packages are installed (:func:`check_packages`). No torch: the command line runs it on the config it composed
     from the cached schemas, so these are refused before anything heavy is imported. A group
     with a value still missing is left to its reader: ``data.path=???`` is stood in for by
     the planner, and refused by name by pre-flight's task check (``to_object`` would only say
@@ -623,6 +624,21 @@ def check_ranges(cfg: DictConfig, world_size: int | None = None) -> None:
             check_bounds(str(key), node, OmegaConf.get_type(node), world_size)
     if all(k in cfg and not OmegaConf.is_missing(cfg, k) for k in ("data", "model")):
         check_fed(cfg.data, cfg.model)
+    if "strategy" in cfg and not OmegaConf.is_missing(cfg, "strategy"):
+        check_packages(cfg.strategy)
+
+
+def check_packages(strategy: Any) -> None:
+    """A strategy whose schema declares packages it needs beyond torch (class attribute
+    ``REQUIRES``, carried by the schema cache) is refused where one cannot be imported here,
+    naming it: found without importing anything (:func:`sharded_exp.errors.missing_packages`)."""
+    schema = OmegaConf.get_type(strategy) if OmegaConf.is_config(strategy) else type(strategy)
+    missing = missing_packages(getattr(schema, "REQUIRES", None) or ())
+    _require(
+        not missing,
+        f"strategy={_get(strategy, 'name')} needs the package(s) {', '.join(missing)}, which are not installed here "
+        "(pip install -e . installs them)",
+    )
 
 
 def require_model_fields(task: str, feeds: str, model_cfg: Any, fields: tuple[str, ...]) -> None:

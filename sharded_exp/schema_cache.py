@@ -27,8 +27,10 @@ from sharded_exp.config import Option
 SCALARS = {bool: "bool", int: "int", float: "float", str: "str"}
 MISSING = "???"
 """OmegaConf's mark of a value that must be set."""
-FED = ("FEEDS", "MODEL_FIELDS")
-"""A data schema's class attributes that say what models it feeds (:func:`sharded_exp.config.check_fed`)."""
+DECLARED = ("FEEDS", "MODEL_FIELDS", "REQUIRES")
+"""A schema's class attributes the command line reads too: what models a data task feeds
+(:func:`sharded_exp.config.check_fed`) and the packages a strategy needs
+(:func:`sharded_exp.config.check_packages`)."""
 
 
 def describe(cls: type) -> dict[str, Any]:
@@ -47,7 +49,7 @@ def describe(cls: type) -> dict[str, Any]:
             described["bounds"] = dict(f.metadata["bounds"])
         fields.append(described)
     out: dict[str, Any] = {"name": cls.__name__, "fields": fields}
-    for attribute in FED:  # a data task's declared needs (sharded_exp.config.check_fed)
+    for attribute in DECLARED:  # a data task's declared needs, a strategy's packages
         if getattr(cls, attribute, None) is not None:
             out[attribute] = _value(getattr(cls, attribute))
     return out
@@ -98,7 +100,7 @@ def rebuild_all(descriptions: dict[str, dict[str, Any]]) -> dict[str, type]:
 def rebuild(description: dict[str, Any], enums: dict[tuple, type] | None = None) -> type:
     """The dataclass :func:`describe` described: same name, fields, types, defaults and
     declared bounds (:func:`sharded_exp.config.bounded`) and a data task's declared needs
-    (:data:`FED`). ``enums``: the enum classes made so far, by name and members (shared between calls)."""
+    (:data:`DECLARED`). ``enums``: the enum classes made so far, by name and members (shared between calls)."""
     enums = {} if enums is None else enums
     fields = []
     for f in description["fields"]:
@@ -111,7 +113,7 @@ def rebuild(description: dict[str, Any], enums: dict[tuple, type] | None = None)
             spec = dataclasses.field(default=default, metadata=metadata)
         fields.append((f["name"], hint, spec))
     declared = {a: (tuple(description[a]) if isinstance(description[a], list) else description[a])
-                for a in FED if a in description}  # fmt: skip
+                for a in DECLARED if a in description}  # fmt: skip
     return dataclasses.make_dataclass(description["name"], fields, namespace=declared)
 
 

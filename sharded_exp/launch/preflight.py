@@ -29,7 +29,7 @@ from sharded_exp.config import Config, JobGroups, ZeroGrad, check_ranges
 from sharded_exp.config_file import check_head_counts, is_target_model
 from sharded_exp.data import TASKS
 from sharded_exp.data.loader import check_fits
-from sharded_exp.errors import ConfigError, WontFit, missing_packages
+from sharded_exp.errors import ConfigError, WontFit
 from sharded_exp.job.spec import JobSpec, decided_config
 from sharded_exp.launch.layout import Layout
 from sharded_exp.measure.machine_memory import available_mib as available_host_mib
@@ -262,7 +262,7 @@ def check_values(cfg: JobGroups, world_size: int | None = None) -> None:
         faults.from_env()  # a malformed testing aid fails here, not in every rank
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    strategy = STRATEGIES.builder(cfg.strategy.name)  # raises, naming the registered ones
+    STRATEGIES.builder(cfg.strategy.name)  # raises, naming the registered ones
     # `+strategy.x=...` adds a key the schema lacks; nothing would read it: refused.
     settings = [f.name for f in dataclasses.fields(STRATEGIES.config_class(cfg.strategy.name))]
     unknown = [k for k in cfg.strategy.keys() if k not in settings]
@@ -270,13 +270,6 @@ def check_values(cfg: JobGroups, world_size: int | None = None) -> None:
         not unknown,
         f"{', '.join('strategy.' + k for k in unknown)} is not a setting of strategy={cfg.strategy.name}; "
         f"its settings: {', '.join(s for s in settings if s != 'name')}",
-    )
-    missing = missing_packages(strategy.traits.requires)
-    _require(
-        not missing,
-        f"strategy={cfg.strategy.name} needs the package(s) {', '.join(missing)}, which are not installed here "
-        f"(pip install -e . installs them; strategies without extra packages: "
-        f"{', '.join(n for n in STRATEGIES.names() if not STRATEGIES.builder(n).traits.requires)})",
     )
     if not is_target_model(cfg.model):
         MODELS.builder(cfg.model.name)

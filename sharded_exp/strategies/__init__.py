@@ -3,9 +3,10 @@
 Adding a strategy is one module in this package (a :class:`~.base.Strategy` subclass with
 its ``Config`` dataclass, its ``traits`` and its ``memory`` model, registered with
 ``@STRATEGIES.register``) plus one YAML file in ``conf/strategy/``; every module here is
-imported automatically. A strategy that needs a package we do not depend on names it in
-``traits.requires`` and imports it inside ``build``, so the others run without it (checked
-before any rank starts).
+imported automatically. A strategy that needs a package we do not depend on names it in its
+config class's ``REQUIRES`` (which its ``traits.requires`` takes) and imports it inside
+``build``, so the others run without it (checked on the command line and before any rank
+starts, :func:`sharded_exp.config.check_packages`).
 
 Everything outside this package asks these functions about strategies (their order, the
 baseline, the one a user's wrappers show) and never spells a strategy's name.

@@ -21,6 +21,8 @@ from sharded_exp.strategies.traits import Traits
 
 @dataclass
 class OSSConfig(DDPConfig):
+    REQUIRES = ("fairscale",)
+    """The packages this strategy needs beyond torch (:func:`sharded_exp.config.check_packages`)."""
     name: str = "oss"
     broadcast_fp16: bool = False
     """Send parameters as fp16 in OSS's post-step broadcast (fairscale default off; lossy)."""
@@ -46,7 +48,7 @@ class OSS(DDP):
     traits = Traits(
         sharding=1,
         optimizer_state_sharded=True,
-        requires=("fairscale",),
+        requires=OSSConfig.REQUIRES,
         wrappers=("fairscale.optim.OSS",),
         clip_reads_values=True,  # OSS.clip_grad_norm: ``if clip_coef < 1``
         # Only the shard's gradients are unscaled and checked on each rank: the found-inf

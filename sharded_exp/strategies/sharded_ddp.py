@@ -32,6 +32,8 @@ from sharded_exp.strategies.traits import Traits
 
 @dataclass
 class ShardedDDPConfig(StrategyConfig):
+    REQUIRES = ("fairscale",)
+    """The packages this strategy needs beyond torch (:func:`sharded_exp.config.check_packages`)."""
     name: str = "sharded_ddp"
     reduce_buffer_size: int = bounded(2**23, at_least=0)
     """Elements per gradient reduce bucket; 0 turns buckets off (fairscale default 2**23)."""
@@ -122,7 +124,7 @@ class ShardedDDP(OSS):
     traits = Traits(
         sharding=2,
         optimizer_state_sharded=True,
-        requires=("fairscale",),
+        requires=ShardedDDPConfig.REQUIRES,
         wrappers=("fairscale.nn.data_parallel.ShardedDataParallel",),
         clip_reads_values=True,  # OSS.clip_grad_norm: ``if clip_coef < 1``
         grads_differ_across_ranks=True,  # sharded gradients: the scaler agrees on inf/nan

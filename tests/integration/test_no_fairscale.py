@@ -32,7 +32,11 @@ def test_zero1_runs_and_oss_is_refused_without_fairscale(tmp_path):
     assert read_result(tmp_path / "zero1")["status"] == "ok"
     assert "fairscale" not in proc.stderr
 
-    proc = run_cli(["strategy=oss", *TINY, f"hydra.run.dir={tmp_path / 'oss'}"], cwd=ROOT, env=env)
+    # refused on the command line, from the cached schemas: torch is never imported (-X importtime)
+    proc = run_cli(["strategy=oss", *TINY, f"hydra.run.dir={tmp_path / 'oss'}"], cwd=ROOT,
+                   env={**env, "PYTHONPROFILEIMPORTTIME": "1"})  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "strategy=oss needs the package(s) fairscale, which are not installed here" in proc.stderr
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "hydra" in imported and "torch" not in imported
     assert not (tmp_path / "oss" / "result.json").exists()  # refused before any rank started

@@ -168,3 +168,31 @@ def test_a_data_tasks_declared_needs_are_made_again_and_refuse_the_same_model_wi
         assert said[0] == said[1] and said[0].startswith(f"data={task} feeds {cls.FEEDS}, not model="), said
     assert "FEEDS" not in describe(schemas["schema_data_text_file"])
     check_fed(OmegaConf.structured(schemas["schema_data_text_file"]), mlp)  # nothing declared: left to its builder
+
+
+def test_a_strategys_packages_are_made_again_and_refused_with_the_same_message(monkeypatch):
+    """The packages a strategy needs (sharded_exp.config.check_packages) travel in the cache: the
+    command line refuses ``strategy=oss`` without fairscale before torch, with pre-flight's words."""
+    from sharded_exp import config
+    from sharded_exp.errors import ConfigError
+
+    schemas = registry_schemas(query=False)
+    for name in ("oss", "sharded_ddp"):
+        cls = schemas[f"schema_strategy_{name}"]
+        again = made(cls)
+        assert again.REQUIRES == cls.REQUIRES == ("fairscale",), name
+    assert "REQUIRES" not in describe(schemas["schema_strategy_ddp"])
+    monkeypatch.setattr(config, "missing_packages", lambda names: list(names))  # as if none were installed
+    said = []
+    for schema in (schemas["schema_strategy_oss"], made(schemas["schema_strategy_oss"])):
+        with pytest.raises(ConfigError) as err:
+            config.check_packages(OmegaConf.structured(schema))
+        said.append(str(err.value))
+    assert (
+        said[0]
+        == said[1]
+        == (
+            "strategy=oss needs the package(s) fairscale, which are not installed here (pip install -e . installs them)"
+        )
+    )
+    config.check_packages(OmegaConf.structured(schemas["schema_strategy_ddp"]))  # none declared: nothing to miss
