@@ -628,12 +628,16 @@ def check_ranges(cfg: DictConfig, world_size: int | None = None) -> None:
         check_packages(cfg.strategy)
 
 
-def check_packages(strategy: Any) -> None:
+def check_packages(strategy: Any, requires: tuple[str, ...] | None = None) -> None:
     """A strategy whose schema declares packages it needs beyond torch (class attribute
     ``REQUIRES``, carried by the schema cache) is refused where one cannot be imported here,
-    naming it: found without importing anything (:func:`sharded_exp.errors.missing_packages`)."""
-    schema = OmegaConf.get_type(strategy) if OmegaConf.is_config(strategy) else type(strategy)
-    missing = missing_packages(getattr(schema, "REQUIRES", None) or ())
+    naming it: found without importing anything (:func:`sharded_exp.errors.missing_packages`).
+    ``requires``: the packages to hold instead (pre-flight's: the strategy's ``traits.requires``,
+    which a plugin may state without the class attribute)."""
+    if requires is None:
+        schema = OmegaConf.get_type(strategy) if OmegaConf.is_config(strategy) else type(strategy)
+        requires = getattr(schema, "REQUIRES", None) or ()
+    missing = missing_packages(requires)
     _require(
         not missing,
         f"strategy={_get(strategy, 'name')} needs the package(s) {', '.join(missing)}, which are not installed here "
@@ -726,7 +730,14 @@ def check_bounds(group: str, values: Any, schema: type, world_size: int | None =
             _require(value % divisor == 0, f"{group}.{name}={value} is not divisible by {group}.{other}={divisor}")
     for name, bounds in declared:
         why, value = bounds.get("divides_world_size"), _get(values, name)
-        if why and world_size is not None and isinstance(value, int) and value >= 1 and world_size % value:
+        if (
+            why
+            and world_size is not None
+            and world_size >= 1
+            and isinstance(value, int)
+            and value >= 1
+            and world_size % value
+        ):
             divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
             raise ConfigError(
                 f"{group}.{name}={value} must divide trainer.world_size={world_size} ({why}; divisors: {divisors})"

@@ -153,12 +153,14 @@ def _misspelled(argv: list[str], config_name: str) -> str | None:
         return _unknown_key(found.group(1), config_name, overrides) if found else None
     except Exception:  # noqa: BLE001 -- anything else (a plugin's launcher, an interpolation) is Hydra's to say
         return None
-    problem = value_problem(cfg)
+    sized = certain_world_size(config_name, [o.get_key_element() for o in parsed])
+    problem = value_problem(cfg, job_world_size(cfg) if sized else None)
     if problem is not None:
         return problem
     for others in other_points(parsed, overrides):  # a sweep's other values, each composed and checked
         try:
-            problem = value_problem(_compose(config_name, others))
+            point = _compose(config_name, others)
+            problem = value_problem(point, job_world_size(point) if sized else None)
         except Exception:  # noqa: BLE001 -- a point that does not compose here is its job's to say
             continue
         if problem is not None:
@@ -166,12 +168,14 @@ def _misspelled(argv: list[str], config_name: str) -> str | None:
     return problem
 
 
-def value_problem(cfg) -> str | None:
+def value_problem(cfg, world_size: int | None = None) -> str | None:
     """A value the config alone shows wrong (a range, a declared bound, a model's size, a
     Hugging Face model's head counts or kernel name, a config.json path), said as pre-flight
-    says it; None when there is none, or when a group is not ready to be checked here."""
+    says it; None when there is none, or when a group is not ready to be checked here.
+    ``world_size``: the job's, where this command knows it for certain (:func:`certain_world_size`),
+    for the values that must divide it."""
     try:
-        check_ranges(cfg, job_world_size(cfg))
+        check_ranges(cfg, world_size)
         model = OmegaConf.select(cfg, "model", default=None)
         path = OmegaConf.select(cfg, "model.config_file", default=None)
         if path:  # a Hugging Face config.json: a wrong path or a file that is no config, said at once
@@ -187,14 +191,28 @@ def value_problem(cfg) -> str | None:
     return None
 
 
+UNSIZED = ("hydra/launcher", "hydra.launcher", "hydra.sweeper", "experiment", "hparams_search")
+"""Overrides after which the command line cannot know the job's world size from the config it
+composes: another launcher (submitit's tasks are the ranks), a sweeper's own parameters, and
+the presets that sweep ``trainer.world_size`` through them (``experiment=seed_study_gpu``)."""
+
+
+def certain_world_size(config_name: str, keys: list[str]) -> bool:
+    """Whether the job's world size is the composed config's (or torchrun's or SLURM's), so
+    that a value that must divide it can be held here: a training command, none of
+    :data:`UNSIZED` among the override ``keys`` (a plan sizes its own points: ``plan.world_sizes``)."""
+    return config_name == "config" and not any(k.lstrip("+~").startswith(UNSIZED) for k in keys)
+
+
 def job_world_size(cfg) -> int | None:
     """The job's world size as this command will run it: torchrun's or SLURM's where they
-    start the ranks, else ``trainer.world_size`` (None where it is not an integer yet)."""
+    start the ranks, else ``trainer.world_size`` (None where it is not a count yet: an
+    interpolation that does not resolve here, a value below 1)."""
     layout = external_layout()
     if layout is not None:
         return layout.world_size
-    value = OmegaConf.select(cfg, "trainer.world_size", default=None)
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    value = OmegaConf.select(cfg, "trainer.world_size", default=None, throw_on_resolution_failure=False)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
 
 
 MAX_SWEEP_POINTS = 8

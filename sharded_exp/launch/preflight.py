@@ -25,7 +25,7 @@ from torch.nn.parameter import UninitializedParameter
 from sharded_exp import logs
 from sharded_exp.checkpoint import plan_checkpoints
 from sharded_exp.compose import registries
-from sharded_exp.config import Config, JobGroups, ZeroGrad, check_ranges
+from sharded_exp.config import Config, JobGroups, ZeroGrad, check_packages, check_ranges
 from sharded_exp.config_file import check_head_counts, is_target_model
 from sharded_exp.data import TASKS
 from sharded_exp.data.loader import check_fits
@@ -262,7 +262,7 @@ def check_values(cfg: JobGroups, world_size: int | None = None) -> None:
         faults.from_env()  # a malformed testing aid fails here, not in every rank
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    STRATEGIES.builder(cfg.strategy.name)  # raises, naming the registered ones
+    strategy = STRATEGIES.builder(cfg.strategy.name)  # raises, naming the registered ones
     # `+strategy.x=...` adds a key the schema lacks; nothing would read it: refused.
     settings = [f.name for f in dataclasses.fields(STRATEGIES.config_class(cfg.strategy.name))]
     unknown = [k for k in cfg.strategy.keys() if k not in settings]
@@ -271,6 +271,7 @@ def check_values(cfg: JobGroups, world_size: int | None = None) -> None:
         f"{', '.join('strategy.' + k for k in unknown)} is not a setting of strategy={cfg.strategy.name}; "
         f"its settings: {', '.join(s for s in settings if s != 'name')}",
     )
+    check_packages(cfg.strategy, strategy.traits.requires)  # a plugin's, stated in its traits only, too
     if not is_target_model(cfg.model):
         MODELS.builder(cfg.model.name)
     TASKS.builder(cfg.data.name)

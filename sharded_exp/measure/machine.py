@@ -472,11 +472,11 @@ def measure_elementwise(dtype: torch.dtype, seconds: float = 0.03) -> dict[str, 
 def _all_reduce_rank(rank: int, path: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
-    small, large = torch.ones(LATENCY_ELEMENTS), torch.ones(ALL_REDUCE_BYTES // 4)
+    large = torch.ones(ALL_REDUCE_BYTES // 4)
     # a fixed number of calls on both ranks (a time limit would let them disagree on it)
-    latency = min(_counted(lambda: dist.all_reduce(small), 20) for _ in range(WINDOWS))
-    per_call = min(_counted(lambda: dist.all_reduce(large), 2) for _ in range(WINDOWS))
     pair = calls_s(dist.group.WORLD, LATENCY_ELEMENTS, 20)  # both ranks, each kind in turn
+    latency = pair["all_reduce"]  # the bandwidth's latency is the one its price adds back
+    per_call = min(_counted(lambda: dist.all_reduce(large), 2) for _ in range(WINDOWS))
     alone = [dist.new_group([r]) for r in range(2)]  # every rank makes every group, in one order
     if rank == 0:
         solo = solo_call_s(alone[0])
@@ -498,13 +498,16 @@ def calls_s(group, elements: int, count: int) -> dict[str, float]:
     """Seconds one collective of each kind takes in ``group`` (every rank of it calls this),
     ``elements`` floats as nccl-tests counts a size (an all-reduce's, broadcast's or reduce's
     buffer, an all-gather's output, a reduce-scatter's input), ``count`` calls a window, the
-    fastest of :data:`WINDOWS`."""
-    size, root = dist.get_world_size(group), dist.get_global_rank(group, 0)
+    fastest of :data:`WINDOWS`. A broadcast's and a reduce's root is each rank in turn, call
+    by call, as ZeRO-1's and ShardedDDP's owners are (a root alone only sends, or only
+    receives: its calls would pipeline)."""
+    size = dist.get_world_size(group)
+    roots = itertools.cycle([dist.get_global_rank(group, r) for r in range(size)])
     whole, part = torch.ones(elements), torch.ones(max(1, elements // size))
     calls = {
         "all_reduce": lambda: dist.all_reduce(whole, group=group),
-        "broadcast": lambda: dist.broadcast(whole, root, group=group),
-        "reduce": lambda: dist.reduce(whole, root, group=group),
+        "broadcast": lambda: dist.broadcast(whole, next(roots), group=group),
+        "reduce": lambda: dist.reduce(whole, next(roots), group=group),
         "all_gather": lambda: dist.all_gather_into_tensor(whole, part, group=group),
         "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, whole, group=group),
     }

@@ -29,7 +29,7 @@ class OSSConfig(DDPConfig):
 
 
 def make_oss(spec, broadcast_fp16: bool):
-    from fairscale.optim import OSS  # lazy: fairscale is optional (traits.requires)
+    from fairscale.optim import OSS  # lazy: fairscale is optional (REQUIRES)
 
     return OSS(spec.param_groups, optim=spec.cls, broadcast_fp16=broadcast_fp16, **spec.defaults)
 

@@ -139,7 +139,7 @@ class ShardedDDP(OSS):
 
     @classmethod
     def build(cls, cfg, module, optim_spec, precision_cfg, device):
-        from fairscale.nn.data_parallel import ShardedDataParallel  # lazy: fairscale is optional (traits.requires)
+        from fairscale.nn.data_parallel import ShardedDataParallel  # lazy: fairscale is optional (REQUIRES)
 
         optimizer = make_oss(optim_spec, cfg.broadcast_fp16)
         model = ShardedDataParallel(

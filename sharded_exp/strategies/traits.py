@@ -58,7 +58,9 @@ class Traits:
     """The config setting that keeps model states in host memory (FSDP's ``cpu_offload``);
     None: the strategy never does."""
     requires: tuple[str, ...] = ()
-    """Packages beyond our core dependencies that the strategy imports (checked before spawn)."""
+    """Packages beyond our core dependencies that the strategy imports (checked in pre-flight,
+    before spawn; a built-in strategy takes them from its config class's ``REQUIRES``, which
+    the command line holds before torch is imported)."""
     wrappers: tuple[str, ...] = ()
     """The classes whose instance on a user's model (or any module in it) or optimizer says
     this strategy runs (the probe's reading), by the dotted name they are imported under:

@@ -114,11 +114,15 @@ def test_each_point_of_a_sweep_is_composed_one_value_varied_at_a_time(monkeypatc
     import sharded_exp.spelling as spelling
 
     seen = []
-    monkeypatch.setattr(spelling, "value_problem", lambda cfg: seen.append((cfg.strategy.name, cfg.trainer.steps)))
+    monkeypatch.setattr(
+        spelling, "value_problem", lambda cfg, world_size=None: seen.append((cfg.strategy.name, cfg.trainer.steps))
+    )
     assert misspelled(["-m", "strategy=ddp,fsdp,zero1", "trainer.steps=10,20"]) is None
     assert seen == [("ddp", 10), ("fsdp", 10), ("zero1", 10), ("ddp", 20)]  # each value once, the others first
     seen.clear()
-    monkeypatch.setattr(spelling, "value_problem", lambda cfg: seen.append((cfg.precision.name, cfg.trainer.steps)))
+    monkeypatch.setattr(
+        spelling, "value_problem", lambda cfg, world_size=None: seen.append((cfg.precision.name, cfg.trainer.steps))
+    )
     assert misspelled(["-m", "precision=32,16,bf16", "trainer.steps=10,20"]) is None  # 16: an option, not a number
     assert seen == [("32", 10), ("16", 10), ("bf16", 10), ("32", 20)]
     seen.clear()
@@ -168,3 +172,20 @@ def test_the_jobs_world_size_is_torchruns_where_it_starts_the_ranks(monkeypatch)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     assert spelling.job_world_size(cfg) == 6
+
+
+def test_a_value_that_must_divide_the_world_size_is_held_only_where_the_command_knows_it(monkeypatch):
+    for key in ("TORCHELASTIC_RUN_ID", "SLURM_STEP_ID", "WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(key, raising=False)
+    hsdp = ["strategy=fsdp", "strategy.replicate=4"]
+    said = misspelled([*hsdp, "trainer.world_size=2"])
+    assert said.startswith("strategy.replicate=4 must divide trainer.world_size=2"), said
+    assert misspelled([*hsdp, "trainer.world_size=8"]) is None
+    # the size is decided elsewhere: a plan's own world sizes, another launcher's tasks, a preset's sweep
+    assert misspelled([*hsdp, "plan.world_sizes=[8,64]"], "plan") is None
+    assert misspelled([*hsdp, "hydra/launcher=submitit_slurm", "hydra.launcher.tasks_per_node=4"]) is None
+    assert misspelled(["-m", *hsdp, "experiment=seed_study_gpu"]) is None
+    # a world size that does not resolve here leaves the other values held
+    said = misspelled(["trainer.world_size=${oc.env:SHARDED_EXP_SURELY_UNSET_NP}", "model.depth=0"])
+    assert said == "model.depth=0 must be >= 1 (model=mlp)", said
+    assert spelling.job_world_size(spelling.OmegaConf.create({"trainer": {"world_size": -1}})) is None

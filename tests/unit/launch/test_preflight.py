@@ -351,3 +351,13 @@ def test_a_model_whose_constructor_reads_a_value_is_built_on_the_host_for_its_sh
         meta_model(cfg.model)  # what refused it before
     module = preflight.shapes_model(cfg)
     assert module.scale.item() > 0 and all(p.device.type == "cpu" for p in module.parameters())
+
+
+def test_pre_flight_refuses_a_package_a_strategy_states_in_its_traits_only(monkeypatch):
+    import dataclasses
+
+    from sharded_exp.strategies.ddp import DDP
+
+    monkeypatch.setattr(DDP, "traits", dataclasses.replace(DDP.traits, requires=("no_such_package_xyz",)))
+    with pytest.raises(ConfigError, match="strategy=ddp needs the package.s. no_such_package_xyz, which are not"):
+        preflight.check_values(compose([]))

@@ -313,15 +313,23 @@ def test_a_collectives_call_between_the_two_ranks_is_read_per_kind_from_the_cach
     assert link.pair_call_s == pytest.approx({"broadcast": 80e-6}) and link.solo_call_s == {}
 
 
-def test_each_kinds_call_is_timed_with_the_size_asked_for(gloo_group, monkeypatch):
-    sizes = []
+def test_each_kinds_call_moves_the_size_asked_for_and_its_root_takes_turns(monkeypatch):
+    """Two ranks, as the link's measurement has them (the calls recorded, not made): S as
+    nccl-tests counts it, an all-gather's output and a reduce-scatter's input whole, their other
+    buffer a rank's half; a broadcast's and a reduce's root each rank in turn."""
+    calls = []
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank)
     for name in ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
-        real = getattr(dist, name)
-        monkeypatch.setattr(dist, name, lambda *a, _real=real, **k: (sizes.append(a[0].numel()), _real(*a, **k))[1])
-    found = machine.calls_s(dist.group.WORLD, machine.LATENCY_ELEMENTS, 2)
+        monkeypatch.setattr(dist, name, lambda *a, _name=name, **k: calls.append(
+            (_name, [x.numel() if isinstance(x, torch.Tensor) else x for x in a])))  # fmt: skip
+    found = machine.calls_s(None, 256, 2)
     assert set(found) == {"all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter"}
-    # a group of one: every buffer (a reduce-scatter's output a 1/size part) is the size asked for
-    assert set(sizes) == {machine.LATENCY_ELEMENTS}
+    shapes = {name: args for name, args in calls}
+    assert shapes["all_reduce"] == [256]
+    assert shapes["all_gather_into_tensor"] == [256, 128] and shapes["reduce_scatter_tensor"] == [128, 256]
+    roots = [args[1] for name, args in calls if name == "broadcast"]
+    assert roots[:4] == [0, 1, 0, 1]  # one warm-up and the windows' calls, alternating
 
 
 def test_a_collectives_call_alone_is_timed_per_kind_in_a_group_of_one(gloo_group):

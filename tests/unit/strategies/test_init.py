@@ -147,7 +147,9 @@ def _string_literals(path) -> list[tuple[int, str]]:
     import ast
 
     tree = ast.parse(path.read_text(), str(path))
-    bare = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)}
+    bare = {
+        id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+    }
     bare |= {id(key) for node in ast.walk(tree) if isinstance(node, ast.Dict) for key in node.keys if key is not None}
     return [(node.lineno, node.value) for node in ast.walk(tree)
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in bare]  # fmt: skip
@@ -170,3 +172,9 @@ def test_no_module_outside_the_strategies_spells_a_registered_strategys_name():
         if value in names
     ]
     assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("name", STRATEGIES.names())
+def test_a_strategys_packages_are_its_configs_so_the_command_line_holds_them_too(name):
+    builder = STRATEGIES.builder(name)
+    assert builder.traits.requires == tuple(getattr(builder.Config, "REQUIRES", ())), name
