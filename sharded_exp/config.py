@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, List, Optional
@@ -660,14 +661,18 @@ def check_fed(data: Any, model: Any, schema: type | None = None) -> None:
     """A data task whose schema declares what it feeds (class attributes ``FEEDS``, the models
     in words, and ``MODEL_FIELDS``, the model's fields it sizes its samples by: data as
     :func:`bounded` is, carried by the schema cache) refuses a model without those fields. A
-    task whose needs depend on its settings (a file's ``data.kind``) declares none: its
-    builder checks. ``schema``: the task's class, where ``data`` may be untyped (a rank's plain
+    task whose needs depend on its ``data.kind`` (hf_dataset) declares both per kind, as
+    mappings. ``schema``: the task's class, where ``data`` may be untyped (a rank's plain
     config); else ``data``'s own type."""
     if schema is None:
         schema = OmegaConf.get_type(data) if OmegaConf.is_config(data) else type(data)
-    fields = getattr(schema, "MODEL_FIELDS", None)
+    fields, feeds = getattr(schema, "MODEL_FIELDS", None), getattr(schema, "FEEDS", None)
+    if isinstance(fields, Mapping):  # per data.kind
+        kind = _get(data, "kind")
+        kind = str(getattr(kind, "value", kind))
+        fields, feeds = fields.get(kind), (feeds or {}).get(kind)
     if fields:
-        feeds = getattr(schema, "FEEDS", None) or "the models that have these fields"
+        feeds = feeds or "the models that have these fields"
         require_model_fields(str(_get(data, "name")), feeds, model, tuple(fields))
 
 

@@ -112,9 +112,18 @@ def rebuild(description: dict[str, Any], enums: dict[tuple, type] | None = None)
         else:
             spec = dataclasses.field(default=default, metadata=metadata)
         fields.append((f["name"], hint, spec))
-    declared = {a: (tuple(description[a]) if isinstance(description[a], list) else description[a])
-                for a in DECLARED if a in description}  # fmt: skip
+    declared = {a: _declared(description[a]) for a in DECLARED if a in description}
     return dataclasses.make_dataclass(description["name"], fields, namespace=declared)
+
+
+def _declared(value: Any) -> Any:
+    """A declared class attribute as the schema has it: JSON's lists made tuples again (also
+    inside a mapping per ``data.kind``)."""
+    if isinstance(value, list):
+        return tuple(value)
+    if isinstance(value, dict):
+        return {k: _declared(v) for k, v in value.items()}
+    return value
 
 
 def _hint(kind: Any, enums: dict[tuple, type]) -> Any:

@@ -64,8 +64,16 @@ class FileDataConfig(Sealed):
     """DataLoader worker processes per rank (0: batches are made in the rank's process)."""
 
 
+CAUSAL_FEEDS = "causal language models (model=hf_gpt2, hf_llama)"
+CAUSAL_FIELDS = ("vocab_size", "seq_len")
+TOKEN_FEEDS = "token classifiers (model=hf_bert)"
+TOKEN_FIELDS = ("vocab_size", "seq_len", "num_labels")
+
+
 @dataclass
 class TextFileConfig(FileDataConfig):
+    FEEDS = CAUSAL_FEEDS
+    MODEL_FIELDS = CAUSAL_FIELDS
     name: str = "text_file"
     text_field: str = "text"
     """The field holding the text in a JSON lines file (.jsonl/.json); a plain text file
@@ -74,6 +82,8 @@ class TextFileConfig(FileDataConfig):
 
 @dataclass
 class ConllConfig(FileDataConfig):
+    FEEDS = TOKEN_FEEDS
+    MODEL_FIELDS = TOKEN_FIELDS
     name: str = "conll"
     labels: List[str] = field(default_factory=lambda: list(CONLL2003_LABELS))
     """The tags, in the order of their ids (the last column of each line); a tag outside
@@ -87,6 +97,9 @@ class DatasetKind(Option):
 
 @dataclass
 class HFDatasetConfig(FileDataConfig):
+    FEEDS = {"causal_lm": CAUSAL_FEEDS, "token_classification": TOKEN_FEEDS}
+    MODEL_FIELDS = {"causal_lm": CAUSAL_FIELDS, "token_classification": TOKEN_FIELDS}
+    """What it feeds depends on its ``kind``: per kind (:func:`sharded_exp.config.check_fed`)."""
     name: str = "hf_dataset"
     format: Optional[str] = None
     """null: data.path is a directory written by ``save_to_disk`` (``load_from_disk``);
@@ -418,9 +431,7 @@ def _pad_id(tokenizer) -> int:
 
 
 def causal_task(cfg: FileDataConfig, model_cfg, batch_size: int, path: str, docs_of) -> Task:
-    require_model_fields(
-        cfg.name, "causal language models (model=hf_gpt2, hf_llama)", model_cfg, ("vocab_size", "seq_len")
-    )
+    require_model_fields(cfg.name, CAUSAL_FEEDS, model_cfg, CAUSAL_FIELDS)
     directory = local_path(cfg, "tokenizer", "the tokenizer", directory=True)
     tokenizer = load_tokenizer(directory)
     _tokenizer_fits(cfg, model_cfg, tokenizer)
@@ -445,9 +456,7 @@ def causal_task(cfg: FileDataConfig, model_cfg, batch_size: int, path: str, docs
 
 
 def token_task(cfg: FileDataConfig, model_cfg, batch_size: int, path: str, sentences_of) -> Task:
-    require_model_fields(
-        cfg.name, "token classifiers (model=hf_bert)", model_cfg, ("vocab_size", "seq_len", "num_labels")
-    )
+    require_model_fields(cfg.name, TOKEN_FEEDS, model_cfg, TOKEN_FIELDS)
     if len(cfg.labels) > model_cfg.num_labels:
         raise ConfigError(
             f"data={cfg.name} has {len(cfg.labels)} labels (data.labels) and model.num_labels={model_cfg.num_labels}: "

@@ -194,6 +194,10 @@ def test_cli_bad_input_exits_nonzero_before_ranks_start(args, message, tmp_path)
         ),  # fmt: skip
         # a data task's declared needs (sharded_exp.config.check_fed), carried by the cache too
         (["model=gpt", "data=teacher"], "error: data=teacher feeds classifiers (model=mlp), not model=gpt"),
+        (
+            ["model=mlp", "data=text_file", "data.path=corpus.txt", "data.tokenizer=tok"],
+            "error: data=text_file feeds causal language models (model=hf_gpt2, hf_llama), not model=mlp",
+        ),
         # a value that must divide the job's world size (a bound of kind divides_world_size)
         (
             ["strategy=fsdp", "strategy.replicate=3", "trainer.world_size=4"],

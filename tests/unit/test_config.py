@@ -332,7 +332,7 @@ def test_a_schema_that_redefines_a_bounded_field_keeps_its_bounds():
 
 
 def test_check_ranges_leaves_a_group_with_a_missing_value_to_its_reader():
-    cfg = compose(["logger=none", "data=conll", "trainer.grad_accum=0"])
+    cfg = compose(["logger=none", "model=hf_bert", "data=conll", "trainer.grad_accum=0"])
     assert OmegaConf.is_missing(cfg.data, "path")
     refused(lambda: config.check_ranges(cfg), "trainer.grad_accum=0 must be >= 1")  # the others are checked
     cfg.trainer.grad_accum = 1
@@ -399,6 +399,21 @@ def test_a_tasks_builder_refuses_a_model_it_cannot_feed_from_a_plain_config_too(
     refused(lambda: TASKS.builder("causal_lm")(OmegaConf.create({"name": "causal_lm", "seed": 1, "branching": 2}),
                                                 OmegaConf.create({"name": "mlp", "in_features": 4}), 2),
             "data=causal_lm feeds causal language models (model=hf_gpt2), not model=mlp")  # fmt: skip
+
+
+def test_a_file_dataset_is_held_to_what_it_feeds_per_kind():
+    """text_file feeds causal language models, conll token classifiers, hf_dataset either by
+    its data.kind: declared on their classes, held before the file is read."""
+    files = ["data.path=/no/such/file", "data.tokenizer=/no/such/dir"]
+    refused(lambda: config.check_ranges(compose(["model=mlp", "data=text_file", *files])),
+            "data=text_file feeds causal language models (model=hf_gpt2, hf_llama), not model=mlp")  # fmt: skip
+    refused(lambda: config.check_ranges(compose(["model=gpt", "data=conll", *files])),
+            "data=conll feeds token classifiers (model=hf_bert), not model=gpt: it needs model.vocab_size, "
+            "model.seq_len, model.num_labels (model=gpt has no num_labels)")  # fmt: skip
+    token = ["data=hf_dataset", "data.kind=token_classification", *files]
+    refused(lambda: config.check_ranges(compose(["model=gpt", *token])), "data=hf_dataset feeds token classifiers")
+    config.check_ranges(compose(["model=gpt", "data=hf_dataset", *files]))  # kind=causal_lm: gpt has its fields
+    config.check_ranges(compose(["model=hf_bert", *token]))
 
 
 def test_a_task_declaring_fields_but_not_its_models_is_still_said_in_words():

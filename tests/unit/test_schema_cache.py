@@ -166,8 +166,13 @@ def test_a_data_tasks_declared_needs_are_made_again_and_refuse_the_same_model_wi
                 check_fed(OmegaConf.structured(schema), unfit)
             said.append(str(err.value))
         assert said[0] == said[1] and said[0].startswith(f"data={task} feeds {cls.FEEDS}, not model="), said
-    assert "FEEDS" not in describe(schemas["schema_data_text_file"])
-    check_fed(OmegaConf.structured(schemas["schema_data_text_file"]), mlp)  # nothing declared: left to its builder
+    # a file dataset: its needs per data.kind (hf_dataset), made again as mappings
+    hf = schemas["schema_data_hf_dataset"]
+    assert made(hf).MODEL_FIELDS == hf.MODEL_FIELDS and made(hf).FEEDS == hf.FEEDS
+    token = OmegaConf.merge(OmegaConf.structured(made(hf)), {"kind": "token_classification"})
+    with pytest.raises(ConfigError, match="data=hf_dataset feeds token classifiers .*model=gpt has no num_labels"):
+        check_fed(token, gpt)
+    check_fed(OmegaConf.structured(made(hf)), gpt)  # causal_lm: gpt has vocab_size and seq_len
 
 
 def test_a_strategys_packages_are_made_again_and_refused_with_the_same_message(monkeypatch):

@@ -51,7 +51,7 @@ def test_a_typo_is_named_with_the_closest_valid_name(argv, said):
         ["model=gpt", "model.d_model=64"],
         ["-m", "model=gpt", "model.n_heads=2,4,8"],  # every point divides 128
         ["model=hf_bert", "data=token_classification", "data.min_len=0"],  # 0: sequences from one token
-        ["data=text_file"],  # data.path still missing: the others checked, it left to pre-flight
+        ["model=hf_gpt2", "data=text_file"],  # data.path still missing: the others checked, it left to pre-flight
         ["+trainer.new_key=1"],  # adding a key on purpose is Hydra's to judge
         ["hydra/launcher=submitit_local", "hydra.run.dir=x"],  # Hydra's own groups are not ours to check
         ["-cn", "plan"],  # another config: left to Hydra
