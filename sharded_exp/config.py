@@ -735,14 +735,9 @@ def check_bounds(group: str, values: Any, schema: type, world_size: int | None =
             _require(value % divisor == 0, f"{group}.{name}={value} is not divisible by {group}.{other}={divisor}")
     for name, bounds in declared:
         why, value = bounds.get("divides_world_size"), _get(values, name)
-        if (
-            why
-            and world_size is not None
-            and world_size >= 1
-            and isinstance(value, int)
-            and value >= 1
-            and world_size % value
-        ):
+        if not why or not isinstance(world_size, int) or world_size < 1 or not isinstance(value, int) or value < 1:
+            continue  # nothing to divide, or a world size not known here (a value below 1: its own bound says)
+        if world_size % value:
             divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
             raise ConfigError(
                 f"{group}.{name}={value} must divide trainer.world_size={world_size} ({why}; divisors: {divisors})"

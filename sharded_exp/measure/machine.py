@@ -25,7 +25,8 @@ threads one rank gets):
 - the same for the tiny model under FSDP2 (each Linear and the root ``fully_shard``-ed, in a
   spawned world of one process): FSDP2's hooks, its all-gathers' copies, and DTensor's
   dispatch of the optimizer's ops, the host work an FSDP step adds per op;
-- on CPU, the local "link": an all-reduce between two gloo processes on this machine;
+- on CPU, the local "link": an all-reduce between two gloo processes on this machine (16 MiB
+  for its bandwidth), and each kind of collective's 1 KiB call between them (its latency);
 - on CPU, what a new page of memory costs when first written (a 64 MiB tensor made and
   filled, against the same fill of a tensor already resident): the kernel's fault and
   zeroing, paid by every block glibc maps anew (``measure/host_malloc.py``).
