@@ -3,10 +3,11 @@
     python -m benchmarks.accuracy.gloo_sync_cost             # 3 rounds, work of 0.5, 2 and 8 ms
     python -m benchmarks.accuracy.gloo_sync_cost --smoke     # CI: one round, short loops
 
-The ``this`` profile's link latency is a one-element all-reduce's time in the fastest window of
-back-to-back calls. A training step calls its collectives between compute instead. Two ranks
-(one thread each, as a 2-rank run on 2 cores has) each do a fixed amount of work (128 x 128
-matmuls, about W ms), then a one-element all-reduce, ``--calls`` times; the same loop without
+The ``this`` profile's link latency is a 1 KiB all-reduce's time in the fastest window of
+back-to-back calls (``sharded_exp/measure/machine.py::LATENCY_ELEMENTS``: one float never
+travels both ways in gloo's ring). A training step calls its collectives between compute
+instead. Two ranks (one thread each, as a 2-rank run on 2 cores has) each do a fixed amount of
+work (128 x 128 matmuls, about W ms), then that all-reduce, ``--calls`` times; the same loop without
 the all-reduce is timed beside it. The difference per call is what a collective costs after W
 ms of compute: its latency, and the wait for the rank that fell behind while both computed.
 Also timed: 29 broadcasts of a 2-block GPT's parameter shapes (``model=gpt``'s) issued at once
@@ -23,6 +24,7 @@ import time
 
 from benchmarks.common import markdown, save, spawn_ranks
 from sharded_exp.compose import compose
+from sharded_exp.measure.machine import LATENCY_ELEMENTS
 from sharded_exp.models import build_model
 
 
@@ -36,7 +38,7 @@ def _ranks(rank: int, world_size: int, works_ms: list[float], calls: int, rounds
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    a, small = torch.randn(128, 128), torch.ones(1)
+    a, small = torch.randn(128, 128), torch.ones(LATENCY_ELEMENTS)  # the profile's latency call
 
     def work(n: int) -> None:
         for _ in range(n):
@@ -95,7 +97,7 @@ def main() -> None:
     works, calls, rounds = ([0.5], 8, 1) if args.smoke else (args.work_ms, args.calls, args.rounds)
     found = spawn_ranks(_ranks, 2, works, calls, rounds, gpt_shapes())
     table = [[f"{r['work_ms']:.2f}", f"{r['cost_per_call_ms']:.3f}"] for r in found["rows"]]
-    print("A one-element all-reduce between 2 gloo ranks, 1 thread each, after W ms of work:")
+    print(f"An all-reduce of {LATENCY_ELEMENTS} floats between 2 gloo ranks, 1 thread each, after W ms of work:")
     print(markdown(["work between calls W (ms)", "cost per call (ms)"], table))
     print(
         f"\nback to back (the this profile's kind of figure, fastest window): {found['back_to_back_ms']:.3f} ms a call"
