@@ -15,6 +15,22 @@ from sharded_exp.measure.spawned import run_spawned
 OUT = Path("outputs/benchmarks")
 
 
+def command_env(bytecode_cache: bool = True, env: Dict[str, str] | None = None) -> Dict[str, str]:
+    """The environment a timed command runs in: this process's (or ``env``), with Python's
+    bytecode cache as a user's Python has it (``bytecode_cache``): on, even where this machine
+    turns it off (this project's machines and CI set PYTHONDONTWRITEBYTECODE=1; Python's
+    default writes ``__pycache__``). Without the cache every process of a job (the parent and
+    the rank server; the ranks fork from the server) compiles the package from source again:
+    about 0.3 CPU s for all of it here (2026-12-07). ``bytecode_cache=False``: as this machine
+    runs it."""
+    out = dict(os.environ if env is None else env)
+    if bytecode_cache:
+        out.pop("PYTHONDONTWRITEBYTECODE", None)
+    else:
+        out["PYTHONDONTWRITEBYTECODE"] = "1"
+    return out
+
+
 def strategy_names() -> List[str]:
     """Every registered strategy (``STRATEGIES.names()``), the modules SHARDED_EXP_PLUGINS
     names imported first: what a benchmark runs by default, so that a new strategy, or a

@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.common import OUT, markdown, save
+from benchmarks.common import OUT, command_env, markdown, save
 from benchmarks.limits import COMMAND_TIMEOUT_S
 
 SCRIPT = """
@@ -79,10 +79,13 @@ if __name__ == "__main__":
 """
 
 
-def timed(cmd: list[str]) -> tuple[float, str]:
-    """The command's wall time, command to exit, and its standard output."""
+def timed(cmd: list[str], bytecode_cache: bool = True) -> tuple[float, str]:
+    """The command's wall time, command to exit, and its standard output (the bytecode cache as
+    :func:`benchmarks.common.command_env` sets it, for both sides alike)."""
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, env=command_env(bytecode_cache)
+    )
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
     return time.perf_counter() - t0, proc.stdout
@@ -97,6 +100,8 @@ def printed(stdout: str, name: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--no-bytecode-cache", dest="bytecode_cache", action="store_false",
+                        help="run both as this project's machines do (PYTHONDONTWRITEBYTECODE=1), not as a user's Python")  # fmt: skip
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--batch-size", type=int, default=64)
@@ -122,7 +127,7 @@ def main() -> None:
         t = {}
         for side in ("job", "script") if i % 2 == 0 else ("script", "job"):
             t0 = time.time()
-            t[side], stdout = timed(job if side == "job" else hand)
+            t[side], stdout = timed(job if side == "job" else hand, args.bytecode_cache)
             if side == "job":
                 t["job_started"] = t0
             else:
@@ -149,12 +154,21 @@ def main() -> None:
     ratios = [p["ratio"] for p in pairs]
     rows.append(["**median**", "", "", f"**{statistics.median(ratios):.2f}**", "", "", "", ""])
     extra = f"; the job with {' '.join(args.job)}" if args.job else ""
-    print(f"MLP {args.depth} x {args.hidden}, batch {args.batch_size}, {args.steps} steps, 2 ranks (seconds){extra}")
+    cache = "on (as a user's Python)" if args.bytecode_cache else "off (PYTHONDONTWRITEBYTECODE=1)"
+    print(f"MLP {args.depth} x {args.hidden}, batch {args.batch_size}, {args.steps} steps, 2 ranks (seconds){extra}; "
+          f"bytecode cache {cache}")  # fmt: skip
     print(
         markdown(
-            ["pair", "job", "script", "job/script", "command to first step, job / script", "job's last step to exit",
-             "of it evaluation",
-             "step ms, job / script"],  # fmt: skip
+            [
+                "pair",
+                "job",
+                "script",
+                "job/script",
+                "command to first step, job / script",
+                "job's last step to exit",
+                "of it evaluation",
+                "step ms, job / script",
+            ],  # fmt: skip
             rows,
         )
     )

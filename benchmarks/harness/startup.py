@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.common import OUT, markdown, save
+from benchmarks.common import OUT, command_env, markdown, save
 from benchmarks.limits import COMMAND_TIMEOUT_S
 
 PHASES = [
@@ -63,9 +63,9 @@ ranks' start and their process group. Timed before the jobs in even repeats, aft
 odd ones."""
 
 
-def one(overrides: list[str], out: str, checkout: str | None = None) -> dict[str, float]:
+def one(overrides: list[str], out: str, checkout: str | None = None, bytecode_cache: bool = True) -> dict[str, float]:
     """One job, from ``checkout``'s sharded_exp (None: this one's)."""
-    env, out = dict(os.environ), os.path.abspath(out)
+    env, out = command_env(bytecode_cache), os.path.abspath(out)
     if checkout is not None:  # run from there: ``-m`` puts the working directory first on the path
         env["PYTHONPATH"] = os.path.abspath(checkout)
     t0 = time.time()
@@ -85,10 +85,11 @@ def one(overrides: list[str], out: str, checkout: str | None = None) -> dict[str
     return {"command": t0, **timeline, "exit": exited}
 
 
-def floor() -> float:
+def floor(bytecode_cache: bool = True) -> float:
     """Seconds from the command to the end of :data:`FLOOR`'s step, in a fresh interpreter."""
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-c", FLOOR], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+    proc = subprocess.run([sys.executable, "-c", FLOOR], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S,
+                          env=command_env(bytecode_cache))  # fmt: skip
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
     return float(proc.stdout.split()[-1]) - t0
@@ -108,20 +109,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--against", metavar="DIR", help="another checkout, run alternately with this one")
+    parser.add_argument("--no-bytecode-cache", dest="bytecode_cache", action="store_false",
+                        help="run as this project's machines do (PYTHONDONTWRITEBYTECODE=1), not as a user's Python")  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="config overrides (default: none, the default job)")
     args = parser.parse_args()
 
     runs, others, floors = [], [], []
     for i in range(args.repeats):
         if i % 2 == 0:  # before the jobs in one repeat, after them in the next
-            floors.append(floor())
-        ours = lambda: runs.append(one(args.overrides, str(OUT / "startup" / str(i))))  # noqa: E731
-        theirs = lambda: others.append(one(args.overrides, str(OUT / "startup" / f"against{i}"), args.against))  # noqa: E731
+            floors.append(floor(args.bytecode_cache))
+        ours = lambda: runs.append(one(args.overrides, str(OUT / "startup" / str(i)), None, args.bytecode_cache))  # noqa: E731
+        theirs = lambda: others.append(  # noqa: E731
+            one(args.overrides, str(OUT / "startup" / f"against{i}"), args.against, args.bytecode_cache)
+        )
         for side in (ours, theirs) if i % 2 == 0 else (theirs, ours):
             if side is ours or args.against:
                 side()
         if i % 2 == 1:
-            floors.append(floor())
+            floors.append(floor(args.bytecode_cache))
     labels = [label for label, _, _ in PHASES + BESIDE] + ["**command to first step**", "**command to exit**"]
     cell = lambda v: "" if v is None else f"{v:.2f}"  # noqa: E731
     if args.against:
@@ -136,7 +141,10 @@ def main() -> None:
         rows[-2][1] += f" ({min(first):.2f}-{max(first):.2f})"
         rows[-1][1] += f" ({min(total):.2f}-{max(total):.2f})"
         header = ["phase", "seconds"]
-    print(f"python -m sharded_exp {' '.join(args.overrides)}; medians of {args.repeats} runs (seconds)")
+    cache = "on (as a user's Python)" if args.bytecode_cache else "off (PYTHONDONTWRITEBYTECODE=1)"
+    print(
+        f"python -m sharded_exp {' '.join(args.overrides)}; medians of {args.repeats} runs (seconds); bytecode cache {cache}"
+    )
     print(markdown(header, rows))
     firsts = [r["first_step"] - r["command"] for r in runs if r.get("first_step") is not None]
     beyond = f"; this checkout's first step {statistics.median(firsts) - statistics.median(floors):.2f} s beyond it"
