@@ -25,9 +25,8 @@ rm -f "$stamp"
 if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     pip install -q "torch==$TORCH_VERSION"                      # PyPI's CUDA build
-  elif wheel_dir=$(mktemp -d) && pip download -q --no-deps --no-index -d "$wheel_dir" "torch==$TORCH_VERSION" 2>/dev/null; then
+  elif wheel_dir=$(mktemp -d) && trap 'rm -rf "$wheel_dir"' EXIT && pip download -q --no-deps --no-index -d "$wheel_dir" "torch==$TORCH_VERSION" 2>/dev/null; then
     pip install -q "$wheel_dir"/torch-*.whl                     # a CPU wheel on local disk (find-links)
-    rm -rf "$wheel_dir"                                         # its copy (183 MB), not left in /tmp
   else
     # A bare `torch` from PyPI is a multi-GB CUDA build on Linux: take PyTorch's CPU index.
     pip install -q "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu

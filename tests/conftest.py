@@ -20,7 +20,7 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 # The suite writes bytecode (``__pycache__``, ignored by git) even where the environment says not
 # to (PYTHONDONTWRITEBYTECODE=1 on this project's machines and CI): without it every xdist worker
 # of every tier rewrote the asserts of all ~200 test modules again (collection 17.7 s a process,
-# 5.0 s reading them back) and every `python -m ...` a test starts compiled the package anew.
+# 5-7 s reading them back) and every `python -m ...` a test starts compiled the package anew.
 # Set before the test modules and the package are imported; inherited by the workers and jobs.
 sys.dont_write_bytecode = False
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)

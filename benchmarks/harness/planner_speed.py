@@ -155,7 +155,11 @@ def time_model_cost(rounds: int, overrides: list[str]) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the 7B plan only, no agreement check")
-    parser.add_argument("--smoke", action="store_true", help="a small model, two strategies: that the script runs")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a small model, two strategies (one point with --time-model-cost): that the script runs",
+    )
     parser.add_argument(
         "--time-model-cost",
         action="store_true",

@@ -65,7 +65,7 @@ odd ones."""
 
 def one(overrides: list[str], out: str, checkout: str | None = None, bytecode_cache: bool = True) -> dict[str, float]:
     """One job, from ``checkout``'s sharded_exp (None: this one's)."""
-    env, out = command_env(bytecode_cache), os.path.abspath(out)
+    env, out = command_env(bytecode_cache, checkout), os.path.abspath(out)
     if checkout is not None:  # run from there: ``-m`` puts the working directory first on the path
         env["PYTHONPATH"] = os.path.abspath(checkout)
     t0 = time.time()
