@@ -80,8 +80,10 @@ if __name__ == "__main__":
 
 
 def timed(cmd: list[str], bytecode_cache: bool = True) -> tuple[float, str]:
-    """The command's wall time, command to exit, and its standard output (the bytecode cache as
-    :func:`benchmarks.common.command_env` sets it, for both sides alike)."""
+    """The command's wall time, command to exit, and its standard output, in
+    :func:`benchmarks.common.command_env`'s environment: the job's package cached or compiled
+    anew; the hand script runs from source either way (a script is never cached) and imports
+    only torch."""
     t0 = time.perf_counter()
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, env=command_env(bytecode_cache)
@@ -101,7 +103,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--no-bytecode-cache", dest="bytecode_cache", action="store_false",
-                        help="run both as this project's machines do (PYTHONDONTWRITEBYTECODE=1), not as a user's Python")  # fmt: skip
+                        help="run the job as this project's machines do (its package compiled anew), not as a user's Python")  # fmt: skip
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--batch-size", type=int, default=64)

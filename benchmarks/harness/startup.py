@@ -85,11 +85,11 @@ def one(overrides: list[str], out: str, checkout: str | None = None, bytecode_ca
     return {"command": t0, **timeline, "exit": exited}
 
 
-def floor(bytecode_cache: bool = True) -> float:
-    """Seconds from the command to the end of :data:`FLOOR`'s step, in a fresh interpreter."""
+def floor() -> float:
+    """Seconds from the command to the end of :data:`FLOOR`'s step, in a fresh interpreter (it
+    imports torch only, whose bytecode in site-packages is read whatever the job's cache)."""
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-c", FLOOR], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S,
-                          env=command_env(bytecode_cache))  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", FLOOR], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
     return float(proc.stdout.split()[-1]) - t0
@@ -117,7 +117,7 @@ def main() -> None:
     runs, others, floors = [], [], []
     for i in range(args.repeats):
         if i % 2 == 0:  # before the jobs in one repeat, after them in the next
-            floors.append(floor(args.bytecode_cache))
+            floors.append(floor())
         ours = lambda: runs.append(one(args.overrides, str(OUT / "startup" / str(i)), None, args.bytecode_cache))  # noqa: E731
         theirs = lambda: others.append(  # noqa: E731
             one(args.overrides, str(OUT / "startup" / f"against{i}"), args.against, args.bytecode_cache)
@@ -126,7 +126,7 @@ def main() -> None:
             if side is ours or args.against:
                 side()
         if i % 2 == 1:
-            floors.append(floor(args.bytecode_cache))
+            floors.append(floor())
     labels = [label for label, _, _ in PHASES + BESIDE] + ["**command to first step**", "**command to exit**"]
     cell = lambda v: "" if v is None else f"{v:.2f}"  # noqa: E731
     if args.against:
