@@ -99,6 +99,36 @@ def communication_buffers():
     return filed_as(BUCKET)
 
 
+Reallocation = Callable[[list[torch.Tensor], list[int], bool], None]
+"""``(old, new_sizes, old_freed_last)``: see :func:`reallocated`."""
+
+_REALLOCATIONS: contextvars.ContextVar[Reallocation | None] = contextvars.ContextVar("reallocations", default=None)
+
+
+@contextlib.contextmanager
+def watching_reallocations(observer: Reallocation):
+    """Inside, :func:`reallocated` tells ``observer`` (the CUDA allocator's trace of a fake
+    step, :class:`sharded_exp.predict.alloc_trace.AllocTrace`)."""
+    token = _REALLOCATIONS.set(observer)
+    try:
+        yield
+    finally:
+        _REALLOCATIONS.reset(token)
+
+
+def reallocated(old: list[torch.Tensor], new_sizes: list[int], old_freed_last: bool = False) -> None:
+    """A strategy's buffers ``old`` give way to new ones of ``new_sizes`` bytes, which a fake
+    step cannot make itself: DDP's bucket rebuild, which agrees on the new buckets by
+    exchanging values a fake process group does not have. The bytes are the same or nearly,
+    so the tracked peak is left as it is; what changes is the blocks a caching allocator is
+    asked for, told to the watcher if there is one (else nothing). ``old_freed_last``: the
+    old buffers outlive the new ones' allocation (gradients that are views into them are
+    copied over first), else they are freed first."""
+    observer = _REALLOCATIONS.get()
+    if observer is not None:
+        observer(list(old), [int(s) for s in new_sizes], old_freed_last)
+
+
 def peak_tracker(limit_mib: float | None = None, skip_views_of_unseen: bool = False) -> PeakTracker:
     """torch's MemTracker, keeping the overall peak only, and made safe to train under
     (:class:`sharded_exp.measure.memtracker.PeakTracker`, the adapter over its private API).

@@ -21,6 +21,9 @@ The streams, as a CUDA run uses them:
   stream's work is done, taken as done when the next collective is issued (NCCL runs them
   one after another). A training step ends with the loss read on the host (a device
   synchronisation): every stream's work is then done.
+- buffers a strategy replaces in a way the fake step cannot (DDP's bucket rebuild before
+  the second forward, :func:`sharded_exp.measure.tracker.reallocated`): the old blocks freed
+  and the new ones allocated as the strategy tells (:meth:`AllocTrace.reallocated`);
 - the build: a run builds its model on the meta device or in host memory, so the trace
   starts when the build ends, from the tensors then allocated (:meth:`AllocTrace.restart`).
 
@@ -38,6 +41,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from sharded_exp.measure.tracker import watching_reallocations
 from sharded_exp.predict.allocator import Allocator, alloc_conf_from_env, cuda_context_entries, parse_alloc_conf
 
 MIB = 2**20
@@ -114,20 +118,41 @@ class AllocTrace:
         """A training step is over: its loss read on the host, every stream's work done."""
         self.events.append(("sync", None, 0, None))
 
-    def _used_on(self, stream: str, tensors) -> None:
-        """Each tracked storage among ``tensors`` is used on ``stream`` as well."""
+    def _ids_of(self, tensors) -> list[int]:
+        """The trace's ids of the tracked storages among ``tensors``."""
         if self._tracker is None:
-            return
+            return []
         # lazy: torch's private mem_tracker (as in attach)
         from torch.distributed._tools.mem_tracker import get_untyped_storages
 
+        ids = []
         for t in tensors:
             if not isinstance(t, torch.Tensor):
                 continue
             for st in get_untyped_storages(t):
                 winfo, _ = self._tracker._WINFO.get(st, (None, None))
                 if winfo is not None and hasattr(winfo, "alloc_trace_id"):
-                    self.events.append(("record_stream", winfo.alloc_trace_id, 0, stream))
+                    ids.append(winfo.alloc_trace_id)
+        return ids
+
+    def _used_on(self, stream: str, tensors) -> None:
+        """Each tracked storage among ``tensors`` is used on ``stream`` as well."""
+        for ident in self._ids_of(tensors):
+            self.events.append(("record_stream", ident, 0, stream))
+
+    def reallocated(self, old: list, new_sizes: list[int], old_freed_last: bool) -> None:
+        """A strategy's buffers ``old`` replaced by blocks of ``new_sizes`` that the fake step
+        does not make (:func:`sharded_exp.measure.tracker.reallocated`: DDP's bucket rebuild):
+        ``old`` freed here (its later free, when the fake step drops it, is not recorded
+        again), the new blocks allocated on the stream in use and kept to the end."""
+        frees = [("free", i, 0, None) for i in self._ids_of(old) if self._live.pop(i, None)]
+        stream = DEFAULT_STREAM if self._stream is None else self._name(self._stream)
+        mallocs = []
+        for size in new_sizes:
+            ident = next(self._ids)
+            self._live[ident] = (size, stream)
+            mallocs.append(("malloc", ident, size, stream))
+        self.events += mallocs + frees if old_freed_last else frees + mallocs
 
     # --- where allocations happen -----------------------------------------------------------------
     def _name(self, stream) -> str:
@@ -174,7 +199,8 @@ class AllocTrace:
         for name, fn in originals.items():
             setattr(dist, name, on_nccl(fn))
         try:
-            yield self
+            with watching_reallocations(self.reallocated):
+                yield self
         finally:
             device_module.stream = entered
             for name, fn in originals.items():

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from sharded_exp.config import bounded
-from sharded_exp.measure.tracker import communication_buffers
+from sharded_exp.measure.tracker import communication_buffers, reallocated
 from sharded_exp.strategies import STRATEGIES
 from sharded_exp.strategies.base import Strategy, StrategyConfig
 from sharded_exp.strategies.residency import MemoryModel
@@ -39,7 +39,7 @@ def wrap_ddp(cfg, module, device) -> DistributedDataParallel:
         **kwargs,
     )
     if fake:
-        _for_fake_step(model)
+        _for_fake_step(model, cfg.find_unused_parameters)
     else:
         model.reducer = _Reducer(model.reducer)
     return model
@@ -49,34 +49,104 @@ class _Reducer:
     """DDP's reducer, whose bucket rebuild (before the second forward, in the order the
     first backward made the gradients) allocates memory that the CPU tracker files as the
     communication buckets it is (``communication_buffers``), not as activations. Under a
-    fake process group (``rebuild=False``) the first bucket order is kept: the rebuild
-    agrees on a new one by exchanging values, which a fake group cannot (same sizes)."""
+    fake process group (``fake``) the reducer keeps its first buckets: the rebuild agrees on
+    new ones by exchanging values, which a fake group does not have. The rebuild's memory is
+    told to whoever watches the fake step's allocations instead (:class:`_FakeRebuild`)."""
 
-    def __init__(self, reducer, rebuild: bool = True):
+    def __init__(self, reducer, fake: "_FakeRebuild | None" = None):
         self._reducer = reducer
-        self._rebuild = rebuild
+        self._fake = fake
 
     def __getattr__(self, name):
         return getattr(self._reducer, name)
 
     def _rebuild_buckets(self) -> bool:
-        if not self._rebuild:
+        if self._fake is not None:
+            self._fake.rebuild()
             return False
         with communication_buffers():
             return self._reducer._rebuild_buckets()
 
 
-def _for_fake_step(model: DistributedDataParallel) -> None:
+class _FakeRebuild:
+    """DDP's bucket rebuild as the allocator sees it, in a fake step.
+
+    Until its first rebuild DDP holds every gradient in one bucket (torch 2.11 and 2.13: the
+    first iteration's order may not be the backward's, so it does not bucket); before the
+    second forward it makes new buckets of ``bucket_cap_mb`` in the order the first synced
+    backward made the gradients, and drops the old one. The same bytes in other blocks: what
+    a caching allocator then caches differs (torch's ``Reducer::rebuild_buckets`` and
+    ``initialize_buckets``). Here the order is read from the backward (a hook per parameter),
+    the first bucket from the gradient hook, the new sizes from torch's own assignment
+    (``dist._compute_bucket_assignment_by_size``), and :func:`reallocated` tells the fake
+    step's allocator trace. Not with ``find_unused_parameters`` (DDP then never rebuilds)."""
+
+    def __init__(self, model: DistributedDataParallel, rebuilds: bool):
+        self.model = model
+        self.rebuilds = rebuilds
+        self.order: list[torch.nn.Parameter] = []
+        self.buffers: dict[int, torch.Tensor] = {}  # the first buckets (by index), seen in a synced backward
+        self.params: list[torch.nn.Parameter] = []  # in the buckets, as DDP manages them
+        self.done = not rebuilds
+        seen: set[int] = set()
+        self._hooks = []
+        for p in model.module.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._ready))
+
+    def _ready(self, param) -> None:
+        if not any(param is q for q in self.order):
+            self.order.append(param)
+
+    def bucket_reduced(self, bucket) -> None:
+        """The gradient hook's bucket (a synced backward)."""
+        if not self.done and bucket.index() not in self.buffers:
+            self.buffers[bucket.index()] = bucket.buffer()
+            self.params += bucket.parameters()
+
+    def rebuild(self) -> None:
+        """Before a forward: the first time after a synced backward, the rebuild's blocks."""
+        if self.done or not self.buffers:
+            return
+        self.done = True
+        for h in self._hooks:
+            h.remove()
+        managed = {id(p) for p in self.params}
+        ready = [p for p in self.order if id(p) in managed]
+        limits = _rebuild_limits(self.model)
+        indices, _ = dist._compute_bucket_assignment_by_size(ready, limits, [False] * len(ready))
+        sizes = [sum(ready[i].numel() * ready[i].element_size() for i in b) for b in indices]
+        # gradients that are views into the old buckets are copied into the new ones first
+        views = self.model.gradient_as_bucket_view and any(p.grad is not None for p in self.params)
+        reallocated([self.buffers[k] for k in sorted(self.buffers)], sizes, old_freed_last=views)
+        self.buffers, self.params, self.order = {}, [], []
+
+
+def _rebuild_limits(model: DistributedDataParallel) -> list[int]:
+    """The bucket sizes DDP's rebuild fills to: its first bucket's cap, then ``bucket_cap_mb``
+    (torch 2.13 keeps them in ``_bucket_config``; 2.11 on the module, the first 1 MiB
+    unless ``bucket_cap_mb`` was given)."""
+    config = getattr(model, "_bucket_config", None)
+    if config is not None:
+        return [config.first_bucket_bytes_cap, config.bucket_bytes_cap]
+    default = getattr(model, "bucket_bytes_cap_default", False)
+    return [dist._DEFAULT_FIRST_BUCKET_BYTES if default else model.bucket_bytes_cap, model.bucket_bytes_cap]
+
+
+def _for_fake_step(model: DistributedDataParallel, find_unused_parameters: bool) -> None:
     """Under a fake process group, the gradient all-reduce becomes the identity on each
-    bucket (in place, as the real one) and buckets are not rebuilt."""
+    bucket (in place, as the real one) and the bucket rebuild is told, not made."""
+    fake = _FakeRebuild(model, rebuilds=not find_unused_parameters)
 
     def identity(state, bucket):
+        fake.bucket_reduced(bucket)
         done = torch.futures.Future()
         done.set_result(bucket.buffer())
         return done
 
     model.register_comm_hook(None, identity)
-    model.reducer = _Reducer(model.reducer, rebuild=False)
+    model.reducer = _Reducer(model.reducer, fake)
 
 
 @dataclass

@@ -4,6 +4,7 @@ step's trace, the replay's figures worked by hand, and the CUDA context's choice
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -109,6 +110,32 @@ def test_a_collectives_tensors_are_recorded_on_nccls_stream(monkeypatch):
     assert dist.all_reduce.__name__ == "<lambda>"  # the function found on entry is put back
 
 
+@pytest.mark.parametrize("old_freed_last", [False, True])
+def test_a_reallocation_frees_the_old_block_once_and_keeps_the_new_ones(old_freed_last):
+    """DDP's bucket rebuild as a fake step tells it: the old bucket freed before the new ones
+    are allocated (or after, where gradients are views into it); when the fake step drops the
+    old bucket later, nothing more is recorded."""
+    from sharded_exp.measure.tracker import reallocated
+
+    trace = AllocTrace()
+    tracker = StubTracker()
+    trace.attach(tracker)
+    bucket, winfo = torch.zeros(8), SimpleNamespace(mem_consumed=32)
+    tracker._update_snap(_UpdateType.ADD, winfo)
+    tracker._WINFO[bucket.untyped_storage()] = (winfo, None)
+    reallocated([bucket], [20, 12], old_freed_last)  # no trace watching: nothing
+    assert trace.events == [("malloc", 0, 32, DEFAULT_STREAM)]
+    with trace.streams(torch.cpu):
+        reallocated([bucket], [20, 12], old_freed_last)
+    told = [("malloc", 1, 20, DEFAULT_STREAM), ("malloc", 2, 12, DEFAULT_STREAM)]
+    freed = [("free", 0, 0, None)]
+    assert trace.events[1:] == (told + freed if old_freed_last else freed + told)
+    tracker._update_snap(_UpdateType.DEL, winfo)
+    assert len(trace.events) == 4
+    trace.restart()
+    assert trace.events == told  # what is live: the new blocks
+
+
 def test_recording_is_none_on_cpu():
     with recording("cpu") as trace:
         assert trace is None
@@ -175,3 +202,16 @@ def test_a_fake_cuda_step_records_two_steps_of_allocations(tiny_job, strategy):
     made = {e[1] for e in events if e[0] == "malloc"}
     assert {e[1] for e in events if e[0] == "free"} <= made
     assert fake_step(cfg, 2, 0, "cpu", flops=False).extra.get("alloc_events") is None
+    # DDP's bucket rebuild between the steps: its one first bucket (made before the first
+    # step) freed, and new blocks of the same bytes allocated right after it (strategies/ddp.py)
+    first_sync = events.index(("sync", None, 0, None))
+    size = {e[1]: e[2] for e in events if e[0] == "malloc"}
+    before = {e[1] for e in events[:first_sync] if e[0] == "malloc"}
+    rebuilt = []
+    for i, (op, ident, _, _) in enumerate(events[first_sync:], first_sync):
+        if op == "free" and ident in before:
+            after = itertools.takewhile(lambda e: e[0] == "malloc", events[i + 1 :])
+            sums = list(itertools.accumulate(e[2] for e in after))
+            if size[ident] in sums:  # the blocks right after it hold its bytes exactly
+                rebuilt.append((size[ident], sums.index(size[ident]) + 1))
+    assert len(rebuilt) == 1, rebuilt

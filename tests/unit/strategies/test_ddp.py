@@ -41,6 +41,7 @@ def test_under_a_fake_group_ddp_keeps_its_first_bucket_order(fake_group):
     fake_group(4, rank=3)
     model = wrap_ddp(_cfg(find_unused_parameters=True, bucket_cap_mb=1.0), nn.Linear(4, 2), torch.device("cpu"))
     assert isinstance(model.reducer, _Reducer) and model.reducer._rebuild_buckets() is False
+    assert model.reducer._fake.done  # asked for find_unused_parameters, DDP never rebuilds: nothing to tell
     assert model.find_unused_parameters is False  # its search reads values a fake step has not
     assert dist.get_world_size() == 4
 
@@ -50,7 +51,7 @@ def test_under_a_real_group_ddp_keeps_the_asked_settings_and_rebuilds_its_bucket
                      nn.Linear(4, 2), torch.device("cpu"))  # fmt: skip
     assert model.find_unused_parameters is True and model.gradient_as_bucket_view is True
     assert model.broadcast_buffers is False
-    assert isinstance(model.reducer, _Reducer) and model.reducer._rebuild is True
+    assert isinstance(model.reducer, _Reducer) and model.reducer._fake is None
 
 
 def test_the_reducer_wrapper_passes_every_other_attribute_through():
@@ -60,8 +61,65 @@ def test_the_reducer_wrapper_passes_every_other_attribute_through():
         def _rebuild_buckets(self):
             return True
 
-    assert _Reducer(Inner()).answer == 42
-    assert _Reducer(Inner(), rebuild=False)._rebuild_buckets() is False
+    class Told:
+        asked = 0
+
+        def rebuild(self):
+            self.asked += 1
+
+    told = Told()
+    assert _Reducer(Inner()).answer == 42 and _Reducer(Inner())._rebuild_buckets() is True
+    assert _Reducer(Inner(), told)._rebuild_buckets() is False and told.asked == 1
+
+
+class _Stack(nn.Module):
+    """Layers of unequal sizes, so that buckets of 1 MB close at different places in the
+    forward's and the backward's order; ``head`` is used first though defined last."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.ModuleList([nn.Linear(256, 512), nn.Linear(512, 256), nn.Linear(256, 1024), nn.Linear(1024, 8)])
+        self.head = nn.Linear(8, 256)
+
+    def forward(self, x):
+        x = self.head(x)
+        for layer in self.body:
+            x = torch.relu(layer(x))
+        return x.sum()
+
+
+def _two_steps(model, x) -> None:
+    for _ in range(2):
+        model(x).backward()
+    model(x)  # the second forward's start is where DDP rebuilds
+
+
+@pytest.mark.parametrize("as_view", [False, True])
+def test_a_fake_step_tells_the_buckets_real_ddp_rebuilds(gloo_group, as_view):
+    """Real DDP (gloo, one rank) rebuilds its one first bucket into buckets of bucket_cap_mb in
+    the backward's order; under a fake group the same model tells those sizes, in that order,
+    with the first bucket as the old one (freed first, unless gradients are views into it)."""
+    torch.manual_seed(0)
+    cfg, x = _cfg(bucket_cap_mb=1.0, gradient_as_bucket_view=as_view), torch.randn(4, 8)
+    real = wrap_ddp(cfg, _Stack(), torch.device("cpu"))
+    _two_steps(real, x)
+    logged = real._get_ddp_logging_data()
+    first = [int(n) for n in str(logged["bucket_sizes"]).split(", ")]
+    rebuilt = [int(n) for n in str(logged["rebuilt_bucket_sizes"]).split(", ")]
+    assert len(first) == 1 and len(rebuilt) > 2 and sum(rebuilt) == sum(first)
+
+    dist.destroy_process_group()
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from sharded_exp.measure.tracker import watching_reallocations
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    told = []
+    fake = wrap_ddp(cfg, _Stack(), torch.device("cpu"))
+    with watching_reallocations(lambda old, sizes, last: told.append(([t.nbytes for t in old], sizes, last))):
+        _two_steps(fake, x)
+        fake(x)  # once only
+    assert told == [(first, rebuilt, as_view)]
 
 
 def test_ddps_bucket_rule_holds_every_trainable_gradient_and_aliases_them_only_as_views():
