@@ -85,18 +85,20 @@ class _FakeRebuild:
         self.model = model
         self.rebuilds = rebuilds
         self.order: list[torch.nn.Parameter] = []
+        self._ordered: set[int] = set()
         self.buffers: dict[int, torch.Tensor] = {}  # the first buckets (by index), seen in a synced backward
         self.params: list[torch.nn.Parameter] = []  # in the buckets, as DDP manages them
         self.done = not rebuilds
         seen: set[int] = set()
         self._hooks = []
-        for p in model.module.parameters():
+        for p in model.module.parameters() if rebuilds else ():
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._ready))
 
     def _ready(self, param) -> None:
-        if not any(param is q for q in self.order):
+        if id(param) not in self._ordered:
+            self._ordered.add(id(param))
             self.order.append(param)
 
     def bucket_reduced(self, bucket) -> None:
@@ -112,15 +114,19 @@ class _FakeRebuild:
         self.done = True
         for h in self._hooks:
             h.remove()
-        managed = {id(p) for p in self.params}
+        managed_params = self.params
+        managed = {id(p) for p in managed_params}
         ready = [p for p in self.order if id(p) in managed]
         limits = _rebuild_limits(self.model)
         indices, _ = dist._compute_bucket_assignment_by_size(ready, limits, [False] * len(ready))
         sizes = [sum(ready[i].numel() * ready[i].element_size() for i in b) for b in indices]
+        old = [self.buffers[k] for k in sorted(self.buffers)]
+        self.buffers, self.params, self.order, self._ordered = {}, [], [], set()
+        if sizes == [t.untyped_storage().nbytes() for t in old]:
+            return  # one bucket again, as big: the allocator hands back the block just freed
         # gradients that are views into the old buckets are copied into the new ones first
-        views = self.model.gradient_as_bucket_view and any(p.grad is not None for p in self.params)
-        reallocated([self.buffers[k] for k in sorted(self.buffers)], sizes, old_freed_last=views)
-        self.buffers, self.params, self.order = {}, [], []
+        views = self.model.gradient_as_bucket_view and any(p.grad is not None for p in managed_params)
+        reallocated(old, sizes, old_freed_last=views)
 
 
 def _rebuild_limits(model: DistributedDataParallel) -> list[int]:

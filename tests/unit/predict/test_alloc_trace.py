@@ -196,14 +196,16 @@ def test_a_fake_cuda_step_records_two_steps_of_allocations(tiny_job, strategy):
     from sharded_exp.strategies import STRATEGIES
 
     cfg = tiny_job.copy()
-    cfg.strategy = OmegaConf.structured(STRATEGIES.config_class(strategy)())
+    # buckets of 1 KB: the rebuild makes several of the one first bucket
+    cfg.strategy = OmegaConf.structured(STRATEGIES.config_class(strategy)(bucket_cap_mb=0.001))
     events = fake_step(cfg, 2, 0, "cuda", flops=False).extra["alloc_events"]
     assert [e for e in events if e[0] == "sync"] == [("sync", None, 0, None)] * 2
     made = {e[1] for e in events if e[0] == "malloc"}
     assert {e[1] for e in events if e[0] == "free"} <= made
     assert fake_step(cfg, 2, 0, "cpu", flops=False).extra.get("alloc_events") is None
     # DDP's bucket rebuild between the steps: its one first bucket (made before the first
-    # step) freed, and new blocks of the same bytes allocated right after it (strategies/ddp.py)
+    # step) freed, and new blocks of the same bytes allocated right after it (strategies/ddp.py;
+    # not told where it would be one bucket again, as big)
     first_sync = events.index(("sync", None, 0, None))
     size = {e[1]: e[2] for e in events if e[0] == "malloc"}
     before = {e[1] for e in events[:first_sync] if e[0] == "malloc"}
@@ -214,4 +216,4 @@ def test_a_fake_cuda_step_records_two_steps_of_allocations(tiny_job, strategy):
             sums = list(itertools.accumulate(e[2] for e in after))
             if size[ident] in sums:  # the blocks right after it hold its bytes exactly
                 rebuilt.append((size[ident], sums.index(size[ident]) + 1))
-    assert len(rebuilt) == 1, rebuilt
+    assert len(rebuilt) == 1 and rebuilt[0][1] > 1, rebuilt

@@ -128,3 +128,16 @@ def test_ddps_bucket_rule_holds_every_trainable_gradient_and_aliases_them_only_a
 
     assert DDPMemory.buckets(3.5, False) == (3.5, 0) and DDPMemory.buckets(3.5, True) == (3.5, 3.5)
     assert DDP.memory is DDPMemory and DDP.traits.baseline and DDP.traits.sharding == 0
+
+
+def test_a_rebuild_into_one_bucket_as_big_is_not_told(fake_group):
+    """Every gradient within one bucket_cap_mb: the rebuild makes one bucket of the same bytes,
+    which the allocator serves from the block it has just freed."""
+    from sharded_exp.measure.tracker import watching_reallocations
+
+    fake_group(2)
+    told = []
+    model = wrap_ddp(_cfg(bucket_cap_mb=25.0), _Stack(), torch.device("cpu"))
+    with watching_reallocations(lambda *args: told.append(args)):
+        _two_steps(model, torch.randn(4, 8))
+    assert told == [] and model.reducer._fake.done
