@@ -302,8 +302,10 @@ def ddp(units: Units, price: Price, bucket_bytes: float = DDP_BUCKET_BYTES) -> S
     all of them. What the remaining backward cannot hide is exposed, the last bucket at least
     (nothing computes after it).
 
-    Not modelled: DDP's smaller first bucket (1 MiB), the buckets' parameter-level (not
-    unit-level) filling order."""
+    Not modelled: the buckets' parameter-level (not unit-level) filling order (a bucket closes
+    at the parameter that takes it to ``bucket_cap_mb`` or past it). DDP makes no smaller first
+    bucket here: its 1 MiB first bucket is only for a DDP built without ``bucket_cap_mb``,
+    which this project always passes (strategies/ddp.py, ``_rebuild_limits``)."""
     events = [
         Event(f"all_reduce:{b}", "all_reduce", price("all_reduce", size), after=seg, before="step", nbytes=size)
         for b, (seg, size) in enumerate(_buckets(units, bucket_bytes))

@@ -144,7 +144,8 @@ def test_gpu_repredict_smoke(tmp_path):
     assert {p["strategy"]: round(p["predicted_ms"], 1) for p in data["points"]} == documented
     # the peaks beside the round's (docs/figures.md, "The round's peaks predicted again on its torch")
     peaks = json.loads((MEASURED / "h200_step_medians.json").read_text())["models"]["small"]["peak_mib"]["32"]
-    allocated = {"ddp": 3865.3, "fsdp": 3528.9, "fsdp_grad_op": 3865.3, "oss": 3865.3, "sharded_ddp": 3864.3, "zero1": 3865.3}  # fmt: skip
+    # (the ddp family 3865.3 before DDP's bucket rebuild was replayed: the new buckets' blocks)
+    allocated = {"ddp": 3866.3, "fsdp": 3528.9, "fsdp_grad_op": 3865.3, "oss": 3866.3, "sharded_ddp": 3864.3, "zero1": 3866.3}  # fmt: skip
     for point in data["points"]:
         assert [point["peak_allocated_mib"], point["peak_reserved_mib"]] == peaks[point["strategy"]]
         assert round(point["predicted_allocated_mib"], 1) == allocated[point["strategy"]]
