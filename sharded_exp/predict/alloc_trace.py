@@ -138,7 +138,8 @@ class AllocTrace:
     def _used_on(self, stream: str, tensors) -> None:
         """Each tracked storage among ``tensors`` is used on ``stream`` as well."""
         for ident in self._ids_of(tensors):
-            self.events.append(("record_stream", ident, 0, stream))
+            if ident in self._live:  # a storage given way (:meth:`reallocated`) is no block any more
+                self.events.append(("record_stream", ident, 0, stream))
 
     def reallocated(self, old: list, new_sizes: list[int], old_freed_last: bool) -> None:
         """A strategy's buffers ``old`` replaced by blocks of ``new_sizes`` that the fake step

@@ -79,7 +79,11 @@ class _FakeRebuild:
     ``initialize_buckets``). Here the order is read from the backward (a hook per parameter),
     the first bucket from the gradient hook, the new sizes from torch's own assignment
     (``dist._compute_bucket_assignment_by_size``), and :func:`reallocated` tells the fake
-    step's allocator trace. Not with ``find_unused_parameters`` (DDP then never rebuilds)."""
+    step's allocator trace. Not with ``find_unused_parameters``: DDP then never rebuilds, but
+    makes buckets of ``bucket_cap_mb`` from the start, which the fake DDP (built without it)
+    does not; its one bucket is kept. Not modelled either: ``DDP_SET_LAST_BUCKET_CAP``, per-bucket
+    caps (``bucket_cap_mb_list``, which this project does not pass), and the small tensors
+    the rebuild syncs its order through."""
 
     def __init__(self, model: DistributedDataParallel, rebuilds: bool):
         self.model = model
@@ -109,24 +113,36 @@ class _FakeRebuild:
 
     def rebuild(self) -> None:
         """Before a forward: the first time after a synced backward, the rebuild's blocks."""
-        if self.done or not self.buffers:
+        if self.done:
+            return
+        if not self.buffers:  # no synced backward yet (no_sync's micro-steps): DDP keeps its order from that one
+            self.order, self._ordered = [], set()
             return
         self.done = True
         for h in self._hooks:
             h.remove()
-        managed_params = self.params
-        managed = {id(p) for p in managed_params}
-        ready = [p for p in self.order if id(p) in managed]
-        limits = _rebuild_limits(self.model)
-        indices, _ = dist._compute_bucket_assignment_by_size(ready, limits, [False] * len(ready))
-        sizes = [sum(ready[i].numel() * ready[i].element_size() for i in b) for b in indices]
+        managed = self.params
         old = [self.buffers[k] for k in sorted(self.buffers)]
+        sizes = self._rebuilt_sizes(managed)
         self.buffers, self.params, self.order, self._ordered = {}, [], [], set()
-        if sizes == [t.untyped_storage().nbytes() for t in old]:
-            return  # one bucket again, as big: the allocator hands back the block just freed
         # gradients that are views into the old buckets are copied into the new ones first
-        views = self.model.gradient_as_bucket_view and any(p.grad is not None for p in managed_params)
+        views = self.model.gradient_as_bucket_view and any(p.grad is not None for p in managed)
+        if sizes is None or (not views and sizes == [t.untyped_storage().nbytes() for t in old]):
+            return  # one bucket again, as big and freed first: the allocator hands back the block just freed
         reallocated(old, sizes, old_freed_last=views)
+
+    def _rebuilt_sizes(self, managed: list) -> list[int] | None:
+        """The new buckets' bytes, in the order they are made (torch's assignment over the
+        gradients in the order they were ready, as ``Reducer::rebuild_buckets`` passes them:
+        unsorted); None where the order does not hold every managed parameter."""
+        ids = {id(p) for p in managed}
+        ready = [p for p in self.order if id(p) in ids]
+        if len(ready) != len(ids):
+            return None  # a hook that never fired: nothing told rather than a wrong bucket
+        indices, _ = dist._compute_bucket_assignment_by_size(
+            ready, _rebuild_limits(self.model), [False] * len(ready), list(range(len(ready)))
+        )
+        return [sum(ready[i].numel() * ready[i].element_size() for i in b) for b in indices]
 
 
 def _rebuild_limits(model: DistributedDataParallel) -> list[int]:

@@ -155,6 +155,15 @@ def test_gpu_repredict_smoke(tmp_path):
         )
 
 
+def test_ddp_rebuild_smoke(tmp_path):
+    """Real DDP's first and rebuilt buckets beside what the fake step tells the allocator trace
+    (tiny GPT, 0.05 MB buckets: the rebuild makes many of the one)."""
+    data = bench("accuracy.ddp_rebuild", "model=gpt", "model.d_model=64", "model.n_layers=4", "model.n_heads=4",
+                 "model.seq_len=16", "strategy.bucket_cap_mb=0.05", cwd=tmp_path)  # fmt: skip
+    assert len(data["first"]) == 1 and len(data["rebuilt"]) > 2 and sum(data["rebuilt"]) == sum(data["first"])
+    assert data["agree"] and [t[1] for t in data["told"]] == [data["rebuilt"]]
+
+
 def test_host_step_smoke(tmp_path):
     """CPU offload's host step: each optimizer's real step timed beside its prediction, the bytes
     per element counted from its ops as an offloaded run builds it (per tensor, unless a row asks

@@ -88,21 +88,29 @@ class _Stack(nn.Module):
         return x.sum()
 
 
-def _two_steps(model, x) -> None:
-    for _ in range(2):
-        model(x).backward()
-    model(x)  # the second forward's start is where DDP rebuilds
+def _two_steps(model, x, free_grads: bool = False) -> None:
+    model(x).backward()
+    if free_grads:  # zero_grad(set_to_none=True) between the steps
+        for p in model.parameters():
+            p.grad = None
+    model(x).backward()  # DDP rebuilds at the start of this, the second forward
+    model(x)
 
 
-@pytest.mark.parametrize("as_view", [False, True])
-def test_a_fake_step_tells_the_buckets_real_ddp_rebuilds(gloo_group, as_view):
+@pytest.mark.parametrize("as_view,free_grads", [(False, False), (True, False), (True, True)])
+def test_a_fake_step_tells_the_buckets_real_ddp_rebuilds(gloo_group, as_view, free_grads):
     """Real DDP (gloo, one rank) rebuilds its one first bucket into buckets of bucket_cap_mb in
-    the backward's order; under a fake group the same model tells those sizes, in that order,
-    with the first bucket as the old one (freed first, unless gradients are views into it)."""
+    the backward's order (the first as big as the rest: this project passes bucket_cap_mb);
+    under a fake group the same model tells those sizes, in that order, with the first bucket
+    as the old one, freed first unless gradients still view it."""
+    from sharded_exp.strategies.ddp import _rebuild_limits
+
     torch.manual_seed(0)
-    cfg, x = _cfg(bucket_cap_mb=1.0, gradient_as_bucket_view=as_view), torch.randn(4, 8)
+    cap = 0.5  # not torch's 1 MiB first bucket, which a bucket_cap_mb of 1 would hide
+    cfg, x = _cfg(bucket_cap_mb=cap, gradient_as_bucket_view=as_view), torch.randn(4, 8)
     real = wrap_ddp(cfg, _Stack(), torch.device("cpu"))
-    _two_steps(real, x)
+    assert _rebuild_limits(real) == [int(cap * 2**20)] * 2
+    _two_steps(real, x, free_grads)
     logged = real._get_ddp_logging_data()
     first = [int(n) for n in str(logged["bucket_sizes"]).split(", ")]
     rebuilt = [int(n) for n in str(logged["rebuilt_bucket_sizes"]).split(", ")]
@@ -117,27 +125,21 @@ def test_a_fake_step_tells_the_buckets_real_ddp_rebuilds(gloo_group, as_view):
     told = []
     fake = wrap_ddp(cfg, _Stack(), torch.device("cpu"))
     with watching_reallocations(lambda old, sizes, last: told.append(([t.nbytes for t in old], sizes, last))):
-        _two_steps(fake, x)
+        _two_steps(fake, x, free_grads)
         fake(x)  # once only
-    assert told == [(first, rebuilt, as_view)]
+    assert told == [(first, rebuilt, as_view and not free_grads)]
 
 
-def test_ddps_bucket_rule_holds_every_trainable_gradient_and_aliases_them_only_as_views():
-    """The one bucket rule, in any unit: the prediction's elements and the probe's MiB."""
-    from sharded_exp.strategies.ddp import DDPMemory
-
-    assert DDPMemory.buckets(3.5, False) == (3.5, 0) and DDPMemory.buckets(3.5, True) == (3.5, 3.5)
-    assert DDP.memory is DDPMemory and DDP.traits.baseline and DDP.traits.sharding == 0
-
-
-def test_a_rebuild_into_one_bucket_as_big_is_not_told(fake_group):
-    """Every gradient within one bucket_cap_mb: the rebuild makes one bucket of the same bytes,
-    which the allocator serves from the block it has just freed."""
+@pytest.mark.parametrize("as_view", [False, True])
+def test_a_rebuild_into_one_bucket_as_big_is_told_only_where_gradients_view_it(fake_group, as_view):
+    """Every gradient within one bucket_cap_mb: the rebuild makes one bucket of the same bytes.
+    Freed first, the allocator serves it from the block just freed: not told. Where the
+    gradients are views into the old bucket they are copied over first: both are held."""
     from sharded_exp.measure.tracker import watching_reallocations
 
     fake_group(2)
     told = []
-    model = wrap_ddp(_cfg(bucket_cap_mb=25.0), _Stack(), torch.device("cpu"))
-    with watching_reallocations(lambda *args: told.append(args)):
+    model = wrap_ddp(_cfg(bucket_cap_mb=25.0, gradient_as_bucket_view=as_view), _Stack(), torch.device("cpu"))
+    with watching_reallocations(lambda old, sizes, last: told.append((len(old), len(sizes), last))):
         _two_steps(model, torch.randn(4, 8))
-    assert told == [] and model.reducer._fake.done
+    assert told == ([(1, 1, True)] if as_view else []) and model.reducer._fake.done
