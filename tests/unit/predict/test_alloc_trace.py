@@ -110,32 +110,6 @@ def test_a_collectives_tensors_are_recorded_on_nccls_stream(monkeypatch):
     assert dist.all_reduce.__name__ == "<lambda>"  # the function found on entry is put back
 
 
-@pytest.mark.parametrize("strategy", ["oss", "ddp"])
-def test_a_strategy_that_does_not_shard_starts_the_device_trace_at_its_wrap(tiny_job, strategy):
-    """A run moves such a model to the device and then wraps it: what the wrap frees is in
-    the trace. fairscale OSS makes each rank's parameters views of one flat buffer, so every
-    parameter's first block is freed before the first step; DDP frees none."""
-    from sharded_exp.predict.fake_step import fake_step
-    from sharded_exp.strategies import STRATEGIES
-
-    cfg = tiny_job.copy()
-    cfg.strategy = OmegaConf.structured(STRATEGIES.config_class(strategy)())
-    events = fake_step(cfg, 1, 0, "cuda", flops=False).extra["alloc_events"]
-    first_sync = events.index(("sync", None, 0, None))
-    params = list(tiny_job_model(cfg).parameters())
-    first = events[: len(params)]  # the model moved to the device: its parameters, in order
-    assert [(e[0], e[2]) for e in first] == [("malloc", p.numel() * 4) for p in params]
-    freed = {e[1] for e in events[:first_sync] if e[0] == "free"} & {e[1] for e in first}
-    assert len(freed) == (len(params) if strategy == "oss" else 0)
-
-
-def tiny_job_model(cfg):
-    from sharded_exp.models import build_model
-
-    with torch.device("meta"):
-        return build_model(cfg.model)
-
-
 @pytest.mark.parametrize("old_freed_last", [False, True])
 def test_a_reallocation_frees_the_old_block_once_and_keeps_the_new_ones(old_freed_last):
     """DDP's bucket rebuild as a fake step tells it: the old bucket freed before the new ones
