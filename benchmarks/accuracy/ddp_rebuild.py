@@ -2,7 +2,7 @@
 CUDA allocator's trace (issue 47).
 
     python -m benchmarks.accuracy.ddp_rebuild                  # the GPU round's small GPT (width 1024, 8 blocks, fp32)
-    python -m benchmarks.accuracy.ddp_rebuild model=hf_gpt2 strategy.bucket_cap_mb=5   # any job's overrides
+    python -m benchmarks.accuracy.ddp_rebuild model=hf_gpt2 strategy.bucket_cap_mb=5   # any job's overrides, under ddp
 
 Real: the job's model under DDP (``strategies/ddp.py``'s ``wrap_ddp``, as a run wraps it) on a
 gloo group of one rank in this process, two forward and backward passes of one sample from
@@ -12,7 +12,9 @@ after the rebuild before the second forward). Told: the same job's fake step (a 
 group, CPU kernels) with a watcher on ``sharded_exp.measure.tracker.reallocated``, which a
 fake CUDA step's allocator trace turns into the old bucket's free and the new buckets'
 mallocs. The bytes depend on the model's parameters and ``bucket_cap_mb`` only, not on the
-batch. Prints both and whether they agree; writes outputs/benchmarks/ddp_rebuild.json.
+batch. ``strategy=ddp`` is set after the overrides (zero1 and oss wrap the same DDP). Under
+``strategy.find_unused_parameters=true`` real DDP never rebuilds (no rebuilt sizes: DIFFER).
+Prints both and whether they agree; writes outputs/benchmarks/ddp_rebuild.json.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def real_buckets(cfg) -> tuple[list[int], list[int]]:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         torch.manual_seed(cfg.trainer.seed)
-        model = wrap_ddp(cfg.strategy, build_model(cfg.model), torch.device("cpu"))
+        model = wrap_ddp(cfg.strategy, build_model(cfg.model, cfg.trainer.freeze), torch.device("cpu"))
         batch = probe_task(cfg.data, cfg.model)(0, 0, 0)
         for _ in range(2):
             Task.loss_of(model(**batch)).backward()

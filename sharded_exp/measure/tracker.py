@@ -119,11 +119,13 @@ def watching_reallocations(observer: Reallocation):
 def reallocated(old: list[torch.Tensor], new_sizes: list[int], old_freed_last: bool = False) -> None:
     """A strategy's buffers ``old`` give way to new ones of ``new_sizes`` bytes, which a fake
     step cannot make itself: DDP's bucket rebuild, which agrees on the new buckets by
-    exchanging values a fake process group does not have. The bytes are the same or nearly,
-    so the tracked peak is left as it is; what changes is the blocks a caching allocator is
-    asked for, told to the watcher if there is one (else nothing). ``old_freed_last``: the
-    old buffers outlive the new ones' allocation (gradients that are views into them are
-    copied over first), else they are freed first."""
+    exchanging values a fake process group does not have. What changes is the blocks a
+    caching allocator is asked for, told to the watcher if there is one (else nothing); the
+    tracked peak is left as it is. ``old_freed_last``: the old buffers outlive the new ones'
+    allocation (gradients that are views into them are copied over first), else they are
+    freed first. Freed first, the bytes are the same; freed last, old and new are held
+    together for a moment, which the tracked peak does not count (not modelled; said in
+    docs/concepts/memory.md)."""
     observer = _REALLOCATIONS.get()
     if observer is not None:
         observer(list(old), [int(s) for s in new_sizes], old_freed_last)

@@ -147,6 +147,8 @@ class AllocTrace:
         ``old`` freed here (its later free, when the fake step drops it, is not recorded
         again), the new blocks allocated on the stream in use and kept to the end."""
         frees = [("free", i, 0, None) for i in self._ids_of(old) if self._live.pop(i, None)]
+        if not frees:
+            return  # none of them was a block the trace knows: nothing to replace
         stream = DEFAULT_STREAM if self._stream is None else self._name(self._stream)
         mallocs = []
         for size in new_sizes:

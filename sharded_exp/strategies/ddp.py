@@ -86,7 +86,11 @@ class _FakeRebuild:
     the rebuild syncs its order through."""
 
     def __init__(self, model: DistributedDataParallel, rebuilds: bool):
-        self.model = model
+        # what the rebuild needs of the model, not the model: the gradient hook that calls
+        # this is held by the C++ reducer, where a reference back to the model is a cycle
+        # the garbage collector cannot see
+        self.as_view = bool(model.gradient_as_bucket_view)
+        self.limits = _rebuild_limits(model)
         self.rebuilds = rebuilds
         self.order: list[torch.nn.Parameter] = []
         self._ordered: set[int] = set()
@@ -126,7 +130,7 @@ class _FakeRebuild:
         sizes = self._rebuilt_sizes(managed)
         self.buffers, self.params, self.order, self._ordered = {}, [], [], set()
         # gradients that are views into the old buckets are copied into the new ones first
-        views = self.model.gradient_as_bucket_view and any(p.grad is not None for p in managed)
+        views = self.as_view and any(p.grad is not None for p in managed)
         if sizes is None or (not views and sizes == [t.untyped_storage().nbytes() for t in old]):
             return  # one bucket again, as big and freed first: the allocator hands back the block just freed
         reallocated(old, sizes, old_freed_last=views)
@@ -140,7 +144,7 @@ class _FakeRebuild:
         if len(ready) != len(ids):
             return None  # a hook that never fired: nothing told rather than a wrong bucket
         indices, _ = dist._compute_bucket_assignment_by_size(
-            ready, _rebuild_limits(self.model), [False] * len(ready), list(range(len(ready)))
+            ready, self.limits, [False] * len(ready), list(range(len(ready)))
         )
         return [sum(ready[i].numel() * ready[i].element_size() for i in b) for b in indices]
 

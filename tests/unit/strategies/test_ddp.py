@@ -143,3 +143,11 @@ def test_a_rebuild_into_one_bucket_as_big_is_told_only_where_gradients_view_it(f
     with watching_reallocations(lambda old, sizes, last: told.append((len(old), len(sizes), last))):
         _two_steps(model, torch.randn(4, 8))
     assert told == ([(1, 1, True)] if as_view else []) and model.reducer._fake.done
+
+
+def test_ddps_bucket_rule_holds_every_trainable_gradient_and_aliases_them_only_as_views():
+    """The one bucket rule, in any unit: the prediction's elements and the probe's MiB."""
+    from sharded_exp.strategies.ddp import DDPMemory
+
+    assert DDPMemory.buckets(3.5, False) == (3.5, 0) and DDPMemory.buckets(3.5, True) == (3.5, 3.5)
+    assert DDP.memory is DDPMemory and DDP.traits.baseline and DDP.traits.sharding == 0
