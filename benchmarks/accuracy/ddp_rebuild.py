@@ -29,6 +29,7 @@ from sharded_exp.compose import compose
 from sharded_exp.data import Task, probe_task
 from sharded_exp.measure.tracker import watching_reallocations
 from sharded_exp.models import build_model
+from sharded_exp.precision import autocast
 from sharded_exp.predict.fake_step import fake_step
 from sharded_exp.strategies.ddp import wrap_ddp
 
@@ -47,9 +48,12 @@ def real_buckets(cfg) -> tuple[list[int], list[int]]:
         torch.manual_seed(cfg.trainer.seed)
         model = wrap_ddp(cfg.strategy, build_model(cfg.model, cfg.trainer.freeze), torch.device("cpu"))
         batch = probe_task(cfg.data, cfg.model)(0, 0, 0)
-        for _ in range(2):
-            Task.loss_of(model(**batch)).backward()
-        model(**batch)
+        for _ in range(2):  # under the precision's autocast, as a run steps: its casts order the backward
+            with autocast(cfg.precision, "cpu"):
+                loss = Task.loss_of(model(**batch))
+            loss.backward()
+        with autocast(cfg.precision, "cpu"):
+            model(**batch)
         logged = model._get_ddp_logging_data()
         return _sizes(logged["bucket_sizes"]), _sizes(logged.get("rebuilt_bucket_sizes", ""))
     finally:

@@ -91,7 +91,6 @@ class _FakeRebuild:
         # the garbage collector cannot see
         self.as_view = bool(model.gradient_as_bucket_view)
         self.limits = _rebuild_limits(model)
-        self.rebuilds = rebuilds
         self.order: list[torch.nn.Parameter] = []
         self._ordered: set[int] = set()
         self.buffers: dict[int, torch.Tensor] = {}  # the first buckets (by index), seen in a synced backward
