@@ -25,7 +25,10 @@ The streams, as a CUDA run uses them:
   the second forward, :func:`sharded_exp.measure.tracker.reallocated`): the old blocks freed
   and the new ones allocated as the strategy tells (:meth:`AllocTrace.reallocated`);
 - the build: a run builds its model on the meta device or in host memory, so the trace
-  starts when the build ends, from the tensors then allocated (:meth:`AllocTrace.restart`).
+  starts from the tensors then allocated (:meth:`AllocTrace.restart`): as the wrap starts
+  where the strategy does not shard parameters (the model moved to the device, then
+  wrapped: what the wrap frees stays cached), as the build ends where it does (FSDP
+  gathers a unit at a time in host memory).
 
 Two steps are recorded, so the second shows the steady state's caching.
 """
@@ -79,6 +82,8 @@ class AllocTrace:
         self._ids = itertools.count()
         self._tracker = None
         self._live: dict[int, tuple[int, str]] = {}  # id -> (size, stream) of what is allocated now
+        self._held: set[int] | None = None  # the wrapped model's blocks whose frees wait (:meth:`restart`)
+        self._frees_held: list[tuple] = []
 
     # --- what is recorded -----------------------------------------------------------------------
     def attach(self, tracker) -> None:
@@ -94,7 +99,7 @@ class AllocTrace:
             # is a free of the old block and, unless now empty, a new allocation.
             if u_type in (_UpdateType.DEL, _UpdateType.SIZE):
                 if self._live.pop(getattr(winfo, "alloc_trace_id", None), None):
-                    self.events.append(("free", winfo.alloc_trace_id, 0, None))
+                    self._free(winfo.alloc_trace_id)
             if u_type == _UpdateType.ADD or (u_type == _UpdateType.SIZE and winfo.mem_consumed > 0):
                 self._malloc(winfo)
             return update(u_type, winfo, *args, **kwargs)
@@ -107,12 +112,37 @@ class AllocTrace:
         self._live[winfo.alloc_trace_id] = (int(winfo.mem_consumed), stream)
         self.events.append(("malloc", winfo.alloc_trace_id, int(winfo.mem_consumed), stream))
 
-    def restart(self) -> None:
-        """The model is built: the trace starts afresh from what is allocated now, in the order
-        it was allocated. A run builds its model on the meta device or in host memory
+    def _free(self, ident: int) -> None:
+        if self._held is not None and ident in self._held:
+            self._frees_held.append(("free", ident, 0, None))
+        else:
+            self.events.append(("free", ident, 0, None))
+
+    def restart(self, hold_frees: bool = False) -> None:
+        """The device's trace starts afresh from what is allocated now, in the order it was
+        allocated. A run builds its model on the meta device or in host memory
         (sharded_exp/models/materialise.py; FSDP a unit at a time), so the device's allocator
-        first sees the wrapped model's states, not the fake build's whole-model tensors."""
+        first sees the model as moved there (a strategy that does not shard: restarted as its
+        wrap starts) or the wrapped model's states (FSDP: at the build's end), not the fake
+        build's whole-model tensors.
+
+        ``hold_frees``: what the wrap frees of those blocks (fairscale OSS copies each rank's
+        parameters into one flat buffer and frees their blocks) is recorded as freed when the
+        wrap ends (:meth:`release_held`), after the buffers that replace them are allocated.
+        The allocator then holds them all cached, as it does wherever a rank's buffer is larger
+        than each parameter freed before it (a rank holding several tensors). Where a rank holds
+        one tensor, its buffer could take the block the rank before freed, and the gradients
+        then take new segments: the same bytes reserved, in other blocks. Recorded in turn, the
+        trace of a model with a block more is not the shallower one's with a block inserted
+        once ranks outnumber tensors (:mod:`sharded_exp.plan.deepen`)."""
         self.events = [("malloc", i, size, stream) for i, (size, stream) in sorted(self._live.items())]
+        self._held = set(self._live) if hold_frees else None
+        self._frees_held = []
+
+    def release_held(self) -> None:
+        """The wrap is over: the frees :meth:`restart` held are recorded, in their order."""
+        self.events += self._frees_held
+        self._held, self._frees_held = None, []
 
     def step_end(self) -> None:
         """A training step is over: its loss read on the host, every stream's work done."""

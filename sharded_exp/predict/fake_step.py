@@ -440,10 +440,13 @@ class _Watch:
     ``memory=False`` (a trace-only step): no tracker is made or started; the hooks only note
     that the build got as far as the strategy's wrap."""
 
-    def __init__(self, device: torch.device, allocs=None, memory: bool = True):
+    def __init__(self, device: torch.device, allocs=None, memory: bool = True, shards: bool = True):
         self.device = device
         self.allocs = allocs
         """What the CUDA allocator is asked (:func:`sharded_exp.predict.alloc_trace.recording`), or None."""
+        self.shards = shards
+        """The strategy shards parameters (FSDP): its units are drawn in host memory after the wrap."""
+        self.restarted = False
         self.tracker = peak_tracker() if memory else None
         self.built: list = []
         self.tracking = False
@@ -462,11 +465,22 @@ class _Watch:
             raise FakeStepError("the memory tracker (torch MemTracker) could not start", exc) from exc
         self.tracking = True
 
+    def wrapping(self, module) -> None:
+        """A strategy that does not shard parameters wraps a model a run has drawn in host
+        memory and moved to the device (sharded_exp/models/materialise.py): the device's trace
+        starts here, from the parameters and buffers, so that what the wrap allocates and frees
+        on the device is in it (fairscale OSS's flat buffers, which replace the parameters)."""
+        if self.allocs is not None and not self.shards:
+            self.allocs.restart(hold_frees=True)
+            self.restarted = True
+
     def end_of_build(self, strategy) -> None:
         # The build's peak apart (a sharded build: the shards and one whole unit), then the
         # strategy's buckets filed as such, and the training's peak from here.
-        if self.allocs is not None:
-            self.allocs.restart()  # a run builds on meta or in host memory: the device's trace starts here
+        if self.allocs is not None and not self.restarted:
+            self.allocs.restart()  # a sharded build's units drawn in host memory: the device's trace starts here
+        elif self.allocs is not None:
+            self.allocs.release_held()
         if self.tracking:
             found = self.tracker.end_of_build(strategy.module, strategy.local_optimizers())
             self.build.update(zip(("peak_mib", "breakdown_mib"), _parts(_on(found, self.device))))
@@ -481,7 +495,8 @@ def _build(cfg: JobGroups, device: torch.device, watch: _Watch):
     """The run built under the fake mode (shapes only: model.pretrained's config, never its
     weights); a model that converts itself while built is built on meta first. Raises
     :class:`FakeStepError` naming the part that failed."""
-    hooks = dict(before_wrap=watch.start_tracker, after_build=watch.end_of_build, compile=False, weights=False)
+    hooks = dict(before_wrap=watch.start_tracker, after_build=watch.end_of_build, wrapping=watch.wrapping,
+                 compile=False, weights=False)  # fmt: skip
     try:
         try:
             with device:  # built on the (fake) device, as a real run's model ends up
@@ -594,7 +609,7 @@ def _run(
         mode,
         on_gpu as kernels,
     ):
-        watch = _Watch(device, allocs, memory)
+        watch = _Watch(device, allocs, memory, traits_of(cfg.strategy.name).shards_parameters)
         torch.manual_seed(cfg.trainer.seed)
         try:
             run = _build(cfg, device, watch)  # a Hugging Face model imports transformers here

@@ -52,6 +52,7 @@ def build_run(
     with_task: bool = True,
     before_wrap: Callable[[nn.Module], None] | None = None,
     after_build: Callable[[Strategy], None] | None = None,
+    wrapping: Callable[[nn.Module], None] | None = None,
     meta_first: bool = False,
     compile: bool = True,
     weights: bool = True,
@@ -64,7 +65,9 @@ def build_run(
     build (its peak: one unit beyond the shards) and the strategy's buffers as the CUDA
     allocator would, and not the task's (a teacher network is the data source's, never
     on a GPU). ``after_build(strategy)`` is called once every parameter holds its initial
-    value: the end of the build. ``meta_first`` (``whole`` rule only): build on the meta
+    value: the end of the build. ``wrapping(module)`` is called as the strategy starts to
+    wrap the model (before its optimizer is made): after the initialisation unless the
+    strategy shards parameters, on the meta skeleton if it does. ``meta_first`` (``whole`` rule only): build on the meta
     device, then allocate uninitialised tensors on ``device`` (the fake step's way for a
     model that cannot be built under FakeTensorMode directly). The trainer's levers
     (activation checkpointing, compile: :mod:`sharded_exp.train.levers`) are applied to
@@ -86,6 +89,8 @@ def build_run(
             before_wrap(module)
 
     def wrap(module: nn.Module) -> Strategy:
+        if wrapping is not None:
+            wrapping(module)
         spec = optimizer_spec(cfg.optimizer, module, device=device)
         # trainer.zero_grad: a string in a rank's plain config, the enum in a composed one
         return build_strategy(cfg.strategy, module, spec, cfg.precision, device, ZeroGrad(tc.zero_grad))

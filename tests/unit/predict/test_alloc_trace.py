@@ -110,6 +110,38 @@ def test_a_collectives_tensors_are_recorded_on_nccls_stream(monkeypatch):
     assert dist.all_reduce.__name__ == "<lambda>"  # the function found on entry is put back
 
 
+@pytest.mark.parametrize("strategy", ["oss", "ddp"])
+def test_a_strategy_that_does_not_shard_starts_the_device_trace_at_its_wrap(tiny_job, strategy):
+    """A run moves such a model to the device and then wraps it: what the wrap frees is in
+    the trace. fairscale OSS makes each rank's parameters views of one flat buffer, so every
+    parameter's first block is freed before the first step, after every allocation of the
+    wrap (held to its end: the trace of a model a block deeper is then the shallower one's
+    with a block inserted); DDP frees none."""
+    from sharded_exp.predict.fake_step import fake_step
+    from sharded_exp.strategies import STRATEGIES
+
+    cfg = tiny_job.copy()
+    cfg.strategy = OmegaConf.structured(STRATEGIES.config_class(strategy)())
+    events = fake_step(cfg, 2, 0, "cuda", flops=False).extra["alloc_events"]  # OSS: a flat buffer per rank
+    first_sync = events.index(("sync", None, 0, None))
+    params = list(tiny_job_model(cfg).parameters())
+    first = events[: len(params)]  # the model moved to the device: its parameters, in order
+    assert [(e[0], e[2]) for e in first] == [("malloc", p.numel() * 4) for p in params]
+    freed = {e[1] for e in events[:first_sync] if e[0] == "free"} & {e[1] for e in first}
+    assert len(freed) == (len(params) if strategy == "oss" else 0)
+    if freed:  # one run of frees, the buffers that replace them allocated before it
+        at = [i for i, e in enumerate(events) if e[0] == "free" and e[1] in freed]
+        assert at == list(range(at[0], at[0] + len(params)))
+        assert sum(e[2] for e in events[len(params) : at[0]] if e[0] == "malloc") >= sum(e[2] for e in first)
+
+
+def tiny_job_model(cfg):
+    from sharded_exp.models import build_model
+
+    with torch.device("meta"):
+        return build_model(cfg.model)
+
+
 @pytest.mark.parametrize("old_freed_last", [False, True])
 def test_a_reallocation_frees_the_old_block_once_and_keeps_the_new_ones(old_freed_last):
     """DDP's bucket rebuild as a fake step tells it: the old bucket freed before the new ones
