@@ -246,16 +246,24 @@ def draw_allocator(
 ) -> dict | None:
     """The caching allocator's figures at ``layers`` blocks from its model replayed over the
     trace drawn to that depth from three shallow fakes' (:mod:`sharded_exp.plan.deepen`),
-    checked on the third; where that check fails, ``deeper`` (a fake at the given depth) moves
-    the three one block deeper, at most :data:`DEEPER_CHECKS` times while short of ``layers``;
-    else the share of the peak (:func:`compose_allocator`). None on CPU."""
+    checked on the third (and on a fake one block deeper, from ``deeper``, where the drawing
+    repeats runs in place); where that check fails, ``deeper`` (a fake at the given depth)
+    moves the three one block deeper, at most :data:`DEEPER_CHECKS` times while short of
+    ``layers``; else the share of the peak (:func:`compose_allocator`). None on CPU."""
     share = compose_allocator(fakes[1], peak_mib)
+    made: dict[int, Fake | str] = {}
+
+    def fake(depth: int) -> Fake | str:  # each depth faked once: a check's fake is the next try's third
+        if depth not in made:
+            made[depth] = deeper(depth) if deeper is not None else "no deeper fake"
+        return made[depth]
+
     three = list(fakes)
     for tries in range(DEEPER_CHECKS + 1):
         if tries:
-            if deeper is None or three[2].depth + 1 >= layers:
+            if three[2].depth + 1 >= layers:
                 return share
-            more = deeper(three[2].depth + 1)
+            more = fake(three[2].depth + 1)
             if not isinstance(more, Fake):
                 return share
             three = [*three[1:], more]
@@ -263,7 +271,12 @@ def draw_allocator(
         if any(f.trace is None for f in three):
             return share
         events, alloc_conf, workspace = c.trace
-        drawn = deepen.drawn_to(a.trace[0], b.trace[0], events, layers - c.depth, alloc_conf)
+
+        def one_deeper(c=c) -> list | None:
+            d = fake(c.depth + 1) if c.depth + 1 < layers else None
+            return d.trace[0] if isinstance(d, Fake) and d.trace is not None else None
+
+        drawn = deepen.drawn_to(a.trace[0], b.trace[0], events, layers - c.depth, alloc_conf, one_deeper)
         if drawn is not None:
             figures = point_figures(drawn, alloc_conf, workspace)
             if figures is None:

@@ -115,3 +115,21 @@ def alternating_trace(blocks: int) -> list:
     a small tensor's state: the odd depth's trace has an allocation fewer, so it is no block
     step from the even one below it."""
     return ([("malloc", "odd", 512, "side")] if blocks % 2 == 0 else []) + model_trace(blocks)
+
+
+def piled_trace(blocks: int) -> list:
+    """One step of a ``blocks``-block model whose forward keeps each block's 12 MiB unit until
+    the next block's is made (ids counted from 0), then allocates and frees a 300 MiB tensor
+    (the step's peak, after every unit is freed) and ends. Each unit is over 10 MiB, so it gets a
+    segment of its own: two segments hold every unit at any depth, 324 MiB reserved."""
+    ids = itertools.count()
+    events: list = []
+    before = None
+    for _ in range(blocks):
+        unit = next(ids)
+        events.append(("malloc", unit, 12 * MIB, "default"))
+        if before is not None:
+            events.append(("free", before, 0, None))
+        before = unit
+    events += [("free", before, 0, None), ("malloc", "peak", 300 * MIB, "default"), ("free", "peak", 0, None)]
+    return events + [("sync", None, 0, None)]

@@ -18,6 +18,7 @@ from tests.helpers.traces import (
     dealt_trace,
     model_trace,
     paired_trace,
+    piled_trace,
     prefetch_trace,
     renumbered,
 )
@@ -121,7 +122,7 @@ def test_an_allocation_grows_with_depth_only_on_a_line():
     assert sorted(step.grown.values()) == [64 * 1024, MIB]
     assert [e[2] for e in deepen(step, 4) if e[1] == "dealt"][0] == 512 * 1024
     assert sorted(block_step(dealt_trace(3), dealt_trace(4)).grown.values()) == [MIB]  # nothing shrinks
-    drawn = drawn_to(dealt_trace(2), dealt_trace(3), dealt_trace(4), 3)
+    drawn = drawn_to(dealt_trace(2), dealt_trace(3), dealt_trace(4), 3, deeper=lambda: dealt_trace(5))
     assert [e[2] for e in drawn if e[1] == "dealt"] == [192 * 1024, 0]
     assert min(e[2] for e in drawn if e[0] == "malloc") > 0
     bucket = [e for e in model_trace(7) if e[0] == "malloc"][-1][2]
@@ -134,6 +135,26 @@ def test_where_the_third_depth_is_no_block_step_the_checked_drawing_is_drawn_on(
     share one small segment of their stream: the same reserved memory as one)."""
     a, b, c = alternating_trace(3), alternating_trace(4), alternating_trace(5)
     assert block_step(b, c) is None
-    drawn = drawn_to(a, b, c, 2)
+    drawn = drawn_to(a, b, c, 2, deeper=lambda: alternating_trace(6))
     assert drawn == deepen(block_step(a, b), 3)
     assert _keys([e for e in drawn if e[3] != "side"]) == _keys(model_trace(7))
+
+
+def test_a_drawing_by_runs_is_checked_two_blocks_on():
+    """From 1 and 2 blocks the units' stretch is too short for whole blocks: each run is repeated
+    in place, and each copy keeps its unit to the end of the forward, one 12 MiB segment more per
+    copy. One copy passes the check against 3 blocks (336 MiB reserved against 324: within 5%),
+    two do not against 4 (348), so no drawing of two blocks or more is made from 1, 2 and 3,
+    nor without the trace one block deeper to check it on. From 2, 3 and 4, whole blocks make
+    the 5-block trace and are drawn without it."""
+    t = {n: piled_trace(n) for n in range(1, 8)}
+    assert drawn_to(t[1], t[2], t[3], 1) is not None  # one copy: what the check has just held
+    assert drawn_to(t[1], t[2], t[3], 3, deeper=lambda: t[4]) is None
+    assert drawn_to(t[1], t[2], t[3], 3) is None
+    assert drawn_to(t[1], t[2], t[3], 3, deeper=lambda: None) is None
+
+    def no_deeper():
+        raise AssertionError("whole blocks are checked on the third trace alone")
+
+    assert _keys(drawn_to(t[2], t[3], t[4], 3, deeper=no_deeper)) == _keys(t[7])
+    assert replay(t[7]).reserved_mib == 324

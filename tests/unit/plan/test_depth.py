@@ -423,3 +423,28 @@ def test_where_the_shallowest_three_fail_the_allocators_check_it_is_tried_a_bloc
     assert draw_allocator(fakes, 7, 123.0)["depth"].startswith("the deeper shallow fake's share")
     assert draw_allocator(fakes, 5, 123.0, deeper)["depth"].startswith("the deeper shallow fake's share")
     assert draw_allocator(fakes, 7, 123.0, lambda d: "no fake")["depth"].startswith("the deeper shallow")
+
+
+def test_a_drawing_by_runs_asks_for_the_fake_a_block_deeper_once():
+    """tests/helpers/traces.py's piled trace from 1, 2 and 3 blocks is drawn by runs in place, which
+    the fake at 4 blocks refuses (two copies pile up past the check); the three then move to 2, 3
+    and 4, the fake at 4 blocks not asked again, where whole blocks are drawn and replay as the
+    7-block trace does."""
+    from sharded_exp.plan.depth import Fake, draw_allocator
+    from sharded_exp.predict.alloc_trace import point_figures
+    from tests.helpers.traces import piled_trace
+
+    def with_trace(d: int) -> Fake:
+        trace = piled_trace(d)
+        return Fake(d, {}, {}, {}, 0.0, allocator=point_figures(trace, "", 0.0), trace=(trace, "", 0.0))
+
+    asked = []
+
+    def deeper(d: int) -> Fake:
+        asked.append(d)
+        return with_trace(d)
+
+    drawn = draw_allocator([with_trace(n) for n in (1, 2, 3)], 7, 123.0, deeper)
+    assert asked == [4]
+    assert drawn["depth"] == "replayed over the trace drawn to 7 blocks from 2, 3 and 4"
+    assert drawn["reserved_extra_mib"] == point_figures(piled_trace(7), "", 0.0)["reserved_extra_mib"]
