@@ -36,7 +36,9 @@ trace at ``n + 2`` blocks drawn from ``n`` and ``n + 1``, replayed, must add to 
 peak what the one faked at ``n + 2`` adds (rounding and cache, within :data:`CHECK_REL`; the
 tensors' peak itself is the composed plan's, from the lines and the analytic states); whole
 blocks are repeated only where one block deeper they make the faked trace's events exactly.
-Where the check fails, or the traces do not align, the caller keeps the share of the peak
+Runs repeated in place for two blocks or more are checked two blocks deeper as well, against a
+fake one block deeper than the third: their piled-up copies grow with each block. Where the
+check fails, or the traces do not align, the caller keeps the share of the peak
 (:func:`sharded_exp.plan.depth.compose_allocator`).
 """
 
@@ -479,8 +481,10 @@ def drawn_to(
     up, one more with each copy, so one copy may pass where many do not (fsdp_grad_op on a 7B
     GPT at 8 ranks: the drawing from 3 and 4 blocks within 2 MiB of 5 blocks' cache, 2,964 MiB
     over 6 blocks', 55 GiB reserved at 32 blocks against 38 faked whole). Such a drawing of two
-    blocks or more is checked two blocks on as well, against ``deeper()``, the trace one block
-    deeper than ``c``; None where that cannot be had."""
+    copies or more is checked two blocks on as well, against ``deeper()``, the trace one block
+    deeper than ``c``; None where that cannot be had. A heuristic still: a pile-up of under
+    half the check's bound per copy passes both. Where whole blocks made ``c`` one block on,
+    the drawing is of whole blocks or none (never runs in place unchecked)."""
     a, b, c = _steps_only(a), _steps_only(b), _steps_only(c)
     first, step = block_step(a, b), block_step(b, c)
     if first is None:
@@ -493,15 +497,16 @@ def drawn_to(
         first.periods = None
     if not _adds_as(replay(deepen(first, 1), alloc_conf), replay(c, alloc_conf)):
         return None
-    if not periodic and blocks > 1:
+    # drawn on from b and c; where c is no block step from b (the faked rank's tensors moved
+    # from b to c), the drawing just checked, from a and b
+    final, copies = (first, blocks + 1) if step is None else (step, blocks)
+    if periodic:
+        return _repeat_periods(final, copies) if final.periods else None
+    if copies > 1:
         d = deeper() if deeper is not None else None
         if d is None or not _adds_as(replay(deepen(first, 2), alloc_conf), replay(_steps_only(d), alloc_conf)):
             return None
-    if step is None:  # the faked rank's tensors moved from b to c: the drawing just checked, from a and b
-        return deepen(first, blocks + 1)
-    if not periodic:
-        step.periods = None
-    return deepen(step, blocks)
+    return _repeat_runs(final, copies)
 
 
 def _adds_as(drawn, faked) -> bool:

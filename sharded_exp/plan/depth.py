@@ -238,7 +238,9 @@ foreach temporaries of the rank faked at 3 blocks (4 x 192 KiB) are not those dr
 rank's share is more tensors, one tensor more or less moves the cache less, and the same
 check passes from 3, 4 and 5 blocks (ZeRO-1 at 8 ranks, OSS at 2 on the 8-block test model).
 Each check is as strict as the first; a fake at a few blocks costs far less than the whole
-model's."""
+model's. A drawing by runs in place is also checked on a fake one block deeper than the third
+(:func:`~sharded_exp.plan.deepen.drawn_to`), the next try's third where that check fails: at
+most one more fake than this in all."""
 
 
 def draw_allocator(

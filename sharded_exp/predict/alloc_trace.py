@@ -127,14 +127,15 @@ class AllocTrace:
         build's whole-model tensors.
 
         ``hold_frees``: what the wrap frees of those blocks (fairscale OSS copies each rank's
-        parameters into one flat buffer and frees their blocks) is recorded as freed when the
-        wrap ends (:meth:`release_held`), after the buffers that replace them are allocated.
-        The allocator then holds them all cached, as it does wherever a rank's buffer is larger
-        than each parameter freed before it (a rank holding several tensors). Where a rank holds
-        one tensor, its buffer could take the block the rank before freed, and the gradients
-        then take new segments: the same bytes reserved, in other blocks. Recorded in turn, the
-        trace of a model with a block more is not the shallower one's with a block inserted
-        once ranks outnumber tensors (:mod:`sharded_exp.plan.deepen`)."""
+        trainable parameters into one flat buffer and frees their blocks) is recorded as freed
+        when the wrap ends (:meth:`release_held`), after the buffers that replace them are
+        allocated, so the allocator holds them all cached. Recorded in turn, a rank's buffer
+        could take a block freed before it where that block (one large parameter, or small
+        neighbours merged in a shared segment) is as large: where a rank holds one tensor,
+        every buffer takes the block the rank before freed and the gradients take new
+        segments instead. On a 7B GPT this moves reserved memory by under 0.4 GiB at 8 and 64
+        ranks; recorded in turn, the trace of a model with a block more is not the shallower
+        one's with a block inserted once ranks outnumber tensors (:mod:`sharded_exp.plan.deepen`)."""
         self.events = [("malloc", i, size, stream) for i, (size, stream) in sorted(self._live.items())]
         self._held = set(self._live) if hold_frees else None
         self._frees_held = []

@@ -469,7 +469,8 @@ class _Watch:
         """A strategy that does not shard parameters wraps a model a run has drawn in host
         memory and moved to the device (sharded_exp/models/materialise.py): the device's trace
         starts here, from the parameters and buffers, so that what the wrap allocates and frees
-        on the device is in it (fairscale OSS's flat buffers, which replace the parameters)."""
+        on the device is in it (fairscale OSS's flat buffers, which replace the parameters; not
+        DDP's broadcast of its states from rank 0, which the fake step skips)."""
         if self.allocs is not None and not self.shards:
             self.allocs.restart(hold_frees=True)
             self.restarted = True

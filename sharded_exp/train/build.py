@@ -67,7 +67,7 @@ def build_run(
     on a GPU). ``after_build(strategy)`` is called once every parameter holds its initial
     value: the end of the build. ``wrapping(module)`` is called as the strategy starts to
     wrap the model (before its optimizer is made): after the initialisation unless the
-    strategy shards parameters, on the meta skeleton if it does. ``meta_first`` (``whole`` rule only): build on the meta
+    strategy shards parameters, before it if it does. ``meta_first`` (``whole`` rule only): build on the meta
     device, then allocate uninitialised tensors on ``device`` (the fake step's way for a
     model that cannot be built under FakeTensorMode directly). The trainer's levers
     (activation checkpointing, compile: :mod:`sharded_exp.train.levers`) are applied to

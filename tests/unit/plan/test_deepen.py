@@ -74,7 +74,7 @@ def test_whole_blocks_are_repeated_only_where_they_make_the_third_trace():
     check one block deeper (reserved 62 MiB against 42): nothing is drawn."""
     step = block_step(prefetch_trace(1), prefetch_trace(2))
     assert _keys(deepen(step, 1)) != _keys(prefetch_trace(3))
-    assert drawn_to(prefetch_trace(1), prefetch_trace(2), prefetch_trace(3), 3) is None
+    assert drawn_to(prefetch_trace(1), prefetch_trace(2), prefetch_trace(3), 1) is None  # one copy: the first check
 
 
 def test_a_trace_that_drops_an_allocation_is_no_block_step():
@@ -89,7 +89,7 @@ def test_drawn_to_checks_the_drawing_one_block_deeper():
     more: its peaks far past the check's 2% from the 4-block drawing), nothing is drawn."""
     a, b, c = model_trace(2), model_trace(3), model_trace(4)
     assert _keys(drawn_to(a, b, c, 3)) == _keys(model_trace(7))
-    assert drawn_to(a, b, model_trace(6), 3) is None
+    assert drawn_to(a, b, model_trace(6), 1) is None  # one copy: the first check fails
     with pytest.raises(ValueError, match="0 or more blocks, not -1"):
         deepen(block_step(a, b), -1)
 
