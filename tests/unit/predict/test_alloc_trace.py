@@ -79,6 +79,38 @@ def test_a_resized_storage_is_a_free_and_a_new_block_and_a_restart_keeps_what_is
     assert trace.events[-1] == ("free", 2, 0, None)
 
 
+def test_a_restart_that_holds_frees_records_the_live_blocks_frees_when_released():
+    """From a restart with ``hold_frees`` (a wrap that does not shard, AllocTrace.restart) to
+    ``release_held``: a block then live and freed (a parameter fairscale OSS copied into its
+    rank's buffer) is recorded as freed at the release, after the buffer; a block made and freed
+    in between (a temporary of the wrap) at once; a block freed after the release at once."""
+    trace = AllocTrace()
+    tracker = StubTracker()
+    trace.attach(tracker)
+    first, second = SimpleNamespace(mem_consumed=100), SimpleNamespace(mem_consumed=200)
+    for w in (first, second):
+        tracker._update_snap(_UpdateType.ADD, w)
+    trace.restart(hold_frees=True)
+    buffer, temporary = SimpleNamespace(mem_consumed=300), SimpleNamespace(mem_consumed=50)
+    tracker._update_snap(_UpdateType.ADD, buffer)
+    tracker._update_snap(_UpdateType.DEL, first)  # held
+    tracker._update_snap(_UpdateType.ADD, temporary)
+    tracker._update_snap(_UpdateType.DEL, temporary)  # made in the wrap: not held
+    trace.release_held()
+    tracker._update_snap(_UpdateType.DEL, second)  # after the release
+    assert trace.events == [
+        ("malloc", 0, 100, DEFAULT_STREAM),
+        ("malloc", 1, 200, DEFAULT_STREAM),
+        ("malloc", 2, 300, DEFAULT_STREAM),
+        ("malloc", 3, 50, DEFAULT_STREAM),
+        ("free", 3, 0, None),
+        ("free", 0, 0, None),
+        ("free", 1, 0, None),
+    ]
+    trace.release_held()  # nothing held: nothing recorded
+    assert len(trace.events) == 7
+
+
 def test_a_side_stream_is_named_at_its_first_allocation_and_unnamed_ones_are_numbered():
     trace = AllocTrace(side_streams=("first",))
     tracker = StubTracker()
