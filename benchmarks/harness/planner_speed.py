@@ -3,6 +3,7 @@
     python -m benchmarks.harness.planner_speed            # both targets and the agreement check
     python -m benchmarks.harness.planner_speed --quick    # the 7B plan only
     python -m benchmarks.harness.planner_speed --time-model-cost   # the 7B plan with and without speed columns
+    python -m benchmarks.harness.planner_speed --allocator-cost    # ... with and without the allocator model
 
 Each plan runs as a user runs it (``python -m sharded_exp.plan ... plan.format=json``, a
 fresh process), with its wall time and peak resident memory; ``import torch`` alone is
@@ -22,6 +23,12 @@ is left out by a ``sitecustomize`` on ``PYTHONPATH`` (written to a temporary dir
 replaces ``sharded_exp.plan.points.traced`` in every process, the planner's forkserver
 workers included: nothing in the planner knows about the benchmark. The side with the time
 model runs a ``sitecustomize`` that imports the same and replaces nothing, so both pay alike.
+
+``--allocator-cost`` answers issue 47's (the allocator model adds at most 10% to a 7B plan's
+wall time) the same way: the side without it records no allocation trace in any fake step
+(``sharded_exp.predict.fake_step.recording`` yields None, as for a CPU plan), so nothing is
+replayed, no trace is drawn to depth, and no fake is made for the allocator's checks alone;
+its rows have no reserved memory. Everything else, the speed columns among it, is on both sides.
 """
 
 from __future__ import annotations
@@ -96,9 +103,9 @@ SMOKE_ONE_POINT = [
     "plan.strategies=[ddp]",
     "plan.world_sizes=[2]",
 ]
-"""``--time-model-cost --smoke``: one point of the 8-block model, enough to show that both kinds of
-plan ran and only one has step times (each kind is a whole plan: the smoke's four points took
-about a minute on 2 cores)."""
+"""``--time-model-cost --smoke`` (or ``--allocator-cost``): one point of the 8-block model,
+enough to show that both kinds of plan ran and only one has the part's column (each kind is a
+whole plan: the smoke's four points took about a minute on 2 cores)."""
 
 
 def agreement(overrides: list[str]) -> dict:
@@ -121,35 +128,44 @@ def agreement(overrides: list[str]) -> dict:
 
 
 SITECUSTOMIZE = """\
+import contextlib
 from sharded_exp.plan import points
-if {stub}:
+from sharded_exp.predict import fake_step
+if {stub} == "time model":
     points.traced = lambda *a, **k: {{"error": "speed columns left out (benchmarks.harness.planner_speed)"}}
+elif {stub} == "allocator model":
+    fake_step.recording = lambda *a, **k: contextlib.nullcontext(None)
 """
-"""``--time-model-cost``'s ``sitecustomize``: every new interpreter of either side imports the
+"""The cost benchmarks' ``sitecustomize``: every new interpreter of either side imports the
 planner (the stub's import, paid alike by both sides: multiprocessing's resource tracker is
-such an interpreter); only the side without the time model replaces the traced step."""
+such an interpreter); only the side without the part measured (``stub``) replaces it."""
+
+LEFT_OUT = {"time model": "step_time_s", "allocator model": "reserved_gib"}
+"""Each part whose cost is measured, and the plan column only it fills."""
 
 
-def time_model_cost(rounds: int, overrides: list[str]) -> dict:
-    """A plan (the 7B one) with and without the speed columns, alternating; wall seconds of each."""
+def part_cost(part: str, rounds: int, overrides: list[str]) -> dict:
+    """A plan (the 7B one) with and without ``part`` (a key of :data:`LEFT_OUT`), alternating;
+    wall seconds of each."""
+    column = LEFT_OUT[part]
     with tempfile.TemporaryDirectory() as tmp:
         envs = {}
-        for kind, stub in (("with", False), ("without", True)):
+        for kind, stub in (("with", ""), ("without", part)):
             os.makedirs(os.path.join(tmp, kind))
             with open(os.path.join(tmp, kind, "sitecustomize.py"), "w") as f:
-                f.write(SITECUSTOMIZE.format(stub=stub))
+                f.write(SITECUSTOMIZE.format(stub=repr(stub)))
             path = os.pathsep.join(x for x in (os.getcwd(), os.path.join(tmp, kind), os.environ.get("PYTHONPATH")) if x)
             envs[kind] = {**os.environ, "PYTHONPATH": path}
         walls: dict[str, list[float]] = {"with": [], "without": []}
         for _ in range(rounds):
             for kind, env in envs.items():
                 got = plan_once(overrides, env)
-                speed = [r.get("step_time_s") for r in got["rows"]]
-                if (kind == "with") != all(v is not None for v in speed):  # the stub took, and only there
-                    raise RuntimeError(f"plan {kind} the speed columns has step times {speed}")
+                figures = [r.get(column) for r in got["rows"]]
+                if (kind == "with") != all(v is not None for v in figures):  # the stub took, and only there
+                    raise RuntimeError(f"plan {kind} the {part} has {column} {figures}")
                 walls[kind].append(got["wall_s"])
     mean = {k: statistics.mean(v) for k, v in walls.items()}
-    return {"walls_s": walls, "mean_s": mean, "cost_pct": 100 * (mean["with"] / mean["without"] - 1)}
+    return {"part": part, "walls_s": walls, "mean_s": mean, "cost_pct": 100 * (mean["with"] / mean["without"] - 1)}
 
 
 def main() -> int:
@@ -158,24 +174,32 @@ def main() -> int:
     parser.add_argument(
         "--smoke",
         action="store_true",
-        help="a small model, two strategies (one point with --time-model-cost): that the script runs",
+        help="a small model, two strategies (one point with a cost flag): that the script runs",
     )
     parser.add_argument(
         "--time-model-cost",
         action="store_true",
         help="the 7B plan with and without the speed columns, alternating (issue 49's 20%% budget)",
     )
-    parser.add_argument("--rounds", type=int, default=3, help="--time-model-cost: plans of each kind")
+    parser.add_argument(
+        "--allocator-cost",
+        action="store_true",
+        help="the 7B plan with and without the CUDA allocator model, alternating (issue 47's 10%% budget)",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="--time-model-cost, --allocator-cost: plans of each kind")
     args = parser.parse_args()
-    if args.time_model_cost:
+    part, budget = (
+        ("time model", 20) if args.time_model_cost else ("allocator model", 10) if args.allocator_cost else ("", 0)
+    )
+    if part:
         plan = SMOKE_ONE_POINT if args.smoke else PLANS["7B GPT, six strategies x [8,64]"][0]
-        cost = time_model_cost(args.rounds, plan)
+        cost = part_cost(part, args.rounds, plan)
         print(markdown(["plan: " + ("smoke" if args.smoke else "7B GPT, six strategies x [8,64]"), "wall s each",
                         "mean s"],
                        [[k, ", ".join(f"{w:.1f}" for w in v), f"{cost['mean_s'][k]:.1f}"]
                         for k, v in cost["walls_s"].items()]))  # fmt: skip
-        print(f"\nthe time model adds {cost['cost_pct']:+.1f}% (target: at most +20%)")
-        print(f"written: {save('planner_speed', {'time_model_cost': cost})}")
+        print(f"\nthe {part} adds {cost['cost_pct']:+.1f}% (target: at most +{budget}%)")
+        print(f"written: {save('planner_speed', {part.replace(' ', '_') + '_cost': cost})}")
         return 0
     plans = dict(list(PLANS.items())[:1]) if args.quick else PLANS
     agreements = AGREEMENT

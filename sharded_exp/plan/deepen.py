@@ -295,7 +295,9 @@ def deepen(step: Step, blocks: int) -> list:
 class _Successors:
     """Which allocation of a trace follows which, one block on (:func:`_repeat_periods`): where a
     stretch of events repeats block after block, an allocation's successor is the allocation a
-    window's length later; a window's own allocations' successors are their copies."""
+    window's length later; a window's own allocations' successors are their copies; an
+    allocation made before the stretch is followed by what the same free, a window's length
+    away, frees, whichever of the two was made later."""
 
     def __init__(self, step: Step):
         events = step.events
@@ -316,16 +318,23 @@ class _Successors:
                     self.next[events[q][1]] = events[q + length][1]
                 q -= 1
             stretches.append((q + 1, length, start))
-        # an allocation made before its stretch (the unit gathered before the first block runs):
-        # its successor is what the same event a window later refers to, where none precedes that
+        # an allocation made before its stretch (the unit gathered before the first block runs, the
+        # embedding's output that the first block's backward frees): where an event and the same
+        # event a window later refer to two allocations, the one made later is the other's
+        # successor, where none precedes that. A forward's stretch runs from block to block, so
+        # that is the later event's; a backward's runs back, so it is the earlier event's.
+        made = {e[1]: q for q, e in enumerate(events) if e[0] == "malloc"}
         taken = set(self.next.values())
         for first, length, start in stretches:
             for q in range(first, start):
                 op, ident = events[q][:2]
                 after = events[q + length][1]
-                if op in ("free", "record_stream") and ident != after and ident not in self.next and after not in taken:
-                    self.next[ident] = after
-                    taken.add(after)
+                if op not in ("free", "record_stream") or ident == after:
+                    continue
+                early, late = sorted((ident, after), key=lambda i: made.get(i, -1))
+                if early not in self.next and late not in taken:
+                    self.next[early] = late
+                    taken.add(late)
 
     def later(self, ident, k: int):
         """The allocation ``k`` successors on from ``ident`` (a window's copy: ``(ident, k)``)."""

@@ -133,3 +133,41 @@ def piled_trace(blocks: int) -> list:
         before = unit
     events += [("free", before, 0, None), ("malloc", "peak", 300 * MIB, "default"), ("free", "peak", 0, None)]
     return events + [("sync", None, 0, None)]
+
+
+def embedded_trace(blocks: int) -> list:
+    """One step of a ``blocks``-block model after an embedding, as fsdp_grad_op runs it (ids
+    counted from 0), whose first block refers to what the embedding made where each later
+    block refers to what the block before it made:
+
+    - the embedding: its unit gathered (6 MiB), two 1 MiB temporaries made, its 2 MiB output
+      made, the temporaries freed;
+    - per block: its unit gathered (4 MiB), a 1 MiB activation kept, the unit before freed (the
+      embedding's, of another size, for the first block), a 1 MiB temporary made, the 2 MiB
+      output kept (the next block's input), the temporary freed;
+    - the last unit freed, the last output freed (the head's work);
+    - backward, the blocks in reverse: each frees its activation, then its input (the output of
+      the block before it; the embedding's output for the first block);
+    - the step's end."""
+    ids = itertools.count()
+    events: list = []
+
+    def made(size: int) -> int:
+        ident = next(ids)
+        events.append(("malloc", ident, size, "default"))
+        return ident
+
+    unit, first, second = made(6 * MIB), made(MIB), made(MIB)
+    inputs, acts = [made(2 * MIB)], []
+    events += [("free", first, 0, None), ("free", second, 0, None)]
+    for _ in range(blocks):
+        mine = made(4 * MIB)
+        acts.append(made(MIB))
+        events.append(("free", unit, 0, None))
+        unit, temporary = mine, made(MIB)
+        inputs.append(made(2 * MIB))
+        events.append(("free", temporary, 0, None))
+    events += [("free", unit, 0, None), ("free", inputs[-1], 0, None)]
+    for j in reversed(range(blocks)):
+        events += [("free", acts[j], 0, None), ("free", inputs[j], 0, None)]
+    return events + [("sync", None, 0, None)]

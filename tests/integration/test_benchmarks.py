@@ -294,12 +294,13 @@ def test_planner_speed_smoke(tmp_path):
     assert agree["points"] == 4 and agree["peak"] < 0.01 and agree["mean"] < 0.01
 
 
-def test_planner_speed_time_model_cost_smoke(tmp_path):
-    """Both kinds of plan ran, and only the one without the speed columns lacks step times
-    (the benchmark raises otherwise): its sitecustomize reached the planner's workers."""
-    data = bench("harness.planner_speed", "--time-model-cost", "--smoke", "--rounds", "1", cwd=tmp_path)[
-        "time_model_cost"
-    ]
+@pytest.mark.parametrize("flag", ["--time-model-cost", "--allocator-cost"])
+def test_planner_speed_part_cost_smoke(tmp_path, flag):
+    """Both kinds of plan ran, and only the one without the part measured lacks its column (step
+    times; reserved memory): the benchmark raises otherwise, so its sitecustomize reached the
+    planner's workers."""
+    [data] = bench("harness.planner_speed", flag, "--smoke", "--rounds", "1", cwd=tmp_path).values()
+    assert data["part"] == {"--time-model-cost": "time model", "--allocator-cost": "allocator model"}[flag]
     assert len(data["walls_s"]["with"]) == len(data["walls_s"]["without"]) == 1
     assert data["cost_pct"] == pytest.approx(100 * (data["mean_s"]["with"] / data["mean_s"]["without"] - 1))
 

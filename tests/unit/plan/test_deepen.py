@@ -16,6 +16,7 @@ from tests.helpers.traces import (
     MIB,
     alternating_trace,
     dealt_trace,
+    embedded_trace,
     model_trace,
     paired_trace,
     piled_trace,
@@ -65,6 +66,24 @@ def test_a_block_whose_events_repeat_within_it_is_one_window():
     step = block_step(paired_trace(3), paired_trace(4))
     assert step.periods == [(6, 8), (14, 16)]
     assert renumbered(_repeat_periods(step, 3)) == paired_trace(7)
+
+
+def test_a_first_block_unlike_the_others_still_has_its_successors():
+    """The embedding's output is made three events before the first block's, where each block's
+    output is made two before the next block's; the first block frees the embedding's 6 MiB unit
+    where each later block frees the block before's 4 MiB one. So the forward's stretch of
+    repeated events ends inside the first block, and by position the embedding's output has no
+    successor. The first block's backward frees it where each later block's backward frees the
+    output of the block before: that free, a window's length apart in the backward, says which
+    allocation follows which, and the one made later is the successor (the backward runs from
+    the deepest block back). Drawn so from 2 and 3 blocks, the trace at 6 blocks is the 6-block
+    model's; drawn on from 4 blocks to 8, it replays as the 8-block trace does."""
+    step = block_step(embedded_trace(2), embedded_trace(3))
+    assert step.periods is not None
+    assert renumbered(_repeat_periods(step, 3)) == embedded_trace(6)
+    drawn = drawn_to(embedded_trace(2), embedded_trace(3), embedded_trace(4), 4)
+    assert _keys(drawn) == _keys(embedded_trace(8))
+    assert replay(drawn) == replay(embedded_trace(8))
 
 
 def test_whole_blocks_are_repeated_only_where_they_make_the_third_trace():
