@@ -26,7 +26,7 @@ mid-backward are part shard, part whole unit; a per-tensor optimizer's temporari
 the largest tensor a rank steps), they are drawn and checked anew at that world size. On
 CUDA, where the lines are reused but the shallow fake's allocation trace is not the first
 world size's (the shard's sizes, one collective more), the two deeper depths are faked there
-too, for the caching allocator's trace alone (:func:`draw_allocator`). The peak at full depth is the analytic states at
+too, for the caching allocator's trace alone (:func:`drawn_allocator`). The peak at full depth is the analytic states at
 full depth plus the lines drawn there; every rank's peak follows from the faked rank's
 (:func:`~sharded_exp.predict.prediction.peaks_of_ranks`).
 
@@ -240,19 +240,28 @@ check passes from 3, 4 and 5 blocks (ZeRO-1 at 8 ranks, OSS at 2 on the 8-block 
 Each check is as strict as the first; a fake at a few blocks costs far less than the whole
 model's. A drawing by runs in place is also checked on a fake one block deeper than the third
 (:func:`~sharded_exp.plan.deepen.drawn_to`), the next try's third where that check fails: at
-most one more fake than this in all."""
+most one more fake than this in all. Where no two of the three traces align block by block
+(ShardedDDP on a 7B GPT, at every depth from 1 to 5), no deeper fake is made: the share of the
+peak is kept at once."""
 
 
 def draw_allocator(
     fakes: list[Fake], layers: int, peak_mib: float, deeper: Callable[[int], Fake | str] | None = None
 ) -> dict | None:
     """The caching allocator's figures at ``layers`` blocks from its model replayed over the
+    trace drawn to that depth from three shallow fakes' (:func:`drawn_allocator`), else the share
+    of the peak (:func:`compose_allocator`). None on CPU."""
+    return drawn_allocator(fakes, layers, deeper) or compose_allocator(fakes[1], peak_mib)
+
+
+def drawn_allocator(fakes: list[Fake], layers: int, deeper: Callable[[int], Fake | str] | None = None) -> dict | None:
+    """The caching allocator's figures at ``layers`` blocks from its model replayed over the
     trace drawn to that depth from three shallow fakes' (:mod:`sharded_exp.plan.deepen`),
     checked on the third (and on a fake one block deeper, from ``deeper``, where the drawing
     repeats runs in place); where that check fails, ``deeper`` (a fake at the given depth)
     moves the three one block deeper, at most :data:`DEEPER_CHECKS` times while short of
-    ``layers``; else the share of the peak (:func:`compose_allocator`). None on CPU."""
-    share = compose_allocator(fakes[1], peak_mib)
+    ``layers``, unless no two of the three traces align block by block
+    (:func:`~sharded_exp.plan.deepen.aligns`). None where nothing could be drawn."""
     made: dict[int, Fake | str] = {}
 
     def fake(depth: int) -> Fake | str:  # each depth faked once: a check's fake is the next try's third
@@ -263,15 +272,15 @@ def draw_allocator(
     three = list(fakes)
     for tries in range(DEEPER_CHECKS + 1):
         if tries:
-            if three[2].depth + 1 >= layers:
-                return share
+            if three[2].depth + 1 >= layers or not deepen.aligns(*(f.trace[0] for f in three)):
+                return None
             more = fake(three[2].depth + 1)
             if not isinstance(more, Fake):
-                return share
+                return None
             three = [*three[1:], more]
         a, b, c = three
         if any(f.trace is None for f in three):
-            return share
+            return None
         events, alloc_conf, workspace = c.trace
 
         def one_deeper(c=c) -> list | None:
@@ -281,13 +290,32 @@ def draw_allocator(
         drawn = deepen.drawn_to(a.trace[0], b.trace[0], events, layers - c.depth, alloc_conf, one_deeper)
         if drawn is not None:
             figures = point_figures(drawn, alloc_conf, workspace)
-            if figures is None:
-                return share
-            figures["depth"] = (
-                f"replayed over the trace drawn to {layers} blocks from {a.depth}, {b.depth} and {c.depth}"
-            )
+            if figures is not None:
+                figures["depth"] = (
+                    f"replayed over the trace drawn to {layers} blocks from {a.depth}, {b.depth} and {c.depth}"
+                )
             return figures
-    return share
+    return None
+
+
+def _drawing(three, first_three, drawn_first: list, layers: int, fake: Callable[[int], Fake | str]):
+    """:func:`drawn_allocator` of ``three`` with deeper fakes from ``fake`` (a fake at a depth),
+    and the deeper fakes it made; where ``three`` are the first world size's (``first_three``),
+    that world size's drawing, made once and kept in ``drawn_first``: the same traces draw the
+    same, from the same deeper fakes."""
+    if three is not None and three is first_three and drawn_first:
+        return drawn_first[0], []
+    made: list[Fake] = []  # deeper fakes for the allocator's check alone (DEEPER_CHECKS)
+
+    def deeper(depth: int) -> Fake | str:
+        more = fake(depth)
+        made.extend([more] if isinstance(more, Fake) else [])
+        return more
+
+    drawn = drawn_allocator(three, layers, deeper) if three else None
+    if three is not None and three is first_three:
+        drawn_first.append(drawn)
+    return drawn, made
 
 
 def peaks_by_depth(cfg_s, world_sizes, device_type: str, key: str, layers: int) -> dict[int, dict | None]:
@@ -301,6 +329,7 @@ def peaks_by_depth(cfg_s, world_sizes, device_type: str, key: str, layers: int) 
     out: dict[int, dict | None] = {}
     first: tuple[Fake, Fake] | None = None
     first_three: list[Fake] = []
+    drawn_first: list[dict | None] = []  # what the allocator's trace drawn from first_three gave
     first_ws, rules = 0, {}
     full_shapes = shapes_of(cfg_s)
     for ws in world_sizes:
@@ -338,14 +367,9 @@ def peaks_by_depth(cfg_s, world_sizes, device_type: str, key: str, layers: int) 
             out[ws] = None  # the strategy's set-up moment may be the peak: faked whole
             continue
         top = max(phases.values(), key=lambda p: p[0])
-        made: list[Fake] = []  # deeper fakes for the allocator's check alone (DEEPER_CHECKS)
-
-        def deeper(depth: int, ws=ws) -> Fake | str:
-            more = fake_at(cfg_s, key, depth, ws, device_type)
-            made.extend([more] if isinstance(more, Fake) else [])
-            return more
-
-        allocator = draw_allocator(three, layers, top[0], deeper) if three else compose_allocator(pair[1], top[0])
+        at = lambda depth, ws=ws: fake_at(cfg_s, key, depth, ws, device_type)  # noqa: E731
+        drawn, made = _drawing(three, first_three, drawn_first, layers, at)
+        allocator = drawn or compose_allocator((three or pair)[1], top[0])
         fakes = fakes + made  # a new list: the first world size's three are kept as they are
         out[ws] = {
             "per_rank_mib": peaks_of_ranks(list(phases.values()), states, rank),

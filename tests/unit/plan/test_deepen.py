@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from sharded_exp.plan.deepen import _keys, _repeat_periods, block_step, deepen, drawn_to, same_trace
+from sharded_exp.plan.deepen import _keys, _repeat_periods, aligns, block_step, deepen, drawn_to, same_trace
 from sharded_exp.predict.alloc_trace import replay
 from tests.helpers.traces import (
     MIB,
@@ -129,6 +129,32 @@ def test_two_traces_are_the_same_whatever_their_ids():
     assert not same_trace((model_trace(3), "", 0.0), (model_trace(3), "expandable_segments:True", 0.0))
     assert not same_trace((model_trace(3), "", 0.0), (model_trace(4), "", 0.0))
     assert not same_trace(None, (model_trace(3), "", 0.0))
+
+
+def test_two_traces_that_free_in_another_order_ask_the_same():
+    """model_trace frees the last block's temporary and then its blocks' activations one after
+    another: that run of four frees the other way round asks the allocator for the same (each
+    freed block merges with its free neighbours whichever goes first), so the two traces are the
+    same and replay alike. The run's last free moved past the allocation after it is another
+    trace."""
+    trace = model_trace(3)
+    first = next(q for q, e in enumerate(trace) if e[0] == "free" and trace[q + 1][0] == "free")
+    assert [e[0] for e in trace[first : first + 5]] == ["free"] * 4 + ["malloc"]
+    turned = trace[:first] + trace[first : first + 4][::-1] + trace[first + 4 :]
+    assert turned != trace and same_trace((trace, "", 0.0), (turned, "", 0.0))
+    assert replay(turned) == replay(trace)
+    moved = trace[: first + 3] + [trace[first + 4], trace[first + 3]] + trace[first + 5 :]
+    assert not same_trace((trace, "", 0.0), (moved, "", 0.0))
+
+
+def test_three_traces_align_where_one_is_another_with_a_block_inserted():
+    """The made-up 2-block trace allocates on a stream the deeper ones never use: 2 -> 3 is no block
+    step, 3 -> 4 is. A trace whose every depth allocates on another stream of its own aligns at
+    no two depths."""
+    odd = model_trace(2) + [("malloc", "odd", MIB, "side")]
+    assert aligns(odd, model_trace(3), model_trace(4))
+    own = [model_trace(n) + [("malloc", "odd", MIB, f"side {n}")] for n in (2, 3, 4)]
+    assert not aligns(*own)
 
 
 def test_an_allocation_grows_with_depth_only_on_a_line():

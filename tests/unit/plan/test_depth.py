@@ -425,6 +425,33 @@ def test_where_the_shallowest_three_fail_the_allocators_check_it_is_tried_a_bloc
     assert draw_allocator(fakes, 7, 123.0, lambda d: "no fake")["depth"].startswith("the deeper shallow")
 
 
+def test_where_no_two_of_the_three_align_no_deeper_fake_is_asked():
+    """Each made-up trace allocates on a stream of its own (no depth is another's with a block
+    inserted, as ShardedDDP's synchronisations and frees move at every depth): the share of the
+    peak is kept at once, without faking deeper. The world size after the first, whose three
+    fakes are the first's, takes the first's drawing without drawing or faking again."""
+    from sharded_exp.plan.depth import Fake, _drawing, draw_allocator
+    from sharded_exp.predict.alloc_trace import point_figures
+    from tests.helpers.traces import MIB, model_trace
+
+    def with_trace(d: int, own: bool) -> Fake:
+        trace = model_trace(d) + ([("malloc", "odd", MIB, f"side {d}")] if own else [])
+        return Fake(d, {}, {}, {}, 0.0, allocator=point_figures(trace, "", 0.0), trace=(trace, "", 0.0))
+
+    asked = []
+
+    def deeper(d: int) -> Fake:
+        asked.append(d)
+        return with_trace(d, own=True)
+
+    shared = draw_allocator([with_trace(n, own=True) for n in (2, 3, 4)], 7, 123.0, deeper)
+    assert shared["depth"].startswith("the deeper shallow fake's share") and asked == []
+    three, kept = [with_trace(n, own=False) for n in (2, 3, 4)], []
+    drawn, made = _drawing(three, three, kept, 7, deeper)
+    assert drawn["depth"] == "replayed over the trace drawn to 7 blocks from 2, 3 and 4" and kept == [drawn]
+    assert _drawing(three, three, kept, 7, lambda d: pytest.fail("faked again")) == (drawn, [])
+
+
 def test_a_drawing_by_runs_asks_for_the_fake_a_block_deeper_once():
     """tests/helpers/traces.py's piled trace from 1, 2 and 3 blocks is drawn by runs in place, which
     the fake at 4 blocks refuses (two copies pile up past the check); the three then move to 2, 3
