@@ -524,8 +524,9 @@ def drawn_to(
 
     Drawn by runs in place (not whole blocks), a block's allocations that outlive its run pile
     up, one more with each copy, so one copy may pass where many do not (fsdp_grad_op on a 7B
-    GPT at 8 ranks: the drawing from 3 and 4 blocks within 2 MiB of 5 blocks' cache, 2,964 MiB
-    over 6 blocks', 55 GiB reserved at 32 blocks against 38 faked whole). Such a drawing of two
+    GPT at 8 ranks, drawn by runs before :class:`_Successors` read its first block's successors
+    from its backward: the drawing from 3 and 4 blocks within 2 MiB of 5 blocks' cache, 2,964
+    MiB over 6 blocks', 55 GiB reserved at 32 blocks against 38 faked whole). Such a drawing of two
     copies or more is checked two blocks on as well, against ``deeper()``, the trace one block
     deeper than ``c``; None where that cannot be had. A heuristic still: a pile-up of under
     half the check's bound per copy passes both. Where whole blocks made ``c`` one block on,
