@@ -297,7 +297,8 @@ class _Successors:
     stretch of events repeats block after block, an allocation's successor is the allocation a
     window's length later; a window's own allocations' successors are their copies; an
     allocation made before the stretch is followed by what the same free, a window's length
-    away, frees, whichever of the two was made later."""
+    away, frees, whichever of the two was made later (both made before the trace: the later
+    free's)."""
 
     def __init__(self, step: Step):
         events = step.events
@@ -322,7 +323,8 @@ class _Successors:
         # embedding's output that the first block's backward frees): where an event and the same
         # event a window later refer to two allocations, the one made later is the other's
         # successor, where none precedes that. A forward's stretch runs from block to block, so
-        # that is the later event's; a backward's runs back, so it is the earlier event's.
+        # that is the later event's; a backward's runs back, so it is the earlier event's. (Two
+        # allocations made before the trace: the later event's, as for a forward.)
         made = {e[1]: q for q, e in enumerate(events) if e[0] == "malloc"}
         taken = set(self.next.values())
         for first, length, start in stretches:
@@ -470,7 +472,8 @@ def _frees_in_one_order(events: list) -> list:
     allocations were made. The allocator ends such a run in one state whatever its order: a
     freed block merges with the free blocks beside it in its segment, whichever was freed first,
     and a free delayed by a stream's use waits for that stream's work, then is freed the same
-    way. The order itself may follow Python's: autograd's graph, released after the loss's
+    way (only the peak count of inactive split blocks in between may differ, which no figure
+    of a point reads). The order itself may follow Python's: autograd's graph, released after the loss's
     backward, freed four small tensors in one rotation at 8 ranks and another at 64 (DDP, ZeRO-1
     on a 7B GPT cut to a block). Only for comparing traces (:func:`same_trace`): a drawing follows the order faked,
     which says where a block's events begin and end."""

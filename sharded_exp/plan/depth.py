@@ -298,6 +298,28 @@ def drawn_allocator(fakes: list[Fake], layers: int, deeper: Callable[[int], Fake
     return None
 
 
+def _allocator_three(fakes: list, first_three: list[Fake], fake: Callable[[int], Fake | str]) -> list | None:
+    """The three shallow fakes the allocator's trace is drawn from at a world size whose lines
+    are the first world size's, ``fakes`` holding its shallowest fake (the deeper ones, made by
+    ``fake`` at a depth, are appended). The first world size's three where this one's two
+    shallowest traces are theirs (:func:`~sharded_exp.plan.deepen.same_trace`): DDP's at 8 and
+    64 ranks. Else (the shard's sizes, a collective more; ZeRO-1's largest rank holds other
+    tensors at 2 blocks of a 7B GPT at 64 ranks than at 8, the same at 1) the lines hold but
+    the cache may not: the two deeper fakes here, for the allocator's trace alone. None where a
+    fake has no trace (then the share of the peak)."""
+    if fakes[0].trace is None:
+        return None
+    fakes.append(fake(first_three[1].depth))
+    if not isinstance(fakes[1], Fake) or fakes[1].trace is None:
+        return None
+    if deepen.same_trace(first_three[0].trace, fakes[0].trace) and deepen.same_trace(
+        first_three[1].trace, fakes[1].trace
+    ):
+        return first_three
+    fakes.append(fake(first_three[2].depth))
+    return fakes if isinstance(fakes[2], Fake) else None
+
+
 def _drawing(three, first_three, drawn_first: list, layers: int, fake: Callable[[int], Fake | str]):
     """:func:`drawn_allocator` of ``three`` with deeper fakes from ``fake`` (a fake at a depth),
     and the deeper fakes it made; where ``three`` are the first world size's (``first_three``),
@@ -338,16 +360,7 @@ def peaks_by_depth(cfg_s, world_sizes, device_type: str, key: str, layers: int) 
         if reuse and same_lines(first[0], fakes[0], rules):
             pair, here = first, rules
             how = f"as at {first_ws} ranks: unchanged at {depths[0]} blocks"
-            # the allocator's trace too, where the shallowest is the same here; where it is not (the
-            # shard's sizes, a collective more), the lines hold but the cache may not: the two
-            # deeper fakes here, for the allocator's trace alone (else the share of the peak)
-            if deepen.same_trace(first_three[0].trace, fakes[0].trace):
-                three = first_three
-            elif fakes[0].trace is not None:
-                fakes += [fake_at(cfg_s, key, d, ws, device_type) for d in depths[1:]]
-                three = fakes if all(isinstance(f, Fake) for f in fakes) else None
-            else:
-                three = None
+            three = _allocator_three(fakes, first_three, lambda d, ws=ws: fake_at(cfg_s, key, d, ws, device_type))
         else:  # the first world size, or the lines moved: drawn and checked here
             fakes += [fake_at(cfg_s, key, d, ws, device_type) for d in depths[1:]]
             found = None if any(isinstance(f, str) for f in fakes) else rules_on_line(*fakes)
@@ -369,6 +382,8 @@ def peaks_by_depth(cfg_s, world_sizes, device_type: str, key: str, layers: int) 
         top = max(phases.values(), key=lambda p: p[0])
         at = lambda depth, ws=ws: fake_at(cfg_s, key, depth, ws, device_type)  # noqa: E731
         drawn, made = _drawing(three, first_three, drawn_first, layers, at)
+        if drawn is not None and three is first_three and ws != first_ws:
+            drawn = {**drawn, "depth": f"{drawn['depth']} (as at {first_ws} ranks: the same shallow traces)"}
         allocator = drawn or compose_allocator((three or pair)[1], top[0])
         fakes = fakes + made  # a new list: the first world size's three are kept as they are
         out[ws] = {

@@ -425,11 +425,12 @@ def test_where_the_shallowest_three_fail_the_allocators_check_it_is_tried_a_bloc
     assert draw_allocator(fakes, 7, 123.0, lambda d: "no fake")["depth"].startswith("the deeper shallow")
 
 
-def test_where_no_two_of_the_three_align_no_deeper_fake_is_asked():
+def test_where_no_two_of_the_three_align_no_deeper_fake_is_asked(monkeypatch):
     """Each made-up trace allocates on a stream of its own (no depth is another's with a block
     inserted, as ShardedDDP's synchronisations and frees move at every depth): the share of the
     peak is kept at once, without faking deeper. The world size after the first, whose three
     fakes are the first's, takes the first's drawing without drawing or faking again."""
+    from sharded_exp.plan import depth
     from sharded_exp.plan.depth import Fake, _drawing, draw_allocator
     from sharded_exp.predict.alloc_trace import point_figures
     from tests.helpers.traces import MIB, model_trace
@@ -449,7 +450,41 @@ def test_where_no_two_of_the_three_align_no_deeper_fake_is_asked():
     three, kept = [with_trace(n, own=False) for n in (2, 3, 4)], []
     drawn, made = _drawing(three, three, kept, 7, deeper)
     assert drawn["depth"] == "replayed over the trace drawn to 7 blocks from 2, 3 and 4" and kept == [drawn]
-    assert _drawing(three, three, kept, 7, lambda d: pytest.fail("faked again")) == (drawn, [])
+    monkeypatch.setattr(depth, "drawn_allocator", lambda *a, **k: pytest.fail("drawn again"))
+    again, made = _drawing(three, three, kept, 7, lambda d: pytest.fail("faked again"))
+    assert again is drawn and made == []
+    with pytest.raises(pytest.fail.Exception, match="drawn again"):  # other fakes than the first's: drawn
+        _drawing(list(three), three, kept, 7, deeper)
+
+
+def test_a_further_world_size_takes_the_first_ones_three_where_its_two_shallowest_are_theirs():
+    """At a world size whose lines are the first's, the second depth is faked too: where both
+    shallow traces are the first world size's (ids and the order of frees in a row aside), the
+    first's three are taken; where the second is not (a dealt rank holding other tensors there,
+    made up as a side allocation at 3 blocks), the third is faked and the three made here are
+    drawn from. A CPU fake (no trace) makes no more fakes."""
+    from sharded_exp.plan.depth import Fake, _allocator_three
+    from tests.helpers.traces import MIB, model_trace
+
+    def with_trace(d: int, side: bool = False) -> Fake:
+        trace = model_trace(d) + ([("malloc", "dealt", MIB, "side")] if side else [])
+        return Fake(d, {}, {}, {}, 0.0, trace=(trace, "", 0.0))
+
+    first_three = [with_trace(n) for n in (2, 3, 4)]
+    asked: list[int] = []
+
+    def fake(d: int, side: bool = False) -> Fake:
+        asked.append(d)
+        return with_trace(d, side)
+
+    fakes = [with_trace(2)]
+    assert _allocator_three(fakes, first_three, fake) is first_three and asked == [3] and len(fakes) == 2
+    asked.clear()
+    fakes = [with_trace(2)]
+    three = _allocator_three(fakes, first_three, lambda d: fake(d, side=d == 3))
+    assert three is fakes and asked == [3, 4] and [f.depth for f in three] == [2, 3, 4]
+    asked.clear()
+    assert _allocator_three([Fake(2, {}, {}, {}, 0.0)], first_three, fake) is None and asked == []
 
 
 def test_a_drawing_by_runs_asks_for_the_fake_a_block_deeper_once():
