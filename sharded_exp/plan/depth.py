@@ -214,10 +214,11 @@ ALLOCATOR_SHARES = ("allocated_extra_mib", "reserved_extra_mib", "fragmentation_
 
 def compose_allocator(b: Fake, peak_mib: float) -> dict | None:
     """The caching allocator's figures at full depth (``peak_mib``: the composed peak) where no
-    full-depth trace could be drawn (:func:`draw_allocator`): the deeper shallow fake's, each in
-    the same proportion to the peak as there. This overstates reserved memory (the cache grows
-    with depth less than the peak does: +5% to +15% on a 24-block GPT), so it is said in the
-    figures' ``depth`` note. None on CPU."""
+    full-depth trace could be drawn (:func:`drawn_allocator`): the deeper shallow fake's, each in
+    the same proportion to the peak as there. This mostly overstates reserved memory (the cache
+    grows with depth less than the peak does: +5% to +15% on a 24-block GPT), but not always
+    (ShardedDDP on a 7B GPT at 64 ranks: 6.7% under the model faked whole, its cache growing
+    with depth more than its peak), so it is said in the figures' ``depth`` note. None on CPU."""
     if b.allocator is None or not b.allocator.get("tracked_peak_mib"):
         return None
     scale = peak_mib / b.allocator["tracked_peak_mib"]
@@ -229,7 +230,7 @@ def compose_allocator(b: Fake, peak_mib: float) -> dict | None:
 
 
 DEEPER_CHECKS = 2
-"""How many times :func:`draw_allocator` fakes one block deeper where the drawing fails its
+"""How many times :func:`drawn_allocator` fakes one block deeper where the drawing fails its
 check at the shallowest three depths. A strategy that deals whole tensors to ranks (ZeRO-1,
 OSS) fakes its largest rank, and which rank that is, and which tensors it steps, moves with
 the depth: at 8 ranks the one-block model's 16 tensors give each rank two, and the step's
@@ -245,15 +246,6 @@ most one more fake than this in all. Where no two of the three traces align bloc
 peak is kept at once."""
 
 
-def draw_allocator(
-    fakes: list[Fake], layers: int, peak_mib: float, deeper: Callable[[int], Fake | str] | None = None
-) -> dict | None:
-    """The caching allocator's figures at ``layers`` blocks from its model replayed over the
-    trace drawn to that depth from three shallow fakes' (:func:`drawn_allocator`), else the share
-    of the peak (:func:`compose_allocator`). None on CPU."""
-    return drawn_allocator(fakes, layers, deeper) or compose_allocator(fakes[1], peak_mib)
-
-
 def drawn_allocator(fakes: list[Fake], layers: int, deeper: Callable[[int], Fake | str] | None = None) -> dict | None:
     """The caching allocator's figures at ``layers`` blocks from its model replayed over the
     trace drawn to that depth from three shallow fakes' (:mod:`sharded_exp.plan.deepen`),
@@ -261,7 +253,8 @@ def drawn_allocator(fakes: list[Fake], layers: int, deeper: Callable[[int], Fake
     repeats runs in place); where that check fails, ``deeper`` (a fake at the given depth)
     moves the three one block deeper, at most :data:`DEEPER_CHECKS` times while short of
     ``layers``, unless no two of the three traces align block by block
-    (:func:`~sharded_exp.plan.deepen.aligns`). None where nothing could be drawn."""
+    (:func:`~sharded_exp.plan.deepen.aligns`). None where nothing could be drawn (the plan then
+    keeps the share of the peak: :func:`compose_allocator`)."""
     made: dict[int, Fake | str] = {}
 
     def fake(depth: int) -> Fake | str:  # each depth faked once: a check's fake is the next try's third

@@ -375,8 +375,9 @@ def test_the_allocators_figures_at_full_depth_keep_their_share_of_the_peak():
 def test_the_allocators_figures_at_full_depth_are_replayed_over_the_trace_drawn_there():
     """Three shallow fakes' traces (tests/helpers/traces.py's made-up model at 2, 3 and 4
     blocks) drawn to 7 blocks replay as the 7-block trace does; a fake without a trace (or one
-    that does not repeat by block) keeps the share of the peak, and says so."""
-    from sharded_exp.plan.depth import Fake, draw_allocator
+    that does not repeat by block) is not drawn, and the plan keeps the share of the peak, and
+    says so."""
+    from sharded_exp.plan.depth import Fake, compose_allocator, drawn_allocator
     from sharded_exp.predict.alloc_trace import point_figures
     from tests.helpers.traces import model_trace
 
@@ -385,12 +386,13 @@ def test_the_allocators_figures_at_full_depth_are_replayed_over_the_trace_drawn_
         return Fake(d, {}, {}, {}, 0.0, allocator=figures, trace=(trace, "", 0.0))
 
     fakes = [with_trace(n, model_trace(n)) for n in (2, 3, 4)]
-    drawn = draw_allocator(fakes, 7, 123.0)
+    drawn = drawn_allocator(fakes, 7)
     whole = point_figures(model_trace(7), "", 0.0)
     assert drawn["reserved_extra_mib"] == whole["reserved_extra_mib"]
     assert drawn["allocated_extra_mib"] == whole["allocated_extra_mib"]
     assert drawn["depth"] == "replayed over the trace drawn to 7 blocks from 2, 3 and 4"
-    shared = draw_allocator([fakes[0], fakes[1], with_trace(4, model_trace(6))], 7, 123.0)
+    assert drawn_allocator([fakes[0], fakes[1], with_trace(4, model_trace(6))], 7) is None
+    shared = compose_allocator(fakes[1], 123.0)
     assert shared["depth"].startswith("the deeper shallow fake's share of the peak")
     share = fakes[1].allocator["reserved_extra_mib"] / fakes[1].allocator["tracked_peak_mib"]
     assert shared["reserved_extra_mib"] == pytest.approx(share * 123.0)
@@ -400,8 +402,9 @@ def test_where_the_shallowest_three_fail_the_allocators_check_it_is_tried_a_bloc
     """The made-up 2-block trace allocates on a stream the deeper ones never use (no block
     step from it): the three are moved one block deeper, 3, 4 and 5 (the fake at 5 asked of
     ``deeper``), where the drawing holds and replays as the 7-block trace does. With no
-    deeper fake, or none short of the model's depth, the share of the peak is kept."""
-    from sharded_exp.plan.depth import DEEPER_CHECKS, Fake, draw_allocator
+    deeper fake, or none short of the model's depth, nothing is drawn (the share of the peak
+    is kept)."""
+    from sharded_exp.plan.depth import DEEPER_CHECKS, Fake, drawn_allocator
     from sharded_exp.predict.alloc_trace import point_figures
     from tests.helpers.traces import MIB, model_trace
 
@@ -416,22 +419,22 @@ def test_where_the_shallowest_three_fail_the_allocators_check_it_is_tried_a_bloc
         asked.append(d)
         return with_trace(d, model_trace(d))
 
-    drawn = draw_allocator(fakes, 7, 123.0, deeper)
+    drawn = drawn_allocator(fakes, 7, deeper)
     assert asked == [5] and DEEPER_CHECKS >= 1
     assert drawn["depth"] == "replayed over the trace drawn to 7 blocks from 3, 4 and 5"
     assert drawn["reserved_extra_mib"] == point_figures(model_trace(7), "", 0.0)["reserved_extra_mib"]
-    assert draw_allocator(fakes, 7, 123.0)["depth"].startswith("the deeper shallow fake's share")
-    assert draw_allocator(fakes, 5, 123.0, deeper)["depth"].startswith("the deeper shallow fake's share")
-    assert draw_allocator(fakes, 7, 123.0, lambda d: "no fake")["depth"].startswith("the deeper shallow")
+    assert drawn_allocator(fakes, 7) is None
+    assert drawn_allocator(fakes, 5, deeper) is None
+    assert drawn_allocator(fakes, 7, lambda d: "no fake") is None
 
 
 def test_where_no_two_of_the_three_align_no_deeper_fake_is_asked(monkeypatch):
     """Each made-up trace allocates on a stream of its own (no depth is another's with a block
     inserted, as ShardedDDP's synchronisations and frees move at every depth): the share of the
-    peak is kept at once, without faking deeper. The world size after the first, whose three
+    peak is kept (nothing drawn) at once, without faking deeper. The world size after the first, whose three
     fakes are the first's, takes the first's drawing without drawing or faking again."""
     from sharded_exp.plan import depth
-    from sharded_exp.plan.depth import Fake, _drawing, draw_allocator
+    from sharded_exp.plan.depth import Fake, _drawing, drawn_allocator
     from sharded_exp.predict.alloc_trace import point_figures
     from tests.helpers.traces import MIB, model_trace
 
@@ -445,8 +448,7 @@ def test_where_no_two_of_the_three_align_no_deeper_fake_is_asked(monkeypatch):
         asked.append(d)
         return with_trace(d, own=True)
 
-    shared = draw_allocator([with_trace(n, own=True) for n in (2, 3, 4)], 7, 123.0, deeper)
-    assert shared["depth"].startswith("the deeper shallow fake's share") and asked == []
+    assert drawn_allocator([with_trace(n, own=True) for n in (2, 3, 4)], 7, deeper) is None and asked == []
     three, kept = [with_trace(n, own=False) for n in (2, 3, 4)], []
     drawn, made = _drawing(three, three, kept, 7, deeper)
     assert drawn["depth"] == "replayed over the trace drawn to 7 blocks from 2, 3 and 4" and kept == [drawn]
@@ -492,7 +494,7 @@ def test_a_drawing_by_runs_asks_for_the_fake_a_block_deeper_once():
     the fake at 4 blocks refuses (two copies pile up past the check); the three then move to 2, 3
     and 4, the fake at 4 blocks not asked again, where whole blocks are drawn and replay as the
     7-block trace does."""
-    from sharded_exp.plan.depth import Fake, draw_allocator
+    from sharded_exp.plan.depth import Fake, drawn_allocator
     from sharded_exp.predict.alloc_trace import point_figures
     from tests.helpers.traces import piled_trace
 
@@ -506,7 +508,7 @@ def test_a_drawing_by_runs_asks_for_the_fake_a_block_deeper_once():
         asked.append(d)
         return with_trace(d)
 
-    drawn = draw_allocator([with_trace(n) for n in (1, 2, 3)], 7, 123.0, deeper)
+    drawn = drawn_allocator([with_trace(n) for n in (1, 2, 3)], 7, deeper)
     assert asked == [4]
     assert drawn["depth"] == "replayed over the trace drawn to 7 blocks from 2, 3 and 4"
     assert drawn["reserved_extra_mib"] == point_figures(piled_trace(7), "", 0.0)["reserved_extra_mib"]
