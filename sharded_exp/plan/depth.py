@@ -24,9 +24,11 @@ moved: where only the shard changed they did not (DDP, OSS, ZeRO-1 under a forea
 optimizer), and the first world size's lines are reused; where they did (FSDP's gradients
 mid-backward are part shard, part whole unit; a per-tensor optimizer's temporaries follow
 the largest tensor a rank steps), they are drawn and checked anew at that world size. On
-CUDA, where the lines are reused but the shallow fake's allocation trace is not the first
-world size's (the shard's sizes, one collective more), the two deeper depths are faked there
-too, for the caching allocator's trace alone (:func:`drawn_allocator`). The peak at full depth is the analytic states at
+CUDA, where the lines are reused, the second depth is faked there too, and where the two
+shallowest allocation traces are not the first world size's (the shard's sizes, one collective
+more, the largest rank's tensors) the third as well, for the caching allocator's trace alone
+(:func:`_allocator_three`, :func:`drawn_allocator`); where they are, the first world size's
+drawing is taken. The peak at full depth is the analytic states at
 full depth plus the lines drawn there; every rank's peak follows from the faked rank's
 (:func:`~sharded_exp.predict.prediction.peaks_of_ranks`).
 
