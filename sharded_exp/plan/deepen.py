@@ -544,18 +544,41 @@ def drawn_to(
     periodic = first.periods is not None and _keys(_repeat_periods(first, 1) or []) == _keys(c)
     if not periodic:
         first.periods = None
-    if not _adds_as(replay(deepen(first, 1), alloc_conf), replay(c, alloc_conf)):
-        return None
+    checked = _adds_as(replay(deepen(first, 1), alloc_conf), replay(c, alloc_conf))
     # drawn on from b and c; where c is no block step from b (the faked rank's tensors moved
     # from b to c), the drawing just checked, from a and b
     final, copies = (first, blocks + 1) if step is None else (step, blocks)
     if periodic:
-        return _repeat_periods(final, copies) if final.periods else None
-    if copies > 1:
+        return _repeat_periods(final, copies) if checked and final.periods else None
+    if copies > 1 or not checked:  # runs in place: whole blocks with the frees in one order, else checked on
         d = deeper() if deeper is not None else None
-        if d is None or not _adds_as(replay(deepen(first, 2), alloc_conf), replay(_steps_only(d), alloc_conf)):
+        whole = _whole_blocks_in_one_order(a, b, c, d, blocks) if d is not None else None
+        if whole is not None:
+            return whole
+        if not checked or d is None:
+            return None
+        if not _adds_as(replay(deepen(first, 2), alloc_conf), replay(_steps_only(d), alloc_conf)):
             return None
     return _repeat_runs(final, copies)
+
+
+def _whole_blocks_in_one_order(a: list, b: list, c: list, d: list, blocks: int) -> list | None:
+    """The trace ``blocks`` blocks deeper than ``c``, drawn as whole blocks from ``b`` and ``c``
+    with each run of frees in one order (:func:`_frees_in_one_order`), where that drawing makes
+    ``d`` (one block deeper than ``c``) event for event in that order; else None. A trace whose
+    blocks free in another order each (DDP: autograd's graph released in another rotation)
+    repeats block after block only so; where the order faked does repeat (FSDP2), the drawing
+    keeps it (:func:`drawn_to`), since reordered its blocks' events no longer begin and end
+    where a block's do."""
+    a, b, c, d = (_frees_in_one_order(_steps_only(t)) for t in (a, b, c, d))
+    first, step = block_step(a, b), block_step(b, c)
+    if first is None or step is None:
+        return None
+    _grown_on_lines(first, step)
+    one = _repeat_periods(step, 1) if step.periods else None
+    if one is None or _keys(one) != _keys(d):
+        return None
+    return _repeat_periods(step, blocks)
 
 
 def _adds_as(drawn, faked) -> bool:

@@ -171,3 +171,16 @@ def embedded_trace(blocks: int) -> list:
     for j in reversed(range(blocks)):
         events += [("free", acts[j], 0, None), ("free", inputs[j], 0, None)]
     return events + [("sync", None, 0, None)]
+
+
+def rotated_trace(blocks: int) -> list:
+    """``model_trace`` whose run of frees after the forward (the last block's 3 MiB temporary,
+    then the 2 MiB activations) comes in another rotation at each depth (the first freed is the
+    ``1 + blocks % 2``-th), as autograd's graph, released after the loss's backward, frees tensors in
+    an order that follows Python's: no block's events repeat the block before's in the order
+    faked, only with each run of frees in one order."""
+    events = model_trace(blocks)
+    first = next(q for q, e in enumerate(events) if e[0] == "free" and events[q + 1][0] == "free")
+    run = events[first : first + blocks + 1]
+    k = 1 + blocks % 2
+    return events[:first] + run[k:] + run[:k] + events[first + blocks + 1 :]

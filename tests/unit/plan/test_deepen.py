@@ -22,6 +22,7 @@ from tests.helpers.traces import (
     piled_trace,
     prefetch_trace,
     renumbered,
+    rotated_trace,
 )
 
 
@@ -147,6 +148,27 @@ def test_two_traces_that_free_in_another_order_ask_the_same():
     assert not same_trace((trace, "", 0.0), (moved, "", 0.0))
 
 
+def test_blocks_that_free_in_another_order_each_are_drawn_as_whole_blocks_in_one_order():
+    """rotated_trace frees the last temporary and the activations after the forward in another
+    rotation at each depth: in the order faked no window of the 3-block trace repeats the one
+    before it, so each run of the new block's events would be repeated in place, which the
+    4-block trace refuses. With each run of frees in the order its allocations were made, whole
+    blocks drawn from 3 and 4 blocks make the 5-block trace event for event, and are drawn on:
+    to 9 blocks, the 9-block trace in that order, replayed alike. Given a 5-block trace that
+    does not match so, or none, nothing is drawn."""
+    from sharded_exp.plan.deepen import _frees_in_one_order
+
+    t = {n: rotated_trace(n) for n in range(2, 10)}
+    one_order = _keys(_frees_in_one_order(model_trace(3)))
+    assert _keys(t[3]) != _keys(model_trace(3)) and _keys(_frees_in_one_order(t[3])) == one_order
+    drawn = drawn_to(t[2], t[3], t[4], 5, deeper=lambda: t[5])
+    assert _keys(drawn) == _keys(_frees_in_one_order(t[9]))
+    assert replay(drawn) == replay(t[9])
+    other = t[5][:-1] + [("malloc", "x", 512, "default"), ("free", "x", 0, None), t[5][-1]]
+    assert drawn_to(t[2], t[3], t[4], 5, deeper=lambda: other) is None
+    assert drawn_to(t[2], t[3], t[4], 5) is None
+
+
 def test_three_traces_align_where_one_is_another_with_a_block_inserted():
     """The made-up 2-block trace allocates on a stream the deeper ones never use: 2 -> 3 is no block
     step, 3 -> 4 is. A trace whose every depth allocates on another stream of its own aligns at
@@ -189,14 +211,19 @@ def test_a_drawing_by_runs_is_checked_two_blocks_on():
     """From 1 and 2 blocks the units' stretch is too short for whole blocks: each run is repeated
     in place, and each copy keeps its unit to the end of the forward, one 12 MiB segment more per
     copy. One copy passes the check against 3 blocks (336 MiB reserved against 324: within 5%),
-    two do not against 4 (348), so no drawing of two blocks or more is made from 1, 2 and 3,
-    nor without the trace one block deeper to check it on. From 2, 3 and 4, whole blocks make
-    the 5-block trace and are drawn without it."""
+    two do not against a 4-block trace (348 against 326, here with a 512-byte tensor more, made
+    and freed before the step's end, so that nothing else matches it), so no drawing of two
+    blocks or more is made from 1, 2 and 3, nor without the trace one block deeper to check it
+    on. Given the 4-block trace itself, whole blocks drawn from 2 and 3 make it event for event
+    (:func:`_whole_blocks_in_one_order`) and are drawn on: the 6-block trace. From 2, 3 and 4,
+    whole blocks make the 5-block trace and are drawn without it."""
     t = {n: piled_trace(n) for n in range(1, 8)}
+    other = t[4][:-1] + [("malloc", "x", 512, "default"), ("free", "x", 0, None), t[4][-1]]
     assert drawn_to(t[1], t[2], t[3], 1) is not None  # one copy: what the check has just held
-    assert drawn_to(t[1], t[2], t[3], 3, deeper=lambda: t[4]) is None
+    assert drawn_to(t[1], t[2], t[3], 3, deeper=lambda: other) is None
     assert drawn_to(t[1], t[2], t[3], 3) is None
     assert drawn_to(t[1], t[2], t[3], 3, deeper=lambda: None) is None
+    assert _keys(drawn_to(t[1], t[2], t[3], 3, deeper=lambda: t[4])) == _keys(t[6])
 
     def no_deeper():
         raise AssertionError("whole blocks are checked on the third trace alone")

@@ -491,9 +491,9 @@ def test_a_further_world_size_takes_the_first_ones_three_where_its_two_shallowes
 
 def test_a_drawing_by_runs_asks_for_the_fake_a_block_deeper_once():
     """tests/helpers/traces.py's piled trace from 1, 2 and 3 blocks is drawn by runs in place, which
-    the fake at 4 blocks refuses (two copies pile up past the check); the three then move to 2, 3
-    and 4, the fake at 4 blocks not asked again, where whole blocks are drawn and replay as the
-    7-block trace does."""
+    the fake at 4 blocks would refuse (two copies pile up past the check); whole blocks drawn from
+    2 and 3 make that fake's trace event for event, so they are drawn, from the fake at 4 blocks
+    asked once, and replay as the 7-block trace does."""
     from sharded_exp.plan.depth import Fake, drawn_allocator
     from sharded_exp.predict.alloc_trace import point_figures
     from tests.helpers.traces import piled_trace
@@ -510,5 +510,5 @@ def test_a_drawing_by_runs_asks_for_the_fake_a_block_deeper_once():
 
     drawn = drawn_allocator([with_trace(n) for n in (1, 2, 3)], 7, deeper)
     assert asked == [4]
-    assert drawn["depth"] == "replayed over the trace drawn to 7 blocks from 2, 3 and 4"
+    assert drawn["depth"] == "replayed over the trace drawn to 7 blocks from 1, 2 and 3"
     assert drawn["reserved_extra_mib"] == point_figures(piled_trace(7), "", 0.0)["reserved_extra_mib"]
