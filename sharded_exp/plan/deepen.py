@@ -38,8 +38,11 @@ tensors' peak itself is the composed plan's, from the lines and the analytic sta
 blocks are repeated only where one block deeper they make the faked trace's events exactly.
 Runs repeated in place for two blocks or more are checked two blocks deeper as well, against a
 fake one block deeper than the third: their piled-up copies grow with each block. Where the
-check fails, or the traces do not align, the caller keeps the share of the peak
-(:func:`sharded_exp.plan.depth.compose_allocator`).
+order faked does not repeat block after block but does with each run of frees in one order
+(DDP: autograd frees a block's small tensors in another rotation at each depth), whole blocks
+are drawn in that order once they make that deeper fake's trace event for event (asked for too
+where the runs fail their first check). Where every check fails, or the traces do not align,
+the caller keeps the share of the peak (:func:`sharded_exp.plan.depth.compose_allocator`).
 """
 
 from __future__ import annotations
@@ -475,8 +478,10 @@ def _frees_in_one_order(events: list) -> list:
     way (only the peak count of inactive split blocks in between may differ, which no figure
     of a point reads). The order itself may follow Python's: autograd's graph, released after the loss's
     backward, freed four small tensors in one rotation at 8 ranks and another at 64 (DDP, ZeRO-1
-    on a 7B GPT cut to a block). Only for comparing traces (:func:`same_trace`): a drawing follows the order faked,
-    which says where a block's events begin and end."""
+    on a 7B GPT cut to a block). For comparing traces (:func:`same_trace`), and for a drawing
+    only where the order faked does not repeat block after block
+    (:func:`_whole_blocks_in_one_order`): elsewhere a drawing follows the order faked, which says
+    where a block's events begin and end."""
     made = {e[1]: q for q, e in enumerate(events) if e[0] == "malloc"}
     out: list = []
     run: list = []
@@ -533,7 +538,11 @@ def drawn_to(
     copies or more is checked two blocks on as well, against ``deeper()``, the trace one block
     deeper than ``c``; None where that cannot be had. A heuristic still: a pile-up of under
     half the check's bound per copy passes both. Where whole blocks made ``c`` one block on,
-    the drawing is of whole blocks or none (never runs in place unchecked)."""
+    the drawing is of whole blocks or none (never runs in place unchecked). Wherever
+    ``deeper()`` is asked (two copies or more by runs, or runs that fail the first check), whole
+    blocks with each run of frees in one order are tried first, and drawn where one copy makes
+    that trace event for event (:func:`_whole_blocks_in_one_order`), whatever the first check
+    said."""
     a, b, c = _steps_only(a), _steps_only(b), _steps_only(c)
     first, step = block_step(a, b), block_step(b, c)
     if first is None:
@@ -576,7 +585,7 @@ def _whole_blocks_in_one_order(a: list, b: list, c: list, d: list, blocks: int) 
         return None
     _grown_on_lines(first, step)
     one = _repeat_periods(step, 1) if step.periods else None
-    if one is None or _keys(one) != _keys(d):
+    if one is None or _keys(_frees_in_one_order(one)) != _keys(d):
         return None
     return _repeat_periods(step, blocks)
 

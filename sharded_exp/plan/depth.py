@@ -243,7 +243,9 @@ check passes from 3, 4 and 5 blocks (ZeRO-1 at 8 ranks, OSS at 2 on the 8-block 
 Each check is as strict as the first; a fake at a few blocks costs far less than the whole
 model's. A drawing by runs in place is also checked on a fake one block deeper than the third
 (:func:`~sharded_exp.plan.deepen.drawn_to`), the next try's third where that check fails: at
-most one more fake than this in all. Where no two of the three traces align block by block
+most one more fake than this in all (asked also where runs in place fail the first check, for
+whole blocks with the frees in one order: on the last try that is a fake the loop would not
+have made). Where no two of the three traces align block by block
 (ShardedDDP on a 7B GPT, at every depth from 1 to 5), no deeper fake is made: the share of the
 peak is kept at once."""
 

@@ -175,8 +175,8 @@ def embedded_trace(blocks: int) -> list:
 
 def rotated_trace(blocks: int) -> list:
     """``model_trace`` whose run of frees after the forward (the last block's 3 MiB temporary,
-    then the 2 MiB activations) comes in another rotation at each depth (the first freed is the
-    ``1 + blocks % 2``-th), as autograd's graph, released after the loss's backward, frees tensors in
+    then the 2 MiB activations) comes in another rotation at each depth (starting from the run's
+    event at index ``1 + blocks % 2``, counted from 0), as autograd's graph, released after the loss's backward, frees tensors in
     an order that follows Python's: no block's events repeat the block before's in the order
     faked, only with each run of frees in one order."""
     events = model_trace(blocks)

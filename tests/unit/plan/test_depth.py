@@ -493,7 +493,8 @@ def test_a_drawing_by_runs_asks_for_the_fake_a_block_deeper_once():
     """tests/helpers/traces.py's piled trace from 1, 2 and 3 blocks is drawn by runs in place, which
     the fake at 4 blocks would refuse (two copies pile up past the check); whole blocks drawn from
     2 and 3 make that fake's trace event for event, so they are drawn, from the fake at 4 blocks
-    asked once, and replay as the 7-block trace does."""
+    asked once, and replay as the 7-block trace does. Where the fake at 4 blocks matches neither
+    drawing, it is the next try's third, not asked again."""
     from sharded_exp.plan.depth import Fake, drawn_allocator
     from sharded_exp.predict.alloc_trace import point_figures
     from tests.helpers.traces import piled_trace
@@ -512,3 +513,15 @@ def test_a_drawing_by_runs_asks_for_the_fake_a_block_deeper_once():
     assert asked == [4]
     assert drawn["depth"] == "replayed over the trace drawn to 7 blocks from 1, 2 and 3"
     assert drawn["reserved_extra_mib"] == point_figures(piled_trace(7), "", 0.0)["reserved_extra_mib"]
+    # a 4-block fake that nothing matches (a 512-byte tensor more): it is the next try's third,
+    # not faked again, and each deeper depth is asked once, until the tries run out
+    asked.clear()
+    odd = piled_trace(4)[:-1] + [("malloc", "x", 512, "default"), ("free", "x", 0, None), piled_trace(4)[-1]]
+    four = Fake(4, {}, {}, {}, 0.0, allocator=point_figures(odd, "", 0.0), trace=(odd, "", 0.0))
+    assert (
+        drawn_allocator(
+            [with_trace(n) for n in (1, 2, 3)], 9, lambda d: deeper(d) if d != 4 else asked.append(4) or four
+        )
+        is None
+    )
+    assert asked == [4, 5, 6]
