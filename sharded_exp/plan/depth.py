@@ -77,9 +77,17 @@ class Fake:
     """Whether the strategy's set-up moment (:meth:`MemoryModel.setup_transient_mib`) is clear
     of the peak (:func:`_setup_clear`)."""
     allocator: dict | None = None
-    """CUDA: the caching allocator's figures at this depth (:func:`~sharded_exp.predict.alloc_trace.point_figures`)."""
+    """CUDA: the caching allocator's figures at this depth, replayed from :attr:`trace` when
+    first asked (:meth:`figures`): most shallow fakes' never are."""
     trace: tuple | None = None
-    """CUDA: what they were replayed from: (events, allocator setting, cuBLAS workspace MiB)."""
+    """CUDA: what the allocator is asked: (events, allocator setting, cuBLAS workspace MiB)."""
+
+    def figures(self) -> dict | None:
+        """:attr:`allocator`, replayed from :attr:`trace` if not yet
+        (:func:`~sharded_exp.predict.alloc_trace.point_figures`); None on CPU."""
+        if self.allocator is None and self.trace is not None:
+            self.allocator = point_figures(*self.trace)
+        return self.allocator
 
 
 _SHAPES: dict[str, Any] = {}
@@ -119,8 +127,7 @@ def fake_at(cfg_s, key: str, depth: int, world_size: int, device_type: str) -> F
         ratios[phase] = temporaries / stepped if stepped > 0 else None
     clear = _setup_clear(c, shapes, world_size, mine, {k: p for k, (p, _) in peak["phases_mib"].items()})
     return Fake(
-        depth, lines, ratios, raw, peak["seconds"] or 0.0, peak["note"], clear, peak.get("allocator"),
-        peak.get("alloc_trace"),
+        depth, lines, ratios, raw, peak["seconds"] or 0.0, peak["note"], clear, None, peak.get("alloc_trace"),
     )  # fmt: skip
 
 
@@ -221,12 +228,13 @@ def compose_allocator(b: Fake, peak_mib: float) -> dict | None:
     grows with depth less than the peak does: +5% to +15% on a 24-block GPT), but not always
     (ShardedDDP on a 7B GPT at 64 ranks: 6.7% under the model faked whole, its cache growing
     with depth more than its peak), so it is said in the figures' ``depth`` note. None on CPU."""
-    if b.allocator is None or not b.allocator.get("tracked_peak_mib"):
+    figures = b.figures()
+    if figures is None or not figures.get("tracked_peak_mib"):
         return None
-    scale = peak_mib / b.allocator["tracked_peak_mib"]
+    scale = peak_mib / figures["tracked_peak_mib"]
     return {
-        **b.allocator,
-        **{k: b.allocator[k] * scale for k in ALLOCATOR_SHARES},
+        **figures,
+        **{k: figures[k] * scale for k in ALLOCATOR_SHARES},
         "depth": "the deeper shallow fake's share of the peak (its trace not drawn to full depth)",
     }
 
@@ -295,17 +303,23 @@ def drawn_allocator(fakes: list[Fake], layers: int, deeper: Callable[[int], Fake
     return None
 
 
-def _allocator_three(fakes: list, first_three: list[Fake], fake: Callable[[int], Fake | str]) -> list | None:
+def _allocator_three(
+    fakes: list, first_three: list[Fake], fake: Callable[[int], Fake | str], by_world_size: bool = True
+) -> list | None:
     """The three shallow fakes the allocator's trace is drawn from at a world size whose lines
     are the first world size's, ``fakes`` holding its shallowest fake (the deeper ones, made by
     ``fake`` at a depth, are appended). The first world size's three where this one's two
-    shallowest traces are theirs (:func:`~sharded_exp.plan.deepen.same_trace`): DDP's at 8 and
-    64 ranks. Else (the shard's sizes, a collective more; ZeRO-1's largest rank holds other
+    shallowest traces are theirs (:func:`~sharded_exp.plan.deepen.same_trace`), or its
+    shallowest alone where the strategy's rank holds the same tensors at every world size
+    (``by_world_size`` False: :attr:`~sharded_exp.strategies.residency.MemoryModel.tensors_by_world_size`,
+    DDP's). Else (the shard's sizes, a collective more; ZeRO-1's largest rank holds other
     tensors at 2 blocks of a 7B GPT at 64 ranks than at 8, the same at 1) the lines hold but
     the cache may not: the two deeper fakes here, for the allocator's trace alone. None where a
     fake has no trace (then the share of the peak)."""
     if fakes[0].trace is None:
         return None
+    if not by_world_size and deepen.same_trace(first_three[0].trace, fakes[0].trace):
+        return first_three
     fakes.append(fake(first_three[1].depth))
     if not isinstance(fakes[1], Fake) or fakes[1].trace is None:
         return None
@@ -357,7 +371,8 @@ def peaks_by_depth(cfg_s, world_sizes, device_type: str, key: str, layers: int) 
         if reuse and same_lines(first[0], fakes[0], rules):
             pair, here = first, rules
             how = f"as at {first_ws} ranks: unchanged at {depths[0]} blocks"
-            three = _allocator_three(fakes, first_three, lambda d, ws=ws: fake_at(cfg_s, key, d, ws, device_type))
+            at = lambda d, ws=ws: fake_at(cfg_s, key, d, ws, device_type)  # noqa: E731
+            three = _allocator_three(fakes, first_three, at, strategy.tensors_by_world_size)
         else:  # the first world size, or the lines moved: drawn and checked here
             fakes += [fake_at(cfg_s, key, d, ws, device_type) for d in depths[1:]]
             found = None if any(isinstance(f, str) for f in fakes) else rules_on_line(*fakes)
@@ -380,7 +395,10 @@ def peaks_by_depth(cfg_s, world_sizes, device_type: str, key: str, layers: int) 
         at = lambda depth, ws=ws: fake_at(cfg_s, key, depth, ws, device_type)  # noqa: E731
         drawn, made = _drawing(three, first_three, drawn_first, layers, at)
         if drawn is not None and three is first_three and ws != first_ws:
-            drawn = {**drawn, "depth": f"{drawn['depth']} (as at {first_ws} ranks: the same shallow traces)"}
+            why = (
+                "the same shallow traces" if strategy.tensors_by_world_size else "the same tensors at every world size"
+            )
+            drawn = {**drawn, "depth": f"{drawn['depth']} (as at {first_ws} ranks: {why})"}
         allocator = drawn or compose_allocator((three or pair)[1], top[0])
         fakes = fakes + made  # a new list: the first world size's three are kept as they are
         out[ws] = {

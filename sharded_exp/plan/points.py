@@ -385,7 +385,9 @@ def plan_rows(
     cfg: PlanConfig, world_sizes, device_type: str = "cpu", progress: Progress | None = None
 ) -> list[dict[str, Any]]:
     """Every planned point's row, in the order of :func:`points` then ``world_sizes``; the
-    strategies are faked side by side in ``plan.workers`` processes (:func:`workers`)."""
+    strategies are faked side by side in ``plan.workers`` processes (:func:`workers`), each
+    strategy's rows and their speed columns (:func:`task_speed`) as two tasks. A raw
+    parameter count (``plan.params``) fakes nothing and runs in this process."""
     world_sizes = list(world_sizes)
     tasks = points(cfg)
     found: dict[tuple[str, str], list[dict[str, Any]]] = {}
@@ -400,12 +402,20 @@ def plan_rows(
     if count > 1:
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(["sharded_exp.plan.points"])
-        # the costliest first (FSDP's fake steps), so that the last to finish is a short one
+        # the costliest first (FSDP's fake steps), so that the last to finish is a short one;
+        # each point's traced step (its speed columns) is a task of its own, after them all
         order = sorted(tasks, key=lambda t: -strategy_cost(t[0]))
+        parts: dict[tuple[str, str], dict[str, list]] = {t: {} for t in tasks}
         with concurrent.futures.ProcessPoolExecutor(count, mp_context=context) as pool:
-            futures = {pool.submit(task_rows, cfg, *t, world_sizes, device_type): t for t in order}
+            futures = {pool.submit(task_rows, cfg, *t, world_sizes, device_type, False): (t, "rows") for t in order}
+            futures |= {pool.submit(task_speed, cfg, *t, world_sizes, device_type): (t, "speed") for t in order}
             for future in concurrent.futures.as_completed(futures):
-                done(futures[future], future.result())
+                task, part = futures[future]
+                parts[task][part] = future.result()
+                if len(parts[task]) == 2:
+                    for row, speed in zip(parts[task]["rows"], parts[task]["speed"]):
+                        row.update(speed)
+                    done(task, parts[task]["rows"])
     else:
         for task in tasks:
             done(task, task_rows(cfg, *task, world_sizes, device_type))
@@ -431,14 +441,30 @@ def workers(cfg: PlanConfig, tasks: int) -> int:
     return max(1, min(wanted, tasks))
 
 
-def task_rows(cfg: PlanConfig, name: str, combo: str, world_sizes, device_type: str) -> list[dict[str, Any]]:
-    """The rows of one strategy and lever combination at every world size."""
+def task_rows(
+    cfg: PlanConfig, name: str, combo: str, world_sizes, device_type: str, speed: bool = True
+) -> list[dict[str, Any]]:
+    """The rows of one strategy and lever combination at every world size; ``speed=False``:
+    without their speed columns (:func:`task_speed` makes them)."""
     if cfg.plan.params is not None:
         return [raw_row(cfg, name, ws) for ws in world_sizes]
     shapes = shapes_of(cfg)
     composed = composed_peaks(cfg, name, world_sizes, device_type, combo)
-    found = traced(with_strategy(cfg, name, combo), device_type, _layer_key(cfg.model))
+    found = traced(with_strategy(cfg, name, combo), device_type, _layer_key(cfg.model)) if speed else None
     return [model_row(cfg, name, ws, shapes, device_type, combo, composed[ws], found) for ws in world_sizes]
+
+
+def task_speed(cfg: PlanConfig, name: str, combo: str, world_sizes, device_type: str) -> list[dict[str, Any]]:
+    """The speed columns of one strategy and lever combination at every world size, from its
+    traced step (:func:`~sharded_exp.plan.speed.traced`): what :func:`model_row` adds to a row
+    given that step, made apart so that another process can make it."""
+    cfg_s = with_strategy(cfg, name, combo)
+    found = traced(cfg_s, device_type, _layer_key(cfg.model))
+    shapes = shapes_of(cfg)
+    return [
+        speed_columns(cfg_s, ws, found, predict(cfg_s.strategy, cfg.optimizer, Precision.of(cfg), shapes, ws))
+        for ws in world_sizes
+    ]
 
 
 def cheapest(rows) -> list[dict[str, Any]]:

@@ -354,6 +354,12 @@ def alloc_conf_of(cfg) -> Optional[str]:
     return alloc_conf_from_env() if plan is None else str(plan)
 
 
+def replayable(alloc_conf: Optional[str]) -> bool:
+    """Whether ``alloc_conf`` has the caching allocator modelled here (not ``cudaMallocAsync``,
+    the driver's pool)."""
+    return parse_alloc_conf(alloc_conf).backend == "native"
+
+
 def point_figures(events: list, alloc_conf: Optional[str], workspace_mib: float) -> Optional[dict[str, Any]]:
     """What a planned point (or a run's prediction) adds to the tensors' peak on CUDA: the
     allocator's rounding (``allocated_extra_mib``: allocated as torch counts it, less the
@@ -361,8 +367,8 @@ def point_figures(events: list, alloc_conf: Optional[str], workspace_mib: float)
     the fragmentation at the peak and the CUDA context (nvidia-smi's figure is reserved +
     context). Extras rather than totals: a rank's peak, a host offload or a deeper model
     (sharded_exp.plan.depth) moves the tensors' bytes, and the extras ride on top."""
-    if parse_alloc_conf(alloc_conf).backend != "native":
-        return None  # cudaMallocAsync: the driver's pool, not the caching allocator modelled here
+    if not replayable(alloc_conf):
+        return None
     figures = replay(events, alloc_conf, int(round(workspace_mib * MIB)))
     context = cuda_context()
     return {

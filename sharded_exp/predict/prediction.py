@@ -18,7 +18,7 @@ from sharded_exp.errors import ConfigError
 from sharded_exp.measure.cuda_kernels import cublas_workspace_mib
 from sharded_exp.models import build_model, units
 from sharded_exp.optim import optimizer_spec
-from sharded_exp.predict.alloc_trace import alloc_conf_of, point_figures
+from sharded_exp.predict.alloc_trace import alloc_conf_of, point_figures, replayable
 from sharded_exp.predict.allocator import parse_alloc_conf
 from sharded_exp.predict.fake_step import FakeStepError, fake_step
 from sharded_exp.predict.host_memory import offload_host_mib
@@ -262,7 +262,8 @@ def predict_peak(
     proportion to its smaller model states (e.g. OSS's uneven shards). Returns ``{"per_rank_mib": [...] or None,
     "rank", "breakdown_mib", "flops_per_step" (one rank), "method", "note", "seconds",
     "error"}``; ``error`` says why there is no prediction (the model cannot run fake). ``keep_trace``: on
-    CUDA, also ``"alloc_trace"`` (the events replayed, allocator setting, workspace MiB: plan/deepen.py).
+    CUDA, ``"alloc_trace"`` (events, allocator setting, workspace MiB: plan/deepen.py) in place of
+    the figures replayed from it (``"allocator"`` None): a plan replays few of its fakes as they are.
     ``local_world_size``: the ranks on this node (:func:`~sharded_exp.predict.step_time.run_step_time`)."""
     states = [sum(p.values()) for p in prediction["model_states_mib"]]
     rank = states.index(max(states))
@@ -291,12 +292,11 @@ def predict_peak(
     if offloads_to_host(cfg.strategy):
         per_rank, parts, phases_mib, host = _offloaded(cfg, shapes, world_size, mine, parts, per_rank, phases_mib, rules)  # fmt: skip
     build = (est.extra or {}).get("build") or {}
-    allocator = None
-    if (est.extra or {}).get("alloc_events") is not None:  # CUDA: the caching allocator's view
-        allocator = point_figures(est.extra["alloc_events"], alloc_conf_of(cfg), workspace)
-    kept = (
-        {"alloc_trace": (est.extra["alloc_events"], alloc_conf_of(cfg), workspace)} if keep_trace and allocator else {}
-    )
+    events = (est.extra or {}).get("alloc_events")  # CUDA: what the caching allocator is asked
+    replayed = events is not None and not keep_trace  # else the caller replays it where it needs the figures
+    allocator = point_figures(events, alloc_conf_of(cfg), workspace) if replayed else None
+    kept = {"alloc_trace": (events, alloc_conf_of(cfg), workspace)} if keep_trace and events is not None else {}
+    kept = kept if replayable(alloc_conf_of(cfg)) else {}  # cudaMallocAsync: no caching allocator to replay
     return {
         "per_rank_mib": per_rank,
         # the faked rank's peak while the model is built (a sharded build: its shards plus one

@@ -191,6 +191,8 @@ class DDPConfig(StrategyConfig):
 class DDPMemory(MemoryModel):
     """Every state whole on every rank, and every gradient's place in an all-reduce bucket."""
 
+    tensors_by_world_size = False
+
     @staticmethod
     def buckets(trainable: float, gradient_as_bucket_view: bool) -> tuple[float, float]:
         """DDP's bucket rule: (how much its all-reduce buckets hold, how much of that is also

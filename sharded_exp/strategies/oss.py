@@ -37,6 +37,8 @@ def make_oss(spec, broadcast_fp16: bool):
 class OSSMemory(DDPMemory):
     """DDP's, but each rank keeps the optimizer state of the parameters it owns only (ZeRO-1)."""
 
+    tensors_by_world_size = True  # which parameters a rank owns moves with the world size
+
     @classmethod
     def optimizer_numels(cls, numels, owners, rank):
         return cls.owned(numels, owners, rank)

@@ -42,6 +42,12 @@ class MemoryModel:
     depth_lines_per_world_size = False
     """True when whether the peak lies on a line in depth depends on the world size (the
     planner then checks the line at every world size, not at the first alone)."""
+    tensors_by_world_size = True
+    """False where a rank holds the same tensors at every world size, made and freed in the
+    same order (DDP: the whole model, its gradients and optimizer state, and buckets of
+    ``bucket_cap_mb``, whatever the world size): its fake step asks the CUDA allocator the
+    same at every world size, and the planner draws the allocator's trace at the first
+    world size only (sharded_exp.plan.depth)."""
     peak_grows_with_ranks: str = ""
     """Why this strategy's peak per rank can grow as ranks are added, in one clause the sweep
     report quotes where a sweep shows it (sharded_exp.report.text); empty where the model holds

@@ -177,3 +177,32 @@ def test_ops_run_under_another_fake_mode_allocate_nothing_whatever_torchs_tracke
         assert tracker._fake_mode_at_entry is outer
     assert counted == 4096 * 4
     assert shape_only.shape == (8192,) and kept.shape == (4096,)
+
+
+def test_a_fake_tensors_device_is_answered_without_the_trackers_walk_and_brings_the_peak_up_to_date(monkeypatch):
+    """A fake tensor answers ``.device`` in Python, so each one is an op through the tracker
+    (two in three of a fake step's). The adapter answers it without torch's walk over the
+    result, and brings the peak up to date as torch's dispatch does after any op. Worked:
+    under fake mode, a 4096-float tensor (16 KiB) is the peak; a 1024-float parameter tracked
+    from outside any op (4 KiB) raises the live total to 20 KiB but not the peak, until the
+    next op: here the device asked as autograd's engine asks it (Python's ``.device`` reads the
+    fake tensor's field), which must not reach torch's dispatch."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools import mem_tracker
+
+    reached: list = []
+    full = mem_tracker.MemTracker.__torch_dispatch__
+    monkeypatch.setattr(mem_tracker.MemTracker, "__torch_dispatch__",
+                        lambda self, func, *a, **k: reached.append(func) or full(self, func, *a, **k))  # fmt: skip
+    with FakeTensorMode():
+        outside = nn.Linear(1024, 1, bias=False)
+        tracker = PeakTracker()
+        with tracker:
+            made = torch.ones(4096)
+            tracker.track_external(outside)
+            before = tracker.get_tracker_snapshot("peak")[CPU]["Total"]
+            reached.clear()
+            assert torch.ops.prim.device.default(made) == CPU  # as autograd's engine asks it, from C++
+            after = tracker.get_tracker_snapshot("peak")[CPU]["Total"]
+    assert torch.ops.prim.device.default not in reached
+    assert (before, after) == (4096 * 4, (4096 + 1024) * 4)

@@ -489,6 +489,36 @@ def test_a_further_world_size_takes_the_first_ones_three_where_its_two_shallowes
     assert _allocator_three([Fake(2, {}, {}, {}, 0.0)], first_three, fake) is None and asked == []
 
 
+def test_a_strategy_whose_rank_holds_the_same_tensors_at_every_world_size_takes_the_first_three_unfaked():
+    """DDP's rank holds the same tensors at every world size: where its shallowest trace is the
+    first world size's, the first's three are taken with no fake for the allocator alone; where
+    even that trace differs (which DDP's rule says it cannot, but a trace is what is replayed),
+    the deeper fakes are made as for any strategy. The memory models say which strategies hold
+    the same tensors: DDP's alone of those planned."""
+    from sharded_exp.plan.depth import Fake, _allocator_three
+    from sharded_exp.strategies import memory_of
+    from tests.helpers.traces import MIB, model_trace
+
+    def with_trace(d: int, side: bool = False) -> Fake:
+        trace = model_trace(d) + ([("malloc", "dealt", MIB, "side")] if side else [])
+        return Fake(d, {}, {}, {}, 0.0, trace=(trace, "", 0.0))
+
+    first_three = [with_trace(n) for n in (2, 3, 4)]
+    asked: list[int] = []
+
+    def fake(d: int) -> Fake:
+        asked.append(d)
+        return with_trace(d)
+
+    assert _allocator_three([with_trace(2)], first_three, fake, by_world_size=False) is first_three and asked == []
+    three = _allocator_three([with_trace(2, side=True)], first_three, fake, by_world_size=False)
+    assert three is not first_three and asked == [3, 4]
+    held = {
+        n: memory_of(n).tensors_by_world_size for n in ("ddp", "oss", "zero1", "sharded_ddp", "fsdp", "fsdp_grad_op")
+    }
+    assert held == {"ddp": False, "oss": True, "zero1": True, "sharded_ddp": True, "fsdp": True, "fsdp_grad_op": True}
+
+
 def test_a_drawing_by_runs_asks_for_the_fake_a_block_deeper_once():
     """tests/helpers/traces.py's piled trace from 1, 2 and 3 blocks is drawn by runs in place, which
     the fake at 4 blocks would refuse (two copies pile up past the check); whole blocks drawn from
