@@ -24,9 +24,11 @@ moved: where only the shard changed they did not (DDP, OSS, ZeRO-1 under a forea
 optimizer), and the first world size's lines are reused; where they did (FSDP's gradients
 mid-backward are part shard, part whole unit; a per-tensor optimizer's temporaries follow
 the largest tensor a rank steps), they are drawn and checked anew at that world size. On
-CUDA, where the lines are reused, the second depth is faked there too, and where the two
-shallowest allocation traces are not the first world size's (the shard's sizes, one collective
-more, the largest rank's tensors) the third as well, for the caching allocator's trace alone
+CUDA, where the lines are reused, the first world size's allocator drawing is taken where
+the strategy's rank holds the same tensors at every world size (DDP) and the shallowest
+allocation trace is the first's; else the second depth is faked there too, and where the two
+shallowest traces are not the first world size's (the shard's sizes, the largest rank's
+tensors) the third as well, for the caching allocator's trace alone
 (:func:`_allocator_three`, :func:`drawn_allocator`); where they are, the first world size's
 drawing is taken. The peak at full depth is the analytic states at
 full depth plus the lines drawn there; every rank's peak follows from the faked rank's

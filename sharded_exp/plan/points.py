@@ -412,10 +412,11 @@ def plan_rows(
             for future in concurrent.futures.as_completed(futures):
                 task, part = futures[future]
                 parts[task][part] = future.result()
-                if len(parts[task]) == 2:
-                    for row, speed in zip(parts[task]["rows"], parts[task]["speed"]):
-                        row.update(speed)
+                if part == "rows":  # said as its rows come: the speed tasks run after them all
                     done(task, parts[task]["rows"])
+        for task in tasks:
+            for row, speed in zip(parts[task]["rows"], parts[task]["speed"]):
+                row.update(speed)
     else:
         for task in tasks:
             done(task, task_rows(cfg, *task, world_sizes, device_type))
@@ -430,7 +431,8 @@ take less than the second or two a worker process takes to start."""
 def workers(cfg: PlanConfig, tasks: int) -> int:
     """How many processes fake side by side: ``plan.workers``, or (0) one per CPU core this
     process may use for a model of :data:`SIDE_BY_SIDE_FROM` parameters or more; never more
-    than there are strategies to fake (a raw count fakes none)."""
+    than there are strategies to fake (a raw count fakes none): a strategy's traced step (its
+    speed columns, a task of its own) takes less than a process takes to start."""
 
     if cfg.plan.params is not None:
         return 1

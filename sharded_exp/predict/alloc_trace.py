@@ -84,6 +84,9 @@ class AllocTrace:
         self._live: dict[int, tuple[int, str]] = {}  # id -> (size, stream) of what is allocated now
         self._held: set[int] | None = None  # the wrapped model's blocks whose frees wait (:meth:`restart`)
         self._frees_held: list[tuple] = []
+        self.closed = False
+        """Set as the fake step ends (:func:`recording`): a storage its tensors' reference cycles
+        kept, freed later by Python's garbage collector, is not appended to a finished trace."""
 
     # --- what is recorded -----------------------------------------------------------------------
     def attach(self, tracker) -> None:
@@ -95,6 +98,8 @@ class AllocTrace:
         self._tracker = tracker
 
         def recorded(u_type, winfo, *args, **kwargs):
+            if self.closed:
+                return update(u_type, winfo, *args, **kwargs)
             # A storage resized (FSDP2 frees and re-allocates its unsharded parameters so)
             # is a free of the old block and, unless now empty, a new allocation.
             if u_type in (_UpdateType.DEL, _UpdateType.SIZE):
@@ -342,8 +347,11 @@ def recording(device_type: str, side_streams: tuple[str, ...] = ()):
         yield None
         return
     trace = AllocTrace(side_streams)
-    with trace.streams(torch.cpu):
-        yield trace
+    try:
+        with trace.streams(torch.cpu):
+            yield trace
+    finally:
+        trace.closed = True
 
 
 def alloc_conf_of(cfg) -> Optional[str]:

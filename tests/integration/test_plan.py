@@ -254,16 +254,21 @@ def test_a_causal_lm_is_planned_from_its_config_file_alone(kind, tmp_path):
 @pytest.mark.slow  # the pool path runs in the default tier's covering plan (gpt2_large, plan.workers=2)
 def test_a_plan_faked_side_by_side_gives_the_rows_one_process_gives():
     """With ``plan.workers=2`` each strategy's rows and its speed columns are two tasks in two
-    processes, merged in this one: every row, the speed columns among them, is the one a
-    single process makes (the seconds each fake took aside)."""
+    processes, merged in this one: every row, its columns in the same order and the speed
+    columns among them, is the one a single process makes (the seconds each fake took aside).
+    Six blocks are composed by depth under both strategies; at 4 ranks DDP takes the
+    allocator's drawing made at 2 (its rank holds the same tensors at every world size)."""
     from sharded_exp.compose import compose
     from sharded_exp.plan import points as plan
 
-    args = ["model=gpt", "model.n_layers=2", "model.d_model=64", "model.n_heads=2", "model.seq_len=16",
+    args = ["model=gpt", "model.n_layers=6", "model.d_model=64", "model.n_heads=2", "model.seq_len=16",
             "plan.strategies=[ddp,fsdp]", "plan.world_sizes=[2,4]", "plan.device=cuda"]  # fmt: skip
     rows = {}
     for count in (1, 2):
         cfg = compose([*args, f"plan.workers={count}"], config_name="plan")
         rows[count] = [{k: v for k, v in r.items() if k != "seconds"} for r in plan.plan_rows(cfg, [2, 4], "cuda")]
     assert rows[2] == rows[1]
-    assert all(r["step_time_s"] and r["reserved_gib"] for r in rows[2]), rows[2]
+    assert [list(r) for r in rows[2]] == [list(r) for r in rows[1]]
+    assert all(r["step_time_s"] and r["reserved_gib"] and r["method"].startswith("composed") for r in rows[2]), rows[2]
+    ddp_at_4 = next(r for r in rows[2] if r["strategy"] == "ddp" and r["world_size"] == 4)
+    assert "(as at 2 ranks: the same tensors at every world size)" in ddp_at_4["note"], ddp_at_4["note"]
