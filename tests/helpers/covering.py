@@ -34,11 +34,17 @@ RUNS = {
     # OSS's knobs, SGD with momentum, the GPT's shape, bf16, three ranks.
     "oss": [
         "strategy=oss", "strategy.bucket_cap_mb=1", "strategy.gradient_as_bucket_view=true",
-        "trainer.activation_checkpointing=selective", "trainer.ac_every=2", "trainer.compile=true",
-        "trainer.compile_mode=reduce_overhead", "trainer.timeout_s=300",  # a cold compile may be slow on one rank
+        "trainer.activation_checkpointing=selective", "trainer.ac_every=2",
         "strategy.broadcast_buffers=false", "strategy.broadcast_fp16=true", "strategy.find_unused_parameters=true",
         "optimizer=sgd", "optimizer.lr=0.05",
         "optimizer.momentum=0.9", *GPT, "precision=bf16", "trainer.world_size=3",
+    ],
+    # The same run compiled (slow tier: a cold compile is about 16 s of a clean machine's
+    # default tier; test_levers.py compiles every strategy there too).
+    "oss_compiled": [
+        "strategy=oss", "trainer.activation_checkpointing=selective", "trainer.ac_every=2", "trainer.compile=true",
+        "trainer.compile_mode=reduce_overhead", "trainer.timeout_s=300",  # a cold compile may be slow on one rank
+        "optimizer=sgd", "optimizer.lr=0.05", "optimizer.momentum=0.9", *GPT, "precision=bf16", "trainer.world_size=3",
     ],
     # ShardedDDP without reduce buckets, BERT token classification (eager attention) on a CoNLL
     # file (made by the test) through the DataLoader with a worker per rank, accumulation, evaluation.

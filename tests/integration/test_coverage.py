@@ -33,8 +33,9 @@ from tests.helpers.jobs import ROOT, run_cli, tiny, write_tiny_config
 from tests.helpers.runs import check_starts_from_saved
 from tests.helpers.wandb_file import find_runs, read_run
 
-SLOW_RUNS = {"text_file", "hf_dataset_ner", "hf_dataset_json", "custom_classes", "custom_lm"}
-"""Covering runs in the slow tier (the default tier's budget): the data options beyond conll."""
+SLOW_RUNS = {"text_file", "hf_dataset_ner", "hf_dataset_json", "custom_classes", "custom_lm", "oss_compiled"}
+"""Covering runs in the slow tier (the default tier's budget): the data options beyond conll, and
+the compiled run."""
 AFTER = {"fsdp_grad_op_resumed": "fsdp_grad_op"}
 
 PLANS = {
