@@ -16,7 +16,8 @@ On a torch upgrade, check that these still exist and mean the same:
   ``get_untyped_storages``; a ``_WeakRefInfo`` has ``reftype``, ``device``, ``mem_consumed``
   (and takes our ``owner``);
 - methods overridden or wrapped (their signatures): ``__torch_dispatch__`` (its ``func``: an
-  ``OpOverload`` with ``is_view``), ``_pre_fw_hook``, ``_post_fw_hook``,
+  ``OpOverload`` with ``is_view``), ``_register_global_optimizer_hook`` (sets
+  ``_optimizer_hook_handles``, a tuple its deregistration removes), ``_pre_fw_hook``, ``_post_fw_hook``,
   ``_pre_bw_hook``, ``_post_bw_hook``, ``_track``, ``_update_peak_stats``,
   ``_track_optimizer_states``, ``_delete_callback``, ``_update_snap``,
   ``_update_and_maybe_create_winfos``, ``_track_module_params_and_buffers``, ``track_external``;
@@ -46,6 +47,7 @@ import torch
 from torch import nn
 from torch._guards import active_fake_mode
 from torch.distributed._tools import mem_tracker
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from sharded_exp.vocabulary.memory import BUCKET, OWN_CATEGORIES
 
@@ -134,6 +136,34 @@ class PeakTracker(mem_tracker.MemTracker):
         self._fake_mode_at_entry = None  # the fake mode the tracker was entered under (None in a run)
         for name in _GUARDED:
             setattr(self, name, self._guarded(getattr(self, name)))
+
+    def _register_global_optimizer_hook(self) -> None:
+        """torch's hooks (its pre-hook sets ``_in_opt``: what is allocated until the step ends
+        is optimizer state), and one of ours after them: a closure handed to ``step`` (Lightning
+        hands every step its training step and backward as one) runs with ``_in_opt`` unset, so
+        its activations, gradients and temporaries are filed as a step's, not as optimizer
+        state. torch's deregistration removes all three handles."""
+        super()._register_global_optimizer_hook()
+
+        def closure_outside_the_step(optimizer, args, kwargs):
+            if kwargs.get("closure") is not None:
+                return args, {**kwargs, "closure": self._outside_step(kwargs["closure"])}
+            if len(args) > 1 and callable(args[1]):  # step(closure), positional (args[0]: the optimizer)
+                return (args[0], self._outside_step(args[1]), *args[2:]), kwargs
+            return None
+
+        handle = register_optimizer_step_pre_hook(closure_outside_the_step)
+        self._optimizer_hook_handles = (*self._optimizer_hook_handles, handle)
+
+    def _outside_step(self, closure):
+        def call():
+            self._in_opt = False
+            try:
+                return closure()
+            finally:
+                self._in_opt = True
+
+        return call
 
     def _guarded(self, method):
         def call(*args, **kwargs):

@@ -12,8 +12,8 @@ on an unsharded copy sharded again the same way on a fake process group (:mod:`.
 What it cannot fake it says, with a null figure: a model under FSDP1 (its flat shards) or
 fairscale's ShardedDataParallel, an FSDP2 layout :func:`.fsdp2.refusal` names, a step that
 reads a tensor's value (data-dependent control flow), an optimizer whose constructor refuses
-its own defaults. What DDP adds (its reduce bucket and gradient copies) is added by DDP's rule
-(:func:`ddp_extra_mib`). ``optimizer`` may be a wrapper holding the torch optimizer as
+its own defaults. What DDP adds (its reduce bucket and a gradient copy) is added by DDP's rule, filed
+as a run files it (:func:`ddp_extra_parts`). ``optimizer`` may be a wrapper holding the torch optimizer as
 ``.optimizer`` (Accelerate's, Lightning's).
 """
 
@@ -34,7 +34,7 @@ from torch.nn.utils.stateless import _reparametrize_module  # private torch API:
 
 from sharded_exp.measure.tracker import MIB, peak_tracker
 from sharded_exp.strategies.ddp import DDPMemory
-from sharded_exp.vocabulary.memory import DDP_GRADIENT_COPIES, TOTAL
+from sharded_exp.vocabulary.memory import BUCKET, TEMP, TOTAL
 
 
 class Spec:
@@ -168,22 +168,26 @@ def trainable_mib(model: nn.Module) -> float:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) / MIB
 
 
-def ddp_extra_mib(grads_mib: float, ddp: tuple[bool, bool], buckets_seen: bool) -> float:
-    """What DDP holds at the peak beyond the unwrapped model's step, by its rule. Without
-    ``gradient_as_bucket_view`` (DDP's default) a gradient lives three times at the end of the
-    backward: autograd's result, its copy in the reduce bucket, and ``param.grad`` made from
-    the reduced bucket; the unwrapped step holds one, so DDP adds two gradient-sized copies,
-    one of them the bucket (not counted where the measurement cannot see it: a CPU probe
-    started after DDP allocated its buckets). With ``gradient_as_bucket_view`` and gradients
-    zeroed in place, ``param.grad`` is the bucket: nothing is added. How much of the bucket is
-    beside the gradients is DDP's own bucket rule (:meth:`DDPMemory.buckets`, which the
-    prediction of a sharded_exp run reads too)."""
+def ddp_extra_parts(grads_mib: float, ddp: tuple[bool, bool], buckets_seen: bool) -> dict[str, float]:
+    """What DDP holds at the peak beyond the unwrapped model's step, by its rule, filed as a
+    run's tracker files it (MiB by category). Without ``gradient_as_bucket_view`` (DDP's
+    default) a gradient lives three times at the end of the backward: autograd's result, its
+    copy in the reduce bucket, and ``param.grad`` made from the reduced bucket; the unwrapped
+    step holds one, so DDP adds two gradient-sized copies: the bucket (:data:`BUCKET`; left
+    out where the measurement cannot see it: a CPU probe started after DDP allocated its
+    buckets) and the copy made in the backward (:data:`TEMP`, as torch's tracker files what the
+    backward allocates). With ``gradient_as_bucket_view`` and gradients zeroed in place,
+    ``param.grad`` is the bucket: nothing is added. How much of the bucket is beside the
+    gradients is DDP's own bucket rule (:meth:`DDPMemory.buckets`, which the prediction of a
+    sharded_exp run reads too)."""
     under_ddp, as_view = ddp
     if not under_ddp:
-        return 0.0
+        return {}
     held, aliased = DDPMemory.buckets(grads_mib, as_view)
     beside = held - aliased  # the bucket, where the gradients are no views into it
-    return beside + (beside if buckets_seen else 0.0)
+    if not beside:
+        return {}
+    return {TEMP: beside, **({BUCKET: beside} if buckets_seen else {})}
 
 
 def predict_peak(
@@ -202,7 +206,7 @@ def predict_peak(
 
     ``batch``: a batch or its :func:`describe`; ``step_fn(model, batch) -> loss`` (default
     :func:`call_model`); ``autocast``: the context the user's forward runs in; ``ddp``: (under
-    DDP, gradients as bucket views), read from ``model`` when not given (:func:`ddp_extra_mib`).
+    DDP, gradients as bucket views), read from ``model`` when not given (:func:`ddp_extra_parts`).
     ``optimizer`` may be a wrapper holding the torch optimizer as ``.optimizer`` (Accelerate's,
     Lightning's). ``grad_accum``: micro-batches per optimizer step; from two on, a micro-batch's
     forward runs beside the gradients the one before left, so two are faked (more hold the same).
@@ -222,7 +226,7 @@ def predict_peak(
     module, refused = unwrap(model)
     if refused:
         return {**out, "error": refused}
-    extra = ddp_extra_mib(trainable_mib(module), ddp or ddp_of(model), buckets_seen)
+    extra = ddp_extra_parts(trainable_mib(module), ddp or ddp_of(model), buckets_seen)
     step_fn = step_fn or call_model
     spec = describe(batch)
     try:
@@ -243,13 +247,13 @@ def predict_peak(
         parts = next(iter(snap.values()), {}) if snap else {}
         parts = {str(getattr(k, "value", k)): v / MIB for k, v in parts.items()}
         total = parts.pop(TOTAL, sum(parts.values()))
-        if extra:
-            parts[DDP_GRADIENT_COPIES] = extra
+        for name, mib in extra.items():
+            parts[name] = parts.get(name, 0.0) + mib
         method = out["method"] + (" on a copy sharded again by FSDP2" if sharded is not None else "")
         method += " + DDP's gradient copies by its rule" if extra else ""
         return {
             **out,
-            "peak_mib": total + extra,
+            "peak_mib": total + sum(extra.values()),
             "breakdown_mib": parts,
             "method": method,
             "seconds": time.perf_counter() - started,

@@ -20,14 +20,12 @@ import textwrap
 from typing import Any
 
 from sharded_exp.output.charts import num, ranks
-from sharded_exp.vocabulary.memory import DDP_GRADIENT_COPIES, TORCH_CATEGORIES
+from sharded_exp.vocabulary.memory import TORCH_CATEGORIES
 
 LISTED_RANKS = 8
 """Up to this many ranks each rank's peak is listed; above, the largest and the mean only."""
 WIDTH = 100
 """Columns a line fits in (a longer split wraps under itself)."""
-NAMES = {**TORCH_CATEGORIES, DDP_GRADIENT_COPIES: "ddp grad copies"}
-"""A category as the summary names it: torch's tracker names and the probe's DDP copies as ours."""
 
 
 def split_text(breakdown: dict[str, float] | None) -> str:
@@ -36,7 +34,7 @@ def split_text(breakdown: dict[str, float] | None) -> str:
     parts: dict[str, float] = {}
     for name, mib in (breakdown or {}).items():
         if mib:
-            ours = NAMES.get(name, name)
+            ours = TORCH_CATEGORIES.get(name, name)  # torch's tracker names as ours
             parts[ours] = parts.get(ours, 0.0) + mib
     return ", ".join(f"{name} {num(mib)}" for name, mib in parts.items() if round(mib, 3))
 

@@ -25,9 +25,10 @@ one of these. A new one also needs its line in :data:`TORCH_CATEGORIES` (ours fo
 part in :data:`PARTS` with a meaning in :data:`MEANINGS`, and a chart bar
 (docs/development/add-a-memory-category.md walks through it)."""
 
-DDP_GRADIENT_COPIES = "DDP"
-"""The probe's extra category: DDP's gradient copies, added by its rule to a fake step that
-ran without DDP (a Lightning or Hugging Face script's model is not wrapped in the fake step)."""
+TEMP = "Temp"
+"""torch's tracker name for what the backward allocates that is no parameter's gradient
+(``temporaries`` in ours): the probe files DDP's backward copy of the gradients under it, as
+a run's tracker does."""
 
 TORCH_CATEGORIES = {
     "Parameter": "params",

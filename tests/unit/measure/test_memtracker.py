@@ -206,3 +206,47 @@ def test_a_fake_tensors_device_is_answered_without_the_trackers_walk_and_brings_
             after = tracker.get_tracker_snapshot("peak")[CPU]["Total"]
     assert torch.ops.prim.device.default not in reached
     assert (before, after) == (4096 * 4, (4096 + 1024) * 4)
+
+
+def _peak_of_a_step(closure_style: str):
+    """The tracker's peak snapshot and phase peaks over an Adam step of a 4 -> 256 -> 1 MLP
+    on a batch of 64, taken as a plain loop takes it or with the forward and backward in a
+    closure handed to ``step`` (positionally or by name), as Lightning takes every step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 256), nn.ReLU(), nn.Linear(256, 1))
+    optimizer = torch.optim.Adam(model.parameters())
+    x = torch.ones(64, 4)
+
+    def closure():
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(x).sum()
+        loss.backward()
+        return loss
+
+    tracker = PeakTracker()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        if closure_style == "plain":
+            closure()
+            optimizer.step()
+        elif closure_style == "by name":
+            optimizer.step(closure=closure)
+        else:
+            optimizer.step(closure)
+    assert tracker.failure is None and not tracker._in_opt
+    return tracker.get_tracker_snapshot("peak")[CPU], {k[1]: v for k, v in tracker.phase_peaks.items()}
+
+
+def test_a_closure_handed_to_the_optimizer_step_is_filed_as_the_step_not_as_optimizer_state():
+    """The forward's activation (ReLU's output, 64 x 256 fp32: 64 KiB, which autograd keeps for
+    ReLU's and the second Linear's backward; its input is freed) is filed as an activation
+    wherever the closure runs; only what Adam allocates in its own step
+    (its states: 2 x 1,281 fp32) is optimizer state. Before our hook, Lightning's steps had
+    every tensor of the closure filed as optimizer state (a 0.05 MiB MLP showed 1.15 MiB of
+    it) and the step's peak in the optimizer's phase."""
+    plain, plain_phases = _peak_of_a_step("plain")
+    assert plain["Activation"] >= 64 * 256 * 4 and plain["Optstate"] <= 2 * 1281 * 4 + 1024
+    for style in ("by name", "positional"):
+        peak, phases = _peak_of_a_step(style)
+        assert peak == plain, style
+        assert phases["step"]["Total"] == plain_phases["step"]["Total"], style

@@ -110,10 +110,11 @@ def test_trainable_mib_counts_the_trainable_parameters_bytes():
 
 
 def test_ddp_adds_two_gradient_copies_one_of_them_the_bucket_only_where_it_is_seen():
-    assert fake.ddp_extra_mib(3.0, (True, False), buckets_seen=True) == 6.0
-    assert fake.ddp_extra_mib(3.0, (True, False), buckets_seen=False) == 3.0
-    assert fake.ddp_extra_mib(3.0, (True, True), buckets_seen=True) == 0.0
-    assert fake.ddp_extra_mib(3.0, (False, False), buckets_seen=True) == 0.0
+    """Filed as a run's tracker files them: the bucket as Bucket, the backward's copy as Temp."""
+    assert fake.ddp_extra_parts(3.0, (True, False), buckets_seen=True) == {"Temp": 3.0, "Bucket": 3.0}
+    assert fake.ddp_extra_parts(3.0, (True, False), buckets_seen=False) == {"Temp": 3.0}
+    assert fake.ddp_extra_parts(3.0, (True, True), buckets_seen=True) == {}
+    assert fake.ddp_extra_parts(3.0, (False, False), buckets_seen=True) == {}
 
 
 def _step(model, batch):
@@ -137,9 +138,11 @@ def test_ddps_copies_are_added_to_the_fake_steps_peak_and_its_breakdown():
     batch = (torch.randn(2, 64), torch.randint(0, 4, (2,)))
     alone = fake.predict_peak(model, optimizer, batch, _step)
     under = fake.predict_peak(model, optimizer, batch, _step, ddp=(True, False))
-    assert under["breakdown_mib"]["DDP"] == 2 * fake.trainable_mib(model)
-    assert under["peak_mib"] == pytest.approx(alone["peak_mib"] + 2 * fake.trainable_mib(model))
-    assert "DDP's gradient copies" in under["method"] and "DDP" not in alone["breakdown_mib"]
+    grads = fake.trainable_mib(model)
+    assert under["breakdown_mib"]["Bucket"] == grads and "Bucket" not in alone["breakdown_mib"]
+    assert under["breakdown_mib"]["Temp"] == pytest.approx(alone["breakdown_mib"].get("Temp", 0.0) + grads)
+    assert under["peak_mib"] == pytest.approx(alone["peak_mib"] + 2 * grads)
+    assert "DDP's gradient copies" in under["method"]
 
 
 def test_a_step_that_reads_a_value_has_no_prediction_and_says_why():

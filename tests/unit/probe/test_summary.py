@@ -28,7 +28,13 @@ def _result(world: int = 2, **memory) -> dict:
             "predicted_peak_mib_max": 1.94,
             "peak_rel_error_max": -0.215,
             "peak_prediction": {
-                "breakdown_mib": {"params": 0.55, "grads": 0.55, "optimizer": 1.10, "activations": 0.004, "DDP": 0.55},
+                "breakdown_mib": {
+                    "params": 0.55,
+                    "grads": 0.55,
+                    "optimizer": 1.10,
+                    "activations": 0.004,
+                    "Bucket": 0.55,
+                },
                 "error": None,
             },
             **memory,
@@ -43,7 +49,7 @@ def test_the_summary_of_a_two_rank_run():
         "  peak per rank:  2.47 MiB largest, 2.45 mean (rank 0 2.47, rank 1 2.43)",
         "  rank 0's split: params 0.55, grads 0.55, optimizer 1.10, activations 0.23, temporaries 0.04 MiB",
         "  predicted:      1.94 MiB, 21.5% too low (the largest error over ranks); params 0.55, grads 0.55,",
-        "                  optimizer 1.10, activations 0.004, ddp grad copies 0.55",
+        "                  optimizer 1.10, activations 0.004, buckets 0.55",
         "  speed:          12.3 ms a step (median of 28), 1,234 samples/s",
         "  result:         /out/probe/result.json",
     ])  # fmt: skip
