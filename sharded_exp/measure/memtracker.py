@@ -39,6 +39,7 @@ each of these on tiny tensors; run them first after an upgrade.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 from collections.abc import Callable
@@ -156,12 +157,13 @@ class PeakTracker(mem_tracker.MemTracker):
         self._optimizer_hook_handles = (*self._optimizer_hook_handles, handle)
 
     def _outside_step(self, closure):
-        def call():
-            self._in_opt = False
+        @functools.wraps(closure)
+        def call(*args, **kwargs):  # torch's closures take none; an optimizer may pass some
+            inside, self._in_opt = self._in_opt, False
             try:
-                return closure()
+                return closure(*args, **kwargs)
             finally:
-                self._in_opt = True
+                self._in_opt = inside
 
         return call
 

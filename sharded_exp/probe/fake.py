@@ -34,7 +34,7 @@ from torch.nn.utils.stateless import _reparametrize_module  # private torch API:
 
 from sharded_exp.measure.tracker import MIB, peak_tracker
 from sharded_exp.strategies.ddp import DDPMemory
-from sharded_exp.vocabulary.memory import BUCKET, TEMP, TOTAL
+from sharded_exp.vocabulary.memory import BUCKET, TEMP, TOTAL, in_our_names
 
 
 class Spec:
@@ -249,6 +249,7 @@ def predict_peak(
         total = parts.pop(TOTAL, sum(parts.values()))
         for name, mib in extra.items():
             parts[name] = parts.get(name, 0.0) + mib
+        parts = in_our_names(parts)  # as a run's prediction names them (its report splits it alike)
         method = out["method"] + (" on a copy sharded again by FSDP2" if sharded is not None else "")
         method += " + DDP's gradient copies by its rule" if extra else ""
         return {

@@ -41,7 +41,7 @@ TORCH_CATEGORIES = {
     "OptState": "optimizer",
     "Activation": "activations",
     "Inputs": "activations",
-    "Temp": "temporaries",
+    TEMP: "temporaries",
     "All Gather": "communication",
     "Reduce Scatter": "communication",
     "Buffer": "other",
@@ -56,6 +56,18 @@ MODEL_STATES = ("params", "grads", "optimizer")
 
 OTHER = "other"
 """Ours for a tracker category this table does not know."""
+
+
+def in_our_names(parts: dict[str, float]) -> dict[str, float]:
+    """A split by torch's tracker categories (MiB) as ours (:data:`TORCH_CATEGORIES`, a name
+    it does not know as :data:`OTHER`), those that are one of ours summed, in order of first
+    appearance: what a prediction writes to result.json."""
+    out: dict[str, float] = {}
+    for name, mib in parts.items():
+        ours = TORCH_CATEGORIES.get(name, OTHER)
+        out[ours] = out.get(ours, 0.0) + mib
+    return out
+
 
 OPTIMIZER_STEP = "optimizer_step"
 """The optimizer step's temporaries (foreach Adam's sqrt(v)), kept apart from its state."""
@@ -112,7 +124,7 @@ CHART_REST = CHART_PARTS[-1]
 
 MEASURED_CHART_PARTS = {  # torch's MemTracker categories (result.json per_rank peak_breakdown_mib)
     "Parameter": "parameters", "Gradient": "gradients", "Optstate": "optimizer state", "Activation": "activations",
-    BUCKET: CHART_BUCKETS, "Temp": CHART_REST, "Buffer": CHART_REST, "Other": CHART_REST,
+    BUCKET: CHART_BUCKETS, TEMP: CHART_REST, "Buffer": CHART_REST, "Other": CHART_REST,
 }  # fmt: skip
 """A measured breakdown's category (torch's name) -> its chart bar."""
 

@@ -139,10 +139,31 @@ def test_ddps_copies_are_added_to_the_fake_steps_peak_and_its_breakdown():
     alone = fake.predict_peak(model, optimizer, batch, _step)
     under = fake.predict_peak(model, optimizer, batch, _step, ddp=(True, False))
     grads = fake.trainable_mib(model)
-    assert under["breakdown_mib"]["Bucket"] == grads and "Bucket" not in alone["breakdown_mib"]
-    assert under["breakdown_mib"]["Temp"] == pytest.approx(alone["breakdown_mib"].get("Temp", 0.0) + grads)
+    # in a run's names, as the measurement's torch names map to them: Bucket, Temp
+    assert under["breakdown_mib"]["buckets"] == grads and "buckets" not in alone["breakdown_mib"]
+    assert under["breakdown_mib"]["temporaries"] == pytest.approx(
+        alone["breakdown_mib"].get("temporaries", 0.0) + grads
+    )
+    assert not {"Bucket", "Temp", "Parameter"} & set(under["breakdown_mib"])
     assert under["peak_mib"] == pytest.approx(alone["peak_mib"] + 2 * grads)
     assert "DDP's gradient copies" in under["method"]
+
+
+def test_the_probes_prediction_is_charted_split_as_a_runs_is():
+    """The report's breakdown chart reads a prediction in a run's names: the probe's, under DDP,
+    fills the parameters', gradients', optimizer's and buckets' bars, not only the last one."""
+    from sharded_exp.report.figures import predicted_parts
+
+    model = nn.Linear(64, 4)
+    optimizer = torch.optim.Adam(model.parameters())
+    under = fake.predict_peak(
+        model, optimizer, (torch.randn(2, 64), torch.randint(0, 4, (2,))), _step, ddp=(True, False)
+    )
+    chart = predicted_parts({"peak_prediction": under})
+    grads = fake.trainable_mib(model)
+    assert chart["parameters"] == chart["gradients"] == chart["communication buckets"] == pytest.approx(grads)
+    assert chart["optimizer state"] >= 2 * grads
+    assert sum(chart.values()) == pytest.approx(under["peak_mib"])
 
 
 def test_a_step_that_reads_a_value_has_no_prediction_and_says_why():
@@ -195,6 +216,6 @@ def test_lightnings_order_runs_the_forward_beside_the_previous_steps_gradients()
     plain = fake.predict_peak(model, optimizer, batch, _step)
     lightning = fake.predict_peak(model, optimizer, batch, _step, zero_grad_after_forward=True)
     one_activation = 256 * 512 * 4 / MIB
-    assert lightning["breakdown_mib"]["Gradient"] == pytest.approx(fake.trainable_mib(model))  # all of them
-    assert lightning["breakdown_mib"]["Activation"] >= 4 * one_activation  # the batch, two linears, one relu
+    assert lightning["breakdown_mib"]["grads"] == pytest.approx(fake.trainable_mib(model))  # all of them
+    assert lightning["breakdown_mib"]["activations"] >= 4 * one_activation  # the batch, two linears, one relu
     assert lightning["peak_mib"] > plain["peak_mib"] + one_activation

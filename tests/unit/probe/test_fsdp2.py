@@ -75,8 +75,8 @@ def test_the_fake_step_holds_half_the_parameters_at_two_ranks_and_leaves_the_gro
     parts = got["breakdown_mib"]
     # this rank's shards (and, at the peak, the root's own parameters gathered: the root keeps
     # them gathered from its forward to its backward, and they are the module's parameters then)
-    assert whole / 2 <= parts["Parameter"] < whole * 0.6
-    assert parts["Optstate"] == pytest.approx(whole, rel=0.02)  # Adam's two states of the shards
+    assert whole / 2 <= parts["params"] < whole * 0.6
+    assert parts["optimizer"] == pytest.approx(whole, rel=0.02)  # Adam's two states of the shards
     assert got["peak_mib"] > whole / 2 + whole
     assert dict(c10d._world.pg_names) == groups and c10d._world.group_count == count
     assert all(torch.equal(a, p.to_local()) for a, p in zip(before, net.parameters()))

@@ -33,7 +33,7 @@ def _result(world: int = 2, **memory) -> dict:
                     "grads": 0.55,
                     "optimizer": 1.10,
                     "activations": 0.004,
-                    "Bucket": 0.55,
+                    "buckets": 0.55,
                 },
                 "error": None,
             },
