@@ -354,3 +354,18 @@ def test_the_links_latency_is_timed_on_an_all_reduce_that_travels_both_ways():
     assert all(_gloo_ring_segments_with_data(machine.LATENCY_ELEMENTS, 2))
     # and its bytes are a negligible part of the call at the link's bandwidth (about 1-2 GB/s here)
     assert machine.LATENCY_ELEMENTS * 4 <= 4096
+
+
+def test_a_call_longer_than_its_budget_is_timed_once_and_a_short_one_in_windows(monkeypatch):
+    """fp16's largest matmul on a CPU that emulates it took 2 s a call: the warm-up and five
+    windows of at least one call each were 12 s of the profile's 30. Such a call is timed once."""
+    clock = iter(range(100))
+    monkeypatch.setattr(machine.time, "perf_counter", lambda: float(next(clock)))
+    calls = []
+    assert machine._timed(lambda: calls.append(1), seconds=0.5) == 1.0  # each call "takes" a tick
+    assert len(calls) == 1
+    calls.clear()
+    clock = iter(x * 0.01 for x in range(1000))
+    monkeypatch.setattr(machine.time, "perf_counter", lambda: next(clock))
+    assert machine._timed(lambda: calls.append(1), seconds=0.5) == pytest.approx(0.01)
+    assert len(calls) > machine.WINDOWS  # the warm-up, then every window
