@@ -293,8 +293,8 @@ MUTATIONS = [
     Mutation(
         31,
         "sharded_exp/probe/fake.py",
-        "return beside + (beside if buckets_seen else 0.0)",
-        "return beside + (beside if not buckets_seen else 0.0)",
+        "return {TEMP: beside, **({BUCKET: beside} if buckets_seen else {})}",
+        "return {TEMP: beside, **({BUCKET: beside} if not buckets_seen else {})}",
         "DDP's bucket copy added only where the measurement cannot see it (wrong branch)",
         "tests/unit/probe/test_fake.py::test_ddp_adds_two_gradient_copies_one_of_them_the_bucket_only_where_it_is_seen",
     ),
