@@ -34,4 +34,15 @@ if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+
 fi
 pip install -q -e ".[dev]"
 .venv/bin/python -c "import torch, fairscale, hydra, torchmetrics, transformers, wandb_workspaces; print('torch', torch.__version__, '| cuda', torch.cuda.is_available())"
+# This CPU's `this` profile (the step-time prediction's figures, cached per machine and torch):
+# measured here, about 20 s a thread count, where it is not cached yet, at the threads a rank of
+# a 2-rank job and of a 1-rank job gets, so that the first run does not wait for it in its
+# pre-flight check. A profile that cannot be measured here is measured by that run instead.
+.venv/bin/python -c "
+import os
+from sharded_exp.measure import machine
+cores = os.cpu_count() or 1
+for threads in sorted({max(1, cores // 2), cores}):
+    machine.this_figures(threads)
+print('this CPU profile: cached at', machine.cache_path())" 2>&1 | tail -1 || echo "setup: the this profile was not measured (the first run will)"
 echo "$want" > "$stamp"
