@@ -18,11 +18,14 @@ if __name__ == "__main__":
 
     from sharded_exp.questions import is_query as _is_query
     from sharded_exp.questions import start_rank_server
-    from sharded_exp.spelling import refuse_misspelled
 
-    if not _is_query(_sys.argv[1:]):  # a typo is refused in a second, before torch (Hydra answers a question itself)
-        refuse_misspelled(_sys.argv[1:], "config")
+    # The rank server first: its imports (torch, seconds) are the longest path to the first
+    # step, and the typo check's (Hydra's, then a compose) need not come before them.
     start_rank_server(_sys.argv[1:])
+    if not _is_query(_sys.argv[1:]):  # a typo is refused in a second, before torch (Hydra answers a question itself)
+        from sharded_exp.spelling import refuse_misspelled
+
+        refuse_misspelled(_sys.argv[1:], "config")
 
 import logging
 import os

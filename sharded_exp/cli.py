@@ -17,11 +17,11 @@ from sharded_exp.questions import is_query, start_rank_server
 def train() -> None:
     """``sharded-exp``: ``python -m sharded_exp``."""
     started = time.time()
+    start_rank_server(sys.argv[1:])  # first: its imports are the longest path to the first step
     if not is_query(sys.argv[1:]):  # a typo is refused in a second, before torch (Hydra answers a question itself)
         from sharded_exp.spelling import refuse_misspelled  # lazy: hydra, for this command only
 
         refuse_misspelled(sys.argv[1:], "config")
-    start_rank_server(sys.argv[1:])
     from sharded_exp import __main__ as job  # lazy: after the rank server starts, before anything heavy
 
     job.run(started=started)
