@@ -63,7 +63,7 @@ from sharded_exp.strategies import STRATEGIES, baseline, memory_of, offloads_to_
 from sharded_exp.train.build import build_run
 from sharded_exp.train.levers import without_checkpointing
 from sharded_exp.train.step import train_step
-from sharded_exp.vocabulary.memory import OTHER, TORCH_CATEGORIES, TOTAL
+from sharded_exp.vocabulary.memory import TORCH_CATEGORIES, TOTAL, in_our_names
 
 MIB = 2**20
 
@@ -363,15 +363,11 @@ def _phases(tracker, device: torch.device) -> dict[str, tuple[float, dict[str, f
 
 
 def _parts(values: dict) -> tuple[float, dict[str, float]]:
-    out = {k: 0.0 for k in dict.fromkeys(TORCH_CATEGORIES.values())}
-    total = 0.0
-    for key, nbytes in values.items():
-        name = str(getattr(key, "value", key))
-        if name == TOTAL:
-            total = nbytes / MIB
-        else:
-            out[TORCH_CATEGORIES.get(name, OTHER)] += nbytes / MIB
-    return total, out
+    """The tracker's total and its split (bytes by torch's category) in MiB, in our names
+    (:func:`~sharded_exp.vocabulary.memory.in_our_names`), every one of ours present."""
+    mib = {str(getattr(key, "value", key)): nbytes / MIB for key, nbytes in values.items()}
+    total = mib.pop(TOTAL, 0.0)
+    return total, {**dict.fromkeys(TORCH_CATEGORIES.values(), 0.0), **in_our_names(mib)}
 
 
 META_FIRST_SIGNS = ("Couldn't swap",)
