@@ -7,8 +7,8 @@
 Runs ``python -m sharded_exp [overrides]`` as a user does and reads the timeline that
 ``result.json`` keeps (Unix times: the entry point before its imports, the launch,
 validation, a rank's start, its process group, model and strategy built, first step; the
-tracker starts beside the first steps, so its start is a row of its own, not a phase of
-the path to the first step). ``--against DIR``: each repeat also runs the job from the
+peak prediction, made while the ranks start, and the tracker, started beside the first
+steps, are rows of their own, not phases of the path to the first step). ``--against DIR``: each repeat also runs the job from the
 checkout in DIR (say a worktree of the commit before a change), the two alternating in
 order, so that a loaded machine's moments fall on both; the table then has both columns
 and their ratio. Each repeat also times the floor (:data:`FLOOR`): a fresh interpreter that
@@ -42,13 +42,18 @@ PHASES = [
     ("start ranks (forkserver)", "validated", "rank_start"),
     ("process group", "rank_start", "process_group_ready"),
     ("model + strategy", "process_group_ready", "built"),
-    ("to first step", "built", "first_step"),
+    ("to first step (waits for the peak prediction)", "built", "first_step"),
     ("steps, results, exit", "first_step", "exit"),
 ]
 """The path from the command to its exit, phase by phase (timeline keys)."""
-BESIDE = [("tracker (W&B) start, from the build", "built", "logger_ready")]
-"""Spans beside that path: the tracker starts in a thread of its own (older checkouts: before
-the first step, which then waited for it)."""
+BESIDE = [
+    ("peak prediction, from the validation (the ranks start meanwhile)", "validated", "predicted"),
+    ("tracker (W&B) start, from the build", "built", "logger_ready"),
+]
+"""Spans beside that path: the check predicts the peak while the ranks start, which wait for
+it before their first step (older checkouts: before the ranks started, within the
+validation); the tracker starts in a thread of its own (older checkouts: before the first
+step, which then waited for it)."""
 
 FLOOR = (
     "import time, torch, torch.distributed;"

@@ -41,18 +41,40 @@ directory named ``step_*`` is complete by construction; a kill at any moment lea
 most a ``.tmp.*`` directory that readers ignore.
 """
 
-from sharded_exp.checkpoint.manager import CheckpointManager, load
-from sharded_exp.checkpoint.plan import CheckpointPlan, check_compatible, plan_checkpoints, resolve_resume, resume_step
-from sharded_exp.checkpoint.state import gather_model_state, gather_optimizer_state, restore
-from sharded_exp.checkpoint.storage import (
-    FILES,
-    FORMATS,
-    CheckpointError,
-    checkpoint_format,
-    complete_checkpoints,
-    read_meta,
-    step_name,
-)
+import importlib
+
+_FROM = {
+    "CheckpointManager": "manager",
+    "load": "manager",
+    "CheckpointPlan": "plan",
+    "check_compatible": "plan",
+    "plan_checkpoints": "plan",
+    "resolve_resume": "plan",
+    "resume_step": "plan",
+    "gather_model_state": "state",
+    "gather_optimizer_state": "state",
+    "restore": "state",
+    "FILES": "storage",
+    "FORMATS": "storage",
+    "CheckpointError": "storage",
+    "checkpoint_format": "storage",
+    "complete_checkpoints": "storage",
+    "read_meta": "storage",
+    "step_name": "storage",
+}
+"""Where each name the package exports is defined. They are imported when first asked for
+(PEP 562): the plan and storage modules need no torch, and the job's parent, which reads a
+spec's :class:`CheckpointPlan`, never imports the manager and the state (torch's DTensor and
+sympy, half a second at start-up)."""
+
+
+def __getattr__(name: str):
+    if name not in _FROM:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_FROM[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "FILES",

@@ -12,14 +12,23 @@ members). ``config`` is the same as plain data, every option as its name: what r
 from __future__ import annotations
 
 import copy
+import os
+import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from sharded_exp import logs
 from sharded_exp.checkpoint.plan import CheckpointPlan
-from sharded_exp.config import Config, typed
-from sharded_exp.strategies.base import GradZeroing
+from sharded_exp.config import Config, GradZeroing, typed
+
+
+@dataclass(frozen=True)
+class Pickled:
+    """A value that travels pickled and is unpickled only where it is read (:meth:`JobSpec.typed_config`)."""
+
+    data: bytes
 
 
 @dataclass(frozen=True)
@@ -54,11 +63,28 @@ class JobSpec:
     """The level of our package's loggers in the parent (INFO; DEBUG with hydra.verbose)."""
     typed: Any = None
     """``config`` as its schemas' dataclasses (:func:`sharded_exp.config.typed`), checked."""
+    wait_for_release: bool = False
+    """Whether the ranks, once built, wait for the parent's word before their first step: the
+    peak prediction, made while they start (``python -m sharded_exp``'s spawned ranks,
+    :func:`sharded_exp.launch.preflight.check_in_two`), or none where the job was refused."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled with ``typed`` pickled apart (:class:`Pickled`): unpickling the spec then
+        imports none of the modules its schemas live in (every strategy, model and data task,
+        and torch's with them), which the parent of ``python -m sharded_exp`` never needs."""
+        state = dict(self.__dict__)
+        if self.typed is not None and not isinstance(self.typed, Pickled):
+            state["typed"] = Pickled(pickle.dumps(self.typed))
+        return state
+
+    def typed_config(self) -> Any:
+        """``typed``, unpickled where it came pickled."""
+        return pickle.loads(self.typed.data) if isinstance(self.typed, Pickled) else self.typed
 
     def cfg(self) -> DictConfig:
         """``typed`` as a read-only OmegaConf tree: what the ranks read, typed as the composed
         config is (the schemas' enums), with attribute and key access alike."""
-        cfg = OmegaConf.structured(copy.deepcopy(self.typed))
+        cfg = OmegaConf.structured(copy.deepcopy(self.typed_config()))
         OmegaConf.set_readonly(cfg, True)
         return cfg
 
@@ -72,3 +98,14 @@ def decided_config(cfg: Config, world_size: int, checkpoint: CheckpointPlan) -> 
     for key, value in checkpoint.config_values().items():
         cfg.trainer[key] = value
     return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), OmegaConf.to_yaml(cfg), typed(cfg)
+
+
+def this_process() -> dict:
+    """The spec's fields that name the process that checked (the parent's): its SHARDED_EXP_*
+    variables, its pid and its job logging."""
+    return {
+        "env": {k: v for k, v in os.environ.items() if k.startswith("SHARDED_EXP_")},
+        "parent_pid": os.getpid(),
+        "log_file": logs.job_log_file(),
+        "log_level": logs.level(),
+    }

@@ -22,7 +22,6 @@ from sharded_exp.errors import OOM_SIGNS
 from sharded_exp.job.result import TRAINED, Result, read_json
 from sharded_exp.job.spec import JobSpec
 from sharded_exp.launch.supervise import RankDied, Stopped
-from sharded_exp.measure.tracker import MemoryMeter
 from sharded_exp.output.results import oom_memory, predicted_section
 
 
@@ -32,6 +31,8 @@ def failure_result(result: Result, exc: BaseException, spec: JobSpec) -> Result:
     output_dir = spec.output_dir
     # what training measured before a failure in the final pass, then how it failed
     result = failed(result.updated(**kept_training(output_dir)), exc, output_dir)
+    from sharded_exp.measure.tracker import MemoryMeter  # lazy: torch's DTensor, which the parent needs only here
+
     limit_set = spec.config["trainer"]["memory_limit_mib"]
     applies = MemoryMeter.LIMIT_APPLIES_TO[spec.device_type] if limit_set else None
     if not result.has("memory"):  # what was expected, still

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import inspect
 import logging
 import multiprocessing
 import multiprocessing.forkserver
@@ -112,12 +113,14 @@ def call(fn: Callable[..., Any], *args: Any) -> Any:
     return call.result()
 
 
-def start(fn: Callable[..., Any], *args: Any) -> Call:
+def start(fn: Callable[..., Any], *args: Any, answers: int = 1) -> Call:
     """:func:`call`, begun: ``fn(*args)`` runs in the other process while this one goes on
     (the parent imports torch while the server checks its config); ``.result()`` waits.
     The server forks nothing until it has imported what it preloads: the process is asked
-    for from a thread, so that this one is not held up meanwhile."""
-    call = Call(fn.__qualname__)
+    for from a thread, so that this one is not held up meanwhile. ``answers`` above 1: ``fn``
+    is a generator that yields that many answers, each sent as soon as it is yielded and read
+    by one ``.result()`` each, in order (the config checked, then the peak predicted)."""
+    call = Call(fn.__qualname__, answers)
     call.thread = threading.Thread(target=call.begin, args=(fn, args), name="forkserver-call", daemon=True)
     call.thread.start()
     return call
@@ -126,8 +129,10 @@ def start(fn: Callable[..., Any], *args: Any) -> Call:
 class Call:
     """A function running in a process forked from the server (:func:`start`)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, answers: int = 1):
         self.name = name
+        self.left = answers
+        """Answers not yet read (:meth:`result`)."""
         self.started = time.time()
         """When it was begun (time.time())."""
         self.proc = self.reader = self.thread = None
@@ -181,8 +186,10 @@ class Call:
             raise self.failed
 
     def result(self) -> Any:
-        """Wait for the answer: the function's return value, or its exception raised here."""
+        """Wait for the next answer: the function's return value (or what it yields next), or
+        its exception raised here. After the last answer, or an exception, the process is gone."""
         self._started()
+        last = True
         try:
             try:
                 payload = self.reader.recv_bytes()
@@ -191,13 +198,17 @@ class Call:
                 raise RuntimeError(
                     f"the process forked to run {self.name} died before answering (exit code {self.proc.exitcode})"
                 ) from None
-            self.proc.join()
-        finally:
-            self.reader.close()
-            if self.proc.is_alive():
-                self.proc.kill()
+            ok, value = pickle.loads(payload)  # the answer's classes are imported here, once it has come
+            self.left -= 1
+            last = not ok or self.left <= 0
+            if last:
                 self.proc.join()
-        ok, value = pickle.loads(payload)  # the answer's classes are imported here, once it has come
+        finally:
+            if last:
+                self.reader.close()
+                if self.proc.is_alive():
+                    self.proc.kill()
+                    self.proc.join()
         if ok:
             return value
         raise value
@@ -206,12 +217,30 @@ class Call:
 def _answer(writer, fn: Callable[..., Any], args: tuple, caller: int) -> None:
     signal.signal(signal.SIGHUP, signal.SIG_DFL)  # the server ignores it (server_init); the caller does not
     watch_parent(caller)
+    for answer in _answers(fn, args):
+        if not _send(writer, fn, answer):
+            break  # an exception sent: nothing follows it
+    writer.close()
+
+
+def _answers(fn: Callable[..., Any], args: tuple):
+    """What ``fn(*args)`` answers, each as (ok, value): its return value, or each value it
+    yields where it is a generator; an exception ends them, as (False, exc)."""
     try:
-        answer = (True, fn(*args))
+        value = fn(*args)
+        if not inspect.isgenerator(value):
+            yield True, value
+            return
+        for each in value:
+            yield True, each
     except BaseException as exc:  # noqa: BLE001 -- every failure goes back to the caller
         if not isinstance(exc, ConfigError):
             exc.add_note("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip())
-        answer = (False, exc)
+        yield False, exc
+
+
+def _send(writer, fn: Callable[..., Any], answer: tuple) -> bool:
+    """Send one (ok, value) answer; whether it went as a value (False: an exception went)."""
     try:
         payload = pickle.dumps(answer)
         pickle.loads(payload)  # an exception whose __init__ wants other arguments pickles but does not load
@@ -219,9 +248,9 @@ def _answer(writer, fn: Callable[..., Any], args: tuple, caller: int) -> None:
         exc = answer[1] if not answer[0] else TypeError(f"{fn.__qualname__} returned a value that cannot be pickled")
         plain = RuntimeError(f"{type(exc).__name__}: {exc}")
         plain.__notes__ = list(getattr(exc, "__notes__", []))
-        payload = pickle.dumps((False, plain))
+        answer, payload = (False, plain), pickle.dumps((False, plain))
     writer.send_bytes(payload)
-    writer.close()
+    return answer[0]
 
 
 def watch_parent(pid: int, period_s: float = 1.0) -> None:

@@ -22,14 +22,14 @@ import os
 import time
 import traceback
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from sharded_exp.errors import WontFit
+from sharded_exp.errors import ConfigError, WontFit
 from sharded_exp.job.result import Result, write_result
-from sharded_exp.job.spec import JobSpec
-from sharded_exp.launch import forkserver, preflight
+from sharded_exp.job.spec import JobSpec, this_process
+from sharded_exp.launch import forkserver
 from sharded_exp.launch.diagnose import failure_result
 from sharded_exp.launch.layout import Layout, external_layout
 from sharded_exp.launch.run_dir import (
@@ -67,6 +67,10 @@ class Launch:
     """Where the ranks come from: None when the parent spawns them, else torchrun's or SLURM's."""
     run_dir_lock: IO | None = None
     checkpoint_lock: IO | None = None
+    validated: float | None = None
+    """When the config was known good (time.time())."""
+    predicted: float | None = None
+    """When the peak prediction came, where it came after the ranks started (their release)."""
 
     @property
     def is_writer(self) -> bool:
@@ -74,10 +78,11 @@ class Launch:
         under torchrun or srun."""
         return self.layout is None or self.layout.rank == 0
 
-    def parent_times(self, validated: float) -> dict[str, float | None]:
+    def parent_times(self) -> dict[str, float | None]:
         """The parent's part of result.json's timeline."""
         main, imported = self.started or (None, None)
-        return {"main": main, "imported": imported, "launch": self.launched, "validated": validated}
+        times = {"main": main, "imported": imported, "launch": self.launched, "validated": self.validated}
+        return times | ({"predicted": self.predicted} if self.predicted is not None else {})
 
 
 def launch(
@@ -109,10 +114,15 @@ def launch(
             run.run_dir_lock = hold_run_dir(output_dir)
         # ConfigError here, before any rank starts, for a config that cannot run. The
         # command's own rank server has imported what the check needs (torch._dynamo):
-        # begun there by __main__. Under torchrun, in a library call or a test: here.
+        # begun there by __main__, whose ranks then start while it predicts the peak (they
+        # wait for it before their first step: _release). Under torchrun, in a library call
+        # or a test: here, the peak included.
         if checking is not None:
-            spec = dataclasses.replace(checking.result(), **preflight.this_process())
+            spec = dataclasses.replace(checking.result(), **this_process())
         else:
+            # lazy: every model and strategy, which __main__'s parent never imports
+            from sharded_exp.launch import preflight
+
             spec = preflight.check(cfg, output_dir, run.layout, peak=run.is_writer)
         result = base_result(
             spec.config,
@@ -128,8 +138,12 @@ def launch(
             )
         os.makedirs(output_dir, exist_ok=True)
         if run.is_writer:
-            _prepare(run, spec, result)
-        result = _run_ranks(run, spec, result)
+            _hold(run, spec)
+            if not spec.wait_for_release:
+                _expect(run, spec, result)
+        run.validated = time.time()
+        release = (lambda: _release(run, spec, result, checking)) if spec.wait_for_release else None
+        result = _run_ranks(run, spec, result, release)
         if run.is_writer:
             _publish(output_dir, result)
         return result
@@ -137,15 +151,32 @@ def launch(
         release_run_dir(run.run_dir_lock, run.checkpoint_lock)
 
 
-def _prepare(run: Launch, spec: JobSpec, result: Result) -> None:
-    """The writer's part before any rank starts: the run and checkpoint directories held, an
-    earlier attempt moved aside, Hydra's files and a "running" result.json with the
-    prediction written, so that what to expect is on disk first."""
+def _hold(run: Launch, spec: JobSpec) -> None:
+    """The writer's part before any rank starts: the run and checkpoint directories held and
+    an earlier attempt moved aside (a rank's error record is then this attempt's)."""
     if run.run_dir_lock is None:
         run.run_dir_lock = hold_run_dir(run.output_dir)
     if spec.checkpoint.every:
         run.checkpoint_lock = hold_checkpoints(spec.checkpoint)
     archive_previous_attempt(run.output_dir, extra=(".hydra",) if run.job_files else ())
+
+
+def _release(run: Launch, spec: JobSpec, result: Result, checking: forkserver.Call) -> dict | None:
+    """The peak predicted while the ranks started (the check's second answer; its ConfigError
+    raised where the job does not fit host memory), what to expect written, and the time: what
+    the ranks are released with (:func:`sharded_exp.launch.supervise.spawn`)."""
+    peak = checking.result()
+    if peak is not None:
+        spec.prediction["peak"] = peak
+    if run.is_writer:
+        _expect(run, spec, result)
+    run.predicted = time.time()
+    return peak
+
+
+def _expect(run: Launch, spec: JobSpec, result: Result) -> None:
+    """Hydra's files and a "running" result.json with the prediction, written before any rank
+    steps, so that what to expect is on disk first."""
     job_files = run.job_files
     if job_files and spec.config_yaml:  # the config as decided (world size, checkpoint paths)
         job_files = {**job_files, "config.yaml": OmegaConf.create(spec.config_yaml)}
@@ -165,13 +196,15 @@ def _prepare(run: Launch, spec: JobSpec, result: Result) -> None:
     )
 
 
-def _run_ranks(run: Launch, spec: JobSpec, result: Result) -> Result:
-    """Run the ranks; the finished result, or the failure laid over ``result``."""
+def _run_ranks(run: Launch, spec: JobSpec, result: Result, release: Callable[[], Any] | None) -> Result:
+    """Run the ranks (``release``: what they wait for before their first step); the finished
+    result, or the failure laid over ``result``. A ConfigError (the release's) is raised."""
     try:
-        validated = time.time()
         # rank 0's payload carries status "ok" or "stopped"; other torchrun ranks get None
-        payload = run_ranks(spec, run.layout)
-        return finished_result(result, payload, run.parent_times(validated))
+        payload = run_ranks(spec, run.layout, release)
+        return finished_result(result, payload, run.parent_times())
+    except ConfigError:
+        raise  # refused before any rank stepped: as before any started
     except Exception as exc:  # noqa: BLE001 -- a rank failed: record it, then let the caller exit non-zero
         return failure_result(result, exc, spec)
 

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 
 import torch
 from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 from torch.nn.parameter import UninitializedParameter
 
-from sharded_exp import logs
 from sharded_exp.checkpoint import plan_checkpoints
 from sharded_exp.compose import registries
 from sharded_exp.config import Config, JobGroups, ZeroGrad, check_packages, check_ranges
@@ -30,7 +28,7 @@ from sharded_exp.config_file import check_head_counts, is_target_model
 from sharded_exp.data import TASKS
 from sharded_exp.data.loader import check_fits
 from sharded_exp.errors import ConfigError, WontFit
-from sharded_exp.job.spec import JobSpec, decided_config
+from sharded_exp.job.spec import JobSpec, decided_config, this_process
 from sharded_exp.launch.layout import Layout
 from sharded_exp.measure.machine_memory import available_mib as available_host_mib
 from sharded_exp.models import MODELS, build_model, units
@@ -154,6 +152,28 @@ def check(cfg: Config, output_dir: str, layout: Layout | None = None, peak: bool
     under torchrun only the rank that writes result.json needs it). Raises ConfigError,
     naming the value and the choices, before anything is started or written.
     """
+    spec, peak_of = _checked(cfg, output_dir, layout, peak)
+    if peak:
+        spec.prediction["peak"] = peak_of()
+    return spec
+
+
+def check_in_two(cfg: Config, output_dir: str, peak: bool = True):
+    """:func:`check` for a job that spawns its ranks, as two answers (a generator): the spec
+    once the config is checked and its model states predicted, its ``wait_for_release`` set and
+    no peak in its prediction; then the peak (None without ``peak``), or the ConfigError that
+    refuses it (host memory). The ranks start on the first answer and wait for the second
+    before their first step (:mod:`sharded_exp.launch.parent`)."""
+    spec, peak_of = _checked(cfg, output_dir, None, peak)
+    yield dataclasses.replace(spec, wait_for_release=True)
+    yield peak_of() if peak else None
+
+
+def _checked(cfg: Config, output_dir: str, layout: Layout | None, peak: bool):
+    """:func:`check`'s spec without the peak, and a function that predicts the peak (and
+    refuses it where it does not fit host memory). With ``peak``, a CPU job whose model states
+    alone do not fit host memory is refused here already (less than the peak: the ranks hold
+    no more before their first step)."""
     cfg = copy.deepcopy(cfg)  # the job's own copy: the caller's stays as composed
     world_size = layout.world_size if layout is not None else cfg.trainer.world_size
     check_values(cfg, world_size)  # (model.pretrained's directory resolves into the copy's model config)
@@ -195,12 +215,18 @@ def check(cfg: Config, output_dir: str, layout: Layout | None = None, peak: bool
     config, config_yaml, decided_typed = decided_config(cfg, world_size, plan)
     decided = OmegaConf.structured(decided_typed)
     prediction = predict(decided.strategy, decided.optimizer, Precision.of(decided), shapes, world_size)
-    if peak:
-        prediction["peak"] = predict_peak(decided, world_size, device_type, prediction, shapes,
-                                          local_world_size=local_ranks)  # fmt: skip
-        if cfg.trainer.host_memory_check:
-            check_host_memory(host_need_mib(prediction["peak"], device_type), local_ranks)
-    return JobSpec(
+    host_check = peak and cfg.trainer.host_memory_check
+    if host_check and device_type == "cpu":
+        states = [sum(parts.values()) for parts in prediction["model_states_mib"]]
+        check_host_memory(states, local_ranks, "model states alone")
+
+    def peak_of() -> dict:
+        predicted = predict_peak(decided, world_size, device_type, prediction, shapes, local_world_size=local_ranks)
+        if host_check:
+            check_host_memory(host_need_mib(predicted, device_type), local_ranks)
+        return predicted
+
+    spec = JobSpec(
         config=config,
         config_yaml=config_yaml,
         typed=decided_typed,
@@ -214,16 +240,7 @@ def check(cfg: Config, output_dir: str, layout: Layout | None = None, peak: bool
         launcher=layout.launcher if layout is not None else "spawn",
         **this_process(),
     )
-
-
-def this_process() -> dict:
-    """The spec's fields that name the process that checked: the parent's."""
-    return {
-        "env": {k: v for k, v in os.environ.items() if k.startswith("SHARDED_EXP_")},
-        "parent_pid": os.getpid(),
-        "log_file": logs.job_log_file(),
-        "log_level": logs.level(),
-    }
+    return spec, peak_of
 
 
 RANK_OVERHEAD_MIB = 400
@@ -236,17 +253,18 @@ def host_need_mib(peak: dict, device_type: str) -> list[float] | None:
     return peak.get("per_rank_mib") if device_type == "cpu" else peak.get("host_mib")
 
 
-def check_host_memory(per_rank_mib: list[float] | None, local_ranks: int) -> None:
+def check_host_memory(per_rank_mib: list[float] | None, local_ranks: int, what: str = "predicted") -> None:
     """On CPU the ranks' tensors live in host memory, and under CPU offload their states do
-    (``per_rank_mib``: each rank's host figure): a job predicted not to fit is refused before
-    it starts (rather than killed by the kernel, or refused pinned memory, a minute later)."""
+    (``per_rank_mib``: each rank's host figure, ``what`` says which): a job predicted not to
+    fit is refused before its ranks step (rather than killed by the kernel, or refused pinned
+    memory, a minute later)."""
     available = available_host_mib()
     if not per_rank_mib or available is None:
         return  # nothing to compare: the run goes on, as when a prediction fails
     need = sum(sorted(per_rank_mib, reverse=True)[:local_ranks]) + RANK_OVERHEAD_MIB * local_ranks
     if need > available:
         raise WontFit(
-            f"the job needs about {need:,.0f} MiB of host memory ({local_ranks} rank(s): predicted "
+            f"the job needs about {need:,.0f} MiB of host memory ({local_ranks} rank(s): {what} "
             f"{max(per_rank_mib):,.1f} MiB each plus about {RANK_OVERHEAD_MIB} MiB of process) and {available:,.0f} MiB "
             "are available here; make the batch or the model smaller, run fewer ranks per machine, or set "
             "trainer.host_memory_check=false to start anyway"

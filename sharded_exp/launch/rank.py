@@ -13,6 +13,7 @@ import datetime
 import faulthandler
 import logging
 import os
+import pickle
 import time
 import traceback
 from typing import Any, Callable
@@ -89,7 +90,8 @@ def run_rank(
         # lazy: the parent imports this module to spawn ranks and never trains: the training stack stays out of it
         from sharded_exp.train.trainer import train
 
-        payload = train(job, device, timeline)
+        released = (lambda: wait_released(tcp)) if job.wait_for_release else None  # spawned ranks only
+        payload = train(job, device, timeline, released)
         if finished is not None:
             finished(payload)
         trained = True
@@ -111,6 +113,23 @@ def run_rank(
 
                 faults.hang_at_exit(rank)  # the testing aid: a teardown that never ends
             dist.destroy_process_group()
+
+
+RELEASE_KEY = "sharded_exp/released"
+"""The rendezvous store's key the parent releases its spawned ranks by (:func:`release_ranks`)."""
+
+
+def release_ranks(store, word: Any) -> None:
+    """Release the ranks waiting in :func:`wait_released` with ``word`` (the peak prediction)."""
+    store.set(RELEASE_KEY, pickle.dumps(word))
+
+
+def wait_released(store) -> Any:
+    """What the parent released this rank with (:attr:`JobSpec.wait_for_release`), once it has:
+    however long its prediction takes (a rank it refuses is killed; one whose parent is gone
+    exits, :func:`~sharded_exp.launch.forkserver.watch_parent`)."""
+    store.wait([RELEASE_KEY], datetime.timedelta(days=7))
+    return pickle.loads(store.get(RELEASE_KEY))
 
 
 @contextlib.contextmanager

@@ -24,8 +24,10 @@ from sharded_exp.registry import import_plugins
 
 
 def start(cfg: DictConfig, output_dir: str, peak: bool = True) -> forkserver.Call:
-    """Begin the job's pre-flight check in the rank server; ``.result()`` is its JobSpec, or
-    its ConfigError raised. The check's log lines go to the parent's console and log file."""
+    """Begin the job's pre-flight check in the rank server; the first ``.result()`` is its
+    JobSpec (the config checked), the second its peak prediction (made while the ranks start),
+    either one a ConfigError raised instead (:func:`~sharded_exp.launch.preflight.check_in_two`).
+    The check's log lines go to the parent's console and log file."""
     # Hydra's node of the config (what ${hydra:...} in the config reads) hangs from the whole
     # config as Hydra composed it (HydraConfig.set_config); the registries' groups travel as
     # plain data in both: the schemas made from the cache exist only in this process.
@@ -37,12 +39,13 @@ def start(cfg: DictConfig, output_dir: str, peak: bool = True) -> forkserver.Cal
         "log_file": logs.job_log_file(),
         "log_level": logs.level(),
     }
-    return forkserver.start(_check_there, plain_registry_groups(cfg), output_dir, peak, here)
+    return forkserver.start(_check_there, plain_registry_groups(cfg), output_dir, peak, here, answers=2)
 
 
 def _check_there(cfg: DictConfig, output_dir: str, peak: bool, here: dict[str, Any]):
     """The checking process: the parent's environment, directory, Hydra resolvers and
-    logging, then pre-flight's :func:`~sharded_exp.launch.preflight.check`."""
+    logging, then pre-flight's :func:`~sharded_exp.launch.preflight.check_in_two` (a
+    generator: its two answers)."""
     from sharded_exp.launch import preflight  # lazy: torch; this runs in the server, which has imported it
 
     os.environ.clear()
@@ -58,4 +61,4 @@ def _check_there(cfg: DictConfig, output_dir: str, peak: bool, here: dict[str, A
     hydra_cfg.hydra._set_parent(here["hydra"])
     HydraConfig.instance().cfg = hydra_cfg
     import_plugins()
-    return preflight.check(cfg, output_dir, None, peak)
+    yield from preflight.check_in_two(cfg, output_dir, peak)

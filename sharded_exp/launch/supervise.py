@@ -19,7 +19,7 @@ import logging
 import os
 import signal
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -29,17 +29,18 @@ from sharded_exp.job.result import PartialResult
 from sharded_exp.job.spec import JobSpec
 from sharded_exp.launch import forkserver
 from sharded_exp.launch.layout import Layout, rendezvous_env
-from sharded_exp.launch.rank import run_rank, spawned_entry
+from sharded_exp.launch.rank import release_ranks, run_rank, spawned_entry
 from sharded_exp.train import liveness
 
 log = logging.getLogger(__name__)
 
 
-def run_ranks(job: JobSpec, layout: Layout | None) -> PartialResult | None:
+def run_ranks(job: JobSpec, layout: Layout | None, release: Callable[[], Any] | None = None) -> PartialResult | None:
     """Run the job's ranks: spawn them, or be the one rank an external launcher started.
-    Rank 0's payload carries status "ok" or "stopped"; other torchrun ranks get None."""
+    Rank 0's payload carries status "ok" or "stopped"; other torchrun ranks get None.
+    ``release``: what spawned ranks wait for before their first step (:func:`spawn`)."""
     if layout is None:
-        return spawn(job, job.world_size)
+        return spawn(job, job.world_size, release)
     for key, value in rendezvous_env(layout).items():
         os.environ.setdefault(key, value)
     entry = run_rank
@@ -49,8 +50,12 @@ def run_ranks(job: JobSpec, layout: Layout | None) -> PartialResult | None:
     return entry(job, layout.rank, layout.world_size, layout.local_rank, layout.local_world_size)
 
 
-def spawn(job: JobSpec, world_size: int) -> PartialResult:
-    """Run ``world_size`` ranks as child processes; return rank 0's payload or raise."""
+def spawn(job: JobSpec, world_size: int, release: Callable[[], Any] | None = None) -> PartialResult:
+    """Run ``world_size`` ranks as child processes; return rank 0's payload or raise.
+
+    ``release`` (where ``job.wait_for_release``): called once the ranks are started; the ranks
+    wait, once built, for what it returns (the peak prediction) before their first step. Where
+    it raises (the job refused), the ranks are killed and its exception raised, as it was."""
     # forkserver: children fork from a clean server process that imported torch once, so a
     # sweep pays the import once; plain fork would inherit the parent's OpenMP pool (and
     # deadlock), and CUDA cannot be forked after initialisation.
@@ -77,8 +82,12 @@ def spawn(job: JobSpec, world_size: int) -> PartialResult:
             # gone, where the parent's own copy of the writing end would keep it waiting forever.
             results._writer.close()
             stop.watch(context.processes)
+            if release is not None:
+                _release(context.processes, store, release)
             _watch(context, stop, results, finished)
     except Exception as exc:
+        if isinstance(exc, Unreleased):
+            raise exc.cause from None
         if stop.signum is not None:  # ranks that died of the signal, or were killed
             raise Stopped(stop.signum, killed=stop.killed) from None
         if isinstance(exc, RankDied):
@@ -94,6 +103,31 @@ def spawn(job: JobSpec, world_size: int) -> PartialResult:
     if payload.status == "stopped" and stop.signum is not None:
         payload = payload.updated(signal=stop.signum)  # the job's signal (ranks may also see Ctrl-C's SIGINT)
     return payload
+
+
+class Unreleased(Exception):
+    """The ranks were not released: ``cause`` is why (raised by the release)."""
+
+    def __init__(self, cause: Exception):
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def _release(processes, store, release: Callable[[], Any]) -> None:
+    """Release the started ranks with what ``release`` returns; where it fails, kill them (they
+    wait before their first step: nothing of theirs is lost) and raise :class:`Unreleased`."""
+    try:
+        word = release()
+    except BaseException as exc:
+        for proc in processes:
+            if proc.is_alive():
+                proc.kill()
+        for proc in processes:
+            proc.join()
+        if isinstance(exc, Exception):
+            raise Unreleased(exc) from exc
+        raise
+    release_ranks(store, word)
 
 
 def _watch(context, stop: ParentStop, results, finished: dict[int, Any]) -> None:

@@ -9,28 +9,8 @@ never the strategy's name. They are data, so reading them imports nothing heavy.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from sharded_exp.config import ZeroGrad
-
-
-@dataclass(frozen=True)
-class GradZeroing:
-    """How a strategy clears gradients at the start of each step: the rule
-    ``trainer.zero_grad`` asked for, the rule the strategy applies, and why they differ."""
-
-    requested: ZeroGrad
-    applied: ZeroGrad
-    reason: str = ""
-    """Empty when ``applied`` is ``requested``."""
-
-    @property
-    def set_to_none(self) -> bool:
-        return self.applied is ZeroGrad.free
-
-    def record(self) -> dict[str, Any]:
-        """result.json's ``zero_grad``."""
-        return {"requested": self.requested.value, "applied": self.applied.value, "reason": self.reason or None}
+from sharded_exp.config import GradZeroing, ZeroGrad
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import os
 import platform
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -145,11 +145,18 @@ def device_info(device: torch.device) -> dict[str, Any]:
     }
 
 
-def train(spec: JobSpec, device: torch.device, timeline: dict[str, float] | None = None) -> dict[str, Any] | None:
+def train(
+    spec: JobSpec,
+    device: torch.device,
+    timeline: dict[str, float] | None = None,
+    released: Callable[[], dict | None] | None = None,
+) -> dict[str, Any] | None:
     """Build, train and measure on this rank; rank 0 returns the result payload.
 
     ``spec.prediction``: the parent's memory prediction, set beside the measurement in the
-    payload's ``memory``.
+    payload's ``memory``. ``released``: waited for once the run is built, before the logger
+    and the first step; it gives the peak prediction, made by the parent meanwhile
+    (:attr:`JobSpec.wait_for_release`).
     """
     cfg, rank = spec.cfg(), dist.get_rank()
     tc = cfg.trainer
@@ -157,7 +164,7 @@ def train(spec: JobSpec, device: torch.device, timeline: dict[str, float] | None
     # From before the model is built, as the CUDA cap: an OOM in the build leaves a snapshot too.
     history = MemoryHistory(tc.memory_snapshot, device, tc.memory_limit_mib, spec.output_dir, rank)
     try:
-        return _train(spec, cfg, device, timeline if timeline is not None else {}, meter, history)
+        return _train(spec, cfg, device, timeline if timeline is not None else {}, meter, history, released)
     except BaseException as exc:
         if is_oom(exc):
             # What the rank that ran out held, for rank<r>_error.json and then result.json.
@@ -210,9 +217,9 @@ def setting_changes(loaded: dict[str, Any], cfg) -> list[dict[str, Any]]:
     ]
 
 
-def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: MemoryHistory):
-    """:func:`train`'s steps, top to bottom: build and load, the logger, the loop with the
-    job's parts, the gather, the final evaluation, rank 0's payload."""
+def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: MemoryHistory, released=None):
+    """:func:`train`'s steps, top to bottom: build and load, the parent's release, the logger,
+    the loop with the job's parts, the gather, the final evaluation, rank 0's payload."""
     stopper = liveness.StopAgreement()  # SIGTERM/SIGINT now ask for a stop, which ranks agree on
     rank, tc, output_dir = dist.get_rank(), cfg.trainer, spec.output_dir
     run, loaded, resume_changes = _build_and_load(spec, cfg, device, meter)
@@ -220,6 +227,10 @@ def _train(spec: JobSpec, cfg, device, timeline, meter: MemoryMeter, history: Me
     if device.type == "cuda":
         meter.start()  # peak counters reset once model and optimizer are built
     timeline["built"] = time.time()
+    if released is not None:  # the parent's peak prediction, made while this rank started
+        peak = released()
+        if peak is not None:
+            spec.prediction["peak"] = peak
     # W&B starts beside the first steps, not before them: its timeline entry is when it has started
     logger = start_logger(cfg.logger, OmegaConf.to_container(cfg), output_dir, rank,
                           on_started=lambda t: timeline.__setitem__("logger_ready", t))  # fmt: skip

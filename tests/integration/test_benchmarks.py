@@ -44,6 +44,7 @@ def test_startup_smoke(tmp_path):
     order = ["command", "main", "launch", "validated", "rank_start", "process_group_ready", "built", "logger_ready"]
     times = [run[k] for k in order] + [run["first_step"], run["exit"]]
     assert times == sorted(times)
+    assert run["validated"] <= run["predicted"] <= run["first_step"]  # predicted while the ranks start
     [floor] = data["floor_s"]  # a fresh interpreter's import of torch and one Adam step
     assert isinstance(floor, float) and floor > 0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -36,7 +37,13 @@ def test_default_job_prints_table_and_writes_result(tmp_path):
 
     registry_schemas()  # the schema cache written, as on any machine where a command has run since the install
     env, imports = recording_imports(
-        tmp_path, "torchmetrics", "torch.distributed.checkpoint", "torch.distributed.optim", "torch._dynamo", "torch"
+        tmp_path,
+        "torchmetrics",
+        "torch.distributed.checkpoint",
+        "torch.distributed.optim",
+        "torch._dynamo",
+        "torch",
+        "torch.distributed.tensor",
     )
     run = tmp_path / "run"
     proc = run_cli([f"hydra.run.dir={run}"], cwd=ROOT, env=env)
@@ -56,6 +63,9 @@ def test_default_job_prints_table_and_writes_result(tmp_path):
     phases = ["main", "imported", "launch", "validated", "rank_start", "process_group_ready", "built", "first_step",
               "last_step"]  # fmt: skip
     assert [t[k] for k in phases] == sorted(t[k] for k in phases)
+    # the ranks start once the config is checked, and take their first step once the peak is
+    # predicted (the parent's check goes on predicting while they start: launch/parent.py)
+    assert t["validated"] <= t["rank_start"] and t["validated"] <= t["predicted"] <= t["first_step"]
     assert t["built"] <= t["logger_ready"]  # the tracker starts beside the first steps (ready before or after them)
     assert result["throughput"]["first_step_after_start_s"] == pytest.approx(t["first_step"] - t["main"])
     # the evaluation ran, and no process imported torchmetrics (seconds of imports in each): its
@@ -66,14 +76,45 @@ def test_default_job_prints_table_and_writes_result(tmp_path):
     # torch.distributed.optim (0.2 s of CPU): by no process, where the command names no zero1 (the
     # rank server preloads it only then: sharded_exp/launch/forkserver.py). torch._dynamo (half a
     # second) by one process, the rank server: the parent's pre-flight check, whose fake step needs
-    # it, runs in a process forked from the server, not in the parent
+    # it, runs in a process forked from the server, not in the parent. Nor torch's DTensor (with sympy,
+    # half a second): the parent reads the check's spec without the modules of its schemas
+    # (job/spec.py's Pickled), and it is ready to start the ranks by the time the check answers
     recorded = [line.split() for line in imports.read_text().splitlines()] if imports.exists() else []
-    assert [name for name, _, _ in recorded if name != "torch"] == ["torch._dynamo"], recorded
+    beyond = sorted((name, pid) for name, pid, _ in recorded if name != "torch")
+    assert [name for name, _ in beyond] == ["torch._dynamo", "torch.distributed.tensor"], recorded
+    assert beyond[0][1] == beyond[1][1], recorded  # one process: the rank server
     # torch itself (two seconds) by two processes: the rank server at once, and the parent only
     # once it had begun the check in the server (the timeline's "launch"): it composed the config
     # without torch, from the registries' schemas made again from their cache (schema_cache.py)
     torch_at = sorted(float(at) for name, _, at in recorded if name == "torch")
     assert len(torch_at) == 2 and torch_at[0] < t["launch"] <= torch_at[1], (torch_at, t["launch"])
+
+
+def _spec(typed):
+    from sharded_exp.checkpoint.plan import CheckpointPlan
+    from sharded_exp.config import GradZeroing, ZeroGrad
+    from sharded_exp.job.spec import JobSpec
+
+    plan = CheckpointPlan(directory="/ckpt", format="dcp", every=0, keep=0, asynchronous=False, existing="refuse",
+                          resume=None, start_step=0)  # fmt: skip
+    return JobSpec(config={}, typed=typed, output_dir="/out", device_type="cpu", world_size=2, params=10, prediction={},
+                   checkpoint=plan, zero_grad=GradZeroing(ZeroGrad.free, ZeroGrad.free))  # fmt: skip
+
+
+def test_unpickling_a_spec_imports_no_module_its_schemas_live_in(tmp_path):
+    # The parent of `python -m sharded_exp` unpickles the spec its check sends: the strategies'
+    # modules (and torch's DTensor, sympy) would cost it half a second on the way to the first step.
+    from sharded_exp.config import Config, TrainerConfig
+    from sharded_exp.strategies.ddp import DDPConfig
+
+    typed = Config(trainer=TrainerConfig(steps=3, warmup_steps=0), strategy=DDPConfig())
+    (tmp_path / "spec.pkl").write_bytes(pickle.dumps(_spec(typed)))
+    code = (
+        "import pickle, sys; s = pickle.loads(open(sys.argv[1], 'rb').read()); "
+        "print(s.world_size, 'sharded_exp.strategies' in sys.modules, 'torch.distributed.tensor' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "spec.pkl")], capture_output=True, text=True)
+    assert out.stdout.split() == ["2", "False", "False"], out.stderr[-2000:]
 
 
 @pytest.mark.slow

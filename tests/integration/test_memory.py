@@ -126,7 +126,7 @@ def test_prediction_is_on_disk_before_any_rank_starts(tmp_path, monkeypatch, mea
 
     seen = {}
 
-    def instead_of_the_ranks(job, layout):
+    def instead_of_the_ranks(job, layout, release=None):
         seen.update(json.loads((tmp_path / "result.json").read_text()))
         raise RuntimeError("no ranks in this test")
 

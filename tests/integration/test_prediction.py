@@ -11,7 +11,7 @@ import torch
 from sharded_exp.compose import compose
 from sharded_exp.errors import ConfigError
 from sharded_exp.predict.fake_step import fake_step
-from tests.helpers.jobs import STRATEGY_NAMES, launch_job, tiny
+from tests.helpers.jobs import ROOT, STRATEGY_NAMES, launch_job, run_cli, tiny
 
 # The CPU tracker measures over the warm-up steps: two, like the fake step.
 TWO_STEPS = ["trainer.steps=3", "trainer.warmup_steps=2", "trainer.eval_batches=0"]
@@ -242,6 +242,35 @@ def test_a_cpu_job_predicted_beyond_host_memory_is_refused_before_spawn(tmp_path
         ["trainer.accelerator=cpu", "trainer.steps=2", "trainer.host_memory_check=false"], tmp_path / "run"
     )
     assert result["status"] == "ok"
+
+
+HOST_MIB = """
+import sharded_exp.measure.machine_memory as memory
+memory.available_mib = lambda: {mib!r}
+"""
+
+
+def test_a_job_whose_peak_does_not_fit_host_memory_is_refused_after_its_ranks_start_before_they_step(tmp_path):
+    # `python -m sharded_exp` starts the ranks once the config is checked, while its check
+    # predicts the peak (launch/parent.py): a host that holds the model states but not the
+    # peak refuses the job then, its ranks stopped before their first step, and nothing is
+    # left behind, as a refusal before they started leaves nothing
+    from sharded_exp.launch import preflight
+
+    overrides = ["trainer.accelerator=cpu", "trainer.batch_size=512", "logger=none"]
+    spec = preflight.check(compose(overrides), str(tmp_path / "x"))
+    states = max(sum(p.values()) for p in spec.prediction["model_states_mib"])
+    peak = max(spec.prediction["peak"]["per_rank_mib"])
+    assert peak > states + 1  # the activations of a batch of 512: room for a host between the two
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(HOST_MIB.format(mib=2 * (preflight.RANK_OVERHEAD_MIB + (states + peak) / 2)))
+    run = tmp_path / "run"
+    env = {"PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
+    proc = run_cli([*overrides, f"hydra.run.dir={run}"], cwd=tmp_path, env=env)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "error: the job needs about" in proc.stderr and "(2 rank(s): predicted" in proc.stderr, proc.stderr
+    assert not run.exists()  # no result.json, no rank's error record: the ranks never stepped
 
 
 def test_a_float64_model_is_measured_and_predicted_in_its_own_dtype(tmp_path):

@@ -34,6 +34,14 @@ def unpicklable():
     return threading.Lock()
 
 
+def checked_then_predicted(refuse_second: bool):
+    """The pre-flight check's two answers, as :mod:`sharded_exp.launch.server_check` gives them."""
+    yield "config checked", os.getpid()
+    if refuse_second:
+        raise ConfigError("the job needs about 9,999 MiB of host memory")
+    yield "peak predicted", os.getpid()
+
+
 class TwoArgumentError(Exception):
     def __init__(self, path, why):
         super().__init__(f"{path}: {why}")
@@ -90,3 +98,19 @@ def test_an_exception_that_pickles_but_does_not_load_comes_back_as_its_message()
 
 def test_the_called_function_may_start_processes_of_its_own():
     assert forkserver.call(start_a_process) == 0  # a daemonic process may not
+
+
+def test_a_generator_answers_each_value_as_it_is_yielded_and_the_process_ends_after_the_last():
+    call = forkserver.start(checked_then_predicted, False, answers=2)
+    (first, pid), (second, same) = call.result(), call.result()
+    assert (first, second) == ("config checked", "peak predicted") and pid == same != os.getpid()
+    assert not call.proc.is_alive() and call.reader.closed
+
+
+def test_a_generator_that_raises_after_its_first_answer_raises_at_the_second_read():
+    call = forkserver.start(checked_then_predicted, True, answers=2)
+    assert call.result()[0] == "config checked"
+    assert not call.reader.closed  # the first read leaves the pipe open for the second
+    with pytest.raises(ConfigError, match="9,999 MiB of host memory"):
+        call.result()
+    assert not call.proc.is_alive() and call.reader.closed

@@ -12,9 +12,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ReadonlyConfigError
 
 from sharded_exp.checkpoint.plan import CheckpointPlan
-from sharded_exp.config import Config, TrainerConfig, ZeroGrad
-from sharded_exp.job.spec import JobSpec, decided_config
-from sharded_exp.strategies.base import GradZeroing
+from sharded_exp.config import Config, GradZeroing, TrainerConfig, ZeroGrad
+from sharded_exp.job.spec import JobSpec, Pickled, decided_config
 
 
 def plan(**kw) -> CheckpointPlan:
@@ -41,9 +40,14 @@ def test_a_job_spec_defaults_to_a_spawned_job_at_info_level():
     assert (s.launcher, s.env, s.parent_pid, s.log_level) == ("spawn", {}, None, 20)
 
 
-def test_a_job_spec_survives_pickling():
+def test_a_job_spec_survives_pickling_its_typed_config_pickled_apart():
     s = spec()
-    assert pickle.loads(pickle.dumps(s)) == s
+    back = pickle.loads(pickle.dumps(s))
+    assert isinstance(back.typed, Pickled) and back.typed_config() == s.typed
+    assert dataclasses.replace(back, typed=s.typed) == s
+    assert back.cfg() == s.cfg()
+    again = pickle.loads(pickle.dumps(dataclasses.replace(back, parent_pid=7)))  # passed on as it came
+    assert again.typed == back.typed and again.typed_config() == s.typed
 
 
 def test_cfg_is_a_read_only_copy_of_the_typed_config_with_its_enums():

@@ -19,6 +19,13 @@ def test_the_spawning_parent_and_rank_0_of_an_external_launcher_write():
 
 
 def test_the_parent_times_say_when_main_started_and_none_without_main():
-    assert launch_of(started=(1.0, 2.0)).parent_times(4.0) == {
-        "main": 1.0, "imported": 2.0, "launch": 3.0, "validated": 4.0}  # fmt: skip
-    assert launch_of().parent_times(4.0)["main"] is None
+    run = launch_of(started=(1.0, 2.0))
+    run.validated = 4.0
+    assert run.parent_times() == {"main": 1.0, "imported": 2.0, "launch": 3.0, "validated": 4.0}
+    assert launch_of().parent_times()["main"] is None
+
+
+def test_the_parent_times_say_when_the_ranks_were_released_where_they_waited():
+    run = launch_of(started=(1.0, 2.0))
+    run.validated, run.predicted = 4.0, 4.5  # the peak predicted while the ranks started
+    assert run.parent_times()["predicted"] == 4.5
