@@ -191,7 +191,7 @@ def check_and_launch(cfg: DictConfig) -> "Result | None":
     except NothingToDo as exc:  # a requeued job that had finished: result.json stays as it is
         log.info("%s", exc)
         return read_result_in(output_dir)
-    except ConfigError as exc:  # raised before any rank starts
+    except ConfigError as exc:  # raised before any rank steps (launch/parent.py)
         if not multirun:
             print(f"error: {exc}", file=sys.stderr)  # not logged: no run directory is left behind
             remove_if_unused(output_dir)

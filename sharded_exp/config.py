@@ -308,8 +308,10 @@ class TrainerConfig(Sealed):
     the environment overrides them all."""
     host_memory_check: bool = True
     """Refuse a job whose predicted host memory (all ranks on this machine, plus each process's
-    own) exceeds what is available here, before it starts: on CPU every tensor's peak; on a
-    GPU, CPU offload's states as torch pins and holds them (sharded_exp/predict/host_memory.py)."""
+    own) exceeds what is available here, before any rank steps (the model states before any
+    starts; the command's ranks start while the peak is predicted, and wait for it): on CPU
+    every tensor's peak; on a GPU, CPU offload's states as torch pins and holds them, before
+    any rank starts (sharded_exp/predict/host_memory.py)."""
     save_final_state: bool = False
     """Write the full (unsharded) final model state to model_final.pt on rank 0."""
     checkpoint_every: int = 0

@@ -2,7 +2,7 @@
 one reader (:func:`read_result`).
 
 A job's ``result.json`` is written by the parent three times at most: ``running`` with the
-prediction before any rank starts, then the end (``ok``, ``stopped``, ``diverged``, ``oom``
+prediction before any rank steps, then the end (``ok``, ``stopped``, ``diverged``, ``oom``
 or ``failed``). Whoever builds a result (the parent, rank 0's training part, the probe)
 builds a :class:`Result` (:meth:`Result.build`, :meth:`Result.updated`); readers use its
 attributes. A result keeps its fields as they were given, in their order, so the file holds

@@ -2,7 +2,9 @@
 
 :func:`launch` reads top to bottom: hold the run directory, check the config once
 (:mod:`sharded_exp.launch.preflight`), write what to expect, run the ranks, lay a failure
-over the result, write ``result.json`` and print the summary. Its parts:
+over the result, write ``result.json`` and print the summary. ``python -m sharded_exp``'s
+ranks start once the config is checked, while the check predicts the peak: what to expect is
+written when it comes (:func:`_release`), and the ranks take their first step after it. Its parts:
 
 - :mod:`.run_dir`: the run directory and the checkpoint directory, held by one live job
   each; an earlier attempt's records moved aside;
@@ -26,7 +28,7 @@ from typing import IO, Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from sharded_exp.errors import ConfigError, WontFit
+from sharded_exp.errors import WontFit
 from sharded_exp.job.result import Result, write_result
 from sharded_exp.job.spec import JobSpec, this_process
 from sharded_exp.launch import forkserver
@@ -38,9 +40,10 @@ from sharded_exp.launch.run_dir import (
     hold_run_dir,
     release_run_dir,
     remove_trained,
+    restore_attempt,
     write_job_files,
 )
-from sharded_exp.launch.supervise import run_ranks
+from sharded_exp.launch.supervise import Unreleased, run_ranks
 from sharded_exp.output.results import base_result, finished_result, memory_lines, predicted_section, summary_table
 from sharded_exp.registry import import_plugins
 
@@ -67,6 +70,9 @@ class Launch:
     """Where the ranks come from: None when the parent spawns them, else torchrun's or SLURM's."""
     run_dir_lock: IO | None = None
     checkpoint_lock: IO | None = None
+    archived: str | None = None
+    """Where an earlier attempt's records were moved (:func:`_hold`), to move back if the job
+    is refused after its ranks started."""
     validated: float | None = None
     """When the config was known good (time.time())."""
     predicted: float | None = None
@@ -96,7 +102,7 @@ def launch(
     """Check, run every rank, write ``result.json`` and print the summary table.
 
     Returns the result; its ``status`` is "ok", "stopped" (by a signal), "oom" or
-    "failed" (with ``error`` naming the rank). Raises ConfigError before any rank starts.
+    "failed" (with ``error`` naming the rank). Raises ConfigError before any rank steps.
     Under torchrun only rank 0 writes and prints. ``job_files``: ``.hydra/`` files to
     write once the config is known good. ``identity``: result.json fields that place the
     job in its sweep (``overrides``, ``sweep_id``, see :func:`sharded_exp.report`).
@@ -112,7 +118,8 @@ def launch(
         # one is made (and held) once the config is known good.
         if run.is_writer and os.path.isdir(output_dir):
             run.run_dir_lock = hold_run_dir(output_dir)
-        # ConfigError here, before any rank starts, for a config that cannot run. The
+        # ConfigError here, before any rank starts, for a config that cannot run (or, for one
+        # whose peak does not fit host memory, from _release before they step). The
         # command's own rank server has imported what the check needs (torch._dynamo):
         # begun there by __main__, whose ranks then start while it predicts the peak (they
         # wait for it before their first step: _release). Under torchrun, in a library call
@@ -158,7 +165,7 @@ def _hold(run: Launch, spec: JobSpec) -> None:
         run.run_dir_lock = hold_run_dir(run.output_dir)
     if spec.checkpoint.every:
         run.checkpoint_lock = hold_checkpoints(spec.checkpoint)
-    archive_previous_attempt(run.output_dir, extra=(".hydra",) if run.job_files else ())
+    run.archived = archive_previous_attempt(run.output_dir, extra=(".hydra",) if run.job_files else ())
 
 
 def _release(run: Launch, spec: JobSpec, result: Result, checking: forkserver.Call) -> dict | None:
@@ -198,13 +205,15 @@ def _expect(run: Launch, spec: JobSpec, result: Result) -> None:
 
 def _run_ranks(run: Launch, spec: JobSpec, result: Result, release: Callable[[], Any] | None) -> Result:
     """Run the ranks (``release``: what they wait for before their first step); the finished
-    result, or the failure laid over ``result``. A ConfigError (the release's) is raised."""
+    result, or the failure laid over ``result``. What the release raised is raised, the run
+    directory as it was found (the ranks never stepped)."""
     try:
         # rank 0's payload carries status "ok" or "stopped"; other torchrun ranks get None
         payload = run_ranks(spec, run.layout, release)
         return finished_result(result, payload, run.parent_times())
-    except ConfigError:
-        raise  # refused before any rank stepped: as before any started
+    except Unreleased as exc:  # refused (or the check gone) before any rank stepped: as before any started
+        restore_attempt(run.output_dir, run.archived)
+        raise exc.cause from None
     except Exception as exc:  # noqa: BLE001 -- a rank failed: record it, then let the caller exit non-zero
         return failure_result(result, exc, spec)
 

@@ -1,4 +1,5 @@
-"""Pre-flight: everything the parent checks and decides once, before any rank starts.
+"""Pre-flight: everything the parent checks and decides once, before any rank steps (before
+any starts, but for the peak of a job whose ranks start while it is predicted: :func:`check_in_two`).
 
 :func:`check` runs for the parent (the Hydra job) on the composed config: in the parent, or,
 for ``python -m sharded_exp`` spawning its ranks, in a process forked from the rank server
@@ -41,7 +42,8 @@ from sharded_exp.models.target import (
 from sharded_exp.optim import OPTIMIZERS
 from sharded_exp.precision import PRECISIONS, Precision
 from sharded_exp.predict.prediction import meta_model, model_shapes, predict, predict_peak
-from sharded_exp.strategies import STRATEGIES
+from sharded_exp.predict.step_time import ensure_profile
+from sharded_exp.strategies import STRATEGIES, offloads_to_host
 from sharded_exp.train import faults
 
 
@@ -159,21 +161,38 @@ def check(cfg: Config, output_dir: str, layout: Layout | None = None, peak: bool
 
 
 def check_in_two(cfg: Config, output_dir: str, peak: bool = True):
-    """:func:`check` for a job that spawns its ranks, as two answers (a generator): the spec
-    once the config is checked and its model states predicted, its ``wait_for_release`` set and
-    no peak in its prediction; then the peak (None without ``peak``), or the ConfigError that
-    refuses it (host memory). The ranks start on the first answer and wait for the second
-    before their first step (:mod:`sharded_exp.launch.parent`)."""
+    """:func:`check` for a job that spawns its ranks, as a generator. Where the ranks may start
+    before the peak is known (:func:`starts_early`), two answers: the spec once the config is
+    checked and its model states predicted, its ``wait_for_release`` set and no peak in its
+    prediction; then the peak, or the ConfigError that refuses it (host memory). The ranks
+    start on the first answer and wait for the second before their first step
+    (:mod:`sharded_exp.launch.parent`). Elsewhere one: :func:`check`'s spec, peak and all."""
     spec, peak_of = _checked(cfg, output_dir, None, peak)
+    if not peak or not starts_early(spec):
+        if peak:
+            spec.prediction["peak"] = peak_of()
+        yield spec
+        return
+    ensure_profile(spec.device_type, spec.world_size)  # a new machine measures before its ranks start
     yield dataclasses.replace(spec, wait_for_release=True)
-    yield peak_of() if peak else None
+    yield peak_of()
+
+
+def starts_early(spec: JobSpec) -> bool:
+    """Whether a job's ranks may start while its peak is predicted: where, before their first
+    step, they read and change nothing outside their run directory (no checkpoint to resume
+    or write, no pretrained weights) and hold no more than their model states (no states
+    pinned in host memory by offloading, which the host check counts from the peak)."""
+    if spec.checkpoint.resume is not None or spec.checkpoint.every or spec.config["model"].get("pretrained"):
+        return False
+    return not offloads_to_host(spec.cfg().strategy)
 
 
 def _checked(cfg: Config, output_dir: str, layout: Layout | None, peak: bool):
     """:func:`check`'s spec without the peak, and a function that predicts the peak (and
-    refuses it where it does not fit host memory). With ``peak``, a CPU job whose model states
-    alone do not fit host memory is refused here already (less than the peak: the ranks hold
-    no more before their first step)."""
+    refuses it where it does not fit host memory, as it was before any rank started). With
+    ``peak``, a CPU job whose model states alone do not fit host memory is refused here
+    already: what a rank holds before its first step, where it may start early."""
     cfg = copy.deepcopy(cfg)  # the job's own copy: the caller's stays as composed
     world_size = layout.world_size if layout is not None else cfg.trainer.world_size
     check_values(cfg, world_size)  # (model.pretrained's directory resolves into the copy's model config)
@@ -216,14 +235,15 @@ def _checked(cfg: Config, output_dir: str, layout: Layout | None, peak: bool):
     decided = OmegaConf.structured(decided_typed)
     prediction = predict(decided.strategy, decided.optimizer, Precision.of(decided), shapes, world_size)
     host_check = peak and cfg.trainer.host_memory_check
+    available = available_host_mib() if host_check else None  # read before any rank holds some of it
     if host_check and device_type == "cpu":
         states = [sum(parts.values()) for parts in prediction["model_states_mib"]]
-        check_host_memory(states, local_ranks, "model states alone")
+        check_host_memory(states, local_ranks, available, "model states alone")
 
     def peak_of() -> dict:
         predicted = predict_peak(decided, world_size, device_type, prediction, shapes, local_world_size=local_ranks)
         if host_check:
-            check_host_memory(host_need_mib(predicted, device_type), local_ranks)
+            check_host_memory(host_need_mib(predicted, device_type), local_ranks, available)
         return predicted
 
     spec = JobSpec(
@@ -253,12 +273,13 @@ def host_need_mib(peak: dict, device_type: str) -> list[float] | None:
     return peak.get("per_rank_mib") if device_type == "cpu" else peak.get("host_mib")
 
 
-def check_host_memory(per_rank_mib: list[float] | None, local_ranks: int, what: str = "predicted") -> None:
+def check_host_memory(
+    per_rank_mib: list[float] | None, local_ranks: int, available: float | None, what: str = "predicted"
+) -> None:
     """On CPU the ranks' tensors live in host memory, and under CPU offload their states do
-    (``per_rank_mib``: each rank's host figure, ``what`` says which): a job predicted not to
-    fit is refused before its ranks step (rather than killed by the kernel, or refused pinned
-    memory, a minute later)."""
-    available = available_host_mib()
+    (``per_rank_mib``: each rank's host figure, ``what`` says which; ``available``: the host's
+    MiB, read before any rank started): a job predicted not to fit is refused before its ranks
+    step (rather than killed by the kernel, or refused pinned memory, a minute later)."""
     if not per_rank_mib or available is None:
         return  # nothing to compare: the run goes on, as when a prediction fails
     need = sum(sorted(per_rank_mib, reverse=True)[:local_ranks]) + RANK_OVERHEAD_MIB * local_ranks

@@ -78,6 +78,19 @@ def archive_previous_attempt(output_dir: str, extra: tuple[str, ...] = ()) -> st
     return target
 
 
+def restore_attempt(output_dir: str, attempt: str | None) -> None:
+    """Move the records :func:`archive_previous_attempt` moved to ``attempt`` back (a job
+    refused after its ranks started, before they wrote anything: the directory as it was),
+    and remove ``attempt`` and ``attempts/`` where they are left empty."""
+    if attempt is None or not os.path.isdir(attempt):
+        return
+    for name in os.listdir(attempt):
+        os.replace(os.path.join(attempt, name), os.path.join(output_dir, name))
+    for empty in (attempt, os.path.dirname(attempt)):
+        with contextlib.suppress(OSError):
+            os.rmdir(empty)
+
+
 def write_job_files(output_dir: str, files: dict[str, Any]) -> None:
     """The composed config, Hydra's config and the overrides, as Hydra would write them
     (``<output_dir>/.hydra/<name>``)."""

@@ -83,14 +83,12 @@ def spawn(job: JobSpec, world_size: int, release: Callable[[], Any] | None = Non
             results._writer.close()
             stop.watch(context.processes)
             if release is not None:
-                _release(context.processes, store, release)
+                _release(context.processes, store, release, stop)
             _watch(context, stop, results, finished)
     except Exception as exc:
-        if isinstance(exc, Unreleased):
-            raise exc.cause from None
         if stop.signum is not None:  # ranks that died of the signal, or were killed
             raise Stopped(stop.signum, killed=stop.killed) from None
-        if isinstance(exc, RankDied):
+        if isinstance(exc, (RankDied, Unreleased)):
             raise
         first = _first_failure(exc, context, results, finished, job.output_dir)
         if first is None:
@@ -106,28 +104,40 @@ def spawn(job: JobSpec, world_size: int, release: Callable[[], Any] | None = Non
 
 
 class Unreleased(Exception):
-    """The ranks were not released: ``cause`` is why (raised by the release)."""
+    """The ranks were not released, and were killed before their first step: ``cause`` is why
+    (what the release raised: the job refused, or its check gone), for the caller to raise as
+    if no rank had started."""
 
     def __init__(self, cause: Exception):
         super().__init__(str(cause))
         self.cause = cause
 
 
-def _release(processes, store, release: Callable[[], Any]) -> None:
-    """Release the started ranks with what ``release`` returns; where it fails, kill them (they
-    wait before their first step: nothing of theirs is lost) and raise :class:`Unreleased`."""
+def _release(processes, store, release: Callable[[], Any], stop: ParentStop) -> None:
+    """Release the started ranks with what ``release`` returns. Where it fails, or a signal
+    came meanwhile (it may have stopped the check too), kill them (they wait before their
+    first step: nothing of theirs is lost) and raise :class:`Unreleased` or :class:`Stopped`."""
     try:
         word = release()
     except BaseException as exc:
-        for proc in processes:
-            if proc.is_alive():
-                proc.kill()
-        for proc in processes:
-            proc.join()
+        _kill_all(processes)
+        if stop.signum is not None:
+            raise Stopped(stop.signum, killed="before their first step") from None
         if isinstance(exc, Exception):
             raise Unreleased(exc) from exc
         raise
+    if stop.signum is not None:
+        _kill_all(processes)
+        raise Stopped(stop.signum, killed="before their first step")
     release_ranks(store, word)
+
+
+def _kill_all(processes) -> None:
+    for proc in processes:
+        if proc.is_alive():
+            proc.kill()
+    for proc in processes:
+        proc.join()
 
 
 def _watch(context, stop: ParentStop, results, finished: dict[int, Any]) -> None:

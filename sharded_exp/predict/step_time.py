@@ -474,6 +474,25 @@ def _step_schedule(model, strategy, units: Units, fabric: Fabric, micro: int):
     return accumulated([earlier] * (micro - 1) + [model.schedule(strategy, one, price, fabric)])
 
 
+def rank_threads(local_ranks: int) -> int:
+    """The intra-op threads a CPU rank sets, ``local_ranks`` ranks sharing this machine's cores
+    (:func:`sharded_exp.launch.rank.run_rank`)."""
+    return max(1, (os.cpu_count() or 1) // max(1, local_ranks))
+
+
+def ensure_profile(device_type: str, local_ranks: int) -> None:
+    """The ``this`` figures :func:`run_step_time` prices a run of ``local_ranks`` ranks on,
+    measured now where they are not cached (a new machine: seconds), so that a job measures
+    before its ranks start, not beside them. Never raises: a failure is said where the
+    prediction is made."""
+    try:
+        from sharded_exp.measure import machine as this  # lazy: measuring starts processes
+
+        this.this_figures(rank_threads(local_ranks), device=device_type)
+    except Exception:  # noqa: BLE001 -- measuring never breaks training
+        pass
+
+
 def run_step_time(
     cfg, world_size: int, device_type: str, est, shapes, prediction, local_world_size: int | None = None
 ) -> dict[str, Any]:
@@ -505,7 +524,7 @@ def run_step_time(
             host = this.this_cuda_host_link()
             machine = Machine(device, link, None, max(world_size, 1), host, device.host_memory)
         else:
-            threads = max(1, (os.cpu_count() or 1) // local)  # as a CPU rank sets its threads
+            threads = rank_threads(local)
             device, link = this.this_profile(threads)
             machine = Machine(device, link, None, world_size, shared_cores=True)  # a CPU run has no offload
             pages = fresh_pages(trace, malloc_rule(cfg)) if device.fresh_page_s else None  # priced only so

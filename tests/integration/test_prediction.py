@@ -271,6 +271,12 @@ def test_a_job_whose_peak_does_not_fit_host_memory_is_refused_after_its_ranks_st
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "error: the job needs about" in proc.stderr and "(2 rank(s): predicted" in proc.stderr, proc.stderr
     assert not run.exists()  # no result.json, no rank's error record: the ranks never stepped
+    # a run directory that holds an earlier attempt is left as it was found
+    run.mkdir()
+    (run / "result.json").write_text('{"status": "ok"}')
+    proc = run_cli([*overrides, f"hydra.run.dir={run}"], cwd=tmp_path, env=env)
+    assert proc.returncode == 2 and "(2 rank(s): predicted" in proc.stderr, proc.stderr[-3000:]
+    assert (run / "result.json").read_text() == '{"status": "ok"}' and not (run / "attempts").exists()
 
 
 def test_a_float64_model_is_measured_and_predicted_in_its_own_dtype(tmp_path):

@@ -86,7 +86,10 @@ def test_the_shared_run_dir_is_named_by_the_launchers_job_id():
 
 def test_with_shared_run_dir_adds_the_directory_unless_chosen_or_a_sweep():
     env = {"RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "r1"}
-    assert with_shared_run_dir(["strategy=fsdp"], env) == ["strategy=fsdp", "hydra.run.dir=${paths.output_dir}/runs/torchrun-r1"]
+    assert with_shared_run_dir(["strategy=fsdp"], env) == [
+        "strategy=fsdp",
+        "hydra.run.dir=${paths.output_dir}/runs/torchrun-r1",
+    ]
     assert with_shared_run_dir(["hydra.run.dir=mine"], env) == ["hydra.run.dir=mine"]
     assert with_shared_run_dir(["-m", "strategy=ddp,fsdp"], env) == ["-m", "strategy=ddp,fsdp"]
     assert with_shared_run_dir(["strategy=fsdp"], {}) == ["strategy=fsdp"]

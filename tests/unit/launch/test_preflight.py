@@ -5,6 +5,7 @@ check, and the JobSpec that check() decides (world size, launcher, decided confi
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import re
 
@@ -209,11 +210,11 @@ def test_an_external_launcher_may_give_each_task_its_one_gpu(monkeypatch):
 def test_host_memory_counts_the_largest_peaks_of_the_local_ranks_plus_their_processes(monkeypatch):
     per_rank = [100.0, 300.0, 200.0, 50.0]
     need = 300 + 200 + 2 * RANK_OVERHEAD_MIB  # two ranks here: the two largest peaks
-    monkeypatch.setattr(preflight, "available_host_mib", lambda: need)
-    check_host_memory(per_rank, 2)  # exactly enough
-    monkeypatch.setattr(preflight, "available_host_mib", lambda: need - 1)
-    with pytest.raises(WontFit, match=re.escape(f"needs about {need:,.0f} MiB of host memory (2 rank(s)")):
-        check_host_memory(per_rank, 2)
+    check_host_memory(per_rank, 2, need)  # exactly enough
+    with pytest.raises(WontFit, match=re.escape(f"needs about {need:,.0f} MiB of host memory (2 rank(s): predicted")):
+        check_host_memory(per_rank, 2, need - 1)
+    with pytest.raises(WontFit, match=re.escape("(2 rank(s): model states alone 300.0 MiB each")):
+        check_host_memory(per_rank, 2, need - 1, "model states alone")
 
 
 def test_the_host_holds_every_tensor_on_cpu_and_only_offloaded_states_on_a_gpu():
@@ -224,12 +225,10 @@ def test_the_host_holds_every_tensor_on_cpu_and_only_offloaded_states_on_a_gpu()
     assert host_need_mib(offloaded, "cuda") == [4096.0, 4000.0]
 
 
-def test_host_memory_is_not_checked_without_a_prediction_or_a_reading(monkeypatch):
-    monkeypatch.setattr(preflight, "available_host_mib", lambda: 1.0)
-    check_host_memory(None, 2)
-    check_host_memory([], 2)
-    monkeypatch.setattr(preflight, "available_host_mib", lambda: None)
-    check_host_memory([1e9], 2)
+def test_host_memory_is_not_checked_without_a_prediction_or_a_reading():
+    check_host_memory(None, 2, 1.0)
+    check_host_memory([], 2, 1.0)
+    check_host_memory([1e9], 2, None)
 
 
 # ------------------------------------------------------------------------- check()
@@ -242,6 +241,28 @@ def test_check_decides_a_job_spec_and_leaves_the_config_unchanged(composed, tmp_
     assert spec.config["trainer"]["checkpoint_format"] == "consolidated"  # ddp's auto
     assert spec.config["trainer"]["accelerator"] == "auto"  # a plain name, not an enum
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+@pytest.mark.parametrize(
+    "overrides, early",
+    [
+        ([], True),
+        (["trainer.checkpoint_every=2"], False),  # holds and tidies a checkpoint directory before the peak
+        (["strategy=fsdp"], True),
+        (["strategy=fsdp", "+offload"], False),  # (on a GPU) pins its states in host memory as it builds
+    ],
+)
+def test_the_ranks_start_while_the_peak_is_predicted_only_where_they_touch_nothing_outside_the_run(
+    overrides, early, tmp_path
+):
+    from sharded_exp.launch.preflight import starts_early
+
+    offload = "+offload" in overrides
+    spec = check(compose([*SMALL, *(o for o in overrides if o != "+offload")]), str(tmp_path / "run"), peak=False)
+    if offload:  # refused on CPU, where the states are in host memory already: the GPU job's spec
+        typed = dataclasses.replace(spec.typed, strategy=dataclasses.replace(spec.typed.strategy, cpu_offload=True))
+        spec = dataclasses.replace(spec, typed=typed, device_type="cuda")
+    assert starts_early(spec) is early
 
 
 def test_check_takes_the_world_size_and_launcher_of_an_external_layout(composed, tmp_path):

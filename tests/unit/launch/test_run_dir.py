@@ -40,6 +40,21 @@ def test_an_earlier_attempt_moves_to_the_next_number_and_checkpoints_stay(tmp_pa
     assert run_dir.archive_previous_attempt(str(tmp_path / "absent")) is None
 
 
+def test_an_attempt_moved_aside_comes_back_as_it_was(tmp_path):
+    for name in ("result.json", "rank1_error.json"):
+        (tmp_path / name).write_text("earlier")
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "config.yaml").write_text("a: 1")
+    target = run_dir.archive_previous_attempt(str(tmp_path), extra=(".hydra",))
+    run_dir.restore_attempt(str(tmp_path), target)  # the job was refused after its ranks started
+    assert sorted(os.listdir(tmp_path)) == [".hydra", "rank1_error.json", "result.json"]  # attempts/ gone
+    assert (tmp_path / ".hydra" / "config.yaml").read_text() == "a: 1"
+    (tmp_path / "attempts" / "1").mkdir(parents=True)  # an older attempt stays where it is
+    run_dir.restore_attempt(str(tmp_path), run_dir.archive_previous_attempt(str(tmp_path), extra=(".hydra",)))
+    assert sorted(os.listdir(tmp_path / "attempts")) == ["1"] and (tmp_path / "result.json").exists()
+    run_dir.restore_attempt(str(tmp_path), None)  # nothing was moved
+
+
 def test_job_files_are_written_under_hydra(tmp_path):
     run_dir.write_job_files(str(tmp_path), {"overrides.yaml": OmegaConf.create(["trainer.steps=2"])})
     assert OmegaConf.load(tmp_path / ".hydra" / "overrides.yaml") == ["trainer.steps=2"]

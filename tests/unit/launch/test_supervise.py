@@ -36,6 +36,9 @@ class Proc:
     def kill(self):
         self.killed = True
 
+    def join(self):
+        pass
+
 
 def test_a_rank_death_is_said_with_its_signal_or_exit_code():
     killed = str(supervise.RankDied(1, -signal.SIGKILL))
@@ -110,3 +113,43 @@ def test_reading_the_ranks_messages_ends_at_the_end_of_the_pipe():
     finished = {}
     supervise._drain(Queue((1, None), (0, "payload"), EOFError()), finished)
     assert finished == {1: None, 0: "payload"}
+
+
+class Store:
+    def __init__(self):
+        self.values = {}
+
+    def set(self, key, value):
+        self.values[key] = value
+
+
+def test_ranks_are_released_with_what_the_release_gives_or_killed_where_it_fails():
+    import pickle
+
+    import pytest
+
+    from sharded_exp.errors import WontFit
+    from sharded_exp.launch.rank import RELEASE_KEY
+
+    ranks, store = [Proc(), Proc()], Store()
+    supervise._release(ranks, store, lambda: {"per_rank_mib": [3.0]}, supervise.ParentStop(1.0))
+    assert pickle.loads(store.values[RELEASE_KEY]) == {"per_rank_mib": [3.0]} and not any(p.killed for p in ranks)
+
+    def refuse():
+        raise WontFit("the job needs about 900 MiB of host memory")
+
+    ranks, store = [Proc(), Proc()], Store()
+    with pytest.raises(supervise.Unreleased) as caught:
+        supervise._release(ranks, store, refuse, supervise.ParentStop(1.0))
+    assert isinstance(caught.value.cause, WontFit) and all(p.killed for p in ranks) and not store.values
+
+
+def test_a_signal_while_the_ranks_wait_for_their_release_stops_them_before_their_first_step():
+    import pytest
+
+    for release in (lambda: None, lambda: (_ for _ in ()).throw(RuntimeError("the check died: SIGTERM"))):
+        stop, ranks, store = supervise.ParentStop(1.0), [Proc(), Proc()], Store()
+        stop.signum = signal.SIGTERM  # came while the parent waited for the prediction
+        with pytest.raises(supervise.Stopped, match="stopped by SIGTERM"):
+            supervise._release(ranks, store, release, stop)
+        assert all(p.killed for p in ranks) and not store.values  # never released
