@@ -2,8 +2,9 @@
 
 Builders (strategies, models, tasks) raise :class:`ConfigError` for values they cannot
 build; the parent's pre-flight (:mod:`sharded_exp.launch.preflight`) turns it into
-``error: ...`` and exit code 2 before any rank steps (before any starts, but for a predicted
-peak too large for host memory: :func:`sharded_exp.launch.preflight.check_in_two`).
+``error: ...`` and exit code 2 before any rank steps (before any starts, but for what only
+the peak's fake step finds where the ranks start while it runs:
+:func:`sharded_exp.launch.preflight.check_in_two`).
 """
 
 from __future__ import annotations

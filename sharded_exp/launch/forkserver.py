@@ -118,8 +118,9 @@ def start(fn: Callable[..., Any], *args: Any, answers: int = 1) -> Call:
     (the parent imports torch while the server checks its config); ``.result()`` waits.
     The server forks nothing until it has imported what it preloads: the process is asked
     for from a thread, so that this one is not held up meanwhile. ``answers`` above 1: ``fn``
-    is a generator that yields that many answers, each sent as soon as it is yielded and read
-    by one ``.result()`` each, in order (the config checked, then the peak predicted)."""
+    is a generator that yields at most that many answers, each sent as soon as it is yielded
+    and read by one ``.result()`` each, in order (the config checked, then the peak predicted);
+    a caller that needs fewer (the first answer was the whole of it) cancels the call."""
     call = Call(fn.__qualname__, answers)
     call.thread = threading.Thread(target=call.begin, args=(fn, args), name="forkserver-call", daemon=True)
     call.thread.start()
@@ -173,6 +174,13 @@ class Call:
         if started:
             self._stop()
 
+    def kill(self) -> None:
+        """Kill the process, if it runs, leaving the pipe to its reader: a :meth:`result` waiting
+        now ends at once ("died before answering"). Safe in a signal handler."""
+        proc = self.proc
+        if proc is not None and proc.is_alive():
+            proc.kill()
+
     def _stop(self) -> None:
         self.reader.close()
         if self.proc.is_alive():
@@ -217,7 +225,7 @@ class Call:
 def _answer(writer, fn: Callable[..., Any], args: tuple, caller: int) -> None:
     signal.signal(signal.SIGHUP, signal.SIG_DFL)  # the server ignores it (server_init); the caller does not
     watch_parent(caller)
-    for answer in _answers(fn, args):
+    for answer in _answers(fn, args):  # a generator may answer fewer times than asked: the reader gets EOF
         if not _send(writer, fn, answer):
             break  # an exception sent: nothing follows it
     writer.close()

@@ -3,8 +3,9 @@
 :func:`launch` reads top to bottom: hold the run directory, check the config once
 (:mod:`sharded_exp.launch.preflight`), write what to expect, run the ranks, lay a failure
 over the result, write ``result.json`` and print the summary. ``python -m sharded_exp``'s
-ranks start once the config is checked, while the check predicts the peak: what to expect is
-written when it comes (:func:`_release`), and the ranks take their first step after it. Its parts:
+ranks start once the config is checked, while the check predicts the peak, where nothing
+they do before their first step depends on it (:func:`~sharded_exp.launch.preflight.starts_early`):
+what to expect is written when it comes (:func:`_release`), and they step after it. Its parts:
 
 - :mod:`.run_dir`: the run directory and the checkpoint directory, held by one live job
   each; an earlier attempt's records moved aside;
@@ -24,11 +25,11 @@ import os
 import time
 import traceback
 from dataclasses import dataclass
-from typing import IO, Any, Callable
+from typing import IO, Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from sharded_exp.errors import WontFit
+from sharded_exp.errors import ConfigError, WontFit
 from sharded_exp.job.result import Result, write_result
 from sharded_exp.job.spec import JobSpec, this_process
 from sharded_exp.launch import forkserver
@@ -43,7 +44,7 @@ from sharded_exp.launch.run_dir import (
     restore_attempt,
     write_job_files,
 )
-from sharded_exp.launch.supervise import Unreleased, run_ranks
+from sharded_exp.launch.supervise import Release, Unreleased, run_ranks
 from sharded_exp.output.results import base_result, finished_result, memory_lines, predicted_section, summary_table
 from sharded_exp.registry import import_plugins
 
@@ -118,12 +119,12 @@ def launch(
         # one is made (and held) once the config is known good.
         if run.is_writer and os.path.isdir(output_dir):
             run.run_dir_lock = hold_run_dir(output_dir)
-        # ConfigError here, before any rank starts, for a config that cannot run (or, for one
-        # whose peak does not fit host memory, from _release before they step). The
-        # command's own rank server has imported what the check needs (torch._dynamo):
-        # begun there by __main__, whose ranks then start while it predicts the peak (they
-        # wait for it before their first step: _release). Under torchrun, in a library call
-        # or a test: here, the peak included.
+        # ConfigError here, before any rank starts, for a config that cannot run (or, for what
+        # only the peak's fake step finds, from _release before they step). The command's own
+        # rank server has imported what the check needs (torch._dynamo): begun there by
+        # __main__, whose ranks then start while it predicts the peak where they may
+        # (preflight.starts_early: they wait for it before their first step). Under torchrun,
+        # in a library call or a test: here, the peak included.
         if checking is not None:
             spec = dataclasses.replace(checking.result(), **this_process())
         else:
@@ -139,17 +140,15 @@ def launch(
             launcher=spec.launcher,
             zero_grad=spec.zero_grad.record(),
         )
-        if run.is_writer and spec.zero_grad.reason:  # trainer.zero_grad not honoured: said, not silent
-            log.warning(
-                "note: trainer.zero_grad=%s is not honoured: %s", spec.zero_grad.requested.value, spec.zero_grad.reason
-            )
         os.makedirs(output_dir, exist_ok=True)
         if run.is_writer:
             _hold(run, spec)
             if not spec.wait_for_release:
                 _expect(run, spec, result)
         run.validated = time.time()
-        release = (lambda: _release(run, spec, result, checking)) if spec.wait_for_release else None
+        release = None
+        if spec.wait_for_release:
+            release = Release(lambda: _release(run, spec, result, checking), checking.kill)
         result = _run_ranks(run, spec, result, release)
         if run.is_writer:
             _publish(output_dir, result)
@@ -183,7 +182,11 @@ def _release(run: Launch, spec: JobSpec, result: Result, checking: forkserver.Ca
 
 def _expect(run: Launch, spec: JobSpec, result: Result) -> None:
     """Hydra's files and a "running" result.json with the prediction, written before any rank
-    steps, so that what to expect is on disk first."""
+    steps, so that what to expect is on disk first (and logged: nothing is, before a refusal)."""
+    if spec.zero_grad.reason:  # trainer.zero_grad not honoured: said, not silent
+        log.warning(
+            "note: trainer.zero_grad=%s is not honoured: %s", spec.zero_grad.requested.value, spec.zero_grad.reason
+        )
     job_files = run.job_files
     if job_files and spec.config_yaml:  # the config as decided (world size, checkpoint paths)
         job_files = {**job_files, "config.yaml": OmegaConf.create(spec.config_yaml)}
@@ -203,7 +206,7 @@ def _expect(run: Launch, spec: JobSpec, result: Result) -> None:
     )
 
 
-def _run_ranks(run: Launch, spec: JobSpec, result: Result, release: Callable[[], Any] | None) -> Result:
+def _run_ranks(run: Launch, spec: JobSpec, result: Result, release: Release | None) -> Result:
     """Run the ranks (``release``: what they wait for before their first step); the finished
     result, or the failure laid over ``result``. What the release raised is raised, the run
     directory as it was found (the ranks never stepped)."""
@@ -212,7 +215,8 @@ def _run_ranks(run: Launch, spec: JobSpec, result: Result, release: Callable[[],
         payload = run_ranks(spec, run.layout, release)
         return finished_result(result, payload, run.parent_times())
     except Unreleased as exc:  # refused (or the check gone) before any rank stepped: as before any started
-        restore_attempt(run.output_dir, run.archived)
+        if isinstance(exc.cause, ConfigError):  # the run directory as it was found
+            restore_attempt(run.output_dir, run.archived)
         raise exc.cause from None
     except Exception as exc:  # noqa: BLE001 -- a rank failed: record it, then let the caller exit non-zero
         return failure_result(result, exc, spec)

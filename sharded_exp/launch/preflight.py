@@ -1,5 +1,6 @@
 """Pre-flight: everything the parent checks and decides once, before any rank steps (before
-any starts, but for the peak of a job whose ranks start while it is predicted: :func:`check_in_two`).
+any starts, but for what the peak's fake step finds in a job whose ranks start while it is
+predicted: :func:`check_in_two`).
 
 :func:`check` runs for the parent (the Hydra job) on the composed config: in the parent, or,
 for ``python -m sharded_exp`` spawning its ranks, in a process forked from the rank server
@@ -185,7 +186,7 @@ def starts_early(spec: JobSpec) -> bool:
     pinned in host memory by offloading, which the host check counts from the peak)."""
     if spec.checkpoint.resume is not None or spec.checkpoint.every or spec.config["model"].get("pretrained"):
         return False
-    return not offloads_to_host(spec.cfg().strategy)
+    return not offloads_to_host(OmegaConf.create(spec.config["strategy"]))
 
 
 def _checked(cfg: Config, output_dir: str, layout: Layout | None, peak: bool):

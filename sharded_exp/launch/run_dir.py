@@ -80,12 +80,16 @@ def archive_previous_attempt(output_dir: str, extra: tuple[str, ...] = ()) -> st
 
 def restore_attempt(output_dir: str, attempt: str | None) -> None:
     """Move the records :func:`archive_previous_attempt` moved to ``attempt`` back (a job
-    refused after its ranks started, before they wrote anything: the directory as it was),
-    and remove ``attempt`` and ``attempts/`` where they are left empty."""
+    refused after its ranks started, before they stepped: the directory as it was), and remove
+    ``attempt`` and ``attempts/`` where they are left empty. A record of this attempt's by the
+    same name (a rank that failed while it waited) is kept, and the earlier one left where it
+    is; so is one that cannot be moved: nothing is overwritten or lost, and nothing raises."""
     if attempt is None or not os.path.isdir(attempt):
         return
     for name in os.listdir(attempt):
-        os.replace(os.path.join(attempt, name), os.path.join(output_dir, name))
+        if not os.path.lexists(os.path.join(output_dir, name)):
+            with contextlib.suppress(OSError):
+                os.rename(os.path.join(attempt, name), os.path.join(output_dir, name))
     for empty in (attempt, os.path.dirname(attempt)):
         with contextlib.suppress(OSError):
             os.rmdir(empty)

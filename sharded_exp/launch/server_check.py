@@ -25,8 +25,9 @@ from sharded_exp.registry import import_plugins
 
 def start(cfg: DictConfig, output_dir: str, peak: bool = True) -> forkserver.Call:
     """Begin the job's pre-flight check in the rank server; the first ``.result()`` is its
-    JobSpec (the config checked), the second its peak prediction (made while the ranks start),
-    either one a ConfigError raised instead (:func:`~sharded_exp.launch.preflight.check_in_two`).
+    JobSpec (the config checked), and, where that spec's ``wait_for_release`` is set, the second
+    its peak prediction (made while the ranks start); either one a ConfigError raised instead
+    (:func:`~sharded_exp.launch.preflight.check_in_two`).
     The check's log lines go to the parent's console and log file."""
     # Hydra's node of the config (what ${hydra:...} in the config reads) hangs from the whole
     # config as Hydra composed it (HydraConfig.set_config); the registries' groups travel as
@@ -45,7 +46,7 @@ def start(cfg: DictConfig, output_dir: str, peak: bool = True) -> forkserver.Cal
 def _check_there(cfg: DictConfig, output_dir: str, peak: bool, here: dict[str, Any]):
     """The checking process: the parent's environment, directory, Hydra resolvers and
     logging, then pre-flight's :func:`~sharded_exp.launch.preflight.check_in_two` (a
-    generator: its two answers)."""
+    generator: its answers, two where the ranks may start before the peak is known)."""
     from sharded_exp.launch import preflight  # lazy: torch; this runs in the server, which has imported it
 
     os.environ.clear()

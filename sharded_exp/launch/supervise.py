@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -35,7 +36,7 @@ from sharded_exp.train import liveness
 log = logging.getLogger(__name__)
 
 
-def run_ranks(job: JobSpec, layout: Layout | None, release: Callable[[], Any] | None = None) -> PartialResult | None:
+def run_ranks(job: JobSpec, layout: Layout | None, release: Release | None = None) -> PartialResult | None:
     """Run the job's ranks: spawn them, or be the one rank an external launcher started.
     Rank 0's payload carries status "ok" or "stopped"; other torchrun ranks get None.
     ``release``: what spawned ranks wait for before their first step (:func:`spawn`)."""
@@ -50,12 +51,12 @@ def run_ranks(job: JobSpec, layout: Layout | None, release: Callable[[], Any] | 
     return entry(job, layout.rank, layout.world_size, layout.local_rank, layout.local_world_size)
 
 
-def spawn(job: JobSpec, world_size: int, release: Callable[[], Any] | None = None) -> PartialResult:
+def spawn(job: JobSpec, world_size: int, release: Release | None = None) -> PartialResult:
     """Run ``world_size`` ranks as child processes; return rank 0's payload or raise.
 
-    ``release`` (where ``job.wait_for_release``): called once the ranks are started; the ranks
-    wait, once built, for what it returns (the peak prediction) before their first step. Where
-    it raises (the job refused), the ranks are killed and its exception raised, as it was."""
+    ``release`` (where ``job.wait_for_release``): waited for once the ranks are started; the
+    ranks wait, once built, for what it gives (the peak prediction) before their first step.
+    Where it raises (the job refused), the ranks are killed and :class:`Unreleased` raised."""
     # forkserver: children fork from a clean server process that imported torch once, so a
     # sweep pays the import once; plain fork would inherit the parent's OpenMP pool (and
     # deadlock), and CUDA cannot be forked after initialisation.
@@ -113,22 +114,37 @@ class Unreleased(Exception):
         self.cause = cause
 
 
-def _release(processes, store, release: Callable[[], Any], stop: ParentStop) -> None:
-    """Release the started ranks with what ``release`` returns. Where it fails, or a signal
-    came meanwhile (it may have stopped the check too), kill them (they wait before their
-    first step: nothing of theirs is lost) and raise :class:`Unreleased` or :class:`Stopped`."""
+@dataclass
+class Release:
+    """What spawned ranks wait for before their first step (:func:`spawn`)."""
+
+    wait: Callable[[], Any]
+    """Waits for it and returns it (the peak prediction), or raises (the job refused)."""
+    abandon: Callable[[], None]
+    """Ends the wait at once (a stop signal came): :attr:`wait` then raises. Safe in a signal handler."""
+
+
+def _release(processes, store, release: Release, stop: ParentStop) -> None:
+    """Release the started ranks with what ``release`` gives. Where it fails, or a signal came
+    meanwhile (which abandons the wait), kill them (they wait before their first step: nothing
+    of theirs is lost) and raise :class:`Unreleased` or :class:`Stopped`."""
+    stop.abandon = release.abandon
     try:
-        word = release()
+        word = release.wait()
     except BaseException as exc:
         _kill_all(processes)
         if stop.signum is not None:
-            raise Stopped(stop.signum, killed="before their first step") from None
+            stop.killed = stop.killed or "before their first step"
+            raise Stopped(stop.signum, killed=stop.killed) from None
         if isinstance(exc, Exception):
             raise Unreleased(exc) from exc
         raise
+    finally:
+        stop.abandon = None
     if stop.signum is not None:
         _kill_all(processes)
-        raise Stopped(stop.signum, killed="before their first step")
+        stop.killed = stop.killed or "before their first step"
+        raise Stopped(stop.signum, killed=stop.killed)
     release_ranks(store, word)
 
 
@@ -273,6 +289,9 @@ class ParentStop:
         self.deadline: float | None = None
         self.killed: str | None = None
         """Why the ranks were killed, if they were."""
+        self.abandon: Callable[[], None] | None = None
+        """Called at the first signal: what the parent waits for before releasing its ranks
+        (:class:`Release`), abandoned."""
 
     @contextlib.contextmanager
     def handling_signals(self):
@@ -294,6 +313,8 @@ class ParentStop:
             self.signum = signum
             self.deadline = time.monotonic() + self.grace_s
             self._terminate()
+            if self.abandon is not None:
+                self.abandon()
         else:
             self._kill(f"at a second signal, {signal.Signals(signum).name}")
 

@@ -1,4 +1,4 @@
-"""The prediction of a job's memory, made once in the parent before any rank starts.
+"""The prediction of a job's memory, made once for the parent before any rank steps.
 
 The same functions fill every run's ``predicted_*`` figures and the planner's table
 (:mod:`sharded_exp.plan`), so every run checks the planner. The model is built on the

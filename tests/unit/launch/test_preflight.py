@@ -260,8 +260,8 @@ def test_the_ranks_start_while_the_peak_is_predicted_only_where_they_touch_nothi
     offload = "+offload" in overrides
     spec = check(compose([*SMALL, *(o for o in overrides if o != "+offload")]), str(tmp_path / "run"), peak=False)
     if offload:  # refused on CPU, where the states are in host memory already: the GPU job's spec
-        typed = dataclasses.replace(spec.typed, strategy=dataclasses.replace(spec.typed.strategy, cpu_offload=True))
-        spec = dataclasses.replace(spec, typed=typed, device_type="cuda")
+        strategy = {**spec.config["strategy"], "cpu_offload": True}
+        spec = dataclasses.replace(spec, config={**spec.config, "strategy": strategy}, device_type="cuda")
     assert starts_early(spec) is early
 
 

@@ -53,6 +53,11 @@ def test_an_attempt_moved_aside_comes_back_as_it_was(tmp_path):
     run_dir.restore_attempt(str(tmp_path), run_dir.archive_previous_attempt(str(tmp_path), extra=(".hydra",)))
     assert sorted(os.listdir(tmp_path / "attempts")) == ["1"] and (tmp_path / "result.json").exists()
     run_dir.restore_attempt(str(tmp_path), None)  # nothing was moved
+    target = run_dir.archive_previous_attempt(str(tmp_path), extra=(".hydra",))
+    (tmp_path / "rank1_error.json").write_text("this attempt's")  # a rank failed while it waited
+    run_dir.restore_attempt(str(tmp_path), target)
+    assert (tmp_path / "rank1_error.json").read_text() == "this attempt's"  # kept, not overwritten
+    assert os.listdir(target) == ["rank1_error.json"] and (tmp_path / "result.json").exists()
 
 
 def test_job_files_are_written_under_hydra(tmp_path):

@@ -132,7 +132,8 @@ def test_ranks_are_released_with_what_the_release_gives_or_killed_where_it_fails
     from sharded_exp.launch.rank import RELEASE_KEY
 
     ranks, store = [Proc(), Proc()], Store()
-    supervise._release(ranks, store, lambda: {"per_rank_mib": [3.0]}, supervise.ParentStop(1.0))
+    given = supervise.Release(lambda: {"per_rank_mib": [3.0]}, abandon=lambda: None)
+    supervise._release(ranks, store, given, supervise.ParentStop(1.0))
     assert pickle.loads(store.values[RELEASE_KEY]) == {"per_rank_mib": [3.0]} and not any(p.killed for p in ranks)
 
     def refuse():
@@ -140,7 +141,7 @@ def test_ranks_are_released_with_what_the_release_gives_or_killed_where_it_fails
 
     ranks, store = [Proc(), Proc()], Store()
     with pytest.raises(supervise.Unreleased) as caught:
-        supervise._release(ranks, store, refuse, supervise.ParentStop(1.0))
+        supervise._release(ranks, store, supervise.Release(refuse, abandon=lambda: None), supervise.ParentStop(1.0))
     assert isinstance(caught.value.cause, WontFit) and all(p.killed for p in ranks) and not store.values
 
 
@@ -150,6 +151,23 @@ def test_a_signal_while_the_ranks_wait_for_their_release_stops_them_before_their
     for release in (lambda: None, lambda: (_ for _ in ()).throw(RuntimeError("the check died: SIGTERM"))):
         stop, ranks, store = supervise.ParentStop(1.0), [Proc(), Proc()], Store()
         stop.signum = signal.SIGTERM  # came while the parent waited for the prediction
-        with pytest.raises(supervise.Stopped, match="stopped by SIGTERM"):
-            supervise._release(ranks, store, release, stop)
+        with pytest.raises(supervise.Stopped, match="stopped by SIGTERM: ranks were killed .before their first step"):
+            supervise._release(ranks, store, supervise.Release(release, abandon=lambda: None), stop)
         assert all(p.killed for p in ranks) and not store.values  # never released
+
+
+def test_the_first_signal_abandons_the_wait_for_the_release():
+    import pytest
+
+    abandoned = []
+    stop, ranks, store = supervise.ParentStop(1.0), [Proc(), Proc()], Store()
+
+    def wait():  # the parent's read of the check's answer, which the signal ends (the check killed)
+        stop._on_signal(signal.SIGTERM, None)
+        if abandoned:
+            raise RuntimeError("the process forked to run _check_there died before answering (exit code -9)")
+        return {"per_rank_mib": [3.0]}
+
+    with pytest.raises(supervise.Stopped):
+        supervise._release(ranks, store, supervise.Release(wait, abandon=lambda: abandoned.append(1)), stop)
+    assert abandoned == [1] and stop.abandon is None and not store.values
