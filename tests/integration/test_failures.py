@@ -315,6 +315,46 @@ def test_the_pre_flight_check_exits_when_the_parent_is_killed(tmp_path):
     assert not survivors({check}), "the check outlived the job's parent"
 
 
+SLOW_PEAK = """
+import multiprocessing, os, time
+
+if multiprocessing.parent_process() is not None:  # the check's process (and the ranks': unused there)
+    from sharded_exp.launch import preflight
+
+    def slow_peak(*args, **kwargs):
+        with open({marker!r}, "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(300)
+
+    preflight.predict_peak = slow_peak
+"""
+
+
+@pytest.mark.slow
+def test_a_sigterm_while_the_ranks_wait_for_the_peak_stops_the_job_at_once(tmp_path):
+    """The ranks start while the check predicts the peak (sharded_exp/launch/parent.py) and wait
+    for it before their first step. A SIGTERM to the parent alone (``kill PID``, a container's
+    stop) ends that wait: the check and the ranks are killed, and the job ends stopped, with
+    SIGTERM's exit code, not when the prediction would have come. A plugin holds the prediction."""
+    marker, log, run = tmp_path / "predicting", tmp_path / "job.log", tmp_path / "run"
+    (tmp_path / "slow_peak_plugin.py").write_text(SLOW_PEAK.format(marker=str(marker)))
+    env = {"SHARDED_EXP_PLUGINS": "slow_peak_plugin",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    proc = start_job([*TINY, "logger=none", f"hydra.run.dir={run}"], log, env=env)
+    wait_until(lambda: marker.exists() and marker.read_text(), proc, log)
+    check = int(marker.read_text())
+    wait_until(lambda: len(descendants(proc.pid) - {check}) >= 3, proc, log)  # the server and two ranks
+    tree = descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM, log.read_text()[-3000:]
+    end = time.time() + 10
+    while survivors(tree) and time.time() < end:
+        time.sleep(0.2)
+    assert not survivors(tree), survivors(tree)
+    result = read_result(run)
+    assert result["status"] == "stopped" and "before their first step" in result["error"], result.get("error")
+
+
 @pytest.mark.slow
 def test_ranks_exit_when_the_parent_is_killed(tmp_path):
     run, log = tmp_path / "run", tmp_path / "job.log"

@@ -265,18 +265,17 @@ def test_a_job_whose_peak_does_not_fit_host_memory_is_refused_after_its_ranks_st
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(HOST_MIB.format(mib=2 * (preflight.RANK_OVERHEAD_MIB + (states + peak) / 2)))
-    run = tmp_path / "run"
+    run = tmp_path / "run"  # a run directory that holds an earlier attempt's result
+    run.mkdir()
+    (run / "result.json").write_text('{"status": "ok"}')
     env = {"PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
     proc = run_cli([*overrides, f"hydra.run.dir={run}"], cwd=tmp_path, env=env)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "error: the job needs about" in proc.stderr and "(2 rank(s): predicted" in proc.stderr, proc.stderr
-    assert not run.exists()  # no result.json, no rank's error record: the ranks never stepped
-    # a run directory that holds an earlier attempt is left as it was found
-    run.mkdir()
-    (run / "result.json").write_text('{"status": "ok"}')
-    proc = run_cli([*overrides, f"hydra.run.dir={run}"], cwd=tmp_path, env=env)
-    assert proc.returncode == 2 and "(2 rank(s): predicted" in proc.stderr, proc.stderr[-3000:]
-    assert (run / "result.json").read_text() == '{"status": "ok"}' and not (run / "attempts").exists()
+    # as it was found: the earlier result where it was, nothing of this job's (no .hydra, no
+    # "running" result, no rank's error record: the ranks never stepped), its log empty
+    assert (run / "result.json").read_text() == '{"status": "ok"}'
+    assert sorted(p.name for p in run.iterdir() if p.stat().st_size or p.is_dir()) == ["result.json"]
 
 
 def test_a_float64_model_is_measured_and_predicted_in_its_own_dtype(tmp_path):
