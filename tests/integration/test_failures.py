@@ -297,18 +297,25 @@ if multiprocessing.parent_process() is not None:  # the pre-flight check's proce
 """
 
 
+def held_by_a_plugin(tmp_path, source: str):
+    """A job started with a plugin module of ``source`` (its ``{marker}`` a file that it writes
+    its pid to, then holds the process that imported it); returns the job's process, its log
+    and the pid the plugin wrote, once it has."""
+    marker, log = tmp_path / "held", tmp_path / "job.log"
+    (tmp_path / "holding_plugin.py").write_text(source.format(marker=str(marker)))
+    env = {"SHARDED_EXP_PLUGINS": "holding_plugin",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    proc = start_job([*TINY, "logger=none", f"hydra.run.dir={tmp_path / 'run'}"], log, env=env)
+    wait_until(lambda: marker.exists() and marker.read_text(), proc, log)
+    return proc, log, int(marker.read_text())
+
+
 @pytest.mark.slow
 def test_the_pre_flight_check_exits_when_the_parent_is_killed(tmp_path):
     """The check runs in a process forked from the rank server (sharded_exp/launch/preflight.py):
     a parent killed meanwhile (SIGKILL: it cannot pass anything on) leaves it working for nobody,
     holding a GPU where there is one. A plugin module, imported by the check, holds it there."""
-    marker, log = tmp_path / "checking", tmp_path / "job.log"
-    (tmp_path / "slow_check_plugin.py").write_text(SLOW_CHECK.format(marker=str(marker)))
-    env = {"SHARDED_EXP_PLUGINS": "slow_check_plugin",
-           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    proc = start_job([*TINY, "logger=none", f"hydra.run.dir={tmp_path / 'run'}"], log, env=env)
-    wait_until(lambda: marker.exists() and marker.read_text(), proc, log)
-    check = int(marker.read_text())
+    proc, _, check = held_by_a_plugin(tmp_path, SLOW_CHECK)
     assert check != proc.pid and check in descendants(proc.pid)
     proc.kill()
     proc.wait(timeout=30)
@@ -336,13 +343,7 @@ def test_a_sigterm_while_the_ranks_wait_for_the_peak_stops_the_job_at_once(tmp_p
     for it before their first step. A SIGTERM to the parent alone (``kill PID``, a container's
     stop) ends that wait: the check and the ranks are killed, and the job ends stopped, with
     SIGTERM's exit code, not when the prediction would have come. A plugin holds the prediction."""
-    marker, log, run = tmp_path / "predicting", tmp_path / "job.log", tmp_path / "run"
-    (tmp_path / "slow_peak_plugin.py").write_text(SLOW_PEAK.format(marker=str(marker)))
-    env = {"SHARDED_EXP_PLUGINS": "slow_peak_plugin",
-           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    proc = start_job([*TINY, "logger=none", f"hydra.run.dir={run}"], log, env=env)
-    wait_until(lambda: marker.exists() and marker.read_text(), proc, log)
-    check = int(marker.read_text())
+    proc, log, check = held_by_a_plugin(tmp_path, SLOW_PEAK)
     wait_until(lambda: len(descendants(proc.pid) - {check}) >= 3, proc, log)  # the server and two ranks
     tree = descendants(proc.pid)
     proc.send_signal(signal.SIGTERM)
@@ -351,7 +352,7 @@ def test_a_sigterm_while_the_ranks_wait_for_the_peak_stops_the_job_at_once(tmp_p
     while survivors(tree) and time.time() < end:
         time.sleep(0.2)
     assert not survivors(tree), survivors(tree)
-    result = read_result(run)
+    result = read_result(tmp_path / "run")
     assert result["status"] == "stopped" and "before their first step" in result["error"], result.get("error")
 
 
