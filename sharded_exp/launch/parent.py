@@ -167,13 +167,11 @@ def _hold(run: Launch, spec: JobSpec) -> None:
     run.archived = archive_previous_attempt(run.output_dir, extra=(".hydra",) if run.job_files else ())
 
 
-def _release(run: Launch, spec: JobSpec, result: Result, checking: forkserver.Call) -> dict | None:
+def _release(run: Launch, spec: JobSpec, result: Result, checking: forkserver.Call) -> dict:
     """The peak predicted while the ranks started (the check's second answer; its ConfigError
     raised where the job does not fit host memory), what to expect written, and the time: what
     the ranks are released with (:func:`sharded_exp.launch.supervise.spawn`)."""
-    peak = checking.result()
-    if peak is not None:
-        spec.prediction["peak"] = peak
+    peak = spec.prediction["peak"] = checking.result()
     if run.is_writer:
         _expect(run, spec, result)
     run.predicted = time.time()

@@ -156,9 +156,7 @@ def check(cfg: Config, output_dir: str, layout: Layout | None = None, peak: bool
     naming the value and the choices, before anything is started or written.
     """
     spec, peak_of = _checked(cfg, output_dir, layout, peak)
-    if peak:
-        spec.prediction["peak"] = peak_of()
-    return spec
+    return _with_peak(spec, peak_of, peak)
 
 
 def check_in_two(cfg: Config, output_dir: str, peak: bool = True):
@@ -170,13 +168,18 @@ def check_in_two(cfg: Config, output_dir: str, peak: bool = True):
     (:mod:`sharded_exp.launch.parent`). Elsewhere one: :func:`check`'s spec, peak and all."""
     spec, peak_of = _checked(cfg, output_dir, None, peak)
     if not peak or not starts_early(spec):
-        if peak:
-            spec.prediction["peak"] = peak_of()
-        yield spec
+        yield _with_peak(spec, peak_of, peak)
         return
     ensure_profile(spec.device_type, spec.world_size)  # a new machine measures before its ranks start
     yield dataclasses.replace(spec, wait_for_release=True)
     yield peak_of()
+
+
+def _with_peak(spec: JobSpec, peak_of, peak: bool) -> JobSpec:
+    """``spec`` with the peak in its prediction, where ``peak`` asks for it."""
+    if peak:
+        spec.prediction["peak"] = peak_of()
+    return spec
 
 
 def starts_early(spec: JobSpec) -> bool:
