@@ -124,6 +124,7 @@ def test_prediction_is_on_disk_before_any_rank_starts(tmp_path, monkeypatch, mea
 
     from sharded_exp.launch import parent
 
+    final = measured("fsdp")["memory"]  # the same job, run for real (before the ranks are faked below)
     seen = {}
 
     def instead_of_the_ranks(job, layout, release=None):
@@ -134,7 +135,6 @@ def test_prediction_is_on_disk_before_any_rank_starts(tmp_path, monkeypatch, mea
     result = parent.launch(compose(tiny(["strategy=fsdp", "model=gpt", *ADAM_FP32])), str(tmp_path))
     assert result.status == "failed" and "no ranks in this test" in result.error
     assert seen["status"] == "running"
-    final = measured("fsdp")["memory"]  # the same job, run for real
     assert seen["memory"]["predicted_model_states_mib_max"] == final["predicted_model_states_mib_max"]
     assert seen["memory"]["predicted_transient_params_mib"] == final["predicted_transient_params_mib"]
     assert [e["predicted_model_states_mib"] for e in seen["memory"]["per_rank"]] == [
