@@ -229,7 +229,9 @@ def compose_allocator(b: Fake, peak_mib: float) -> dict | None:
     the same proportion to the peak as there. This mostly overstates reserved memory (the cache
     grows with depth less than the peak does: +5% to +15% on a 24-block GPT), but not always
     (ShardedDDP on a 7B GPT at 64 ranks: 6.7% under the model faked whole, its cache growing
-    with depth more than its peak), so it is said in the figures' ``depth`` note. None on CPU."""
+    with depth more than its peak), so it is said in the figures' ``depth`` note and marked
+    ``share_of_peak``: a row it says fits close under the device's memory is faked whole
+    (:func:`~sharded_exp.plan.points.settled_whole`). None on CPU."""
     figures = b.figures()
     if figures is None or not figures.get("tracked_peak_mib"):
         return None
@@ -238,6 +240,7 @@ def compose_allocator(b: Fake, peak_mib: float) -> dict | None:
         **figures,
         **{k: figures[k] * scale for k in ALLOCATOR_SHARES},
         "depth": "the deeper shallow fake's share of the peak (its trace not drawn to full depth)",
+        "share_of_peak": True,
     }
 
 

@@ -298,6 +298,54 @@ def test_a_row_offloaded_holds_the_ranks_states_in_host_memory(raw_cfg):
     assert once["cost"] == f"offload: {moved:.2f} GiB host<->device per step (sharded parameters in, gradients out)"
 
 
+def _shared(per_rank_mib, reserved_extra_mib, share=True):
+    """A composed peak whose allocator figures are the shallow fake's share of the peak
+    (``share``) or replayed over a drawn trace; no CUDA context, so the device total is reserved."""
+    allocator = {"allocated_extra_mib": 0.0, "reserved_extra_mib": reserved_extra_mib, "fragmentation_mib": 0.0,
+                 "context_mib": 0.0, "context_source": "none", "alloc_conf": None, "streams": ["default"],
+                 "depth": "made up"} | ({"share_of_peak": True} if share else {})  # fmt: skip
+    return _peak(per_rank_mib, {"params": 1.0}) | {"method": "composed by depth", "allocator": allocator}
+
+
+@pytest.mark.parametrize(
+    "reserved_extra_mib, whole",
+    [(132.0, True), (1024.0 - 800.0, True), (100.0, False), (300.0, False)],
+    ids=["9-percent-under", "at-the-limit", "12-percent-under", "over"],
+)
+def test_a_share_of_the_peak_close_under_the_device_is_faked_whole(raw_cfg, monkeypatch, reserved_extra_mib, whole):
+    """On a 1 GiB device, a composed peak of 800 MiB: its device total (800 MiB + the reserved
+    extra) within 10% under 1,024 MiB (above 921.6: 932) is faked whole, at the limit too; 900
+    MiB (12% under) is not, nor is 1,100 (over: said not to fit, the safe side)."""
+    shapes = points.raw_shapes(N, 32, 2)
+    c = raw_cfg.copy()
+    c.plan.params = None
+    faked = []
+    whole_peak = _peak([1000.0, 1000.0], {"params": 2.0}) | {"method": "fake step", "allocator": None}
+    monkeypatch.setattr(points, "predict_peak", lambda *a, **k: faked.append(a[1]) or dict(whole_peak))
+    r = points.model_row(c, "ddp", 2, shapes, "cuda", peak=_shared([800.0, 800.0], reserved_extra_mib))
+    assert faked == ([2] if whole else [])
+    if whole:
+        assert r["method"] == "fake step" and r["total_gib"] == pytest.approx(1000 / 1024)
+        assert r["note"] == f"a note; {points.SETTLED}"
+        assert "within 10% under" in points.SETTLED
+    else:
+        assert r["method"] == "composed by depth"
+        assert r["reserved_gib"] == pytest.approx((800 + reserved_extra_mib) / 1024)
+        assert r["fits"] is (800 + reserved_extra_mib <= 1024)
+
+
+def test_a_drawn_reserved_figure_close_under_the_device_is_kept(raw_cfg, monkeypatch):
+    """Replayed over a trace drawn to full depth (no ``share_of_peak``), a row 9% under the
+    device's memory keeps its composed figures: nothing is faked whole."""
+    shapes = points.raw_shapes(N, 32, 2)
+    c = raw_cfg.copy()
+    c.plan.params = None
+    monkeypatch.setattr(points, "predict_peak", lambda *a, **k: pytest.fail("faked whole"))
+    r = points.model_row(c, "ddp", 2, shapes, "cuda", peak=_shared([800.0, 800.0], 132.0, share=False))
+    assert r["method"] == "composed by depth" and r["fits"] is True
+    assert not points.settled_whole({"per_rank_mib": None, "allocator": {"share_of_peak": True}}, 1.0)
+
+
 def test_a_point_without_a_peak_is_said_by_its_error(raw_cfg):
     shapes = points.raw_shapes(N, 32, 2)
     c = raw_cfg.copy()
