@@ -232,6 +232,17 @@ def settled_whole(peak: dict[str, Any], device_memory_gib: float) -> bool:
     return (1 - SHARE_UNDER) * device_memory_gib < basis <= device_memory_gib
 
 
+def _settled(composed: dict[str, Any], whole: dict[str, Any]) -> dict[str, Any]:
+    """The peak a row settled by :func:`settled_whole` takes: the whole model's, its note saying
+    why and its seconds counting the shallow fakes too; the composed one, saying so, where the
+    whole model could not be faked."""
+    if whole["per_rank_mib"] is None:
+        why = f"not settled: the whole model could not be faked ({whole['error']})"
+        return {**composed, "note": "; ".join(n for n in (composed.get("note"), why) if n)}
+    seconds = (whole.get("seconds") or 0.0) + (composed.get("seconds") or 0.0)
+    return {**whole, "note": "; ".join(n for n in (whole.get("note"), SETTLED) if n), "seconds": seconds}
+
+
 def model_row(cfg: PlanConfig, name: str, world_size: int, shapes: ModelShapes, device_type: str, combo: str = "none",
               peak: dict | None = None, traced: dict | None = None):  # fmt: skip
     """One planned point; ``peak``: its composed peak (:func:`composed_peaks`), else (or where
@@ -244,9 +255,7 @@ def model_row(cfg: PlanConfig, name: str, world_size: int, shapes: ModelShapes, 
     settle = peak is not None and settled_whole(peak, cfg.plan.device_memory_gib)
     if peak is None or settle:
         whole = predict_peak(cfg_s, world_size, device_type, prediction, shapes, flops=False)
-        if settle and whole["per_rank_mib"] is not None:
-            whole["note"] = "; ".join(n for n in (whole.get("note"), SETTLED) if n)
-        peak = whole if not settle or whole["per_rank_mib"] is not None else peak
+        peak = _settled(peak, whole) if settle else whole
     states = max(sum(p.values()) for p in prediction["model_states_mib"])
     if peak["per_rank_mib"] is None:
         parts = {k: None for k in PARTS}

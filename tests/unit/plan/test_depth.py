@@ -369,6 +369,7 @@ def test_the_allocators_figures_at_full_depth_keep_their_share_of_the_peak():
     out = compose_allocator(b, 250.0)
     assert (out["allocated_extra_mib"], out["reserved_extra_mib"], out["fragmentation_mib"]) == (2.5, 100.0, 97.5)
     assert out["context_mib"] == 426.0 and out["streams"] == ["default"]  # not shares of the peak
+    assert out["share_of_peak"] is True  # what a row close under the device's memory is faked whole for
     assert compose_allocator(Fake(5, {}, {}, {}, 0.0), 250.0) is None  # CPU: no allocator
 
 
@@ -391,6 +392,7 @@ def test_the_allocators_figures_at_full_depth_are_replayed_over_the_trace_drawn_
     assert drawn["reserved_extra_mib"] == whole["reserved_extra_mib"]
     assert drawn["allocated_extra_mib"] == whole["allocated_extra_mib"]
     assert drawn["depth"] == "replayed over the trace drawn to 7 blocks from 2, 3 and 4"
+    assert "share_of_peak" not in drawn
     assert drawn_allocator([fakes[0], fakes[1], with_trace(4, model_trace(6))], 7) is None
     shared = compose_allocator(fakes[1], 123.0)
     assert shared["depth"].startswith("the deeper shallow fake's share of the peak")

@@ -300,9 +300,10 @@ def test_a_row_offloaded_holds_the_ranks_states_in_host_memory(raw_cfg):
 
 def _shared(per_rank_mib, reserved_extra_mib, share=True):
     """A composed peak whose allocator figures are the shallow fake's share of the peak
-    (``share``) or replayed over a drawn trace; no CUDA context, so the device total is reserved."""
-    allocator = {"allocated_extra_mib": 0.0, "reserved_extra_mib": reserved_extra_mib, "fragmentation_mib": 0.0,
-                 "context_mib": 0.0, "context_source": "none", "alloc_conf": None, "streams": ["default"],
+    (``share``) or replayed over a drawn trace; its device total is the peak plus
+    ``reserved_extra_mib``, 32 MiB of it the CUDA context (what ``fits`` compares: the device total)."""
+    allocator = {"allocated_extra_mib": 0.0, "reserved_extra_mib": reserved_extra_mib - 32.0, "fragmentation_mib": 0.0,
+                 "context_mib": 32.0, "context_source": "none", "alloc_conf": None, "streams": ["default"],
                  "depth": "made up"} | ({"share_of_peak": True} if share else {})  # fmt: skip
     return _peak(per_rank_mib, {"params": 1.0}) | {"method": "composed by depth", "allocator": allocator}
 
@@ -328,10 +329,21 @@ def test_a_share_of_the_peak_close_under_the_device_is_faked_whole(raw_cfg, monk
         assert r["method"] == "fake step" and r["total_gib"] == pytest.approx(1000 / 1024)
         assert r["note"] == f"a note; {points.SETTLED}"
         assert "within 10% under" in points.SETTLED
+        assert r["seconds"] == 3.0  # the whole fake's and the shallow fakes' before it
     else:
         assert r["method"] == "composed by depth"
-        assert r["reserved_gib"] == pytest.approx((800 + reserved_extra_mib) / 1024)
+        assert r["device_total_gib"] == pytest.approx((800 + reserved_extra_mib) / 1024)
         assert r["fits"] is (800 + reserved_extra_mib <= 1024)
+
+
+def test_a_share_of_the_peak_whose_whole_model_cannot_be_faked_keeps_it_and_says_so(raw_cfg, monkeypatch):
+    shapes = points.raw_shapes(N, 32, 2)
+    c = raw_cfg.copy()
+    c.plan.params = None
+    monkeypatch.setattr(points, "predict_peak", lambda *a, **k: {"per_rank_mib": None, "error": "too deep"})
+    r = points.model_row(c, "ddp", 2, shapes, "cuda", peak=_shared([800.0, 800.0], 132.0))
+    assert r["method"] == "composed by depth" and r["fits"] is True
+    assert r["note"] == "a note; not settled: the whole model could not be faked (too deep)"
 
 
 def test_a_drawn_reserved_figure_close_under_the_device_is_kept(raw_cfg, monkeypatch):
