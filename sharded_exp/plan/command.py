@@ -271,13 +271,15 @@ def plan(cfg: PlanConfig, preset: str) -> int:
         shapes = shapes_of(cfg)
         params = sum(math.prod(s) for g in shapes.groups for s in g)
     world_sizes = list(cfg.plan.world_sizes)
-    total = len(points.points(cfg)) * len(world_sizes) * (2 if cfg.plan.find else 1)
+    find = points._value(cfg.plan.find)
+    total = len(points.points(cfg)) * len(world_sizes)
+    total += len(fastest.searched(cfg, world_sizes)) if find == "fastest" else total if find else 0
     cfg = speed.measured_once(cfg)  # plan.remeasure: once for the plan, not once per point
     progress = Progress(total)
     try:
         rows = points.plan_rows(cfg, world_sizes, device_type, progress)
         found = []
-        if points._value(cfg.plan.find) == "fastest":
+        if find == "fastest":
             found = fastest.fastest_rows(cfg, world_sizes, device_type, progress, "model=" + preset)
         elif cfg.plan.find:
             found = points.find_rows(cfg, world_sizes, device_type, progress)

@@ -9,7 +9,9 @@ HSDP is tried with one replica per node (shard within a node, replicate across n
 the world spans nodes of ``plan.gpus_per_node``. Each candidate is a planned point (its peak
 from fake steps, its speed from a traced step: :mod:`sharded_exp.plan.speed`); a candidate
 fits by the table's own test (:func:`sharded_exp.plan.points.fits`), and the fastest by step
-time wins (samples per step are the same for all).
+time wins (samples per step are the same for all). A candidate tried at several world sizes
+is planned once for them all, and the candidates are planned side by side in ``plan.workers``
+processes, as the table's points are.
 """
 
 from __future__ import annotations
@@ -23,11 +25,15 @@ from sharded_exp.plan.points import (
     LEVERS,
     _layer_key,
     applies,
+    composed_peaks,
     lever_combos,
     lever_names,
     model_row,
+    side_by_side,
+    strategy_cost,
     strategy_names,
     with_strategy,
+    workers,
 )
 from sharded_exp.plan.progress import Progress
 from sharded_exp.plan.speed import traced
@@ -85,25 +91,57 @@ def candidates(cfg: PlanConfig, world_size: int):
                     yield name, combo, c
 
 
+def searched(cfg: PlanConfig, world_sizes) -> dict[tuple, tuple]:
+    """Every candidate to plan, once for all the world sizes it is tried at:
+    ``(strategy, lever combination, micro-batch, replicate) -> (strategy, combination, config,
+    [world sizes])``."""
+    groups: dict[tuple, tuple] = {}
+    for ws in world_sizes:
+        for name, combo, c in candidates(cfg, ws):
+            groups.setdefault(_key(name, combo, c), (name, combo, c, []))[3].append(ws)
+    return groups
+
+
+def _key(name: str, combo: str, c: PlanConfig) -> tuple:
+    return name, combo, int(c.trainer.batch_size), int(c.strategy.get("replicate", 1) or 1)
+
+
+def candidate_rows(c: PlanConfig, name: str, combo: str, world_sizes, device_type: str) -> list[dict[str, Any]]:
+    """One candidate's rows at the world sizes it is tried at: its peaks composed once for
+    them all (as the table's rows are: lines drawn at the first world size, reused or redrawn
+    at the next), its speed columns from one traced step."""
+    found = traced(c, device_type, _layer_key(c.model))
+    composed = composed_peaks(c, name, world_sizes, device_type, combo)
+    shapes = shapes_of(c)
+    return [model_row(c, name, ws, shapes, device_type, combo, composed[ws], found) for ws in world_sizes]
+
+
 def fastest_rows(
     cfg: PlanConfig, world_sizes, device_type: str, progress: Progress | None = None, model: str = ""
 ) -> list[dict[str, Any]]:
-    """Per world size, the fastest candidate that fits (see the module docstring)."""
-    shapes, key, out = shapes_of(cfg), _layer_key(cfg.model), []
+    """Per world size, the fastest candidate that fits (see the module docstring). The
+    candidates are planned side by side in ``plan.workers`` processes
+    (:func:`~sharded_exp.plan.points.side_by_side`), the costliest strategies first."""
     model = model or f"model={cfg.model.name}"
-    traces: dict[str, dict] = {}
+    groups = searched(cfg, world_sizes)
+    order = sorted(groups, key=lambda k: -strategy_cost(k[0]))
+    calls = [(candidate_rows, groups[k][2], *groups[k][:2], groups[k][3], device_type) for k in order]
+    rows: dict[tuple, list[dict[str, Any]]] = {}
+    for i, result in side_by_side(workers(cfg, len(calls)), calls):
+        rows[order[i]] = result
+        if progress is not None:
+            name, combo, batch, replicate = order[i]
+            label = f"{name}{'' if combo == 'none' else ' + ' + combo} batch {batch}"
+            progress.done(1, f"fastest: {label}{f' replicate {replicate}' if replicate > 1 else ''}")
+    out = []
     for ws in world_sizes:
         best, tried = None, 0
-        for name, combo, c in candidates(cfg, ws):
-            trace_key = f"{name}|{combo}|{c.trainer.batch_size}|{c.trainer.grad_accum}"
-            if trace_key not in traces:
-                traces[trace_key] = traced(c, device_type, key)
-            row = model_row(c, name, ws, shapes, device_type, combo, traced=traces[trace_key])
+        for name, combo, c in candidates(cfg, ws):  # in the search's order: the first of equals wins
+            key = _key(name, combo, c)
+            row = rows[key][groups[key][3].index(ws)]
             tried += 1
             if row["fits"] and row.get("step_time_s") and (best is None or row["step_time_s"] < best[0]["step_time_s"]):
                 best = (row, command(model, cfg, c, combo, ws), c)
-        if progress is not None:
-            progress.done(1, f"fastest x{ws}: {best[0]['strategy'] if best else 'none fits'}")
         out.append(_found(ws, best, tried))
     return out
 

@@ -14,7 +14,7 @@ import concurrent.futures
 import math
 import multiprocessing
 import os
-from typing import Any
+from typing import Any, Iterator
 
 from omegaconf import OmegaConf
 
@@ -439,20 +439,17 @@ def plan_rows(
 
     count = workers(cfg, len(tasks))
     if count > 1:
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["sharded_exp.plan.points"])
         # the costliest first (FSDP's fake steps), so that the last to finish is a short one;
         # each point's traced step (its speed columns) is a task of its own, after them all
         order = sorted(tasks, key=lambda t: -strategy_cost(t[0]))
+        calls = [(task_rows, cfg, *t, world_sizes, device_type, False) for t in order]
+        calls += [(task_speed, cfg, *t, world_sizes, device_type) for t in order]
         parts: dict[tuple[str, str], dict[str, list]] = {t: {} for t in tasks}
-        with concurrent.futures.ProcessPoolExecutor(count, mp_context=context) as pool:
-            futures = {pool.submit(task_rows, cfg, *t, world_sizes, device_type, False): (t, "rows") for t in order}
-            futures |= {pool.submit(task_speed, cfg, *t, world_sizes, device_type): (t, "speed") for t in order}
-            for future in concurrent.futures.as_completed(futures):
-                task, part = futures[future]
-                parts[task][part] = future.result()
-                if part == "rows":  # said as its rows come: the speed tasks run after them all
-                    done(task, parts[task]["rows"])
+        for i, result in side_by_side(count, calls):
+            task, part = order[i % len(order)], "rows" if i < len(order) else "speed"
+            parts[task][part] = result
+            if part == "rows":  # said as its rows come: the speed tasks run after them all
+                done(task, result)
         for task in tasks:
             for row, speed in zip(parts[task]["rows"], parts[task]["speed"]):
                 row.update(speed)
@@ -460,6 +457,23 @@ def plan_rows(
         for task in tasks:
             done(task, task_rows(cfg, *task, world_sizes, device_type))
     return [row for task in tasks for row in found[task]]
+
+
+def side_by_side(count: int, calls: list[tuple]) -> Iterator[tuple[int, Any]]:
+    """``(index, result)`` of each call in ``calls`` (``(function, *args)``) as it finishes, in
+    ``count`` processes forked from a server that has imported the planner; in this process, in
+    order, where ``count`` is 1. The functions and their arguments are pickled: module-level
+    functions of the planner and its configs."""
+    if count <= 1:
+        for i, (fn, *args) in enumerate(calls):
+            yield i, fn(*args)
+        return
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["sharded_exp.plan.points"])
+    with concurrent.futures.ProcessPoolExecutor(count, mp_context=context) as pool:
+        futures = {pool.submit(fn, *args): i for i, (fn, *args) in enumerate(calls)}
+        for future in concurrent.futures.as_completed(futures):
+            yield futures[future], future.result()
 
 
 SIDE_BY_SIDE_FROM = 10**8

@@ -73,7 +73,7 @@ PLANS = {
                    "plan.device_memory_gib=0.05"],
     "find_fastest": ["model=gpt", "model.n_layers=2", "model.d_model=64", "model.seq_len=32", "plan.find=fastest",
                      "plan.device=cpu", "plan.remeasure=true", "plan.world_sizes=[2]", "plan.strategies=[ddp,fsdp]",
-                     "trainer.batch_size=2"],
+                     "trainer.batch_size=2", "plan.workers=2"],  # the candidates planned side by side
 }  # fmt: skip
 """Planner runs (``python -m sharded_exp.plan``), in this process. ``__config__KIND``: a tiny
 config.json of tests/helpers/jobs.py's ``TINY_CONFIGS``, written by the test."""

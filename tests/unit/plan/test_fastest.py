@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 from omegaconf import OmegaConf
 
 from sharded_exp.plan import fastest
@@ -27,3 +29,35 @@ def test_the_command_line_runs_the_candidate():
     assert line == ("sharded-exp model=gpt_7b precision=bf16 optimizer=adamw strategy=fsdp trainer.world_size=64 "
                     "trainer.batch_size=2 trainer.grad_accum=4 trainer.activation_checkpointing=full "
                     "strategy.replicate=8")  # fmt: skip
+
+
+def test_each_candidate_is_planned_once_for_every_world_size_it_is_tried_at(plan_cfg, monkeypatch):
+    """ddp and fsdp, a global batch of 4 (micro-batches 4, 2, 1), at 8 and 64 ranks of 8 GPUs a
+    node: fsdp is also tried as HSDP at 64 (one replica per node), a candidate of that world size
+    alone. Each candidate is planned once, its rows at both world sizes; the fastest that fits
+    wins per world size, the first of equals in the search's order."""
+    from sharded_exp.plan.progress import Progress
+
+    c = plan_cfg.copy()
+    c.plan.strategies, c.plan.world_sizes, c.plan.gpus_per_node = ["ddp", "fsdp"], [8, 64], 8
+    c.trainer.batch_size, c.trainer.grad_accum = 4, 1
+    planned = []
+
+    def rows(c, name, combo, world_sizes, device_type):  # made up: fsdp fits only at batch 1, ddp never at 64
+        b, r = int(c.trainer.batch_size), int(c.strategy.get("replicate", 1) or 1)
+        planned.append((name, b, r, list(world_sizes)))
+        fit = lambda ws: b == 1 if name == "fsdp" else ws == 8  # noqa: E731
+        return [{"strategy": name, "levers": combo, "fits": fit(ws), "step_time_s": 1.0 / b + r, "total_gib": 1.0}
+                for ws in world_sizes]  # fmt: skip
+
+    monkeypatch.setattr(fastest, "candidate_rows", rows)
+    progress = Progress(10, io.StringIO())
+    found = fastest.fastest_rows(c, [8, 64], "cpu", progress, "model=mlp")
+    assert sorted(planned) == sorted([("ddp", b, 1, [8, 64]) for b in (4, 2, 1)] +
+                                     [("fsdp", b, 1, [8, 64]) for b in (4, 2, 1)] + [("fsdp", b, 8, [64]) for b in (4, 2, 1)])  # fmt: skip
+    assert planned[0][0] == "fsdp"  # the costliest strategy first
+    assert progress.count == 9
+    at8, at64 = found
+    assert (at8["strategy"], at8["batch_size"], at8["grad_accum"]) == ("ddp", 4, 1)  # 1.25 s a step
+    assert (at64["strategy"], at64["batch_size"], at64["replicate"]) == ("fsdp", 1, 1)  # 2 s; as HSDP 9 s
+    assert at8["note"] == "fastest of 6 candidates" and at64["note"] == "fastest of 9 candidates"
