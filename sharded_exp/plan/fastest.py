@@ -98,7 +98,9 @@ def searched(cfg: PlanConfig, world_sizes) -> dict[tuple, tuple]:
     groups: dict[tuple, tuple] = {}
     for ws in world_sizes:
         for name, combo, c in candidates(cfg, ws):
-            groups.setdefault(_key(name, combo, c), (name, combo, c, []))[3].append(ws)
+            tried = groups.setdefault(_key(name, combo, c), (name, combo, c, []))[3]
+            if ws not in tried:  # a configured strategy.replicate equal to one replica per node: one candidate
+                tried.append(ws)
     return groups
 
 

@@ -470,10 +470,13 @@ def side_by_side(count: int, calls: list[tuple]) -> Iterator[tuple[int, Any]]:
         return
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["sharded_exp.plan.points"])
-    with concurrent.futures.ProcessPoolExecutor(count, mp_context=context) as pool:
+    pool = concurrent.futures.ProcessPoolExecutor(count, mp_context=context)
+    try:
         futures = {pool.submit(fn, *args): i for i, (fn, *args) in enumerate(calls)}
         for future in concurrent.futures.as_completed(futures):
             yield futures[future], future.result()
+    finally:  # a call that raised (or a caller that stopped early): the calls not begun are dropped
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 SIDE_BY_SIDE_FROM = 10**8

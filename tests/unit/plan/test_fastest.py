@@ -61,3 +61,20 @@ def test_each_candidate_is_planned_once_for_every_world_size_it_is_tried_at(plan
     assert (at8["strategy"], at8["batch_size"], at8["grad_accum"]) == ("ddp", 4, 1)  # 1.25 s a step
     assert (at64["strategy"], at64["batch_size"], at64["replicate"]) == ("fsdp", 1, 1)  # 2 s; as HSDP 9 s
     assert at8["note"] == "fastest of 6 candidates" and at64["note"] == "fastest of 9 candidates"
+
+
+def test_of_equally_fast_candidates_the_first_in_the_search_wins_whichever_was_planned_first(plan_cfg, monkeypatch):
+    """ddp and fsdp both fit at 2 s a step: the search lists ddp first, the planning plans fsdp
+    first (the costliest first); ddp is the answer."""
+    c = plan_cfg.copy()
+    c.plan.strategies, c.plan.world_sizes = ["ddp", "fsdp"], [8]
+    c.trainer.batch_size, c.trainer.grad_accum = 1, 1
+    planned = []
+
+    def rows(c, name, combo, world_sizes, device_type):
+        planned.append(name)
+        return [{"strategy": name, "levers": combo, "fits": True, "step_time_s": 2.0, "total_gib": 1.0}]
+
+    monkeypatch.setattr(fastest, "candidate_rows", rows)
+    (found,) = fastest.fastest_rows(c, [8], "cpu")
+    assert planned == ["fsdp", "ddp"] and found["strategy"] == "ddp"
