@@ -20,23 +20,19 @@ from typing import Any
 
 from sharded_exp.config import PlanConfig
 from sharded_exp.errors import ConfigError
-from sharded_exp.plan.depth import shapes_of
 from sharded_exp.plan.points import (
     LEVERS,
-    _layer_key,
     applies,
-    composed_peaks,
     lever_combos,
     lever_names,
-    model_row,
     side_by_side,
     strategy_cost,
     strategy_names,
+    task_rows,
     with_strategy,
     workers,
 )
 from sharded_exp.plan.progress import Progress
-from sharded_exp.plan.speed import traced
 from sharded_exp.precision import Precision
 from sharded_exp.strategies import STRATEGIES
 
@@ -108,16 +104,6 @@ def _key(name: str, combo: str, c: PlanConfig) -> tuple:
     return name, combo, int(c.trainer.batch_size), int(c.strategy.get("replicate", 1) or 1)
 
 
-def candidate_rows(c: PlanConfig, name: str, combo: str, world_sizes, device_type: str) -> list[dict[str, Any]]:
-    """One candidate's rows at the world sizes it is tried at: its peaks composed once for
-    them all (as the table's rows are: lines drawn at the first world size, reused or redrawn
-    at the next), its speed columns from one traced step."""
-    found = traced(c, device_type, _layer_key(c.model))
-    composed = composed_peaks(c, name, world_sizes, device_type, combo)
-    shapes = shapes_of(c)
-    return [model_row(c, name, ws, shapes, device_type, combo, composed[ws], found) for ws in world_sizes]
-
-
 def fastest_rows(
     cfg: PlanConfig, world_sizes, device_type: str, progress: Progress | None = None, model: str = ""
 ) -> list[dict[str, Any]]:
@@ -127,7 +113,8 @@ def fastest_rows(
     model = model or f"model={cfg.model.name}"
     groups = searched(cfg, world_sizes)
     order = sorted(groups, key=lambda k: -strategy_cost(k[0]))
-    calls = [(candidate_rows, groups[k][2], *groups[k][:2], groups[k][3], device_type) for k in order]
+    # each candidate's rows as a table's task makes them: peaks composed once for its world sizes
+    calls = [(task_rows, groups[k][2], *groups[k][:2], groups[k][3], device_type) for k in order]
     rows: dict[tuple, list[dict[str, Any]]] = {}
     for i, result in side_by_side(workers(cfg, len(calls)), calls):
         rows[order[i]] = result

@@ -50,7 +50,7 @@ def test_each_candidate_is_planned_once_for_every_world_size_it_is_tried_at(plan
         return [{"strategy": name, "levers": combo, "fits": fit(ws), "step_time_s": 1.0 / b + r, "total_gib": 1.0}
                 for ws in world_sizes]  # fmt: skip
 
-    monkeypatch.setattr(fastest, "candidate_rows", rows)
+    monkeypatch.setattr(fastest, "task_rows", rows)
     progress = Progress(10, io.StringIO())
     found = fastest.fastest_rows(c, [8, 64], "cpu", progress, "model=mlp")
     assert sorted(planned) == sorted([("ddp", b, 1, [8, 64]) for b in (4, 2, 1)] +
@@ -75,6 +75,6 @@ def test_of_equally_fast_candidates_the_first_in_the_search_wins_whichever_was_p
         planned.append(name)
         return [{"strategy": name, "levers": combo, "fits": True, "step_time_s": 2.0, "total_gib": 1.0}]
 
-    monkeypatch.setattr(fastest, "candidate_rows", rows)
+    monkeypatch.setattr(fastest, "task_rows", rows)
     (found,) = fastest.fastest_rows(c, [8], "cpu")
     assert planned == ["fsdp", "ddp"] and found["strategy"] == "ddp"
