@@ -198,10 +198,23 @@ def text(
     formats = [SPEED_FORMATS.get(c, ".2f") for c in head]
     lines.append(tabulate(body, headers=head, tablefmt="github" if markdown else "simple", floatfmt=formats,
                           missingval="-"))  # fmt: skip
-    notes = sorted({f"{r['strategy']}: {r['note']}" for r in rows if r["note"]})
+    notes = note_lines(rows)
     if notes:
-        lines += ["", *[f"note: {n}" for n in notes]]
+        lines += ["", *notes]
     return "\n".join(lines + _extras(rows, found, cfg, unit, scale))
+
+
+def note_lines(rows) -> list[str]:
+    """One ``note:`` line per strategy (with its levers) and note, in the table's order, naming
+    the world sizes whose rows it belongs to: ``note: ddp x8, x64: ...``."""
+    found: dict[tuple[str, str], list[str]] = {}
+    for r in rows:
+        if r["note"]:
+            levers = r.get("levers", "none")
+            label = r["strategy"] if levers in (None, "none") else f"{r['strategy']} + {levers}"
+            sizes = found.setdefault((label, r["note"]), [])
+            sizes += [] if f"x{r['world_size']}" in sizes else [f"x{r['world_size']}"]
+    return [f"note: {label} {', '.join(sizes)}: {note}" for (label, note), sizes in found.items()]
 
 
 def _short_text(rows, found, cfg, params, preset, faked, speed, unit, scale, head, body) -> str:
@@ -216,9 +229,9 @@ def _short_text(rows, found, cfg, params, preset, faked, speed, unit, scale, hea
     lines = _wrapped(lines) + [""] + table_lines
     if left_out:
         lines += _wrapped([f"not shown here: {', '.join(left_out)} (plan.columns=all shows every column)"])
-    notes = sorted({f"{r['strategy']}: {r['note']}" for r in rows if r["note"]})
+    notes = note_lines(rows)
     if notes:
-        lines += ["", *_wrapped([f"note: {n}" for n in notes])]
+        lines += ["", *_wrapped(notes)]
     for extra in _extras(rows, found, cfg, unit, scale):
         for line in extra.split("\n"):
             lines += [line] if line.startswith("    sharded-exp") else _wrapped([line])  # a command stays whole

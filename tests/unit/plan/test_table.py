@@ -182,11 +182,14 @@ def test_a_part_that_is_none_is_drawn_as_a_dash():
     assert out[7].split()[head.index("activations")] == "-"
 
 
-def test_notes_follow_the_table_each_once_in_order():
-    rows = [row(strategy="zero1", note="z"), row(strategy="ddp", note="d"), row(strategy="ddp", note="d"),
+def test_notes_follow_the_table_each_once_naming_its_rows():
+    rows = [row(strategy="zero1", note="z"), row(strategy="ddp", note="d"), row(strategy="ddp", world_size=8, note="d"),
+            row(strategy="ddp", world_size=64, note="e"), row(strategy="ddp", world_size=8, levers="ac", note="d"),
             row(strategy="oss", note="")]  # fmt: skip
     out = table.text(rows, [], config(), 10, "gpt", "cpu").splitlines()
-    assert out[-3:] == ["", "note: ddp: d", "note: zero1: z"]
+    notes = [line for line in out if line.startswith("note:")]
+    assert notes == ["note: zero1 x2: z", "note: ddp x2, x8: d", "note: ddp x64: e", "note: ddp + ac x8: d"]
+    assert out[out.index(notes[0]) - 1] == ""
 
 
 def test_the_cheapest_point_that_fits_is_named_where_levers_are_planned():
