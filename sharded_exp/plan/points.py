@@ -25,6 +25,7 @@ from sharded_exp.plan.depth import first_depth, peaks_by_depth, shapes_of
 from sharded_exp.plan.progress import Progress
 from sharded_exp.plan.speed import SPEED_KEYS, profile_name, speed_columns, traced
 from sharded_exp.precision import Precision
+from sharded_exp.predict.alloc_trace import alloc_conf_of, cuda_context, replayable
 from sharded_exp.predict.host_memory import node_mib
 from sharded_exp.predict.prediction import ModelShapes, model_shapes, offload_host, predict, predict_peak
 from sharded_exp.speed.profiles import load_device
@@ -271,6 +272,8 @@ def model_row(cfg: PlanConfig, name: str, world_size: int, shapes: ModelShapes, 
         if "offload" in lever_names(combo):  # CPU offload: the rank's states are in host memory
             row |= host_columns(cfg_s, shapes, world_size)
         row |= allocator_columns(row["total_gib"], peak.get("allocator"))
+        if device_type == "cuda" and peak.get("allocator") is None and not replayable(alloc_conf_of(cfg)):
+            row |= unmodelled_allocator(row["total_gib"], alloc_conf_of(cfg))
         row["fits"] = fits(row, cfg.plan.device_memory_gib)
         if not host_fits(row):
             row["note"] = "; ".join(n for n in (row["note"], (
@@ -381,11 +384,32 @@ def allocator_columns(total_gib: float | None, allocator: dict | None) -> dict[s
     }
 
 
+def unmodelled_allocator(total_gib: float, alloc_conf: str | None) -> dict[str, Any]:
+    """A CUDA row whose allocator setting is not torch's caching allocator (``backend:cudaMallocAsync``:
+    the driver's pool, not modelled): no reserved figure, but the CUDA context still comes on top
+    of the tensors, so :func:`fit_basis` holds their sum (a floor of what nvidia-smi shows)
+    against the device."""
+    context = cuda_context()
+    return {
+        "allocated_gib": total_gib,
+        "reserved_gib": None,
+        "device_total_gib": None,
+        "context_gib": context["mib"] * MIB / GIB,
+        "context_source": f"{context['source']} (torch {context['torch']}, {context['device']}; matched: "
+        f"{context['matched']})",
+        "alloc_conf": alloc_conf,
+    }
+
+
 def fit_basis(row: dict[str, Any]) -> float | None:
     """The figure a row is held against the device's memory with: the device total (what
-    nvidia-smi shows, what a CUDA run OOMs on) where the allocator was modelled, else the
-    tensors' peak; None without a peak."""
-    return row["device_total_gib"] if row.get("device_total_gib") is not None else row.get("total_gib")
+    nvidia-smi shows, what a CUDA run OOMs on) where the allocator was modelled; the tensors'
+    peak plus the CUDA context on CUDA where it was not (:func:`unmodelled_allocator`); else
+    (CPU) the tensors' peak; None without a peak."""
+    if row.get("device_total_gib") is not None:
+        return row["device_total_gib"]
+    total = row.get("total_gib")
+    return total + row["context_gib"] if total is not None and row.get("context_gib") is not None else total
 
 
 def fits(row: dict[str, Any], device_memory_gib: float) -> bool | None:

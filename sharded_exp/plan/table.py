@@ -271,11 +271,16 @@ def allocator_lines(rows) -> list[str]:
     modelled = [r for r in rows if r.get("context_source")]
     if not modelled:
         return []
-    conf = modelled[0]["alloc_conf"] or "unset (torch's defaults)"
+    first = modelled[0]
+    context = f"CUDA context {first['context_gib'] * 1024:.0f} MiB: {first['context_source']}"
+    if all(r.get("reserved_gib") is None for r in modelled):  # backend:cudaMallocAsync (points.unmodelled_allocator)
+        return [
+            f"allocator: {first['alloc_conf']}: the driver's pool, not torch's caching allocator: not modelled, no "
+            f"reserved figure; fits compares the tensors' peak + {context} (a floor of what nvidia-smi shows)"
+        ]
+    settings = f"with {first['alloc_conf']}" if first["alloc_conf"] else "with torch's default settings"
     return [
-        f"allocator: torch's CUDA caching allocator modelled, PYTORCH_CUDA_ALLOC_CONF {conf}; fits compares "
-        f"device_total (reserved + CUDA context {modelled[0]['context_gib'] * 1024:.0f} MiB: "
-        f"{modelled[0]['context_source']})"
+        f"allocator: torch's CUDA caching allocator modelled {settings}; fits compares device_total (reserved + {context})"
     ]
 
 

@@ -622,6 +622,17 @@ def test_fits_holds_the_device_total_where_modelled_else_the_peak():
     assert points.fits({"total_gib": None, "device_total_gib": None}, 80.0) is None
 
 
+def test_an_allocator_not_modelled_still_holds_the_context_against_the_device():
+    """backend:cudaMallocAsync (the driver's pool): no reserved figure, but the CUDA context is
+    on the device all the same: 10 GiB of tensors + the context do not fit 10 GiB."""
+    row = {"total_gib": 10.0, **points.allocator_columns(10.0, None)}
+    row |= points.unmodelled_allocator(10.0, "backend:cudaMallocAsync")
+    assert row["reserved_gib"] is None and row["device_total_gib"] is None and row["allocated_gib"] == 10.0
+    assert row["context_gib"] > 0 and row["alloc_conf"] == "backend:cudaMallocAsync"
+    assert points.fit_basis(row) == 10.0 + row["context_gib"]
+    assert points.fits(row, 10.0) is False and points.fits(row, 10.0 + row["context_gib"]) is True
+
+
 def test_cheapest_asks_fits_not_the_peak():
     near = {"strategy": "ddp", "world_size": 8, "levers": "none", "total_gib": 79.0}
     near |= points.allocator_columns(79.0, ALLOCATOR)

@@ -269,7 +269,7 @@ def test_a_cuda_plan_shows_allocated_reserved_and_the_device_total_and_says_what
     values = dict(zip(COLUMNS, table.cells(rows[0], 1.0)))
     assert (values["allocated"], values["reserved"], values["device_total"]) == (1.01, 1.25, 1.75)
     out = table.text(rows, [], config(), 10, "gpt", "cuda")
-    assert "PYTORCH_CUDA_ALLOC_CONF expandable_segments:True" in out and "CUDA context 512 MiB: a published" in out
+    assert "modelled with expandable_segments:True" in out and "CUDA context 512 MiB: a published" in out
     assert table.column_keys(rows)["device_total"] == "device_total_gib"
     csv_head = next(csv.reader(io.StringIO(table.csv_text(rows))))
     assert csv_head[-8:-4] == ["allocated", "reserved", "device_total", "fits"]
@@ -354,3 +354,18 @@ def test_the_columns_setting_leaves_markdown_whole():
     assert table.text(rows, [], config(), 10, "gpt", "cuda", markdown=True, columns="short") == table.text(
         rows, [], config(), 10, "gpt", "cuda", markdown=True
     )
+
+
+def test_the_allocator_line_says_what_was_modelled_and_what_fits_compares():
+    modelled = row() | dict(reserved_gib=1.0, device_total_gib=1.5, context_gib=0.5, context_source="src", alloc_conf="")
+    assert table.allocator_lines([modelled]) == [
+        "allocator: torch's CUDA caching allocator modelled with torch's default settings; fits compares "
+        "device_total (reserved + CUDA context 512 MiB: src)"
+    ]
+    expandable = modelled | {"alloc_conf": "expandable_segments:True"}
+    assert "modelled with expandable_segments:True;" in table.allocator_lines([expandable])[0]
+    pool = row() | dict(context_gib=0.5, context_source="src", alloc_conf="backend:cudaMallocAsync")
+    (line,) = table.allocator_lines([pool])
+    assert line.startswith("allocator: backend:cudaMallocAsync: the driver's pool, not torch's caching allocator")
+    assert "fits compares the tensors' peak + CUDA context 512 MiB" in line
+    assert table.allocator_lines([row()]) == []  # a CPU plan: no allocator
