@@ -599,6 +599,16 @@ class PlanSettings(Sealed):
             self.workers >= 0,
             f"plan.workers={self.workers} must be >= 0 (0: one process per CPU core; 1: this process only)",
         )
+        if self.device_profile is not None:
+            # lazy: the profile files are read only when a profile is named
+            from sharded_exp.speed.profiles import device_names
+
+            names = [*device_names(), "this"]
+            _require(
+                self.device_profile in names,
+                f"plan.device_profile={self.device_profile} is not a device profile; use one of {', '.join(names)} "
+                "(or null: h100_sxm for plan.device=cuda, this for cpu)",
+            )
 
 
 @dataclass

@@ -26,7 +26,7 @@ from sharded_exp.output import charts
 from sharded_exp.plan import table
 from sharded_exp.plan.progress import Progress
 from sharded_exp.precision import Precision
-from sharded_exp.predict.allocator import parse_alloc_conf
+from sharded_exp.predict.allocator import alloc_conf_from_env, parse_alloc_conf
 from sharded_exp.questions import is_query
 from sharded_exp.spelling import misspelled
 
@@ -53,14 +53,28 @@ MAX_FAKED_RANKS = 16384
 fsdp and sharded_ddp, 10,000 took 113 s for a larger model; a million never finished)."""
 
 
-def check_alloc_conf(conf: str | None) -> None:
-    """``plan.alloc_conf`` read as torch reads ``PYTORCH_CUDA_ALLOC_CONF`` (ConfigError naming the
-    bad option or value, and every known one), before anything is faked."""
+def check_alloc_conf(conf: str | None, device: str = "cuda") -> None:
+    """The allocator settings a CUDA plan models, read as torch reads ``PYTORCH_CUDA_ALLOC_CONF``
+    (ConfigError naming the bad option or value, and every known one), before anything is faked:
+    ``plan.alloc_conf``, or where that is null the variable from this environment it falls back
+    to (:func:`~sharded_exp.predict.allocator.alloc_conf_from_env`; a CPU plan reads neither)."""
+    where = "plan.alloc_conf"
+    if conf is None and device == "cuda":
+        conf = alloc_conf_from_env()
+        where = (
+            "PYTORCH_CUDA_ALLOC_CONF" if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") is not None else "PYTORCH_ALLOC_CONF"
+        )
     if conf:
         try:
             parse_alloc_conf(conf)
         except ValueError as exc:
-            raise ConfigError(f"plan.alloc_conf={conf!r}: {exc}") from None
+            hint = (
+                " (from this environment: fix or unset it, or set plan.alloc_conf)"
+                if where != "plan.alloc_conf"
+                else ""
+            )
+            why = str(exc).removeprefix(f"PYTORCH_CUDA_ALLOC_CONF {conf!r}: ")
+            raise ConfigError(f"{where}={conf!r}{hint}: {why}") from None
 
 
 def check_plan(cfg: PlanConfig, argv: list[str] = ()) -> None:
@@ -94,7 +108,7 @@ def check_plan(cfg: PlanConfig, argv: list[str] = ()) -> None:
         )
     for name in p.strategies or []:
         STRATEGIES.builder(name)  # raises, naming the registered ones
-    check_alloc_conf(p.get("alloc_conf", None))
+    check_alloc_conf(p.get("alloc_conf", None), _value(p.device) or "cuda")
     _check_levers(p)
     _check_plot(p)
     if _value(p.find) == "fastest" and p.params is not None:

@@ -296,7 +296,7 @@ def predict_peak(
     replayed = events is not None and not keep_trace  # else the caller replays it where it needs the figures
     allocator = point_figures(events, alloc_conf_of(cfg), workspace) if replayed else None
     kept = {"alloc_trace": (events, alloc_conf_of(cfg), workspace)} if keep_trace and events is not None else {}
-    kept = kept if replayable(alloc_conf_of(cfg)) else {}  # cudaMallocAsync: no caching allocator to replay
+    kept = kept if kept and replayable(alloc_conf_of(cfg)) else {}  # cudaMallocAsync: no caching allocator to replay
     return {
         "per_rank_mib": per_rank,
         # the faked rank's peak while the model is built (a sharded build: its shards plus one

@@ -110,7 +110,7 @@ def test_a_query_reads_the_cache_file_and_a_run_imports_the_registries(tmp_path,
     with open(path, "w") as f:
         json.dump({"format": CACHE_FORMAT, "complete": True, "schemas": {"schema_strategy_mine": {
             "name": "MineConfig", "fields": [{"name": "name", "type": "str", "default": "mine"}]}}}, f)  # fmt: skip
-    (name, made), = registry_schemas(query=True).items()
+    ((name, made),) = registry_schemas(query=True).items()
     assert name == "schema_strategy_mine" and made.__name__ == "MineConfig" and made().name == "mine"
     assert registry_schemas(query=False)["schema_strategy_fsdp"] is typed["schema_strategy_fsdp"]
 

@@ -221,6 +221,16 @@ def test_plan_settings_at_their_edges_pass():
     config.PlanSettings(params=1.0, device_memory_gib=0.1, workers=0)
 
 
+def test_plan_device_profile_names_a_profile_or_this_before_anything_is_faked():
+    refused(
+        lambda: config.PlanSettings(device_profile="h100"),
+        "plan.device_profile=h100 is not a device profile; use one of a100_40gb, a100_80gb, h100_hbm2e_500w, "
+        "h100_sxm, h200, v100_32gb, this (or null: h100_sxm for plan.device=cuda, this for cpu)",
+    )
+    config.PlanSettings(device_profile="this")
+    config.PlanSettings(device_profile="h100_hbm2e_500w")
+
+
 def test_report_device_profile_names_a_gpu_profile_or_nothing():
     refused(
         lambda: config.ReportConfig(device_profile="h100"),

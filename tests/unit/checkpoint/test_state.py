@@ -67,7 +67,9 @@ def test_gather_optimizer_state_names_state_and_groups(gloo_group, make_strategy
     gathered = gather_optimizer_state(strategy)
     params = _by_name(strategy)
     assert set(gathered["state"]) == NAMES
-    assert torch.equal(gathered["state"]["0.bias"]["exp_avg_sq"], strategy.optimizer.state[params["0.bias"]]["exp_avg_sq"])
+    assert torch.equal(
+        gathered["state"]["0.bias"]["exp_avg_sq"], strategy.optimizer.state[params["0.bias"]]["exp_avg_sq"]
+    )
     assert float(gathered["state"]["2.weight"]["step"]) == 2.0
     assert gathered["param_groups"] == named_param_groups(strategy)
 

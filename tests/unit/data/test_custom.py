@@ -54,8 +54,11 @@ def test_evaluation_batches_are_a_function_of_their_keys():
         (cfg(None), "data=custom needs data._target_=package.module.factory"),
         (cfg("tests.helpers.unit_config.nope"), "data._target_=tests.helpers.unit_config.nope cannot be imported"),
         (cfg(f"{H}.not_a_dataset"), "returned list, not a map-style torch.utils.data.Dataset"),
-        (cfg(f"{H}.tuples"), "'s batches must be dicts of the model's keyword arguments with the labels under "
-                             "data.labels='labels'; a batch of item 0 is list"),
+        (
+            cfg(f"{H}.tuples"),
+            "'s batches must be dicts of the model's keyword arguments with the labels under "
+            "data.labels='labels'; a batch of item 0 is list",
+        ),
         (cfg(labels="targets"), "under data.labels='targets'; a batch of item 0 is dict with keys x, labels"),
         (cfg(metric="accuracy"), "data=custom with data.metric=accuracy needs data.num_classes"),
         (cfg(metric="token_accuracy", num_classes=0), "data.metric=token_accuracy needs data.num_classes"),

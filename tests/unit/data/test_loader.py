@@ -36,7 +36,9 @@ def samples(loader: StepLoader, steps: int) -> list[list[int]]:
     return [[b["x"].tolist() for b in loader.get(s)] for s in range(steps)]
 
 
-@pytest.mark.parametrize("n, ws, bs, per_epoch", [(22, 2, 5, 2), (20, 2, 5, 2), (19, 2, 5, 1), (9, 2, 5, 0), (7, 1, 7, 1)])
+@pytest.mark.parametrize(
+    "n, ws, bs, per_epoch", [(22, 2, 5, 2), (20, 2, 5, 2), (19, 2, 5, 1), (9, 2, 5, 0), (7, 1, 7, 1)]
+)
 def test_batches_per_epoch_drop_both_tails(n, ws, bs, per_epoch):
     assert batches_per_epoch(n, ws, bs) == per_epoch
 
@@ -57,7 +59,9 @@ def test_the_sampler_skips_into_its_epoch():
 
 def test_ranks_read_disjoint_equal_shards_of_each_epoch():
     n, ws, bs = 22, 2, 5  # 2 micro-batches per rank per epoch; 2 samples dropped
-    per_rank = [sum((sum(step, []) for step in samples(StepLoader(task(n), r, ws, bs, 1, CPU), 2)), []) for r in range(ws)]
+    per_rank = [
+        sum((sum(step, []) for step in samples(StepLoader(task(n), r, ws, bs, 1, CPU), 2)), []) for r in range(ws)
+    ]
     assert all(len(p) == 2 * bs for p in per_rank)
     assert not set(per_rank[0]) & set(per_rank[1])
     assert len(set(per_rank[0]) | set(per_rank[1])) == 20 and set(per_rank[0]) | set(per_rank[1]) <= set(range(n))
@@ -125,7 +129,11 @@ def test_cpu_batches_are_copies_not_the_datasets_tensors():
 
 def test_data_identity_is_the_length_and_the_fingerprint():
     assert data_identity(task(5)) == {"length": 5}
-    assert data_identity(task(5, fingerprint={"path": "p", "content": "c"})) == {"length": 5, "path": "p", "content": "c"}
+    assert data_identity(task(5, fingerprint={"path": "p", "content": "c"})) == {
+        "length": 5,
+        "path": "p",
+        "content": "c",
+    }
 
 
 def test_data_changes_name_each_key_that_differs():

@@ -59,7 +59,7 @@ def with_values(cfg, **values):
         ({"levers": ["offload"], "strategies": ["ddp", "zero1"]}, "has no FSDP strategy; add fsdp or fsdp_grad_op"),
         ({"levers": ["offload"], "device": "cpu"}, "plan.levers with offload and plan.device=cpu"),
         ({"plot": "/proc/x.png"}, "plan.plot=/proc/x.png: /proc cannot be written"),
-        ({"alloc_conf": "expandable:True"}, "plan.alloc_conf='expandable:True': PYTORCH_CUDA_ALLOC_CONF"),
+        ({"alloc_conf": "expandable:True"}, "plan.alloc_conf='expandable:True': unknown option 'expandable'"),
         ({"alloc_conf": "max_split_size_mb:abc"}, "plan.alloc_conf='max_split_size_mb:abc'"),
     ],
 )
@@ -67,6 +67,24 @@ def test_input_the_planner_refuses(plan_cfg, values, message):
     with pytest.raises(ConfigError) as refused:
         command.check_plan(with_values(plan_cfg, **values))
     assert message in str(refused.value)
+
+
+def test_the_environments_allocator_settings_a_cuda_plan_falls_back_to_are_checked_before_it_fakes(
+    plan_cfg, monkeypatch
+):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segment:True")
+    with pytest.raises(ConfigError) as refused:
+        command.check_plan(with_values(plan_cfg, device="cuda"))
+    assert str(refused.value).startswith(
+        "PYTORCH_CUDA_ALLOC_CONF='expandable_segment:True' (from this environment: fix or unset it, or set "
+        "plan.alloc_conf): unknown option 'expandable_segment'"
+    )
+    command.check_plan(with_values(plan_cfg, device="cuda", alloc_conf=""))  # the setting overrides it
+    command.check_plan(with_values(plan_cfg, device="cpu"))  # a CPU plan has no caching allocator to read it for
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:abc")  # torch's newer name, read second
+    with pytest.raises(ConfigError, match="^PYTORCH_ALLOC_CONF='max_split_size_mb:abc' "):
+        command.check_plan(with_values(plan_cfg, device="cuda"))
 
 
 def test_input_the_planner_takes(plan_cfg, gpt_cfg, tmp_path):

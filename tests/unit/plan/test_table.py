@@ -357,7 +357,9 @@ def test_the_columns_setting_leaves_markdown_whole():
 
 
 def test_the_allocator_line_says_what_was_modelled_and_what_fits_compares():
-    modelled = row() | dict(reserved_gib=1.0, device_total_gib=1.5, context_gib=0.5, context_source="src", alloc_conf="")
+    modelled = row() | dict(
+        reserved_gib=1.0, device_total_gib=1.5, context_gib=0.5, context_source="src", alloc_conf=""
+    )
     assert table.allocator_lines([modelled]) == [
         "allocator: torch's CUDA caching allocator modelled with torch's default settings; fits compares "
         "device_total (reserved + CUDA context 512 MiB: src)"

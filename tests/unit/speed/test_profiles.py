@@ -125,13 +125,16 @@ def _broken(edit):
             r"memory_bandwidth_fraction must be in \(0, 1\]",
         ),
         (
-            lambda d: d.update(server_memory_bandwidth_GBps={"value": 0, "source": "sheet"},
-                               server_sockets={"value": 2, "source": "sheet"}),
+            lambda d: d.update(
+                server_memory_bandwidth_GBps={"value": 0, "source": "sheet"},
+                server_sockets={"value": 2, "source": "sheet"},
+            ),
             "server_memory_bandwidth_GBps must be positive, not 0.0",
         ),
         (
-            lambda d: d.update(server_memory_bandwidth_GBps={"value": 300},
-                               server_sockets={"value": 2, "source": "sheet"}),
+            lambda d: d.update(
+                server_memory_bandwidth_GBps={"value": 300}, server_sockets={"value": 2, "source": "sheet"}
+            ),
             "server_memory_bandwidth_GBps has no source",
         ),
         (
@@ -139,14 +142,18 @@ def _broken(edit):
             "gives server_memory_bandwidth_GBps without the other",
         ),
         (
-            lambda d: d.update(server_memory_bandwidth_GBps={"value": 300, "source": "sheet"},
-                               server_sockets={"value": 1.5, "source": "sheet"}),
+            lambda d: d.update(
+                server_memory_bandwidth_GBps={"value": 300, "source": "sheet"},
+                server_sockets={"value": 1.5, "source": "sheet"},
+            ),
             "server_sockets must be a whole number >= 1, not 1.5",
         ),
         (
-            lambda d: d.update(server_memory_bandwidth_GBps={"value": 300, "source": "sheet"},
-                               server_sockets={"value": 2, "source": "sheet"},
-                               server_memory_GiB={"value": 0, "source": "sheet"}),
+            lambda d: d.update(
+                server_memory_bandwidth_GBps={"value": 300, "source": "sheet"},
+                server_sockets={"value": 2, "source": "sheet"},
+                server_memory_GiB={"value": 0, "source": "sheet"},
+            ),
             "server_memory_GiB must be positive, not 0.0",
         ),
         (

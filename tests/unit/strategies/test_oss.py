@@ -30,7 +30,11 @@ def test_each_rank_keeps_the_optimizer_state_of_its_own_shard_and_full_params_an
 
 def test_oss_facts():
     assert OSS.traits.sharding == 1 and OSS.traits.checkpoint_format_auto == "dcp"
-    assert OSS.traits.requires == ("fairscale",) and OSS.traits.clip_reads_values is True and OSS.traits.grads_differ_across_ranks
+    assert (
+        OSS.traits.requires == ("fairscale",)
+        and OSS.traits.clip_reads_values is True
+        and OSS.traits.grads_differ_across_ranks
+    )
     assert OSS.memory.bucket_numel(OmegaConf.structured(OSSConfig), [10, 5], [0, 1], 0, 2) == (15, 0)  # DDP's bucket
 
 
@@ -44,7 +48,9 @@ def test_the_predicted_optimizer_state_is_what_a_real_oss_adam_holds(fake_group,
     optimizer = FairscaleOSS(net.parameters(), optim=torch.optim.Adam, lr=1e-3)
     net(torch.randn(2, 5)).sum().backward()
     optimizer.step()
-    real = sum(t.numel() * t.element_size() for s in optimizer.optim.state.values() for k, t in s.items() if k != "step")
+    real = sum(
+        t.numel() * t.element_size() for s in optimizer.optim.state.values() for k, t in s.items() if k != "step"
+    )
     shapes = [tuple(p.shape) for p in net.parameters()]
     owners = OSS.memory.partition([[math.prod(s) for s in shapes]], world_size)
     held = OSS.memory.resident_numel(OmegaConf.structured(OSSConfig), shapes, owners, rank, world_size)

@@ -107,5 +107,7 @@ def test_bucketed_is_fairscale_sharded_data_parallels_own_choice(fake_group, wor
     numels = [p.numel() for p in params]
     owners = ShardedDDP.memory.partition([numels], world_size)
     assert bucketed(reduce_buffer_size, numels, owners, world_size) == real
-    held, _ = ShardedDDP.memory.bucket_numel(_cfg(reduce_buffer_size=reduce_buffer_size), numels, owners, rank, world_size)
+    held, _ = ShardedDDP.memory.bucket_numel(
+        _cfg(reduce_buffer_size=reduce_buffer_size), numels, owners, rank, world_size
+    )
     assert held == sum(b.buffer.numel() for b in model._bucket_list)  # each shrunk to its fill

@@ -50,7 +50,9 @@ def test_only_the_free_rule_sets_gradients_to_none_and_the_record_names_both_rul
     assert GradZeroing(ZeroGrad.zeros, ZeroGrad.free).set_to_none is True
     assert GradZeroing(ZeroGrad.free, ZeroGrad.zeros).set_to_none is False
     assert GradZeroing(ZeroGrad.free, ZeroGrad.zeros, "why").record() == {
-        "requested": "free", "applied": "zeros", "reason": "why"
+        "requested": "free",
+        "applied": "zeros",
+        "reason": "why",
     }
     assert GradZeroing(ZeroGrad.zeros, ZeroGrad.zeros).record()["reason"] is None
 

@@ -47,7 +47,9 @@ def test_the_partition_and_state_are_torch_zero_redundancy_optimizers(fake_group
 
     net(torch.randn(2, 5)).sum().backward()
     optimizer.step()
-    real = sum(t.numel() * t.element_size() for s in optimizer.optim.state.values() for k, t in s.items() if k != "step")
+    real = sum(
+        t.numel() * t.element_size() for s in optimizer.optim.state.values() for k, t in s.items() if k != "step"
+    )
     shapes = [tuple(p.shape) for p in weights + biases]
     held = ZeRO1.memory.resident_numel(OmegaConf.structured(ZeRO1Config), shapes, owners, rank, world_size)
     assert real == 2 * 4 * sum(held["optimizer"])
