@@ -269,11 +269,13 @@ def main(argv: list[str] | None = None) -> int:
     except HydraException as exc:
         print(f"error: {composition_error(exc, argv)}", file=sys.stderr)
         return 2
-    return plan(cfg, preset_of(argv))
+    return plan(cfg, preset_of(argv), argv)
 
 
-def plan(cfg: PlanConfig, preset: str) -> int:
-    """Plan the composed, checked ``cfg`` and print it in ``plan.format``."""
+def plan(cfg: PlanConfig, preset: str, argv: list[str] = ()) -> int:
+    """Plan the composed, checked ``cfg`` and print it in ``plan.format``; ``argv``: the command
+    line it was composed from (``plan.find=fastest`` writes its run's overrides into the command
+    line it answers with)."""
     # lazy: these import torch, which Hydra's questions (answered by this module) never need
     from sharded_exp.plan import fastest, points, speed
     from sharded_exp.plan.depth import shapes_of
@@ -294,7 +296,8 @@ def plan(cfg: PlanConfig, preset: str) -> int:
         rows = points.plan_rows(cfg, world_sizes, device_type, progress)
         found = []
         if find == "fastest":
-            found = fastest.fastest_rows(cfg, world_sizes, device_type, progress, "model=" + preset)
+            given = fastest.run_overrides(list(argv))
+            found = fastest.fastest_rows(cfg, world_sizes, device_type, progress, "model=" + preset, given)
         elif cfg.plan.find:
             found = points.find_rows(cfg, world_sizes, device_type, progress)
     except ConfigError as exc:  # found by a fake step (a parameter made in forward): refused as a run would be

@@ -54,17 +54,35 @@ def replicas(cfg: PlanConfig, name: str, world_size: int) -> list[int]:
     return out
 
 
-def command(model: str, cfg: PlanConfig, c: PlanConfig, combo: str, world_size: int) -> str:
-    """The ``sharded-exp`` command line that runs candidate ``c``."""
-    parts = ["sharded-exp", *model.split(), f"precision={Precision.of(c)}", f"optimizer={c.optimizer.name}",
-             f"strategy={c.strategy.name}", f"trainer.world_size={world_size}",
-             f"trainer.batch_size={c.trainer.batch_size}", f"trainer.grad_accum={c.trainer.grad_accum}"]  # fmt: skip
+def override_key(override: str) -> str:
+    """The key a Hydra override sets: ``trainer.grad_clip`` of ``+trainer.grad_clip=0``,
+    ``strategy`` of ``strategy=fsdp``."""
+    return override.lstrip("+~").split("=", 1)[0]
+
+
+def run_overrides(argv: list[str]) -> list[str]:
+    """The overrides of a plan's command line that a training run takes as they are: all but
+    the planner's own (``plan.*``, ``hydra.*``) and the model's (the preset and its keys are
+    written apart: :func:`~sharded_exp.plan.command.preset_of`)."""
+    return [a for a in argv if not override_key(a).startswith(("plan.", "hydra.", "model"))]
+
+
+def command(model: str, cfg: PlanConfig, c: PlanConfig, combo: str, world_size: int, given: list[str] = ()) -> str:
+    """The ``sharded-exp`` command line that runs candidate ``c``: the model, the overrides the
+    plan was given (``given``: :func:`run_overrides`; those of the configured strategy only where
+    it is the candidate's, whose settings it was planned with), then what the candidate sets."""
+    sets = [f"precision={Precision.of(c)}", f"optimizer={c.optimizer.name}", f"strategy={c.strategy.name}",
+            f"trainer.world_size={world_size}", f"trainer.batch_size={c.trainer.batch_size}",
+            f"trainer.grad_accum={c.trainer.grad_accum}"]  # fmt: skip
     for lever in lever_names(combo):
         key, value = LEVERS[lever]
-        parts.append(f"strategy.{key}={str(value).lower()}" if key == "cpu_offload" else f"trainer.{key}={value}")
+        sets.append(f"strategy.{key}={str(value).lower()}" if key == "cpu_offload" else f"trainer.{key}={value}")
     if int(c.strategy.get("replicate", 1) or 1) > 1:
-        parts.append(f"strategy.replicate={c.strategy.replicate}")
-    return " ".join(parts)
+        sets.append(f"strategy.replicate={c.strategy.replicate}")
+    taken = {override_key(s) for s in sets}
+    mine = c.strategy.name == cfg.strategy.name
+    kept = [a for a in given if override_key(a) not in taken and (mine or not override_key(a).startswith("strategy."))]
+    return " ".join(["sharded-exp", *model.split(), *kept, *sets])
 
 
 def candidates(cfg: PlanConfig, world_size: int):
@@ -105,10 +123,12 @@ def _key(name: str, combo: str, c: PlanConfig) -> tuple:
 
 
 def fastest_rows(
-    cfg: PlanConfig, world_sizes, device_type: str, progress: Progress | None = None, model: str = ""
-) -> list[dict[str, Any]]:
-    """Per world size, the fastest candidate that fits (see the module docstring). The
-    candidates are planned side by side in ``plan.workers`` processes
+    cfg: PlanConfig, world_sizes, device_type: str, progress: Progress | None = None, model: str = "",
+    given: list[str] = (),
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Per world size, the fastest candidate that fits (see the module docstring), with the
+    command line that runs it (``given``: the plan's own overrides a run takes, :func:`command`).
+    The candidates are planned side by side in ``plan.workers`` processes
     (:func:`~sharded_exp.plan.points.side_by_side`), the costliest strategies first."""
     model = model or f"model={cfg.model.name}"
     groups = searched(cfg, world_sizes)
@@ -130,7 +150,7 @@ def fastest_rows(
             row = rows[key][groups[key][3].index(ws)]
             tried += 1
             if row["fits"] and row.get("step_time_s") and (best is None or row["step_time_s"] < best[0]["step_time_s"]):
-                best = (row, command(model, cfg, c, combo, ws), c)
+                best = (row, command(model, cfg, c, combo, ws, given), c)
         out.append(_found(ws, best, tried))
     return out
 

@@ -31,6 +31,32 @@ def test_the_command_line_runs_the_candidate():
                     "strategy.replicate=8")  # fmt: skip
 
 
+def test_the_command_line_keeps_the_overrides_the_plan_was_made_with():
+    """The plan's own settings and the model's keys are not a run's; the configured strategy's
+    settings go with it only where it won (the others were planned at their defaults); what
+    the candidate sets is written once, after them."""
+    argv = ["model=gpt", "model.n_layers=4", "plan.find=fastest", "+plan.workers=1", "hydra.verbose=true",
+            "trainer.grad_clip=0", "+optimizer.foreach=false", "strategy=fsdp", "strategy.param_dtype=float32",
+            "strategy.replicate=2", "trainer.batch_size=8", "precision=bf16"]  # fmt: skip
+    given = fastest.run_overrides(argv)
+    assert given == ["trainer.grad_clip=0", "+optimizer.foreach=false", "strategy=fsdp", "strategy.param_dtype=float32",
+                     "strategy.replicate=2", "trainer.batch_size=8", "precision=bf16"]  # fmt: skip
+    cfg = OmegaConf.create({"strategy": {"name": "fsdp"}})
+    won = OmegaConf.create({"precision": {"name": "bf16"}, "optimizer": {"name": "adam"},
+                            "strategy": {"name": "fsdp", "replicate": 8}, "trainer": {"batch_size": 2, "grad_accum": 4}})  # fmt: skip
+    assert fastest.command("model=gpt model.n_layers=4", cfg, won, "none", 64, given) == (
+        "sharded-exp model=gpt model.n_layers=4 trainer.grad_clip=0 +optimizer.foreach=false strategy.param_dtype=float32 "
+        "precision=bf16 optimizer=adam strategy=fsdp trainer.world_size=64 trainer.batch_size=2 trainer.grad_accum=4 "
+        "strategy.replicate=8"
+    )
+    other = won.copy()
+    other.strategy = {"name": "ddp"}
+    assert fastest.command("model=gpt", cfg, other, "none", 8, given) == (
+        "sharded-exp model=gpt trainer.grad_clip=0 +optimizer.foreach=false precision=bf16 optimizer=adam strategy=ddp "
+        "trainer.world_size=8 trainer.batch_size=2 trainer.grad_accum=4"
+    )
+
+
 def test_each_candidate_is_planned_once_for_every_world_size_it_is_tried_at(plan_cfg, monkeypatch):
     """ddp and fsdp, a global batch of 4 (micro-batches 4, 2, 1), at 8 and 64 ranks of 8 GPUs a
     node: fsdp is also tried as HSDP at 64 (one replica per node), a candidate of that world size
