@@ -214,11 +214,18 @@ def _offloaded(cfg, shapes, world_size, mine, parts, per_rank, phases_mib, rules
     rules["cpu_offload"] = ("the sharded parameters, gradients and optimizer state in host memory, and the "
                             "optimizer step on the host, by rule")  # fmt: skip
     rules["pinned_host"] = PINNED_HOST_RULE
-    per_rank = [x - sum(min(mine.get(k, parts[k]), parts[k]) for k in states) for x in per_rank]
+
+    def on_host(p: dict[str, float]) -> dict[str, float]:
+        # the rank's own shard of each state; beyond it (a unit's unsharded gradient before its
+        # reduce-scatter) is on the device, and stays in its part
+        return {k: min(mine.get(k, p[k]), p[k]) for k in states}
+
+    moved = on_host(parts)
+    per_rank = [x - sum(moved.values()) for x in per_rank]
     for phase, (peak, p) in list(phases_mib.items()):
-        moved = sum(p[k] for k in states)
-        phases_mib[phase] = (peak - moved, {**p, **{k: 0.0 for k in states}})
-    parts = {**parts, **{k: 0.0 for k in states}}
+        host = on_host(p)
+        phases_mib[phase] = (peak - sum(host.values()), {**p, **{k: p[k] - host[k] for k in states}})
+    parts = {**parts, **{k: parts[k] - moved[k] for k in states}}
     return per_rank, parts, phases_mib, offload_host(cfg, shapes, world_size)
 
 

@@ -306,3 +306,25 @@ def test_notes_join_the_steps_the_compile_and_the_zero_grad_rule(configs, stub_s
     assert compiled.startswith("trainer.compile: the units are faked eager")
     zeroed = predict_peak(configs["sharded_ddp"], 2, "cpu", {"model_states_mib": STATES}, SHAPES)["note"]
     assert zeroed.startswith("trainer.zero_grad=free not honoured, faked as zeros: sharded_ddp zeroes")
+
+
+def test_cpu_offload_moves_the_ranks_shards_to_the_host_and_keeps_what_is_beyond_them(monkeypatch):
+    """A rank's own shards (4 MiB of parameters, 4 of gradients, 8 of optimizer state) are in
+    host memory; a unit's unsharded gradient before its reduce-scatter (the 6 MiB tracked
+    beyond the rank's 4) is on the device and stays in ``grads``: the parts still add up to
+    the peak, in the breakdown and in every phase."""
+    monkeypatch.setattr(prediction_module, "offload_host", lambda *a: ([1.0], {}))
+    mine = {"params": 4.0, "grads": 4.0, "optimizer": 8.0}
+    parts = {"params": 4.0, "grads": 10.0, "optimizer": 8.0, "optimizer_step": 2.0, "gathered": 16.0,
+             "activations": 5.0}  # fmt: skip
+    phases = {
+        "step": (45.0, dict(parts)),
+        "optimizer": (20.0, {**parts, "grads": 4.0, "gathered": 0.0, "activations": 2.0}),
+    }
+    per_rank, out, phases, host = prediction_module._offloaded(None, None, 2, mine, parts, [45.0, 44.0], phases, {})
+    assert out == {"params": 0.0, "grads": 6.0, "optimizer": 0.0, "optimizer_step": 0.0, "gathered": 16.0,
+                   "activations": 5.0}  # fmt: skip
+    assert per_rank == [27.0, 26.0] and sum(out.values()) == per_rank[0]
+    for peak, p in phases.values():
+        assert sum(p.values()) == peak
+    assert phases["optimizer"][1]["grads"] == 0.0 and host == ([1.0], {})
