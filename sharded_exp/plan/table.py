@@ -308,13 +308,16 @@ def _fastest_line(f: dict[str, Any], unit: str, scale: float) -> str:
 
 
 def csv_text(rows) -> str:
-    """``plan.format=csv``: the table's columns, memory in GiB, one line per row."""
+    """``plan.format=csv``: the table's columns, memory in GiB, one line per row; a file has no
+    header lines to say them in, so the method (where the rows' differ) is its text, and each
+    row's note is a last column."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     head, body = _body(rows, 1.0)
-    writer.writerow(head)
-    for line in body:
-        writer.writerow(["" if v is None else (f"{v:.6g}" if isinstance(v, float) else v) for v in line])
+    writer.writerow([*head, "note"])
+    for r, line in zip(rows, body):
+        line = line[:-1] + [r["method"]] if head[-1] == "method" else line
+        writer.writerow(["" if v is None else (f"{v:.6g}" if isinstance(v, float) else v) for v in [*line, r["note"]]])
     return out.getvalue().rstrip("\n")
 
 
@@ -325,10 +328,12 @@ def json_text(doc: dict[str, Any]) -> str:
 
 
 def column_keys(rows) -> dict[str, str]:
-    """Each shown column's key in a JSON row."""
+    """Each shown column's key in a JSON row (and the method's, where the rows' differ, and the
+    note's: the last columns of a CSV)."""
     keys = {"strategy": "strategy", "levers": "levers", "ranks": "world_size"}
     keys |= {HEADINGS.get(p, p): f"{p}_gib" for p in PARTS}
     keys |= {"peak": "total_gib", "mean": "mean_gib", "host": "host_gib", "host_node": "host_node_gib", "fits": "fits"}
     keys |= {k: k for k in SPEED}
     keys |= {"allocated": "allocated_gib", "reserved": "reserved_gib", "device_total": "device_total_gib"}
-    return {c: keys[c] for c in shown(rows)}
+    method = {"method": "method"} if len(methods(rows)) > 1 else {}
+    return {c: keys[c] for c in shown(rows)} | method | {"note": "note"}

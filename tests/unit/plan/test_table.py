@@ -83,7 +83,7 @@ def test_the_speed_columns_are_shown_in_every_format_under_their_json_keys():
     keys = table.column_keys(rows)
     assert all(keys[k] == k for k in table.SPEED)
     head, *lines = table.csv_text(rows).splitlines()
-    assert head.split(",")[-4:] == list(table.SPEED) and lines[0].split(",")[-4:] == ["0.5", "0.1", "800", "41"]
+    assert head.split(",")[-5:-1] == list(table.SPEED) and lines[0].split(",")[-5:-1] == ["0.5", "0.1", "800", "41"]
 
 
 def test_host_memory_is_shown_where_a_row_holds_some():
@@ -226,10 +226,34 @@ def test_csv_holds_the_shown_columns_in_gib_with_empty_cells_for_none():
             row(strategy="fsdp", world_size=8, params=1.0, activations=2.0, total=3.0, fits=False)]  # fmt: skip
     lines = list(csv.reader(io.StringIO(table.csv_text(rows))))
     assert lines[0] == ["strategy", "levers", "ranks", "params", "activations", "peak", "mean", "allocated", "fits",
-                        *table.SPEED]  # fmt: skip
-    assert lines[1] == ["ddp", "none", "2", "0.123457", "", "0.123457", "0.123457", "0.123457", "yes", "", "", "", ""]
-    assert lines[2] == ["fsdp", "none", "8", "1", "2", "3", "3", "3", "no", "", "", "", ""]
+                        *table.SPEED, "note"]  # fmt: skip
+    assert lines[1] == [
+        "ddp",
+        "none",
+        "2",
+        "0.123457",
+        "",
+        "0.123457",
+        "0.123457",
+        "0.123457",
+        "yes",
+        "",
+        "",
+        "",
+        "",
+        "",
+    ]
+    assert lines[2] == ["fsdp", "none", "8", "1", "2", "3", "3", "3", "no", "", "", "", "", ""]
     assert not table.csv_text(rows).endswith("\n")
+
+
+def test_csv_says_each_rows_method_and_note_in_words():
+    """A CSV has no header lines for the methods' legend or the notes: they are its last columns."""
+    rows = [row(method="fake step", note="a, b"), row(strategy="oss", method="fake step without clipping")]
+    lines = list(csv.reader(io.StringIO(table.csv_text(rows))))
+    assert lines[0][-2:] == ["method", "note"]
+    assert lines[1][-2:] == ["fake step", "a, b"] and lines[2][-2:] == ["fake step without clipping", ""]
+    assert list(table.column_keys(rows))[-2:] == ["method", "note"]
 
 
 def test_json_is_the_document_indented():
@@ -245,7 +269,7 @@ def test_each_shown_column_has_its_key_in_a_json_row():
     assert keys == {"strategy": "strategy", "levers": "levers", "ranks": "world_size", "params": "params_gib",
                     "optim step": "optimizer_step_gib", "comm": "communication_gib", "peak": "total_gib",
                     "mean": "mean_gib", "host": "host_gib", "allocated": "allocated_gib", "fits": "fits",
-                    **{k: k for k in table.SPEED}}  # fmt: skip
+                    **{k: k for k in table.SPEED}, "note": "note"}  # fmt: skip
     assert all(k in rows[0] for k in keys.values())
 
 
@@ -272,7 +296,7 @@ def test_a_cuda_plan_shows_allocated_reserved_and_the_device_total_and_says_what
     assert "modelled with expandable_segments:True" in out and "CUDA context 512 MiB: a published" in out
     assert table.column_keys(rows)["device_total"] == "device_total_gib"
     csv_head = next(csv.reader(io.StringIO(table.csv_text(rows))))
-    assert csv_head[-8:-4] == ["allocated", "reserved", "device_total", "fits"]
+    assert csv_head[-9:-5] == ["allocated", "reserved", "device_total", "fits"]
 
 
 def test_a_cpu_plan_shows_no_reserved_and_says_nothing_of_an_allocator():
