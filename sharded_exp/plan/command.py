@@ -109,6 +109,7 @@ def check_plan(cfg: PlanConfig, argv: list[str] = ()) -> None:
     for name in p.strategies or []:
         STRATEGIES.builder(name)  # raises, naming the registered ones
     check_alloc_conf(p.get("alloc_conf", None), _value(p.device) or "cuda")
+    _check_this_gpu(p)
     _check_levers(p)
     _check_plot(p)
     if _value(p.find) == "fastest" and p.params is not None:
@@ -130,6 +131,23 @@ def check_plan(cfg: PlanConfig, argv: list[str] = ()) -> None:
     if _value(p.find) == "depth" and (p.params is not None or "n_layers" not in cfg.model):
         what = "a raw parameter count (plan.params)" if p.params is not None else f"model={cfg.model.name}"
         raise ConfigError(f"plan.find=depth needs a model with model.n_layers (e.g. model=gpt); {what} has none")
+
+
+def _check_this_gpu(p) -> None:
+    """``plan.device_profile=this`` for a CUDA plan measures this machine's GPU: one must be there."""
+    import torch  # lazy: Hydra's questions (answered by this module) never need it
+
+    from sharded_exp.plan.points import _value  # lazy: imports torch
+
+    if (
+        p.get("device_profile", None) == "this"
+        and (_value(p.device) or "cuda") == "cuda"
+        and not torch.cuda.is_available()
+    ):
+        raise ConfigError(
+            "plan.device_profile=this with plan.device=cuda prices the step on this machine's GPU, and it has none: "
+            "name a GPU profile (plan.device_profile=h100_sxm, ...) or plan this CPU (plan.device=cpu)"
+        )
 
 
 def _check_levers(p) -> None:

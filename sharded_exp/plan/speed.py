@@ -10,7 +10,9 @@ collectives on the links.
 The machine: ``plan.device_profile`` (default: ``h100_sxm`` for ``plan.device=cuda``, ``this``
 for ``cpu``, said in the plan's header), its GPUs ``plan.gpus_per_node`` to a node linked as
 its profile says (NVLink), the nodes by ``plan.inter_node_gbps`` Gb/s per GPU. ``this`` is the
-machine at hand, measured (:mod:`sharded_exp.measure.machine`), every rank on it.
+machine at hand, measured (:mod:`sharded_exp.measure.machine`): for ``plan.device=cpu`` its
+CPU, every rank on it; for ``cuda`` its GPU (a plan without one is refused), linked as the
+sourced profile of its name states, nodes as above.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from sharded_exp.config import PlanConfig
-from sharded_exp.measure.machine import this_figures, this_profile
+from sharded_exp.measure.machine import this_cuda_host_link, this_cuda_profile, this_figures, this_profile
 from sharded_exp.plan.depth import shapes_of
 from sharded_exp.precision import Precision
 from sharded_exp.predict.fake_step import fake_step
@@ -36,7 +38,7 @@ from sharded_exp.predict.step_time import (
     step_compute,
     waits_before_step,
 )
-from sharded_exp.speed.profiles import load_device, load_link, network_link
+from sharded_exp.speed.profiles import load_device, load_link, network_link, profile_for_device_name
 
 DEFAULT_PROFILE = {"cuda": "h100_sxm", "cpu": "this"}
 """``plan.device_profile=null``: the profile planned for, by ``plan.device``."""
@@ -59,13 +61,20 @@ def machine(cfg: PlanConfig, world_size: int) -> Machine:
     """The machine a point at ``world_size`` runs on (see the module docstring)."""
     p = cfg.plan
     name = profile_name(cfg)
+    inter = network_link(float(p.get("inter_node_gbps", 100.0)))
+    if name == "this" and str(p.device) == "cuda":  # this machine's GPU, measured
+        device = this_cuda_profile(bool(p.get("remeasure", False)))
+        named = profile_for_device_name(device.title)  # its links as its sourced profile states them
+        links = load_device(named).links if named else {}
+        intra = load_link(links["intra_node"]) if "intra_node" in links else None
+        host = this_cuda_host_link()
+        return Machine(device, intra or inter, inter, int(p.get("gpus_per_node", 8)), host, device.host_memory)
     if name == "this":
         device, local = this_profile(threads_per_rank(world_size), bool(p.get("remeasure", False)))
         return Machine(device, local, None, max(world_size, 1), shared_cores=True)  # offload plans a GPU only
     device = load_device(name)
     intra = load_link(device.links["intra_node"]) if "intra_node" in device.links else None
     host = load_link(device.links["host"]) if "host" in device.links else None
-    inter = network_link(float(p.get("inter_node_gbps", 100.0)))
     return Machine(device, intra or inter, inter, int(p.get("gpus_per_node", 8)), host, device.host_memory)
 
 
@@ -79,8 +88,11 @@ def measured_once(cfg: PlanConfig) -> PlanConfig:
     if profile_name(cfg) != "this":
         return cfg
     remeasure = bool(cfg.plan.get("remeasure", False))
-    for threads in sorted({threads_per_rank(ws) for ws in cfg.plan.world_sizes}):
-        this_figures(threads, remeasure=remeasure)
+    if str(cfg.plan.device) == "cuda":
+        this_figures(1, remeasure, "cuda")
+    else:
+        for threads in sorted({threads_per_rank(ws) for ws in cfg.plan.world_sizes}):
+            this_figures(threads, remeasure=remeasure)
     if not remeasure:
         return cfg
     out = cfg.copy()
@@ -92,6 +104,10 @@ def describe(cfg: PlanConfig) -> str:
     """The header's line on the machine the speed columns are for."""
     name = profile_name(cfg)
     chosen = "" if cfg.plan.get("device_profile", None) else f" (the default for plan.device={cfg.plan.device})"
+    if name == "this" and str(cfg.plan.device) == "cuda":
+        return (f"speed: profile this, this machine's GPU measured, linked as its sourced profile states within "
+                f"nodes of {cfg.plan.get('gpus_per_node', 8)} GPUs, {cfg.plan.get('inter_node_gbps', 100.0):g} Gb/s "
+                "per GPU between nodes")  # fmt: skip
     if name == "this":
         return f"speed: profile this{chosen}: this machine measured, every rank on it, cores shared"
     device = load_device(name)

@@ -206,14 +206,17 @@ def text(
 
 def note_lines(rows) -> list[str]:
     """One ``note:`` line per strategy (with its levers) and note, in the table's order, naming
-    the world sizes whose rows it belongs to: ``note: ddp x8, x64: ...``."""
+    the world sizes whose rows it belongs to: ``note: ddp x8, x64: ...``; a row whose speed was
+    not predicted says why (its ``speed_note``)."""
     found: dict[tuple[str, str], list[str]] = {}
     for r in rows:
-        if r["note"]:
-            levers = r.get("levers", "none")
-            label = r["strategy"] if levers in (None, "none") else f"{r['strategy']} + {levers}"
-            sizes = found.setdefault((label, r["note"]), [])
-            sizes += [] if f"x{r['world_size']}" in sizes else [f"x{r['world_size']}"]
+        levers = r.get("levers", "none")
+        label = r["strategy"] if levers in (None, "none") else f"{r['strategy']} + {levers}"
+        speed = r.get("speed_note")
+        for note in (r["note"], speed and f"speed not predicted: {speed}"):
+            if note:
+                sizes = found.setdefault((label, note), [])
+                sizes += [] if f"x{r['world_size']}" in sizes else [f"x{r['world_size']}"]
     return [f"note: {label} {', '.join(sizes)}: {note}" for (label, note), sizes in found.items()]
 
 

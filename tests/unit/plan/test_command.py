@@ -240,3 +240,15 @@ def test_a_refusal_a_fake_step_finds_ends_the_plan_with_exit_2_and_no_traceback(
     assert command.plan(cfg, "custom") == 2
     err = capsys.readouterr().err
     assert "error: model=custom: its forward creates the parameter late_scale" in err and "Traceback" not in err
+
+
+def test_this_gpu_is_refused_for_a_cuda_plan_on_a_machine_without_one(plan_cfg, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="plan.device_profile=this with plan.device=cuda prices the step on this"):
+        command.check_plan(with_values(plan_cfg, device="cuda", device_profile="this"))
+    command.check_plan(with_values(plan_cfg, device="cpu", device_profile="this"))
+    command.check_plan(with_values(plan_cfg, device="cuda", device_profile="h100_sxm"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    command.check_plan(with_values(plan_cfg, device="cuda", device_profile="this"))

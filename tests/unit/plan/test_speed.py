@@ -57,3 +57,23 @@ def test_the_machine_at_hand_prices_a_cpu_point_and_a_named_gpu_states_its_host(
     assert m.fabric(2, 10**6).host_memory_Bps is None
     named = speed.machine(plan(device_profile="h100_sxm"), 8)
     assert named.fabric(8, 10**6).host_memory_Bps == pytest.approx((70.4e9 * 2 / 3, 70.4e9))
+
+
+def test_this_gpu_is_measured_and_linked_as_its_sourced_profile_states(monkeypatch):
+    """plan.device_profile=this for a CUDA plan: the GPU at hand, measured once before the
+    points (its figures in the cache), NVLink inside a node as the sourced profile of its name
+    states, the network between nodes, the host link measured; not the CPU."""
+    from dataclasses import replace
+
+    measured = replace(speed.load_device("h100_sxm"), name="this", title="this machine (NVIDIA H100 80GB HBM3)")
+    calls = []
+    monkeypatch.setattr(speed, "this_cuda_profile", lambda remeasure=False: measured)
+    monkeypatch.setattr(speed, "this_cuda_host_link", lambda remeasure=False: None)
+    monkeypatch.setattr(speed, "this_profile", lambda *a, **k: pytest.fail("a CUDA plan priced on the CPU"))
+    monkeypatch.setattr(speed, "this_figures", lambda *a, **k: calls.append(a))
+    cfg = plan(device_profile="this", inter_node_gbps=200, remeasure=True, world_sizes=[8, 16])
+    assert speed.measured_once(cfg).plan.remeasure is False and calls == [(1, True, "cuda")]
+    m = speed.machine(cfg, 16)
+    assert m.device is measured and m.intra.name == "nvlink4" and m.inter.bandwidth_Bps == 25e9
+    assert m.gpus_per_node == 8 and not m.shared_cores
+    assert "this machine's GPU measured" in speed.describe(cfg)

@@ -190,6 +190,9 @@ def test_notes_follow_the_table_each_once_naming_its_rows():
     notes = [line for line in out if line.startswith("note:")]
     assert notes == ["note: zero1 x2: z", "note: ddp x2, x8: d", "note: ddp x64: e", "note: ddp + ac x8: d"]
     assert out[out.index(notes[0]) - 1] == ""
+    unpriced = row(strategy="fsdp", levers="offload") | {"speed_note": "this: cpu_offload's copies need the host link"}
+    out = table.text([unpriced], [], config(), 10, "gpt", "cpu").splitlines()
+    assert "note: fsdp + offload x2: speed not predicted: this: cpu_offload's copies need the host link" in out
 
 
 def test_the_cheapest_point_that_fits_is_named_where_levers_are_planned():
