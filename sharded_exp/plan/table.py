@@ -60,6 +60,9 @@ PRIORITY = ("strategy", "ranks", "levers", "method", "peak", "fits", "device_tot
 """The short table's columns, most telling first: what a plan is read for (the peak, whether
 it fits and the figure fits compares on CUDA, how the largest parts shrink with the strategy,
 the step time) before the rest."""
+READ_WITH = {"mfu_pct": "step_time_s", "tokens_per_s_per_device": "step_time_s", "exposed_comm_s": "step_time_s"}
+"""A short table shows these columns only beside the one they are read with (MFU and tokens/s
+are worked out from the step time; the exposed communication is a part of it)."""
 TEXT = ("strategy", "levers", "fits")
 """Left-aligned columns (the others are numbers, right-aligned)."""
 
@@ -129,8 +132,9 @@ def _strings(head: list[str], body: list[list[Any]]) -> list[list[str]]:
 
 def short_table(head: list[str], body: list[list[Any]], width: int = WIDTH) -> tuple[list[str], list[str]]:
     """The table's lines within ``width`` characters, and the columns left out: columns are
-    taken in :data:`PRIORITY` order while the table still fits, shown in their own order
-    under :data:`SHORT` headings. The levers column is left out when every row has none."""
+    taken in :data:`PRIORITY` order while the table still fits (one read with another only
+    beside it: :data:`READ_WITH`), shown in their own order under :data:`SHORT` headings. The
+    levers column is left out when every row has none."""
     strings = _strings(head, body)
     heading = {c: SHORT.get(c, c) for c in head}
     widths = {c: max(len(heading[c]), *(len(line[i]) for line in strings)) for i, c in enumerate(head)}
@@ -139,6 +143,9 @@ def short_table(head: list[str], body: list[list[Any]], width: int = WIDTH) -> t
     ]
     kept: list[str] = []
     for c in wanted:
+        basis = READ_WITH.get(c)
+        if basis in wanted and basis not in kept:
+            continue  # MFU without the step time it is worked out from: neither shown
         if sum(widths[k] for k in [*kept, c]) + 2 * len(kept) <= width:
             kept.append(c)
     shown_columns = [c for c in head if c in kept]

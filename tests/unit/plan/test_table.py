@@ -368,6 +368,16 @@ def test_the_short_table_names_the_columns_it_leaves_out_and_keeps_the_most_tell
     assert "not shown here: " in text and "(plan.columns=all shows every column)" in text
 
 
+def test_the_short_table_shows_mfu_only_beside_the_step_time_it_is_worked_out_from():
+    """A step time too wide for what is left of the line, MFU narrow enough: neither is shown."""
+    head = ["strategy", "ranks", "peak", "step_time_s", "mfu_pct"]
+    body = [["ddp", 2, 1.0, 0.000176312345, 48.3]]
+    lines, left_out = table.short_table(head, body, width=30)
+    assert lines[0].split() == ["strategy", "ranks", "peak"] and left_out == ["step_time_s", "mfu_pct"]
+    lines, left_out = table.short_table(head, body, width=60)
+    assert lines[0].split() == ["strategy", "ranks", "peak", "step_s", "mfu%"] and left_out == []
+
+
 def test_the_short_table_shows_levers_when_a_row_has_one_and_aligns_text_left():
     rows = [row(params=1.0, total=1.0), row(params=1.0, total=0.5, levers="ac")]
     head, body = table._body(rows, 1.0)
