@@ -35,10 +35,11 @@ from sharded_exp.predict.step_time import (
     math_dtype,
     predict_step_time,
     shards_parameters,
+    sourced_link,
     step_compute,
     waits_before_step,
 )
-from sharded_exp.speed.profiles import load_device, load_link, network_link, profile_for_device_name
+from sharded_exp.speed.profiles import load_device, load_link, network_link
 
 DEFAULT_PROFILE = {"cuda": "h100_sxm", "cpu": "this"}
 """``plan.device_profile=null``: the profile planned for, by ``plan.device``."""
@@ -64,11 +65,11 @@ def machine(cfg: PlanConfig, world_size: int) -> Machine:
     inter = network_link(float(p.get("inter_node_gbps", 100.0)))
     if name == "this" and str(p.device) == "cuda":  # this machine's GPU, measured
         device = this_cuda_profile(bool(p.get("remeasure", False)))
-        named = profile_for_device_name(device.title)  # its links as its sourced profile states them
-        links = load_device(named).links if named else {}
-        intra = load_link(links["intra_node"]) if "intra_node" in links else None
-        host = this_cuda_host_link()
-        return Machine(device, intra or inter, inter, int(p.get("gpus_per_node", 8)), host, device.host_memory)
+        per_node = int(p.get("gpus_per_node", 8))
+        # its GPUs' link as its sourced profile states it (none measured): a ValueError, said as
+        # the row's speed note, where several GPUs share a node and no profile names this GPU
+        intra = sourced_link(device.title, min(world_size, per_node))
+        return Machine(device, intra or inter, inter, per_node, this_cuda_host_link(), device.host_memory)
     if name == "this":
         device, local = this_profile(threads_per_rank(world_size), bool(p.get("remeasure", False)))
         return Machine(device, local, None, max(world_size, 1), shared_cores=True)  # offload plans a GPU only

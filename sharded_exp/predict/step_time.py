@@ -520,7 +520,7 @@ def run_step_time(
         extra: dict[str, Any] = {}
         if device_type == "cuda":
             device = this.this_cuda_profile()
-            link = _sourced_link(device.title, world_size)
+            link = sourced_link(device.title, world_size)
             host = this.this_cuda_host_link()
             machine = Machine(device, link, None, max(world_size, 1), host, device.host_memory)
         else:
@@ -546,7 +546,7 @@ def run_step_time(
         }
 
 
-def _sourced_link(title: str, world_size: int) -> LinkProfile | None:
+def sourced_link(title: str, world_size: int) -> LinkProfile | None:
     """The intra-node link of the sourced profile whose device ``title`` names (None for one
     GPU, which has none)."""
     if world_size <= 1:

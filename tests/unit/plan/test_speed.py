@@ -77,3 +77,14 @@ def test_this_gpu_is_measured_and_linked_as_its_sourced_profile_states(monkeypat
     assert m.device is measured and m.intra.name == "nvlink4" and m.inter.bandwidth_Bps == 25e9
     assert m.gpus_per_node == 8 and not m.shared_cores
     assert "this machine's GPU measured" in speed.describe(cfg)
+
+
+def test_this_gpu_that_no_profile_names_has_no_link_to_price_its_nodes_collectives(monkeypatch):
+    from dataclasses import replace
+
+    unknown = replace(speed.load_device("h100_sxm"), name="this", title="this machine (NVIDIA RTX 6000 Ada Generation)")
+    monkeypatch.setattr(speed, "this_cuda_profile", lambda remeasure=False: unknown)
+    monkeypatch.setattr(speed, "this_cuda_host_link", lambda remeasure=False: None)
+    with pytest.raises(ValueError, match="no sourced link profile for this machine"):
+        speed.machine(plan(device_profile="this"), 8)  # said as the row's speed note
+    assert speed.machine(plan(device_profile="this"), 1).device is unknown  # one GPU: no link to price
