@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 
 from sharded_exp.compose import NUMBER, NUMBER_NAMES, numbers_named
 from sharded_exp.errors import ConfigError
+from sharded_exp.spelling import UNKNOWN_KEY
 from sharded_exp.vocabulary.wandb_names import OBJECTIVES
 
 HOSTS = {
@@ -148,6 +149,48 @@ def check_sweeper(sweeper, objective: str | None) -> None:
             )
 
 
+def sweep_points(config) -> list[list[str]] | None:
+    """Every point's overrides of a basic sweeper's multirun (Hydra's own expansion), or None
+    for a sweeper that draws its points as it goes (Optuna's)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper  # lazy: only under -m
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    task = OmegaConf.select(config, "hydra.overrides.task", default=None)
+    if task is None or "BasicSweeper" not in str(config.hydra.sweeper.get("_target_", "")):
+        return None
+    parsed = OverridesParser.create().parse_overrides(list(task))
+    return [list(point) for batch in BasicSweeper.split_arguments(parsed, None) for point in batch]
+
+
+def check_points_compose(config) -> None:
+    """Each point of a basic sweeper's multirun composed (as Hydra validates its batch), before
+    the sweep directory is touched: Hydra's own check comes after it has written the sweep's
+    ``multirun.yaml`` (and the callback its ``.sweep_id``), so a sweep refused there would leave
+    an earlier sweep's directory with another sweep's record (ConfigError naming the point)."""
+    from hydra.core.global_hydra import GlobalHydra  # lazy: only under -m
+
+    points = sweep_points(config)
+    if not points:
+        return
+    loader = GlobalHydra.instance().config_loader()
+    for point in points:
+        try:
+            loader.load_sweep_config(master_config=config, sweep_overrides=point)
+        except Exception as exc:  # noqa: BLE001 -- whatever Hydra would refuse, said with the point
+            found = UNKNOWN_KEY.search(str(exc))
+            group = found.group(1).split(".", 1)[0] if found else None
+            choice = next((o for o in point if group and o.lstrip("+~").split("=", 1)[0] == group), None)
+            why = (
+                f"{found.group(1)} is not a setting of {choice or group or 'this config'}"
+                if found
+                else str(exc).strip().splitlines()[-1]
+            )
+            raise ConfigError(
+                f"the sweep's point {' '.join(point)} does not compose: {why}; nothing was run or written "
+                "(sweep the options that have it in a sweep of their own)"
+            ) from None
+
+
 def check_multirun(config) -> None:
     """Before the first point of a multirun: a launcher that can host the ranks, a valid
     objective (required by a sweeper that optimizes), sweeper settings every point can run
@@ -165,6 +208,7 @@ def check_multirun(config) -> None:
             )
         check_objective(config.get("objective"))
         check_sweeper(config.hydra.sweeper, config.get("objective"))
+        check_points_compose(config)
         if config.get("report") is not None:  # the report's settings: its own checks, before the first point
             OmegaConf.to_object(config.report)
         optimizing = "optuna" in str(config.hydra.sweeper.get("_target_", ""))

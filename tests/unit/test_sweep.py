@@ -188,3 +188,30 @@ def test_a_held_sweep_directory_is_refused_and_released_on_the_sweeps_end(tmp_pa
     sweep.release_sweep_dir(lock)  # twice: nothing to do
     sweep.release_sweep_dir(None)
     sweep.release_sweep_dir(sweep.hold_sweep_dir(tmp_path))  # free again
+
+
+def test_a_sweep_point_that_does_not_compose_is_refused_before_the_sweep_directory_is_touched(capsys):
+    """Hydra composes its batch only after it has written multirun.yaml (and the report's callback
+    the .sweep_id): a key that one swept strategy has and another lacks is refused first, naming
+    the point; a sweep whose points all compose passes."""
+    from hydra import compose, initialize_config_dir
+
+    from sharded_exp.compose import CONF_DIR, register_schemas
+
+    register_schemas(query=True)
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("config", overrides=["strategy=ddp", "strategy.bucket_cap_mb=5"], return_hydra_config=True)
+        cfg.hydra.sweeper = {"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"}
+        cfg.hydra.overrides.task = ["strategy=ddp,fsdp", "strategy.bucket_cap_mb=5", "trainer.steps=4,6"]
+        with pytest.raises(SystemExit) as exit_:
+            sweep.check_multirun(cfg)
+        assert exit_.value.code == 2
+        assert capsys.readouterr().err == (
+            "error: the sweep's point strategy=fsdp strategy.bucket_cap_mb=5 trainer.steps=4 does not compose: "
+            "strategy.bucket_cap_mb is not a setting of strategy=fsdp; nothing was run or written (sweep the "
+            "options that have it in a sweep of their own)\n"
+        )
+        cfg.hydra.overrides.task = ["strategy=ddp,zero1", "strategy.bucket_cap_mb=5", "trainer.steps=4,6"]
+        assert len(sweep.sweep_points(cfg)) == 4
+        sweep.check_multirun(cfg)
+        assert capsys.readouterr().err == ""
