@@ -160,8 +160,8 @@ def _order(strategy: str) -> tuple[int, str]:
 
 def build_rows(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per point, compared with its baseline (:func:`_choose_baseline`) among the
-    points whose settings differ only in the strategy (same model, precision, world size
-    and every other swept override); ``baseline`` says which point that is, or why none."""
+    points whose settings differ only in the strategy (same model and size, precision, world
+    size and every other swept override); ``baseline`` says which point that is, or why none."""
     swept = swept_keys(points)
     rows = []
     for point in points:
@@ -170,7 +170,10 @@ def build_rows(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for k in swept:
             row[k] = found.get(k)
         row["_dir"] = point_name(point)
-        row["_group"] = (row["model"], row["precision"], *(str(row[k]) for k in swept if k not in REPEATS))
+        # the model is its name and its size: two models of one class (a probe names its class)
+        # are different settings, not repeats
+        row["_group"] = (row["model"], str(row["params"]), row["precision"],
+                         *(str(row[k]) for k in swept if k not in REPEATS))  # fmt: skip
         rows.append(row)
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for row in rows:
@@ -236,8 +239,11 @@ def columns(rows: list[dict[str, Any]]) -> list[str]:
 
 def series_keys(rows: list[dict[str, Any]], swept: list[str]) -> list[str]:
     """What tells two lines of a chart apart besides the strategy: the swept overrides
-    (levers among them) and the model and precision when they vary."""
+    (levers among them) and the model and precision when they vary (the model's size where
+    one model name has two)."""
     varying = [k for k in ("model", "precision") if len({r[k] for r in rows}) > 1]
+    if len({(r["model"], r.get("params")) for r in rows}) > len({r["model"] for r in rows}):  # one name, two sizes
+        varying.insert(0, "params")
     return varying + list(swept)
 
 
@@ -246,5 +252,8 @@ def series_label(row: dict[str, Any], keys: list[str]) -> str:
     parts = [row["strategy"]]
     for k in keys:
         short = k.split(".")[-1]  # activation_checkpointing=full, not trainer.activation_checkpointing=full
+        if k == "params":
+            parts.append(f"{row['model']} of {row[k]:,} parameters" if row[k] is not None else row["model"])
+            continue
         parts.append(f"precision {row[k]}" if k == "precision" else row[k] if k == "model" else f"{short}={row[k]}")
     return ", ".join(str(p) for p in parts)

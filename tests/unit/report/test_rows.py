@@ -194,6 +194,20 @@ def test_points_are_compared_only_at_the_same_precision_and_model():
     assert rows["point 5"]["baseline"] == "none: no ddp point with the same settings"
 
 
+def test_two_models_of_one_name_and_two_sizes_are_two_settings_not_repeats():
+    """Probed scripts name their model's class: a small and a large Classifier under DDP are
+    not one setting measured twice, and neither is the other's baseline; a series names each
+    by its size."""
+    rows = rows_by(build_rows([point("ddp", n=1, peak=1.4, model="Classifier", params=13_130),
+                               point("ddp", n=2, peak=26.9, model="Classifier", params=1_089_034),
+                               point("fsdp", n=3, peak=20.0, model="Classifier", params=1_089_034)]), "_dir")  # fmt: skip
+    assert rows["point 1"]["baseline"] == "itself" and rows["point 2"]["baseline"] == "itself"
+    assert rows["point 1"]["peak_saving_pct"] == 0.0 and rows["point 3"]["peak_saving_pct"] == pytest.approx(25.7, abs=0.1)
+    assert rows["point 3"]["baseline"] == "ddp (point 2)"
+    keys = series_keys(list(rows.values()), [])
+    assert keys == ["params"] and series_label(rows["point 1"], keys) == "ddp, Classifier of 13,130 parameters"
+
+
 def test_points_are_compared_only_at_the_same_swept_override():
     ov = lambda s, b: [f"strategy={s}", f"trainer.batch_size={b}"]  # noqa: E731
     rows = rows_by(build_rows([
