@@ -102,6 +102,22 @@ def compute_dtype(name):
     return Precision.parse(name).autocast_dtype
 
 
+PARAM_PRECISIONS = {"bfloat16": "bf16", "float16": "16"}
+"""A strategy's own parameter dtype (FSDP's ``strategy.param_dtype``) as the precision it computes at."""
+
+
+def step_precision(cfg) -> str:
+    """The precision a job's matmuls run at (the whole config, composed or typed): autocast's
+    where its precision has one; else the dtype a strategy's own mixed-precision policy gathers
+    the parameters in (FSDP's ``strategy.param_dtype``: FSDP2 casts the forward's inputs to it
+    too), so ``precision=32 strategy.param_dtype=bfloat16`` computes in bf16; else fp32 ("32")."""
+    name = str(Precision.of(cfg))
+    if compute_dtype(name) is not None:
+        return name
+    param = getattr(cfg.strategy, "param_dtype", None)
+    return PARAM_PRECISIONS.get(str(param), name)
+
+
 def compute_bytes(name) -> int:
     """Bytes per value of activations and gathered parameters at this precision."""
     dtype = compute_dtype(name)

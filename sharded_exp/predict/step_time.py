@@ -52,8 +52,8 @@ MATH_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def math_dtype(cfg) -> str:
-    """The profile dtype ``cfg``'s precision computes in."""
-    return MATH_DTYPES.get(precision.compute_dtype(str(precision.Precision.of(cfg))), "fp32")
+    """The profile dtype ``cfg``'s matmuls run in (:func:`~sharded_exp.precision.step_precision`)."""
+    return MATH_DTYPES.get(precision.compute_dtype(precision.step_precision(cfg)), "fp32")
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from sharded_exp.measure.snapshot import MemoryHistory
 from sharded_exp.measure.tracker import MemoryMeter, model_state_mib, process_peak_rss_mib
 from sharded_exp.output.loggers import start_logger, summary_values
 from sharded_exp.output.results import memory_section, training_result
-from sharded_exp.precision import Precision
+from sharded_exp.precision import Precision, step_precision
 from sharded_exp.speed.against_measured import step_time_figures
 from sharded_exp.strategies.base import Strategy
 from sharded_exp.train import components, faults, kept_works, liveness
@@ -364,7 +364,7 @@ class _Report:
             step_time = out.throughput["step_time_s_median"]
             speed = (self.spec.prediction.get("peak") or {}).get("speed") or {}
             planned = speed.get("peak_flops_per_s") if device.type == "cpu" else None  # one MFU denominator
-            out.throughput.update(utilisation(flops, step_time, device, Precision.of(self.cfg), planned))
+            out.throughput.update(utilisation(flops, step_time, device, step_precision(self.cfg), planned))
             out.throughput.update(step_time_figures(speed or None, step_time))
         limit_applies = MemoryMeter.LIMIT_APPLIES_TO[device.type] if self.cfg.trainer.memory_limit_mib else None
         return training_result(

@@ -20,6 +20,7 @@ from sharded_exp.precision import (
     compute_bytes,
     compute_dtype,
     grad_scaler,
+    step_precision,
 )
 
 
@@ -122,3 +123,19 @@ def test_sharded_gradients_get_the_sharded_scaler_only_when_scaling():
     for name in ("32", "bf16"):
         assert not isinstance(grad_scaler(cfg(name), "cpu", sharded_grads=True), ShardedGradScaler)
     assert not isinstance(grad_scaler(cfg("16"), "cpu", sharded_grads=False), ShardedGradScaler)
+
+
+def test_a_step_computes_at_autocasts_dtype_else_at_the_strategys_parameter_dtype():
+    """MFU is held against the peak of the dtype the matmuls run in: FSDP gathering bf16
+    parameters under precision=32 computes in bf16 (its policy casts the inputs too); autocast's
+    dtype rules where the precision has one; a strategy without param_dtype stays at fp32."""
+    job = lambda precision, **strategy: OmegaConf.create(  # noqa: E731
+        {"precision": {"name": precision}, "strategy": {"name": "fsdp", "param_dtype": None, **strategy}}
+    )
+    assert step_precision(job("32", param_dtype="bfloat16")) == "bf16"
+    assert step_precision(job("32", param_dtype="float16")) == "16"
+    assert step_precision(job("32", param_dtype="float32")) == "32"
+    assert step_precision(job("32")) == "32"
+    assert step_precision(job("bf16", param_dtype="float32")) == "bf16"  # autocast computes in bf16
+    assert step_precision(OmegaConf.create({"precision": {"name": "16"}, "strategy": {"name": "ddp"}})) == "16"
+    assert step_precision(OmegaConf.create({"precision": {"name": "32"}, "strategy": {"name": "ddp"}})) == "32"
