@@ -9,6 +9,7 @@ the peak's fake step finds where the ranks start while it runs:
 
 from __future__ import annotations
 
+import difflib
 import errno
 import importlib.util
 import os
@@ -94,3 +95,9 @@ class writing:  # noqa: N801 -- used as ``with writing(path):``
         if exc is not None and isinstance(exc, (OSError, RuntimeError)) and is_no_space(exc, self.file):
             raise no_space(self.file) from None
         return False
+
+
+def closest(name: str, candidates) -> str | None:
+    """The candidate ``name`` most likely meant (difflib, as Python's own "did you mean"), or None."""
+    found = difflib.get_close_matches(name, sorted(set(candidates)), n=1, cutoff=0.6)
+    return found[0] if found else None

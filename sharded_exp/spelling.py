@@ -15,7 +15,6 @@ left to Hydra, which says it as before.
 
 from __future__ import annotations
 
-import difflib
 import itertools
 import re
 import sys
@@ -29,19 +28,13 @@ from omegaconf import DictConfig, OmegaConf
 from sharded_exp.compose import CONF_DIR, quote_numeric_choices, register_schemas
 from sharded_exp.config import check_ranges
 from sharded_exp.config_file import check_attn_name, check_head_counts, is_target_model, read_config_file
-from sharded_exp.errors import ConfigError
+from sharded_exp.errors import ConfigError, closest
 from sharded_exp.launch.layout import external_layout
 
 UNKNOWN_KEY = re.compile(r"Could not override '([^']+)'")
 UNKNOWN_OPTION = re.compile(r"Could not find '([^']+)/([^'/]+)'")
 OWN_CONFIG = ("-cp", "-cn", "-cd", "--config-path", "--config-name", "--config-dir")
 """Flags that compose another config than ours: left to Hydra."""
-
-
-def closest(name: str, candidates) -> str | None:
-    """The candidate ``name`` most likely meant (difflib, as Python's own "did you mean"), or None."""
-    found = difflib.get_close_matches(name, sorted(set(candidates)), n=1, cutoff=0.6)
-    return found[0] if found else None
 
 
 def keys_of(cfg, prefix: str = "") -> list[str]:
@@ -95,7 +88,10 @@ def _unknown_key(key: str, config_name: str, overrides: list[str]) -> str:
         keys = []
     meant = closest(key, keys)
     hint = f"; did you mean {meant}?" if meant else ""
-    return f"{key} is not a setting of this config{hint} (--cfg job prints every setting; +{key}=... adds a new one)"
+    # only a model of your own (model._target_) or a custom dataset's factory reads a key added with +
+    added = f"; +{key}=... adds a new one, for a model of your own" if key.startswith("model.") else ""
+    added = f"; +{key}=... adds a new one" if key.startswith("data.kwargs.") else added
+    return f"{key} is not a setting of this config{hint} (--cfg job prints every setting{added})"
 
 
 def group_options(group: str) -> list[str]:

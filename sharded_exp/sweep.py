@@ -153,7 +153,7 @@ def sweep_points(config) -> list[list[str]] | None:
     """Every point's overrides of a basic sweeper's multirun (Hydra's own expansion), or None
     for a sweeper that draws its points as it goes (Optuna's)."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper  # lazy: only under -m
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.overrides_parser import OverridesParser  # lazy: as above
 
     task = OmegaConf.select(config, "hydra.overrides.task", default=None)
     if task is None or "BasicSweeper" not in str(config.hydra.sweeper.get("_target_", "")):

@@ -19,17 +19,26 @@ import copy
 import dataclasses
 
 import torch
-from omegaconf import OmegaConf, open_dict
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch.nn.parameter import UninitializedParameter
 
 from sharded_exp.checkpoint import plan_checkpoints
 from sharded_exp.compose import registries
-from sharded_exp.config import Config, JobGroups, ZeroGrad, check_packages, check_ranges
+from sharded_exp.config import (
+    Config,
+    JobGroups,
+    OptimizerConfig,
+    PrecisionConfig,
+    TrainerConfig,
+    ZeroGrad,
+    check_packages,
+    check_ranges,
+)
 from sharded_exp.config_file import check_head_counts, is_target_model
 from sharded_exp.data import TASKS
 from sharded_exp.data.loader import check_fits
-from sharded_exp.errors import ConfigError, WontFit
+from sharded_exp.errors import ConfigError, WontFit, closest
 from sharded_exp.job.spec import JobSpec, decided_config, this_process
 from sharded_exp.launch.layout import Layout
 from sharded_exp.measure.machine_memory import available_mib as available_host_mib
@@ -306,14 +315,7 @@ def check_values(cfg: JobGroups, world_size: int | None = None) -> None:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     strategy = STRATEGIES.builder(cfg.strategy.name)  # raises, naming the registered ones
-    # `+strategy.x=...` adds a key the schema lacks; nothing would read it: refused.
-    settings = [f.name for f in dataclasses.fields(STRATEGIES.config_class(cfg.strategy.name))]
-    unknown = [k for k in cfg.strategy.keys() if k not in settings]
-    _require(
-        not unknown,
-        f"{', '.join('strategy.' + k for k in unknown)} is not a setting of strategy={cfg.strategy.name}; "
-        f"its settings: {', '.join(s for s in settings if s != 'name')}",
-    )
+    check_unread_keys(cfg)
     check_packages(cfg.strategy, strategy.traits.requires)  # a plugin's, stated in its traits only, too
     if not is_target_model(cfg.model):
         MODELS.builder(cfg.model.name)
@@ -330,6 +332,42 @@ def check_values(cfg: JobGroups, world_size: int | None = None) -> None:
         cfg.optimizer.name in OPTIMIZERS, f"optimizer.name={cfg.optimizer.name!r} is not one of {', '.join(OPTIMIZERS)}"
     )
     check_ranges(cfg, world_size)  # each group's own ranges, declared bounds and a model's sizes (config.py)
+
+
+FIXED_GROUPS = {"precision": PrecisionConfig, "optimizer": OptimizerConfig, "trainer": TrainerConfig}
+"""The job's groups whose schema is one dataclass (the others' is their registered option's)."""
+
+
+def _schema(group: str, node):
+    """The dataclass a group's node is made of; None where it has none (a model of your own)."""
+    if group in FIXED_GROUPS:
+        return FIXED_GROUPS[group]
+    registry = dict(registries()).get(group)
+    if registry is None or (group == "model" and is_target_model(node)):
+        return None
+    return registry.config_class(node.name)
+
+
+def check_unread_keys(cfg: JobGroups) -> None:
+    """A key added on the command line that its group's schema lacks (``+trainer.stepz=3``)
+    would be read by nothing: refused, naming the setting meant and the group's settings. A
+    model of your own (``model._target_``) takes added keys as its builder's arguments, and a
+    custom dataset its factory's under ``data.kwargs``: those are read."""
+    for group in ("strategy", "model", "data", *FIXED_GROUPS):
+        node = cfg[group]
+        schema = _schema(group, node)
+        if schema is None:
+            continue
+        settings = [f.name for f in dataclasses.fields(schema)]
+        unknown = [k for k in node.keys() if k not in settings]
+        if unknown:
+            meant = closest(unknown[0], settings)
+            which = f"{group}={node.name}" if group in dict(registries()) else group
+            raise ConfigError(
+                f"{', '.join(f'{group}.{k}' for k in unknown)} is not a setting of {which}, and nothing would read it"
+                f"{f'; did you mean {group}.{meant}?' if meant else ''} (its settings: "
+                f"{', '.join(s for s in settings if s != 'name')})"
+            )
 
 
 def retyped(cfg: JobGroups) -> None:
@@ -352,10 +390,7 @@ def retyped(cfg: JobGroups) -> None:
         except OmegaConfBaseException as exc:  # not met after Hydra's own composition with the same types
             key = getattr(exc, "full_key", None)
             raise ConfigError(f"{group}.{key}: {str(exc).splitlines()[0]}" if key else str(exc)) from None
-        with open_dict(typed):  # a key added on the command line (+model.x=1) stays, as Hydra added it
-            for key in [k for k in values if k not in settings]:
-                typed[key] = values[key]
-        cfg[group] = typed
+        cfg[group] = typed  # a key added that the schema lacks was refused before (check_unread_keys)
 
 
 def decide_device(accelerator: str, local_ranks: int, precision_name: str, per_task: bool = False) -> str:

@@ -54,7 +54,10 @@ class PlainStrategy(Strategy):
 def batch(step: int, micro: int, rank: int, size: int = 8) -> dict[str, torch.Tensor]:
     """A deterministic batch of (step, micro, rank)."""
     g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
-    return {"inputs": torch.randn(size, FEATURES, generator=g), "targets": torch.randint(0, CLASSES, (size,), generator=g)}
+    return {
+        "inputs": torch.randn(size, FEATURES, generator=g),
+        "targets": torch.randint(0, CLASSES, (size,), generator=g),
+    }
 
 
 def tiny_task() -> Task:

@@ -501,7 +501,9 @@ def test_a_dcp_checkpoint_with_a_pickled_entry_is_refused_before_dcp_unpickles_i
     assert marker.is_dir()
     marker.rmdir()
 
-    with pytest.raises(checkpoint.CheckpointError, match=r"holds non-tensor entries \(extra\), which DCP would unpickle"):
+    with pytest.raises(
+        checkpoint.CheckpointError, match=r"holds non-tensor entries \(extra\), which DCP would unpickle"
+    ):
         checkpoint.read_meta(str(planted))
     assert export(["export", str(planted), str(tmp_path / "out")]) == 2
     assert "holds non-tensor entries (extra)" in capsys.readouterr().err

@@ -138,18 +138,18 @@ def test_sharded_ddp_at_precision_16(tmp_path):
     assert (result["status"], result["strategy"], result["precision"]) == ("ok", "sharded_ddp", "16")
 
 
-def test_enum_values_an_interpolation_between_them_and_an_added_key_reach_the_ranks(tmp_path):
+def test_enum_values_and_an_interpolation_between_them_reach_the_ranks(tmp_path):
     """The parent composes from the registries' schemas made again from their cache and sends the
-    check plain data (sharded_exp/schema_cache.py): enum values (FSDP's dtypes), one field
-    interpolating another of the same enum, and a key added on the command line run as composed."""
+    check plain data (sharded_exp/schema_cache.py): enum values (FSDP's dtypes) and one field
+    interpolating another of the same enum run as composed."""
     overrides = ["strategy=fsdp", "precision=bf16", "strategy.param_dtype=bfloat16",
-                 "strategy.reduce_dtype=${strategy.param_dtype}", "+model.note=mine", "logger=none"]  # fmt: skip
+                 "strategy.reduce_dtype=${strategy.param_dtype}", "logger=none"]  # fmt: skip
     proc = run_cli([*overrides, *TINY, f"hydra.run.dir={tmp_path}"], cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = read_result(tmp_path)
     assert result["status"] == "ok"
     config = (tmp_path / ".hydra" / "config.yaml").read_text()
-    assert "param_dtype: bfloat16" in config and "note: mine" in config
+    assert "param_dtype: bfloat16" in config and "reduce_dtype: ${strategy.param_dtype}" in config
 
 
 @pytest.mark.slow

@@ -164,6 +164,7 @@ def test_registry_rejects_duplicates_and_names_choices():
         (["trainer.accelerator=gpu"], "CUDA is not available"),
         (["strategy=nope"], "strategy=nope is not an option of strategy"),
         (["precision=8"], "precision=8 is not an option of precision"),
+        (["+trainer.stepz=3"], "trainer.stepz is not a setting of trainer, and nothing would read it"),
     ],
 )
 @pytest.mark.slow

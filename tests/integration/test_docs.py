@@ -161,7 +161,9 @@ def test_each_command_runs_as_written(tmp_path):
             assert proc.returncode == 0, f"{page.name}: {' '.join(argv)}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
             if "-m" in args:
                 sweep = cwd / next(a.split("=", 1)[1] for a in args if a.startswith("hydra.sweep.dir="))
-                assert (sweep / "report.md").exists() and len(list(sweep.glob("*/result.json"))) == len(sweep_points(args))
+                assert (sweep / "report.md").exists() and len(list(sweep.glob("*/result.json"))) == len(
+                    sweep_points(args)
+                )
             if what == "sharded_exp.report":
                 assert "report:" in proc.stdout and (cwd / args[0] / "report.md").exists()
             if what == "sharded_exp.plan":

@@ -30,7 +30,12 @@ FAMILIES = {
     "hf_bert": ["model=hf_bert", *HF],
     "hf_gpt2": ["model=hf_gpt2", *HF],
     "hf_llama": ["model=hf_llama", *HF],
-    "custom": ["model=custom", "model._target_=tests.helpers.user_models.build", "+model.hidden=24", "optimizer.lr=1e-2"],
+    "custom": [
+        "model=custom",
+        "model._target_=tests.helpers.user_models.build",
+        "+model.hidden=24",
+        "optimizer.lr=1e-2",
+    ],
 }
 """Each model family at a size that trains in a second or two (``tiny`` adds the rest)."""
 FROZEN = {

@@ -155,7 +155,9 @@ def test_the_memory_limit_says_what_it_bounds_and_caps_cuda_before_the_build(tmp
     mem = free["memory"]
     limit = (mem["model_states_mib_max"] + mem["peak_allocated_mib_max"]) / 2
     capsys.readouterr()
-    oom = launch_job([f"trainer.memory_limit_mib={limit}", "trainer.steps=2"], tmp_path / "oom")  # over it: said there too
+    oom = launch_job(
+        [f"trainer.memory_limit_mib={limit}", "trainer.steps=2"], tmp_path / "oom"
+    )  # over it: said there too
     assert oom["status"] == "oom" and oom["memory"]["memory_limit_applies_to"].startswith("live tensors")
     # What was live when the budget was first exceeded, on the rank that failed first.
     b = oom["memory"]["oom_breakdown"]

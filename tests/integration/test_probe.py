@@ -178,7 +178,9 @@ def _torchrun(*args: str, cwd: Path, run_dir: Path, timeout: float = 300) -> sub
         kill_tree(proc)
         proc.wait(timeout=30)
         written = (run_dir / "result.json").exists()
-        pytest.fail(f"torchrun still running after {timeout:.0f} s; result.json {'written' if written else 'not written'}")
+        pytest.fail(
+            f"torchrun still running after {timeout:.0f} s; result.json {'written' if written else 'not written'}"
+        )
     assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 

@@ -86,13 +86,21 @@ def test_a_config_that_reads_hydras_settings_is_checked_as_the_parent_reads_them
     # ${hydra:run.dir} is ${paths.output_dir}/runs/${now:...}: the pre-flight check, in a process of
     # its own, must see the directory the parent made, not resolve another time or fail to resolve
     proc = run_cli(
-        ["trainer.checkpoint_dir=${hydra:run.dir}/ckpt", "trainer.checkpoint_every=2", "trainer.steps=3",
-         "trainer.warmup_steps=1", "logger=none"],  # fmt: skip
+        [
+            "trainer.checkpoint_dir=${hydra:run.dir}/ckpt",
+            "trainer.checkpoint_every=2",
+            "trainer.steps=3",
+            "trainer.warmup_steps=1",
+            "logger=none",
+        ],  # fmt: skip
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run,) = (tmp_path / "outputs" / "runs").iterdir()
-    assert sorted(p.name for p in (run / "ckpt").iterdir() if p.name.startswith("step_")) == ["step_00000002", "step_00000003"]
+    assert sorted(p.name for p in (run / "ckpt").iterdir() if p.name.startswith("step_")) == [
+        "step_00000002",
+        "step_00000003",
+    ]
 
 
 @pytest.mark.slow  # the default tier's: test_a_composition_error_leaves_no_run_directory

@@ -355,7 +355,9 @@ def test_a_run_resumed_on_other_data_records_the_change(files, tmp_path):
     log = logging.FileHandler(tmp_path / LOG_NAME)
     logging.getLogger().addHandler(log)
     try:
-        resumed = launch_job([*common, f"data.path={other}", "trainer.steps=4", "trainer.resume=auto"], tmp_path / "again")
+        resumed = launch_job(
+            [*common, f"data.path={other}", "trainer.steps=4", "trainer.resume=auto"], tmp_path / "again"
+        )
     finally:
         logging.getLogger().removeHandler(log)
         log.close()

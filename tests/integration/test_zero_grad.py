@@ -63,9 +63,7 @@ def test_the_fake_step_holds_zeroed_gradients_through_the_forward():
 
     peaks = {}
     for rule in ZeroGrad:
-        cfg = compose(
-            ["model=hf_bert", "model.seq_len=32", "trainer.batch_size=8", f"trainer.zero_grad={rule.value}"]
-        )
+        cfg = compose(["model=hf_bert", "model.seq_len=32", "trainer.batch_size=8", f"trainer.zero_grad={rule.value}"])
         shapes = model_shapes(cfg.model, cfg.optimizer)
         prediction = predict(cfg.strategy, cfg.optimizer, "32", shapes, 2)
         peaks[rule] = predict_peak(cfg, 2, "cpu", prediction, shapes, flops=False)

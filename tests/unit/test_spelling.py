@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from sharded_exp import spelling
-from sharded_exp.spelling import closest, misspelled, refuse_misspelled
+from sharded_exp.errors import closest
+from sharded_exp.spelling import misspelled, refuse_misspelled
 
 
 @pytest.mark.parametrize(
@@ -52,7 +53,9 @@ def test_a_typo_is_named_with_the_closest_valid_name(argv, said):
         ["-m", "model=gpt", "model.n_heads=2,4,8"],  # every point divides 128
         ["model=hf_bert", "data=token_classification", "data.min_len=0"],  # 0: sequences from one token
         ["model=hf_gpt2", "data=text_file"],  # data.path still missing: the others checked, it left to pre-flight
-        ["+trainer.new_key=1"],  # adding a key on purpose is Hydra's to judge
+        [
+            "+trainer.new_key=1"
+        ],  # a key added on purpose: pre-flight, which reads the schemas, refuses what nothing reads
         ["hydra/launcher=submitit_local", "hydra.run.dir=x"],  # Hydra's own groups are not ours to check
         ["-cn", "plan"],  # another config: left to Hydra
     ],

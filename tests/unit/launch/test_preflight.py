@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from sharded_exp.compose import compose
 from sharded_exp.errors import ConfigError, WontFit
@@ -95,23 +95,42 @@ def _composed_from_the_cache(overrides: list[str]):
 
 def test_groups_composed_from_the_cached_schemas_reach_the_check_plain_and_leave_it_typed(tmp_path):
     """The check makes each registry group of its real schema again, so that the schema's own
-    range checks run and the ranks get the registry's dataclass; enum values, an interpolation
-    between two enum fields and a key added on the command line come through as composed."""
+    range checks run and the ranks get the registry's dataclass; enum values and an
+    interpolation between two enum fields come through as composed, and a key added on the
+    command line that nothing reads is refused, plain or made again."""
     from sharded_exp.models.mlp import MLPConfig
     from sharded_exp.strategies.fsdp import DType, FSDPConfig
 
     made, plain = _composed_from_the_cache(["strategy=fsdp", "precision=bf16", "strategy.param_dtype=bfloat16",
-                                            "strategy.reduce_dtype=${strategy.param_dtype}", "+model.note=mine",
-                                            *SMALL])  # fmt: skip
+                                            "strategy.reduce_dtype=${strategy.param_dtype}", *SMALL])  # fmt: skip
     assert OmegaConf.get_type(plain.strategy) is dict and OmegaConf.get_type(plain.model) is dict
     # sent to the rank server (plain), or checked where it was composed (torchrun, srun: made again)
     for cfg in (plain, made):
         spec = check(cfg, str(tmp_path), peak=False)
         assert isinstance(spec.typed.strategy, FSDPConfig) and isinstance(spec.typed.model, MLPConfig)
         assert spec.typed.strategy.param_dtype is DType.bfloat16 and spec.typed.strategy.reduce_dtype is DType.bfloat16
-        assert spec.config["model"]["note"] == "mine"
+    added, plain_added = _composed_from_the_cache(["+model.note=mine", *SMALL])
+    for cfg in (plain_added, added):
+        refused(cfg, "model.note is not a setting of model=mlp, and nothing would read it (its settings: in_features")
     plain.model.depth = "many"  # plain data takes anything: the real schema does not
     refused(plain, "model.depth: Value 'many' of type 'str' could not be converted to Integer")
+
+
+def test_a_key_added_that_nothing_reads_is_refused_in_every_group_but_a_model_of_your_own(cfg):
+    """``+trainer.stepz=3`` ran to the end with the steps unchanged: a typo with a plus. Each
+    group's schema names what is read; a model built by ``_target_`` takes added keys as its
+    builder's arguments."""
+    for group, key, meant in (("trainer", "stepz", "steps"), ("optimizer", "momentun", "momentum"),
+                              ("precision", "init_scal", "init_scale"), ("strategy", "bucket_cap", None),
+                              ("data", "seq", None)):  # fmt: skip
+        bad = copy.deepcopy(cfg)
+        with open_dict(bad[group]):
+            bad[group][key] = 3
+        refused(bad, f"{group}.{key} is not a setting of ")
+        if meant:
+            refused(bad, f"and nothing would read it; did you mean {group}.{meant}?")
+    mine = compose(["model=custom", "model._target_=tests.helpers.user_models.build", "+model.hidden=24", *SMALL[:1]])
+    check_values(mine)  # its builder's argument
 
 
 def test_unknown_names_are_refused_naming_the_choices(cfg):

@@ -202,7 +202,9 @@ def test_two_models_of_one_name_and_two_sizes_are_two_settings_not_repeats():
                                point("ddp", n=2, peak=26.9, model="Classifier", params=1_089_034),
                                point("fsdp", n=3, peak=20.0, model="Classifier", params=1_089_034)]), "_dir")  # fmt: skip
     assert rows["point 1"]["baseline"] == "itself" and rows["point 2"]["baseline"] == "itself"
-    assert rows["point 1"]["peak_saving_pct"] == 0.0 and rows["point 3"]["peak_saving_pct"] == pytest.approx(25.7, abs=0.1)
+    assert rows["point 1"]["peak_saving_pct"] == 0.0 and rows["point 3"]["peak_saving_pct"] == pytest.approx(
+        25.7, abs=0.1
+    )
     assert rows["point 3"]["baseline"] == "ddp (point 2)"
     keys = series_keys(list(rows.values()), [])
     assert keys == ["params"] and series_label(rows["point 1"], keys) == "ddp, Classifier of 13,130 parameters"
