@@ -66,7 +66,7 @@ class ReportCallback(Callback):
             ReportCallback.failed_points += 1
             return
         if not rows:
-            print(f"report: no result.json under {sweep_dir}; no report written", file=sys.stderr)
+            print(f"report: no result.json of this sweep under {sweep_dir}; no report written", file=sys.stderr)
             return
         failed = sum(row["status"] not in ("ok", "oom", "stopped") for row in rows)
         ReportCallback.failed_points += failed
@@ -113,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"error: report not written in {args.sweep_dir}: {exc.strerror or exc}", file=sys.stderr)
         return 1
-    if not rows:
-        print(f"error: no result.json under {args.sweep_dir}", file=sys.stderr)
+    if not rows:  # none at all, or only an earlier sweep's (said above by write_report)
+        print(f"error: no result.json of the sweep that last ran under {args.sweep_dir}", file=sys.stderr)
         return 1
     print(f"{headline(rows)}\n\n{compact(rows)}\n\nreport: {args.sweep_dir / 'report.md'} (every column, the charts)")
     if args.wandb_workspace:

@@ -19,7 +19,7 @@ from sharded_exp.output.loggers import finish_run, init_wandb_run
 from sharded_exp.report.figures import CHARTS, write_charts
 from sharded_exp.report.planned import add_planned
 from sharded_exp.report.rows import COLUMNS, build_rows, columns, point_row
-from sharded_exp.report.sweep_points import load_points, point_name
+from sharded_exp.report.sweep_points import SWEEP_ID, load_points, point_name
 from sharded_exp.report.text import report_markdown
 from sharded_exp.report.workspace import sweep_logger
 from sharded_exp.vocabulary.wandb_names import REPORT_JOB_TYPE, report_key, report_run_id, report_run_name
@@ -32,15 +32,16 @@ def write_report(sweep_dir: Path) -> list[dict[str, Any]]:
     sweep_dir = Path(sweep_dir)
     stale: list[dict[str, Any]] = []
     points = load_points(sweep_dir, stale)
-    if not points:
-        return []
-    rows = build_rows(points)
-    add_planned(rows, points)  # report.device_profile: the headline's planned GPU ratios (none: nothing)
     note = ""
     if stale:
         names = ", ".join(sorted(point_name(p) for p in stale))
         note = f"\n\n{len(stale)} point(s) left here by an earlier sweep are not in this report: {names}."
-        print(f"report: {len(stale)} stale point(s) of an earlier sweep left out ({names})", file=sys.stderr)
+        print(f"report: {len(stale)} stale point(s) of an earlier sweep left out ({names}); this sweep's id is in "
+              f"{sweep_dir / SWEEP_ID}", file=sys.stderr)  # fmt: skip
+    if not points:
+        return []
+    rows = build_rows(points)
+    add_planned(rows, points)  # report.device_profile: the headline's planned GPU ratios (none: nothing)
     staging = Path(tempfile.mkdtemp(prefix=".report-", dir=sweep_dir))
     try:
         drawn = {p.name for p in write_charts(rows, staging)}

@@ -152,7 +152,8 @@ def write_or_save(sweep_dir: Path, points: list[dict[str, Any]], entity: str | N
             indent=2,
         )
     )
-    sync = f"wandb sync {Path(sweep_dir)}/*/wandb/offline-run-*"
+    # the points' runs, and the sweep's own report run (its tables and charts) beside them
+    sync = f"wandb sync {Path(sweep_dir)}/*/wandb/offline-run-* {Path(sweep_dir)}/wandb/offline-run-*"
     save = f"python -m sharded_exp.report {sweep_dir} --wandb-workspace --online" + (
         "" if entity else " --entity YOUR_ENTITY"
     )

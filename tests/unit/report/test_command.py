@@ -48,8 +48,20 @@ def test_a_missing_directory_is_a_usage_error(tmp_path, capsys):
 
 def test_a_directory_without_results_is_an_error(tmp_path, capsys):
     assert command.main([str(tmp_path)]) == 1
-    assert capsys.readouterr().err == f"error: no result.json under {tmp_path}\n"
+    assert capsys.readouterr().err == f"error: no result.json of the sweep that last ran under {tmp_path}\n"
     assert not (tmp_path / "report.md").exists()
+
+
+def test_a_directory_holding_only_an_earlier_sweeps_points_says_so(tmp_path, capsys):
+    """A refused or aborted sweep wrote a new sweep id and ran nothing: the points there are
+    an earlier sweep's, named as left out, not "no result.json"."""
+    write_point(tmp_path, "0_strategy=ddp", point("ddp", n=0) | {"sweep_id": "old"})
+    (tmp_path / SWEEP_ID).write_text("new\n")
+    assert command.main([str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("report: 1 stale point(s) of an earlier sweep left out (")
+    assert f"this sweep's id is in {tmp_path / SWEEP_ID}" in err
+    assert err.endswith(f"error: no result.json of the sweep that last ran under {tmp_path}\n")
 
 
 def test_the_command_prints_the_headline_and_the_compact_table(tmp_path, capsys, no_charts):
@@ -102,7 +114,7 @@ def test_a_sweep_without_results_or_whose_report_fails(callback, monkeypatch, tm
     monkeypatch.setattr(publish, "write_report", lambda d: [])
     callback._report(tmp_path)
     assert command.ReportCallback.failed_points == 0
-    assert capsys.readouterr().err == f"report: no result.json under {tmp_path}; no report written\n"
+    assert capsys.readouterr().err == f"report: no result.json of this sweep under {tmp_path}; no report written\n"
 
     def denied(_):
         raise PermissionError(13, "Permission denied")

@@ -44,6 +44,8 @@ def test_offline_the_specification_is_written_with_the_commands_that_save_it(tmp
     assert spec["panel_keys"] == ws.panel_keys(4, ["ddp", "fsdp"]) and spec["spec"] == {"sections": []}
     assert told.startswith(f"workspace specification: {tmp_path / ws.SPEC_FILE}\n")
     assert told.endswith("--wandb-workspace --online --entity YOUR_ENTITY")
+    # every point's run and the sweep's own report run (its tables and charts) are synced
+    assert f"wandb sync {tmp_path}/*/wandb/offline-run-* {tmp_path}/wandb/offline-run-* && " in told
     # the logger's own group, project and entity win
     points[0]["config"]["logger"].update(group="G", project="P", entity="E")
     told = ws.write_or_save(tmp_path, points, None, online=False)
