@@ -264,5 +264,7 @@ def record_rank_failure(output_dir: str, rank: int, exc: BaseException, message:
             "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
             # Out of memory: what this rank held then (set by the trainer on the exception).
             "memory_at_oom": getattr(exc, "memory_at_oom", None),
+            # the training step it failed in (-1: before the first, in the build or a resume)
+            "step": liveness.current_step,
         },
     )
