@@ -152,7 +152,15 @@ def grad_scaler(cfg, device_type: str, sharded_grads: bool):
         "enabled": cfg.name == "16",
     }
     if sharded_grads and kwargs["enabled"]:
+        import warnings  # lazy: only for the sharded scaler
+
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # lazy: torch (as above)
 
+        # torch's ShardedGradScaler unscales DTensor gradients by its scale of shape (1,), and
+        # DTensor warns of that implicit replication at every step: torch's own use, nothing
+        # a run could change, printed twice into a job's output otherwise
+        warnings.filterwarnings(
+            "ignore", message="Found a non-scalar tensor with numel=1 and ndim!=0", category=UserWarning
+        )
         return ShardedGradScaler(device=device_type, **kwargs)
     return torch.amp.GradScaler(device_type, **kwargs)

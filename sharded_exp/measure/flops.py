@@ -132,7 +132,10 @@ def device_peak(device: torch.device, precision_name: str, predicted: float | No
         return None, f"no trustworthy CPU peak at precision {precision_name}"
     threads = torch.get_num_threads()
     if predicted:  # the planner's peak, where the run's prediction had one
-        return predicted, f"measured: matmul on this CPU, {threads} thread(s) per rank, the this profile's best size"
+        return (
+            predicted,
+            f"measured: matmul on this CPU, {threads} thread(s) per rank, the best size of the `this` profile (the run's own step-time prediction's peak)",
+        )
     return cpu_peak(precision_name), f"measured: matmul on this CPU, {threads} thread(s) per rank"
 
 

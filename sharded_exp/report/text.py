@@ -61,8 +61,6 @@ def _compact_cell(col: str, value: Any) -> str:
         return "-"
     if col == "peak_saving_pct":
         return f"{value:.1f}"
-    if col == "speed_vs_baseline":
-        return f"{value:.2f}x"  # its interval: the full table and the headline
     if isinstance(value, float):
         return num(value)
     return _fmt(value)
@@ -73,7 +71,15 @@ def compact(rows: list[dict[str, Any]]) -> str:
     strategy, the model only when it varies."""
     swept = swept_of(rows)
     cols = list(COMPACT)[:3] + (["model"] if len({r["model"] for r in rows}) > 1 else []) + swept + list(COMPACT)[3:]
-    return _table(rows, cols, [COMPACT.get(c, c) for c in cols], _compact_cell)
+    shown = [{**r, "speed_vs_baseline": _speed_cell(r)} for r in rows]
+    return _table(shown, cols, [COMPACT.get(c, c) for c in cols], _compact_cell)
+
+
+def _speed_cell(row: dict[str, Any]) -> str | None:
+    """``0.52x``, or ``1.03x (noise)`` where its interval holds 1 (the interval itself: the full
+    table and the headline)."""
+    ratio = row["speed_vs_baseline"]
+    return None if ratio is None else f"{ratio:.2f}x" + (" (noise)" if row.get("speed_within_noise") else "")
 
 
 def speed_text(row: dict[str, Any]) -> str:
@@ -299,7 +305,9 @@ def headline(rows: list[dict[str, Any]]) -> str:
         where = (
             f"{worst['strategy']} at {ranks(worst['world_size'])}, {err:+.1%}: {'too high' if err > 0 else 'too low'}"
         )
-        if not off:
+        if not off and abs(err) < 0.0005:  # -0.0% "too low" says nothing
+            sentences.append("Every rank's predicted peak matches its measured one (within 0.05%).")
+        elif not off:
             sentences.append(
                 f"Every rank's predicted peak is within {abs(err):.1%} of its measured one (largest: {where})."
             )

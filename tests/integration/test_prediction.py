@@ -69,7 +69,9 @@ def test_flops_and_utilisation_are_reported(tmp_path):
     assert tp["mfu_pct"] == pytest.approx(100 * tp["achieved_flops_per_s"] / tp["peak_flops_per_s"])
     # one denominator: the peak the run's own step-time prediction (and the planner) divided by
     assert tp["peak_flops_per_s"] == tp["step_time_prediction"]["peak_flops_per_s"]
-    assert tp["peak_flops_source"].endswith("the this profile's best size")
+    assert tp["peak_flops_source"].endswith(
+        "the best size of the `this` profile (the run's own step-time prediction's peak)"
+    )
 
 
 def test_a_model_that_cannot_run_fake_says_why(tmp_path, monkeypatch):

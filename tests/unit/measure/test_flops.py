@@ -119,7 +119,7 @@ def test_a_cpu_runs_mfu_divides_by_the_peak_its_prediction_divided_by(monkeypatc
     MFU peak); the run's mfu_pct uses that figure, not a matmul of its own (they were 12% apart)."""
     monkeypatch.setattr(flops, "cpu_peak", lambda precision: pytest.fail("measured although the prediction had one"))
     peak, source = device_peak(torch.device("cpu"), 32, predicted=2e11)
-    assert peak == 2e11 and "the this profile's best size" in source
+    assert peak == 2e11 and "the best size of the `this` profile" in source
     assert utilisation(1e9, 0.01, torch.device("cpu"), "32", predicted_peak=2e11)["mfu_pct"] == pytest.approx(50)
     assert device_peak(torch.device("cpu"), "bf16", predicted=2e11)[0] is None  # fp32 only, as before
 

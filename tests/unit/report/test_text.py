@@ -64,6 +64,8 @@ def test_the_compact_table_shows_the_model_only_when_it_varies():
                       "predicted_peak_mib_max | peak_saving_pct | samples_per_s | speed_vs_baseline | status | baseline |")  # fmt: skip
     fsdp_line = compact(pair()).splitlines()[3]
     assert fsdp_line == "| fsdp | 2 | 32 | 1.00 | 0.75 | - | 75.0 | 5.00 | 0.50x | ok | ddp |"
+    noisy = compact(pair(fsdp={"sps": 9.0, "ci": (7.0, 11.0)})).splitlines()[3]  # 0.58-1.38 holds 1
+    assert "| 0.90x (noise) | ok |" in noisy
     rows = build_rows([point("ddp", peak=1.0), point("ddp", n=1, peak=1.0, model="gpt")])
     assert compact(rows).splitlines()[0].startswith("| strategy | world_size | precision | model | peak_allocated")
 
@@ -179,6 +181,8 @@ def test_the_headline_says_how_close_the_predictions_came():
     assert headline(close).endswith(
         " Every rank's predicted peak is within 3.0% of its measured one (largest: fsdp at 2 ranks, -3.0%: too low)."
     )
+    exact = pair(ddp={"rel_error": 0.0}, fsdp={"rel_error": -0.0003})  # not "-0.0%: too low"
+    assert headline(exact).endswith(" Every rank's predicted peak matches its measured one (within 0.05%).")
     far = pair(ddp={"rel_error": 0.02}, fsdp={"rel_error": 0.08})
     assert headline(far).endswith(
         " At 1 of 2 points that ran, a rank's predicted peak is more than 5% off its measured one "
