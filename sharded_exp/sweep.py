@@ -170,7 +170,7 @@ def check_points_compose(config) -> None:
     from hydra.core.global_hydra import GlobalHydra  # lazy: only under -m
 
     points = sweep_points(config)
-    if not points:
+    if not points or not GlobalHydra.instance().is_initialized():  # outside a Hydra run: nothing to compose with
         return
     loader = GlobalHydra.instance().config_loader()
     for point in points:
