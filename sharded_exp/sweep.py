@@ -150,27 +150,41 @@ def check_sweeper(sweeper, objective: str | None) -> None:
 
 
 def sweep_points(config) -> list[list[str]] | None:
-    """Every point's overrides of a basic sweeper's multirun (Hydra's own expansion), or None
-    for a sweeper that draws its points as it goes (Optuna's)."""
+    """Every point's overrides of a basic sweeper's multirun, expanded as its sweeper does
+    (``BasicSweeper.sweep``: the sweeper's ``params``, a preset's among them, then the command
+    line's, parsed with Hydra's config loader, which ``glob(...)`` reads); None for a sweeper
+    that draws its points as it goes (Optuna's), outside a Hydra run, or where Hydra cannot
+    expand them (its own sweep then says why)."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper  # lazy: only under -m
+    from hydra.core.global_hydra import GlobalHydra  # lazy: as above
     from hydra.core.override_parser.overrides_parser import OverridesParser  # lazy: as above
+    from hydra.errors import HydraException  # lazy: as above
 
     task = OmegaConf.select(config, "hydra.overrides.task", default=None)
     if task is None or "BasicSweeper" not in str(config.hydra.sweeper.get("_target_", "")):
         return None
-    parsed = OverridesParser.create().parse_overrides(list(task))
-    return [list(point) for batch in BasicSweeper.split_arguments(parsed, None) for point in batch]
+    if not GlobalHydra.instance().is_initialized():
+        return None
+    params = config.hydra.sweeper.get("params") or {}
+    overrides = [f"{key}={value}" for key, value in params.items()] + list(task)
+    try:
+        parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+        parsed = parser.parse_overrides(overrides)
+        return [list(point) for batch in BasicSweeper.split_arguments(parsed, None) for point in batch]
+    except HydraException:
+        return None
 
 
 def check_points_compose(config) -> None:
     """Each point of a basic sweeper's multirun composed (as Hydra validates its batch), before
     the sweep directory is touched: Hydra's own check comes after it has written the sweep's
     ``multirun.yaml`` (and the callback its ``.sweep_id``), so a sweep refused there would leave
-    an earlier sweep's directory with another sweep's record (ConfigError naming the point)."""
+    an earlier sweep's directory with another sweep's record (ConfigError naming the point).
+    Hydra composes each point again for its own check: a sweep's start takes that much longer."""
     from hydra.core.global_hydra import GlobalHydra  # lazy: only under -m
 
     points = sweep_points(config)
-    if not points or not GlobalHydra.instance().is_initialized():  # outside a Hydra run: nothing to compose with
+    if not points:
         return
     loader = GlobalHydra.instance().config_loader()
     for point in points:
@@ -183,7 +197,7 @@ def check_points_compose(config) -> None:
             why = (
                 f"{found.group(1)} is not a setting of {choice or group or 'this config'}"
                 if found
-                else str(exc).strip().splitlines()[-1]
+                else (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
             )
             raise ConfigError(
                 f"the sweep's point {' '.join(point)} does not compose: {why}; nothing was run or written "

@@ -309,8 +309,9 @@ class Result(_Closed):
     checkpoint: str | None = None
     """The newest complete checkpoint the job left (the one to resume)."""
     final_loss: Number | None = None
-    """The last step's loss, averaged over ranks (``final_metrics.loss``, and W&B's ``loss``, are
-    the last logged interval's mean over its steps: they differ where an interval holds several)."""
+    """The last step's loss, averaged over ranks (``final_metrics.loss`` is the last logged
+    interval's mean over its steps, as W&B's ``loss`` series is, whose summary is its minimum:
+    they differ where an interval holds several steps)."""
     final_metrics: dict[str, float | int] | None = None
     """The last interval's record (the history's names)."""
     param_digest: Digest | None = None

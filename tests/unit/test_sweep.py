@@ -197,6 +197,7 @@ def test_a_sweep_point_that_does_not_compose_is_refused_before_the_sweep_directo
     from hydra import compose, initialize_config_dir
 
     from sharded_exp.compose import CONF_DIR, register_schemas
+    from sharded_exp.strategies import STRATEGIES
 
     register_schemas(query=True)
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
@@ -215,3 +216,13 @@ def test_a_sweep_point_that_does_not_compose_is_refused_before_the_sweep_directo
         assert len(sweep.sweep_points(cfg)) == 4
         sweep.check_multirun(cfg)
         assert capsys.readouterr().err == ""
+        # glob(...) needs Hydra's config loader to list the options (the README's first sweep)
+        cfg.hydra.overrides.task = ["strategy=glob(*)", "trainer.steps=4"]
+        assert sorted(p[0] for p in sweep.sweep_points(cfg)) == [f"strategy={s}" for s in STRATEGIES.names()]
+        sweep.check_multirun(cfg)
+        # a preset's sweep is the sweeper's params, expanded before the command line's
+        cfg.hydra.sweeper = {"_target_": cfg.hydra.sweeper._target_, "params": {"strategy": "ddp,fsdp"}}
+        cfg.hydra.overrides.task = ["strategy.bucket_cap_mb=5"]
+        with pytest.raises(SystemExit):
+            sweep.check_multirun(cfg)
+        assert "the sweep's point strategy=fsdp strategy.bucket_cap_mb=5 does not compose" in capsys.readouterr().err
