@@ -300,8 +300,8 @@ class Result(_Closed):
     start_step: int | None = None
     """The step training started at (0, or the resumed checkpoint's)."""
     steps_done: int | None = None
-    """Steps completed when the job ended (a job whose rank failed in a step: the steps before
-    that one; none where it failed before its first step)."""
+    """Steps completed when the job ended (a failed job: those its first failing rank had
+    completed; none where it failed before its first step)."""
     resumed_from: str | None = None
     """The checkpoint a resumed run started from."""
     resume_changes: list[dict[str, Any]] | None = None

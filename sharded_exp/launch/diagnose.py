@@ -63,9 +63,8 @@ def failed(result: Result, exc: BaseException, output_dir: str) -> Result:
     first = None if isinstance(exc, (RankDied, Stopped)) else first_rank_failure(output_dir)
     if first is not None:
         result = result.updated(status="failed", error=first["error"], traceback=first["traceback"])
-        step = first.get("step")  # the step it failed in: the steps before it were done
-        if not result.has("steps_done") and step is not None and step >= 0:
-            result = result.updated(steps_done=step)
+        if not result.has("steps_done") and first.get("steps_done") is not None:  # how far it got
+            result = result.updated(steps_done=first["steps_done"])
     else:
         result = result.updated(status="failed", error=describe_failure(exc))
     if isinstance(exc, Stopped):

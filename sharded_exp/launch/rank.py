@@ -264,7 +264,10 @@ def record_rank_failure(output_dir: str, rank: int, exc: BaseException, message:
             "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
             # Out of memory: what this rank held then (set by the trainer on the exception).
             "memory_at_oom": getattr(exc, "memory_at_oom", None),
-            # the training step it failed in (-1: before the first, in the build or a resume)
+            # the training step it was in (-1: before the first, in the build or a resume), and
+            # the steps it had completed (None: none yet), which a failure between steps or
+            # after the loop (a checkpoint, the final evaluation) has all done
             "step": liveness.current_step,
+            "steps_done": liveness.steps_done,
         },
     )

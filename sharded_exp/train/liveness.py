@@ -38,6 +38,9 @@ REPORT_WINDOW_S = 3.0
 _requested: list[int] = []  # signals received by this rank, first one first
 current_step = -1
 """The step this rank is in (set by the trainer; read when a collective times out)."""
+steps_done: int | None = None
+"""Steps this rank has completed (set by the trainer after each; read when the rank fails: a
+failure between steps or after the loop has done them all)."""
 
 
 def _on_signal(signum, frame) -> None:

@@ -87,6 +87,7 @@ def run_loop(
     ]
     before, after, between = (parts.hooks(every, name) for name in ("before_step", "after_step", "between_steps"))
     out = LoopOutcome(start, torch.zeros(()), metrics.log.history, {}, {}, 0, time.time())
+    liveness.steps_done = start  # a resumed run's steps before this one are done
     for step in range(start, loop.steps):
         speed.start_window(step)
         if stopper.should_stop(step):  # a signal reached some rank: all stop here, together
@@ -94,6 +95,7 @@ def run_loop(
         liveness.current_step = step  # a hang is named by its step
         loss = _take_step(step, strategy, autocast, loop, data, device, profiler, hooks=(before, after))
         out.steps_done, out.loss = step + 1, loss
+        liveness.steps_done = step + 1  # how far it got, should a later part of this step fail
         for hook in between:
             hook(out, data.position)
     sync(device)

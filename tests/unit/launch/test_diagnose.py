@@ -37,18 +37,17 @@ def test_the_earliest_rank_record_names_the_failure_with_its_traceback(tmp_path)
     assert list(result.as_written())[:3] == ["schema_version", "status", "error"]  # in place, not appended
 
 
-def test_a_failure_in_a_step_says_how_many_steps_were_done_before_it(tmp_path):
-    """The rank's record names the step it failed in: the steps before it are done (0 where it
-    failed in the first); a failure before the first step, or a record without one, says none;
-    training's own figures (a failure after the loop) are kept as they are."""
-    for step, done in ((3, 3), (0, 0), (-1, None), (None, None)):
-        record = {"time": 1.0, "error": "rank 1: ValueError: bad", "traceback": "tb"} | (
-            {} if step is None else {"step": step}
-        )
+def test_a_failed_job_says_how_many_steps_its_first_failing_rank_had_done(tmp_path):
+    """The rank's record counts the steps it completed (set after each step, so a failure in a
+    checkpoint between steps or in the final evaluation has them all; 0 in the first step of a
+    fresh run); a failure before the loop (the build) says none; training's own figures (a
+    failure after them) are kept as they are."""
+    for done in (3, 0, None):
+        record = {"time": 1.0, "error": "rank 1: ValueError: bad", "traceback": "tb", "step": 2, "steps_done": done}
         (tmp_path / "rank1_error.json").write_text(json.dumps(record))
         result = diagnose.failed(running(), RuntimeError("x"), str(tmp_path))
-        assert (result.steps_done if result.has("steps_done") else None) == done, step
-    (tmp_path / "rank1_error.json").write_text(json.dumps({"time": 1.0, "error": "e", "traceback": "tb", "step": 3}))
+        assert (result.steps_done if result.has("steps_done") else None) == done
+    (tmp_path / "rank1_error.json").write_text(json.dumps(record | {"steps_done": 3}))
     assert diagnose.failed(running(steps_done=8), RuntimeError("x"), str(tmp_path)).steps_done == 8
 
 
