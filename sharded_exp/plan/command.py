@@ -256,9 +256,10 @@ def buildable(cfg: PlanConfig) -> None:
 
 def preset_of(argv: list[str]) -> str:
     """The model preset the command line chose (``gpt_7b``, or the default ``mlp``) and the
-    model keys it changed: ``gpt_7b model.n_layers=80``."""
+    model keys it changed, each as given (``+model.hidden=64`` adds a key for a model of your
+    own, and a run needs its ``+`` too): ``gpt_7b model.n_layers=80``."""
     chosen = [a.split("=", 1)[1] for a in argv if a.lstrip("+").startswith("model=")]
-    changed = [a.lstrip("+") for a in argv if a.lstrip("+").startswith("model.")]
+    changed = [a for a in argv if a.lstrip("+").startswith("model.")]
     return " ".join([chosen[-1] if chosen else "mlp", *changed])
 
 

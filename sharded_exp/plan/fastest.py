@@ -16,6 +16,7 @@ processes, as the table's points are.
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 from sharded_exp.config import PlanConfig
@@ -64,7 +65,7 @@ def run_overrides(argv: list[str]) -> list[str]:
     """The overrides of a plan's command line that a training run takes as they are: all but
     the planner's own (``plan.*``, ``hydra.*``) and the model's (the preset and its keys are
     written apart: :func:`~sharded_exp.plan.command.preset_of`)."""
-    return [a for a in argv if not override_key(a).startswith(("plan.", "hydra.", "model"))]
+    return [a for a in argv if not override_key(a).startswith(("plan.", "hydra.", "hydra/", "model"))]
 
 
 def command(model: str, cfg: PlanConfig, c: PlanConfig, combo: str, world_size: int, given: list[str] = ()) -> str:
@@ -82,7 +83,7 @@ def command(model: str, cfg: PlanConfig, c: PlanConfig, combo: str, world_size: 
     taken = {override_key(s) for s in sets}
     mine = c.strategy.name == cfg.strategy.name
     kept = [a for a in given if override_key(a) not in taken and (mine or not override_key(a).startswith("strategy."))]
-    return " ".join(["sharded-exp", *model.split(), *kept, *sets])
+    return shlex.join(["sharded-exp", *model.split(), *kept, *sets])  # pasted into a shell: quoted where it must be
 
 
 def candidates(cfg: PlanConfig, world_size: int):

@@ -320,14 +320,16 @@ def _fastest_line(f: dict[str, Any], unit: str, scale: float) -> str:
 def csv_text(rows) -> str:
     """``plan.format=csv``: the table's columns, memory in GiB, one line per row; a file has no
     header lines to say them in, so the method (where the rows' differ) is its text, and each
-    row's note is a last column."""
+    row's note (and why it has no speed, where it has none) is a last column."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     head, body = _body(rows, 1.0)
     writer.writerow([*head, "note"])
     for r, line in zip(rows, body):
         line = line[:-1] + [r["method"]] if head[-1] == "method" else line
-        writer.writerow(["" if v is None else (f"{v:.6g}" if isinstance(v, float) else v) for v in [*line, r["note"]]])
+        speed = r.get("speed_note")
+        note = "; ".join(n for n in (r["note"], speed and f"speed not predicted: {speed}") if n)
+        writer.writerow(["" if v is None else (f"{v:.6g}" if isinstance(v, float) else v) for v in [*line, note]])
     return out.getvalue().rstrip("\n")
 
 

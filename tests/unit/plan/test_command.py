@@ -156,8 +156,11 @@ def test_a_refusal_whose_reason_it_already_says_is_said_once():
 def test_the_preset_is_the_last_model_chosen_with_the_keys_changed():
     assert command.preset_of([]) == "mlp"
     assert command.preset_of(["trainer.batch_size=1"]) == "mlp"
-    assert command.preset_of(["model=gpt", "plan.units=2", "model=gpt_7b", "+model.n_layers=80"]) == (
+    assert command.preset_of(["model=gpt", "plan.units=2", "model=gpt_7b", "model.n_layers=80"]) == (
         "gpt_7b model.n_layers=80"
+    )
+    assert command.preset_of(["model=custom", "model._target_=pkg.build", "+model.hidden=64"]) == (
+        "custom model._target_=pkg.build +model.hidden=64"  # the run needs the + too
     )
     assert command.preset_of(["model.d_model=64"]) == "mlp model.d_model=64"
 

@@ -35,7 +35,7 @@ def test_the_command_line_keeps_the_overrides_the_plan_was_made_with():
     """The plan's own settings and the model's keys are not a run's; the configured strategy's
     settings go with it only where it won (the others were planned at their defaults); what
     the candidate sets is written once, after them."""
-    argv = ["model=gpt", "model.n_layers=4", "plan.find=fastest", "+plan.workers=1", "hydra.verbose=true",
+    argv = ["model=gpt", "model.n_layers=4", "plan.find=fastest", "+plan.workers=1", "hydra.verbose=true", "hydra/launcher=basic",
             "trainer.grad_clip=0", "+optimizer.foreach=false", "strategy=fsdp", "strategy.param_dtype=float32",
             "strategy.replicate=2", "trainer.batch_size=8", "precision=bf16"]  # fmt: skip
     given = fastest.run_overrides(argv)
@@ -49,6 +49,8 @@ def test_the_command_line_keeps_the_overrides_the_plan_was_made_with():
         "precision=bf16 optimizer=adam strategy=fsdp trainer.world_size=64 trainer.batch_size=2 trainer.grad_accum=4 "
         "strategy.replicate=8"
     )
+    quoted = fastest.command("model=gpt", cfg, won, "none", 8, ["trainer.freeze=[embed*]", "+model.note=a b"])
+    assert quoted.startswith("sharded-exp model=gpt 'trainer.freeze=[embed*]' '+model.note=a b' precision=bf16")
     other = won.copy()
     other.strategy = {"name": "ddp"}
     assert fastest.command("model=gpt", cfg, other, "none", 8, given) == (

@@ -252,10 +252,12 @@ def test_csv_holds_the_shown_columns_in_gib_with_empty_cells_for_none():
 
 def test_csv_says_each_rows_method_and_note_in_words():
     """A CSV has no header lines for the methods' legend or the notes: they are its last columns."""
-    rows = [row(method="fake step", note="a, b"), row(strategy="oss", method="fake step without clipping")]
+    rows = [row(method="fake step", note="a, b"), row(strategy="oss", method="fake step without clipping"),
+            row(strategy="fsdp", note="n") | {"speed_note": "no host link"}]  # fmt: skip
     lines = list(csv.reader(io.StringIO(table.csv_text(rows))))
     assert lines[0][-2:] == ["method", "note"]
     assert lines[1][-2:] == ["fake step", "a, b"] and lines[2][-2:] == ["fake step without clipping", ""]
+    assert lines[3][-1] == "n; speed not predicted: no host link"
     assert list(table.column_keys(rows))[-2:] == ["method", "note"]
 
 
