@@ -242,8 +242,9 @@ def series_keys(rows: list[dict[str, Any]], swept: list[str]) -> list[str]:
     (levers among them) and the model and precision when they vary (the model's size where
     one model name has two)."""
     varying = [k for k in ("model", "precision") if len({r[k] for r in rows}) > 1]
-    if len({(r["model"], r.get("params")) for r in rows}) > len({r["model"] for r in rows}):  # one name, two sizes
-        varying.insert(0, "params")
+    settings = lambda r: (r["model"], *(str(r.get(k)) for k in swept))  # noqa: E731
+    if len({(*settings(r), r.get("params")) for r in rows}) > len({settings(r) for r in rows}):
+        varying.insert(0, "params")  # one model name at two sizes that no swept setting tells apart
     return varying + list(swept)
 
 
