@@ -208,7 +208,8 @@ def test_two_models_of_one_name_and_two_sizes_are_two_settings_not_repeats():
     assert rows["point 3"]["baseline"] == "ddp (point 2)"
     keys = series_keys(list(rows.values()), [])
     assert keys == ["params"] and series_label(rows["point 1"], keys) == "ddp, Classifier of 13,130 parameters"
-    deeper = [{"strategy": "ddp", "model": "gpt", "params": n, "model.n_layers": d} for n, d in ((10, 2), (20, 4))]
+    deeper = [{"strategy": "ddp", "model": "gpt", "precision": "32", "params": n, "model.n_layers": d}
+              for n, d in ((10, 2), (20, 4))]  # fmt: skip
     assert series_keys(deeper, ["model.n_layers"]) == ["model.n_layers"]  # the swept depth says the size
 
 
