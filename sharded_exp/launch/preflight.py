@@ -28,8 +28,11 @@ from sharded_exp.compose import registries
 from sharded_exp.config import (
     Config,
     JobGroups,
+    LoggerConfig,
     OptimizerConfig,
+    PathsConfig,
     PrecisionConfig,
+    ReportConfig,
     TrainerConfig,
     ZeroGrad,
     check_packages,
@@ -334,8 +337,10 @@ def check_values(cfg: JobGroups, world_size: int | None = None) -> None:
     check_ranges(cfg, world_size)  # each group's own ranges, declared bounds and a model's sizes (config.py)
 
 
-FIXED_GROUPS = {"precision": PrecisionConfig, "optimizer": OptimizerConfig, "trainer": TrainerConfig}
-"""The job's groups whose schema is one dataclass (the others' is their registered option's)."""
+FIXED_GROUPS = {"precision": PrecisionConfig, "optimizer": OptimizerConfig, "trainer": TrainerConfig,
+                "logger": LoggerConfig, "paths": PathsConfig, "report": ReportConfig}  # fmt: skip
+"""The groups whose schema is one dataclass (the others' is their registered option's); a
+training job has all of them, a plan the first three."""
 
 
 def _schema(group: str, node):
@@ -354,6 +359,8 @@ def check_unread_keys(cfg: JobGroups) -> None:
     model of your own (``model._target_``) takes added keys as its builder's arguments, and a
     custom dataset its factory's under ``data.kwargs``: those are read."""
     for group in ("strategy", "model", "data", *FIXED_GROUPS):
+        if group not in cfg:
+            continue
         node = cfg[group]
         schema = _schema(group, node)
         if schema is None:

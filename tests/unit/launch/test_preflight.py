@@ -122,7 +122,7 @@ def test_a_key_added_that_nothing_reads_is_refused_in_every_group_but_a_model_of
     builder's arguments."""
     for group, key, meant in (("trainer", "stepz", "steps"), ("optimizer", "momentun", "momentum"),
                               ("precision", "init_scal", "init_scale"), ("strategy", "bucket_cap", None),
-                              ("data", "seq", None)):  # fmt: skip
+                              ("data", "seq", None), ("logger", "projct", "project")):  # fmt: skip
         bad = copy.deepcopy(cfg)
         with open_dict(bad[group]):
             bad[group][key] = 3
