@@ -296,10 +296,12 @@ def stop() -> None:
     gone, through a full interpreter teardown of everything it preloaded (over a second),
     holding the job's stdout and stderr open all the while: a caller reading them (a
     pipe, ``tee``, CI, ``subprocess.run``) would wait that long for the job to end. The
-    server holds no state worth a teardown; the ranks it forked have ended by now."""
+    server holds no state worth a teardown; the ranks it forked have ended by now. SIGKILL:
+    the server ignores SIGTERM (:mod:`.server_init`: it must outlive one sent to the job's
+    whole process group)."""
     pid = multiprocessing.forkserver._forkserver._forkserver_pid
     if pid is None:
         return
     with contextlib.suppress(OSError):
-        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)

@@ -277,6 +277,13 @@ class RankDied(RuntimeError):
         super().__init__(message)
 
 
+SAME_DELIVERY_S = 0.5
+"""The same signal again within this many seconds of the first is the same stop, delivered
+twice: GNU ``timeout`` signals the job's process and then its process group, and a terminal's
+Ctrl-C can reach it both ways; a second stop asked on purpose (the ranks killed at once) comes
+later than that."""
+
+
 class ParentStop:
     """The parent's side of stopping: SIGTERM/SIGINT are passed on to the ranks as SIGTERM
     (they finish the step, agree, save, exit); ranks still alive after ``grace_s``, or at
@@ -286,6 +293,8 @@ class ParentStop:
         self.processes: list = []
         self.grace_s = grace_s
         self.signum: int | None = None
+        self.first_at = 0.0
+        """When the first signal came (monotonic)."""
         self.deadline: float | None = None
         self.killed: str | None = None
         """Why the ranks were killed, if they were."""
@@ -311,10 +320,13 @@ class ParentStop:
     def _on_signal(self, signum, frame) -> None:
         if self.signum is None:
             self.signum = signum
-            self.deadline = time.monotonic() + self.grace_s
+            self.first_at = time.monotonic()
+            self.deadline = self.first_at + self.grace_s
             self._terminate()
             if self.abandon is not None:
                 self.abandon()
+        elif signum == self.signum and time.monotonic() - self.first_at < SAME_DELIVERY_S:
+            return  # one signal sent to this process and to its group (GNU timeout does both)
         else:
             self._kill(f"at a second signal, {signal.Signals(signum).name}")
 

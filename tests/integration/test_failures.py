@@ -88,12 +88,14 @@ def test_an_out_of_memory_rank_fails_the_point_as_oom_not_a_hang(tmp_path):
 
 
 # ------------------------------------------------------------------------------ signals
-SENT = {"sigterm": signal.SIGTERM, "ctrl_c": signal.SIGINT, "sighup": signal.SIGHUP}
+SENT = {"sigterm": signal.SIGTERM, "ctrl_c": signal.SIGINT, "sighup": signal.SIGHUP, "sigterm_group": signal.SIGTERM}
 
 
 @pytest.mark.parametrize(
-    "how", [pytest.param("sigterm", marks=pytest.mark.slow), "ctrl_c", pytest.param("sighup", marks=pytest.mark.slow)]
-)
+    "how",
+    [pytest.param("sigterm", marks=pytest.mark.slow), "ctrl_c", pytest.param("sighup", marks=pytest.mark.slow),
+     pytest.param("sigterm_group", marks=pytest.mark.slow)],
+)  # fmt: skip
 def test_a_signal_stops_the_ranks_saves_and_leaves_no_process(tmp_path, how):
     run = tmp_path / "run"
     log = tmp_path / "job.log"
@@ -104,7 +106,8 @@ def test_a_signal_stops_the_ranks_saves_and_leaves_no_process(tmp_path, how):
     if how == "sigterm":
         proc.send_signal(signal.SIGTERM)  # as SLURM or kill does: the job's process only
     else:
-        # Ctrl-C, or the terminal closing (SIGHUP, issue 22.9): the whole foreground group
+        # Ctrl-C, the terminal closing (SIGHUP, issue 22.9), or SIGTERM as systemd, scancel and
+        # kill -TERM -PGID send it: the whole group, the rank server among it
         os.killpg(proc.pid, SENT[how])
     _, output = finish(proc, log, timeout=60)
     assert proc.returncode == 128 + SENT[how], output[-3000:]

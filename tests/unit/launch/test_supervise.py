@@ -91,6 +91,21 @@ def test_a_second_signal_kills_the_ranks_and_the_first_reason_stays():
     assert stop.killed == "at a second signal, SIGINT"
 
 
+def test_the_same_signal_delivered_twice_at_once_is_one_stop_and_a_later_or_other_one_kills():
+    """GNU timeout signals the job's process and then its process group: the same SIGTERM
+    twice within microseconds is one stop; the same signal a second later, or another
+    signal, is a second stop asked on purpose."""
+    for again, after, kills in ((signal.SIGTERM, 0.0, False), (signal.SIGTERM, 1.0, True), (signal.SIGINT, 0.0, True)):
+        stop = supervise.ParentStop(grace_s=60.0)
+        stop._on_signal(signal.SIGTERM, None)  # no ranks yet: nothing to pass it on to
+        rank = Proc()
+        stop.processes = [rank]
+        stop.first_at -= after
+        stop._on_signal(again, None)
+        assert rank.killed is kills and stop.signum == signal.SIGTERM
+        assert stop.killed == (f"at a second signal, {again.name}" if kills else None)
+
+
 def test_ranks_alive_past_the_grace_period_are_killed():
     stop = supervise.ParentStop(grace_s=5.0)
     rank = Proc()
