@@ -188,9 +188,11 @@ def checkpoint_job(cfg) -> dict[str, Any]:
     }
 
 
-TRAJECTORY_SETTINGS = ("trainer.zero_grad", "optimizer.foreach", "model.attn_implementation")
+TRAJECTORY_SETTINGS = ("trainer.zero_grad", "optimizer.foreach", "model.attn_implementation", "data._target_",
+                       "data.kwargs")  # fmt: skip
 """Settings a resumed run may change without being refused, but which change its numbers (the
-gradient zeroing rule, the optimizer's kernel, the attention's kernel): recorded in meta.json
+gradient zeroing rule, the optimizer's kernel, the attention's kernel, a custom dataset's
+factory and its arguments, which its length alone does not tell apart): recorded in meta.json
 and, when a resumed run differs, in result.json's ``resume_changes``."""
 
 
@@ -198,6 +200,8 @@ def trajectory_settings(cfg) -> dict[str, Any]:
     out = {}
     for key in TRAJECTORY_SETTINGS:
         value = OmegaConf.select(cfg, key, default=None)
+        if OmegaConf.is_config(value):  # data.kwargs: plain data, as meta.json holds it
+            value = OmegaConf.to_container(value, resolve=True)
         out[key] = getattr(value, "value", value)  # an enum by its name in the config
     return out
 
