@@ -56,6 +56,22 @@ IMPORTED = time.time()
 log = logging.getLogger("sharded_exp")  # __name__ is __main__ here
 JOB_STARTED = False
 """Set when Hydra calls the job: an exit before it is a command-line or config mistake."""
+RUN_DIR: str | None = None
+"""The run directory Hydra made for this (single) job, once it is known: a stop before the
+ranks start removes it where nothing was written there (:func:`remove_if_unused`)."""
+
+
+class StopOutsideTheJob(BaseException):
+    """SIGTERM or SIGHUP while the job's own handling is not in place (before its ranks start,
+    or after it ended): said in one line like Ctrl-C's KeyboardInterrupt, not a silent death."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop_outside_the_job(signum, frame) -> None:
+    raise StopOutsideTheJob(signum)
 
 
 def name_the_run(cfg: DictConfig) -> None:
@@ -169,9 +185,11 @@ def check_and_launch(cfg: DictConfig) -> "Result | None":
     from sharded_exp.job.result import Result  # lazy: pydantic, not for Hydra's questions (--help, --cfg)
     from sharded_exp.report.sweep_points import sweep_id  # lazy: pydantic (as above)
 
+    global RUN_DIR
     hc = HydraConfig.get()
     output_dir = hc.runtime.output_dir
     multirun = hc.mode == RunMode.MULTIRUN
+    RUN_DIR = None if multirun else output_dir
     overrides = OmegaConf.to_container(hc.overrides.task, resolve=False)  # as typed: ${...} unresolved
     identity = {"overrides": overrides}
     if multirun:
@@ -331,13 +349,20 @@ def run(started: float | None = None) -> None:
     # Under torchrun / srun every rank runs this: one job, one run directory (layout.py).
     sys.argv[1:] = with_shared_run_dir(quote_numeric_choices(sys.argv[1:]))
     check_output_dirs(sys.argv[1:])
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # the ranks' stop handling takes them over while they run
+        signal.signal(sig, _stop_outside_the_job)
     try:
         main()
-    except KeyboardInterrupt:
-        # Ctrl-C outside the job's own handling (before its ranks start, or after it ended and
-        # wrote its result.json): one line and the shell's exit code for SIGINT, no traceback.
-        print("error: interrupted (SIGINT); what the job had written is kept", file=sys.stderr)
-        sys.exit(128 + signal.SIGINT)
+    except (KeyboardInterrupt, StopOutsideTheJob) as exc:
+        # A stop outside the job's own handling (before its ranks start, or after it ended and
+        # wrote its result.json): one line and the shell's exit code for the signal, no
+        # traceback; a run directory made for nothing is not left behind.
+        signum = getattr(exc, "signum", signal.SIGINT)
+        print(f"error: stopped ({signal.Signals(signum).name}); what the job had written is kept", file=sys.stderr)
+        logging.shutdown()  # its log closed first: nothing logs into the directory once it is gone
+        if RUN_DIR is not None:
+            remove_if_unused(RUN_DIR)
+        exit_now(128 + signum)  # not the interpreter's teardown: torch's exit hooks would log again
     except SystemExit as exc:
         # Hydra reports what it cannot compose (an unknown key, option or group) and exits 1;
         # it is the user's mistake like any refused value: exit 2, as those do.
