@@ -57,6 +57,12 @@ def read_meta(path: str) -> dict[str, Any]:
     """meta.json of a checkpoint, after checking that every file is there and readable
     (tensor files memory-mapped or, for dcp, checked against its metadata: no tensor is read)."""
     meta_path = os.path.join(path, "meta.json")
+    held = complete_checkpoints(path)
+    if held and not os.path.isfile(meta_path):  # a directory of checkpoints, not one of them
+        raise CheckpointError(
+            f"{path} holds checkpoints ({', '.join(os.path.basename(p) for _, p in held)}), it is not one: "
+            f"name one (the newest: {held[-1][1]}), or resume the run they belong to with trainer.resume=auto"
+        )
     for name in ("meta.json", "train.pt"):  # in both formats
         if not os.path.isfile(os.path.join(path, name)):
             raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")

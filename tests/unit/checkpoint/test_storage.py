@@ -87,6 +87,19 @@ def test_read_meta_names_a_missing_file(tmp_path, write_checkpoint, missing):
         read_meta(path)
 
 
+def test_a_directory_of_checkpoints_is_named_as_one_and_its_checkpoints_offered(tmp_path, write_checkpoint):
+    """trainer.resume=<the checkpoints directory>: not "incomplete", but what it holds and how
+    to resume from it."""
+    for step in (2, 8):
+        write_checkpoint(tmp_path, step)
+    with pytest.raises(CheckpointError) as refused:
+        read_meta(str(tmp_path))
+    assert str(refused.value) == (
+        f"{tmp_path} holds checkpoints (step_00000002, step_00000008), it is not one: name one (the newest: "
+        f"{tmp_path / 'step_00000008'}), or resume the run they belong to with trainer.resume=auto"
+    )
+
+
 def test_read_meta_requires_the_dcp_metadata_file_only_in_dcp_format(tmp_path, write_checkpoint):
     path = write_checkpoint(tmp_path, 7, checkpoint_format="dcp")
     with pytest.raises(CheckpointError, match=r"incomplete: \.metadata is missing"):
