@@ -201,11 +201,10 @@ class Probe:
         step) is ignored and counted in ``ignored_calls``; once the optimizer has stepped at
         least once, that is: an optimizer whose steps cannot be seen counts every call."""
         if self._optimizer_steps and self._optimizer_steps == self._steps_at_last_call:
-            if not self.ignored_calls:
-                print(
+            if not self.ignored_calls:  # one write, newline included: every rank says it, at once
+                sys.stderr.write(
                     "warning: sharded_exp probe: step() called again with no optimizer step since the last call; "
-                    "ignored (call it once per optimizer step)",
-                    file=sys.stderr,
+                    "ignored (call it once per optimizer step)\n"
                 )
             self.ignored_calls += 1
             return
