@@ -340,12 +340,12 @@ def json_text(doc: dict[str, Any]) -> str:
 
 
 def column_keys(rows) -> dict[str, str]:
-    """Each shown column's key in a JSON row (and the method's, where the rows' differ, and the
-    note's: the last columns of a CSV)."""
+    """Each shown column's key in a JSON row, the method's among them where the rows' differ
+    (a table's last column; a CSV's last but its note)."""
     keys = {"strategy": "strategy", "levers": "levers", "ranks": "world_size"}
     keys |= {HEADINGS.get(p, p): f"{p}_gib" for p in PARTS}
     keys |= {"peak": "total_gib", "mean": "mean_gib", "host": "host_gib", "host_node": "host_node_gib", "fits": "fits"}
     keys |= {k: k for k in SPEED}
     keys |= {"allocated": "allocated_gib", "reserved": "reserved_gib", "device_total": "device_total_gib"}
     method = {"method": "method"} if len(methods(rows)) > 1 else {}
-    return {c: keys[c] for c in shown(rows)} | method | {"note": "note"}
+    return {c: keys[c] for c in shown(rows)} | method
