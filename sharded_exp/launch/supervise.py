@@ -277,6 +277,8 @@ class RankDied(RuntimeError):
         super().__init__(message)
 
 
+RELAY_EVERY_S = 1.0
+"""Seconds between the parent's passing a stop on to its ranks again, until they end."""
 SAME_DELIVERY_S = 0.5
 """The same signal again within this many seconds of the first is the same stop, delivered
 twice: GNU ``timeout`` signals the job's process and then its process group, and a terminal's
@@ -295,6 +297,8 @@ class ParentStop:
         self.signum: int | None = None
         self.first_at = 0.0
         """When the first signal came (monotonic)."""
+        self.relayed_at = 0.0
+        """When the stop was last passed on to the ranks (monotonic)."""
         self.deadline: float | None = None
         self.killed: str | None = None
         """Why the ranks were killed, if they were."""
@@ -331,13 +335,21 @@ class ParentStop:
             self._kill(f"at a second signal, {signal.Signals(signum).name}")
 
     def _terminate(self) -> None:
+        self.relayed_at = time.monotonic()
         for proc in self.processes:
             if proc.is_alive():
                 os.kill(proc.pid, signal.SIGTERM)
 
     def enforce_deadline(self) -> None:
-        if self.deadline is not None and time.monotonic() > self.deadline:
+        """Called every half second while the ranks run: past the deadline, kill them; before
+        it, pass the stop on again each second, for a rank that had not set its handler when
+        the first came (it ignores SIGTERM until then, as the rank server it forks from does)."""
+        now = time.monotonic()
+        if self.deadline is not None and now > self.deadline:
             self._kill(f"still running trainer.stop_grace_s={self.grace_s:g} s after the signal")
+        elif self.signum is not None and now - self.relayed_at >= RELAY_EVERY_S:
+            self.relayed_at = now
+            self._terminate()
 
     def _kill(self, why: str) -> None:
         self.killed = self.killed or why

@@ -106,6 +106,23 @@ def test_the_same_signal_delivered_twice_at_once_is_one_stop_and_a_later_or_othe
         assert stop.killed == (f"at a second signal, {again.name}" if kills else None)
 
 
+def test_the_stop_is_passed_on_again_each_second_until_the_ranks_end(monkeypatch):
+    """A rank forked just as the stop came ignores SIGTERM until it sets its handler (the rank
+    server's disposition): the parent sends it again each second, never before a signal."""
+    sent = []
+    monkeypatch.setattr(supervise.os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    stop = supervise.ParentStop(grace_s=60.0)
+    stop.processes = [Proc(pid=11), Proc(pid=12, exitcode=0)]
+    stop.enforce_deadline()
+    assert sent == []  # no signal yet
+    stop._on_signal(signal.SIGTERM, None)
+    stop.enforce_deadline()  # within the second: not again
+    assert sent == [(11, signal.SIGTERM)]
+    stop.relayed_at -= supervise.RELAY_EVERY_S
+    stop.enforce_deadline()
+    assert sent == [(11, signal.SIGTERM)] * 2 and stop.killed is None
+
+
 def test_ranks_alive_past_the_grace_period_are_killed():
     stop = supervise.ParentStop(grace_s=5.0)
     rank = Proc()
