@@ -205,10 +205,12 @@ def check_points_compose(config) -> None:
             ) from None
 
 
-def check_multirun(config) -> None:
+def check_multirun(config, reused: bool = False) -> None:
     """Before the first point of a multirun: a launcher that can host the ranks, a valid
     objective (required by a sweeper that optimizes), sweeper settings every point can run
-    with (:func:`check_sweeper`). Says why and exits 2."""
+    with (:func:`check_sweeper`), and, in a sweep directory an earlier sweep left (``reused``),
+    every point composing (:func:`check_points_compose`: in a new one a refusal by Hydra
+    overwrites nothing, and the points are composed once, by Hydra). Says why and exits 2."""
     target = config.hydra.launcher.get("_target_")
     choice = config.hydra.runtime.choices.get("hydra/launcher", target)
     try:
@@ -222,7 +224,8 @@ def check_multirun(config) -> None:
             )
         check_objective(config.get("objective"))
         check_sweeper(config.hydra.sweeper, config.get("objective"))
-        check_points_compose(config)
+        if reused:  # an earlier sweep's record there, which a refusal by Hydra would overwrite
+            check_points_compose(config)
         if config.get("report") is not None:  # the report's settings: its own checks, before the first point
             OmegaConf.to_object(config.report)
         optimizing = "optuna" in str(config.hydra.sweeper.get("_target_", ""))

@@ -36,8 +36,9 @@ class ReportCallback(Callback):
     """The sweep directory's lock, held from the sweep's start to its report."""
 
     def on_multirun_start(self, config, **kwargs) -> None:
-        sweep.check_multirun(config)  # a launcher that can host ranks, a valid objective: before any point
         sweep_dir = Path(config.hydra.sweep.dir)
+        reused = (sweep_dir / SWEEP_ID).exists() or (sweep_dir / "multirun.yaml").exists()
+        sweep.check_multirun(config, reused)  # a launcher that can host ranks, a valid objective: before any point
         try:
             sweep_dir.mkdir(parents=True, exist_ok=True)
             self.lock = sweep.hold_sweep_dir(

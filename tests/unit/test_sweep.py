@@ -204,8 +204,9 @@ def test_a_sweep_point_that_does_not_compose_is_refused_before_the_sweep_directo
         cfg = compose("config", overrides=["strategy=ddp", "strategy.bucket_cap_mb=5"], return_hydra_config=True)
         cfg.hydra.sweeper = {"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"}
         cfg.hydra.overrides.task = ["strategy=ddp,fsdp", "strategy.bucket_cap_mb=5", "trainer.steps=4,6"]
+        sweep.check_multirun(cfg)  # a new sweep directory: Hydra's own check overwrites nothing there
         with pytest.raises(SystemExit) as exit_:
-            sweep.check_multirun(cfg)
+            sweep.check_multirun(cfg, reused=True)
         assert exit_.value.code == 2
         assert capsys.readouterr().err == (
             "error: the sweep's point strategy=fsdp strategy.bucket_cap_mb=5 trainer.steps=4 does not compose: "
@@ -214,7 +215,7 @@ def test_a_sweep_point_that_does_not_compose_is_refused_before_the_sweep_directo
         )
         cfg.hydra.overrides.task = ["strategy=ddp,zero1", "strategy.bucket_cap_mb=5", "trainer.steps=4,6"]
         assert len(sweep.sweep_points(cfg)) == 4
-        sweep.check_multirun(cfg)
+        sweep.check_multirun(cfg, reused=True)
         assert capsys.readouterr().err == ""
         # glob(...) needs Hydra's config loader to list the options (the README's first sweep)
         cfg.hydra.overrides.task = ["strategy=glob(*)", "trainer.steps=4"]
@@ -223,5 +224,5 @@ def test_a_sweep_point_that_does_not_compose_is_refused_before_the_sweep_directo
         cfg.hydra.sweeper = {"_target_": cfg.hydra.sweeper._target_, "params": {"strategy": "ddp,fsdp"}}
         cfg.hydra.overrides.task = ["strategy.bucket_cap_mb=5"]
         with pytest.raises(SystemExit):
-            sweep.check_multirun(cfg)
+            sweep.check_multirun(cfg, reused=True)
         assert "the sweep's point strategy=fsdp strategy.bucket_cap_mb=5 does not compose" in capsys.readouterr().err

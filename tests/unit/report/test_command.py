@@ -126,7 +126,10 @@ def test_a_sweep_without_results_or_whose_report_fails(callback, monkeypatch, tm
 
 
 def test_a_sweep_holds_its_directory_with_a_new_id_until_its_report(callback, monkeypatch, tmp_path):
-    monkeypatch.setattr(sharded_exp.sweep, "check_multirun", lambda config: None)
+    """Each sweep its own id; the points are composed first only in a directory an earlier
+    sweep left (a refusal by Hydra would overwrite its record there)."""
+    reused = []
+    monkeypatch.setattr(sharded_exp.sweep, "check_multirun", lambda config, again: reused.append(again))
     monkeypatch.setattr(publish, "write_report", lambda d: build_rows([point("ddp", peak=1.0)]))
     sweep_dir = tmp_path / "sweep"
     callback.on_multirun_start(sweep_config(sweep_dir))
@@ -138,6 +141,7 @@ def test_a_sweep_holds_its_directory_with_a_new_id_until_its_report(callback, mo
     callback.on_multirun_start(sweep_config(sweep_dir))
     assert (sweep_dir / SWEEP_ID).read_text() != first  # each sweep its own id
     callback.on_multirun_end(sweep_config(sweep_dir))
+    assert reused == [False, True]
 
 
 def test_the_lock_is_released_even_when_the_report_raises(callback, monkeypatch, tmp_path):
