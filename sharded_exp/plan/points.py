@@ -25,7 +25,7 @@ from sharded_exp.plan.depth import first_depth, peaks_by_depth, shapes_of
 from sharded_exp.plan.progress import Progress
 from sharded_exp.plan.speed import SPEED_KEYS, profile_name, speed_columns, traced
 from sharded_exp.precision import Precision
-from sharded_exp.predict.alloc_trace import alloc_conf_of, cuda_context, replayable
+from sharded_exp.predict.alloc_trace import alloc_conf_of, context_source, cuda_context, replayable
 from sharded_exp.predict.host_memory import node_mib
 from sharded_exp.predict.prediction import ModelShapes, model_shapes, offload_host, predict, predict_peak
 from sharded_exp.speed.profiles import load_device
@@ -395,8 +395,7 @@ def unmodelled_allocator(total_gib: float, alloc_conf: str | None) -> dict[str, 
         "reserved_gib": None,
         "device_total_gib": None,
         "context_gib": context["mib"] * MIB / GIB,
-        "context_source": f"{context['source']} (torch {context['torch']}, {context['device']}; matched: "
-        f"{context['matched']})",
+        "context_source": context_source(context),
         "alloc_conf": alloc_conf,
     }
 

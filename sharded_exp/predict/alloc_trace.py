@@ -303,6 +303,11 @@ def replay(events: list, alloc_conf: Optional[str] = None, workspace_bytes: int 
     )
 
 
+def context_source(context: dict[str, Any]) -> str:
+    """Where a :func:`cuda_context` figure comes from, as a plan's allocator line says it."""
+    return f"{context['source']} (torch {context['torch']}, {context['device']}; matched: {context['matched']})"
+
+
 def cuda_context(device_name: Optional[str] = None, torch_version: Optional[str] = None) -> dict[str, Any]:
     """The CUDA context nvidia-smi shows beside ``reserved_bytes`` (``cuda_context.json``):
     the entry for ``device_name`` and ``torch_version`` (its major.minor) where one is
@@ -388,6 +393,5 @@ def point_figures(events: list, alloc_conf: Optional[str], workspace_mib: float)
         "streams": list(figures.streams),
         "alloc_conf": figures.alloc_conf,
         "context_mib": context["mib"],
-        "context_source": f"{context['source']} (torch {context['torch']}, {context['device']}; matched: "
-        f"{context['matched']})",
+        "context_source": context_source(context),
     }
